@@ -1,0 +1,112 @@
+"""Records that travel between sources, the probe, the spool and the collector.
+
+Every size is an int number of bytes; None means the backend cannot tell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+# Fields of DeviceMemory that hold byte counts or event counts (all optional ints).
+_INT_FIELDS = (
+    "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+    "active_bytes", "inactive_split_bytes", "idle_bytes", "eager_free_bytes",
+    "alloc_retries", "ooms", "total_bytes", "free_bytes", "used_bytes", "device_reserved_bytes",
+    "process_used_bytes",
+)
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """What a device-level source sees one process hold (NVML, npu-smi): reserved plus overhead."""
+
+    pid: int
+    used_bytes: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device as one source sees it.
+
+    Allocator sources (mindspore, torch) fill the allocator fields; device-level sources
+    (nvml, npu-smi) fill total/used/free and the process table. ``process_used_bytes`` is
+    the serving process's own footprint where the source knows it (host RSS, NVML per-pid).
+    """
+
+    device: str
+    source: str
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    active_bytes: int | None = None
+    inactive_split_bytes: int | None = None
+    idle_bytes: int | None = None
+    eager_free_bytes: int | None = None
+    alloc_retries: int | None = None
+    ooms: int | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    used_bytes: int | None = None
+    device_reserved_bytes: int | None = None
+    process_used_bytes: int | None = None
+    processes: tuple[ProcessMemory, ...] = field(default_factory=tuple)
+
+    @property
+    def fragmentation_bytes(self) -> int | None:
+        """Reserved but not allocated: what the allocator holds and the model cannot use."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return max(0, self.reserved_bytes - self.allocated_bytes)
+
+    @property
+    def fragmentation_ratio(self) -> float | None:
+        frag = self.fragmentation_bytes
+        if frag is None or not self.reserved_bytes:
+            return None if frag is None else 0.0
+        return frag / self.reserved_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["processes"] = [asdict(p) for p in self.processes]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceMemory":
+        """Strict decoding for untrusted input (spool files): raises ValueError with one line."""
+        if not isinstance(data, Mapping):
+            raise ValueError("memory record is not an object")
+        device = data.get("device")
+        source = data.get("source")
+        if not isinstance(device, (str, int)) or isinstance(device, bool) or str(device) == "":
+            raise ValueError("memory record has no device")
+        if not isinstance(source, str):
+            raise ValueError("memory record has no source")
+        values: dict[str, Any] = {"device": str(device)[:64], "source": source[:64]}
+        for name in _INT_FIELDS:
+            value = data.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+                    or value in (float("inf"), float("-inf")):
+                raise ValueError(f"memory field {name} is not a number")
+            if value < 0:
+                raise ValueError(f"memory field {name} is negative")
+            values[name] = int(value)
+        processes = data.get("processes") or []
+        if not isinstance(processes, list):
+            raise ValueError("memory field processes is not a list")
+        parsed = []
+        for entry in processes[:1024]:
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("pid"), int) \
+                    or not isinstance(entry.get("used_bytes"), int) or isinstance(entry.get("pid"), bool):
+                raise ValueError("memory field processes has a malformed entry")
+            parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
+                                        name=str(entry.get("name", ""))[:128]))
+        values["processes"] = tuple(parsed)
+        return cls(**values)
+
+
+DEVICE_MEMORY_FIELDS = tuple(f.name for f in fields(DeviceMemory))

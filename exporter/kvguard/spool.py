@@ -1,0 +1,249 @@
+"""The spool: one JSON snapshot per (host, pid, device), shared by probe and sidecar.
+
+The probe writes ``<host>-<pid>-<device>.json`` by writing a temporary file whose name
+does not end in ``.json`` and renaming it over the old one, so a reader sees either the
+old snapshot or the new one, never half of one. Every regular file ending in ``.json``
+is one rank's snapshot; anything else in the directory is ignored.
+
+The reader treats the directory as hostile: files are opened without following links,
+non-regular files are never opened, sizes are capped, and every rejected file is counted
+under a reason instead of raising.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvguard.estimator import Profile, ProfileError
+from kvguard.records import DeviceMemory
+
+SCHEMA_VERSION = 1
+KIND = "kvguard.snapshot"
+MAX_SNAPSHOT_BYTES = 256 * 1024
+MAX_SPOOL_FILES = 4096
+
+# Reasons a spool file is skipped; exported as a label, so the set is fixed.
+SKIP_REASONS = ("not_regular_file", "too_large", "unreadable", "invalid_json", "invalid_snapshot",
+                "unsupported_schema", "too_many_files")
+
+_POD_KEYS = ("pod", "namespace", "container", "node")
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class KVCacheAllocation:
+    """The KV cache the serving engine actually allocated on this rank."""
+
+    num_blocks: int
+    block_bytes: int
+    block_size: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class ProbeStatus:
+    samples_total: int = 0
+    errors_total: int = 0
+    write_errors_total: int = 0
+    last_error: str | None = None
+    interval_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's latest state, as written by the probe."""
+
+    written_at: float                 # unix seconds when the probe wrote it
+    started_at: float                 # unix seconds when the probe started
+    sequence: int                     # increases by one per write
+    host: str
+    pid: int
+    device: str
+    memory: DeviceMemory
+    rank: int | None = None
+    pod: Mapping[str, str] = field(default_factory=dict)   # pod, namespace, container, node
+    profile: Profile | None = None
+    kv_cache: KVCacheAllocation | None = None
+    probe: ProbeStatus = field(default_factory=ProbeStatus)
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": KIND,
+            "schema": self.schema,
+            "written_at": self.written_at,
+            "started_at": self.started_at,
+            "sequence": self.sequence,
+            "host": self.host,
+            "pid": self.pid,
+            "rank": self.rank,
+            "device": self.device,
+            "pod": dict(self.pod),
+            "memory": self.memory.to_dict(),
+            "profile": self.profile.to_dict() if self.profile else None,
+            "kv_cache": None if self.kv_cache is None else {
+                "num_blocks": self.kv_cache.num_blocks, "block_bytes": self.kv_cache.block_bytes,
+                "block_size": self.kv_cache.block_size},
+            "probe": {
+                "samples_total": self.probe.samples_total, "errors_total": self.probe.errors_total,
+                "write_errors_total": self.probe.write_errors_total, "last_error": self.probe.last_error,
+                "interval_seconds": self.probe.interval_seconds},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Snapshot":
+        """Strict decoding; raises SnapshotError(reason, message)."""
+        if not isinstance(data, Mapping) or data.get("kind") != KIND:
+            raise SnapshotError("invalid_snapshot", "not a kvguard snapshot")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise SnapshotError("unsupported_schema", f"schema {data.get('schema')!r} is not {SCHEMA_VERSION}")
+        try:
+            written_at = _number(data, "written_at")
+            started_at = _number(data, "started_at")
+            sequence = _int(data, "sequence")
+            pid = _int(data, "pid")
+            rank = data.get("rank")
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+                raise ValueError("rank is not a non-negative integer")
+            host = data.get("host")
+            device = data.get("device")
+            if not isinstance(host, str) or not isinstance(device, (str, int)) or isinstance(device, bool):
+                raise ValueError("host or device missing")
+            pod_raw = data.get("pod") or {}
+            if not isinstance(pod_raw, Mapping):
+                raise ValueError("pod is not an object")
+            pod = {k: str(pod_raw[k])[:253] for k in _POD_KEYS if isinstance(pod_raw.get(k), str) and pod_raw[k]}
+            memory = DeviceMemory.from_dict(data.get("memory"))
+            profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
+            kv_cache = None
+            if data.get("kv_cache") is not None:
+                kv = data["kv_cache"]
+                if not isinstance(kv, Mapping):
+                    raise ValueError("kv_cache is not an object")
+                kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
+                                             block_size=_int(kv, "block_size"))
+            probe_raw = data.get("probe") or {}
+            if not isinstance(probe_raw, Mapping):
+                raise ValueError("probe is not an object")
+            last_error = probe_raw.get("last_error")
+            interval = probe_raw.get("interval_seconds")
+            probe = ProbeStatus(
+                samples_total=_int(probe_raw, "samples_total", 0),
+                errors_total=_int(probe_raw, "errors_total", 0),
+                write_errors_total=_int(probe_raw, "write_errors_total", 0),
+                last_error=str(last_error)[:512] if last_error is not None else None,
+                interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
+            )
+        except (ValueError, TypeError, ProfileError) as exc:
+            raise SnapshotError("invalid_snapshot", str(exc)) from None
+        return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=host[:253], pid=pid,
+                   device=str(device)[:64], memory=memory, rank=rank, pod=pod, profile=profile,
+                   kv_cache=kv_cache, probe=probe)
+
+
+class SnapshotError(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _number(data: Mapping[str, Any], key: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{key} is not a number")
+    return float(value)
+
+
+def _int(data: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key} is not a non-negative integer")
+    return value
+
+
+def snapshot_filename(host: str, pid: int, device: str) -> str:
+    return f"{_SAFE_NAME.sub('_', host)[:64]}-{pid}-{_SAFE_NAME.sub('_', str(device))[:32]}.json"
+
+
+def write_snapshot(spool_dir: str, snapshot: Snapshot) -> str:
+    """Atomically replace this rank's snapshot. Raises OSError on failure (the probe counts it)."""
+    name = snapshot_filename(snapshot.host, snapshot.pid, snapshot.device)
+    payload = json.dumps(snapshot.to_dict(), separators=(",", ":"), allow_nan=False).encode()
+    fd, tmp_path = tempfile.mkstemp(dir=spool_dir, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+        os.replace(tmp_path, os.path.join(spool_dir, name))
+    except BaseException:
+        try:
+            os.unlink(tmp_path)
+        except OSError:
+            pass
+        raise
+    return name
+
+
+@dataclass
+class SpoolRead:
+    snapshots: list[Snapshot] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)     # reason -> files
+    errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs
+
+
+def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES) -> SpoolRead:
+    """Read every ``*.json`` snapshot; never raises for a bad file, only counts it."""
+    result = SpoolRead()
+    try:
+        names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
+    except OSError as exc:
+        result.errors.append(f"{spool_dir}: {exc.strerror or exc}")
+        return result
+    if len(names) > max_files:
+        result.skipped["too_many_files"] += len(names) - max_files
+        names = names[:max_files]
+    for name in names:
+        path = os.path.join(spool_dir, name)
+        try:
+            snapshot = _read_one(path, max_bytes)
+        except SnapshotError as exc:
+            result.skipped[exc.reason] += 1
+            result.errors.append(f"{name}: {exc.reason}: {exc}")
+            continue
+        result.snapshots.append(snapshot)
+    return result
+
+
+def _read_one(path: str, max_bytes: int) -> Snapshot:
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise SnapshotError("not_regular_file", "not a regular file")
+    if info.st_size > max_bytes:
+        raise SnapshotError("too_large", f"{info.st_size} bytes exceeds {max_bytes}")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise SnapshotError("not_regular_file", "not a regular file")
+            raw = handle.read(max_bytes + 1)
+    except OSError as exc:
+        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
+    if len(raw) > max_bytes:
+        raise SnapshotError("too_large", f"more than {max_bytes} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SnapshotError("invalid_json", str(exc).splitlines()[0][:200]) from None
+    return Snapshot.from_dict(data)
