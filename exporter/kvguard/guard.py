@@ -1,0 +1,232 @@
+"""The OOM guard: does the KV cache vLLM sized from the allocated peak fit the real headroom?
+
+Pure logic: a rank's startup profile, the KV cache the engine allocated and the live allocator
+counters in, a verdict with reasons out. No I/O; the budgets come from the estimator (one
+definition of every formula).
+
+The projection, per rank (README, "The guard"):
+
+    projected peak = weights + KV cache allocated + reserved activation peak + non-torch increase
+    headroom       = capacity − projected peak          (capacity: the profile's total memory)
+
+vLLM sized the KV cache as ``total × util − (weights + allocated activation peak + non-torch)``,
+so with the stock KV cache the headroom is ``total × (1 − util) − overcommit``: the allocator's
+fragmentation (reserved − allocated peak) is paid out of the slack ``1 − util`` leaves, and the
+rank runs out of memory when it is larger than that slack.
+
+States: ``critical`` when the projected peak exceeds capacity or the allocator's retries / OOMs
+climb; ``warning`` when the stock budget is overcommitted (or the live reserved peak outgrew the
+projection, or the guard cannot judge); ``ok`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+from kvguard.estimator import Profile, overcommit_bytes, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.records import DeviceMemory
+
+OK, WARNING, CRITICAL = "ok", "warning", "critical"
+STATES = (OK, WARNING, CRITICAL)
+SEVERITY = {OK: 0, WARNING: 1, CRITICAL: 2}
+
+# Reason codes; exported as a label value, so the set is fixed (docs/metrics.md).
+OVERCOMMITTED = "overcommitted"
+PEAK_EXCEEDS_CAPACITY = "projected_peak_exceeds_capacity"
+RETRIES_CLIMBING = "alloc_retries_climbing"
+OOMS_CLIMBING = "ooms_climbing"
+LIVE_RESERVED_EXCEEDS = "live_reserved_exceeds_projection"
+NO_PROFILE = "no_profile"
+SNAPSHOT_STALE = "snapshot_stale"
+REASON_CODES = (OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY, RETRIES_CLIMBING, OOMS_CLIMBING, LIVE_RESERVED_EXCEEDS,
+                NO_PROFILE, SNAPSHOT_STALE)
+_REASON_STATE = {OVERCOMMITTED: WARNING, PEAK_EXCEEDS_CAPACITY: CRITICAL, RETRIES_CLIMBING: CRITICAL,
+                 OOMS_CLIMBING: CRITICAL, LIVE_RESERVED_EXCEEDS: WARNING, NO_PROFILE: WARNING,
+                 SNAPSHOT_STALE: WARNING}
+
+_GIB = float(1 << 30)
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / _GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str
+    message: str
+
+    @property
+    def state(self) -> str:
+        return _REASON_STATE[self.code]
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "state": self.state, "message": self.message}
+
+
+@dataclass(frozen=True)
+class GuardInput:
+    """What the guard knows about one rank.
+
+    ``kv_cache_bytes`` is what the engine allocated (blocks × block bytes); None means unknown,
+    and the guard then takes the stock budget, which vLLM fills to within one block.
+    ``alloc_retries_increase`` / ``ooms_increase`` are the counters' growth over the recent
+    window (see CounterWindow); None means not measured.
+    """
+
+    profile: Profile | None
+    kv_cache_bytes: int | None = None
+    memory: DeviceMemory | None = None
+    alloc_retries_increase: int | None = None
+    ooms_increase: int | None = None
+    snapshot_stale: bool = False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str
+    reasons: tuple[Reason, ...]
+    stock_budget_bytes: int | None = None
+    reserved_budget_bytes: int | None = None
+    reserved_budget_estimated: bool = False      # reserved peak inferred from live fragmentation
+    overcommit_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_estimated: bool = False             # the stock budget stood in for the allocation
+    activation_reserved_peak_bytes: int | None = None
+    projected_peak_bytes: int | None = None
+    capacity_bytes: int | None = None
+    headroom_bytes: int | None = None
+
+    @property
+    def severity(self) -> int:
+        return SEVERITY[self.state]
+
+    @property
+    def reason_codes(self) -> tuple[str, ...]:
+        return tuple(r.code for r in self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reasons"] = [r.to_dict() for r in self.reasons]
+        return data
+
+
+def judge(inp: GuardInput) -> Verdict:
+    """The verdict for one rank."""
+    reasons: list[Reason] = []
+    memory = inp.memory
+    if inp.ooms_increase:
+        reasons.append(Reason(OOMS_CLIMBING, f"the allocator raised {inp.ooms_increase} out-of-memory error(s) "
+                                             f"in the recent window"))
+    if inp.alloc_retries_increase:
+        reasons.append(Reason(RETRIES_CLIMBING, f"the allocator flushed its cache and retried "
+                                                f"{inp.alloc_retries_increase} allocation(s) in the recent window: "
+                                                f"it is at the device's limit"))
+    if inp.snapshot_stale:
+        reasons.append(Reason(SNAPSHOT_STALE, "the rank's latest snapshot is stale: the live counters may be old"))
+
+    profile = inp.profile
+    if profile is None:
+        reasons.append(Reason(NO_PROFILE, "no startup profile for this rank (none in the snapshot, no --from-log, "
+                                          "no vLLM metrics): cannot judge the KV cache"))
+        return Verdict(state=_state(reasons), reasons=tuple(reasons))
+
+    stock = stock_kv_cache_bytes(profile)
+    profile_for_reserved, estimated = _profile_with_reserved_peak(profile, memory)
+    reserved = reserved_kv_cache_bytes(profile_for_reserved) if profile_for_reserved else None
+    kv_cache = inp.kv_cache_bytes if inp.kv_cache_bytes is not None else max(0, stock)
+    over = overcommit_bytes(stock, reserved) if reserved is not None else None
+    kv_over = overcommit_bytes(kv_cache, reserved) if reserved is not None else 0
+
+    activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
+                  else profile.peak_allocated_increase_bytes)
+    projected = profile.weights_bytes + kv_cache + activation + profile.non_torch_increase_bytes
+    if memory is not None and memory.peak_reserved_bytes is not None:
+        # The allocator's reserved peak while serving already holds weights, KV cache and
+        # activations; if it outgrew the startup projection, the projection was too small.
+        live = memory.peak_reserved_bytes + profile.non_torch_increase_bytes
+        if live > projected:
+            reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the live reserved peak {_gib(memory.peak_reserved_bytes)} "
+                                                         f"is {_gib(live - projected)} above the startup projection"))
+            projected = live
+    capacity = profile.total_memory_bytes
+    headroom = capacity - projected
+
+    if kv_over:
+        reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({_gib(kv_cache)}) exceeds the reserved-aware budget "
+                                             f"({_gib(max(reserved, 0))}) by {_gib(kv_over)}: vLLM sized it from the "
+                                             f"allocated peak, the allocator holds the reserved peak"
+                                             + (" (reserved peak inferred from live fragmentation)" if estimated
+                                                else "")))
+    if headroom < 0:
+        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {_gib(projected)} (weights + KV cache + reserved "
+                                                     f"activation peak + non-torch) exceeds the device's "
+                                                     f"{_gib(capacity)} by {_gib(-headroom)}"))
+    return Verdict(
+        state=_state(reasons),
+        reasons=tuple(sorted(reasons, key=lambda r: -SEVERITY[r.state])),
+        stock_budget_bytes=stock,
+        reserved_budget_bytes=reserved,
+        reserved_budget_estimated=estimated,
+        overcommit_bytes=over,
+        kv_cache_bytes=kv_cache,
+        kv_cache_estimated=inp.kv_cache_bytes is None,
+        activation_reserved_peak_bytes=activation if profile_for_reserved else None,
+        projected_peak_bytes=projected,
+        capacity_bytes=capacity,
+        headroom_bytes=headroom,
+    )
+
+
+def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -> tuple[Profile | None, bool]:
+    """The profile with a reserved activation peak: measured, or allocated peak + live fragmentation.
+
+    vLLM's own logs never carry the reserved increase; the live gap between reserved and
+    allocated is the best stand-in for what the allocator adds on top of the allocated peak.
+    """
+    if profile.peak_reserved_increase_bytes is not None:
+        return profile, False
+    if memory is None or memory.fragmentation_bytes is None:
+        return None, False
+    inferred = profile.peak_allocated_increase_bytes + memory.fragmentation_bytes
+    return dataclasses.replace(profile, peak_reserved_increase_bytes=inferred), True
+
+
+def _state(reasons: list[Reason]) -> str:
+    return max((r.state for r in reasons), key=SEVERITY.__getitem__, default=OK)
+
+
+def worst(verdicts: list[Verdict]) -> str:
+    return max((v.state for v in verdicts), key=SEVERITY.__getitem__, default=OK)
+
+
+class CounterWindow:
+    """How much a monotonic counter grew over the last ``window_seconds``, per key.
+
+    Pure: the caller passes the time. A counter that goes down (the process restarted)
+    starts over from its new value.
+    """
+
+    def __init__(self, window_seconds: float = 300.0, max_samples: int = 512):
+        self.window_seconds = window_seconds
+        self.max_samples = max_samples
+        self._samples: dict[Hashable, deque[tuple[float, int]]] = {}
+
+    def observe(self, key: Hashable, now: float, value: int | None) -> int | None:
+        if value is None:
+            return None
+        samples = self._samples.setdefault(key, deque(maxlen=self.max_samples))
+        if samples and value < samples[-1][1]:
+            samples.clear()
+        samples.append((now, value))
+        while len(samples) > 1 and samples[1][0] <= now - self.window_seconds:
+            samples.popleft()
+        return value - samples[0][1]
+
+    def forget_except(self, keys: set) -> None:
+        for key in list(self._samples):
+            if key not in keys:
+                del self._samples[key]

@@ -1,0 +1,195 @@
+"""The guard's verdict, one behaviour per test, on profiles shaped like real vLLM startups."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvguard import estimator
+from kvguard.estimator import Profile
+from kvguard.guard import (
+    CRITICAL, LIVE_RESERVED_EXCEEDS, NO_PROFILE, OK, OOMS_CLIMBING, OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY,
+    RETRIES_CLIMBING, SNAPSHOT_STALE, WARNING, CounterWindow, GuardInput, judge, worst,
+)
+from kvguard.records import DeviceMemory
+
+GIB = 1 << 30
+
+# Qwen2.5-7B-Instruct on a 64 GiB Ascend 910B, vllm-ascend with the reserved increase measured.
+NPU_910B = Profile(
+    total_memory_bytes=64 * GIB,
+    gpu_memory_utilization=0.9,
+    weights_bytes=int(14.25 * GIB),
+    peak_allocated_increase_bytes=int(4.26 * GIB),
+    peak_reserved_increase_bytes=int(6.10 * GIB),
+    non_torch_increase_bytes=int(1.30 * GIB),
+)
+
+
+def at_utilization(profile: Profile, utilization: float) -> Profile:
+    return dataclasses.replace(profile, gpu_memory_utilization=utilization)
+
+
+def test_budgets_come_from_the_estimator():
+    verdict = judge(GuardInput(NPU_910B))
+    assert verdict.stock_budget_bytes == estimator.stock_kv_cache_bytes(NPU_910B)
+    assert verdict.reserved_budget_bytes == estimator.reserved_kv_cache_bytes(NPU_910B)
+    assert verdict.overcommit_bytes == verdict.stock_budget_bytes - verdict.reserved_budget_bytes
+
+
+def test_overcommit_that_fits_in_the_utilization_slack_is_a_warning():
+    verdict = judge(GuardInput(NPU_910B))
+    assert verdict.state == WARNING
+    assert verdict.reason_codes == (OVERCOMMITTED,)
+    assert verdict.headroom_bytes > 0
+
+
+def test_projected_peak_is_weights_kv_reserved_activation_and_non_torch():
+    kv = 30 * GIB
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv))
+    assert verdict.projected_peak_bytes == (NPU_910B.weights_bytes + kv + NPU_910B.peak_reserved_increase_bytes
+                                            + NPU_910B.non_torch_increase_bytes)
+    assert verdict.headroom_bytes == NPU_910B.total_memory_bytes - verdict.projected_peak_bytes
+
+
+def test_headroom_with_the_stock_kv_cache_is_the_slack_minus_the_overcommit():
+    verdict = judge(GuardInput(NPU_910B))
+    slack = NPU_910B.total_memory_bytes * (1 - NPU_910B.gpu_memory_utilization)
+    assert abs(verdict.headroom_bytes - (slack - verdict.overcommit_bytes)) <= 2
+
+
+def test_overcommit_larger_than_the_slack_is_critical():
+    profile = at_utilization(NPU_910B, 0.98)   # slack 1.28 GiB, overcommit 1.84 GiB
+    verdict = judge(GuardInput(profile))
+    assert verdict.state == CRITICAL
+    assert PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
+    assert OVERCOMMITTED in verdict.reason_codes
+    assert verdict.headroom_bytes < 0
+
+
+def test_critical_reasons_come_first():
+    verdict = judge(GuardInput(at_utilization(NPU_910B, 0.98)))
+    assert verdict.reasons[0].code == PEAK_EXCEEDS_CAPACITY
+
+
+def test_kv_cache_within_the_reserved_budget_is_ok():
+    reserved = estimator.reserved_kv_cache_bytes(NPU_910B)
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=reserved - GIB))
+    assert verdict.state == OK
+    assert verdict.reasons == ()
+
+
+def test_without_an_allocation_the_stock_budget_stands_in_and_says_so():
+    verdict = judge(GuardInput(NPU_910B))
+    assert verdict.kv_cache_bytes == verdict.stock_budget_bytes
+    assert verdict.kv_cache_estimated
+    assert not judge(GuardInput(NPU_910B, kv_cache_bytes=GIB)).kv_cache_estimated
+
+
+def test_unknown_reserved_peak_is_inferred_from_live_fragmentation():
+    from_log = dataclasses.replace(NPU_910B, peak_reserved_increase_bytes=None)
+    live = DeviceMemory(device="npu:0", source="mindspore", allocated_bytes=50 * GIB,
+                        reserved_bytes=50 * GIB + int(1.84 * GIB))
+    verdict = judge(GuardInput(from_log, memory=live))
+    assert verdict.reserved_budget_estimated
+    assert verdict.reserved_budget_bytes == estimator.reserved_kv_cache_bytes(
+        dataclasses.replace(from_log, peak_reserved_increase_bytes=from_log.peak_allocated_increase_bytes
+                            + int(1.84 * GIB)))
+    assert verdict.state == WARNING
+
+
+def test_unknown_reserved_peak_without_live_counters_has_no_reserved_budget():
+    from_log = dataclasses.replace(NPU_910B, peak_reserved_increase_bytes=None)
+    verdict = judge(GuardInput(from_log))
+    assert verdict.reserved_budget_bytes is None
+    assert verdict.overcommit_bytes is None
+    assert verdict.state == OK
+
+
+def test_ooms_climbing_is_critical_even_when_the_budget_fits():
+    reserved = estimator.reserved_kv_cache_bytes(NPU_910B)
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=reserved, ooms_increase=1))
+    assert verdict.state == CRITICAL
+    assert verdict.reason_codes == (OOMS_CLIMBING,)
+
+
+def test_alloc_retries_climbing_is_critical():
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=GIB, alloc_retries_increase=3))
+    assert verdict.state == CRITICAL
+    assert verdict.reason_codes == (RETRIES_CLIMBING,)
+
+
+def test_counters_that_did_not_grow_say_nothing():
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=GIB, alloc_retries_increase=0, ooms_increase=0))
+    assert verdict.state == OK
+
+
+def test_a_live_reserved_peak_above_the_projection_raises_the_projection():
+    kv = estimator.reserved_kv_cache_bytes(NPU_910B)
+    projected = NPU_910B.weights_bytes + kv + NPU_910B.peak_reserved_increase_bytes + NPU_910B.non_torch_increase_bytes
+    live_peak = projected - NPU_910B.non_torch_increase_bytes + 2 * GIB
+    live = DeviceMemory(device="npu:0", source="torch", allocated_bytes=40 * GIB, reserved_bytes=45 * GIB,
+                        peak_reserved_bytes=live_peak)
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=live))
+    assert LIVE_RESERVED_EXCEEDS in verdict.reason_codes
+    assert verdict.projected_peak_bytes == projected + 2 * GIB
+    assert verdict.state == WARNING
+
+
+def test_a_live_reserved_peak_beyond_capacity_is_critical():
+    live = DeviceMemory(device="npu:0", source="torch", allocated_bytes=60 * GIB, reserved_bytes=63 * GIB,
+                        peak_reserved_bytes=63 * GIB)
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=GIB, memory=live))
+    assert verdict.state == CRITICAL
+    assert PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
+
+
+def test_no_profile_is_a_warning_that_says_why():
+    verdict = judge(GuardInput(None))
+    assert verdict.state == WARNING
+    assert verdict.reason_codes == (NO_PROFILE,)
+    assert verdict.projected_peak_bytes is None
+
+
+def test_no_profile_with_ooms_is_still_critical():
+    assert judge(GuardInput(None, ooms_increase=2)).state == CRITICAL
+
+
+def test_a_stale_snapshot_is_at_least_a_warning():
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=GIB, snapshot_stale=True))
+    assert verdict.state == WARNING
+    assert verdict.reason_codes == (SNAPSHOT_STALE,)
+
+
+def test_negative_non_torch_increase_is_accepted():
+    profile = dataclasses.replace(NPU_910B, non_torch_increase_bytes=int(-0.51 * GIB))
+    verdict = judge(GuardInput(profile))
+    assert verdict.projected_peak_bytes is not None
+
+
+def test_verdict_serialises_with_reasons():
+    data = judge(GuardInput(at_utilization(NPU_910B, 0.98))).to_dict()
+    assert data["state"] == CRITICAL
+    assert {r["code"] for r in data["reasons"]} == {PEAK_EXCEEDS_CAPACITY, OVERCOMMITTED}
+    assert all(r["message"] for r in data["reasons"])
+
+
+def test_worst_state_of_several_ranks():
+    assert worst([judge(GuardInput(NPU_910B, kv_cache_bytes=GIB)), judge(GuardInput(NPU_910B))]) == WARNING
+    assert worst([]) == OK
+
+
+def test_counter_window_reports_growth_within_the_window():
+    window = CounterWindow(window_seconds=60)
+    assert window.observe("r0", 0.0, 5) == 0
+    assert window.observe("r0", 10.0, 7) == 2
+    assert window.observe("r0", 100.0, 7) == 0      # the growth left the window
+
+
+def test_counter_window_restarts_when_a_counter_goes_down():
+    window = CounterWindow(window_seconds=60)
+    window.observe("r0", 0.0, 9)
+    assert window.observe("r0", 1.0, 1) == 0
+
+
+def test_counter_window_ignores_unknown_values():
+    assert CounterWindow().observe("r0", 0.0, None) is None
