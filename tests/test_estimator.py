@@ -1,0 +1,129 @@
+"""The budget formulas: vLLM V1's stock budget and the reserved-aware one."""
+
+import json
+import os
+
+import pytest
+
+from kvguard.estimator import (
+    Profile, ProfileError, estimate, kv_layout_from_config, overcommit_bytes, recommended_gpu_memory_utilization,
+    reserved_kv_cache_bytes, stock_kv_cache_bytes,
+)
+from kvguard.model_config import load_model_config
+
+from conftest import EXAMPLES
+
+GIB = 1 << 30
+QWEN = kv_layout_from_config(load_model_config(os.path.join(EXAMPLES, "qwen2.5-7b-instruct")))
+
+
+def seed_profile():
+    with open(os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")) as handle:
+        return Profile.from_dict(json.load(handle))
+
+
+def test_stock_budget_is_vllm_v1_formula():
+    # vLLM's docstring example: 2 GiB weights + 2 GiB activations + 1 GiB non-torch.
+    profile = Profile(total_memory_bytes=80 * GIB, gpu_memory_utilization=0.5, weights_bytes=2 * GIB,
+                      peak_allocated_increase_bytes=2 * GIB, peak_reserved_increase_bytes=3 * GIB,
+                      non_torch_increase_bytes=1 * GIB)
+    assert stock_kv_cache_bytes(profile) == 40 * GIB - 5 * GIB
+    assert reserved_kv_cache_bytes(profile) == 40 * GIB - 6 * GIB
+
+
+def test_stock_budget_truncates_the_float_product_like_vllm():
+    profile = Profile(total_memory_bytes=1001, gpu_memory_utilization=0.9, weights_bytes=0,
+                      peak_allocated_increase_bytes=0, peak_reserved_increase_bytes=0, non_torch_increase_bytes=0)
+    assert stock_kv_cache_bytes(profile) == 900  # int(900.9)
+
+
+def test_seed_profile_reproduces_44292_and_42593_blocks():
+    result = estimate(seed_profile(), QWEN, max_model_len=32768)
+    assert result.stock.num_blocks == 44292
+    assert result.reserved.num_blocks == 42593
+    assert round(result.stock.kv_cache_bytes / GIB, 2) == 37.85
+    assert round(result.reserved.kv_cache_bytes / GIB, 2) == 36.40
+
+
+def test_budgets_differ_by_reserved_minus_allocated_increase():
+    profile = seed_profile()
+    result = estimate(profile)
+    gap = profile.peak_reserved_increase_bytes - profile.peak_allocated_increase_bytes
+    assert result.stock.kv_cache_bytes - result.reserved.kv_cache_bytes == gap
+    assert result.overcommit_bytes == gap
+
+
+def test_tokens_and_max_concurrency_follow_vllm():
+    result = estimate(seed_profile(), QWEN, max_model_len=32768)
+    assert result.stock.num_tokens == 44292 * 16
+    # vLLM logs "Maximum concurrency for 32,768 tokens per request: 21.63x"
+    assert round(result.stock.max_concurrency, 2) == 21.63
+
+
+def test_max_concurrency_rounds_partial_blocks_up_per_request():
+    profile = seed_profile()
+    result = estimate(profile, QWEN, max_model_len=17)  # 17 tokens need 2 blocks of 16
+    assert result.stock.max_concurrency == 44292 / 2
+
+
+def test_overcommit_is_zero_when_reserved_budget_is_larger():
+    assert overcommit_bytes(10, 12) == 0
+    assert overcommit_bytes(12, 10) == 2
+
+
+def test_recommended_utilization_is_the_largest_hundredth_that_fits():
+    profile = seed_profile()
+    recommended = recommended_gpu_memory_utilization(profile)
+    reserved = reserved_kv_cache_bytes(profile)
+    fits = Profile(**{**profile.to_dict(), "gpu_memory_utilization": recommended})
+    one_more = Profile(**{**profile.to_dict(), "gpu_memory_utilization": round(recommended + 0.01, 2)})
+    assert stock_kv_cache_bytes(fits) <= reserved < stock_kv_cache_bytes(one_more)
+    assert recommended == 0.87
+
+
+def test_recommended_utilization_keeps_the_setting_when_nothing_is_overcommitted():
+    profile = Profile(**{**seed_profile().to_dict(), "peak_reserved_increase_bytes": 0})
+    assert recommended_gpu_memory_utilization(profile) == 0.9
+
+
+def test_recommended_kv_cache_memory_is_the_reserved_budget():
+    result = estimate(seed_profile(), QWEN)
+    assert result.recommended_kv_cache_memory_bytes == result.reserved.kv_cache_bytes
+    assert QWEN.num_blocks(result.recommended_kv_cache_memory_bytes) == 42593
+
+
+def test_no_reserved_increase_means_no_reserved_budget():
+    profile = Profile(**{**seed_profile().to_dict(), "peak_reserved_increase_bytes": None})
+    result = estimate(profile, QWEN)
+    assert result.reserved is None and result.overcommit_bytes is None
+    assert result.stock.num_blocks == 44292
+
+
+def test_negative_budget_gives_zero_blocks():
+    profile = Profile(total_memory_bytes=24 * GIB, gpu_memory_utilization=0.5, weights_bytes=15 * GIB,
+                      peak_allocated_increase_bytes=GIB, peak_reserved_increase_bytes=GIB, non_torch_increase_bytes=0)
+    result = estimate(profile, QWEN)
+    assert result.stock.kv_cache_bytes < 0 and result.stock.num_blocks == 0
+    assert result.recommended_kv_cache_memory_bytes == 0
+
+
+@pytest.mark.parametrize("utilization", [0, -0.1, 1.01, float("nan")])
+def test_utilization_outside_zero_one_is_refused(utilization):
+    with pytest.raises(ProfileError, match="gpu_memory_utilization"):
+        Profile(**{**seed_profile().to_dict(), "gpu_memory_utilization": utilization})
+
+
+def test_profile_file_with_missing_or_unknown_keys_is_refused():
+    data = seed_profile().to_dict()
+    del data["weights_bytes"]
+    with pytest.raises(ProfileError, match="missing weights_bytes"):
+        Profile.from_dict(data)
+    with pytest.raises(ProfileError, match="unknown keys extra"):
+        Profile.from_dict({**seed_profile().to_dict(), "extra": 1})
+
+
+def test_negative_non_torch_increase_is_allowed_but_negative_weights_are_not():
+    data = seed_profile().to_dict()
+    assert Profile.from_dict({**data, "non_torch_increase_bytes": -547_608_330}).non_torch_increase_bytes < 0
+    with pytest.raises(ProfileError, match="weights_bytes must not be negative"):
+        Profile.from_dict({**data, "weights_bytes": -1})
