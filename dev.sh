@@ -63,7 +63,11 @@ case "${1:-}" in
     run)
         setup_run
         shift
-        exec "$VENV/bin/kvguard" "${@:-demo}"
+        if [ $# -eq 0 ]; then
+            set -- budget --model-config exporter/kvguard/examples/qwen2.5-7b-instruct \
+                --profile exporter/kvguard/examples/qwen2.5-7b-910b-profile.json --max-model-len 32768
+        fi
+        exec "$VENV/bin/kvguard" "$@"
         ;;
     test)
         setup_test
