@@ -1,0 +1,214 @@
+"""The Prometheus collector: fresh metric families from the sidecar's latest observation.
+
+A custom collector in client_python's sense: ``collect()`` builds new families on every
+scrape and the class holds no gauges, so a rank that disappears leaves no stale series.
+Names, labels and HELP are the contract in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvguard import __version__
+from kvguard.guard import REASON_CODES, SEVERITY, STATES
+from kvguard.sidecar import DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
+from kvguard.spool import SKIP_REASONS
+
+DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
+SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
+
+
+class _Families:
+    """Families in declaration order; empty ones are left out of the exposition."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+        return self._families.setdefault(name, GaugeMetricFamily(name, doc, labels=list(labels)))
+
+    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+        return self._families.setdefault(name, CounterMetricFamily(name, doc, labels=list(labels)))
+
+    def __getitem__(self, name: str) -> Metric:
+        return self._families[name]
+
+    def __iter__(self) -> Iterator[Metric]:
+        return (family for family in self._families.values() if family.samples)
+
+
+def _add(family: Metric, labels: list[str], value: float | int | None) -> None:
+    if value is not None:
+        family.add_metric(labels, float(value))
+
+
+class KVGuardCollector(Collector):
+    def __init__(self, sidecar: Sidecar):
+        self.sidecar = sidecar
+
+    def describe(self) -> list[Metric]:
+        # Registering must not read the spool or the sources (client_python calls collect()
+        # at registration otherwise).
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(families(self.sidecar.observe()))
+
+
+# (type, name, HELP, extra labels) for every per-rank family, in exposition order.
+_RANK_FAMILIES = (
+    ("gauge", "kvguard_allocator_allocated_bytes", "Bytes the framework allocator has handed out to tensors "
+     "(torch allocated_bytes.all.current, MindSpore total_allocated_memory).", ()),
+    ("gauge", "kvguard_allocator_reserved_bytes", "Bytes the framework allocator holds from the device "
+     "(reserved_bytes.all.current, total_reserved_memory).", ()),
+    ("gauge", "kvguard_allocator_peak_allocated_bytes", "Peak allocated bytes since start or the last peak reset.", ()),
+    ("gauge", "kvguard_allocator_peak_reserved_bytes", "Peak reserved bytes since start or the last peak reset.", ()),
+    ("gauge", "kvguard_allocator_fragmentation_bytes", "Reserved minus allocated: memory the allocator holds that "
+     "tensors cannot use.", ()),
+    ("gauge", "kvguard_allocator_fragmentation_ratio", "Fragmentation bytes over reserved bytes (0 when nothing is "
+     "reserved).", ()),
+    ("gauge", "kvguard_allocator_inactive_split_bytes", "Free bytes inside split segments that cannot be released "
+     "(torch inactive_split_bytes.all.current).", ()),
+    ("counter", "kvguard_allocator_alloc_retries_total", "Allocations that succeeded only after the allocator flushed "
+     "its cache and retried (num_alloc_retries).", ()),
+    ("counter", "kvguard_allocator_ooms_total", "Out-of-memory errors the allocator raised (num_ooms).", ()),
+    ("gauge", "kvguard_kv_cache_allocated_bytes", "KV cache the serving engine allocated (num_gpu_blocks x block "
+     "bytes); the stock budget when the block count is unknown.", ()),
+    ("gauge", "kvguard_kv_cache_allocated_blocks", "KV-cache blocks the serving engine allocated (vLLM "
+     "num_gpu_blocks).", ()),
+    ("gauge", "kvguard_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use, from vLLM "
+     "vllm:kv_cache_usage_perc.{cached}", ()),
+    ("gauge", "kvguard_kv_cache_budget_bytes", "KV-cache budget from the startup profile: stock is vLLM's (total x "
+     "utilization - weights - allocated activation peak - non-torch), reserved uses the reserved activation peak "
+     "instead.", ("budget",)),
+    ("gauge", "kvguard_kv_cache_overcommit_bytes", "How much the stock budget exceeds the reserved-aware budget "
+     "(0 when it does not).", ()),
+    ("gauge", "kvguard_profile_weights_bytes", "Model weights on this rank, from the startup profile.", ()),
+    ("gauge", "kvguard_profile_activation_peak_bytes", "Increase of the allocator's allocated (or reserved) peak "
+     "during vLLM's profiling run.", ("measure",)),
+    ("gauge", "kvguard_profile_non_torch_bytes", "Increase of memory outside the framework allocator during "
+     "profiling (may be negative).", ()),
+    ("gauge", "kvguard_profile_gpu_memory_utilization_ratio", "vLLM's gpu_memory_utilization for this rank.", ()),
+    ("gauge", "kvguard_guard_state", "1 for the guard's current state of this rank, 0 for the other two states.",
+     ("state",)),
+    ("gauge", "kvguard_guard_severity", "Guard state as a number: 0 ok, 1 warning, 2 critical.", ()),
+    ("gauge", "kvguard_guard_reason", "1 for each reason the guard currently reports for this rank.", ("reason",)),
+    ("gauge", "kvguard_guard_projected_peak_bytes", "Projected device peak: weights + KV cache allocated + reserved "
+     "activation peak + non-torch.", ()),
+    ("gauge", "kvguard_guard_capacity_bytes", "Device memory the projected peak must fit in (the profile's total "
+     "memory).", ()),
+    ("gauge", "kvguard_guard_headroom_bytes", "Capacity minus projected peak; negative means the projected peak does "
+     "not fit.", ()),
+    ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot.", ()),
+    ("gauge", "kvguard_snapshot_stale", "1 when the snapshot is older than --stale-after.", ()),
+    ("counter", "kvguard_probe_samples_total", "Samples the in-process probe has taken.", ()),
+    ("counter", "kvguard_probe_errors_total", "Samples the in-process probe failed to take or write.", ()),
+)
+
+
+def families(obs: Observation) -> _Families:
+    fam = _Families()
+    cached = (f" Cached: read in the background every {obs.interval_seconds:g}s, "
+              "see kvguard_source_cache_age_seconds.")
+    for kind, name, doc, extra in _RANK_FAMILIES:
+        getattr(fam, kind)(name, doc.replace("{cached}", cached), RANK_LABELS + extra)
+    for view in obs.ranks:
+        _rank_samples(view, [view.labels[k] for k in RANK_LABELS], fam)
+
+    dev_labels = list(DEVICE_LABELS)
+    dev_total = fam.gauge("kvguard_device_total_bytes", "Device memory capacity as the device-level source reports "
+                          "it." + cached, dev_labels)
+    dev_used = fam.gauge("kvguard_device_used_bytes", "Device memory in use by all processes." + cached, dev_labels)
+    dev_free = fam.gauge("kvguard_device_free_bytes", "Device memory free." + cached, dev_labels)
+    dev_process = fam.gauge("kvguard_device_process_used_bytes", "Device memory one process holds, as the driver "
+                            "sees it (reserved plus context overhead)." + cached, dev_labels + ["pid"])
+    seen_devices: set[tuple] = set()
+    for view in obs.devices:
+        labels = [view.labels[k] for k in DEVICE_LABELS]
+        if tuple(labels) in seen_devices:
+            continue
+        seen_devices.add(tuple(labels))
+        _add(dev_total, labels, view.memory.total_bytes)
+        _add(dev_used, labels, view.memory.used_bytes)
+        _add(dev_free, labels, view.memory.free_bytes)
+        seen_pids = set()
+        for process in view.memory.processes:
+            if process.pid not in seen_pids:
+                seen_pids.add(process.pid)
+                _add(dev_process, labels + [str(process.pid)], process.used_bytes)
+
+    up = fam.gauge("kvguard_source_up", "1 if the source's last read succeeded within its time limit.", ["source"])
+    errors = fam.counter("kvguard_source_errors_total", "Reads of the source that failed or ran past their time "
+                         "limit since the exporter started.", ["source"])
+    duration = fam.gauge("kvguard_source_read_duration_seconds", "How long the source's last completed read took.",
+                         ["source"])
+    cache_age = fam.gauge("kvguard_source_cache_age_seconds", "Age of the value served for the source (reads run "
+                          "in the background; a scrape never waits on them).", ["source"])
+    for source in obs.sources:
+        _add(up, [source.name], 1 if source.up else 0)
+        _add(errors, [source.name], source.errors_total)
+        _add(duration, [source.name], source.duration_seconds)
+        _add(cache_age, [source.name], source.age_seconds())
+
+    snapshots = fam.gauge("kvguard_spool_snapshots", "Snapshots read from the spool at the last scrape.")
+    skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the last scrape, by reason.",
+                        ["reason"])
+    if any(s.name == SPOOL for s in obs.sources):
+        _add(snapshots, [], obs.spool_snapshots)
+        for reason in SKIP_REASON_VALUES:
+            _add(skipped, [reason], obs.skipped.get(reason, 0))
+
+    build = fam.gauge("kvguard_build_info", "Always 1; the kvguard build that serves these metrics.",
+                      ["version", "python_version"])
+    build.add_metric([__version__, platform.python_version()], 1)
+    return fam
+
+
+def _rank_samples(view: RankView, labels: list[str], fam: _Families) -> None:
+    memory = view.snapshot.memory if view.snapshot else None
+    if memory is not None:
+        _add(fam["kvguard_allocator_allocated_bytes"], labels, memory.allocated_bytes)
+        _add(fam["kvguard_allocator_reserved_bytes"], labels, memory.reserved_bytes)
+        _add(fam["kvguard_allocator_peak_allocated_bytes"], labels, memory.peak_allocated_bytes)
+        _add(fam["kvguard_allocator_peak_reserved_bytes"], labels, memory.peak_reserved_bytes)
+        _add(fam["kvguard_allocator_fragmentation_bytes"], labels, memory.fragmentation_bytes)
+        _add(fam["kvguard_allocator_fragmentation_ratio"], labels, memory.fragmentation_ratio)
+        _add(fam["kvguard_allocator_inactive_split_bytes"], labels, memory.inactive_split_bytes)
+        _add(fam["kvguard_allocator_alloc_retries_total"], labels, memory.alloc_retries)
+        _add(fam["kvguard_allocator_ooms_total"], labels, memory.ooms)
+
+    verdict = view.verdict
+    _add(fam["kvguard_kv_cache_allocated_bytes"], labels, verdict.kv_cache_bytes)
+    _add(fam["kvguard_kv_cache_allocated_blocks"], labels, view.kv_cache_blocks)
+    _add(fam["kvguard_kv_cache_usage_ratio"], labels, view.kv_cache_usage_ratio)
+    _add(fam["kvguard_kv_cache_budget_bytes"], labels + ["stock"], verdict.stock_budget_bytes)
+    _add(fam["kvguard_kv_cache_budget_bytes"], labels + ["reserved"], verdict.reserved_budget_bytes)
+    _add(fam["kvguard_kv_cache_overcommit_bytes"], labels, verdict.overcommit_bytes)
+
+    profile = view.profile
+    if profile is not None:
+        _add(fam["kvguard_profile_weights_bytes"], labels, profile.weights_bytes)
+        _add(fam["kvguard_profile_activation_peak_bytes"], labels + ["allocated"], profile.peak_allocated_increase_bytes)
+        _add(fam["kvguard_profile_activation_peak_bytes"], labels + ["reserved"], verdict.activation_reserved_peak_bytes)
+        _add(fam["kvguard_profile_non_torch_bytes"], labels, profile.non_torch_increase_bytes)
+        _add(fam["kvguard_profile_gpu_memory_utilization_ratio"], labels, profile.gpu_memory_utilization)
+
+    for name in STATES:
+        fam["kvguard_guard_state"].add_metric(labels + [name], 1.0 if verdict.state == name else 0.0)
+    fam["kvguard_guard_severity"].add_metric(labels, float(SEVERITY[verdict.state]))
+    active = set(verdict.reason_codes)
+    for code in REASON_CODES:
+        fam["kvguard_guard_reason"].add_metric(labels + [code], 1.0 if code in active else 0.0)
+    _add(fam["kvguard_guard_projected_peak_bytes"], labels, verdict.projected_peak_bytes)
+    _add(fam["kvguard_guard_capacity_bytes"], labels, verdict.capacity_bytes)
+    _add(fam["kvguard_guard_headroom_bytes"], labels, verdict.headroom_bytes)
+
+    if view.snapshot is not None:
+        _add(fam["kvguard_snapshot_age_seconds"], labels, view.age_seconds)
+        _add(fam["kvguard_snapshot_stale"], labels, 1 if view.stale else 0)
+        _add(fam["kvguard_probe_samples_total"], labels, view.snapshot.probe.samples_total)
+        _add(fam["kvguard_probe_errors_total"], labels, view.snapshot.probe.errors_total + view.snapshot.probe.write_errors_total)

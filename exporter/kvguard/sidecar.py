@@ -1,0 +1,263 @@
+"""The sidecar's view of the world: spool snapshots, device sources and vLLM, joined per rank.
+
+``Sidecar.observe()`` reads the spool (bounded in time), takes the latest cached device and
+vLLM reads, and judges every rank with the guard. The collector, ``/guard``, ``/readyz`` and
+``kvguard check`` all render the same Observation, so they never disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from kvguard.estimator import Profile
+from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
+from kvguard.poller import Poller, PollState
+from kvguard.records import DeviceMemory
+from kvguard.spool import Snapshot, SpoolRead, read_spool
+from kvguard.vllm_log import StartupLog
+
+RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
+POD_KEYS = ("pod", "namespace", "container")
+# Downward-API environment the chart sets for the sidecar (container has no downward field).
+POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME"}
+
+SPOOL = "spool"
+VLLM_METRICS = "vllm_metrics"
+DUPLICATE = "duplicate"
+
+
+def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    return {key: environ.get(var, "")[:253] for key, var in POD_ENV.items()}
+
+
+@dataclass(frozen=True)
+class RankView:
+    labels: dict[str, str]
+    snapshot: Snapshot | None
+    profile: Profile | None
+    profile_origin: str | None          # "snapshot" or "log"
+    kv_cache_blocks: int | None
+    kv_cache_bytes: int | None
+    kv_cache_usage_ratio: float | None
+    age_seconds: float | None
+    stale: bool
+    verdict: Verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **{k: self.labels[k] for k in RANK_LABELS},
+            "host": self.snapshot.host if self.snapshot else None,
+            "profile_origin": self.profile_origin,
+            "snapshot_age_seconds": None if self.age_seconds is None else round(self.age_seconds, 3),
+            "stale": self.stale,
+            "kv_cache_blocks": self.kv_cache_blocks,
+            "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
+            **self.verdict.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    source: str
+    labels: dict[str, str]              # device, source, pod, namespace, container
+    memory: DeviceMemory
+
+
+@dataclass(frozen=True)
+class Observation:
+    ranks: list[RankView]
+    devices: list[DeviceView]
+    sources: list[PollState]            # spool, each device source, vLLM
+    cached_sources: frozenset[str]      # sources whose value comes from a background read
+    spool_snapshots: int
+    skipped: Counter
+    errors: list[str]
+    interval_seconds: float
+
+    @property
+    def state(self) -> str:
+        return worst([r.verdict for r in self.ranks])
+
+    def guard_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "ranks": [r.to_dict() for r in self.ranks],
+            "sources": {s.name: {"up": s.up, "errors_total": s.errors_total, "last_error": s.last_error}
+                        for s in self.sources},
+            "spool": {"snapshots": self.spool_snapshots, "skipped": dict(self.skipped)},
+        }
+
+
+@dataclass
+class SidecarConfig:
+    spool_dir: str | None = None
+    sources: Sequence[tuple[str, Any]] = ()       # (name, object with sample() -> list[DeviceMemory])
+    vllm_metrics_url: str | None = None
+    startup_log: StartupLog | None = None
+    interval: float = 5.0
+    stale_after: float = 30.0
+    read_timeout: float = 2.0
+    counter_window_seconds: float = 300.0
+    one_shot: bool = False                         # counters since process start, not over a window
+    pod_labels: dict[str, str] = field(default_factory=pod_labels_from_env)
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self._lock = threading.Lock()
+        self._window = CounterWindow(config.counter_window_seconds)
+        self._spool = Poller(SPOOL, self._read_spool, config.read_timeout) if config.spool_dir else None
+        self._device_pollers = [Poller(name, source.sample, config.read_timeout) for name, source in config.sources]
+        self._vllm = None
+        if config.vllm_metrics_url:
+            from kvguard import vllm_metrics
+
+            url, timeout = config.vllm_metrics_url, config.read_timeout
+            self._vllm = Poller(VLLM_METRICS, lambda: vllm_metrics.fetch(url, timeout), timeout)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------------- background reads
+
+    def _background(self) -> list[Poller]:
+        return self._device_pollers + ([self._vllm] if self._vllm else [])
+
+    def refresh_background(self, wait: float = 0.0) -> None:
+        """Start a read of every device source and vLLM; wait at most ``wait`` for them."""
+        deadline = time.monotonic() + wait
+        for poller in self._background():
+            poller.refresh(0.0)
+        for poller in self._background():
+            poller.refresh(max(0.0, deadline - time.monotonic()))
+
+    def start(self) -> None:
+        self.refresh_background(wait=self.config.read_timeout)
+        self._thread = threading.Thread(target=self._loop, name="kvguard-sidecar", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=self.config.read_timeout + 1)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.config.interval):
+            self.refresh_background()
+            try:
+                self.observe()   # keeps the counter windows sampled between scrapes
+            except Exception:    # pragma: no cover - observe() counts its own failures
+                pass
+
+    # -------------------------------------------------------------------- observation
+
+    def _read_spool(self) -> SpoolRead:
+        result = read_spool(self.config.spool_dir)
+        if result.errors and result.errors[0].startswith(f"{self.config.spool_dir}: "):
+            raise OSError(f"cannot list spool directory {result.errors[0]}")   # source down, not zero ranks
+        return result
+
+    def observe(self) -> Observation:
+        config = self.config
+        sources: list[PollState] = []
+        spool_read = SpoolRead()
+        if self._spool:
+            state = self._spool.refresh(config.read_timeout)
+            sources.append(state)
+            if state.value is not None:
+                spool_read = state.value
+        device_states = [p.state for p in self._device_pollers]
+        vllm_state = self._vllm.state if self._vllm else None
+        sources.extend(device_states)
+        if vllm_state:
+            sources.append(vllm_state)
+        with self._lock:
+            ranks, skipped = self._ranks(spool_read, vllm_state.value if vllm_state else None)
+        devices = []
+        for state in device_states:
+            for memory in state.value or []:
+                labels = {"device": memory.device, "source": state.name, **config.pod_labels}
+                devices.append(DeviceView(state.name, labels, memory))
+        return Observation(
+            ranks=ranks, devices=devices, sources=sources,
+            cached_sources=frozenset(p.name for p in self._background()),
+            spool_snapshots=len(spool_read.snapshots), skipped=skipped, errors=list(spool_read.errors),
+            interval_seconds=config.interval)
+
+    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
+        config = self.config
+        skipped = Counter(spool_read.skipped)
+        log = config.startup_log
+        log_profile = log.profile() if log else None
+        now_wall, now = time.time(), time.monotonic()
+
+        newest: dict[tuple, Snapshot] = {}
+        for snap in spool_read.snapshots:
+            key = self._label_key(snap)
+            if key in newest:
+                skipped[DUPLICATE] += 1
+                if newest[key].written_at >= snap.written_at:
+                    continue
+            newest[key] = snap
+
+        views = []
+        for key, snap in sorted(newest.items()):
+            labels = dict(zip(RANK_LABELS, key))
+            age = max(0.0, now_wall - snap.written_at)
+            stale = age > config.stale_after
+            profile, origin = (snap.profile, "snapshot") if snap.profile else \
+                (log_profile, "log" if log_profile else None)
+            blocks, kv_bytes = self._kv_cache(snap, log, vllm)
+            memory = snap.memory
+            retries, ooms = memory.alloc_retries, memory.ooms
+            if not config.one_shot:
+                window_key = (snap.host, snap.pid, snap.device)
+                retries = self._window.observe(window_key + ("retries",), now, retries)
+                ooms = self._window.observe(window_key + ("ooms",), now, ooms)
+            verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
+                                       alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
+            views.append(RankView(labels, snap, profile, origin, blocks, kv_bytes,
+                                  vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))
+        if not config.one_shot:
+            live = {(s.host, s.pid, s.device) + (c,) for s in newest.values() for c in ("retries", "ooms")}
+            self._window.forget_except(live)
+
+        if not views and (log is not None or vllm is not None):
+            # No probe: judge the one engine the log or vLLM's metrics describe.
+            labels = {"device": "", "rank": "", "pid": "", **config.pod_labels}
+            blocks, kv_bytes = self._kv_cache(None, log, vllm)
+            verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
+            views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks, kv_bytes,
+                                  vllm.kv_cache_usage_ratio if vllm else None, None, False, verdict))
+        return views, skipped
+
+    def _label_key(self, snap: Snapshot) -> tuple:
+        pod = {k: snap.pod.get(k) or self.config.pod_labels.get(k, "") for k in POD_KEYS}
+        return (snap.device, "" if snap.rank is None else str(snap.rank), str(snap.pid),
+                pod["pod"], pod["namespace"], pod["container"])
+
+    @staticmethod
+    def _kv_cache(snap: Snapshot | None, log: StartupLog | None, vllm) -> tuple[int | None, int | None]:
+        """(blocks, bytes) the engine allocated: the probe's count, else vLLM's metrics or log."""
+        if snap is not None and snap.kv_cache is not None:
+            return snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes
+        blocks = (vllm.num_gpu_blocks if vllm else None) or (log.num_gpu_blocks if log else None)
+        block_bytes = None
+        if log is not None and log.available_kv_cache_bytes:
+            log_blocks = log.num_gpu_blocks
+            block_size = vllm.block_size if vllm else None
+            if log_blocks is None and log.kv_cache_tokens and block_size:
+                log_blocks = log.kv_cache_tokens // block_size
+            if log_blocks:
+                block_bytes = log.available_kv_cache_bytes // log_blocks
+        if blocks and block_bytes:
+            return blocks, blocks * block_bytes
+        if log is not None and log.available_kv_cache_bytes is not None:
+            return blocks, max(0, log.available_kv_cache_bytes)
+        return blocks, None

@@ -1,0 +1,57 @@
+"""Real-shaped spool snapshots for the collector, server and CLI tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from kvguard.estimator import Profile, stock_kv_cache_bytes
+from kvguard.records import DeviceMemory, ProcessMemory
+from kvguard.spool import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+
+GIB = 1 << 30
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exporter", "kvguard",
+                        "examples")
+
+
+def example_profile() -> Profile:
+    """Qwen2.5-7B on a 64 GiB 910B, measured by the probe (the bundled example profile)."""
+    with open(os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")) as handle:
+        return Profile.from_dict(json.load(handle))
+
+
+def snapshot(rank: int = 0, device: str = "npu:0", pid: int = 4242, *, utilization: float | None = None,
+             kv_blocks: int | None = None, block_bytes: int = 14 * 1024 * 1024, allocated: int = 52 * GIB,
+             reserved: int = 54 * GIB, retries: int = 0, ooms: int = 0, written_at: float | None = None,
+             profile: Profile | None | str = "example", pod: dict | None = None) -> Snapshot:
+    if profile == "example":
+        profile = example_profile()
+        if utilization is not None:
+            profile = Profile(**{**profile.to_dict(), "gpu_memory_utilization": utilization})
+    if kv_blocks is None:   # what vLLM allocates: the stock budget in whole blocks
+        kv_blocks = stock_kv_cache_bytes(profile or example_profile()) // block_bytes
+    now = time.time() if written_at is None else written_at
+    memory = DeviceMemory(
+        device=device, source="mindspore", allocated_bytes=allocated, reserved_bytes=reserved,
+        peak_allocated_bytes=allocated + GIB, peak_reserved_bytes=reserved + GIB,
+        inactive_split_bytes=256 * 1024 * 1024, alloc_retries=retries, ooms=ooms,
+        total_bytes=64 * GIB, free_bytes=8 * GIB, used_bytes=56 * GIB,
+        processes=(ProcessMemory(pid=pid, used_bytes=55 * GIB, name="python3"),))
+    return Snapshot(written_at=now, started_at=now - 600, sequence=120, host="node-7", pid=pid, device=device,
+                    memory=memory, rank=rank, pod={"pod": "vllm-0", "namespace": "llm", "container": "vllm"} if pod is None else pod,
+                    profile=profile, kv_cache=KVCacheAllocation(num_blocks=kv_blocks, block_bytes=block_bytes,
+                                                                block_size=16),
+                    probe=ProbeStatus(samples_total=120, errors_total=1, interval_seconds=5.0))
+
+
+def write(spool_dir: str, *snapshots: Snapshot) -> None:
+    for snap in snapshots:
+        write_snapshot(spool_dir, snap)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,150 @@
+"""vLLM's own /metrics as the guard's input: real exposition text, and endpoints that misbehave."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kvguard import vllm_metrics
+from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.vllm_log import parse_lines
+from sidecar_fixtures import snapshot, write
+from test_collector import POD, scrape, value
+
+# As vLLM V1 exposes it (vllm/v1/metrics/loggers.py): CacheConfig fields as labels, usage 0-1.
+VLLM_TEXT = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",\
+enable_prefix_caching="True",gpu_memory_utilization="0.9",is_attention_free="False",num_cpu_blocks="None",\
+num_gpu_blocks="44292",num_gpu_blocks_override="None",prefix_caching_hash_algo="builtin",sliding_window="None",\
+swap_space="4",swap_space_bytes="4294967296"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.4213
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct"} 12.0
+"""
+
+
+class FakeVllm:
+    """A loopback /metrics endpoint that answers, hangs, or talks nonsense."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if fake.mode == "hang":
+                    fake.release.wait()
+                    return
+                status, body = {"ok": (200, VLLM_TEXT.encode()),
+                                "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
+                                "error": (500, b"internal error")}[fake.mode]
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_vllm():
+    servers = []
+
+    def start(mode):
+        server = FakeVllm(mode)
+        servers.append(server)
+        return server
+    yield start
+    for server in servers:
+        server.close()
+
+
+def tp2_log(data_path):
+    with open(data_path("logs", "v1-tp2-debug.log"), encoding="utf-8") as handle:
+        return parse_lines(handle)
+
+
+def test_parse_reads_blocks_block_size_utilization_and_usage():
+    state = vllm_metrics.parse(VLLM_TEXT)
+    assert (state.num_gpu_blocks, state.block_size, state.gpu_memory_utilization) == (44292, 16, 0.9)
+    assert state.kv_cache_usage_ratio == pytest.approx(0.4213)
+
+
+def test_parse_rejects_text_without_vllm_kv_facts():
+    with pytest.raises(vllm_metrics.VllmMetricsError, match="no vllm:cache_config_info"):
+        vllm_metrics.parse("# TYPE up gauge\nup 1\n")
+
+
+def test_vllm_blocks_times_log_block_bytes_are_the_kv_cache_allocated(fake_vllm, data_path):
+    server = fake_vllm("ok")
+    startup = tp2_log(data_path)
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, startup_log=startup, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    block_bytes = startup.available_kv_cache_bytes // (startup.kv_cache_tokens // 16)
+    assert value(samples, "kvguard_kv_cache_allocated_blocks") == 44292
+    assert value(samples, "kvguard_kv_cache_allocated_bytes") == 44292 * block_bytes
+    assert value(samples, "kvguard_kv_cache_usage_ratio") == pytest.approx(0.4213)
+    assert value(samples, "kvguard_source_up", source="vllm_metrics") == 1
+
+
+def test_vllm_usage_is_attached_to_every_spool_rank(fake_vllm, tmp_path):
+    server = fake_vllm("ok")
+    write(tmp_path, snapshot(rank=0, pid=1), snapshot(rank=1, device="npu:1", pid=2))
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    assert [v for _, v in scrape(sidecar)["kvguard_kv_cache_usage_ratio"]] == [pytest.approx(0.4213)] * 2
+
+
+@pytest.mark.parametrize("mode, error", [("garbage", "not Prometheus metrics text"), ("error", "HTTP 500")])
+def test_a_vllm_endpoint_that_misbehaves_is_a_down_source_with_one_line(fake_vllm, mode, error):
+    server = fake_vllm(mode)
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert value(samples, "kvguard_source_up", source="vllm_metrics") == 0
+    message = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["last_error"]
+    assert error in message and "\n" not in message
+
+
+def test_a_vllm_endpoint_that_hangs_is_cut_off_at_the_read_timeout(fake_vllm):
+    server = fake_vllm("hang")
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, read_timeout=0.2, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=0.0)
+    result = {}
+    scraper = threading.Thread(target=lambda: result.update(scrape(sidecar)), daemon=True)
+    scraper.start()
+    scraper.join(timeout=30)
+    assert not scraper.is_alive()
+    # The read itself ends at the socket timeout; poll until it has, with a deadline.
+    deadline = threading.Event()
+    for _ in range(300):
+        if sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["errors_total"] >= 1:
+            break
+        deadline.wait(0.05)
+    sources = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]
+    assert sources["up"] is False and sources["errors_total"] >= 1
+
+
+def test_a_non_http_url_is_refused():
+    with pytest.raises(vllm_metrics.VllmMetricsError, match="not an http"):
+        vllm_metrics.fetch("file:///etc/passwd", timeout=1)
