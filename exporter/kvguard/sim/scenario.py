@@ -1,0 +1,565 @@
+"""A vLLM serving run on a simulated device: startup as vLLM measures it, then serving.
+
+API (stable; the probe's ``sim`` source and ``kvguard serve --demo`` drive it)::
+
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+
+    config = ScenarioConfig(model_config=json.load(f), device_memory_bytes=32 << 30,
+                            gpu_memory_utilization=0.9, allocator="mindspore", budget="stock")
+    scenario = ServingScenario(config)      # nothing allocated yet
+    scenario.startup()                      # weights, profile run, budget, KV cache -> Profile
+    while not scenario.finished:
+        record = scenario.step()            # one scheduler step -> StepRecord
+        stats = scenario.memory_stats()     # the allocator's own dict, real key names
+        free, total = scenario.device_memory()
+    result = scenario.result()              # ScenarioResult; .to_dict() for --json
+
+    result = ServingScenario(config).run()  # the same, start to finish
+
+``ServingScenario`` members:
+
+- ``startup() -> Profile``: loads the weights (MindSpore: persistent pool), runs the
+  profile forward at ``max_num_batched_tokens`` the way vLLM's ``memory_profiling``
+  measures it (peak stats reset before; allocated-peak increase and reserved increase
+  read before ``empty_cache``), sizes the KV cache with
+  ``kvguard.estimator.stock_kv_cache_bytes`` or ``reserved_kv_cache_bytes`` and
+  allocates it per layer as vLLM does. An OOM here ends the run (``oom_phase``). Idempotent.
+- ``step() -> StepRecord``: one scheduler step (chunked prefill, FCFS, preemption when
+  KV blocks run out); calls ``startup()`` first if needed; after the run is
+  ``finished`` it returns the last record again.
+- ``memory_stats() -> dict``: ``torch.cuda.memory_stats()``-style flattened dict for
+  ``torch``/``torch_npu``, ``mindspore.runtime.memory_stats()``-style dict for ``mindspore``.
+- ``device_memory() -> (free_bytes, total_bytes)``: as ``mem_get_info`` returns it.
+- properties: ``profile`` (``Profile`` or None), ``kv_cache_bytes``, ``num_blocks``,
+  ``oom`` (bool), ``oom_at_step`` (serving step index or None), ``oom_phase``
+  (``"weights" | "profile" | "kv_cache" | "serving" | None``), ``error`` (one line or
+  None, e.g. no memory for the cache blocks), ``finished``, ``step_index``,
+  ``timeline`` (tuple of ``StepRecord``), ``kv_layout``, ``allocator``, ``device``.
+- ``run(progress=None) -> ScenarioResult``: drives to the end; ``progress(done, total)``
+  is called after each step when given.
+
+Everything is deterministic for a given config (the request mix comes from ``seed``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from ..estimator import (KVLayout, Profile, estimate, kv_layout_from_config, reserved_kv_cache_bytes,
+                         stock_kv_cache_bytes)
+from .base import SimOutOfMemory
+from .device import Device
+from .mindspore_pool import DEFAULT_INCREASE_SIZE, DynamicMemPool
+from .torch_alloc import CachingAllocator
+from .workload import ModelShape, forward_ops, model_shape, weight_tensors
+
+ALLOCATORS = ("torch", "torch_npu", "mindspore")
+BUDGETS = ("stock", "reserved")
+MIB = 1 << 20
+GIB = 1 << 30
+# Held outside the allocator from the start: CUDA context (+ cuBLAS workspace) on NVIDIA;
+# the ACL runtime context and HCCL buffers on Ascend.
+DEFAULT_NON_ALLOCATOR_BYTES = {"torch": 512 * MIB, "torch_npu": 1 * GIB, "mindspore": 1 * GIB}
+
+
+@dataclass(frozen=True)
+class ScenarioConfig:
+    """Everything a run depends on; bytes are ints."""
+
+    model_config: Mapping[str, Any]
+    device_memory_bytes: int
+    gpu_memory_utilization: float = 0.9
+    allocator: str = "torch"
+    budget: str = "stock"
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None          # None: the model's max_position_embeddings, at most 32768
+    max_num_seqs: int = 256
+    requests: int = 64
+    seed: int = 0
+    long_request_fraction: float = 0.25       # share of requests with prompts of max_model_len/2 or more
+    short_prompt_tokens: tuple[int, int] = (32, 1024)
+    short_output_tokens: tuple[int, int] = (16, 256)
+    long_output_tokens: tuple[int, int] = (16, 128)
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    non_allocator_bytes: int | None = None    # None: DEFAULT_NON_ALLOCATOR_BYTES[allocator]
+    profile_non_allocator_growth_bytes: int = 0  # runtime workspace that appears on the first forward
+    # PyTorch caching allocator
+    max_split_size_bytes: int | None = None
+    expandable_segments: bool = False
+    # MindSpore pool
+    increase_size_bytes: int = DEFAULT_INCREASE_SIZE
+    block_growth: str = "add"                 # "add" (graph mode) or "double" (PyNative)
+    enable_vmm: bool = False
+    gather_kv_on_chunked_prefill: bool | None = None  # None: True for mindspore
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"unknown allocator {self.allocator!r} (choose from {', '.join(ALLOCATORS)})")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"unknown budget {self.budget!r} (choose from {', '.join(BUDGETS)})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device_memory_bytes <= 0:
+            raise ValueError("device memory must be positive")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "requests", "block_size", "tensor_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.long_request_fraction <= 1:
+            raise ValueError("long_request_fraction must be in [0, 1]")
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len:
+            return self.max_model_len
+        text = dict(self.model_config)
+        for nested in ("text_config", "llm_config", "language_config"):
+            if isinstance(text.get(nested), Mapping):
+                text.update(text[nested])
+        return min(int(text.get("max_position_embeddings") or 32768), 32768)
+
+    @property
+    def resolved_non_allocator_bytes(self) -> int:
+        if self.non_allocator_bytes is not None:
+            return self.non_allocator_bytes
+        return DEFAULT_NON_ALLOCATOR_BYTES[self.allocator]
+
+    @property
+    def gathers_kv(self) -> bool:
+        if self.gather_kv_on_chunked_prefill is not None:
+            return self.gather_kv_on_chunked_prefill
+        return self.allocator == "mindspore"
+
+    def summary(self) -> dict[str, Any]:
+        """The config without the model's JSON, for reports."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "model_config"}
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = list(value)
+        out["max_model_len"] = self.resolved_max_model_len
+        out["non_allocator_bytes"] = self.resolved_non_allocator_bytes
+        out["gather_kv_on_chunked_prefill"] = self.gathers_kv
+        return out
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: int
+    prompt_tokens: int
+    output_tokens: int
+    is_long: bool
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One point of the timeline: the step's peaks and its end state, in bytes."""
+
+    step: int                 # serving step index; -1 for startup phases
+    phase: str                # "weights", "profile", "kv_cache", "serving"
+    allocated_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_used_bytes: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_tokens: int = 0
+    kv_blocks_used: int = 0
+
+
+@dataclass(frozen=True)
+class ScenarioResult:
+    config: ScenarioConfig
+    oom: bool
+    oom_at_step: int | None
+    oom_phase: str | None
+    oom_request_bytes: int | None
+    error: str | None
+    profile: Profile | None
+    kv_cache_bytes: int | None
+    num_blocks: int | None
+    steps: int
+    requests_finished: int
+    preemptions: int
+    memory_stats: dict[str, Any]
+    device_free_bytes: int
+    device_total_bytes: int
+    device_peak_used_bytes: int
+    timeline: tuple[StepRecord, ...] = field(repr=False, default=())
+    kv_layout: KVLayout | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        est = estimate(self.profile, self.kv_layout, self.config.resolved_max_model_len) if self.profile else None
+        return {
+            "oom": self.oom,
+            "oom_at_step": self.oom_at_step,
+            "oom_phase": self.oom_phase,
+            "oom_request_bytes": self.oom_request_bytes,
+            "error": self.error,
+            "budget": self.config.budget,
+            "allocator": self.config.allocator,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "num_blocks": self.num_blocks,
+            "profile": self.profile.to_dict() if self.profile else None,
+            "estimate": est.to_dict() if est else None,
+            "steps": self.steps,
+            "requests_finished": self.requests_finished,
+            "requests": self.config.requests,
+            "preemptions": self.preemptions,
+            "device": {"total_bytes": self.device_total_bytes, "free_bytes": self.device_free_bytes,
+                       "peak_used_bytes": self.device_peak_used_bytes},
+            "memory_stats": _jsonable(self.memory_stats),
+            "config": self.config.summary(),
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def make_requests(config: ScenarioConfig) -> list[Request]:
+    """The seeded request mix: short chat-like requests and long-context ones."""
+    rng = random.Random(config.seed)
+    max_len = config.resolved_max_model_len
+    requests = []
+    for request_id in range(config.requests):
+        is_long = rng.random() < config.long_request_fraction
+        if is_long:
+            out_lo, out_hi = config.long_output_tokens
+            output = rng.randint(out_lo, out_hi)
+            prompt = rng.randint(max(1, max_len // 2), max(1, max_len - output))
+        else:
+            out_lo, out_hi = config.short_output_tokens
+            output = rng.randint(out_lo, out_hi)
+            lo, hi = config.short_prompt_tokens
+            prompt = rng.randint(lo, max(lo, min(hi, max_len - output)))
+        requests.append(Request(request_id, prompt, output, is_long))
+    return requests
+
+
+def make_allocator(config: ScenarioConfig, device: Device):
+    if config.allocator == "mindspore":
+        return DynamicMemPool(device, increase_size=config.increase_size_bytes, growth=config.block_growth,
+                              enable_vmm=config.enable_vmm)
+    return CachingAllocator(device, variant=config.allocator, max_split_size=config.max_split_size_bytes,
+                            expandable_segments=config.expandable_segments)
+
+
+class _Running:
+    __slots__ = ("request", "computed", "generated", "blocks")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.computed = 0      # prompt tokens already prefilled
+        self.generated = 0     # output tokens produced
+        self.blocks = 0        # KV blocks held
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < self.request.prompt_tokens
+
+    @property
+    def context(self) -> int:
+        return self.computed + self.generated
+
+
+class ServingScenario:
+    """Drives one rank of a vLLM server through startup and serving on a simulated device."""
+
+    def __init__(self, config: ScenarioConfig) -> None:
+        self.config = config
+        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size)
+        self.kv_layout: KVLayout = kv_layout_from_config(
+            config.model_config, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+            tensor_parallel_size=config.tensor_parallel_size)
+        self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
+        self.allocator = make_allocator(config, self.device)
+        self.requests = make_requests(config)
+        self._waiting: deque[_Running] = deque(_Running(r) for r in self.requests)
+        self._running: list[_Running] = []
+        self._free_blocks = 0
+        self._timeline: list[StepRecord] = []
+        self._started = False
+        self._ops_cache: dict[tuple, list] = {}
+        self.profile: Profile | None = None
+        self.kv_cache_bytes: int | None = None
+        self.num_blocks: int | None = None
+        self.oom = False
+        self.oom_at_step: int | None = None
+        self.oom_phase: str | None = None
+        self.oom_request_bytes: int | None = None
+        self.error: str | None = None
+        self.step_index = 0
+        self.requests_finished = 0
+        self.preemptions = 0
+        self._kv_addrs: list[int] = []
+
+    # ----------------------------------------------------------------- public state
+    @property
+    def finished(self) -> bool:
+        if self.oom or self.error:
+            return True
+        return self._started and not self._waiting and not self._running
+
+    @property
+    def timeline(self) -> tuple[StepRecord, ...]:
+        return tuple(self._timeline)
+
+    def memory_stats(self) -> dict[str, Any]:
+        return self.allocator.memory_stats()
+
+    def device_memory(self) -> tuple[int, int]:
+        return self.device.mem_get_info()
+
+    # ----------------------------------------------------------------- startup
+    def _snapshot(self) -> tuple[int, int, int]:
+        """(allocated peak, reserved, non-torch) as vLLM's ``MemorySnapshot.measure`` reads them."""
+        free, total = self.device.mem_get_info()
+        reserved = self.allocator.reserved_bytes
+        return self.allocator.peak_allocated_bytes, reserved, (total - free) - reserved
+
+    def _record(self, phase: str, step: int = -1, **extra: int) -> StepRecord:
+        peak_alloc, peak_reserved = self.allocator.take_window_peaks()
+        record = StepRecord(step=step, phase=phase, allocated_bytes=self.allocator.allocated_bytes,
+                            reserved_bytes=self.allocator.reserved_bytes, peak_allocated_bytes=peak_alloc,
+                            peak_reserved_bytes=peak_reserved, device_used_bytes=self.device.used_bytes, **extra)
+        self._timeline.append(record)
+        return record
+
+    def _fail(self, phase: str, exc: SimOutOfMemory) -> None:
+        self.oom = True
+        self.oom_phase = phase
+        self.oom_request_bytes = exc.requested_bytes
+        if phase == "serving":
+            self.oom_at_step = self.step_index
+
+    def startup(self) -> Profile | None:
+        if self._started:
+            return self.profile
+        self._started = True
+        cfg = self.config
+        alloc = self.allocator
+        persistent = cfg.allocator == "mindspore"
+        _, _, init_non_torch = self._snapshot()
+        # Weights: vLLM's DeviceMemoryProfiler reads the allocated increase.
+        alloc.reset_peak_memory_stats()
+        before_weights = alloc.allocated_bytes
+        try:
+            for size in weight_tensors(self.shape):
+                alloc.malloc(size, persistent)
+        except SimOutOfMemory as exc:
+            self._record("weights")
+            self._fail("weights", exc)
+            return None
+        weights_bytes = alloc.allocated_bytes - before_weights
+        self._record("weights")
+
+        # memory_profiling(): gc + empty_cache + reset peaks, then the profile run.
+        alloc.empty_cache()
+        alloc.reset_peak_memory_stats()
+        before_peak, before_reserved, _ = self._snapshot()
+        num_tokens = cfg.max_num_batched_tokens
+        num_seqs = min(cfg.max_num_seqs, num_tokens)
+        try:
+            if cfg.profile_non_allocator_growth_bytes and \
+                    not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):
+                raise SimOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
+            self._execute(self._ops(num_tokens, num_seqs, ()))
+        except SimOutOfMemory as exc:
+            self._record("profile")
+            self._fail("profile", exc)
+            return None
+        # vllm-mindspore reads reserved before empty_cache; the allocated peak is unaffected by it.
+        after_peak, after_reserved, after_non_torch = self._snapshot()
+        self._record("profile")
+        alloc.empty_cache()
+        self.profile = Profile(
+            total_memory_bytes=self.device.capacity_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            weights_bytes=weights_bytes,
+            peak_allocated_increase_bytes=after_peak - before_peak,
+            peak_reserved_increase_bytes=after_reserved - before_reserved,
+            non_torch_increase_bytes=after_non_torch - init_non_torch,
+        )
+        kv_bytes = stock_kv_cache_bytes(self.profile) if cfg.budget == "stock" \
+            else reserved_kv_cache_bytes(self.profile)
+        self.kv_cache_bytes = kv_bytes
+        self.num_blocks = self.kv_layout.num_blocks(kv_bytes)
+        if self.num_blocks <= 0:
+            self.error = ("No available memory for the cache blocks. Try increasing "
+                          "`gpu_memory_utilization` when initializing the engine.")
+            return self.profile
+        max_blocks_per_request = self.kv_layout.blocks_per_request(cfg.resolved_max_model_len)
+        if self.num_blocks < max_blocks_per_request:
+            self.error = (f"the model's max seq len ({cfg.resolved_max_model_len}) is larger than the maximum "
+                          f"number of tokens that can be stored in KV cache "
+                          f"({self.num_blocks * self.kv_layout.block_size})")
+            return self.profile
+        try:
+            for size in self._kv_tensor_sizes(self.num_blocks):
+                self._kv_addrs.append(alloc.malloc(size))
+        except SimOutOfMemory as exc:
+            self._record("kv_cache")
+            self._fail("kv_cache", exc)
+            return self.profile
+        self._free_blocks = self.num_blocks
+        self._record("kv_cache")
+        return self.profile
+
+    def _kv_tensor_sizes(self, num_blocks: int) -> list[int]:
+        layout = self.kv_layout
+        per_layer = num_blocks * layout.page_bytes_per_layer
+        if self.config.allocator == "mindspore" and not layout.is_mla:
+            # vllm-mindspore keeps separate key and value cache tensors per layer.
+            return [per_layer // 2, per_layer - per_layer // 2] * layout.num_layers
+        # vLLM V1 allocates one raw int8 buffer per layer and views it as K and V.
+        return [per_layer] * layout.num_layers
+
+    # ----------------------------------------------------------------- execution
+    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> list:
+        key = (num_tokens, num_seqs, gathered)
+        ops = self._ops_cache.get(key)
+        if ops is None:
+            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered))
+            if len(self._ops_cache) > 256:
+                self._ops_cache.clear()
+            self._ops_cache[key] = ops
+        return ops
+
+    def _execute(self, ops: list) -> None:
+        malloc = self.allocator.malloc
+        free = self.allocator.free
+        live: dict[Any, int] = {}
+        try:
+            for key, size in ops:
+                if size is None:
+                    free(live.pop(key))
+                else:
+                    live[key] = malloc(size)
+        except SimOutOfMemory:
+            for addr in live.values():
+                free(addr)
+            raise
+
+    # ----------------------------------------------------------------- serving
+    def _blocks_needed(self, seq: _Running, new_tokens: int) -> int:
+        total = seq.context + new_tokens
+        return -(-total // self.kv_layout.block_size) - seq.blocks
+
+    def _preempt(self) -> None:
+        victim = self._running.pop()
+        self._free_blocks += victim.blocks
+        victim.blocks = 0
+        victim.computed = 0
+        victim.generated = 0
+        self._waiting.appendleft(victim)
+        self.preemptions += 1
+
+    def _schedule(self) -> list[tuple[_Running, int]]:
+        """vLLM V1's scheduler, simplified: running first, then waiting FCFS, one token budget."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[_Running, int]] = []
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            tokens = min(seq.request.prompt_tokens - seq.computed, budget) if seq.in_prefill else 1
+            need = self._blocks_needed(seq, tokens)
+            while need > self._free_blocks and self._running[-1] is not seq:
+                self._preempt()
+            if need > self._free_blocks:
+                self._preempt()  # the sequence itself
+                break
+            self._free_blocks -= need
+            seq.blocks += need
+            scheduled.append((seq, tokens))
+            budget -= tokens
+            index += 1
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            seq = self._waiting[0]
+            tokens = min(seq.request.prompt_tokens - seq.computed, budget)
+            need = self._blocks_needed(seq, tokens)
+            if need > self._free_blocks:
+                break
+            self._waiting.popleft()
+            self._free_blocks -= need
+            seq.blocks += need
+            self._running.append(seq)
+            scheduled.append((seq, tokens))
+            budget -= tokens
+        return scheduled
+
+    def step(self) -> StepRecord:
+        if not self._started:
+            self.startup()
+        if self.finished:
+            return self._timeline[-1] if self._timeline else self._record("serving", self.step_index)
+        scheduled = self._schedule()
+        num_tokens = sum(tokens for _, tokens in scheduled)
+        gathered: tuple[int, ...] = ()
+        if self.config.gathers_kv:
+            gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
+                             if seq.in_prefill and seq.computed > 0)
+        if num_tokens:
+            try:
+                self._execute(self._ops(num_tokens, len(scheduled), gathered))
+            except SimOutOfMemory as exc:
+                self._fail("serving", exc)
+                return self._record("serving", self.step_index, num_running=len(self._running),
+                                    num_waiting=len(self._waiting), num_tokens=num_tokens,
+                                    kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+        for seq, tokens in scheduled:
+            if seq.in_prefill:
+                seq.computed += tokens
+                if not seq.in_prefill:
+                    seq.generated += 1  # the last prefill chunk samples the first token
+            else:
+                seq.generated += 1
+        still_running = []
+        for seq in self._running:
+            if not seq.in_prefill and seq.generated >= seq.request.output_tokens:
+                self._free_blocks += seq.blocks
+                seq.blocks = 0
+                self.requests_finished += 1
+            else:
+                still_running.append(seq)
+        self._running = still_running
+        record = self._record("serving", self.step_index, num_running=len(self._running),
+                              num_waiting=len(self._waiting), num_tokens=num_tokens,
+                              kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+        self.step_index += 1
+        if not num_tokens and not self._running and self._waiting:
+            # Nothing fits even alone: vLLM would reject such a request; drop it to stay live.
+            self._waiting.popleft()
+        return record
+
+    def result(self) -> ScenarioResult:
+        free, total = self.device.mem_get_info()
+        return ScenarioResult(
+            config=self.config, oom=self.oom, oom_at_step=self.oom_at_step, oom_phase=self.oom_phase,
+            oom_request_bytes=self.oom_request_bytes, error=self.error, profile=self.profile,
+            kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, steps=self.step_index,
+            requests_finished=self.requests_finished, preemptions=self.preemptions,
+            memory_stats=self.allocator.memory_stats(), device_free_bytes=free, device_total_bytes=total,
+            device_peak_used_bytes=self.device.peak_used_bytes, timeline=tuple(self._timeline),
+            kv_layout=self.kv_layout)
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
+        self.startup()
+        total = len(self.requests)
+        while not self.finished:
+            self.step()
+            if progress is not None:
+                progress(self.requests_finished, total)
+        return self.result()
+
+
+def run_scenario(config: ScenarioConfig, **overrides: Any) -> ScenarioResult:
+    """Run ``config`` (with field overrides) start to finish."""
+    return ServingScenario(replace(config, **overrides) if overrides else config).run()
