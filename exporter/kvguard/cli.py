@@ -285,5 +285,150 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
                 f"  or  --kv-cache-memory {rec_k}")
 
 
+# ---------------------------------------------------------------------------- simulate
+
+_BUNDLED_MODEL_CONFIG = "qwen2.5-7b-instruct"
+
+
+@main.command()
+@click.option("--model-config", "model_config", metavar="PATH",
+              help="HF config.json (or its directory). Default: the bundled Qwen2.5-7B-Instruct config.")
+@click.option("--device-memory", type=SIZE, default="32GiB", show_default=True,
+              help="Device capacity (32GiB: an Atlas 910B4).")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
+              show_default=True)
+@click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]), default="torch",
+              show_default=True)
+@click.option("--budget", type=click.Choice(["stock", "reserved"]), default="stock", show_default=True,
+              help="stock: vLLM's allocated-peak formula; reserved: vllm-mindspore's reserved-increase fix.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
+@click.option("--max-model-len", type=click.IntRange(min=1),
+              help="Default: the model's max_position_embeddings, at most 32768.")
+@click.option("--requests", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--long-fraction", type=click.FloatRange(0, 1), default=0.25, show_default=True,
+              help="Share of requests with prompts of max_model_len/2 or more.")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--non-allocator-memory", type=SIZE,
+              help="Device memory held outside the allocator (default: 512MiB CUDA, 1GiB Ascend).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--trace", "trace_file", metavar="FILE",
+              help="Replay a MindSpore memory_block.csv or a PyTorch _dump_snapshot pickle instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--plot", "plot_file", metavar="FILE.png", help="Write allocated/reserved/capacity over time.")
+def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
+             max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seed, trace_file,
+             as_json, plot_file) -> None:
+    """Simulate vLLM startup and serving on a device, with a real allocator's rules.
+
+    Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
+    cache with the chosen budget formula, then serves a seeded mix of short and long
+    requests under chunked prefill until they finish or the allocator runs out of memory.
+    """
+    from kvguard.sim.device import Device
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
+    from kvguard.sim.traces import TraceError, load_trace, replay
+
+    if plot_file:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.ClickException("--plot needs matplotlib: pip install 'kvguard[plot]'") from None
+    try:
+        if model_config:
+            config_dict = load_model_config(model_config)
+        else:
+            from importlib import resources
+            bundled = resources.files("kvguard") / "examples" / _BUNDLED_MODEL_CONFIG / "config.json"
+            config_dict = json.loads(bundled.read_text())
+        config = ScenarioConfig(
+            model_config=config_dict, device_memory_bytes=device_memory,
+            gpu_memory_utilization=gpu_memory_utilization, allocator=allocator, budget=budget,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, requests=requests,
+            long_request_fraction=long_fraction, tensor_parallel_size=tensor_parallel_size,
+            non_allocator_bytes=non_allocator_memory, seed=seed)
+        if non_allocator_memory is not None and non_allocator_memory >= device_memory:
+            raise ValueError("--non-allocator-memory must be smaller than --device-memory")
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    if trace_file:
+        try:
+            trace = load_trace(trace_file)
+        except TraceError as exc:
+            raise click.ClickException(str(exc)) from None
+        device = Device(device_memory, config.resolved_non_allocator_bytes)
+        target = make_allocator(config, device)
+        outcome = replay(trace.events, target, sample_every=max(1, len(trace.events) // 2000))
+        data = {
+            "oom": outcome.oom, "oom_at_step": outcome.oom_at_event, "oom_request_bytes": outcome.oom_request_bytes,
+            "trace": {"file": trace_file, "format": trace.source, "events": len(trace.events),
+                      "allocations": trace.num_allocs, "skipped": trace.skipped,
+                      "events_replayed": outcome.events_replayed},
+            "allocator": allocator, "kv_cache_bytes": None, "num_blocks": None, "profile": None,
+            "peak_allocated_bytes": outcome.peak_allocated_bytes, "peak_reserved_bytes": outcome.peak_reserved_bytes,
+            "device": {"total_bytes": device.capacity_bytes, "free_bytes": device.free_bytes,
+                       "peak_used_bytes": device.peak_used_bytes},
+            "memory_stats": {str(k): v for k, v in outcome.memory_stats.items()},
+        }
+        if plot_file:
+            from kvguard.sim.plot import plot_replay
+            plot_replay(outcome, device_memory, plot_file, f"{trace.source} replayed on {allocator}")
+        if as_json:
+            _emit_json(data)
+            return
+        click.echo(f"Trace        {trace_file} ({trace.source}): {len(trace.events)} events, "
+                   f"{trace.num_allocs} allocations, {trace.skipped} skipped")
+        click.echo(f"Allocator    {allocator} on {format_bytes(device_memory)}")
+        click.echo(f"Peaks        allocated {format_bytes(outcome.peak_allocated_bytes)}, "
+                   f"reserved {format_bytes(outcome.peak_reserved_bytes)}")
+        click.echo("Outcome      " + (f"OOM at event {outcome.oom_at_event} "
+                                      f"({format_bytes(outcome.oom_request_bytes)} requested)"
+                                      if outcome.oom else "no OOM"))
+        return
+
+    try:
+        scenario = ServingScenario(config)
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    scenario.startup()
+    if sys.stderr.isatty() and not scenario.finished:
+        with click.progressbar(length=len(scenario.requests), label="serving", file=sys.stderr) as bar:
+            done = 0
+
+            def advance(finished: int, _total: int) -> None:
+                nonlocal done
+                bar.update(finished - done)
+                done = finished
+
+            result = scenario.run(progress=advance)
+    else:
+        result = scenario.run()
+    if plot_file:
+        from kvguard.sim.plot import plot_scenario
+        plot_scenario([result], plot_file)
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    profile = result.profile
+    click.echo(f"Device       {format_bytes(device_memory)}, utilization {gpu_memory_utilization:g}, "
+               f"allocator {allocator}, budget {budget}")
+    if profile is not None:
+        click.echo(f"Profile      weights {format_bytes(profile.weights_bytes)}, allocated peak +"
+                   f"{format_bytes(profile.peak_allocated_increase_bytes)}, reserved +"
+                   f"{format_bytes(profile.peak_reserved_increase_bytes)}, non-torch "
+                   f"{format_bytes(profile.non_torch_increase_bytes)}")
+    if result.kv_cache_bytes is not None:
+        click.echo(f"KV cache     {format_bytes(result.kv_cache_bytes)} ({_fmt_int(result.num_blocks)} blocks)")
+    click.echo(f"Serving      {result.steps} steps, {result.requests_finished}/{requests} requests finished, "
+               f"{result.preemptions} preemptions")
+    if result.error:
+        click.echo(f"Error        {result.error}")
+    if result.oom:
+        where = f"serving step {result.oom_at_step}" if result.oom_at_step is not None else result.oom_phase
+        click.echo(f"Outcome      OOM during {where} ({format_bytes(result.oom_request_bytes)} requested)")
+    elif not result.error:
+        click.echo("Outcome      no OOM")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -24,9 +24,13 @@ Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator``
   ``empty_cache`` eager-frees idle buffers and releases blocks left wholly unmapped.
   Without VMM, ``empty_cache`` releases nothing (``AscendVmmAdapter::EmptyCache``).
 
-Statistics are ``mindspore.runtime.memory_stats()``'s keys. ``max_reserved_memory`` and
-``max_allocated_memory`` are peaks since the last ``reset_peak_memory_stats`` (some builds
-report them as increases since the reset instead).
+Statistics are ``mindspore.runtime.memory_stats()``'s keys. ``max_allocated_memory`` is
+``MemStat``'s ``temp_peak_size_``: the peak *increase* of used memory since the last
+``reset_peak_memory_stats`` (the absolute peak until the first reset), which is why
+``max_memory_allocated()`` reads 0 right after a reset. ``max_reserved_memory`` is the
+peak of reserved memory since the reset (⚠ builds differ here). ``peak_allocated_bytes``
+and ``peak_reserved_bytes`` are absolute peaks since the reset, what vLLM's profile
+arithmetic needs.
 """
 
 from __future__ import annotations
@@ -202,6 +206,8 @@ class DynamicMemPool:
         self.physical_bytes = 0       # what the device has granted (VMM: mapped pages)
         self._peak_used = 0
         self._peak_alloc = 0
+        self._used_at_reset = 0     # MemStat::temp_used_size_
+        self._peak_increase = 0     # MemStat::temp_peak_size_
         self._window_used = 0
         self._window_alloc = 0
         self.num_ooms = 0
@@ -304,6 +310,8 @@ class DynamicMemPool:
         self.used_size += buf.size
         if self.used_size > self._peak_used:
             self._peak_used = self.used_size
+        if self.used_size - self._used_at_reset > self._peak_increase:
+            self._peak_increase = self.used_size - self._used_at_reset
         if self.used_size > self._window_used:
             self._window_used = self.used_size
         return buf.addr
@@ -357,6 +365,8 @@ class DynamicMemPool:
     def reset_peak_memory_stats(self) -> None:
         self._peak_used = self.used_size
         self._peak_alloc = self.alloc_size
+        self._used_at_reset = self.used_size
+        self._peak_increase = 0
 
     def memory_stats(self) -> dict[str, Any]:
         """``mindspore.runtime.memory_stats()``: real key names; block addresses stand in for capsules."""
@@ -376,7 +386,7 @@ class DynamicMemPool:
             "total_idle_memory": self.alloc_size - self.used_size,
             "total_eager_free_memory": self.eager_free_size,
             "max_reserved_memory": self._peak_alloc,
-            "max_allocated_memory": self._peak_used,
+            "max_allocated_memory": self._peak_increase,
             "common_mem_pool_stats": pool_stats(False),
             "persistent_mem_pool_stats": pool_stats(True),
         }

@@ -114,6 +114,8 @@ class CachingAllocator:
         self._segments: list[Segment] = []
         self._next_addr = 1 << 40
         self._stats = {name: _new_stat() for name in STAT_ARRAYS}
+        for name in STAT_ARRAYS:
+            setattr(self, f"_s_{name}", self._stats[name])
         self._oversize_allocations = [0, 0, 0, 0]
         self._oversize_segments = [0, 0, 0, 0]
         self.num_alloc_retries = 0
@@ -139,21 +141,7 @@ class CachingAllocator:
             return K_LARGE_BUFFER
         return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
-    # ----------------------------------------------------------------- stats helpers
-    def _inc(self, name: str, pool: int, amount: int) -> None:
-        arrays = self._stats[name]
-        for stat in (arrays[_ALL], arrays[pool]):
-            stat[0] += amount
-            if stat[0] > stat[1]:
-                stat[1] = stat[0]
-            stat[2] += amount
-
-    def _dec(self, name: str, pool: int, amount: int) -> None:
-        arrays = self._stats[name]
-        for stat in (arrays[_ALL], arrays[pool]):
-            stat[0] -= amount
-            stat[3] += amount
-
+    # ----------------------------------------------------------------- counters
     @property
     def allocated_bytes(self) -> int:
         return self._stats["allocated_bytes"][_ALL][0]
@@ -271,21 +259,34 @@ class CachingAllocator:
             if not expandable:
                 if already_split:
                     # An already-split inactive block shrinks by `size` bytes.
-                    self._dec("inactive_split_bytes", pool, size)
+                    _dec(self._s_inactive_split_bytes, pool, size)
                 else:
-                    self._inc("inactive_split_bytes", pool, remaining_size)
-                    self._inc("inactive_split", pool, 1)
+                    _inc(self._s_inactive_split_bytes, pool, remaining_size)
+                    _inc(self._s_inactive_split, pool, 1)
         elif already_split and not expandable:
-            self._dec("inactive_split_bytes", pool, block.size)
-            self._dec("inactive_split", pool, 1)
+            _dec(self._s_inactive_split_bytes, pool, block.size)
+            _dec(self._s_inactive_split, pool, 1)
         block.allocated = True
         block.requested = requested
         self._active[block.addr] = block
-        self._inc("allocation", pool, 1)
-        self._inc("allocated_bytes", pool, block.size)
-        self._inc("active", pool, 1)
-        self._inc("active_bytes", pool, block.size)
-        self._inc("requested_bytes", pool, requested)
+        # Unrolled: this is the hot path. `active` mirrors `allocation` (no stream events
+        # are modelled, so nothing is freed-but-pending) and is filled in by memory_stats().
+        size = block.size
+        for stat in (self._s_allocation[_ALL], self._s_allocation[pool]):
+            stat[0] += 1
+            stat[2] += 1
+            if stat[0] > stat[1]:
+                stat[1] = stat[0]
+        for stat in (self._s_allocated_bytes[_ALL], self._s_allocated_bytes[pool]):
+            stat[0] += size
+            stat[2] += size
+            if stat[0] > stat[1]:
+                stat[1] = stat[0]
+        for stat in (self._s_requested_bytes[_ALL], self._s_requested_bytes[pool]):
+            stat[0] += requested
+            stat[2] += requested
+            if stat[0] > stat[1]:
+                stat[1] = stat[0]
         if block.size >= self.max_split_size:
             _bump(self._oversize_allocations, 1)
         allocated = self._stats["allocated_bytes"][_ALL][0]
@@ -305,8 +306,8 @@ class CachingAllocator:
         self._segments.append(segment)
         self._next_addr += alloc_size
         pool = _SMALL if small else _LARGE
-        self._inc("segment", pool, 1)
-        self._inc("reserved_bytes", pool, alloc_size)
+        _inc(self._s_segment, pool, 1)
+        _inc(self._s_reserved_bytes, pool, alloc_size)
         if alloc_size >= self.max_split_size:
             _bump(self._oversize_segments, 1)
         self._note_reserved()
@@ -322,9 +323,16 @@ class CachingAllocator:
         block = self._active.pop(addr)
         pool = _SMALL if block.small else _LARGE
         original_size = block.size
-        self._dec("allocation", pool, 1)
-        self._dec("allocated_bytes", pool, original_size)
-        self._dec("requested_bytes", pool, block.requested)
+        for stat in (self._s_allocation[_ALL], self._s_allocation[pool]):
+            stat[0] -= 1
+            stat[3] += 1
+        for stat in (self._s_allocated_bytes[_ALL], self._s_allocated_bytes[pool]):
+            stat[0] -= original_size
+            stat[3] += original_size
+        requested = block.requested
+        for stat in (self._s_requested_bytes[_ALL], self._s_requested_bytes[pool]):
+            stat[0] -= requested
+            stat[3] += requested
         if original_size >= self.max_split_size:
             _drop(self._oversize_allocations, 1)
         block.allocated = False
@@ -343,15 +351,13 @@ class CachingAllocator:
             inactive_bytes += block.size
         if not expandable:
             if inactive_blocks > 0:
-                self._inc("inactive_split", pool, inactive_blocks)
+                _inc(self._s_inactive_split, pool, inactive_blocks)
             elif inactive_blocks < 0:
-                self._dec("inactive_split", pool, -inactive_blocks)
+                _dec(self._s_inactive_split, pool, -inactive_blocks)
             if inactive_bytes > 0:
-                self._inc("inactive_split_bytes", pool, inactive_bytes)
+                _inc(self._s_inactive_split_bytes, pool, inactive_bytes)
             elif inactive_bytes < 0:
-                self._dec("inactive_split_bytes", pool, -inactive_bytes)
-        self._dec("active", pool, 1)
-        self._dec("active_bytes", pool, original_size)
+                _dec(self._s_inactive_split_bytes, pool, -inactive_bytes)
 
     def _try_merge(self, dst: Block, src: Block | None) -> int:
         if src is None or src.allocated or src.mapped != dst.mapped:
@@ -381,8 +387,8 @@ class CachingAllocator:
         self.device.free(segment.size)
         self.num_device_free += 1
         pool = _SMALL if block.small else _LARGE
-        self._dec("segment", pool, 1)
-        self._dec("reserved_bytes", pool, segment.size)
+        _dec(self._s_segment, pool, 1)
+        _dec(self._s_reserved_bytes, pool, segment.size)
         if segment.size >= self.max_split_size:
             _drop(self._oversize_segments, 1)
 
@@ -464,7 +470,7 @@ class CachingAllocator:
         segment = Segment(self._next_addr, virtual, small, expandable=True, page_size=page)
         self._segments.append(segment)
         self._next_addr += virtual
-        self._inc("segment", _SMALL if small else _LARGE, 1)
+        _inc(self._s_segment, _SMALL if small else _LARGE, 1)
         block = Block(segment.base, virtual, small, segment)
         block.mapped = False
         self._insert_unmapped(block)
@@ -494,7 +500,7 @@ class CachingAllocator:
         self._try_merge(block, block.prev)
         self._try_merge(block, block.next)
         self._insert_free(block)
-        self._inc("reserved_bytes", _SMALL if block.small else _LARGE, mapped)
+        _inc(self._s_reserved_bytes, _SMALL if block.small else _LARGE, mapped)
         self._note_reserved()
         return True
 
@@ -536,7 +542,7 @@ class CachingAllocator:
         segment.mapped_pages -= unmapped // page
         self.device.free(unmapped)
         self.num_device_free += 1
-        self._dec("reserved_bytes", _SMALL if block.small else _LARGE, unmapped)
+        _dec(self._s_reserved_bytes, _SMALL if block.small else _LARGE, unmapped)
 
     # ----------------------------------------------------------------- torch.cuda API
     def reset_peak_memory_stats(self) -> None:
@@ -550,7 +556,8 @@ class CachingAllocator:
         """``torch.cuda.memory_stats()``: the flattened dict, real key names."""
         stats: dict[str, Any] = {}
         for name in STAT_ARRAYS:
-            for pool_name, stat in zip(STAT_POOLS, self._stats[name]):
+            source = {"active": "allocation", "active_bytes": "allocated_bytes"}.get(name, name)
+            for pool_name, stat in zip(STAT_POOLS, self._stats[source]):
                 for field, value in zip(STAT_FIELDS, stat):
                     stats[f"{name}.{pool_name}.{field}"] = value
         for name, stat in (("oversize_allocations", self._oversize_allocations),
@@ -576,6 +583,28 @@ class CachingAllocator:
 
     def free_block_sizes(self, small: bool) -> list[int]:
         return [size for size, _ in self._free[small]]
+
+
+def _inc(arrays: list[list[int]], pool: int, amount: int) -> None:
+    stat = arrays[_ALL]
+    stat[0] += amount
+    if stat[0] > stat[1]:
+        stat[1] = stat[0]
+    stat[2] += amount
+    stat = arrays[pool]
+    stat[0] += amount
+    if stat[0] > stat[1]:
+        stat[1] = stat[0]
+    stat[2] += amount
+
+
+def _dec(arrays: list[list[int]], pool: int, amount: int) -> None:
+    stat = arrays[_ALL]
+    stat[0] -= amount
+    stat[3] += amount
+    stat = arrays[pool]
+    stat[0] -= amount
+    stat[3] += amount
 
 
 def _bump(stat: list[int], amount: int) -> None:

@@ -1,0 +1,142 @@
+"""Allocator-simulator speed, on demand: ``python3 bench/bench_sim.py``.
+
+Prints alloc/free events per second on one core for each allocator model, as a ratio
+against two baselines measured in the same run (a plain dict insert/delete loop and a
+naive first-fit allocator that scans a Python list), and the wall time of the default
+``kvguard simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "exporter"))
+
+from kvguard.sim.device import Device  # noqa: E402
+from kvguard.sim.mindspore_pool import DynamicMemPool  # noqa: E402
+from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: E402
+from kvguard.sim.torch_alloc import CachingAllocator  # noqa: E402
+
+GIB = 1 << 30
+EVENTS = 400_000
+LIVE = 256
+
+
+def trace(seed: int = 0, events: int = EVENTS) -> list[tuple[int, int]]:
+    """(slot, size) pairs: size > 0 allocates into slot, 0 frees it. Activation-like sizes."""
+    rng = random.Random(seed)
+    sizes = [rng.choice((4096, 65536, 512 * 1024, 3 << 20, 14 << 20, 58 << 20, 300 << 20)) + rng.randrange(0, 4096)
+             for _ in range(4096)]
+    live: list[int] = []
+    out: list[tuple[int, int]] = []
+    slot = 0
+    while len(out) < events:
+        if live and (len(live) >= LIVE or rng.random() < 0.5):
+            out.append((live.pop(rng.randrange(len(live))), 0))
+        else:
+            out.append((slot, sizes[slot % len(sizes)]))
+            live.append(slot)
+            slot += 1
+    return out
+
+
+def run_allocator(allocator, events) -> float:
+    addrs: dict[int, int] = {}
+    malloc, free = allocator.malloc, allocator.free
+    start = time.perf_counter()
+    for slot, size in events:
+        if size:
+            addrs[slot] = malloc(size)
+        else:
+            free(addrs.pop(slot))
+    return time.perf_counter() - start
+
+
+def run_dict(events) -> float:
+    table: dict[int, int] = {}
+    start = time.perf_counter()
+    for slot, size in events:
+        if size:
+            table[slot] = size
+        else:
+            del table[slot]
+    return time.perf_counter() - start
+
+
+class ListScanAllocator:
+    """The naive baseline: first fit by scanning a list of free (addr, size) holes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.holes = [(0, capacity)]
+        self.used: dict[int, int] = {}
+
+    def malloc(self, size: int) -> int:
+        size = -(-size // 512) * 512
+        for i, (addr, hole) in enumerate(self.holes):
+            if hole >= size:
+                if hole == size:
+                    del self.holes[i]
+                else:
+                    self.holes[i] = (addr + size, hole - size)
+                self.used[addr] = size
+                return addr
+        raise MemoryError(size)
+
+    def free(self, addr: int) -> None:
+        size = self.used.pop(addr)
+        self.holes.append((addr, size))
+        if len(self.holes) > 64:  # coalesce now and then, as a simple allocator would
+            self.holes.sort()
+            merged = [self.holes[0]]
+            for a, s in self.holes[1:]:
+                last_a, last_s = merged[-1]
+                if last_a + last_s == a:
+                    merged[-1] = (last_a, last_s + s)
+                else:
+                    merged.append((a, s))
+            self.holes = merged
+
+
+def best_of(fn, repeats: int = 3) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def main() -> None:
+    events = trace()
+    n = len(events)
+    dict_s = best_of(lambda: run_dict(events))
+    scan_s = best_of(lambda: run_allocator(ListScanAllocator(1 << 40), events))
+    rows = [("dict insert/delete (baseline)", dict_s), ("list-scan first fit (baseline)", scan_s)]
+    models = {
+        "torch caching allocator": lambda: CachingAllocator(Device(1 << 40)),
+        "torch_npu caching allocator": lambda: CachingAllocator(Device(1 << 40), variant="torch_npu"),
+        "torch, expandable_segments": lambda: CachingAllocator(Device(1 << 40), expandable_segments=True),
+        "mindspore pool": lambda: DynamicMemPool(Device(1 << 40)),
+    }
+    for name, make in models.items():
+        rows.append((name, best_of(lambda: run_allocator(make(), events))))
+    print(f"{n} alloc/free events, {LIVE} live at most, one core, best of 3")
+    print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12}")
+    for name, seconds in rows:
+        print(f"{name:34} {n / seconds:12,.0f} {dict_s / seconds:8.3f} {scan_s / seconds:12.2f}")
+
+    config = json.loads((ROOT / "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json").read_text())
+    print()
+    print("default scenario: Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9, 64 requests, seed 0")
+    for allocator in ("torch", "torch_npu", "mindspore"):
+        for budget in ("stock", "reserved"):
+            scenario = ServingScenario(ScenarioConfig(model_config=config, device_memory_bytes=32 * GIB,
+                                                      allocator=allocator, budget=budget))
+            start = time.perf_counter()
+            result = scenario.run()
+            seconds = time.perf_counter() - start
+            print(f"  {allocator:9} {budget:8} {seconds:6.2f} s  steps={result.steps:4}  oom={result.oom}")
+
+
+if __name__ == "__main__":
+    main()
