@@ -1,0 +1,54 @@
+"""Shared by the dashboard and rule tests: where the files are, what docs/metrics.md promises."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DASHBOARDS = os.path.join(ROOT, "dashboards")
+DASHBOARD_JSON = os.path.join(DASHBOARDS, "kvguard.json")
+ALERTS_FILE = os.path.join(DASHBOARDS, "rules", "kvguard-alerts.yaml")
+RECORDING_FILE = os.path.join(DASHBOARDS, "rules", "kvguard-recording.yaml")
+RULE_FILES = (ALERTS_FILE, RECORDING_FILE)
+PROMTOOL_TESTS = os.path.join(DASHBOARDS, "tests")
+METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
+RUNBOOK = os.path.join(ROOT, "docs", "runbook.md")
+RUNBOOK_BASE_URL = "https://github.com/kvguard/kvguard/blob/main/docs/runbook.md"
+
+# A kvguard metric name standing alone: not part of a recording rule's level:name:op.
+KVGUARD_METRIC = re.compile(r"(?<![\w:])(kvguard_[a-z0-9_]+)(?![\w:])")
+
+
+def load_yaml(path: str):
+    with open(path, encoding="utf-8") as handle:
+        return yaml.safe_load(handle)
+
+
+def rules(path: str) -> list[dict]:
+    return [rule for group in load_yaml(path)["groups"] for rule in group["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [rule for rule in rules(ALERTS_FILE) if "alert" in rule]
+
+
+def recording_rules() -> list[dict]:
+    return [rule for rule in rules(RECORDING_FILE) if "record" in rule]
+
+
+def documented_metrics() -> set[str]:
+    """Metric names in docs/metrics.md's tables (the contract with `kvguard serve`)."""
+    with open(METRICS_DOC, encoding="utf-8") as handle:
+        return set(re.findall(r"^\| `(kvguard_[a-z0-9_]+)` \|", handle.read(), flags=re.MULTILINE))
+
+
+def promtool() -> str:
+    path = shutil.which("promtool") or ("/usr/bin/promtool" if os.access("/usr/bin/promtool", os.X_OK) else None)
+    if path is None:
+        pytest.fail("promtool not found: ./dev.sh test installs Debian's prometheus package")
+    return path
