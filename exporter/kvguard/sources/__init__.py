@@ -1,0 +1,153 @@
+"""Readers of device-memory counters, one module per backend, behind one small interface.
+
+Like node_exporter's collectors: every source has a name, a ``sample()`` that returns one
+:class:`~kvguard.records.DeviceMemory` per device it sees, and an optional ``close()``.
+The probe, the sidecar and the CLI only ever talk to this interface and pick a source by
+name through the registry below; none of them knows which backends exist.
+
+A source must be cheap and thread-safe to call (the sidecar calls it on its own schedule,
+under a time limit) and must fail with :class:`SourceError` and a one-line message, never
+with a backend's own exception. Built-in sources are imported only when asked for, so
+naming the registry never imports torch, mindspore or pynvml.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+from kvguard.estimator import Profile
+from kvguard.records import DeviceMemory
+from kvguard.spool import KVCacheAllocation
+
+
+class SourceError(RuntimeError):
+    """A source could not read its counters; the message is one line."""
+
+
+class SourceUnavailable(SourceError):
+    """The backend is not present here (library not installed, no driver, no binary)."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What every source provides. ``close()`` is optional."""
+
+    name: str
+
+    def sample(self) -> list[DeviceMemory]:
+        """One record per device; raises SourceError on failure."""
+        ...
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a source knows about the rank behind a device (the simulator knows everything)."""
+
+    rank: int | None = None
+    profile: Profile | None = None
+    kv_cache: KVCacheAllocation | None = None
+
+
+# Built-in sources, imported on first use: "module:attribute".
+_BUILTIN: dict[str, str] = {
+    "auto": "kvguard.sources.auto:AutoSource",
+    "host": "kvguard.sources.host:HostSource",
+    "mindspore": "kvguard.sources.mindspore:MindSporeSource",
+    "npu-smi": "kvguard.sources.npu_smi:NpuSmiSource",
+    "nvml": "kvguard.sources.nvml:NvmlSource",
+    "sim": "kvguard.sources.sim:SimSource",
+    "torch": "kvguard.sources.torch:TorchSource",
+}
+_REGISTERED: dict[str, Callable[..., Source]] = {}
+_LOCK = threading.Lock()
+
+
+def register(name: str, factory: Callable[..., Source], *, replace: bool = False) -> None:
+    """Make ``get_source(name, **options)`` call ``factory(**options)``."""
+    if not name or not isinstance(name, str):
+        raise ValueError("a source needs a non-empty name")
+    with _LOCK:
+        if not replace and (name in _REGISTERED or name in _BUILTIN):
+            raise ValueError(f"source {name!r} is already registered")
+        _REGISTERED[name] = factory
+
+
+def unregister(name: str) -> None:
+    with _LOCK:
+        _REGISTERED.pop(name, None)
+
+
+def source_names() -> list[str]:
+    with _LOCK:
+        return sorted(set(_BUILTIN) | set(_REGISTERED))
+
+
+def _factory(name: str) -> Callable[..., Source]:
+    with _LOCK:
+        factory = _REGISTERED.get(name)
+        target = _BUILTIN.get(name)
+    if factory is not None:
+        return factory
+    if target is None:
+        raise SourceError(f"unknown source {name!r} (choose from {', '.join(source_names())})")
+    module_name, attribute = target.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def get_source(name: str, **options: Any) -> Source:
+    """Build the source called ``name``. Raises SourceError (unknown name, bad option, absent backend)."""
+    factory = _factory(name)
+    try:
+        return factory(**options)
+    except SourceError:
+        raise
+    except TypeError as exc:
+        raise SourceError(f"source {name!r}: {exc}") from None
+
+
+def close_source(source: Any) -> None:
+    """Call ``source.close()`` if it has one; never raises."""
+    close = getattr(source, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - closing is best effort by contract
+            pass
+
+
+def rank_contexts(source: Any) -> Mapping[str, RankContext]:
+    """The source's per-device rank context (only the simulator has one); never raises."""
+    contexts = getattr(source, "rank_contexts", None)
+    if not callable(contexts):
+        return {}
+    try:
+        result = contexts()
+    except Exception:  # noqa: BLE001 - an optional extra, never worth failing a sample
+        return {}
+    return result if isinstance(result, Mapping) else {}
+
+
+def count(value: Any) -> int | None:
+    """A backend's byte or event count as a non-negative int; None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return None
+    if value < 0 or value in (float("inf"), float("-inf")):
+        return None
+    return int(value)
+
+
+def free_total_used(free: Any, total: Any) -> dict[str, int | None]:
+    """DeviceMemory's free/total/used fields from a backend's (free, total)."""
+    free_bytes, total_bytes = count(free), count(total)
+    used = total_bytes - free_bytes if free_bytes is not None and total_bytes is not None \
+        and total_bytes >= free_bytes else None
+    return {"free_bytes": free_bytes, "total_bytes": total_bytes, "used_bytes": used}
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one short line, for errors that cross the source boundary."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]

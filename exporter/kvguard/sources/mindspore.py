@@ -1,0 +1,132 @@
+"""MindSpore's memory pool: ``mindspore.runtime.memory_stats()`` (2.5+), else ``mindspore.hal``.
+
+Keys come from the C++ binding ``_memory_stats`` (pybind_api/hal/memory_py.cc). Some
+releases misspell two of them (``total_allocatd_memory``, ``commom_mem_pool_stats``);
+both spellings are read. :func:`device_memory_from_stats` is the one reader of those
+keys: the simulator's counters go through it too.
+
+MindSpore has no allocation-retry or OOM counter and no inactive-split figure; those
+fields stay None. It does report idle memory (held by the pool, free for reuse) and
+eager-free memory (idle buffers whose physical pages were unmapped under VMM).
+
+Every stats call synchronises MindSpore's runtime pipeline (``WaitAll``) in newer builds,
+so keep the probe interval coarse.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kvguard.records import DeviceMemory
+from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used, one_line
+
+# DeviceMemory field <- memory_stats keys, preferred spelling first.
+STATS_KEYS: dict[str, tuple[str, ...]] = {
+    "allocated_bytes": ("total_allocated_memory", "total_allocatd_memory"),
+    "reserved_bytes": ("total_reserved_memory",),
+    "peak_allocated_bytes": ("max_allocated_memory",),
+    "peak_reserved_bytes": ("max_reserved_memory",),
+    "idle_bytes": ("total_idle_memory",),
+    "eager_free_bytes": ("total_eager_free_memory",),
+}
+# The pool dicts (common_mem_pool_stats, misspelled commom_mem_pool_stats in some releases,
+# persistent_mem_pool_stats) are not read: their blocks_info keys are pointer capsules.
+
+# MindSpore's device_target -> the device prefix kvguard uses everywhere.
+_DEVICE_PREFIX = {"Ascend": "npu", "GPU": "cuda", "CPU": "cpu"}
+
+
+def is_mindspore_stats(stats: Mapping[str, Any]) -> bool:
+    return any(key in stats for keys in STATS_KEYS.values() for key in keys)
+
+
+
+def _first(stats: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if key in stats:
+            return stats[key]
+    return None
+
+
+def device_memory_from_stats(
+    stats: Mapping[str, Any],
+    device: str,
+    source: str = "mindspore",
+    *,
+    free_bytes: int | None = None,
+    total_bytes: int | None = None,
+) -> DeviceMemory:
+    """A ``memory_stats()`` dict as a DeviceMemory; a key the dict lacks stays None."""
+    if not isinstance(stats, Mapping):
+        raise SourceError(f"memory_stats() returned {type(stats).__name__}, not a dict")
+    values = {field: count(_first(stats, keys)) for field, keys in STATS_KEYS.items()}
+    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values)
+
+
+def device_label(device_target: str, device_id: int) -> str:
+    prefix = _DEVICE_PREFIX.get(device_target, str(device_target).lower())
+    return "cpu" if prefix == "cpu" else f"{prefix}:{device_id}"
+
+
+class MindSporeSource:
+    """The memory pool of this process's MindSpore device (``device_target``/``device_id`` context)."""
+
+    name = "mindspore"
+
+    def __init__(self, mindspore_module: Any = None):
+        self._ms = mindspore_module
+
+    def _module(self) -> Any:
+        if self._ms is None:
+            try:
+                import mindspore  # noqa: PLC0415 - imported only when this source is used
+            except ImportError:
+                raise SourceUnavailable("mindspore is not installed") from None
+            except Exception as exc:  # noqa: BLE001 - a broken install must not raise its own type
+                raise SourceUnavailable(f"mindspore failed to import: {one_line(exc)}") from None
+            self._ms = mindspore
+        return self._ms
+
+    def sample(self) -> list[DeviceMemory]:
+        ms = self._module()
+        try:
+            device_target = str(ms.get_context("device_target"))
+            device_id = int(ms.get_context("device_id") or 0)
+            stats = self._stats(ms, device_target)
+            free, total = self._device_memory(ms, device_target, device_id)
+        except SourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - MindSpore raises RuntimeError/ValueError alike
+            raise SourceError(f"mindspore: {one_line(exc)}") from None
+        return [device_memory_from_stats(stats, device_label(device_target, device_id), self.name,
+                                         free_bytes=free, total_bytes=total)]
+
+    @staticmethod
+    def _stats(ms: Any, device_target: str) -> Mapping[str, Any]:
+        runtime = getattr(ms, "runtime", None)
+        reader = getattr(runtime, "memory_stats", None)
+        if callable(reader):
+            return reader()
+        hal = getattr(ms, "hal", None)
+        reader = getattr(hal, "memory_stats", None)
+        if callable(reader):
+            # hal.memory_stats returns {} until the backend has run something.
+            return reader(device_target)
+        raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats (need 2.3+)")
+
+    @staticmethod
+    def _device_memory(ms: Any, device_target: str, device_id: int) -> tuple[int | None, int | None]:
+        """(free, total) where MindSpore tells them: Ascend device properties (2.3+)."""
+        if device_target != "Ascend":
+            return None, None
+        getter = getattr(getattr(ms, "hal", None), "get_device_properties", None)
+        if not callable(getter):
+            return None, None
+        try:
+            properties = getter(device_id, device_target)
+        except Exception:  # noqa: BLE001 - device totals are an extra; the pool counters still count
+            return None, None
+        total = count(getattr(properties, "total_memory", None))
+        free = count(getattr(properties, "free_memory", None))
+        # Before the device is initialised both read 0: unknown, not an empty device.
+        return (free, total) if total else (None, None)

@@ -1,0 +1,135 @@
+"""The mindspore source against the real MindSpore CPU build, plus real key shapes of other releases."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+mindspore = pytest.importorskip("mindspore")
+
+from kvguard.sources import SourceError, SourceUnavailable, get_source  # noqa: E402
+from kvguard.sources.mindspore import MindSporeSource, device_label, device_memory_from_stats  # noqa: E402
+
+GIB = 1 << 30
+
+
+def load(data_path, name):
+    with open(data_path("memory_stats", name)) as handle:
+        return json.load(handle)
+
+
+def test_real_runtime_memory_stats_has_the_keys_the_source_reads():
+    stats = mindspore.runtime.memory_stats()
+    for key in ("total_reserved_memory", "total_allocated_memory", "total_idle_memory",
+                "total_eager_free_memory", "max_reserved_memory", "max_allocated_memory"):
+        assert isinstance(stats[key], int), key
+
+
+def test_real_cpu_sample_reads_zero_counters_as_zero():
+    [record] = MindSporeSource().sample()
+    assert record.device == "cpu"
+    assert record.source == "mindspore"
+    counters = (record.allocated_bytes, record.reserved_bytes, record.peak_allocated_bytes,
+                record.peak_reserved_bytes, record.idle_bytes, record.eager_free_bytes)
+    assert counters == (0, 0, 0, 0, 0, 0)
+
+
+def test_real_cpu_sample_leaves_fields_mindspore_lacks_as_none():
+    [record] = get_source("mindspore").sample()
+    assert (record.alloc_retries, record.ooms, record.inactive_split_bytes, record.active_bytes) == (None,) * 4
+    assert (record.total_bytes, record.free_bytes) == (None, None)   # CPU has no device properties
+
+
+def test_without_runtime_api_the_real_hal_api_is_used(monkeypatch):
+    # Releases before 2.5 have no mindspore.runtime memory API; hal.memory_stats(device_target) serves.
+    monkeypatch.delattr(mindspore.runtime, "memory_stats")
+    calls = []
+    real = mindspore.hal.memory_stats
+    monkeypatch.setattr(mindspore.hal, "memory_stats", lambda target=None: calls.append(target) or real(target))
+    [record] = MindSporeSource().sample()
+    assert calls == ["CPU"]
+    assert record.device == "cpu"
+
+
+def test_real_hal_stats_after_an_op_are_read(monkeypatch):
+    import numpy as np
+    mindspore.Tensor(np.ones((4, 4), np.float32)) + 1      # initialises the CPU backend
+    monkeypatch.delattr(mindspore.runtime, "memory_stats")
+    assert "total_allocated_memory" in mindspore.hal.memory_stats("CPU")
+    [record] = MindSporeSource().sample()
+    assert (record.allocated_bytes, record.reserved_bytes, record.idle_bytes) == (0, 0, 0)
+
+
+def test_hal_before_backend_initialised_gives_unknown_counters(monkeypatch):
+    # The real hal.memory_stats returns {} until the backend has run something.
+    monkeypatch.delattr(mindspore.runtime, "memory_stats")
+    monkeypatch.setattr(mindspore.hal, "memory_stats", lambda target=None: {})
+    [record] = MindSporeSource().sample()
+    assert (record.allocated_bytes, record.reserved_bytes) == (None, None)
+
+
+def test_neither_api_is_a_one_line_unavailable():
+    bare = types.SimpleNamespace(get_context=lambda key: {"device_target": "Ascend", "device_id": 0}[key],
+                                 runtime=types.SimpleNamespace(), hal=types.SimpleNamespace())
+    with pytest.raises(SourceUnavailable, match="neither runtime.memory_stats nor hal.memory_stats"):
+        MindSporeSource(bare).sample()
+
+
+def test_ascend_stats_and_device_properties_are_read(data_path):
+    stats = load(data_path, "mindspore-2.5-ascend-serving.json")
+    properties = types.SimpleNamespace(name="Ascend910B3", total_memory=64 * GIB, free_memory=4 * GIB)
+    fake = types.SimpleNamespace(
+        get_context=lambda key: {"device_target": "Ascend", "device_id": 5}[key],
+        runtime=types.SimpleNamespace(memory_stats=lambda: stats),
+        hal=types.SimpleNamespace(get_device_properties=lambda device_id, target=None: properties))
+    [record] = MindSporeSource(fake).sample()
+    assert record.device == "npu:5"
+    assert record.allocated_bytes == stats["total_allocated_memory"]
+    assert record.reserved_bytes == stats["total_reserved_memory"]
+    assert record.idle_bytes == stats["total_idle_memory"]
+    assert (record.total_bytes, record.free_bytes, record.used_bytes) == (64 * GIB, 4 * GIB, 60 * GIB)
+
+
+def test_misspelled_allocated_key_is_accepted(data_path):
+    stats = load(data_path, "mindspore-2.3-misspelled-keys.json")
+    record = device_memory_from_stats(stats, "npu:0")
+    assert "total_allocated_memory" not in stats
+    assert record.allocated_bytes == stats["total_allocatd_memory"]
+    assert record.fragmentation_bytes == stats["total_reserved_memory"] - stats["total_allocatd_memory"]
+
+
+def test_correct_spelling_wins_over_the_misspelling():
+    record = device_memory_from_stats({"total_allocated_memory": 10, "total_allocatd_memory": 99}, "npu:0")
+    assert record.allocated_bytes == 10
+
+
+def test_eager_free_memory_is_reported(data_path):
+    stats = dict(load(data_path, "mindspore-2.5-ascend-serving.json"), total_eager_free_memory=3 * GIB)
+    assert device_memory_from_stats(stats, "npu:0").eager_free_bytes == 3 * GIB
+
+
+def test_uninitialised_ascend_device_properties_read_as_unknown():
+    properties = types.SimpleNamespace(name="", total_memory=0, free_memory=0)
+    fake = types.SimpleNamespace(
+        get_context=lambda key: {"device_target": "Ascend", "device_id": 0}[key],
+        runtime=types.SimpleNamespace(memory_stats=lambda: {}),
+        hal=types.SimpleNamespace(get_device_properties=lambda device_id, target=None: properties))
+    [record] = MindSporeSource(fake).sample()
+    assert (record.total_bytes, record.free_bytes) == (None, None)
+
+
+def test_a_mindspore_error_becomes_one_line_source_error():
+    def broken():
+        raise RuntimeError("The pointer[device_context] is null.\n\n----------------------------------------")
+    fake = types.SimpleNamespace(get_context=lambda key: {"device_target": "Ascend", "device_id": 0}[key],
+                                 runtime=types.SimpleNamespace(memory_stats=broken))
+    with pytest.raises(SourceError) as info:
+        MindSporeSource(fake).sample()
+    assert str(info.value).startswith("mindspore: The pointer[device_context] is null.")
+    assert "\n" not in str(info.value)
+
+
+def test_device_labels_follow_kvguard_names():
+    assert [device_label("Ascend", 3), device_label("GPU", 1), device_label("CPU", 0)] == ["npu:3", "cuda:1", "cpu"]
