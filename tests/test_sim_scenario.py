@@ -1,0 +1,197 @@
+"""vLLM serving scenarios on the simulated allocators: the stepper API, the startup
+measurement, the seed story and a scenario suite across models, devices and allocators."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvguard.estimator import kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+from kvguard.sim.workload import forward_ops, model_shape, weight_tensors
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+
+
+def model(name):
+    for base in (ROOT / "tests/data/configs", ROOT / "exporter/kvguard/examples"):
+        path = base / name / "config.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    raise FileNotFoundError(name)
+
+
+QWEN = model("qwen2.5-7b-instruct")
+# The seed story: Qwen2.5-7B-Instruct on a 32 GiB device (an Atlas 910B4), MindSpore's pool,
+# utilization 0.9, long requests.
+STORY = ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, gpu_memory_utilization=0.9,
+                       allocator="mindspore", requests=8, long_request_fraction=1.0, seed=0)
+
+
+def run(config, **overrides):
+    return ServingScenario(replace(config, **overrides)).run()
+
+
+# ----------------------------------------------------------------------------- the seed story
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_story_stock_budget_runs_out_of_memory_while_serving(seed):
+    result = run(STORY, budget="stock", seed=seed)
+    assert result.oom
+    assert result.oom_phase == "serving"
+    assert result.oom_at_step is not None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_story_reserved_budget_serves_every_request(seed):
+    result = run(STORY, budget="reserved", seed=seed)
+    assert not result.oom
+    assert result.requests_finished == STORY.requests
+
+
+def test_story_budgets_differ_by_the_profile_runs_reserved_minus_allocated_increase():
+    stock = run(STORY, budget="stock")
+    reserved = run(STORY, budget="reserved")
+    assert stock.profile == reserved.profile
+    profile = stock.profile
+    gap = profile.peak_reserved_increase_bytes - profile.peak_allocated_increase_bytes
+    assert gap > 0
+    assert stock.kv_cache_bytes - reserved.kv_cache_bytes == gap
+
+
+def test_story_at_a_roomy_utilization_neither_budget_runs_out():
+    for budget in ("stock", "reserved"):
+        result = run(STORY, budget=budget, gpu_memory_utilization=0.8)
+        assert not result.oom, budget
+        assert result.requests_finished == STORY.requests
+
+
+# ----------------------------------------------------------------------------- startup as vLLM measures it
+def test_weights_are_measured_as_the_allocated_increase():
+    scenario = ServingScenario(STORY)
+    profile = scenario.startup()
+    assert profile.weights_bytes == sum(weight_tensors(model_shape(QWEN))) == 15_231_233_024
+
+
+def test_profile_allocated_increase_is_the_forward_pass_live_peak():
+    scenario = ServingScenario(STORY)
+    profile = scenario.startup()
+    live, peak, current = {}, 0, 0
+    for key, size in forward_ops(model_shape(QWEN), STORY.max_num_batched_tokens, STORY.max_num_seqs):
+        if size is None:
+            current -= live.pop(key)
+        else:
+            live[key] = -(-size // 512) * 512    # MindSpore's 512-byte alignment
+            current += live[key]
+            peak = max(peak, current)
+    assert profile.peak_allocated_increase_bytes == peak
+
+
+def test_profile_reserved_increase_is_whole_pool_blocks():
+    profile = ServingScenario(STORY).startup()
+    assert profile.peak_reserved_increase_bytes % STORY.increase_size_bytes == 0
+    assert profile.peak_reserved_increase_bytes >= profile.peak_allocated_increase_bytes
+
+
+def test_kv_cache_is_sized_by_the_estimator_and_allocated_per_layer():
+    for budget, formula in (("stock", stock_kv_cache_bytes), ("reserved", reserved_kv_cache_bytes)):
+        scenario = ServingScenario(replace(STORY, budget=budget))
+        profile = scenario.startup()
+        layout = kv_layout_from_config(QWEN)
+        assert scenario.kv_cache_bytes == formula(profile)
+        assert scenario.num_blocks == layout.num_blocks(scenario.kv_cache_bytes)
+        expected = profile.weights_bytes + scenario.num_blocks * layout.block_bytes
+        assert scenario.allocator.allocated_bytes == expected
+
+
+def test_profile_has_the_estimator_schema():
+    data = run(STORY, budget="reserved").to_dict()
+    assert set(data["profile"]) == {"total_memory_bytes", "gpu_memory_utilization", "weights_bytes",
+                                    "peak_allocated_increase_bytes", "peak_reserved_increase_bytes",
+                                    "non_torch_increase_bytes"}
+    assert data["profile"]["total_memory_bytes"] == 32 * GIB
+
+
+def test_non_allocator_growth_during_the_profile_run_is_the_non_torch_increase():
+    profile = ServingScenario(replace(STORY, profile_non_allocator_growth_bytes=200 << 20)).startup()
+    assert profile.non_torch_increase_bytes == 200 << 20
+
+
+# ----------------------------------------------------------------------------- the stepper API
+def test_stepper_reports_torch_stats_and_device_memory_each_step():
+    scenario = ServingScenario(replace(STORY, allocator="torch", requests=2))
+    scenario.startup()
+    record = scenario.step()
+    assert record.phase == "serving" and record.step == 0
+    stats = scenario.memory_stats()
+    assert stats["allocated_bytes.all.current"] == scenario.allocator.allocated_bytes
+    assert stats["reserved_bytes.all.peak"] >= stats["reserved_bytes.all.current"]
+    free, total = scenario.device_memory()
+    assert total == 32 * GIB
+    assert free == total - scenario.config.resolved_non_allocator_bytes - stats["reserved_bytes.all.current"]
+
+
+def test_stepper_reports_mindspore_stats():
+    scenario = ServingScenario(replace(STORY, budget="reserved", requests=2))
+    scenario.step()  # starts up first
+    stats = scenario.memory_stats()
+    assert stats["total_allocated_memory"] == scenario.allocator.allocated_bytes
+    assert stats["persistent_mem_pool_stats"]["block_counts"] > 0
+
+
+def test_step_after_the_end_returns_the_last_record():
+    scenario = ServingScenario(replace(STORY, budget="reserved", requests=1))
+    result = scenario.run()
+    assert scenario.finished and result.requests_finished == 1
+    assert scenario.step() == scenario.timeline[-1]
+
+
+def test_same_seed_same_result_and_another_seed_another_mix():
+    config = replace(STORY, allocator="torch", long_request_fraction=0.5, requests=6, long_output_tokens=(4, 16),
+                     short_output_tokens=(4, 32))
+    assert run(config).to_dict() == run(config).to_dict()
+    assert ServingScenario(config).requests != ServingScenario(replace(config, seed=7)).requests
+
+
+def test_no_memory_for_the_cache_blocks_is_an_error_not_an_oom():
+    result = run(STORY, gpu_memory_utilization=0.45)
+    assert result.error.startswith("No available memory for the cache blocks")
+    assert not result.oom
+
+
+def test_weights_larger_than_the_device_run_out_at_load():
+    result = run(STORY, device_memory_bytes=16 * GIB)
+    assert (result.oom, result.oom_phase, result.profile) == (True, "weights", None)
+
+
+# ----------------------------------------------------------------------------- the scenario suite
+# (model, device GiB, TP, allocator, utilization, seed) -> outcome (stock, reserved).
+# "ok": every request served; "serving"/"kv_cache": where the allocator ran out.
+SUITE = [
+    ("qwen2.5-7b-instruct", 32, 1, "mindspore", 0.90, 1, ("serving", "ok")),
+    ("qwen2.5-7b-instruct", 32, 1, "mindspore", 0.80, 0, ("ok", "ok")),
+    ("qwen2.5-7b-instruct", 32, 1, "torch", 0.95, 0, ("ok", "ok")),
+    ("qwen2.5-7b-instruct", 32, 1, "torch_npu", 0.90, 0, ("ok", "ok")),
+    ("llama-3-8b-instruct", 32, 1, "mindspore", 0.95, 0, ("kv_cache", "ok")),
+    ("llama-3-8b-instruct", 80, 1, "torch", 0.95, 0, ("ok", "ok")),
+    ("mistral-nemo-instruct-2407", 32, 1, "mindspore", 0.95, 0, ("serving", "ok")),
+    ("qwen2.5-72b-instruct", 64, 8, "mindspore", 0.90, 0, ("kv_cache", "ok")),
+    ("deepseek-v2-lite-chat", 64, 1, "torch", 0.90, 0, ("ok", "ok")),
+]
+
+
+@pytest.mark.parametrize("name, device_gib, tp, allocator, utilization, seed, expected", SUITE)
+def test_scenario_suite(name, device_gib, tp, allocator, utilization, seed, expected):
+    config = ScenarioConfig(model_config=model(name), device_memory_bytes=device_gib * GIB,
+                            gpu_memory_utilization=utilization, allocator=allocator, requests=8,
+                            tensor_parallel_size=tp, seed=seed, short_output_tokens=(8, 64),
+                            long_output_tokens=(8, 32))
+    outcomes = []
+    for budget in ("stock", "reserved"):
+        result = run(config, budget=budget)
+        outcomes.append(result.oom_phase or ("error" if result.error else "ok"))
+        for record in result.timeline:
+            assert record.peak_reserved_bytes >= record.peak_allocated_bytes
+            assert record.device_used_bytes <= device_gib * GIB
+    assert tuple(outcomes) == expected

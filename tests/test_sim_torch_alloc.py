@@ -1,0 +1,252 @@
+"""PyTorch's caching allocator model: each rule on a small hand-checked trace."""
+
+import pytest
+
+from kvguard.sim.base import SimOutOfMemory
+from kvguard.sim.device import Device
+from kvguard.sim.torch_alloc import CachingAllocator
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+def alloc(capacity=1 << 30, **kwargs):
+    return CachingAllocator(Device(capacity), **kwargs)
+
+
+def block_size(a, addr):
+    return a.block_at(addr).size
+
+
+def test_requests_round_up_to_512_bytes():
+    a = alloc()
+    assert block_size(a, a.malloc(1)) == 512
+    assert block_size(a, a.malloc(512)) == 512
+    assert block_size(a, a.malloc(513)) == 1024
+    assert a.memory_stats()["requested_bytes.all.current"] == 1 + 512 + 513
+
+
+def test_torch_npu_adds_32_bytes_before_rounding():
+    a = alloc(variant="torch_npu")
+    assert block_size(a, a.malloc(480)) == 512
+    assert block_size(a, a.malloc(481)) == 1024
+    assert block_size(a, a.malloc(1 * MIB - 32)) == 1 * MIB
+
+
+def test_one_mib_is_the_last_small_pool_size():
+    a = alloc()
+    a.malloc(1 * MIB)
+    a.malloc(1 * MIB + 1)
+    stats = a.memory_stats()
+    assert stats["reserved_bytes.small_pool.current"] == 2 * MIB
+    assert stats["reserved_bytes.large_pool.current"] == 20 * MIB
+
+
+@pytest.mark.parametrize("request_bytes, segment_bytes", [
+    (100, 2 * MIB),                 # small pool: 2 MiB segments
+    (1 * MIB + 1, 20 * MIB),        # large, under 10 MiB: 20 MiB segments
+    (10 * MIB - 512, 20 * MIB),
+    (10 * MIB - 1, 10 * MIB),       # rounding to 512 comes first
+    (10 * MIB, 10 * MIB),           # from 10 MiB: rounded up to 2 MiB
+    (11 * MIB + 1, 12 * MIB),
+])
+def test_segment_sizes(request_bytes, segment_bytes):
+    a = alloc()
+    a.malloc(request_bytes)
+    assert [size for _, size, _ in a.segments()] == [segment_bytes]
+
+
+def test_best_fit_prefers_the_smaller_block_over_the_lower_address():
+    a = alloc()
+    big = a.malloc(14 * MIB)      # first segment, lower address
+    small = a.malloc(12 * MIB)
+    a.free(big)
+    a.free(small)
+    got = a.malloc(11 * MIB)
+    assert got == small
+    assert a.segments()[1][0] == small
+
+
+def test_best_fit_breaks_size_ties_by_address():
+    a = alloc()
+    first = a.malloc(12 * MIB)
+    second = a.malloc(12 * MIB)
+    a.free(second)
+    a.free(first)
+    assert a.malloc(12 * MIB) == first
+
+
+def test_large_block_is_split_when_more_than_1_mib_remains():
+    a = alloc()
+    a.free(a.malloc(14 * MIB))
+    a.malloc(12 * MIB)
+    assert a.free_block_sizes(small=False) == [2 * MIB]
+    assert a.memory_stats()["inactive_split_bytes.large_pool.current"] == 2 * MIB
+
+
+def test_large_block_is_not_split_when_exactly_1_mib_remains():
+    a = alloc()
+    a.free(a.malloc(14 * MIB))
+    addr = a.malloc(13 * MIB)
+    assert block_size(a, addr) == 14 * MIB
+    assert a.free_block_sizes(small=False) == []
+    assert a.memory_stats()["allocated_bytes.all.current"] == 14 * MIB
+
+
+def test_small_block_is_split_down_to_512_bytes():
+    a = alloc()
+    a.malloc(1 * MIB)
+    a.malloc(1 * MIB - 512)
+    assert a.free_block_sizes(small=True) == [512]
+
+
+def test_oversize_block_is_never_given_to_a_request_under_max_split_size():
+    a = alloc(max_split_size=40 * MIB)
+    a.free(a.malloc(60 * MIB))
+    a.malloc(30 * MIB)
+    assert sorted(size for _, size, _ in a.segments()) == [30 * MIB, 60 * MIB]
+    assert a.memory_stats()["max_split_size"] == 40 * MIB
+
+
+def test_oversize_request_takes_a_block_less_than_20_mib_larger_and_does_not_split_it():
+    a = alloc(max_split_size=40 * MIB)
+    cached = a.malloc(60 * MIB)
+    a.free(cached)
+    assert a.malloc(50 * MIB) == cached
+    assert block_size(a, cached) == 60 * MIB
+
+
+def test_oversize_request_skips_a_block_20_mib_or_more_larger():
+    a = alloc(max_split_size=40 * MIB)
+    a.free(a.malloc(80 * MIB))
+    a.malloc(60 * MIB)
+    assert sorted(size for _, size, _ in a.segments()) == [60 * MIB, 80 * MIB]
+
+
+def test_freed_neighbours_merge_back_into_the_whole_segment():
+    a = alloc()
+    x, y, z = a.malloc(4 * MIB), a.malloc(4 * MIB), a.malloc(4 * MIB)
+    a.free(x)
+    a.free(y)
+    assert a.free_block_sizes(small=False) == [8 * MIB, 8 * MIB]
+    assert a.memory_stats()["inactive_split.large_pool.current"] == 2
+    a.free(z)
+    assert a.free_block_sizes(small=False) == [20 * MIB]
+    stats = a.memory_stats()
+    assert stats["inactive_split.large_pool.current"] == 0
+    assert stats["inactive_split_bytes.large_pool.current"] == 0
+
+
+def test_failed_segment_allocation_frees_cached_segments_and_retries():
+    a = alloc(capacity=40 * MIB)
+    a.free(a.malloc(3 * MIB))            # a cached 20 MiB segment
+    a.malloc(30 * MIB)                   # 20 MiB free on the device: needs the cache flushed
+    stats = a.memory_stats()
+    assert stats["num_alloc_retries"] == 1
+    assert stats["num_ooms"] == 0
+    assert stats["reserved_bytes.all.current"] == 30 * MIB
+    assert stats["num_device_free"] == 1
+
+
+def test_out_of_memory_after_the_retry_counts_num_ooms():
+    a = alloc(capacity=40 * MIB)
+    a.malloc(30 * MIB)
+    with pytest.raises(SimOutOfMemory) as caught:
+        a.malloc(12 * MIB)
+    assert caught.value.requested_bytes == 12 * MIB
+    stats = a.memory_stats()
+    assert (stats["num_alloc_retries"], stats["num_ooms"]) == (1, 1)
+
+
+def test_split_segments_survive_the_flush():
+    a = alloc(capacity=44 * MIB)
+    keep = a.malloc(4 * MIB)             # 20 MiB segment, split: 4 MiB used + 16 MiB cached
+    with pytest.raises(SimOutOfMemory):
+        a.malloc(30 * MIB)               # the split segment cannot be released
+    assert a.reserved_bytes == 20 * MIB
+    assert a.memory_stats()["inactive_split_bytes.all.current"] == 16 * MIB
+    a.free(keep)
+
+
+def test_max_split_size_frees_a_cached_oversize_block_before_the_full_flush():
+    a = alloc(capacity=120 * MIB, max_split_size=40 * MIB)
+    a.free(a.malloc(70 * MIB))           # too large to reuse for 45 MiB (>= 45 + 20)
+    a.free(a.malloc(3 * MIB))            # a cached unsplit 20 MiB segment the full flush would free
+    a.malloc(45 * MIB)                   # 30 MiB free: the 70 MiB oversize block is released first
+    stats = a.memory_stats()
+    assert stats["num_alloc_retries"] == 0
+    assert sorted(size for _, size, _ in a.segments()) == [20 * MIB, 46 * MIB]
+
+
+def test_releasing_too_few_oversize_blocks_falls_through_to_the_full_flush():
+    a = alloc(capacity=120 * MIB, max_split_size=40 * MIB)
+    a.free(a.malloc(50 * MIB))
+    a.free(a.malloc(3 * MIB))
+    a.malloc(60 * MIB)                   # freeing the 50 MiB block alone is not enough
+    assert a.memory_stats()["num_alloc_retries"] == 1
+    assert [size for _, size, _ in a.segments()] == [60 * MIB]
+
+
+def test_empty_cache_releases_only_unsplit_segments():
+    a = alloc()
+    a.malloc(1000)                        # keeps its small segment split
+    a.free(a.malloc(5 * MIB))
+    a.empty_cache()
+    assert a.reserved_bytes == 2 * MIB
+
+
+def test_peaks_reset_to_current():
+    a = alloc()
+    a.free(a.malloc(12 * MIB))
+    stats = a.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == 12 * MIB
+    a.reset_peak_memory_stats()
+    stats = a.memory_stats()
+    assert stats["allocated_bytes.all.peak"] == 0
+    assert stats["reserved_bytes.all.peak"] == 12 * MIB
+
+
+def test_memory_stats_use_torch_key_names():
+    stats = alloc().memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "inactive_split_bytes.all.current",
+                "allocation.small_pool.allocated", "segment.large_pool.freed", "active_bytes.all.current",
+                "requested_bytes.all.peak", "oversize_allocations.current", "oversize_segments.peak",
+                "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
+                "max_split_size"):
+        assert key in stats, key
+    assert stats["max_split_size"] == -1
+    assert len([k for k in stats if k.count(".") == 2]) == 9 * 3 * 4
+
+
+def test_expandable_segments_map_20_mib_pages_at_adjacent_addresses():
+    a = alloc(expandable_segments=True)
+    x = a.malloc(3 * MIB)
+    y = a.malloc(30 * MIB)
+    assert y == x + 3 * MIB
+    assert a.reserved_bytes == 40 * MIB        # 33 MiB in 20 MiB pages
+    assert len(a.segments()) == 1
+
+
+def test_expandable_segments_unmap_free_pages_on_empty_cache():
+    a = alloc(expandable_segments=True)
+    x = a.malloc(3 * MIB)
+    y = a.malloc(30 * MIB)
+    a.free(y)
+    a.empty_cache()
+    assert a.reserved_bytes == 20 * MIB        # the page holding x stays mapped
+    assert a.device.free_bytes == (1 << 30) - 20 * MIB
+    a.free(x)
+
+
+def test_expandable_segments_reuse_the_freed_tail_by_remapping():
+    a = alloc(capacity=60 * MIB, expandable_segments=True)
+    a.free(a.malloc(50 * MIB))                # 60 MiB mapped, all free
+    a.malloc(55 * MIB)                        # fits in the mapped pages: no new mapping
+    assert a.reserved_bytes == 60 * MIB
+    assert a.memory_stats()["num_alloc_retries"] == 0
+
+
+def test_device_free_memory_follows_reserved_segments():
+    a = alloc(capacity=100 * MIB)
+    a.malloc(12 * MIB)
+    assert a.device.mem_get_info() == (88 * MIB, 100 * MIB)
