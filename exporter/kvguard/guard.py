@@ -143,14 +143,26 @@ def judge(inp: GuardInput) -> Verdict:
 
     activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
                   else profile.peak_allocated_increase_bytes)
-    projected = profile.weights_bytes + kv_cache + activation + profile.non_torch_increase_bytes
-    if memory is not None and memory.peak_reserved_bytes is not None:
-        # The allocator's reserved peak while serving already holds weights, KV cache and
-        # activations; if it outgrew the startup projection, the projection was too small.
-        live = memory.peak_reserved_bytes + profile.non_torch_increase_bytes
+    non_torch = profile.non_torch_increase_bytes
+    live_non_torch = _live_non_torch(memory)
+    if live_non_torch is not None and live_non_torch > non_torch:
+        # The profile holds the increase only; the runtime context and communication buffers
+        # held from the start are memory too (device used minus allocator reserved).
+        non_torch = live_non_torch
+    projected = profile.weights_bytes + kv_cache + activation + non_torch
+    if memory is not None and memory.reserved_bytes is not None:
+        # What the allocator holds now already includes weights and KV cache with every
+        # rounding and packing loss; the next activation peak must fit on top of it, less
+        # only the cached blocks it can reuse whole (not the slivers of split segments).
+        live = memory.reserved_bytes + non_torch + max(0, activation - _reusable_bytes(memory))
+        if memory.peak_reserved_bytes is not None:
+            live = max(live, memory.peak_reserved_bytes + non_torch)
         if live > projected:
-            reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the live reserved peak {_gib(memory.peak_reserved_bytes)} "
-                                                         f"is {_gib(live - projected)} above the startup projection"))
+            reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the allocator's reserved memory "
+                                                         f"({_gib(memory.reserved_bytes)} now, peak "
+                                                         f"{_gib(memory.peak_reserved_bytes or memory.reserved_bytes)})"
+                                                         f" projects a peak {_gib(live - projected)} above the "
+                                                         f"startup profile's"))
             projected = live
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
@@ -179,6 +191,29 @@ def judge(inp: GuardInput) -> Verdict:
         capacity_bytes=capacity,
         headroom_bytes=headroom,
     )
+
+
+def _live_non_torch(memory: DeviceMemory | None) -> int | None:
+    """Device memory this process holds outside the framework allocator, when a source tells."""
+    if memory is None or memory.reserved_bytes is None:
+        return None
+    held = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
+    if held is None or held < memory.reserved_bytes:
+        return None
+    return held - memory.reserved_bytes
+
+
+def _reusable_bytes(memory: DeviceMemory) -> int:
+    """Cached memory the next activation peak can take whole.
+
+    The PyTorch caching allocator reports the free slivers of split segments as
+    ``inactive_split``; only the rest of reserved − allocated is whole cached blocks. A source
+    that does not report the split (MindSpore, device-level) gets no credit: the guard errs
+    towards calling an OOM.
+    """
+    if memory.allocated_bytes is None or memory.inactive_split_bytes is None:
+        return 0
+    return max(0, memory.reserved_bytes - memory.allocated_bytes - memory.inactive_split_bytes)
 
 
 def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -> tuple[Profile | None, bool]:
