@@ -1,0 +1,313 @@
+{{/* Names */}}
+{{- define "kvguard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvguard.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvguard.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The pods' role: the serving workload with kvguard beside it, or kvguard alone per node. */}}
+{{- define "kvguard.component" -}}
+{{- if eq .Values.mode "sidecar" }}serving{{ else }}device-exporter{{ end }}
+{{- end }}
+
+{{- define "kvguard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: {{ include "kvguard.component" . }}
+{{- end }}
+
+{{- define "kvguard.labels" -}}
+helm.sh/chart: {{ include "kvguard.chart" . }}
+{{ include "kvguard.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvguard
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvguard.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvguard.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvguard.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "kvguard.scheme" -}}
+{{- if .Values.kvguard.tls.enabled }}https{{ else }}http{{ end }}
+{{- end }}
+
+{{/* Checks on combinations of values that the schema cannot express clearly. */}}
+{{- define "kvguard.validate" -}}
+{{- if and (eq .Values.monitor.kind "ServiceMonitor") (not .Values.service.enabled) }}
+{{- fail "monitor.kind=ServiceMonitor needs service.enabled=true (or use monitor.kind=PodMonitor)" }}
+{{- end }}
+{{- if and .Values.kvguard.tls.enabled (not .Values.kvguard.tls.secretName) }}
+{{- fail "kvguard.tls.enabled needs kvguard.tls.secretName (a kubernetes.io/tls Secret)" }}
+{{- end }}
+{{- if and .Values.kvguard.basicAuth.enabled (not .Values.kvguard.basicAuth.secretName) }}
+{{- fail "kvguard.basicAuth.enabled needs kvguard.basicAuth.secretName (a Secret with the username and password keys)" }}
+{{- end }}
+{{- if and (eq .Values.mode "sidecar") .Values.sidecar.native (semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version) }}
+{{- fail (printf "sidecar.native=true needs Kubernetes >= 1.29 (native sidecar containers); this cluster is %s: set sidecar.native=false" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- end }}
+
+{{/* Pod identity through the downward API; CONTAINER_NAME has no downward-API field. */}}
+{{- define "kvguard.identityEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: NODE_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- end }}
+
+{{/* `kvguard serve` arguments (docs/metrics.md). */}}
+{{- define "kvguard.args" -}}
+{{- $k := .Values.kvguard -}}
+{{- $sources := $k.sources -}}
+{{- if not $sources -}}
+{{- if eq .Values.mode "sidecar" }}{{ $sources = list "auto" }}{{ else }}{{ $sources = list .Values.daemonset.deviceSource }}{{ end -}}
+{{- end -}}
+- serve
+- --listen=0.0.0.0
+- --port={{ $k.port }}
+{{- if eq .Values.mode "sidecar" }}
+- --spool-dir={{ .Values.sidecar.spool.mountPath }}
+{{- if $k.vllmMetrics.enabled }}
+- --vllm-metrics-url=http://127.0.0.1:{{ .Values.serving.port }}{{ $k.vllmMetrics.path }}
+{{- end }}
+{{- end }}
+{{- range $sources }}
+- --source={{ . }}
+{{- end }}
+- --interval={{ $k.intervalSeconds }}
+- --stale-after={{ $k.staleAfterSeconds }}
+- --read-timeout={{ $k.readTimeoutSeconds }}
+{{- if $k.failReadinessOnCritical }}
+- --fail-readiness-on-critical
+{{- end }}
+{{- if $k.tls.enabled }}
+- --tls-cert-file=/etc/kvguard/tls/tls.crt
+- --tls-key-file=/etc/kvguard/tls/tls.key
+{{- end }}
+{{- if $k.basicAuth.enabled }}
+- --basic-auth-user=$(KVGUARD_BASIC_AUTH_USER)
+- --basic-auth-password-file=/etc/kvguard/basic-auth/{{ $k.basicAuth.passwordKey }}
+{{- end }}
+{{- range $k.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "kvguard.httpProbe" -}}
+{{- $probe := index . 0 -}}
+{{- $path := index . 1 -}}
+{{- $scheme := index . 2 -}}
+httpGet:
+  path: {{ $path }}
+  port: metrics
+  scheme: {{ $scheme | upper }}
+{{- range $key := list "initialDelaySeconds" "periodSeconds" "timeoutSeconds" "failureThreshold" }}
+{{- if hasKey $probe $key }}
+{{ $key }}: {{ index $probe $key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The kvguard container. In sidecar mode CONTAINER_NAME names the serving container: the memory
+kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorLabels.
+*/}}
+{{- define "kvguard.container" -}}
+{{- $k := .Values.kvguard -}}
+{{- $scheme := include "kvguard.scheme" . -}}
+- name: {{ $k.name }}
+  image: {{ include "kvguard.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  {{- if and (eq .Values.mode "sidecar") .Values.sidecar.native }}
+  restartPolicy: Always
+  {{- end }}
+  args:
+    {{- include "kvguard.args" . | nindent 4 }}
+  env:
+    {{- include "kvguard.identityEnv" . | nindent 4 }}
+    - name: CONTAINER_NAME
+      value: {{ if eq .Values.mode "sidecar" }}{{ .Values.serving.name }}{{ else }}{{ $k.name }}{{ end }}
+    {{- if eq .Values.mode "sidecar" }}
+    - name: KVGUARD_SPOOL_DIR
+      value: {{ .Values.sidecar.spool.mountPath }}
+    {{- end }}
+    {{- if eq .Values.mode "daemonset" }}
+    {{- if eq .Values.daemonset.deviceSource "nvml" }}
+    - name: NVIDIA_VISIBLE_DEVICES
+      value: {{ .Values.daemonset.nvml.visibleDevices | quote }}
+    - name: NVIDIA_DRIVER_CAPABILITIES
+      value: utility
+    {{- else }}
+    - name: ASCEND_VISIBLE_DEVICES
+      value: {{ .Values.daemonset.npuSmi.visibleDevices | quote }}
+    - name: LD_LIBRARY_PATH
+      value: {{ printf "%s/lib64:%s/lib64/common:%s/lib64/driver:%s" .Values.daemonset.npuSmi.driverPath .Values.daemonset.npuSmi.driverPath .Values.daemonset.npuSmi.driverPath .Values.daemonset.npuSmi.dcmiPath }}
+    {{- end }}
+    {{- end }}
+    {{- if $k.basicAuth.enabled }}
+    - name: KVGUARD_BASIC_AUTH_USER
+      valueFrom:
+        secretKeyRef:
+          name: {{ $k.basicAuth.secretName }}
+          key: {{ $k.basicAuth.usernameKey }}
+    {{- end }}
+    {{- with $k.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: metrics
+      containerPort: {{ $k.port }}
+      protocol: TCP
+  {{- if $k.startupProbe.enabled }}
+  startupProbe:
+    {{- include "kvguard.httpProbe" (list $k.startupProbe "/healthz" $scheme) | nindent 4 }}
+  {{- end }}
+  {{- if $k.livenessProbe.enabled }}
+  livenessProbe:
+    {{- include "kvguard.httpProbe" (list $k.livenessProbe "/healthz" $scheme) | nindent 4 }}
+  {{- end }}
+  {{- if $k.readinessProbe.enabled }}
+  readinessProbe:
+    {{- include "kvguard.httpProbe" (list $k.readinessProbe "/readyz" $scheme) | nindent 4 }}
+  {{- end }}
+  resources:
+    {{- toYaml $k.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml $k.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: kvguard-tmp
+      mountPath: /tmp
+    {{- if eq .Values.mode "sidecar" }}
+    - name: kvguard-spool
+      mountPath: {{ .Values.sidecar.spool.mountPath }}
+      readOnly: true
+    {{- end }}
+    {{- if and (eq .Values.mode "daemonset") (eq .Values.daemonset.deviceSource "npu-smi") }}
+    - name: npu-smi
+      mountPath: {{ .Values.daemonset.npuSmi.npuSmiPath }}
+      readOnly: true
+    - name: ascend-driver
+      mountPath: {{ .Values.daemonset.npuSmi.driverPath }}
+      readOnly: true
+    - name: ascend-dcmi
+      mountPath: {{ .Values.daemonset.npuSmi.dcmiPath }}
+      readOnly: true
+    {{- end }}
+    {{- if $k.tls.enabled }}
+    - name: kvguard-tls
+      mountPath: /etc/kvguard/tls
+      readOnly: true
+    {{- end }}
+    {{- if $k.basicAuth.enabled }}
+    - name: kvguard-basic-auth
+      mountPath: /etc/kvguard/basic-auth
+      readOnly: true
+    {{- end }}
+{{- end }}
+
+{{/* Volumes the kvguard container needs, in both modes. */}}
+{{- define "kvguard.volumes" -}}
+- name: kvguard-tmp
+  emptyDir:
+    sizeLimit: 16Mi
+{{- if .Values.kvguard.tls.enabled }}
+- name: kvguard-tls
+  secret:
+    secretName: {{ .Values.kvguard.tls.secretName }}
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
+{{- if .Values.kvguard.basicAuth.enabled }}
+- name: kvguard-basic-auth
+  secret:
+    secretName: {{ .Values.kvguard.basicAuth.secretName }}
+    items:
+      - key: {{ .Values.kvguard.basicAuth.passwordKey }}
+        path: {{ .Values.kvguard.basicAuth.passwordKey }}
+{{- end }}
+{{- end }}
+
+{{/* The scrape endpoint shared by PodMonitor and ServiceMonitor. */}}
+{{- define "kvguard.scrapeEndpoint" -}}
+{{- $k := .Values.kvguard -}}
+{{- $m := .Values.monitor -}}
+- port: metrics
+  path: /metrics
+  scheme: {{ include "kvguard.scheme" . }}
+  interval: {{ $m.interval }}
+  scrapeTimeout: {{ $m.scrapeTimeout }}
+  honorLabels: {{ $m.honorLabels }}
+  {{- if $k.tls.enabled }}
+  tlsConfig:
+    {{- if $k.tls.caSecretName }}
+    ca:
+      secret:
+        name: {{ $k.tls.caSecretName }}
+        key: {{ $k.tls.caKey }}
+    {{- end }}
+    {{- with $k.tls.serverName }}
+    serverName: {{ . }}
+    {{- end }}
+    insecureSkipVerify: {{ $k.tls.insecureSkipVerify }}
+  {{- end }}
+  {{- if $k.basicAuth.enabled }}
+  basicAuth:
+    username:
+      name: {{ $k.basicAuth.secretName }}
+      key: {{ $k.basicAuth.usernameKey }}
+    password:
+      name: {{ $k.basicAuth.secretName }}
+      key: {{ $k.basicAuth.passwordKey }}
+  {{- end }}
+  {{- with $m.relabelings }}
+  relabelings:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $m.metricRelabelings }}
+  metricRelabelings:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}

@@ -1,0 +1,624 @@
+"""The Helm chart (helm/kvguard), exercised with the real helm binary.
+
+Every rendered Kubernetes object is validated against the Kubernetes 1.31 strict JSON schemas that
+kubernetes-validate ships (offline). The Prometheus operator's kinds (PodMonitor, ServiceMonitor,
+PrometheusRule) are not in those schemas: they are validated against the JSON schemas below,
+written for the fields this chart uses, following the operator's monitoring.coreos.com/v1 CRDs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHART = os.path.join(ROOT, "helm", "kvguard")
+RULES_DIR = os.path.join(ROOT, "dashboards", "rules")
+RULE_FILES = ("kvguard-recording.yaml", "kvguard-alerts.yaml")
+DASHBOARD = os.path.join(ROOT, "dashboards", "kvguard.json")
+METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
+KUBERNETES_VERSION = "1.31.0"
+SCHEMA_ERROR = "values don't meet the specifications of the schema"
+
+CI_VALUES = sorted(
+    os.path.join("ci", name) for name in os.listdir(os.path.join(CHART, "ci")) if name.endswith("-values.yaml"))
+SIDECAR_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("sidecar-")]
+DAEMONSET_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("daemonset-")]
+# None: the chart's defaults.
+ALL_VALUES = [None, *CI_VALUES]
+
+
+def _ids(values):
+    return "defaults" if values is None else os.path.basename(values).removesuffix("-values.yaml")
+
+
+# ----------------------------------------------------------------------------- helm
+
+
+def _helm_binary() -> str:
+    found = shutil.which("helm") or os.path.join(ROOT, ".tools", "helm")
+    if not os.access(found, os.X_OK):
+        pytest.fail("helm not found on PATH nor at .tools/helm: run ./dev.sh test, which fetches it")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _helm_env() -> tuple[tuple[str, str], ...]:
+    # Keep helm's cache, config and data out of the user's home.
+    base = os.path.join(ROOT, ".pytest_cache", "helm-home")
+    env = dict(os.environ)
+    for name in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
+        env[name] = os.path.join(base, name.lower())
+    return tuple(env.items())
+
+
+def helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([_helm_binary(), *args], cwd=ROOT, env=dict(_helm_env()), capture_output=True,
+                          text=True, timeout=120)
+
+
+def template_args(values: str | None = None, *extra: str) -> list[str]:
+    args = ["template", "kv", CHART, "--namespace", "serving"]
+    if values:
+        args += ["-f", os.path.join(CHART, values)]
+    return [*args, *extra]
+
+
+@functools.lru_cache(maxsize=None)
+def _render(values: str | None, extra: tuple[str, ...]) -> tuple[dict, ...]:
+    result = helm(*template_args(values, *extra))
+    assert result.returncode == 0, result.stderr
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def render(values: str | None = None, *extra: str) -> list[dict]:
+    return list(_render(values, tuple(extra)))
+
+
+def only(docs: list[dict], kind: str) -> dict:
+    found = [doc for doc in docs if doc["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {[d['kind'] for d in docs]}"
+    return found[0]
+
+
+def workload(docs: list[dict]) -> dict:
+    found = [doc for doc in docs if doc["kind"] in ("Deployment", "DaemonSet")]
+    assert len(found) == 1, [d["kind"] for d in docs]
+    return found[0]
+
+
+def pod_spec(docs: list[dict]) -> dict:
+    return workload(docs)["spec"]["template"]["spec"]
+
+
+def kvguard_container(docs: list[dict]) -> dict:
+    spec = pod_spec(docs)
+    found = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "kvguard"]
+    assert len(found) == 1
+    return found[0]
+
+
+def serving_container(docs: list[dict]) -> dict:
+    found = [c for c in pod_spec(docs)["containers"] if c["name"] != "kvguard"]
+    assert len(found) == 1
+    return found[0]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+def flag_values(container: dict, flag: str) -> list[str]:
+    prefix = f"{flag}="
+    return [arg[len(prefix):] for arg in container["args"] if arg.startswith(prefix)]
+
+
+def mount_path(container: dict, volume: str) -> str:
+    found = [m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] == volume]
+    assert len(found) == 1, f"{container['name']} mounts {volume} {len(found)} times"
+    return found[0]
+
+
+def schema_failure(*extra: str) -> subprocess.CompletedProcess:
+    return helm(*template_args(None, *extra))
+
+
+# ------------------------------------------------------- Prometheus operator kinds
+
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+                                          r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
+_KEY_SELECTOR = {"type": "object", "additionalProperties": False, "required": ["name", "key"],
+                 "properties": {"name": {"type": "string", "minLength": 1}, "key": {"type": "string", "minLength": 1},
+                                "optional": {"type": "boolean"}}}
+_METADATA = {"type": "object", "additionalProperties": False, "required": ["name", "namespace"],
+             "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
+                            "namespace": {"type": "string"}, "labels": _STRING_MAP, "annotations": _STRING_MAP}}
+_LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
+                   "properties": {"matchLabels": {**_STRING_MAP, "minProperties": 1}}}
+_RELABEL = {"type": "object", "additionalProperties": False, "properties": {
+    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+    "separator": {"type": "string"}, "targetLabel": {"type": "string"}, "regex": {"type": "string"},
+    "modulus": {"type": "integer", "minimum": 0}, "replacement": {"type": "string"},
+    "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod", "labelmap",
+                        "LabelMap", "labeldrop", "LabelDrop", "labelkeep", "LabelKeep", "lowercase", "Lowercase",
+                        "uppercase", "Uppercase", "keepequal", "KeepEqual", "dropequal", "DropEqual"]}}}
+_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"], "properties": {
+    "port": {"type": "string", "minLength": 1}, "path": {"type": "string", "pattern": "^/"},
+    "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
+    "honorLabels": {"type": "boolean"},
+    "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
+        "ca": {"type": "object", "additionalProperties": False, "properties": {"secret": _KEY_SELECTOR,
+                                                                               "configMap": _KEY_SELECTOR}},
+        "serverName": {"type": "string"}, "insecureSkipVerify": {"type": "boolean"}}},
+    "basicAuth": {"type": "object", "additionalProperties": False, "required": ["username", "password"],
+                  "properties": {"username": _KEY_SELECTOR, "password": _KEY_SELECTOR}},
+    "relabelings": {"type": "array", "items": _RELABEL},
+    "metricRelabelings": {"type": "array", "items": _RELABEL}}}
+
+
+def _monitor_schema(kind: str, endpoints_key: str) -> dict:
+    return {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+            "properties": {
+                "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
+                "metadata": _METADATA,
+                "spec": {"type": "object", "additionalProperties": False, "required": ["selector", endpoints_key],
+                         "properties": {"selector": _LABEL_SELECTOR,
+                                        endpoints_key: {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}}
+
+
+_RULE = {"type": "object", "additionalProperties": False, "required": ["expr"],
+         "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+         "properties": {"alert": {"type": "string", "minLength": 1},
+                        "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+                        "expr": {"type": "string", "minLength": 1}, "for": _DURATION, "keep_firing_for": _DURATION,
+                        "labels": _STRING_MAP, "annotations": _STRING_MAP}}
+OPERATOR_SCHEMAS = {
+    "PodMonitor": _monitor_schema("PodMonitor", "podMetricsEndpoints"),
+    "ServiceMonitor": _monitor_schema("ServiceMonitor", "endpoints"),
+    "PrometheusRule": {
+        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"},
+            "metadata": _METADATA,
+            "spec": {"type": "object", "additionalProperties": False, "required": ["groups"], "properties": {
+                "groups": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "additionalProperties": False, "required": ["name", "rules"],
+                    "properties": {"name": {"type": "string", "minLength": 1}, "interval": _DURATION,
+                                   "limit": {"type": "integer", "minimum": 0}, "labels": _STRING_MAP,
+                                   "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}}}}},
+}
+
+
+# ----------------------------------------------------------------------------- lint
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_helm_lint_strict_passes(values):
+    args = ["lint", "--strict", CHART]
+    if values:
+        args += ["-f", os.path.join(CHART, values)]
+    result = helm(*args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+# ------------------------------------------------------------------ schema validity
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_rendered_kubernetes_objects_are_valid_for_kubernetes_1_31(values):
+    docs = [doc for doc in render(values) if doc["kind"] not in OPERATOR_SCHEMAS]
+    assert docs
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_rendered_operator_objects_match_their_crd_fields(values):
+    for doc in render(values):
+        if doc["kind"] in OPERATOR_SCHEMAS:
+            jsonschema.Draft7Validator(OPERATOR_SCHEMAS[doc["kind"]]).validate(doc)
+
+
+def test_ci_values_cover_every_kind_the_chart_renders():
+    kinds = {doc["kind"] for values in CI_VALUES for doc in render(values)}
+    assert kinds == {"ServiceAccount", "Service", "ConfigMap", "Deployment", "DaemonSet", "PodMonitor",
+                     "ServiceMonitor", "PrometheusRule"}
+
+
+# ------------------------------------------------------------- rules and dashboard
+
+
+def test_prometheus_rule_groups_equal_the_rule_files():
+    expected = []
+    for name in RULE_FILES:
+        with open(os.path.join(RULES_DIR, name)) as handle:
+            expected += yaml.safe_load(handle)["groups"]
+    assert only(render(), "PrometheusRule")["spec"]["groups"] == expected
+
+
+def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
+    for name in ("rules", "kvguard.json"):
+        link = os.path.join(CHART, "files", name)
+        assert os.path.islink(link), f"{link} must be a symlink, not a copy"
+        target = os.path.join(ROOT, "dashboards", name)
+        assert os.path.realpath(link) == os.path.realpath(target)
+
+
+def test_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar():
+    configmap = only(render(), "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    with open(DASHBOARD) as handle:
+        assert json.loads(configmap["data"]["kvguard.json"]) == json.load(handle)
+
+
+def test_packaged_chart_contains_the_linked_files_themselves(tmp_path):
+    result = helm("package", CHART, "--destination", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    (archive,) = tmp_path.glob("kvguard-*.tgz")
+    with tarfile.open(archive) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+        expected = {f"kvguard/files/rules/{name}": os.path.join(RULES_DIR, name) for name in RULE_FILES}
+        expected["kvguard/files/kvguard.json"] = DASHBOARD
+        for member, source in expected.items():
+            assert members[member].isfile(), f"{member} is not a regular file in the package"
+            with open(source, "rb") as handle:
+                assert tar.extractfile(member).read() == handle.read()
+        assert not [name for name in members if name.startswith("kvguard/hack/")]
+
+
+def test_disabling_rules_and_dashboard_renders_neither():
+    kinds = [doc["kind"] for doc in render(None, "--set", "prometheusRule.enabled=false",
+                                           "--set", "dashboard.enabled=false")]
+    assert "PrometheusRule" not in kinds and "ConfigMap" not in kinds
+
+
+# -------------------------------------------------------------------- sidecar mode
+
+
+@pytest.mark.parametrize("values", [None, *SIDECAR_VALUES], ids=_ids)
+def test_sidecar_and_serving_container_share_the_in_memory_spool(values):
+    docs = render(values)
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["kvguard-spool"]["emptyDir"]["medium"] == "Memory"
+    serving, kvguard = serving_container(docs), kvguard_container(docs)
+    serving_path = mount_path(serving, "kvguard-spool")
+    assert env_of(serving)["KVGUARD_SPOOL_DIR"]["value"] == serving_path
+    assert flag_values(kvguard, "--spool-dir") == [mount_path(kvguard, "kvguard-spool")]
+
+
+def test_sidecar_mounts_the_spool_read_only_and_the_serving_container_read_write():
+    docs = render()
+    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (kvguard_container(docs),
+                                                                             serving_container(docs))}
+    assert mounts["kvguard"]["kvguard-spool"]["readOnly"] is True
+    assert not mounts["vllm"]["kvguard-spool"].get("readOnly", False)
+
+
+def test_native_sidecar_is_an_init_container_that_restarts_always():
+    spec = pod_spec(render("ci/sidecar-native-podmonitor-values.yaml"))
+    assert [c["name"] for c in spec["initContainers"]] == ["kvguard"]
+    assert spec["initContainers"][0]["restartPolicy"] == "Always"
+    assert [c["name"] for c in spec["containers"]] == ["vllm"]
+
+
+def test_plain_sidecar_is_a_second_container():
+    spec = pod_spec(render("ci/sidecar-plain-container-servicemonitor-values.yaml"))
+    assert "initContainers" not in spec
+    assert sorted(c["name"] for c in spec["containers"]) == ["kvguard", "vllm"]
+    assert all("restartPolicy" not in c for c in spec["containers"])
+
+
+def test_native_sidecar_is_refused_below_kubernetes_1_29():
+    result = helm(*template_args(None, "--kube-version", "1.28.9"))
+    assert result.returncode != 0
+    assert "sidecar.native=true needs Kubernetes >= 1.29" in result.stderr
+
+
+def test_plain_sidecar_renders_for_kubernetes_1_28():
+    spec = pod_spec(render(None, "--kube-version", "1.28.9", "--set", "sidecar.native=false"))
+    assert "kvguard" in [c["name"] for c in spec["containers"]]
+
+
+@pytest.mark.parametrize("values", [None, *SIDECAR_VALUES], ids=_ids)
+def test_sidecar_reads_vllm_metrics_on_the_serving_port(values):
+    docs = render(values)
+    (serving_port,) = [p["containerPort"] for p in serving_container(docs)["ports"] if p["name"] == "http"]
+    assert flag_values(kvguard_container(docs), "--vllm-metrics-url") == [
+        f"http://127.0.0.1:{serving_port}/metrics"]
+
+
+@pytest.mark.parametrize("values", [None, *SIDECAR_VALUES], ids=_ids)
+def test_sidecar_labels_its_metrics_with_the_serving_container(values):
+    docs = render(values)
+    serving = serving_container(docs)
+    assert env_of(kvguard_container(docs))["CONTAINER_NAME"]["value"] == serving["name"]
+    assert env_of(serving)["CONTAINER_NAME"]["value"] == serving["name"]
+
+
+def test_ascend_sidecar_requests_npus_for_the_serving_container_only():
+    docs = render("ci/sidecar-ascend-vllm-mindspore-values.yaml")
+    assert serving_container(docs)["resources"]["limits"]["huawei.com/Ascend910"] == 4
+    assert not [name for name in kvguard_container(docs)["resources"].get("limits", {}) if "/" in name]
+
+
+# ------------------------------------------------------------------ daemonset mode
+
+
+def test_daemonset_mode_renders_a_daemonset_and_no_serving_workload():
+    docs = render("ci/daemonset-nvml-values.yaml")
+    kinds = [doc["kind"] for doc in docs]
+    assert "DaemonSet" in kinds and "Deployment" not in kinds
+    assert [c["name"] for c in pod_spec(docs)["containers"]] == ["kvguard"]
+    assert flag_values(kvguard_container(docs), "--spool-dir") == []
+
+
+def test_nvml_daemonset_sees_every_gpu_without_requesting_any():
+    docs = render("ci/daemonset-nvml-values.yaml")
+    kvguard = kvguard_container(docs)
+    assert flag_values(kvguard, "--source") == ["nvml"]
+    assert env_of(kvguard)["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert pod_spec(docs)["runtimeClassName"] == "nvidia"
+    assert not [name for name in kvguard["resources"].get("limits", {}) if name.startswith("nvidia.com/")]
+
+
+def test_npu_smi_daemonset_mounts_the_hosts_npu_smi_and_driver_read_only():
+    docs = render("ci/daemonset-npu-smi-values.yaml")
+    kvguard = kvguard_container(docs)
+    assert flag_values(kvguard, "--source") == ["npu-smi"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod_spec(docs)["volumes"] if "hostPath" in v}
+    assert sorted(host_paths.values()) == ["/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/sbin/npu-smi"]
+    mounts = {m["name"]: m for m in kvguard["volumeMounts"]}
+    for name, path in host_paths.items():
+        assert mounts[name]["mountPath"] == path and mounts[name]["readOnly"] is True
+
+
+# ------------------------------------------------------------- both modes: kvguard
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_kvguard_runs_non_root_read_only_without_privileges(values):
+    docs = render(values)
+    context = kvguard_container(docs)["securityContext"]
+    assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context.get("privileged", False) is False
+    assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add")
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_kvguard_has_resources_and_a_writable_tmp(values):
+    kvguard = kvguard_container(render(values))
+    assert kvguard["resources"]["requests"]["memory"] and kvguard["resources"]["limits"]["memory"]
+    assert mount_path(kvguard, "kvguard-tmp") == "/tmp"
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_kvguard_probes_healthz_and_readyz_on_its_metrics_port(values):
+    kvguard = kvguard_container(render(values))
+    (port,) = [p for p in kvguard["ports"] if p["name"] == "metrics"]
+    assert flag_values(kvguard, "--port") == [str(port["containerPort"])]
+    assert kvguard["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert kvguard["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert kvguard[probe]["httpGet"]["port"] == "metrics"
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_pod_identity_comes_from_the_downward_api(values):
+    docs = render(values)
+    containers = [kvguard_container(docs)]
+    if workload(docs)["kind"] == "Deployment":
+        containers.append(serving_container(docs))
+    for container in containers:
+        env = env_of(container)
+        for name, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"),
+                            ("NODE_NAME", "spec.nodeName")):
+            assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == field, (container["name"], name)
+        assert env["CONTAINER_NAME"]["value"]
+
+
+def _documented_serve_flags() -> set[str]:
+    with open(METRICS_DOC) as handle:
+        section = handle.read().split("## `kvguard serve` flags", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(--[a-z][a-z-]*)", section))
+
+
+@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+def test_kvguard_args_use_only_documented_serve_flags(values):
+    args = kvguard_container(render(values))["args"]
+    assert args[0] == "serve"
+    used = {arg.split("=", 1)[0] for arg in args[1:]}
+    assert used <= _documented_serve_flags()
+
+
+def test_default_port_is_the_documented_serve_port():
+    (documented,) = re.findall(r"`--port N` \| `(\d+)`", open(METRICS_DOC).read())
+    with open(os.path.join(CHART, "values.yaml")) as handle:
+        assert yaml.safe_load(handle)["kvguard"]["port"] == int(documented)
+
+
+def test_fail_readiness_on_critical_passes_the_flag():
+    args = kvguard_container(render(None, "--set", "kvguard.failReadinessOnCritical=true"))["args"]
+    assert "--fail-readiness-on-critical" in args
+
+
+# ---------------------------------------------------------------------- scraping
+
+
+def _monitor_kind(values: str | None) -> str:
+    chosen = {}
+    if values:
+        with open(os.path.join(CHART, values)) as handle:
+            chosen = yaml.safe_load(handle).get("monitor", {})
+    return chosen.get("kind", "PodMonitor")
+
+
+@pytest.mark.parametrize("values", [v for v in ALL_VALUES if _monitor_kind(v) == "PodMonitor"], ids=_ids)
+def test_pod_monitor_selects_the_pods_and_their_metrics_port(values):
+    docs = render(values)
+    monitor = only(docs, "PodMonitor")
+    pod_labels = workload(docs)["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    container_ports = {p["name"] for p in kvguard_container(docs)["ports"]}
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"metrics"} <= container_ports
+
+
+@pytest.mark.parametrize("values", [v for v in ALL_VALUES if _monitor_kind(v) == "ServiceMonitor"], ids=_ids)
+def test_service_monitor_selects_a_service_that_selects_the_pods(values):
+    docs = render(values)
+    monitor, service = only(docs, "ServiceMonitor"), only(docs, "Service")
+    assert "PodMonitor" not in [doc["kind"] for doc in docs]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    pod_labels = workload(docs)["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == monitor["spec"]["endpoints"][0]["port"]]
+    assert port["targetPort"] == "metrics"
+
+
+def test_monitor_kind_none_renders_no_monitor():
+    kinds = [doc["kind"] for doc in render("ci/sidecar-no-prometheus-operator-values.yaml")]
+    assert not {"PodMonitor", "ServiceMonitor", "PrometheusRule"} & set(kinds)
+
+
+def test_service_monitor_without_a_service_is_refused():
+    result = helm(*template_args(None, "--set", "monitor.kind=ServiceMonitor", "--set", "service.enabled=false"))
+    assert result.returncode != 0
+    assert "monitor.kind=ServiceMonitor needs service.enabled=true" in result.stderr
+
+
+def test_tls_serves_https_and_prometheus_checks_the_ca():
+    docs = render("ci/sidecar-tls-basic-auth-values.yaml")
+    kvguard = kvguard_container(docs)
+    tls_dir = mount_path(kvguard, "kvguard-tls")
+    assert flag_values(kvguard, "--tls-cert-file") == [f"{tls_dir}/tls.crt"]
+    assert flag_values(kvguard, "--tls-key-file") == [f"{tls_dir}/tls.key"]
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["kvguard-tls"]["secret"]["secretName"] == "kvguard-tls"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert kvguard[probe]["httpGet"]["scheme"] == "HTTPS"
+    (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "kvguard-ca", "key": "ca.crt"}
+    assert endpoint["tlsConfig"]["serverName"] == "kvguard.serving.svc"
+
+
+def test_basic_auth_reads_one_secret_in_kvguard_and_in_prometheus():
+    docs = render("ci/sidecar-tls-basic-auth-values.yaml")
+    kvguard = kvguard_container(docs)
+    user_ref = env_of(kvguard)["KVGUARD_BASIC_AUTH_USER"]["valueFrom"]["secretKeyRef"]
+    assert user_ref == {"name": "kvguard-basic-auth", "key": "username"}
+    assert flag_values(kvguard, "--basic-auth-user") == ["$(KVGUARD_BASIC_AUTH_USER)"]
+    password_dir = mount_path(kvguard, "kvguard-basic-auth")
+    assert flag_values(kvguard, "--basic-auth-password-file") == [f"{password_dir}/password"]
+    (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["basicAuth"] == {"username": {"name": "kvguard-basic-auth", "key": "username"},
+                                     "password": {"name": "kvguard-basic-auth", "key": "password"}}
+
+
+# ------------------------------------------------------------------- values schema
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--set", "colour=blue"), "Additional property colour is not allowed"),
+    (("--set", "kvguard.tls.enable=true"), "kvguard.tls: Additional property enable is not allowed"),
+    (("--set", "serving.resources.limit.cpu=1"), "serving.resources: Additional property limit is not allowed"),
+    (("--set-json", 'affinity={"nodeAffinity":{"required":{}}}'),
+     "affinity.nodeAffinity: Additional property required is not allowed"),
+    (("--set", "kvguard.port=metrics"), "kvguard.port: Invalid type. Expected: integer, given: string"),
+    (("--set-string", "sidecar.native=true"), "sidecar.native: Invalid type. Expected: boolean, given: string"),
+    (("--set-json", 'serving.args="--model x"'), "serving.args: Invalid type. Expected: array, given: string"),
+    (("--set", "mode=statefulset"), "mode: mode must be one of the following"),
+    (("--set", "monitor.kind=ServiceMonitors"), "monitor.kind: monitor.kind must be one of the following"),
+    (("--set-string", "monitor.interval=15"), "monitor.interval: Does not match pattern"),
+], ids=["unknown-top-level-key", "unknown-nested-key", "unknown-key-in-kubernetes-object",
+        "unknown-key-deep-in-affinity", "port-not-integer", "native-not-boolean", "args-not-list",
+        "unknown-mode", "unknown-monitor-kind", "interval-without-unit"])
+def test_schema_refuses_bad_values(args, message):
+    result = schema_failure(*args)
+    assert result.returncode != 0
+    assert SCHEMA_ERROR in result.stderr and message in result.stderr, result.stderr
+
+
+def _load_schema() -> dict:
+    with open(os.path.join(CHART, "values.schema.json")) as handle:
+        return json.load(handle)
+
+
+def _object_nodes(node, path="#"):
+    if isinstance(node, dict):
+        if node.get("type") == "object" or "object" in (node.get("type") or []) or "properties" in node:
+            yield path, node
+        for key, value in node.items():
+            yield from _object_nodes(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _object_nodes(value, f"{path}/{index}")
+
+
+# Kubernetes' own free-form type (managedFields, reached through ephemeral volumes' ObjectMeta).
+FREE_FORM_KUBERNETES_TYPES = {"#/definitions/io.k8s.apimachinery.pkg.apis.meta.v1.FieldsV1"}
+
+
+def test_every_object_in_the_values_schema_refuses_unknown_keys():
+    open_objects = {path for path, node in _object_nodes(_load_schema())
+                    # A map (labels, resource limits) types its values instead of listing keys.
+                    if node.get("additionalProperties") is not False
+                    and not isinstance(node.get("additionalProperties"), dict)}
+    assert open_objects == FREE_FORM_KUBERNETES_TYPES
+
+
+def test_values_yaml_satisfies_the_schema_with_every_key_typed():
+    with open(os.path.join(CHART, "values.yaml")) as handle:
+        values = yaml.safe_load(handle)
+    jsonschema.Draft7Validator(_load_schema()).validate(values)
+
+
+def test_embedded_kubernetes_definitions_match_kubernetes_validate_1_31():
+    spec = importlib.util.spec_from_file_location(
+        "update_k8s_definitions", os.path.join(CHART, "hack", "update-k8s-definitions.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    embedded = {k: v for k, v in _load_schema()["definitions"].items() if k.startswith(module.PREFIX)}
+    assert module.KUBERNETES_VERSION == KUBERNETES_VERSION
+    assert embedded == module.embedded_definitions(), "run helm/kvguard/hack/update-k8s-definitions.py"
+
+
+# -------------------------------------------------------------------------- NOTES
+
+
+@pytest.mark.parametrize("values, workload_ref", [(None, "deploy/kv-kvguard"),
+                                                  ("ci/daemonset-nvml-values.yaml", "ds/kv-kvguard")],
+                         ids=["sidecar", "daemonset"])
+def test_notes_tell_how_to_reach_the_metrics(tmp_path, values, workload_ref):
+    # helm template leaves NOTES.txt out and helm install needs a cluster: render it through a
+    # template added to a copy of the chart (links followed).
+    chart = tmp_path / "kvguard"
+    shutil.copytree(CHART, chart, symlinks=False)
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
+        'data:\n  notes: {{ include "kvguard/templates/NOTES.txt" . | toJson }}\n')
+    args = ["template", "kv", str(chart), "--namespace", "serving", "--show-only", "templates/zz-notes.yaml"]
+    if values:
+        args += ["-f", os.path.join(CHART, values)]
+    result = helm(*args)
+    assert result.returncode == 0, result.stderr
+    notes = yaml.safe_load(result.stdout)["data"]["notes"]
+    assert f"kubectl -n serving port-forward {workload_ref} 10240" in notes
+    assert "http://127.0.0.1:10240/metrics" in notes
