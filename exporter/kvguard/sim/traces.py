@@ -124,6 +124,10 @@ def parse_memory_block_csv(text: str) -> Trace:
 
 
 # ----------------------------------------------------------------------------- PyTorch pickle
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
 class _ContainersOnlyUnpickler(pickle.Unpickler):
     """Builds dicts, lists, tuples, sets, strings, bytes and numbers; refuses every class."""
 
@@ -133,13 +137,13 @@ class _ContainersOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a snapshot pickle")
+        raise _Refused(f"refusing to load {module}.{name} from a snapshot pickle")
 
 
 def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     try:
         snapshot = _ContainersOnlyUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as exc:
+    except _Refused as exc:
         raise TraceError(f"not a plain snapshot pickle: {exc}") from None
     except Exception as exc:  # truncated or corrupt files raise many kinds of errors
         raise TraceError(f"cannot read snapshot pickle: {exc.__class__.__name__}: {exc}") from None
