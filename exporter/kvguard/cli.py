@@ -429,6 +429,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     elif not result.error:
         click.echo("Outcome      no OOM")
 
+from kvguard import cli_serve  # noqa: E402,F401  (registers serve and check)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

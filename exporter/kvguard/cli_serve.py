@@ -1,0 +1,224 @@
+"""``kvguard serve`` and ``kvguard check``: the sidecar and the one-shot guard.
+
+Registered on the ``kvguard`` click group (``kvguard.cli.main``) when cli.py imports this
+module; kept apart so the sidecar's flags live beside each other. The flags are a contract
+(docs/metrics.md): the Helm chart and the README use them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+from typing import Any
+
+import click
+
+from kvguard.cli import main
+
+DEFAULT_PORT = 10240
+DEFAULT_SPOOL_DIR = "/dev/shm/kvguard"
+EXIT_OK, EXIT_GUARD, EXIT_ERROR = 0, 1, 2
+
+
+class CheckError(click.ClickException):
+    """A one-line error that exits 2 (the guard could not judge), not 1 (the guard judged badly)."""
+
+    exit_code = EXIT_ERROR
+
+
+def _read_startup_log(path: str, error=click.ClickException):
+    from kvguard.vllm_log import parse_lines
+
+    try:
+        with open(path, "r", encoding="utf-8", errors="replace") as handle:
+            startup = parse_lines(handle)
+    except OSError as exc:
+        raise error(f"cannot read log file {path}: {exc.strerror or exc}") from None
+    if startup.lines_matched == 0:
+        raise error(f"no vLLM startup memory lines found in {path}")
+    return startup
+
+
+def _build_sources(names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    from kvguard.sources import SourceError, get_source
+
+    built = []
+    for name in names:
+        if name == "none":
+            continue
+        try:
+            built.append((name, get_source(name)))
+        except SourceError as exc:
+            if name == "auto":   # nothing to find on this machine is not an error for auto
+                click.echo(f"kvguard serve: --source auto: {exc}", err=True)
+                continue
+            raise click.ClickException(f"--source {name}: {exc}") from None
+    return built
+
+
+def _read_password(path: str | None) -> str | None:
+    if path is None:
+        return os.environ.get("KVGUARD_BASIC_AUTH_PASSWORD")
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            return handle.read(4096).rstrip("\r\n")
+    except OSError as exc:
+        raise click.ClickException(f"cannot read --basic-auth-password-file {path}: {exc.strerror or exc}") \
+            from None
+
+
+@main.command()
+@click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR", help="Address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
+              help="Port to serve /metrics, /healthz, /readyz and /guard on.")
+@click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
+              help=f"Where the probes write snapshots [env KVGUARD_SPOOL_DIR; default {DEFAULT_SPOOL_DIR}, "
+                   f"with --demo a new temporary directory].")
+@click.option("--source", "sources", multiple=True, metavar="NAME",
+              help="Device-level source, repeatable: auto, nvml, npu-smi, host, sim, none [default: auto].")
+@click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics.")
+@click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
+@click.option("--interval", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
+              help="Seconds between background reads of the sources and vLLM.")
+@click.option("--stale-after", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              help="A snapshot older than this many seconds is stale.")
+@click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
+              help="Time limit in seconds for one source, spool or vLLM read.")
+@click.option("--fail-readiness-on-critical", is_flag=True, help="/readyz answers 503 while a rank is critical.")
+@click.option("--tls-cert-file", metavar="FILE", help="Serve HTTPS with this certificate (PEM).")
+@click.option("--tls-key-file", metavar="FILE", help="Private key for --tls-cert-file (PEM).")
+@click.option("--basic-auth-user", metavar="USER", help="Require HTTP basic auth (except /healthz, /readyz).")
+@click.option("--basic-auth-password-file", metavar="FILE",
+              help="File holding the basic-auth password [or env KVGUARD_BASIC_AUTH_PASSWORD].")
+@click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector.")
+@click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
+              help="Simulated ranks with --demo (the last one is set up to trip the guard).")
+def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
+          fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file, demo,
+          demo_ranks):
+    """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
+    from kvguard.server import KVGuardServer, ServerOptions
+    from kvguard.sidecar import Sidecar, SidecarConfig
+
+    if bool(tls_cert_file) != bool(tls_key_file):
+        raise click.UsageError("--tls-cert-file and --tls-key-file go together")
+    password = _read_password(basic_auth_password_file) if basic_auth_user else None
+    if basic_auth_user and not password:
+        raise click.UsageError("--basic-auth-user needs --basic-auth-password-file or KVGUARD_BASIC_AUTH_PASSWORD")
+    startup = _read_startup_log(log_file) if log_file else None
+
+    probe = None
+    if demo:
+        from kvguard.demo import start_demo
+
+        spool_dir = spool_dir or tempfile.mkdtemp(prefix="kvguard-demo-")
+        sources = sources or ("none",)
+        interval = min(interval, 1.0)
+    spool_dir = spool_dir or DEFAULT_SPOOL_DIR
+    if demo:
+        os.makedirs(spool_dir, exist_ok=True)
+        probe = start_demo(spool_dir, demo_ranks, interval=interval)
+
+    sidecar = Sidecar(SidecarConfig(
+        spool_dir=spool_dir, sources=_build_sources(sources or ("auto",)), vllm_metrics_url=vllm_metrics_url,
+        startup_log=startup, interval=interval, stale_after=stale_after, read_timeout=read_timeout))
+    options = ServerOptions(listen=listen, port=port, fail_readiness_on_critical=fail_readiness_on_critical,
+                            tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                            basic_auth_user=basic_auth_user, basic_auth_password=password)
+    try:
+        server = KVGuardServer(sidecar, options)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
+    except ssl_errors() as exc:
+        raise click.ClickException(f"cannot load TLS certificate or key: {exc}") from None
+    sidecar.start()
+
+    say = lambda text: click.echo(text, err=True)   # noqa: E731 - stdout stays free for pipes
+    say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz)")
+    say(f"  spool {spool_dir}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
+        + (f"; vLLM {vllm_metrics_url}" if vllm_metrics_url else "") + (f"; log {log_file}" if log_file else ""))
+    if demo:
+        say(f"  demo: {demo_ranks} simulated rank(s) written by the real probe every {interval:g}s.")
+        say(f"  look at:  curl -s {server.url('/guard')}   (the last rank turns critical)")
+        say(f"            curl -s {server.url('/metrics')} | grep -E "
+            f"'kvguard_(allocator_fragmentation_bytes|guard_state|guard_headroom_bytes)'")
+    _serve_until_signalled(server, sidecar, probe)
+
+
+def ssl_errors():
+    import ssl
+
+    return (ssl.SSLError, ValueError)
+
+
+def _serve_until_signalled(server, sidecar, probe) -> None:
+    def stop(signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.httpd.server_close()
+        sidecar.stop()
+        if probe is not None:
+            probe.stop()
+
+
+@main.command()
+@click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
+              help="Spool of probe snapshots to judge [env KVGUARD_SPOOL_DIR].")
+@click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
+@click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, for num_gpu_blocks and KV usage.")
+@click.option("--stale-after", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
+              help="A snapshot older than this many seconds is stale.")
+@click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
+              help="Time limit in seconds for each read.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json):
+    """Run the guard once: exit 0 ok, 1 warning or critical, 2 when it cannot judge.
+
+    For init containers and CI. Allocator retries and OOMs count since each process started.
+    """
+    from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
+
+    if not (spool_dir or log_file or vllm_metrics_url):
+        raise CheckError("nothing to check: give --spool-dir, --from-log or --vllm-metrics-url")
+    startup = _read_startup_log(log_file, error=CheckError) if log_file else None
+    sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
+                                    stale_after=stale_after, read_timeout=read_timeout, one_shot=True,
+                                    pod_labels={"pod": "", "namespace": "", "container": ""}))
+    sidecar.refresh_background(wait=read_timeout)
+    observation = sidecar.observe()
+    failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
+    if not observation.ranks:
+        why = "; ".join(f"{name}: {error}" for name, error in failed.items()) or \
+            f"no snapshots in {spool_dir}" if spool_dir else "nothing to judge"
+        raise CheckError(f"nothing to judge ({why})")
+    if VLLM_METRICS in failed and vllm_metrics_url:
+        click.echo(f"kvguard check: vLLM metrics: {failed[VLLM_METRICS]}", err=True)
+    if SPOOL in failed:
+        click.echo(f"kvguard check: spool: {failed[SPOOL]}", err=True)
+
+    if as_json:
+        click.echo(json.dumps(observation.guard_dict(), indent=2))
+    else:
+        for view in observation.ranks:
+            verdict = view.verdict
+            who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
+            headroom = "" if verdict.headroom_bytes is None else \
+                f"  headroom {verdict.headroom_bytes / (1 << 30):.2f} GiB"
+            click.echo(f"{verdict.state.upper():<8} {who}{headroom}")
+            for reason in verdict.reasons:
+                click.echo(f"         - {reason.code}: {reason.message}")
+        skipped = sum(observation.skipped.values())
+        if skipped:
+            click.echo(f"({skipped} spool file(s) skipped: "
+                       f"{', '.join(f'{k} {v}' for k, v in sorted(observation.skipped.items()) if v)})")
+    sys.exit(EXIT_OK if observation.state == "ok" else EXIT_GUARD)
