@@ -23,8 +23,8 @@ def example_profile() -> Profile:
 
 
 def snapshot(rank: int = 0, device: str = "npu:0", pid: int = 4242, *, utilization: float | None = None,
-             kv_blocks: int | None = None, block_bytes: int = 14 * 1024 * 1024, allocated: int = 52 * GIB,
-             reserved: int = 54 * GIB, retries: int = 0, ooms: int = 0, written_at: float | None = None,
+             kv_blocks: int | None = None, block_bytes: int = 14 * 1024 * 1024, allocated: int | None = None,
+             reserved: int | None = None, retries: int = 0, ooms: int = 0, written_at: float | None = None,
              profile: Profile | None | str = "example", pod: dict | None = None) -> Snapshot:
     if profile == "example":
         profile = example_profile()
@@ -32,12 +32,17 @@ def snapshot(rank: int = 0, device: str = "npu:0", pid: int = 4242, *, utilizati
             profile = Profile(**{**profile.to_dict(), "gpu_memory_utilization": utilization})
     if kv_blocks is None:   # what vLLM allocates: the stock budget in whole blocks
         kv_blocks = stock_kv_cache_bytes(profile or example_profile()) // block_bytes
+    shape = profile or example_profile()
+    if allocated is None:   # between steps: weights and KV cache; activations freed, their segments cached
+        allocated = shape.weights_bytes + kv_blocks * block_bytes
+    if reserved is None:
+        reserved = allocated + (shape.peak_reserved_increase_bytes or GIB)
     now = time.time() if written_at is None else written_at
     memory = DeviceMemory(
         device=device, source="mindspore", allocated_bytes=allocated, reserved_bytes=reserved,
-        peak_allocated_bytes=allocated + GIB, peak_reserved_bytes=reserved + GIB,
+        peak_allocated_bytes=allocated + shape.peak_allocated_increase_bytes, peak_reserved_bytes=reserved,
         inactive_split_bytes=256 * 1024 * 1024, alloc_retries=retries, ooms=ooms,
-        total_bytes=64 * GIB, free_bytes=8 * GIB, used_bytes=56 * GIB,
+        total_bytes=64 * GIB, free_bytes=max(0, 63 * GIB - reserved), used_bytes=min(64 * GIB, reserved + GIB),
         processes=(ProcessMemory(pid=pid, used_bytes=55 * GIB, name="python3"),))
     return Snapshot(written_at=now, started_at=now - 600, sequence=120, host="node-7", pid=pid, device=device,
                     memory=memory, rank=rank, pod={"pod": "vllm-0", "namespace": "llm", "container": "vllm"} if pod is None else pod,

@@ -62,7 +62,8 @@ class FailingSource:
 
 
 def test_every_rank_gets_allocator_series_with_rank_labels(tmp_path):
-    write(tmp_path, snapshot(rank=0, device="npu:0", pid=100), snapshot(rank=1, device="npu:1", pid=101))
+    write(tmp_path, snapshot(rank=0, device="npu:0", pid=100, allocated=52 * GIB, reserved=54 * GIB),
+          snapshot(rank=1, device="npu:1", pid=101, allocated=52 * GIB, reserved=54 * GIB))
     samples = scrape(sidecar_for(tmp_path))
     for rank, device, pid in ((0, "npu:0", 100), (1, "npu:1", 101)):
         labels = dict(rank=rank, device=device, pid=pid, pod="vllm-0", namespace="llm", container="vllm")
@@ -151,7 +152,7 @@ def test_snapshot_age_and_staleness(tmp_path):
 
 
 def test_pod_labels_come_from_the_downward_api_when_the_snapshot_has_none(tmp_path):
-    write(tmp_path, snapshot(pod={}))
+    write(tmp_path, snapshot(pod={}, allocated=52 * GIB))
     sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels={
         "pod": "vllm-7", "namespace": "serving", "container": "kvguard"}))
     samples = scrape(sidecar)

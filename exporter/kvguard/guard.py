@@ -157,13 +157,13 @@ def judge(inp: GuardInput) -> Verdict:
         live = memory.reserved_bytes + non_torch + max(0, activation - _reusable_bytes(memory))
         if memory.peak_reserved_bytes is not None:
             live = max(live, memory.peak_reserved_bytes + non_torch)
-        if live > projected:
+        if live > projected + capacity_tolerance(profile):
             reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the allocator's reserved memory "
                                                          f"({_gib(memory.reserved_bytes)} now, peak "
                                                          f"{_gib(memory.peak_reserved_bytes or memory.reserved_bytes)})"
                                                          f" projects a peak {_gib(live - projected)} above the "
                                                          f"startup profile's"))
-            projected = live
+        projected = max(projected, live)
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
 
@@ -191,6 +191,11 @@ def judge(inp: GuardInput) -> Verdict:
         capacity_bytes=capacity,
         headroom_bytes=headroom,
     )
+
+
+def capacity_tolerance(profile: Profile) -> int:
+    """Allocator rounding below 1% of the device is noise, not a finding (the projection still counts it)."""
+    return profile.total_memory_bytes // 100
 
 
 def _live_non_torch(memory: DeviceMemory | None) -> int | None:

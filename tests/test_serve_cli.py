@@ -1,0 +1,231 @@
+"""``kvguard check`` in-process, ``kvguard serve`` as a real process on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+
+from kvguard.cli import main
+from sidecar_fixtures import snapshot, write
+from test_collector_vllm import FakeVllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check(*args):
+    return CliRunner().invoke(main, ["check", *args])
+
+
+def test_check_exits_0_when_every_rank_is_ok(tmp_path):
+    write(tmp_path, snapshot(kv_blocks=1000))
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("OK")
+
+
+def test_check_exits_1_on_warning(tmp_path):
+    write(tmp_path, snapshot())
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 1
+    assert "overcommitted" in result.output
+
+
+def test_check_exits_1_on_critical_and_says_why(tmp_path):
+    write(tmp_path, snapshot(utilization=0.99))
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 1
+    assert result.output.startswith("CRITICAL")
+    assert "projected_peak_exceeds_capacity" in result.output
+
+
+def test_check_json_is_the_guard_verdict(tmp_path):
+    write(tmp_path, snapshot(rank=0, pid=1), snapshot(rank=1, device="npu:1", pid=2, utilization=0.99))
+    result = check("--spool-dir", str(tmp_path), "--json")
+    data = json.loads(result.output)
+    assert data["state"] == "critical"
+    assert [r["state"] for r in data["ranks"]] == ["warning", "critical"]
+
+
+def test_check_counts_ooms_since_process_start(tmp_path):
+    write(tmp_path, snapshot(kv_blocks=1000, ooms=1))
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 1 and "ooms_climbing" in result.output
+
+
+def test_check_from_a_log(data_path):
+    result = check("--from-log", data_path("logs", "v1-tp2-debug.log"), "--json")
+    assert result.exit_code == 0
+    assert json.loads(result.output)["ranks"][0]["stock_budget_bytes"] > 0
+
+
+def test_check_exits_2_with_nothing_to_check():
+    result = check()
+    assert result.exit_code == 2
+    assert result.output.strip() == "Error: nothing to check: give --spool-dir, --from-log or --vllm-metrics-url"
+
+
+def test_check_exits_2_on_an_empty_spool(tmp_path):
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 2 and "no snapshots" in result.output
+
+
+def test_check_exits_2_on_a_log_without_vllm_lines(data_path):
+    result = check("--from-log", data_path("logs", "garbage.log"))
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+def test_check_exits_2_on_a_missing_log(tmp_path):
+    result = check("--from-log", str(tmp_path / "absent.log"))
+    assert result.exit_code == 2 and "cannot read log file" in result.output
+
+
+def test_check_counts_hostile_spool_files_and_judges_the_rest(tmp_path):
+    write(tmp_path, snapshot(kv_blocks=1000))
+    (tmp_path / "evil.json").write_text('{"kind": "kvguard.snapshot", "schema": 1, "memory": []}')
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 0
+    assert "1 spool file(s) skipped: invalid_snapshot 1" in result.output
+
+
+def test_check_against_a_hanging_vllm_ends_with_exit_2():
+    server = FakeVllm("hang")
+    try:
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(
+            r=check("--vllm-metrics-url", server.url, "--read-timeout", "0.2")), daemon=True)
+        runner.start()
+        runner.join(timeout=60)
+        assert not runner.is_alive()
+        assert result["r"].exit_code == 2
+        assert "Traceback" not in result["r"].output
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------ serve
+
+class Served:
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter"), "POD_NAME": "vllm-0",
+               "POD_NAMESPACE": "llm", "CONTAINER_NAME": "kvguard"}
+        self.process = subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1",
+                                         "--port", "0", *args], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+        self.banner = self.process.stderr.readline()
+        if "kvguard serve: http" not in self.banner:
+            self.stop()
+            raise AssertionError(f"serve did not start: {self.banner}{self.process.stderr.read()}")
+        self.base = self.banner.split()[2].rsplit("/metrics", 1)[0]
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.base + path, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def poll(self, path: str, ready, deadline_seconds: float = 60.0):
+        deadline = time.monotonic() + deadline_seconds
+        while True:
+            status, body = self.get(path)
+            if ready(status, body) or time.monotonic() > deadline:
+                return status, body
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        self.process.stderr.close()
+        return self.process.returncode
+
+
+@pytest.fixture
+def served():
+    started = []
+
+    def start(*args):
+        server = Served(*args)
+        started.append(server)
+        return server
+    yield start
+    for server in started:
+        server.stop()
+
+
+def test_serve_prints_where_to_look_and_answers_metrics(served, tmp_path):
+    write(tmp_path, snapshot())
+    server = served("--spool-dir", str(tmp_path), "--source", "none")
+    assert server.base.startswith("http://127.0.0.1:")
+    status, body = server.get("/metrics")
+    assert status == 200 and b'pod="vllm-0"' in body
+
+
+def test_serve_stops_cleanly_on_sigterm(served, tmp_path):
+    server = served("--spool-dir", str(tmp_path), "--source", "none")
+    assert server.stop() == 0
+
+
+def test_serve_fails_readiness_on_critical_when_asked(served, tmp_path):
+    write(tmp_path, snapshot(utilization=0.99))
+    server = served("--spool-dir", str(tmp_path), "--source", "none", "--fail-readiness-on-critical")
+    assert server.get("/readyz")[0] == 503
+
+
+def test_demo_shows_fragmentation_and_a_guard_that_trips(served):
+    server = served("--demo", "--demo-ranks", "2")
+    banner = server.process.stderr.readline() + server.process.stderr.readline()
+    assert "demo: 2 simulated rank(s)" in banner
+
+    def tripped(status, body):
+        if status != 200:
+            return False
+        ranks = json.loads(body)["ranks"]
+        return len(ranks) == 2 and ranks[-1]["state"] == "critical"
+    status, body = server.poll("/guard", tripped)
+    guard = json.loads(body)
+    assert guard["state"] == "critical" and guard["ranks"][0]["state"] in ("ok", "warning")
+    status, metrics = server.get("/metrics")
+    assert b'kvguard_allocator_fragmentation_bytes{container="kvguard",device="npu:0"' in metrics
+    if shutil.which("promtool"):
+        lint = subprocess.run(["promtool", "check", "metrics"], input=metrics, capture_output=True, timeout=60)
+        assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
+
+
+def test_serve_on_a_taken_port_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir",
+                                           str(tmp_path), "--source", "none"])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
+    assert "Traceback" not in result.output
+
+
+def test_serve_refuses_a_certificate_without_a_key(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--tls-cert-file", str(tmp_path / "c.pem")])
+    assert result.exit_code == 2 and "go together" in result.output
+
+
+def test_serve_refuses_an_unknown_source(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--spool-dir", str(tmp_path), "--source", "abacus", "--port", "0"])
+    assert result.exit_code == 1 and "unknown source 'abacus'" in result.output
