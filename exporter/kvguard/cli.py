@@ -391,6 +391,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     scenario.startup()
+    from kvguard.sim_guard import startup_guard_dict, startup_verdict
+    guard = startup_guard_dict(startup_verdict(scenario))   # the guard before serving starts
     if sys.stderr.isatty() and not scenario.finished:
         with click.progressbar(length=len(scenario.requests), label="serving", file=sys.stderr) as bar:
             done = 0
@@ -407,7 +409,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         from kvguard.sim.plot import plot_scenario
         plot_scenario([result], plot_file)
     if as_json:
-        _emit_json(result.to_dict())
+        _emit_json({**result.to_dict(), "guard": guard})
         return
     profile = result.profile
     click.echo(f"Device       {format_bytes(device_memory)}, utilization {gpu_memory_utilization:g}, "
@@ -421,6 +423,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         click.echo(f"KV cache     {format_bytes(result.kv_cache_bytes)} ({_fmt_int(result.num_blocks)} blocks)")
     click.echo(f"Serving      {result.steps} steps, {result.requests_finished}/{requests} requests finished, "
                f"{result.preemptions} preemptions")
+    if guard["state"] is not None:
+        click.echo(f"Guard        {guard['state']} at the end of startup"
+                   + "".join(f"; {reason['code']}" for reason in guard["reasons"]))
     if result.error:
         click.echo(f"Error        {result.error}")
     if result.oom:

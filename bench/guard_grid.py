@@ -1,0 +1,140 @@
+"""The guard over a grid of simulated vLLM runs: does it call every OOM, and how often falsely?
+
+Run on demand:  .venv/bin/python bench/guard_grid.py [--quick] [--jobs N]
+
+For each scenario (model x device x utilization x allocator x budget x seed) the simulator
+starts vLLM and serves a seeded request mix; ``kvguard.sim_guard.run_guarded`` judges it at
+the end of startup and after every serving step. Prints, against the baseline of the stock
+vLLM budget alone (no guard: every OOM is a surprise):
+
+- serving OOMs: how many the guard called critical at the end of startup, and how many at any
+  point before the failing step (must be all);
+- runs that never OOM: how many the guard called critical at startup / at any point (the
+  false-critical rate, must stay at or under 10%);
+- startup failures (the KV cache allocation itself ran out): critical at the end of startup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "exporter"))
+
+GIB = 1 << 30
+MODELS = {
+    "qwen2.5-7b": "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json",
+    "llama-3-8b": "tests/data/configs/llama-3-8b-instruct/config.json",
+    "mistral-nemo-12b": "tests/data/configs/mistral-nemo-instruct-2407/config.json",
+    "deepseek-v2-lite": "tests/data/configs/deepseek-v2-lite-chat/config.json",
+}
+FULL = dict(models=tuple(MODELS), devices_gib=(32, 64, 80), utilizations=(0.85, 0.9, 0.95, 0.98),
+            allocators=("torch", "torch_npu", "mindspore"), budgets=("stock", "reserved"), seeds=(0, 1),
+            requests=32)
+QUICK = dict(models=("qwen2.5-7b", "llama-3-8b", "deepseek-v2-lite"), devices_gib=(32, 64),
+             utilizations=(0.9, 0.95, 0.98), allocators=("torch", "torch_npu", "mindspore"),
+             budgets=("stock", "reserved"), seeds=(0, 1), requests=12)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    scenario: tuple
+    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started"
+    critical_at_startup: bool
+    critical_before_oom: bool
+    critical_ever: bool
+
+
+def run_one(scenario: tuple) -> Outcome:
+    from kvguard.guard import CRITICAL
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+    from kvguard.sim_guard import run_guarded
+
+    model, device_gib, utilization, allocator, budget, seed, requests = scenario
+    with open(os.path.join(ROOT, MODELS[model]), encoding="utf-8") as handle:
+        model_config = json.load(handle)
+    run = run_guarded(ServingScenario(ScenarioConfig(
+        model_config=model_config, device_memory_bytes=device_gib * GIB, gpu_memory_utilization=utilization,
+        allocator=allocator, budget=budget, seed=seed, requests=requests)))
+    result = run.result
+    if result.profile is None or result.error:
+        kind = "not_started"          # weights do not fit, or no room for one request's blocks
+    elif result.oom and result.oom_phase == "serving":
+        kind = "serving_oom"
+    elif result.oom:
+        kind = "startup_oom"
+    else:
+        kind = "no_oom"
+    at_startup = run.startup is not None and run.startup.state == CRITICAL
+    return Outcome(scenario, kind, at_startup, run.caught_before_oom, run.first_critical_step is not None)
+
+
+def grid(spec: dict) -> list[tuple]:
+    return list(itertools.product(spec["models"], spec["devices_gib"], spec["utilizations"], spec["allocators"],
+                                  spec["budgets"], spec["seeds"], (spec["requests"],)))
+
+
+def measure(spec: dict, jobs: int = 1) -> dict:
+    scenarios = grid(spec)
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            outcomes = list(pool.map(run_one, scenarios, chunksize=4))
+    else:
+        outcomes = [run_one(s) for s in scenarios]
+    serving = [o for o in outcomes if o.kind == "serving_oom"]
+    startup = [o for o in outcomes if o.kind == "startup_oom"]
+    clean = [o for o in outcomes if o.kind == "no_oom"]
+    return {
+        "scenarios": len(outcomes),
+        "serving_ooms": len(serving),
+        "serving_ooms_critical_at_startup": sum(o.critical_at_startup for o in serving),
+        "serving_ooms_critical_before_oom": sum(o.critical_before_oom for o in serving),
+        "startup_ooms": len(startup),
+        "startup_ooms_critical_at_startup": sum(o.critical_at_startup for o in startup),
+        "no_oom": len(clean),
+        "no_oom_critical_at_startup": sum(o.critical_at_startup for o in clean),
+        "no_oom_critical_ever": sum(o.critical_ever for o in clean),
+        "not_started": sum(o.kind == "not_started" for o in outcomes),
+        "missed": [o.scenario for o in serving if not o.critical_before_oom],
+        "false_critical": [o.scenario for o in clean if o.critical_ever],
+    }
+
+
+def report(figures: dict) -> str:
+    def rate(n: int, d: int) -> str:
+        return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "0/0"
+    lines = [
+        f"grid: {figures['scenarios']} scenarios ({figures['not_started']} never started: weights or one request "
+        f"do not fit)",
+        f"serving OOMs: {figures['serving_ooms']}; baseline without the guard: 0 called",
+        f"  critical at the end of startup:      {rate(figures['serving_ooms_critical_at_startup'], figures['serving_ooms'])}",
+        f"  critical before the OOM (caught):    {rate(figures['serving_ooms_critical_before_oom'], figures['serving_ooms'])}",
+        f"startup OOMs (KV cache allocation): {figures['startup_ooms']}",
+        f"  critical at the end of startup:      {rate(figures['startup_ooms_critical_at_startup'], figures['startup_ooms'])}",
+        f"runs that never OOM: {figures['no_oom']}",
+        f"  false critical at startup:           {rate(figures['no_oom_critical_at_startup'], figures['no_oom'])}",
+        f"  false critical at any point:         {rate(figures['no_oom_critical_ever'], figures['no_oom'])}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the smaller grid the test suite runs")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    started = time.monotonic()
+    figures = measure(QUICK if args.quick else FULL, args.jobs)
+    print(report(figures))
+    print(f"({time.monotonic() - started:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
