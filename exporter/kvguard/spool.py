@@ -57,6 +57,7 @@ class ProbeStatus:
     write_errors_total: int = 0
     last_error: str | None = None
     interval_seconds: float | None = None
+    overruns_total: int = 0           # ticks at which the previous sample had not finished (schema 1 extension)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Snapshot:
             "probe": {
                 "samples_total": self.probe.samples_total, "errors_total": self.probe.errors_total,
                 "write_errors_total": self.probe.write_errors_total, "last_error": self.probe.last_error,
-                "interval_seconds": self.probe.interval_seconds},
+                "interval_seconds": self.probe.interval_seconds, "overruns_total": self.probe.overruns_total},
         }
 
     @classmethod
@@ -143,6 +144,7 @@ class Snapshot:
                 write_errors_total=_int(probe_raw, "write_errors_total", 0),
                 last_error=str(last_error)[:512] if last_error is not None else None,
                 interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
+                overruns_total=_int(probe_raw, "overruns_total", 0),
             )
         except (ValueError, TypeError, ProfileError) as exc:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
@@ -181,6 +183,8 @@ def write_snapshot(spool_dir: str, snapshot: Snapshot) -> str:
     payload = json.dumps(snapshot.to_dict(), separators=(",", ":"), allow_nan=False).encode()
     fd, tmp_path = tempfile.mkstemp(dir=spool_dir, prefix=f".{name}.", suffix=".tmp")
     try:
+        # mkstemp makes 0600 files; the sidecar usually runs as another (non-root) user.
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
         os.replace(tmp_path, os.path.join(spool_dir, name))

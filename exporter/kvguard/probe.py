@@ -1,0 +1,378 @@
+"""The in-process probe: samples the allocator inside the serving process, writes the spool.
+
+Allocated versus reserved lives only inside the serving process, so kvguard runs this
+small probe there and a sidecar outside it::
+
+    import kvguard.probe
+    kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
+    kvguard.probe.set_profile(profile)          # kvguard.estimator.Profile, after vLLM profiled
+    kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.KVCacheAllocation
+    kvguard.probe.stop()
+
+Every ``interval`` seconds a daemon thread asks the source for one record per device
+and atomically replaces one JSON snapshot per (host, pid, device) in the spool
+(:func:`kvguard.spool.write_snapshot`: a temporary name outside ``*.json``, then a rename).
+
+The probe never raises into the host process and never blocks it:
+
+- the source is built and sampled on a worker thread of its own; a sample that has not
+  finished when the next one is due is an *overrun*: counted, and nothing is written
+  until a sample finishes, so the snapshot's age shows the sidecar that the rank has no
+  fresh data (a hung source blocks that worker thread only);
+- a failing source, a missing, read-only or full spool directory are counted
+  (``errors_total`` for samples, ``write_errors_total`` for writes, ``overruns_total``)
+  and logged once per kind;
+- when the probe stops or its process dies, the snapshots stay and age.
+
+Pod identity comes from the downward API through the environment: ``POD_NAME``,
+``POD_NAMESPACE``, ``CONTAINER_NAME``, ``NODE_NAME`` (see docs/probe.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvguard.estimator import Profile
+from kvguard.records import DeviceMemory
+from kvguard.sources import RankContext, Source, get_source, one_line, rank_contexts, close_source, source_names
+from kvguard.spool import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+
+log = logging.getLogger("kvguard.probe")
+
+# Snapshot pod key <- downward-API environment variable.
+POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME", "node": "NODE_NAME"}
+DEFAULT_INTERVAL = 5.0
+_ALL = None   # device key meaning "every device this probe writes"
+
+
+def pod_identity(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    environ = os.environ if environ is None else environ
+    return {key: environ[name][:253] for key, name in POD_ENV.items() if environ.get(name)}
+
+
+def rank_from_environment(environ: Mapping[str, str] | None = None) -> int | None:
+    """``KVGUARD_RANK``, else ``RANK`` (torchrun, Ray), as a non-negative int."""
+    environ = os.environ if environ is None else environ
+    for name in ("KVGUARD_RANK", "RANK"):
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+@dataclass
+class _Job:
+    """One sample running on its own worker thread."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    records: list[DeviceMemory] | None = None
+    error: str | None = None
+
+
+class Probe:
+    """Samples one source and keeps one snapshot per device in ``spool_dir``.
+
+    ``source`` is a registered name (built lazily on the worker thread, with
+    ``source_options``) or an object with ``sample()``. ``sample_timeout`` (default: the
+    interval) is how long one tick waits for a sample before counting an overrun.
+    """
+
+    def __init__(self, spool_dir: str, source: str | Source = "auto", interval: float = DEFAULT_INTERVAL, *,
+                 rank: int | None = None, sample_timeout: float | None = None,
+                 source_options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None):
+        if not isinstance(spool_dir, (str, os.PathLike)) or not str(spool_dir):
+            raise ValueError("the probe needs a spool directory")
+        _check_seconds("interval", interval)
+        if sample_timeout is not None:
+            _check_seconds("sample timeout", sample_timeout)
+        if isinstance(source, str):
+            if source not in source_names():
+                raise ValueError(f"unknown source {source!r} (choose from {', '.join(source_names())})")
+            self.source_name = source
+            self._source: Source | None = None
+        elif callable(getattr(source, "sample", None)):
+            self.source_name = str(getattr(source, "name", type(source).__name__))
+            self._source = source
+        else:
+            raise ValueError("source must be a source name or an object with sample()")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank must be a non-negative integer, got {rank!r}")
+        self.spool_dir = os.fspath(spool_dir)
+        self.interval = float(interval)
+        self.sample_timeout = float(sample_timeout) if sample_timeout is not None else self.interval
+        self.rank = rank if rank is not None else rank_from_environment(environ)
+        self.pod = pod_identity(environ)
+        self.host = socket.gethostname()
+        self._source_options = dict(source_options or {})
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._job: _Job | None = None
+        self._started_at = time.time()
+        self._samples = self._errors = self._write_errors = self._overruns = 0
+        self._last_error: str | None = None
+        self._logged: set[str] = set()
+        self._sequence: dict[str, int] = {}
+        self._profiles: dict[str | None, Profile | None] = {}
+        self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Probe":
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return self
+            self._stop.clear()
+            self._started_at = time.time()
+            self._thread = threading.Thread(target=self._loop, name="kvguard-probe", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop sampling; waits at most ``timeout`` seconds for the probe thread. The snapshots stay."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        job = self._job
+        if job is None or job.done.is_set():   # never close a source a hung sample is still inside
+            close_source(self._source)
+
+    def run_once(self, timeout: float | None = None) -> int:
+        """One sample and write, on the caller's thread; returns the snapshots written."""
+        return self._tick(self.sample_timeout if timeout is None else timeout)
+
+    # ------------------------------------------------------------------ engine facts
+    def set_profile(self, profile: Profile | None, device: str | None = _ALL) -> None:
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(f"profile must be a kvguard.estimator.Profile, got {type(profile).__name__}")
+        with self._lock:
+            self._profiles[device] = profile
+
+    def set_kv_cache(self, kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> None:
+        if kv_cache is not None and not isinstance(kv_cache, KVCacheAllocation):
+            raise TypeError(f"kv_cache must be a kvguard.spool.KVCacheAllocation, got {type(kv_cache).__name__}")
+        with self._lock:
+            self._kv_caches[device] = kv_cache
+
+    @property
+    def status(self) -> ProbeStatus:
+        with self._lock:
+            return self._status()
+
+    def _status(self) -> ProbeStatus:
+        return ProbeStatus(samples_total=self._samples, errors_total=self._errors,
+                           write_errors_total=self._write_errors, last_error=self._last_error,
+                           interval_seconds=self.interval, overruns_total=self._overruns)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self._tick(self.sample_timeout)
+            except Exception as exc:  # noqa: BLE001 - the probe thread must outlive its own bugs
+                self._count("internal", f"probe: {one_line(exc)}")
+            next_tick = max(next_tick + self.interval, time.monotonic())
+            self._stop.wait(max(0.0, next_tick - time.monotonic()))
+
+    def _tick(self, timeout: float) -> int:
+        records = self._sample(timeout)
+        if records is None:
+            return 0
+        return self._write(records)
+
+    def _sample(self, timeout: float) -> list[DeviceMemory] | None:
+        with self._lock:
+            job = self._job
+            if job is None:
+                job = self._job = _Job()
+                threading.Thread(target=self._run_job, args=(job,), name="kvguard-probe-sample",
+                                 daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not job.done.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+            if self._stop.is_set() and threading.current_thread() is self._thread:
+                return None          # stopping: do not wait out a slow source
+            if time.monotonic() >= deadline:
+                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s",
+                            overrun=True)
+                return None
+        with self._lock:
+            self._job = None
+        if job.error is not None:
+            self._count("sample", job.error)
+            return None
+        with self._lock:
+            self._samples += 1
+        return job.records
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            if self._source is None:
+                self._source = get_source(self.source_name, **self._source_options)
+            records = self._source.sample()
+            if not isinstance(records, list) or not all(isinstance(r, DeviceMemory) for r in records):
+                raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
+                                "not a list of DeviceMemory")
+            job.records = records
+        except Exception as exc:  # noqa: BLE001 - every failure of a source is counted, none escapes
+            job.error = f"{self.source_name}: {one_line(exc)}"
+        finally:
+            job.done.set()
+
+    def _write(self, records: list[DeviceMemory]) -> int:
+        contexts = rank_contexts(self._source)
+        written = 0
+        for record in records:
+            context = contexts.get(record.device) or RankContext()
+            with self._lock:
+                sequence = self._sequence[record.device] = self._sequence.get(record.device, 0) + 1
+                profile = _pick(self._profiles, record.device, context.profile)
+                kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
+                status = self._status()
+            snapshot = Snapshot(
+                written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
+                pid=os.getpid(), device=record.device, memory=record,
+                rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
+                profile=profile, kv_cache=kv_cache, probe=status)
+            if self._write_one(snapshot):
+                written += 1
+        return written
+
+    def _write_one(self, snapshot: Snapshot) -> bool:
+        try:
+            try:
+                write_snapshot(self.spool_dir, snapshot)
+            except FileNotFoundError:
+                os.makedirs(self.spool_dir, exist_ok=True)   # the directory went away: make it once, retry
+                write_snapshot(self.spool_dir, snapshot)
+            return True
+        except OSError as exc:
+            reason = errno.errorcode.get(exc.errno or 0, "") if exc.errno else ""
+            self._count(f"write:{reason}", f"write {self.spool_dir}: {exc.strerror or one_line(exc)}", write=True)
+        except Exception as exc:  # noqa: BLE001 - e.g. a record that cannot be serialised
+            self._count("write", f"write {self.spool_dir}: {one_line(exc)}", write=True)
+        return False
+
+    def _count(self, kind: str, message: str, *, write: bool = False, overrun: bool = False) -> None:
+        with self._lock:
+            if write:
+                self._write_errors += 1
+            else:
+                self._errors += 1
+            if overrun:
+                self._overruns += 1
+            self._last_error = message[:512]
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            log.warning("kvguard probe: %s (counted; further %s errors are logged at debug level)", message, kind)
+        else:
+            log.debug("kvguard probe: %s", message)
+
+
+def _pick(explicit: Mapping[str | None, Any], device: str, from_source: Any) -> Any:
+    if device in explicit:
+        return explicit[device]
+    if _ALL in explicit:
+        return explicit[_ALL]
+    return from_source
+
+
+def _check_seconds(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+
+
+def run_until_signalled(probe: Probe) -> None:
+    """Run ``probe`` in the foreground until SIGINT or SIGTERM (``kvguard probe``)."""
+    done = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    probe.start()
+    try:
+        while not done.wait(1.0):
+            pass
+    finally:
+        probe.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------------- one probe per process
+_PROBE: Probe | None = None
+_PROBE_LOCK = threading.Lock()
+
+
+def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto", **options: Any) -> Probe:
+    """Start this process's probe (or return the running one). Raises ValueError for bad arguments only.
+
+    ``options``: ``rank``, ``sample_timeout``, ``source_options`` (see :class:`Probe`).
+    """
+    global _PROBE
+    with _PROBE_LOCK:
+        if _PROBE is not None and _PROBE.running:
+            return _PROBE
+        _PROBE = Probe(spool_dir, source, interval, **options).start()
+        return _PROBE
+
+
+def stop(timeout: float = 2.0) -> None:
+    """Stop this process's probe, if any. Never raises."""
+    global _PROBE
+    with _PROBE_LOCK:
+        probe, _PROBE = _PROBE, None
+    if probe is not None:
+        try:
+            probe.stop(timeout)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("kvguard probe: stop failed: %s", one_line(exc))
+
+
+def current() -> Probe | None:
+    return _PROBE
+
+
+def set_profile(profile: Profile | None, device: str | None = _ALL) -> bool:
+    """Attach the startup profile to the snapshots. Never raises; False when not applied."""
+    return _apply("set_profile", profile, device)
+
+
+def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> bool:
+    """Attach the engine's KV-cache allocation to the snapshots. Never raises; False when not applied."""
+    return _apply("set_kv_cache", kv_cache, device)
+
+
+def _apply(method: str, value: Any, device: str | None) -> bool:
+    probe = _PROBE
+    if probe is None:
+        return False
+    try:
+        getattr(probe, method)(value, device)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a wrong value is logged and counted, never raised
+        probe._count(method, f"{method}: {one_line(exc)}")
+        return False
+
+
+def _forget_after_fork() -> None:
+    # Threads do not survive fork: the child must start its own probe (with its own pid).
+    global _PROBE, _PROBE_LOCK
+    _PROBE = None
+    _PROBE_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
