@@ -1,0 +1,131 @@
+"""Simulated serving ranks: the simulator's vLLM scenario, one per rank, read like real devices.
+
+Each rank runs its own :class:`kvguard.sim.scenario.ServingScenario` (seed + rank). Every
+sample advances each rank by ``steps_per_sample`` scheduler steps and reads the
+scenario's ``memory_stats()`` with the *same* key-reading code as the real sources
+(:func:`kvguard.sources.torch.device_memory_from_stats` for torch-shaped dicts,
+:func:`kvguard.sources.mindspore.device_memory_from_stats` for MindSpore-shaped ones), so
+simulated and real counters take one path to the spool.
+
+A scenario that finishes (all requests served, OOM, or no room for the cache) is shown
+once in its final state, then restarted with a new seed, so a demo runs forever. The
+source also tells the probe each rank's startup Profile and KV-cache allocation
+(``rank_contexts()``), which the probe writes into that rank's snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from importlib import resources
+from typing import Any, Mapping
+
+from kvguard.records import DeviceMemory
+from kvguard.sources import RankContext, SourceError, one_line
+from kvguard.sources import mindspore as mindspore_source
+from kvguard.sources import torch as torch_source
+from kvguard.spool import KVCacheAllocation
+
+DEFAULT_MODEL = "examples/qwen2.5-7b-instruct/config.json"
+_DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
+MAX_RANKS = 64
+
+
+def record_from_stats(stats: Mapping[str, Any], device: str, source: str, free: int | None,
+                      total: int | None) -> DeviceMemory:
+    """A memory_stats dict, torch- or MindSpore-shaped, through the real sources' reader."""
+    if torch_source.is_torch_stats(stats):
+        return torch_source.device_memory_from_stats(stats, device, source, free_bytes=free, total_bytes=total)
+    if mindspore_source.is_mindspore_stats(stats):
+        return mindspore_source.device_memory_from_stats(stats, device, source, free_bytes=free, total_bytes=total)
+    raise SourceError("simulated memory_stats() has neither torch nor MindSpore keys")
+
+
+def _default_model_config() -> dict[str, Any]:
+    return json.loads(resources.files("kvguard").joinpath(DEFAULT_MODEL).read_text())
+
+
+class SimSource:
+    """``ranks`` simulated serving ranks. ``scenario`` options go to ``ScenarioConfig``
+    (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …)."""
+
+    name = "sim"
+
+    def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
+                 model_config: Mapping[str, Any] | str | None = None, **scenario: Any):
+        for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS), ("steps per sample", steps_per_sample, 1, 10**6)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise SourceError(f"sim {what} must be an integer from {low} to {high}, got {value!r}")
+        # Imported here: the simulator is only loaded when a sim source is built.
+        from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: PLC0415
+
+        self._scenario_class = ServingScenario
+        if model_config is None:
+            model_config = _default_model_config()
+        elif isinstance(model_config, str):
+            try:
+                with open(model_config, encoding="utf-8") as handle:
+                    model_config = json.load(handle)
+            except (OSError, ValueError) as exc:
+                raise SourceError(f"sim model config {model_config}: {one_line(exc)}") from None
+        scenario.setdefault("device_memory_bytes", 32 << 30)
+        try:
+            self._base = ScenarioConfig(model_config=model_config, seed=seed, **scenario)
+        except (TypeError, ValueError) as exc:
+            raise SourceError(f"sim scenario: {one_line(exc)}") from None
+        self._ranks = ranks
+        self._steps = steps_per_sample
+        self._prefix = _DEVICE_PREFIX[self._base.allocator]
+        self._lock = threading.Lock()
+        self._generation = [0] * ranks
+        self._scenarios = [self._new(rank) for rank in range(ranks)]
+        self._shown_final = [False] * ranks
+        self.restarts = 0
+
+    def _new(self, rank: int) -> Any:
+        from dataclasses import replace  # noqa: PLC0415
+
+        # Seeds never repeat across ranks and restarts: rank r, generation g -> seed + r + ranks * g.
+        seed = self._base.seed + rank + self._ranks * self._generation[rank]
+        return self._scenario_class(replace(self._base, seed=seed))
+
+    def device(self, rank: int) -> str:
+        return f"{self._prefix}:{rank}"
+
+    def sample(self) -> list[DeviceMemory]:
+        with self._lock:
+            try:
+                return [self._advance(rank) for rank in range(self._ranks)]
+            except SourceError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a simulator bug is a failed read, not a crash
+                raise SourceError(f"sim: {one_line(exc)}") from None
+
+    def _advance(self, rank: int) -> DeviceMemory:
+        scenario = self._scenarios[rank]
+        if scenario.finished and self._shown_final[rank]:
+            self._generation[rank] += 1
+            self.restarts += 1
+            scenario = self._scenarios[rank] = self._new(rank)
+            self._shown_final[rank] = False
+        scenario.startup()
+        for _ in range(self._steps):
+            if scenario.finished:
+                break
+            scenario.step()
+        if scenario.finished:
+            self._shown_final[rank] = True
+        free, total = scenario.device_memory()
+        return record_from_stats(scenario.memory_stats(), self.device(rank), self.name, free, total)
+
+    def rank_contexts(self) -> dict[str, RankContext]:
+        with self._lock:
+            contexts = {}
+            for rank, scenario in enumerate(self._scenarios):
+                kv_cache = None
+                if scenario.num_blocks:
+                    kv_cache = KVCacheAllocation(num_blocks=scenario.num_blocks,
+                                                 block_bytes=scenario.kv_layout.block_bytes,
+                                                 block_size=scenario.kv_layout.block_size)
+                contexts[self.device(rank)] = RankContext(rank=rank, profile=scenario.profile, kv_cache=kv_cache)
+            return contexts

@@ -1,0 +1,87 @@
+"""The sim source: simulated ranks read by the real sources' key-reading code, restarted forever."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvguard.sources import SourceError, get_source, rank_contexts
+from kvguard.sources import mindspore as mindspore_source
+from kvguard.sources import torch as torch_source
+from kvguard.sources.sim import SimSource, record_from_stats
+
+
+def test_torch_ranks_are_read_with_the_torch_sources_reader():
+    source = SimSource(ranks=1, allocator="torch")
+    [record] = source.sample()
+    scenario = source._scenarios[0]
+    free, total = scenario.device_memory()
+    assert record == torch_source.device_memory_from_stats(scenario.memory_stats(), "cuda:0", "sim",
+                                                           free_bytes=free, total_bytes=total)
+    assert record.reserved_bytes >= record.allocated_bytes > 0
+
+
+def test_mindspore_ranks_are_read_with_the_mindspore_sources_reader():
+    source = SimSource(ranks=1, allocator="mindspore")
+    [record] = source.sample()
+    scenario = source._scenarios[0]
+    free, total = scenario.device_memory()
+    assert record == mindspore_source.device_memory_from_stats(scenario.memory_stats(), "npu:0", "sim",
+                                                               free_bytes=free, total_bytes=total)
+    assert record.idle_bytes is not None and record.alloc_retries is None
+
+
+def test_n_ranks_have_distinct_devices_ranks_and_seeds():
+    source = get_source("sim", ranks=3, allocator="torch_npu")
+    records = source.sample()
+    contexts = rank_contexts(source)
+    assert [r.device for r in records] == ["npu:0", "npu:1", "npu:2"]
+    assert [contexts[d].rank for d in ("npu:0", "npu:1", "npu:2")] == [0, 1, 2]
+    assert [s.config.seed for s in source._scenarios] == [0, 1, 2]
+
+
+def test_each_rank_carries_its_profile_and_kv_cache():
+    source = SimSource(ranks=2)
+    source.sample()
+    context = rank_contexts(source)["cuda:1"]
+    scenario = source._scenarios[1]
+    assert context.profile == scenario.profile
+    assert context.kv_cache.num_blocks == scenario.num_blocks
+    assert context.kv_cache.block_bytes == scenario.kv_layout.block_bytes
+
+
+def test_steps_per_sample_sets_the_pace():
+    source = SimSource(ranks=1, steps_per_sample=7)
+    source.sample()
+    source.sample()
+    assert source._scenarios[0].step_index == 14
+
+
+def test_a_finished_scenario_is_shown_once_then_restarted_with_a_new_seed():
+    source = SimSource(ranks=2, requests=2, steps_per_sample=10_000)
+    source.sample()                                  # runs both ranks to the end
+    assert all(s.finished for s in source._scenarios)
+    source.sample()                                  # restarts them
+    assert source.restarts == 2
+    assert [s.config.seed for s in source._scenarios] == [2, 3]
+
+
+def test_an_oom_scenario_keeps_the_demo_running():
+    # MindSpore's pool with vLLM's stock budget runs out of memory at once on this device.
+    source = SimSource(ranks=1, allocator="mindspore", budget="stock")
+    for _ in range(4):
+        assert len(source.sample()) == 1
+    assert source.restarts >= 1
+
+
+def test_stats_of_neither_shape_are_an_error():
+    with pytest.raises(SourceError, match="neither torch nor MindSpore keys"):
+        record_from_stats({"bytes_in_use": 1}, "tpu:0", "sim", None, None)
+
+
+def test_bad_options_are_one_line_errors():
+    with pytest.raises(SourceError, match="sim ranks must be an integer from 1 to 64"):
+        SimSource(ranks=0)
+    with pytest.raises(SourceError, match="sim scenario: unknown allocator 'jax'"):
+        SimSource(allocator="jax")
+    with pytest.raises(SourceError, match="sim model config /nonexistent.json"):
+        SimSource(model_config="/nonexistent.json")
