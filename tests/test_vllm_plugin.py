@@ -1,0 +1,289 @@
+"""The vLLM plugin against a fake of the exact vLLM interface it patches (tests/fake_vllm)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("torch")   # the fake Worker keeps vLLM's @torch.inference_mode()
+
+from kvguard import probe, vllm_plugin  # noqa: E402
+from kvguard.estimator import Profile, reserved_kv_cache_bytes, stock_kv_cache_bytes  # noqa: E402
+from kvguard.sources import register as register_source, unregister  # noqa: E402
+from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
+from kvguard.spool import KVCacheAllocation, read_spool  # noqa: E402
+
+GIB = 1 << 30
+MIB = 1 << 20
+FAKE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm")
+# What the fake worker's startup measures (see tests/fake_vllm): 16 GiB weights, two 1.5 GiB
+# activations that make the 2 GiB-segment allocator reserve 4 GiB more, 0.5 GiB of NCCL-like memory.
+EXPECTED_PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=16 * GIB,
+                           peak_allocated_increase_bytes=3 * GIB, peak_reserved_increase_bytes=4 * GIB,
+                           non_torch_increase_bytes=512 * MIB)
+
+
+class FakeDeviceSource:
+    """Reads the fake device's memory_stats() with the torch source's own key reader."""
+
+    name = "fake-cuda"
+
+    def sample(self):
+        from fake_device import DEVICE
+        free, total = DEVICE.mem_get_info()
+        return [device_memory_from_stats(DEVICE.memory_stats(), "cuda:0", "torch", free_bytes=free, total_bytes=total)]
+
+
+def _forget_fake_modules():
+    for name in list(sys.modules):
+        if name == "vllm" or name.startswith("vllm.") or name == "fake_device":
+            del sys.modules[name]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tmp_path):
+    """A fresh fake vLLM on sys.path (not imported yet), a fresh plugin state, a test source."""
+    _forget_fake_modules()
+    monkeypatch.syspath_prepend(FAKE_ROOT)
+    vllm_plugin._reset_for_tests()
+    register_source("fake-cuda", FakeDeviceSource, replace=True)
+    monkeypatch.setenv("KVGUARD_SOURCE", "fake-cuda")
+    for name in ("KVGUARD_SPOOL_DIR", "KVGUARD_BUDGET", "KVGUARD_INTERVAL"):
+        monkeypatch.delenv(name, raising=False)
+    yield tmp_path / "spool"
+    probe.stop()
+    vllm_plugin._reset_for_tests()
+    unregister("fake-cuda")
+    _forget_fake_modules()
+
+
+def start_worker(**kwargs):
+    """What vLLM does in a worker after load_general_plugins(): resolve, init, load."""
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    worker = gpu_worker.Worker(**kwargs)
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+def kv_cache_config(available, layers=4):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_size=2)
+    num_blocks = available // (spec.page_size_bytes * layers)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    return KVCacheConfig(num_blocks=num_blocks,
+                         kv_cache_tensors=[KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
+                                           for n in names],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+
+
+def snapshots(spool):
+    current = probe.current()
+    assert current is not None
+    current.run_once()
+    return read_spool(str(spool)).snapshots
+
+
+# ---------------------------------------------------------------------------- registration
+
+def test_entry_point_is_declared_for_vllm():
+    [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kvguard"]
+    assert entry.value == "kvguard.vllm_plugin:register"
+    assert entry.load() is vllm_plugin.register
+
+
+def test_without_settings_nothing_is_patched(fake_vllm):
+    vllm_plugin.register()
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    assert not getattr(gpu_worker.Worker.determine_available_memory, "_kvguard_wrapped", False)
+
+
+def test_worker_imported_after_register_is_patched(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    assert "vllm.v1.worker.gpu_worker" not in sys.modules
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    for name in ("init_device", "determine_available_memory", "initialize_from_config"):
+        assert getattr(getattr(gpu_worker.Worker, name), "_kvguard_wrapped", False), name
+
+
+def test_worker_imported_before_register_is_patched(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    vllm_plugin.register()
+    assert getattr(gpu_worker.Worker.determine_available_memory, "_kvguard_wrapped", False)
+
+
+def test_register_twice_wraps_once(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    vllm_plugin.register()
+    wrapped = gpu_worker.Worker.determine_available_memory
+    vllm_plugin.register()
+    vllm_plugin._patch_worker_class(gpu_worker, "Worker")
+    assert gpu_worker.Worker.determine_available_memory is wrapped
+
+
+def test_register_never_raises(fake_vllm, monkeypatch):
+    def broken(cls, environ=None):
+        raise RuntimeError("environment unreadable")
+    monkeypatch.setattr(vllm_plugin.Settings, "from_environment", classmethod(broken))
+    vllm_plugin.register()
+    assert vllm_plugin.hook_errors == {"register": 1}
+
+
+def test_unknown_budget_falls_back_to_stock_with_a_warning(fake_vllm, monkeypatch, caplog):
+    monkeypatch.setenv("KVGUARD_BUDGET", "generous")
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    with caplog.at_level(logging.WARNING, logger="kvguard.vllm_plugin"):
+        vllm_plugin.register()
+    worker = start_worker()
+    assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
+    assert "KVGUARD_BUDGET='generous' is not one of stock, reserved" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the probe and the profile
+
+def test_init_device_starts_the_probe_with_the_worker_rank(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    start_worker(rank=3)
+    [snapshot] = snapshots(fake_vllm)
+    assert (snapshot.rank, snapshot.device, snapshot.pid) == (3, "cuda:0", os.getpid())
+    assert snapshot.memory.allocated_bytes == 16 * GIB
+    assert snapshot.profile is None
+
+
+def test_startup_profile_is_recorded_in_the_estimators_schema(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    start_worker().determine_available_memory()
+    [snapshot] = snapshots(fake_vllm)
+    assert snapshot.profile == EXPECTED_PROFILE
+
+
+def test_stock_budget_leaves_vllms_figure_alone(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    assert start_worker().determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
+
+
+def test_reserved_budget_sizes_the_kv_cache_with_the_estimator(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
+    vllm_plugin.register()
+    worker = start_worker()
+    available = worker.determine_available_memory()
+    assert available == reserved_kv_cache_bytes(EXPECTED_PROFILE)
+    assert available == stock_kv_cache_bytes(EXPECTED_PROFILE) - 1 * GIB
+    assert worker.available_kv_cache_memory_bytes == available
+
+
+def test_reserved_budget_without_a_reserved_reading_keeps_vllms(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
+    monkeypatch.setenv("KVGUARD_SOURCE", "host")        # knows no allocator: no reserved peak
+    vllm_plugin.register()
+    assert start_worker().determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
+    assert vllm_plugin.hook_errors == {"budget": 1}
+
+
+def test_kv_cache_allocation_is_recorded(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    worker = start_worker()
+    config = kv_cache_config(worker.determine_available_memory())
+    worker.initialize_from_config(config)
+    [snapshot] = snapshots(fake_vllm)
+    page = config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert snapshot.kv_cache == KVCacheAllocation(num_blocks=config.num_blocks, block_bytes=4 * page, block_size=16)
+
+
+def test_a_replaced_memory_profiling_is_still_measured(fake_vllm, monkeypatch):
+    # vllm-mindspore swaps in its own memory_profiling; kvguard wraps whatever the name holds.
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    original = gpu_worker.memory_profiling
+    calls = []
+
+    def ms_memory_profiling(*args, **kwargs):
+        calls.append("ms")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_worker, "memory_profiling", ms_memory_profiling)
+    start_worker().determine_available_memory()
+    [snapshot] = snapshots(fake_vllm)
+    assert calls == ["ms"]
+    assert snapshot.profile.peak_reserved_increase_bytes == 4 * GIB
+    assert gpu_worker.memory_profiling is ms_memory_profiling
+
+
+def test_kv_cache_memory_override_records_no_profile(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
+    vllm_plugin.register()
+    worker = start_worker(kv_cache_memory_bytes=20 * GIB)
+    assert worker.determine_available_memory() == 20 * GIB
+    [snapshot] = snapshots(fake_vllm)
+    assert snapshot.profile is None
+    assert vllm_plugin.hook_errors == {}
+
+
+# ---------------------------------------------------------------------------- never crash vLLM
+
+def test_a_failing_hook_is_counted_and_vllm_continues(fake_vllm, monkeypatch, caplog):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+
+    def broken(worker, capture):
+        raise KeyError("gpu_memory_utilization")
+    monkeypatch.setattr(vllm_plugin, "profile_from", broken)
+    with caplog.at_level(logging.DEBUG, logger="kvguard.vllm_plugin"):
+        first = start_worker().determine_available_memory()
+        second = start_worker().determine_available_memory()
+    assert first == second == stock_kv_cache_bytes(EXPECTED_PROFILE)      # vLLM's own result
+    assert vllm_plugin.hook_errors == {"profile": 2}
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "profile: 'gpu_memory_utilization'" in warnings[0].getMessage()
+
+
+def test_a_failing_reserved_reading_leaves_the_profile_without_it(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+
+    class Broken:
+        name = "broken"
+
+        def sample(self):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+    monkeypatch.setattr(vllm_plugin, "_reader", Broken())
+    start_worker().determine_available_memory()
+    [snapshot] = snapshots(fake_vllm)
+    assert snapshot.profile.peak_reserved_increase_bytes is None
+    assert snapshot.profile.peak_allocated_increase_bytes == 3 * GIB
+    assert vllm_plugin.hook_errors == {"memory_profiling": 2}
+
+
+def test_vllms_own_errors_pass_through_unchanged(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    worker = start_worker()
+    worker.model_runner.activations = (200 * GIB,)
+    with pytest.raises(MemoryError, match="CUDA out of memory"):
+        worker.determine_available_memory()
+    assert not getattr(gpu_worker.memory_profiling, "_kvguard_wrapped", False)
+
+
+def test_a_probe_that_cannot_start_does_not_stop_the_worker(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_SOURCE", "no-such-source")
+    vllm_plugin.register()
+    worker = start_worker()
+    assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
+    assert vllm_plugin.hook_errors["init_device"] == 1
+    assert probe.current() is None
