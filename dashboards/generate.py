@@ -34,8 +34,10 @@ DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Matchers, by the labels a family carries (docs/metrics.md). job and instance come from the
 # scrape; instance tells hosts apart outside Kubernetes, where pod and namespace are empty.
-EXPORTER = 'job=~"$job", instance=~"$instance"'
-DEVICE = EXPORTER + ', namespace=~"$namespace", pod=~"$pod", device=~"$device"'
+# Sidecar-level families (sources, spool) carry no pod labels of their own, but a PodMonitor or
+# ServiceMonitor adds namespace and pod target labels; where none are added, ".*" still matches.
+SIDECAR = 'job=~"$job", instance=~"$instance", namespace=~"$namespace", pod=~"$pod"'
+DEVICE = SIDECAR + ', device=~"$device"'
 RANK = DEVICE + ', rank=~"$rank"'
 
 RANK_LEGEND = "{{pod}} rank {{rank}} ({{device}})"
@@ -177,7 +179,7 @@ def overview_row(board: dash.Dashboard) -> None:
         "Sources down",
         "Device-level sources (nvml, npu-smi, host, ...) and vLLM metrics reads whose last read failed "
         "or ran past --read-timeout, over the selected sidecars.",
-        "none", [(f"sum(1 - kvguard_source_up{{{EXPORTER}}})", "sources down")],
+        "none", [(f"sum(1 - kvguard_source_up{{{SIDECAR}}})", "sources down")],
         thresholds=[(None, "green"), (1, "red")]))
 
 
@@ -309,13 +311,13 @@ def probe_row(board: dash.Dashboard) -> None:
         "Spool snapshots and skipped files",
         "Snapshots the sidecar read from the spool at its last scrape, and spool files it skipped, by reason.",
         "short", [
-            (f"sum by (instance) (kvguard_spool_snapshots{{{EXPORTER}}})", "{{instance}} snapshots"),
-            (f"sum by (instance, reason) (kvguard_spool_skipped_files{{{EXPORTER}}})", "{{instance}} skipped: {{reason}}"),
+            (f"sum by (instance) (kvguard_spool_snapshots{{{SIDECAR}}})", "{{instance}} snapshots"),
+            (f"sum by (instance, reason) (kvguard_spool_skipped_files{{{SIDECAR}}})", "{{instance}} skipped: {{reason}}"),
         ], width=8, fill=0, minimum=0))
     board.with_panel(stat_panel(
         "Source health",
         "Per sidecar and source: up when the source's last read succeeded within --read-timeout.",
-        "none", [(f"min by (instance, source) (kvguard_source_up{{{EXPORTER}}})", "{{instance}} {{source}}")],
+        "none", [(f"min by (instance, source) (kvguard_source_up{{{SIDECAR}}})", "{{instance}} {{source}}")],
         width=8, height=8, thresholds=[(None, "red"), (1, "green")],
         mappings={"0": ("down", "red"), "1": ("up", "green")}))
     board.with_panel(series_panel(
@@ -323,15 +325,15 @@ def probe_row(board: dash.Dashboard) -> None:
         "Per source: how long its last completed read took, and the age of the value a scrape is served "
         "(reads run in the background; a scrape never waits on them).",
         "s", [
-            (f"max by (instance, source) (kvguard_source_read_duration_seconds{{{EXPORTER}}})",
+            (f"max by (instance, source) (kvguard_source_read_duration_seconds{{{SIDECAR}}})",
              "{{instance}} {{source}} read duration"),
-            (f"max by (instance, source) (kvguard_source_cache_age_seconds{{{EXPORTER}}})",
+            (f"max by (instance, source) (kvguard_source_cache_age_seconds{{{SIDECAR}}})",
              "{{instance}} {{source}} cache age"),
         ], width=8, fill=0, minimum=0))
     board.with_panel(series_panel(
         "Source errors",
         "Per source, per second: reads that failed or ran past --read-timeout.",
-        "ops", [(f"sum by (instance, source) (rate(kvguard_source_errors_total{{{EXPORTER}}}[$__rate_interval]))",
+        "ops", [(f"sum by (instance, source) (rate(kvguard_source_errors_total{{{SIDECAR}}}[$__rate_interval]))",
                  "{{instance}} {{source}}")], width=8, minimum=0))
 
 

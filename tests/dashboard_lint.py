@@ -75,7 +75,7 @@ def _uid(datasource) -> str | None:
     return datasource.get("uid") if isinstance(datasource, dict) else datasource
 
 
-def _targets(dashboard: dict) -> Iterator[tuple[dict, dict]]:
+def targets(dashboard: dict) -> Iterator[tuple[dict, dict]]:
     for panel in all_panels(dashboard):
         if panel.get("type") in PANELS_WITH_QUERIES:
             for target in panel.get("targets", []):
@@ -132,7 +132,7 @@ def template_instance(dashboard: dict) -> list[str]:
     return _template(dashboard, "instance")
 
 
-def _split_arguments(text: str) -> list[str]:
+def split_arguments(text: str) -> list[str]:
     depth, start, parts, quote = 0, 0, [], None
     for i, char in enumerate(text):
         if quote:
@@ -168,7 +168,7 @@ def template_label_promql(dashboard: dict) -> list[str]:
         if not match or match.group(1) not in LABEL_FUNCTIONS:
             problems.append(f"template {v['name']!r}: invalid templated label query {query!r}")
             continue
-        arguments = _split_arguments(match.group(2))
+        arguments = split_arguments(match.group(2))
         try:
             if match.group(1) == "label_values" and len(arguments) == 2:
                 if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", arguments[1]):
@@ -259,7 +259,7 @@ def target_promql(dashboard: dict) -> list[str]:
     if not _prometheus_dashboard(dashboard):
         return []
     problems = []
-    for panel, target in _targets(dashboard):
+    for panel, target in targets(dashboard):
         expr = target.get("expr", "")
         if not expr.strip():
             problems.append(f"panel {panel.get('title')!r} target {target.get('refId')} has an empty query")
@@ -278,7 +278,7 @@ def target_rate_interval(dashboard: dict) -> list[str]:
     Stricter than the linter: every range selector in the dashboard is $__rate_interval.
     """
     problems = []
-    for panel, target in _targets(dashboard):
+    for panel, target in targets(dashboard):
         for selector in selectors(expand(target.get("expr", ""), dashboard)):
             if selector.range is not None and selector.range != RATE_INTERVAL_SAMPLE:
                 problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: "
@@ -291,7 +291,7 @@ def _required_matcher(dashboard: dict, label: str) -> list[str]:
     if not _prometheus_dashboard(dashboard):
         return []
     problems = []
-    for panel, target in _targets(dashboard):
+    for panel, target in targets(dashboard):
         for selector in selectors(target.get("expr", "").replace("$__rate_interval", "5m")):
             matcher = selector.matcher(label)
             if matcher is None or matcher.op != "=~" or matcher.value != f"${label}":
@@ -313,7 +313,7 @@ def target_instance(dashboard: dict) -> list[str]:
 def target_counter_agg(dashboard: dict) -> list[str]:
     """target-counter-agg-rule: a counter (name ending in _total) is read through rate, irate or increase."""
     problems = []
-    for panel, target in _targets(dashboard):
+    for panel, target in targets(dashboard):
         for selector in selectors(expand(target.get("expr", ""), dashboard)):
             if (selector.metric or "").endswith("_total") and not (
                     selector.range is not None and selector.function in ("rate", "irate", "increase")):

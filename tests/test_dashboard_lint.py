@@ -97,8 +97,8 @@ def test_prometheus_parses_every_dashboard_query(tmp_path):
         return v.get("allValue") or ".*"
 
     exprs = [lint.expand(t["expr"], DASHBOARD, rate_interval="5m", value=all_value)
-             for _, t in lint._targets(DASHBOARD)]
-    exprs += [lint.expand(lint._split_arguments(v["query"][len("label_values("):-1])[0], DASHBOARD, value=all_value)
+             for _, t in lint.targets(DASHBOARD)]
+    exprs += [lint.expand(lint.split_arguments(v["query"][len("label_values("):-1])[0], DASHBOARD, value=all_value)
               for v in lint.variables(DASHBOARD) if v.get("type") == "query"]
     exprs.append(lint.expand(DASHBOARD["annotations"]["list"][0]["expr"], DASHBOARD, value=all_value))
     rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query_{i}:expr", "expr": e}

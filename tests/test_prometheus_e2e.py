@@ -169,7 +169,7 @@ def dashboard_queries() -> list[tuple[str, str, str, bool]]:
     return [(panel["title"], target["refId"],
              lint.expand(target["expr"], DASHBOARD, rate_interval=RATE_INTERVAL, value=all_value),
              bool(target.get("instant")))
-            for panel, target in lint._targets(DASHBOARD)]
+            for panel, target in lint.targets(DASHBOARD)]
 
 
 QUERIES = dashboard_queries()
@@ -210,7 +210,7 @@ def test_dashboard_query_expected_empty_is_empty(stack, title, ref):
                          ids=lambda v: v["name"])
 def test_variable_query_finds_values(stack, variable):
     # label_values(selector, label) is Grafana's /api/v1/label/<label>/values?match[]=selector.
-    selector, label = lint._split_arguments(variable["query"][len("label_values("):-1])
+    selector, label = lint.split_arguments(variable["query"][len("label_values("):-1])
     selector = lint.expand(selector, DASHBOARD, value=all_value)
     answer = poll(f"values of ${variable['name']}",
                   lambda: stack.api(f"label/{label}/values", **{"match[]": selector})["data"], DATA_DEADLINE)
