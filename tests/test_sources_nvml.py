@@ -67,7 +67,8 @@ class FakeNvml(types.SimpleNamespace):
         return self.devices[handle][1]
 
 
-H200 = memory_v2(total=143_771_140_096, reserved=560_594_944, free=9 * GIB, used=143_771_140_096 - 560_594_944 - 9 * GIB)
+H200_TOTAL = 143_771_140_096
+H200 = memory_v2(total=H200_TOTAL, reserved=560_594_944, free=9 * GIB, used=H200_TOTAL - 560_594_944 - 9 * GIB)
 
 
 def test_real_structs_become_a_device_record():

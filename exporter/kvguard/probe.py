@@ -43,7 +43,7 @@ from typing import Any, Mapping
 
 from kvguard.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.sources import RankContext, Source, get_source, one_line, rank_contexts, close_source, source_names
+from kvguard.sources import RankContext, Source, close_source, get_source, one_line, rank_contexts, source_names
 from kvguard.spool import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
 
 log = logging.getLogger("kvguard.probe")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import threading
+
 from kvguard.records import DeviceMemory
 from kvguard.sources import Source, SourceError, SourceUnavailable, close_source
 from kvguard.sources.host import HostSource

@@ -29,8 +29,8 @@ def device_memory_from_nvml(index: int, memory: Any, processes: Iterable[Any] = 
     used = count(getattr(memory, "used", None))
     if used is not None:
         fields["used_bytes"] = used
-    return DeviceMemory(device=f"cuda:{index}", source="nvml", device_reserved_bytes=count(getattr(memory, "reserved", None)),
-                        processes=tuple(procs), **fields)
+    return DeviceMemory(device=f"cuda:{index}", source="nvml", processes=tuple(procs),
+                        device_reserved_bytes=count(getattr(memory, "reserved", None)), **fields)
 
 
 class NvmlSource:

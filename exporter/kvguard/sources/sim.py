@@ -53,7 +53,8 @@ class SimSource:
 
     def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
                  model_config: Mapping[str, Any] | str | None = None, **scenario: Any):
-        for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS), ("steps per sample", steps_per_sample, 1, 10**6)):
+        for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS),
+                                       ("steps per sample", steps_per_sample, 1, 10**6)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise SourceError(f"sim {what} must be an integer from {low} to {high}, got {value!r}")
         # Imported here: the simulator is only loaded when a sim source is built.
