@@ -96,7 +96,8 @@ _RANK_FAMILIES = (
     ("gauge", "kvguard_guard_state", "1 for the guard's current state of this rank, 0 for the other two states.",
      ("state",)),
     ("gauge", "kvguard_guard_severity", "Guard state as a number: 0 ok, 1 warning, 2 critical.", ()),
-    ("gauge", "kvguard_guard_reason", "1 for each reason the guard currently reports for this rank.", ("reason",)),
+    ("gauge", "kvguard_guard_reason", "1 for each reason the guard currently reports for this rank, 0 for the other reason "
+     "codes.", ("reason",)),
     ("gauge", "kvguard_guard_projected_peak_bytes", "Projected device peak: weights + KV cache allocated + reserved "
      "activation peak + non-torch.", ()),
     ("gauge", "kvguard_guard_capacity_bytes", "Device memory the projected peak must fit in (the profile's total "
