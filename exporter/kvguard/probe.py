@@ -114,6 +114,9 @@ class Probe:
         self.host = socket.gethostname()
         self._source_options = dict(source_options or {})
         self._lock = threading.Lock()
+        # One tick's pick-and-write at a time: a write built from older engine facts must not land
+        # after one built from newer facts (run_once and the loop can tick together).
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._job: _Job | None = None
@@ -234,6 +237,10 @@ class Probe:
             job.done.set()
 
     def _write(self, records: list[DeviceMemory]) -> int:
+        with self._write_lock:
+            return self._write_locked(records)
+
+    def _write_locked(self, records: list[DeviceMemory]) -> int:
         contexts = rank_contexts(self._source)
         written = 0
         for record in records:
