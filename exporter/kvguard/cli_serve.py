@@ -135,7 +135,13 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
     except ssl_errors() as exc:
         raise click.ClickException(f"cannot load TLS certificate or key: {exc}") from None
     sidecar.start()
+    # SIGTERM must stop the server cleanly from the moment the banner tells anyone it is up.
+    _serve_until_signalled(server, sidecar, probe,
+                           lambda: _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo,
+                                             demo_ranks, interval))
 
+
+def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo_ranks, interval) -> None:
     say = lambda text: click.echo(text, err=True)   # noqa: E731 - stdout stays free for pipes
     say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz)")
     say(f"  spool {spool_dir}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
@@ -145,7 +151,6 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
         say(f"  look at:  curl -s {server.url('/guard')}   (the last rank turns critical)")
         say(f"            curl -s {server.url('/metrics')} | grep -E "
             f"'kvguard_(allocator_fragmentation_bytes|guard_state|guard_headroom_bytes)'")
-    _serve_until_signalled(server, sidecar, probe)
 
 
 def ssl_errors():
@@ -154,12 +159,13 @@ def ssl_errors():
     return (ssl.SSLError, ValueError)
 
 
-def _serve_until_signalled(server, sidecar, probe) -> None:
+def _serve_until_signalled(server, sidecar, probe, announce) -> None:
     def stop(signum, _frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
+        announce()
         server.serve_forever()
     except KeyboardInterrupt:
         pass
