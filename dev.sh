@@ -64,8 +64,8 @@ case "${1:-}" in
         setup_run
         shift
         if [ $# -eq 0 ]; then
-            set -- budget --model-config exporter/kvguard/examples/qwen2.5-7b-instruct \
-                --profile exporter/kvguard/examples/qwen2.5-7b-910b-profile.json --max-model-len 32768
+            # The demo: simulated ranks through the real probe -> spool -> collector path, on loopback.
+            set -- serve --demo --listen 127.0.0.1 --spool-dir "${TMPDIR:-/tmp}/kvguard-demo-spool"
         fi
         exec "$VENV/bin/kvguard" "$@"
         ;;
