@@ -34,6 +34,10 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8
 _FP8_DS_MLA_TOKEN_BYTES = 656
 
 
+# Larger than any device; bounds untrusted profiles so float arithmetic cannot overflow.
+_MAX_BYTES = (1 << 63) - 1
+
+
 class ConfigError(ValueError):
     """A model config or option that cannot describe a KV cache; message is one line."""
 
@@ -197,6 +201,8 @@ class Profile:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"{name} must be an integer number of bytes, got {value!r}")
+            if value is not None and abs(value) > _MAX_BYTES:
+                raise ProfileError(f"{name} is out of range: {value}")
         if self.total_memory_bytes <= 0:
             raise ProfileError(f"total_memory_bytes must be positive, got {self.total_memory_bytes}")
         for name in ("weights_bytes", "peak_allocated_increase_bytes", "peak_reserved_increase_bytes"):

@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
+# No device or counter comes near 2**63; anything larger in untrusted input is garbage, and
+# Python's unbounded ints would otherwise overflow later float conversions.
+MAX_COUNTER = (1 << 63) - 1
+
 # Fields of DeviceMemory that hold byte counts or event counts (all optional ints).
 _INT_FIELDS = (
     "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
@@ -94,6 +98,8 @@ class DeviceMemory:
                 raise ValueError(f"memory field {name} is not a number")
             if value < 0:
                 raise ValueError(f"memory field {name} is negative")
+            if value > MAX_COUNTER:
+                raise ValueError(f"memory field {name} is out of range")
             values[name] = int(value)
         processes = data.get("processes") or []
         if not isinstance(processes, list):
@@ -101,7 +107,8 @@ class DeviceMemory:
         parsed = []
         for entry in processes[:1024]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("pid"), int) \
-                    or not isinstance(entry.get("used_bytes"), int) or isinstance(entry.get("pid"), bool):
+                    or not isinstance(entry.get("used_bytes"), int) or isinstance(entry.get("pid"), bool) \
+                    or not 0 <= entry["pid"] <= MAX_COUNTER or entry["used_bytes"] > MAX_COUNTER:
                 raise ValueError("memory field processes has a malformed entry")
             parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
                                         name=str(entry.get("name", ""))[:128]))

@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvguard.estimator import Profile, ProfileError
-from kvguard.records import DeviceMemory
+from kvguard.records import MAX_COUNTER, DeviceMemory
+
+# Timestamps beyond year ~5000 are garbage; this also keeps float() from overflowing on huge ints.
+_MAX_SECONDS = 1e11
 
 SCHEMA_VERSION = 1
 KIND = "kvguard.snapshot"
@@ -146,7 +149,7 @@ class Snapshot:
                 interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
             )
-        except (ValueError, TypeError, ProfileError) as exc:
+        except (ValueError, TypeError, OverflowError, ProfileError) as exc:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
         return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=host[:253], pid=pid,
                    device=str(device)[:64], memory=memory, rank=rank, pod=pod, profile=profile,
@@ -161,15 +164,16 @@ class SnapshotError(ValueError):
 
 def _number(data: Mapping[str, Any], key: str) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise ValueError(f"{key} is not a number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
+        raise ValueError(f"{key} is not a number in range")
     return float(value)
 
 
 def _int(data: Mapping[str, Any], key: str, default: int | None = None) -> int:
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{key} is not a non-negative integer")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
+        raise ValueError(f"{key} is not a non-negative integer in range")
     return value
 
 

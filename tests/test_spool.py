@@ -1,0 +1,133 @@
+"""The spool between probe and sidecar: atomic writes, and a reader that treats every file as hostile."""
+
+import json
+import os
+import stat
+import time
+
+import pytest
+
+from kvguard.estimator import Profile
+from kvguard.records import DeviceMemory
+from kvguard.spool import KVCacheAllocation, Snapshot, read_spool, snapshot_filename, write_snapshot
+
+GIB = 1 << 30
+
+
+def snapshot(device="npu:0", pid=4242, **overrides):
+    fields = dict(
+        written_at=time.time(), started_at=time.time() - 60, sequence=7, host="node-a", pid=pid, device=device,
+        memory=DeviceMemory(device=device, source="mindspore", allocated_bytes=27 * GIB, reserved_bytes=30 * GIB,
+                            idle_bytes=3 * GIB),
+        rank=0, pod={"pod": "qwen-0", "namespace": "serving", "container": "vllm"},
+        profile=Profile(total_memory_bytes=32 * GIB, gpu_memory_utilization=0.9, weights_bytes=14 * GIB,
+                        peak_allocated_increase_bytes=GIB, peak_reserved_increase_bytes=2 * GIB,
+                        non_torch_increase_bytes=0),
+        kv_cache=KVCacheAllocation(num_blocks=14762, block_bytes=917_504, block_size=16))
+    fields.update(overrides)
+    return Snapshot(**fields)
+
+
+def good_payload():
+    return snapshot().to_dict()
+
+
+def write_json(spool, name, data):
+    (spool / name).write_text(json.dumps(data))
+
+
+def test_written_snapshot_reads_back_equal(tmp_path):
+    original = snapshot()
+    write_snapshot(str(tmp_path), original)
+    [read] = read_spool(str(tmp_path)).snapshots
+    assert read == original
+    assert read.kv_cache.kv_cache_bytes == 14762 * 917_504
+
+
+def test_write_replaces_the_rank_file_and_leaves_no_temporary(tmp_path):
+    write_snapshot(str(tmp_path), snapshot(sequence=1))
+    write_snapshot(str(tmp_path), snapshot(sequence=2))
+    assert os.listdir(tmp_path) == [snapshot_filename("node-a", 4242, "npu:0")]
+    assert read_spool(str(tmp_path)).snapshots[0].sequence == 2
+
+
+def test_snapshot_is_readable_by_another_user(tmp_path):
+    # The sidecar runs as a different, non-root user than the serving process.
+    name = write_snapshot(str(tmp_path), snapshot())
+    assert os.stat(tmp_path / name).st_mode & stat.S_IROTH
+
+
+def test_files_outside_the_pattern_are_ignored(tmp_path):
+    (tmp_path / ".npu0.json.abc.tmp").write_text("{half a snapsh")
+    (tmp_path / "notes.txt").write_text("hello")
+    write_snapshot(str(tmp_path), snapshot())
+    result = read_spool(str(tmp_path))
+    assert len(result.snapshots) == 1 and not result.skipped
+
+
+def test_symlink_fifo_and_directory_are_not_opened(tmp_path):
+    os.symlink("/dev/zero", tmp_path / "zero.json")
+    os.mkfifo(tmp_path / "fifo.json")
+    (tmp_path / "dir.json").mkdir()
+    write_snapshot(str(tmp_path), snapshot())
+    result = read_spool(str(tmp_path))
+    assert result.skipped["not_regular_file"] == 3
+    assert len(result.snapshots) == 1
+
+
+def test_oversized_file_is_skipped_without_reading_it_all(tmp_path):
+    (tmp_path / "big.json").write_bytes(b" " * (300 * 1024))
+    assert read_spool(str(tmp_path)).skipped["too_large"] == 1
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"kind": "kvguard.snapshot", "schema": 1, "written_at"',     # truncated mid-write
+    b"\xff\xfe\x00garbage",                                        # not UTF-8
+    b"[" * 200_000,                                                 # nesting deeper than any parser stack
+])
+def test_truncated_binary_or_deeply_nested_json_is_invalid_json(tmp_path, raw):
+    (tmp_path / "bad.json").write_bytes(raw[: 250 * 1024])
+    result = read_spool(str(tmp_path))
+    assert result.skipped["invalid_json"] == 1 and not result.snapshots
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.pop("memory"),
+    lambda d: d.update(pid=-1),
+    lambda d: d.update(rank="zero"),
+    lambda d: d["memory"].update(allocated_bytes=-5),
+    lambda d: d["memory"].update(reserved_bytes="30GiB"),
+    lambda d: d["memory"].update(allocated_bytes=10 ** 400),
+    lambda d: d["profile"].update(total_memory_bytes=10 ** 400),
+    lambda d: d["profile"].update(gpu_memory_utilization=7),
+    lambda d: d.update(written_at=10 ** 400),
+    lambda d: d.update(sequence=10 ** 30),
+    lambda d: d["kv_cache"].update(num_blocks=10 ** 400),
+    lambda d: d["probe"].update(interval_seconds=10 ** 400),
+    lambda d: d["memory"].update(processes=[{"pid": 10 ** 400, "used_bytes": 1}]),
+])
+def test_hostile_fields_are_counted_invalid_not_raised(tmp_path, mutate):
+    data = good_payload()
+    mutate(data)
+    write_json(tmp_path, "hostile.json", data)
+    write_snapshot(str(tmp_path), snapshot(device="npu:1"))
+    result = read_spool(str(tmp_path))
+    assert result.skipped["invalid_snapshot"] == 1
+    assert [s.device for s in result.snapshots] == ["npu:1"]
+
+
+def test_other_schema_versions_are_counted_apart(tmp_path):
+    write_json(tmp_path, "future.json", {**good_payload(), "schema": 2})
+    assert read_spool(str(tmp_path)).skipped["unsupported_schema"] == 1
+
+
+def test_file_count_is_capped(tmp_path):
+    for i in range(5):
+        write_snapshot(str(tmp_path), snapshot(device=f"npu:{i}"))
+    result = read_spool(str(tmp_path), max_files=3)
+    assert len(result.snapshots) == 3 and result.skipped["too_many_files"] == 2
+
+
+def test_missing_spool_directory_is_an_error_line_not_an_exception(tmp_path):
+    result = read_spool(str(tmp_path / "nope"))
+    assert not result.snapshots and result.errors
