@@ -28,7 +28,8 @@ def plot_scenario(results: Sequence[ScenarioResult], path: str, title: str | Non
     """Allocated and reserved memory per step (peaks within the step), device capacity,
     the vLLM budget line, the KV-cache band and the OOM point; one panel per result."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False, sharex=False)
+    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False,
+                             sharex=True)  # one time axis: how long each run lasted is the story
     for ax, result in zip(axes[:, 0], results):
         timeline = result.timeline
         xs = list(range(len(timeline)))
