@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import stat
 import sys
+import time
 
 import pytest
 
 from kvguard.sources import SourceError, SourceUnavailable
-from kvguard.sources.npu_smi import NpuSmiSource, device_memory_from_npu_smi, parse_npu_smi_info
+from kvguard.sources.npu_smi import MAX_OUTPUT_BYTES, NpuSmiSource, device_memory_from_npu_smi, parse_npu_smi_info
 
 MIB = 1 << 20
 
@@ -164,3 +167,53 @@ def test_binary_that_cannot_execute_is_unavailable(tmp_path):
     path.chmod(0o755)
     with pytest.raises(SourceUnavailable, match="cannot run"):
         NpuSmiSource(binary=str(path)).sample()
+
+
+def test_an_npu_smi_that_prints_past_the_cap_is_killed_there(tmp_path):
+    # Four times the cap of table rows, then it keeps the pipe open: the source stops reading at
+    # MAX_OUTPUT_BYTES and kills it instead of buffering until the deadline (the reviewer's endless
+    # fake reached 10.7 GB in a 10 s timeout).
+    binary = fake_npu_smi(tmp_path, "import sys, time\nrow = '| 0 910B | OK | 1 / 2 |\\n' * 4096\n"
+                                    f"for _ in range({4 * MAX_OUTPUT_BYTES} // len(row) + 1):\n"
+                                    "    sys.stdout.write(row)\n"
+                                    "sys.stdout.flush()\ntime.sleep(600)")
+    with pytest.raises(SourceError) as info:
+        NpuSmiSource(binary=binary, timeout=5).sample()
+    assert str(info.value) == f"npu-smi info printed more than {MAX_OUTPUT_BYTES} bytes"
+
+
+def _process_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_a_child_that_keeps_the_pipe_open_is_killed_with_npu_smi(tmp_path):
+    # npu-smi exits but leaves a child holding its stdout: the deadline still ends the read, and the
+    # whole process group, the child too, is killed rather than left running.
+    pidfile = tmp_path / "child.pid"
+    binary = fake_npu_smi(tmp_path, "import subprocess, sys\n"
+                                    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                                    f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n")
+    with pytest.raises(SourceError, match="did not answer within 0.5s"):
+        NpuSmiSource(binary=binary, timeout=0.5).sample()
+    child = int(pidfile.read_text())
+    try:
+        for _ in range(1000):      # SIGKILL is delivered at once; wait for the kernel to finish it off
+            if _process_state(child) in ("Z", "X", "gone"):
+                break
+            time.sleep(0.01)
+        assert _process_state(child) in ("Z", "X", "gone")
+    finally:
+        if _process_state(child) not in ("Z", "X", "gone"):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_large_stderr_does_not_block_and_only_its_first_line_is_reported(tmp_path):
+    binary = fake_npu_smi(tmp_path, "import sys\nsys.stderr.write('dcmi failed\\n' + 'x' * (4 << 20))\n"
+                                    "sys.exit(3)")
+    with pytest.raises(SourceError) as info:
+        NpuSmiSource(binary=binary, timeout=600).sample()
+    assert str(info.value) == "npu-smi info exited with 3: dcmi failed"

@@ -2,7 +2,8 @@
 
 Device level only, like NVML: the driver sees what each process holds, never the
 allocator's split. The command runs with a fixed argv (``npu-smi info``), no shell, no
-stdin and a timeout. The parser (:func:`parse_npu_smi_info`) is pure and reads the box
+stdin, one deadline for the whole run and a cap on what it may print (a runaway npu-smi
+is killed, not buffered). The parser (:func:`parse_npu_smi_info`) is pure and reads the box
 tables of driver 23.x to 25.x, for single-chip NPUs (910B, 910B4) and for cards with
 several chips (300I Duo: a ``Chip Device`` column; 910 A3: one row per die):
 
@@ -24,8 +25,11 @@ from __future__ import annotations
 
 import os
 import re
+import selectors
 import shutil
+import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 from kvguard.records import DeviceMemory, ProcessMemory
@@ -34,6 +38,8 @@ from kvguard.sources import SourceError, SourceUnavailable, free_total_used
 MIB = 1 << 20
 ARGV = ("info",)
 MAX_OUTPUT_BYTES = 1 << 20
+MAX_STDERR_BYTES = 64 << 10
+_READ_CHUNK = 64 << 10
 MAX_LINES = 20_000
 # Where Ascend drivers install npu-smi when it is not on PATH (containers often lack it there).
 _FALLBACK_PATHS = ("/usr/local/sbin/npu-smi", "/usr/local/bin/npu-smi", "/usr/local/Ascend/driver/tools/npu-smi")
@@ -203,21 +209,74 @@ class NpuSmiSource:
 
     def sample(self) -> list[DeviceMemory]:
         path = self._path()
-        try:
-            done = subprocess.run([path, *ARGV], stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=self._timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise SourceError(f"npu-smi info did not answer within {self._timeout:g}s") from None
-        except OSError as exc:
-            raise SourceUnavailable(f"cannot run {path}: {exc.strerror or exc}") from None
-        stdout = done.stdout[:MAX_OUTPUT_BYTES].decode("utf-8", "replace")
-        if done.returncode != 0:
-            raise SourceError(f"npu-smi info exited with {done.returncode}: "
-                              f"{_first_line(done.stderr.decode('utf-8', 'replace')) or _first_line(stdout)}")
+        returncode, stdout_bytes, stderr_bytes = _run_bounded([path, *ARGV], self._timeout)
+        stdout = stdout_bytes.decode("utf-8", "replace")
+        if returncode != 0:
+            raise SourceError(f"npu-smi info exited with {returncode}: "
+                              f"{_first_line(stderr_bytes.decode('utf-8', 'replace')) or _first_line(stdout)}")
         records = device_memory_from_npu_smi(parse_npu_smi_info(stdout))
         if not records:
             raise SourceError(f"npu-smi info printed no device table: {_first_line(stdout) or 'no output'}")
         return records
+
+
+def _run_bounded(argv: list[str], timeout: float) -> tuple[int, bytes, bytes]:
+    """Run ``argv`` (no shell, no stdin) and read its output under one deadline and a size cap.
+
+    stdout past :data:`MAX_OUTPUT_BYTES` or anything still running at the deadline kills the
+    process group (npu-smi and anything it started) and is a :class:`SourceError`; stderr is
+    drained but only its first :data:`MAX_STDERR_BYTES` are kept.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+    except OSError as exc:
+        raise SourceUnavailable(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
+    stdout, stderr = bytearray(), bytearray()
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ, stdout)
+            selector.register(proc.stderr, selectors.EVENT_READ, stderr)
+            while selector.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SourceError(f"npu-smi info did not answer within {timeout:g}s")
+                for key, _ in selector.select(left):
+                    chunk = os.read(key.fd, _READ_CHUNK)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                    elif key.data is stdout:
+                        stdout += chunk
+                        if len(stdout) > MAX_OUTPUT_BYTES:
+                            raise SourceError(f"npu-smi info printed more than {MAX_OUTPUT_BYTES} bytes")
+                    elif len(stderr) < MAX_STDERR_BYTES:
+                        stderr += chunk[:MAX_STDERR_BYTES - len(stderr)]
+        try:
+            returncode = proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise SourceError(f"npu-smi info did not answer within {timeout:g}s") from None
+    except BaseException:
+        _kill(proc)
+        raise
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    return returncode, bytes(stdout), bytes(stderr)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        try:
+            proc.kill()
+        except OSError:
+            pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _first_line(text: str) -> str:
