@@ -13,14 +13,18 @@ from kvguard.sim.traces import (TraceError, TraceEvent, load_snapshot_pickle, lo
 
 MIB = 1 << 20
 
-# The header MemoryTrackerEnabled::Dump writes (every cell ends with a comma), then rows:
-# a weight kept to the end (-1), an activation freed at 5, a workspace at 4..6, a SOMAS row.
-MEMORY_BLOCK_CSV = """\
-start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,file_name,line_num,type,producer_task,task_name,node_name,graph_name,user_tasks,
-1,-1,0x12c0000000,0,persistent,1048576,,,Weight,1,Default/Load,load,kernel_graph_0,{},
-2,5,0x12c0100000,0,common,3145728,,,OutputData,2,Default/MatMul-op0,MatMul,kernel_graph_0,{3-},
-4,6,0x12c0400000,0,common,512,,,WorkSpace,4,Default/Add-op1,Add,kernel_graph_0,{},
--1,-1,0x12c0600000,0,common,4096,,,InSideSomas,5,Default/Mul-op2,Mul,kernel_graph_0,{},
+# The header MemoryTrackerEnabled::Dump writes (mem_tracker.cc's block_csv: every cell ends with a
+# comma; type is column 9, after actual_peak_memory, file_name and line_num, as memory_py.cc's replay
+# parser reads it), then rows: a weight kept to the end (-1), an activation freed at 5, a workspace
+# at 4..6, a SOMAS row.
+MEMORY_BLOCK_HEADER = ("start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_peak_memory,"
+                       "file_name,line_num,type,producer_task,task_name,node_name,graph_name,user_tasks,"
+                       "python_stack,\n")
+MEMORY_BLOCK_CSV = MEMORY_BLOCK_HEADER + """\
+1,-1,0x12c0000000,0,persistent,1048576,1048576,,,Weight,1,Default/Load,load,kernel_graph_0,{},,
+2,5,0x12c0100000,0,common,3145728,4194304,,,OutputData,2,Default/MatMul-op0,MatMul,kernel_graph_0,{3-},,
+4,6,0x12c0400000,0,common,512,4195328,,,WorkSpace,4,Default/Add-op1,Add,kernel_graph_0,{},,
+-1,-1,0x12c0600000,0,common,4096,0,,,InSideSomas,5,Default/Mul-op2,Mul,kernel_graph_0,{},,
 """
 
 
@@ -37,9 +41,43 @@ def test_memory_block_csv_orders_allocations_and_frees_by_timestamp():
 
 
 def test_memory_block_csv_without_header_uses_the_replay_parser_positions():
-    row = "3,7,0xabc,0,common,2048,,,,OutputData,"
+    row = "3,7,0xabc,0,common,2048,2048,,,OutputData,"
     trace = parse_memory_block_csv(row + "\n")
     assert trace.events == (TraceEvent(0, 2048, False, 0), TraceEvent(0, None, False, 0))
+
+
+def test_headerless_and_headed_rows_agree_on_the_type_column():
+    # The same rows with and without the tracker's header: the weight is persistent either way.
+    body = MEMORY_BLOCK_CSV.split("\n", 1)[1]
+    assert parse_memory_block_csv(body).events == parse_memory_block_csv(MEMORY_BLOCK_CSV).events
+    assert parse_memory_block_csv(body).events[0] == TraceEvent(0, 1048576, True, 0)
+
+
+@pytest.mark.parametrize("cell", ["1e400", "inf", "-inf", "nan"])
+def test_memory_block_csv_with_a_non_finite_size_is_refused(cell):
+    text = MEMORY_BLOCK_HEADER + f"1,-1,0x12c0000000,0,common,{cell},0,,,OutputData,1,a,b,g,{{}},,\n"
+    with pytest.raises(TraceError, match=r"^memory_block.csv row 1: not a finite number"):
+        parse_memory_block_csv(text)
+
+
+def test_memory_block_csv_with_a_negative_size_is_refused():
+    text = MEMORY_BLOCK_HEADER + "1,-1,0x12c0000000,0,common,-4096,0,,,OutputData,1,a,b,g,{},,\n"
+    with pytest.raises(TraceError, match=r"^memory_block.csv row 1: negative size -4096$"):
+        parse_memory_block_csv(text)
+
+
+def test_memory_block_csv_with_a_byte_order_mark_keeps_its_header(tmp_path):
+    # Saved by a spreadsheet: a UTF-8 BOM before "start_time_stamp" must not turn the header into a row.
+    path = tmp_path / "memory_block.csv"
+    path.write_bytes(MEMORY_BLOCK_CSV.encode("utf-8-sig"))
+    trace = load_trace(str(path))
+    assert trace.events == parse_memory_block_csv(MEMORY_BLOCK_CSV).events
+
+
+def test_memory_block_csv_with_an_oversized_cell_is_a_trace_error():
+    text = MEMORY_BLOCK_HEADER + "1,-1,0x1,0,common,4096,0,,,OutputData,1,a,b,g,{},\"" + "x" * 200_000 + "\",\n"
+    with pytest.raises(TraceError, match="not a readable CSV"):
+        parse_memory_block_csv(text)
 
 
 def test_memory_block_csv_replays_on_the_mindspore_pool():
@@ -96,6 +134,30 @@ def test_snapshot_pickle_with_objects_is_refused_without_running_them():
     data = pickle.dumps({"device_traces": [[Exploit()]]})
     with pytest.raises(TraceError, match="refusing to load"):
         load_snapshot_pickle(data)
+
+
+@pytest.mark.parametrize(("snap", "message"), [
+    ({"device_traces": [5]}, r"device_traces\[0\] is an int, not a list of entries"),
+    (snapshot([7]), r"device_traces\[0\]\[0\] is an int, not a dict"),
+    (snapshot([{"action": ["alloc"], "addr": 1, "size": 4096}]), r"\[0\]\[0\]: action is a list, not a string"),
+    (snapshot([{"action": "alloc", "addr": 1, "size": 4096, "stream": "abc"}]),
+     r"\[0\]\[0\] \(alloc\): stream is a str, not an integer"),
+    (snapshot([{"action": "alloc", "addr": 1, "size": 4096},
+               {"action": "free_completed", "addr": [1], "size": 4096}]),
+     r"\[0\]\[1\] \(free_completed\): addr is a list, not an integer"),
+    (snapshot([{"action": "alloc", "addr": 1, "size": 4096.0}]), r"\(alloc\): size is a float, not an integer"),
+    (snapshot([{"action": "alloc", "addr": 1, "size": -100000}]), r"\(alloc\): negative size -100000$"),
+])
+def test_snapshot_with_fields_of_the_wrong_type_is_a_trace_error(snap, message):
+    # Well-formed pickles (they load) whose entries do not have _dump_snapshot's types.
+    with pytest.raises(TraceError, match=message):
+        parse_torch_snapshot(snap)
+
+
+def test_snapshot_segment_entries_are_not_type_checked():
+    # Entries that are not replayed keep whatever fields the recording allocator gave them.
+    entries = [{"action": "segment_alloc", "addr": None, "size": "?"}, {"action": "alloc", "addr": 1, "size": 8}]
+    assert parse_torch_snapshot(snapshot(entries)).events == (TraceEvent(1, 8),)
 
 
 def test_snapshot_without_device_traces_is_an_error():

@@ -6,11 +6,14 @@ Two formats are read:
   ``rank_<N>/memory_block.csv``, one row per pool allocation. Columns are found by the
   header (``start_time_stamp``, ``end_time_stamp``, ``size``, ``type``, ``stream_id``,
   ``device_addr``); a file without a header falls back to the positions
-  ``memory_py.cc``'s replay parser uses (0 start, 1 end, 3 stream, 5 size, 9 type).
+  ``memory_py.cc``'s replay parser uses (0 start, 1 end, 3 stream, 5 size, 9 type: the
+  tracker's own column order, ``actual_peak_memory`` at 6, ``file_name`` and
+  ``line_num`` at 7 and 8).
   A row allocates at ``start_time_stamp`` and frees at ``end_time_stamp`` (the tracker's
   shared event counter); an end of ``-1`` or empty means never freed. Types ``Weight``,
   ``ConstantValue`` and ``GeConst`` go to the persistent pool. Rows with a start of
-  ``-1`` (SOMAS-planned, inside a static block) are skipped.
+  ``-1`` (SOMAS-planned, inside a static block) are skipped. A negative size or a
+  number that is not finite (``inf``, ``1e400``) is a :class:`TraceError`.
 - **PyTorch ``_dump_snapshot`` pickles** (``torch.cuda.memory._record_memory_history()``
   then ``torch.cuda.memory._dump_snapshot(path)``): the ``device_traces`` list of the
   first device that has one (or ``device=``), actions ``alloc`` and ``free_completed``
@@ -19,7 +22,9 @@ Two formats are read:
   ``segment_*``, ``snapshot`` and ``oom`` entries are the recording allocator's own
   decisions and are not replayed. Pickles are read with an unpickler that builds only
   builtin containers and scalars: anything else in the file is refused, nothing in it
-  is executed.
+  is executed. Entries must have the types ``_dump_snapshot`` writes (dicts with a
+  string ``action``; integer ``addr``, ``size`` >= 0 and ``stream`` on the replayed
+  actions): anything else is a :class:`TraceError`, not a guess.
 
 ``replay`` drives the events through any simulated allocator and reports where it ran
 out of memory, if it did.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import pickle
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -84,12 +90,21 @@ def _int_field(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        return int(float(text))
+        pass
+    value = float(text)            # "2048.0", "1e3"; ValueError for words
+    if not math.isfinite(value):   # "inf", "nan", "1e400"
+        raise ValueError(f"not a finite number: {text[:40]!r}")
+    return int(value)
 
 
 def parse_memory_block_csv(text: str) -> Trace:
     """Parse a MindSpore ``memory_block.csv``."""
-    rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
+    except csv.Error as exc:     # a cell past the csv module's field limit, a NUL byte
+        raise TraceError(f"memory_block.csv is not a readable CSV: {exc}") from None
     if not rows:
         raise TraceError("memory_block.csv is empty")
     header = [cell.strip() for cell in rows[0]]
@@ -111,10 +126,15 @@ def parse_memory_block_csv(text: str) -> Trace:
         if start is None or start < 0 or size is None:
             skipped += 1
             continue
+        if size < 0:
+            raise TraceError(f"memory_block.csv row {number + 1}: negative size {size}")
         kind = row[columns["type"]].strip() if "type" in columns and columns["type"] < len(row) else ""
         stream = 0
         if "stream_id" in columns and columns["stream_id"] < len(row):
-            stream = _int_field(row[columns["stream_id"]]) or 0
+            try:
+                stream = _int_field(row[columns["stream_id"]]) or 0
+            except ValueError as exc:
+                raise TraceError(f"memory_block.csv row {number + 1}: stream_id: {exc}") from None
         timed.append((start, 1, TraceEvent(number, size, kind in PERSISTENT_TYPES, stream)))
         if end is not None and end >= 0:
             timed.append((end, 0, TraceEvent(number, None, kind in PERSISTENT_TYPES, stream)))
@@ -152,40 +172,70 @@ def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     return snapshot
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_torch_snapshot(snapshot: dict[str, Any], device: int | None = None) -> Trace:
     traces = snapshot.get("device_traces")
     if not isinstance(traces, list) or not any(traces):
         raise TraceError("snapshot has no device_traces (record with torch.cuda.memory._record_memory_history())")
+    for index, trace in enumerate(traces):
+        if not isinstance(trace, list):
+            raise TraceError(f"snapshot device_traces[{index}] is {_kind(trace)}, not a list of entries")
     if device is None:
         device = next(i for i, t in enumerate(traces) if t)
     if not 0 <= device < len(traces):
         raise TraceError(f"snapshot has no device {device}")
     entries = traces[device]
-    actions = {e.get("action") for e in entries if isinstance(e, dict)}
+    for index, entry in enumerate(entries):
+        _check_entry(device, index, entry)
+    actions = {e["action"] for e in entries}
     free_action = "free_completed" if "free_completed" in actions else "free_requested"
     events: list[TraceEvent] = []
     live: set[int] = set()
     skipped = 0
     for entry in entries:
-        if not isinstance(entry, dict):
-            skipped += 1
-            continue
-        action = entry.get("action")
+        action = entry["action"]
         addr = entry.get("addr")
         if action == "alloc":
-            size = entry.get("size")
-            if not isinstance(addr, int) or not isinstance(size, int):
-                skipped += 1
-                continue
             live.add(addr)
-            events.append(TraceEvent(addr, size, False, int(entry.get("stream") or 0)))
+            events.append(TraceEvent(addr, entry["size"], False, entry.get("stream") or 0))
         elif action == free_action:
             if addr in live:
                 live.discard(addr)
-                events.append(TraceEvent(addr, None, False, int(entry.get("stream") or 0)))
+                events.append(TraceEvent(addr, None, False, entry.get("stream") or 0))
             else:
                 skipped += 1
     return Trace("torch_snapshot", tuple(events), skipped)
+
+
+def _check_entry(device: int, index: int, entry: Any) -> None:
+    """Refuse a trace entry whose fields do not have the types ``_dump_snapshot`` writes."""
+    where = f"snapshot device_traces[{device}][{index}]"
+    if not isinstance(entry, dict):
+        raise TraceError(f"{where} is {_kind(entry)}, not a dict")
+    action = entry.get("action")
+    if not isinstance(action, str):
+        raise TraceError(f"{where}: action is {_kind(action)}, not a string")
+    if action not in ("alloc", "free_requested", "free_completed"):
+        return      # segment_*, snapshot, oom: not replayed, not checked
+    fields = ("addr", "size") if action == "alloc" else ("addr",)
+    for name in fields:
+        if not _is_int(entry.get(name)):
+            raise TraceError(f"{where} ({action}): {name} is {_kind(entry.get(name))}, not an integer")
+    if action == "alloc" and entry["size"] < 0:
+        raise TraceError(f"{where} (alloc): negative size {entry['size']}")
+    stream = entry.get("stream")
+    if stream is not None and not _is_int(stream):
+        raise TraceError(f"{where} ({action}): stream is {_kind(stream)}, not an integer")
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "missing"
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 def load_trace(path: str) -> Trace:
@@ -198,7 +248,7 @@ def load_trace(path: str) -> Trace:
     if data[:1] == b"\x80":  # pickle protocol 2+
         return parse_torch_snapshot(load_snapshot_pickle(data))
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")     # a BOM from a spreadsheet round trip is not a header cell
     except UnicodeDecodeError:
         raise TraceError(f"{path} is neither a snapshot pickle nor a memory_block.csv") from None
     return parse_memory_block_csv(text)
