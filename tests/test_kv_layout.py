@@ -129,6 +129,7 @@ def test_newer_dtype_key_is_read():
     (lambda c: (c.pop("num_attention_heads"), c.pop("num_key_value_heads")), "no head count"),
     (lambda c: c.update(num_hidden_layers="28"), "num_hidden_layers"),
     (lambda c: c.update(torch_dtype="float64"), "unknown model dtype"),
+    (lambda c: c.update(num_hidden_layers=float("inf")), "'num_hidden_layers' must be a positive integer, got inf"),
 ])
 def test_config_without_what_a_layout_needs_is_refused(mutate, message):
     cfg = load_model_config(QWEN_7B)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.estimator import kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.estimator import ConfigError, kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 from kvguard.sim.workload import forward_ops, model_shape, weight_tensors
 
@@ -163,6 +163,41 @@ def test_no_memory_for_the_cache_blocks_is_an_error_not_an_oom():
 def test_weights_larger_than_the_device_run_out_at_load():
     result = run(STORY, device_memory_bytes=16 * GIB)
     assert (result.oom, result.oom_phase, result.profile) == (True, "weights", None)
+
+
+# ----------------------------------------------------------------------------- odd model configs
+def test_zero_attention_heads_is_a_config_error_not_a_division_by_zero():
+    config = {**QWEN, "num_attention_heads": 0}
+    with pytest.raises(ConfigError, match="'num_attention_heads' must be a positive integer, got 0"):
+        ServingScenario(replace(STORY, model_config=config))
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
+                                   "max_position_embeddings"])
+def test_an_infinite_config_field_is_a_config_error(field):
+    # json.loads("1e400") is float("inf"): a config file can hold it.
+    config = {**QWEN, field: json.loads("1e400")}
+    with pytest.raises(ConfigError, match=f"'{field}' must be a positive integer, got inf"):
+        ServingScenario(replace(STORY, model_config=config))
+
+
+def test_a_string_config_field_is_a_config_error():
+    with pytest.raises(ConfigError, match="'hidden_size' must be a positive integer, got 'abc'"):
+        model_shape({**QWEN, "hidden_size": "abc"})
+
+
+def test_a_negative_moe_field_is_a_config_error():
+    config = {**model("deepseek-v2-lite-chat"), "n_shared_experts": -2}
+    with pytest.raises(ConfigError, match="'n_shared_experts' must be a non-negative integer, got -2"):
+        model_shape(config)
+
+
+def test_the_estimators_layout_is_checked_before_the_workload_shape():
+    # hidden_size missing: both would refuse it; the estimator's message (the one `kvguard budget`
+    # gives for the same file) wins.
+    config = {k: v for k, v in QWEN.items() if k not in ("hidden_size", "head_dim")}
+    with pytest.raises(ConfigError, match="no head size"):
+        ServingScenario(replace(STORY, model_config=config))
 
 
 # ----------------------------------------------------------------------------- the scenario suite

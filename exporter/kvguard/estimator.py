@@ -93,7 +93,8 @@ def _positive_int(config: Mapping[str, Any], *names: str) -> int | None:
         value = config.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value or value <= 0):
             raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
         return int(value)
     return None

@@ -43,12 +43,13 @@ Everything is deterministic for a given config (the request mix comes from ``see
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from ..estimator import (KVLayout, Profile, estimate, kv_layout_from_config, reserved_kv_cache_bytes,
+from ..estimator import (ConfigError, KVLayout, Profile, estimate, kv_layout_from_config, reserved_kv_cache_bytes,
                          stock_kv_cache_bytes)
 from .base import SimOutOfMemory
 from .device import Device
@@ -120,7 +121,13 @@ class ScenarioConfig:
         for nested in ("text_config", "llm_config", "language_config"):
             if isinstance(text.get(nested), Mapping):
                 text.update(text[nested])
-        return min(int(text.get("max_position_embeddings") or 32768), 32768)
+        value = text.get("max_position_embeddings")
+        if value is None:
+            return 32768
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())) or value <= 0):
+            raise ConfigError(f"config field 'max_position_embeddings' must be a positive integer, got {value!r:.40}")
+        return min(int(value), 32768)
 
     @property
     def resolved_non_allocator_bytes(self) -> int:
@@ -274,10 +281,11 @@ class ServingScenario:
 
     def __init__(self, config: ScenarioConfig) -> None:
         self.config = config
-        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size)
+        # The estimator's layout first: its ConfigErrors are the ones `kvguard budget` gives for the same config.
         self.kv_layout: KVLayout = kv_layout_from_config(
             config.model_config, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
             tensor_parallel_size=config.tensor_parallel_size)
+        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size)
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)

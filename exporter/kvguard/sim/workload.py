@@ -25,6 +25,7 @@ Weights are listed tensor by tensor, as vLLM's fused modules hold them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -70,18 +71,37 @@ class ModelShape:
         return self.num_experts > 0 and layer >= self.first_dense_layers
 
 
-def _int(text: Mapping[str, Any], *names: str, default: int | None = None) -> int:
+def _int(text: Mapping[str, Any], *names: str, default: int | None = None, minimum: int = 1) -> int:
+    """The first of ``names`` the config sets, as an integer >= ``minimum``; ConfigError otherwise."""
     for name in names:
         value = text.get(name)
-        if value is not None:
-            return int(value)
+        if value is None:
+            continue
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+                or value < minimum):
+            kind = "positive" if minimum >= 1 else "non-negative"
+            raise ConfigError(f"config field {name!r} must be a {kind} integer, got {_short(value)}")
+        return int(value)
     if default is None:
         raise ConfigError(f"model config has no {names[0]}")
     return default
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> ModelShape:
-    """The per-rank shape of a model from its ``config.json`` (already parsed)."""
+    """The per-rank shape of a model from its ``config.json`` (already parsed).
+
+    Sizes and counts must be positive integers (integral floats are accepted, as JSON
+    may write them), the optional MLA / MoE fields non-negative ones: anything else,
+    ``inf`` and ``1e400`` included, is a :class:`ConfigError`.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError("model config must be a JSON object")
     text = _text_config(config)
     tp = tensor_parallel_size
     hidden = _int(text, "hidden_size", "n_embd", "d_model")
@@ -90,12 +110,14 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> Mod
     head_dim = _int(text, "head_dim", default=hidden // heads)
     dtype_bytes = model_dtype_bytes(config)
     quant = text.get("quantization_config") or config.get("quantization_config") or {}
+    if not isinstance(quant, Mapping):
+        quant = {}
     weight_bytes = 1 if str(quant.get("quant_method", "")).lower() in ("fp8", "fbgemm_fp8", "compressed-tensors") \
         and quant.get("quant_method") != "compressed-tensors" else dtype_bytes
-    n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0)
+    n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0, minimum=0)
     moe_inter = _int(text, "moe_intermediate_size", default=_int(text, "intermediate_size", default=0)) \
         if n_experts else 0
-    shared = _int(text, "n_shared_experts", default=0)
+    shared = _int(text, "n_shared_experts", default=0, minimum=0)
     return ModelShape(
         num_layers=_int(text, "num_hidden_layers", "num_layers", "n_layer"),
         hidden_size=hidden,
@@ -109,16 +131,16 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> Mod
         qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2",
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         tensor_parallel_size=tp,
-        kv_lora_rank=_int(text, "kv_lora_rank", default=0),
-        q_lora_rank=_int(text, "q_lora_rank", default=0),
-        qk_nope_head_dim=_int(text, "qk_nope_head_dim", default=0),
-        qk_rope_head_dim=_int(text, "qk_rope_head_dim", default=0),
-        v_head_dim=_int(text, "v_head_dim", default=0),
+        kv_lora_rank=_int(text, "kv_lora_rank", default=0, minimum=0),
+        q_lora_rank=_int(text, "q_lora_rank", default=0, minimum=0),
+        qk_nope_head_dim=_int(text, "qk_nope_head_dim", default=0, minimum=0),
+        qk_rope_head_dim=_int(text, "qk_rope_head_dim", default=0, minimum=0),
+        v_head_dim=_int(text, "v_head_dim", default=0, minimum=0),
         num_experts=n_experts,
-        experts_per_token=_int(text, "num_experts_per_tok", default=0),
+        experts_per_token=_int(text, "num_experts_per_tok", default=0, minimum=0),
         moe_intermediate_size=moe_inter // tp if n_experts else 0,
         shared_intermediate_size=(shared * moe_inter) // tp if n_experts else 0,
-        first_dense_layers=_int(text, "first_k_dense_replace", default=0),
+        first_dense_layers=_int(text, "first_k_dense_replace", default=0, minimum=0),
     )
 
 
