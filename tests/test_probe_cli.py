@@ -78,6 +78,15 @@ def test_ranks_apply_to_sim_only(cli, tmp_path):
     assert one_line_error(result) == "Error: --ranks applies to --source sim only"
 
 
+@pytest.mark.parametrize("interval", ["nan", "inf", "1e400"])
+def test_a_non_finite_interval_is_a_usage_error(cli, tmp_path, interval):
+    result = cli("probe", "--source", "host", "--spool-dir", str(tmp_path), "--interval", interval, "--once")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.output.strip().splitlines()[-1].endswith("is not a finite number.")
+
+
 def test_probe_once_with_a_failing_source_is_one_line(cli, tmp_path):
     pytest.importorskip("torch")
     result = cli("probe", "--source", "torch", "--spool-dir", str(tmp_path), "--once")

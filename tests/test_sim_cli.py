@@ -3,6 +3,7 @@
 import builtins
 import json
 import pickle
+from importlib import resources
 
 import pytest
 from click.testing import CliRunner
@@ -80,6 +81,82 @@ def test_unreadable_trace_is_a_one_line_error(tmp_path):
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("Error: cannot read snapshot pickle")
+
+
+def one_line_error(result):
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(("entries", "message"), [
+    ([{"action": "alloc", "addr": 1, "size": 4096, "stream": "abc"}], "stream is a str, not an integer"),
+    ([{"action": ["alloc"], "addr": 1, "size": 4096}], "action is a list, not a string"),
+    ([{"action": "alloc", "addr": 1, "size": 4096}, {"action": "free_completed", "addr": [1]}],
+     "addr is a list, not an integer"),
+])
+def test_snapshot_with_odd_field_types_is_a_one_line_error(tmp_path, entries, message):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [entries]}))
+    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])).endswith(message)
+
+
+def test_snapshot_whose_device_trace_is_not_a_list_is_a_one_line_error(tmp_path):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [5]}))
+    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])) == (
+        "Error: snapshot device_traces[0] is an int, not a list of entries")
+
+
+def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch):
+    # Whatever a reader bug raises on an odd file reaches the user as one line, never a traceback.
+    import kvguard.sim.traces as traces
+
+    def broken(path):
+        raise RecursionError("maximum recursion depth exceeded\nmore")
+
+    monkeypatch.setattr(traces, "load_trace", broken)
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[]]}))
+    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])) == (
+        f"Error: cannot read trace {path}: RecursionError: maximum recursion depth exceeded")
+
+
+def test_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path):
+    target = tmp_path / "missing" / "run.png"
+    result = CliRunner().invoke(main, [*STORY, "--plot", str(target)])
+    assert one_line_error(result) == f"Error: --plot: directory {target.parent} does not exist"
+    assert "Device" not in result.output      # refused up front: nothing simulated
+
+
+def test_plot_to_a_name_that_is_not_png_is_refused(tmp_path):
+    target = tmp_path / "run.jpg"
+    assert one_line_error(CliRunner().invoke(main, [*STORY, "--plot", str(target)])) == (
+        f"Error: --plot writes a PNG: give a file name ending in .png, not {str(target)!r}")
+
+
+def test_plot_that_cannot_be_saved_is_a_one_line_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / ("x" * 300 + ".png")       # the directory exists; the name is too long to create
+    result = CliRunner().invoke(main, [*STORY, "--plot", str(target), "--json"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == f"Error: cannot write plot {target}: File name too long"
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_attention_heads", "0", "'num_attention_heads' must be a positive integer, got 0"),
+    ("hidden_size", "1e400", "'hidden_size' must be a positive integer, got inf"),
+])
+def test_odd_model_config_fields_are_one_line_errors(tmp_path, field, value, message):
+    # The bundled config with one field overridden, written as JSON text (1e400 has no Python literal).
+    bundled = (resources.files("kvguard") / "examples" / "qwen2.5-7b-instruct" / "config.json").read_text()
+    path = tmp_path / "config.json"
+    path.write_text(bundled.rstrip().rstrip("}") + f', "{field}": {value}}}')   # the last duplicate key wins
+    assert json.loads(path.read_text())[field] == json.loads(value)
+    assert one_line_error(CliRunner().invoke(main, ["simulate", "--model-config", str(path)])) == f"Error: config field {message}"
 
 
 def test_missing_model_config_is_a_one_line_error(tmp_path):
