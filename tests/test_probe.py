@@ -165,6 +165,24 @@ def test_a_source_returning_garbage_is_counted(spool):
     assert "not a list of DeviceMemory" in runner.status.last_error
 
 
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()])
+def test_a_source_raising_a_base_exception_is_an_error_not_a_sample(spool, exc, monkeypatch):
+    class Exiting:
+        name = "exiting"
+
+        def sample(self):
+            raise exc
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)   # a thread traceback on the host's stderr
+    runner = Probe(spool, Exiting(), environ={})
+    assert runner.run_once() == 0
+    status = runner.status
+    assert (status.samples_total, status.errors_total) == (0, 1)
+    assert status.last_error.startswith(f"exiting: {type(exc).__name__}")
+    assert escaped == []
+    assert not os.path.exists(spool)
+
+
 def test_a_source_that_cannot_be_built_is_counted(spool):
     runner = Probe(spool, "torch", source_options={"backend": "rocm"}, environ={})
     assert runner.run_once() == 0
@@ -236,13 +254,20 @@ def test_a_spool_path_that_is_a_file_is_counted(tmp_path):
     assert runner.status.last_error == f"write {path}: Not a directory"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
-def test_a_read_only_spool_is_counted(tmp_path):
+def test_a_read_only_spool_is_counted(tmp_path, monkeypatch):
+    # What creating a file in a read-only directory gives a non-root user; patched so that the test
+    # also runs as root (who may write there anyway).
     path = tmp_path / "spool"
-    path.mkdir(mode=0o500)
+    path.mkdir()
+
+    def read_only(*args, dir=None, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir or "", "x.tmp"))
+    monkeypatch.setattr("kvguard.spool.tempfile.mkstemp", read_only)
     runner = Probe(str(path), Fixed(), environ={})
     assert runner.run_once() == 0
     assert runner.status.write_errors_total == 1
+    assert runner.status.last_error == f"write {path}: Permission denied"
+    assert os.listdir(path) == []
 
 
 def test_a_full_disk_is_counted_and_leaves_no_temporary_file(spool, monkeypatch):
@@ -295,6 +320,21 @@ def global_probe():
     probe_module.stop()
     yield probe_module
     probe_module.stop()
+
+
+@pytest.mark.parametrize(("args", "options", "message"), [
+    ((0,), {}, "interval must be a positive number of seconds, got 0"),
+    ((float("nan"),), {}, "interval must be a positive number of seconds, got nan"),
+    ((5.0, "gpu"), {}, "unknown source 'gpu'"),
+    ((5.0, "auto"), {"rank": -1}, "rank must be a non-negative integer, got -1"),
+    ((5.0, "auto"), {"colour": "blue"}, "unexpected keyword argument 'colour'"),
+])
+def test_start_with_bad_arguments_warns_once_and_returns_none(global_probe, spool, caplog, args, options, message):
+    with caplog.at_level("WARNING", logger="kvguard.probe"):
+        assert global_probe.start(spool, *args, **options) is None
+    assert global_probe.current() is None
+    [warning] = [r for r in caplog.records if r.name == "kvguard.probe"]
+    assert warning.levelname == "WARNING" and message in warning.getMessage()
 
 
 def test_start_returns_the_running_probe(global_probe, spool):

@@ -15,11 +15,14 @@ and atomically replaces one JSON snapshot per (host, pid, device) in the spool
 
 The probe never raises into the host process and never blocks it:
 
+- :func:`start` with bad arguments logs one warning and returns None (the
+  :class:`Probe` constructor is the strict interface: it raises ValueError);
 - the source is built and sampled on a worker thread of its own; a sample that has not
   finished when the next one is due is an *overrun*: counted, and nothing is written
   until a sample finishes, so the snapshot's age shows the sidecar that the rank has no
   fresh data (a hung source blocks that worker thread only);
-- a failing source, a missing, read-only or full spool directory are counted
+- a failing source (whatever it raises, SystemExit and KeyboardInterrupt included: they
+  stay on the worker thread), a missing, read-only or full spool directory are counted
   (``errors_total`` for samples, ``write_errors_total`` for writes, ``overruns_total``)
   and logged once per kind;
 - when the probe stops or its process dies, the snapshots stay and age.
@@ -215,6 +218,8 @@ class Probe:
                 return None
         with self._lock:
             self._job = None
+        if job.error is None and job.records is None:    # the job ended without an answer or an error
+            job.error = f"{self.source_name}: the sample ended without a result"
         if job.error is not None:
             self._count("sample", job.error)
             return None
@@ -231,8 +236,11 @@ class Probe:
                 raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
                                 "not a list of DeviceMemory")
             job.records = records
-        except Exception as exc:  # noqa: BLE001 - every failure of a source is counted, none escapes
-            job.error = f"{self.source_name}: {one_line(exc)}"
+        except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt too: counted, never escapes
+            # (this is the probe's own daemon thread: nothing above it would catch them, and an escaping
+            # exception would print a thread traceback on the host's stderr)
+            detail = one_line(exc) if isinstance(exc, Exception) else f"{type(exc).__name__}: {one_line(exc)}"
+            job.error = f"{self.source_name}: {detail}"
         finally:
             job.done.set()
 
@@ -323,17 +331,26 @@ _PROBE: Probe | None = None
 _PROBE_LOCK = threading.Lock()
 
 
-def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto", **options: Any) -> Probe:
-    """Start this process's probe (or return the running one). Raises ValueError for bad arguments only.
+def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
+          **options: Any) -> Probe | None:
+    """Start this process's probe (or return the running one). Never raises.
 
-    ``options``: ``rank``, ``sample_timeout``, ``source_options`` (see :class:`Probe`).
+    Bad arguments (a missing spool directory, a non-positive or non-finite interval, an
+    unknown source, an unknown option) log one WARNING on ``kvguard.probe`` and return
+    None: the host process goes on without a probe. The :class:`Probe` constructor
+    itself stays strict (ValueError). ``options``: ``rank``, ``sample_timeout``,
+    ``source_options`` (see :class:`Probe`).
     """
     global _PROBE
-    with _PROBE_LOCK:
-        if _PROBE is not None and _PROBE.running:
+    try:
+        with _PROBE_LOCK:
+            if _PROBE is not None and _PROBE.running:
+                return _PROBE
+            _PROBE = Probe(spool_dir, source, interval, **options).start()
             return _PROBE
-        _PROBE = Probe(spool_dir, source, interval, **options).start()
-        return _PROBE
+    except Exception as exc:  # noqa: BLE001 - a bad argument must not take the serving process down
+        log.warning("kvguard probe: not started: %s", one_line(exc))
+        return None
 
 
 def stop(timeout: float = 2.0) -> None:
