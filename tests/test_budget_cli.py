@@ -151,3 +151,11 @@ def test_log_with_nothing_usable_is_one_line_error(data_path):
     result = kvguard("budget", "--from-log", data_path("logs", "garbage.log"))
     assert result.returncode == 1
     assert "no vLLM startup memory lines" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_log_that_is_not_a_regular_file_is_one_line_error(tmp_path):
+    fifo = tmp_path / "vllm.log"
+    os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
+    result = kvguard("budget", "--from-log", str(fifo))
+    assert result.returncode == 1
+    assert result.stderr == f"Error: cannot read log file {fifo}: not a regular file\n"

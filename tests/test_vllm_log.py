@@ -83,3 +83,40 @@ def test_garbage_log_matches_nothing(data_path):
 def test_overlong_lines_are_skipped_not_scanned():
     log = parse_log("Available KV cache memory: 1.00 GiB" + "x" * 10_000)
     assert log.lines_matched == 0
+
+
+# ------------------------------------------------------------------ reading a log file, bounded
+
+
+def test_read_log_file_parses_a_real_log(data_path):
+    from kvguard.vllm_log import read_log_file
+
+    assert read_log_file(data_path("logs", "v1-tp2-debug.log")) == read(data_path, "v1-tp2-debug.log")
+
+
+def test_read_log_file_refuses_a_device_in_one_line():
+    import pytest
+
+    from kvguard.vllm_log import LogFileError, read_log_file
+
+    with pytest.raises(LogFileError) as error:
+        read_log_file("/dev/zero")   # endless, no newline: never iterated
+    assert str(error.value) == "cannot read log file /dev/zero: not a regular file"
+
+
+def test_read_log_file_skips_an_overlong_line_and_keeps_the_rest(data_path, tmp_path):
+    from kvguard.vllm_log import MAX_LINE_BYTES, read_log_file
+
+    with open(data_path("logs", "v1-tp2-debug.log"), "rb") as handle:
+        real = handle.read()
+    path = tmp_path / "vllm.log"
+    # An overlong line whose tail would match if it were taken for a line of its own, then the real log.
+    path.write_bytes(b"x" * (3 * MAX_LINE_BYTES) + b" Available KV cache memory: 1.00 GiB\n" + real)
+    assert read_log_file(str(path)) == read(data_path, "v1-tp2-debug.log")
+
+
+def test_read_log_file_stops_at_its_byte_cap(data_path):
+    from kvguard.vllm_log import read_log_file
+
+    path = data_path("logs", "v1-tp2-debug.log")
+    assert read_log_file(path, max_bytes=10).lines_matched == 0

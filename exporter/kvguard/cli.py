@@ -87,11 +87,12 @@ def _read_profile_file(path: str) -> dict[str, Any]:
 
 
 def _read_log(path: str):
-    from kvguard.vllm_log import parse_lines
+    from kvguard.vllm_log import LogFileError, read_log_file
 
     try:
-        with open(path, "r", encoding="utf-8", errors="replace") as handle:
-            startup = parse_lines(handle)
+        startup = read_log_file(path)
+    except LogFileError as exc:
+        raise click.ClickException(str(exc)) from None
     except FileNotFoundError:
         raise click.ClickException(f"log file not found: {path}") from None
     except OSError as exc:

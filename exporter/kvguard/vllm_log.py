@@ -28,9 +28,11 @@ vllm-ascend, 2025-07 to 2025-11 (``worker_v1.py``)
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from kvguard.estimator import Profile
 
@@ -202,3 +204,41 @@ def parse_lines(lines: Iterable[str]) -> StartupLog:
 def parse_log(text: str) -> StartupLog:
     # vLLM V0 logs its multi-line profile as one record; each part still sits on its own line.
     return parse_lines(text.splitlines())
+
+
+# A startup log's memory lines come in its first minutes; a file larger than this is read up to here.
+MAX_LOG_BYTES = 256 * 1024 * 1024
+MAX_LINE_BYTES = 4 * MAX_LINE_CHARS
+
+
+class LogFileError(ValueError):
+    """One line saying why a log file is not read (it is not a regular file)."""
+
+
+def read_log_file(path: str, max_bytes: int = MAX_LOG_BYTES) -> StartupLog:
+    """Parse a startup log file, bounded: regular files only, at most ``max_bytes`` read, lines
+    longer than MAX_LINE_BYTES skipped. Raises LogFileError, or OSError when it cannot be opened."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise LogFileError(f"cannot read log file {path}: not a regular file")
+        return parse_lines(_bounded_lines(handle, max_bytes))
+
+
+def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
+    left = max_bytes
+    while left > 0:
+        line = handle.readline(min(MAX_LINE_BYTES + 1, left))
+        if not line:
+            return
+        left -= len(line)
+        if len(line) > MAX_LINE_BYTES:
+            # Overlong: drop it and the rest of it, still counting what is read.
+            while left > 0 and not line.endswith(b"\n"):
+                line = handle.readline(min(MAX_LINE_BYTES + 1, left))
+                if not line:
+                    return
+                left -= len(line)
+            continue
+        yield line.decode("utf-8", errors="replace")
