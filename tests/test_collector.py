@@ -110,6 +110,7 @@ def test_a_rank_that_disappears_leaves_no_series(tmp_path):
     sidecar = sidecar_for(tmp_path)
     assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 2
     os.unlink(next(p for p in tmp_path.iterdir() if "-101-" in p.name))
+    sidecar.refresh_background(wait=5)   # the next background spool read
     assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1
 
 
@@ -207,6 +208,7 @@ def test_retries_climbing_between_scrapes_turn_the_rank_critical(tmp_path):
     write(tmp_path, snapshot(retries=2, utilization=0.8))
     assert value(scrape(sidecar), "kvguard_guard_state", state="critical") == 0
     write(tmp_path, snapshot(retries=5, utilization=0.8))
+    sidecar.refresh_background(wait=5)
     samples = scrape(sidecar)
     assert value(samples, "kvguard_guard_state", state="critical") == 1
     assert value(samples, "kvguard_guard_reason", reason="alloc_retries_climbing") == 1
@@ -236,3 +238,42 @@ def test_build_info_is_always_there(tmp_path):
     samples = scrape(Sidecar(SidecarConfig(pod_labels=dict(POD))))
     (labels, one), = samples["kvguard_build_info"]
     assert one == 1 and labels["version"]
+
+
+def test_a_device_number_no_float_can_hold_is_left_out_not_a_failed_scrape():
+    record = DeviceMemory(device="0", source="npu-smi", total_bytes=10 ** 400, used_bytes=70 * GIB)
+    sidecar = Sidecar(SidecarConfig(sources=[("npu-smi", StaticSource([record]))], pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert "kvguard_device_total_bytes" not in samples
+    assert value(samples, "kvguard_device_used_bytes", device="0") == 70 * GIB
+
+
+def test_a_scrape_serves_the_last_background_spool_read(tmp_path):
+    write(tmp_path, snapshot(rank=0, pid=100))
+    sidecar = sidecar_for(tmp_path)
+    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1   # the first read
+    write(tmp_path, snapshot(rank=1, device="npu:1", pid=101))
+    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1   # no read at scrape time
+    sidecar.refresh_background(wait=5)
+    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 2
+
+
+def test_spool_families_say_they_are_read_in_the_background(tmp_path):
+    write(tmp_path, snapshot())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(KVGuardCollector(sidecar_for(tmp_path)))
+    text = generate_latest(registry).decode()
+    assert "# HELP kvguard_spool_snapshots Snapshots read from the spool at its last read. Cached" in text
+    assert 'as of the last spool read. The spool is read in the background every 5s, see ' \
+           'kvguard_source_cache_age_seconds{source="spool"}' in text
+
+
+def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
+    from kvguard.sidecar import read_spool_bounded
+
+    write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))
+    sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+    result = read_spool_bounded(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
+    assert len(result.snapshots) == 2
+    assert result.skipped == {"too_many_files": 1}

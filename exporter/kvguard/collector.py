@@ -42,8 +42,14 @@ class _Families:
 
 
 def _add(family: Metric, labels: list[str], value: float | int | None) -> None:
-    if value is not None:
-        family.add_metric(labels, float(value))
+    """Add one sample; a value that is not a number float() can hold is left out, never raised."""
+    if value is None:
+        return
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):   # e.g. an int beyond 1.8e308 from a hostile snapshot
+        return
+    family.add_metric(labels, number)
 
 
 class KVGuardCollector(Collector):
@@ -104,7 +110,8 @@ _RANK_FAMILIES = (
      "memory).", ()),
     ("gauge", "kvguard_guard_headroom_bytes", "Capacity minus projected peak; negative means the projected peak does "
      "not fit.", ()),
-    ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot.", ()),
+    ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot, as of "
+     "the last spool read.{spool_cached}", ()),
     ("gauge", "kvguard_snapshot_stale", "1 when the snapshot is older than --stale-after.", ()),
     ("counter", "kvguard_probe_samples_total", "Samples the in-process probe has taken.", ()),
     ("counter", "kvguard_probe_errors_total", "Samples the in-process probe failed to take or write.", ()),
@@ -115,8 +122,11 @@ def families(obs: Observation) -> _Families:
     fam = _Families()
     cached = (f" Cached: read in the background every {obs.interval_seconds:g}s, "
               "see kvguard_source_cache_age_seconds.")
+    spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
+                    "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
     for kind, name, doc, extra in _RANK_FAMILIES:
-        getattr(fam, kind)(name, doc.replace("{cached}", cached), RANK_LABELS + extra)
+        doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
+        getattr(fam, kind)(name, doc, RANK_LABELS + extra)
     for view in obs.ranks:
         _rank_samples(view, [view.labels[k] for k in RANK_LABELS], fam)
 
@@ -155,9 +165,9 @@ def families(obs: Observation) -> _Families:
         _add(duration, [source.name], source.duration_seconds)
         _add(cache_age, [source.name], source.age_seconds())
 
-    snapshots = fam.gauge("kvguard_spool_snapshots", "Snapshots read from the spool at the last scrape.")
-    skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the last scrape, by reason.",
-                        ["reason"])
+    snapshots = fam.gauge("kvguard_spool_snapshots", "Snapshots read from the spool at its last read." + cached)
+    skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the spool's last read, by reason."
+                        + cached, ["reason"])
     if any(s.name == SPOOL for s in obs.sources):
         _add(snapshots, [], obs.spool_snapshots)
         for reason in SKIP_REASON_VALUES:

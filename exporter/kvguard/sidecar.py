@@ -1,13 +1,17 @@
 """The sidecar's view of the world: spool snapshots, device sources and vLLM, joined per rank.
 
-``Sidecar.observe()`` reads the spool (bounded in time), takes the latest cached device and
-vLLM reads, and judges every rank with the guard. The collector, ``/guard``, ``/readyz`` and
-``kvguard check`` all render the same Observation, so they never disagree.
+The spool, the device sources and vLLM are read in the background every ``interval`` (each read
+bounded in time; the spool read also in files and bytes). ``Sidecar.observe()`` takes the latest
+completed reads and judges every rank with the guard; it waits only for a source's very first
+read, at most ``read_timeout``. The collector, ``/guard``, ``/readyz`` and ``kvguard check`` all
+render the same Observation, so they never disagree.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import threading
 import time
 from collections import Counter
@@ -18,7 +22,7 @@ from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import Snapshot, SpoolRead, read_spool
+from kvguard.spool import MAX_SNAPSHOT_BYTES, MAX_SPOOL_FILES, Snapshot, SnapshotError, SpoolRead
 from kvguard.vllm_log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -29,6 +33,9 @@ POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAI
 SPOOL = "spool"
 VLLM_METRICS = "vllm_metrics"
 DUPLICATE = "duplicate"
+# One spool read takes at most this many bytes, whatever the file count (4096 files of 256 KiB
+# would be 1 GiB); files past it are skipped as too_many_files until the next read.
+MAX_SPOOL_READ_BYTES = 64 * 1024 * 1024
 
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -114,6 +121,7 @@ class Sidecar:
         self._lock = threading.Lock()
         self._window = CounterWindow(config.counter_window_seconds)
         self._spool = Poller(SPOOL, self._read_spool, config.read_timeout) if config.spool_dir else None
+        self._first_read_done = False
         self._device_pollers = [Poller(name, source.sample, config.read_timeout) for name, source in config.sources]
         self._vllm = None
         if config.vllm_metrics_url:
@@ -127,10 +135,10 @@ class Sidecar:
     # -------------------------------------------------------------------- background reads
 
     def _background(self) -> list[Poller]:
-        return self._device_pollers + ([self._vllm] if self._vllm else [])
+        return ([self._spool] if self._spool else []) + self._device_pollers + ([self._vllm] if self._vllm else [])
 
     def refresh_background(self, wait: float = 0.0) -> None:
-        """Start a read of every device source and vLLM; wait at most ``wait`` for them."""
+        """Start a read of the spool, every device source and vLLM; wait at most ``wait`` for them."""
         deadline = time.monotonic() + wait
         for poller in self._background():
             poller.refresh(0.0)
@@ -158,17 +166,27 @@ class Sidecar:
     # -------------------------------------------------------------------- observation
 
     def _read_spool(self) -> SpoolRead:
-        result = read_spool(self.config.spool_dir)
-        if result.errors and result.errors[0].startswith(f"{self.config.spool_dir}: "):
-            raise OSError(f"cannot list spool directory {result.errors[0]}")   # source down, not zero ranks
-        return result
+        try:
+            return read_spool_bounded(self.config.spool_dir)
+        except OSError as exc:   # source down, not zero ranks
+            raise OSError(f"cannot list spool directory {self.config.spool_dir}: {exc.strerror or exc}") from None
+
+    def _first_reads(self) -> None:
+        """Before any read has finished, wait for the first one (bounded): later calls never wait."""
+        if self._first_read_done:
+            return
+        pollers = self._background()
+        if any(p.state.success_at is None and p.state.errors_total == 0 for p in pollers):
+            self.refresh_background(wait=self.config.read_timeout)
+        self._first_read_done = True
 
     def observe(self) -> Observation:
         config = self.config
+        self._first_reads()
         sources: list[PollState] = []
         spool_read = SpoolRead()
         if self._spool:
-            state = self._spool.refresh(config.read_timeout)
+            state = self._spool.state
             sources.append(state)
             if state.value is not None:
                 spool_read = state.value
@@ -261,3 +279,64 @@ class Sidecar:
         if log is not None and log.available_kv_cache_bytes is not None:
             return blocks, max(0, log.available_kv_cache_bytes)
         return blocks, None
+
+
+def read_spool_bounded(spool_dir: str, max_total_bytes: int = MAX_SPOOL_READ_BYTES,
+                       max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES) -> SpoolRead:
+    """Like ``spool.read_spool``, with a cap on the bytes one read takes across all files.
+
+    Raises OSError when the directory cannot be listed; a bad file is only counted.
+    """
+    result = SpoolRead()
+    names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
+    if len(names) > max_files:
+        result.skipped["too_many_files"] += len(names) - max_files
+        names = names[:max_files]
+    used = 0
+    for index, name in enumerate(names):
+        remaining = max_total_bytes - used
+        try:
+            raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, remaining), max_bytes)
+            if raw is None:   # bigger than what is left of this read's budget, not than one snapshot
+                result.skipped["too_many_files"] += len(names) - index
+                result.errors.append(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
+                break
+            used += len(raw)
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                raise SnapshotError("invalid_json", (str(exc).splitlines() or [""])[0][:200]) from None
+            snapshot = Snapshot.from_dict(data)
+        except SnapshotError as exc:
+            result.skipped[exc.reason] += 1
+            result.errors.append(f"{name}: {exc.reason}: {exc}")
+            continue
+        result.snapshots.append(snapshot)
+    return result
+
+
+def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
+    """A regular file's bytes, opened without following links (as ``spool._read_one`` does); None
+    when it is longer than ``limit`` < ``max_bytes``: the read's byte budget ran out, not the file's
+    own cap. Raises SnapshotError."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise SnapshotError("not_regular_file", "not a regular file")
+    if info.st_size > max_bytes:
+        raise SnapshotError("too_large", f"{info.st_size} bytes exceeds {max_bytes}")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise SnapshotError("not_regular_file", "not a regular file")
+            raw = handle.read(limit + 1)
+    except OSError as exc:
+        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
+    if len(raw) > limit:
+        if limit < max_bytes:
+            return None
+        raise SnapshotError("too_large", f"more than {max_bytes} bytes")
+    return raw
