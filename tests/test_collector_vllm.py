@@ -30,6 +30,10 @@ vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct"} 12.0
 """
 
 
+# A num_gpu_blocks no float can hold (vLLM would never say it; a broken or hostile endpoint might).
+HUGE_BLOCKS_TEXT = VLLM_TEXT.replace('num_gpu_blocks="44292"', 'num_gpu_blocks="1' + "0" * 400 + '"')
+
+
 class FakeVllm:
     """A loopback /metrics endpoint that answers, hangs, or talks nonsense."""
 
@@ -46,7 +50,18 @@ class FakeVllm:
                 if fake.mode == "hang":
                     fake.release.wait()
                     return
+                if fake.mode == "drip":   # headers, then one byte at a time, never the end
+                    self.send_response(200)
+                    self.end_headers()
+                    while not fake.release.wait(0.02):
+                        try:
+                            self.wfile.write(b"#")
+                            self.wfile.flush()
+                        except OSError:
+                            return
+                    return
                 status, body = {"ok": (200, VLLM_TEXT.encode()),
+                                "huge": (200, HUGE_BLOCKS_TEXT.encode()),
                                 "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
                                 "error": (500, b"internal error")}[fake.mode]
                 self.send_response(status)
@@ -148,3 +163,51 @@ def test_a_vllm_endpoint_that_hangs_is_cut_off_at_the_read_timeout(fake_vllm):
 def test_a_non_http_url_is_refused():
     with pytest.raises(vllm_metrics.VllmMetricsError, match="not an http"):
         vllm_metrics.fetch("file:///etc/passwd", timeout=1)
+
+
+def test_a_vllm_endpoint_that_trickles_is_cut_off_at_the_read_timeout(fake_vllm):
+    server = fake_vllm("drip")
+    result = {}
+
+    def fetch():
+        try:
+            vllm_metrics.fetch(server.url, timeout=0.3)
+        except vllm_metrics.VllmMetricsError as exc:
+            result["error"] = str(exc)
+    reader = threading.Thread(target=fetch, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "a trickling endpoint kept the read alive"
+    assert result["error"] == f"{server.url}: no complete answer within 0.3s"
+
+
+def test_after_a_trickling_read_is_cut_off_the_next_poll_runs(fake_vllm):
+    server = fake_vllm("drip")
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, read_timeout=0.3, pod_labels=dict(POD)))
+    errors = 0
+    for _ in range(600):   # a new read starts only once the one before it has ended
+        sidecar.refresh_background(wait=30)
+        errors = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["errors_total"]
+        if errors >= 2:
+            break
+        threading.Event().wait(0.05)
+    assert errors >= 2, "the first read never ended, so no second read started"
+
+
+def test_a_block_count_no_float_can_hold_never_fails_a_scrape(fake_vllm):
+    server = fake_vllm("huge")
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert "kvguard_kv_cache_allocated_blocks" not in samples
+    assert value(samples, "kvguard_kv_cache_usage_ratio") == pytest.approx(0.4213)
+
+
+def test_a_block_count_no_float_can_hold_is_ignored_with_a_log_too(fake_vllm, data_path):
+    server = fake_vllm("huge")
+    startup = tp2_log(data_path)
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, startup_log=startup, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert "kvguard_kv_cache_allocated_blocks" not in samples
+    assert value(samples, "kvguard_kv_cache_allocated_bytes") == startup.available_kv_cache_bytes
