@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # kvguard: the sidecar / device exporter image.
 #   docker build -t kvguard:0.1.0 .
-#   docker run --rm -p 10240:10240 --read-only kvguard:0.1.0 serve --demo
+#   docker run --rm -p 10240:10240 --read-only kvguard:0.1.0 serve --demo   (demo spool in /dev/shm)
 # Build stage: the wheel from this repository plus the wheels it depends on.
 ARG PYTHON_IMAGE=python:3.11-slim
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -16,8 +16,10 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
+from kvguard import cli_serve
 from kvguard.cli import main
-from sidecar_fixtures import snapshot, write
+from monitoring import promtool
+from sidecar_fixtures import free_port, snapshot, write
 from test_collector_vllm import FakeVllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +27,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def check(*args):
     return CliRunner().invoke(main, ["check", *args])
+
+
+def invoke_bounded(*args, seconds: float = 30):
+    """Run the CLI in a thread: a command that hangs fails the test instead of hanging it."""
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(r=CliRunner().invoke(main, list(args))), daemon=True)
+    runner.start()
+    runner.join(timeout=seconds)
+    assert not runner.is_alive(), f"kvguard {' '.join(args)} did not return"
+    return result["r"]
 
 
 def test_check_exits_0_when_every_rank_is_ok(tmp_path):
@@ -91,6 +103,22 @@ def test_check_exits_2_on_a_missing_log(tmp_path):
     assert result.exit_code == 2 and "cannot read log file" in result.output
 
 
+def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "vllm.log"
+    os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
+    result = invoke_bounded("check", "--from-log", str(fifo))
+    assert result.exit_code == 2
+    assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
+
+
+def test_check_says_why_there_is_nothing_to_judge():
+    url = f"http://127.0.0.1:{free_port()}/metrics"   # nothing listens there
+    result = check("--vllm-metrics-url", url, "--read-timeout", "5")
+    assert result.exit_code == 2
+    assert result.output.startswith(f"Error: nothing to judge (vllm_metrics: {url}: ")
+    assert "(nothing to judge)" not in result.output and len(result.output.splitlines()) == 1
+
+
 def test_check_counts_hostile_spool_files_and_judges_the_rest(tmp_path):
     write(tmp_path, snapshot(kv_blocks=1000))
     (tmp_path / "evil.json").write_text('{"kind": "kvguard.snapshot", "schema": 1, "memory": []}')
@@ -120,6 +148,7 @@ class Served:
     def __init__(self, *args: str):
         env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter"), "POD_NAME": "vllm-0",
                "POD_NAMESPACE": "llm", "CONTAINER_NAME": "kvguard"}
+        env.pop("KVGUARD_SPOOL_DIR", None)
         self.process = subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1",
                                          "--port", "0", *args], env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True)
@@ -204,9 +233,77 @@ def test_demo_shows_fragmentation_and_a_guard_that_trips(served):
     assert guard["state"] == "critical" and guard["ranks"][0]["state"] in ("ok", "warning")
     status, metrics = server.get("/metrics")
     assert b'kvguard_allocator_fragmentation_bytes{container="kvguard",device="npu:0"' in metrics
-    if shutil.which("promtool"):
-        lint = subprocess.run(["promtool", "check", "metrics"], input=metrics, capture_output=True, timeout=60)
-        assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
+    lint = subprocess.run([promtool(), "check", "metrics"], input=metrics, capture_output=True, timeout=60)
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
+
+
+def banner_lines(server: Served) -> list[str]:
+    """The banner after its first line: the spool and sources line, then the demo's lines."""
+    lines = [server.process.stderr.readline()]
+    while lines[-1] and "look at:" not in lines[-1] and len(lines) < 10:
+        lines.append(server.process.stderr.readline())
+    return lines
+
+
+def test_demo_says_it_caps_the_interval(served):
+    server = served("--demo", "--interval", "5")
+    (demo,) = [line for line in banner_lines(server) if "demo:" in line]
+    assert "every 1s (--interval 5 capped at 1s in the demo)" in demo
+
+
+def test_demo_reports_the_hosts_memory_as_a_device_source(served):
+    server = served("--demo")
+    status, metrics = server.poll("/metrics", lambda status, body: b'source="host"' in body)
+    assert b'kvguard_device_total_bytes{container="kvguard",device="host",namespace="llm",pod="vllm-0",' \
+           b'source="host"}' in metrics
+
+
+def test_serve_without_a_spool_dir_reads_no_spool(served):
+    server = served("--source", "none")
+    status, body = server.get("/guard")
+    assert status == 200 and "spool" not in json.loads(body)["sources"]
+    assert b'source="spool"' not in server.get("/metrics")[1]
+
+
+def test_serve_refuses_a_log_that_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "vllm.log"
+    os.mkfifo(fifo)
+    result = invoke_bounded("serve", "--port", "0", "--source", "none", "--from-log", str(fifo))
+    assert result.exit_code == 1
+    assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
+
+
+def test_demo_with_an_unusable_spool_dir_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    spool = tmp_path / "afile" / "spool"
+    result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", "0",
+                                       "--spool-dir", str(spool)])
+    assert result.exit_code == 1
+    assert result.output == f"Error: cannot create spool directory {spool}: Not a directory\n"
+
+
+def test_demo_without_a_writable_tmp_makes_its_spool_in_dev_shm(tmp_path, monkeypatch):
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("this machine has no writable /dev/shm")
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))   # like a read-only /tmp
+    with socket.socket() as taken:   # stop serve once the spool exists: the port is taken
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", str(port)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
+
+
+def test_demo_with_nowhere_to_make_its_spool_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setattr(cli_serve, "DEMO_SPOOL_PARENTS", (str(tmp_path / "afile"), None))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))
+    result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", "0"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: cannot create a demo spool directory (")
+    assert len(result.output.splitlines()) == 1
 
 
 def test_serve_on_a_taken_port_is_one_line(tmp_path):
@@ -219,6 +316,14 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path):
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in result.output
+
+
+def test_serve_with_a_missing_certificate_says_tls(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "--listen", "127.0.0.1", "--port", "0", "--source", "none",
+                                       "--tls-cert-file", str(tmp_path / "tls.crt"),
+                                       "--tls-key-file", str(tmp_path / "tls.key")])
+    assert result.exit_code == 1
+    assert result.output == "Error: cannot load TLS certificate or key: No such file or directory\n"
 
 
 def test_serve_refuses_a_certificate_without_a_key(tmp_path):

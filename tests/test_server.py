@@ -7,6 +7,7 @@ import gzip
 import http.client
 import json
 import shutil
+import socket
 import ssl
 import subprocess
 
@@ -14,6 +15,7 @@ import pytest
 
 from kvguard.server import KVGuardServer, ServerOptions
 from kvguard.sidecar import Sidecar, SidecarConfig
+from monitoring import promtool
 from sidecar_fixtures import snapshot, write
 
 POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
@@ -74,14 +76,13 @@ def test_metrics_is_gzipped_when_the_client_accepts_it(serve):
     assert b"kvguard_build_info" in gzip.decompress(body)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (./dev.sh test installs it)")
 @pytest.mark.parametrize("utilization", [0.9, 0.99], ids=["warning", "critical"])
 def test_promtool_check_metrics_finds_nothing_on_the_live_endpoint(serve, utilization):
     server = serve(snapshot(rank=0, pid=10, utilization=utilization),
                    snapshot(rank=1, device="npu:1", pid=11, utilization=utilization, retries=2, ooms=1))
     status, _, body = get(server, "/metrics")
     assert status == 200
-    result = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=60)
+    result = subprocess.run([promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60)
     assert (result.returncode, result.stdout + result.stderr) == (0, b"")
 
 
@@ -183,3 +184,18 @@ def test_tls_refuses_plain_http(serve, certificate):
         status, _, _ = get(server, "/healthz")
         assert status >= 400   # some stacks answer 400 instead of dropping the connection
         raise ConnectionError("plain request refused")
+
+
+def test_plain_http_on_the_tls_port_is_one_line_on_stderr(serve, certificate, capfd):
+    cert, key = certificate
+    server = serve(tls_cert_file=cert, tls_key_file=key)
+    capfd.readouterr()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as plain:
+        plain.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        while plain.recv(4096):   # the server logs, then closes the connection
+            pass
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("kvguard serve: connection from 127.0.0.1: ") and "SSL" in line
+    assert server.httpd.connection_errors_total == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -19,7 +20,10 @@ import click
 from kvguard.cli import main
 
 DEFAULT_PORT = 10240
-DEFAULT_SPOOL_DIR = "/dev/shm/kvguard"
+# Where --demo makes its spool when --spool-dir is not given: in memory when /dev/shm is writable
+# (it is in a container with a read-only root, where /tmp may not be), else the temporary directory.
+DEMO_SPOOL_PARENTS: tuple[str | None, ...] = ("/dev/shm", None)
+DEMO_MAX_INTERVAL = 1.0
 EXIT_OK, EXIT_GUARD, EXIT_ERROR = 0, 1, 2
 
 
@@ -30,11 +34,12 @@ class CheckError(click.ClickException):
 
 
 def _read_startup_log(path: str, error=click.ClickException):
-    from kvguard.vllm_log import parse_lines
+    from kvguard.vllm_log import LogFileError, read_log_file
 
     try:
-        with open(path, "r", encoding="utf-8", errors="replace") as handle:
-            startup = parse_lines(handle)
+        startup = read_log_file(path)
+    except LogFileError as exc:
+        raise error(str(exc)) from None
     except OSError as exc:
         raise error(f"cannot read log file {path}: {exc.strerror or exc}") from None
     if startup.lines_matched == 0:
@@ -59,6 +64,25 @@ def _build_sources(names: tuple[str, ...]) -> list[tuple[str, Any]]:
     return built
 
 
+def _make_demo_spool() -> str:
+    """A new spool directory for --demo under the first writable parent; one line when none is."""
+    tried = []
+    for parent in DEMO_SPOOL_PARENTS:
+        try:
+            return tempfile.mkdtemp(prefix="kvguard-demo-", dir=parent)
+        except OSError as exc:
+            tried.append(f"{parent or tempfile.gettempdir()}: {exc.strerror or exc}")
+    raise click.ClickException(f"cannot create a demo spool directory ({'; '.join(tried)}); "
+                               "give --spool-dir a writable directory")
+
+
+def _make_spool_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise click.ClickException(f"cannot create spool directory {path}: {exc.strerror or exc}") from None
+
+
 def _read_password(path: str | None) -> str | None:
     if path is None:
         return os.environ.get("KVGUARD_BASIC_AUTH_PASSWORD")
@@ -75,10 +99,11 @@ def _read_password(path: str | None) -> str | None:
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to serve /metrics, /healthz, /readyz and /guard on.")
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
-              help=f"Where the probes write snapshots [env KVGUARD_SPOOL_DIR; default {DEFAULT_SPOOL_DIR}, "
-                   f"with --demo a new temporary directory].")
+              help="Where the probes write snapshots [env KVGUARD_SPOOL_DIR; default: no spool is read, "
+                   "with --demo a new directory under /dev/shm or the temporary directory].")
 @click.option("--source", "sources", multiple=True, metavar="NAME",
-              help="Device-level source, repeatable: auto, nvml, npu-smi, host, sim, none [default: auto].")
+              help="Device-level source, repeatable: auto, nvml, npu-smi, host, sim, none "
+                   "[default: auto; with --demo: host].")
 @click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics.")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
 @click.option("--interval", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
@@ -93,14 +118,15 @@ def _read_password(path: str | None) -> str | None:
 @click.option("--basic-auth-user", metavar="USER", help="Require HTTP basic auth (except /healthz, /readyz).")
 @click.option("--basic-auth-password-file", metavar="FILE",
               help="File holding the basic-auth password [or env KVGUARD_BASIC_AUTH_PASSWORD].")
-@click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector.")
+@click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector "
+              f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Simulated ranks with --demo (the last one is set up to trip the guard).")
 def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file, demo,
           demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
-    from kvguard.server import KVGuardServer, ServerOptions
+    from kvguard.server import KVGuardServer, ServerOptions, make_tls_context
     from kvguard.sidecar import Sidecar, SidecarConfig
 
     if bool(tls_cert_file) != bool(tls_key_file):
@@ -109,54 +135,61 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
     if basic_auth_user and not password:
         raise click.UsageError("--basic-auth-user needs --basic-auth-password-file or KVGUARD_BASIC_AUTH_PASSWORD")
     startup = _read_startup_log(log_file) if log_file else None
-
-    probe = None
+    requested_interval = interval
     if demo:
-        from kvguard.demo import start_demo
-
-        spool_dir = spool_dir or tempfile.mkdtemp(prefix="kvguard-demo-")
-        sources = sources or ("none",)
-        interval = min(interval, 1.0)
-    spool_dir = spool_dir or DEFAULT_SPOOL_DIR
-    if demo:
-        os.makedirs(spool_dir, exist_ok=True)
-        probe = start_demo(spool_dir, demo_ranks, interval=interval)
-
-    sidecar = Sidecar(SidecarConfig(
-        spool_dir=spool_dir, sources=_build_sources(sources or ("auto",)), vllm_metrics_url=vllm_metrics_url,
-        startup_log=startup, interval=interval, stale_after=stale_after, read_timeout=read_timeout))
+        sources = sources or ("host",)
+        interval = min(interval, DEMO_MAX_INTERVAL)
+    built_sources = _build_sources(sources or ("auto",))
     options = ServerOptions(listen=listen, port=port, fail_readiness_on_critical=fail_readiness_on_critical,
                             tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
                             basic_auth_user=basic_auth_user, basic_auth_password=password)
     try:
-        server = KVGuardServer(sidecar, options)
-    except OSError as exc:
-        raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
-    except ssl_errors() as exc:
-        raise click.ClickException(f"cannot load TLS certificate or key: {exc}") from None
-    sidecar.start()
-    # SIGTERM must stop the server cleanly from the moment the banner tells anyone it is up.
-    _serve_until_signalled(server, sidecar, probe,
-                           lambda: _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo,
-                                             demo_ranks, interval))
+        tls_context = make_tls_context(options)
+    except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise click.ClickException(f"cannot load TLS certificate or key: {detail}") from None
+
+    demo_spool = None
+    if demo and not spool_dir:
+        spool_dir = demo_spool = _make_demo_spool()
+    elif demo:
+        _make_spool_dir(spool_dir)
+    try:
+        sidecar = Sidecar(SidecarConfig(
+            spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
+            startup_log=startup, interval=interval, stale_after=stale_after, read_timeout=read_timeout))
+        try:
+            server = KVGuardServer(sidecar, options, tls_context=tls_context)
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
+        probe = None
+        if demo:
+            from kvguard.demo import start_demo
+
+            probe = start_demo(spool_dir, demo_ranks, interval=interval)
+        sidecar.start()
+        # SIGTERM must stop the server cleanly from the moment the banner tells anyone it is up.
+        _serve_until_signalled(server, sidecar, probe,
+                               lambda: _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo,
+                                                 demo_ranks, interval, requested_interval))
+    finally:
+        if demo_spool:
+            shutil.rmtree(demo_spool, ignore_errors=True)
 
 
-def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo_ranks, interval) -> None:
+def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo_ranks, interval,
+              requested_interval) -> None:
     say = lambda text: click.echo(text, err=True)   # noqa: E731 - stdout stays free for pipes
     say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz)")
-    say(f"  spool {spool_dir}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
+    say(f"  spool {spool_dir or 'none'}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
         + (f"; vLLM {vllm_metrics_url}" if vllm_metrics_url else "") + (f"; log {log_file}" if log_file else ""))
     if demo:
-        say(f"  demo: {demo_ranks} simulated rank(s) written by the real probe every {interval:g}s.")
+        capped = f" (--interval {requested_interval:g} capped at {interval:g}s in the demo)" \
+            if requested_interval > interval else ""
+        say(f"  demo: {demo_ranks} simulated rank(s) written by the real probe every {interval:g}s{capped}.")
         say(f"  look at:  curl -s {server.url('/guard')}   (the last rank turns critical)")
         say(f"            curl -s {server.url('/metrics')} | grep -E "
             f"'kvguard_(allocator_fragmentation_bytes|guard_state|guard_headroom_bytes)'")
-
-
-def ssl_errors():
-    import ssl
-
-    return (ssl.SSLError, ValueError)
 
 
 def _serve_until_signalled(server, sidecar, probe, announce) -> None:
@@ -205,7 +238,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
     failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
     if not observation.ranks:
         why = "; ".join(f"{name}: {error}" for name, error in failed.items()) or \
-            f"no snapshots in {spool_dir}" if spool_dir else "nothing to judge"
+            (f"no snapshots in {spool_dir}" if spool_dir else "no rank to judge")
         raise CheckError(f"nothing to judge ({why})")
     if VLLM_METRICS in failed and vllm_metrics_url:
         click.echo(f"kvguard check: vLLM metrics: {failed[VLLM_METRICS]}", err=True)

@@ -15,6 +15,7 @@ import hmac
 import json
 import socket
 import ssl
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -41,6 +42,16 @@ class ServerOptions:
     basic_auth_user: str | None = None
     basic_auth_password: str | None = None
     request_timeout: float = 30.0
+
+
+def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
+    """The server's TLS context, or None without TLS. Raises OSError or ssl.SSLError on a bad cert or key."""
+    if not options.tls_cert_file:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(options.tls_cert_file, options.tls_key_file)
+    return context
 
 
 def make_registry(sidecar: Sidecar) -> CollectorRegistry:
@@ -160,12 +171,22 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+    connection_errors_total = 0
+
+    def handle_error(self, request, client_address) -> None:
+        """One line per failed connection (plain HTTP on the TLS port, a reset), never a traceback."""
+        error = sys.exc_info()[1]
+        self.connection_errors_total += 1
+        message = (str(error).splitlines() or [""])[0] or type(error).__name__
+        host = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
+        print(f"kvguard serve: connection from {host}: {message[:200]}", file=sys.stderr, flush=True)
 
 
 class KVGuardServer:
     """The HTTP server and its thread; ``start()`` returns once the socket listens."""
 
-    def __init__(self, sidecar: Sidecar, options: ServerOptions, registry: CollectorRegistry | None = None):
+    def __init__(self, sidecar: Sidecar, options: ServerOptions, registry: CollectorRegistry | None = None,
+                 tls_context: ssl.SSLContext | None = None):
         self.sidecar = sidecar
         self.options = options
         handler = type("KVGuardHandler", (_Handler,), {
@@ -173,11 +194,10 @@ class KVGuardServer:
         server_class = _Server
         if ":" in options.listen:
             server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+        # Load the certificate before binding: a bad path is a TLS error, not a listen error.
+        context = tls_context or make_tls_context(options)
         self.httpd = server_class((options.listen, options.port), handler)
-        if options.tls_cert_file:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.load_cert_chain(options.tls_cert_file, options.tls_key_file)
+        if context is not None:
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True,
                                                     do_handshake_on_connect=False)
         self._thread: threading.Thread | None = None
