@@ -324,6 +324,13 @@ def test_plain_sidecar_is_a_second_container():
     assert all("restartPolicy" not in c for c in spec["containers"])
 
 
+def test_a_serving_container_named_like_kvguard_is_refused():
+    result = helm(*template_args(None, "--set", "serving.name=kvguard"))
+    assert result.returncode != 0
+    assert 'serving.name and kvguard.name are both "kvguard": two containers in one pod cannot share a name' \
+        in result.stderr
+
+
 def test_native_sidecar_is_refused_below_kubernetes_1_29():
     result = helm(*template_args(None, "--kube-version", "1.28.9"))
     assert result.returncode != 0
@@ -366,6 +373,24 @@ def test_daemonset_mode_renders_a_daemonset_and_no_serving_workload():
     assert "DaemonSet" in kinds and "Deployment" not in kinds
     assert [c["name"] for c in pod_spec(docs)["containers"]] == ["kvguard"]
     assert flag_values(kvguard_container(docs), "--spool-dir") == []
+
+
+def test_daemonset_args_serve_no_spool_source():
+    """The rendered daemonset arguments, served for real: no spool, so no spool source to be down."""
+    from test_serve_cli import Served
+
+    container = kvguard_container(render("ci/daemonset-nvml-values.yaml"))
+    args = container["args"]
+    assert "KVGUARD_SPOOL_DIR" not in env_of(container)
+    # This machine has no GPU: keep every argument but where to listen and which device source.
+    kept = [a for a in args[1:] if not a.startswith(("--listen=", "--port=", "--source="))]
+    server = Served(*kept, "--source=none")
+    try:
+        status, body = server.get("/guard")
+        assert status == 200 and "spool" not in json.loads(body)["sources"]
+        assert b'source="spool"' not in server.get("/metrics")[1]
+    finally:
+        server.stop()
 
 
 def test_nvml_daemonset_sees_every_gpu_without_requesting_any():
@@ -490,6 +515,34 @@ def test_service_monitor_selects_a_service_that_selects_the_pods(values):
     assert service["spec"]["selector"].items() <= pod_labels.items()
     (port,) = [p for p in service["spec"]["ports"] if p["name"] == monitor["spec"]["endpoints"][0]["port"]]
     assert port["targetPort"] == "metrics"
+
+
+def _exporter_down_job_regex(docs: list[dict]) -> str:
+    rules = [rule for group in only(docs, "PrometheusRule")["spec"]["groups"] for rule in group["rules"]]
+    (expr,) = [rule["expr"] for rule in rules if rule.get("alert") == "KVGuardExporterDown"]
+    (regex,) = re.findall(r'^up\{job=~"([^"]+)"\} == 0$', expr.strip())
+    return regex
+
+
+def _scrape_job(docs: list[dict], kind: str) -> str:
+    """The job label the Prometheus operator gives the targets: its default, then the relabelings."""
+    monitor = only(docs, kind)
+    endpoints = monitor["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
+    job = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}" if kind == "PodMonitor" \
+        else only(docs, "Service")["metadata"]["name"]
+    for step in endpoints[0].get("relabelings", []):
+        if step.get("targetLabel") == "job" and step.get("action", "replace") == "replace" \
+                and not step.get("sourceLabels"):
+            job = step["replacement"]
+    return job
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_exporter_down_alert_selects_the_scrape_job_whatever_the_release_is_called(kind):
+    docs = render(None, "--set", "fullnameOverride=llm-guard", "--set", f"monitor.kind={kind}")
+    job = _scrape_job(docs, kind)
+    assert job == "kvguard"
+    assert re.fullmatch(_exporter_down_job_regex(docs), job)
 
 
 def test_monitor_kind_none_renders_no_monitor():

@@ -74,6 +74,9 @@ app.kubernetes.io/part-of: kvguard
 {{- if and .Values.kvguard.basicAuth.enabled (not .Values.kvguard.basicAuth.secretName) }}
 {{- fail "kvguard.basicAuth.enabled needs kvguard.basicAuth.secretName (a Secret with the username and password keys)" }}
 {{- end }}
+{{- if and (eq .Values.mode "sidecar") (eq .Values.serving.name .Values.kvguard.name) }}
+{{- fail (printf "serving.name and kvguard.name are both %q: two containers in one pod cannot share a name; rename one" .Values.serving.name) }}
+{{- end }}
 {{- if and (eq .Values.mode "sidecar") .Values.sidecar.native (semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version) }}
 {{- fail (printf "sidecar.native=true needs Kubernetes >= 1.29 (native sidecar containers); this cluster is %s: set sidecar.native=false" .Capabilities.KubeVersion.Version) }}
 {{- end }}
@@ -302,10 +305,14 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
       name: {{ $k.basicAuth.secretName }}
       key: {{ $k.basicAuth.passwordKey }}
   {{- end }}
-  {{- with $m.relabelings }}
   relabelings:
+    # One job name whatever the release is called: the KVGuardExporterDown rule selects it.
+    - action: replace
+      targetLabel: job
+      replacement: kvguard
+    {{- with $m.relabelings }}
     {{- toYaml . | nindent 4 }}
-  {{- end }}
+    {{- end }}
   {{- with $m.metricRelabelings }}
   metricRelabelings:
     {{- toYaml . | nindent 4 }}
