@@ -10,7 +10,9 @@ import pytest
 mindspore = pytest.importorskip("mindspore")
 
 from kvguard.sources import SourceError, SourceUnavailable, get_source  # noqa: E402
-from kvguard.sources.mindspore import MindSporeSource, device_label, device_memory_from_stats  # noqa: E402
+from kvguard.sources.mindspore import (  # noqa: E402
+    MindSporeSource, PoolBlocks, device_label, device_memory_from_stats, is_mindspore_stats, pool_blocks,
+)
 
 GIB = 1 << 30
 
@@ -133,3 +135,64 @@ def test_a_mindspore_error_becomes_one_line_source_error():
 
 def test_device_labels_follow_kvguard_names():
     assert [device_label("Ascend", 3), device_label("GPU", 1), device_label("CPU", 0)] == ["npu:3", "cuda:1", "cpu"]
+
+
+# ---------------------------------------------------------------------------- peaks after a reset
+
+def test_a_peak_reported_as_an_increase_since_the_reset_is_never_below_allocated(data_path):
+    # A 2.4-2.6 build after vLLM's reset_peak_memory_stats(): max_allocated_memory is the peak
+    # *increase* since the reset (here 2 GiB over 25 GiB held), max_reserved_memory reserved now
+    # minus reserved at the reset.
+    stats = dict(load(data_path, "mindspore-2.5-ascend-serving.json"), total_allocated_memory=25 * GIB,
+                 total_reserved_memory=30 * GIB, max_allocated_memory=2 * GIB, max_reserved_memory=0)
+    record = device_memory_from_stats(stats, "npu:0")
+    assert (record.peak_allocated_bytes, record.peak_reserved_bytes) == (25 * GIB, 30 * GIB)
+
+
+def test_an_absolute_peak_above_the_current_figure_is_kept(data_path):
+    stats = load(data_path, "mindspore-2.5-ascend-serving.json")
+    record = device_memory_from_stats(stats, "npu:0")
+    assert record.peak_allocated_bytes == stats["max_allocated_memory"] > stats["total_allocated_memory"]
+    assert record.peak_reserved_bytes == stats["max_reserved_memory"] > stats["total_reserved_memory"]
+
+
+def test_the_simulated_pool_after_a_reset_reads_with_its_peak_at_least_allocated():
+    from kvguard.sim.device import Device
+    from kvguard.sim.mindspore_pool import DynamicMemPool
+    pool = DynamicMemPool(Device(64 * GIB))
+    pool.malloc(20 * GIB)
+    pool.reset_peak_memory_stats()
+    pool.free(pool.malloc(1 * GIB))
+    stats = pool.memory_stats()
+    assert stats["max_allocated_memory"] == 1 * GIB                 # the increase since the reset
+    record = device_memory_from_stats(stats, "npu:0")
+    assert record.peak_allocated_bytes == record.allocated_bytes == 20 * GIB
+
+
+# ---------------------------------------------------------------------------- the pool dicts
+
+def test_pool_blocks_are_read_under_the_misspelled_common_key(data_path):
+    stats = load(data_path, "mindspore-2.3-misspelled-keys.json")
+    assert "common_mem_pool_stats" not in stats and "commom_mem_pool_stats" in stats
+    assert pool_blocks(stats) == {"common": PoolBlocks(6, GIB), "persistent": PoolBlocks(24, GIB)}
+
+
+def test_pool_blocks_are_read_under_the_correct_common_key(data_path):
+    stats = load(data_path, "mindspore-2.5-ascend-serving.json")
+    assert pool_blocks(stats) == {"common": PoolBlocks(9, 2 * GIB), "persistent": PoolBlocks(18, 2 * GIB)}
+
+
+def test_the_real_cpu_build_has_readable_pool_dicts():
+    assert pool_blocks(mindspore.runtime.memory_stats()) == {"common": PoolBlocks(0, 0),
+                                                            "persistent": PoolBlocks(0, 0)}
+
+
+def test_odd_pool_dicts_read_as_unknown_not_errors(data_path):
+    stats = dict(load(data_path, "mindspore-2.3-misspelled-keys.json"), persistent_mem_pool_stats=[1, 2])
+    stats["commom_mem_pool_stats"] = {"block_counts": -1, "block_unit_size": "1GiB", "blocks_info": {}}
+    assert pool_blocks(stats) == {"common": PoolBlocks(None, None), "persistent": PoolBlocks(None, None)}
+    assert device_memory_from_stats(stats, "npu:0").allocated_bytes == stats["total_allocatd_memory"]
+
+
+def test_a_dict_with_only_pool_stats_is_recognised_as_mindspores():
+    assert is_mindspore_stats({"commom_mem_pool_stats": {"block_counts": 0, "block_unit_size": 0}})

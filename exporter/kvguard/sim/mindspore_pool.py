@@ -25,12 +25,16 @@ Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator``
   Without VMM, ``empty_cache`` releases nothing (``AscendVmmAdapter::EmptyCache``).
 
 Statistics are ``mindspore.runtime.memory_stats()``'s keys. ``max_allocated_memory`` is
-``MemStat``'s ``temp_peak_size_``: the peak *increase* of used memory since the last
-``reset_peak_memory_stats`` (the absolute peak until the first reset), which is why
-``max_memory_allocated()`` reads 0 right after a reset. ``max_reserved_memory`` is the
-peak of reserved memory since the reset (⚠ builds differ here). ``peak_allocated_bytes``
-and ``peak_reserved_bytes`` are absolute peaks since the reset, what vLLM's profile
-arithmetic needs.
+``MemStat``'s ``temp_peak_size_`` (2.4-2.6, ``MaxMemAllocatedStatistics``): the peak
+*increase* of used memory since the last ``reset_peak_memory_stats`` (the absolute peak
+until the first reset), which is why ``max_memory_allocated()`` reads 0 right after a
+reset; later builds (``iterUsedPeakSize_``) report the absolute peak since the reset.
+``max_reserved_memory`` here is the absolute peak of reserved memory since the reset, as
+later builds report it (``iterAllocPeakSize_``); 2.4-2.6 report reserved now minus
+reserved at the reset, which is not a peak at all. The ``mindspore`` source therefore
+exports ``max(reported, current)`` for both, which is right for every build (see
+``kvguard.sources.mindspore``). ``peak_allocated_bytes`` and ``peak_reserved_bytes`` are
+absolute peaks since the reset, what vLLM's profile arithmetic needs.
 """
 
 from __future__ import annotations

@@ -9,12 +9,28 @@ MindSpore has no allocation-retry or OOM counter and no inactive-split figure; t
 fields stay None. It does report idle memory (held by the pool, free for reuse) and
 eager-free memory (idle buffers whose physical pages were unmapped under VMM).
 
+Peaks. ``max_allocated_memory`` / ``max_reserved_memory`` do not mean the same thing in
+every build. In the 2.4-2.6 ``AbstractDynamicMemPool`` (``MemStat::temp_*``),
+``max_allocated_memory`` is the peak *increase* of used memory since the last
+``reset_peak_memory_stats`` (0 right after one; the absolute peak only before the first)
+and ``max_reserved_memory`` is reserved memory now minus reserved at the reset; later
+builds (``iterUsedPeakSize_`` / ``iterAllocPeakSize_``) report absolute peaks since the
+reset. vLLM resets the peaks while it profiles, so the exported peaks are
+``max(reported, current)``: never below what is allocated (reserved) now, exact on the
+later builds, a lower bound on the earlier ones.
+
+The pool dicts (``common_mem_pool_stats``, misspelled ``commom_mem_pool_stats`` in the
+releases that also misspell ``total_allocatd_memory``; ``persistent_mem_pool_stats``)
+are read by :func:`pool_blocks` for their ``block_counts`` and ``block_unit_size``;
+their ``blocks_info`` keys are pointer capsules and are never read.
+
 Every stats call synchronises MindSpore's runtime pipeline (``WaitAll``) in newer builds,
 so keep the probe interval coarse.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvguard.records import DeviceMemory
@@ -29,15 +45,46 @@ STATS_KEYS: dict[str, tuple[str, ...]] = {
     "idle_bytes": ("total_idle_memory",),
     "eager_free_bytes": ("total_eager_free_memory",),
 }
-# The pool dicts (common_mem_pool_stats, misspelled commom_mem_pool_stats in some releases,
-# persistent_mem_pool_stats) are not read: their blocks_info keys are pointer capsules.
+# Pool name <- the pool dict's key, preferred spelling first.
+POOL_KEYS: dict[str, tuple[str, ...]] = {
+    "common": ("common_mem_pool_stats", "commom_mem_pool_stats"),
+    "persistent": ("persistent_mem_pool_stats",),
+}
+
+
+@dataclass(frozen=True)
+class PoolBlocks:
+    """One pool's block count and unit (the size a new block is grown by); None when unreadable."""
+
+    block_counts: int | None
+    block_unit_size: int | None
 
 # MindSpore's device_target -> the device prefix kvguard uses everywhere.
 _DEVICE_PREFIX = {"Ascend": "npu", "GPU": "cuda", "CPU": "cpu"}
 
 
 def is_mindspore_stats(stats: Mapping[str, Any]) -> bool:
-    return any(key in stats for keys in STATS_KEYS.values() for key in keys)
+    return any(key in stats for keys in (*STATS_KEYS.values(), *POOL_KEYS.values()) for key in keys)
+
+
+def pool_blocks(stats: Mapping[str, Any]) -> dict[str, PoolBlocks]:
+    """``{"common": PoolBlocks, "persistent": PoolBlocks}`` for the pools the dict has.
+
+    Both spellings of the common pool's key are read; a pool entry that is not a dict, or
+    counters that are not non-negative integers, read as None rather than raising.
+    """
+    pools = {}
+    if not isinstance(stats, Mapping):
+        return pools
+    for pool, keys in POOL_KEYS.items():
+        entry = _first(stats, keys)
+        if entry is None:
+            continue
+        if not isinstance(entry, Mapping):
+            pools[pool] = PoolBlocks(None, None)
+            continue
+        pools[pool] = PoolBlocks(count(entry.get("block_counts")), count(entry.get("block_unit_size")))
+    return pools
 
 
 
@@ -60,6 +107,11 @@ def device_memory_from_stats(
     if not isinstance(stats, Mapping):
         raise SourceError(f"memory_stats() returned {type(stats).__name__}, not a dict")
     values = {field: count(_first(stats, keys)) for field, keys in STATS_KEYS.items()}
+    # Some builds report the peaks as increases since the last reset (module docstring): never
+    # export a peak below the current figure.
+    for peak, current in (("peak_allocated_bytes", "allocated_bytes"), ("peak_reserved_bytes", "reserved_bytes")):
+        if values[peak] is not None and values[current] is not None:
+            values[peak] = max(values[peak], values[current])
     return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values)
 
 
