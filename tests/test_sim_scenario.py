@@ -35,7 +35,7 @@ def run(config, **overrides):
 
 
 # ----------------------------------------------------------------------------- the seed story
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_story_stock_budget_runs_out_of_memory_while_serving(seed):
     result = run(STORY, budget="stock", seed=seed)
     assert result.oom
@@ -43,19 +43,41 @@ def test_story_stock_budget_runs_out_of_memory_while_serving(seed):
     assert result.oom_at_step is not None
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_story_reserved_budget_serves_every_request(seed):
     result = run(STORY, budget="reserved", seed=seed)
     assert not result.oom
     assert result.requests_finished == STORY.requests
 
 
+def watched(config):
+    """A scenario whose allocator notes its counters at each peak reset and before each empty_cache."""
+    scenario = ServingScenario(config)
+    alloc = scenario.allocator
+    resets, before_empty = [], []
+    real_reset, real_empty = alloc.reset_peak_memory_stats, alloc.empty_cache
+
+    def reset():
+        real_reset()
+        resets.append((alloc.allocated_bytes, alloc.reserved_bytes))
+
+    def empty_cache():
+        before_empty.append((alloc.peak_allocated_bytes, alloc.peak_reserved_bytes))
+        real_empty()
+
+    alloc.reset_peak_memory_stats, alloc.empty_cache = reset, empty_cache
+    return scenario, resets, before_empty
+
+
 def test_story_budgets_differ_by_the_profile_runs_reserved_minus_allocated_increase():
-    stock = run(STORY, budget="stock")
+    scenario, resets, before_empty = watched(replace(STORY, budget="stock"))
+    stock = scenario.run()
     reserved = run(STORY, budget="reserved")
     assert stock.profile == reserved.profile
-    profile = stock.profile
-    gap = profile.peak_reserved_increase_bytes - profile.peak_allocated_increase_bytes
+    # What the allocator itself saw over the profile run: from the second peak reset (memory_profiling's)
+    # to the empty_cache after the forward.
+    (allocated_at_reset, reserved_at_reset), (peak_allocated, peak_reserved) = resets[1], before_empty[1]
+    gap = (peak_reserved - reserved_at_reset) - (peak_allocated - allocated_at_reset)
     assert gap > 0
     assert stock.kv_cache_bytes - reserved.kv_cache_bytes == gap
 
@@ -152,6 +174,16 @@ def test_same_seed_same_result_and_another_seed_another_mix():
                      short_output_tokens=(4, 32))
     assert run(config).to_dict() == run(config).to_dict()
     assert ServingScenario(config).requests != ServingScenario(replace(config, seed=7)).requests
+
+
+@pytest.mark.parametrize("long_fraction", [0.0, 1.0])
+def test_requests_fit_a_short_max_model_len(long_fraction):
+    # Default output ranges (up to 256 tokens) and prompts of at least 32 tokens against a 64-token
+    # limit: every request is clamped to prompt + output <= max_model_len, as vLLM would insist.
+    config = replace(STORY, max_model_len=64, requests=32, long_request_fraction=long_fraction)
+    requests = ServingScenario(config).requests
+    assert all(r.prompt_tokens >= 1 and r.output_tokens >= 1 for r in requests)
+    assert max(r.prompt_tokens + r.output_tokens for r in requests) <= 64
 
 
 def test_no_memory_for_the_cache_blocks_is_an_error_not_an_oom():

@@ -240,12 +240,17 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
         if is_long:
             out_lo, out_hi = config.long_output_tokens
             output = rng.randint(out_lo, out_hi)
-            prompt = rng.randint(max(1, max_len // 2), max(1, max_len - output))
+            lo = max(1, max_len // 2)
+            prompt = rng.randint(lo, max(lo, max_len - output))    # an empty range was an error before
         else:
             out_lo, out_hi = config.short_output_tokens
             output = rng.randint(out_lo, out_hi)
             lo, hi = config.short_prompt_tokens
             prompt = rng.randint(lo, max(lo, min(hi, max_len - output)))
+        # vLLM refuses prompt + output > max_model_len: clamp (after the draws, so the mix of a
+        # roomy max_model_len is unchanged), keeping at least one token of each.
+        output = max(1, min(output, max_len - 1))
+        prompt = max(1, min(prompt, max_len - output))
         requests.append(Request(request_id, prompt, output, is_long))
     return requests
 
