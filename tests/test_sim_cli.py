@@ -163,3 +163,42 @@ def test_missing_model_config_is_a_one_line_error(tmp_path):
     result = CliRunner().invoke(main, ["simulate", "--model-config", str(tmp_path / "nope.json")])
     assert result.exit_code == 1
     assert result.output.strip().startswith("Error: model config not found")
+
+
+def test_progress_bar_is_drawn_on_a_terminal_stderr(tmp_path):
+    # stderr is a pseudo-terminal, as in an interactive shell: the serving progress bar is drawn there,
+    # and stdout (a file here) gets only the summary.
+    import os
+    import subprocess
+    import sys
+    master, slave = os.openpty()
+    out = tmp_path / "stdout.txt"
+    with open(out, "wb") as stdout:
+        process = subprocess.Popen([sys.executable, "-m", "kvguard", *STORY, "--budget", "reserved"],
+                                   stdin=subprocess.DEVNULL, stdout=stdout, stderr=slave)
+    os.close(slave)
+    drawn = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:       # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(master)
+        process.wait(timeout=120)
+    assert process.returncode == 0, drawn
+    text = drawn.decode("utf-8", "replace")
+    assert "serving" in text and "100%" in text
+    assert "serving" not in out.read_text() and "Outcome      no OOM" in out.read_text()
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "kvguard", *STORY, "--budget", "reserved"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""
