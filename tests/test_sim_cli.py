@@ -156,7 +156,8 @@ def test_odd_model_config_fields_are_one_line_errors(tmp_path, field, value, mes
     path = tmp_path / "config.json"
     path.write_text(bundled.rstrip().rstrip("}") + f', "{field}": {value}}}')   # the last duplicate key wins
     assert json.loads(path.read_text())[field] == json.loads(value)
-    assert one_line_error(CliRunner().invoke(main, ["simulate", "--model-config", str(path)])) == f"Error: config field {message}"
+    result = CliRunner().invoke(main, ["simulate", "--model-config", str(path)])
+    assert one_line_error(result) == f"Error: config field {message}"
 
 
 def test_missing_model_config_is_a_one_line_error(tmp_path):
