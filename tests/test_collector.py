@@ -273,7 +273,7 @@ def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
     from kvguard.sidecar import read_spool_bounded
 
     write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))
-    sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+    sizes = [p.stat().st_size for p in sorted(tmp_path.iterdir())]   # read in name order
     result = read_spool_bounded(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
     assert len(result.snapshots) == 2
     assert result.skipped == {"too_many_files": 1}
