@@ -103,7 +103,7 @@ def parse_memory_block_csv(text: str) -> Trace:
         text = text[1:]
     try:
         rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
-    except csv.Error as exc:     # a cell past the csv module's field limit, a NUL byte
+    except csv.Error as exc:     # a stray carriage return, a cell past the csv module's field limit
         raise TraceError(f"memory_block.csv is not a readable CSV: {exc}") from None
     if not rows:
         raise TraceError("memory_block.csv is empty")
