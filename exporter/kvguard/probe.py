@@ -341,16 +341,23 @@ def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Sour
     itself stays strict (ValueError). ``options``: ``rank``, ``sample_timeout``,
     ``source_options`` (see :class:`Probe`).
     """
-    global _PROBE
     try:
-        with _PROBE_LOCK:
-            if _PROBE is not None and _PROBE.running:
-                return _PROBE
-            _PROBE = Probe(spool_dir, source, interval, **options).start()
-            return _PROBE
+        return _start(spool_dir, interval, source, **options)
     except Exception as exc:  # noqa: BLE001 - a bad argument must not take the serving process down
         log.warning("kvguard probe: not started: %s", one_line(exc))
         return None
+
+
+def _start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
+           **options: Any) -> Probe:
+    """:func:`start` that raises (ValueError, TypeError) for bad arguments: for callers that count
+    their own failures, like the vLLM plugin."""
+    global _PROBE
+    with _PROBE_LOCK:
+        if _PROBE is not None and _PROBE.running:
+            return _PROBE
+        _PROBE = Probe(spool_dir, source, interval, **options).start()
+        return _PROBE
 
 
 def stop(timeout: float = 2.0) -> None:
