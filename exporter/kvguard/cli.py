@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from typing import Any
 
@@ -42,6 +44,16 @@ class SignedSizeType(SizeType):
 
 SIZE = SizeType()
 SIGNED_SIZE = SignedSizeType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (which compare as in range or unbounded)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number.", param, ctx)
+        return number
 
 
 def _emit_json(data: Any) -> None:
@@ -330,6 +342,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     from kvguard.sim.traces import TraceError, load_trace, replay
 
     if plot_file:
+        _check_plot_path(plot_file)
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -357,6 +370,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             trace = load_trace(trace_file)
         except TraceError as exc:
             raise click.ClickException(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a reader bug on an odd file is one line, not a traceback
+            raise click.ClickException(f"cannot read trace {trace_file}: {exc.__class__.__name__}: "
+                                       f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
         device = Device(device_memory, config.resolved_non_allocator_bytes)
         target = make_allocator(config, device)
         outcome = replay(trace.events, target, sample_every=max(1, len(trace.events) // 2000))
@@ -373,7 +389,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         }
         if plot_file:
             from kvguard.sim.plot import plot_replay
-            plot_replay(outcome, device_memory, plot_file, f"{trace.source} replayed on {allocator}")
+            _write_plot(plot_file, plot_replay, outcome, device_memory, plot_file,
+                        f"{trace.source} replayed on {allocator}")
         if as_json:
             _emit_json(data)
             return
@@ -391,6 +408,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         scenario = ServingScenario(config)
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
+        raise click.ClickException(f"model config: {exc}") from None
     scenario.startup()
     from kvguard.sim_guard import startup_guard_dict, startup_verdict
     guard = startup_guard_dict(startup_verdict(scenario))   # the guard before serving starts
@@ -408,7 +427,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         result = scenario.run()
     if plot_file:
         from kvguard.sim.plot import plot_scenario
-        plot_scenario([result], plot_file)
+        _write_plot(plot_file, plot_scenario, [result], plot_file)
     if as_json:
         _emit_json({**result.to_dict(), "guard": guard})
         return
@@ -435,6 +454,26 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     elif not result.error:
         click.echo("Outcome      no OOM")
 
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot target that cannot be written before the run, not after it."""
+    if not path.lower().endswith(".png"):
+        raise click.ClickException(f"--plot writes a PNG: give a file name ending in .png, not {path!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise click.ClickException(f"--plot: directory {parent} does not exist")
+    if os.path.isdir(path):
+        raise click.ClickException(f"--plot: {path} is a directory")
+
+
+def _write_plot(path: str, plot, *args) -> None:
+    try:
+        plot(*args)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    except (ValueError, RuntimeError) as exc:
+        raise click.ClickException(f"cannot write plot {path}: {str(exc).splitlines()[0] if str(exc) else exc}") \
+            from None
 
 
 # ---------------------------------------------------------------------------- sample / probe
@@ -482,7 +521,7 @@ def sample(source_name, as_json):
               help="auto, host, mindspore, npu-smi, nvml, sim, torch.")
 @click.option("--spool-dir", required=True, envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
               help="Where to write the snapshots [env KVGUARD_SPOOL_DIR].")
-@click.option("--interval", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
+@click.option("--interval", type=FiniteFloatRange(0, min_open=True), default=5.0, show_default=True,
               help="Seconds between samples.")
 @click.option("--once", is_flag=True, help="Sample and write once, then exit.")
 @click.option("--ranks", type=click.IntRange(1, 64), help="Simulated ranks (--source sim).")
@@ -497,7 +536,10 @@ def probe(source_name, spool_dir, interval, once, ranks, steps_per_sample):
         flag = "--ranks" if "ranks" in options else "--steps-per-sample"
         raise click.ClickException(f"{flag} applies to --source sim only")
     source = _build_source(source_name, options)
-    runner = Probe(spool_dir, source, interval)
+    try:
+        runner = Probe(spool_dir, source, interval)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if once:
         import logging
         logging.getLogger("kvguard.probe").setLevel(logging.ERROR)   # the one-line error below says it
