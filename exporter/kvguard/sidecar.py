@@ -9,9 +9,7 @@ render the same Observation, so they never disagree.
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 import threading
 import time
 from collections import Counter
@@ -22,7 +20,9 @@ from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import MAX_SNAPSHOT_BYTES, MAX_SPOOL_FILES, Snapshot, SnapshotError, SpoolRead
+from kvguard.spool import (
+    MAX_SNAPSHOT_BYTES, MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES, Snapshot, SpoolRead, read_spool,
+)
 from kvguard.vllm_log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -35,7 +35,6 @@ VLLM_METRICS = "vllm_metrics"
 DUPLICATE = "duplicate"
 # One spool read takes at most this many bytes, whatever the file count (4096 files of 256 KiB
 # would be 1 GiB); files past it are skipped as too_many_files until the next read.
-MAX_SPOOL_READ_BYTES = 64 * 1024 * 1024
 
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -283,60 +282,9 @@ class Sidecar:
 
 def read_spool_bounded(spool_dir: str, max_total_bytes: int = MAX_SPOOL_READ_BYTES,
                        max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES) -> SpoolRead:
-    """Like ``spool.read_spool``, with a cap on the bytes one read takes across all files.
-
-    Raises OSError when the directory cannot be listed; a bad file is only counted.
-    """
-    result = SpoolRead()
-    names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
-    if len(names) > max_files:
-        result.skipped["too_many_files"] += len(names) - max_files
-        names = names[:max_files]
-    used = 0
-    for index, name in enumerate(names):
-        remaining = max_total_bytes - used
-        try:
-            raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, remaining), max_bytes)
-            if raw is None:   # bigger than what is left of this read's budget, not than one snapshot
-                result.skipped["too_many_files"] += len(names) - index
-                result.errors.append(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
-                break
-            used += len(raw)
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                raise SnapshotError("invalid_json", (str(exc).splitlines() or [""])[0][:200]) from None
-            snapshot = Snapshot.from_dict(data)
-        except SnapshotError as exc:
-            result.skipped[exc.reason] += 1
-            result.errors.append(f"{name}: {exc.reason}: {exc}")
-            continue
-        result.snapshots.append(snapshot)
+    """``spool.read_spool`` for the poller: a directory that cannot be listed raises OSError
+    (the source is down); a bad file is only counted."""
+    result = read_spool(spool_dir, max_bytes=max_bytes, max_files=max_files, max_total_bytes=max_total_bytes)
+    if result.listing_error is not None:
+        raise OSError(result.listing_error)
     return result
-
-
-def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
-    """A regular file's bytes, opened without following links (as ``spool._read_one`` does); None
-    when it is longer than ``limit`` < ``max_bytes``: the read's byte budget ran out, not the file's
-    own cap. Raises SnapshotError."""
-    try:
-        info = os.lstat(path)
-    except OSError as exc:
-        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise SnapshotError("not_regular_file", "not a regular file")
-    if info.st_size > max_bytes:
-        raise SnapshotError("too_large", f"{info.st_size} bytes exceeds {max_bytes}")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-                raise SnapshotError("not_regular_file", "not a regular file")
-            raw = handle.read(limit + 1)
-    except OSError as exc:
-        raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
-    if len(raw) > limit:
-        if limit < max_bytes:
-            return None
-        raise SnapshotError("too_large", f"more than {max_bytes} bytes")
-    return raw

@@ -201,28 +201,45 @@ def write_snapshot(spool_dir: str, snapshot: Snapshot) -> str:
     return name
 
 
+# One read of the whole spool takes at most this many bytes; files past it wait for the next read.
+MAX_SPOOL_READ_BYTES = 64 * 1024 * 1024
+
+
 @dataclass
 class SpoolRead:
     snapshots: list[Snapshot] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)     # reason -> files
     errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs
+    listing_error: str | None = None                      # the directory itself could not be listed
 
 
-def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES) -> SpoolRead:
-    """Read every ``*.json`` snapshot; never raises for a bad file, only counts it."""
+def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
+               max_total_bytes: int = MAX_SPOOL_READ_BYTES) -> SpoolRead:
+    """Read every ``*.json`` snapshot; never raises, only counts.
+
+    ``max_bytes`` caps one file, ``max_total_bytes`` the whole read: once it is spent, the
+    remaining files are counted as ``too_many_files``.
+    """
     result = SpoolRead()
     try:
         names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
     except OSError as exc:
-        result.errors.append(f"{spool_dir}: {exc.strerror or exc}")
+        result.listing_error = f"{spool_dir}: {exc.strerror or exc}"
+        result.errors.append(result.listing_error)
         return result
     if len(names) > max_files:
         result.skipped["too_many_files"] += len(names) - max_files
         names = names[:max_files]
-    for name in names:
-        path = os.path.join(spool_dir, name)
+    used = 0
+    for index, name in enumerate(names):
         try:
-            snapshot = _read_one(path, max_bytes)
+            raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, max_total_bytes - used), max_bytes)
+            if raw is None:   # longer than what is left of this read's budget, not than one snapshot
+                result.skipped["too_many_files"] += len(names) - index
+                result.errors.append(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
+                break
+            used += len(raw)
+            snapshot = _decode(raw)
         except SnapshotError as exc:
             result.skipped[exc.reason] += 1
             result.errors.append(f"{name}: {exc.reason}: {exc}")
@@ -231,7 +248,9 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     return result
 
 
-def _read_one(path: str, max_bytes: int) -> Snapshot:
+def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
+    """A regular file's bytes, opened without following links. None when it is longer than
+    ``limit`` < ``max_bytes`` (the read's budget ran out, not the file's own cap)."""
     try:
         info = os.lstat(path)
     except OSError as exc:
@@ -245,13 +264,19 @@ def _read_one(path: str, max_bytes: int) -> Snapshot:
         with os.fdopen(fd, "rb") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
                 raise SnapshotError("not_regular_file", "not a regular file")
-            raw = handle.read(max_bytes + 1)
+            raw = handle.read(limit + 1)
     except OSError as exc:
         raise SnapshotError("unreadable", exc.strerror or str(exc)) from None
-    if len(raw) > max_bytes:
+    if len(raw) > limit:
+        if limit < max_bytes:
+            return None
         raise SnapshotError("too_large", f"more than {max_bytes} bytes")
+    return raw
+
+
+def _decode(raw: bytes) -> Snapshot:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise SnapshotError("invalid_json", str(exc).splitlines()[0][:200]) from None
+        raise SnapshotError("invalid_json", (str(exc).splitlines() or [""])[0][:200]) from None
     return Snapshot.from_dict(data)
