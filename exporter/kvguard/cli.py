@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import click
 from kvguard import __version__
 from kvguard.estimator import (
     KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate, kv_layout_from_config,
-    max_concurrency,
+    max_concurrency, overcommit_bytes,
 )
 from kvguard.model_config import load_model_config
 from kvguard.units import format_bytes, parse_size
@@ -115,12 +116,7 @@ def _read_log(path: str):
 
 
 def _layout_dict(layout: KVLayout) -> dict[str, Any]:
-    return {
-        "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_size": layout.head_size,
-        "head_size_v": layout.head_size_v, "dtype_bytes": layout.dtype_bytes, "block_size": layout.block_size,
-        "is_mla": layout.is_mla, "kv_cache_dtype": layout.kv_cache_dtype,
-        "page_bytes_per_layer": layout.page_bytes_per_layer,
-    }
+    return {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
 
 @main.command()
@@ -183,7 +179,7 @@ def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipel
             profile = Profile(**{k: fields.get(k) for k in _PROFILE_FLAGS})
         except ProfileError as exc:
             raise click.ClickException(str(exc)) from None
-    elif any(k in flags and flags[k] is not None for k in flags) and not (startup and startup.available_kv_cache_bytes):
+    elif any(v is not None for v in flags.values()) and not (startup and startup.available_kv_cache_bytes):
         missing = [_PROFILE_FLAGS[k] for k in required if fields.get(k) is None]
         raise click.UsageError(f"incomplete profile: missing {', '.join(missing)}")
 
@@ -197,23 +193,23 @@ def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipel
     if layout:
         result["layout"] = _layout_dict(layout)
     if kv_cache_memory is not None:
+        held = budget_for(kv_cache_memory, layout)
         result["kv_cache_memory_bytes"] = kv_cache_memory
-        result["num_blocks"] = layout.num_blocks(kv_cache_memory)
-        result["num_tokens"] = result["num_blocks"] * layout.block_size
+        result["num_blocks"] = held.num_blocks
+        result["num_tokens"] = held.num_tokens
     result["max_model_len"] = max_model_len
     if profile:
         result["profile"] = profile.to_dict()
         result.update(estimate(profile, layout, max_model_len).to_dict())
     if startup:
         result["log"] = startup.to_dict()
+        budgets = result.setdefault("budgets", {"stock": None, "reserved": None})
         if startup.available_kv_cache_bytes is not None:
             # From a log, the stock budget is what vLLM decided, not a recomputation.
-            result.setdefault("budgets", {"stock": None, "reserved": None})
-            result["budgets"]["stock"] = _decided_budget(startup, layout, block_size, max_model_len)
-            reserved = result["budgets"].get("reserved")
-            if reserved:
-                result["overcommit_bytes"] = max(0, startup.available_kv_cache_bytes - reserved["kv_cache_bytes"])
-        result.setdefault("budgets", {"stock": None, "reserved": None})
+            budgets["stock"] = _decided_budget(startup, layout, block_size, max_model_len)
+            if budgets["reserved"]:
+                result["overcommit_bytes"] = overcommit_bytes(startup.available_kv_cache_bytes,
+                                                              budgets["reserved"]["kv_cache_bytes"])
         for key in ("overcommit_bytes", "recommended_gpu_memory_utilization", "recommended_kv_cache_memory_bytes"):
             result.setdefault(key, None)
 
@@ -233,7 +229,7 @@ def _decided_budget(startup, layout: KVLayout | None, block_size: int, max_model
     if num_tokens is None and num_blocks is not None:
         num_tokens = num_blocks * (layout.block_size if layout else block_size)
     concurrency = None
-    if max_model_len and startup.max_model_len == max_model_len or not max_model_len:
+    if not max_model_len or startup.max_model_len == max_model_len:
         concurrency = startup.max_concurrency
     if concurrency is None and max_model_len and layout and num_blocks is not None:
         concurrency = max_concurrency(num_blocks, layout, max_model_len)
