@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -192,6 +193,28 @@ def test_a_hanging_source_never_holds_up_a_scrape(tmp_path):
         assert value(result, "kvguard_source_errors_total", source="npu-smi") == 1
     finally:
         hanging.release.set()
+
+
+class CountingSource:
+    def __init__(self, delay=0.0):
+        self.delay = delay
+        self.reads = 0
+
+    def sample(self):
+        self.reads += 1
+        time.sleep(self.delay)
+        return []
+
+
+def test_a_background_refresh_reads_each_source_once():
+    # The slow source is waited on first: by then the fast one has finished, and waiting on
+    # it must not read it again.
+    slow, fast = CountingSource(delay=0.2), CountingSource()
+    sidecar = Sidecar(SidecarConfig(sources=[("slow", slow), ("fast", fast)], pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    assert (slow.reads, fast.reads) == (1, 1)
+    sidecar.refresh_background(wait=5)
+    assert (slow.reads, fast.reads) == (2, 2)
 
 
 def test_a_failing_source_is_down_and_says_why_in_the_guard(tmp_path):

@@ -1,7 +1,8 @@
 """Bounded reads: a slow or hung source never holds up a scrape.
 
 A Poller runs one read at a time in a daemon thread. ``refresh(wait)`` starts a read if none
-is in flight and waits at most ``wait`` seconds for it; a read still running after ``timeout``
+is in flight and waits at most ``wait`` seconds for it; ``wait(seconds)`` only waits for the
+read in flight, starting none. A read still running after ``timeout``
 counts as an error and the last good value keeps being served, marked with its age. A hung
 read occupies one thread, never more: no new read starts until it returns.
 """
@@ -48,18 +49,25 @@ class Poller:
             return self._state
 
     def refresh(self, wait: float) -> PollState:
+        """Start a read if none is in flight, then wait at most ``wait`` seconds for it."""
         with self._lock:
             self._note_overrun()
-            done = self._in_flight
-            if done is None:
+            if self._in_flight is None:
                 done = threading.Event()
                 self._in_flight = done
                 self._started_at = time.monotonic()
                 self._timed_out = False
                 threading.Thread(target=self._run, args=(done,), name=f"kvguard-read-{self.name}",
                                  daemon=True).start()
+        return self.wait(wait)
+
+    def wait(self, seconds: float) -> PollState:
+        """Wait at most ``seconds`` (never past its time limit) for the read in flight; start none."""
+        with self._lock:
+            done = self._in_flight
             remaining = self._started_at + self.timeout - time.monotonic()
-        done.wait(max(0.0, min(wait, remaining)))
+        if done is not None:
+            done.wait(max(0.0, min(seconds, remaining)))
         return self.state
 
     def _run(self, done: threading.Event) -> None:

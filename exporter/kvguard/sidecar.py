@@ -137,12 +137,13 @@ class Sidecar:
         return ([self._spool] if self._spool else []) + self._device_pollers + ([self._vllm] if self._vllm else [])
 
     def refresh_background(self, wait: float = 0.0) -> None:
-        """Start a read of the spool, every device source and vLLM; wait at most ``wait`` for them."""
+        """Start a read of the spool, every device source and vLLM (each one not already being
+        read); wait at most ``wait`` for them all. Each is read at most once per call."""
         deadline = time.monotonic() + wait
         for poller in self._background():
             poller.refresh(0.0)
         for poller in self._background():
-            poller.refresh(max(0.0, deadline - time.monotonic()))
+            poller.wait(max(0.0, deadline - time.monotonic()))
 
     def start(self) -> None:
         self.refresh_background(wait=self.config.read_timeout)
