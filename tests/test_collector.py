@@ -293,10 +293,17 @@ def test_spool_families_say_they_are_read_in_the_background(tmp_path):
 
 
 def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
-    from kvguard.sidecar import read_spool_bounded
+    from kvguard.spool import read_spool
 
     write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))
     sizes = [p.stat().st_size for p in sorted(tmp_path.iterdir())]   # read in name order
-    result = read_spool_bounded(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
+    result = read_spool(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
     assert len(result.snapshots) == 2
     assert result.skipped == {"too_many_files": 1}
+
+
+def test_a_spool_that_cannot_be_listed_says_so_once(tmp_path):
+    missing = tmp_path / "missing"
+    sidecar = sidecar_for(missing)
+    assert sidecar.observe().guard_dict()["sources"]["spool"]["last_error"] == \
+        f"cannot list spool directory {missing}: No such file or directory"

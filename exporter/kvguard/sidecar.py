@@ -20,9 +20,7 @@ from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import (
-    MAX_SNAPSHOT_BYTES, MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES, Snapshot, SpoolRead, read_spool,
-)
+from kvguard.spool import Snapshot, SpoolRead, read_spool
 from kvguard.vllm_log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -166,10 +164,12 @@ class Sidecar:
     # -------------------------------------------------------------------- observation
 
     def _read_spool(self) -> SpoolRead:
-        try:
-            return read_spool_bounded(self.config.spool_dir)
-        except OSError as exc:   # source down, not zero ranks
-            raise OSError(f"cannot list spool directory {self.config.spool_dir}: {exc.strerror or exc}") from None
+        """The spool, bounded in files and bytes; a bad file is only counted, a directory that
+        cannot be listed raises (the source is down, not zero ranks)."""
+        result = read_spool(self.config.spool_dir)
+        if result.listing_error is not None:
+            raise OSError(f"cannot list spool directory {self.config.spool_dir}: {result.listing_error}")
+        return result
 
     def _first_reads(self) -> None:
         """Before any read has finished, wait for the first one (bounded): later calls never wait."""
@@ -280,12 +280,3 @@ class Sidecar:
             return blocks, max(0, log.available_kv_cache_bytes)
         return blocks, None
 
-
-def read_spool_bounded(spool_dir: str, max_total_bytes: int = MAX_SPOOL_READ_BYTES,
-                       max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES) -> SpoolRead:
-    """``spool.read_spool`` for the poller: a directory that cannot be listed raises OSError
-    (the source is down); a bad file is only counted."""
-    result = read_spool(spool_dir, max_bytes=max_bytes, max_files=max_files, max_total_bytes=max_total_bytes)
-    if result.listing_error is not None:
-        raise OSError(result.listing_error)
-    return result

@@ -210,7 +210,7 @@ class SpoolRead:
     snapshots: list[Snapshot] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)     # reason -> files
     errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs
-    listing_error: str | None = None                      # the directory itself could not be listed
+    listing_error: str | None = None                      # why the directory itself could not be listed
 
 
 def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
@@ -224,8 +224,8 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     try:
         names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
     except OSError as exc:
-        result.listing_error = f"{spool_dir}: {exc.strerror or exc}"
-        result.errors.append(result.listing_error)
+        result.listing_error = str(exc.strerror or exc)
+        result.errors.append(f"{spool_dir}: {result.listing_error}")
         return result
     if len(names) > max_files:
         result.skipped["too_many_files"] += len(names) - max_files
