@@ -273,6 +273,58 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
 {{- end }}
 {{- end }}
 
+{{/*
+The start of the pod template both workloads share: pod metadata, then the head of the pod spec
+(service account, pull secrets, priority and runtime class, grace period, pod securityContext).
+The caller goes on with the containers under the same spec.
+*/}}
+{{- define "kvguard.podTemplateHead" -}}
+metadata:
+  labels:
+    {{- include "kvguard.labels" . | nindent 4 }}
+    {{- with .Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .Values.podAnnotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  serviceAccountName: {{ include "kvguard.serviceAccountName" . }}
+  automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
+  {{- with .Values.runtimeClassName }}
+  runtimeClassName: {{ . }}
+  {{- end }}
+  terminationGracePeriodSeconds: {{ .Values.terminationGracePeriodSeconds }}
+  {{- with .Values.podSecurityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{/* Where the pods may run: the pod spec's nodeSelector, tolerations and affinity (each only when set). */}}
+{{- define "kvguard.podScheduling" -}}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{/* The scrape endpoint shared by PodMonitor and ServiceMonitor. */}}
 {{- define "kvguard.scrapeEndpoint" -}}
 {{- $k := .Values.kvguard -}}
