@@ -7,8 +7,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "data")
 EXAMPLES = os.path.join(ROOT, "exporter", "kvguard", "examples")
 
-# Tests run against the source tree even when the package is not installed.
-sys.path.insert(0, os.path.join(ROOT, "exporter"))
+# Tests run against the source tree even when the package is not installed, and so do the
+# `python -m kvguard` subprocesses they start (they inherit PYTHONPATH).
+EXPORTER = os.path.join(ROOT, "exporter")
+sys.path.insert(0, EXPORTER)
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != EXPORTER:
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, ROOT
+from conftest import EXAMPLES
 
 QWEN = os.path.join(EXAMPLES, "qwen2.5-7b-instruct")
 SEED_PROFILE = os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")
@@ -15,9 +15,7 @@ GIB = 1 << 30
 
 
 def kvguard(*args):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter")}
-    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, timeout=60)
 
 
 def budget_json(*args):

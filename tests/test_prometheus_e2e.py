@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 import dashboard_lint as lint
-from monitoring import ALERTS_FILE, DASHBOARD_JSON, RECORDING_FILE, ROOT, alerts, recording_rules
+from monitoring import ALERTS_FILE, DASHBOARD_JSON, RECORDING_FILE, alerts, recording_rules
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Grafana's $__rate_interval: max(4 × scrape interval, step + scrape interval) = 4 s at 1 s scrapes.
@@ -109,9 +109,7 @@ def serve_supports_demo() -> bool:
 
 
 def kvguard_env() -> dict[str, str]:
-    env = {**os.environ, **POD_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "exporter"), env.get("PYTHONPATH")]))
-    return env
+    return {**os.environ, **POD_ENV}
 
 
 @pytest.fixture(scope="module")
