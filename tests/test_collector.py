@@ -237,6 +237,19 @@ def test_retries_climbing_between_scrapes_turn_the_rank_critical(tmp_path):
     assert value(samples, "kvguard_guard_reason", reason="alloc_retries_climbing") == 1
 
 
+def test_the_background_loop_samples_the_counters_the_next_scrape_judges(tmp_path):
+    # What the background loop does between scrapes: read the spool, feed the counter window.
+    sidecar = sidecar_for(tmp_path)
+    write(tmp_path, snapshot(retries=2, ooms=1, utilization=0.8))
+    sidecar.refresh_background(wait=5)
+    sidecar.sample_counters()
+    write(tmp_path, snapshot(retries=5, ooms=1, utilization=0.8))
+    sidecar.refresh_background(wait=5)
+    verdict = sidecar.observe().ranks[0].verdict
+    assert verdict.state == "critical"
+    assert "alloc_retries_climbing" in verdict.reason_codes and "ooms_climbing" not in verdict.reason_codes
+
+
 def test_from_log_alone_judges_the_engine_the_log_describes(data_path):
     with open(data_path("logs", "v1-tp2-debug.log"), encoding="utf-8") as handle:
         startup = parse_lines(handle)

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
@@ -157,8 +157,8 @@ class Sidecar:
         while not self._stop.wait(self.config.interval):
             self.refresh_background()
             try:
-                self.observe()   # keeps the counter windows sampled between scrapes
-            except Exception:    # pragma: no cover - observe() counts its own failures
+                self.sample_counters()   # keeps the counter windows sampled between scrapes
+            except Exception:            # pragma: no cover - a bad read is counted by its poller
                 pass
 
     # -------------------------------------------------------------------- observation
@@ -179,6 +179,16 @@ class Sidecar:
         if any(p.state.success_at is None and p.state.errors_total == 0 for p in pollers):
             self.refresh_background(wait=self.config.read_timeout)
         self._first_read_done = True
+
+    def sample_counters(self) -> None:
+        """Feed every rank's allocator counters from the latest spool read to the counter
+        windows, judging nothing: what a scrape would feed them, between scrapes."""
+        if self.config.one_shot:
+            return
+        spool_read = self._spool.state.value if self._spool else None
+        newest, _ = newest_per_rank((spool_read or SpoolRead()).snapshots, self._label_key)
+        with self._lock:
+            self._counter_increases(newest, time.monotonic())
 
     def observe(self) -> Observation:
         config = self.config
@@ -215,14 +225,10 @@ class Sidecar:
         log_profile = log.profile() if log else None
         now_wall, now = time.time(), time.monotonic()
 
-        newest: dict[tuple, Snapshot] = {}
-        for snap in spool_read.snapshots:
-            key = self._label_key(snap)
-            if key in newest:
-                skipped[DUPLICATE] += 1
-                if newest[key].written_at >= snap.written_at:
-                    continue
-            newest[key] = snap
+        newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
+        if duplicates:
+            skipped[DUPLICATE] += duplicates
+        increases = {} if config.one_shot else self._counter_increases(newest, now)
 
         views = []
         for key, snap in sorted(newest.items()):
@@ -233,18 +239,11 @@ class Sidecar:
                 (log_profile, "log" if log_profile else None)
             blocks, kv_bytes = self._kv_cache(snap, log, vllm)
             memory = snap.memory
-            retries, ooms = memory.alloc_retries, memory.ooms
-            if not config.one_shot:
-                window_key = (snap.host, snap.pid, snap.device)
-                retries = self._window.observe(window_key + ("retries",), now, retries)
-                ooms = self._window.observe(window_key + ("ooms",), now, ooms)
+            retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
             views.append(RankView(labels, snap, profile, origin, blocks, kv_bytes,
                                   vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))
-        if not config.one_shot:
-            live = {(s.host, s.pid, s.device) + (c,) for s in newest.values() for c in ("retries", "ooms")}
-            self._window.forget_except(live)
 
         if not views and (log is not None or vllm is not None):
             # No probe: judge the one engine the log or vLLM's metrics describe.
@@ -254,6 +253,19 @@ class Sidecar:
             views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks, kv_bytes,
                                   vllm.kv_cache_usage_ratio if vllm else None, None, False, verdict))
         return views, skipped
+
+    def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
+        """Feed each rank's alloc retries and OOMs to the counter window (ranks in label-key
+        order) and forget the ranks gone from the spool; (retries, ooms) growth per label key.
+        The caller holds the lock."""
+        increases = {}
+        for key, snap in sorted(newest.items()):
+            window_key = (snap.host, snap.pid, snap.device)
+            increases[key] = (self._window.observe(window_key + ("retries",), now, snap.memory.alloc_retries),
+                              self._window.observe(window_key + ("ooms",), now, snap.memory.ooms))
+        live = {(s.host, s.pid, s.device) + (c,) for s in newest.values() for c in ("retries", "ooms")}
+        self._window.forget_except(live)
+        return increases
 
     def _label_key(self, snap: Snapshot) -> tuple:
         pod = {k: snap.pod.get(k) or self.config.pod_labels.get(k, "") for k in POD_KEYS}
@@ -280,3 +292,17 @@ class Sidecar:
             return blocks, max(0, log.available_kv_cache_bytes)
         return blocks, None
 
+
+def newest_per_rank(snapshots: Sequence[Snapshot], label_key: Callable[[Snapshot], tuple]
+                    ) -> tuple[dict[tuple, Snapshot], int]:
+    """The newest snapshot per rank label key, and how many snapshots shared a key with another."""
+    newest: dict[tuple, Snapshot] = {}
+    duplicates = 0
+    for snap in snapshots:
+        key = label_key(snap)
+        if key in newest:
+            duplicates += 1
+            if newest[key].written_at >= snap.written_at:
+                continue
+        newest[key] = snap
+    return newest, duplicates
