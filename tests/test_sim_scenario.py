@@ -224,6 +224,18 @@ def test_a_negative_moe_field_is_a_config_error():
         model_shape(config)
 
 
+def test_the_workload_takes_layers_kv_heads_and_head_size_from_the_estimators_layout():
+    # Falcon-style n_head_kv: the KV cache and the simulated k/v tensors agree on it.
+    config = {k: v for k, v in QWEN.items() if k != "num_key_value_heads"}
+    config["n_head_kv"] = 2
+    for tp in (1, 2, 4):
+        layout = kv_layout_from_config(config, tensor_parallel_size=tp)
+        shape = model_shape(config, tp)
+        assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == \
+            (layout.num_layers, layout.num_kv_heads, layout.head_size) == (28, max(1, 2 // tp), 128)
+        assert ServingScenario(replace(STORY, model_config=config, tensor_parallel_size=tp)).shape == shape
+
+
 def test_the_estimators_layout_is_checked_before_the_workload_shape():
     # hidden_size missing: both would refuse it; the estimator's message (the one `kvguard budget`
     # gives for the same file) wins.

@@ -290,7 +290,7 @@ class ServingScenario:
         self.kv_layout: KVLayout = kv_layout_from_config(
             config.model_config, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
             tensor_parallel_size=config.tensor_parallel_size)
-        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size)
+        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size, self.kv_layout)
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ..estimator import ConfigError, _text_config, model_dtype_bytes
+from ..estimator import ConfigError, KVLayout, _text_config, kv_layout_from_config, model_dtype_bytes
 
 Op = tuple[Any, "int | None"]
 
@@ -38,11 +38,11 @@ Op = tuple[Any, "int | None"]
 class ModelShape:
     """Per-rank dimensions of a decoder-only model."""
 
-    num_layers: int
+    num_layers: int           # on this rank (the KV layout's: one pipeline stage)
     hidden_size: int
     num_heads: int            # per rank
-    num_kv_heads: int         # per rank
-    head_dim: int
+    num_kv_heads: int         # per rank, the KV layout's (1 for MLA, whose paths do not use it)
+    head_dim: int             # the KV layout's head size (for MLA the latent, unused by its paths)
     intermediate_size: int    # per rank
     vocab_size: int
     dtype_bytes: int
@@ -93,8 +93,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> ModelShape:
+def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
+                layout: KVLayout | None = None) -> ModelShape:
     """The per-rank shape of a model from its ``config.json`` (already parsed).
+
+    Layers, KV heads and head size are the estimator's :class:`KVLayout` for the same config and
+    tensor-parallel size (``layout``; built here when not given), so the simulated attention
+    tensors and the KV cache vLLM sizes come from one reading of the config.
 
     Sizes and counts must be positive integers (integral floats are accepted, as JSON
     may write them), the optional MLA / MoE fields non-negative ones: anything else,
@@ -102,12 +107,12 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> Mod
     """
     if not isinstance(config, Mapping):
         raise ConfigError("model config must be a JSON object")
+    if layout is None:
+        layout = kv_layout_from_config(config, tensor_parallel_size=tensor_parallel_size)
     text = _text_config(config)
     tp = tensor_parallel_size
     hidden = _int(text, "hidden_size", "n_embd", "d_model")
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")
-    kv_heads = _int(text, "num_key_value_heads", "num_kv_heads", default=heads)
-    head_dim = _int(text, "head_dim", default=hidden // heads)
     dtype_bytes = model_dtype_bytes(config)
     quant = text.get("quantization_config") or config.get("quantization_config") or {}
     if not isinstance(quant, Mapping):
@@ -119,11 +124,11 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> Mod
         if n_experts else 0
     shared = _int(text, "n_shared_experts", default=0, minimum=0)
     return ModelShape(
-        num_layers=_int(text, "num_hidden_layers", "num_layers", "n_layer"),
+        num_layers=layout.num_layers,
         hidden_size=hidden,
         num_heads=max(1, heads // tp),
-        num_kv_heads=max(1, kv_heads // tp),
-        head_dim=head_dim,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_size,
         intermediate_size=_int(text, "intermediate_size", default=4 * hidden) // tp,
         vocab_size=_int(text, "vocab_size"),
         dtype_bytes=dtype_bytes,
