@@ -216,9 +216,10 @@ def _reusable_bytes(memory: DeviceMemory) -> int:
     that does not report the split (MindSpore, device-level) gets no credit: the guard errs
     towards calling an OOM.
     """
-    if memory.allocated_bytes is None or memory.inactive_split_bytes is None:
+    fragmentation = memory.fragmentation_bytes
+    if fragmentation is None or memory.inactive_split_bytes is None:
         return 0
-    return max(0, memory.reserved_bytes - memory.allocated_bytes - memory.inactive_split_bytes)
+    return max(0, fragmentation - memory.inactive_split_bytes)
 
 
 def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -> tuple[Profile | None, bool]:
