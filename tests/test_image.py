@@ -188,8 +188,10 @@ def installed(stages, tmp_path_factory):
     env_dir = tmp_path_factory.mktemp("venv")
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    # Not the source tree conftest puts on PYTHONPATH: pip would take kvguard as already installed.
+    clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"kvguard[nvml] @ {wheel.as_uri()}"],
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=clean)
     assert install.returncode == 0, install.stdout + install.stderr
     return env_dir
 
