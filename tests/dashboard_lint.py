@@ -48,6 +48,11 @@ def variables(dashboard: dict) -> list[dict]:
     return dashboard.get("templating", {}).get("list", [])
 
 
+def all_value(variable: dict) -> str:
+    """A variable's value at "All": its allValue, else Grafana's default regex."""
+    return variable.get("allValue") or ".*"
+
+
 def expand(expr: str, dashboard: dict, rate_interval: str = RATE_INTERVAL_SAMPLE,
            value: Callable[[dict], str] | None = None) -> str:
     """expr with Grafana's variables replaced: globals by sample durations, dashboard variables by

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -9,11 +10,13 @@ import shutil
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 DASHBOARDS = os.path.join(ROOT, "dashboards")
 DASHBOARD_JSON = os.path.join(DASHBOARDS, "kvguard.json")
-ALERTS_FILE = os.path.join(DASHBOARDS, "rules", "kvguard-alerts.yaml")
-RECORDING_FILE = os.path.join(DASHBOARDS, "rules", "kvguard-recording.yaml")
+RULES_DIR = os.path.join(DASHBOARDS, "rules")
+ALERTS_FILE = os.path.join(RULES_DIR, "kvguard-alerts.yaml")
+RECORDING_FILE = os.path.join(RULES_DIR, "kvguard-recording.yaml")
 RULE_FILES = (ALERTS_FILE, RECORDING_FILE)
 PROMTOOL_TESTS = os.path.join(DASHBOARDS, "tests")
 METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
@@ -22,6 +25,15 @@ RUNBOOK_BASE_URL = "https://github.com/kvguard/kvguard/blob/main/docs/runbook.md
 
 # A kvguard metric name standing alone: not part of a recording rule's level:name:op.
 KVGUARD_METRIC = re.compile(r"(?<![\w:])(kvguard_[a-z0-9_]+)(?![\w:])")
+
+
+def load_dashboard() -> dict:
+    with open(DASHBOARD_JSON, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+# The dashboard, read once for every test module; tests that change it work on a deep copy.
+DASHBOARD = load_dashboard()
 
 
 def load_yaml(path: str):
@@ -45,6 +57,20 @@ def documented_metrics() -> set[str]:
     """Metric names in docs/metrics.md's tables (the contract with `kvguard serve`)."""
     with open(METRICS_DOC, encoding="utf-8") as handle:
         return set(re.findall(r"^\| `(kvguard_[a-z0-9_]+)` \|", handle.read(), flags=re.MULTILINE))
+
+
+def documented_serve_flags() -> set[str]:
+    """The flags docs/metrics.md's "`kvguard serve` flags" section names."""
+    with open(METRICS_DOC) as handle:
+        section = handle.read().split("## `kvguard serve` flags", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`(--[a-z][a-z-]*)", section))
+
+
+def documented_serve_port() -> str:
+    """The default of `kvguard serve --port` as docs/metrics.md's flag table gives it."""
+    with open(METRICS_DOC) as handle:
+        (documented,) = re.findall(r"`--port N` \| `(\d+)`", handle.read())
+    return documented
 
 
 def promtool() -> str:

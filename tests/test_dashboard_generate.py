@@ -12,12 +12,10 @@ import sys
 import pytest
 
 import dashboard_lint as lint
-from monitoring import DASHBOARD_JSON, DASHBOARDS, KVGUARD_METRIC, documented_metrics
+from monitoring import DASHBOARD, DASHBOARDS, KVGUARD_METRIC, RUNBOOK, documented_metrics
 
 GENERATOR = os.path.join(DASHBOARDS, "generate.py")
 
-with open(DASHBOARD_JSON, encoding="utf-8") as _handle:
-    DASHBOARD = json.load(_handle)
 PANELS = [p for p in lint.all_panels(DASHBOARD) if p["type"] != "row"]
 
 
@@ -132,7 +130,7 @@ def test_panels_fit_the_grid_without_overlapping():
 
 
 def test_runbook_panel_names_exist_on_the_dashboard():
-    with open(os.path.join(os.path.dirname(DASHBOARDS), "docs", "runbook.md"), encoding="utf-8") as handle:
+    with open(RUNBOOK, encoding="utf-8") as handle:
         text = re.sub(r"\s+", " ", handle.read())
     named = set(re.findall(r'"([A-Z][^"]+)"(?= (?:and "[^"]+" )?panels?\b)', text))
     assert named and named <= {p["title"] for p in PANELS}

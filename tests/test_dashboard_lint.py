@@ -7,18 +7,15 @@ passes because it cannot see anything.
 from __future__ import annotations
 
 import copy
-import json
 import subprocess
 
 import pytest
 import yaml
 
 import dashboard_lint as lint
-from monitoring import DASHBOARD_JSON, promtool
+from dashboard_lint import all_value
+from monitoring import DASHBOARD, promtool
 from promql import selectors
-
-with open(DASHBOARD_JSON, encoding="utf-8") as _handle:
-    DASHBOARD = json.load(_handle)
 
 
 def first_panel(d: dict, panel_type: str) -> dict:
@@ -93,9 +90,6 @@ def test_panels_with_value_mappings_have_a_unit_too():
 def test_prometheus_parses_every_dashboard_query(tmp_path):
     # target-promql: Prometheus' own parser, through promtool, on every query with the
     # variables at their "All" values and $__rate_interval at a duration.
-    def all_value(v: dict) -> str:
-        return v.get("allValue") or ".*"
-
     exprs = [lint.expand(t["expr"], DASHBOARD, rate_interval="5m", value=all_value)
              for _, t in lint.targets(DASHBOARD)]
     exprs += [lint.expand(lint.split_arguments(v["query"][len("label_values("):-1])[0], DASHBOARD, value=all_value)

@@ -1,6 +1,5 @@
 """The budget formulas: vLLM V1's stock budget and the reserved-aware one."""
 
-import json
 import os
 
 import pytest
@@ -12,14 +11,10 @@ from kvguard.estimator import (
 from kvguard.model_config import load_model_config
 
 from conftest import EXAMPLES
+from sidecar_fixtures import example_profile
 
 GIB = 1 << 30
 QWEN = kv_layout_from_config(load_model_config(os.path.join(EXAMPLES, "qwen2.5-7b-instruct")))
-
-
-def seed_profile():
-    with open(os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")) as handle:
-        return Profile.from_dict(json.load(handle))
 
 
 def test_stock_budget_is_vllm_v1_formula():
@@ -38,7 +33,7 @@ def test_stock_budget_truncates_the_float_product_like_vllm():
 
 
 def test_seed_profile_reproduces_44292_and_42593_blocks():
-    result = estimate(seed_profile(), QWEN, max_model_len=32768)
+    result = estimate(example_profile(), QWEN, max_model_len=32768)
     assert result.stock.num_blocks == 44292
     assert result.reserved.num_blocks == 42593
     assert round(result.stock.kv_cache_bytes / GIB, 2) == 37.85
@@ -46,7 +41,7 @@ def test_seed_profile_reproduces_44292_and_42593_blocks():
 
 
 def test_budgets_differ_by_reserved_minus_allocated_increase():
-    profile = seed_profile()
+    profile = example_profile()
     result = estimate(profile)
     gap = profile.peak_reserved_increase_bytes - profile.peak_allocated_increase_bytes
     assert result.stock.kv_cache_bytes - result.reserved.kv_cache_bytes == gap
@@ -54,14 +49,14 @@ def test_budgets_differ_by_reserved_minus_allocated_increase():
 
 
 def test_tokens_and_max_concurrency_follow_vllm():
-    result = estimate(seed_profile(), QWEN, max_model_len=32768)
+    result = estimate(example_profile(), QWEN, max_model_len=32768)
     assert result.stock.num_tokens == 44292 * 16
     # vLLM logs "Maximum concurrency for 32,768 tokens per request: 21.63x"
     assert round(result.stock.max_concurrency, 2) == 21.63
 
 
 def test_max_concurrency_rounds_partial_blocks_up_per_request():
-    profile = seed_profile()
+    profile = example_profile()
     result = estimate(profile, QWEN, max_model_len=17)  # 17 tokens need 2 blocks of 16
     assert result.stock.max_concurrency == 44292 / 2
 
@@ -72,7 +67,7 @@ def test_overcommit_is_zero_when_reserved_budget_is_larger():
 
 
 def test_recommended_utilization_is_the_largest_hundredth_that_fits():
-    profile = seed_profile()
+    profile = example_profile()
     recommended = recommended_gpu_memory_utilization(profile)
     reserved = reserved_kv_cache_bytes(profile)
     fits = Profile(**{**profile.to_dict(), "gpu_memory_utilization": recommended})
@@ -82,18 +77,18 @@ def test_recommended_utilization_is_the_largest_hundredth_that_fits():
 
 
 def test_recommended_utilization_keeps_the_setting_when_nothing_is_overcommitted():
-    profile = Profile(**{**seed_profile().to_dict(), "peak_reserved_increase_bytes": 0})
+    profile = Profile(**{**example_profile().to_dict(), "peak_reserved_increase_bytes": 0})
     assert recommended_gpu_memory_utilization(profile) == 0.9
 
 
 def test_recommended_kv_cache_memory_is_the_reserved_budget():
-    result = estimate(seed_profile(), QWEN)
+    result = estimate(example_profile(), QWEN)
     assert result.recommended_kv_cache_memory_bytes == result.reserved.kv_cache_bytes
     assert QWEN.num_blocks(result.recommended_kv_cache_memory_bytes) == 42593
 
 
 def test_no_reserved_increase_means_no_reserved_budget():
-    profile = Profile(**{**seed_profile().to_dict(), "peak_reserved_increase_bytes": None})
+    profile = Profile(**{**example_profile().to_dict(), "peak_reserved_increase_bytes": None})
     result = estimate(profile, QWEN)
     assert result.reserved is None and result.overcommit_bytes is None
     assert result.stock.num_blocks == 44292
@@ -110,20 +105,20 @@ def test_negative_budget_gives_zero_blocks():
 @pytest.mark.parametrize("utilization", [0, -0.1, 1.01, float("nan")])
 def test_utilization_outside_zero_one_is_refused(utilization):
     with pytest.raises(ProfileError, match="gpu_memory_utilization"):
-        Profile(**{**seed_profile().to_dict(), "gpu_memory_utilization": utilization})
+        Profile(**{**example_profile().to_dict(), "gpu_memory_utilization": utilization})
 
 
 def test_profile_file_with_missing_or_unknown_keys_is_refused():
-    data = seed_profile().to_dict()
+    data = example_profile().to_dict()
     del data["weights_bytes"]
     with pytest.raises(ProfileError, match="missing weights_bytes"):
         Profile.from_dict(data)
     with pytest.raises(ProfileError, match="unknown keys extra"):
-        Profile.from_dict({**seed_profile().to_dict(), "extra": 1})
+        Profile.from_dict({**example_profile().to_dict(), "extra": 1})
 
 
 def test_negative_non_torch_increase_is_allowed_but_negative_weights_are_not():
-    data = seed_profile().to_dict()
+    data = example_profile().to_dict()
     assert Profile.from_dict({**data, "non_torch_increase_bytes": -547_608_330}).non_torch_increase_bytes < 0
     with pytest.raises(ProfileError, match="weights_bytes must not be negative"):
         Profile.from_dict({**data, "weights_bytes": -1})

@@ -22,12 +22,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+from monitoring import DASHBOARD_JSON, DASHBOARDS, RULES_DIR, documented_serve_flags, documented_serve_port
+
 CHART = os.path.join(ROOT, "helm", "kvguard")
-RULES_DIR = os.path.join(ROOT, "dashboards", "rules")
 RULE_FILES = ("kvguard-recording.yaml", "kvguard-alerts.yaml")
-DASHBOARD = os.path.join(ROOT, "dashboards", "kvguard.json")
-METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
 KUBERNETES_VERSION = "1.31.0"
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
 
@@ -256,14 +255,14 @@ def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
     for name in ("rules", "kvguard.json"):
         link = os.path.join(CHART, "files", name)
         assert os.path.islink(link), f"{link} must be a symlink, not a copy"
-        target = os.path.join(ROOT, "dashboards", name)
+        target = os.path.join(DASHBOARDS, name)
         assert os.path.realpath(link) == os.path.realpath(target)
 
 
 def test_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar():
     configmap = only(render(), "ConfigMap")
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    with open(DASHBOARD) as handle:
+    with open(DASHBOARD_JSON) as handle:
         assert json.loads(configmap["data"]["kvguard.json"]) == json.load(handle)
 
 
@@ -274,7 +273,7 @@ def test_packaged_chart_contains_the_linked_files_themselves(tmp_path):
     with tarfile.open(archive) as tar:
         members = {m.name: m for m in tar.getmembers()}
         expected = {f"kvguard/files/rules/{name}": os.path.join(RULES_DIR, name) for name in RULE_FILES}
-        expected["kvguard/files/kvguard.json"] = DASHBOARD
+        expected["kvguard/files/kvguard.json"] = DASHBOARD_JSON
         for member, source in expected.items():
             assert members[member].isfile(), f"{member} is not a regular file in the package"
             with open(source, "rb") as handle:
@@ -459,22 +458,16 @@ def test_pod_identity_comes_from_the_downward_api(values):
         assert env["CONTAINER_NAME"]["value"]
 
 
-def _documented_serve_flags() -> set[str]:
-    with open(METRICS_DOC) as handle:
-        section = handle.read().split("## `kvguard serve` flags", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(--[a-z][a-z-]*)", section))
-
-
 @pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
 def test_kvguard_args_use_only_documented_serve_flags(values):
     args = kvguard_container(render(values))["args"]
     assert args[0] == "serve"
     used = {arg.split("=", 1)[0] for arg in args[1:]}
-    assert used <= _documented_serve_flags()
+    assert used <= documented_serve_flags()
 
 
 def test_default_port_is_the_documented_serve_port():
-    (documented,) = re.findall(r"`--port N` \| `(\d+)`", open(METRICS_DOC).read())
+    documented = documented_serve_port()
     with open(os.path.join(CHART, "values.yaml")) as handle:
         assert yaml.safe_load(handle)["kvguard"]["port"] == int(documented)
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+from monitoring import documented_serve_port
+
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
 DOCKERIGNORE = os.path.join(ROOT, ".dockerignore")
-METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def test_dockerfile_runs_as_a_non_root_user(stages):
 
 
 def test_dockerfile_exposes_the_documented_serve_port(stages):
-    (documented,) = re.findall(r"`--port N` \| `(\d+)`", open(METRICS_DOC).read())
+    documented = documented_serve_port()
     assert stages[-1].all("EXPOSE") == [documented]
 
 

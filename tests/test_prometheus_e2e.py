@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,9 @@ import pytest
 import yaml
 
 import dashboard_lint as lint
-from monitoring import ALERTS_FILE, DASHBOARD_JSON, RECORDING_FILE, alerts, recording_rules
+from dashboard_lint import all_value
+from monitoring import ALERTS_FILE, DASHBOARD, RECORDING_FILE, alerts, recording_rules
+from sidecar_fixtures import free_port
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 # Grafana's $__rate_interval: max(4 × scrape interval, step + scrape interval) = 4 s at 1 s scrapes.
@@ -44,16 +45,6 @@ POD_ENV = {"POD_NAMESPACE": "llm", "POD_NAME": "qwen-demo-0", "CONTAINER_NAME": 
 EXPECTED_EMPTY = {
     ("vLLM KV-cache usage", "A"): "no vLLM: the demo runs without --vllm-metrics-url",
 }
-
-with open(DASHBOARD_JSON, encoding="utf-8") as _handle:
-    DASHBOARD = json.load(_handle)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def poll(what: str, check, deadline_seconds: float, interval: float = 0.25):
     """check() until it returns something truthy; fail with what was last seen at the deadline."""
@@ -156,10 +147,6 @@ def stack(tmp_path_factory):
         stop(kvguard)
         for handle in logs.values():
             handle.close()
-
-
-def all_value(variable: dict) -> str:
-    return variable.get("allValue") or ".*"
 
 
 def dashboard_queries() -> list[tuple[str, str, str, bool]]:
