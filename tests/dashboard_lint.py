@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Iterator
 
-from promql import selectors, tokenize
+from promql import selectors
 
 # Panel types the linter's panel and target rules look at (lint/lint.go, rule_target_promql.go).
 PANELS_WITH_QUERIES = {"singlestat", "gauge", "table-old", "stat", "state-timeline", "timeseries", "graph"}
@@ -270,8 +270,7 @@ def target_promql(dashboard: dict) -> list[str]:
             problems.append(f"panel {panel.get('title')!r} target {target.get('refId')} has an empty query")
             continue
         try:
-            tokenize(expand(expr, dashboard))
-            selectors(expand(expr, dashboard))
+            selectors(expand(expr, dashboard))   # tokenizes first: a query it cannot read raises there
         except ValueError as exc:
             problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: {exc}")
     return problems
