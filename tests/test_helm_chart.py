@@ -33,7 +33,6 @@ SCHEMA_ERROR = "values don't meet the specifications of the schema"
 CI_VALUES = sorted(
     os.path.join("ci", name) for name in os.listdir(os.path.join(CHART, "ci")) if name.endswith("-values.yaml"))
 SIDECAR_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("sidecar-")]
-DAEMONSET_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("daemonset-")]
 # None: the chart's defaults.
 ALL_VALUES = [None, *CI_VALUES]
 

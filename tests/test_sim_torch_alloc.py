@@ -6,7 +6,6 @@ from kvguard.sim.base import SimOutOfMemory
 from kvguard.sim.device import Device
 from kvguard.sim.torch_alloc import CachingAllocator
 
-KIB = 1 << 10
 MIB = 1 << 20
 
 
