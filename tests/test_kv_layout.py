@@ -138,6 +138,24 @@ def test_config_without_what_a_layout_needs_is_refused(mutate, message):
         kv_layout_from_config(cfg)
 
 
+def test_one_check_of_integer_config_fields_serves_the_estimator_and_the_simulator():
+    from kvguard.estimator import _positive_int
+    from kvguard.sim.scenario import ScenarioConfig
+
+    assert _positive_int({"a": None, "b": 4.0}, "a", "b") == 4
+    assert _positive_int({"n": 0}, "n", minimum=0) == 0
+    with pytest.raises(ConfigError, match="^config field 'n' must be a non-negative integer, got -1$"):
+        _positive_int({"n": -1}, "n", minimum=0)
+    with pytest.raises(ConfigError, match=r"^config field 'n' must be a positive integer, got 'xxx+\.\.\.$"):
+        _positive_int({"n": "x" * 1000}, "n")
+    cfg = load_model_config(QWEN_7B)
+    nested = {"architectures": ["X"], "text_config": {**cfg, "max_position_embeddings": 4096}}
+    assert ScenarioConfig(model_config=nested, device_memory_bytes=1 << 30).resolved_max_model_len == 4096
+    with pytest.raises(ConfigError, match="'max_position_embeddings' must be a positive integer, got 0.5"):
+        ScenarioConfig(model_config={**cfg, "max_position_embeddings": 0.5},
+                       device_memory_bytes=1 << 30).resolved_max_model_len
+
+
 def test_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ConfigError, match="unknown KV cache dtype"):
         kv_layout_from_config(load_model_config(QWEN_7B), kv_cache_dtype="int4")

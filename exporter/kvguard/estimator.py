@@ -88,16 +88,26 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _positive_int(config: Mapping[str, Any], *names: str) -> int | None:
+def _positive_int(config: Mapping[str, Any], *names: str, minimum: int = 1) -> int | None:
+    """The first of ``names`` the config sets, as an integer >= ``minimum`` (1 or 0); None if none is set.
+
+    Integral floats are accepted (JSON may write them); anything else, ``inf`` included, is a ConfigError.
+    """
     for name in names:
         value = config.get(name)
         if value is None:
             continue
         if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value or value <= 0):
-            raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
+                or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value or value < minimum):
+            kind = "positive" if minimum >= 1 else "non-negative"
+            raise ConfigError(f"config field {name!r} must be a {kind} integer, got {_short_repr(value)}")
         return int(value)
     return None
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def model_dtype_bytes(config: Mapping[str, Any]) -> int:

@@ -43,14 +43,13 @@ Everything is deterministic for a given config (the request mix comes from ``see
 
 from __future__ import annotations
 
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from ..estimator import (ConfigError, KVLayout, Profile, estimate, kv_layout_from_config, reserved_kv_cache_bytes,
-                         stock_kv_cache_bytes)
+from ..estimator import (KVLayout, Profile, _positive_int, _text_config, estimate, kv_layout_from_config,
+                         reserved_kv_cache_bytes, stock_kv_cache_bytes)
 from .base import SimOutOfMemory
 from .device import Device
 from .mindspore_pool import DEFAULT_INCREASE_SIZE, DynamicMemPool
@@ -117,17 +116,8 @@ class ScenarioConfig:
     def resolved_max_model_len(self) -> int:
         if self.max_model_len:
             return self.max_model_len
-        text = dict(self.model_config)
-        for nested in ("text_config", "llm_config", "language_config"):
-            if isinstance(text.get(nested), Mapping):
-                text.update(text[nested])
-        value = text.get("max_position_embeddings")
-        if value is None:
-            return 32768
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer())) or value <= 0):
-            raise ConfigError(f"config field 'max_position_embeddings' must be a positive integer, got {value!r:.40}")
-        return min(int(value), 32768)
+        value = _positive_int(_text_config(self.model_config), "max_position_embeddings")
+        return 32768 if value is None else min(value, 32768)
 
     @property
     def resolved_non_allocator_bytes(self) -> int:

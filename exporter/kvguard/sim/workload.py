@@ -25,11 +25,10 @@ Weights are listed tensor by tensor, as vLLM's fused modules hold them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ..estimator import ConfigError, KVLayout, _text_config, kv_layout_from_config, model_dtype_bytes
+from ..estimator import ConfigError, KVLayout, _positive_int, _text_config, kv_layout_from_config, model_dtype_bytes
 
 Op = tuple[Any, "int | None"]
 
@@ -73,24 +72,12 @@ class ModelShape:
 
 def _int(text: Mapping[str, Any], *names: str, default: int | None = None, minimum: int = 1) -> int:
     """The first of ``names`` the config sets, as an integer >= ``minimum``; ConfigError otherwise."""
-    for name in names:
-        value = text.get(name)
-        if value is None:
-            continue
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
-                or value < minimum):
-            kind = "positive" if minimum >= 1 else "non-negative"
-            raise ConfigError(f"config field {name!r} must be a {kind} integer, got {_short(value)}")
-        return int(value)
+    value = _positive_int(text, *names, minimum=minimum)
+    if value is not None:
+        return value
     if default is None:
         raise ConfigError(f"model config has no {names[0]}")
     return default
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
