@@ -226,6 +226,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
     For init containers and CI. Allocator retries and OOMs count since each process started.
     """
     from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
+    from kvguard.units import format_gib
 
     if not (spool_dir or log_file or vllm_metrics_url):
         raise CheckError("nothing to check: give --spool-dir, --from-log or --vllm-metrics-url")
@@ -251,8 +252,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
         for view in observation.ranks:
             verdict = view.verdict
             who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
-            headroom = "" if verdict.headroom_bytes is None else \
-                f"  headroom {verdict.headroom_bytes / (1 << 30):.2f} GiB"
+            headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
             click.echo(f"{verdict.state.upper():<8} {who}{headroom}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")

@@ -28,6 +28,7 @@ from typing import Any, Hashable
 
 from kvguard.estimator import Profile, overcommit_bytes, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.records import DeviceMemory
+from kvguard.units import format_gib
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 STATES = (OK, WARNING, CRITICAL)
@@ -46,13 +47,6 @@ REASON_CODES = (OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY, RETRIES_CLIMBING, OOMS_CLI
 _REASON_STATE = {OVERCOMMITTED: WARNING, PEAK_EXCEEDS_CAPACITY: CRITICAL, RETRIES_CLIMBING: CRITICAL,
                  OOMS_CLIMBING: CRITICAL, LIVE_RESERVED_EXCEEDS: WARNING, NO_PROFILE: WARNING,
                  SNAPSHOT_STALE: WARNING}
-
-_GIB = float(1 << 30)
-
-
-def _gib(n_bytes: int) -> str:
-    return f"{n_bytes / _GIB:.2f} GiB"
-
 
 @dataclass(frozen=True)
 class Reason:
@@ -158,25 +152,27 @@ def judge(inp: GuardInput) -> Verdict:
         if memory.peak_reserved_bytes is not None:
             live = max(live, memory.peak_reserved_bytes + non_torch)
         if live > projected + capacity_tolerance(profile):
+            peak = memory.peak_reserved_bytes or memory.reserved_bytes
             reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the allocator's reserved memory "
-                                                         f"({_gib(memory.reserved_bytes)} now, peak "
-                                                         f"{_gib(memory.peak_reserved_bytes or memory.reserved_bytes)})"
-                                                         f" projects a peak {_gib(live - projected)} above the "
+                                                         f"({format_gib(memory.reserved_bytes)} now, peak "
+                                                         f"{format_gib(peak)}) projects a peak "
+                                                         f"{format_gib(live - projected)} above the "
                                                          f"startup profile's"))
         projected = max(projected, live)
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
 
     if kv_over:
-        reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({_gib(kv_cache)}) exceeds the reserved-aware budget "
-                                             f"({_gib(max(reserved, 0))}) by {_gib(kv_over)}: vLLM sized it from the "
+        reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({format_gib(kv_cache)}) exceeds the reserved-aware "
+                                             f"budget ({format_gib(max(reserved, 0))}) by {format_gib(kv_over)}: "
+                                             f"vLLM sized it from the "
                                              f"allocated peak, the allocator holds the reserved peak"
                                              + (" (reserved peak inferred from live fragmentation)" if estimated
                                                 else "")))
     if headroom < 0:
-        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {_gib(projected)} (weights + KV cache + reserved "
-                                                     f"activation peak + non-torch) exceeds the device's "
-                                                     f"{_gib(capacity)} by {_gib(-headroom)}"))
+        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {format_gib(projected)} (weights + KV cache "
+                                                     f"+ reserved activation peak + non-torch) exceeds the device's "
+                                                     f"{format_gib(capacity)} by {format_gib(-headroom)}"))
     return Verdict(
         state=_state(reasons),
         reasons=tuple(sorted(reasons, key=lambda r: -SEVERITY[r.state])),

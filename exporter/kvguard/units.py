@@ -51,6 +51,11 @@ def gib(n_bytes: float) -> float:
     return n_bytes / (1 << 30)
 
 
+def format_gib(n_bytes: float) -> str:
+    """Always in GiB, two decimals: ``228170137`` -> ``"0.21 GiB"`` (guard reasons, logs)."""
+    return f"{gib(n_bytes):.2f} GiB"
+
+
 def format_bytes(n_bytes: int | float | None) -> str:
     """Human-readable IEC size: ``40637976576`` -> ``"37.85 GiB"``."""
     if n_bytes is None:

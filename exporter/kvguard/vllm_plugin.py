@@ -351,8 +351,9 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
         budget = _guard("budget", _reserved_budget, profile, available)
         if budget is None:
             return available
-        log.info("kvguard: KV cache budget %.2f GiB (reserved-aware, KVGUARD_BUDGET=reserved) instead of "
-                 "vLLM's %.2f GiB", budget / (1 << 30), available / (1 << 30))
+        from kvguard.units import format_gib
+        log.info("kvguard: KV cache budget %s (reserved-aware, KVGUARD_BUDGET=reserved) instead of "
+                 "vLLM's %s", format_gib(budget), format_gib(available))
         if hasattr(self, "available_kv_cache_memory_bytes"):
             self.available_kv_cache_memory_bytes = budget
         return budget
