@@ -47,12 +47,10 @@ from typing import Any, Mapping
 from kvguard.estimator import Profile
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, Source, close_source, get_source, one_line, rank_contexts, source_names
-from kvguard.spool import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+from kvguard.spool import POD_ENV, KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
 
 log = logging.getLogger("kvguard.probe")
 
-# Snapshot pod key <- downward-API environment variable.
-POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME", "node": "NODE_NAME"}
 DEFAULT_INTERVAL = 5.0
 _ALL = None   # device key meaning "every device this probe writes"
 

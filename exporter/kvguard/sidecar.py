@@ -20,13 +20,14 @@ from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import Snapshot, SpoolRead, read_spool
+from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, read_spool
 from kvguard.vllm_log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
-POD_KEYS = ("pod", "namespace", "container")
-# Downward-API environment the chart sets for the sidecar (container has no downward field).
-POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME"}
+# The pod labels of a rank: the snapshot's pod identity but node, read from the same
+# downward-API environment (container has no downward field: the chart sets it).
+POD_KEYS = tuple(key for key in SNAPSHOT_POD_ENV if key != "node")
+POD_ENV = {key: SNAPSHOT_POD_ENV[key] for key in POD_KEYS}
 
 SPOOL = "spool"
 VLLM_METRICS = "vllm_metrics"

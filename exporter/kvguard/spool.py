@@ -36,7 +36,9 @@ MAX_SPOOL_FILES = 4096
 SKIP_REASONS = ("not_regular_file", "too_large", "unreadable", "invalid_json", "invalid_snapshot",
                 "unsupported_schema", "too_many_files")
 
-_POD_KEYS = ("pod", "namespace", "container", "node")
+# A snapshot's pod identity: key <- the downward-API environment variable the chart sets.
+# The probe reads all four; the sidecar labels ranks with all but node.
+POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME", "node": "NODE_NAME"}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -126,7 +128,7 @@ class Snapshot:
             pod_raw = data.get("pod") or {}
             if not isinstance(pod_raw, Mapping):
                 raise ValueError("pod is not an object")
-            pod = {k: str(pod_raw[k])[:253] for k in _POD_KEYS if isinstance(pod_raw.get(k), str) and pod_raw[k]}
+            pod = {k: str(pod_raw[k])[:253] for k in POD_ENV if isinstance(pod_raw.get(k), str) and pod_raw[k]}
             memory = DeviceMemory.from_dict(data.get("memory"))
             profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
             kv_cache = None
