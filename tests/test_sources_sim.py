@@ -7,7 +7,7 @@ import pytest
 from kvguard.sources import SourceError, get_source, rank_contexts
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.sources.sim import SimSource, record_from_stats
+from kvguard.sources.sim import SimSource
 
 
 def test_torch_ranks_are_read_with_the_torch_sources_reader():
@@ -71,11 +71,6 @@ def test_an_oom_scenario_keeps_the_demo_running():
     for _ in range(4):
         assert len(source.sample()) == 1
     assert source.restarts >= 1
-
-
-def test_stats_of_neither_shape_are_an_error():
-    with pytest.raises(SourceError, match="neither torch nor MindSpore keys"):
-        record_from_stats({"bytes_in_use": 1}, "tpu:0", "sim", None, None)
 
 
 def test_bad_options_are_one_line_errors():

@@ -15,16 +15,7 @@ from typing import Any
 from kvguard.guard import CRITICAL, GuardInput, Verdict, judge
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
-from kvguard.sources import mindspore as mindspore_source
-from kvguard.sources import torch as torch_source
-
-
-def device_memory(scenario: ServingScenario, device: str = "sim:0") -> DeviceMemory:
-    """The scenario's allocator and device counters as a probe would record them."""
-    free, total = scenario.device_memory()
-    stats = scenario.memory_stats()
-    convert = mindspore_source if scenario.config.allocator == "mindspore" else torch_source
-    return convert.device_memory_from_stats(stats, device, source="sim", free_bytes=free, total_bytes=total)
+from kvguard.sources.sim import record_from_scenario
 
 
 def planned_kv_cache_bytes(scenario: ServingScenario) -> int | None:
@@ -34,16 +25,31 @@ def planned_kv_cache_bytes(scenario: ServingScenario) -> int | None:
     return scenario.num_blocks * scenario.kv_layout.block_bytes
 
 
+def _judge(scenario: ServingScenario, memory: DeviceMemory, base: DeviceMemory | None = None) -> Verdict:
+    """The guard on ``memory``, retries and OOMs counted since ``base`` (None: since the process started)."""
+    if base is None:
+        retries, ooms = memory.alloc_retries, memory.ooms
+    else:
+        retries = (memory.alloc_retries or 0) - (base.alloc_retries or 0)
+        ooms = (memory.ooms or 0) - (base.ooms or 0)
+    return judge(GuardInput(scenario.profile, kv_cache_bytes=planned_kv_cache_bytes(scenario), memory=memory,
+                            alloc_retries_increase=retries, ooms_increase=ooms))
+
+
+def _startup(scenario: ServingScenario) -> tuple[Verdict | None, DeviceMemory | None]:
+    """``startup_verdict`` and the counters it judged (None, None when there is no profile)."""
+    scenario.startup()
+    if scenario.profile is None:
+        return None, None
+    memory = record_from_scenario(scenario, "sim:0", "sim")
+    # Counters since the process started: at the end of startup that is the whole history.
+    return _judge(scenario, memory), memory
+
+
 def startup_verdict(scenario: ServingScenario) -> Verdict | None:
     """The guard at the end of startup (runs ``startup()`` if needed); None when no profile exists
     (the run failed loading weights or in the profile forward, before vLLM sized anything)."""
-    scenario.startup()
-    if scenario.profile is None:
-        return None
-    memory = device_memory(scenario)
-    # Counters since the process started: at the end of startup that is the whole history.
-    return judge(GuardInput(scenario.profile, kv_cache_bytes=planned_kv_cache_bytes(scenario), memory=memory,
-                            alloc_retries_increase=memory.alloc_retries, ooms_increase=memory.ooms))
+    return _startup(scenario)[0]
 
 
 @dataclass(frozen=True)
@@ -83,12 +89,11 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
     Retries and OOMs are counted from the end of startup, as a sidecar that started with the
     server would see them climb.
     """
-    startup = startup_verdict(scenario)
+    startup, base = _startup(scenario)
     first_step: int | None = None
     first_reasons: tuple[str, ...] = ()
     if startup is not None and startup.state == CRITICAL:
         first_step, first_reasons = -1, startup.reason_codes
-    base = device_memory(scenario) if startup is not None else None
     steps = 0
     while not scenario.finished and (max_steps is None or steps < max_steps):
         step_index = scenario.step_index
@@ -96,11 +101,7 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
         steps += 1
         if first_step is not None or startup is None or scenario.oom:
             continue
-        memory = device_memory(scenario)
-        verdict = judge(GuardInput(
-            scenario.profile, kv_cache_bytes=planned_kv_cache_bytes(scenario), memory=memory,
-            alloc_retries_increase=(memory.alloc_retries or 0) - (base.alloc_retries or 0),
-            ooms_increase=(memory.ooms or 0) - (base.ooms or 0)))
+        verdict = _judge(scenario, record_from_scenario(scenario, "sim:0", "sim"), base)
         if verdict.state == CRITICAL:
             first_step, first_reasons = step_index, verdict.reason_codes
     return GuardedRun(scenario.result(), startup, first_step, first_reasons)

@@ -3,8 +3,8 @@
 Each rank runs its own :class:`kvguard.sim.scenario.ServingScenario` (seed + rank). Every
 sample advances each rank by ``steps_per_sample`` scheduler steps and reads the
 scenario's ``memory_stats()`` with the *same* key-reading code as the real sources
-(:func:`kvguard.sources.torch.device_memory_from_stats` for torch-shaped dicts,
-:func:`kvguard.sources.mindspore.device_memory_from_stats` for MindSpore-shaped ones), so
+(:func:`kvguard.sources.torch.device_memory_from_stats` for the torch and torch_npu allocators,
+:func:`kvguard.sources.mindspore.device_memory_from_stats` for MindSpore's pool), so
 simulated and real counters take one path to the spool.
 
 A scenario that finishes (all requests served, OOM, or no room for the cache) is shown
@@ -31,14 +31,12 @@ _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64
 
 
-def record_from_stats(stats: Mapping[str, Any], device: str, source: str, free: int | None,
-                      total: int | None) -> DeviceMemory:
-    """A memory_stats dict, torch- or MindSpore-shaped, through the real sources' reader."""
-    if torch_source.is_torch_stats(stats):
-        return torch_source.device_memory_from_stats(stats, device, source, free_bytes=free, total_bytes=total)
-    if mindspore_source.is_mindspore_stats(stats):
-        return mindspore_source.device_memory_from_stats(stats, device, source, free_bytes=free, total_bytes=total)
-    raise SourceError("simulated memory_stats() has neither torch nor MindSpore keys")
+def record_from_scenario(scenario: Any, device: str, source: str) -> DeviceMemory:
+    """A scenario's allocator and device counters through the real sources' reader: MindSpore's
+    for the ``mindspore`` allocator, torch's for ``torch`` and ``torch_npu``."""
+    free, total = scenario.device_memory()
+    reader = mindspore_source if scenario.config.allocator == "mindspore" else torch_source
+    return reader.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total)
 
 
 def _default_model_config() -> dict[str, Any]:
@@ -116,8 +114,7 @@ class SimSource:
             scenario.step()
         if scenario.finished:
             self._shown_final[rank] = True
-        free, total = scenario.device_memory()
-        return record_from_stats(scenario.memory_stats(), self.device(rank), self.name, free, total)
+        return record_from_scenario(scenario, self.device(rank), self.name)
 
     def rank_contexts(self) -> dict[str, RankContext]:
         with self._lock:

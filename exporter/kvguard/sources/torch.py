@@ -34,10 +34,6 @@ STATS_KEYS = {
 BACKENDS = ("auto", "cuda", "npu")
 
 
-def is_torch_stats(stats: Mapping[str, Any]) -> bool:
-    return any(key in stats for key in STATS_KEYS.values())
-
-
 
 def device_memory_from_stats(
     stats: Mapping[str, Any],
