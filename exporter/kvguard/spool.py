@@ -18,7 +18,7 @@ import re
 import stat
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from kvguard.estimator import Profile, ProfileError
@@ -97,13 +97,8 @@ class Snapshot:
             "pod": dict(self.pod),
             "memory": self.memory.to_dict(),
             "profile": self.profile.to_dict() if self.profile else None,
-            "kv_cache": None if self.kv_cache is None else {
-                "num_blocks": self.kv_cache.num_blocks, "block_bytes": self.kv_cache.block_bytes,
-                "block_size": self.kv_cache.block_size},
-            "probe": {
-                "samples_total": self.probe.samples_total, "errors_total": self.probe.errors_total,
-                "write_errors_total": self.probe.write_errors_total, "last_error": self.probe.last_error,
-                "interval_seconds": self.probe.interval_seconds, "overruns_total": self.probe.overruns_total},
+            "kv_cache": None if self.kv_cache is None else asdict(self.kv_cache),
+            "probe": asdict(self.probe),
         }
 
     @classmethod
