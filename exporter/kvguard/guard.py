@@ -247,15 +247,16 @@ class CounterWindow:
     starts over from its new value.
     """
 
-    def __init__(self, window_seconds: float = 300.0, max_samples: int = 512):
+    MAX_SAMPLES = 512   # per key: a counter sampled more often than this keeps only the latest
+
+    def __init__(self, window_seconds: float = 300.0):
         self.window_seconds = window_seconds
-        self.max_samples = max_samples
         self._samples: dict[Hashable, deque[tuple[float, int]]] = {}
 
     def observe(self, key: Hashable, now: float, value: int | None) -> int | None:
         if value is None:
             return None
-        samples = self._samples.setdefault(key, deque(maxlen=self.max_samples))
+        samples = self._samples.setdefault(key, deque(maxlen=self.MAX_SAMPLES))
         if samples and value < samples[-1][1]:
             samples.clear()
         samples.append((now, value))

@@ -25,10 +25,10 @@ class PollState:
     duration_seconds: float | None = None
     last_error: str | None = None
 
-    def age_seconds(self, now: float | None = None) -> float | None:
+    def age_seconds(self) -> float | None:
         if self.success_at is None:
             return None
-        return max(0.0, (time.monotonic() if now is None else now) - self.success_at)
+        return max(0.0, time.monotonic() - self.success_at)
 
 
 class Poller:
@@ -48,7 +48,7 @@ class Poller:
             self._note_overrun()
             return self._state
 
-    def refresh(self, wait: float) -> PollState:
+    def refresh(self, wait: float) -> None:
         """Start a read if none is in flight, then wait at most ``wait`` seconds for it."""
         with self._lock:
             self._note_overrun()
@@ -59,16 +59,15 @@ class Poller:
                 self._timed_out = False
                 threading.Thread(target=self._run, args=(done,), name=f"kvguard-read-{self.name}",
                                  daemon=True).start()
-        return self.wait(wait)
+        self.wait(wait)
 
-    def wait(self, seconds: float) -> PollState:
+    def wait(self, seconds: float) -> None:
         """Wait at most ``seconds`` (never past its time limit) for the read in flight; start none."""
         with self._lock:
             done = self._in_flight
             remaining = self._started_at + self.timeout - time.monotonic()
         if done is not None:
             done.wait(max(0.0, min(seconds, remaining)))
-        return self.state
 
     def _run(self, done: threading.Event) -> None:
         started = time.monotonic()

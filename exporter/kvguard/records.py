@@ -5,7 +5,7 @@ Every size is an int number of bytes; None means the backend cannot tell.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 # No device or counter comes near 2**63; anything larger in untrusted input is garbage, and
@@ -114,6 +114,3 @@ class DeviceMemory:
                                         name=str(entry.get("name", ""))[:128]))
         values["processes"] = tuple(parsed)
         return cls(**values)
-
-
-DEVICE_MEMORY_FIELDS = tuple(f.name for f in fields(DeviceMemory))

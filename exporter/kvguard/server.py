@@ -187,7 +187,6 @@ class KVGuardServer:
 
     def __init__(self, sidecar: Sidecar, options: ServerOptions, registry: CollectorRegistry | None = None,
                  tls_context: ssl.SSLContext | None = None):
-        self.sidecar = sidecar
         self.options = options
         handler = type("KVGuardHandler", (_Handler,), {
             "sidecar": sidecar, "registry": registry or make_registry(sidecar), "options": options})

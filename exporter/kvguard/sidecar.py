@@ -32,8 +32,6 @@ POD_ENV = {key: SNAPSHOT_POD_ENV[key] for key in POD_KEYS}
 SPOOL = "spool"
 VLLM_METRICS = "vllm_metrics"
 DUPLICATE = "duplicate"
-# One spool read takes at most this many bytes, whatever the file count (4096 files of 256 KiB
-# would be 1 GiB); files past it are skipped as too_many_files until the next read.
 
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +46,6 @@ class RankView:
     profile: Profile | None
     profile_origin: str | None          # "snapshot" or "log"
     kv_cache_blocks: int | None
-    kv_cache_bytes: int | None
     kv_cache_usage_ratio: float | None
     age_seconds: float | None
     stale: bool
@@ -69,7 +66,6 @@ class RankView:
 
 @dataclass(frozen=True)
 class DeviceView:
-    source: str
     labels: dict[str, str]              # device, source, pod, namespace, container
     memory: DeviceMemory
 
@@ -79,10 +75,8 @@ class Observation:
     ranks: list[RankView]
     devices: list[DeviceView]
     sources: list[PollState]            # spool, each device source, vLLM
-    cached_sources: frozenset[str]      # sources whose value comes from a background read
     spool_snapshots: int
     skipped: Counter
-    errors: list[str]
     interval_seconds: float
 
     @property
@@ -212,12 +206,9 @@ class Sidecar:
         for state in device_states:
             for memory in state.value or []:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
-                devices.append(DeviceView(state.name, labels, memory))
-        return Observation(
-            ranks=ranks, devices=devices, sources=sources,
-            cached_sources=frozenset(p.name for p in self._background()),
-            spool_snapshots=len(spool_read.snapshots), skipped=skipped, errors=list(spool_read.errors),
-            interval_seconds=config.interval)
+                devices.append(DeviceView(labels, memory))
+        return Observation(ranks=ranks, devices=devices, sources=sources, spool_snapshots=len(spool_read.snapshots),
+                           skipped=skipped, interval_seconds=config.interval)
 
     def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
         config = self.config
@@ -243,7 +234,7 @@ class Sidecar:
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
-            views.append(RankView(labels, snap, profile, origin, blocks, kv_bytes,
+            views.append(RankView(labels, snap, profile, origin, blocks,
                                   vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))
 
         if not views and (log is not None or vllm is not None):
@@ -251,7 +242,7 @@ class Sidecar:
             labels = {"device": "", "rank": "", "pid": "", **config.pod_labels}
             blocks, kv_bytes = self._kv_cache(None, log, vllm)
             verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
-            views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks, kv_bytes,
+            views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
                                   vllm.kv_cache_usage_ratio if vllm else None, None, False, verdict))
         return views, skipped
 

@@ -70,8 +70,9 @@ class StartupLog:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def profile(self, peak_reserved_increase_bytes: int | None = None) -> Profile | None:
-        """The startup profile, when the log carries every part of it."""
+    def profile(self) -> Profile | None:
+        """The startup profile, when the log carries every part of it (vLLM's logs never carry
+        the reserved increase)."""
         parts = (self.total_memory_bytes, self.gpu_memory_utilization, self.weights_bytes,
                  self.peak_allocated_increase_bytes, self.non_torch_increase_bytes)
         if any(p is None for p in parts):
@@ -81,7 +82,7 @@ class StartupLog:
             gpu_memory_utilization=self.gpu_memory_utilization,
             weights_bytes=self.weights_bytes,
             peak_allocated_increase_bytes=self.peak_allocated_increase_bytes,
-            peak_reserved_increase_bytes=peak_reserved_increase_bytes,
+            peak_reserved_increase_bytes=None,
             non_torch_increase_bytes=self.non_torch_increase_bytes,
         )
 
