@@ -17,8 +17,7 @@ class Device:
     appearing later (for example a runtime workspace created on the first forward).
     """
 
-    __slots__ = ("capacity_bytes", "non_allocator_bytes", "allocator_bytes", "peak_used_bytes",
-                 "num_device_alloc", "num_device_free")
+    __slots__ = ("capacity_bytes", "non_allocator_bytes", "allocator_bytes", "peak_used_bytes")
 
     def __init__(self, capacity_bytes: int, non_allocator_bytes: int = 0) -> None:
         if capacity_bytes <= 0:
@@ -29,8 +28,6 @@ class Device:
         self.non_allocator_bytes = int(non_allocator_bytes)
         self.allocator_bytes = 0
         self.peak_used_bytes = self.non_allocator_bytes
-        self.num_device_alloc = 0
-        self.num_device_free = 0
 
     @property
     def used_bytes(self) -> int:
@@ -49,7 +46,6 @@ class Device:
         if size > self.capacity_bytes - self.non_allocator_bytes - self.allocator_bytes:
             return False
         self.allocator_bytes += size
-        self.num_device_alloc += 1
         used = self.non_allocator_bytes + self.allocator_bytes
         if used > self.peak_used_bytes:
             self.peak_used_bytes = used
@@ -57,7 +53,6 @@ class Device:
 
     def free(self, size: int) -> None:
         self.allocator_bytes -= size
-        self.num_device_free += 1
 
     def grow_non_allocator(self, size: int) -> bool:
         if size > self.free_bytes:

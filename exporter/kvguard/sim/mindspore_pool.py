@@ -113,11 +113,8 @@ class _BufAllocator:
             return None
         self.blocks.append(block)
         status = EAGER_FREE if self.pool.enable_vmm else IDLE
-        buf = MemBuf(block.addr, block.size, status, block)
-        if buf.size < size:
-            self._insert(buf)
-            return None
-        return self._map_and_split(buf, size)
+        # block_alloc_size never returns less than the request (0, refused, when it cannot).
+        return self._map_and_split(MemBuf(block.addr, block.size, status, block), size)
 
     def _map_and_split(self, buf: MemBuf, size: int) -> MemBuf | None:
         remaining = buf.size - size
@@ -157,8 +154,8 @@ class _BufAllocator:
                 buf.next.prev = buf
         self._insert(buf)
 
-    def eager_free_idle(self) -> tuple[int, int]:
-        """Turn idle buffers eager-free and unmap their whole pages: (bytes turned, bytes unmapped)."""
+    def eager_free_idle(self) -> int:
+        """Turn idle buffers eager-free and unmap their whole pages; bytes turned."""
         turned = 0
         for _, addr in list(self.idle):
             buf = self.bufs.get(addr)
@@ -167,11 +164,10 @@ class _BufAllocator:
             self._remove(buf)
             turned += buf.size
             self.free(buf, EAGER_FREE)
-        unmapped = 0
         for _, addr in self.eager:
             buf = self.bufs[addr]
-            unmapped += self.pool._unmap(buf.block, buf.addr, buf.size)
-        return turned, unmapped
+            self.pool._unmap(buf.block, buf.addr, buf.size)
+        return turned
 
     def release_unmapped_blocks(self) -> None:
         for block in list(self.blocks):
@@ -207,7 +203,6 @@ class DynamicMemPool:
         self.alloc_size = 0           # total_reserved_memory
         self.used_size = 0            # total_allocated_memory
         self.eager_free_size = 0      # total_eager_free_memory
-        self.physical_bytes = 0       # what the device has granted (VMM: mapped pages)
         self._peak_used = 0
         self._peak_alloc = 0
         self._used_at_reset = 0     # MemStat::temp_used_size_
@@ -249,7 +244,6 @@ class DynamicMemPool:
             if not self.device.malloc(block_size):
                 return None
             block = MemBlock(self._next_addr, block_size, vmm=False)
-            self.physical_bytes += block_size
             self.alloc_size += block_size
         self._next_addr += -(-block.size // VMM_PAGE_SIZE) * VMM_PAGE_SIZE + VMM_PAGE_SIZE
         self._note_alloc()
@@ -260,7 +254,6 @@ class DynamicMemPool:
         self.eager_free_size -= block.size
         if not self.enable_vmm:
             self.device.free(block.size)
-            self.physical_bytes -= block.size
 
     def _map(self, block: MemBlock, addr: int, size: int) -> bool:
         first = (addr - block.addr) // VMM_PAGE_SIZE
@@ -271,7 +264,6 @@ class DynamicMemPool:
             return False
         pages[first:last + 1] = b"\x01" * (last - first + 1)
         block.mapped_pages += missing
-        self.physical_bytes += missing * VMM_PAGE_SIZE
         self.eager_free_size -= size
         return True
 
@@ -288,7 +280,6 @@ class DynamicMemPool:
         pages[first:end] = bytes(end - first)
         block.mapped_pages -= mapped
         self.device.free(mapped * VMM_PAGE_SIZE)
-        self.physical_bytes -= mapped * VMM_PAGE_SIZE
         return mapped * VMM_PAGE_SIZE
 
     # ----------------------------------------------------------------- alloc / free
@@ -327,8 +318,7 @@ class DynamicMemPool:
 
     def _eager_free_idle(self) -> None:
         for allocator in self._allocators.values():
-            turned, _ = allocator.eager_free_idle()
-            self.eager_free_size += turned
+            self.eager_free_size += allocator.eager_free_idle()
 
     def empty_cache(self) -> None:
         if not self.enable_vmm:

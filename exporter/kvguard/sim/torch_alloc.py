@@ -70,7 +70,7 @@ class Block:
 class Segment:
     """A device allocation (or, expandable, a reserved address range with mapped pages)."""
 
-    __slots__ = ("base", "size", "small", "expandable", "page_size", "mapped_pages")
+    __slots__ = ("base", "size", "small", "expandable", "page_size")
 
     def __init__(self, base: int, size: int, small: bool, expandable: bool = False, page_size: int = 0) -> None:
         self.base = base
@@ -78,7 +78,6 @@ class Segment:
         self.small = small
         self.expandable = expandable
         self.page_size = page_size
-        self.mapped_pages = 0
 
 
 def _new_stat() -> list[list[int]]:
@@ -157,10 +156,6 @@ class CachingAllocator:
     @property
     def peak_reserved_bytes(self) -> int:
         return self._stats["reserved_bytes"][_ALL][1]
-
-    @property
-    def inactive_split_bytes(self) -> int:
-        return self._stats["inactive_split_bytes"][_ALL][0]
 
     def take_window_peaks(self) -> tuple[int, int]:
         peaks = (max(self._window_alloc, self.allocated_bytes), max(self._window_reserved, self.reserved_bytes))
@@ -484,7 +479,6 @@ class CachingAllocator:
         if not self.device.malloc(mapped):
             return False
         self.num_device_alloc += 1
-        segment.mapped_pages += mapped // page
         self._remove_unmapped(block)
         if mapped < block.size:
             rest = Block(block.addr + mapped, block.size - mapped, block.small, segment)
@@ -539,7 +533,6 @@ class CachingAllocator:
         self._try_merge(block, block.next)
         self._insert_unmapped(block)
         unmapped = end - start
-        segment.mapped_pages -= unmapped // page
         self.device.free(unmapped)
         self.num_device_free += 1
         _dec(self._s_reserved_bytes, _SMALL if block.small else _LARGE, unmapped)
