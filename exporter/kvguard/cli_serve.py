@@ -234,8 +234,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
     sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
                                     stale_after=stale_after, read_timeout=read_timeout, one_shot=True,
                                     pod_labels={"pod": "", "namespace": "", "container": ""}))
-    sidecar.refresh_background(wait=read_timeout)
-    observation = sidecar.observe()
+    observation = sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
     failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
     if not observation.ranks:
         why = "; ".join(f"{name}: {error}" for name, error in failed.items()) or \
