@@ -112,6 +112,12 @@ class Sidecar:
         self.config = config
         self._lock = threading.Lock()
         self._window = CounterWindow(config.counter_window_seconds)
+        # From the startup log (frozen), once: its profile, and its KV cache's bytes per block
+        # where the log counts the blocks itself (else vLLM's block size does, per scrape).
+        log = config.startup_log
+        self._log_profile = log.profile() if log else None
+        self._log_block_bytes = log.available_kv_cache_bytes // log.num_gpu_blocks \
+            if log and log.available_kv_cache_bytes and log.num_gpu_blocks else None
         self._spool = Poller(SPOOL, self._read_spool, config.read_timeout) if config.spool_dir else None
         self._first_read_done = False
         self._device_pollers = [Poller(name, source.sample, config.read_timeout) for name, source in config.sources]
@@ -213,8 +219,8 @@ class Sidecar:
     def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
         config = self.config
         skipped = Counter(spool_read.skipped)
-        log = config.startup_log
-        log_profile = log.profile() if log else None
+        log, log_profile = config.startup_log, self._log_profile
+        engine_kv_cache = self._engine_kv_cache(vllm)   # for ranks whose probe did not count theirs
         now_wall, now = time.time(), time.monotonic()
 
         newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
@@ -229,7 +235,8 @@ class Sidecar:
             stale = age > config.stale_after
             profile, origin = (snap.profile, "snapshot") if snap.profile else \
                 (log_profile, "log" if log_profile else None)
-            blocks, kv_bytes = self._kv_cache(snap, log, vllm)
+            blocks, kv_bytes = engine_kv_cache if snap.kv_cache is None else \
+                (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
@@ -240,7 +247,7 @@ class Sidecar:
         if not views and (log is not None or vllm is not None):
             # No probe: judge the one engine the log or vLLM's metrics describe.
             labels = {"device": "", "rank": "", "pid": "", **config.pod_labels}
-            blocks, kv_bytes = self._kv_cache(None, log, vllm)
+            blocks, kv_bytes = engine_kv_cache
             verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
             views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
                                   vllm.kv_cache_usage_ratio if vllm else None, None, False, verdict))
@@ -264,18 +271,15 @@ class Sidecar:
         return (snap.device, "" if snap.rank is None else str(snap.rank), str(snap.pid),
                 pod["pod"], pod["namespace"], pod["container"])
 
-    @staticmethod
-    def _kv_cache(snap: Snapshot | None, log: StartupLog | None, vllm) -> tuple[int | None, int | None]:
-        """(blocks, bytes) the engine allocated: the probe's count, else vLLM's metrics or log."""
-        if snap is not None and snap.kv_cache is not None:
-            return snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes
+    def _engine_kv_cache(self, vllm) -> tuple[int | None, int | None]:
+        """(blocks, bytes) the engine allocated as vLLM's metrics or the startup log tell it
+        (a rank's probe count, where there is one, comes first)."""
+        log = self.config.startup_log
         blocks = (vllm.num_gpu_blocks if vllm else None) or (log.num_gpu_blocks if log else None)
-        block_bytes = None
-        if log is not None and log.available_kv_cache_bytes:
-            log_blocks = log.num_gpu_blocks
+        block_bytes = self._log_block_bytes
+        if log is not None and log.available_kv_cache_bytes and log.num_gpu_blocks is None:
             block_size = vllm.block_size if vllm else None
-            if log_blocks is None and log.kv_cache_tokens and block_size:
-                log_blocks = log.kv_cache_tokens // block_size
+            log_blocks = log.kv_cache_tokens // block_size if log.kv_cache_tokens and block_size else None
             if log_blocks:
                 block_bytes = log.available_kv_cache_bytes // log_blocks
         if blocks and block_bytes:
