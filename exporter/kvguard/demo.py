@@ -37,22 +37,21 @@ class DemoSource:
         if ranks < 1:
             raise ValueError("the demo needs at least one rank")
         serving = ranks - 1 if ranks > 1 else 1
-        self._parts: list[Any] = [SimSource(ranks=serving, steps_per_sample=steps_per_sample, seed=seed, **SERVING)]
+        parts = [SimSource(ranks=serving, steps_per_sample=steps_per_sample, seed=seed, **SERVING)]
         if ranks > 1:
-            self._parts.append(SimSource(ranks=1, steps_per_sample=steps_per_sample, seed=seed + 1000, **TRIPPING))
+            parts.append(SimSource(ranks=1, steps_per_sample=steps_per_sample, seed=seed + 1000, **TRIPPING))
+        # (sim source, the number of its first device) for each part.
+        self._parts: list[tuple[Any, int]] = []
+        offset = 0
+        for part in parts:
+            self._parts.append((part, offset))
+            offset += part._ranks   # noqa: SLF001 - the sim source's rank count
         self._lock = threading.Lock()
-
-    def _offsets(self) -> list[int]:
-        offsets, total = [], 0
-        for part in self._parts:
-            offsets.append(total)
-            total += part._ranks   # noqa: SLF001 - the sim source's rank count
-        return offsets
 
     def sample(self) -> list[DeviceMemory]:
         with self._lock:
             records = []
-            for part, offset in zip(self._parts, self._offsets()):
+            for part, offset in self._parts:
                 for index, record in enumerate(part.sample()):
                     records.append(dataclasses.replace(record, device=f"npu:{offset + index}"))
             return records
@@ -60,9 +59,10 @@ class DemoSource:
     def rank_contexts(self) -> dict[str, RankContext]:
         with self._lock:
             contexts = {}
-            for part, offset in zip(self._parts, self._offsets()):
+            for part, offset in self._parts:
+                part_contexts = part.rank_contexts()
                 for index in range(part._ranks):   # noqa: SLF001
-                    context = part.rank_contexts().get(part.device(index))
+                    context = part_contexts.get(part.device(index))
                     if context is not None:
                         contexts[f"npu:{offset + index}"] = dataclasses.replace(context, rank=offset + index)
             return contexts
