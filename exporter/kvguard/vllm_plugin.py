@@ -226,10 +226,9 @@ def _ensure_probe(worker: Any) -> None:
     if _settings.spool_dir is None:
         return
     from kvguard import probe
-    if probe.current() is not None and probe.current().running:
-        return
     rank = getattr(worker, "rank", None)
-    # The strict start: a bad setting raises here and is counted and logged once by _guard.
+    # The strict start (returns the running probe, if any): a bad setting raises here and is
+    # counted and logged once by _guard.
     probe._start(_settings.spool_dir, _settings.interval, _settings.source,
                  rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
 
