@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.sources import SourceError, get_source, rank_contexts
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
@@ -71,6 +72,15 @@ def test_an_oom_scenario_keeps_the_demo_running():
     for _ in range(4):
         assert len(source.sample()) == 1
     assert source.restarts >= 1
+
+
+def test_model_configs_are_read_by_the_model_config_loader(tmp_path):
+    bundled = load_model_config(bundled_model_config_path())
+    assert bundled["model_type"] == "qwen2"
+    assert SimSource()._base.model_config == bundled
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 28,')
+    with pytest.raises(SourceError, match=f"^sim model config {tmp_path}: model config .* is not valid JSON"):
+        SimSource(model_config=str(tmp_path))       # a model directory, as everywhere else
 
 
 def test_bad_options_are_one_line_errors():

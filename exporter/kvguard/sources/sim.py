@@ -15,18 +15,17 @@ source also tells the probe each rank's startup Profile and KV-cache allocation
 
 from __future__ import annotations
 
-import json
 import threading
-from importlib import resources
 from typing import Any, Mapping
 
+from kvguard.estimator import ConfigError
+from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, SourceError, one_line
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
 from kvguard.spool import KVCacheAllocation
 
-DEFAULT_MODEL = "examples/qwen2.5-7b-instruct/config.json"
 _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64
 
@@ -37,10 +36,6 @@ def record_from_scenario(scenario: Any, device: str, source: str) -> DeviceMemor
     free, total = scenario.device_memory()
     reader = mindspore_source if scenario.config.allocator == "mindspore" else torch_source
     return reader.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total)
-
-
-def _default_model_config() -> dict[str, Any]:
-    return json.loads(resources.files("kvguard").joinpath(DEFAULT_MODEL).read_text())
 
 
 class SimSource:
@@ -60,12 +55,11 @@ class SimSource:
 
         self._scenario_class = ServingScenario
         if model_config is None:
-            model_config = _default_model_config()
+            model_config = load_model_config(bundled_model_config_path())
         elif isinstance(model_config, str):
             try:
-                with open(model_config, encoding="utf-8") as handle:
-                    model_config = json.load(handle)
-            except (OSError, ValueError) as exc:
+                model_config = load_model_config(model_config)
+            except ConfigError as exc:
                 raise SourceError(f"sim model config {model_config}: {one_line(exc)}") from None
         scenario.setdefault("device_memory_bytes", 32 << 30)
         try:
