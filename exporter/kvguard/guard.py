@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterable
 
 from kvguard.estimator import Profile, overcommit_bytes, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.records import DeviceMemory
@@ -232,12 +232,16 @@ def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -
     return dataclasses.replace(profile, peak_reserved_increase_bytes=inferred), True
 
 
+def _worst_state(states: Iterable[str]) -> str:
+    return max(states, key=SEVERITY.__getitem__, default=OK)
+
+
 def _state(reasons: list[Reason]) -> str:
-    return max((r.state for r in reasons), key=SEVERITY.__getitem__, default=OK)
+    return _worst_state(r.state for r in reasons)
 
 
 def worst(verdicts: list[Verdict]) -> str:
-    return max((v.state for v in verdicts), key=SEVERITY.__getitem__, default=OK)
+    return _worst_state(v.state for v in verdicts)
 
 
 class CounterWindow:
