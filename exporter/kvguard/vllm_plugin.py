@@ -51,6 +51,7 @@ WORKER_CLASSES = (
     ("vllm_ascend.worker.worker_v1", "NPUWorker"),
 )
 BUDGETS = ("stock", "reserved")
+DEFAULT_INTERVAL = 5.0
 _MARK = "_kvguard_wrapped"
 
 hook_errors: dict[str, int] = {}      # hook name -> failures, for tests and debugging
@@ -62,22 +63,23 @@ _reader: Any = None                   # the source that reads the reserved peak 
 
 @dataclass(frozen=True)
 class Settings:
-    spool_dir: str | None
-    interval: float
-    source: str
-    budget: str
+    spool_dir: str | None = None
+    interval: float = DEFAULT_INTERVAL
+    source: str = "auto"
+    budget: str = "stock"
 
     @classmethod
     def from_environment(cls, environ: Any = None) -> "Settings":
         environ = os.environ if environ is None else environ
         interval_text = environ.get("KVGUARD_INTERVAL", "").strip()
         try:
-            interval = float(interval_text) if interval_text else 5.0
+            interval = float(interval_text) if interval_text else DEFAULT_INTERVAL
             if not interval > 0 or interval == float("inf"):
                 raise ValueError
         except ValueError:
-            _failed("settings", f"KVGUARD_INTERVAL={interval_text!r} is not a positive number; using 5")
-            interval = 5.0
+            _failed("settings", f"KVGUARD_INTERVAL={interval_text!r} is not a positive number; "
+                                f"using {DEFAULT_INTERVAL:g}")
+            interval = DEFAULT_INTERVAL
         budget = environ.get("KVGUARD_BUDGET", "stock").strip().lower() or "stock"
         if budget not in BUDGETS:
             _failed("settings", f"KVGUARD_BUDGET={budget!r} is not one of {', '.join(BUDGETS)}; using stock")
@@ -90,7 +92,7 @@ class Settings:
         return self.spool_dir is not None or self.budget != "stock"
 
 
-_settings = Settings(spool_dir=None, interval=5.0, source="auto", budget="stock")
+_settings = Settings()
 
 
 def _failed(hook: str, message: str) -> None:
@@ -144,7 +146,7 @@ def _reset_for_tests() -> None:
         _registered = False
         hook_errors.clear()
         _logged.clear()
-    _settings = Settings(spool_dir=None, interval=5.0, source="auto", budget="stock")
+    _settings = Settings()
     _reader = None
     _PatchOnImport.forget()
 
