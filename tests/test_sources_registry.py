@@ -9,7 +9,7 @@ import types
 import pytest
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import Source, SourceError, get_source, register, source_names, unregister
+from kvguard.sources import Source, SourceError, free_total_used, get_source, register, source_names, unregister
 from kvguard.sources.auto import AutoSource, framework_in_process
 
 
@@ -94,3 +94,11 @@ def test_auto_with_torch_before_the_device_is_touched_samples_nothing(monkeypatc
     monkeypatch.delitem(sys.modules, "mindspore", raising=False)
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     assert AutoSource().sample() == []
+
+
+def test_free_total_used_takes_a_backends_own_used_count_over_total_minus_free():
+    assert free_total_used(30, 100) == {"free_bytes": 30, "total_bytes": 100, "used_bytes": 70}
+    assert free_total_used(30, 100, used=65) == {"free_bytes": 30, "total_bytes": 100, "used_bytes": 65}
+    assert free_total_used(30, 100, used=-1)["used_bytes"] == 70      # not a count: total - free
+    assert free_total_used(None, None, used=5) == {"free_bytes": None, "total_bytes": None, "used_bytes": 5}
+    assert free_total_used(120, 100)["used_bytes"] is None

@@ -139,12 +139,13 @@ def count(value: Any) -> int | None:
     return int(value)
 
 
-def free_total_used(free: Any, total: Any) -> dict[str, int | None]:
-    """DeviceMemory's free/total/used fields from a backend's (free, total)."""
-    free_bytes, total_bytes = count(free), count(total)
-    used = total_bytes - free_bytes if free_bytes is not None and total_bytes is not None \
-        and total_bytes >= free_bytes else None
-    return {"free_bytes": free_bytes, "total_bytes": total_bytes, "used_bytes": used}
+def free_total_used(free: Any, total: Any, used: Any = None) -> dict[str, int | None]:
+    """DeviceMemory's free/total/used fields from a backend's (free, total), and its own ``used``
+    count where it reports one (that wins; otherwise used is total - free)."""
+    free_bytes, total_bytes, used_bytes = count(free), count(total), count(used)
+    if used_bytes is None and free_bytes is not None and total_bytes is not None and total_bytes >= free_bytes:
+        used_bytes = total_bytes - free_bytes
+    return {"free_bytes": free_bytes, "total_bytes": total_bytes, "used_bytes": used_bytes}
 
 
 def one_line(exc: BaseException) -> str:

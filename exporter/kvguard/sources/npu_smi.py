@@ -177,9 +177,7 @@ def device_memory_from_npu_smi(info: NpuSmiInfo) -> list[DeviceMemory]:
         else:
             used, total = chip.memory_used_mib, chip.memory_total_mib
         fields = free_total_used(None if used is None or total is None else (total - used) * MIB,
-                                 None if total is None else total * MIB)
-        if used is not None:
-            fields["used_bytes"] = used * MIB
+                                 None if total is None else total * MIB, None if used is None else used * MIB)
         processes = tuple(ProcessMemory(pid=p.pid, used_bytes=p.memory_mib * MIB, name=p.name)
                           for p in info.processes if (p.npu, p.chip) == (chip.npu, chip.chip))
         records.append(DeviceMemory(device=label, source="npu-smi", processes=processes, **fields))

@@ -25,10 +25,8 @@ def device_memory_from_nvml(index: int, memory: Any, processes: Iterable[Any] = 
         used = count(getattr(proc, "usedGpuMemory", None))   # None where NVML cannot tell (WDDM, MIG)
         if pid is not None and used is not None:
             procs.append(ProcessMemory(pid=pid, used_bytes=used))
-    fields = free_total_used(getattr(memory, "free", None), getattr(memory, "total", None))
-    used = count(getattr(memory, "used", None))
-    if used is not None:
-        fields["used_bytes"] = used
+    fields = free_total_used(getattr(memory, "free", None), getattr(memory, "total", None),
+                             getattr(memory, "used", None))
     return DeviceMemory(device=f"cuda:{index}", source="nvml", processes=tuple(procs),
                         device_reserved_bytes=count(getattr(memory, "reserved", None)), **fields)
 
