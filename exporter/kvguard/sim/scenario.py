@@ -335,6 +335,11 @@ class ServingScenario:
         self._timeline.append(record)
         return record
 
+    def _record_serving(self, num_tokens: int) -> StepRecord:
+        return self._record("serving", self.step_index, num_running=len(self._running),
+                            num_waiting=len(self._waiting), num_tokens=num_tokens,
+                            kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+
     def _fail(self, phase: str, exc: SimOutOfMemory) -> None:
         self.oom = True
         self.oom_phase = phase
@@ -514,9 +519,7 @@ class ServingScenario:
                 self._execute(self._ops(num_tokens, len(scheduled), gathered))
             except SimOutOfMemory as exc:
                 self._fail("serving", exc)
-                return self._record("serving", self.step_index, num_running=len(self._running),
-                                    num_waiting=len(self._waiting), num_tokens=num_tokens,
-                                    kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+                return self._record_serving(num_tokens)
         for seq, tokens in scheduled:
             if seq.in_prefill:
                 seq.computed += tokens
@@ -533,9 +536,7 @@ class ServingScenario:
             else:
                 still_running.append(seq)
         self._running = still_running
-        record = self._record("serving", self.step_index, num_running=len(self._running),
-                              num_waiting=len(self._waiting), num_tokens=num_tokens,
-                              kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+        record = self._record_serving(num_tokens)
         self.step_index += 1
         if not num_tokens and not self._running and self._waiting:
             # Nothing fits even alone: vLLM would reject such a request; drop it to stay live.

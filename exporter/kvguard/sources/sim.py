@@ -101,8 +101,7 @@ class SimSource:
             self.restarts += 1
             scenario = self._scenarios[rank] = self._new(rank)
             self._shown_final[rank] = False
-        scenario.startup()
-        for _ in range(self._steps):
+        for _ in range(self._steps):    # the first step() runs startup()
             if scenario.finished:
                 break
             scenario.step()
