@@ -19,6 +19,30 @@ class SimOutOfMemory(MemoryError):
         super().__init__(message + (f"; {detail}" if detail else ""))
 
 
+def link_after(node: Any, new: Any) -> None:
+    """Splice ``new`` into a block list (``prev``/``next`` links) right after ``node``."""
+    nxt = node.next
+    new.next = nxt
+    if nxt is not None:
+        nxt.prev = new
+    new.prev = node
+    node.next = new
+
+
+def absorb(dst: Any, src: Any) -> None:
+    """Merge ``src``, ``dst``'s neighbour in a block list, into ``dst``: its bytes and its place."""
+    if dst.prev is src:
+        dst.addr = src.addr
+        prev = dst.prev = src.prev
+        if prev is not None:
+            prev.next = dst
+    else:
+        nxt = dst.next = src.next
+        if nxt is not None:
+            nxt.prev = dst
+    dst.size += src.size
+
+
 class Allocator(Protocol):
     """The common face of the simulated allocators.
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
-from .base import SimOutOfMemory
+from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
 
 K_ALIGN = 512
@@ -125,11 +125,7 @@ class _BufAllocator:
                 return None
         if remaining >= K_ALIGN:
             rest = MemBuf(buf.addr + size, remaining, buf.status, buf.block)
-            rest.next = buf.next
-            if rest.next is not None:
-                rest.next.prev = rest
-            rest.prev = buf
-            buf.next = rest
+            link_after(buf, rest)
             buf.size = size
             self._insert(rest)
         buf.status = USED
@@ -140,18 +136,11 @@ class _BufAllocator:
         prev = buf.prev
         if prev is not None and prev.status == status:
             self._remove(prev)
-            buf.addr = prev.addr
-            buf.size += prev.size
-            buf.prev = prev.prev
-            if buf.prev is not None:
-                buf.prev.next = buf
+            absorb(buf, prev)
         nxt = buf.next
         if nxt is not None and nxt.status == status:
             self._remove(nxt)
-            buf.size += nxt.size
-            buf.next = nxt.next
-            if buf.next is not None:
-                buf.next.prev = buf
+            absorb(buf, nxt)
         self._insert(buf)
 
     def eager_free_idle(self) -> int:

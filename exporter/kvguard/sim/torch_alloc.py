@@ -29,7 +29,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
-from .base import SimOutOfMemory
+from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
 
 K_MIN_BLOCK_SIZE = 512
@@ -244,11 +244,7 @@ class CachingAllocator:
         already_split = block.is_split()
         if split:
             remaining = Block(block.addr + size, remaining_size, small, block.segment)
-            remaining.next = block.next
-            if remaining.next is not None:
-                remaining.next.prev = remaining
-            remaining.prev = block
-            block.next = remaining
+            link_after(block, remaining)
             block.size = size
             self._insert_free(remaining)
             if not expandable:
@@ -361,16 +357,7 @@ class CachingAllocator:
             self._remove_free(src)
         else:
             self._remove_unmapped(src)
-        if dst.prev is src:
-            dst.addr = src.addr
-            dst.prev = src.prev
-            if dst.prev is not None:
-                dst.prev.next = dst
-        else:
-            dst.next = src.next
-            if dst.next is not None:
-                dst.next.prev = dst
-        dst.size += src.size
+        absorb(dst, src)
         return src.size
 
     # ----------------------------------------------------------------- releasing cached memory
@@ -483,11 +470,7 @@ class CachingAllocator:
         if mapped < block.size:
             rest = Block(block.addr + mapped, block.size - mapped, block.small, segment)
             rest.mapped = False
-            rest.next = block.next
-            if rest.next is not None:
-                rest.next.prev = rest
-            rest.prev = block
-            block.next = rest
+            link_after(block, rest)
             block.size = mapped
             self._insert_unmapped(rest)
         block.mapped = True
@@ -520,11 +503,7 @@ class CachingAllocator:
             self._insert_free(head)
         if after:
             tail = Block(end, after, block.small, segment)
-            tail.next = block.next
-            if tail.next is not None:
-                tail.next.prev = tail
-            tail.prev = block
-            block.next = tail
+            link_after(block, tail)
             self._insert_free(tail)
         block.addr = start
         block.size = end - start
