@@ -16,7 +16,7 @@ from kvguard.estimator import (
     KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate, kv_layout_from_config,
     max_concurrency, overcommit_bytes,
 )
-from kvguard.model_config import load_model_config
+from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, parse_size
 
 
@@ -296,8 +296,6 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
 
 # ---------------------------------------------------------------------------- simulate
 
-_BUNDLED_MODEL_CONFIG = "qwen2.5-7b-instruct"
-
 
 @main.command()
 @click.option("--model-config", "model_config", metavar="PATH",
@@ -344,12 +342,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install 'kvguard[plot]'") from None
     try:
-        if model_config:
-            config_dict = load_model_config(model_config)
-        else:
-            from importlib import resources
-            bundled = resources.files("kvguard") / "examples" / _BUNDLED_MODEL_CONFIG / "config.json"
-            config_dict = json.loads(bundled.read_text())
+        config_dict = load_model_config(model_config or bundled_model_config_path())
         config = ScenarioConfig(
             model_config=config_dict, device_memory_bytes=device_memory,
             gpu_memory_utilization=gpu_memory_utilization, allocator=allocator, budget=budget,
