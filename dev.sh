@@ -64,7 +64,8 @@ case "${1:-}" in
         shift
         if [ $# -eq 0 ]; then
             # The demo: simulated ranks through the real probe -> spool -> collector path, on loopback.
-            set -- serve --demo --listen 127.0.0.1 --spool-dir "${TMPDIR:-/tmp}/kvguard-demo-spool"
+            # It makes a fresh spool of its own and removes it on exit, so no earlier run's ranks linger.
+            set -- serve --demo --listen 127.0.0.1
         fi
         exec "$VENV/bin/kvguard" "$@"
         ;;
