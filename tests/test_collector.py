@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.collector import KVGuardCollector
 from kvguard.records import DeviceMemory, ProcessMemory
 from kvguard.sidecar import Sidecar, SidecarConfig
-from kvguard.vllm_log import parse_lines
+from kvguard.vllm.log import parse_lines
 from sidecar_fixtures import GIB, snapshot, write
 
 POD = {"pod": "", "namespace": "", "container": ""}

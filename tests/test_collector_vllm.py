@@ -7,9 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kvguard import vllm_metrics
+from kvguard.vllm import metrics as vllm_metrics
 from kvguard.sidecar import Sidecar, SidecarConfig
-from kvguard.vllm_log import parse_lines
+from kvguard.vllm.log import parse_lines
 from sidecar_fixtures import snapshot, write
 from test_collector import POD, scrape, value
 

@@ -219,4 +219,4 @@ def test_installed_wheel_registers_the_vllm_plugin(installed, tmp_path):
     result = subprocess.run([str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True,
                             text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['kvguard.vllm_plugin:register']"
+    assert result.stdout.strip() == "['kvguard.vllm.plugin:register']"

@@ -1,6 +1,6 @@
 """Parsing real startup log excerpts of each vLLM era."""
 
-from kvguard.vllm_log import parse_log
+from kvguard.vllm.log import parse_log
 
 GIB = 1 << 30
 
@@ -89,7 +89,7 @@ def test_overlong_lines_are_skipped_not_scanned():
 
 
 def test_read_log_file_parses_a_real_log(data_path):
-    from kvguard.vllm_log import read_log_file
+    from kvguard.vllm.log import read_log_file
 
     assert read_log_file(data_path("logs", "v1-tp2-debug.log")) == read(data_path, "v1-tp2-debug.log")
 
@@ -97,7 +97,7 @@ def test_read_log_file_parses_a_real_log(data_path):
 def test_read_log_file_refuses_a_device_in_one_line():
     import pytest
 
-    from kvguard.vllm_log import LogFileError, read_log_file
+    from kvguard.vllm.log import LogFileError, read_log_file
 
     with pytest.raises(LogFileError) as error:
         read_log_file("/dev/zero")   # endless, no newline: never iterated
@@ -105,7 +105,7 @@ def test_read_log_file_refuses_a_device_in_one_line():
 
 
 def test_read_log_file_skips_an_overlong_line_and_keeps_the_rest(data_path, tmp_path):
-    from kvguard.vllm_log import MAX_LINE_BYTES, read_log_file
+    from kvguard.vllm.log import MAX_LINE_BYTES, read_log_file
 
     with open(data_path("logs", "v1-tp2-debug.log"), "rb") as handle:
         real = handle.read()
@@ -116,7 +116,7 @@ def test_read_log_file_skips_an_overlong_line_and_keeps_the_rest(data_path, tmp_
 
 
 def test_read_log_file_stops_at_its_byte_cap(data_path):
-    from kvguard.vllm_log import read_log_file
+    from kvguard.vllm.log import read_log_file
 
     path = data_path("logs", "v1-tp2-debug.log")
     assert read_log_file(path, max_bytes=10).lines_matched == 0

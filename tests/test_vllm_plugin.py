@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("torch")   # the fake Worker keeps vLLM's @torch.inference_mode()
 
-from kvguard import probe, vllm_plugin  # noqa: E402
+from kvguard import probe
+from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
 from kvguard.estimator import Profile, reserved_kv_cache_bytes, stock_kv_cache_bytes  # noqa: E402
 from kvguard.sources import register as register_source, unregister  # noqa: E402
 from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
@@ -93,7 +94,7 @@ def snapshots(spool):
 
 def test_entry_point_is_declared_for_vllm():
     [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kvguard"]
-    assert entry.value == "kvguard.vllm_plugin:register"
+    assert entry.value == "kvguard.vllm.plugin:register"
     assert entry.load() is vllm_plugin.register
 
 
@@ -140,7 +141,7 @@ def test_register_never_raises(fake_vllm, monkeypatch):
 def test_unknown_budget_falls_back_to_stock_with_a_warning(fake_vllm, monkeypatch, caplog):
     monkeypatch.setenv("KVGUARD_BUDGET", "generous")
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    with caplog.at_level(logging.WARNING, logger="kvguard.vllm_plugin"):
+    with caplog.at_level(logging.WARNING, logger="kvguard.vllm.plugin"):
         vllm_plugin.register()
     worker = start_worker()
     assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
@@ -242,7 +243,7 @@ def test_a_failing_hook_is_counted_and_vllm_continues(fake_vllm, monkeypatch, ca
     def broken(worker, capture):
         raise KeyError("gpu_memory_utilization")
     monkeypatch.setattr(vllm_plugin, "profile_from", broken)
-    with caplog.at_level(logging.DEBUG, logger="kvguard.vllm_plugin"):
+    with caplog.at_level(logging.DEBUG, logger="kvguard.vllm.plugin"):
         first = start_worker().determine_available_memory()
         second = start_worker().determine_available_memory()
     assert first == second == stock_kv_cache_bytes(EXPECTED_PROFILE)      # vLLM's own result

@@ -100,7 +100,7 @@ def _read_profile_file(path: str) -> dict[str, Any]:
 
 
 def _read_log(path: str):
-    from kvguard.vllm_log import LogFileError, read_log_file
+    from kvguard.vllm.log import LogFileError, read_log_file
 
     try:
         startup = read_log_file(path)

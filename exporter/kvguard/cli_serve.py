@@ -34,7 +34,7 @@ class CheckError(click.ClickException):
 
 
 def _read_startup_log(path: str, error=click.ClickException):
-    from kvguard.vllm_log import LogFileError, read_log_file
+    from kvguard.vllm.log import LogFileError, read_log_file
 
     try:
         startup = read_log_file(path)

@@ -21,7 +21,7 @@ from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
 from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, read_spool
-from kvguard.vllm_log import StartupLog
+from kvguard.vllm.log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
 # The pod labels of a rank: the snapshot's pod identity but node, read from the same
@@ -123,7 +123,7 @@ class Sidecar:
         self._device_pollers = [Poller(name, source.sample, config.read_timeout) for name, source in config.sources]
         self._vllm = None
         if config.vllm_metrics_url:
-            from kvguard import vllm_metrics
+            from kvguard.vllm import metrics as vllm_metrics
 
             url, timeout = config.vllm_metrics_url, config.read_timeout
             self._vllm = Poller(VLLM_METRICS, lambda: vllm_metrics.fetch(url, timeout), timeout)

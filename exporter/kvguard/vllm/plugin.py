@@ -42,7 +42,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-log = logging.getLogger("kvguard.vllm_plugin")
+log = logging.getLogger("kvguard.vllm.plugin")
 
 # (module, class) of the worker classes whose methods kvguard wraps.
 WORKER_CLASSES = (
