@@ -4,10 +4,12 @@ One definition of each formula lives here; the CLI, the guard, the simulator and
 vLLM plugin all call these functions. Pure logic: no I/O, no imports of torch or
 mindspore. Every size is an int number of bytes.
 
-Sources (see README, "How the budget is computed"):
-- vLLM V1 ``Worker.determine_available_memory``:
-  ``available = total * gpu_memory_utilization - (weights + Δ allocated_bytes.all.peak
-  + Δ non-torch)``.
+Sources (see README, "How the budget is computed"; which release runs which formula, with
+the upstream file and line of each, is the era table in ``kvguard/vllm/eras.py``):
+- vLLM V1 ``Worker.determine_available_memory``, up to 0.26:
+  ``available = requested - (weights + Δ allocated_bytes.all.peak + Δ non-torch)
+  [- CUDA-graph estimate]``; from 0.27 ``requested - (total consumed + transient peak
+  headroom) - CUDA-graph estimate`` (``vllm/utils/mem_utils.py`` ``memory_profiling``).
 - vllm-mindspore's fix (Gitee PR !428): the same with Δ ``memory_reserved()``.
 - ``vllm/v1/kv_cache_interface.py``: page size per layer
   ``block_size * num_kv_heads * (head_size + head_size_v) * dtype_size``; MLA stores one
@@ -155,6 +157,13 @@ def kv_layout_from_config(
 
     dtype_bytes = model_dtype_bytes(config) if kv_cache_dtype == "auto" else min(_DTYPE_BYTES[kv_cache_dtype], 4)
 
+    num_heads = _positive_int(text, "num_attention_heads", "n_head", "num_heads")
+    # vLLM refuses this before it sizes anything (config/model.py verify_with_parallel_config,
+    # 0.11.0:1045-1052, 0.34.0:1577-1584); its message, word for word.
+    if num_heads is not None and num_heads % tensor_parallel_size:
+        raise ConfigError(f"Total number of attention heads ({num_heads}) must be divisible by tensor parallel "
+                          f"size ({tensor_parallel_size}).")
+
     kv_lora_rank = text.get("kv_lora_rank")
     if kv_lora_rank is not None:
         rope = _positive_int(text, "qk_rope_head_dim")
@@ -165,7 +174,6 @@ def kv_layout_from_config(
         return KVLayout(num_layers=layers_per_stage, num_kv_heads=1, head_size=lora + rope, head_size_v=0,
                         dtype_bytes=dtype_bytes, block_size=block_size, is_mla=True, kv_cache_dtype=kv_cache_dtype)
 
-    num_heads = _positive_int(text, "num_attention_heads", "n_head", "num_heads")
     num_kv_heads = _positive_int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or num_heads
     if num_kv_heads is None:
         raise ConfigError("model config has no head count (num_attention_heads / num_key_value_heads)")
@@ -186,12 +194,71 @@ def kv_layout_from_config(
     )
 
 
+# ---------------------------------------------------------------------------- budget formulas
+
+@dataclass(frozen=True)
+class BudgetFormula:
+    """How one family of vLLM releases turns its startup profile into the KV-cache budget.
+
+    ``requested``: ``"product"`` is ``total × utilization`` as a float, the result truncated by
+    ``int()``; ``"ceil"`` is ``math.ceil(total × utilization)``.
+    ``non_kv``: ``"peak"`` is weights + Δ allocated peak + Δ non-torch; ``"consumed"`` is the drop
+    in free device memory since the init snapshot plus the transient peak headroom (allocated
+    peak − allocated after the profile); ``"peak_absolute"`` is vllm-ascend's own: the allocated
+    peak with the weights in it plus the absolute non-torch memory.
+    ``cudagraph``: the CUDA-graph memory estimate is subtracted from the budget.
+    The release ranges and their upstream lines live in :mod:`kvguard.vllm.eras`.
+    """
+
+    name: str
+    requested: str
+    non_kv: str
+    cudagraph: bool = False
+    reserved_counts: str = ""      # what the reserved-aware budget swaps in, for docs and JSON
+
+
+FORMULAS: dict[str, BudgetFormula] = {f.name: f for f in (
+    BudgetFormula("peak", requested="product", non_kv="peak",
+                  reserved_counts="the reserved increase in place of the allocated peak increase"),
+    BudgetFormula("peak_ceil", requested="ceil", non_kv="peak",
+                  reserved_counts="the reserved increase in place of the allocated peak increase"),
+    BudgetFormula("peak_ceil_cudagraph", requested="ceil", non_kv="peak", cudagraph=True,
+                  reserved_counts="the reserved increase in place of the allocated peak increase"),
+    BudgetFormula("consumed", requested="ceil", non_kv="consumed", cudagraph=True,
+                  reserved_counts="the reserved transient peak in place of the allocated one "
+                                  "(total consumed already holds what empty_cache could not release)"),
+    BudgetFormula("peak_absolute", requested="product", non_kv="peak_absolute",
+                  reserved_counts="the reserved peak in place of the allocated peak"),
+    # 0.34's extensible KV cache: sized after warm-up from measured free memory, keeping free the
+    # larger of the transient peak and torch's reserve growth (a *reserved* figure): vLLM itself
+    # budgets what the reserved-aware budget adds, so the two are equal.
+    BudgetFormula("extensible", requested="ceil", non_kv="measured_after_warmup",
+                  reserved_counts="nothing: vLLM keeps torch's reserved growth free itself"),
+)}
+# v1/worker/extensible_kv_cache.py 0.34.0:64-65: KV_CACHE_MARGIN_FLOOR_BYTES, 1 GiB (CUDA).
+EXTENSIBLE_MARGIN_FLOOR_BYTES = 1 << 30
+DEFAULT_FORMULA = "peak"
+
+
 @dataclass(frozen=True)
 class Profile:
-    """A startup memory profile, in vLLM's terms. The profile file holds exactly these keys.
+    """A startup memory profile, in vLLM's terms; the profile file holds these keys.
 
-    ``peak_reserved_increase_bytes`` is None when only the allocated peak was measured
-    (vLLM's own logs never carry the reserved increase).
+    The first six are every era's; the rest are ``None`` where the era (``formula``) does not
+    use them. ``peak_reserved_increase_bytes`` is None when only the allocated peak was
+    measured (vLLM's own logs never carry the reserved increase).
+
+    - ``total_consumed_bytes``: 0.27+, init-snapshot free memory − free memory after the profile.
+    - ``transient_peak_headroom_bytes``: 0.27+, allocated peak − allocated after the profile.
+    - ``reserved_transient_peak_bytes``: kvguard's reserved twin of the headroom: the reserved
+      peak during the profile − reserved after it.
+    - ``cudagraph_memory_bytes``: the CUDA-graph estimate vLLM subtracted (0 when disabled).
+    - ``kv_cache_memory_bytes``: vLLM's ``--kv-cache-memory-bytes``; vLLM then skips the budget.
+    - ``vllm_version``: ``project:version`` of the release that measured it (``vllm:0.34.0``).
+    - 0.34's extensible KV cache (formula ``extensible``), measured after warm-up by
+      ``measure_kv_cache_blocks``: ``init_free_memory_bytes``, ``free_after_warmup_bytes``,
+      ``kv_committed_bytes`` (KV pages mapped then), ``kv_transient_peak_bytes`` (the cache's
+      ``reserved_headroom_bytes``) and ``torch_reserve_growth_bytes``.
     """
 
     total_memory_bytes: int
@@ -200,61 +267,161 @@ class Profile:
     peak_allocated_increase_bytes: int
     peak_reserved_increase_bytes: int | None
     non_torch_increase_bytes: int
+    formula: str = DEFAULT_FORMULA
+    vllm_version: str | None = None
+    total_consumed_bytes: int | None = None
+    transient_peak_headroom_bytes: int | None = None
+    reserved_transient_peak_bytes: int | None = None
+    cudagraph_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    init_free_memory_bytes: int | None = None
+    free_after_warmup_bytes: int | None = None
+    kv_committed_bytes: int | None = None
+    kv_transient_peak_bytes: int | None = None
+    torch_reserve_growth_bytes: int | None = None
+
+    REQUIRED = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes", "peak_allocated_increase_bytes",
+                "peak_reserved_increase_bytes", "non_torch_increase_bytes")
+    _BYTES = ("total_memory_bytes", "weights_bytes", "peak_allocated_increase_bytes", "peak_reserved_increase_bytes",
+              "non_torch_increase_bytes", "total_consumed_bytes", "transient_peak_headroom_bytes",
+              "reserved_transient_peak_bytes", "cudagraph_memory_bytes", "kv_cache_memory_bytes",
+              "init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes", "kv_transient_peak_bytes",
+              "torch_reserve_growth_bytes")
+    _EXTENSIBLE = ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
+                   "kv_transient_peak_bytes", "torch_reserve_growth_bytes")
+    # May be negative: vLLM logs show "non_torch_memory takes -0.51GiB"; consumed can drop too.
+    _SIGNED = ("non_torch_increase_bytes", "total_consumed_bytes")
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
                 or not 0 < self.gpu_memory_utilization <= 1:
-            raise ProfileError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("total_memory_bytes", "weights_bytes", "peak_allocated_increase_bytes",
-                     "peak_reserved_increase_bytes", "non_torch_increase_bytes"):
+            raise ProfileError(f"gpu_memory_utilization must be in (0, 1], got {_short_repr(self.gpu_memory_utilization)}")
+        if self.formula not in FORMULAS:
+            raise ProfileError(f"unknown budget formula {_short_repr(self.formula)} "
+                               f"(one of {', '.join(FORMULAS)})")
+        if self.vllm_version is not None and (not isinstance(self.vllm_version, str) or len(self.vllm_version) > 64):
+            raise ProfileError(f"vllm_version must be a short string, got {_short_repr(self.vllm_version)}")
+        for name in self._BYTES:
             value = getattr(self, name)
-            if value is None and name == "peak_reserved_increase_bytes":
+            if value is None and name not in ("total_memory_bytes", "weights_bytes", "peak_allocated_increase_bytes",
+                                              "non_torch_increase_bytes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ProfileError(f"{name} must be an integer number of bytes, got {value!r}")
-            if value is not None and abs(value) > _MAX_BYTES:
-                raise ProfileError(f"{name} is out of range: {value}")
+                raise ProfileError(f"{name} must be an integer number of bytes, got {_short_repr(value)}")
+            if abs(value) > _MAX_BYTES:
+                raise ProfileError(f"{name} is out of range: {_short_repr(value)}")
+            if value < 0 and name not in self._SIGNED:
+                raise ProfileError(f"{name} must not be negative, got {value}")
         if self.total_memory_bytes <= 0:
             raise ProfileError(f"total_memory_bytes must be positive, got {self.total_memory_bytes}")
-        for name in ("weights_bytes", "peak_allocated_increase_bytes", "peak_reserved_increase_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ProfileError(f"{name} must not be negative, got {value}")
-        # non_torch_increase_bytes may be negative: vLLM logs show "non_torch_memory takes -0.51GiB".
+        if FORMULAS[self.formula].non_kv == "consumed" and self.kv_cache_memory_bytes is None:
+            missing = [n for n in ("total_consumed_bytes", "transient_peak_headroom_bytes")
+                       if getattr(self, n) is None]
+            if missing:
+                raise ProfileError(f"formula {self.formula!r} needs {', '.join(missing)}")
+        if self.formula == "extensible" and self.kv_cache_memory_bytes is None:
+            missing = [n for n in self._EXTENSIBLE if getattr(self, n) is None]
+            if missing:
+                raise ProfileError(f"formula 'extensible' needs {', '.join(missing)}")
+
+    @property
+    def budget_formula(self) -> BudgetFormula:
+        return FORMULAS[self.formula]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The six keys every era has, then only what this era measured (None and the default formula
+        are left out, so a classic profile file keeps its six keys)."""
+        data = asdict(self)
+        return {k: v for k, v in data.items()
+                if k in self.REQUIRED or (v is not None and not (k == "formula" and v == DEFAULT_FORMULA))}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Profile":
         if not isinstance(data, Mapping):
             raise ProfileError("profile must be a JSON object")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in data]
-        unknown = sorted(set(data) - set(names))
+        missing = [n for n in cls.REQUIRED if n not in data]
+        unknown = sorted(str(k)[:40] for k in set(data) - set(names))
         if missing:
             raise ProfileError(f"profile is missing {', '.join(missing)}")
         if unknown:
             raise ProfileError(f"profile has unknown keys {', '.join(unknown)}")
         values = dict(data)
-        for name in names:
-            if name != "gpu_memory_utilization" and isinstance(values[name], float) and values[name].is_integer():
+        for name in cls._BYTES:
+            if isinstance(values.get(name), float) and values[name].is_integer() and abs(values[name]) <= _MAX_BYTES:
                 values[name] = int(values[name])
+        if values.get("formula") is None:
+            values.pop("formula", None)
         return cls(**values)
 
 
+def requested_memory_bytes(profile: Profile) -> int | float:
+    """What vLLM requests of the device: ``total × utilization``, a float before 0.14 (gpu_worker.py
+    ``init_device``) and ``math.ceil`` of it since (v1/worker/utils.py ``request_memory``)."""
+    product = profile.total_memory_bytes * profile.gpu_memory_utilization
+    return math.ceil(product) if profile.budget_formula.requested == "ceil" else product
+
+
+def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | None:
+    """What the era's formula keeps out of the KV cache (the CUDA-graph estimate aside).
+
+    ``reserved``: the reserved-aware twin (None when that reserved figure was not measured).
+    """
+    formula = profile.budget_formula
+    if formula.non_kv == "measured_after_warmup":
+        # Measured after warm-up; the reserved growth is already kept free (extensible_kv_cache_bytes).
+        return profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
+    if formula.non_kv == "consumed":
+        transient = profile.transient_peak_headroom_bytes
+        if reserved:
+            if profile.reserved_transient_peak_bytes is None:
+                return None
+            # What the reserved peak adds on top of the allocated one; never less than vLLM's.
+            transient = max(transient, profile.reserved_transient_peak_bytes)
+        return profile.total_consumed_bytes + transient
+    peak = profile.peak_allocated_increase_bytes
+    if reserved:
+        if profile.peak_reserved_increase_bytes is None:
+            return None
+        peak = profile.peak_reserved_increase_bytes
+    return profile.weights_bytes + peak + profile.non_torch_increase_bytes
+
+
+def extensible_kv_cache_bytes(profile: Profile) -> int:
+    """0.34's extensible KV cache, sized after warm-up (v1/worker/extensible_kv_cache.py 0.34.0:592-618,
+    ``measure_kv_cache_bytes``): the smaller of what the request leaves after the non-KV memory used
+    and the free memory less a margin, less the larger of the transient peak and torch's reserve growth."""
+    non_kv_used = profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
+    headroom = profile.free_after_warmup_bytes + profile.kv_committed_bytes
+    margin = max(EXTENSIBLE_MARGIN_FLOOR_BYTES, int(profile.kv_transient_peak_bytes * 0.75))
+    available = min(int(requested_memory_bytes(profile)) - non_kv_used, headroom - margin)
+    available -= max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
+    return max(available, 0)
+
+
+def _budget(profile: Profile, non_kv: int | None) -> int:
+    if profile.kv_cache_memory_bytes is not None:
+        return profile.kv_cache_memory_bytes
+    if profile.formula == "extensible":
+        return extensible_kv_cache_bytes(profile)
+    cudagraph = (profile.cudagraph_memory_bytes or 0) if profile.budget_formula.cudagraph else 0
+    return int(requested_memory_bytes(profile) - non_kv - cudagraph)
+
+
 def stock_kv_cache_bytes(profile: Profile) -> int:
-    """vLLM V1: total × utilization − (weights + Δ allocated peak + Δ non-torch)."""
-    return int(profile.total_memory_bytes * profile.gpu_memory_utilization
-               - (profile.weights_bytes + profile.peak_allocated_increase_bytes + profile.non_torch_increase_bytes))
+    """vLLM's own budget for the profile's era (or ``--kv-cache-memory-bytes`` when it was given)."""
+    return _budget(profile, non_kv_cache_bytes(profile))
 
 
 def reserved_kv_cache_bytes(profile: Profile) -> int | None:
-    """vllm-mindspore's fix: the same with the increase of reserved memory. None if unmeasured."""
-    if profile.peak_reserved_increase_bytes is None:
+    """The reserved-aware budget: the era's formula with the allocator's reserved peak in place of
+    the allocated one (vllm-mindspore's fix). None if the reserved figure was not measured."""
+    non_kv = non_kv_cache_bytes(profile, reserved=True)
+    if non_kv is None:
         return None
-    return int(profile.total_memory_bytes * profile.gpu_memory_utilization
-               - (profile.weights_bytes + profile.peak_reserved_increase_bytes + profile.non_torch_increase_bytes))
+    if profile.kv_cache_memory_bytes is not None:
+        return profile.kv_cache_memory_bytes
+    return _budget(profile, non_kv)
 
 
 @dataclass(frozen=True)
@@ -300,7 +467,7 @@ def recommended_gpu_memory_utilization(profile: Profile) -> float | None:
     None when the reserved increase is unknown or no positive utilization is safe.
     """
     reserved = reserved_kv_cache_bytes(profile)
-    if reserved is None:
+    if reserved is None or profile.kv_cache_memory_bytes is not None:
         return None
     if stock_kv_cache_bytes(profile) <= reserved:
         return profile.gpu_memory_utilization
@@ -308,7 +475,7 @@ def recommended_gpu_memory_utilization(profile: Profile) -> float | None:
     def stock_at(hundredths: int) -> int:
         return stock_kv_cache_bytes(_with_utilization(profile, hundredths / 100))
 
-    gap = profile.peak_reserved_increase_bytes - profile.peak_allocated_increase_bytes
+    gap = non_kv_cache_bytes(profile, reserved=True) - non_kv_cache_bytes(profile)
     hundredths = math.floor(100 * profile.gpu_memory_utilization - 100 * gap / profile.total_memory_bytes)
     hundredths = min(hundredths, math.floor(100 * profile.gpu_memory_utilization))
     # Float rounding can land one step off either way: settle on the largest safe value.
@@ -334,11 +501,13 @@ class Estimate:
     overcommit_bytes: int | None
     recommended_gpu_memory_utilization: float | None
     recommended_kv_cache_memory_bytes: int | None
+    reserved_counts: str = ""      # what the reserved-aware budget counts on top of the stock one
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "budgets": {"stock": self.stock.to_dict(),
                         "reserved": self.reserved.to_dict() if self.reserved else None},
+            "reserved_counts": self.reserved_counts,
             "overcommit_bytes": self.overcommit_bytes,
             "recommended_gpu_memory_utilization": self.recommended_gpu_memory_utilization,
             "recommended_kv_cache_memory_bytes": self.recommended_kv_cache_memory_bytes,
@@ -349,9 +518,13 @@ def estimate(profile: Profile, layout: KVLayout | None = None, max_model_len: in
     stock_bytes = stock_kv_cache_bytes(profile)
     reserved_bytes = reserved_kv_cache_bytes(profile)
     stock = budget_for(stock_bytes, layout, max_model_len)
+    counts = profile.budget_formula.reserved_counts
+    if profile.kv_cache_memory_bytes is not None:
+        counts = "nothing: --kv-cache-memory-bytes fixes the KV cache, vLLM skips its budget"
     if reserved_bytes is None:
-        return Estimate(stock, None, None, None, None)
+        return Estimate(stock, None, None, None, None, counts)
     return Estimate(
+        reserved_counts=counts,
         stock=stock,
         reserved=budget_for(reserved_bytes, layout, max_model_len),
         overcommit_bytes=overcommit_bytes(stock_bytes, reserved_bytes),

@@ -1,0 +1,173 @@
+"""The era table: which vLLM / vllm-ascend / vllm-mindspore releases budget the KV cache how.
+
+Each row is one release range of one project. It names the estimator formula the range's
+``determine_available_memory`` runs (:data:`kvguard.estimator.FORMULAS`), its defaults, the
+startup-log lines it writes (:mod:`kvguard.vllm.log` reads them), the worker hooks the plugin
+wraps, and the upstream file:line each of those facts follows. Paths are inside the release's
+wheel (``vllm/...``); "w" is ``vllm/v1/worker/gpu_worker.py``, "mu" ``vllm/utils/mem_utils.py``
+(``vllm/utils/__init__.py`` before 0.12), "wu" ``vllm/v1/worker/utils.py``.
+
+Supporting a new release is a new row here (and a test against its wheel), not an ``if`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvguard.estimator import FORMULAS
+
+PROJECTS = ("vllm", "vllm-ascend", "vllm-mindspore")
+
+# Worker methods the plugin wraps (kvguard.vllm.plugin); an era lists the ones its worker has.
+HOOKS_V1 = ("init_device", "determine_available_memory", "initialize_from_config")
+HOOKS_EXTENSIBLE = HOOKS_V1 + ("extend_kv_cache",)
+
+
+class EraError(ValueError):
+    """A release string kvguard cannot place in the table; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Era:
+    project: str
+    first: tuple[int, ...]             # first release of the range
+    last: tuple[int, ...] | None       # last release read to behave so (None: the newest); a release
+                                       # belongs to the last row whose ``first`` it reaches
+    formula: str                       # kvguard.estimator.FORMULAS key
+    default_block_size: int = 16
+    default_gpu_memory_utilization: float | None = 0.9   # None: resolved at run time (0.34)
+    mla_block_size: int | None = None  # vLLM on CUDA forces this block size for MLA models
+    cudagraph_estimate_default: bool = False
+    extensible_kv_cache_default: bool = False
+    kv_cache_memory_flag: str | None = "--kv-cache-memory-bytes"
+    log_lines: tuple[str, ...] = ()    # kvguard.vllm.log line kinds this era writes
+    hooks: tuple[str, ...] = HOOKS_V1
+    base: str | None = None            # the vLLM release a platform plugin runs on
+    checked_against: str | None = None # the wheel the tests run (tests/test_vllm_eras_real.py)
+    cites: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def name(self) -> str:
+        first = _text(self.first)
+        last = f"–{_text(self.last)}" if self.last and self.last != self.first else ("+" if self.last is None else "")
+        return f"{self.project} {first}{last}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "project": self.project, "formula": self.formula,
+                "default_block_size": self.default_block_size,
+                "default_gpu_memory_utilization": self.default_gpu_memory_utilization,
+                "mla_block_size": self.mla_block_size,
+                "cudagraph_estimate_default": self.cudagraph_estimate_default,
+                "extensible_kv_cache_default": self.extensible_kv_cache_default,
+                "kv_cache_memory_flag": self.kv_cache_memory_flag,
+                "checked_against": self.checked_against}
+
+
+def _v(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
+def _text(version: tuple[int, ...]) -> str:
+    return ".".join(str(p) for p in version)
+
+
+# Lines every V1 release writes (kvguard.vllm.log kinds).
+_V1_LINES = ("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "requested_memory",
+             "kv_cache_memory_bytes")
+
+ERAS: tuple[Era, ...] = (
+    Era("vllm", _v("0.10.2"), _v("0.13.0"), "peak",
+        log_lines=_V1_LINES + ("profile_peak",),
+        checked_against="0.11.0",
+        cites=("w 0.11.0:183-184 requested_memory = total_memory * gpu_memory_utilization (float)",
+               "w 0.11.0:279-280,302 return int(requested_memory - non_kv_cache_memory)",
+               "utils/__init__.py 0.11.0:2859 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
+               "config/cache.py 0.11.0 gpu_memory_utilization = 0.9, block_size 16",
+               "platforms/cuda.py 0.11.0 MLA block size forced to 64 (FlashMLA) / 128 (CUTLASS MLA)")),
+    Era("vllm", _v("0.14.0"), _v("0.17.1"), "peak_ceil",
+        log_lines=_V1_LINES + ("profile_peak",),
+        checked_against="0.14.0",
+        cites=("wu 0.14.0:258 requested_memory = math.ceil(total_memory * gpu_memory_utilization)",
+               "w 0.14.0:341-343,365 return int(requested_memory - non_kv_cache_memory)",
+               "mu 0.14.0:283 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
+               "platforms/cuda.py 0.17.1 last release forcing the MLA block size")),
+    Era("vllm", _v("0.18.0"), _v("0.19.1"), "peak_ceil_cudagraph",
+        log_lines=_V1_LINES + ("profile_peak",),
+        cites=("w 0.18.0:384-399 profile_cudagraph_memory() measured inside memory_profiling",
+               "w 0.18.0:437-441 available = requested - non_kv - cudagraph (applied only if "
+               "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)",
+               "envs.py 0.18.0:1636 VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default '0'",
+               "platforms/cuda.py 0.18.0 no MLA block-size override")),
+    Era("vllm", _v("0.20.0"), _v("0.26.0"), "peak_ceil_cudagraph",
+        default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
+        log_lines=_V1_LINES + ("profile_peak", "cudagraph"),
+        checked_against="0.20.0",
+        cites=("envs.py 0.20.0:1725 VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default '1'",
+               "w 0.20.0:366-425 the 0.18 arithmetic, the estimate now on by default",
+               "config/cache.py 0.20.0:66 gpu_memory_utilization default 0.92",
+               "w 0.25.0:582 return through reserve_mm_ipc_gpu_memory (a no-op for text models)")),
+    Era("vllm", _v("0.27.0"), _v("0.33.0"), "consumed",
+        default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
+        log_lines=_V1_LINES + ("profile_consumed", "cudagraph"),
+        checked_against="0.27.0",
+        cites=("mu 0.27.0:317-326 total_consumed = init free - free after profile; transient_peak_headroom = "
+               "after.torch_peak - after.torch_allocated; non_kv = total_consumed + transient_peak_headroom",
+               "w 0.27.0:500-548 CUDA-graph estimate measured after memory_profiling, subtracted",
+               "w 0.27.0:607-611 return reserve_mm_ipc_gpu_memory(int(available), ...)",
+               "mu 0.27.0 MemoryProfilingResult.__repr__ 'total consumed (from mem_get_info)'")),
+    Era("vllm", _v("0.34.0"), None, "consumed",
+        default_block_size=64, default_gpu_memory_utilization=None, cudagraph_estimate_default=True,
+        extensible_kv_cache_default=True,
+        log_lines=_V1_LINES + ("profile_consumed", "cudagraph"),
+        hooks=HOOKS_EXTENSIBLE,
+        checked_against="0.34.0",
+        cites=("config/cache.py 0.34.0:185 block_size default 64",
+               "config/cache.py 0.34.0:216,494-501 gpu_memory_utilization None; resolved_gpu_memory_utilization "
+               "1.0 with the extensible KV cache, else 0.92",
+               "wu 0.34.0:734-781 requested_memory = ceil(total * resolved_gpu_memory_utilization)",
+               "w 0.34.0:716-780 the 0.27 arithmetic, profile run under _scoped_allocator_max_split(20)",
+               "v1/worker/extensible_kv_cache.py 0.34.0:592-681 the committed size is measured after warm-up",
+               "w 0.34.0:1007 Worker.extend_kv_cache(num_blocks) commits it")),
+)
+
+
+def _validate(eras: tuple[Era, ...]) -> None:
+    for era in eras:
+        assert era.project in PROJECTS and era.formula in FORMULAS, era
+    for project in PROJECTS:
+        rows = [e for e in eras if e.project == project]
+        for earlier, later in zip(rows, rows[1:]):
+            assert earlier.last is not None and earlier.last < later.first, (earlier.name, later.name)
+
+
+_validate(ERAS)
+
+_RELEASE = re.compile(r"^(?:(vllm|vllm-ascend|vllm-mindspore|vllm_ascend|vllm_mindspore)[:=@ ]+)?v?"
+                      r"([0-9]{1,4}(?:\.[0-9]{1,6}){0,3})(?:[.+-]?[A-Za-z][A-Za-z0-9.+-]{0,40})?$")
+
+
+def parse_release(text: str) -> tuple[str, tuple[int, ...]]:
+    """``"0.34.0"``, ``"vllm:0.34.0"``, ``"vllm-ascend:0.18.0rc1"`` -> (project, version)."""
+    match = _RELEASE.match(str(text).strip()) if isinstance(text, str) and len(text) <= 80 else None
+    if not match:
+        raise EraError(f"not a release: {str(text)[:80]!r} (expected X.Y.Z, or vllm-ascend:X.Y.Z, "
+                       f"vllm-mindspore:X.Y.Z)")
+    project = (match[1] or "vllm").replace("_", "-")
+    version = tuple(int(p) for p in match[2].split("."))
+    return project, version + (0,) * (3 - len(version))
+
+
+def era_for(release: str) -> Era:
+    """The era a release belongs to; EraError (one line) for one the table does not cover."""
+    project, version = parse_release(release)
+    rows = [e for e in ERAS if e.project == project]
+    reached = [e for e in rows if version >= e.first]
+    if not reached:
+        known = ", ".join(e.name for e in rows) or "none"
+        raise EraError(f"{project} {_text(version)} is older than kvguard's era table (known: {known})")
+    return reached[-1]
+
+
+def release_text(project: str, version: tuple[int, ...]) -> str:
+    return f"{project}:{_text(version)}"
