@@ -198,15 +198,20 @@ def kv_layout_from_config(
 
 @dataclass(frozen=True)
 class BudgetFormula:
-    """How one family of vLLM releases turns its startup profile into the KV-cache budget.
+    """How one family of releases turns its startup profile into the KV-cache budget.
 
     ``requested``: ``"product"`` is ``total × utilization`` as a float, the result truncated by
     ``int()``; ``"ceil"`` is ``math.ceil(total × utilization)``.
-    ``non_kv``: ``"peak"`` is weights + Δ allocated peak + Δ non-torch; ``"consumed"`` is the drop
-    in free device memory since the init snapshot plus the transient peak headroom (allocated
-    peak − allocated after the profile); ``"peak_absolute"`` is vllm-ascend's own: the allocated
-    peak with the weights in it plus the absolute non-torch memory.
-    ``cudagraph``: the CUDA-graph memory estimate is subtracted from the budget.
+    ``non_kv``: ``"peak"`` is weights + Δ peak + Δ non-torch; ``"consumed"`` is the drop in free
+    device memory since the init snapshot plus the transient peak headroom (allocated peak −
+    allocated after the profile); ``"measured_after_warmup"`` is 0.34's extensible KV cache.
+    ``cudagraph``: the CUDA-graph memory estimate is subtracted.
+    ``peak``: which peak vLLM's own formula counts: ``"allocated"``, or ``"reserved"``
+    (vllm-mindspore's ``memory_profiling`` measures ``memory_reserved()``).
+    ``non_torch``: ``"increase"``, or ``"positive"`` (vllm-ascend before 0.15 adds the absolute
+    non-torch memory only when positive). ``cleared``: vllm-ascend 0.15+ also subtracts the
+    non-torch memory ``empty_cache`` cleared. ``halved``: 310P halves the result for workspace.
+    ``floor_zero``: the result is clamped at 0.
     The release ranges and their upstream lines live in :mod:`kvguard.vllm.eras`.
     """
 
@@ -214,26 +219,31 @@ class BudgetFormula:
     requested: str
     non_kv: str
     cudagraph: bool = False
-    reserved_counts: str = ""      # what the reserved-aware budget swaps in, for docs and JSON
+    peak: str = "allocated"
+    non_torch: str = "increase"
+    cleared: bool = False
+    halved: bool = False
+    floor_zero: bool = False
+    reserved_counts: str = "the reserved increase in place of the allocated peak increase"
 
 
 FORMULAS: dict[str, BudgetFormula] = {f.name: f for f in (
-    BudgetFormula("peak", requested="product", non_kv="peak",
-                  reserved_counts="the reserved increase in place of the allocated peak increase"),
-    BudgetFormula("peak_ceil", requested="ceil", non_kv="peak",
-                  reserved_counts="the reserved increase in place of the allocated peak increase"),
-    BudgetFormula("peak_ceil_cudagraph", requested="ceil", non_kv="peak", cudagraph=True,
-                  reserved_counts="the reserved increase in place of the allocated peak increase"),
+    BudgetFormula("peak", requested="product", non_kv="peak"),
+    BudgetFormula("peak_ceil", requested="ceil", non_kv="peak"),
+    BudgetFormula("peak_ceil_cudagraph", requested="ceil", non_kv="peak", cudagraph=True),
     BudgetFormula("consumed", requested="ceil", non_kv="consumed", cudagraph=True,
                   reserved_counts="the reserved transient peak in place of the allocated one "
                                   "(total consumed already holds what empty_cache could not release)"),
-    BudgetFormula("peak_absolute", requested="product", non_kv="peak_absolute",
-                  reserved_counts="the reserved peak in place of the allocated peak"),
     # 0.34's extensible KV cache: sized after warm-up from measured free memory, keeping free the
     # larger of the transient peak and torch's reserve growth (a *reserved* figure): vLLM itself
     # budgets what the reserved-aware budget adds, so the two are equal.
     BudgetFormula("extensible", requested="ceil", non_kv="measured_after_warmup",
                   reserved_counts="nothing: vLLM keeps torch's reserved growth free itself"),
+    BudgetFormula("ascend_absolute", requested="product", non_kv="peak", non_torch="positive", floor_zero=True),
+    BudgetFormula("ascend_cleared", requested="product", non_kv="peak", cleared=True),
+    BudgetFormula("ascend_cleared_halved", requested="product", non_kv="peak", cleared=True, halved=True),
+    BudgetFormula("mindspore_reserved", requested="product", non_kv="peak", peak="reserved",
+                  reserved_counts="nothing: vllm-mindspore's profile already counts the reserved increase"),
 )}
 # v1/worker/extensible_kv_cache.py 0.34.0:64-65: KV_CACHE_MARGIN_FLOOR_BYTES, 1 GiB (CUDA).
 EXTENSIBLE_MARGIN_FLOOR_BYTES = 1 << 30
@@ -259,14 +269,16 @@ class Profile:
       ``measure_kv_cache_blocks``: ``init_free_memory_bytes``, ``free_after_warmup_bytes``,
       ``kv_committed_bytes`` (KV pages mapped then), ``kv_transient_peak_bytes`` (the cache's
       ``reserved_headroom_bytes``) and ``torch_reserve_growth_bytes``.
+    - ``non_torch_cleared_bytes``: vllm-ascend 0.15+, the non-torch memory the profile's
+      ``empty_cache`` cleared (absolute non-torch before it − the non-torch increase).
     """
 
     total_memory_bytes: int
     gpu_memory_utilization: float
     weights_bytes: int
-    peak_allocated_increase_bytes: int
+    peak_allocated_increase_bytes: int | None
     peak_reserved_increase_bytes: int | None
-    non_torch_increase_bytes: int
+    non_torch_increase_bytes: int | None
     formula: str = DEFAULT_FORMULA
     vllm_version: str | None = None
     total_consumed_bytes: int | None = None
@@ -279,6 +291,7 @@ class Profile:
     kv_committed_bytes: int | None = None
     kv_transient_peak_bytes: int | None = None
     torch_reserve_growth_bytes: int | None = None
+    non_torch_cleared_bytes: int | None = None
 
     REQUIRED = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes", "peak_allocated_increase_bytes",
                 "peak_reserved_increase_bytes", "non_torch_increase_bytes")
@@ -286,11 +299,11 @@ class Profile:
               "non_torch_increase_bytes", "total_consumed_bytes", "transient_peak_headroom_bytes",
               "reserved_transient_peak_bytes", "cudagraph_memory_bytes", "kv_cache_memory_bytes",
               "init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes", "kv_transient_peak_bytes",
-              "torch_reserve_growth_bytes")
+              "torch_reserve_growth_bytes", "non_torch_cleared_bytes")
     _EXTENSIBLE = ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
                    "kv_transient_peak_bytes", "torch_reserve_growth_bytes")
     # May be negative: vLLM logs show "non_torch_memory takes -0.51GiB"; consumed can drop too.
-    _SIGNED = ("non_torch_increase_bytes", "total_consumed_bytes")
+    _SIGNED = ("non_torch_increase_bytes", "total_consumed_bytes", "non_torch_cleared_bytes")
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
@@ -301,10 +314,14 @@ class Profile:
                                f"(one of {', '.join(FORMULAS)})")
         if self.vllm_version is not None and (not isinstance(self.vllm_version, str) or len(self.vllm_version) > 64):
             raise ProfileError(f"vllm_version must be a short string, got {_short_repr(self.vllm_version)}")
+        # The peak formulas need the allocated peak and non-torch increases; 0.27+ logs state neither.
+        formula = self.budget_formula
+        peak_name = "peak_reserved_increase_bytes" if formula.peak == "reserved" else "peak_allocated_increase_bytes"
+        needed = ("total_memory_bytes", "weights_bytes") + (
+            (peak_name, "non_torch_increase_bytes") if formula.non_kv == "peak" else ())
         for name in self._BYTES:
             value = getattr(self, name)
-            if value is None and name not in ("total_memory_bytes", "weights_bytes", "peak_allocated_increase_bytes",
-                                              "non_torch_increase_bytes"):
+            if value is None and name not in needed:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"{name} must be an integer number of bytes, got {_short_repr(value)}")
@@ -379,12 +396,19 @@ def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | Non
             # What the reserved peak adds on top of the allocated one; never less than vLLM's.
             transient = max(transient, profile.reserved_transient_peak_bytes)
         return profile.total_consumed_bytes + transient
-    peak = profile.peak_allocated_increase_bytes
+    peak = (profile.peak_reserved_increase_bytes if formula.peak == "reserved"
+            else profile.peak_allocated_increase_bytes)
     if reserved:
         if profile.peak_reserved_increase_bytes is None:
             return None
         peak = profile.peak_reserved_increase_bytes
-    return profile.weights_bytes + peak + profile.non_torch_increase_bytes
+    if peak is None:
+        return None
+    non_torch = profile.non_torch_increase_bytes
+    if formula.non_torch == "positive":
+        non_torch = max(0, non_torch)
+    cleared = (profile.non_torch_cleared_bytes or 0) if formula.cleared else 0
+    return profile.weights_bytes + peak + non_torch + cleared
 
 
 def extensible_kv_cache_bytes(profile: Profile) -> int:
@@ -404,8 +428,13 @@ def _budget(profile: Profile, non_kv: int | None) -> int:
         return profile.kv_cache_memory_bytes
     if profile.formula == "extensible":
         return extensible_kv_cache_bytes(profile)
-    cudagraph = (profile.cudagraph_memory_bytes or 0) if profile.budget_formula.cudagraph else 0
-    return int(requested_memory_bytes(profile) - non_kv - cudagraph)
+    formula = profile.budget_formula
+    cudagraph = (profile.cudagraph_memory_bytes or 0) if formula.cudagraph else 0
+    available = requested_memory_bytes(profile) - non_kv - cudagraph
+    if formula.halved:
+        available = available // 2      # vllm_ascend/_310p/worker_310p.py 0.18.0:94-97 (float floor division)
+    available = int(available)
+    return max(available, 0) if formula.floor_zero else available
 
 
 def stock_kv_cache_bytes(profile: Profile) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvguard.estimator import FORMULAS
 
-PROJECTS = ("vllm", "vllm-ascend", "vllm-mindspore")
+PROJECTS = ("vllm", "vllm-ascend", "vllm-ascend-310p", "vllm-mindspore")
 
 # Worker methods the plugin wraps (kvguard.vllm.plugin); an era lists the ones its worker has.
 HOOKS_V1 = ("init_device", "determine_available_memory", "initialize_from_config")
@@ -77,6 +77,13 @@ _V1_LINES = ("model_loading", "available_kv_cache", "kv_cache_size", "max_concur
              "kv_cache_memory_bytes")
 
 ERAS: tuple[Era, ...] = (
+    # V0's worker (worker/worker.py) and the early V1 engine: total × util as a float, less the
+    # profiled peak (weights + activations + non-torch). Read from the log only; no wheel tested.
+    Era("vllm", _v("0.6.4"), _v("0.10.1"), "peak", hooks=(), kv_cache_memory_flag=None,
+        log_lines=("model_loading", "v0_can_use", "v0_breakdown", "v0_results", "v0_blocks", "available_kv_cache",
+                   "kv_cache_size", "max_concurrency"),
+        cites=("worker/worker.py 0.6.4:232-243 'Memory profiling results' (kv_cache_size = total * util - peak)",
+               "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'")),
     Era("vllm", _v("0.10.2"), _v("0.13.0"), "peak",
         log_lines=_V1_LINES + ("profile_peak",),
         checked_against="0.11.0",
@@ -129,6 +136,42 @@ ERAS: tuple[Era, ...] = (
                "w 0.34.0:716-780 the 0.27 arithmetic, profile run under _scoped_allocator_max_split(20)",
                "v1/worker/extensible_kv_cache.py 0.34.0:592-681 the committed size is measured after warm-up",
                "w 0.34.0:1007 Worker.extend_kv_cache(num_blocks) commits it")),
+
+    # vllm-ascend X runs on vLLM X; "aw" is vllm_ascend/worker/worker.py (0.9.1: worker_v1.py).
+    Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "ascend_absolute", default_block_size=128,
+        log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency"),
+        hooks=HOOKS_V1,
+        cites=("aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
+               "weights + absolute non-torch if > 0)), clamped at 0",
+               "aw 0.13.0:307-309 'Available memory: %d, total memory: %d' (exact bytes)",
+               "worker/model_runner_v1.py 0.13.0:2395 'Loading model weights took %.4f GB'")),
+    Era("vllm-ascend", _v("0.15.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
+        cites=("aw 0.17.0rc1:266-267 requested_memory = total * util (float, no ceil)",
+               "aw 0.17.0rc1:339-366 available = requested - non_kv - (absolute non-torch before empty_cache - "
+               "non_torch_increase)")),
+    Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
+        cites=("aw 0.18.0:327-361 available = requested - non_kv (vLLM's memory_profiling, float request)",)),
+    Era("vllm-ascend", _v("0.19.0"), _v("0.23.0"), "peak", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency",
+                   "kv_cache_memory_bytes"),
+        cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",)),
+    # NPUWorker310 (vllm_ascend/_310p/worker_310p.py) inherits NPUWorker's formula until 0.18, then halves it.
+    Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
+        cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)),
+    Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size"),
+        cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
+               "310 0.23.0:118-122 'Available KV cache memory: %.2f GiB (halved for workspace)'")),
+    # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
+    # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
+    # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.
+    Era("vllm-mindspore", _v("0.5.0"), None, "mindspore_reserved", default_block_size=128,
+        log_lines=_V1_LINES + ("profile_peak", "platform_plugin"), base="vllm:0.11.0",
+        cites=("vllm_mindspore/utils.py:475 torch_peak_increase = after.torch_memory - before.torch_memory "
+               "(memory_reserved)", "platforms/ascend.py:92-94 block_size default 128",
+               "scripts.py env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'")),
 )
 
 
@@ -143,7 +186,7 @@ def _validate(eras: tuple[Era, ...]) -> None:
 
 _validate(ERAS)
 
-_RELEASE = re.compile(r"^(?:(vllm|vllm-ascend|vllm-mindspore|vllm_ascend|vllm_mindspore)[:=@ ]+)?v?"
+_RELEASE = re.compile(r"^(?:(vllm|vllm-ascend-310p|vllm-ascend|vllm-mindspore|vllm_ascend|vllm_mindspore)[:=@ ]+)?v?"
                       r"([0-9]{1,4}(?:\.[0-9]{1,6}){0,3})(?:[.+-]?[A-Za-z][A-Za-z0-9.+-]{0,40})?$")
 
 

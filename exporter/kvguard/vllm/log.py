@@ -1,29 +1,15 @@
 """Startup facts from a vLLM / vllm-ascend / vllm-mindspore log.
 
-Pure parsing: text in, a StartupLog record out. What a log does not say stays None;
-nothing is invented. The lines recognised, by era (strings from vLLM's source, see
-README "Reading a startup log"):
+Pure parsing: text in, a StartupLog record out. What a log does not say stays None; nothing
+is invented. Each line kind below is a template of literal text and numeric slots, matched
+without regular-expression backtracking: the first literal is found with ``str.find``, every
+later piece must follow it (``…`` skips to the next literal), and a number is one bounded
+token. Parsing is linear in the log's size whatever the text; a number longer than
+:data:`MAX_NUMBER_CHARS` is refused with a one-line :class:`LogLineError`.
 
-V1 (``vllm/v1/worker/gpu_worker.py``, ``vllm/v1/core/kv_cache_utils.py``)
-    Available KV cache memory: 37.85 GiB
-    GPU KV cache size: 708,672 tokens
-    Maximum concurrency for 32,768 tokens per request: 21.63x
-    Model loading took 14.2487 GiB and 5.37 seconds
-    Free memory on device (59.69/64.00 GiB) on startup. Desired GPU memory utilization is (0.9, 57.60 GiB)
-    Memory profiling takes 5.20 seconds. Total non KV cache memory: 19.75GiB; torch peak memory increase:
-        4.26GiB; non-torch forward increase memory: 1.30GiB; weights memory: 14.19GiB.   (DEBUG)
-V0, late 2024 to removal (``vllm/worker/worker.py``)
-    the current vLLM instance can use total_gpu_memory (79.15GiB) x gpu_memory_utilization (0.90) = 71.24GiB
-    model weights take 14.99GiB; non_torch_memory takes 0.14GiB; PyTorch activation peak memory takes
-        1.23GiB; the rest of the memory reserved for KV Cache is 54.88GiB.
-    # GPU blocks: 5102, # CPU blocks: 4681      (also "# cuda blocks", "# npu blocks")
-    Loading model weights took 14.9888 GB       (GiB despite the label: divided by 2**30)
-V0, v0.6.4 era
-    Memory profiling results: total_gpu_memory=79.15GiB initial_memory_usage=15.40GiB
-        peak_torch_memory=16.23GiB memory_usage_post_profile=15.54GiB non_torch_memory=0.14GiB
-        kv_cache_size=54.88GiB gpu_memory_utilization=0.90
-vllm-ascend, 2025-07 to 2025-11 (``worker_v1.py``)
-    Available memory: 40638086144, total memory: 65452113920
+The templates follow each release's format strings (file:line per release in
+``kvguard/vllm/eras.py`` and the README's era table); each carries the vLLM releases that
+write it, so the lines a log holds narrow down its era.
 """
 
 from __future__ import annotations
@@ -31,14 +17,242 @@ from __future__ import annotations
 import os
 import re
 import stat
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from kvguard.estimator import Profile
+from kvguard.estimator import FORMULAS, Profile
+from kvguard.vllm import eras
 
 GIB = 1 << 30
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_NUM = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
+MAX_NUMBER_CHARS = 40
+# A line longer than this is not a vLLM log line; skip it rather than scan it.
+MAX_LINE_CHARS = 8192
+_ANSI = re.compile(r"\x1b\[[0-9;?]{0,32}[A-Za-z]")
+# One bounded token; the class repeats once, so matching is linear in its length.
+_NUMBER = re.compile(r"[-+]?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+
+
+class LogFileError(ValueError):
+    """One line saying why a log file is not read (it is not a regular file)."""
+
+
+class LogLineError(ValueError):
+    """A budget line whose numbers cannot be taken (too long to be a real figure); one line."""
+
+
+V = eras._v
+ALL = (V("0.0.0"), None)
+
+
+@dataclass(frozen=True)
+class LineKind:
+    """One startup line: its template, the releases that write it, and the facts it states."""
+
+    name: str
+    template: str                      # literals, {slot} numbers, … to skip ahead
+    releases: tuple[tuple[int, ...], tuple[int, ...] | None] = ALL   # vLLM first..last writing it
+    project: str | None = None         # a line only that project writes
+    cite: str = ""
+    pieces: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pieces", tuple(_compile(self.template)))
+
+    def match(self, line: str) -> dict[str, str] | None:
+        kind, anchor = self.pieces[0]
+        start = line.find(anchor)
+        tries = 0
+        while start >= 0 and tries < 4:
+            found = _match_from(self.pieces, line, start)
+            if found is not None:
+                return found
+            tries += 1
+            start = line.find(anchor, start + 1)
+        return None
+
+
+def _compile(template: str) -> Iterator[tuple[str, str]]:
+    """``"took {w} GiB … and"`` -> (lit, "took "), (num, "w"), (lit, " GiB"), (skip, ""), (lit, " and")."""
+    for part in re.split(r"(\{[a-z_]+\}|…)", template):
+        if not part:
+            continue
+        if part == "…":
+            yield ("skip", "")
+        elif part.startswith("{"):
+            yield ("num", part[1:-1])
+        else:
+            yield ("lit", part)
+
+
+def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dict[str, str] | None:
+    found: dict[str, str] = {}
+    skipping = False
+    for kind, value in pieces:
+        if kind == "skip":
+            skipping = True
+            continue
+        if kind == "lit":
+            if skipping:
+                at = line.find(value, pos)
+                if at < 0:
+                    return None
+                pos = at
+                skipping = False
+            elif not line.startswith(value, pos):
+                return None
+            pos += len(value)
+            continue
+        token = _NUMBER.match(line, pos)
+        if token is None:
+            return None
+        text = token.group()
+        if len(text) > MAX_NUMBER_CHARS:
+            raise LogLineError(f"number {text[:12]}… ({len(text)} characters) is too long for a memory figure")
+        found[value] = text
+        pos = token.end()
+    return found
+
+
+# The templates, by the releases that write them (research: the wheels' format strings).
+KINDS: tuple[LineKind, ...] = (
+    # Weights: "%.4f GiB and %.6f seconds" (0.10.2-0.11), "… GiB memory and …" (0.12+ v1 runner),
+    # format_gib from 0.14; V0's "Loading model weights took %.4f GB" divides by 2**30 too.
+    LineKind("model_loading", "Model loading took {weights} GiB",
+             cite="v1/worker/gpu_model_runner.py 0.11.0:2653, 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442"),
+    LineKind("model_loading", "Loading model weights took {weights} GB",
+             cite="worker/model_runner.py 0.6.4:1077; vllm-ascend model_runner_v1.py"),
+    # "Initial free memory: %.2f GiB; Requested memory: %.2f (util), %.2f GiB" (<= 0.13, util 2 decimals);
+    # "%s GiB; Requested memory: %f (util), %s GiB" (0.14+, util 6 decimals).
+    LineKind("requested_memory", "Initial free memory: {init_free} GiB; Requested memory: {util} (util), "
+             "{requested} GiB", releases=(V("0.10.2"), None),
+             cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
+    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free} GiB, reserved {kv_cache_memory} …"
+             "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.10.2"), None),
+             cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708"),
+    LineKind("profile_peak", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
+             "non-torch forward increase memory: {non_torch}GiB; weights memory: {weights}GiB",
+             releases=(V("0.10.2"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),
+    LineKind("profile_consumed", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
+             "total consumed (from mem_get_info): {consumed}GiB; weights memory: {weights}GiB",
+             releases=(V("0.27.0"), None), cite="mu 0.27.0:220-231, 0.34.0:231-242"),
+    LineKind("init_snapshot", "worker init memory snapshot: …free_memory={free}GiB, total_memory={total}GiB",
+             releases=(V("0.14.0"), None), cite="w 0.14.0:235; mu 0.14.0:91-102 MemorySnapshot.__repr__"),
+    LineKind("cudagraph", "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+             "--gpu-memory-utilization={util} is equivalent to --gpu-memory-utilization={equiv} without",
+             releases=(V("0.20.0"), None), cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820"),
+    LineKind("cudagraph", "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
+             "…The current --gpu-memory-utilization={util} is equivalent to --gpu-memory-utilization={equiv} "
+             "without", releases=(V("0.18.0"), V("0.19.1")), cite="w 0.18.0:472-484, 0.19.0:453"),
+    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_gib} GiB total",
+             releases=(V("0.20.0"), None), cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045"),
+    LineKind("available_kv_cache", "Available KV cache memory: {available} GiB",
+             cite="w 0.11.0:298, 0.14.0:358-362, 0.34.0:795-798"),
+    LineKind("kv_cache_size", " KV cache size: {tokens} tokens",
+             cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092; 0.34.0:1157-1176 (one line with the concurrency)"),
+    LineKind("max_concurrency", "Maximum concurrency for {max_model_len} tokens per request: {concurrency}x",
+             cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092, 0.30.0:2385-2401"),
+    LineKind("warmup_measured", "Memory after warmup: {free} GiB free, {committed} GiB committed to the KV cache, "
+             "{kept} GiB kept for transient activations ({transient} GiB allocated at peak, {growth} GiB of torch "
+             "reservation growth); {blocks} KV cache blocks ({kv} GiB) fit within the requested {requested} GiB",
+             releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709"),
+    LineKind("extended_kv_cache", "Extended KV cache to {blocks} blocks ({kv} GiB)",
+             releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540"),
+    LineKind("free_on_startup", "Free memory on device ({free}/{total} GiB) on startup. Desired GPU memory "
+             "utilization is ({util}", cite="w 0.11.0:185-195 (the refusal when free < requested)"),
+    # V0 (worker/worker.py), 0.6.4 .. 0.10.1.
+    LineKind("v0_can_use", "can use total_gpu_memory ({total}GiB) x gpu_memory_utilization ({util})",
+             releases=(V("0.6.5"), V("0.10.1")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
+    LineKind("v0_breakdown", "model weights take {weights}GiB; non_torch_memory takes {non_torch}GiB; PyTorch "
+             "activation peak memory takes {peak}GiB; the rest of the memory reserved for KV Cache is {available}GiB",
+             releases=(V("0.6.5"), V("0.10.1")), cite="worker/worker.py 0.7.0"),
+    LineKind("v0_results", "Memory profiling results: total_gpu_memory={total}GiB…peak_torch_memory={peak_torch}GiB…"
+             "non_torch_memory={non_torch}GiB kv_cache_size={available}GiB gpu_memory_utilization={util}",
+             releases=(V("0.6.4"), V("0.6.4")), cite="worker/worker.py 0.6.4:232-243"),
+    # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
+    LineKind("v0_blocks", "# … blocks: {blocks}", releases=(V("0.6.4"), V("0.10.1")),
+             cite="executor/gpu_executor.py 0.6.4:113; executor/executor_base.py 0.7.0:110"),
+    # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
+    LineKind("ascend_available", "Available memory: {available}, total memory: {total}", project="vllm-ascend",
+             cite="vllm_ascend/worker/worker_v1.py determine_available_memory (2025-07 .. 2025-11)"),
+    LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p",
+             cite="vllm_ascend/worker/worker_310p.py NPUWorker310"),
+    # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM.
+    LineKind("platform_plugin", "-> vllm_mindspore:", project="vllm-mindspore",
+             cite="vllm/plugins/__init__.py 'Available plugins for group vllm.platform_plugins'"),
+    LineKind("platform_plugin", "-> vllm_ascend:", project="vllm-ascend"),
+)
+
+# Quick reject: a line with none of these cannot match any template.
+_KEYS = tuple(sorted({k.pieces[0][1] for k in KINDS}, key=len))
+
+
+@dataclass(frozen=True)
+class StartupLog:
+    """What one startup log says. Sizes in bytes; log sizes carry vLLM's 0.01 GiB rounding."""
+
+    era: str | None = None                       # the era table row the lines pin down, if one
+    era_candidates: tuple[str, ...] = ()         # every row consistent with the lines seen
+    project: str = "vllm"
+    total_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    init_free_memory_bytes: int | None = None
+    requested_memory_bytes: int | None = None
+    weights_bytes: int | None = None
+    peak_allocated_increase_bytes: int | None = None
+    non_torch_increase_bytes: int | None = None
+    non_kv_cache_bytes: int | None = None
+    total_consumed_bytes: int | None = None
+    cudagraph_memory_bytes: int | None = None
+    kv_cache_memory_bytes: int | None = None     # --kv-cache-memory-bytes, as the log states it
+    peak_torch_memory_bytes: int | None = None   # 0.6.4: weights + activation peak together
+    available_kv_cache_bytes: int | None = None  # what vLLM decided
+    num_gpu_blocks: int | None = None
+    kv_cache_tokens: int | None = None
+    max_model_len: int | None = None
+    max_concurrency: float | None = None
+    halved_for_workspace: bool = False
+    lines_matched: int = 0
+    kinds_seen: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["era_candidates"] = list(self.era_candidates)
+        data["kinds_seen"] = list(self.kinds_seen)
+        return data
+
+    @property
+    def era_row(self) -> "eras.Era | None":
+        return next((e for e in eras.ERAS if e.name == self.era), None)
+
+    def profile(self) -> Profile | None:
+        """The startup profile, when the log carries every part the era's formula needs (vLLM's logs
+        never carry the reserved increase). Raises ProfileError when the stated figures are out of range."""
+        formulas = {e.formula for e in eras.ERAS if e.name in self.era_candidates}
+        formula = formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes is not None
+                                                              else "peak")
+        if any(p is None for p in (self.total_memory_bytes, self.gpu_memory_utilization, self.weights_bytes)):
+            return None
+        extra: dict[str, Any] = {}
+        if formula == "consumed":
+            if self.total_consumed_bytes is None or self.non_kv_cache_bytes is None:
+                return None
+            extra = {"total_consumed_bytes": self.total_consumed_bytes,
+                     "transient_peak_headroom_bytes": max(0, self.non_kv_cache_bytes - self.total_consumed_bytes)}
+        elif self.peak_allocated_increase_bytes is None or self.non_torch_increase_bytes is None:
+            return None
+        if FORMULAS[formula].cudagraph:
+            extra["cudagraph_memory_bytes"] = self.cudagraph_memory_bytes or 0
+        return Profile(
+            total_memory_bytes=self.total_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            weights_bytes=self.weights_bytes,
+            peak_allocated_increase_bytes=self.peak_allocated_increase_bytes,
+            peak_reserved_increase_bytes=None,
+            non_torch_increase_bytes=self.non_torch_increase_bytes,
+            formula=formula,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            **extra,
+        )
 
 
 def _number(text: str) -> float:
@@ -49,161 +263,173 @@ def _gib(text: str) -> int:
     return int(round(_number(text) * GIB))
 
 
-@dataclass(frozen=True)
-class StartupLog:
-    """What one startup log says. Sizes in bytes; log sizes carry 0.01 GiB rounding."""
-
-    era: str | None = None                       # "v1", "v0", "v0.6", "vllm-ascend"
-    total_memory_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    weights_bytes: int | None = None
-    peak_allocated_increase_bytes: int | None = None
-    non_torch_increase_bytes: int | None = None
-    peak_torch_memory_bytes: int | None = None   # v0.6 era: weights + activation peak together
-    available_kv_cache_bytes: int | None = None  # what vLLM decided
-    num_gpu_blocks: int | None = None
-    kv_cache_tokens: int | None = None
-    max_model_len: int | None = None
-    max_concurrency: float | None = None
-    lines_matched: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def profile(self) -> Profile | None:
-        """The startup profile, when the log carries every part of it (vLLM's logs never carry
-        the reserved increase)."""
-        parts = (self.total_memory_bytes, self.gpu_memory_utilization, self.weights_bytes,
-                 self.peak_allocated_increase_bytes, self.non_torch_increase_bytes)
-        if any(p is None for p in parts):
-            return None
-        return Profile(
-            total_memory_bytes=self.total_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            weights_bytes=self.weights_bytes,
-            peak_allocated_increase_bytes=self.peak_allocated_increase_bytes,
-            peak_reserved_increase_bytes=None,
-            non_torch_increase_bytes=self.non_torch_increase_bytes,
-        )
+def _int(text: str) -> int:
+    return int(_number(text))
 
 
-# (pattern, handler(match, facts)) — each handler records what its line states.
-def _v1_available(m, f):
-    # Every worker logs its own; the engine keeps the smallest.
-    value = _gib(m[1])
-    f["available_kv_cache_bytes"] = value if f.get("available_kv_cache_bytes") is None \
-        else min(value, f["available_kv_cache_bytes"])
-    f.setdefault("era", "v1")
-
-
-def _v1_kv_tokens(m, f):
-    f["kv_cache_tokens"] = int(_number(m[1]))
-    f.setdefault("era", "v1")
-
-
-def _concurrency(m, f):
-    f["max_model_len"] = int(_number(m[1]))
-    f["max_concurrency"] = _number(m[2])
-
-
-def _model_loading(m, f):
-    f["weights_bytes"] = _gib(m[1])
-
-
-def _free_on_startup(m, f):
-    f["total_memory_bytes"] = _gib(m[2])
-    f["gpu_memory_utilization"] = _number(m[3])
-
-
-def _v1_profile(m, f):
-    f["peak_allocated_increase_bytes"] = _gib(m[1])
-    f["non_torch_increase_bytes"] = _gib(m[2])
-    f["weights_bytes"] = _gib(m[3])
-    f.setdefault("era", "v1")
-
-
-def _v0_can_use(m, f):
-    f["total_memory_bytes"] = _gib(m[1])
-    f["gpu_memory_utilization"] = _number(m[2])
-    f["era"] = "v0"
-
-
-def _v0_breakdown(m, f):
-    f["weights_bytes"] = _gib(m[1])
-    f["non_torch_increase_bytes"] = _gib(m[2])
-    f["peak_allocated_increase_bytes"] = _gib(m[3])
-    f["available_kv_cache_bytes"] = _gib(m[4])
-    f["era"] = "v0"
-
-
-def _v0_blocks(m, f):
-    f["num_gpu_blocks"] = int(_number(m[1]))
-
-
-def _v06_results(m, f):
-    f["total_memory_bytes"] = _gib(m[1])
-    f["peak_torch_memory_bytes"] = _gib(m[2])
-    f["non_torch_increase_bytes"] = _gib(m[3])
-    f["available_kv_cache_bytes"] = _gib(m[4])
-    f["gpu_memory_utilization"] = _number(m[5])
-    f["era"] = "v0.6"
-
-
-def _ascend_available(m, f):
-    f["available_kv_cache_bytes"] = int(_number(m[1]))
-    f["total_memory_bytes"] = int(_number(m[2]))
-    f["era"] = "vllm-ascend"
-
-
-_GIB_UNIT = r"\s*Gi?B"
-_PATTERNS = [
-    (re.compile(r"Available KV cache memory:\s*" + _NUM + _GIB_UNIT), _v1_available),
-    (re.compile(r"(?:GPU|NPU|CUDA|XPU)?\s*KV cache size:\s*" + _NUM + r"\s*tokens"), _v1_kv_tokens),
-    (re.compile(r"Maximum concurrency for\s*" + _NUM + r"\s*tokens per request:\s*" + _NUM + r"\s*x"), _concurrency),
-    (re.compile(r"(?:Model loading took|Loading model weights took)\s*" + _NUM + _GIB_UNIT), _model_loading),
-    (re.compile(r"Free memory on device \(\s*" + _NUM + r"\s*/\s*" + _NUM + _GIB_UNIT
-                + r"\s*\) on startup\. Desired GPU memory utilization is \(\s*" + _NUM), _free_on_startup),
-    (re.compile(r"torch peak memory increase:\s*" + _NUM + _GIB_UNIT + r";\s*non-torch forward increase memory:\s*"
-                + _NUM + _GIB_UNIT + r";\s*weights memory:\s*" + _NUM + _GIB_UNIT), _v1_profile),
-    (re.compile(r"can use total_gpu_memory \(\s*" + _NUM + _GIB_UNIT + r"\s*\) x gpu_memory_utilization \(\s*"
-                + _NUM + r"\s*\)"), _v0_can_use),
-    (re.compile(r"model weights take\s*" + _NUM + _GIB_UNIT + r";\s*non_torch_memory takes\s*" + _NUM + _GIB_UNIT
-                + r";\s*PyTorch activation peak memory takes\s*" + _NUM + _GIB_UNIT
-                + r";\s*the rest of the memory reserved for KV Cache is\s*" + _NUM + _GIB_UNIT), _v0_breakdown),
-    (re.compile(r"#\s*(?:GPU|gpu|cuda|CUDA|npu|NPU|xpu|XPU|tpu|TPU|hpu|HPU)\s+blocks:\s*" + _NUM), _v0_blocks),
-    (re.compile(r"Memory profiling results: total_gpu_memory=" + _NUM + r"GiB.*?peak_torch_memory=" + _NUM
-                + r"GiB.*?non_torch_memory=" + _NUM + r"GiB\s+kv_cache_size=" + _NUM
-                + r"GiB\s+gpu_memory_utilization=" + _NUM), _v06_results),
-    (re.compile(r"Available memory:\s*" + _NUM + r",\s*total memory:\s*" + _NUM), _ascend_available),
-]
-
-# A line longer than this is not a vLLM log line; skip it rather than run regexes over it.
-MAX_LINE_CHARS = 8192
+def _record(kind: str, m: dict[str, str], f: dict[str, Any]) -> None:
+    """What each line kind states, into the facts dict."""
+    if kind == "model_loading":
+        f["weights_bytes"] = _gib(m["weights"])
+    elif kind == "requested_memory":
+        f["init_free_memory_bytes"] = _gib(m["init_free"])
+        f["gpu_memory_utilization"] = _number(m["util"])
+        f["requested_memory_bytes"] = _gib(m["requested"])
+        f["_util_decimals"] = len(m["util"].partition(".")[2])
+    elif kind == "kv_cache_memory_bytes":
+        f["init_free_memory_bytes"] = _gib(m["init_free"])
+        f["kv_cache_memory_bytes"] = _gib(m["kv_cache_memory"])
+        f.setdefault("available_kv_cache_bytes", f["kv_cache_memory_bytes"])
+    elif kind == "profile_peak":
+        f["non_kv_cache_bytes"] = _gib(m["non_kv"])
+        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
+        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
+        f["weights_bytes"] = _gib(m["weights"])
+    elif kind == "profile_consumed":
+        f["non_kv_cache_bytes"] = _gib(m["non_kv"])
+        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
+        f["total_consumed_bytes"] = _gib(m["consumed"])
+        f["weights_bytes"] = _gib(m["weights"])
+    elif kind == "init_snapshot":
+        f["total_memory_bytes"] = _gib(m["total"])
+        f.setdefault("init_free_memory_bytes", _gib(m["free"]))
+    elif kind == "cudagraph":
+        f["_cudagraph_util_delta"] = _number(m["util"]) - _number(m["equiv"])
+        f.setdefault("gpu_memory_utilization", _number(m["util"]))
+    elif kind == "cudagraph_estimate":
+        f["cudagraph_memory_bytes"] = _gib(m["cudagraph_gib"])
+    elif kind == "available_kv_cache":
+        # Every worker logs its own; the engine keeps the smallest.
+        value = _gib(m["available"])
+        current = f.get("_available_profiled")
+        f["_available_profiled"] = value if current is None else min(value, current)
+    elif kind == "kv_cache_size":
+        f["kv_cache_tokens"] = _int(m["tokens"])
+    elif kind == "max_concurrency":
+        f["max_model_len"] = _int(m["max_model_len"])
+        f["max_concurrency"] = _number(m["concurrency"])
+    elif kind == "warmup_measured":
+        f["_warmup_blocks"] = _int(m["blocks"])
+        f["_warmup_kv"] = _gib(m["kv"])
+    elif kind == "extended_kv_cache":
+        f["num_gpu_blocks"] = _int(m["blocks"])
+        f["_extended_kv"] = _gib(m["kv"])
+    elif kind == "free_on_startup":
+        f["total_memory_bytes"] = _gib(m["total"])
+        f["gpu_memory_utilization"] = _number(m["util"])
+    elif kind == "v0_can_use":
+        f["total_memory_bytes"] = _gib(m["total"])
+        f["gpu_memory_utilization"] = _number(m["util"])
+    elif kind == "v0_breakdown":
+        f["weights_bytes"] = _gib(m["weights"])
+        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
+        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
+        f["_available_profiled"] = _gib(m["available"])
+    elif kind == "v0_results":
+        f["total_memory_bytes"] = _gib(m["total"])
+        f["peak_torch_memory_bytes"] = _gib(m["peak_torch"])
+        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
+        f["_available_profiled"] = _gib(m["available"])
+        f["gpu_memory_utilization"] = _number(m["util"])
+    elif kind == "v0_blocks":
+        f["num_gpu_blocks"] = _int(m["blocks"])
+    elif kind == "ascend_available":
+        f["_available_profiled"] = _int(m["available"])
+        f["total_memory_bytes"] = _int(m["total"])
+    elif kind == "ascend_halved":
+        f["halved_for_workspace"] = True
 
 
 def parse_lines(lines: Iterable[str]) -> StartupLog:
+    """Parse a log's lines; raises LogLineError (one line, with the line number) for a budget line
+    whose numbers are too long to be real."""
     facts: dict[str, Any] = {}
     matched = 0
-    for raw in lines:
+    seen: list[LineKind] = []
+    for number, raw in enumerate(lines, 1):
         if len(raw) > MAX_LINE_CHARS:
             continue
-        line = _ANSI.sub("", raw)
-        if "KV" not in line and "memory" not in line and "blocks" not in line and "Memory" not in line \
-                and "weights" not in line and "concurrency" not in line:
+        if not any(key in raw for key in _KEYS):
             continue
-        for pattern, handler in _PATTERNS:
-            match = pattern.search(line)
-            if match:
-                try:
-                    handler(match, facts)
-                except ValueError:
+        line = _ANSI.sub("", raw) if "\x1b" in raw else raw
+        hit = False
+        for kind in KINDS:
+            # A line may state several facts (0.30+ joins the KV size and the concurrency).
+            try:
+                found = kind.match(line)
+                if found is None:
                     continue
-                matched += 1
-    return StartupLog(lines_matched=matched, **facts)
+                _record(kind.name, found, facts)
+            except LogLineError as exc:
+                raise LogLineError(f"line {number}: {exc}") from None
+            except (ValueError, OverflowError):
+                continue
+            hit = True
+            seen.append(kind)
+        matched += hit
+    return _finish(facts, matched, seen)
+
+
+def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind]) -> StartupLog:
+    projects = [k.project for k in seen if k.project]
+    # 310P's own line is the most specific; then a platform plugin's.
+    project = "vllm-ascend-310p" if "vllm-ascend-310p" in projects else (projects[0] if projects else "vllm")
+    candidates = _candidates(project, seen, facts.pop("_util_decimals", None))
+    facts["era"] = candidates[0] if len(candidates) == 1 else None
+    facts["era_candidates"] = tuple(candidates)
+    facts["project"] = project
+    delta = facts.pop("_cudagraph_util_delta", None)
+    total = facts.get("total_memory_bytes")
+    if total is None and facts.get("requested_memory_bytes") and facts.get("gpu_memory_utilization"):
+        # The requested figure is total × utilization, printed to 0.01 GiB.
+        facts["total_memory_bytes"] = round(facts["requested_memory_bytes"] / facts["gpu_memory_utilization"])
+        total = facts["total_memory_bytes"]
+    if "cudagraph_memory_bytes" not in facts and delta is not None and total:
+        facts["cudagraph_memory_bytes"] = round(delta * total)
+    profiled = facts.pop("_available_profiled", None)
+    extended = facts.pop("_extended_kv", None)
+    warmup = facts.pop("_warmup_kv", None)
+    warmup_blocks = facts.pop("_warmup_blocks", None)
+    # What vLLM decided: 0.34's extensible KV cache commits its size after warm-up; before, the profile.
+    decided = extended if extended is not None else warmup if warmup is not None else profiled
+    if decided is not None:
+        facts["available_kv_cache_bytes"] = decided
+    if facts.get("num_gpu_blocks") is None and warmup_blocks is not None:
+        facts["num_gpu_blocks"] = warmup_blocks
+    return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), **facts)
+
+
+def _candidates(project: str, seen: list[LineKind], util_decimals: int | None) -> list[str]:
+    """The era rows of ``project`` consistent with every line seen (vLLM release ranges)."""
+    lo, hi = V("0.0.0"), None
+    for kind in seen:
+        if kind.project:
+            continue
+        first, last = kind.releases
+        lo = max(lo, first)
+        hi = last if hi is None else (hi if last is None else min(hi, last))
+    if util_decimals is not None:
+        # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14 (w 0.11.0:284-290, 0.14.0:347).
+        if util_decimals == 2:
+            hi = V("0.13.0") if hi is None else min(hi, V("0.13.0"))
+        else:
+            lo = max(lo, V("0.14.0"))
+    if not seen:
+        return []
+    rows = [e for e in eras.ERAS if e.project == project]
+    if project != "vllm":
+        # Platform releases differ in which lines they write (their rows' log_lines).
+        kinds = {k.name for k in seen if k.project is None or k.project == project} - {"platform_plugin"}
+        return [e.name for e in rows if not e.log_lines or kinds <= set(e.log_lines)]
+    names = []
+    for index, era in enumerate(rows):
+        end = rows[index + 1].first if index + 1 < len(rows) else None
+        if (hi is None or era.first <= hi) and (end is None or lo < end):
+            names.append(era.name)
+    return names
 
 
 def parse_log(text: str) -> StartupLog:
-    # vLLM V0 logs its multi-line profile as one record; each part still sits on its own line.
     return parse_lines(text.splitlines())
 
 
@@ -212,19 +438,19 @@ MAX_LOG_BYTES = 256 * 1024 * 1024
 MAX_LINE_BYTES = 4 * MAX_LINE_CHARS
 
 
-class LogFileError(ValueError):
-    """One line saying why a log file is not read (it is not a regular file)."""
-
-
 def read_log_file(path: str, max_bytes: int = MAX_LOG_BYTES) -> StartupLog:
     """Parse a startup log file, bounded: regular files only, at most ``max_bytes`` read, lines
-    longer than MAX_LINE_BYTES skipped. Raises LogFileError, or OSError when it cannot be opened."""
+    longer than MAX_LINE_BYTES skipped. Raises LogFileError or LogLineError (one line each), or
+    OSError when it cannot be opened."""
     # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             raise LogFileError(f"cannot read log file {path}: not a regular file")
-        return parse_lines(_bounded_lines(handle, max_bytes))
+        try:
+            return parse_lines(_bounded_lines(handle, max_bytes))
+        except LogLineError as exc:
+            raise LogLineError(f"log file {path}: {exc}") from None
 
 
 def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
