@@ -13,8 +13,8 @@ import click
 
 from kvguard import __version__
 from kvguard.estimator import (
-    KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate, kv_layout_from_config,
-    max_concurrency, overcommit_bytes,
+    FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate,
+    kv_layout_from_config, max_concurrency, overcommit_bytes,
 )
 from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, parse_size
@@ -73,6 +73,8 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------- budget
 
+# Profile field -> the flag that sets it. The first six are every era's; the rest are the inputs of
+# the eras that need them (kvguard.vllm.eras; README "vLLM eras").
 _PROFILE_FLAGS = {
     "total_memory_bytes": "--total-memory",
     "gpu_memory_utilization": "--gpu-memory-utilization",
@@ -80,6 +82,23 @@ _PROFILE_FLAGS = {
     "peak_allocated_increase_bytes": "--peak-allocated-increase",
     "peak_reserved_increase_bytes": "--peak-reserved-increase",
     "non_torch_increase_bytes": "--non-torch-increase",
+    "total_consumed_bytes": "--total-consumed",
+    "transient_peak_headroom_bytes": "--transient-peak-headroom",
+    "reserved_transient_peak_bytes": "--reserved-transient-peak",
+    "cudagraph_memory_bytes": "--cudagraph-memory",
+    "init_free_memory_bytes": "--init-free-memory",
+    "free_after_warmup_bytes": "--free-after-warmup",
+    "kv_committed_bytes": "--kv-committed",
+    "kv_transient_peak_bytes": "--kv-transient-peak",
+    "torch_reserve_growth_bytes": "--torch-reserve-growth",
+    "non_torch_cleared_bytes": "--non-torch-cleared",
+}
+# What each formula cannot do without (beyond total memory, utilization and weights).
+_FORMULA_NEEDS = {
+    "peak": ("peak_allocated_increase_bytes", "non_torch_increase_bytes"),
+    "consumed": ("total_consumed_bytes", "transient_peak_headroom_bytes"),
+    "extensible": ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
+                   "kv_transient_peak_bytes", "torch_reserve_growth_bytes"),
 }
 
 
@@ -91,20 +110,22 @@ def _read_profile_file(path: str) -> dict[str, Any]:
         raise click.ClickException(f"profile file not found: {path}") from None
     except OSError as exc:
         raise click.ClickException(f"cannot read profile file {path}: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise click.ClickException(f"profile file {path} is nested too deeply to be a profile") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise click.ClickException(f"profile file {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
     try:
         return Profile.from_dict(data).to_dict()
-    except ProfileError as exc:
+    except (ProfileError, TypeError) as exc:
         raise click.ClickException(f"profile file {path}: {exc}") from None
 
 
 def _read_log(path: str):
-    from kvguard.vllm.log import LogFileError, read_log_file
+    from kvguard.vllm.log import LogFileError, LogLineError, read_log_file
 
     try:
         startup = read_log_file(path)
-    except LogFileError as exc:
+    except (LogFileError, LogLineError) as exc:
         raise click.ClickException(str(exc)) from None
     except FileNotFoundError:
         raise click.ClickException(f"log file not found: {path}") from None
@@ -119,10 +140,59 @@ def _layout_dict(layout: KVLayout) -> dict[str, Any]:
     return {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
 
+def _era(release: str | None):
+    if release is None:
+        return None
+    from kvguard.vllm.eras import EraError, era_for
+    try:
+        return era_for(release)
+    except EraError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _block_size(era, block_size: int | None, config: Any) -> int:
+    """The era's default block size, and vLLM's MLA block size on CUDA where the era forces one."""
+    from kvguard.estimator import _text_config
+    is_mla = isinstance(config, dict) and "kv_lora_rank" in _text_config(config)
+    if era and is_mla and era.mla_block_size:
+        forced, rule = era.mla_block_size, era.mla_block_rule
+        if block_size is None or (rule == "equal" and block_size != forced) \
+                or (rule == "multiple" and block_size % forced):
+            return forced
+        return block_size
+    if block_size is not None:
+        return block_size
+    return era.default_block_size if era else 16
+
+
+_SIZE_HELP = {
+    "--total-consumed": "0.27+: free device memory at the init snapshot minus after the profile run.",
+    "--transient-peak-headroom": "0.27+: allocated peak minus allocated after the profile run.",
+    "--reserved-transient-peak": "0.27+: reserved peak minus reserved after the profile run (kvguard's).",
+    "--cudagraph-memory": "0.18+: the CUDA-graph memory estimate vLLM subtracted (0 when disabled).",
+    "--init-free-memory": "0.34 extensible KV cache: free device memory at the init snapshot.",
+    "--free-after-warmup": "0.34 extensible KV cache: free device memory after warm-up.",
+    "--kv-committed": "0.34 extensible KV cache: KV pages committed at the measurement.",
+    "--kv-transient-peak": "0.34 extensible KV cache: the transient peak it keeps free.",
+    "--torch-reserve-growth": "0.34 extensible KV cache: torch's reserved growth over the sizing steps.",
+    "--non-torch-cleared": "vllm-ascend 0.15+: non-torch memory the profile's empty_cache cleared.",
+}
+
+
+def _era_size_options(function):
+    for flag in reversed(list(_SIZE_HELP)):
+        function = click.option(flag, type=SIGNED_SIZE if flag in ("--total-consumed", "--non-torch-cleared")
+                                else SIZE, help=_SIZE_HELP[flag])(function)
+    return function
+
+
 @main.command()
 @click.option("--model-config", "model_config", metavar="PATH",
               help="Hugging Face config.json, or a model directory holding one.")
-@click.option("--block-size", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--vllm-version", "release", metavar="RELEASE",
+              help="The release whose formula applies: X.Y.Z (vLLM), vllm-ascend:X.Y.Z, vllm-ascend-310p:X.Y.Z, "
+                   "vllm-mindspore:X.Y.Z. Default: the 0.11-0.13 formula, or the era the log shows.")
+@click.option("--block-size", type=click.IntRange(min=1), help="Tokens per KV block (default: the era's).")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache dtype; auto follows the model's torch_dtype.")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
@@ -130,58 +200,102 @@ def _layout_dict(layout: KVLayout) -> dict[str, Any]:
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Tokens per request, for max concurrency.")
 @click.option("--kv-cache-memory", type=SIZE, help="Block count for this much KV cache memory.")
 @click.option("--total-memory", type=SIZE, help="Device memory vLLM saw at startup (mem_get_info total).")
-@click.option("--gpu-memory-utilization", type=float, help="vLLM's --gpu-memory-utilization, in (0, 1].")
+@click.option("--gpu-memory-utilization", type=float,
+              help="vLLM's --gpu-memory-utilization, in (0, 1] (default: the era's resolved default).")
 @click.option("--weights", type=SIZE, help="Model weights memory.")
 @click.option("--peak-allocated-increase", type=SIZE,
               help="Increase of allocated_bytes.all.peak during the profile run.")
 @click.option("--peak-reserved-increase", type=SIZE, help="Increase of memory_reserved() during the profile run.")
 @click.option("--non-torch-increase", type=SIGNED_SIZE, help="Increase of non-torch memory since startup.")
-@click.option("--profile", "profile_file", metavar="FILE", help="Startup profile JSON (the six profile keys).")
+@_era_size_options
+@click.option("--extensible-kv-cache/--no-extensible-kv-cache", default=None,
+              help="0.34: whether the extensible KV cache sized the cache (default: on where the "
+                   "extensible inputs are given).")
+@click.option("--profile", "profile_file", metavar="FILE", help="Startup profile JSON (the profile keys).")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM / vllm-ascend / vllm-mindspore startup log.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipeline_parallel_size, max_model_len,
-           kv_cache_memory, total_memory, gpu_memory_utilization, weights, peak_allocated_increase,
-           peak_reserved_increase, non_torch_increase, profile_file, log_file, as_json):
+def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_size, pipeline_parallel_size,
+           max_model_len, kv_cache_memory, total_memory, gpu_memory_utilization, weights, peak_allocated_increase,
+           peak_reserved_increase, non_torch_increase, total_consumed, transient_peak_headroom,
+           reserved_transient_peak, cudagraph_memory, init_free_memory, free_after_warmup, kv_committed,
+           kv_transient_peak, torch_reserve_growth, non_torch_cleared, extensible_kv_cache, profile_file, log_file,
+           as_json):
     """vLLM's KV-cache budget beside the reserved-aware one, and the utilization that closes the gap.
 
     The profile comes from flags, --profile FILE or --from-log FILE; flags override the
-    file, the file overrides the log.
+    file, the file overrides the log. --vllm-version picks the release's formula (README,
+    "vLLM eras"); a profile written by the plugin names its release itself.
     """
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise click.UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    startup = _read_log(log_file) if log_file else None
+    fields: dict[str, Any] = {}
+    if startup:
+        fields.update(startup.profile_fields())
+    if profile_file:
+        fields.update(_read_profile_file(profile_file))
+    flags = {"total_memory_bytes": total_memory, "gpu_memory_utilization": gpu_memory_utilization,
+             "weights_bytes": weights, "peak_allocated_increase_bytes": peak_allocated_increase,
+             "peak_reserved_increase_bytes": peak_reserved_increase, "non_torch_increase_bytes": non_torch_increase,
+             "total_consumed_bytes": total_consumed, "transient_peak_headroom_bytes": transient_peak_headroom,
+             "reserved_transient_peak_bytes": reserved_transient_peak, "cudagraph_memory_bytes": cudagraph_memory,
+             "init_free_memory_bytes": init_free_memory, "free_after_warmup_bytes": free_after_warmup,
+             "kv_committed_bytes": kv_committed, "kv_transient_peak_bytes": kv_transient_peak,
+             "torch_reserve_growth_bytes": torch_reserve_growth, "non_torch_cleared_bytes": non_torch_cleared}
+    fields.update({k: v for k, v in flags.items() if v is not None})
+
+    # The era: --vllm-version, else the profile file's own release, else the log's lines.
+    era = _era(release or fields.get("vllm_version"))
+    if era is None and startup is not None:
+        era = startup.era_row
+    if era is not None:
+        fields["vllm_version"] = release or fields.get("vllm_version")
+        formula = era.formula
+        extensible_inputs = any(fields.get(k) is not None for k in _FORMULA_NEEDS["extensible"])
+        if era.extensible_kv_cache_default and (extensible_kv_cache or (extensible_kv_cache is None
+                                                                         and extensible_inputs)):
+            formula = "extensible"
+        fields["formula"] = formula
+        if fields.get("gpu_memory_utilization") is None:
+            default = era.default_gpu_memory_utilization
+            if default is None:   # 0.34: resolved_gpu_memory_utilization (config/cache.py 0.34.0:494-501)
+                default = 1.0 if formula == "extensible" else 0.92
+            fields["gpu_memory_utilization"] = default
+        if FORMULAS[formula].cudagraph and fields.get("cudagraph_memory_bytes") is None \
+                and not era.cudagraph_estimate_default:
+            fields["cudagraph_memory_bytes"] = 0
+
+    config = None
     layout = None
     if model_config:
         try:
-            layout = kv_layout_from_config(load_model_config(model_config), block_size=block_size,
+            config = load_model_config(model_config)
+            layout = kv_layout_from_config(config, block_size=_block_size(era, block_size, config),
                                            kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tensor_parallel_size,
                                            pipeline_parallel_size=pipeline_parallel_size)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from None
 
-    fields: dict[str, Any] = {}
-    startup = _read_log(log_file) if log_file else None
-    if startup:
-        for key in _PROFILE_FLAGS:
-            value = getattr(startup, key, None)
-            if value is not None:
-                fields[key] = value
-    if profile_file:
-        fields.update(_read_profile_file(profile_file))
-    flags = {"total_memory_bytes": total_memory, "gpu_memory_utilization": gpu_memory_utilization,
-             "weights_bytes": weights, "peak_allocated_increase_bytes": peak_allocated_increase,
-             "peak_reserved_increase_bytes": peak_reserved_increase, "non_torch_increase_bytes": non_torch_increase}
-    fields.update({k: v for k, v in flags.items() if v is not None})
-    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-        raise click.UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
-
     profile = None
-    required = [k for k in _PROFILE_FLAGS if k != "peak_reserved_increase_bytes"]
-    if fields and all(fields.get(k) is not None for k in required):
+    formula_name = fields.get("formula") or "peak"
+    needs = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes") + _FORMULA_NEEDS.get(
+        FORMULAS[formula_name].non_kv if formula_name != "extensible" else "extensible", _FORMULA_NEEDS["peak"]) \
+        if formula_name in FORMULAS else ()
+    if formula_name in FORMULAS and FORMULAS[formula_name].peak == "reserved":
+        needs = tuple("peak_reserved_increase_bytes" if n == "peak_allocated_increase_bytes" else n for n in needs)
+    measured = {k: v for k, v in fields.items() if k in _PROFILE_FLAGS or k in ("formula", "vllm_version",
+                                                                                  "kv_cache_memory_bytes")}
+    if fields.get("kv_cache_memory_bytes") is not None:
+        needs = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes")
+    if fields and all(fields.get(k) is not None for k in needs):
         try:
-            profile = Profile(**{k: fields.get(k) for k in _PROFILE_FLAGS})
-        except ProfileError as exc:
+            profile = Profile(**{**{k: None for k in Profile.REQUIRED}, **measured})
+        except (ProfileError, TypeError) as exc:
             raise click.ClickException(str(exc)) from None
-    elif any(v is not None for v in flags.values()) and not (startup and startup.available_kv_cache_bytes):
-        missing = [_PROFILE_FLAGS[k] for k in required if fields.get(k) is None]
-        raise click.UsageError(f"incomplete profile: missing {', '.join(missing)}")
+    elif any(flags[k] is not None for k in flags) and not (startup and startup.available_kv_cache_bytes):
+        missing = [_PROFILE_FLAGS.get(k, k) for k in needs if fields.get(k) is None]
+        era_text = f" for {era.name}" if era else ""
+        raise click.UsageError(f"incomplete profile{era_text}: missing {', '.join(missing)}")
 
     if kv_cache_memory is not None and layout is None:
         raise click.UsageError("--kv-cache-memory needs --model-config to count blocks")
@@ -189,7 +303,9 @@ def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipel
         raise click.UsageError("nothing to compute: give --model-config, a profile (--profile, --from-log, "
                                "or --total-memory ... flags), or both")
 
-    result: dict[str, Any] = {"block_bytes": layout.block_bytes if layout else None}
+    result: dict[str, Any] = {"vllm_version": fields.get("vllm_version"),
+                              "era": era.to_dict() if era else None,
+                              "block_bytes": layout.block_bytes if layout else None}
     if layout:
         result["layout"] = _layout_dict(layout)
     if kv_cache_memory is not None:
@@ -206,17 +322,30 @@ def budget(model_config, block_size, kv_cache_dtype, tensor_parallel_size, pipel
         budgets = result.setdefault("budgets", {"stock": None, "reserved": None})
         if startup.available_kv_cache_bytes is not None:
             # From a log, the stock budget is what vLLM decided, not a recomputation.
-            budgets["stock"] = _decided_budget(startup, layout, block_size, max_model_len)
+            budgets["stock"] = _decided_budget(startup, layout, layout.block_size if layout else
+                                               _block_size(era, block_size, config), max_model_len)
             if budgets["reserved"]:
                 result["overcommit_bytes"] = overcommit_bytes(startup.available_kv_cache_bytes,
                                                               budgets["reserved"]["kv_cache_bytes"])
         for key in ("overcommit_bytes", "recommended_gpu_memory_utilization", "recommended_kv_cache_memory_bytes"):
             result.setdefault(key, None)
+    result["recommended_flags"] = _recommended_flags(result, era)
 
     if as_json:
         _emit_json(result)
     else:
         _print_budget(result, layout)
+
+
+def _recommended_flags(result: dict[str, Any], era) -> list[str]:
+    """vLLM's own flag names for the recommendation (--kv-cache-memory-bytes since 0.10.2)."""
+    flags = []
+    if result.get("recommended_gpu_memory_utilization") is not None:
+        flags.append(f"--gpu-memory-utilization {result['recommended_gpu_memory_utilization']}")
+    flag = era.kv_cache_memory_flag if era else "--kv-cache-memory-bytes"
+    if flag and result.get("recommended_kv_cache_memory_bytes") is not None:
+        flags.append(f"{flag} {result['recommended_kv_cache_memory_bytes']}")
+    return flags
 
 
 def _decided_budget(startup, layout: KVLayout | None, block_size: int, max_model_len: int | None) -> dict[str, Any]:
@@ -241,6 +370,18 @@ def _fmt_int(value: int | None) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+_PROFILE_WORDS = {
+    "weights_bytes": "weights", "peak_allocated_increase_bytes": "allocated peak increase",
+    "peak_reserved_increase_bytes": "reserved increase", "non_torch_increase_bytes": "non-torch increase",
+    "total_consumed_bytes": "total consumed", "transient_peak_headroom_bytes": "transient peak",
+    "reserved_transient_peak_bytes": "reserved transient peak", "cudagraph_memory_bytes": "CUDA graphs",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes", "init_free_memory_bytes": "free at init",
+    "free_after_warmup_bytes": "free after warm-up", "kv_committed_bytes": "KV committed",
+    "kv_transient_peak_bytes": "KV transient peak", "torch_reserve_growth_bytes": "torch reserve growth",
+    "non_torch_cleared_bytes": "non-torch cleared",
+}
+
+
 def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
     out = click.echo
     if layout:
@@ -254,13 +395,19 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
     profile = result.get("profile")
     if profile:
         total, util = profile["total_memory_bytes"], profile["gpu_memory_utilization"]
-        reserved_inc = profile["peak_reserved_increase_bytes"]
         out("")
+        era = result.get("era")
+        if era:
+            out(f"Era          {era['name']} (formula {profile.get('formula', 'peak')}"
+                + (f", checked against vLLM's {era['checked_against']} wheel" if era.get("checked_against") else "")
+                + ")")
         out(f"Profile      total {format_bytes(total)} x utilization {util:g} = {format_bytes(total * util)}")
-        out(f"             weights {format_bytes(profile['weights_bytes'])}, allocated peak increase "
-            f"{format_bytes(profile['peak_allocated_increase_bytes'])}, reserved increase "
-            f"{format_bytes(reserved_inc) if reserved_inc is not None else 'unknown'}, non-torch increase "
-            f"{format_bytes(profile['non_torch_increase_bytes'])}")
+        parts = [f"{_PROFILE_WORDS[key]} {format_bytes(value)}" for key, value in profile.items()
+                 if key in _PROFILE_WORDS and value is not None]
+        if profile.get("peak_reserved_increase_bytes") is None and profile.get("formula", "peak").startswith("peak"):
+            parts.append("reserved increase unknown")
+        for start in range(0, len(parts), 3):
+            out("             " + ", ".join(parts[start:start + 3]))
     if result.get("log"):
         log = result["log"]
         out(f"Log          {log['lines_matched']} startup lines matched (era {log['era'] or 'unknown'})")
@@ -284,14 +431,16 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
             if over > 0:
                 out(f"Overcommit   {format_bytes(over)}: the stock budget grants KV cache the allocator's "
                     f"reserved peak leaves no room for")
+            elif result.get("reserved_counts", "").startswith("nothing"):
+                out(f"Overcommit   none: the reserved-aware budget adds {result['reserved_counts']}")
             else:
                 out("Overcommit   none: the stock budget fits under the reserved peak")
         if result.get("recommended_gpu_memory_utilization") is not None or \
                 result.get("recommended_kv_cache_memory_bytes") is not None:
-            rec_u = result.get("recommended_gpu_memory_utilization")
-            rec_k = result.get("recommended_kv_cache_memory_bytes")
-            out(f"Recommended  --gpu-memory-utilization {rec_u if rec_u is not None else '(none is safe)'}"
-                f"  or  --kv-cache-memory {rec_k}")
+            flags = result.get("recommended_flags") or []
+            if result.get("recommended_gpu_memory_utilization") is None:
+                flags = ["--gpu-memory-utilization (none is safe)"] + flags
+            out(f"Recommended  {'  or  '.join(flags)}")
 
 
 # ---------------------------------------------------------------------------- simulate

@@ -37,7 +37,9 @@ class Era:
     formula: str                       # kvguard.estimator.FORMULAS key
     default_block_size: int = 16
     default_gpu_memory_utilization: float | None = 0.9   # None: resolved at run time (0.34)
-    mla_block_size: int | None = None  # vLLM on CUDA forces this block size for MLA models
+    mla_block_size: int | None = None  # vLLM on CUDA sets this block size for MLA models (FlashMLA)
+    mla_block_rule: str = "default"    # "equal": forced unless equal; "multiple": unless a multiple;
+                                       # "default": only when --block-size is not given
     cudagraph_estimate_default: bool = False
     extensible_kv_cache_default: bool = False
     kv_cache_memory_flag: str | None = "--kv-cache-memory-bytes"
@@ -84,29 +86,32 @@ ERAS: tuple[Era, ...] = (
                    "kv_cache_size", "max_concurrency"),
         cites=("worker/worker.py 0.6.4:232-243 'Memory profiling results' (kv_cache_size = total * util - peak)",
                "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'")),
-    Era("vllm", _v("0.10.2"), _v("0.13.0"), "peak",
+    Era("vllm", _v("0.10.2"), _v("0.13.0"), "peak", mla_block_size=64, mla_block_rule="equal",
         log_lines=_V1_LINES + ("profile_peak",),
         checked_against="0.11.0",
         cites=("w 0.11.0:183-184 requested_memory = total_memory * gpu_memory_utilization (float)",
                "w 0.11.0:279-280,302 return int(requested_memory - non_kv_cache_memory)",
                "utils/__init__.py 0.11.0:2859 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
                "config/cache.py 0.11.0 gpu_memory_utilization = 0.9, block_size 16",
-               "platforms/cuda.py 0.11.0 MLA block size forced to 64 (FlashMLA) / 128 (CUTLASS MLA)")),
-    Era("vllm", _v("0.14.0"), _v("0.17.1"), "peak_ceil",
+               "platforms/cuda.py 0.11.0:162-184 MLA block size forced to 64 (FlashMLA; CUTLASS MLA on "
+               "Blackwell: 128)")),
+    Era("vllm", _v("0.14.0"), _v("0.17.1"), "peak_ceil", mla_block_size=64, mla_block_rule="multiple",
         log_lines=_V1_LINES + ("profile_peak",),
         checked_against="0.14.0",
         cites=("wu 0.14.0:258 requested_memory = math.ceil(total_memory * gpu_memory_utilization)",
                "w 0.14.0:341-343,365 return int(requested_memory - non_kv_cache_memory)",
                "mu 0.14.0:283 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
-               "platforms/cuda.py 0.17.1 last release forcing the MLA block size")),
-    Era("vllm", _v("0.18.0"), _v("0.19.1"), "peak_ceil_cudagraph",
+               "platforms/cuda.py 0.14.0:205-235 MLA: a block size not a multiple of 64 is forced to 64 "
+               "(last in 0.17.1)")),
+    Era("vllm", _v("0.18.0"), _v("0.19.1"), "peak_ceil_cudagraph", mla_block_size=64,
         log_lines=_V1_LINES + ("profile_peak",),
         cites=("w 0.18.0:384-399 profile_cudagraph_memory() measured inside memory_profiling",
                "w 0.18.0:437-441 available = requested - non_kv - cudagraph (applied only if "
                "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)",
                "envs.py 0.18.0:1636 VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default '0'",
-               "platforms/cuda.py 0.18.0 no MLA block-size override")),
-    Era("vllm", _v("0.20.0"), _v("0.26.0"), "peak_ceil_cudagraph",
+               "platforms/interface.py 0.18.0:427-474 MLA block size from the backend (FlashMLA: 64) only "
+               "when --block-size is not given")),
+    Era("vllm", _v("0.20.0"), _v("0.26.0"), "peak_ceil_cudagraph", mla_block_size=64,
         default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
         log_lines=_V1_LINES + ("profile_peak", "cudagraph"),
         checked_against="0.20.0",
@@ -114,7 +119,7 @@ ERAS: tuple[Era, ...] = (
                "w 0.20.0:366-425 the 0.18 arithmetic, the estimate now on by default",
                "config/cache.py 0.20.0:66 gpu_memory_utilization default 0.92",
                "w 0.25.0:582 return through reserve_mm_ipc_gpu_memory (a no-op for text models)")),
-    Era("vllm", _v("0.27.0"), _v("0.33.0"), "consumed",
+    Era("vllm", _v("0.27.0"), _v("0.33.0"), "consumed", mla_block_size=64,
         default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
         log_lines=_V1_LINES + ("profile_consumed", "cudagraph"),
         checked_against="0.27.0",

@@ -224,35 +224,40 @@ class StartupLog:
     def era_row(self) -> "eras.Era | None":
         return next((e for e in eras.ERAS if e.name == self.era), None)
 
-    def profile(self) -> Profile | None:
-        """The startup profile, when the log carries every part the era's formula needs (vLLM's logs
-        never carry the reserved increase). Raises ProfileError when the stated figures are out of range."""
+    def profile_fields(self) -> dict[str, Any]:
+        """The profile figures the log states, with the formula of its era where the lines pin one."""
         formulas = {e.formula for e in eras.ERAS if e.name in self.era_candidates}
         formula = formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes is not None
                                                               else "peak")
-        if any(p is None for p in (self.total_memory_bytes, self.gpu_memory_utilization, self.weights_bytes)):
-            return None
-        extra: dict[str, Any] = {}
-        if formula == "consumed":
-            if self.total_consumed_bytes is None or self.non_kv_cache_bytes is None:
-                return None
-            extra = {"total_consumed_bytes": self.total_consumed_bytes,
-                     "transient_peak_headroom_bytes": max(0, self.non_kv_cache_bytes - self.total_consumed_bytes)}
-        elif self.peak_allocated_increase_bytes is None or self.non_torch_increase_bytes is None:
-            return None
+        fields: dict[str, Any] = {"formula": formula}
+        for name in ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes",
+                     "peak_allocated_increase_bytes", "non_torch_increase_bytes", "total_consumed_bytes",
+                     "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.total_consumed_bytes is not None and self.non_kv_cache_bytes is not None:
+            fields["transient_peak_headroom_bytes"] = max(0, self.non_kv_cache_bytes - self.total_consumed_bytes)
         if FORMULAS[formula].cudagraph:
-            extra["cudagraph_memory_bytes"] = self.cudagraph_memory_bytes or 0
-        return Profile(
-            total_memory_bytes=self.total_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            weights_bytes=self.weights_bytes,
-            peak_allocated_increase_bytes=self.peak_allocated_increase_bytes,
-            peak_reserved_increase_bytes=None,
-            non_torch_increase_bytes=self.non_torch_increase_bytes,
-            formula=formula,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            **extra,
-        )
+            fields["cudagraph_memory_bytes"] = self.cudagraph_memory_bytes or 0
+        if FORMULAS[formula].peak == "reserved" and "peak_allocated_increase_bytes" in fields:
+            # vllm-mindspore's "torch peak memory increase" is the memory_reserved() increase (utils.py:475).
+            fields["peak_reserved_increase_bytes"] = fields.pop("peak_allocated_increase_bytes")
+        return fields
+
+    def profile(self) -> Profile | None:
+        """The startup profile, when the log carries every part the era's formula needs (vLLM's logs
+        never carry the reserved increase). Raises ProfileError when the stated figures are out of range."""
+        fields = self.profile_fields()
+        formula = FORMULAS[fields["formula"]]
+        needs = ["total_memory_bytes", "gpu_memory_utilization", "weights_bytes"]
+        if fields.get("kv_cache_memory_bytes") is None:
+            needs += (["total_consumed_bytes", "transient_peak_headroom_bytes"] if formula.non_kv == "consumed"
+                      else ["peak_allocated_increase_bytes", "non_torch_increase_bytes"])
+        if formula.peak == "reserved":
+            needs = [("peak_reserved_increase_bytes" if n == "peak_allocated_increase_bytes" else n) for n in needs]
+        if any(fields.get(n) is None for n in needs):
+            return None
+        return Profile(**{**{k: None for k in Profile.REQUIRED}, **fields})
 
 
 def _number(text: str) -> float:
