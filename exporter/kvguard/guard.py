@@ -26,7 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable
 
-from kvguard.estimator import Profile, overcommit_bytes, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
+                               stock_kv_cache_bytes)
 from kvguard.records import DeviceMemory
 from kvguard.units import format_gib
 
@@ -77,6 +78,7 @@ class GuardInput:
     alloc_retries_increase: int | None = None
     ooms_increase: int | None = None
     snapshot_stale: bool = False
+    kv_cache_outside_allocator: bool = False     # 0.34's extensible KV pages: in used memory, not in reserved
 
 
 @dataclass(frozen=True)
@@ -135,22 +137,34 @@ def judge(inp: GuardInput) -> Verdict:
     over = overcommit_bytes(stock, reserved) if reserved is not None else None
     kv_over = overcommit_bytes(kv_cache, reserved) if reserved is not None else 0
 
-    activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
-                  else profile.peak_allocated_increase_bytes)
-    non_torch = profile.non_torch_increase_bytes
     live_non_torch = _live_non_torch(memory)
-    if live_non_torch is not None and live_non_torch > non_torch:
-        # The profile holds the increase only; the runtime context and communication buffers
-        # held from the start are memory too (device used minus allocator reserved).
-        non_torch = live_non_torch
-    projected = profile.weights_bytes + kv_cache + activation + non_torch
+    kv_outside = kv_cache if inp.kv_cache_outside_allocator else 0
+    if live_non_torch is not None:
+        # KV pages mapped outside the allocator are in the device's used memory: count them once.
+        live_non_torch = max(0, live_non_torch - kv_outside)
+    if profile.budget_formula.non_kv == "peak":
+        activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
+                      else profile.peak_allocated_increase_bytes)
+        non_torch = profile.non_torch_increase_bytes
+        if live_non_torch is not None and live_non_torch > non_torch:
+            # The profile holds the increase only; the runtime context and communication buffers
+            # held from the start are memory too (device used minus allocator reserved).
+            non_torch = live_non_torch
+        projected = profile.weights_bytes + kv_cache + activation + non_torch
+    else:
+        # 0.27+: what the era keeps out of the KV cache already holds weights and non-torch memory.
+        base = profile_for_reserved or profile
+        non_kv = non_kv_cache_bytes(base, reserved=profile_for_reserved is not None) or non_kv_cache_bytes(profile)
+        activation = base.transient_peak_headroom_bytes or 0
+        non_torch = live_non_torch or 0
+        projected = non_kv + kv_cache + (profile.cudagraph_memory_bytes or 0)
     if memory is not None and memory.reserved_bytes is not None:
         # What the allocator holds now already includes weights and KV cache with every
         # rounding and packing loss; the next activation peak must fit on top of it, less
         # only the cached blocks it can reuse whole (not the slivers of split segments).
-        live = memory.reserved_bytes + non_torch + max(0, activation - _reusable_bytes(memory))
+        live = memory.reserved_bytes + non_torch + kv_outside + max(0, activation - _reusable_bytes(memory))
         if memory.peak_reserved_bytes is not None:
-            live = max(live, memory.peak_reserved_bytes + non_torch)
+            live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
         if live > projected + capacity_tolerance(profile):
             peak = memory.peak_reserved_bytes or memory.reserved_bytes
             reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the allocator's reserved memory "
@@ -224,9 +238,17 @@ def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -
     vLLM's own logs never carry the reserved increase; the live gap between reserved and
     allocated is the best stand-in for what the allocator adds on top of the allocated peak.
     """
+    if profile.budget_formula.non_kv != "peak":
+        # 0.27+: the reserved twin is the transient peak; 0.34's extensible cache budgets it itself.
+        if profile.reserved_transient_peak_bytes is not None or profile.formula == "extensible":
+            return profile, False
+        if memory is None or memory.fragmentation_bytes is None or profile.transient_peak_headroom_bytes is None:
+            return None, False
+        inferred = profile.transient_peak_headroom_bytes + memory.fragmentation_bytes
+        return dataclasses.replace(profile, reserved_transient_peak_bytes=inferred), True
     if profile.peak_reserved_increase_bytes is not None:
         return profile, False
-    if memory is None or memory.fragmentation_bytes is None:
+    if memory is None or memory.fragmentation_bytes is None or profile.peak_allocated_increase_bytes is None:
         return None, False
     inferred = profile.peak_allocated_increase_bytes + memory.fragmentation_bytes
     return dataclasses.replace(profile, peak_reserved_increase_bytes=inferred), True

@@ -240,6 +240,7 @@ class Sidecar:
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
+                                       kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
             views.append(RankView(labels, snap, profile, origin, blocks,
                                   vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))

@@ -49,6 +49,9 @@ class KVCacheAllocation:
     num_blocks: int
     block_bytes: int
     block_size: int
+    # vLLM 0.34's extensible KV cache maps its pages with the CUDA driver, outside torch's
+    # caching allocator: they show in the device's used memory, not in reserved.
+    outside_allocator: bool = False
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -132,7 +135,8 @@ class Snapshot:
                 if not isinstance(kv, Mapping):
                     raise ValueError("kv_cache is not an object")
                 kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
-                                             block_size=_int(kv, "block_size"))
+                                             block_size=_int(kv, "block_size"),
+                                             outside_allocator=kv.get("outside_allocator") is True)
             probe_raw = data.get("probe") or {}
             if not isinstance(probe_raw, Mapping):
                 raise ValueError("probe is not an object")

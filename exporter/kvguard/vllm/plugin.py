@@ -213,7 +213,8 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
         return
     for name, wrapper in (("init_device", _wrap_init_device),
                           ("determine_available_memory", _wrap_determine_available_memory),
-                          ("initialize_from_config", _wrap_initialize_from_config)):
+                          ("initialize_from_config", _wrap_initialize_from_config),
+                          ("extend_kv_cache", _wrap_extend_kv_cache)):
         original = worker.__dict__.get(name)
         if original is None or getattr(original, _MARK, False):
             continue
@@ -251,18 +252,29 @@ class _Capture:
     def __init__(self) -> None:
         self.result: Any = None
         self.reserved_peak_before: int | None = None
-        self.reserved_peak_after: int | None = None
+        self.reserved_peak_after: int | None = None      # the profile run's reserved peak
+        self.reserved_after_exit: int | None = None      # reserved after vLLM's empty_cache()
 
 
-def _reserved_peak() -> int | None:
-    """The allocator's reserved peak on this worker's device, read by the probe's source
+def _read_reserved() -> tuple[int | None, int | None]:
+    """(reserved now, reserved peak) on this worker's device, read by the probe's source
     (``auto``: torch.cuda, torch.npu or MindSpore, whichever the worker uses)."""
     global _reader
     if _reader is None:
         from kvguard.sources import get_source
         _reader = get_source(_settings.source)
     records = _reader.sample()
-    return records[0].peak_reserved_bytes if records else None
+    if not records:
+        return None, None
+    return records[0].reserved_bytes, records[0].peak_reserved_bytes
+
+
+def _reserved_peak() -> int | None:
+    return _read_reserved()[1]
+
+
+def _reserved_now() -> int | None:
+    return _read_reserved()[0]
 
 
 def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> Callable[..., Any]:
@@ -277,6 +289,8 @@ def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> C
             finally:
                 # Read before vLLM's exit runs empty_cache(): the peak the profile run reached.
                 capture.reserved_peak_after = _guard("memory_profiling", _reserved_peak)
+        # After vLLM's exit (empty_cache, after_profile measured): what stays reserved.
+        capture.reserved_after_exit = _guard("memory_profiling", _reserved_now)
     setattr(memory_profiling, _MARK, True)
     return memory_profiling
 
@@ -300,37 +314,145 @@ def _profiling_captured(function: Callable[..., Any]) -> Iterator[_Capture]:
             namespace["memory_profiling"] = current
 
 
+def running_release(worker: Any = None) -> str | None:
+    """``project:version`` of the release this worker runs: vllm-mindspore or vllm-ascend when their
+    platform is loaded (310P when its worker class is), else vLLM's own version."""
+    for module_name, project in (("vllm_mindspore", "vllm-mindspore"), ("vllm_ascend", "vllm-ascend")):
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        version = _distribution_version(project) or getattr(module, "__version__", None)
+        if project == "vllm-ascend" and worker is not None and type(worker).__name__ == "NPUWorker310":
+            project = "vllm-ascend-310p"
+        if version:
+            return f"{project}:{version}"
+    version = getattr(sys.modules.get("vllm"), "__version__", None) or _distribution_version("vllm")
+    return f"vllm:{version}" if version else None
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001 - no metadata: the module's own attribute, or unknown
+        return None
+
+
+def _utilization(cache_config: Any) -> float:
+    """The utilization vLLM used: 0.34's ``resolved_gpu_memory_utilization`` (never ``None``)."""
+    resolved = getattr(cache_config, "resolved_gpu_memory_utilization", None)
+    value = resolved if resolved is not None else cache_config.gpu_memory_utilization
+    return float(value)
+
+
+def _cudagraph_applied(worker: Any, formula: Any) -> int | None:
+    """The CUDA-graph estimate vLLM subtracted: 0.18+ sets ``worker.cudagraph_memory_estimate`` and
+    subtracts it only when VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS is on (w 0.20.0:413-425)."""
+    if not formula.cudagraph:
+        return None
+    estimate = getattr(worker, "cudagraph_memory_estimate", 0) or 0
+    if not estimate:
+        return 0
+    envs = sys.modules.get("vllm.envs")
+    applied = bool(getattr(envs, "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", True)) if envs else True
+    return int(estimate) if applied else 0
+
+
+def _era_of(release: str | None):
+    from kvguard.vllm.eras import EraError, era_for
+    if release is None:
+        return None
+    try:
+        return era_for(release)
+    except EraError:
+        return None
+
+
 def profile_from(worker: Any, capture: _Capture) -> Any:
-    """The estimator's Profile from a MemoryProfilingResult and the worker's cache config."""
-    from kvguard.estimator import Profile
+    """The estimator's Profile, in the running release's terms, from the MemoryProfilingResult and
+    the worker (its cache config, its CUDA-graph estimate)."""
+    from kvguard.estimator import FORMULAS, Profile
 
     result = capture.result
     if result is None:
         return None
     total = getattr(getattr(result, "before_create", None), "total_memory", 0) \
         or getattr(getattr(worker, "init_snapshot", None), "total_memory", 0)
+    release = running_release(worker)
+    era = _era_of(release)
+    formula_name = era.formula if era else "peak"
+    formula = FORMULAS[formula_name]
     reserved_increase = None
     if capture.reserved_peak_before is not None and capture.reserved_peak_after is not None:
         reserved_increase = max(0, capture.reserved_peak_after - capture.reserved_peak_before)
+    peak = max(0, int(result.torch_peak_increase))
+    allocated_peak = peak
+    if formula.peak == "reserved":
+        # vllm-mindspore's torch_peak_increase is the memory_reserved() increase (vllm_mindspore/utils.py:475).
+        reserved_increase, allocated_peak = peak, None
+    extra: dict[str, Any] = {}
+    if formula.non_kv == "consumed":
+        extra["total_consumed_bytes"] = int(result.total_consumed)
+        extra["transient_peak_headroom_bytes"] = max(0, int(result.transient_peak_headroom))
+        if capture.reserved_peak_after is not None and capture.reserved_after_exit is not None:
+            extra["reserved_transient_peak_bytes"] = max(0, capture.reserved_peak_after - capture.reserved_after_exit)
+    cudagraph = _cudagraph_applied(worker, formula)
+    if cudagraph is not None:
+        extra["cudagraph_memory_bytes"] = cudagraph
+    kv_cache_memory = getattr(worker.cache_config, "kv_cache_memory_bytes", None)
+    if kv_cache_memory:
+        extra["kv_cache_memory_bytes"] = int(kv_cache_memory)
     return Profile(
         total_memory_bytes=int(total),
-        gpu_memory_utilization=float(worker.cache_config.gpu_memory_utilization),
+        gpu_memory_utilization=_utilization(worker.cache_config),
         weights_bytes=max(0, int(result.weights_memory)),
-        peak_allocated_increase_bytes=max(0, int(result.torch_peak_increase)),
+        peak_allocated_increase_bytes=allocated_peak,
         peak_reserved_increase_bytes=reserved_increase,
         non_torch_increase_bytes=int(result.non_torch_increase),
+        formula=formula_name,
+        vllm_version=release,
+        **extra,
     )
 
 
-def _reserved_budget(profile: Any, available: int) -> int | None:
-    """The reserved-aware budget when it is smaller than vLLM's; None to keep vLLM's."""
-    from kvguard.estimator import reserved_kv_cache_bytes
+def _extensible(worker: Any) -> bool:
+    return bool(getattr(getattr(worker, "cache_config", None), "enable_extensible_kv_cache", False))
 
+
+def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
+    """The reserved-aware budget when it is smaller than vLLM's; None to keep vLLM's."""
+    from kvguard.estimator import reserved_kv_cache_bytes, stock_kv_cache_bytes
+
+    if _extensible(worker):
+        if "extensible_budget" not in _logged:
+            _logged.add("extensible_budget")
+            log.info("kvguard: KVGUARD_BUDGET=reserved changes nothing here: vLLM's extensible KV cache is sized "
+                     "after warm-up and already keeps torch's reserved growth free")
+        return None
+    if profile.kv_cache_memory_bytes is not None:
+        return None    # --kv-cache-memory-bytes: the operator fixed the size
     reserved = reserved_kv_cache_bytes(profile)
     if reserved is None:
         _failed("budget", "the reserved increase was not measured; keeping vLLM's KV cache budget")
         return None
-    return reserved if reserved < available else None
+    # What vLLM returned may differ from the formula by what it applies after (multimodal IPC reserve).
+    return reserved + (available - stock_kv_cache_bytes(profile)) if reserved < stock_kv_cache_bytes(profile) \
+        else None
+
+
+def _check_formula(profile: Any, available: Any) -> None:
+    """Say once when kvguard's formula for this release does not reproduce vLLM's own figure."""
+    from kvguard.estimator import stock_kv_cache_bytes
+
+    if not isinstance(available, int) or "formula_mismatch" in _logged:
+        return
+    expected = stock_kv_cache_bytes(profile)
+    if expected != available:
+        _logged.add("formula_mismatch")
+        hook_errors["formula_mismatch"] = hook_errors.get("formula_mismatch", 0) + 1
+        log.warning("kvguard: vLLM (%s) budgeted %d bytes for the KV cache, kvguard's %s formula %d; "
+                    "kvguard's budgets for this worker may be off", profile.vllm_version, available,
+                    profile.formula, expected)
 
 
 def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -345,11 +467,12 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
                 log.info("kvguard: this worker's determine_available_memory ran no memory_profiling; "
                          "no startup profile recorded")
             return available
+        _guard("profile", _check_formula, profile, available)
         from kvguard import probe
         probe.set_profile(profile)
         if _settings.budget != "reserved" or not isinstance(available, int):
             return available
-        budget = _guard("budget", _reserved_budget, profile, available)
+        budget = _guard("budget", _reserved_budget, self, profile, available)
         if budget is None:
             return available
         from kvguard.units import format_gib
@@ -363,29 +486,45 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
 
 # ---------------------------------------------------------------------------- the KV cache
 
-def kv_cache_allocation(kv_cache_config: Any) -> Any:
-    """KVCacheAllocation from vLLM's KVCacheConfig (``kv_cache_groups``; ``kv_cache_tensors`` or the
-    older ``tensors`` dict as a fallback for the block size in bytes)."""
+def _group_block_bytes(group: Any) -> int:
+    """Bytes one block takes across one group's layers. ``UniformTypeKVCacheSpecs.page_size_bytes`` is
+    already the sum over its layers (kv_cache_interface.py 0.11.0:275-277, 0.34.0:1354-1355)."""
+    spec = group.kv_cache_spec
+    if hasattr(spec, "kv_cache_specs"):
+        return int(spec.page_size_bytes)
+    return len(group.layer_names) * int(spec.page_size_bytes)
+
+
+def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, outside_allocator: bool = False) -> Any:
+    """KVCacheAllocation from vLLM's KVCacheConfig, sized as vLLM sizes it: the tensors it allocates
+    (``kv_cache_tensors``, or the older ``tensors`` dict) over the block count; without them, the
+    largest group's bytes per block (vLLM takes the max over groups, kv_cache_planning.py 0.34.0:615-648)."""
     from kvguard.spool import KVCacheAllocation
 
-    num_blocks = int(kv_cache_config.num_blocks)
-    if num_blocks <= 0:
+    config_blocks = int(kv_cache_config.num_blocks)
+    num_blocks = config_blocks if num_blocks is None else int(num_blocks)
+    if num_blocks <= 0 or config_blocks <= 0:
         return None
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    block_bytes = sum(len(group.layer_names) * int(group.kv_cache_spec.page_size_bytes) for group in groups)
-    if not block_bytes:
-        tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
-        if tensors is None:
-            tensors = list((getattr(kv_cache_config, "tensors", None) or {}).values())
-        block_bytes = sum(int(tensor.size) for tensor in tensors) // num_blocks
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
+    if tensors is None:
+        tensors = list((getattr(kv_cache_config, "tensors", None) or {}).values())
+    block_bytes = sum(int(tensor.size) for tensor in tensors) // config_blocks if tensors else 0
+    if not block_bytes and groups:
+        block_bytes = max(_group_block_bytes(group) for group in groups)
     block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
     if block_bytes <= 0 or block_size <= 0:
         return None
-    return KVCacheAllocation(num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size)
+    return KVCacheAllocation(num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size,
+                             outside_allocator=outside_allocator)
 
 
-def _record_kv_cache(kv_cache_config: Any) -> None:
-    allocation = kv_cache_allocation(kv_cache_config)
+def _record_kv_cache(worker: Any, kv_cache_config: Any, num_blocks: int | None = None) -> None:
+    if _extensible(worker) and num_blocks is None:
+        # 0.34's extensible KV cache: the config holds the reserved capacity; the size is committed
+        # after warm-up by extend_kv_cache, which records it then.
+        return
+    allocation = kv_cache_allocation(kv_cache_config, num_blocks, outside_allocator=_extensible(worker))
     if allocation is not None:
         from kvguard import probe
         probe.set_kv_cache(allocation)
@@ -394,6 +533,19 @@ def _record_kv_cache(kv_cache_config: Any) -> None:
 def _wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def initialize_from_config(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, kv_cache_config, *args, **kwargs)
-        _guard("initialize_from_config", _record_kv_cache, kv_cache_config)
+        _guard("initialize_from_config", _record_kv_cache, self, kv_cache_config)
         return result
     return initialize_from_config
+
+
+def _wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.34: ``Worker.extend_kv_cache(num_blocks)`` commits the extensible KV cache's final size
+    (w 0.34.0:1007-1010); record that block count."""
+    def extend_kv_cache(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, num_blocks, *args, **kwargs)
+        config = getattr(self, "_kv_cache_config", None) or getattr(getattr(self, "model_runner", None),
+                                                                    "kv_cache_config", None)
+        if config is not None:
+            _guard("extend_kv_cache", _record_kv_cache, self, config, num_blocks)
+        return result
+    return extend_kv_cache
