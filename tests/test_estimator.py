@@ -122,3 +122,111 @@ def test_negative_non_torch_increase_is_allowed_but_negative_weights_are_not():
     assert Profile.from_dict({**data, "non_torch_increase_bytes": -547_608_330}).non_torch_increase_bytes < 0
     with pytest.raises(ProfileError, match="weights_bytes must not be negative"):
         Profile.from_dict({**data, "weights_bytes": -1})
+
+
+# ---------------------------------------------------------------------------- the era formulas
+
+def classic(**overrides):
+    values = dict(total_memory_bytes=150_754_820_096, gpu_memory_utilization=0.9, weights_bytes=16 * GIB,
+                  peak_allocated_increase_bytes=2 * GIB, peak_reserved_increase_bytes=3 * GIB,
+                  non_torch_increase_bytes=GIB)
+    values.update(overrides)
+    return Profile(**values)
+
+
+def test_ceil_request_from_0_14_is_one_byte_above_the_float_product():
+    # 150754820096 * 0.9 = 135679338086.4: int() before 0.14, math.ceil from 0.14 (wu 0.14.0:258).
+    float_era, ceil_era = classic(), classic(formula="peak_ceil")
+    assert stock_kv_cache_bytes(ceil_era) - stock_kv_cache_bytes(float_era) == 1
+    assert stock_kv_cache_bytes(float_era) == 135_679_338_086 - 19 * GIB
+
+
+def test_cudagraph_estimate_is_subtracted_from_0_18_on():
+    with_graphs = classic(formula="peak_ceil_cudagraph", cudagraph_memory_bytes=512 << 20)
+    assert stock_kv_cache_bytes(classic(formula="peak_ceil")) - stock_kv_cache_bytes(with_graphs) == 512 << 20
+    # The reserved-aware budget pays for the graphs too.
+    assert reserved_kv_cache_bytes(with_graphs) == stock_kv_cache_bytes(with_graphs) - GIB
+
+
+def consumed(**overrides):
+    values = dict(total_memory_bytes=80 * GIB, gpu_memory_utilization=0.92, weights_bytes=15 * GIB,
+                  peak_allocated_increase_bytes=None, peak_reserved_increase_bytes=None,
+                  non_torch_increase_bytes=None, formula="consumed", total_consumed_bytes=17 * GIB,
+                  transient_peak_headroom_bytes=GIB, reserved_transient_peak_bytes=3 * GIB // 2,
+                  cudagraph_memory_bytes=256 << 20)
+    values.update(overrides)
+    return Profile(**values)
+
+
+def test_from_0_27_the_budget_is_request_less_consumed_less_transient_less_graphs():
+    import math
+    profile = consumed()
+    assert stock_kv_cache_bytes(profile) == math.ceil(80 * GIB * 0.92) - 17 * GIB - GIB - (256 << 20)
+
+
+def test_from_0_27_the_reserved_budget_swaps_in_the_transient_part_only():
+    profile = consumed()
+    # total_consumed already holds what empty_cache could not release: only the transient differs.
+    assert stock_kv_cache_bytes(profile) - reserved_kv_cache_bytes(profile) == GIB // 2
+    assert reserved_kv_cache_bytes(consumed(reserved_transient_peak_bytes=GIB // 2)) == stock_kv_cache_bytes(profile)
+
+
+def test_consumed_formula_needs_its_inputs():
+    with pytest.raises(ProfileError, match="total_consumed_bytes"):
+        consumed(total_consumed_bytes=None)
+
+
+def extensible(**overrides):
+    values = dict(total_memory_bytes=80 * GIB, gpu_memory_utilization=1.0, weights_bytes=15 * GIB,
+                  peak_allocated_increase_bytes=None, peak_reserved_increase_bytes=None,
+                  non_torch_increase_bytes=None, formula="extensible", init_free_memory_bytes=79 * GIB,
+                  free_after_warmup_bytes=60 * GIB, kv_committed_bytes=GIB, kv_transient_peak_bytes=2 * GIB,
+                  torch_reserve_growth_bytes=3 * GIB)
+    values.update(overrides)
+    return Profile(**values)
+
+
+def test_0_34_extensible_cache_keeps_the_larger_of_transient_and_reserve_growth_free():
+    # measure_kv_cache_bytes (extensible_kv_cache.py 0.34.0:592-618): non-KV used = 79 - 60 - 1 = 18 GiB;
+    # min(80 - 18, 61 - max(1, 1.5)) = 59.5 GiB, less max(2, 3) GiB.
+    assert stock_kv_cache_bytes(extensible()) == 59 * GIB + GIB // 2 - 3 * GIB
+
+
+def test_0_34_extensible_cache_is_its_own_reserved_budget():
+    result = estimate(extensible())
+    assert result.overcommit_bytes == 0
+    assert result.reserved_counts.startswith("nothing")
+
+
+def test_vllm_ascend_before_0_15_adds_non_torch_only_when_positive_and_clamps_at_zero():
+    negative = classic(formula="ascend_absolute", non_torch_increase_bytes=-GIB)
+    assert stock_kv_cache_bytes(negative) == int(150_754_820_096 * 0.9 - 18 * GIB)
+    assert stock_kv_cache_bytes(classic(formula="ascend_absolute", weights_bytes=200 * GIB)) == 0
+
+
+def test_310p_halves_what_vllm_ascend_leaves():
+    full = classic(formula="ascend_cleared", non_torch_cleared_bytes=GIB)
+    halved = classic(formula="ascend_cleared_halved", non_torch_cleared_bytes=GIB)
+    assert stock_kv_cache_bytes(halved) == (150_754_820_096 * 0.9 - 20 * GIB) // 2
+    assert stock_kv_cache_bytes(full) == int(150_754_820_096 * 0.9 - 20 * GIB)
+
+
+def test_vllm_mindspore_stock_budget_already_counts_the_reserved_increase():
+    profile = classic(formula="mindspore_reserved", peak_allocated_increase_bytes=None)
+    assert stock_kv_cache_bytes(profile) == reserved_kv_cache_bytes(profile)
+    assert stock_kv_cache_bytes(profile) == int(150_754_820_096 * 0.9 - 20 * GIB)
+
+
+def test_kv_cache_memory_bytes_skips_the_budget():
+    profile = consumed(kv_cache_memory_bytes=40 * GIB)
+    assert stock_kv_cache_bytes(profile) == reserved_kv_cache_bytes(profile) == 40 * GIB
+
+
+def test_a_classic_profile_file_keeps_its_six_keys():
+    assert set(classic().to_dict()) == set(Profile.REQUIRED)
+    assert Profile.from_dict(consumed().to_dict()) == consumed()
+
+
+def test_unknown_formula_is_one_line():
+    with pytest.raises(ProfileError, match="unknown budget formula"):
+        classic(formula="v99")

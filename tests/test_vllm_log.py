@@ -1,5 +1,9 @@
 """Parsing real startup log excerpts of each vLLM era."""
 
+import os
+
+import pytest
+
 from kvguard.vllm.log import parse_log
 
 GIB = 1 << 30
@@ -125,3 +129,80 @@ def test_read_log_file_stops_at_its_byte_cap(data_path):
 
     path = data_path("logs", "v1-tp2-debug.log")
     assert read_log_file(path, max_bytes=10).lines_matched == 0
+
+
+# ---------------------------------------------------------------------------- every era's lines
+
+def era_log(data_path, name):
+    return read(data_path, os.path.join("eras", name))
+
+
+def test_0_27_debug_profile_gives_the_consumed_profile(data_path):
+    log = era_log(data_path, "v0.27-debug.log")
+    assert log.era_candidates == ("vllm 0.27.0–0.33.0", "vllm 0.34.0+")
+    assert log.weights_bytes == round(14.96 * GIB)
+    assert log.total_consumed_bytes == round(15.87 * GIB)
+    assert log.available_kv_cache_bytes == round(54.89 * GIB)
+    # The CUDA-graph note states the utilization it takes away: (0.92 - 0.9115) x total.
+    assert log.cudagraph_memory_bytes == round((0.92 - 0.9115) * log.total_memory_bytes)
+    profile = log.profile()
+    assert profile.formula == "consumed"
+    assert profile.transient_peak_headroom_bytes == round(17.3 * GIB) - round(15.87 * GIB)
+    # The decided budget and the recomputed one agree to the log's 0.01 GiB rounding.
+    from kvguard.estimator import stock_kv_cache_bytes
+    assert abs(stock_kv_cache_bytes(profile) - log.available_kv_cache_bytes) < 0.05 * GIB
+
+
+def test_0_34_extensible_cache_decides_its_size_after_warm_up(data_path):
+    log = era_log(data_path, "v0.34-extensible.log")
+    assert log.era == "vllm 0.34.0+"
+    assert log.weights_bytes == round(14.25 * GIB)
+    # "Available KV cache memory: 63.2 GiB" is the capacity; the committed size is what vLLM decided.
+    assert log.available_kv_cache_bytes == round(57.16 * GIB)
+    assert log.num_gpu_blocks == 42816
+    # The one 0.30+ line carries both the KV size and the concurrency.
+    assert (log.kv_cache_tokens, log.max_model_len, log.max_concurrency) == (2_740_224, 32_768, 83.62)
+
+
+def test_kv_cache_memory_bytes_line_of_0_11(data_path):
+    log = era_log(data_path, "v0.11-kv-cache-memory-bytes.log")
+    assert log.era == "vllm 0.10.2–0.13.0"
+    assert log.kv_cache_memory_bytes == log.available_kv_cache_bytes == 40 * GIB
+    assert log.init_free_memory_bytes == round(78.53515625 * GIB)
+    assert log.weights_bytes == round(14.9595 * GIB)
+
+
+def test_310p_halving_names_its_worker(data_path):
+    log = era_log(data_path, "vllm-ascend-310p.log")
+    assert (log.project, log.era, log.halved_for_workspace) == ("vllm-ascend-310p", "vllm-ascend-310p 0.18.0+", True)
+    assert log.available_kv_cache_bytes == round(11.87 * GIB)
+    assert log.weights_bytes == round(14.3005 * GIB)
+
+
+def test_bundled_example_log_now_carries_the_weights():
+    from conftest import EXAMPLES
+    with open(os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")) as handle:
+        log = parse_log(handle.read())
+    assert log.weights_bytes == round(14.1852 * GIB)   # "Model loading took 14.1852 GiB and 21.47 seconds"
+    assert (log.project, log.era) == ("vllm-mindspore", "vllm-mindspore 0.5.0+")
+
+
+def test_requested_memory_line_tells_0_13_from_0_14_by_its_digits():
+    old = parse_log("DEBUG [gpu_worker.py:290] Initial free memory: 78.53 GiB; Requested memory: 0.90 (util), 71.28 GiB")
+    new = parse_log("DEBUG [gpu_worker.py:347] Initial free memory: 78.53 GiB; Requested memory: 0.920000 (util), "
+                    "72.87 GiB")
+    assert "vllm 0.14.0–0.17.1" not in old.era_candidates and "vllm 0.10.2–0.13.0" in old.era_candidates
+    assert "vllm 0.10.2–0.13.0" not in new.era_candidates and "vllm 0.14.0–0.17.1" in new.era_candidates
+    assert new.gpu_memory_utilization == 0.92 and new.requested_memory_bytes == round(72.87 * GIB)
+
+
+def test_an_overlong_number_on_a_budget_line_is_one_line_error():
+    from kvguard.vllm.log import LogLineError
+    with pytest.raises(LogLineError, match=r"^line 2: number 999999999999… \(400 characters\) is too long"):
+        parse_log("INFO start\nINFO Available KV cache memory: " + "9" * 400 + " GiB\n")
+
+
+def test_regex_bait_is_skipped_without_error():
+    bait = "Model loading took " * 150 + "Available KV cache memory: " * 100 + "(" * 2000   # < MAX_LINE_CHARS
+    log = parse_log("\n".join([bait] * 20))
+    assert log.lines_matched == 0 and log.weights_bytes is None

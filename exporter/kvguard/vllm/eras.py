@@ -164,9 +164,10 @@ ERAS: tuple[Era, ...] = (
         cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",)),
     # NPUWorker310 (vllm_ascend/_310p/worker_310p.py) inherits NPUWorker's formula until 0.18, then halves it.
     Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
         cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)),
     Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved", default_block_size=128,
-        log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size"),
+        log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency"),
         cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
                "310 0.23.0:118-122 'Available KV cache memory: %.2f GiB (halved for workspace)'")),
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with

@@ -126,9 +126,12 @@ KINDS: tuple[LineKind, ...] = (
     LineKind("requested_memory", "Initial free memory: {init_free} GiB; Requested memory: {util} (util), "
              "{requested} GiB", releases=(V("0.10.2"), None),
              cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
-    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free} GiB, reserved {kv_cache_memory} …"
+    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free} GiB, reserved {kv_cache_memory}…"
              "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.10.2"), None),
              cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708"),
+    # 0.10.2-0.11 wrote "This does does not respect" in that line (w 0.11.0:245); 0.12 fixed the words.
+    LineKind("era_hint", "skipped memory profiling. This does does not respect", releases=(V("0.10.2"), V("0.11.2")),
+             cite="w 0.11.0:240-251, 0.13.0:316-327"),
     LineKind("profile_peak", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
              "non-torch forward increase memory: {non_torch}GiB; weights memory: {weights}GiB",
              releases=(V("0.10.2"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),

@@ -1,0 +1,52 @@
+"""Startup-log parsing speed: regex bait against ordinary lines, each against a baseline run beside it.
+
+The baseline is the cheapest pass any reader makes: splitting the text into lines and looking for
+one substring in each. A parser that backtracks shows up as a bait/ordinary ratio far above 1.
+
+    python bench/bench_log.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exporter"))
+
+from kvguard.vllm.log import MAX_LINE_CHARS, parse_log  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def best_of(function, text: str, runs: int = 5) -> float:
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        function(text)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def baseline(text: str) -> int:
+    return sum("GiB" in line for line in text.splitlines())
+
+
+def main() -> None:
+    with open(os.path.join(HERE, "..", "tests", "data", "logs", "eras", "v0.27-debug.log")) as handle:
+        ordinary_line = handle.read()
+    unit = ("Model loading took 1" * 40 + "Total non KV cache memory: 1GiB; " * 40
+            + "KV cache size: 9," * 40 + "Memory after warmup: " * 40)
+    bait_line = (unit * (MAX_LINE_CHARS // len(unit) + 1))[:MAX_LINE_CHARS - 1]
+    size = 2 << 20
+    ordinary = (ordinary_line * (size // len(ordinary_line) + 1))[:size]
+    bait = ((bait_line + "\n") * (size // len(bait_line) + 1))[:size]
+    print(f"{'input (2 MiB)':<16} {'parse s':>9} {'baseline s':>11} {'x baseline':>11}")
+    for name, text in (("ordinary lines", ordinary), ("regex bait", bait)):
+        parsed, base = best_of(parse_log, text), best_of(baseline, text)
+        print(f"{name:<16} {parsed:>9.3f} {base:>11.4f} {parsed / base:>11.1f}")
+    print(f"bait / ordinary MB/s ratio: {best_of(parse_log, bait) / best_of(parse_log, ordinary):.2f}")
+
+
+if __name__ == "__main__":
+    main()
