@@ -157,3 +157,61 @@ def test_log_that_is_not_a_regular_file_is_one_line_error(tmp_path):
     result = kvguard("budget", "--from-log", str(fifo))
     assert result.returncode == 1
     assert result.stderr == f"Error: cannot read log file {fifo}: not a regular file\n"
+
+
+def test_overlong_number_in_a_log_is_one_line(tmp_path):
+    log = tmp_path / "huge.log"
+    log.write_text("INFO [gpu_worker.py:227] Available KV cache memory: " + "7" * 400 + " GiB\n")
+    result = kvguard("budget", "--from-log", str(log))
+    assert result.returncode == 1
+    assert result.stderr == f"Error: log file {log}: line 1: number 777777777777… (400 characters) is too long " \
+                            "for a memory figure\n"
+
+
+def test_tensor_parallel_size_vllm_refuses_is_vllms_one_line():
+    result = kvguard("budget", "--model-config", QWEN, "-tp", "3")
+    assert result.returncode == 1
+    assert result.stderr == "Error: Total number of attention heads (28) must be divisible by tensor parallel " \
+                            "size (3).\n"
+
+
+def test_era_picks_the_formula_and_the_flag_names():
+    common = ("--model-config", QWEN, "--total-memory", "64GiB", "--weights", "14.19GiB",
+              "--peak-allocated-increase", "4.27GiB", "--peak-reserved-increase", "5.72GiB",
+              "--non-torch-increase", "1.3GiB", "--gpu-memory-utilization", "0.9")
+    old, new = budget_json(*common, "--vllm-version", "0.13.0"), budget_json(*common, "--vllm-version", "0.14.0")
+    assert (old["era"]["formula"], new["era"]["formula"]) == ("peak", "peak_ceil")
+    assert new["budgets"]["stock"]["kv_cache_bytes"] - old["budgets"]["stock"]["kv_cache_bytes"] in (0, 1)
+    assert new["vllm_version"] == "0.14.0"
+    assert new["recommended_flags"][1].startswith("--kv-cache-memory-bytes ")
+
+
+def test_0_34_defaults_block_size_64_and_the_extensible_utilization():
+    out = budget_json("--model-config", QWEN, "--vllm-version", "0.34.0", "--total-memory", "80GiB",
+                      "--weights", "15GiB", "--init-free-memory", "79GiB", "--free-after-warmup", "60GiB",
+                      "--kv-committed", "1GiB", "--kv-transient-peak", "2GiB", "--torch-reserve-growth", "3GiB")
+    assert out["layout"]["block_size"] == 64
+    assert out["profile"]["formula"] == "extensible" and out["profile"]["gpu_memory_utilization"] == 1.0
+    assert out["overcommit_bytes"] == 0 and out["reserved_counts"].startswith("nothing")
+
+
+def test_mla_block_size_follows_vllm_on_cuda(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512, '
+                      '"qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}')
+    forced = budget_json("--model-config", str(config), "--vllm-version", "0.11.0", "--block-size", "16")
+    kept = budget_json("--model-config", str(config), "--vllm-version", "0.20.0", "--block-size", "16")
+    default = budget_json("--model-config", str(config), "--vllm-version", "0.20.0")
+    assert (forced["layout"]["block_size"], kept["layout"]["block_size"], default["layout"]["block_size"]) == \
+        (64, 16, 64)
+
+
+def test_an_older_release_than_the_table_is_a_usage_error():
+    result = kvguard("budget", "--model-config", QWEN, "--vllm-version", "0.5.0")
+    assert result.returncode == 2 and "older than kvguard's era table" in result.stderr
+
+
+def test_consumed_era_profile_missing_an_input_names_its_flag():
+    result = kvguard("budget", "--vllm-version", "0.27.0", "--total-memory", "80GiB", "--weights", "15GiB",
+                     "--total-consumed", "17GiB")
+    assert result.returncode == 2 and "--transient-peak-headroom" in result.stderr

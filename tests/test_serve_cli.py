@@ -100,7 +100,7 @@ def test_check_exits_2_on_a_log_without_vllm_lines(data_path):
 
 def test_check_exits_2_on_a_missing_log(tmp_path):
     result = check("--from-log", str(tmp_path / "absent.log"))
-    assert result.exit_code == 2 and "cannot read log file" in result.output
+    assert result.exit_code == 2 and result.output == f"Error: log file not found: {tmp_path / 'absent.log'}\n"
 
 
 def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):

@@ -121,19 +121,12 @@ def _read_profile_file(path: str) -> dict[str, Any]:
 
 
 def _read_log(path: str):
-    from kvguard.vllm.log import LogFileError, LogLineError, read_log_file
+    from kvguard.vllm.log import LogFileError, read_startup_log
 
     try:
-        startup = read_log_file(path)
-    except (LogFileError, LogLineError) as exc:
+        return read_startup_log(path)
+    except LogFileError as exc:
         raise click.ClickException(str(exc)) from None
-    except FileNotFoundError:
-        raise click.ClickException(f"log file not found: {path}") from None
-    except OSError as exc:
-        raise click.ClickException(f"cannot read log file {path}: {exc.strerror or exc}") from None
-    if startup.lines_matched == 0:
-        raise click.ClickException(f"no vLLM startup memory lines found in {path}")
-    return startup
 
 
 def _layout_dict(layout: KVLayout) -> dict[str, Any]:

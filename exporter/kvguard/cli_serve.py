@@ -34,17 +34,12 @@ class CheckError(click.ClickException):
 
 
 def _read_startup_log(path: str, error=click.ClickException):
-    from kvguard.vllm.log import LogFileError, read_log_file
+    from kvguard.vllm.log import LogFileError, read_startup_log
 
     try:
-        startup = read_log_file(path)
+        return read_startup_log(path)
     except LogFileError as exc:
         raise error(str(exc)) from None
-    except OSError as exc:
-        raise error(f"cannot read log file {path}: {exc.strerror or exc}") from None
-    if startup.lines_matched == 0:
-        raise error(f"no vLLM startup memory lines found in {path}")
-    return startup
 
 
 def _build_sources(names: tuple[str, ...]) -> list[tuple[str, Any]]:

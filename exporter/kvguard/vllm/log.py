@@ -461,6 +461,22 @@ def read_log_file(path: str, max_bytes: int = MAX_LOG_BYTES) -> StartupLog:
             raise LogLineError(f"log file {path}: {exc}") from None
 
 
+def read_startup_log(path: str) -> StartupLog:
+    """``read_log_file`` for the command line: every failure is a LogFileError with one line (a missing
+    or unreadable file, a number too long to be real, a file with no startup memory lines)."""
+    try:
+        startup = read_log_file(path)
+    except LogLineError as exc:
+        raise LogFileError(str(exc)) from None
+    except FileNotFoundError:
+        raise LogFileError(f"log file not found: {path}") from None
+    except OSError as exc:
+        raise LogFileError(f"cannot read log file {path}: {exc.strerror or exc}") from None
+    if startup.lines_matched == 0:
+        raise LogFileError(f"no vLLM startup memory lines found in {path}")
+    return startup
+
+
 def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
     left = max_bytes
     while left > 0:
