@@ -59,6 +59,7 @@ _logged: set[str] = set()
 _registered = False
 _lock = threading.Lock()
 _reader: Any = None                   # the source that reads the reserved peak during profiling
+_profile: Any = None                  # this worker's startup profile, completed after 0.34's warm-up
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ def _reset_for_tests() -> None:
         _logged.clear()
     _settings = Settings()
     _reader = None
+    global _profile
+    _profile = None
     _PatchOnImport.forget()
 
 
@@ -214,6 +217,7 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
     for name, wrapper in (("init_device", _wrap_init_device),
                           ("determine_available_memory", _wrap_determine_available_memory),
                           ("initialize_from_config", _wrap_initialize_from_config),
+                          ("compile_or_warm_up_model", _wrap_compile_or_warm_up_model),
                           ("extend_kv_cache", _wrap_extend_kv_cache)):
         original = worker.__dict__.get(name)
         if original is None or getattr(original, _MARK, False):
@@ -469,6 +473,8 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
             return available
         _guard("profile", _check_formula, profile, available)
         from kvguard import probe
+        global _profile
+        _profile = profile
         probe.set_profile(profile)
         if _settings.budget != "reserved" or not isinstance(available, int):
             return available
@@ -549,3 +555,52 @@ def _wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
             _guard("extend_kv_cache", _record_kv_cache, self, config, num_blocks)
         return result
     return extend_kv_cache
+
+
+# ---------------------------------------------------------------------------- 0.34: sized after warm-up
+
+EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"
+_EXTENSIBLE_INPUTS = {"init_free_memory": "init_free_memory_bytes", "free_memory": "free_after_warmup_bytes",
+                      "committed_bytes": "kv_committed_bytes", "transient_peak_bytes": "kv_transient_peak_bytes",
+                      "torch_reserve_growth_bytes": "torch_reserve_growth_bytes"}
+
+
+def _wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """0.34's extensible KV cache is sized at the end of warm-up by ``measure_kv_cache_bytes``
+    (v1/worker/extensible_kv_cache.py 0.34.0:592-618), called with every input by keyword; while
+    warm-up runs, that function is wrapped so the profile gains them (formula ``extensible``)."""
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        module = sys.modules.get(EXTENSIBLE_MODULE) if _extensible(self) else None
+        current = getattr(module, "measure_kv_cache_bytes", None) if module else None
+        if not callable(current) or getattr(current, _MARK, False):
+            return original(self, *args, **kwargs)
+        calls: list[dict[str, Any]] = []
+
+        def measure_kv_cache_bytes(*m_args: Any, **m_kwargs: Any) -> Any:
+            result = current(*m_args, **m_kwargs)
+            calls.append(m_kwargs)
+            return result
+        setattr(measure_kv_cache_bytes, _MARK, True)
+        module.measure_kv_cache_bytes = measure_kv_cache_bytes
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if module.measure_kv_cache_bytes is measure_kv_cache_bytes:
+                module.measure_kv_cache_bytes = current
+            _guard("compile_or_warm_up_model", _record_extensible_inputs, self, calls)
+    return compile_or_warm_up_model
+
+
+def _record_extensible_inputs(worker: Any, calls: list[dict[str, Any]]) -> None:
+    """The call that sized the cache is the one with the worker's own requested memory (a second
+    call, with the startup free memory, only words a warning: extensible_kv_cache.py 0.34.0:655-660)."""
+    global _profile
+    requested = int(getattr(worker, "requested_memory", -1))
+    sizing = next((c for c in calls if c.get("requested_memory") == requested), calls[0] if calls else None)
+    if sizing is None or _profile is None:
+        return
+    inputs = {field: int(sizing[name]) for name, field in _EXTENSIBLE_INPUTS.items()}
+    import dataclasses
+    _profile = dataclasses.replace(_profile, formula="extensible", **inputs)
+    from kvguard import probe
+    probe.set_profile(_profile)
