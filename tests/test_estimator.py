@@ -199,9 +199,9 @@ def test_0_34_extensible_cache_is_its_own_reserved_budget():
 
 
 def test_vllm_ascend_before_0_15_adds_non_torch_only_when_positive_and_clamps_at_zero():
-    negative = classic(formula="ascend_absolute", non_torch_increase_bytes=-GIB)
+    negative = classic(formula="absolute_peak", non_torch_increase_bytes=-GIB)
     assert stock_kv_cache_bytes(negative) == int(150_754_820_096 * 0.9 - 18 * GIB)
-    assert stock_kv_cache_bytes(classic(formula="ascend_absolute", weights_bytes=200 * GIB)) == 0
+    assert stock_kv_cache_bytes(classic(formula="absolute_peak", weights_bytes=200 * GIB)) == 0
 
 
 def test_310p_halves_what_vllm_ascend_leaves():

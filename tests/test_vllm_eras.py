@@ -10,7 +10,8 @@ from kvguard.vllm.eras import ERAS, PROJECTS, EraError, era_for, parse_release
     ("0.11.0", "peak"), ("0.13.0", "peak"), ("0.14.0", "peak_ceil"), ("0.17.1", "peak_ceil"),
     ("0.18.0", "peak_ceil_cudagraph"), ("0.26.0", "peak_ceil_cudagraph"), ("0.27.0", "consumed"),
     ("0.33.0", "consumed"), ("0.34.0", "consumed"), ("vllm:0.35.2", "consumed"),
-    ("vllm-ascend:0.13.0", "ascend_absolute"), ("vllm-ascend:0.16.0rc1", "ascend_cleared"),
+    ("vllm-ascend:0.13.0", "absolute_peak"), ("0.6.4", "absolute_peak"), ("0.9.0", "absolute_peak_signed"),
+    ("0.9.1", "peak"), ("0.12.0", "peak"), ("vllm-ascend:0.16.0rc1", "ascend_cleared"),
     ("vllm-ascend:0.18.0", "peak"), ("vllm-ascend-310p:0.23.0", "ascend_cleared_halved"),
     ("vllm-mindspore:0.5.1", "mindspore_reserved"),
 ])

@@ -18,8 +18,8 @@ def test_v1_lines_with_colour_codes_and_worker_prefixes(data_path):
     log = read(data_path, "v1-tp2-debug.log")
     # The a-D profile line and "Free memory on device": a V1 release before 0.27, not one era.
     assert log.era is None
-    assert log.era_candidates == ("vllm 0.10.2–0.13.0", "vllm 0.14.0–0.17.1", "vllm 0.18.0–0.19.1",
-                                  "vllm 0.20.0–0.26.0")
+    assert log.era_candidates == ("vllm 0.9.1–0.11.2", "vllm 0.12.0–0.13.0", "vllm 0.14.0–0.17.1",
+                                  "vllm 0.18.0–0.19.1", "vllm 0.20.0–0.26.0")
     assert log.kv_cache_tokens == 708_672
     assert (log.max_model_len, log.max_concurrency) == (32_768, 21.63)
 
@@ -42,7 +42,7 @@ def test_v1_debug_profile_and_free_memory_lines_give_a_full_profile(data_path):
 
 def test_v0_late_breakdown_and_block_count(data_path):
     log = read(data_path, "v0-late.log")
-    assert log.era == "vllm 0.6.4–0.10.1"
+    assert log.era == "vllm 0.6.4–0.8.4"
     assert log.total_memory_bytes == round(79.15 * GIB)
     assert log.gpu_memory_utilization == 0.90
     assert log.weights_bytes == round(14.99 * GIB)
@@ -62,7 +62,7 @@ def test_v0_negative_values_parse(data_path):
 
 def test_v06_results_line_keeps_weights_and_activations_together(data_path):
     log = read(data_path, "v0.6.4.log")
-    assert log.era == "vllm 0.6.4–0.10.1"
+    assert log.era == "vllm 0.6.4–0.8.4"
     assert log.peak_torch_memory_bytes == round(16.23 * GIB)
     assert log.peak_allocated_increase_bytes is None  # the log does not separate it
     assert log.available_kv_cache_bytes == round(54.87 * GIB)
@@ -166,7 +166,7 @@ def test_0_34_extensible_cache_decides_its_size_after_warm_up(data_path):
 
 def test_kv_cache_memory_bytes_line_of_0_11(data_path):
     log = era_log(data_path, "v0.11-kv-cache-memory-bytes.log")
-    assert log.era == "vllm 0.10.2–0.13.0"
+    assert log.era == "vllm 0.9.1–0.11.2"   # "does does": 0.11 and before
     assert log.kv_cache_memory_bytes == log.available_kv_cache_bytes == 40 * GIB
     assert log.init_free_memory_bytes == round(78.53515625 * GIB)
     assert log.weights_bytes == round(14.9595 * GIB)
@@ -191,8 +191,8 @@ def test_requested_memory_line_tells_0_13_from_0_14_by_its_digits():
     old = parse_log("DEBUG [gpu_worker.py:290] Initial free memory: 78.53 GiB; Requested memory: 0.90 (util), 71.28 GiB")
     new = parse_log("DEBUG [gpu_worker.py:347] Initial free memory: 78.53 GiB; Requested memory: 0.920000 (util), "
                     "72.87 GiB")
-    assert "vllm 0.14.0–0.17.1" not in old.era_candidates and "vllm 0.10.2–0.13.0" in old.era_candidates
-    assert "vllm 0.10.2–0.13.0" not in new.era_candidates and "vllm 0.14.0–0.17.1" in new.era_candidates
+    assert old.era_candidates == ("vllm 0.9.1–0.11.2", "vllm 0.12.0–0.13.0")
+    assert "vllm 0.12.0–0.13.0" not in new.era_candidates and "vllm 0.14.0–0.17.1" in new.era_candidates
     assert new.gpu_memory_utilization == 0.92 and new.requested_memory_bytes == round(72.87 * GIB)
 
 

@@ -184,7 +184,7 @@ def _era_size_options(function):
               help="Hugging Face config.json, or a model directory holding one.")
 @click.option("--vllm-version", "release", metavar="RELEASE",
               help="The release whose formula applies: X.Y.Z (vLLM), vllm-ascend:X.Y.Z, vllm-ascend-310p:X.Y.Z, "
-                   "vllm-mindspore:X.Y.Z. Default: the 0.11-0.13 formula, or the era the log shows.")
+                   "vllm-mindspore:X.Y.Z. Default: the 0.9.1-0.13 formula, or the era the log shows.")
 @click.option("--block-size", type=click.IntRange(min=1), help="Tokens per KV block (default: the era's).")
 @click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
               help="KV cache dtype; auto follows the model's torch_dtype.")

@@ -208,8 +208,8 @@ class BudgetFormula:
     ``cudagraph``: the CUDA-graph memory estimate is subtracted.
     ``peak``: which peak vLLM's own formula counts: ``"allocated"``, or ``"reserved"``
     (vllm-mindspore's ``memory_profiling`` measures ``memory_reserved()``).
-    ``non_torch``: ``"increase"``, or ``"positive"`` (vllm-ascend before 0.15 adds the absolute
-    non-torch memory only when positive). ``cleared``: vllm-ascend 0.15+ also subtracts the
+    ``non_torch``: ``"increase"``, or ``"positive"`` (V0, V1 0.8.5-0.9.0 and vllm-ascend before 0.15 add
+    the absolute non-torch memory only when positive; their peak holds the weights). ``cleared``: vllm-ascend 0.15+ also subtracts the
     non-torch memory ``empty_cache`` cleared. ``halved``: 310P halves the result for workspace.
     ``floor_zero``: the result is clamped at 0.
     The release ranges and their upstream lines live in :mod:`kvguard.vllm.eras`.
@@ -239,7 +239,10 @@ FORMULAS: dict[str, BudgetFormula] = {f.name: f for f in (
     # budgets what the reserved-aware budget adds, so the two are equal.
     BudgetFormula("extensible", requested="ceil", non_kv="measured_after_warmup",
                   reserved_counts="nothing: vLLM keeps torch's reserved growth free itself"),
-    BudgetFormula("ascend_absolute", requested="product", non_kv="peak", non_torch="positive", floor_zero=True),
+    # V0 (0.6.4), V1 0.8.5-0.9.0 and vllm-ascend before 0.15: the allocated peak with the weights in it
+    # plus the absolute non-torch memory when positive; V0 and vllm-ascend clamp at 0, early V1 does not.
+    BudgetFormula("absolute_peak", requested="product", non_kv="peak", non_torch="positive", floor_zero=True),
+    BudgetFormula("absolute_peak_signed", requested="product", non_kv="peak", non_torch="positive"),
     BudgetFormula("ascend_cleared", requested="product", non_kv="peak", cleared=True),
     BudgetFormula("ascend_cleared_halved", requested="product", non_kv="peak", cleared=True, halved=True),
     BudgetFormula("mindspore_reserved", requested="product", non_kv="peak", peak="reserved",

@@ -79,22 +79,34 @@ _V1_LINES = ("model_loading", "available_kv_cache", "kv_cache_size", "max_concur
              "kv_cache_memory_bytes")
 
 ERAS: tuple[Era, ...] = (
-    # V0's worker (worker/worker.py) and the early V1 engine: total × util as a float, less the
-    # profiled peak (weights + activations + non-torch). Read from the log only; no wheel tested.
-    Era("vllm", _v("0.6.4"), _v("0.10.1"), "peak", hooks=(), kv_cache_memory_flag=None,
+    # V0's worker: the allocated peak with the weights in it, plus the absolute non-torch memory when
+    # positive; the block count floored at 0. Representative: 0.6.4 (other V0 releases not read).
+    Era("vllm", _v("0.6.4"), _v("0.8.4"), "absolute_peak", hooks=(), kv_cache_memory_flag=None,
         log_lines=("model_loading", "v0_can_use", "v0_breakdown", "v0_results", "v0_blocks", "available_kv_cache",
                    "kv_cache_size", "max_concurrency"),
-        cites=("worker/worker.py 0.6.4:232-243 'Memory profiling results' (kv_cache_size = total * util - peak)",
+        cites=("worker/worker.py 0.6.4:174-250 determine_num_available_blocks: "
+               "max(int((total * util - (peak + max(non_torch, 0))) // block_bytes), 0)",
                "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'")),
-    Era("vllm", _v("0.10.2"), _v("0.13.0"), "peak", mla_block_size=64, mla_block_rule="equal",
-        log_lines=_V1_LINES + ("profile_peak",),
+    # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped.
+    Era("vllm", _v("0.8.5"), _v("0.9.0"), "absolute_peak_signed", kv_cache_memory_flag=None,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
+        cites=("w 0.8.5:165-212, 0.9.0:167-214 int(total * util - (allocated peak incl. weights + "
+               "max(absolute non-torch, 0)))",)),
+    # memory_profiling: weights + Δ peak + Δ non-torch, total × util as a float, int(). 0.9.1-0.10.2 take
+    # the init snapshot before NCCL starts (w 0.10.2:175 vs 192), so NCCL buffers are in Δ non-torch.
+    Era("vllm", _v("0.9.1"), _v("0.11.2"), "peak", mla_block_size=64, mla_block_rule="equal",
+        log_lines=_V1_LINES + ("profile_peak", "era_hint"),
         checked_against="0.11.0",
         cites=("w 0.11.0:183-184 requested_memory = total_memory * gpu_memory_utilization (float)",
                "w 0.11.0:279-280,302 return int(requested_memory - non_kv_cache_memory)",
                "utils/__init__.py 0.11.0:2859 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
                "config/cache.py 0.11.0 gpu_memory_utilization = 0.9, block_size 16",
-               "platforms/cuda.py 0.11.0:162-184 MLA block size forced to 64 (FlashMLA; CUTLASS MLA on "
+               "platforms/cuda.py 0.11.0:162-184 MLA block size forced to 64 unless equal (FlashMLA; CUTLASS MLA on "
                "Blackwell: 128)")),
+    Era("vllm", _v("0.12.0"), _v("0.13.0"), "peak", mla_block_size=64, mla_block_rule="multiple",
+        log_lines=_V1_LINES + ("profile_peak",),
+        cites=("w 0.13.0:241-244,357-359,382 the 0.11 arithmetic (float request, int())",
+               "platforms/cuda.py 0.12.0:205, 0.13.0:208 MLA: a block size not a multiple of 64 is forced to 64")),
     Era("vllm", _v("0.14.0"), _v("0.17.1"), "peak_ceil", mla_block_size=64, mla_block_rule="multiple",
         log_lines=_V1_LINES + ("profile_peak",),
         checked_against="0.14.0",
@@ -143,7 +155,7 @@ ERAS: tuple[Era, ...] = (
                "w 0.34.0:1007 Worker.extend_kv_cache(num_blocks) commits it")),
 
     # vllm-ascend X runs on vLLM X; "aw" is vllm_ascend/worker/worker.py (0.9.1: worker_v1.py).
-    Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "ascend_absolute", default_block_size=128,
+    Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "absolute_peak", default_block_size=128,
         log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency"),
         hooks=HOOKS_V1,
         cites=("aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
@@ -169,7 +181,10 @@ ERAS: tuple[Era, ...] = (
     Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency"),
         cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
-               "310 0.23.0:118-122 'Available KV cache memory: %.2f GiB (halved for workspace)'")),
+               "310 0.21.0rc1 first writes 'Available KV cache memory: %.2f GiB (halved for workspace)' "
+               "(310 0.23.0:118-122)",
+               "310 0.20.2rc1+ RC devices (host and device memory shared) halve requested - host memory used "
+               "instead: not modelled")),
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
     # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
     # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.

@@ -124,17 +124,17 @@ KINDS: tuple[LineKind, ...] = (
     # "Initial free memory: %.2f GiB; Requested memory: %.2f (util), %.2f GiB" (<= 0.13, util 2 decimals);
     # "%s GiB; Requested memory: %f (util), %s GiB" (0.14+, util 6 decimals).
     LineKind("requested_memory", "Initial free memory: {init_free} GiB; Requested memory: {util} (util), "
-             "{requested} GiB", releases=(V("0.10.2"), None),
+             "{requested} GiB", releases=(V("0.9.1"), None),
              cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
     LineKind("kv_cache_memory_bytes", "Initial free memory {init_free} GiB, reserved {kv_cache_memory}…"
-             "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.10.2"), None),
+             "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.9.1"), None),
              cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708"),
     # 0.10.2-0.11 wrote "This does does not respect" in that line (w 0.11.0:245); 0.12 fixed the words.
-    LineKind("era_hint", "skipped memory profiling. This does does not respect", releases=(V("0.10.2"), V("0.11.2")),
+    LineKind("era_hint", "skipped memory profiling. This does does not respect", releases=(V("0.9.1"), V("0.11.2")),
              cite="w 0.11.0:240-251, 0.13.0:316-327"),
     LineKind("profile_peak", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
              "non-torch forward increase memory: {non_torch}GiB; weights memory: {weights}GiB",
-             releases=(V("0.10.2"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),
+             releases=(V("0.9.1"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),
     LineKind("profile_consumed", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
              "total consumed (from mem_get_info): {consumed}GiB; weights memory: {weights}GiB",
              releases=(V("0.27.0"), None), cite="mu 0.27.0:220-231, 0.34.0:231-242"),
@@ -162,17 +162,18 @@ KINDS: tuple[LineKind, ...] = (
              releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540"),
     LineKind("free_on_startup", "Free memory on device ({free}/{total} GiB) on startup. Desired GPU memory "
              "utilization is ({util}", cite="w 0.11.0:185-195 (the refusal when free < requested)"),
-    # V0 (worker/worker.py), 0.6.4 .. 0.10.1.
+    # V0's worker (worker/worker.py): its lines pin the V0 row (the V0 engine stayed selectable
+    # until 0.10, but kvguard's table follows each release's default engine).
     LineKind("v0_can_use", "can use total_gpu_memory ({total}GiB) x gpu_memory_utilization ({util})",
-             releases=(V("0.6.5"), V("0.10.1")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
+             releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
     LineKind("v0_breakdown", "model weights take {weights}GiB; non_torch_memory takes {non_torch}GiB; PyTorch "
              "activation peak memory takes {peak}GiB; the rest of the memory reserved for KV Cache is {available}GiB",
-             releases=(V("0.6.5"), V("0.10.1")), cite="worker/worker.py 0.7.0"),
+             releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
     LineKind("v0_results", "Memory profiling results: total_gpu_memory={total}GiB…peak_torch_memory={peak_torch}GiB…"
              "non_torch_memory={non_torch}GiB kv_cache_size={available}GiB gpu_memory_utilization={util}",
              releases=(V("0.6.4"), V("0.6.4")), cite="worker/worker.py 0.6.4:232-243"),
     # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
-    LineKind("v0_blocks", "# … blocks: {blocks}", releases=(V("0.6.4"), V("0.10.1")),
+    LineKind("v0_blocks", "# … blocks: {blocks}", releases=(V("0.6.4"), V("0.8.4")),
              cite="executor/gpu_executor.py 0.6.4:113; executor/executor_base.py 0.7.0:110"),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
     LineKind("ascend_available", "Available memory: {available}, total memory: {total}", project="vllm-ascend",
