@@ -49,6 +49,7 @@ WORKER_CLASSES = (
     ("vllm.v1.worker.gpu_worker", "Worker"),
     ("vllm_ascend.worker.worker", "NPUWorker"),
     ("vllm_ascend.worker.worker_v1", "NPUWorker"),
+    ("vllm_ascend._310p.worker_310p", "NPUWorker310"),     # 310P: its own determine_available_memory (0.18+)
 )
 BUDGETS = ("stock", "reserved")
 DEFAULT_INTERVAL = 5.0
@@ -444,6 +445,21 @@ def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
         else None
 
 
+def _with_cleared(profile: Any, available: Any) -> Any:
+    """vllm-ascend 0.15+ also subtracts the non-torch memory its profile's empty_cache cleared, a local of
+    its determine_available_memory (worker.py 0.17.0rc1:339-366); it is what the returned figure leaves
+    unexplained (310P: twice that, less the halving's rounding)."""
+    from kvguard.estimator import non_kv_cache_bytes, requested_memory_bytes
+
+    formula = profile.budget_formula
+    if not formula.cleared or not isinstance(available, int) or profile.non_torch_cleared_bytes is not None:
+        return None
+    scale = 2 if formula.halved else 1
+    cleared = int(requested_memory_bytes(profile) - non_kv_cache_bytes(profile) - scale * available)
+    import dataclasses
+    return dataclasses.replace(profile, non_torch_cleared_bytes=cleared)
+
+
 def _check_formula(profile: Any, available: Any) -> None:
     """Say once when kvguard's formula for this release does not reproduce vLLM's own figure."""
     from kvguard.estimator import stock_kv_cache_bytes
@@ -471,6 +487,7 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
                 log.info("kvguard: this worker's determine_available_memory ran no memory_profiling; "
                          "no startup profile recorded")
             return available
+        profile = _guard("profile", _with_cleared, profile, available) or profile
         _guard("profile", _check_formula, profile, available)
         from kvguard import probe
         global _profile
