@@ -1,0 +1,172 @@
+"""Small per-release environments holding the real vLLM wheels, for tests/vllm_real.
+
+Standard library only: dev.sh runs it with the system python3 before kvguard's venv exists.
+
+Layout, under a cache folder outside the clone so that CI's fresh clones reuse it
+(KVGUARD_CACHE, default ${XDG_CACHE_HOME:-~/.cache}/kvguard):
+  wheels/                 vllm wheels and the pinned dependencies' wheels, downloaded once
+  vllm-envs/base-torch-V  one venv with the CPU torch and its own dependencies only
+  vllm-envs/vllm-X        one venv per release: `pip install --no-deps vllm==X` plus the
+                          pinned list requirements/vllm-X.txt (also --no-deps); it sees the
+                          base's torch through a .pth file, so torch is installed once.
+Each env is rebuilt only when its inputs (wheel, pinned list, base) change: a marker file holds
+their digest, so a second run does nothing.
+
+    python3 tests/vllm_real/envs.py setup [X ...]   build (or check) the envs, print timings
+    python3 tests/vllm_real/envs.py python X        print the env's python, if it is ready
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+REQUIREMENTS = HERE / "requirements"
+TORCH = "torch==2.13.0"  # the CPU build, as dev.sh installs it for kvguard's own venv
+MARKER = ".kvguard-ready"
+
+
+def cache_root() -> pathlib.Path:
+    if os.environ.get("KVGUARD_CACHE"):
+        return pathlib.Path(os.environ["KVGUARD_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(xdg) / "kvguard"
+
+
+def wheels_dir() -> pathlib.Path:
+    return cache_root() / "wheels"
+
+
+def envs_dir() -> pathlib.Path:
+    return cache_root() / "vllm-envs"
+
+
+def releases() -> list[str]:
+    """Every release with a pinned list, e.g. ['0.11.0', '0.34.0'] (sorted by version)."""
+    names = [p.name[len("vllm-"):-len(".txt")] for p in REQUIREMENTS.glob("vllm-*.txt")]
+    return sorted(names, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
+
+
+def env_dir(version: str) -> pathlib.Path:
+    return envs_dir() / f"vllm-{version}"
+
+
+def env_python(version: str) -> pathlib.Path | None:
+    """The release env's python, or None when that env has not been set up."""
+    env = env_dir(version)
+    python = env / "bin" / "python"
+    return python if (env / MARKER).is_file() and python.exists() else None
+
+
+def _site_packages(env: pathlib.Path) -> pathlib.Path:
+    return env / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _run(cmd: list, **kwargs) -> None:
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        raise SystemExit(f"failed: {' '.join(map(str, cmd))}\n" + "\n".join(tail))
+
+
+def _pip(python: pathlib.Path, *args) -> list:
+    return [python, "-m", "pip", "-q", "--disable-pip-version-check", *args]
+
+
+def _base() -> pathlib.Path:
+    base = envs_dir() / f"base-{TORCH.replace('==', '-')}"
+    want = _digest(TORCH, sys.version)
+    if (base / MARKER).is_file() and (base / MARKER).read_text() == want:
+        return base
+    shutil.rmtree(base, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", base])
+    python = base / "bin" / "python"
+    _run(_pip(python, "install", "--only-binary", ":all:", TORCH))
+    # Only the CPU build will do: a CUDA torch would pull nvidia-* and not import here.
+    probe = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != "None":
+        raise SystemExit(f"{TORCH} in {base} is not the CPU build (cuda={probe.stdout.strip()!r})")
+    (base / MARKER).write_text(want)
+    return base
+
+
+def _wheel(name: str, version: str) -> pathlib.Path:
+    """The release's wheel from the wheel cache, downloaded (no dependencies) on first use."""
+    wheels = wheels_dir()
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+              "-d", wheels, f"{name}=={version}"])
+        found = sorted(wheels.glob(pattern))
+    if not found:
+        raise SystemExit(f"no wheel for {name}=={version} in {wheels}")
+    return found[-1]
+
+
+def _pinned(version: str) -> list[str]:
+    lines = (REQUIREMENTS / f"vllm-{version}.txt").read_text().splitlines()
+    return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
+
+
+def setup(version: str) -> tuple[pathlib.Path, bool]:
+    """Build the release env if its inputs changed; return (env, built)."""
+    base = _base()
+    wheel = _wheel("vllm", version)
+    pinned = _pinned(version)
+    env = env_dir(version)
+    want = _digest(wheel.name, *pinned, (base / MARKER).read_text())
+    if (env / MARKER).is_file() and (env / MARKER).read_text() == want:
+        return env, False
+    shutil.rmtree(env, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", "--without-pip", env])
+    # torch (and pip, which runs in this env from there) from the base env.
+    (_site_packages(env) / "_kvguard_base.pth").write_text(f"{_site_packages(base)}\n")
+    python = env / "bin" / "python"
+    # Dependency wheels are kept in the wheel cache, so a rebuild needs no index.
+    wheels = wheels_dir()
+    install = _pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel,
+                   *pinned)
+    if subprocess.run([str(c) for c in install], capture_output=True).returncode != 0:
+        _run(_pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels, *pinned))
+        _run(install)
+    (env / MARKER).write_text(want)
+    return env, True
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[1] == "python":
+        python = env_python(argv[2])
+        if python is None:
+            print(f"vllm {argv[2]}: environment not set up", file=sys.stderr)
+            return 1
+        print(python)
+        return 0
+    if len(argv) >= 2 and argv[1] == "setup":
+        versions = argv[2:] or releases()
+        total = time.perf_counter()
+        for version in versions:
+            t0 = time.perf_counter()
+            env, built = setup(version)
+            state = "built" if built else "up to date"
+            print(f"vllm {version}: {state} in {time.perf_counter() - t0:.1f}s ({env})", flush=True)
+        print(f"vllm environments ready in {time.perf_counter() - total:.1f}s", flush=True)
+        return 0
+    print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,155 @@
+"""Run a real vLLM release's worker startup on a fake device, from kvguard's own venv.
+
+    from vllm_real.harness import run_worker          # from tests/ (pytest puts it on sys.path)
+    result = run_worker("0.34.0", {"weights_bytes": 15 << 30}, env={"KVGUARD_BUDGET": "reserved"})
+
+The release runs in its own environment (envs.py, set up by `./dev.sh test`), in a subprocess
+(worker_main.py). kvguard's package from this tree is visible there as an installed
+distribution: a dist-info carrying the `vllm.general_plugins` entry points of this tree's
+pyproject.toml, beside this tree's exporter/ on the path; vLLM loads it through its own
+`load_general_plugins()`. Pass plugins=False to start vLLM without kvguard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import tomllib
+
+if __package__:
+    from . import envs
+else:  # run as a script
+    import envs  # type: ignore[no-redef]
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+EXAMPLE_MODEL = REPO / "exporter" / "kvguard" / "examples" / "qwen2.5-7b-instruct"
+GiB = 1 << 30
+
+# A 7B model on an 80 GiB device: the figures the fake runner allocates (fake_runner.py).
+DEFAULT_SCENARIO = {
+    "model_dir": str(EXAMPLE_MODEL),
+    "total_memory_bytes": 80 * GiB,
+    "other_process_bytes": 0,
+    "init_non_torch_bytes": 512 << 20,      # CUDA context + NCCL before the init snapshot
+    "weights_bytes": 15_231_233_024,         # Qwen2.5-7B in bf16
+    "profile_transient_bytes": 2 * GiB,      # activation peak of profile_run, freed after
+    "profile_residual_bytes": 0,             # allocated in profile_run and kept
+    "profile_non_torch_bytes": 0,            # non-torch growth during profile_run
+    "profile_fragment_bytes": 0,             # reserved that empty_cache cannot release after it
+    "cudagraph_bytes": 512 << 20,            # CUDA graph pool (capture; also the estimate)
+    "warmup_transient_bytes": 2 * GiB,       # 0.34 sizing warm-up step
+    "max_model_len": 4096,
+    "enforce_eager": False,
+}
+
+# Environment for the release's process: offline, loopback, vLLM's logs at DEBUG on stdout.
+BASE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOGGING_LEVEL": "DEBUG",
+    "VLLM_CONFIGURE_LOGGING": "1",
+    "VLLM_LOGGING_COLOR": "0",
+    "NO_COLOR": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+class EnvironmentMissing(RuntimeError):
+    """The release's environment has not been set up (run ./dev.sh test)."""
+
+
+class HarnessError(RuntimeError):
+    """The release's startup failed on the fake device; the message carries vLLM's error."""
+
+
+def available_releases() -> list[str]:
+    """Releases with a pinned list whose environment is set up here."""
+    return [v for v in envs.releases() if envs.env_python(v) is not None]
+
+
+def _plugin_dist(site: pathlib.Path) -> None:
+    """A dist-info for this tree's kvguard, with the entry points its pyproject.toml declares."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    dist = site / f"kvguard-{project['version']}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: kvguard\nVersion: {project['version']}\n")
+    lines = []
+    for group, entries in project.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in entries.items()]
+    (dist / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (dist / "top_level.txt").write_text("kvguard\n")
+
+
+def run_worker(version: str, scenario: dict | None = None, env: dict | None = None, *,
+               plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
+    """Start release `version`'s real worker on a fake device per `scenario` (keys of
+    DEFAULT_SCENARIO; gpu_memory_utilization, kv_cache_memory_bytes, block_size,
+    enable_extensible_kv_cache, max_num_seqs also taken) and return what it did:
+
+      returned_available_bytes  what Worker.determine_available_memory returned to the engine
+      figures                   the worker's own figures (requested_memory, init snapshot, ...)
+      profile                   the MemoryProfilingResult vLLM computed (every field, bytes)
+      config                    the resolved cache config (block size, utilization used, ...)
+      kv_cache_config           the KVCacheConfig vLLM's kv_cache_utils built (blocks, tensors)
+      extensible_kv_cache       0.34's committed blocks and what sized them, where enabled
+      log_lines                 every line vLLM logged, at DEBUG, formatted as vLLM formats it
+      device_calls              the fake device calls made, counted
+      scenario                  the scenario as run
+    `env` is added to the release process's environment (KVGUARD_SPOOL_DIR, KVGUARD_BUDGET,
+    VLLM_* ...). With check=True a failed startup raises HarnessError."""
+    python = envs.env_python(version)
+    if python is None:
+        raise EnvironmentMissing(
+            f"vLLM {version}: its environment is not set up (./dev.sh test builds it)")
+    merged = {**DEFAULT_SCENARIO, **(scenario or {})}
+    with tempfile.TemporaryDirectory(prefix=f"kvguard-vllm-{version}-") as tmp:
+        tmp = pathlib.Path(tmp)
+        site = tmp / "site"
+        site.mkdir()
+        if plugins:
+            _plugin_dist(site)
+        (tmp / "in.json").write_text(json.dumps({"scenario": merged}))
+        child_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+        child_env.update(BASE_ENV)
+        child_env["VLLM_CACHE_ROOT"] = str(envs.cache_root() / "vllm-cache" / version)
+        child_env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO / "exporter")])
+        child_env.update(env or {})
+        try:
+            proc = subprocess.run(
+                [str(python), "-W", "ignore", str(HERE / "worker_main.py"),
+                 str(tmp / "in.json"), str(tmp / "out.json")],
+                capture_output=True, text=True, env=child_env, timeout=timeout, cwd=tmp)
+        except subprocess.TimeoutExpired as exc:
+            raise HarnessError(f"vLLM {version}: startup did not finish in {timeout:.0f}s") from exc
+        out = tmp / "out.json"
+        if not out.is_file():
+            raise HarnessError(f"vLLM {version}: the worker process died (rc={proc.returncode}): "
+                               + "\n".join(proc.stderr.strip().splitlines()[-12:]))
+        result = json.loads(out.read_text())
+    result["log_lines"] = proc.stdout.splitlines()
+    result["stderr_tail"] = proc.stderr.splitlines()[-40:]
+    result["scenario"] = merged
+    if check and not result.get("ok"):
+        raise HarnessError(f"vLLM {version}: {result.get('error')}\n"
+                           + "\n".join(str(result.get("traceback", "")).splitlines()[-12:]))
+    return result
+
+
+def vllm_lines(result: dict, contains: str) -> list[str]:
+    """The logged lines that contain `contains`."""
+    return [line for line in result["log_lines"] if contains in line]
+
+
+if __name__ == "__main__":
+    sys.exit("use: python tests/vllm_real/run.py VERSION [key=value ...]")

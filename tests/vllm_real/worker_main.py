@@ -1,0 +1,361 @@
+"""Run one vLLM release's real startup code on a fake device; print a JSON result.
+
+Invoked by harness.py as `<release env python> tests/vllm_real/worker_main.py IN.json OUT.json`
+in a subprocess of that release's environment. It builds a real VllmConfig from a local
+config.json (offline), the real in-process executor (UniProcExecutor) with the real
+gpu_worker.Worker, and drives vLLM's own engine-core KV-cache initialisation
+(EngineCore._initialize_kv_caches): determine_available_memory, get_kv_cache_configs,
+initialize_from_config, compile_or_warm_up_model and, on releases with the extensible KV cache,
+measure_kv_cache_blocks / extend_kv_cache. What is faked is listed in README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+import types
+
+
+class _Unavailable:
+    """A compiled CUDA kernel: importable, never callable on the fake device."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name}: a CUDA kernel, not available on the fake device")
+
+    def __bool__(self):
+        return False
+
+
+def _stub_module(name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+
+    def missing(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unavailable(f"{name}.{attr}")
+
+    module.__getattr__ = missing
+    sys.modules.setdefault(name, module)
+    return module
+
+
+def _stub_compiled_extensions():
+    """vLLM's compiled CUDA extensions (vllm._C*, the bundled flash-attention) cannot load on a
+    CPU-only torch. The startup path under test runs none of their kernels, so only their import
+    is replaced; flash-attention reports itself unsupported, as on a machine without it."""
+    for name in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C", "vllm.cumem_allocator",
+                 "vllm._flashmla_C", "vllm._flashmla_extension_C",
+                 # flash-attention's Triton rotary kernel (0.11), which imports triton itself
+                 "vllm.vllm_flash_attn.ops.triton.rotary"):
+        _stub_module(name)
+    try:  # older releases import it without the kernels, which then report unsupported
+        import vllm.vllm_flash_attn  # noqa: F401
+    except ImportError:
+        unsupported = dict(
+            FA2_AVAILABLE=False, FA3_AVAILABLE=False,
+            is_fa_version_supported=lambda *a, **k: False,
+            fa_version_unsupported_reason=lambda *a, **k: "no CUDA on the fake device",
+        )
+        for name in [m for m in sys.modules if m.startswith("vllm.vllm_flash_attn")]:
+            del sys.modules[name]
+        _stub_module("vllm.vllm_flash_attn", __path__=[], **unsupported)
+        _stub_module("vllm.vllm_flash_attn.flash_attn_interface", **unsupported)
+    import torch
+
+    # The ops those extensions would register (torch.ops._C.*): capability queries some modules
+    # make at import time answer "not supported"; kernels are absent (hasattr is False), as in
+    # a build without them.
+    torch.ops._C = _StubOps("_C")
+    torch.ops._C_cache_ops = _StubOps("_C_cache_ops")
+    torch.ops._C_cuda_utils = _StubOps("_C_cuda_utils")
+    torch.ops._C_custom_ar = _StubOps("_C_custom_ar")
+
+
+class _StubOps:
+    QUERIES = ("supports", "supported", "is_", "has_")
+
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if any(q in name for q in self.QUERIES):
+            return lambda *a, **k: False
+        raise AttributeError(f"torch.ops.{self.namespace}.{name}: no CUDA kernels on the fake device")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv):
+    in_path, out_path = argv[1], argv[2]
+    with open(in_path) as f:
+        request = json.load(f)
+    scenario = request["scenario"]
+    result: dict = {"ok": False}
+    t0 = time.perf_counter()
+    try:
+        _run(request, scenario, result)
+        result["ok"] = True
+    except BaseException as exc:  # report every failure as data, never as a hang
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+def _run(request, scenario, result):
+    _stub_compiled_extensions()
+    import torch
+
+    import vllm
+    import vllm.platforms
+
+    import fake_device
+    import fake_runner
+
+    # vLLM's logging as its entry points set it up (older releases do it at import): the
+    # handler on stdout, at VLLM_LOGGING_LEVEL, before the plugins load.
+    import vllm.logger
+
+    if not logging.getLogger("vllm").handlers and hasattr(vllm.logger, "_configure_vllm_root_logger"):
+        vllm.logger._configure_vllm_root_logger()
+    result["vllm_version"] = vllm.__version__
+    result["torch_version"] = torch.__version__
+
+    # vLLM's loggers at DEBUG, formatted as vLLM formats them.
+    # The real CUDA platform class (no NVML on this machine): its device queries go through
+    # the patched torch.cuda functions below.
+    from vllm.platforms.cuda import NonNvmlCudaPlatform
+
+    vllm.platforms._current_platform = NonNvmlCudaPlatform()
+    NonNvmlCudaPlatform.dist_backend = "gloo"  # one rank, on loopback; NCCL needs a GPU
+
+    device = fake_device.FakeDevice(
+        total=scenario["total_memory_bytes"],
+        other=scenario.get("other_process_bytes", 0),
+        non_torch=scenario.get("init_non_torch_bytes", 0),
+    )
+    fake_runner.DEVICE = device
+    fake_runner.SCENARIO = scenario
+    table = fake_device.device_functions(device)
+
+    with fake_device.patched(table):
+        _startup(request, scenario, device, result)
+    result["device_calls"] = dict(sorted(device.calls.items()))
+    result["device_final"] = device.snapshot()
+
+
+def _engine_args(scenario):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = dict(
+        model=scenario["model_dir"],
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        max_model_len=scenario.get("max_model_len", 4096),
+        tensor_parallel_size=1,
+        enforce_eager=scenario.get("enforce_eager", False),
+        seed=0,
+    )
+    if "gpu_memory_utilization" in scenario:
+        kwargs["gpu_memory_utilization"] = scenario["gpu_memory_utilization"]
+    if scenario.get("kv_cache_memory_bytes") is not None:
+        kwargs["kv_cache_memory_bytes"] = scenario["kv_cache_memory_bytes"]
+    if scenario.get("block_size") is not None:
+        kwargs["block_size"] = scenario["block_size"]
+    if scenario.get("enable_extensible_kv_cache") is not None:
+        kwargs["enable_extensible_kv_cache"] = scenario["enable_extensible_kv_cache"]
+    if scenario.get("max_num_seqs") is not None:
+        kwargs["max_num_seqs"] = scenario["max_num_seqs"]
+    return EngineArgs(**kwargs)
+
+
+def _startup(request, scenario, device, result):
+    import vllm.plugins
+
+    import fake_runner
+
+    # Plugins first, as vLLM loads them in every process (vllm/plugins/__init__.py).
+    vllm.plugins.load_general_plugins()
+
+    vllm_config = _engine_args(scenario).create_engine_config()
+    cache = vllm_config.cache_config
+    result["config"] = {
+        "block_size": cache.block_size,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "resolved_gpu_memory_utilization": getattr(cache, "resolved_gpu_memory_utilization", None),
+        "kv_cache_memory_bytes": getattr(cache, "kv_cache_memory_bytes", None),
+        "enable_extensible_kv_cache": getattr(cache, "enable_extensible_kv_cache", None),
+        "dtype": str(vllm_config.model_config.dtype),
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "worker_cls": vllm_config.parallel_config.worker_cls,
+    }
+
+    _install_fake_runner(fake_runner.FakeModelRunner)
+
+    from vllm.v1.executor.abstract import Executor
+
+    executor_cls = Executor.get_class(vllm_config)
+    executor = executor_cls(vllm_config)
+    worker = executor.driver_worker.worker
+    runner = worker.model_runner
+
+    core = types.SimpleNamespace(model_executor=executor, vllm_config=vllm_config)
+    core.collective_rpc = executor.collective_rpc
+    from vllm.v1.engine.core import EngineCore
+
+    init = EngineCore._initialize_kv_caches
+    outcome = init(core, vllm_config)
+    result["engine_outcome"] = repr(outcome)
+
+    figures = {
+        "available_kv_cache_memory_bytes": getattr(worker, "available_kv_cache_memory_bytes", None),
+        "requested_memory": getattr(worker, "requested_memory", None),
+        "init_snapshot": _snapshot(getattr(worker, "init_snapshot", None)),
+        "non_torch_memory": getattr(worker, "non_torch_memory", None),
+        "peak_activation_memory": getattr(worker, "peak_activation_memory", None),
+        "total_consumed": getattr(worker, "total_consumed", None),
+        "cudagraph_memory_estimate": getattr(worker, "cudagraph_memory_estimate", None),
+        "model_memory_usage": getattr(runner, "model_memory_usage", None),
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+    }
+    result["figures"] = figures
+    result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
+    kv = runner.kv_cache_config
+    if kv is not None:
+        result["kv_cache_config"] = {
+            "num_blocks": kv.num_blocks,
+            "tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None)
+                                                            or getattr(t, "layers", []))}
+                        for t in kv.kv_cache_tensors][:4],
+            "num_tensors": len(kv.kv_cache_tensors),
+            "groups": [{"num_layers": len(g.layer_names),
+                        "spec": type(g.kv_cache_spec).__name__,
+                        "page_size_bytes": g.kv_cache_spec.page_size_bytes,
+                        "block_size": g.kv_cache_spec.block_size}
+                       for g in kv.kv_cache_groups],
+        }
+    ext = getattr(runner, "extensible_kv_cache", None)
+    if ext is not None:
+        result["extensible_kv_cache"] = {
+            "capacity_blocks": ext.capacity_blocks,
+            "num_committed_blocks": ext.num_committed_blocks,
+            "bytes_per_block": ext.bytes_per_block,
+            "physical_bytes": ext.physical_bytes,
+            "reserved_headroom_bytes": ext.reserved_headroom_bytes,
+            "torch_reserve_growth_bytes": ext.torch_reserve_growth_bytes,
+            "torch_memory_limit": ext.torch_memory_limit,
+        }
+    result["runner_events"] = runner.events
+    if PROFILES:
+        result["profile"] = _profile_fields(PROFILES[-1])
+
+
+def _snapshot(snap):
+    if snap is None:
+        return None
+    return {k: v for k, v in vars(snap).items() if isinstance(v, (int, float))}
+
+
+def _install_fake_runner(cls):
+    """Put the fake runner where this release's Worker builds its GPUModelRunner."""
+    import importlib
+
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    _spy_on_memory_profiling(gpu_worker)
+    if hasattr(gpu_worker, "HAS_TRITON"):
+        gpu_worker.HAS_TRITON = True  # Triton is a GPU compiler; the fake runner needs none
+    if hasattr(gpu_worker, "GPUModelRunner"):
+        gpu_worker.GPUModelRunner = cls
+    for name in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            continue
+        if hasattr(module, "GPUModelRunner"):
+            module.GPUModelRunner = cls
+    _replace_kernel_warmups(gpu_worker)
+    try:
+        ext = importlib.import_module("vllm.v1.worker.extensible_kv_cache")
+        from fake_runner import FakeExtensibleTensor
+
+        ext.ExtensibleTensor = FakeExtensibleTensor
+        import fake_device
+
+        driver = fake_device.FakeVmmDriver()
+        for name in ("vllm.utils.vmm_driver", "vllm.utils.extensible_tensor"):
+            importlib.import_module(name).get_vmm_driver = lambda: driver
+    except ImportError:
+        pass
+
+
+PROFILES: list = []
+
+
+def _spy_on_memory_profiling(gpu_worker):
+    """Keep the MemoryProfilingResult vLLM's own memory_profiling yields (it runs unchanged)."""
+    import contextlib
+
+    original = getattr(gpu_worker, "memory_profiling", None)
+    if original is None:
+        return
+
+    @contextlib.contextmanager
+    def memory_profiling(*args, **kwargs):
+        with original(*args, **kwargs) as profile:
+            PROFILES.append(profile)
+            yield profile
+
+    gpu_worker.memory_profiling = memory_profiling
+
+
+def _profile_fields(profile):
+    out = {}
+    for name, value in vars(profile).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+        elif hasattr(value, "free_memory"):
+            out[name] = _snapshot(value)
+    for name in ("total_consumed", "transient_peak_headroom"):  # properties on some releases
+        if name not in out and isinstance(getattr(profile, name, None), (int, float)):
+            out[name] = getattr(profile, name)
+    out["repr"] = repr(profile)
+    return out
+
+
+def _replace_kernel_warmups(gpu_worker):
+    """Warm-up passes that run model kernels (JIT/kernel warm-up) have nothing to run on the fake
+    device. The 0.34 sizing warm-up keeps vLLM's own measurement (warmup._measure_sizing_step)
+    around one fake step that allocates the scenario's warm-up transient."""
+    for name in ("kernel_warmup", "warmup_kernels"):
+        if hasattr(gpu_worker, name):
+            setattr(gpu_worker, name, lambda *args, **kwargs: None)
+    if hasattr(gpu_worker, "run_kv_cache_sizing_warmup"):
+        from vllm.v1.worker.gpu import warmup
+
+        def sizing_warmup(model_runner, *args, **kwargs):
+            with warmup._measure_sizing_step(model_runner):
+                model_runner.warmup_step()
+
+        gpu_worker.run_kv_cache_sizing_warmup = sizing_warmup
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
