@@ -321,7 +321,8 @@ class Profile:
         formula = self.budget_formula
         peak_name = "peak_reserved_increase_bytes" if formula.peak == "reserved" else "peak_allocated_increase_bytes"
         needed = ("total_memory_bytes", "weights_bytes") + (
-            (peak_name, "non_torch_increase_bytes") if formula.non_kv == "peak" else ())
+            (peak_name, "non_torch_increase_bytes")
+            if formula.non_kv == "peak" and self.kv_cache_memory_bytes is None else ())
         for name in self._BYTES:
             value = getattr(self, name)
             if value is None and name not in needed:

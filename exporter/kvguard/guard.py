@@ -151,6 +151,14 @@ def judge(inp: GuardInput) -> Verdict:
             # held from the start are memory too (device used minus allocator reserved).
             non_torch = live_non_torch
         projected = profile.weights_bytes + kv_cache + activation + non_torch
+    elif profile.formula == "extensible":
+        # 0.34's extensible KV cache, measured after warm-up (extensible_kv_cache.py 0.34.0:592-618): what
+        # was in use at the init snapshot, the non-KV memory used since, the KV cache, and the larger of
+        # the transient peak and torch's reserve growth, which vLLM keeps free.
+        activation = max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
+        non_torch = live_non_torch or 0
+        projected = (profile.total_memory_bytes - profile.init_free_memory_bytes
+                     + non_kv_cache_bytes(profile) + kv_cache + activation)
     else:
         # 0.27+: what the era keeps out of the KV cache already holds weights and non-torch memory.
         base = profile_for_reserved or profile

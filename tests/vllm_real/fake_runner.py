@@ -73,7 +73,15 @@ class FakeModelRunner:
 
     def profile_run(self, *args, **kwargs):
         peak = SCENARIO.get("profile_transient_bytes", 0)
+        # An earlier activation whose cached block the peak cannot reuse (a smaller size class, or a
+        # split block): torch's reserved peak outgrows its allocated peak by that much. Once the run
+        # is over the block is whole and free again, so empty_cache hands it back.
+        unusable = SCENARIO.get("profile_unreusable_bytes", 0)
+        if unusable:
+            DEVICE.alloc(unusable)
+            DEVICE.release(unusable, fragment=unusable)
         DEVICE.alloc(peak)
+        DEVICE.stuck -= unusable
         DEVICE.non_torch += SCENARIO.get("profile_non_torch_bytes", 0)
         DEVICE.release(peak, fragment=SCENARIO.get("profile_fragment_bytes", 0))
         DEVICE.alloc(SCENARIO.get("profile_residual_bytes", 0))

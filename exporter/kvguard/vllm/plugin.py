@@ -379,14 +379,24 @@ def profile_from(worker: Any, capture: _Capture) -> Any:
     from kvguard.estimator import FORMULAS, Profile
 
     result = capture.result
-    if result is None:
-        return None
-    total = getattr(getattr(result, "before_create", None), "total_memory", 0) \
-        or getattr(getattr(worker, "init_snapshot", None), "total_memory", 0)
     release = running_release(worker)
     era = _era_of(release)
     formula_name = era.formula if era else "peak"
     formula = FORMULAS[formula_name]
+    kv_cache_memory = getattr(worker.cache_config, "kv_cache_memory_bytes", None)
+    if result is None:
+        if not kv_cache_memory:
+            return None
+        # --kv-cache-memory-bytes: vLLM runs the profile but measures nothing (w 0.11.0:235-252).
+        weights = getattr(getattr(worker, "model_runner", None), "model_memory_usage", 0)
+        return Profile(total_memory_bytes=int(worker.init_snapshot.total_memory),
+                       gpu_memory_utilization=_utilization(worker.cache_config),
+                       weights_bytes=max(0, int(weights)), peak_allocated_increase_bytes=None,
+                       peak_reserved_increase_bytes=None, non_torch_increase_bytes=None,
+                       formula=formula_name if formula_name != "consumed" else "peak",
+                       vllm_version=release, kv_cache_memory_bytes=int(kv_cache_memory))
+    total = getattr(getattr(result, "before_create", None), "total_memory", 0) \
+        or getattr(getattr(worker, "init_snapshot", None), "total_memory", 0)
     reserved_increase = None
     if capture.reserved_peak_before is not None and capture.reserved_peak_after is not None:
         reserved_increase = max(0, capture.reserved_peak_after - capture.reserved_peak_before)
@@ -404,7 +414,6 @@ def profile_from(worker: Any, capture: _Capture) -> Any:
     cudagraph = _cudagraph_applied(worker, formula)
     if cudagraph is not None:
         extra["cudagraph_memory_bytes"] = cudagraph
-    kv_cache_memory = getattr(worker.cache_config, "kv_cache_memory_bytes", None)
     if kv_cache_memory:
         extra["kv_cache_memory_bytes"] = int(kv_cache_memory)
     return Profile(
@@ -519,9 +528,9 @@ def _group_block_bytes(group: Any) -> int:
 
 
 def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, outside_allocator: bool = False) -> Any:
-    """KVCacheAllocation from vLLM's KVCacheConfig, sized as vLLM sizes it: the tensors it allocates
-    (``kv_cache_tensors``, or the older ``tensors`` dict) over the block count; without them, the
-    largest group's bytes per block (vLLM takes the max over groups, kv_cache_planning.py 0.34.0:615-648)."""
+    """KVCacheAllocation from vLLM's KVCacheConfig, sized as vLLM sizes it: the largest group's bytes
+    per block (vLLM takes the max over groups, kv_cache_utils.py 0.11.0:1050-1061, kv_cache_planning.py
+    0.34.0:615-648); without groups, the tensors it allocates over the block count."""
     from kvguard.spool import KVCacheAllocation
 
     config_blocks = int(kv_cache_config.num_blocks)
@@ -532,9 +541,11 @@ def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, out
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
     if tensors is None:
         tensors = list((getattr(kv_cache_config, "tensors", None) or {}).values())
-    block_bytes = sum(int(tensor.size) for tensor in tensors) // config_blocks if tensors else 0
-    if not block_bytes and groups:
-        block_bytes = max(_group_block_bytes(group) for group in groups)
+    block_bytes = max((_group_block_bytes(group) for group in groups), default=0)
+    if not block_bytes and tensors:
+        # Older configs without groups: what the tensors hold per block (0.34 pads its tensors to
+        # the extensible capacity, so they are the fallback only).
+        block_bytes = sum(int(tensor.size) for tensor in tensors) // config_blocks
     block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
     if block_bytes <= 0 or block_size <= 0:
         return None

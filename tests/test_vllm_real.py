@@ -1,0 +1,161 @@
+"""kvguard against real vLLM releases: the plugin, the estimator and the log reader, checked against
+what each release's own startup code returned (tests/vllm_real: the wheel's worker, engine-core KV
+sizing and extensible KV cache on a fake device; only torch and platform calls are replaced).
+
+Each release is one of the era table's rows; its environment is set up by ./dev.sh test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvguard.estimator import (FORMULAS, Profile, extensible_kv_cache_bytes, reserved_kv_cache_bytes,
+                               stock_kv_cache_bytes)
+from kvguard.spool import read_spool
+from kvguard.vllm.eras import era_for
+from kvguard.vllm.log import parse_lines
+from vllm_real import envs
+from vllm_real.harness import run_worker
+
+GIB = 1 << 30
+RELEASES = envs.releases()
+# Fragmentation the allocated peak does not show: an earlier activation's cached block the
+# profile's peak cannot reuse, so the reserved peak outgrows the allocated one by 1 GiB.
+FRAGMENTED = {"profile_unreusable_bytes": GIB}
+_runs: dict = {}
+
+
+def run(release: str, tmp_path_factory, scenario=None, budget: str = "stock"):
+    """One startup of the release with kvguard's plugin; (harness result, the rank's snapshot)."""
+    key = (release, json.dumps(scenario or FRAGMENTED, sort_keys=True), budget)
+    if key not in _runs:
+        spool = tmp_path_factory.mktemp(f"spool-{release}")
+        result = run_worker(release, scenario or FRAGMENTED,
+                            env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget})
+        snapshots = read_spool(str(spool)).snapshots
+        assert len(snapshots) == 1, f"vLLM {release}: the plugin wrote {len(snapshots)} snapshots"
+        _runs[key] = (result, snapshots[0], spool)
+    return _runs[key]
+
+
+def committed(result) -> int | None:
+    ekv = result.get("extensible_kv_cache")
+    return ekv["num_committed_blocks"] if ekv else None
+
+
+def test_the_required_releases_are_set_up():
+    # vllm-mindspore 0.5's base and the newest release: the issue's minimum.
+    assert {"0.11.0", "0.34.0"} <= set(RELEASES)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_plugin_records_the_release_and_its_era(release, tmp_path_factory):
+    _, snap, _ = run(release, tmp_path_factory)
+    assert snap.profile.vllm_version == f"vllm:{release}"
+    era = era_for(release)
+    expected = "extensible" if era.extensible_kv_cache_default else era.formula
+    assert snap.profile.formula == expected
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_recorded_profile_reproduces_vllms_budget_to_the_byte(release, tmp_path_factory):
+    result, snap, _ = run(release, tmp_path_factory)
+    profile = snap.profile
+    if profile.formula == "extensible":
+        # What determine_available_memory returned is 0.34's capacity, the 0.27 formula ...
+        at_profile = Profile(**{**profile.to_dict(), "formula": "consumed"})
+        assert stock_kv_cache_bytes(at_profile) == result["returned_available_bytes"]
+        # ... and the size vLLM committed after warm-up is what measure_kv_cache_bytes allowed,
+        # less at most one VMM granule per layer (blocks_within pads each layer's segment).
+        budget = extensible_kv_cache_bytes(profile)
+        block_bytes = snap.kv_cache.block_bytes
+        layers = result["kv_cache_config"]["groups"][0]["num_layers"]
+        assert 0 <= budget // block_bytes - committed(result) <= layers * (2 << 20) // block_bytes + 1
+    else:
+        assert stock_kv_cache_bytes(profile) == result["returned_available_bytes"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_budget_profile_on_the_snapshot_gives_the_same_figure(release, tmp_path_factory, tmp_path):
+    result, snap, _ = run(release, tmp_path_factory)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(snap.profile.to_dict()))
+    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--profile", str(path), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["era"]["name"] == era_for(release).name
+    assert data["budgets"]["stock"]["kv_cache_bytes"] == stock_kv_cache_bytes(snap.profile)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_plugin_records_the_kv_cache_vllm_allocated(release, tmp_path_factory):
+    result, snap, _ = run(release, tmp_path_factory)
+    config = result["kv_cache_config"]
+    groups = config["groups"]
+    per_block = max(g["num_layers"] * g["page_size_bytes"] for g in groups)
+    assert snap.kv_cache.block_bytes == per_block
+    if committed(result) is not None:
+        assert (snap.kv_cache.num_blocks, snap.kv_cache.outside_allocator) == (committed(result), True)
+    else:
+        assert (snap.kv_cache.num_blocks, snap.kv_cache.outside_allocator) == (config["num_blocks"], False)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_kvguard_budget_reserved_changes_what_vllm_returns(release, tmp_path_factory):
+    stock, stock_snap, _ = run(release, tmp_path_factory)
+    reserved, snap, _ = run(release, tmp_path_factory, budget="reserved")
+    if era_for(release).extensible_kv_cache_default:
+        # 0.34 sizes its extensible cache after warm-up, keeping torch's reserve growth free: nothing to do.
+        assert reserved["returned_available_bytes"] == stock["returned_available_bytes"]
+        assert committed(reserved) == committed(stock)
+        return
+    expected = reserved_kv_cache_bytes(stock_snap.profile)
+    assert expected < stock["returned_available_bytes"]
+    assert reserved["returned_available_bytes"] == expected
+    # vLLM sizes the KV cache from what it was given.
+    assert reserved["kv_cache_config"]["num_blocks"] < stock["kv_cache_config"]["num_blocks"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_real_startup_lines_parse_to_the_decided_budget(release, tmp_path_factory):
+    result, snap, _ = run(release, tmp_path_factory)
+    log = parse_lines(result["log_lines"])
+    assert era_for(release).name in log.era_candidates
+    decided = (committed(result) * snap.kv_cache.block_bytes if committed(result) is not None
+               else result["returned_available_bytes"])
+    # vLLM prints GiB to two decimals.
+    assert abs(log.available_kv_cache_bytes - decided) <= 0.005 * GIB + 1
+    if FORMULAS[era_for(release).formula].non_kv == "consumed":
+        assert abs(log.total_consumed_bytes - snap.profile.total_consumed_bytes) <= 0.005 * GIB + 1
+    else:
+        assert abs(log.peak_allocated_increase_bytes - snap.profile.peak_allocated_increase_bytes) <= 0.005 * GIB
+    assert abs(log.weights_bytes - snap.profile.weights_bytes) <= 0.005 * GIB + 1
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_check_judges_a_healthy_startup_ok(release, tmp_path_factory):
+    """A default startup leaves room: the guard must not call it critical (0.34: the KV pages mapped
+    outside torch's allocator counted once)."""
+    _, _, spool = run(release, tmp_path_factory, scenario={})
+    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    data = json.loads(out.stdout)
+    assert data["ranks"][0]["state"] != "critical", data["ranks"][0]["reasons"]
+
+
+def test_kv_cache_memory_bytes_is_recorded_and_reproduced(tmp_path_factory):
+    result, snap, _ = run("0.11.0", tmp_path_factory, scenario={"kv_cache_memory_bytes": 40 * GIB})
+    assert snap.profile.kv_cache_memory_bytes == 40 * GIB
+    assert stock_kv_cache_bytes(snap.profile) == result["returned_available_bytes"] == 40 * GIB
+
+
+def test_0_34_utilization_none_is_resolved_never_none(tmp_path_factory):
+    result, snap, _ = run("0.34.0", tmp_path_factory)
+    assert result["config"]["gpu_memory_utilization"] is None
+    assert snap.profile.gpu_memory_utilization == result["config"]["resolved_gpu_memory_utilization"] == 1.0
