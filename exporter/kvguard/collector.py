@@ -55,6 +55,8 @@ def _add(family: Metric, labels: list[str], value: float | int | None) -> None:
 class KVGuardCollector(Collector):
     def __init__(self, sidecar: Sidecar):
         self.sidecar = sidecar
+        # The server renders one observation for every scrape of a refresh: it pins it here.
+        self.pinned: Observation | None = None
 
     def describe(self) -> list[Metric]:
         # Registering must not read the spool or the sources (client_python calls collect()
@@ -62,7 +64,7 @@ class KVGuardCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        return iter(families(self.sidecar.observe()))
+        return iter(families(self.pinned if self.pinned is not None else self.sidecar.observe()))
 
 
 # (type, name, HELP, extra labels) for every per-rank family, in exposition order.

@@ -41,6 +41,7 @@ class Poller:
         self._in_flight: threading.Event | None = None
         self._started_at = 0.0
         self._timed_out = False
+        self.generation = 0           # bumped whenever the state changes
 
     @property
     def state(self) -> PollState:
@@ -86,6 +87,7 @@ class Poller:
                 message = error or f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit"
                 self._state = PollState(self.name, state.value, state.success_at, False,
                                         state.errors_total + counted, finished - started, message)
+            self.generation += 1
             self._in_flight = None
             done.set()
 
@@ -97,3 +99,4 @@ class Poller:
             state = self._state
             self._state = PollState(self.name, state.value, state.success_at, False, state.errors_total + 1,
                                     state.duration_seconds, f"read still running after {self.timeout:g}s")
+            self.generation += 1

@@ -144,6 +144,10 @@ class Sidecar:
         for poller in self._background():
             poller.wait(max(0.0, deadline - time.monotonic()))
 
+    def generation(self) -> tuple[int, ...]:
+        """Changes whenever a background read completes or overruns: what a cached render keys on."""
+        return tuple(p.generation for p in self._background())
+
     def start(self) -> None:
         self.refresh_background(wait=self.config.read_timeout)
         self._thread = threading.Thread(target=self._loop, name="kvguard-sidecar", daemon=True)
