@@ -266,6 +266,19 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
 
     For init containers and CI. Allocator retries and OOMs count since each process started.
     """
+    try:
+        _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json)
+    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+            KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - exit 1 means "warning" to the caller: a crash must say 2
+        from kvguard.sources import one_line
+
+        detail = one_line(exc)
+        raise CheckError(f"cannot judge: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
+
+
+def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json):
     from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
     from kvguard.units import format_gib
 

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from kvguard import __version__
 from kvguard.guard import REASON_CODES, SEVERITY, STATES
 from kvguard.sidecar import DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
-from kvguard.spool import SKIP_REASONS
+from kvguard.spool import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
@@ -141,7 +141,7 @@ def families(obs: Observation) -> _Families:
                             "sees it (reserved plus context overhead)." + cached, dev_labels + ["pid"])
     seen_devices: set[tuple] = set()
     for view in obs.devices:
-        labels = [view.labels[k] for k in DEVICE_LABELS]
+        labels = [safe_text(str(view.labels[k]), 253) for k in DEVICE_LABELS]   # names a driver reported
         if tuple(labels) in seen_devices:
             continue
         seen_devices.add(tuple(labels))
@@ -168,10 +168,13 @@ def families(obs: Observation) -> _Families:
         _add(cache_age, [source.name], source.age_seconds())
 
     snapshots = fam.gauge("kvguard_spool_snapshots", "Snapshots read from the spool at its last read." + cached)
+    clamped = fam.gauge("kvguard_spool_clamped_timestamps", "Snapshots at the spool's last read dated more than "
+                        "10 s in the future: their age counts from when the sidecar first saw them." + cached)
     skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the spool's last read, by reason."
                         + cached, ["reason"])
     if any(s.name == SPOOL for s in obs.sources):
         _add(snapshots, [], obs.spool_snapshots)
+        _add(clamped, [], obs.spool_clamped)
         for reason in SKIP_REASON_VALUES:
             _add(skipped, [reason], obs.skipped.get(reason, 0))
 
