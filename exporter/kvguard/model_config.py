@@ -64,10 +64,7 @@ def load_model_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"model config {path} is not valid JSON: {(str(exc).splitlines() or [''])[0]}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model config {path} is not a JSON object")
-    try:
-        validate_model_config(config)
-    except ConfigError as exc:
-        raise ConfigError(f"model config {path}: {exc}") from None
+    validate_model_config(config)
     return config
 
 
@@ -115,15 +112,16 @@ def validate_model_config(config: dict[str, Any]) -> None:
                 value = scope.get(name)
                 if value is None:
                     continue
+                kind = "positive" if minimum else "non-negative"
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                        or value in (float("inf"), float("-inf")) or int(value) != value \
-                        or not minimum <= value <= MAX_CONFIG_INT:
-                    kind = "positive" if minimum else "non-negative"
-                    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-                    raise ConfigError(f"field {prefix}{name} must be a {kind} integer up to {MAX_CONFIG_INT}, "
-                                      f"got {shown}")
+                        or value in (float("inf"), float("-inf")) or int(value) != value or value < minimum:
+                    # The estimator's own wording (estimator._positive_int), so every reader says the same.
+                    raise ConfigError(f"config field {prefix}{name!r} must be a {kind} integer, got {shown}")
+                if value > MAX_CONFIG_INT:
+                    raise ConfigError(f"config field {prefix}{name!r} is larger than {MAX_CONFIG_INT}, got {shown}")
         heads = next((scope[n] for n in ("num_attention_heads", "n_head", "num_heads") if scope.get(n)), None)
         hidden = next((scope[n] for n in ("hidden_size", "n_embd", "d_model") if scope.get(n)), None)
         if scope.get("head_dim") is None and heads and hidden and hidden < heads:
-            raise ConfigError(f"{prefix}hidden_size {int(hidden)} is smaller than {prefix}num_attention_heads "
-                              f"{int(heads)}: the head size would be 0 (set head_dim)")
+            raise ConfigError(f"config field {prefix}'hidden_size' ({int(hidden)}) is smaller than "
+                              f"{prefix}'num_attention_heads' ({int(heads)}): the head size would be 0")
