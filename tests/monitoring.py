@@ -63,7 +63,7 @@ def documented_serve_flags() -> set[str]:
     """The flags docs/metrics.md's "`kvguard serve` flags" section names."""
     with open(METRICS_DOC) as handle:
         section = handle.read().split("## `kvguard serve` flags", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(--[a-z][a-z-]*)", section))
+    return set(re.findall(r"`(--[a-z][a-z.-]*[a-z])", section))   # dots too: --web.config.file
 
 
 def documented_serve_port() -> str:

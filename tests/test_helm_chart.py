@@ -667,3 +667,43 @@ def test_notes_tell_how_to_reach_the_metrics(tmp_path, values, workload_ref):
     notes = yaml.safe_load(result.stdout)["data"]["notes"]
     assert f"kubectl -n serving port-forward {workload_ref} 10240" in notes
     assert "http://127.0.0.1:10240/metrics" in notes
+
+
+# ------------------------------------------------------------------- web config
+
+
+def test_web_config_mounts_the_whole_secret_and_passes_the_file():
+    docs = render("ci/sidecar-web-config-values.yaml")
+    kvguard = kvguard_container(docs)
+    directory = mount_path(kvguard, "kvguard-web-config")
+    assert flag_values(kvguard, "--web.config.file") == [f"{directory}/web-config.yml"]
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    # Whole and without subPath: the kubelet swaps the files in place, and kvguard re-reads them.
+    assert volumes["kvguard-web-config"]["secret"] == {"secretName": "kvguard-web-config"}
+    (mount,) = [m for m in kvguard["volumeMounts"] if m["name"] == "kvguard-web-config"]
+    assert "subPath" not in mount and mount["readOnly"] is True
+    assert not flag_values(kvguard, "--tls-cert-file") and not flag_values(kvguard, "--basic-auth-user")
+
+
+def test_web_config_with_tls_makes_probes_and_the_monitor_use_https():
+    docs = render("ci/sidecar-web-config-values.yaml")
+    kvguard = kvguard_container(docs)
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert kvguard[probe]["httpGet"]["scheme"] == "HTTPS"
+    (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "kvguard-ca", "key": "ca.crt"}
+
+
+def test_web_config_without_a_secret_is_refused():
+    result = helm(*template_args(None, "--set", "kvguard.webConfig.enabled=true"))
+    assert result.returncode != 0
+    assert "kvguard.webConfig.enabled needs kvguard.webConfig.secretName" in result.stderr
+
+
+def test_web_config_tls_and_the_tls_shorthand_together_are_refused():
+    result = helm(*template_args(None, "--set", "kvguard.webConfig.enabled=true", "--set",
+                                 "kvguard.webConfig.secretName=w", "--set", "kvguard.webConfig.tls=true",
+                                 "--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=t"))
+    assert result.returncode != 0
+    assert "use one" in result.stderr

@@ -362,3 +362,30 @@ def test_stop_leaves_the_snapshot_to_age(global_probe, spool):
     assert global_probe.current() is None
     assert not running.running
     assert "npu:0" in read(spool)
+
+
+class UnprintableError(Exception):
+    def __str__(self):
+        raise RuntimeError("__str__ itself fails")
+
+
+class Unprintable:
+    name = "unprintable"
+
+    def sample(self):
+        raise UnprintableError()
+
+
+def test_an_exception_whose_str_raises_is_counted_not_printed(spool, capfd):
+    probe = Probe(spool, Unprintable(), interval=0.05)
+    probe.start()
+    try:
+        for _ in range(200):
+            if probe.status.errors_total >= 3:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        probe.stop()
+    assert probe.status.errors_total >= 3
+    assert probe.status.last_error == "unprintable: UnprintableError"
+    assert "Traceback" not in capfd.readouterr().err

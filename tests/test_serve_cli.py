@@ -334,3 +334,44 @@ def test_serve_refuses_a_certificate_without_a_key(tmp_path):
 def test_serve_refuses_an_unknown_source(tmp_path):
     result = CliRunner().invoke(main, ["serve", "--spool-dir", str(tmp_path), "--source", "abacus", "--port", "0"])
     assert result.exit_code == 1 and "unknown source 'abacus'" in result.output
+
+
+# ------------------------------------------------------------------ hostile inputs
+
+@pytest.mark.parametrize("user", ["", "   ", "$(KVGUARD_BASIC_AUTH_USER)"])
+def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
+    password = tmp_path / "password"
+    password.write_text("s3cret")
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--source", "none", f"--basic-auth-user={user}",
+                                       "--basic-auth-password-file", str(password)])
+    assert result.exit_code == 2
+    assert "--basic-auth-user is" in result.output.strip().splitlines()[-1]
+
+
+def test_serve_refuses_an_empty_basic_auth_password(tmp_path):
+    password = tmp_path / "password"
+    password.write_text("\n")
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--source", "none", "--basic-auth-user=prometheus",
+                                       "--basic-auth-password-file", str(password)])
+    assert result.exit_code == 2 and "password is empty" in result.output
+
+
+def test_check_with_a_lone_surrogate_in_a_snapshot_prints_no_traceback(tmp_path):
+    bad = snapshot(device="npu:\udcff")
+    (tmp_path / "bad.json").write_text(json.dumps(bad.to_dict()))
+    result = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert "Traceback" not in result.stderr
+    assert result.returncode == 1 and "npu:\ufffd" in result.stdout
+
+
+def test_check_that_fails_inside_says_so_in_one_line_and_exits_2(tmp_path, monkeypatch):
+    write(tmp_path, snapshot())
+    from kvguard import sidecar
+
+    def broken(self):
+        raise KeyError("surprise")
+    monkeypatch.setattr(sidecar.Sidecar, "observe", broken)
+    result = check("--spool-dir", str(tmp_path))
+    assert result.exit_code == 2
+    assert result.output == "Error: cannot judge: KeyError: 'surprise'\n"

@@ -192,10 +192,13 @@ def test_plain_http_on_the_tls_port_is_one_line_on_stderr(serve, certificate, ca
     capfd.readouterr()
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as plain:
         plain.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        while plain.recv(4096):   # the server logs, then closes the connection
+        try:
+            while plain.recv(4096):   # the server logs, then closes the connection
+                pass
+        except ConnectionResetError:  # closed with the unread plain request still queued
             pass
     err = capfd.readouterr().err
     assert "Traceback" not in err
     (line,) = err.splitlines()
     assert line.startswith("kvguard serve: connection from 127.0.0.1: ") and "SSL" in line
-    assert server.httpd.connection_errors_total == 1
+    assert server.connection_errors_total == 1

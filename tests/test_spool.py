@@ -131,3 +131,61 @@ def test_file_count_is_capped(tmp_path):
 def test_missing_spool_directory_is_an_error_line_not_an_exception(tmp_path):
     result = read_spool(str(tmp_path / "nope"))
     assert not result.snapshots and result.errors
+
+
+# ------------------------------------------------------------------ a spool others can fill
+
+def test_junk_that_sorts_first_never_hides_a_live_rank(tmp_path):
+    for index in range(300):   # named to sort before the probe's files, and more than one read takes
+        (tmp_path / f"0000-junk-{index:05d}.json").write_text("{}")
+    live = snapshot()
+    write_snapshot(str(tmp_path), live)
+    result = read_spool(str(tmp_path), max_files=100)
+    assert [s.device for s in result.snapshots] == ["npu:0"]
+    assert result.skipped["too_many_files"] == 201
+
+
+def test_newer_files_are_read_first_when_the_budget_runs_out(tmp_path):
+    for pid in (1, 2, 3):
+        write_snapshot(str(tmp_path), snapshot(pid=pid))
+        os.utime(tmp_path / snapshot_filename("node-a", pid, "npu:0"), (1000 + pid, 1000 + pid))
+    result = read_spool(str(tmp_path), max_files=2)
+    assert sorted(s.pid for s in result.snapshots) == [2, 3]
+
+
+def test_a_read_stops_at_its_byte_budget_and_counts_the_rest(tmp_path):
+    for pid in range(10):
+        write_snapshot(str(tmp_path), snapshot(pid=pid))
+    size = os.path.getsize(tmp_path / snapshot_filename("node-a", 0, "npu:0"))
+    result = read_spool(str(tmp_path), max_total_bytes=size * 3 + size // 2)
+    assert len(result.snapshots) == 3
+    assert result.skipped["too_many_files"] == 7
+
+
+def test_a_future_timestamp_is_clamped_to_when_it_was_first_seen_and_counted(tmp_path):
+    write_snapshot(str(tmp_path), snapshot(written_at=time.time() + 10 * 365 * 86400))
+    first_seen = {}
+    first = read_spool(str(tmp_path), now=1_000_000.0, first_seen=first_seen)
+    assert first.clamped == 1 and first.snapshots[0].written_at == 1_000_000.0
+    later = read_spool(str(tmp_path), now=1_000_060.0, first_seen=first_seen)
+    assert later.snapshots[0].written_at == 1_000_000.0     # it ages from when it was first seen
+
+
+def test_the_error_list_stays_small_however_many_files_are_bad(tmp_path):
+    for index in range(500):
+        (tmp_path / f"bad-{index}.json").write_text("not json")
+    result = read_spool(str(tmp_path))
+    assert result.skipped["invalid_json"] == 500
+    assert len(result.errors) <= 64
+
+
+def test_control_characters_and_lone_surrogates_in_text_become_replacement_characters(tmp_path):
+    data = good_payload()
+    data["device"] = "npu:\udcff"
+    data["host"] = "node\x00a"
+    data["pod"]["pod"] = "qwen\n0"
+    data["memory"]["device"] = "npu:\ud800"
+    write_json(tmp_path, "x.json", data)
+    [read] = read_spool(str(tmp_path)).snapshots
+    assert (read.device, read.host, read.pod["pod"], read.memory.device) == \
+        ("npu:\ufffd", "node\ufffda", "qwen\ufffd0", "npu:\ufffd")

@@ -61,7 +61,29 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """The kvguard group: an exception no command turned into a one-line error is still one line
+    (``KVGUARD_DEBUG=1`` re-raises it, traceback and all)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+                KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if os.environ.get("KVGUARD_DEBUG"):
+                raise
+            from kvguard.sources import one_line
+
+            detail = one_line(exc)
+            error = click.ClickException(f"internal error: {type(exc).__name__}" + (f": {detail}" if detail else "")
+                                         + " (KVGUARD_DEBUG=1 shows the traceback)")
+            error.exit_code = 2
+            raise error from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kvguard")
 def main() -> None:
     """kvguard: allocator memory exporter and KV-cache OOM guard for LLM serving.

@@ -89,6 +89,44 @@ def _read_password(path: str | None) -> str | None:
             from None
 
 
+def _check_basic_auth(user: str | None, password_file: str | None) -> str | None:
+    """The basic-auth password, or None without basic auth. An empty user or password is refused:
+    the chart passes --basic-auth-user=$(KVGUARD_BASIC_AUTH_USER), and an empty Secret key must not
+    turn authentication off."""
+    if user is None:
+        if password_file is not None:
+            raise click.UsageError("--basic-auth-password-file needs --basic-auth-user")
+        return None
+    if not user.strip():
+        raise click.UsageError("--basic-auth-user is empty: refusing to serve with authentication switched off")
+    if user.startswith("$(") and user.endswith(")"):
+        raise click.UsageError(f"--basic-auth-user is {user!r}: the environment variable it names is not set")
+    if ":" in user:
+        raise click.UsageError("--basic-auth-user must not contain ':' (basic auth splits user and password there)")
+    password = _read_password(password_file)
+    if password is None:
+        raise click.UsageError("--basic-auth-user needs --basic-auth-password-file or KVGUARD_BASIC_AUTH_PASSWORD")
+    if not password:
+        raise click.UsageError("the basic-auth password is empty: refusing to serve with authentication switched off")
+    return password
+
+
+def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_user: str | None):
+    if path is None:
+        return None
+    from kvguard.webconfig import WebConfigError, WebConfigWatcher
+
+    try:
+        watcher = WebConfigWatcher(path)
+    except WebConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    if tls_cert_file and watcher.config.tls_context is not None:
+        raise click.UsageError("--tls-cert-file and the web config's tls_server_config: give one of them")
+    if basic_auth_user is not None and watcher.config.basic_auth_users:
+        raise click.UsageError("--basic-auth-user and the web config's basic_auth_users: give one of them")
+    return watcher
+
+
 @main.command()
 @click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR", help="Address to bind.")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
@@ -113,22 +151,24 @@ def _read_password(path: str | None) -> str | None:
 @click.option("--basic-auth-user", metavar="USER", help="Require HTTP basic auth (except /healthz, /readyz).")
 @click.option("--basic-auth-password-file", metavar="FILE",
               help="File holding the basic-auth password [or env KVGUARD_BASIC_AUTH_PASSWORD].")
+@click.option("--web.config.file", "web_config_file", metavar="FILE",
+              help="Prometheus exporter-toolkit web config (tls_server_config, basic_auth_users with bcrypt "
+                   "hashes); re-read on change. The --tls-* and --basic-auth-* flags are shorthands for it.")
 @click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector "
               f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Simulated ranks with --demo (the last one is set up to trip the guard).")
 def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
-          fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file, demo,
-          demo_ranks):
+          fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
+          web_config_file, demo, demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
     from kvguard.server import KVGuardServer, ServerOptions, make_tls_context
     from kvguard.sidecar import Sidecar, SidecarConfig
 
     if bool(tls_cert_file) != bool(tls_key_file):
         raise click.UsageError("--tls-cert-file and --tls-key-file go together")
-    password = _read_password(basic_auth_password_file) if basic_auth_user else None
-    if basic_auth_user and not password:
-        raise click.UsageError("--basic-auth-user needs --basic-auth-password-file or KVGUARD_BASIC_AUTH_PASSWORD")
+    password = _check_basic_auth(basic_auth_user, basic_auth_password_file)
+    watcher = _load_web_config(web_config_file, tls_cert_file, basic_auth_user)
     startup = _read_startup_log(log_file) if log_file else None
     requested_interval = interval
     if demo:
@@ -137,7 +177,8 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
     built_sources = _build_sources(sources or ("auto",))
     options = ServerOptions(listen=listen, port=port, fail_readiness_on_critical=fail_readiness_on_critical,
                             tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
-                            basic_auth_user=basic_auth_user, basic_auth_password=password)
+                            basic_auth_user=basic_auth_user, basic_auth_password=password,
+                            web_config_file=web_config_file)
     try:
         tls_context = make_tls_context(options)
     except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
@@ -154,7 +195,7 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
             spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
             startup_log=startup, interval=interval, stale_after=stale_after, read_timeout=read_timeout))
         try:
-            server = KVGuardServer(sidecar, options, tls_context=tls_context)
+            server = KVGuardServer(sidecar, options, tls_context=tls_context, web_config=watcher)
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
         probe = None
@@ -199,7 +240,7 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
-        server.httpd.server_close()
+        server.close()
         sidecar.stop()
         if probe is not None:
             probe.stop()
@@ -220,6 +261,19 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
 
     For init containers and CI. Allocator retries and OOMs count since each process started.
     """
+    try:
+        _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json)
+    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
+            KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - exit 1 means "warning" to the caller: a crash must say 2
+        from kvguard.sources import one_line
+
+        detail = one_line(exc)
+        raise CheckError(f"cannot judge: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
+
+
+def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json):
     from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
     from kvguard.units import format_gib
 

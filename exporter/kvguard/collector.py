@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from kvguard import __version__
 from kvguard.guard import REASON_CODES, SEVERITY, STATES
 from kvguard.sidecar import DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
-from kvguard.spool import SKIP_REASONS
+from kvguard.spool import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
@@ -55,6 +55,8 @@ def _add(family: Metric, labels: list[str], value: float | int | None) -> None:
 class KVGuardCollector(Collector):
     def __init__(self, sidecar: Sidecar):
         self.sidecar = sidecar
+        # The server renders one observation for every scrape of a refresh: it pins it here.
+        self.pinned: Observation | None = None
 
     def describe(self) -> list[Metric]:
         # Registering must not read the spool or the sources (client_python calls collect()
@@ -62,7 +64,7 @@ class KVGuardCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        return iter(families(self.sidecar.observe()))
+        return iter(families(self.pinned if self.pinned is not None else self.sidecar.observe()))
 
 
 # (type, name, HELP, extra labels) for every per-rank family, in exposition order.
@@ -139,7 +141,7 @@ def families(obs: Observation) -> _Families:
                             "sees it (reserved plus context overhead)." + cached, dev_labels + ["pid"])
     seen_devices: set[tuple] = set()
     for view in obs.devices:
-        labels = [view.labels[k] for k in DEVICE_LABELS]
+        labels = [safe_text(str(view.labels[k]), 253) for k in DEVICE_LABELS]   # names a driver reported
         if tuple(labels) in seen_devices:
             continue
         seen_devices.add(tuple(labels))
@@ -166,10 +168,13 @@ def families(obs: Observation) -> _Families:
         _add(cache_age, [source.name], source.age_seconds())
 
     snapshots = fam.gauge("kvguard_spool_snapshots", "Snapshots read from the spool at its last read." + cached)
+    clamped = fam.gauge("kvguard_spool_clamped_timestamps", "Snapshots at the spool's last read dated more than "
+                        "10 s in the future: their age counts from when the sidecar first saw them." + cached)
     skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the spool's last read, by reason."
                         + cached, ["reason"])
     if any(s.name == SPOOL for s in obs.sources):
         _add(snapshots, [], obs.spool_snapshots)
+        _add(clamped, [], obs.spool_clamped)
         for reason in SKIP_REASON_VALUES:
             _add(skipped, [reason], obs.skipped.get(reason, 0))
 

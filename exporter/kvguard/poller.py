@@ -3,7 +3,8 @@
 A Poller runs one read at a time in a daemon thread. ``refresh(wait)`` starts a read if none
 is in flight and waits at most ``wait`` seconds for it; ``wait(seconds)`` only waits for the
 read in flight, starting none. A read still running after ``timeout``
-counts as an error and the last good value keeps being served, marked with its age. A hung
+counts as an error and the last good value keeps being served, marked with its age; when the late
+read does finish without error, its value is served from then on (the source stays down). A hung
 read occupies one thread, never more: no new read starts until it returns.
 """
 
@@ -13,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from kvguard.sources import one_line
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Poller:
         self._in_flight: threading.Event | None = None
         self._started_at = 0.0
         self._timed_out = False
+        self.generation = 0           # bumped whenever the state changes
 
     @property
     def state(self) -> PollState:
@@ -73,19 +77,28 @@ class Poller:
         started = time.monotonic()
         try:
             value, error = self._read(), None
-        except Exception as exc:  # a source's failure is counted and shown, never raised into a scrape
-            value, error = None, (str(exc).splitlines() or [type(exc).__name__])[0][:300] or type(exc).__name__
+        except BaseException as exc:  # noqa: BLE001 - a source's failure (SystemExit too, it is a daemon
+            # thread's) is counted and shown, never raised into a scrape or onto the host's stderr
+            value, error = None, one_line(exc)
         finished = time.monotonic()
         with self._lock:
             late = self._timed_out or finished - started > self.timeout
             state = self._state
             if error is None and not late:
                 self._state = PollState(self.name, value, finished, True, state.errors_total, finished - started)
+            elif error is None:
+                # Late but good: serve it (with its age) rather than never yielding a value from a source
+                # that is always slower than the limit; the overrun is counted and the source shows down.
+                counted = 0 if self._timed_out else 1
+                self._state = PollState(self.name, value, finished, False, state.errors_total + counted,
+                                        finished - started,
+                                        f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit")
             else:
                 counted = 0 if self._timed_out else 1   # an overrun was already counted when noticed
                 message = error or f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit"
                 self._state = PollState(self.name, state.value, state.success_at, False,
                                         state.errors_total + counted, finished - started, message)
+            self.generation += 1
             self._in_flight = None
             done.set()
 
@@ -97,3 +110,4 @@ class Poller:
             state = self._state
             self._state = PollState(self.name, state.value, state.success_at, False, state.errors_total + 1,
                                     state.duration_seconds, f"read still running after {self.timeout:g}s")
+            self.generation += 1

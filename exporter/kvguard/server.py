@@ -1,9 +1,26 @@
 """The sidecar's HTTP endpoints: /metrics, /healthz, /readyz, /guard; 404 for anything else.
 
-A threaded stdlib server (one thread per connection, each with a socket timeout), so a slow
-client cannot hold up a scrape. Exposition comes from client_python: ``choose_encoder`` picks
-Prometheus text or OpenMetrics from ``Accept``; the body is gzipped when ``Accept-Encoding``
-allows. TLS and HTTP basic auth are options; the probes (/healthz, /readyz) stay open so the
+The peer is untrusted (``/metrics`` listens on 0.0.0.0 in a pod with a 256 MiB limit), so memory
+and threads are bounded whatever it sends:
+
+- one selector thread reads every connection's request head without blocking (TLS handshakes
+  included), into a buffer of at most ``max_header_bytes``; a head over that, or with more than
+  ``max_headers`` lines, is answered 431 and closed;
+- at most ``max_connections`` connections are open; at the cap, the one that has waited longest
+  without sending a complete request is closed to make room, so slow or idle clients cannot
+  lock a scrape out;
+- a head must arrive within ``header_timeout`` seconds of its first byte, and an idle keep-alive
+  connection is closed after ``idle_timeout``;
+- complete requests go to a fixed pool of ``workers`` threads (a bounded queue; 503 when full);
+- a request with a body (``405``, or a GET with Content-Length / Transfer-Encoding) is answered
+  and the connection closed, so a body is never read as the next request;
+- TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
+
+/metrics is rendered once per sidecar refresh (:class:`Exposition`), whatever the scrape rate:
+parallel scrapes share one render, and the gzip of it.
+
+TLS and basic auth come from ``--web.config.file`` (exporter-toolkit format, kvguard.webconfig,
+re-read on change) or the shorthand flags; the probes (/healthz, /readyz) stay open so the
 kubelet can reach them without credentials.
 """
 
@@ -13,12 +30,16 @@ import base64
 import gzip
 import hmac
 import json
+import queue
+import re
+import selectors
 import socket
 import ssl
 import sys
 import threading
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -27,9 +48,13 @@ from prometheus_client.process_collector import ProcessCollector
 
 from kvguard.collector import KVGuardCollector
 from kvguard.guard import CRITICAL
-from kvguard.sidecar import Sidecar
+from kvguard.sidecar import Observation, Sidecar
+from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
 
 OPEN_PATHS = ("/healthz", "/readyz")
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 
 
 @dataclass(frozen=True)
@@ -41,11 +66,17 @@ class ServerOptions:
     tls_key_file: str | None = None
     basic_auth_user: str | None = None
     basic_auth_password: str | None = None
-    request_timeout: float = 30.0
+    web_config_file: str | None = None
+    request_timeout: float = 30.0       # writing a response; also the idle keep-alive limit
+    header_timeout: float = 10.0        # from a request's first byte to the end of its head
+    max_header_bytes: int = 32 * 1024   # request line and headers together
+    max_headers: int = 100
+    max_connections: int = 256
+    workers: int = 8
 
 
 def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
-    """The server's TLS context, or None without TLS. Raises OSError or ssl.SSLError on a bad cert or key."""
+    """The flags' TLS context, or None without TLS. Raises OSError or ssl.SSLError on a bad cert or key."""
     if not options.tls_cert_file:
         return None
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -65,149 +96,326 @@ def _gzip_accepted(header: str | None) -> bool:
     return any(part.split(";")[0].strip().lower() == "gzip" for part in (header or "").split(","))
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "kvguard"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
+# ------------------------------------------------------------------------------ request parsing
 
-    # Set per server class in make_server.
-    sidecar: Sidecar
-    registry: CollectorRegistry
-    options: ServerOptions
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
 
-    def setup(self) -> None:
-        self.timeout = self.options.request_timeout
-        super().setup()
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib signature
-        pass  # one line per scrape is noise; errors surface in the metrics and /guard
+@dataclass(frozen=True)
+class Request:
+    method: str
+    target: str
+    version: str
+    headers: Mapping[str, str]       # lower-case names
+    keep_alive: bool
+    has_body: bool
 
-    def do_HEAD(self) -> None:
-        self._dispatch(head=True)
+    @property
+    def path(self) -> str:
+        return urlsplit(self.target).path if not self.target.startswith("/") else self.target.split("?", 1)[0]
 
-    def do_GET(self) -> None:
-        self._dispatch(head=False)
 
-    def _other(self) -> None:
-        self._send(405, b"method not allowed\n", "text/plain; charset=utf-8", extra={"Allow": "GET, HEAD"})
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+_METHOD = re.compile(r"[A-Z]{1,16}\Z")
+_SINGLE = ("host", "authorization", "content-length")
+MAX_TARGET = 8 * 1024
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other
 
-    def _dispatch(self, head: bool) -> None:
-        path = urlsplit(self.path).path
-        self._head = head
-        if path not in OPEN_PATHS and not self._authorized():
-            self._send(401, b"unauthorized\n", "text/plain; charset=utf-8",
-                       extra={"WWW-Authenticate": 'Basic realm="kvguard", charset="UTF-8"'})
-            return
+def find_head_end(buffer: bytes | bytearray) -> int:
+    """Index just past the blank line ending a request head, or -1 (CRLF, or bare LF as RFC 9112 allows)."""
+    crlf = buffer.find(b"\r\n\r\n")
+    lf = buffer.find(b"\n\n")
+    ends = [i + 4 for i in (crlf,) if i >= 0] + [i + 2 for i in (lf,) if i >= 0]
+    return min(ends) if ends else -1
+
+
+def parse_request(head: bytes, max_headers: int = 100) -> Request:
+    """One request head (through its blank line). Raises BadRequest(status, message)."""
+    text = head.decode("latin-1")
+    lines = text.split("\n")
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    while lines and lines[-1] == "":
+        lines.pop()
+    while lines and lines[0] == "":   # RFC 9112 2.2: ignore empty lines before the request line
+        lines.pop(0)
+    if not lines:
+        raise BadRequest(400, "empty request")
+    parts = lines[0].split(" ")
+    if len(parts) != 3:
+        raise BadRequest(400, "malformed request line")
+    method, target, version = parts
+    if not _METHOD.match(method):
+        raise BadRequest(400, "malformed method")
+    if len(target) > MAX_TARGET:
+        raise BadRequest(414, "request target too long")
+    if not target or any(ord(c) <= 32 or ord(c) >= 127 for c in target) or \
+            not (target.startswith("/") or target == "*" or target.startswith(("http://", "https://"))):
+        raise BadRequest(400, "malformed request target")
+    if not version.startswith("HTTP/") or version[5:] not in ("1.0", "1.1"):
+        if re.fullmatch(r"HTTP/\d\.\d", version):
+            raise BadRequest(505, "HTTP version not supported")
+        raise BadRequest(400, "malformed HTTP version")
+    if len(lines) - 1 > max_headers:
+        raise BadRequest(431, f"more than {max_headers} header lines")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line[:1] in (" ", "\t"):
+            raise BadRequest(400, "obsolete header line folding")
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.match(name):
+            raise BadRequest(400, "malformed header line")
+        name, value = name.lower(), value.strip(" \t")
+        if any(ord(c) < 32 and c != "\t" or ord(c) == 127 for c in value):
+            raise BadRequest(400, "control character in a header value")
+        if name in headers:
+            if name in _SINGLE:
+                raise BadRequest(400, f"repeated {name} header")
+            headers[name] += ", " + value
+        else:
+            headers[name] = value
+    connection = {token.strip().lower() for token in headers.get("connection", "").split(",")}
+    keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
+    has_body = "transfer-encoding" in headers
+    if "content-length" in headers:
+        length = headers["content-length"]
+        if not length.isdigit() or len(length) > 18:
+            raise BadRequest(400, "malformed Content-Length")
+        has_body = has_body or int(length) > 0
+    return Request(method, target, version, headers, keep_alive and not has_body, has_body)
+
+
+# ------------------------------------------------------------------------------ the exposition
+
+class Exposition:
+    """The latest observation and its rendered exposition, made once per sidecar refresh.
+
+    A new render happens when the sidecar's background reads have moved on (its ``generation``)
+    or the cached one is older than ``max_age`` seconds; concurrent callers share one render.
+    """
+
+    def __init__(self, sidecar: Sidecar, registry: CollectorRegistry | None = None, max_age: float | None = None):
+        self.sidecar = sidecar
+        self.collector = KVGuardCollector(sidecar)
+        if registry is None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(self.collector)
+            ProcessCollector(registry=registry)
+        self.registry = registry
+        self.max_age = sidecar.config.interval if max_age is None else max_age
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._made_at = 0.0
+        self._observation: Observation | None = None
+        self._bodies: dict[tuple[str, bool], bytes] = {}
+        self.renders_total = 0
+
+    def _fresh(self) -> None:
+        """Refresh the cache when it is out of date (the caller holds the lock)."""
+        key = self.sidecar.generation()
+        now = time.monotonic()
+        if self._observation is None or key != self._key or now - self._made_at >= self.max_age:
+            self._observation = self.sidecar.observe()
+            self._key = self.sidecar.generation()
+            self._made_at = now
+            self._bodies = {}
+
+    def observation(self) -> Observation:
+        with self._lock:
+            self._fresh()
+            return self._observation
+
+    def body(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        with self._lock:
+            self._fresh()
+            body = self._bodies.get((content_type, gzipped))
+            if body is None:
+                plain = self._bodies.get((content_type, False))
+                if plain is None:
+                    self.collector.pinned = self._observation
+                    try:
+                        plain = encoder(self.registry)
+                    finally:
+                        self.collector.pinned = None
+                    self.renders_total += 1
+                    self._bodies[(content_type, False)] = plain
+                body = gzip.compress(plain, compresslevel=6) if gzipped else plain
+                self._bodies[(content_type, gzipped)] = body
+            return body, content_type
+
+
+# ------------------------------------------------------------------------------ responses
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "text/plain; charset=utf-8"
+    headers: dict[str, str] = field(default_factory=dict)
+    close: bool = False
+
+
+def _text(status: int, text: str, **kw: Any) -> Response:
+    return Response(status, text.encode("utf-8", "replace"), **kw)
+
+
+def encode_response(response: Response, head_only: bool, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
+    lines = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}",
+             "Server: kvguard", f"Content-Type: {response.content_type}", f"Content-Length: {len(response.body)}"]
+    lines += [f"{k}: {v}" for k, v in {**extra, **response.headers}.items()]
+    lines.append("Connection: keep-alive" if keep_alive else "Connection: close")
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+    return head if head_only else head + response.body
+
+
+class Application:
+    """What each request gets: auth, then one endpoint. Pure of sockets (tests call it directly)."""
+
+    def __init__(self, sidecar: Sidecar, options: ServerOptions, exposition: Exposition,
+                 web_config: Callable[[], WebConfig] | None = None):
+        self.sidecar = sidecar
+        self.options = options
+        self.exposition = exposition
+        self.web_config = web_config or (lambda: WebConfig())
+        self.basic_auth = BasicAuth()
+
+    def handle(self, request: Request) -> Response:
+        if request.method not in ("GET", "HEAD"):
+            return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
+        path = request.path
+        config = self.web_config()
+        if path not in OPEN_PATHS and not self._authorized(request, config):
+            return _text(401, "unauthorized\n",
+                         headers={"WWW-Authenticate": 'Basic realm="kvguard", charset="UTF-8"'})
         try:
             if path == "/metrics":
-                self._metrics()
-            elif path == "/healthz":
-                self._send(200, b"ok\n", "text/plain; charset=utf-8")
-            elif path == "/readyz":
-                self._readyz()
-            elif path == "/guard":
-                body = json.dumps(self.sidecar.observe().guard_dict(), indent=2).encode() + b"\n"
-                self._send(200, body, "application/json")
-            else:
-                self._send(404, b"not found\n", "text/plain; charset=utf-8")
-        except (BrokenPipeError, ConnectionResetError, socket.timeout):
-            self.close_connection = True
+                body, content_type = self.exposition.body(request.headers.get("accept", ""),
+                                                          _gzip_accepted(request.headers.get("accept-encoding")))
+                headers = {"Content-Encoding": "gzip"} if _gzip_accepted(request.headers.get("accept-encoding")) else {}
+                return Response(200, body, content_type, headers)
+            if path == "/healthz":
+                return _text(200, "ok\n")
+            if path == "/readyz":
+                return self._readyz()
+            if path == "/guard":
+                guard = self.exposition.observation().guard_dict()
+                return Response(200, json.dumps(guard, indent=2).encode() + b"\n", "application/json")
+            return _text(404, "not found\n")
         except Exception as exc:  # one line to the client, never a traceback
-            message = (str(exc).splitlines() or [type(exc).__name__])[0]
-            self._send(500, f"error: {message}\n".encode(), "text/plain; charset=utf-8")
+            message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            return _text(500, f"error: {message}\n")
 
-    def _authorized(self) -> bool:
+    def _authorized(self, request: Request, config: WebConfig) -> bool:
+        users = config.basic_auth_users
         user, password = self.options.basic_auth_user, self.options.basic_auth_password
-        if user is None:
+        if not users and user is None:
             return True
-        header = self.headers.get("Authorization", "")
-        scheme, _, encoded = header.partition(" ")
+        scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "basic":
             return False
         try:
-            given_user, _, given_password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8") \
+            given_user, sep, given_password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8") \
                 .partition(":")
         except (ValueError, UnicodeDecodeError):
             return False
+        if not sep:
+            return False
+        if users:
+            return self.basic_auth.check(users, given_user, given_password)
+        if not user or not password:   # refused at startup; never an open door here either
+            return False
         # Compare both, always, in constant time.
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
-        ok_password = hmac.compare_digest(given_password.encode(), (password or "").encode())
+        ok_password = hmac.compare_digest(given_password.encode(), password.encode())
         return ok_user and ok_password
 
-    def _metrics(self) -> None:
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-        body = encoder(self.registry)
-        extra = {}
-        if _gzip_accepted(self.headers.get("Accept-Encoding")):
-            body = gzip.compress(body)
-            extra["Content-Encoding"] = "gzip"
-        self._send(200, body, content_type, extra=extra)
-
-    def _readyz(self) -> None:
+    def _readyz(self) -> Response:
         if self.options.fail_readiness_on_critical:
-            observation = self.sidecar.observe()
+            observation = self.exposition.observation()
             if observation.state == CRITICAL:
                 critical = [r for r in observation.ranks if r.verdict.state == CRITICAL]
                 lines = [f"critical: rank {r.labels['rank'] or '-'} device {r.labels['device'] or '-'}: "
                          f"{'; '.join(reason.code for reason in r.verdict.reasons)}" for r in critical]
-                self._send(503, ("\n".join(lines) + "\n").encode(), "text/plain; charset=utf-8")
-                return
-        self._send(200, b"ready\n", "text/plain; charset=utf-8")
-
-    def _send(self, status: int, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in (extra or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        if not getattr(self, "_head", False):
-            self.wfile.write(body)
+                return _text(503, "\n".join(lines) + "\n")
+        return _text(200, "ready\n")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 64
-    connection_errors_total = 0
+# ------------------------------------------------------------------------------ connections
 
-    def handle_error(self, request, client_address) -> None:
-        """One line per failed connection (plain HTTP on the TLS port, a reset), never a traceback."""
-        error = sys.exc_info()[1]
-        self.connection_errors_total += 1
-        message = (str(error).splitlines() or [""])[0] or type(error).__name__
-        host = client_address[0] if isinstance(client_address, tuple) and client_address else client_address
-        print(f"kvguard serve: connection from {host}: {message[:200]}", file=sys.stderr, flush=True)
+class _Conn:
+    __slots__ = ("sock", "address", "buffer", "tls_pending", "started", "last", "events", "in_worker")
+
+    def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
+        self.sock = sock
+        self.address = address
+        self.buffer = bytearray()
+        self.tls_pending = tls_pending       # the TLS handshake has not finished
+        self.started: float | None = None    # monotonic time of the current head's first byte
+        self.last = time.monotonic()         # accepted, or last response sent
+        self.events = selectors.EVENT_READ
+        self.in_worker = False
 
 
 class KVGuardServer:
-    """The HTTP server and its thread; ``start()`` returns once the socket listens."""
+    """The HTTP server; ``start()`` returns once the socket listens, ``serve_forever()`` blocks."""
 
     def __init__(self, sidecar: Sidecar, options: ServerOptions, registry: CollectorRegistry | None = None,
-                 tls_context: ssl.SSLContext | None = None):
+                 tls_context: ssl.SSLContext | None = None, web_config: WebConfigWatcher | None = None):
         self.options = options
-        handler = type("KVGuardHandler", (_Handler,), {
-            "sidecar": sidecar, "registry": registry or make_registry(sidecar), "options": options})
-        server_class = _Server
-        if ":" in options.listen:
-            server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
-        # Load the certificate before binding: a bad path is a TLS error, not a listen error.
-        context = tls_context or make_tls_context(options)
-        self.httpd = server_class((options.listen, options.port), handler)
-        if context is not None:
-            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True,
-                                                    do_handshake_on_connect=False)
+        self.sidecar = sidecar
+        if web_config is None and options.web_config_file:
+            web_config = WebConfigWatcher(options.web_config_file)
+        self.web_config = web_config
+        self._static_tls = tls_context or make_tls_context(options)
+        self.tls = self._static_tls is not None or (web_config is not None and
+                                                    web_config.config.tls_context is not None)
+        self.exposition = Exposition(sidecar, registry)
+        self.app = Application(sidecar, options, self.exposition,
+                               web_config.current if web_config is not None else None)
+        family = socket.AF_INET6 if ":" in options.listen else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((options.listen, options.port))
+            self._listener.listen(128)
+        except OSError:
+            self._listener.close()
+            raise
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: dict[int, _Conn] = {}
+        self._returned: queue.SimpleQueue[tuple[_Conn, bool]] = queue.SimpleQueue()
+        self._work: queue.Queue[tuple[_Conn, bytes] | None] = queue.Queue(maxsize=max(4, options.workers * 8))
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        self._closed = False
+        self._log_times: list[float] = []
+        self.connection_errors_total = 0
+        self.connections_evicted_total = 0
+        self.requests_total = 0
+        self.rejected_total = 0      # 4xx/5xx answered before a worker saw the request
 
+    # ------------------------------------------------------------------ public
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self._listener.getsockname()[1]
 
     @property
     def scheme(self) -> str:
-        return "https" if self.options.tls_cert_file else "http"
+        return "https" if self.tls else "http"
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
 
     def url(self, path: str = "/", host: str | None = None) -> str:
         host = host or self.options.listen
@@ -218,16 +426,313 @@ class KVGuardServer:
         return f"{self.scheme}://{host}:{self.port}{path}"
 
     def start(self) -> "KVGuardServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="kvguard-http", daemon=True)
+        self._start_workers()
+        self._thread = threading.Thread(target=self._loop, name="kvguard-http", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.5)
+        self._start_workers()
+        self._loop()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        if self._thread:
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
             self._thread.join(timeout=5)
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for _ in self._workers:
+            try:
+                self._work.put_nowait(None)
+            except queue.Full:
+                pass
+        for conn in list(self._conns.values()):
+            self._close(conn)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            self._selector.close()
+        except (OSError, ValueError):
+            pass
+
+    # ------------------------------------------------------------------ the selector thread
+    def _start_workers(self) -> None:
+        if self._workers:
+            return
+        for index in range(max(1, self.options.workers)):
+            worker = threading.Thread(target=self._worker, name=f"kvguard-http-{index}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, events in self._selector.select(timeout=0.25):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "wake":
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except OSError:
+                            pass
+                    else:
+                        self._readable(key.data)
+                self._take_back()
+                self._sweep()
+        finally:
+            if self._thread is None:   # serve_forever: the caller's thread owns the lifetime
+                self.close()
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, address = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if len(self._conns) >= self.options.max_connections and not self._evict():
+                sock.close()
+                self.connections_evicted_total += 1
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            sock.setblocking(False)
+            context = self._tls_context()
+            if context is not None:
+                try:
+                    sock = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError) as exc:
+                    self._connection_error(address, exc)
+                    sock.close()
+                    continue
+            conn = _Conn(sock, address, context is not None)
+            self._conns[sock.fileno()] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        if self.web_config is not None:
+            context = self.web_config.current().tls_context
+            if context is not None:
+                return context
+        return self._static_tls
+
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest for a complete request; False if none may go."""
+        waiting = [c for c in self._conns.values() if not c.in_worker]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.started if c.started is not None else c.last)
+        self._close(oldest)
+        self.connections_evicted_total += 1
+        return True
+
+    def _readable(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if conn.tls_pending:
+            try:
+                sock.do_handshake()
+                conn.tls_pending = False
+                self._set_events(conn, selectors.EVENT_READ)
+            except ssl.SSLWantReadError:
+                self._set_events(conn, selectors.EVENT_READ)
+                return
+            except ssl.SSLWantWriteError:
+                self._set_events(conn, selectors.EVENT_WRITE)
+                return
+            except (OSError, ValueError) as exc:
+                self._connection_error(conn.address, exc)
+                self._close(conn)
+                return
+        limit = self.options.max_header_bytes
+        while True:
+            try:
+                chunk = sock.recv(min(16384, limit + 1 - len(conn.buffer)) or 1)
+            except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+                break
+            except ssl.SSLWantWriteError:
+                self._set_events(conn, selectors.EVENT_WRITE)
+                break
+            except (OSError, ValueError) as exc:
+                if not isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+                    self._connection_error(conn.address, exc)
+                self._close(conn)
+                return
+            if not chunk:
+                self._close(conn)
+                return
+            if conn.started is None:
+                conn.started = time.monotonic()
+            conn.buffer += chunk
+            if find_head_end(conn.buffer) >= 0 or len(conn.buffer) > limit:
+                break
+        end = find_head_end(conn.buffer)
+        if end < 0:
+            if len(conn.buffer) > limit:
+                self._reject(conn, 431, f"request head over {limit} bytes\n")
+            return
+        self._dispatch(conn)
+
+    def _dispatch(self, conn: _Conn) -> None:
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.in_worker = True
+        try:
+            self._work.put_nowait((conn, b""))
+        except queue.Full:
+            conn.in_worker = False
+            self._reject(conn, 503, "busy\n", registered=False)
+
+    def _reject(self, conn: _Conn, status: int, text: str, registered: bool = True) -> None:
+        """Answer one short error and close (non-blocking: a peer that does not read loses it)."""
+        self.rejected_total += 1
+        data = encode_response(_text(status, text), False, False, {})
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.send(data)
+        except (OSError, ValueError):
+            pass
+        self._close(conn, registered)
+
+    def _set_events(self, conn: _Conn, events: int) -> None:
+        if conn.events != events:
+            conn.events = events
+            try:
+                self._selector.modify(conn.sock, events, conn)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def _take_back(self) -> None:
+        while True:
+            try:
+                conn, keep = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            conn.in_worker = False
+            if not keep or self._stop.is_set():
+                self._close(conn, registered=False)
+                continue
+            conn.events = selectors.EVENT_READ
+            try:
+                conn.sock.setblocking(False)
+                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            except (KeyError, ValueError, OSError):
+                self._close(conn, registered=False)
+                continue
+            if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
+                self._readable(conn)   # bytes already decrypted: the selector would not see them
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            if conn.in_worker:
+                continue
+            if conn.started is not None or conn.tls_pending:
+                if now - (conn.started or conn.last) > self.options.header_timeout:
+                    if conn.started is not None and not conn.tls_pending:
+                        self._reject(conn, 408, "request head not received in time\n")
+                    else:
+                        self._close(conn)
+            elif now - conn.last > self.options.request_timeout:
+                self._close(conn)
+
+    def _close(self, conn: _Conn, registered: bool = True) -> None:
+        fileno = None
+        try:
+            fileno = conn.sock.fileno()
+        except (OSError, ValueError):
+            pass
+        if registered:
+            try:
+                self._selector.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+        for key, value in list(self._conns.items()):
+            if value is conn:
+                del self._conns[key]
+                break
+        else:
+            if fileno is not None:
+                self._conns.pop(fileno, None)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _connection_error(self, address: Any, error: BaseException) -> None:
+        """One line per failed connection (plain HTTP on the TLS port, a reset), at most 10 a minute."""
+        self.connection_errors_total += 1
+        now = time.monotonic()
+        self._log_times = [t for t in self._log_times if now - t < 60.0]
+        if len(self._log_times) >= 10:
+            return
+        self._log_times.append(now)
+        message = (str(error).splitlines() or [""])[0] or type(error).__name__
+        host = address[0] if isinstance(address, tuple) and address else address
+        print(f"kvguard serve: connection from {host}: {message[:200]}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ workers
+    def _worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            conn, _ = item
+            keep = False
+            try:
+                keep = self._serve(conn)
+            except Exception:   # noqa: BLE001 - a worker outlives any one connection
+                keep = False
+            self._returned.put((conn, keep))
+            self._wake()
+
+    def _serve(self, conn: _Conn) -> bool:
+        """Answer every complete request in the buffer; True to keep the connection."""
+        sock = conn.sock
+        sock.settimeout(self.options.request_timeout)
+        while True:
+            end = find_head_end(conn.buffer)
+            if end < 0:
+                if len(conn.buffer) > self.options.max_header_bytes:
+                    return False
+                conn.started = time.monotonic() if conn.buffer else None
+                return True
+            head = bytes(conn.buffer[:end])
+            del conn.buffer[:end]
+            self.requests_total += 1
+            extra = self.web_config.current().headers if self.web_config is not None else {}
+            try:
+                request = parse_request(head, self.options.max_headers)
+            except BadRequest as exc:
+                sock.sendall(encode_response(_text(exc.status, f"{exc}\n"), False, False, extra))
+                return False
+            response = self.app.handle(request)
+            keep = request.keep_alive and not response.close and not self._stop.is_set()
+            try:
+                sock.sendall(encode_response(response, request.method == "HEAD", keep, extra))
+            except (OSError, ValueError):
+                return False
+            conn.last = time.monotonic()
+            conn.started = None
+            if not keep:
+                return False

@@ -20,7 +20,7 @@ from kvguard.estimator import Profile
 from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, read_spool
+from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, safe_text
 from kvguard.vllm.log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -36,7 +36,7 @@ DUPLICATE = "duplicate"
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
-    return {key: environ.get(var, "")[:253] for key, var in POD_ENV.items()}
+    return {key: safe_text(environ.get(var, ""), 253) for key, var in POD_ENV.items()}
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Observation:
     spool_snapshots: int
     skipped: Counter
     interval_seconds: float
+    spool_clamped: int = 0              # snapshots dated in the future at the last spool read
 
     @property
     def state(self) -> str:
@@ -89,7 +90,8 @@ class Observation:
             "ranks": [r.to_dict() for r in self.ranks],
             "sources": {s.name: {"up": s.up, "errors_total": s.errors_total, "last_error": s.last_error}
                         for s in self.sources},
-            "spool": {"snapshots": self.spool_snapshots, "skipped": dict(self.skipped)},
+            "spool": {"snapshots": self.spool_snapshots, "skipped": dict(self.skipped),
+                      "clamped_timestamps": self.spool_clamped},
         }
 
 
@@ -118,9 +120,13 @@ class Sidecar:
         self._log_profile = log.profile() if log else None
         self._log_block_bytes = log.available_kv_cache_bytes // log.num_gpu_blocks \
             if log and log.available_kv_cache_bytes and log.num_gpu_blocks else None
+        self._spool_reader = SpoolReader(config.spool_dir) if config.spool_dir else None
         self._spool = Poller(SPOOL, self._read_spool, config.read_timeout) if config.spool_dir else None
         self._first_read_done = False
-        self._device_pollers = [Poller(name, source.sample, config.read_timeout) for name, source in config.sources]
+        # A source with a time limit of its own (npu-smi's subprocess timeout) is polled with that
+        # limit, so the poller does not call a read late that the source itself would still allow.
+        self._device_pollers = [Poller(name, source.sample, max(config.read_timeout, _own_timeout(source)))
+                                for name, source in config.sources]
         self._vllm = None
         if config.vllm_metrics_url:
             from kvguard.vllm import metrics as vllm_metrics
@@ -143,6 +149,10 @@ class Sidecar:
             poller.refresh(0.0)
         for poller in self._background():
             poller.wait(max(0.0, deadline - time.monotonic()))
+
+    def generation(self) -> tuple[int, ...]:
+        """Changes whenever a background read completes or overruns: what a cached render keys on."""
+        return tuple(p.generation for p in self._background())
 
     def start(self) -> None:
         self.refresh_background(wait=self.config.read_timeout)
@@ -167,7 +177,7 @@ class Sidecar:
     def _read_spool(self) -> SpoolRead:
         """The spool, bounded in files and bytes; a bad file is only counted, a directory that
         cannot be listed raises (the source is down, not zero ranks)."""
-        result = read_spool(self.config.spool_dir)
+        result = self._spool_reader.read()
         if result.listing_error is not None:
             raise OSError(f"cannot list spool directory {self.config.spool_dir}: {result.listing_error}")
         return result
@@ -214,7 +224,7 @@ class Sidecar:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
                 devices.append(DeviceView(labels, memory))
         return Observation(ranks=ranks, devices=devices, sources=sources, spool_snapshots=len(spool_read.snapshots),
-                           skipped=skipped, interval_seconds=config.interval)
+                           skipped=skipped, interval_seconds=config.interval, spool_clamped=spool_read.clamped)
 
     def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
         config = self.config
@@ -290,6 +300,15 @@ class Sidecar:
         return blocks, None
 
 
+def _own_timeout(source: Any) -> float:
+    value = getattr(source, "timeout_seconds", None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
+
+
+def _recency(snap: Snapshot) -> tuple[bool, float]:
+    return snap.clamped_from is None, snap.written_at
+
+
 def newest_per_rank(snapshots: Sequence[Snapshot], label_key: Callable[[Snapshot], tuple]
                     ) -> tuple[dict[tuple, Snapshot], int]:
     """The newest snapshot per rank label key, and how many snapshots shared a key with another."""
@@ -299,7 +318,8 @@ def newest_per_rank(snapshots: Sequence[Snapshot], label_key: Callable[[Snapshot
         key = label_key(snap)
         if key in newest:
             duplicates += 1
-            if newest[key].written_at >= snap.written_at:
+            # A snapshot dated in the future (clamped) never wins over one with a believable date.
+            if _recency(newest[key]) >= _recency(snap):
                 continue
         newest[key] = snap
     return newest, duplicates

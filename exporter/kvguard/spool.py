@@ -17,8 +17,9 @@ import os
 import re
 import stat
 import tempfile
+import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 from kvguard.estimator import Profile, ProfileError
@@ -40,6 +41,15 @@ SKIP_REASONS = ("not_regular_file", "too_large", "unreadable", "invalid_json", "
 # The probe reads all four; the sidecar labels ranks with all but node.
 POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME", "node": "NODE_NAME"}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+# Lone surrogates, C0 and C1 controls: not exportable as label values (encoding fails, or parsers choke).
+_UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# A snapshot's device process table is not exported per rank; a few entries are kept for /guard.
+MAX_SNAPSHOT_PROCESSES = 64
+
+
+def safe_text(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with what cannot be exported replaced by U+FFFD."""
+    return _UNSAFE_TEXT.sub("\ufffd", text[:limit])
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class Snapshot:
     kv_cache: KVCacheAllocation | None = None
     probe: ProbeStatus = field(default_factory=ProbeStatus)
     schema: int = SCHEMA_VERSION
+    clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -152,9 +163,16 @@ class Snapshot:
             )
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
-        return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=host[:253], pid=pid,
-                   device=str(device)[:64], memory=memory, rank=rank, pod=pod, profile=profile,
-                   kv_cache=kv_cache, probe=probe)
+        # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
+        # of non-UTF-8 device names) and control characters would break the whole exposition.
+        memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64),
+                         processes=tuple(replace(p, name=safe_text(p.name, 128))
+                                         for p in memory.processes[:MAX_SNAPSHOT_PROCESSES]))
+        probe = replace(probe, last_error=None if probe.last_error is None else safe_text(probe.last_error, 512))
+        return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
+                   pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
+                   pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
+                   probe=probe)
 
 
 class SnapshotError(ValueError):
@@ -202,53 +220,120 @@ def write_snapshot(spool_dir: str, snapshot: Snapshot) -> str:
     return name
 
 
-# One read of the whole spool takes at most this many bytes; files past it wait for the next read.
-MAX_SPOOL_READ_BYTES = 64 * 1024 * 1024
+# One read's budget, so its memory and time do not grow with what others write into the spool:
+# directory entries looked at, files opened, and bytes read. Files past it wait (or are junk).
+MAX_SPOOL_ENTRIES = 16384
+MAX_SPOOL_READ_BYTES = 16 * 1024 * 1024
+# A snapshot's written_at this far past the reader's clock is suspicious (the probe and the
+# sidecar share a node's clock): clamped to when the reader first saw it, and counted.
+FUTURE_TOLERANCE_SECONDS = 10.0
+MAX_ERRORS = 64
+# The probe's own file names (snapshot_filename); files named so are read first.
+_PROBE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}-[0-9]{1,20}-[A-Za-z0-9_.-]{1,32}\.json\Z")
 
 
 @dataclass
 class SpoolRead:
     snapshots: list[Snapshot] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)     # reason -> files
-    errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs
+    errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs (at most MAX_ERRORS)
     listing_error: str | None = None                      # why the directory itself could not be listed
+    clamped: int = 0                                      # snapshots dated in the future, clamped
+
+    def error(self, line: str) -> None:
+        if len(self.errors) < MAX_ERRORS:
+            self.errors.append(line)
 
 
 def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
-               max_total_bytes: int = MAX_SPOOL_READ_BYTES) -> SpoolRead:
-    """Read every ``*.json`` snapshot; never raises, only counts.
+               max_total_bytes: int = MAX_SPOOL_READ_BYTES, max_entries: int = MAX_SPOOL_ENTRIES,
+               now: float | None = None, first_seen: dict | None = None) -> SpoolRead:
+    """Read the ``*.json`` snapshots, newest first; never raises, only counts.
 
-    ``max_bytes`` caps one file, ``max_total_bytes`` the whole read: once it is spent, the
-    remaining files are counted as ``too_many_files``.
+    Junk must not hide live ranks, so files are read by validity and recency, not by name: files
+    named as the probe names them first, each group newest (mtime) first. ``max_bytes`` caps one
+    file; ``max_files`` files and ``max_total_bytes`` bytes cap the read (the rest is counted as
+    ``too_many_files``); at most ``max_entries`` directory entries are looked at.
+
+    A ``written_at`` more than FUTURE_TOLERANCE_SECONDS past ``now`` is clamped to the time the
+    reader first saw that snapshot (``first_seen``, kept by the caller across reads: then it ages
+    and goes stale like any other), and counted in ``clamped``.
     """
     result = SpoolRead()
+    now = time.time() if now is None else now
+    candidates = []
     try:
-        names = sorted(n for n in os.listdir(spool_dir) if n.endswith(".json") and not n.startswith("."))
+        with os.scandir(spool_dir) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= max_entries:
+                    result.skipped["too_many_files"] += 1 + sum(1 for _ in entries)
+                    result.error(f"{spool_dir}: too_many_files: more than {max_entries} directory entries")
+                    break
+                name = entry.name
+                if not name.endswith(".json") or name.startswith("."):
+                    continue
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    result.skipped["unreadable"] += 1
+                    result.error(f"{name}: unreadable: {exc.strerror or exc}")
+                    continue
+                if not stat.S_ISREG(info.st_mode):
+                    result.skipped["not_regular_file"] += 1
+                    result.error(f"{name}: not_regular_file: not a regular file")
+                    continue
+                if info.st_size > max_bytes:
+                    result.skipped["too_large"] += 1
+                    result.error(f"{name}: too_large: {info.st_size} bytes exceeds {max_bytes}")
+                    continue
+                candidates.append((_PROBE_NAME.match(name) is not None, info.st_mtime_ns, name))
     except OSError as exc:
         result.listing_error = str(exc.strerror or exc)
         result.errors.append(f"{spool_dir}: {result.listing_error}")
         return result
-    if len(names) > max_files:
-        result.skipped["too_many_files"] += len(names) - max_files
-        names = names[:max_files]
+    candidates.sort(reverse=True)
+    if len(candidates) > max_files:
+        result.skipped["too_many_files"] += len(candidates) - max_files
+        result.error(f"{spool_dir}: too_many_files: {len(candidates)} files, {max_files} are read")
+        del candidates[max_files:]
     used = 0
-    for index, name in enumerate(names):
+    clamped_keys: set = set()
+    for index, (_, _, name) in enumerate(candidates):
         try:
             raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, max_total_bytes - used), max_bytes)
             if raw is None:   # longer than what is left of this read's budget, not than one snapshot
-                result.skipped["too_many_files"] += len(names) - index
-                result.errors.append(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
+                result.skipped["too_many_files"] += len(candidates) - index
+                result.error(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
                 break
             used += len(raw)
             snapshot = _decode(raw)
         except SnapshotError as exc:
             result.skipped[exc.reason] += 1
-            result.errors.append(f"{name}: {exc.reason}: {exc}")
+            result.error(f"{name}: {exc.reason}: {exc}")
             continue
+        if snapshot.written_at > now + FUTURE_TOLERANCE_SECONDS:
+            key = (name, snapshot.written_at, snapshot.sequence)
+            clamped_keys.add(key)
+            seen_at = now if first_seen is None else first_seen.setdefault(key, now)
+            snapshot = replace(snapshot, written_at=seen_at, clamped_from=snapshot.written_at)
+            result.clamped += 1
         result.snapshots.append(snapshot)
+    if first_seen is not None:   # forget what is gone, so the memo stays as small as the spool
+        for key in set(first_seen) - clamped_keys:
+            del first_seen[key]
     return result
 
 
+class SpoolReader:
+    """Reads one spool again and again, remembering when it first saw each future-dated snapshot."""
+
+    def __init__(self, spool_dir: str, **limits: Any):
+        self.spool_dir = spool_dir
+        self.limits = limits
+        self._first_seen: dict = {}
+
+    def read(self) -> SpoolRead:
+        return read_spool(self.spool_dir, first_seen=self._first_seen, **self.limits)
 def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
     """A regular file's bytes, opened without following links. None when it is longer than
     ``limit`` < ``max_bytes`` (the read's budget ran out, not the file's own cap)."""

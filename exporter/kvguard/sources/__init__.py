@@ -150,5 +150,12 @@ def free_total_used(free: Any, total: Any, used: Any = None) -> dict[str, int | 
 
 def one_line(exc: BaseException) -> str:
     """An exception as one short line, for errors that cross the source boundary."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:300]
+    try:
+        text = " ".join(str(exc).split())
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises must still be one line
+        text = ""
+    try:
+        name = type(exc).__name__
+    except Exception:  # noqa: BLE001
+        name = "Exception"
+    return (text or str(name))[:300]

@@ -55,6 +55,11 @@ class AutoSource:
         self._device_sources: list[Source] | None = None
         self._npu_smi_timeout = npu_smi_timeout
 
+    @property
+    def timeout_seconds(self) -> float:
+        """The longest a read can take by this source's own limits (npu-smi's), for the poller."""
+        return self._npu_smi_timeout
+
     def sample(self) -> list[DeviceMemory]:
         framework = self._framework_source()
         if framework is not None:

@@ -195,6 +195,11 @@ class NpuSmiSource:
         self._binary = binary
         self._timeout = float(timeout)
 
+    @property
+    def timeout_seconds(self) -> float:
+        """The limit this source puts on one read itself; the sidecar's poller waits as long (not less)."""
+        return self._timeout
+
     def _path(self) -> str:
         found = shutil.which(self._binary)
         if found:

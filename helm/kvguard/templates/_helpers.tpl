@@ -60,7 +60,7 @@ app.kubernetes.io/part-of: kvguard
 {{- end }}
 
 {{- define "kvguard.scheme" -}}
-{{- if .Values.kvguard.tls.enabled }}https{{ else }}http{{ end }}
+{{- if or .Values.kvguard.tls.enabled (and .Values.kvguard.webConfig.enabled .Values.kvguard.webConfig.tls) }}https{{ else }}http{{ end }}
 {{- end }}
 
 {{/* Checks on combinations of values that the schema cannot express clearly. */}}
@@ -70,6 +70,12 @@ app.kubernetes.io/part-of: kvguard
 {{- end }}
 {{- if and .Values.kvguard.tls.enabled (not .Values.kvguard.tls.secretName) }}
 {{- fail "kvguard.tls.enabled needs kvguard.tls.secretName (a kubernetes.io/tls Secret)" }}
+{{- end }}
+{{- if and .Values.kvguard.webConfig.enabled (not .Values.kvguard.webConfig.secretName) }}
+{{- fail "kvguard.webConfig.enabled needs kvguard.webConfig.secretName (a Secret holding the web config file)" }}
+{{- end }}
+{{- if and .Values.kvguard.webConfig.enabled .Values.kvguard.webConfig.tls .Values.kvguard.tls.enabled }}
+{{- fail "kvguard.webConfig.tls and kvguard.tls.enabled both configure the server certificate: use one" }}
 {{- end }}
 {{- if and .Values.kvguard.basicAuth.enabled (not .Values.kvguard.basicAuth.secretName) }}
 {{- fail "kvguard.basicAuth.enabled needs kvguard.basicAuth.secretName (a Secret with the username and password keys)" }}
@@ -130,6 +136,9 @@ app.kubernetes.io/part-of: kvguard
 {{- if $k.basicAuth.enabled }}
 - --basic-auth-user=$(KVGUARD_BASIC_AUTH_USER)
 - --basic-auth-password-file=/etc/kvguard/basic-auth/{{ $k.basicAuth.passwordKey }}
+{{- end }}
+{{- if $k.webConfig.enabled }}
+- --web.config.file=/etc/kvguard/web-config/{{ $k.webConfig.key }}
 {{- end }}
 {{- range $k.extraArgs }}
 - {{ . | quote }}
@@ -246,6 +255,11 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
       mountPath: /etc/kvguard/basic-auth
       readOnly: true
     {{- end }}
+    {{- if $k.webConfig.enabled }}
+    - name: kvguard-web-config
+      mountPath: /etc/kvguard/web-config
+      readOnly: true
+    {{- end }}
 {{- end }}
 
 {{/* Volumes the kvguard container needs, in both modes. */}}
@@ -270,6 +284,12 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
     items:
       - key: {{ .Values.kvguard.basicAuth.passwordKey }}
         path: {{ .Values.kvguard.basicAuth.passwordKey }}
+{{- end }}
+{{- if .Values.kvguard.webConfig.enabled }}
+{{- /* Mounted whole and without subPath: the kubelet then updates the files in place on rotation. */}}
+- name: kvguard-web-config
+  secret:
+    secretName: {{ .Values.kvguard.webConfig.secretName }}
 {{- end }}
 {{- end }}
 
@@ -335,7 +355,7 @@ affinity:
   interval: {{ $m.interval }}
   scrapeTimeout: {{ $m.scrapeTimeout }}
   honorLabels: {{ $m.honorLabels }}
-  {{- if $k.tls.enabled }}
+  {{- if or $k.tls.enabled (and $k.webConfig.enabled $k.webConfig.tls) }}
   tlsConfig:
     {{- if $k.tls.caSecretName }}
     ca:

@@ -1,0 +1,377 @@
+"""``--web.config.file``: the Prometheus exporter-toolkit web configuration, for the sidecar.
+
+The format is exporter-toolkit's (docs/web-configuration.md, the same file node_exporter and
+dcgm-exporter read)::
+
+    tls_server_config:
+      cert_file: /etc/kvguard/tls/tls.crt
+      key_file: /etc/kvguard/tls/tls.key
+      client_auth_type: RequireAndVerifyClientCert
+      client_ca_file: /etc/kvguard/tls/ca.crt
+      min_version: TLS12
+      cipher_suites: [TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256]
+    http_server_config:
+      headers: {X-Content-Type-Options: nosniff}
+    basic_auth_users:
+      prometheus: $2y$10$...          # bcrypt
+
+Like exporter-toolkit (web/tls_config.go, ``getConfig`` per request), the file and the files it
+names are watched: :class:`WebConfigWatcher` re-reads them when their size, mtime or inode
+changes, so a rotated certificate or a new password takes effect on the next connection without a
+restart. A change that does not load is one line on stderr and the previous configuration stays.
+Whether TLS is on at all is fixed at startup (exporter-toolkit fixes it too).
+
+What Python's ssl module cannot do is refused with one line, never silently weakened:
+``RequestClientCert`` and ``RequireAnyClientCert`` (request a client certificate without
+verifying it), inline ``cert``/``key``, ``client_allowed_sans``, ``curve_preferences`` beyond one
+curve, and ``rate_limit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import ssl
+import sys
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+MAX_WEB_CONFIG_BYTES = 1 << 20
+
+
+class WebConfigError(ValueError):
+    """A web config that cannot be used; the message is one line."""
+
+
+# exporter-toolkit's min_version / max_version names (web/tls_config.go, TLSVersion map).
+TLS_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+
+# Go's crypto/tls names (cipher_suites.go, tls.CipherSuites() and tls.InsecureCipherSuites(), Go 1.22)
+# for TLS 1.0-1.2, and the OpenSSL name of each; `openssl ciphers -stdname` lists the same pairs (the
+# Go names are the IANA ones). tests/test_webconfig.py checks every row against the real openssl.
+CIPHER_SUITES = {
+    "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
+    "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",
+    "TLS_RSA_WITH_AES_128_CBC_SHA256": "AES128-SHA256",
+    "TLS_RSA_WITH_AES_128_GCM_SHA256": "AES128-GCM-SHA256",
+    "TLS_RSA_WITH_AES_256_GCM_SHA384": "AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA": "ECDHE-ECDSA-AES128-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_CBC_SHA": "ECDHE-ECDSA-AES256-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA": "ECDHE-RSA-AES128-SHA",
+    "TLS_ECDHE_RSA_WITH_AES_256_CBC_SHA": "ECDHE-RSA-AES256-SHA",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA256": "ECDHE-ECDSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_CBC_SHA256": "ECDHE-RSA-AES128-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256": "ECDHE-RSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256": "ECDHE-ECDSA-AES128-GCM-SHA256",
+    "TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384": "ECDHE-RSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384": "ECDHE-ECDSA-AES256-GCM-SHA384",
+    "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
+    "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
+}
+# TLS 1.3 suites are in Go's list too but are not configurable (in Go or in OpenSSL's cipher
+# string): accepted and left to the library, as exporter-toolkit does.
+TLS13_CIPHER_SUITES = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256")
+
+# Go's tls.CurveID names -> OpenSSL's.
+CURVES = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "secp521r1", "X25519": "X25519"}
+
+# client_auth_type -> Python's verify mode; None: Go can, Python's ssl cannot (it verifies every
+# certificate it requests).
+CLIENT_AUTH = {
+    "": ssl.CERT_NONE, "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL, "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    "RequestClientCert": None, "RequireAnyClientCert": None, "RequireClientCert": None,
+}
+
+_TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "client_ca", "min_version",
+             "max_version", "cipher_suites", "prefer_server_cipher_suites", "curve_preferences", "cert", "key",
+             "client_allowed_sans"}
+_HTTP_KEYS = {"http2", "headers"}
+# Response headers exporter-toolkit lets the file set (web/handler.go, extraHTTPHeaders).
+_HEADERS = ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options", "X-XSS-Protection",
+            "Content-Security-Policy")
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """One loaded web config: a TLS context (or None), the bcrypt users, extra response headers."""
+
+    tls_context: ssl.SSLContext | None = None
+    basic_auth_users: Mapping[str, bytes] = field(default_factory=dict)   # user -> bcrypt hash
+    headers: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[str, ...] = ()                                           # what to watch for changes
+
+
+def _one_line(exc: BaseException) -> str:
+    text = (str(exc).splitlines() or [""])[0].strip()
+    return text[:300] or type(exc).__name__
+
+
+def _resolve(base: str, path: Any, key: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise WebConfigError(f"tls_server_config.{key} must be a file name")
+    # exporter-toolkit resolves relative paths against the config file's directory (joinDir).
+    return path if os.path.isabs(path) else os.path.join(base, path)
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise WebConfigError(f"{where} must be a mapping")
+    return value
+
+
+def _strict(section: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(str(k) for k in section if k not in known)
+    if unknown:   # exporter-toolkit unmarshals strictly: a typo is an error, not a silent default
+        raise WebConfigError(f"{where}: unknown field {unknown[0]!r}")
+
+
+def parse_web_config(text: str, base_dir: str = ".") -> WebConfig:
+    """Parse and load one web config (YAML text); certificates are read now. Raises WebConfigError."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
+        raise WebConfigError(f"not valid YAML: {_one_line(exc)}") from None
+    data = _mapping(data, "the web config")
+    _strict(data, {"tls_server_config", "http_server_config", "basic_auth_users", "rate_limit"}, "web config")
+    if data.get("rate_limit") not in (None, {}):
+        raise WebConfigError("rate_limit is not supported by kvguard")
+    files: list[str] = []
+    context = _tls_context(_mapping(data.get("tls_server_config"), "tls_server_config"), base_dir, files)
+    users = _users(_mapping(data.get("basic_auth_users"), "basic_auth_users"))
+    http = _mapping(data.get("http_server_config"), "http_server_config")
+    _strict(http, _HTTP_KEYS, "http_server_config")
+    if not isinstance(http.get("http2", True), bool):
+        raise WebConfigError("http_server_config.http2 must be true or false")
+    headers = {}
+    for name, value in _mapping(http.get("headers"), "http_server_config.headers").items():
+        if name not in _HEADERS:
+            raise WebConfigError(f"http_server_config.headers: {name!r} is not one of {', '.join(_HEADERS)}")
+        if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+            raise WebConfigError(f"http_server_config.headers.{name} must be a one-line string")
+        if value:
+            headers[name] = value
+    return WebConfig(tls_context=context, basic_auth_users=users, headers=headers, files=tuple(files))
+
+
+def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSLContext | None:
+    _strict(tls, _TLS_KEYS, "tls_server_config")
+    if not tls:
+        return None
+    for inline in ("cert", "key"):
+        if tls.get(inline):
+            raise WebConfigError(f"tls_server_config.{inline} (inline PEM) is not supported: use {inline}_file")
+    if tls.get("client_allowed_sans"):
+        raise WebConfigError("tls_server_config.client_allowed_sans is not supported by kvguard")
+    if not tls.get("cert_file"):
+        raise WebConfigError("tls_server_config: missing cert_file")
+    if not tls.get("key_file"):
+        raise WebConfigError("tls_server_config: missing key_file")
+    cert, key = _resolve(base, tls["cert_file"], "cert_file"), _resolve(base, tls["key_file"], "key_file")
+    files += [cert, key]
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        raise WebConfigError(f"cannot load cert_file {cert} / key_file {key}: {detail}") from None
+
+    versions = {}
+    for name, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
+        value = tls.get(name) or default
+        if value not in TLS_VERSIONS:
+            raise WebConfigError(f"tls_server_config.{name}: unknown TLS version {value!r} "
+                                 f"(choose from {', '.join(TLS_VERSIONS)})")
+        versions[name] = TLS_VERSIONS[value]
+    if versions["min_version"] > versions["max_version"]:
+        raise WebConfigError("tls_server_config: min_version is above max_version")
+    try:
+        context.minimum_version, context.maximum_version = versions["min_version"], versions["max_version"]
+    except (ValueError, ssl.SSLError) as exc:
+        raise WebConfigError(f"tls_server_config: this OpenSSL refuses the TLS versions: {_one_line(exc)}") from None
+
+    suites = tls.get("cipher_suites") or []
+    if not isinstance(suites, list) or not all(isinstance(s, str) for s in suites):
+        raise WebConfigError("tls_server_config.cipher_suites must be a list of names")
+    openssl_names = []
+    for suite in suites:
+        if suite in TLS13_CIPHER_SUITES:
+            continue
+        if suite not in CIPHER_SUITES:
+            raise WebConfigError(f"tls_server_config.cipher_suites: unknown cipher {suite!r}")
+        openssl_names.append(CIPHER_SUITES[suite])
+    if openssl_names:
+        try:
+            context.set_ciphers(":".join(openssl_names))
+        except ssl.SSLError as exc:
+            raise WebConfigError(f"tls_server_config.cipher_suites: {_one_line(exc)}") from None
+    if tls.get("prefer_server_cipher_suites", True) is True:
+        context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+    curves = tls.get("curve_preferences") or []
+    if not isinstance(curves, list) or not all(c in CURVES for c in curves):
+        raise WebConfigError(f"tls_server_config.curve_preferences: unknown curve (choose from {', '.join(CURVES)})")
+    if len(curves) > 1:
+        raise WebConfigError("tls_server_config.curve_preferences: kvguard supports one curve")
+    if curves:
+        context.set_ecdh_curve(CURVES[curves[0]])
+
+    auth = tls.get("client_auth_type") or ""
+    if auth not in CLIENT_AUTH:
+        raise WebConfigError(f"tls_server_config: invalid client_auth_type {auth!r}")
+    mode = CLIENT_AUTH[auth]
+    if mode is None:
+        raise WebConfigError(f"tls_server_config: client_auth_type {auth} (a client certificate that is not "
+                             "verified) is not supported: use RequireAndVerifyClientCert")
+    has_ca = bool(tls.get("client_ca_file") or tls.get("client_ca"))
+    if has_ca and mode == ssl.CERT_NONE:   # exporter-toolkit refuses this too
+        raise WebConfigError("tls_server_config: client CA's have been configured without a client auth policy")
+    if mode != ssl.CERT_NONE and not has_ca:
+        raise WebConfigError(f"tls_server_config: client_auth_type {auth} needs client_ca_file")
+    if has_ca:
+        try:
+            if tls.get("client_ca_file"):
+                ca = _resolve(base, tls["client_ca_file"], "client_ca_file")
+                files.append(ca)
+                context.load_verify_locations(cafile=ca)
+            else:
+                if not isinstance(tls["client_ca"], str):
+                    raise WebConfigError("tls_server_config.client_ca must be PEM text")
+                context.load_verify_locations(cadata=tls["client_ca"])
+        except (OSError, ssl.SSLError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+            raise WebConfigError(f"cannot load the client CA: {detail}") from None
+    context.verify_mode = mode
+    return context
+
+
+def _users(users: Mapping[str, Any]) -> dict[str, bytes]:
+    parsed = {}
+    for user, hashed in users.items():
+        if not isinstance(user, str) or not user:
+            raise WebConfigError("basic_auth_users: a user name is empty")
+        if not isinstance(hashed, str) or not hashed:
+            raise WebConfigError(f"basic_auth_users.{user}: empty password hash")
+        if not hashed.startswith(("$2a$", "$2b$", "$2y$")) or len(hashed) != 60:
+            raise WebConfigError(f"basic_auth_users.{user}: not a bcrypt hash ($2y$10$... from htpasswd -nBC 10)")
+        parsed[user] = hashed.encode("ascii", "replace")
+    return parsed
+
+
+def load_web_config(path: str) -> WebConfig:
+    """Read and load ``path``. Raises WebConfigError with one line."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_WEB_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_WEB_CONFIG_BYTES:
+        raise WebConfigError(f"web config {path} is larger than {MAX_WEB_CONFIG_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WebConfigError(f"web config {path} is not UTF-8") from None
+    try:
+        config = parse_web_config(text, os.path.dirname(os.path.abspath(path)))
+    except WebConfigError as exc:
+        raise WebConfigError(f"web config {path}: {exc}") from None
+    return WebConfig(config.tls_context, config.basic_auth_users, config.headers, (path,) + config.files)
+
+
+def _stamp(paths: tuple[str, ...]) -> tuple:
+    stamps = []
+    for path in paths:
+        try:
+            info = os.stat(path)
+            stamps.append((info.st_ino, info.st_size, info.st_mtime_ns))
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps)
+
+
+class BasicAuth:
+    """Checks basic-auth credentials against bcrypt hashes, caching results like exporter-toolkit
+    (web/handler.go: bcrypt runs once per credential, then the cached answer is used). The cache
+    is keyed by a digest of (user, password, hash) and bounded."""
+
+    CACHE_SIZE = 128
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[bytes, bool] = OrderedDict()
+
+    def check(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+        import bcrypt
+
+        hashed = users.get(user)
+        # An unknown user still costs a bcrypt run, so timing does not tell which users exist.
+        target = hashed or b"$2b$10$" + b"." * 53
+        key = hashlib.sha256(b"\0".join([user.encode("utf-8", "replace"), password.encode("utf-8", "replace"),
+                                         target])).digest()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        try:
+            ok = bcrypt.checkpw(password.encode("utf-8", "replace"), target) and hashed is not None
+        except ValueError:   # a hash bcrypt cannot read
+            ok = False
+        with self._lock:
+            self._cache[key] = ok
+            while len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return ok
+
+
+class WebConfigWatcher:
+    """The current web config; re-read when the file or a file it names changes.
+
+    ``current()`` checks at most once per ``check_interval`` seconds (a stat of each file).
+    """
+
+    def __init__(self, path: str, check_interval: float = 1.0,
+                 warn: Callable[[str], None] | None = None):
+        self.path = path
+        self.check_interval = check_interval
+        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._lock = threading.Lock()
+        self.config = load_web_config(path)     # the first load raises: startup refuses a bad file
+        self._stamp = _stamp(self.config.files)
+        self._checked_at = time.monotonic()
+        self.reloads_total = 0
+        self.reload_errors_total = 0
+        self._tls = self.config.tls_context is not None
+
+    def current(self) -> WebConfig:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked_at < self.check_interval:
+                return self.config
+            self._checked_at = now
+            stamp = _stamp(self.config.files)
+            if stamp == self._stamp:
+                return self.config
+            self._stamp = stamp
+        try:
+            config = load_web_config(self.path)
+            if (config.tls_context is not None) != self._tls:
+                raise WebConfigError("turning TLS on or off needs a restart")
+        except WebConfigError as exc:
+            with self._lock:
+                self.reload_errors_total += 1
+            self._warn(f"kvguard serve: web config not reloaded, keeping the previous one: {exc}")
+            return self.config
+        with self._lock:
+            self.config = config
+            self._stamp = _stamp(config.files)
+            self.reloads_total += 1
+        return config

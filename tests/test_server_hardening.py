@@ -1,0 +1,217 @@
+"""The sidecar's HTTP server under hostile peers, on loopback: memory and threads stay bounded,
+a normal scrape still gets through, and nothing a peer sends takes /metrics down."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+
+import pytest
+
+from kvguard.server import BadRequest, KVGuardServer, ServerOptions, parse_request
+from kvguard.sidecar import Sidecar, SidecarConfig
+from sidecar_fixtures import snapshot, write
+
+POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(*snapshots, **options) -> KVGuardServer:
+        spool = tmp_path / "spool"
+        spool.mkdir(exist_ok=True)
+        write(spool, *snapshots)
+        sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels=dict(POD)))
+        server = KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0, **options)).start()
+        servers.append(server)
+        return server
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def scrape(server: KVGuardServer, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return b"".join(chunks)
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_request_head_over_the_byte_cap_is_refused_with_431(serve):
+    server = serve(snapshot(), max_header_bytes=16 * 1024)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        try:
+            for _ in range(10):   # 98 headers of 65 KB is what the flood sent; 10 are enough to cross the cap
+                sock.sendall(b"X-Flood: " + b"a" * 65000 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 431 ")
+
+
+def test_more_header_lines_than_the_cap_is_refused_with_431(serve):
+    server = serve(snapshot(), max_headers=20)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(21)) + b"\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 431 ")
+
+
+def test_a_normal_scrape_answers_while_forty_flooding_connections_stall(serve):
+    server = serve(snapshot())
+    flooders = []
+    try:
+        for _ in range(40):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * 20000)   # and then stall
+            flooders.append(sock)
+        assert wait_for(lambda: server.open_connections >= 40)
+        status, body = scrape(server)
+        assert status == 200 and b"kvguard_guard_state" in body
+    finally:
+        for sock in flooders:
+            sock.close()
+
+
+def test_slowloris_connections_past_the_cap_make_room_for_a_scrape(serve):
+    server = serve(snapshot(), max_connections=16)
+    stalled = []
+    try:
+        for _ in range(40):   # each sends a partial request head and never finishes it
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            stalled.append(sock)
+        assert wait_for(lambda: server.connections_evicted_total >= 24)
+        assert server.open_connections <= 16
+        assert scrape(server)[0] == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_head_that_never_finishes_is_closed_after_the_header_timeout(serve):
+    server = serve(header_timeout=0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 408 ")
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(serve):
+    server = serve(request_timeout=0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 ") and b"Connection: keep-alive" in first
+        assert read_all(sock) == b""   # closed by the server, without a second answer
+
+
+def test_a_405_closes_the_connection_so_its_body_is_never_read_as_a_request(serve):
+    server = serve(snapshot())
+    smuggled = b"GET /guard HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 405 ")
+    assert answer.count(b"HTTP/1.1 ") == 1 and b"Connection: close" in answer
+
+
+def test_keep_alive_serves_pipelined_requests_in_order(serve):
+    server = serve(snapshot())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = read_all(sock)
+    assert answer.count(b"HTTP/1.1 200 ") == 2
+    assert answer.index(b"ok\n") < answer.index(b"ready\n")
+
+
+def test_every_connection_has_tcp_nodelay(serve):
+    server = serve(snapshot())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.recv(65536)
+        (conn,) = list(server._conns.values())
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_parallel_scrapes_share_one_render_per_refresh(serve):
+    server = serve(snapshot(rank=0, pid=10), snapshot(rank=1, device="npu:1", pid=11))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(scrape(server))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 8
+    assert len({body for _, body in results}) == 1
+    assert server.exposition.renders_total == 1
+
+
+def test_a_lone_surrogate_in_a_snapshot_label_does_not_take_metrics_down(serve, tmp_path):
+    good = snapshot(rank=0, pid=10)
+    bad = snapshot(rank=1, device="npu:\udcff", pid=11, pod={"pod": "vllm-\udcfe", "namespace": "llm",
+                                                              "container": "vllm"})
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    write(spool, good)
+    import json
+    payload = json.dumps(bad.to_dict())   # json escapes the surrogates as \udcff: what a probe could write
+    (spool / "node-7-11-npu__.json").write_text(payload)
+    server = serve()
+    status, body = scrape(server)
+    assert status == 200
+    assert 'device="npu:\ufffd"'.encode() in body
+    assert b'device="npu:0"' in body
+
+
+@pytest.mark.parametrize(("head", "status"), [
+    (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
+    (b"GET /metrics\r\n\r\n", 400),
+    (b"get /metrics HTTP/1.1\r\n\r\n", 400),
+    (b"GET metrics HTTP/1.1\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\n folded: header\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+    (b"GET /metrics HTTP/1.1\r\nBad Header: x\r\n\r\n", 400),
+    (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
+])
+def test_malformed_request_heads_get_a_4xx_or_505(head, status):
+    with pytest.raises(BadRequest) as raised:
+        parse_request(head)
+    assert raised.value.status == status
+
+
+def test_http_1_0_closes_unless_it_asks_for_keep_alive():
+    assert not parse_request(b"GET / HTTP/1.0\r\n\r\n").keep_alive
+    assert parse_request(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").keep_alive
+    assert parse_request(b"GET / HTTP/1.1\r\n\r\n").keep_alive
+    assert not parse_request(b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").keep_alive

@@ -1,0 +1,241 @@
+"""--web.config.file (exporter-toolkit's format) against the running server: a CA, a server and a
+client certificate made by the real openssl in tmp_path, bcrypt users, and rotation without restart."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import os
+import shutil
+import ssl
+import subprocess
+import time
+
+import bcrypt
+import pytest
+from click.testing import CliRunner
+
+from kvguard.cli import main
+from kvguard.server import KVGuardServer, ServerOptions
+from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
+from sidecar_fixtures import snapshot, write
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+
+
+def openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(directory, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+            "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
+
+
+def make_cert(directory, name: str, ca: str, cn: str, ext: str) -> None:
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr", cwd=directory)
+    (directory / f"{name}.ext").write_text(ext)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
+            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=directory)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """Two CAs; a server certificate for 127.0.0.1 from each, a client certificate from the first."""
+    directory = tmp_path_factory.mktemp("pki")
+    for ca in ("ca", "ca2"):
+        make_ca(directory, ca)
+    server_ext = "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"
+    make_cert(directory, "server", "ca", "127.0.0.1", server_ext)
+    make_cert(directory, "server2", "ca2", "127.0.0.1", server_ext)
+    make_cert(directory, "client", "ca", "prometheus", "extendedKeyUsage=clientAuth\n")
+    make_cert(directory, "stranger", "ca2", "stranger", "extendedKeyUsage=clientAuth\n")
+    return directory
+
+
+def bcrypt_hash(password: str) -> str:
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+
+
+@pytest.fixture
+def serve(tmp_path):
+    servers = []
+
+    def start(config_text: str) -> KVGuardServer:
+        spool = tmp_path / "spool"
+        spool.mkdir(exist_ok=True)
+        write(spool, snapshot())
+        path = tmp_path / "web.yml"
+        path.write_text(config_text)
+        sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels={"pod": "", "namespace": "", "container": ""}))
+        watcher = WebConfigWatcher(str(path), check_interval=0.0)
+        server = KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0), web_config=watcher).start()
+        servers.append(server)
+        return server
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def client_context(pki, ca: str = "ca", cert: str | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(pki / f"{ca}.crt"))
+    if cert:
+        context.load_cert_chain(str(pki / f"{cert}.crt"), str(pki / f"{cert}.key"))
+    return context
+
+
+def get(server, path="/metrics", context=None, auth: tuple[str, str] | None = None):
+    if context is None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    else:
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
+    headers = {}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def tls_config(pki, cert="server", **extra) -> str:
+    lines = ["tls_server_config:", f"  cert_file: {pki / (cert + '.crt')}", f"  key_file: {pki / (cert + '.key')}"]
+    lines += [f"  {key}: {value}" for key, value in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+def test_tls_from_the_web_config_serves_https(serve, pki):
+    server = serve(tls_config(pki))
+    assert server.scheme == "https"
+    status, body = get(server, context=client_context(pki))
+    assert status == 200 and b"kvguard_guard_state" in body
+
+
+def test_require_and_verify_client_cert_admits_the_ca_signed_client(serve, pki):
+    server = serve(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200
+
+
+def test_require_and_verify_client_cert_refuses_no_certificate_and_a_foreign_one(serve, pki):
+    server = serve(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
+    for context in (client_context(pki), client_context(pki, cert="stranger")):
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            get(server, context=context)
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200   # still serving
+
+
+def test_min_version_tls13_refuses_a_tls12_client(serve, pki):
+    server = serve(tls_config(pki, min_version="TLS13"))
+    context = client_context(pki)
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        get(server, context=context)
+    assert get(server, context=client_context(pki))[0] == 200
+
+
+def test_cipher_suites_limit_what_a_tls12_client_can_negotiate(serve, pki):
+    server = serve(tls_config(pki, cipher_suites="[TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384]"))
+    context = client_context(pki)
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
+    try:
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        assert conn.sock.cipher()[0] == "ECDHE-RSA-AES256-GCM-SHA384"
+    finally:
+        conn.close()
+    context.set_ciphers("ECDHE-RSA-AES128-GCM-SHA256")
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        get(server, "/healthz", context=context)
+
+
+def test_every_cipher_suite_name_maps_to_the_same_suite_in_openssl():
+    listing = subprocess.run(["openssl", "ciphers", "-stdname", "ALL:@SECLEVEL=0"], capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    openssl_pairs = {}
+    for line in listing.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "-":
+            openssl_pairs[parts[0]] = parts[2]
+    assert {name: openssl_pairs.get(name) for name in CIPHER_SUITES} == CIPHER_SUITES
+
+
+def test_bcrypt_users_need_the_right_password(serve):
+    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    assert get(server)[0] == 401
+    assert get(server, auth=("prometheus", "wrong"))[0] == 401
+    assert get(server, auth=("nobody", "s3cret"))[0] == 401
+    assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    assert get(server, "/healthz")[0] == 200   # the kubelet's probes stay open
+
+
+def test_a_new_password_in_the_web_config_applies_without_a_restart(serve, tmp_path):
+    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('old')}\n")
+    assert get(server, auth=("prometheus", "old"))[0] == 200
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
+    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)   # a new mtime even on a coarse clock
+    assert get(server, auth=("prometheus", "new"))[0] == 200
+    assert get(server, auth=("prometheus", "old"))[0] == 401
+
+
+def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(serve, pki, tmp_path):
+    live = tmp_path / "live"
+    live.mkdir()
+    for suffix in ("crt", "key"):
+        shutil.copy(pki / f"server.{suffix}", live / f"tls.{suffix}")
+    server = serve(f"tls_server_config:\n  cert_file: {live / 'tls.crt'}\n  key_file: {live / 'tls.key'}\n")
+    assert get(server, "/healthz", context=client_context(pki, "ca"))[0] == 200
+    for suffix in ("crt", "key"):   # rotate to a certificate from the second CA, as cert-manager would
+        shutil.copy(pki / f"server2.{suffix}", live / f"tls.{suffix}.new")
+        os.replace(live / f"tls.{suffix}.new", live / f"tls.{suffix}")
+    assert get(server, "/healthz", context=client_context(pki, "ca2"))[0] == 200
+    with pytest.raises(ssl.SSLError):
+        get(server, "/healthz", context=client_context(pki, "ca"))
+
+
+def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve, tmp_path, capfd):
+    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    path = tmp_path / "web.yml"
+    path.write_text("basic_auth_users: [not, a, mapping\n")
+    capfd.readouterr()
+    assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("kvguard serve: web config not reloaded, keeping the previous one: ")
+    assert server.web_config.reload_errors_total == 1
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("tls_server_config:\n  key_file: x\n", "missing cert_file"),
+    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  client_auth_type: Maybe\n",
+     "invalid client_auth_type 'Maybe'"),
+    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  client_ca_file: {pki}/ca.crt\n",
+     "client CA's have been configured without a client auth policy"),
+    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  min_version: TLS9\n",
+     "unknown TLS version 'TLS9'"),
+    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  cipher_suites: [RC4]\n",
+     "unknown cipher 'RC4'"),
+    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"
+     "  client_auth_type: RequireAnyClientCert\n  client_ca_file: {pki}/ca.crt\n", "is not supported"),
+    ("basic_auth_users:\n  prometheus: plaintext\n", "not a bcrypt hash"),
+    ("basic_auth_users:\n  prometheus: ''\n", "empty password hash"),
+    ("basic_auth_users:\n  '': $2y$10$X0h1gDsPszWURQaxFh.zoubFi6DXncSjhoQNJgRrnGs7EsimhC7zG\n", "user name is empty"),
+    ("tls_server_confg: {{}}\n", "unknown field 'tls_server_confg'"),
+    ("[" * 100000, "not valid YAML"),
+])
+def test_a_bad_web_config_is_one_line_at_startup(tmp_path, pki, text, message):
+    path = tmp_path / "web.yml"
+    path.write_text(text.format(pki=pki) if "{pki}" in text or "{{" in text else text)
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--source", "none", "--web.config.file", str(path)])
+    assert result.exit_code != 0
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    assert "Traceback" not in result.output
+    with pytest.raises(WebConfigError):
+        load_web_config(str(path))
