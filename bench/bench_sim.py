@@ -2,13 +2,17 @@
 
 Prints alloc/free events per second on one core for each allocator model, as a ratio
 against two baselines measured in the same run (a plain dict insert/delete loop and a
-naive first-fit allocator that scans a Python list), and the wall time of the default
-``kvguard simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9).
+naive first-fit allocator that scans a Python list), the speed of exact snapshot replay
+(``kvguard simulate --trace SNAPSHOT.pickle``: seed, replay, end-state check) on a
+snapshot recorded from the torch model on the same events, and on each real snapshot in
+``$KVGUARD_TORCH_SNAPSHOTS`` when set, and the wall time of the default ``kvguard
+simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -20,6 +24,8 @@ sys.path.insert(0, str(ROOT / "exporter"))
 from kvguard.sim.device import Device  # noqa: E402
 from kvguard.sim.mindspore_pool import DynamicMemPool  # noqa: E402
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: E402
+from kvguard.sim.snapshot import replay_snapshot  # noqa: E402
+from kvguard.sim.traces import load_snapshot_pickle  # noqa: E402
 from kvguard.sim.torch_alloc import CachingAllocator  # noqa: E402
 
 GIB = 1 << 30
@@ -102,6 +108,41 @@ class ListScanAllocator:
             self.holes = merged
 
 
+def recorded_snapshot(events: list[tuple[int, int]]) -> dict:
+    """A ``_dump_snapshot``-shaped dict of the torch model running ``events`` from empty."""
+    model = CachingAllocator(Device(1 << 40))
+    entries = []
+    addrs: dict[int, int] = {}
+    for slot, size in events:
+        if size:
+            before = len(model._segments)
+            addr = model.malloc(size)
+            if len(model._segments) > before:
+                seg = model._segments[-1]
+                entries.append({"action": "segment_alloc", "addr": seg.base, "size": seg.size, "stream": 0})
+            addrs[slot] = addr
+            entries.append({"action": "alloc", "addr": addr, "size": size, "stream": 0})
+        else:
+            addr = addrs.pop(slot)
+            requested = model.block_at(addr).requested
+            model.free(addr)
+            entries.append({"action": "free_completed", "addr": addr, "size": requested, "stream": 0})
+    segments = [{"device": 0, "address": s["address"], "total_size": s["total_size"], "stream": 0,
+                 "segment_type": "small" if s["small"] else "large", "is_expandable": False,
+                 "blocks": [{"address": b["address"], "size": b["size"], "requested_size": 0,
+                             "state": "active_allocated" if b["allocated"] else "inactive"} for b in s["blocks"]]}
+                for s in model.snapshot_segments()]
+    return {"segments": segments, "device_traces": [entries], "allocator_settings": {}}
+
+
+def time_replay(snapshot: dict) -> tuple[float, int, int, int]:
+    start = time.perf_counter()
+    devices = replay_snapshot(snapshot, address_space_bytes=80 * GIB)
+    seconds = time.perf_counter() - start
+    return (seconds, sum(d.events for d in devices), sum(d.allocs for d in devices),
+            sum(d.allocs_matched for d in devices))
+
+
 def best_of(fn, repeats: int = 3) -> float:
     return min(fn() for _ in range(repeats))
 
@@ -124,6 +165,27 @@ def main() -> None:
     print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12}")
     for name, seconds in rows:
         print(f"{name:34} {n / seconds:12,.0f} {dict_s / seconds:8.3f} {scan_s / seconds:12.2f}")
+
+    recorded = recorded_snapshot(events)
+    replay_s = min(time_replay(recorded)[0] for _ in range(3))
+    replayed = sum(1 for e in recorded["device_traces"][0])
+    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} {dict_s * replayed / n / replay_s:8.3f}"
+          f" {scan_s * replayed / n / replay_s:12.2f}")
+    folder = os.environ.get("KVGUARD_TORCH_SNAPSHOTS")
+    if folder:
+        print()
+        print(f"real snapshots in {folder} (whole replay: seed, every device, end-state check; best of 3)")
+        total_events = total_seconds = 0.0
+        for path in sorted(Path(folder).glob("*.pickle")):
+            snapshot = load_snapshot_pickle(path.read_bytes())
+            runs = [time_replay(snapshot) for _ in range(3)]
+            seconds, count, allocs, matched = min(runs)
+            total_events += count
+            total_seconds += seconds
+            print(f"  {path.name[:60]:60} {matched:6}/{allocs:<6} {count / seconds:10,.0f} events/s")
+        print(f"  all: {total_events / total_seconds:,.0f} events/s "
+              f"(x dict {dict_s * total_events / n / total_seconds:.3f}, "
+              f"x list-scan {scan_s * total_events / n / total_seconds:.2f})")
 
     config = json.loads((ROOT / "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json").read_text())
     print()

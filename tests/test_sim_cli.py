@@ -67,8 +67,9 @@ def test_trace_replay_json(tmp_path):
     path.write_bytes(pickle.dumps({"device_traces": [[
         {"action": "alloc", "addr": 1, "size": 12 << 20}, {"action": "alloc", "addr": 2, "size": 12 << 20},
     ]]}))
+    # Another allocator than the snapshot's own: a what-if replay on the given device.
     result = invoke("simulate", "--trace", str(path), "--device-memory", "20MiB", "--non-allocator-memory", "0",
-                    "--json")
+                    "--allocator", "torch_npu", "--json")
     data = json.loads(result.output)
     assert (data["oom"], data["oom_at_step"]) == (True, 1)
     assert data["trace"]["format"] == "torch_snapshot"
@@ -119,9 +120,17 @@ def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch)
 
     monkeypatch.setattr(traces, "load_trace", broken)
     path = tmp_path / "snap.pickle"
-    path.write_bytes(pickle.dumps({"device_traces": [[]]}))
+    path.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 4}]]}))
+    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path), "--allocator", "torch_npu"])) \
+        == f"Error: cannot read trace {path}: RecursionError: maximum recursion depth exceeded"
+    import kvguard.sim.snapshot as snapshot
+
+    def broken_replay(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded\nmore")
+
+    monkeypatch.setattr(snapshot, "replay_snapshot", broken_replay)
     assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])) == (
-        f"Error: cannot read trace {path}: RecursionError: maximum recursion depth exceeded")
+        f"Error: cannot replay snapshot {path}: RecursionError: maximum recursion depth exceeded")
 
 
 def test_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path):

@@ -249,3 +249,86 @@ def test_device_free_memory_follows_reserved_segments():
     a = alloc(capacity=100 * MIB)
     a.malloc(12 * MIB)
     assert a.device.mem_get_info() == (88 * MIB, 100 * MIB)
+
+
+# ---------------------------------------------------------------- rules from CUDACachingAllocator.cpp @ 001074d2
+
+def test_roundup_power2_divisions_rounds_to_the_next_of_n_steps_between_powers_of_two():
+    # round_size: 1.2 MiB lies between 1 and 2 MiB; with 4 divisions the steps are 1, 1.25, 1.5,
+    # 1.75 MiB, so it becomes 1.25 MiB. The interval of sizes 1-2 MiB is the one keyed "1".
+    a = alloc(roundup_power2_divisions={"1": 4})
+    assert a.round_size(1200 * 1024) == 1280 * 1024
+    assert a.round_size(1024 * 1024 + 1) == 1280 * 1024
+    # A power of two is kept; the 2-4 MiB interval has no divisions: plain 512-byte rounding.
+    assert a.round_size(1 << 20) == 1 << 20
+    assert a.round_size(3 * MIB + 1) == 3 * MIB + 512
+    # Sizes up to 512 x divisions are not rounded by divisions (size > kMinBlockSize * divisions).
+    b = alloc(roundup_power2_divisions=8)
+    assert b.round_size(4000) == 4096 and b.round_size(4097) == 4608
+
+
+def test_roundup_power2_divisions_from_a_snapshot_settings_dict():
+    from kvguard.sim.torch_alloc import roundup_divisions_table
+
+    table = roundup_divisions_table({"1": 0, "2": 2, "32768": 16})
+    assert table[0] == 0 and table[1] == 2 and table[15] == 16
+    with pytest.raises(ValueError):
+        roundup_divisions_table({"3": 2})
+
+
+def test_garbage_collection_needs_a_memory_fraction():
+    a = alloc(capacity=1 << 30, garbage_collection_threshold=0.5)
+    for size in (100 * MIB, 200 * MIB):
+        a.free(a.malloc(size))
+    a.malloc(300 * MIB)      # misses the cache, no fraction set: nothing is collected
+    assert a.memory_stats()["num_device_free"] == 0
+
+
+def test_garbage_collection_releases_old_cached_blocks_above_the_threshold():
+    a = alloc(capacity=1 << 30, garbage_collection_threshold=0.5)
+    a.set_memory_fraction(1.0)          # allowed maximum 1 GiB, threshold 512 MiB
+    old = a.malloc(300 * MIB)
+    young = a.malloc(250 * MIB)
+    a.free(a.malloc(30 * MIB))
+    a.free(old)
+    for _ in range(3):                  # three large-pool look-ups, served by the 30 MiB block, age `old`
+        a.free(a.malloc(12 * MIB))
+    a.free(young)
+    # 580 MiB reserved > 512 MiB. The miss for 400 MiB is the fourth look-up: ages are old 4,
+    # young 1, the 30 MiB block 1; the average is 2, so only `old` goes, which reclaims enough.
+    a.malloc(400 * MIB)
+    assert sorted(size for _, size, _ in a.segments()) == [30 * MIB, 250 * MIB, 400 * MIB]
+    assert a.memory_stats()["num_device_free"] == 1
+
+
+def test_memory_fraction_caps_reserved_memory():
+    a = alloc(capacity=1 << 30)
+    a.set_memory_fraction(0.5)
+    a.malloc(400 * MIB)
+    with pytest.raises(SimOutOfMemory):
+        a.malloc(200 * MIB)
+
+
+def test_expandable_segments_do_not_count_as_segments():
+    a = alloc(expandable_segments=True)
+    a.malloc(30 * MIB)
+    a.malloc(100)
+    stats = a.memory_stats()
+    assert stats["segment.all.current"] == 0
+    assert stats["reserved_bytes.all.current"] == 40 * MIB + 2 * MIB
+
+
+def test_empty_cache_releases_a_wholly_unmapped_expandable_segment():
+    a = alloc(expandable_segments=True)
+    a.free(a.malloc(30 * MIB))
+    assert len(a.segments()) == 1
+    a.empty_cache()
+    assert a.segments() == []
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_blocks_are_not_shared_across_streams():
+    a = alloc()
+    a.free(a.malloc(12 * MIB, stream=1))
+    got = a.malloc(12 * MIB, stream=2)
+    assert len(a.segments()) == 2 and a.block_at(got).stream == 2

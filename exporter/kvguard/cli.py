@@ -481,14 +481,20 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--non-allocator-memory", type=SIZE,
               help="Device memory held outside the allocator (default: 512MiB CUDA, 1GiB Ascend).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", "seeds", type=int, multiple=True,
+              help="Request-mix seed (default 0); repeat it with --search-utilization to search over several.")
 @click.option("--trace", "trace_file", metavar="FILE",
-              help="Replay a MindSpore memory_block.csv or a PyTorch _dump_snapshot pickle instead.")
+              help="Replay a MindSpore memory_block.csv or a PyTorch _dump_snapshot pickle instead "
+                   "(a snapshot with --allocator torch is replayed exactly, every device).")
+@click.option("--replay-log", "replay_log", metavar="FILE",
+              help="With a snapshot --trace: write one JSON line per replayed allocation.")
+@click.option("--search-utilization", is_flag=True,
+              help="Find the highest --gpu-memory-utilization (0.01 steps) that serves every seed without an OOM.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", "plot_file", metavar="FILE.png", help="Write allocated/reserved/capacity over time.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
-             max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seed, trace_file,
-             as_json, plot_file) -> None:
+             max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
+             replay_log, search_utilization, as_json, plot_file) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
@@ -497,7 +503,16 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     """
     from kvguard.sim.device import Device
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
-    from kvguard.sim.traces import TraceError, load_trace, replay
+    from kvguard.sim.traces import TraceError, is_snapshot_pickle, load_trace, read_trace_bytes, replay
+
+    seeds = seeds or (0,)
+    seed = seeds[0]
+    if len(seeds) > 1 and not search_utilization:
+        raise click.ClickException("give one --seed, or several with --search-utilization")
+    if replay_log and not trace_file:
+        raise click.ClickException("--replay-log needs a snapshot --trace")
+    if search_utilization and trace_file:
+        raise click.ClickException("--search-utilization simulates a workload; it does not take --trace")
 
     if plot_file:
         _check_plot_path(plot_file)
@@ -517,6 +532,20 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             raise ValueError("--non-allocator-memory must be smaller than --device-memory")
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+
+    if trace_file and allocator == "torch":
+        try:
+            data = read_trace_bytes(trace_file)
+        except TraceError as exc:
+            raise click.ClickException(str(exc)) from None
+        if is_snapshot_pickle(data):
+            _replay_snapshot_exactly(trace_file, data, device_memory, replay_log, as_json)
+            return
+    if replay_log:
+        raise click.ClickException("--replay-log needs a PyTorch snapshot --trace replayed with --allocator torch")
+    if search_utilization:
+        _search_utilization(config, seeds, as_json)
+        return
 
     if trace_file:
         try:
@@ -606,6 +635,92 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         click.echo(f"Outcome      OOM during {where} ({format_bytes(result.oom_request_bytes)} requested)")
     elif not result.error:
         click.echo("Outcome      no OOM")
+
+
+def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, replay_log: str | None,
+                             as_json: bool) -> None:
+    """``simulate --trace SNAPSHOT.pickle``: every device, seeded, at the recorded addresses."""
+    from kvguard.sim.snapshot import SnapshotError, replay_snapshot
+    from kvguard.sim.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
+
+    log_handle = None
+    try:
+        snapshot = load_snapshot_pickle(data)
+        traces = snapshot.get("device_traces")
+        parse_torch_snapshot(snapshot)        # the reader's checks and one-line messages, first device
+        for device, trace in enumerate(traces):
+            if trace:
+                parse_torch_snapshot(snapshot, device)
+        log = None
+        if replay_log:
+            try:
+                log_handle = open(replay_log, "w", encoding="utf-8")
+            except OSError as exc:
+                raise click.ClickException(f"cannot write --replay-log {replay_log}: {exc.strerror}") from None
+            write = log_handle.write
+
+            def log(device: int, index: int, addr: int, size: int) -> None:
+                write(f'{{"device": {device}, "index": {index}, "addr": {addr}, "size": {size}}}\n')
+        devices = replay_snapshot(snapshot, address_space_bytes=device_memory, log=log)
+    except (TraceError, SnapshotError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - an odd snapshot is one line, not a traceback
+        raise click.ClickException(f"cannot replay snapshot {trace_file}: {exc.__class__.__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
+    finally:
+        if log_handle is not None:
+            log_handle.close()
+    allocs = sum(d.allocs for d in devices)
+    matched = sum(d.allocs_matched for d in devices)
+    ooms = sum(d.ooms for d in devices)
+    payload = {
+        "oom": ooms > 0,
+        "allocator": "torch",
+        "trace": {"file": trace_file, "format": "torch_snapshot", "exact": True,
+                  "events": sum(d.events for d in devices), "allocations": allocs, "allocations_matched": matched,
+                  "devices": [d.to_dict() for d in devices]},
+    }
+    if as_json:
+        _emit_json(payload)
+        return
+    click.echo(f"Trace        {trace_file} (torch_snapshot): {len(devices)} device(s), "
+               f"{payload['trace']['events']} events")
+    for d in devices:
+        click.echo(f"Device {d.device:<5} {d.allocs_matched}/{d.allocs} allocations at the recorded address; "
+                   f"end state {'equal' if d.end_state_matches else 'differs'} ({d.end_state_detail}); "
+                   f"reserved {format_bytes(d.reserved_bytes)}, allocated {format_bytes(d.allocated_bytes)}"
+                   + (f"; {d.ooms_matched}/{d.ooms} OOMs reproduced" if d.ooms else "")
+                   + (f"; {d.preexisting_frees} frees of blocks from before recording "
+                      f"({d.preexisting_extended} sizes extended)" if d.preexisting_frees else ""))
+    click.echo(f"Outcome      {matched}/{allocs} allocations matched")
+
+
+def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> None:
+    """``simulate --search-utilization``: bisection over 0.01 steps, every seed at each probe."""
+    from kvguard.sim.scenario import search_gpu_memory_utilization
+
+    try:
+        search = search_gpu_memory_utilization(config, seeds)
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    except ArithmeticError as exc:
+        raise click.ClickException(f"model config: {exc}") from None
+    if as_json:
+        _emit_json({"search": search.to_dict(), "config": config.summary()})
+        return
+    found = search.gpu_memory_utilization
+    click.echo(f"Search       {config.allocator}, budget {config.budget}, seeds {', '.join(map(str, seeds))}: "
+               f"{len(search.runs)} runs")
+    if found is None:
+        click.echo("Outcome      no utilization serves without an OOM (0.01 already runs out of memory)")
+        return
+    above = f"; {found + 0.01:.2f} runs out of memory" if found < 1.0 else ""
+    click.echo(f"Outcome      highest utilization without an OOM: {found:.2f}{above}")
+    if search.kv_cache_memory_bytes is not None:
+        click.echo(f"KV cache     {format_bytes(search.kv_cache_memory_bytes)} at {found:.2f} "
+                   f"(--kv-cache-memory-bytes {search.kv_cache_memory_bytes})")
+    if search.recommended_gpu_memory_utilization is not None:
+        click.echo(f"Estimator    recommends {search.recommended_gpu_memory_utilization:.2f} from the same profile")
 
 
 def _check_plot_path(path: str) -> None:

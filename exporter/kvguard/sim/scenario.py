@@ -567,3 +567,77 @@ class ServingScenario:
 def run_scenario(config: ScenarioConfig, **overrides: Any) -> ScenarioResult:
     """Run ``config`` (with field overrides) start to finish."""
     return ServingScenario(replace(config, **overrides) if overrides else config).run()
+
+
+@dataclass(frozen=True)
+class SearchRun:
+    gpu_memory_utilization: float
+    seed: int
+    oom: bool
+    error: str | None
+    kv_cache_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_memory_utilization": self.gpu_memory_utilization, "seed": self.seed, "oom": self.oom,
+                "error": self.error, "kv_cache_bytes": self.kv_cache_bytes}
+
+
+@dataclass(frozen=True)
+class UtilizationSearch:
+    """The highest utilization (0.01 steps) at which every seed serves without an OOM."""
+
+    gpu_memory_utilization: float | None
+    kv_cache_memory_bytes: int | None          # the budget at that utilization, as --kv-cache-memory-bytes
+    recommended_gpu_memory_utilization: float | None   # the estimator's, from the profile at the config's value
+    runs: tuple[SearchRun, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpu_memory_utilization": self.gpu_memory_utilization,
+                "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+                "recommended_gpu_memory_utilization": self.recommended_gpu_memory_utilization,
+                "num_runs": len(self.runs), "runs": [run.to_dict() for run in self.runs]}
+
+
+def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...] = (0,)) -> UtilizationSearch:
+    """Bisection over hundredths: ``ok(k)`` when no seed runs out of memory at k/100.
+
+    Assumes that running out of memory is monotone in the utilization (more KV cache,
+    less headroom), so at the answer the workload serves and one step above it does
+    not (or the answer is 1.0). A run that ends in vLLM's startup error (too little KV
+    cache) is not an OOM; its error is reported in ``runs``.
+    """
+    from ..estimator import recommended_gpu_memory_utilization
+
+    runs: list[SearchRun] = []
+    kv_at: dict[int, int | None] = {}
+
+    def ok(hundredths: int) -> bool:
+        utilization = hundredths / 100
+        fine = True
+        for seed in seeds:
+            result = run_scenario(config, gpu_memory_utilization=utilization, seed=seed)
+            runs.append(SearchRun(utilization, seed, result.oom, result.error, result.kv_cache_bytes))
+            kv_at[hundredths] = result.kv_cache_bytes
+            if result.oom:
+                fine = False
+                break
+        return fine
+
+    first = run_scenario(config, seed=seeds[0])
+    recommended = recommended_gpu_memory_utilization(first.profile) if first.profile else None
+    if ok(100):
+        found: int | None = 100
+    elif not ok(1):
+        found = None
+    else:
+        low, high = 1, 100
+        while high - low > 1:
+            middle = (low + high) // 2
+            if ok(middle):
+                low = middle
+            else:
+                high = middle
+        found = low
+    return UtilizationSearch(gpu_memory_utilization=None if found is None else found / 100,
+                             kv_cache_memory_bytes=None if found is None else kv_at.get(found),
+                             recommended_gpu_memory_utilization=recommended, runs=tuple(runs))

@@ -1,33 +1,55 @@
 """PyTorch's CUDA caching allocator (and torch_npu's variant), rule for rule.
 
-Pinned to the native backend of torch 2.1-2.5 (``c10/cuda/CUDACachingAllocator.cpp``),
-one device, one stream, no CUDA-graph private pools, no garbage-collection threshold:
+Follows the native backend, ``c10/cuda/CUDACachingAllocator.cpp`` as pytorch/pytorch holds
+it at commit 001074d2 (the torch 2.5-2.6 line; each rule below names the function it
+follows there), per stream, no CUDA-graph private pools:
 
-- requests are rounded up to 512 bytes (torch_npu first adds 32 bytes);
-- rounded sizes <= 1 MiB go to the small pool, others to the large pool;
+- requests are rounded up to 512 bytes (torch_npu first adds 32 bytes); with
+  ``roundup_power2_divisions`` set for a size's power-of-two interval, a request over
+  512 x divisions is rounded up to the next of that many equal steps between two powers
+  of two (``round_size`` / ``roundup_power2_next_division``; the interval index is
+  ``floor(log2(size)) - 20``, clamped to 0..15, ``AllocatorConfig::roundup_power2_divisions``);
+- rounded sizes <= 1 MiB go to the small pool, others to the large pool (``get_pool``);
 - a new segment is 2 MiB for the small pool, 20 MiB for requests under 10 MiB, and the
-  request rounded up to 2 MiB from 10 MiB on;
-- a cached block is found by best fit on (size, address) within the pool; a block of
-  ``max_split_size`` or more is never handed to a smaller request, nor a block 20 MiB
-  or more larger than a request of ``max_split_size`` or more;
+  request rounded up to 2 MiB from 10 MiB on (``get_allocation_size``);
+- a cached block is found by best fit on (stream, size, address) within the pool, same
+  stream only (``BlockComparatorSize``, ``get_free_block``); a block of ``max_split_size``
+  or more is never handed to a smaller request, nor a block 20 MiB or more larger than
+  a request of ``max_split_size`` or more;
 - a found block is split when the remainder is >= 512 bytes (small pool, or expandable
-  segments), or, in the large pool, when the request is under ``max_split_size`` and
-  the remainder is over 1 MiB;
-- a freed block merges with free neighbours of its segment;
-- when the device refuses a segment: free cached oversize blocks (only when
-  ``max_split_size`` is set) and retry; then free every cached unsplit segment and
-  retry (``num_alloc_retries`` += 1); then fail (``num_ooms`` += 1);
-- ``expandable_segments``: one segment per pool reserves 1 1/8 x the device's memory of
-  address space; physical pages (2 MiB small, 20 MiB large) are mapped as the segment
-  grows and unmapped from free blocks on ``empty_cache`` or on the retry path.
+  segments on), or, in the large pool, when the request is under ``max_split_size`` and
+  the remainder is over 1 MiB (``should_split``);
+- a freed block merges with free neighbours of its segment (``free_block``,
+  ``try_merge_blocks``);
+- a miss: garbage collection first when ``garbage_collection_threshold`` > 0 and a memory
+  fraction is set (``malloc`` -> ``garbage_collect_cached_blocks``: while reserved memory
+  exceeds threshold x allowed maximum, release unsplit cached large blocks whose age, in
+  ``get_free_block`` calls since they were cached, is at least the average); then a new
+  segment, refused past the allowed maximum when a fraction is set (``alloc_block``);
+  then free cached oversize blocks (only when ``max_split_size`` is set,
+  ``release_available_cached_blocks``) and retry; then free every cached unsplit segment
+  and retry (``release_cached_blocks``, ``num_alloc_retries`` += 1); then fail
+  (``num_ooms`` += 1);
+- ``expandable_segments``: one segment per pool and stream reserves 1 1/8 x the device's
+  memory of address space (``find_expandable_block``); physical pages (2 MiB small,
+  20 MiB large) are mapped as the segment grows (``map_block``) and unmapped from free
+  blocks on ``empty_cache`` or on the retry path (``release_blocks`` -> ``unmap_block``);
+  a segment left wholly unmapped is released there (``release_expandable_segment``).
+  Expandable segments never count in the ``segment`` statistic (only ``alloc_block``
+  raises it) nor in ``inactive_split`` (``free_block``).
 
 Statistics use the real flattened key names of ``torch.cuda.memory_stats()``.
+
+For exact trace replay (``kvguard.sim.snapshot``) the allocator can be seeded with a
+recorded state (``seed_segment``), take new segment addresses from a callback
+(``segment_address``), and release or unmap what a trace says the real allocator released
+(``release_segment_at``, ``unmap_range``).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
@@ -38,6 +60,7 @@ K_SMALL_BUFFER = 2 << 20
 K_LARGE_BUFFER = 20 << 20
 K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
+K_ROUNDUP_INTERVALS = 16          # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 NPU_SIZE_PAD = 32
 _UNLIMITED = (1 << 64) - 1
 
@@ -50,9 +73,10 @@ _ALL, _SMALL, _LARGE = 0, 1, 2
 
 
 class Block:
-    __slots__ = ("addr", "size", "requested", "small", "prev", "next", "allocated", "mapped", "segment")
+    __slots__ = ("addr", "size", "requested", "small", "prev", "next", "allocated", "mapped", "segment", "stream",
+                 "gc_base")
 
-    def __init__(self, addr: int, size: int, small: bool, segment: "Segment") -> None:
+    def __init__(self, addr: int, size: int, small: bool, segment: "Segment", stream: int = 0) -> None:
         self.addr = addr
         self.size = size
         self.requested = 0
@@ -62,6 +86,8 @@ class Block:
         self.allocated = False
         self.mapped = True
         self.segment = segment
+        self.stream = stream
+        self.gc_base = 0
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -70,18 +96,47 @@ class Block:
 class Segment:
     """A device allocation (or, expandable, a reserved address range with mapped pages)."""
 
-    __slots__ = ("base", "size", "small", "expandable", "page_size")
+    __slots__ = ("base", "size", "small", "expandable", "page_size", "stream")
 
-    def __init__(self, base: int, size: int, small: bool, expandable: bool = False, page_size: int = 0) -> None:
+    def __init__(self, base: int, size: int, small: bool, expandable: bool = False, page_size: int = 0,
+                 stream: int = 0) -> None:
         self.base = base
         self.size = size
         self.small = small
         self.expandable = expandable
         self.page_size = page_size
+        self.stream = stream
 
 
 def _new_stat() -> list[list[int]]:
     return [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def roundup_divisions_table(value: Any) -> tuple[int, ...]:
+    """``roundup_power2_divisions`` as 16 per-interval values.
+
+    Accepts one int (every interval), a sequence of 16, or the dict a snapshot's
+    ``allocator_settings`` holds (keys "1" .. "32768": the interval's lower bound in MiB).
+    """
+    if value is None:
+        return (0,) * K_ROUNDUP_INTERVALS
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * K_ROUNDUP_INTERVALS
+    if isinstance(value, dict):
+        table = [0] * K_ROUNDUP_INTERVALS
+        for key, divisions in value.items():
+            mib = int(key)
+            if mib <= 0 or mib & (mib - 1) or mib.bit_length() > K_ROUNDUP_INTERVALS:
+                raise ValueError(f"roundup_power2_divisions: {key!r} is not a power-of-two MiB interval")
+            table[mib.bit_length() - 1] = int(divisions)
+        value = table
+    table = tuple(int(v) for v in value)
+    if len(table) != K_ROUNDUP_INTERVALS:
+        raise ValueError(f"roundup_power2_divisions needs {K_ROUNDUP_INTERVALS} values, got {len(table)}")
+    for divisions in table:
+        if divisions and (divisions < 0 or divisions & (divisions - 1)):
+            raise ValueError(f"roundup_power2_divisions must be powers of two, got {divisions}")
+    return table
 
 
 class CachingAllocator:
@@ -92,26 +147,40 @@ class CachingAllocator:
     """
 
     def __init__(self, device: Device, *, variant: str = "torch", max_split_size: int | None = None,
-                 expandable_segments: bool = False) -> None:
+                 expandable_segments: bool = False, roundup_power2_divisions: Any = None,
+                 garbage_collection_threshold: float = 0.0) -> None:
         if variant not in ("torch", "torch_npu"):
             raise ValueError(f"unknown caching-allocator variant {variant!r}")
         if max_split_size is not None and max_split_size <= K_LARGE_BUFFER:
             raise ValueError("max_split_size must be larger than 20 MiB (kLargeBuffer)")
-        if expandable_segments and max_split_size is not None:
-            raise ValueError("expandable_segments cannot be combined with max_split_size")
+        if not 0.0 <= garbage_collection_threshold < 1.0:
+            raise ValueError("garbage_collection_threshold must be in [0, 1)")
         self.name = variant
         self.device = device
         self.pad = NPU_SIZE_PAD if variant == "torch_npu" else 0
         self.max_split_size = _UNLIMITED if max_split_size is None else int(max_split_size)
         self.expandable_segments = expandable_segments
-        # Free blocks per pool as a sorted list of (size, addr): best fit is bisect_left.
+        self.roundup_power2_divisions = roundup_divisions_table(roundup_power2_divisions)
+        self._rounds_power2 = any(self.roundup_power2_divisions)
+        self._plain_rounding = not self._rounds_power2 and not self.pad
+        self.garbage_collection_threshold = float(garbage_collection_threshold)
+        self.allowed_memory_maximum = 0
+        self.set_fraction = False
+        self._gc_enabled = False     # garbage collection acts only once a memory fraction is set
+        # Free blocks per pool as a sorted list of (stream, size, addr): best fit is bisect_left.
         self._free = ([], [])  # index 0: large pool, 1: small pool (Block.small as int)
         self._free_blocks: dict[int, Block] = {}
         self._active: dict[int, Block] = {}
-        # Expandable mode: unmapped free blocks per pool, sorted by address.
-        self._unmapped: tuple[list[tuple[int, Block]], list[tuple[int, Block]]] = ([], [])
+        # Expandable mode: unmapped blocks per pool, sorted by (stream, address).
+        self._unmapped: tuple[list[tuple[int, int, Block]], list[tuple[int, int, Block]]] = ([], [])
         self._segments: list[Segment] = []
+        self._gc_calls = [0, 0]       # BlockPool::get_free_blocks_call_count, per pool
+        # cudaGetDeviceProperties().totalGlobalMem, which sizes expandable segments; None: the device's capacity.
+        self.address_space_total: int | None = None
         self._next_addr = 1 << 40
+        # Trace replay: where a new segment goes (base address) and what is mapped where.
+        self.segment_address: Callable[[int, bool], int | None] | None = None
+        self.on_map: Callable[[int, int], None] | None = None
         self._stats = {name: _new_stat() for name in STAT_ARRAYS}
         for name in STAT_ARRAYS:
             setattr(self, f"_s_{name}", self._stats[name])
@@ -130,6 +199,11 @@ class CachingAllocator:
         size += self.pad
         if size < K_MIN_BLOCK_SIZE:
             return K_MIN_BLOCK_SIZE
+        if self._rounds_power2:
+            index = min(max(size.bit_length() - 1 - 20, 0), K_ROUNDUP_INTERVALS - 1)
+            divisions = self.roundup_power2_divisions[index]
+            if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
+                return _roundup_power2_next_division(size, divisions)
         return -(-size // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
 
     @staticmethod
@@ -139,6 +213,14 @@ class CachingAllocator:
         if size < K_MIN_LARGE_ALLOC:
             return K_LARGE_BUFFER
         return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """``torch.cuda.set_per_process_memory_fraction``: caps reserved memory (``setMemoryFraction``)."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"memory fraction must be in [0, 1], got {fraction}")
+        self.allowed_memory_maximum = int(fraction * self.device.capacity_bytes)
+        self.set_fraction = True
+        self._gc_enabled = self.garbage_collection_threshold > 0.0
 
     # ----------------------------------------------------------------- counters
     @property
@@ -165,38 +247,44 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- free-list helpers
     def _insert_free(self, block: Block) -> None:
-        insort(self._free[block.small], (block.size, block.addr))
+        block.gc_base = self._gc_calls[block.small]
+        insort(self._free[block.small], (block.stream, block.size, block.addr))
         self._free_blocks[block.addr] = block
 
     def _remove_free(self, block: Block) -> None:
         entries = self._free[block.small]
-        del entries[bisect_left(entries, (block.size, block.addr))]
+        del entries[bisect_left(entries, (block.stream, block.size, block.addr))]
         del self._free_blocks[block.addr]
 
     def _insert_unmapped(self, block: Block) -> None:
-        insort(self._unmapped[block.small], (block.addr, block))
+        insort(self._unmapped[block.small], (block.stream, block.addr, id(block), block))
 
     def _remove_unmapped(self, block: Block) -> None:
         entries = self._unmapped[block.small]
-        index = bisect_left(entries, (block.addr,))
-        while entries[index][1] is not block:
+        index = bisect_left(entries, (block.stream, block.addr))
+        while entries[index][3] is not block:
             index += 1
         del entries[index]
 
     # ----------------------------------------------------------------- malloc
-    def malloc(self, size: int, persistent: bool = False) -> int:
+    def malloc(self, size: int, persistent: bool = False, stream: int = 0) -> int:
         requested = size
-        size = self.round_size(size)
+        if self._plain_rounding:
+            size = K_MIN_BLOCK_SIZE if size < K_MIN_BLOCK_SIZE else (size + 511) & ~511
+        else:
+            size = self.round_size(size)
         small = size <= K_SMALL_SIZE
         pool = _SMALL if small else _LARGE
-        block = self._get_free_block(size, small)
+        block = self._get_free_block(size, small, stream)
         if block is None:
-            block = self._alloc_block(size, small, retry=False)
-            if block is None and self._release_available_cached_blocks(size, small):
-                block = self._alloc_block(size, small, retry=False)
+            if self._gc_enabled:
+                self._garbage_collect_cached_blocks()
+            block = self._alloc_block(size, small, stream, retry=False)
+            if block is None and self._release_available_cached_blocks(size, small, stream):
+                block = self._alloc_block(size, small, stream, retry=False)
             if block is None:
                 self._release_cached_blocks()
-                block = self._alloc_block(size, small, retry=True)
+                block = self._alloc_block(size, small, stream, retry=True)
             if block is None:
                 self.num_ooms += 1
                 raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
@@ -204,18 +292,29 @@ class CachingAllocator:
         self._split_and_activate(block, size, small, pool, requested)
         return block.addr
 
-    def _get_free_block(self, size: int, small: bool) -> Block | None:
+    def fits_in_cache(self, size: int, stream: int = 0) -> bool:
+        """Whether a request of ``size`` (already rounded) would be served from cached blocks."""
+        small = size <= K_SMALL_SIZE
         entries = self._free[small]
-        index = bisect_left(entries, (size, 0))
+        index = bisect_left(entries, (stream, size, 0))
+        if index == len(entries) or entries[index][0] != stream:
+            return False
+        block_size = entries[index][1]
+        if size < self.max_split_size <= block_size:
+            return False
+        return not (size >= self.max_split_size and block_size >= size + K_LARGE_BUFFER)
+
+    def _get_free_block(self, size: int, small: bool, stream: int) -> Block | None:
+        if self._gc_enabled:
+            self._gc_calls[small] += 1
+        entries = self._free[small]
+        index = bisect_left(entries, (stream, size, 0))
         if index == len(entries):
             return None
-        block_size, addr = entries[index]
-        max_split = self.max_split_size
-        if size < max_split and block_size >= max_split:
+        block_stream, block_size, addr = entries[index]
+        if block_stream != stream:
             return None
-        if size >= max_split and block_size >= size + K_LARGE_BUFFER:
-            return None
-        if self.expandable_segments:
+        if self.expandable_segments and self._free_blocks[addr].segment.expandable:
             # Best fit counts a block's room to grow into unmapped space as part of its
             # size, so prefer a later candidate that cannot grow over one that can.
             block = self._free_blocks[addr]
@@ -223,27 +322,32 @@ class CachingAllocator:
             def expandable_size(b: Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
-            while index + 1 < len(entries):
-                nxt = self._free_blocks[entries[index + 1][1]]
+            while block.segment.expandable and index + 1 < len(entries) and entries[index + 1][0] == stream:
+                nxt = self._free_blocks[entries[index + 1][2]]
                 if expandable_size(nxt) < expandable_size(block):
                     index += 1
                     block = nxt
                 else:
                     break
-            addr = block.addr
+            block_size, addr = block.size, block.addr
+        max_split = self.max_split_size
+        if size < max_split and block_size >= max_split:
+            return None
+        if size >= max_split and block_size >= size + K_LARGE_BUFFER:
+            return None
         del entries[index]
         return self._free_blocks.pop(addr)
 
     def _split_and_activate(self, block: Block, size: int, small: bool, pool: int, requested: int) -> None:
         remaining_size = block.size - size
         expandable = block.segment.expandable
-        if small or expandable:
+        if small or self.expandable_segments:
             split = remaining_size >= K_MIN_BLOCK_SIZE
         else:
             split = size < self.max_split_size and remaining_size > K_SMALL_SIZE
         already_split = block.is_split()
         if split:
-            remaining = Block(block.addr + size, remaining_size, small, block.segment)
+            remaining = Block(block.addr + size, remaining_size, small, block.segment, block.stream)
             link_after(block, remaining)
             block.size = size
             self._insert_free(remaining)
@@ -284,25 +388,34 @@ class CachingAllocator:
         if allocated > self._window_alloc:
             self._window_alloc = allocated
 
-    def _alloc_block(self, size: int, small: bool, retry: bool) -> Block | None:
+    def _new_segment_base(self, size: int, small: bool) -> int:
+        base = self.segment_address(size, small) if self.segment_address is not None else None
+        if base is None:
+            base = self._next_addr
+        self._next_addr = max(self._next_addr, base + size)
+        return base
+
+    def _alloc_block(self, size: int, small: bool, stream: int, retry: bool) -> Block | None:
         if retry:
             self.num_alloc_retries += 1
+        # The fraction check uses the segment size even in expandable mode (``alloc_block``).
+        if self.set_fraction and self.reserved_bytes + self.allocation_size(size) > self.allowed_memory_maximum:
+            return None
         if self.expandable_segments:
-            return self._try_allocate_expandable_block(size, small)
+            return self._try_allocate_expandable_block(size, small, stream)
         alloc_size = self.allocation_size(size)
         if not self.device.malloc(alloc_size):
             return None
         self.num_device_alloc += 1
-        segment = Segment(self._next_addr, alloc_size, small)
+        segment = Segment(self._new_segment_base(alloc_size, small), alloc_size, small, stream=stream)
         self._segments.append(segment)
-        self._next_addr += alloc_size
         pool = _SMALL if small else _LARGE
         _inc(self._s_segment, pool, 1)
         _inc(self._s_reserved_bytes, pool, alloc_size)
         if alloc_size >= self.max_split_size:
             _bump(self._oversize_segments, 1)
         self._note_reserved()
-        return Block(segment.base, alloc_size, small, segment)
+        return Block(segment.base, alloc_size, small, segment, stream)
 
     def _note_reserved(self) -> None:
         reserved = self._stats["reserved_bytes"][_ALL][0]
@@ -374,23 +487,24 @@ class CachingAllocator:
         if segment.size >= self.max_split_size:
             _drop(self._oversize_segments, 1)
 
-    def _release_available_cached_blocks(self, size: int, small: bool) -> bool:
+    def _release_available_cached_blocks(self, size: int, small: bool, stream: int) -> bool:
         """Free cached oversize blocks (>= max_split_size) to make room; only with max_split_size set."""
         if self.max_split_size == _UNLIMITED:
             return False
         entries = self._free[small]
         key = max(size, self.max_split_size)
-        index = bisect_left(entries, (key, 0))
-        if index < len(entries):
-            block = self._free_blocks[entries[index][1]]
+        index = bisect_left(entries, (stream, key, 0))
+        if index < len(entries) and entries[index][0] == stream:
+            block = self._free_blocks[entries[index][2]]
             if block.is_split() or block.segment.expandable:
                 return False
             self._release_block(block)
             return True
         released = 0
-        index = len(entries) - 1
-        while released < key and index >= 0 and entries[index][0] >= self.max_split_size:
-            block = self._free_blocks[entries[index][1]]
+        index -= 1
+        while released < key and index >= 0 and entries[index][1] >= self.max_split_size \
+                and entries[index][0] == stream:
+            block = self._free_blocks[entries[index][2]]
             index -= 1
             if not block.is_split() and not block.segment.expandable:
                 released += block.size
@@ -399,24 +513,60 @@ class CachingAllocator:
         return released >= key
 
     def _release_cached_blocks(self) -> None:
-        """Sync, then free every cached unsplit segment (expandable: unmap free pages)."""
+        """Sync, then free every cached unsplit segment; expandable: unmap free pages, drop empty segments."""
         self.num_sync_all_streams += 1
-        for entries in self._free:
-            for _, addr in list(entries):
+        for entries in self._free:           # large pool first, as release_cached_blocks does
+            to_unmap = []
+            for _, _, addr in list(entries):
                 block = self._free_blocks.get(addr)
                 if block is None:
                     continue
                 if block.segment.expandable:
-                    self._unmap_block(block)
+                    to_unmap.append(block)
                 elif not block.is_split():
+                    self._release_block(block)
+            for block in to_unmap:
+                if block.addr in self._free_blocks:
+                    self._unmap_block(block)
+                self._release_if_unmapped(block)
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """``garbage_collect_cached_blocks``: release old unsplit cached large blocks down to the threshold."""
+        threshold = int(self.garbage_collection_threshold * self.allowed_memory_maximum)
+        reserved = self.reserved_bytes
+        if reserved <= threshold:
+            return
+        target = reserved - threshold
+        calls = self._gc_calls[False]
+        freeable = [self._free_blocks[addr] for _, _, addr in self._free[False]]
+        freeable = [b for b in freeable if not b.is_split() and not b.segment.expandable]
+        if not freeable:
+            return
+        total_age = sum(calls - b.gc_base for b in freeable)
+        count = len(freeable)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            for _, _, addr in list(self._free[False]):
+                block = self._free_blocks.get(addr)
+                if block is None or block.is_split() or block.segment.expandable:
+                    continue
+                age = calls - block.gc_base
+                if age >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= age
+                    count -= 1
                     self._release_block(block)
 
     def empty_cache(self) -> None:
         self._release_cached_blocks()
 
     # ----------------------------------------------------------------- expandable segments
-    def _try_allocate_expandable_block(self, size: int, small: bool) -> Block | None:
-        candidate = self._find_expandable_block(size, small)
+    def _try_allocate_expandable_block(self, size: int, small: bool, stream: int) -> Block | None:
+        candidate = self._find_expandable_block(size, small, stream)
         # Candidate shapes: unmapped -> ..., or free mapped -> unmapped -> ...
         if not candidate.mapped:
             if not self._map_block(candidate, min(candidate.size, size)):
@@ -432,11 +582,15 @@ class CachingAllocator:
         self._remove_free(candidate)
         return candidate
 
-    def _find_expandable_block(self, size: int, small: bool) -> Block:
+    def _find_expandable_block(self, size: int, small: bool, stream: int) -> Block:
         def allocatable(b: Block | None) -> bool:
             return b is not None and not b.allocated
 
-        for _, candidate in self._unmapped[small]:
+        entries = self._unmapped[small]
+        for index in range(bisect_left(entries, (stream, 0)), len(entries)):
+            if entries[index][0] != stream:
+                break
+            candidate = entries[index][3]
             if allocatable(candidate.prev):
                 candidate = candidate.prev
             room = 0
@@ -447,13 +601,12 @@ class CachingAllocator:
             if room >= size:
                 return candidate
         page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
-        total = self.device.capacity_bytes
+        total = self.address_space_total or self.device.capacity_bytes
         virtual = -(-(total + total // 8) // page) * page
-        segment = Segment(self._next_addr, virtual, small, expandable=True, page_size=page)
+        segment = Segment(self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page,
+                          stream=stream)
         self._segments.append(segment)
-        self._next_addr += virtual
-        _inc(self._s_segment, _SMALL if small else _LARGE, 1)
-        block = Block(segment.base, virtual, small, segment)
+        block = Block(segment.base, virtual, small, segment, stream)
         block.mapped = False
         self._insert_unmapped(block)
         return block
@@ -468,33 +621,37 @@ class CachingAllocator:
         self.num_device_alloc += 1
         self._remove_unmapped(block)
         if mapped < block.size:
-            rest = Block(block.addr + mapped, block.size - mapped, block.small, segment)
+            rest = Block(block.addr + mapped, block.size - mapped, block.small, segment, block.stream)
             rest.mapped = False
             link_after(block, rest)
             block.size = mapped
             self._insert_unmapped(rest)
         block.mapped = True
+        map_addr = block.addr
         self._try_merge(block, block.prev)
         self._try_merge(block, block.next)
         self._insert_free(block)
         _inc(self._s_reserved_bytes, _SMALL if block.small else _LARGE, mapped)
         self._note_reserved()
+        if self.on_map is not None:
+            self.on_map(map_addr, mapped)
         return True
 
-    def _unmap_block(self, block: Block) -> None:
-        """Unmap the whole pages inside a free mapped block of an expandable segment."""
+    def _unmap_block(self, block: Block, start: int | None = None, end: int | None = None) -> int:
+        """Unmap the whole pages inside a free mapped block (or its [start, end) part); bytes unmapped."""
         segment = block.segment
         page = segment.page_size
-        offset = block.addr - segment.base
-        start = segment.base + -(-offset // page) * page
-        end = segment.base + ((block.addr + block.size - segment.base) // page) * page
+        if start is None:
+            offset = block.addr - segment.base
+            start = segment.base + -(-offset // page) * page
+            end = segment.base + ((block.addr + block.size - segment.base) // page) * page
         if end <= start:
-            return
+            return 0
         self._remove_free(block)
         before = start - block.addr
         after = block.addr + block.size - end
         if before:
-            head = Block(block.addr, before, block.small, segment)
+            head = Block(block.addr, before, block.small, segment, block.stream)
             head.prev = block.prev
             if head.prev is not None:
                 head.prev.next = head
@@ -502,7 +659,7 @@ class CachingAllocator:
             block.prev = head
             self._insert_free(head)
         if after:
-            tail = Block(end, after, block.small, segment)
+            tail = Block(end, after, block.small, segment, block.stream)
             link_after(block, tail)
             self._insert_free(tail)
         block.addr = start
@@ -515,6 +672,135 @@ class CachingAllocator:
         self.device.free(unmapped)
         self.num_device_free += 1
         _dec(self._s_reserved_bytes, _SMALL if block.small else _LARGE, unmapped)
+        return unmapped
+
+    def _release_if_unmapped(self, block: Block) -> bool:
+        """``release_expandable_segment``: drop a segment whose one block is unmapped."""
+        if block.mapped or block.is_split() or block.allocated:
+            return False
+        segment = block.segment
+        if segment not in self._segments:
+            return False
+        self._remove_unmapped(block)
+        self._segments.remove(segment)
+        return True
+
+    # ----------------------------------------------------------------- trace replay
+    def seed_segment(self, base: int, size: int, small: bool, blocks: Iterable[tuple[int, int, int]],
+                     stream: int = 0) -> None:
+        """Add a segment as a recording found it: ``blocks`` are its allocated (addr, size, requested).
+
+        The free space between them becomes free blocks, merged as the allocator keeps them.
+        Counters are those of the seeded state; peaks start there.
+        """
+        segment = Segment(base, size, small, stream=stream)
+        if not self.device.malloc(size):
+            raise ValueError(f"seeded segment of {size} bytes does not fit the device")
+        self._segments.append(segment)
+        self._next_addr = max(self._next_addr, base + size)
+        pool = _SMALL if small else _LARGE
+        _inc(self._s_segment, pool, 1)
+        _inc(self._s_reserved_bytes, pool, size)
+        if size >= self.max_split_size:
+            _bump(self._oversize_segments, 1)
+        pieces: list[tuple[int, int, int | None]] = []
+        cursor = base
+        for addr, block_size, requested in sorted(blocks):
+            if addr < cursor or addr + block_size > base + size:
+                raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
+            if addr > cursor:
+                pieces.append((cursor, addr - cursor, None))
+            pieces.append((addr, block_size, requested))
+            cursor = addr + block_size
+        if cursor < base + size:
+            pieces.append((cursor, base + size - cursor, None))
+        previous: Block | None = None
+        for addr, block_size, requested in pieces:
+            block = Block(addr, block_size, small, segment, stream)
+            if previous is not None:
+                link_after(previous, block)
+            previous = block
+            if requested is None:
+                continue
+            block.allocated = True
+            block.requested = requested
+            self._active[addr] = block
+            for stat_name, amount in (("allocation", 1), ("allocated_bytes", block_size),
+                                      ("requested_bytes", requested)):
+                _inc(self._stats[stat_name], pool, amount)
+            if block_size >= self.max_split_size:
+                _bump(self._oversize_allocations, 1)
+        block = previous
+        while block is not None:
+            if not block.allocated:
+                self._insert_free(block)
+                if block.is_split():
+                    _inc(self._s_inactive_split, pool, 1)
+                    _inc(self._s_inactive_split_bytes, pool, block.size)
+            block = block.prev
+        self._note_reserved()
+        self._window_alloc = max(self._window_alloc, self.allocated_bytes)
+
+    def release_segment_at(self, base: int) -> bool:
+        """Release the segment at ``base`` if it is one wholly free block (a trace's ``segment_free``)."""
+        block = self._free_blocks.get(base)
+        if block is None or block.is_split() or block.segment.expandable or block.segment.base != base:
+            return False
+        self._release_block(block)
+        return True
+
+    def unmap_range(self, addr: int, size: int) -> bool:
+        """Unmap [addr, addr + size) of an expandable segment, as a trace's ``segment_unmap`` says."""
+        for _, _, block_addr in list(self._free[False]) + list(self._free[True]):
+            block = self._free_blocks.get(block_addr)
+            if block is None or not block.segment.expandable:
+                continue
+            if block.addr <= addr and addr + size <= block.addr + block.size:
+                segment = block.segment
+                page = segment.page_size
+                if (addr - segment.base) % page or size % page:
+                    return False
+                self._unmap_block(block, addr, addr + size)
+                unmapped = self._unmapped_block_at(addr, segment)
+                if unmapped is not None:
+                    self._release_if_unmapped(unmapped)
+                return True
+        return False
+
+    def _unmapped_block_at(self, addr: int, segment: Segment) -> Block | None:
+        for _, block_addr, _, block in self._unmapped[segment.small]:
+            if block.segment is segment and block.addr <= addr < block.addr + block.size:
+                return block
+        return None
+
+    def snapshot_segments(self) -> list[dict[str, Any]]:
+        """The segments as ``torch.cuda.memory._snapshot()`` reports them (``snapshot()``).
+
+        One entry per contiguous mapped range of an expandable segment; blocks as
+        ``{"address", "size", "allocated"}``; sorted by address.
+        """
+        out = []
+        heads = {}
+        for block in list(self._active.values()) + list(self._free_blocks.values()) + \
+                [entry[3] for entries in self._unmapped for entry in entries]:
+            if block.prev is None:
+                heads[id(block.segment)] = block
+        for segment in self._segments:
+            block = heads.get(id(segment))
+            current: dict[str, Any] | None = None
+            while block is not None:
+                if block.mapped:
+                    if current is None:
+                        current = {"address": block.addr, "total_size": 0, "small": segment.small,
+                                   "expandable": segment.expandable, "stream": segment.stream, "blocks": []}
+                        out.append(current)
+                    current["total_size"] += block.size
+                    current["blocks"].append({"address": block.addr, "size": block.size,
+                                              "allocated": block.allocated})
+                else:
+                    current = None
+                block = block.next
+        return sorted(out, key=lambda s: s["address"])
 
     # ----------------------------------------------------------------- torch.cuda API
     def reset_peak_memory_stats(self) -> None:
@@ -554,7 +840,19 @@ class CachingAllocator:
         return self._active.get(addr) or self._free_blocks[addr]
 
     def free_block_sizes(self, small: bool) -> list[int]:
-        return [size for size, _ in self._free[small]]
+        return [size for _, size, _ in self._free[small]]
+
+
+def _roundup_power2_next_division(size: int, divisions: int) -> int:
+    """``roundup_power2_next_division``: the next of ``divisions`` equal steps above a power of two."""
+    if size & (size - 1) == 0:
+        return size
+    power2_floor = 1 << (size.bit_length() - 1)
+    step = power2_floor >> (divisions.bit_length() - 1)
+    if step == 0:
+        return power2_floor << 1
+    floor = size & ~(step - 1)
+    return size if floor == size else floor + step
 
 
 def _inc(arrays: list[list[int]], pool: int, amount: int) -> None:

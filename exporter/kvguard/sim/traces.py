@@ -238,14 +238,22 @@ def _kind(value: Any) -> str:
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
-def load_trace(path: str) -> Trace:
-    """Read a trace file, telling the format from its content."""
+def read_trace_bytes(path: str) -> bytes:
     try:
         with open(path, "rb") as handle:
-            data = handle.read()
+            return handle.read()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
-    if data[:1] == b"\x80":  # pickle protocol 2+
+
+
+def is_snapshot_pickle(data: bytes) -> bool:
+    return data[:1] == b"\x80"  # pickle protocol 2+
+
+
+def load_trace(path: str) -> Trace:
+    """Read a trace file, telling the format from its content."""
+    data = read_trace_bytes(path)
+    if is_snapshot_pickle(data):
         return parse_torch_snapshot(load_snapshot_pickle(data))
     try:
         text = data.decode("utf-8-sig")     # a BOM from a spreadsheet round trip is not a header cell

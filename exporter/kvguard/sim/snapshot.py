@@ -1,0 +1,391 @@
+"""Exact replay of a PyTorch ``_dump_snapshot`` pickle on the caching-allocator model.
+
+A snapshot (``torch.cuda.memory._record_memory_history()`` then
+``torch.cuda.memory._dump_snapshot(path)``) holds, per device, the allocator's trace
+(``device_traces[D]``) and its state when the snapshot was taken (``segments``, with
+their blocks), plus ``allocator_settings``. The replay:
+
+1. **Seeds** each device's allocator with the state in which recording began, rebuilt
+   by undoing the trace from the end state: a segment is there at the start unless the
+   trace allocated it (``segment_alloc``), plus every segment the trace frees without
+   having allocated it; a block is allocated at the start if it is allocated at the end
+   and the trace did not allocate it, or if the trace frees it without having allocated
+   it (a *pre-existing free*).
+   A pre-existing free carries only the requested size. Its block size is inferred as
+   the request rounded as the allocator rounds it, extended over the gap to the next
+   start-allocated block (or the segment's end) when that gap is too small to have been
+   split off (``should_split``: large pool, gap of 1 MiB or less; the small pool and
+   expandable segments split any 512-byte remainder, so their gaps are never extended).
+   Every large-pool block is larger than 1 MiB, so such a gap cannot be a block of its
+   own. Both counts are reported (``preexisting_frees``, ``preexisting_extended``).
+2. **Honours** ``allocator_settings``: ``expandable_segments``, ``max_split_size``,
+   ``roundup_power2_divisions``, ``garbage_collection_threshold`` (which acts only with
+   a memory fraction, which a snapshot does not record, so it stays inactive).
+3. **Replays** every device's trace in order: ``alloc`` through the model's own rules
+   (compared with the recorded address), frees at ``free_completed`` (or
+   ``free_requested`` for a trace without them), new segment addresses taken from the
+   ``segment_alloc`` / ``segment_map`` entries that precede an allocation, releases
+   (``segment_free``, ``segment_unmap``) applied as recorded (they follow
+   ``empty_cache`` calls, the device's free memory and garbage collection, none of which
+   a trace records) and checked to be possible in the model, and ``oom`` entries checked
+   to be requests the model cannot serve from its cache.
+4. **Compares** each device's end state with the snapshot's own segments.
+
+Knows nothing of files: ``kvguard.sim.traces`` reads the pickle.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .device import Device
+from .torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
+
+_ALLOC, _FREE, _SEG_ALLOC, _SEG_FREE, _MAP, _UNMAP, _OOM = range(7)
+_ACTIONS = {"alloc": _ALLOC, "segment_alloc": _SEG_ALLOC, "segment_free": _SEG_FREE, "segment_map": _MAP,
+            "segment_unmap": _UNMAP, "oom": _OOM}
+# Effectively unlimited physical memory: the trace, not the model, says when memory ran out.
+_UNLIMITED_DEVICE = 1 << 56
+
+
+class SnapshotError(ValueError):
+    """A snapshot whose content cannot be replayed; message is one line."""
+
+
+@dataclass(frozen=True)
+class DeviceReplay:
+    """One device's replay: agreement counts and the end state, in bytes."""
+
+    device: int
+    events: int
+    allocs: int
+    allocs_matched: int
+    first_mismatch_index: int | None
+    frees: int
+    frees_skipped: int                 # frees of blocks the seed could not place
+    seeded_segments: int
+    seeded_blocks: int
+    preexisting_frees: int
+    preexisting_extended: int
+    segment_allocs: int
+    segment_allocs_matched: int
+    segment_frees: int
+    segment_frees_matched: int
+    maps: int
+    maps_matched: int
+    unmaps: int
+    unmaps_matched: int
+    ooms: int
+    ooms_matched: int
+    end_state_matches: bool
+    end_state_detail: str
+    reserved_bytes: int
+    allocated_bytes: int
+    inactive_split_bytes: int
+    segment_bytes: tuple[int, ...]
+    memory_stats: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "memory_stats"}
+        out["segment_bytes"] = list(self.segment_bytes)
+        return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    expandable_segments: bool = False
+    max_split_size: int | None = None
+    roundup_power2_divisions: Any = None
+    garbage_collection_threshold: float = 0.0
+
+
+def settings_of(snapshot: dict[str, Any]) -> Settings:
+    raw = snapshot.get("allocator_settings")
+    if raw is None:
+        return Settings()
+    if not isinstance(raw, dict):
+        raise SnapshotError("snapshot allocator_settings is not a dict")
+    max_split = raw.get("max_split_size", -1)
+    if not isinstance(max_split, int) or isinstance(max_split, bool):
+        raise SnapshotError(f"snapshot allocator_settings.max_split_size is not an integer: {max_split!r}")
+    gc = raw.get("garbage_collection_threshold", 0.0) or 0.0
+    if not isinstance(gc, (int, float)) or isinstance(gc, bool):
+        raise SnapshotError(f"snapshot allocator_settings.garbage_collection_threshold is not a number: {gc!r}")
+    return Settings(expandable_segments=bool(raw.get("expandable_segments", False)),
+                    max_split_size=None if max_split < 0 or max_split >= (1 << 63) - 1 else max_split,
+                    roundup_power2_divisions=raw.get("roundup_power2_divisions"),
+                    garbage_collection_threshold=float(gc))
+
+
+def _entries(trace: list[dict[str, Any]], device: int) -> tuple[list[tuple[int, int, int, int, int]], int]:
+    """(position, action code, addr, size, stream) of the replayed entries; the free action's name."""
+    actions = dict(_ACTIONS)
+    free_name = "free_requested"
+    for entry in trace:
+        if type(entry) is dict and entry.get("action") == "free_completed":
+            free_name = "free_completed"
+            break
+    actions[free_name] = _FREE
+    out = []
+    append = out.append
+    for index, entry in enumerate(trace):
+        if type(entry) is not dict:
+            raise SnapshotError(f"snapshot device_traces[{device}][{index}] is not a dict")
+        code = actions.get(entry.get("action"))
+        if code is None:
+            continue
+        addr = 0 if code == _OOM else entry.get("addr")
+        size = entry.get("size")
+        stream = entry.get("stream") or 0
+        if type(addr) is not int or type(size) is not int or type(stream) is not int or \
+                addr < 0 or size < 0 or stream < 0:
+            raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                                f"addr, size and stream must be non-negative integers, got "
+                                f"{addr!r}, {size!r}, {stream!r}"[:200])
+        append((index, code, addr, size, stream))
+    return out, free_name
+
+
+def _end_segments(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
+    segments = snapshot.get("segments") or []
+    if not isinstance(segments, list):
+        raise SnapshotError("snapshot segments is not a list")
+    out = []
+    for index, segment in enumerate(segments):
+        if not isinstance(segment, dict) or not isinstance(segment.get("blocks", []), list):
+            raise SnapshotError(f"snapshot segments[{index}] is not a segment dict")
+        if segment.get("device", 0) != device:
+            continue
+        for name in ("address", "total_size"):
+            if not isinstance(segment.get(name), int) or isinstance(segment.get(name), bool):
+                raise SnapshotError(f"snapshot segments[{index}].{name} is not an integer")
+        for block in segment.get("blocks", []):
+            if not isinstance(block, dict) or not isinstance(block.get("size"), int) or \
+                    not isinstance(block.get("address", segment["address"]), int):
+                raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
+        out.append(segment)
+    return out
+
+
+def _block_list(segment: dict[str, Any]) -> list[tuple[int, int, bool, int]]:
+    """(address, size, allocated, requested) of a snapshot segment's blocks (addresses filled in when absent)."""
+    out = []
+    addr = segment["address"]
+    for block in segment.get("blocks", []):
+        addr = block.get("address", addr)
+        out.append((addr, block["size"], block.get("state") != "inactive", block.get("requested_size", 0) or 0))
+        addr += block["size"]
+    return out
+
+
+def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes: int,
+                  log: Callable[[int, int, int, int], None] | None = None) -> DeviceReplay:
+    traces = snapshot.get("device_traces")
+    trace = traces[device] if isinstance(traces, list) and device < len(traces) else []
+    if not isinstance(trace, list):
+        raise SnapshotError(f"snapshot device_traces[{device}] is not a list")
+    entries, _ = _entries(trace, device)
+    settings = settings_of(snapshot)
+    try:
+        model = CachingAllocator(Device(_UNLIMITED_DEVICE), max_split_size=settings.max_split_size,
+                                 expandable_segments=settings.expandable_segments,
+                                 roundup_power2_divisions=settings.roundup_power2_divisions,
+                                 garbage_collection_threshold=settings.garbage_collection_threshold)
+    except ValueError as exc:
+        raise SnapshotError(f"snapshot allocator_settings: {exc}") from None
+    model.address_space_total = address_space_bytes
+    end = _end_segments(snapshot, device)
+    seed = _seed(model, entries, end)
+
+    pending_segments: deque[tuple[int, int]] = deque()
+    pending_maps: list[tuple[int, int]] = []
+    model_maps: list[tuple[int, int]] = []
+    used_segments: list[tuple[int, int]] = []
+
+    def segment_address(size: int, small: bool) -> int | None:
+        if pending_segments:
+            addr, recorded = pending_segments.popleft()
+            used_segments.append((addr, int(recorded == size)))
+            return addr
+        # A new expandable segment starts at the first page the allocation maps: one allocation
+        # maps pages of one segment only (``try_allocate_expandable_block`` has one candidate).
+        return pending_maps[0][0] if pending_maps else None
+
+    model.segment_address = segment_address
+    model.on_map = lambda addr, size: model_maps.append((addr, size))
+    addr_map: dict[int, int] = {addr: addr for addr in model._active}
+    allocs = matched = frees = frees_skipped = seg_allocs = seg_allocs_matched = seg_frees = seg_frees_matched = 0
+    maps = maps_matched = unmaps = unmaps_matched = ooms = ooms_matched = 0
+    first_mismatch = None
+    malloc, free, active = model.malloc, model.free, model._active
+    for position, code, addr, size, stream in entries:
+        if code == _ALLOC:
+            got = malloc(size, False, stream)
+            allocs += 1
+            if got == addr:
+                matched += 1
+            elif first_mismatch is None:
+                first_mismatch = position
+            addr_map[addr] = got
+            if log is not None:
+                log(device, position, got, size)
+            if used_segments:
+                seg_allocs_matched += sum(ok for _, ok in used_segments)
+                used_segments.clear()
+                pending_segments.clear()
+            elif pending_segments:
+                pending_segments.clear()
+            if pending_maps:
+                maps_matched += sum(1 for m in pending_maps if m in model_maps)
+                pending_maps.clear()
+            if model_maps:
+                model_maps.clear()
+        elif code == _FREE:
+            frees += 1
+            target = addr_map.pop(addr, None)
+            if target is None or target not in active:
+                frees_skipped += 1
+            else:
+                free(target)
+        elif code == _SEG_ALLOC:
+            seg_allocs += 1
+            pending_segments.append((addr, size))
+        elif code == _SEG_FREE:
+            seg_frees += 1
+            seg_frees_matched += model.release_segment_at(addr)
+        elif code == _MAP:
+            maps += 1
+            pending_maps.append((addr, size))
+        elif code == _UNMAP:
+            unmaps += 1
+            unmaps_matched += model.unmap_range(addr, size)
+        else:  # _OOM: the size is the rounded request (``malloc``'s TraceEntry::OOM uses params.size())
+            ooms += 1
+            ooms_matched += not model.fits_in_cache(size, stream)
+    modelled = model.snapshot_segments()
+    matches, detail = _compare_end_state(modelled, end)
+    stats = model.memory_stats()
+    return DeviceReplay(
+        device=device, events=len(entries), allocs=allocs, allocs_matched=matched,
+        first_mismatch_index=first_mismatch, frees=frees, frees_skipped=frees_skipped,
+        seeded_segments=seed[0], seeded_blocks=seed[1], preexisting_frees=seed[2], preexisting_extended=seed[3],
+        segment_allocs=seg_allocs, segment_allocs_matched=seg_allocs_matched,
+        segment_frees=seg_frees, segment_frees_matched=seg_frees_matched,
+        maps=maps, maps_matched=maps_matched, unmaps=unmaps,
+        unmaps_matched=unmaps_matched, ooms=ooms, ooms_matched=ooms_matched,
+        end_state_matches=matches, end_state_detail=detail,
+        reserved_bytes=stats["reserved_bytes.all.current"], allocated_bytes=stats["allocated_bytes.all.current"],
+        inactive_split_bytes=stats["inactive_split_bytes.all.current"],
+        segment_bytes=tuple(sorted(s["total_size"] for s in modelled)), memory_stats=stats)
+
+
+def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]],
+          end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+    """Give ``model`` the state in which recording began; (segments, blocks, pre-existing frees, extended)."""
+    live: set[int] = set()
+    preexisting: dict[int, tuple[int, int]] = {}     # addr -> (requested, position of its free)
+    allocated_at: list[tuple[int, int]] = []         # (addr, position) of every allocation
+    live_segments: set[int] = set()
+    freed_segments: dict[int, tuple[int, int]] = {}  # base -> (size, stream)
+    mapped_in_trace = False
+    for position, code, addr, size, stream in entries:
+        if code == _ALLOC:
+            live.add(addr)
+            allocated_at.append((addr, position))
+        elif code == _FREE:
+            if addr in live:
+                live.discard(addr)
+            elif addr not in preexisting:
+                preexisting[addr] = (size, position)
+        elif code == _SEG_ALLOC:
+            live_segments.add(addr)
+        elif code == _SEG_FREE:
+            if addr in live_segments:
+                live_segments.discard(addr)
+            else:
+                freed_segments.setdefault(addr, (size, stream))
+        elif code in (_MAP, _UNMAP):
+            mapped_in_trace = True
+    # Start segments: (base, size, small, stream, [(addr, size, requested)] of blocks allocated at the end).
+    start: dict[int, list[Any]] = {}
+    for segment in end:
+        if segment.get("is_expandable"):
+            if not mapped_in_trace and any(a for _, _, a, _ in _block_list(segment)):
+                raise SnapshotError("an expandable segment was mapped before recording began: "
+                                    "its address space cannot be rebuilt from the snapshot")
+            continue
+        base = segment["address"]
+        if base in live_segments:
+            continue
+        small = segment.get("segment_type") == "small"
+        blocks = [(a, s, r) for a, s, allocated, r in _block_list(segment) if allocated and a not in live]
+        start[base] = [base, segment["total_size"], small, segment.get("stream") or 0, blocks]
+    for base, (size, stream) in freed_segments.items():
+        start.setdefault(base, [base, size, size == K_SMALL_BUFFER, stream, []])
+    bases = sorted(start)
+    extended = 0
+    placed = 0
+    by_segment: dict[int, list[tuple[int, int]]] = {}
+    for addr, (requested, freed_at) in preexisting.items():
+        index = bisect_right(bases, addr) - 1
+        if index < 0:
+            continue
+        base = bases[index]
+        if addr >= base + start[base][1]:
+            continue
+        by_segment.setdefault(base, []).append((addr, requested, freed_at))
+    allocated_at.sort()
+    for base, frees in by_segment.items():
+        _, size, small, _, blocks = start[base]
+        starts = sorted([a for a, _, _ in blocks] + [a for a, _, _ in frees])
+        for addr, requested, freed_at in frees:
+            block = model.round_size(requested)
+            following = starts[bisect_right(starts, addr)] if bisect_right(starts, addr) < len(starts) \
+                else base + size
+            if not small and not model.expandable_segments:
+                # An allocation the trace places within 1 MiB past the rounded end while this block
+                # is still allocated starts the next block: this block ends there.
+                index = bisect_right(allocated_at, (addr + block, -1))
+                while index < len(allocated_at) and allocated_at[index][0] <= min(addr + block + K_SMALL_SIZE,
+                                                                                   following):
+                    if allocated_at[index][1] < freed_at:
+                        following = allocated_at[index][0]
+                        break
+                    index += 1
+            gap = following - (addr + block)
+            if gap < 0 or (not small and not model.expandable_segments and 0 < gap <= K_SMALL_SIZE):
+                block = following - addr
+                extended += 1
+            blocks.append((addr, block, requested))
+            placed += 1
+    seeded_blocks = 0
+    for base in bases:
+        _, size, small, stream, blocks = start[base]
+        model.seed_segment(base, size, small, blocks, stream)
+        seeded_blocks += len(blocks)
+    return len(bases), seeded_blocks, len(preexisting), extended
+
+
+def _compare_end_state(modelled: list[dict[str, Any]], end: list[dict[str, Any]]) -> tuple[bool, str]:
+    want = sorted((s["address"], s["total_size"], tuple((a, z, al) for a, z, al, _ in _block_list(s))) for s in end)
+    got = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
+           for s in modelled]
+    if want == got:
+        return True, f"{len(got)} segments equal"
+    want_set, got_set = set(want), set(got)
+    return False, (f"{len(want_set & got_set)} of {len(want)} recorded segments equal; "
+                   f"{len(got_set - want_set)} modelled segments differ")
+
+
+def replay_snapshot(snapshot: dict[str, Any], *, address_space_bytes: int,
+                    log: Callable[[int, int, int, int], None] | None = None) -> list[DeviceReplay]:
+    """Replay every device that has a trace or segments."""
+    traces = snapshot.get("device_traces")
+    if not isinstance(traces, list):
+        raise SnapshotError("snapshot has no device_traces list")
+    devices = {d for d, t in enumerate(traces) if t}
+    devices |= {s.get("device", 0) for s in snapshot.get("segments") or [] if isinstance(s, dict)}
+    return [replay_device(snapshot, d, address_space_bytes=address_space_bytes, log=log) for d in sorted(devices)]
