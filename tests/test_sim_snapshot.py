@@ -5,7 +5,7 @@ Two kinds of input:
 - small snapshots written here in ``_dump_snapshot``'s format, each with addresses worked
   out by hand from the allocator's rules (``c10/cuda/CUDACachingAllocator.cpp``);
 - real public snapshots, when a directory of them is given (``KVGUARD_TORCH_SNAPSHOTS``,
-  default ``shared/torch-snapshots`` in the repository; see its PROVENANCE file). Without
+  default ``../shared/torch-snapshots`` beside the checkout; see its PROVENANCE file). Without
   one those tests are skipped, visibly.
 """
 
@@ -26,7 +26,8 @@ BASE = 0x7F0000000000
 SETTINGS = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
             "expandable_segments": False, "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REAL_DIR = os.environ.get("KVGUARD_TORCH_SNAPSHOTS", os.path.join(REPO, "shared", "torch-snapshots"))
+# shared/ lies beside the checkout (as CI lays it out), never inside it: fetched data is not committed.
+REAL_DIR = os.environ.get("KVGUARD_TORCH_SNAPSHOTS", os.path.join(os.path.dirname(REPO), "shared", "torch-snapshots"))
 REAL = sorted(glob.glob(os.path.join(REAL_DIR, "*.pickle")))
 
 
