@@ -20,3 +20,19 @@ def data_path():
     def path(*parts: str) -> str:
         return os.path.join(DATA, *parts)
     return path
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start KVGuardServers over a spool of snapshots (sidecar_fixtures.start_server); all stop afterwards."""
+    from sidecar_fixtures import start_server
+
+    servers = []
+
+    def start(*snapshots, **options):
+        server = start_server(tmp_path / "spool", *snapshots, **options)
+        servers.append(server)
+        return server
+    yield start
+    for server in servers:
+        server.stop()

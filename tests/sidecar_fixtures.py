@@ -60,3 +60,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+SERVER_POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
+
+
+def start_server(spool, *snapshots, pod_labels=None, web_config=None, **options):
+    """A KVGuardServer on an ephemeral loopback port over a spool holding ``snapshots``."""
+    from kvguard.server import KVGuardServer, ServerOptions
+    from kvguard.sidecar import Sidecar, SidecarConfig
+
+    spool.mkdir(exist_ok=True)
+    write(spool, *snapshots)
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels=dict(SERVER_POD if pod_labels is None
+                                                                          else pod_labels)))
+    return KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0, **options),
+                         web_config=web_config).start()

@@ -13,29 +13,11 @@ import subprocess
 
 import pytest
 
-from kvguard.server import KVGuardServer, ServerOptions
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.server import KVGuardServer
 from monitoring import promtool
-from sidecar_fixtures import snapshot, write
-
-POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
+from sidecar_fixtures import snapshot
 
 
-@pytest.fixture
-def serve(tmp_path):
-    servers = []
-
-    def start(*snapshots, **options) -> KVGuardServer:
-        spool = tmp_path / "spool"
-        spool.mkdir(exist_ok=True)
-        write(spool, *snapshots)
-        sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels=dict(POD)))
-        server = KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0, **options)).start()
-        servers.append(server)
-        return server
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def get(server: KVGuardServer, path: str, headers: dict | None = None, method: str = "GET",

@@ -10,28 +10,10 @@ import time
 
 import pytest
 
-from kvguard.server import BadRequest, KVGuardServer, ServerOptions, parse_request
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.server import BadRequest, KVGuardServer, parse_request
 from sidecar_fixtures import snapshot, write
 
-POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
 
-
-@pytest.fixture
-def serve(tmp_path):
-    servers = []
-
-    def start(*snapshots, **options) -> KVGuardServer:
-        spool = tmp_path / "spool"
-        spool.mkdir(exist_ok=True)
-        write(spool, *snapshots)
-        sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels=dict(POD)))
-        server = KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0, **options)).start()
-        servers.append(server)
-        return server
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def scrape(server: KVGuardServer, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, bytes]:

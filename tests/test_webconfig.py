@@ -16,10 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.server import KVGuardServer, ServerOptions
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.server import KVGuardServer
 from kvguard.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
-from sidecar_fixtures import snapshot, write
+from sidecar_fixtures import snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
@@ -60,23 +59,14 @@ def bcrypt_hash(password: str) -> str:
 
 
 @pytest.fixture
-def serve(tmp_path):
-    servers = []
-
+def serve_web(serve, tmp_path):
+    """A server whose web config is ``config_text``, checked for changes on every request."""
     def start(config_text: str) -> KVGuardServer:
-        spool = tmp_path / "spool"
-        spool.mkdir(exist_ok=True)
-        write(spool, snapshot())
         path = tmp_path / "web.yml"
         path.write_text(config_text)
-        sidecar = Sidecar(SidecarConfig(spool_dir=str(spool), pod_labels={"pod": "", "namespace": "", "container": ""}))
-        watcher = WebConfigWatcher(str(path), check_interval=0.0)
-        server = KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0), web_config=watcher).start()
-        servers.append(server)
-        return server
-    yield start
-    for server in servers:
-        server.stop()
+        return serve(snapshot(), pod_labels={"pod": "", "namespace": "", "container": ""},
+                     web_config=WebConfigWatcher(str(path), check_interval=0.0))
+    return start
 
 
 def client_context(pki, ca: str = "ca", cert: str | None = None) -> ssl.SSLContext:
@@ -108,28 +98,28 @@ def tls_config(pki, cert="server", **extra) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_tls_from_the_web_config_serves_https(serve, pki):
-    server = serve(tls_config(pki))
+def test_tls_from_the_web_config_serves_https(serve_web, pki):
+    server = serve_web(tls_config(pki))
     assert server.scheme == "https"
     status, body = get(server, context=client_context(pki))
     assert status == 200 and b"kvguard_guard_state" in body
 
 
-def test_require_and_verify_client_cert_admits_the_ca_signed_client(serve, pki):
-    server = serve(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
+def test_require_and_verify_client_cert_admits_the_ca_signed_client(serve_web, pki):
+    server = serve_web(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
     assert get(server, context=client_context(pki, cert="client"))[0] == 200
 
 
-def test_require_and_verify_client_cert_refuses_no_certificate_and_a_foreign_one(serve, pki):
-    server = serve(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
+def test_require_and_verify_client_cert_refuses_no_certificate_and_a_foreign_one(serve_web, pki):
+    server = serve_web(tls_config(pki, client_auth_type="RequireAndVerifyClientCert", client_ca_file=pki / "ca.crt"))
     for context in (client_context(pki), client_context(pki, cert="stranger")):
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
             get(server, context=context)
     assert get(server, context=client_context(pki, cert="client"))[0] == 200   # still serving
 
 
-def test_min_version_tls13_refuses_a_tls12_client(serve, pki):
-    server = serve(tls_config(pki, min_version="TLS13"))
+def test_min_version_tls13_refuses_a_tls12_client(serve_web, pki):
+    server = serve_web(tls_config(pki, min_version="TLS13"))
     context = client_context(pki)
     context.maximum_version = ssl.TLSVersion.TLSv1_2
     with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
@@ -137,8 +127,8 @@ def test_min_version_tls13_refuses_a_tls12_client(serve, pki):
     assert get(server, context=client_context(pki))[0] == 200
 
 
-def test_cipher_suites_limit_what_a_tls12_client_can_negotiate(serve, pki):
-    server = serve(tls_config(pki, cipher_suites="[TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384]"))
+def test_cipher_suites_limit_what_a_tls12_client_can_negotiate(serve_web, pki):
+    server = serve_web(tls_config(pki, cipher_suites="[TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384]"))
     context = client_context(pki)
     context.maximum_version = ssl.TLSVersion.TLSv1_2
     conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
@@ -164,8 +154,8 @@ def test_every_cipher_suite_name_maps_to_the_same_suite_in_openssl():
     assert {name: openssl_pairs.get(name) for name in CIPHER_SUITES} == CIPHER_SUITES
 
 
-def test_bcrypt_users_need_the_right_password(serve):
-    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+def test_bcrypt_users_need_the_right_password(serve_web):
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
     assert get(server)[0] == 401
     assert get(server, auth=("prometheus", "wrong"))[0] == 401
     assert get(server, auth=("nobody", "s3cret"))[0] == 401
@@ -173,8 +163,8 @@ def test_bcrypt_users_need_the_right_password(serve):
     assert get(server, "/healthz")[0] == 200   # the kubelet's probes stay open
 
 
-def test_a_new_password_in_the_web_config_applies_without_a_restart(serve, tmp_path):
-    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('old')}\n")
+def test_a_new_password_in_the_web_config_applies_without_a_restart(serve_web, tmp_path):
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('old')}\n")
     assert get(server, auth=("prometheus", "old"))[0] == 200
     path = tmp_path / "web.yml"
     path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
@@ -183,12 +173,12 @@ def test_a_new_password_in_the_web_config_applies_without_a_restart(serve, tmp_p
     assert get(server, auth=("prometheus", "old"))[0] == 401
 
 
-def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(serve, pki, tmp_path):
+def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(serve_web, pki, tmp_path):
     live = tmp_path / "live"
     live.mkdir()
     for suffix in ("crt", "key"):
         shutil.copy(pki / f"server.{suffix}", live / f"tls.{suffix}")
-    server = serve(f"tls_server_config:\n  cert_file: {live / 'tls.crt'}\n  key_file: {live / 'tls.key'}\n")
+    server = serve_web(f"tls_server_config:\n  cert_file: {live / 'tls.crt'}\n  key_file: {live / 'tls.key'}\n")
     assert get(server, "/healthz", context=client_context(pki, "ca"))[0] == 200
     for suffix in ("crt", "key"):   # rotate to a certificate from the second CA, as cert-manager would
         shutil.copy(pki / f"server2.{suffix}", live / f"tls.{suffix}.new")
@@ -198,8 +188,8 @@ def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(se
         get(server, "/healthz", context=client_context(pki, "ca"))
 
 
-def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve, tmp_path, capfd):
-    server = serve(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve_web, tmp_path, capfd):
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
     path = tmp_path / "web.yml"
     path.write_text("basic_auth_users: [not, a, mapping\n")
     capfd.readouterr()
