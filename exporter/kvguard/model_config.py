@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from kvguard.estimator import ConfigError
+from kvguard.textfile import read_text
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 # Real configs nest three or four levels (text_config, quantization_config, rope_scaling ...).
@@ -43,19 +44,7 @@ def load_model_config(path: str) -> dict[str, Any]:
     """Load ``path`` (a config.json, or a model directory holding one). Raises ConfigError."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"model config not found: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"model config {path} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"model config {path} is not UTF-8") from None
+    text = read_text(path, "model config", MAX_CONFIG_BYTES, ConfigError)
     if _nesting(text) > MAX_CONFIG_DEPTH:
         raise ConfigError(f"model config {path} nests deeper than {MAX_CONFIG_DEPTH} levels")
     try:

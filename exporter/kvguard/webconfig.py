@@ -39,6 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from kvguard.textfile import read_text
+
 MAX_WEB_CONFIG_BYTES = 1 << 20
 
 
@@ -269,17 +271,7 @@ def _users(users: Mapping[str, Any]) -> dict[str, bytes]:
 
 def load_web_config(path: str) -> WebConfig:
     """Read and load ``path``. Raises WebConfigError with one line."""
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_WEB_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_WEB_CONFIG_BYTES:
-        raise WebConfigError(f"web config {path} is larger than {MAX_WEB_CONFIG_BYTES} bytes")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise WebConfigError(f"web config {path} is not UTF-8") from None
+    text = read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError)
     try:
         config = parse_web_config(text, os.path.dirname(os.path.abspath(path)))
     except WebConfigError as exc:
