@@ -308,8 +308,13 @@ def test_spool_families_say_they_are_read_in_the_background(tmp_path):
 def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
     from kvguard.spool import read_spool
 
+    import os
     write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))
-    sizes = [p.stat().st_size for p in sorted(tmp_path.iterdir())]   # read in name order
+    # The reader takes the newest files first: give them distinct ages so which two fit is defined.
+    files = sorted(tmp_path.iterdir())
+    for age, path in enumerate(files):
+        os.utime(path, (1_700_000_000 - age, 1_700_000_000 - age))
+    sizes = [p.stat().st_size for p in files]   # newest first
     result = read_spool(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
     assert len(result.snapshots) == 2
     assert result.skipped == {"too_many_files": 1}

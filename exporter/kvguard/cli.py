@@ -13,8 +13,8 @@ import click
 
 from kvguard import __version__
 from kvguard.estimator import (
-    FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for, estimate,
-    kv_layout_from_config, max_concurrency, overcommit_bytes,
+    EXTENSIBLE_INPUTS, FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for,
+    estimate, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
 )
 from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, parse_size
@@ -115,15 +115,6 @@ _PROFILE_FLAGS = {
     "torch_reserve_growth_bytes": "--torch-reserve-growth",
     "non_torch_cleared_bytes": "--non-torch-cleared",
 }
-# What each formula cannot do without (beyond total memory, utilization and weights).
-_FORMULA_NEEDS = {
-    "peak": ("peak_allocated_increase_bytes", "non_torch_increase_bytes"),
-    "consumed": ("total_consumed_bytes", "transient_peak_headroom_bytes"),
-    "extensible": ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
-                   "kv_transient_peak_bytes", "torch_reserve_growth_bytes"),
-}
-
-
 def _read_profile_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as handle:
@@ -266,7 +257,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     if era is not None:
         fields["vllm_version"] = release or fields.get("vllm_version")
         formula = era.formula
-        extensible_inputs = any(fields.get(k) is not None for k in _FORMULA_NEEDS["extensible"])
+        extensible_inputs = any(fields.get(k) is not None for k in EXTENSIBLE_INPUTS)
         if era.extensible_kv_cache_default and (extensible_kv_cache or (extensible_kv_cache is None
                                                                          and extensible_inputs)):
             formula = "extensible"
@@ -292,16 +283,9 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
             raise click.ClickException(str(exc)) from None
 
     profile = None
-    formula_name = fields.get("formula") or "peak"
-    needs = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes") + _FORMULA_NEEDS.get(
-        FORMULAS[formula_name].non_kv if formula_name != "extensible" else "extensible", _FORMULA_NEEDS["peak"]) \
-        if formula_name in FORMULAS else ()
-    if formula_name in FORMULAS and FORMULAS[formula_name].peak == "reserved":
-        needs = tuple("peak_reserved_increase_bytes" if n == "peak_allocated_increase_bytes" else n for n in needs)
+    needs = required_fields(fields.get("formula") or "peak", fields.get("kv_cache_memory_bytes"))
     measured = {k: v for k, v in fields.items() if k in _PROFILE_FLAGS or k in ("formula", "vllm_version",
                                                                                   "kv_cache_memory_bytes")}
-    if fields.get("kv_cache_memory_bytes") is not None:
-        needs = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes")
     if fields and all(fields.get(k) is not None for k in needs):
         try:
             profile = Profile(**{**{k: None for k in Profile.REQUIRED}, **measured})

@@ -303,8 +303,6 @@ class Profile:
               "reserved_transient_peak_bytes", "cudagraph_memory_bytes", "kv_cache_memory_bytes",
               "init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes", "kv_transient_peak_bytes",
               "torch_reserve_growth_bytes", "non_torch_cleared_bytes")
-    _EXTENSIBLE = ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
-                   "kv_transient_peak_bytes", "torch_reserve_growth_bytes")
     # May be negative: vLLM logs show "non_torch_memory takes -0.51GiB"; consumed can drop too.
     _SIGNED = ("non_torch_increase_bytes", "total_consumed_bytes", "non_torch_cleared_bytes")
 
@@ -317,15 +315,13 @@ class Profile:
                                f"(one of {', '.join(FORMULAS)})")
         if self.vllm_version is not None and (not isinstance(self.vllm_version, str) or len(self.vllm_version) > 64):
             raise ProfileError(f"vllm_version must be a short string, got {_short_repr(self.vllm_version)}")
-        # The peak formulas need the allocated peak and non-torch increases; 0.27+ logs state neither.
-        formula = self.budget_formula
-        peak_name = "peak_reserved_increase_bytes" if formula.peak == "reserved" else "peak_allocated_increase_bytes"
-        needed = ("total_memory_bytes", "weights_bytes") + (
-            (peak_name, "non_torch_increase_bytes")
-            if formula.non_kv == "peak" and self.kv_cache_memory_bytes is None else ())
+        needed = required_fields(self.formula, self.kv_cache_memory_bytes)
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ProfileError(f"formula {self.formula!r} needs {', '.join(missing)}")
         for name in self._BYTES:
             value = getattr(self, name)
-            if value is None and name not in needed:
+            if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ProfileError(f"{name} must be an integer number of bytes, got {_short_repr(value)}")
@@ -335,15 +331,6 @@ class Profile:
                 raise ProfileError(f"{name} must not be negative, got {value}")
         if self.total_memory_bytes <= 0:
             raise ProfileError(f"total_memory_bytes must be positive, got {self.total_memory_bytes}")
-        if FORMULAS[self.formula].non_kv == "consumed" and self.kv_cache_memory_bytes is None:
-            missing = [n for n in ("total_consumed_bytes", "transient_peak_headroom_bytes")
-                       if getattr(self, n) is None]
-            if missing:
-                raise ProfileError(f"formula {self.formula!r} needs {', '.join(missing)}")
-        if self.formula == "extensible" and self.kv_cache_memory_bytes is None:
-            missing = [n for n in self._EXTENSIBLE if getattr(self, n) is None]
-            if missing:
-                raise ProfileError(f"formula 'extensible' needs {', '.join(missing)}")
 
     @property
     def budget_formula(self) -> BudgetFormula:
@@ -374,6 +361,26 @@ class Profile:
         if values.get("formula") is None:
             values.pop("formula", None)
         return cls(**values)
+
+
+EXTENSIBLE_INPUTS = ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
+                     "kv_transient_peak_bytes", "torch_reserve_growth_bytes")
+
+
+def required_fields(formula: str, kv_cache_memory_bytes: int | None = None) -> tuple[str, ...]:
+    """The profile fields a formula cannot do without (``--kv-cache-memory-bytes`` needs only the first
+    three: vLLM then skips its budget). The peak formulas need the allocated (vllm-mindspore: reserved)
+    peak and the non-torch increase; 0.27+ its consumed and transient figures, which is all its logs state."""
+    base = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes")
+    budget = FORMULAS[formula]
+    if kv_cache_memory_bytes is not None:
+        return base
+    if budget.non_kv == "peak":
+        peak = "peak_reserved_increase_bytes" if budget.peak == "reserved" else "peak_allocated_increase_bytes"
+        return base + (peak, "non_torch_increase_bytes")
+    if budget.non_kv == "consumed":
+        return base + ("total_consumed_bytes", "transient_peak_headroom_bytes")
+    return base + EXTENSIBLE_INPUTS
 
 
 def requested_memory_bytes(profile: Profile) -> int | float:

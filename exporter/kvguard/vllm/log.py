@@ -20,7 +20,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from kvguard.estimator import FORMULAS, Profile
+from kvguard.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras
 
 GIB = 1 << 30
@@ -252,14 +252,7 @@ class StartupLog:
         """The startup profile, when the log carries every part the era's formula needs (vLLM's logs
         never carry the reserved increase). Raises ProfileError when the stated figures are out of range."""
         fields = self.profile_fields()
-        formula = FORMULAS[fields["formula"]]
-        needs = ["total_memory_bytes", "gpu_memory_utilization", "weights_bytes"]
-        if fields.get("kv_cache_memory_bytes") is None:
-            needs += (["total_consumed_bytes", "transient_peak_headroom_bytes"] if formula.non_kv == "consumed"
-                      else ["peak_allocated_increase_bytes", "non_torch_increase_bytes"])
-        if formula.peak == "reserved":
-            needs = [("peak_reserved_increase_bytes" if n == "peak_allocated_increase_bytes" else n) for n in needs]
-        if any(fields.get(n) is None for n in needs):
+        if any(fields.get(n) is None for n in required_fields(fields["formula"], fields.get("kv_cache_memory_bytes"))):
             return None
         return Profile(**{**{k: None for k in Profile.REQUIRED}, **fields})
 
