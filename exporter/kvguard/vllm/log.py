@@ -18,7 +18,7 @@ import os
 import re
 import stat
 from dataclasses import asdict, dataclass, field
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras
@@ -49,14 +49,20 @@ class LineKind:
     """One startup line: its template, the releases that write it, and the facts it states."""
 
     name: str
-    template: str                      # literals, {slot} numbers, … to skip ahead
+    template: str                      # literals, {fact:unit} numbers, … to skip ahead
     releases: tuple[tuple[int, ...], tuple[int, ...] | None] = ALL   # vLLM first..last writing it
     project: str | None = None         # a line only that project writes
     cite: str = ""
+    also: Callable[[dict[str, str], dict[str, Any]], None] | None = field(default=None, compare=False)
     pieces: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
+    units: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pieces", tuple(_compile(self.template)))
+        pieces = tuple(_compile(self.template))
+        object.__setattr__(self, "pieces", tuple((kind, value.partition(":")[0] if kind == "num" else value)
+                                                 for kind, value in pieces))
+        object.__setattr__(self, "units", {value.partition(":")[0]: value.partition(":")[2]
+                                           for kind, value in pieces if kind == "num"})
 
     def match(self, line: str) -> dict[str, str] | None:
         kind, anchor = self.pieces[0]
@@ -72,8 +78,9 @@ class LineKind:
 
 
 def _compile(template: str) -> Iterator[tuple[str, str]]:
-    """``"took {w} GiB … and"`` -> (lit, "took "), (num, "w"), (lit, " GiB"), (skip, ""), (lit, " and")."""
-    for part in re.split(r"(\{[a-z_]+\}|…)", template):
+    """``"took {weights_bytes:gib} GiB … and"`` -> (lit, "took "), (num, "weights_bytes:gib"), (lit, " GiB"),
+    (skip, ""), (lit, " and"). A slot names the fact it states and its unit (gib, int, float)."""
+    for part in re.split(r"(\{[a-z_]+:[a-z]+\}|…)", template):
         if not part:
             continue
         if part == "…":
@@ -113,72 +120,99 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dic
     return found
 
 
+def _util_decimals(found: dict[str, str], f: dict[str, Any]) -> None:
+    # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14: it tells the eras apart.
+    f["_util_decimals"] = len(found["gpu_memory_utilization"].partition(".")[2])
+
+
+def _kv_cache_memory_decided(found: dict[str, str], f: dict[str, Any]) -> None:
+    f.setdefault("available_kv_cache_bytes", f["kv_cache_memory_bytes"])
+
+
+def _cudagraph_utilization(found: dict[str, str], f: dict[str, Any]) -> None:
+    f.setdefault("gpu_memory_utilization", f["_cudagraph_util"])
+
+
+def _halved(found: dict[str, str], f: dict[str, Any]) -> None:
+    f["halved_for_workspace"] = True
+
+
 # The templates, by the releases that write them (research: the wheels' format strings).
 KINDS: tuple[LineKind, ...] = (
     # Weights: "%.4f GiB and %.6f seconds" (0.10.2-0.11), "… GiB memory and …" (0.12+ v1 runner),
     # format_gib from 0.14; V0's "Loading model weights took %.4f GB" divides by 2**30 too.
-    LineKind("model_loading", "Model loading took {weights} GiB",
+    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB",
              cite="v1/worker/gpu_model_runner.py 0.11.0:2653, 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442"),
-    LineKind("model_loading", "Loading model weights took {weights} GB",
+    LineKind("model_loading", "Loading model weights took {weights_bytes:gib} GB",
              cite="worker/model_runner.py 0.6.4:1077; vllm-ascend model_runner_v1.py"),
     # "Initial free memory: %.2f GiB; Requested memory: %.2f (util), %.2f GiB" (<= 0.13, util 2 decimals);
     # "%s GiB; Requested memory: %f (util), %s GiB" (0.14+, util 6 decimals).
-    LineKind("requested_memory", "Initial free memory: {init_free} GiB; Requested memory: {util} (util), "
-             "{requested} GiB", releases=(V("0.9.1"), None),
+    LineKind("requested_memory", "Initial free memory: {init_free_memory_bytes:gib} GiB; Requested memory: "
+             "{gpu_memory_utilization:float} (util), {requested_memory_bytes:gib} GiB", releases=(V("0.9.1"), None),
+             also=_util_decimals,
              cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
-    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free} GiB, reserved {kv_cache_memory}…"
+    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free_memory_bytes:gib} GiB, reserved {kv_cache_memory_bytes:gib}…"
              "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.9.1"), None),
+             also=_kv_cache_memory_decided,
              cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708"),
     # 0.10.2-0.11 wrote "This does does not respect" in that line (w 0.11.0:245); 0.12 fixed the words.
     LineKind("era_hint", "skipped memory profiling. This does does not respect", releases=(V("0.9.1"), V("0.11.2")),
              cite="w 0.11.0:240-251, 0.13.0:316-327"),
-    LineKind("profile_peak", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
-             "non-torch forward increase memory: {non_torch}GiB; weights memory: {weights}GiB",
+    LineKind("profile_peak", "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
+             "{peak_allocated_increase_bytes:gib}GiB; non-torch forward increase memory: "
+             "{non_torch_increase_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
              releases=(V("0.9.1"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),
-    LineKind("profile_consumed", "Total non KV cache memory: {non_kv}GiB; torch peak memory increase: {peak}GiB; "
-             "total consumed (from mem_get_info): {consumed}GiB; weights memory: {weights}GiB",
+    LineKind("profile_consumed", "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
+             "{peak_allocated_increase_bytes:gib}GiB; total consumed (from mem_get_info): "
+             "{total_consumed_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
              releases=(V("0.27.0"), None), cite="mu 0.27.0:220-231, 0.34.0:231-242"),
-    LineKind("init_snapshot", "worker init memory snapshot: …free_memory={free}GiB, total_memory={total}GiB",
+    LineKind("init_snapshot", "worker init memory snapshot: …free_memory={_snapshot_free:gib}GiB, "
+             "total_memory={total_memory_bytes:gib}GiB",
              releases=(V("0.14.0"), None), cite="w 0.14.0:235; mu 0.14.0:91-102 MemorySnapshot.__repr__"),
     LineKind("cudagraph", "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
-             "--gpu-memory-utilization={util} is equivalent to --gpu-memory-utilization={equiv} without",
-             releases=(V("0.20.0"), None), cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820"),
+             "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
+             "{_cudagraph_equiv:float} without",
+             releases=(V("0.20.0"), None), cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820",
+             also=_cudagraph_utilization),
     LineKind("cudagraph", "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
-             "…The current --gpu-memory-utilization={util} is equivalent to --gpu-memory-utilization={equiv} "
-             "without", releases=(V("0.18.0"), V("0.19.1")), cite="w 0.18.0:472-484, 0.19.0:453"),
-    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_gib} GiB total",
+             "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
+             "--gpu-memory-utilization={_cudagraph_equiv:float} without", releases=(V("0.18.0"), V("0.19.1")), cite="w 0.18.0:472-484, 0.19.0:453"),
+    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_memory_bytes:gib} GiB total",
              releases=(V("0.20.0"), None), cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045"),
-    LineKind("available_kv_cache", "Available KV cache memory: {available} GiB",
+    LineKind("available_kv_cache", "Available KV cache memory: {_available_profiled:gib} GiB",
              cite="w 0.11.0:298, 0.14.0:358-362, 0.34.0:795-798"),
-    LineKind("kv_cache_size", " KV cache size: {tokens} tokens",
+    LineKind("kv_cache_size", " KV cache size: {kv_cache_tokens:int} tokens",
              cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092; 0.34.0:1157-1176 (one line with the concurrency)"),
-    LineKind("max_concurrency", "Maximum concurrency for {max_model_len} tokens per request: {concurrency}x",
+    LineKind("max_concurrency", "Maximum concurrency for {max_model_len:int} tokens per request: {max_concurrency:float}x",
              cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092, 0.30.0:2385-2401"),
-    LineKind("warmup_measured", "Memory after warmup: {free} GiB free, {committed} GiB committed to the KV cache, "
-             "{kept} GiB kept for transient activations ({transient} GiB allocated at peak, {growth} GiB of torch "
-             "reservation growth); {blocks} KV cache blocks ({kv} GiB) fit within the requested {requested} GiB",
+    LineKind("warmup_measured", "Memory after warmup: … GiB free, … GiB committed to the KV cache, … GiB kept for transient "
+             "activations (… GiB allocated at peak, … GiB of torch reservation growth); {_warmup_blocks:int} "
+             "KV cache blocks ({_warmup_kv:gib} GiB) fit within the requested ",
              releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709"),
-    LineKind("extended_kv_cache", "Extended KV cache to {blocks} blocks ({kv} GiB)",
+    LineKind("extended_kv_cache", "Extended KV cache to {num_gpu_blocks:int} blocks ({_extended_kv:gib} GiB)",
              releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540"),
-    LineKind("free_on_startup", "Free memory on device ({free}/{total} GiB) on startup. Desired GPU memory "
-             "utilization is ({util}", cite="w 0.11.0:185-195 (the refusal when free < requested)"),
+    LineKind("free_on_startup", "Free memory on device (…/{total_memory_bytes:gib} GiB) on startup. Desired GPU memory "
+             "utilization is ({gpu_memory_utilization:float}", cite="w 0.11.0:185-195 (the refusal when free < requested)"),
     # V0's worker (worker/worker.py): its lines pin the V0 row (the V0 engine stayed selectable
     # until 0.10, but kvguard's table follows each release's default engine).
-    LineKind("v0_can_use", "can use total_gpu_memory ({total}GiB) x gpu_memory_utilization ({util})",
+    LineKind("v0_can_use", "can use total_gpu_memory ({total_memory_bytes:gib}GiB) x gpu_memory_utilization "
+             "({gpu_memory_utilization:float})",
              releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
-    LineKind("v0_breakdown", "model weights take {weights}GiB; non_torch_memory takes {non_torch}GiB; PyTorch "
-             "activation peak memory takes {peak}GiB; the rest of the memory reserved for KV Cache is {available}GiB",
+    LineKind("v0_breakdown", "model weights take {weights_bytes:gib}GiB; non_torch_memory takes {non_torch_increase_bytes:gib}GiB; "
+             "PyTorch activation peak memory takes {peak_allocated_increase_bytes:gib}GiB; the rest of the memory "
+             "reserved for KV Cache is {_available_profiled:gib}GiB",
              releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
-    LineKind("v0_results", "Memory profiling results: total_gpu_memory={total}GiB…peak_torch_memory={peak_torch}GiB…"
-             "non_torch_memory={non_torch}GiB kv_cache_size={available}GiB gpu_memory_utilization={util}",
+    LineKind("v0_results", "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
+             "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
+             "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
              releases=(V("0.6.4"), V("0.6.4")), cite="worker/worker.py 0.6.4:232-243"),
     # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
-    LineKind("v0_blocks", "# … blocks: {blocks}", releases=(V("0.6.4"), V("0.8.4")),
+    LineKind("v0_blocks", "# … blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
              cite="executor/gpu_executor.py 0.6.4:113; executor/executor_base.py 0.7.0:110"),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
-    LineKind("ascend_available", "Available memory: {available}, total memory: {total}", project="vllm-ascend",
+    LineKind("ascend_available", "Available memory: {_available_profiled:int}, total memory: {total_memory_bytes:int}", project="vllm-ascend",
              cite="vllm_ascend/worker/worker_v1.py determine_available_memory (2025-07 .. 2025-11)"),
-    LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p",
+    LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p", also=_halved,
              cite="vllm_ascend/worker/worker_310p.py NPUWorker310"),
     # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM.
     LineKind("platform_plugin", "-> vllm_mindspore:", project="vllm-mindspore",
@@ -269,77 +303,18 @@ def _int(text: str) -> int:
     return int(_number(text))
 
 
-def _record(kind: str, m: dict[str, str], f: dict[str, Any]) -> None:
-    """What each line kind states, into the facts dict."""
-    if kind == "model_loading":
-        f["weights_bytes"] = _gib(m["weights"])
-    elif kind == "requested_memory":
-        f["init_free_memory_bytes"] = _gib(m["init_free"])
-        f["gpu_memory_utilization"] = _number(m["util"])
-        f["requested_memory_bytes"] = _gib(m["requested"])
-        f["_util_decimals"] = len(m["util"].partition(".")[2])
-    elif kind == "kv_cache_memory_bytes":
-        f["init_free_memory_bytes"] = _gib(m["init_free"])
-        f["kv_cache_memory_bytes"] = _gib(m["kv_cache_memory"])
-        f.setdefault("available_kv_cache_bytes", f["kv_cache_memory_bytes"])
-    elif kind == "profile_peak":
-        f["non_kv_cache_bytes"] = _gib(m["non_kv"])
-        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
-        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
-        f["weights_bytes"] = _gib(m["weights"])
-    elif kind == "profile_consumed":
-        f["non_kv_cache_bytes"] = _gib(m["non_kv"])
-        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
-        f["total_consumed_bytes"] = _gib(m["consumed"])
-        f["weights_bytes"] = _gib(m["weights"])
-    elif kind == "init_snapshot":
-        f["total_memory_bytes"] = _gib(m["total"])
-        f.setdefault("init_free_memory_bytes", _gib(m["free"]))
-    elif kind == "cudagraph":
-        f["_cudagraph_util_delta"] = _number(m["util"]) - _number(m["equiv"])
-        f.setdefault("gpu_memory_utilization", _number(m["util"]))
-    elif kind == "cudagraph_estimate":
-        f["cudagraph_memory_bytes"] = _gib(m["cudagraph_gib"])
-    elif kind == "available_kv_cache":
-        # Every worker logs its own; the engine keeps the smallest.
-        value = _gib(m["available"])
-        current = f.get("_available_profiled")
-        f["_available_profiled"] = value if current is None else min(value, current)
-    elif kind == "kv_cache_size":
-        f["kv_cache_tokens"] = _int(m["tokens"])
-    elif kind == "max_concurrency":
-        f["max_model_len"] = _int(m["max_model_len"])
-        f["max_concurrency"] = _number(m["concurrency"])
-    elif kind == "warmup_measured":
-        f["_warmup_blocks"] = _int(m["blocks"])
-        f["_warmup_kv"] = _gib(m["kv"])
-    elif kind == "extended_kv_cache":
-        f["num_gpu_blocks"] = _int(m["blocks"])
-        f["_extended_kv"] = _gib(m["kv"])
-    elif kind == "free_on_startup":
-        f["total_memory_bytes"] = _gib(m["total"])
-        f["gpu_memory_utilization"] = _number(m["util"])
-    elif kind == "v0_can_use":
-        f["total_memory_bytes"] = _gib(m["total"])
-        f["gpu_memory_utilization"] = _number(m["util"])
-    elif kind == "v0_breakdown":
-        f["weights_bytes"] = _gib(m["weights"])
-        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
-        f["peak_allocated_increase_bytes"] = _gib(m["peak"])
-        f["_available_profiled"] = _gib(m["available"])
-    elif kind == "v0_results":
-        f["total_memory_bytes"] = _gib(m["total"])
-        f["peak_torch_memory_bytes"] = _gib(m["peak_torch"])
-        f["non_torch_increase_bytes"] = _gib(m["non_torch"])
-        f["_available_profiled"] = _gib(m["available"])
-        f["gpu_memory_utilization"] = _number(m["util"])
-    elif kind == "v0_blocks":
-        f["num_gpu_blocks"] = _int(m["blocks"])
-    elif kind == "ascend_available":
-        f["_available_profiled"] = _int(m["available"])
-        f["total_memory_bytes"] = _int(m["total"])
-    elif kind == "ascend_halved":
-        f["halved_for_workspace"] = True
+_CONVERT = {"gib": _gib, "int": _int, "float": _number}
+
+
+def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
+    """What a line states, into the facts dict: each slot is a fact in its unit."""
+    for fact, text in found.items():
+        value = _CONVERT[kind.units[fact]](text)
+        if fact == "_available_profiled" and fact in f:
+            value = min(value, f[fact])     # every worker logs its own; the engine keeps the smallest
+        f[fact] = value
+    if kind.also is not None:
+        kind.also(found, f)
 
 
 def parse_lines(lines: Iterable[str]) -> StartupLog:
@@ -361,7 +336,7 @@ def parse_lines(lines: Iterable[str]) -> StartupLog:
                 found = kind.match(line)
                 if found is None:
                     continue
-                _record(kind.name, found, facts)
+                _record(kind, found, facts)
             except LogLineError as exc:
                 raise LogLineError(f"line {number}: {exc}") from None
             except (ValueError, OverflowError):
@@ -380,7 +355,11 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind]) -> Startu
     facts["era"] = candidates[0] if len(candidates) == 1 else None
     facts["era_candidates"] = tuple(candidates)
     facts["project"] = project
-    delta = facts.pop("_cudagraph_util_delta", None)
+    snapshot_free = facts.pop("_snapshot_free", None)
+    if snapshot_free is not None:
+        facts.setdefault("init_free_memory_bytes", snapshot_free)
+    util, equiv = facts.pop("_cudagraph_util", None), facts.pop("_cudagraph_equiv", None)
+    delta = util - equiv if util is not None and equiv is not None else None
     total = facts.get("total_memory_bytes")
     if total is None and facts.get("requested_memory_bytes") and facts.get("gpu_memory_utilization"):
         # The requested figure is total × utilization, printed to 0.01 GiB.
