@@ -449,9 +449,10 @@ def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
     if reserved is None:
         _failed("budget", "the reserved increase was not measured; keeping vLLM's KV cache budget")
         return None
-    # What vLLM returned may differ from the formula by what it applies after (multimodal IPC reserve).
-    return reserved + (available - stock_kv_cache_bytes(profile)) if reserved < stock_kv_cache_bytes(profile) \
-        else None
+    # vLLM's figure less the overcommit: what vLLM applies after the formula (its multimodal IPC
+    # reserve) stays applied.
+    overcommit = stock_kv_cache_bytes(profile) - reserved
+    return available - overcommit if overcommit > 0 else None
 
 
 def _with_cleared(profile: Any, available: Any) -> Any:
