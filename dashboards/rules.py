@@ -291,7 +291,7 @@ def validate(config: dict) -> None:
 
 def number(value: int | float) -> str:
     """A threshold as PromQL and the chart write it: integral values without a fraction."""
-    if float(value).is_integer() and abs(value) < 2 ** 53:
+    if float(value).is_integer() and abs(value) < 1e15:
         return str(int(value))
     return repr(float(value))
 
@@ -423,6 +423,8 @@ def load_config(path: str) -> dict:
         raise ConfigError(f"{path}: not YAML: {str(exc).splitlines()[0]}") from None
     if data is None:
         return {}
+    if isinstance(data, dict) and isinstance(data.get("prometheusRule"), dict):
+        data = data["prometheusRule"]          # a chart values file: its prometheusRule block
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a map like the chart's prometheusRule values")
     return data
