@@ -23,7 +23,10 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from monitoring import DASHBOARD_JSON, DASHBOARDS, RULES_DIR, documented_serve_flags, documented_serve_port
+from monitoring import (
+    CUSTOM_RULES_VALUES, DASHBOARD_JSON, DASHBOARDS, KVGUARD_METRIC, RULES_DIR, custom_rules_config, documented_serve_flags,
+    documented_serve_port, rules_generator,
+)
 
 CHART = os.path.join(ROOT, "helm", "kvguard")
 RULE_FILES = ("kvguard-recording.yaml", "kvguard-alerts.yaml")
@@ -248,6 +251,60 @@ def test_prometheus_rule_groups_equal_the_rule_files():
         with open(os.path.join(RULES_DIR, name)) as handle:
             expected += yaml.safe_load(handle)["groups"]
     assert only(render(), "PrometheusRule")["spec"]["groups"] == expected
+
+
+CUSTOM_RULES = os.path.join("ci", os.path.basename(CUSTOM_RULES_VALUES))
+
+
+def _rules_by_name(groups: list[dict]) -> dict[str, dict]:
+    return {rule.get("alert") or rule["record"]: rule for group in groups for rule in group["rules"]}
+
+
+def test_prometheus_rule_from_non_default_values_is_what_the_generator_writes_from_them():
+    # One source: the chart fills the generator's template as dashboards/rules.py fills it.
+    generator = rules_generator()
+    expected = []
+    for text in generator.outputs(custom_rules_config(), output_dir="/nonexistent", chart=False).values():
+        expected += yaml.safe_load(text)["groups"]
+    assert only(render(CUSTOM_RULES), "PrometheusRule")["spec"]["groups"] == expected
+
+
+def test_prometheus_rule_values_change_the_rendered_rules():
+    default = _rules_by_name(only(render(), "PrometheusRule")["spec"]["groups"])
+    custom = _rules_by_name(only(render(CUSTOM_RULES), "PrometheusRule")["spec"]["groups"])
+    assert default.keys() == custom.keys()
+    assert custom["KVGuardHeadroomLow"]["expr"] == \
+        'kvguard_guard_headroom_bytes{job="llm-guard"} / kvguard_guard_capacity_bytes{job="llm-guard"} < 0.1'
+    assert custom["KVGuardFragmentationHigh"]["expr"].endswith('kvguard_allocator_fragmentation_bytes'
+                                                             '{job="llm-guard"} > 4294967296')
+    assert custom["KVGuardOOMRiskCritical"]["for"] == "5m" and default["KVGuardOOMRiskCritical"]["for"] == "2m"
+    assert custom["KVGuardExporterDown"]["annotations"]["runbook_url"] == \
+        "https://runbooks.example.com/kvguard/kvguardexporterdown.html"
+    # Every rule reading a series of kvguard's own (not only recorded ones) reads it through the selector.
+    reads_raw = {name for name, rule in default.items() if KVGUARD_METRIC.search(rule["expr"]) or "up{" in rule["expr"]}
+    assert len(reads_raw) == 20         # 9 alerts, 11 deployment-level recording rules
+    assert all(custom[name]["expr"] != default[name]["expr"] for name in reads_raw)
+
+
+def test_one_threshold_set_on_the_command_line_moves_only_its_alert():
+    default = _rules_by_name(only(render(), "PrometheusRule")["spec"]["groups"])
+    changed = _rules_by_name(only(render(None, "--set-json", "prometheusRule.thresholds.headroomRatio=0.2"),
+                                  "PrometheusRule")["spec"]["groups"])
+    assert {name for name in default if default[name] != changed[name]} == {"KVGuardHeadroomLow"}
+    assert changed["KVGuardHeadroomLow"]["expr"].endswith("< 0.2")
+
+
+@pytest.mark.parametrize("setting", [
+    "prometheusRule.thresholds.headroomRatio=0.2",          # --set passes it as a string
+    "prometheusRule.thresholds.headroomRatoi=1",
+    "prometheusRule.for.KVGuardAllocatorOOMs=5m",
+    "prometheusRule.for.KVGuardHeadroomLow=ten",
+    "prometheusRule.runbookUrl=https://runbooks.example.com/kvguard",
+])
+def test_bad_prometheus_rule_values_are_refused_by_the_schema(setting):
+    result = helm(*template_args(None, "--set", setting))
+    assert result.returncode != 0
+    assert SCHEMA_ERROR in result.stderr
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
@@ -510,10 +567,11 @@ def test_service_monitor_selects_a_service_that_selects_the_pods(values):
 
 
 def _exporter_down_job_regex(docs: list[dict]) -> str:
+    """The job KVGuardExporterDown selects, as an anchored regex (job="x" or job=~"x")."""
     rules = [rule for group in only(docs, "PrometheusRule")["spec"]["groups"] for rule in group["rules"]]
     (expr,) = [rule["expr"] for rule in rules if rule.get("alert") == "KVGuardExporterDown"]
-    (regex,) = re.findall(r'^up\{job=~"([^"]+)"\} == 0$', expr.strip())
-    return regex
+    ((op, value),) = re.findall(r'^up\{job(=~|=)"([^"]+)"\} == 0$', expr.strip())
+    return value if op == "=~" else re.escape(value)
 
 
 def _scrape_job(docs: list[dict], kind: str) -> str:
@@ -535,6 +593,13 @@ def test_exporter_down_alert_selects_the_scrape_job_whatever_the_release_is_call
     job = _scrape_job(docs, kind)
     assert job == "kvguard"
     assert re.fullmatch(_exporter_down_job_regex(docs), job)
+
+
+def test_exporter_down_alert_follows_a_job_selector_set_with_a_relabeled_job():
+    docs = render(CUSTOM_RULES)
+    assert _scrape_job(docs, "PodMonitor") == "llm-guard"
+    assert re.fullmatch(_exporter_down_job_regex(docs), "llm-guard")
+    assert not re.fullmatch(_exporter_down_job_regex(docs), "kvguard")
 
 
 def test_monitor_kind_none_renders_no_monitor():
