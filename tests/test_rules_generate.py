@@ -155,3 +155,23 @@ def test_merge_leaves_the_defaults_untouched():
     before = copy.deepcopy(GENERATOR.DEFAULTS)
     GENERATOR.merge({"thresholds": {"headroomRatio": 0.5}, "for": {"KVGuardHeadroomLow": "1h"}})
     assert GENERATOR.DEFAULTS == before
+
+
+def alert_table(path: str) -> dict[str, tuple[str, str]]:
+    """alert name -> (For, Severity) from a markdown table whose first column names the alert."""
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"\[?(KVGuard\w+)(?:\]\(runbook\.md#\w+\))?", cells[0]) if len(cells) >= 4 else None
+        if match:
+            rows[match.group(1)] = (cells[2], cells[3])
+    return rows
+
+
+@pytest.mark.parametrize("doc", ["README.md", os.path.join("docs", "dashboards.md")])
+def test_the_docs_alert_tables_give_the_default_for_and_severity_of_every_alert(doc):
+    rules = load_yaml(ALERTS_FILE)["groups"][0]["rules"]
+    expected = {a["alert"]: (GENERATOR.DEFAULTS["for"].get(a["alert"], "—"), a["labels"]["severity"]) for a in rules}
+    assert alert_table(os.path.join(ROOT, doc)) == expected
