@@ -49,6 +49,13 @@ def sim_identity(prefix: str, rank: int) -> tuple[str, str]:
     return f"npu-phy-{rank}", f"0000:{0x80 + rank:02X}:00.0"
 
 
+def renumbered(record: DeviceMemory, prefix: str, index: int) -> DeviceMemory:
+    """``record`` as device ``prefix:index`` of one node, with that device's simulated identity (for
+    callers that number several sim sources' ranks as one node's devices, like the demo)."""
+    device_uuid, pci_bus_id = sim_identity(prefix, index)
+    return replace(record, device=f"{prefix}:{index}", device_uuid=device_uuid, pci_bus_id=pci_bus_id)
+
+
 class SimSource:
     """``ranks`` simulated serving ranks. ``scenario`` options go to ``ScenarioConfig``
     (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …)."""
