@@ -201,3 +201,22 @@ def test_chart_renders_the_join_rules_only_when_asked(tmp_path):
         assert joins["spec"]["groups"] == yaml.safe_load(handle)["groups"]
     off = render(None, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false")
     assert [d for d in off if d["kind"] == "PrometheusRule"] == []
+
+
+def documented_joins() -> list[str]:
+    """The ad-hoc queries of docs/metrics.md "Joining other exporters", comments dropped."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "metrics.md")) as handle:
+        text = handle.read()
+    section = text[text.index("## Joining other exporters"):]
+    block = section[section.index("```promql") + len("```promql"):section.index("```", section.index("```promql") + 9)]
+    queries = [" ".join(line for line in chunk.splitlines() if line.strip() and not line.strip().startswith("#"))
+               for chunk in block.strip().split("\n\n")]
+    assert len(queries) == 2, queries
+    return queries
+
+
+def test_the_documented_ad_hoc_joins_have_one_row_per_device(joined):
+    dcgm_join, npu_join = documented_joins()
+    assert sorted(r["device_uuid"] for r in rows(joined, dcgm_join, 2)) == \
+        sorted(sim_identity("cuda", rank)[0] for rank in (0, 1))
+    assert sorted(r["device"] for r in rows(joined, npu_join, 8)) == sorted(c.device for c in npu_chips())
