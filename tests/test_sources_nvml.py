@@ -47,10 +47,10 @@ class FakeNvml(types.SimpleNamespace):
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
     def __init__(self, devices, init_error=None, v2=True, processes_error=None, uuids=None, bus_ids=None,
-                 migs=None, mig_slots=7, mig_capable=True, uuid_error=None):
+                 migs=None, mig_slots=7, mig_capable=True, uuid_error=None, mig_error=None):
         super().__init__(devices=devices, init_error=init_error, v2=v2, processes_error=processes_error,
                          inits=0, shutdowns=0, calls=[], migs=migs or {}, mig_slots=mig_slots,
-                         mig_capable=mig_capable, uuid_error=uuid_error,
+                         mig_capable=mig_capable, uuid_error=uuid_error, mig_error=mig_error,
                          uuids=uuids or [f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in range(len(devices))],
                          bus_ids=bus_ids or [f"00000000:{0x18 + i:02X}:00.0".encode() for i in range(len(devices))])
 
@@ -114,6 +114,8 @@ class FakeNvml(types.SimpleNamespace):
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, index):
         self.calls.append(("mig_handle", handle, index))
+        if self.mig_error is not None and index == 1:
+            raise pynvml.NVMLError(self.mig_error)
         if index not in self.migs.get(handle, {}):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return ("mig", handle, index)
@@ -274,3 +276,9 @@ def test_a_broken_library_slot_count_is_bounded():
 def test_mig_flag_must_be_a_bool():
     with pytest.raises(SourceError, match="mig must be true or false"):
         NvmlSource(FakeNvml([]), mig="yes")
+
+
+def test_a_mig_read_that_fails_keeps_the_gpus_and_the_mig_devices_read_before_it():
+    migs = {0: {0: (MIG_UUIDS[0], MIG_1G, []), 2: (MIG_UUIDS[1], MIG_3G, [])}}
+    nvml = FakeNvml([(H200, []), (H200, [])], migs=migs, mig_error=pynvml.NVML_ERROR_NO_PERMISSION)
+    assert [r.device for r in NvmlSource(nvml, mig=True).sample()] == ["cuda:0", "cuda:0/mig:0", "cuda:1"]

@@ -7,6 +7,7 @@ small probe there and a sidecar outside it::
     kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
     kvguard.probe.set_profile(profile)          # kvguard.estimator.Profile, after vLLM profiled
     kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.KVCacheAllocation
+    kvguard.probe.set_engine("qwen-7b", 0)      # served model name, engine (data-parallel) index
     kvguard.probe.stop()
 
 Every ``interval`` seconds a daemon thread asks the source for one record per device

@@ -12,7 +12,8 @@ MIG (``mig=True``, ``kvguard serve --nvml-mig``): a GPU in MIG mode
 (``nvmlDeviceGetMigMode`` current mode ``NVML_DEVICE_MIG_ENABLE``) is followed by one record
 per MIG device (``nvmlDeviceGetMaxMigDeviceCount`` slots, ``nvmlDeviceGetMigDeviceHandleByIndex``;
 an empty slot answers ``NVML_ERROR_NOT_FOUND``), labelled ``cuda:<gpu>/mig:<slot>`` with the MIG
-device's own UUID and its parent's PCI bus id. It is off by default: it costs one call per slot
+device's own UUID and its parent's PCI bus id; another NVML error there ends that GPU's MIG list,
+never the read. It is off by default: it costs one call per slot
 (seven on an H100) per sample, on every GPU.
 """
 
@@ -114,16 +115,20 @@ class NvmlSource:
             return []        # NVML_ERROR_NOT_SUPPORTED: a GPU without MIG
         if current != _MIG_ENABLE:
             return []
-        records = []
-        for slot in range(min(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)), MAX_MIG_SLOTS)):
-            try:
-                mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-            except nvml.NVMLError as exc:
-                if getattr(exc, "value", None) == _NOT_FOUND:
-                    continue     # an empty slot
-                raise
-            # The MIG device's own PCI info is its parent's: reuse the parent's bus id.
-            records.append(cls._read(nvml, mig, f"cuda:{index}/mig:{slot}", pci_bus_id))
+        records: list[DeviceMemory] = []
+        try:
+            slots = min(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)), MAX_MIG_SLOTS)
+            for slot in range(slots):
+                try:
+                    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+                except nvml.NVMLError as exc:
+                    if getattr(exc, "value", None) == _NOT_FOUND:
+                        continue     # an empty slot
+                    raise
+                # The MIG device's own PCI info is its parent's: reuse the parent's bus id.
+                records.append(cls._read(nvml, mig, f"cuda:{index}/mig:{slot}", pci_bus_id))
+        except nvml.NVMLError:
+            pass     # MIG devices are an extra: a failure there never costs the GPUs' own records
         return records
 
     @staticmethod
