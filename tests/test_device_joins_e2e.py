@@ -220,3 +220,11 @@ def test_the_documented_ad_hoc_joins_have_one_row_per_device(joined):
     assert sorted(r["device_uuid"] for r in rows(joined, dcgm_join, 2)) == \
         sorted(sim_identity("cuda", rank)[0] for rank in (0, 1))
     assert sorted(r["device"] for r in rows(joined, npu_join, 8)) == sorted(c.device for c in npu_chips())
+
+
+def test_promtool_checks_the_join_rules_with_lint_fatal():
+    from monitoring import promtool
+
+    result = subprocess.run([promtool(), "check", "rules", "--lint=all", "--lint-fatal", JOINS_FILE],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
