@@ -255,7 +255,7 @@ def merge(config: dict | None) -> dict:
     """DEFAULTS overlaid with config (nested maps key by key, as Helm merges values)."""
     merged = copy.deepcopy(DEFAULTS)
     config = dict(config or {})
-    for key in ("enabled", "labels"):      # a chart's prometheusRule block may be passed whole
+    for key in ("enabled", "labels", "deviceJoins"):    # a chart's prometheusRule block may be passed whole
         config.pop(key, None)
     unknown = set(config) - set(DEFAULTS)
     if unknown:

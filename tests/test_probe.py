@@ -389,3 +389,24 @@ def test_an_exception_whose_str_raises_is_counted_not_printed(spool, capfd):
     assert probe.status.errors_total >= 3
     assert probe.status.last_error == "unprintable: UnprintableError"
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_set_engine_names_the_engine_in_every_snapshot_and_refuses_wrong_types(tmp_path):
+    from kvguard.spool import read_spool
+
+    class One:
+        name = "one"
+
+        def sample(self):
+            from kvguard.records import DeviceMemory
+            return [DeviceMemory(device="cuda:0", source="one", allocated_bytes=1)]
+
+    probe_ = Probe(str(tmp_path), source=One(), interval=1.0)
+    probe_.set_engine("qwen-7b", 2)
+    probe_.run_once()
+    [snap] = read_spool(str(tmp_path)).snapshots
+    assert (snap.model_name, snap.engine) == ("qwen-7b", "2")
+    with pytest.raises(TypeError):
+        probe_.set_engine(["qwen"], 0)
+    with pytest.raises(TypeError):
+        probe_.set_engine("qwen", True)

@@ -66,7 +66,7 @@ def test_the_default_output_is_the_committed_files(tmp_path):
 
 def test_chart_values_defaults_are_the_generators_defaults():
     values = load_yaml(VALUES)["prometheusRule"]
-    assert {k: v for k, v in values.items() if k not in ("enabled", "labels")} == GENERATOR.DEFAULTS
+    assert {k: v for k, v in values.items() if k not in ("enabled", "labels", "deviceJoins")} == GENERATOR.DEFAULTS
 
 
 def test_chart_schema_names_exactly_the_configs_thresholds_and_alerts():
@@ -111,6 +111,14 @@ def test_a_chart_values_file_is_read_for_its_prometheus_rule_block(tmp_path):
     result = generate("--config", CUSTOM_RULES_VALUES, "--output-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert 'job="llm-guard"' in (tmp_path / "kvguard-alerts.yaml").read_text()
+
+
+def test_the_charts_own_values_file_is_a_config_giving_the_defaults(tmp_path):
+    # Chart-only switches in the prometheusRule block (enabled, labels, deviceJoins) are not rule config.
+    result = generate("--config", VALUES, "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for name in ("kvguard-alerts.yaml", "kvguard-recording.yaml"):
+        assert (tmp_path / name).read_text() == open(os.path.join(ROOT, "dashboards", "rules", name)).read()
 
 
 @pytest.mark.parametrize("config, message", [

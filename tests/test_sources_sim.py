@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 
 from kvguard.model_config import bundled_model_config_path, load_model_config
@@ -16,8 +19,8 @@ def test_torch_ranks_are_read_with_the_torch_sources_reader():
     [record] = source.sample()
     scenario = source._scenarios[0]
     free, total = scenario.device_memory()
-    assert record == torch_source.device_memory_from_stats(scenario.memory_stats(), "cuda:0", "sim",
-                                                           free_bytes=free, total_bytes=total)
+    assert replace(record, device_uuid="", pci_bus_id="") == torch_source.device_memory_from_stats(
+        scenario.memory_stats(), "cuda:0", "sim", free_bytes=free, total_bytes=total)
     assert record.reserved_bytes >= record.allocated_bytes > 0
 
 
@@ -26,8 +29,8 @@ def test_mindspore_ranks_are_read_with_the_mindspore_sources_reader():
     [record] = source.sample()
     scenario = source._scenarios[0]
     free, total = scenario.device_memory()
-    assert record == mindspore_source.device_memory_from_stats(scenario.memory_stats(), "npu:0", "sim",
-                                                               free_bytes=free, total_bytes=total)
+    assert replace(record, device_uuid="", pci_bus_id="") == mindspore_source.device_memory_from_stats(
+        scenario.memory_stats(), "npu:0", "sim", free_bytes=free, total_bytes=total)
     assert record.idle_bytes is not None and record.alloc_retries is None
 
 
@@ -90,3 +93,16 @@ def test_bad_options_are_one_line_errors():
         SimSource(allocator="jax")
     with pytest.raises(SourceError, match="sim model config /nonexistent.json"):
         SimSource(model_config="/nonexistent.json")
+
+
+def test_simulated_devices_have_stable_distinct_identities_shaped_like_the_real_ones():
+    first = SimSource(ranks=3, allocator="torch").sample()
+    again = SimSource(ranks=3, allocator="torch", seed=99).sample()   # another run, other requests
+    assert [(r.device_uuid, r.pci_bus_id) for r in first] == [(r.device_uuid, r.pci_bus_id) for r in again]
+    assert len({r.device_uuid for r in first}) == len({r.pci_bus_id for r in first}) == 3
+    hexes = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    assert all(re.fullmatch(f"GPU-{hexes}", r.device_uuid) for r in first)
+    assert all(re.fullmatch(r"[0-9A-F]{8}:[0-9A-F]{2}:00\.0", r.pci_bus_id) for r in first)
+    npus = SimSource(ranks=64, allocator="mindspore").sample()
+    assert [r.device_uuid for r in npus[:2]] == ["npu-phy-0", "npu-phy-1"]
+    assert all(re.fullmatch(r"0000:[0-9A-F]{2}:00\.0", r.pci_bus_id) for r in npus)

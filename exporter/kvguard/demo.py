@@ -19,6 +19,7 @@ from typing import Any
 
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext
+from kvguard.sources.sim import renumbered
 
 GIB = 1 << 30
 SERVING = {"allocator": "torch_npu", "device_memory_bytes": 32 * GIB, "gpu_memory_utilization": 0.95,
@@ -53,7 +54,7 @@ class DemoSource:
             records = []
             for part, offset in self._parts:
                 for index, record in enumerate(part.sample()):
-                    records.append(dataclasses.replace(record, device=f"npu:{offset + index}"))
+                    records.append(renumbered(record, "npu", offset + index))
             return records
 
     def rank_contexts(self) -> dict[str, RankContext]:

@@ -7,6 +7,7 @@ small probe there and a sidecar outside it::
     kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
     kvguard.probe.set_profile(profile)          # kvguard.estimator.Profile, after vLLM profiled
     kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.KVCacheAllocation
+    kvguard.probe.set_engine("qwen-7b", 0)      # served model name, engine (data-parallel) index
     kvguard.probe.stop()
 
 Every ``interval`` seconds a daemon thread asks the source for one record per device
@@ -128,6 +129,7 @@ class Probe:
         self._sequence: dict[str, int] = {}
         self._profiles: dict[str | None, Profile | None] = {}
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
+        self._engine = ("", "")       # (served model name, engine index) of the serving engine
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -171,6 +173,16 @@ class Probe:
             raise TypeError(f"kv_cache must be a kvguard.spool.KVCacheAllocation, got {type(kv_cache).__name__}")
         with self._lock:
             self._kv_caches[device] = kv_cache
+
+    def set_engine(self, model_name: str | None, engine: str | int | None = None) -> None:
+        """The serving engine this process belongs to, as vLLM labels its own series: the served
+        model name (``model_name``) and the engine index (``engine``, the data-parallel rank)."""
+        if model_name is not None and not isinstance(model_name, str):
+            raise TypeError(f"model_name must be a string, got {type(model_name).__name__}")
+        if engine is not None and (isinstance(engine, bool) or not isinstance(engine, (str, int))):
+            raise TypeError(f"engine must be a string or an index, got {type(engine).__name__}")
+        with self._lock:
+            self._engine = (model_name or "", "" if engine is None else str(engine))
 
     @property
     def status(self) -> ProbeStatus:
@@ -256,11 +268,12 @@ class Probe:
                 profile = _pick(self._profiles, record.device, context.profile)
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
                 status = self._status()
+                model_name, engine = self._engine
             snapshot = Snapshot(
                 written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
                 pid=os.getpid(), device=record.device, memory=record,
                 rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
-                profile=profile, kv_cache=kv_cache, probe=status)
+                profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine)
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -384,7 +397,13 @@ def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) 
     return _apply("set_kv_cache", kv_cache, device)
 
 
-def _apply(method: str, value: Any, device: str | None) -> bool:
+def set_engine(model_name: str | None, engine: str | int | None = None) -> bool:
+    """Name the serving engine in the snapshots (vLLM's ``model_name`` and ``engine`` labels).
+    Never raises; False when not applied."""
+    return _apply("set_engine", model_name, engine)
+
+
+def _apply(method: str, value: Any, device: Any) -> bool:
     probe = _PROBE
     if probe is None:
         return False

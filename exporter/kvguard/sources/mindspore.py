@@ -24,6 +24,13 @@ releases that also misspell ``total_allocatd_memory``; ``persistent_mem_pool_sta
 are read by :func:`pool_blocks` for their ``block_counts`` and ``block_unit_size``;
 their ``blocks_info`` keys are pointer capsules and are never read.
 
+Identity: MindSpore exposes no device UUID or PCI address. ``hal.get_device_properties`` has
+``name``, ``total_memory`` and ``free_memory`` on Ascend (plus compute-capability fields on GPU) in
+2.10 (hal/device.py); MindSpore itself learns a chip's PCIe address by running ``npu-smi info -t board`` and
+reading its ``PCIe Bus Info`` line (runtime/thread_bind_core.py ``_get_pcie_info``, 2.10). So
+``device_uuid`` and ``pci_bus_id`` stay empty on MindSpore ranks; the npu-smi device source carries
+the chip's Bus-Id.
+
 Every stats call synchronises MindSpore's runtime pipeline (``WaitAll``) in newer builds,
 so keep the probe interval coarse.
 """

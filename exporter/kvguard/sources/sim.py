@@ -16,6 +16,8 @@ source also tells the probe each rank's startup Profile and KV-cache allocation
 from __future__ import annotations
 
 import threading
+import uuid
+from dataclasses import replace
 from typing import Any, Mapping
 
 from kvguard.estimator import ConfigError
@@ -36,6 +38,22 @@ def record_from_scenario(scenario: Any, device: str, source: str) -> DeviceMemor
     free, total = scenario.device_memory()
     reader = mindspore_source if scenario.config.allocator == "mindspore" else torch_source
     return reader.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total)
+
+
+def sim_identity(prefix: str, rank: int) -> tuple[str, str]:
+    """A simulated device's (device_uuid, pci_bus_id): the same for a rank in every run and restart,
+    written as the real sources write them (NVML ``GPU-<uuid>``, ``%08X:%02X:%02X.0``; npu-smi's
+    ``Bus-Id``), from a name-based UUID that no real device has."""
+    if prefix == "cuda":
+        return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'kvguard-sim:cuda:{rank}')}", f"00000000:{0x18 + rank:02X}:00.0"
+    return f"npu-phy-{rank}", f"0000:{0x80 + rank:02X}:00.0"
+
+
+def renumbered(record: DeviceMemory, prefix: str, index: int) -> DeviceMemory:
+    """``record`` as device ``prefix:index`` of one node, with that device's simulated identity (for
+    callers that number several sim sources' ranks as one node's devices, like the demo)."""
+    device_uuid, pci_bus_id = sim_identity(prefix, index)
+    return replace(record, device=f"{prefix}:{index}", device_uuid=device_uuid, pci_bus_id=pci_bus_id)
 
 
 class SimSource:
@@ -107,7 +125,9 @@ class SimSource:
             scenario.step()
         if scenario.finished:
             self._shown_final[rank] = True
-        return record_from_scenario(scenario, self.device(rank), self.name)
+        device_uuid, pci_bus_id = sim_identity(self._prefix, rank)
+        return replace(record_from_scenario(scenario, self.device(rank), self.name),
+                       device_uuid=device_uuid, pci_bus_id=pci_bus_id)
 
     def rank_contexts(self) -> dict[str, RankContext]:
         with self._lock:
