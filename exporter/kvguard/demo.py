@@ -10,8 +10,9 @@ reserved memory and their gap moving from sample to sample, and a guard that tri
 Every rank serves Qwen2.5-7B on a 32 GiB torch_npu device with vLLM's stock budget, advancing
 ``STEPS_PER_SAMPLE`` scheduler steps per probe sample (one sample a second):
 
-- every rank but the last at ``--gpu-memory-utilization 0.90``: overcommitted (warning), its
-  projected peak fits, and it serves on;
+- every rank but the last at ``--gpu-memory-utilization 0.90`` with ``max_split_size_mb:256``:
+  overcommitted (warning), its projected peak fits, and it serves on, its reserved memory rising and
+  falling with the load;
 - the last rank at 0.95, busier, and keeping ``LEAK`` bytes of device memory for every request it
   finishes: its reserved memory climbs past what the startup profile projected (warning, then
   critical once the projected peak exceeds the device), the allocator runs out of memory, the rank
@@ -33,9 +34,11 @@ GIB = 1 << 30
 MIB = 1 << 20
 STEPS_PER_SAMPLE = 4
 LEAK = 4 * MIB
-SERVING = {"allocator": "torch_npu", "device_memory_bytes": 32 * GIB, "gpu_memory_utilization": 0.90,
-           "budget": "stock"}
-TRIPPING = {**SERVING, "gpu_memory_utilization": 0.95}
+RANK = {"allocator": "torch_npu", "device_memory_bytes": 32 * GIB, "budget": "stock"}
+# max_split_size_mb:256 (PYTORCH_NPU_ALLOC_CONF): on a miss the allocator hands its cached oversize
+# blocks back to the device before it asks for more, so reserved follows the load instead of holding.
+SERVING = {**RANK, "gpu_memory_utilization": 0.90, "max_split_size_bytes": 256 * MIB}
+TRIPPING = {**RANK, "gpu_memory_utilization": 0.95}
 
 
 def traffic(tripping: bool) -> Any:
