@@ -14,9 +14,8 @@ move from sample to sample; ``kvguard serve --demo`` uses it.
 
 A scenario that finishes (all requests served, OOM, or no room for the cache) is shown
 once in its final state, then restarted with a new seed (so a new arrival sequence), so a demo
-runs forever. The
-source also tells the probe each rank's startup Profile and KV-cache allocation
-(``rank_contexts()``), which the probe writes into that rank's snapshot.
+runs forever. The source also tells the probe each rank's startup Profile and KV-cache
+allocation (``rank_contexts()``), which the probe writes into that rank's snapshot.
 """
 
 from __future__ import annotations
