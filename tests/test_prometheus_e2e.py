@@ -238,7 +238,7 @@ def test_recording_rule_records_series(stack, record):
 
 
 def test_the_demos_tripping_rank_makes_oom_risk_critical_pending_or_firing(stack):
-    # The demo's last rank is critical from startup (docs: `kvguard serve --demo`).
+    # The demo's last rank turns critical within seconds of each start (docs: `kvguard serve --demo`).
     def oom_risk():
         return [a for a in stack.api("alerts")["data"]["alerts"]
                 if a["labels"]["alertname"] == "KVGuardOOMRiskCritical"]

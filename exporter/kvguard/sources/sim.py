@@ -7,10 +7,15 @@ scenario's ``memory_stats()`` with the *same* key-reading code as the real sourc
 :func:`kvguard.sources.mindspore.device_memory_from_stats` for MindSpore's pool), so
 simulated and real counters take one path to the spool.
 
+With ``traffic`` (a :class:`kvguard.sim.traffic.Traffic`), each rank serves an open request
+stream instead (:class:`kvguard.sim.traffic.LiveServing`: Poisson arrivals, chunked prefill,
+requests that finish, a forward pass in flight when the counters are read), so the counters
+move from sample to sample; ``kvguard serve --demo`` uses it.
+
 A scenario that finishes (all requests served, OOM, or no room for the cache) is shown
-once in its final state, then restarted with a new seed, so a demo runs forever. The
-source also tells the probe each rank's startup Profile and KV-cache allocation
-(``rank_contexts()``), which the probe writes into that rank's snapshot.
+once in its final state, then restarted with a new seed (so a new arrival sequence), so a demo
+runs forever. The source also tells the probe each rank's startup Profile and KV-cache
+allocation (``rank_contexts()``), which the probe writes into that rank's snapshot.
 """
 
 from __future__ import annotations
@@ -56,14 +61,22 @@ def renumbered(record: DeviceMemory, prefix: str, index: int) -> DeviceMemory:
     return replace(record, device=f"{prefix}:{index}", device_uuid=device_uuid, pci_bus_id=pci_bus_id)
 
 
+def _live_serving(traffic: Any) -> Any:
+    """A scenario factory serving ``traffic`` (a ``Traffic``) as an open request stream."""
+    from kvguard.sim.traffic import LiveServing  # noqa: PLC0415
+
+    return lambda config: LiveServing(config, traffic)
+
+
 class SimSource:
     """``ranks`` simulated serving ranks. ``scenario`` options go to ``ScenarioConfig``
-    (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …)."""
+    (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …);
+    ``traffic`` serves an open request stream instead of ``requests`` queued at once (module docstring)."""
 
     name = "sim"
 
     def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
-                 model_config: Mapping[str, Any] | str | None = None, **scenario: Any):
+                 model_config: Mapping[str, Any] | str | None = None, traffic: Any = None, **scenario: Any):
         for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS),
                                        ("steps per sample", steps_per_sample, 1, 10**6)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -71,7 +84,7 @@ class SimSource:
         # Imported here: the simulator is only loaded when a sim source is built.
         from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: PLC0415
 
-        self._scenario_class = ServingScenario
+        self._scenario_class = ServingScenario if traffic is None else _live_serving(traffic)
         if model_config is None:
             model_config = load_model_config(bundled_model_config_path())
         elif isinstance(model_config, str):
