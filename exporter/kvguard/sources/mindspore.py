@@ -112,7 +112,17 @@ def device_memory_from_stats(
     for peak, current in (("peak_allocated_bytes", "allocated_bytes"), ("peak_reserved_bytes", "reserved_bytes")):
         if values[peak] is not None and values[current] is not None:
             values[peak] = max(values[peak], values[current])
-    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values)
+    # VMM with physical accounting (2.6+: total_reserved_memory is the mapped-or-cached 2 MiB handles,
+    # so it cannot exceed the device): idle memory is pages the pool eager-frees and remaps on a miss
+    # (AllocMemBuf, abstract_dynamic_mem_pool.cc:514 @ v2.6.0), reusable by any request but for a
+    # partial page at a buffer's edge. There is no split-block sliver: the inactive split is 0.
+    # Without VMM (eager free 0), or with 2.4/2.5's address-space accounting, it stays unknown.
+    inactive_split = None
+    if values["eager_free_bytes"] and values["reserved_bytes"] is not None and total_bytes is not None \
+            and values["reserved_bytes"] <= total_bytes:
+        inactive_split = 0
+    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values,
+                        inactive_split_bytes=inactive_split)
 
 
 def device_label(device_target: str, device_id: int) -> str:
