@@ -211,3 +211,24 @@ def test_odd_pool_dicts_read_as_unknown_not_errors(data_path):
 
 def test_a_dict_with_only_pool_stats_is_recognised_as_mindspores():
     assert is_mindspore_stats({"commom_mem_pool_stats": {"block_counts": 0, "block_unit_size": 0}})
+
+
+# ---------------------------------------------------------------------------- VMM: no split slivers
+
+def test_under_vmm_with_physical_accounting_the_inactive_split_is_zero():
+    # 2.6+ under VMM: reserved (3 GiB of 2 MiB handles) fits the device; eager-free address space > 0.
+    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB}
+    record = device_memory_from_stats(stats, "npu:0", free_bytes=28 * GIB, total_bytes=32 * GIB)
+    assert record.inactive_split_bytes == 0
+
+
+@pytest.mark.parametrize("stats, total", [
+    ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 0},
+     32 * GIB),                                                                  # VMM off: block tails
+    ({"total_reserved_memory": 64 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 61 * GIB},
+     32 * GIB),                                                                  # 2.4/2.5: address space
+    ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB},
+     None),                                                                      # device size unknown
+])
+def test_otherwise_the_inactive_split_stays_unknown(stats, total):
+    assert device_memory_from_stats(stats, "npu:0", total_bytes=total).inactive_split_bytes is None
