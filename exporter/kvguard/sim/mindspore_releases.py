@@ -179,7 +179,8 @@ RELEASES: tuple[MindSporeRelease, ...] = (
     _row("2.7.0", "r2.7.rc1", _R27_NOTE + "the 2.7.0 wheel's _c_expression spells commom_mem_pool_stats",
          _CITES_27, small="ge_o2", fallback=True, allocated="total_allocated_memory",
          common="commom_mem_pool_stats", stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.7.1", "r2.7.rc1", _R27_NOTE + "keys as the 2.7.0 wheel (vllm-mindspore 0.5.x pins an r2.7.1 build)",
+    _row("2.7.1", "r2.7.rc1", _R27_NOTE + "the 2.7.1 wheel's _c_expression spells commom_mem_pool_stats "
+         "(vllm-mindspore 0.5.x pins an r2.7.1 build)",
          _CITES_27, small="ge_o2", fallback=True, allocated="total_allocated_memory",
          common="commom_mem_pool_stats", stats="iter", empty="release", keys=_KEYS_27),
     _row("2.7.2", "r2.7.rc1", _R27_NOTE + "keys as the 2.7.0 wheel (2.7.2 wheel not read)",
