@@ -293,8 +293,8 @@ def test_memory_stats_use_the_release_key_spellings(version, allocated_key, comm
 
 # ----------------------------------------------------------------- the table and MS_ALLOC_CONF
 def test_every_release_cites_every_rule():
-    rules = {"unit", "small_unit", "cap", "growth", "persistent_to_common", "common_to_persistent",
-             "stats_keys", "stats_rule", "empty_cache", "vmm_default", "alloc_conf"}
+    rules = {"align", "unit", "small_unit", "cap", "growth", "persistent_to_common", "common_to_persistent",
+             "eager_free", "stats_keys", "stats_rule", "empty_cache", "vmm_default", "vmm_page", "alloc_conf"}
     for row in RELEASES:
         assert rules <= set(row.cites), row.version
         assert row.source_note or row.source_ref == f"v{row.version}", row.version

@@ -43,8 +43,7 @@ from typing import Any
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
-from .mindspore_releases import (ALIGN_BYTES, DEFAULT_UNIT_BYTES, GRAPH_RUN_UNIT_BYTES, PERSISTENT_RESERVE_BYTES,
-                                 VMM_PAGE_BYTES, MindSporeRelease, release)
+from .mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, release
 
 K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30
@@ -181,10 +180,12 @@ class DynamicMemPool:
 
     def __init__(self, device: Device, *, version: str | MindSporeRelease = DEFAULT_VERSION,
                  graph_mode: bool = False, task_sink: bool = False, mempool_block_size: int | None = None,
-                 enable_vmm: bool = False, vmm_page_bytes: int = VMM_PAGE_BYTES) -> None:
+                 enable_vmm: bool = False, vmm_page_bytes: int | None = None) -> None:
         self.release = version if isinstance(version, MindSporeRelease) else release(version)
         if mempool_block_size is not None and mempool_block_size <= 0:
             raise ValueError("mempool block size must be positive")
+        if vmm_page_bytes is None:
+            vmm_page_bytes = self.release.vmm_page_bytes
         if vmm_page_bytes <= 0 or vmm_page_bytes % VMM_PAGE_BYTES:
             raise ValueError("the VMM page size must be a positive multiple of 2 MiB")
         self.device = device
@@ -214,11 +215,11 @@ class DynamicMemPool:
         self.num_ooms = 0
 
     # ----------------------------------------------------------------- sizes
-    @staticmethod
-    def align(size: int) -> int:
+    def align(self, size: int) -> int:
+        step = self.release.align_bytes
         if size == 0:
-            return K_ALIGN
-        return -(-size // K_ALIGN) * K_ALIGN
+            return step
+        return -(-size // step) * step
 
     @property
     def _device_free(self) -> int:
@@ -228,15 +229,17 @@ class DynamicMemPool:
     def unit_size(self, persistent: bool, free: int | None = None) -> int:
         """``SetMemPoolBlockSize`` + ``MemAllocUnitSize``: the unit a new block of this pool starts from."""
         free = self._device_free if free is None else free
+        rel = self.release
         configured = self.mempool_block_size
-        if configured is not None and configured != DEFAULT_UNIT_BYTES:
+        if configured is not None and configured != rel.default_unit_bytes:
             if persistent:
-                return DEFAULT_UNIT_BYTES
-            available = free - PERSISTENT_RESERVE_BYTES if free > PERSISTENT_RESERVE_BYTES else free
+                return rel.default_unit_bytes
+            reserve = rel.persistent_reserve_bytes
+            available = free - reserve if free > reserve else free
             return min(configured, available)
         if self.graph_mode and self.task_sink:
-            return GRAPH_RUN_UNIT_BYTES
-        return DEFAULT_UNIT_BYTES
+            return rel.graph_run_unit_bytes
+        return rel.default_unit_bytes
 
     def block_alloc_size(self, size: int, persistent: bool) -> int:
         """``CalMemBlockAllocSize``: 0 when the device cannot hold the request itself."""
@@ -332,7 +335,7 @@ class DynamicMemPool:
         if buf is None and persistent and not self.enable_vmm:
             allocator = self._allocators[False]
             buf = allocator.malloc(size)
-        if buf is None and self.enable_vmm:
+        if buf is None and self.enable_vmm and self.release.eager_free_on_miss:
             self._eager_free_idle()
             buf = allocator.malloc(size)
         if buf is None:

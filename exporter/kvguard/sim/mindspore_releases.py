@@ -88,6 +88,14 @@ class MindSporeRelease:
     # MS_ALLOC_CONF keys the release looks up (ms_utils.h:69-77 @ v2.4.0, :73-83 @ r2.7.rc1).
     alloc_conf_keys: tuple[str, ...]
     cites: Mapping[str, str] = field(default_factory=dict)
+    # The switches every release in the table shares (module docstring), named per row all the same.
+    align_bytes: int = ALIGN_BYTES
+    default_unit_bytes: int = DEFAULT_UNIT_BYTES
+    graph_run_unit_bytes: int = GRAPH_RUN_UNIT_BYTES
+    persistent_reserve_bytes: int = PERSISTENT_RESERVE_BYTES     # the cap: a configured unit <= free - this
+    vmm_page_bytes: int = VMM_PAGE_BYTES                           # default vmm_align_size
+    vmm_default_on_910b: bool = True                               # IsVmmEnabled without enable_vmm
+    eager_free_on_miss: bool = True                                # VMM: eager-free idle buffers, then retry
 
     def __post_init__(self) -> None:
         if self.small_unit_rule not in ("graph_task_sink", "ge_o2"):
@@ -101,6 +109,9 @@ _KEYS_24 = ("acl_allocator", "somas_whole_block", "enable_vmm", "vmm_align_size"
 _KEYS_27 = _KEYS_24 + ("simple_tracker", "memory_tracker_path")
 
 _CITES_24 = {
+    "align": "include/backend/mem_reuse/dynamic_mem_pool.h:41,133-138 @ v2.4.0 (kDynamicMemAlignSize 512)",
+    "vmm_page": "VMM.h:47-57,125 @ v2.4.0",
+    "eager_free": "POOL:388-395 @ v2.4.0",
     "unit": "include/backend/mem_reuse/dynamic_mem_pool.h:43 @ v2.4.0",
     "small_unit": "SUPPORT:35,60-66 @ v2.4.0",
     "cap": "SUPPORT:50-55 @ v2.4.0",
@@ -114,6 +125,9 @@ _CITES_24 = {
     "alloc_conf": "UTILS:60-100 @ v2.4.0 (';' -> ',', split on ',', key:value at the first ':')",
 }
 _CITES_25 = {
+    "align": "include/backend/mem_reuse/dynamic_mem_pool.h:153-158 @ v2.5.0",
+    "vmm_page": "VMM.h:47-57,123 @ v2.5.0",
+    "eager_free": "POOL:437-445 @ v2.5.0",
     "unit": "include/backend/mem_reuse/dynamic_mem_pool.h:44 @ v2.5.0",
     "small_unit": "SUPPORT:37,62-68 @ v2.5.0",
     "cap": "SUPPORT:52-57 @ v2.5.0",
@@ -127,6 +141,9 @@ _CITES_25 = {
     "alloc_conf": "UTILS:60-105 @ v2.5.0",
 }
 _CITES_26 = {
+    "align": "include/backend/mem_reuse/dynamic_mem_pool.h:153-158 @ v2.6.0",
+    "vmm_page": "VMM.h:50-60,128 @ v2.6.0",
+    "eager_free": "POOL:509-517 @ v2.6.0",
     "unit": "include/backend/mem_reuse/dynamic_mem_pool.h:44 @ v2.6.0",
     "small_unit": "SUPPORT:37,62-68 @ v2.6.0",
     "cap": "SUPPORT:52-57 @ v2.6.0",
@@ -140,6 +157,9 @@ _CITES_26 = {
     "alloc_conf": "UTILS:69-110 @ v2.6.0",
 }
 _CITES_27 = {
+    "align": "include/backend/mem_reuse/dynamic_mem_pool.h:153-158 @ r2.7.rc1",
+    "vmm_page": "VMM.h:50-60,128 @ r2.7.rc1",
+    "eager_free": "POOL:515-523 @ r2.7.rc1",
     "unit": "include/backend/mem_reuse/dynamic_mem_pool.h:44 @ r2.7.rc1",
     "small_unit": "SUPPORT:37,61-66 @ r2.7.rc1",
     "cap": "SUPPORT:52-57 @ r2.7.rc1",

@@ -143,7 +143,8 @@ class ScenarioConfig:
     @property
     def enable_vmm(self) -> bool:
         o2_without_ge_kernel = False    # jit_level O2 with GE kernels disabled is not a vllm-mindspore setting
-        return vmm_enabled(self.resolved_alloc_conf, soc_supports_vmm=self.soc_supports_vmm,
+        default_on = self.soc_supports_vmm and self.mindspore_release.vmm_default_on_910b
+        return vmm_enabled(self.resolved_alloc_conf, soc_supports_vmm=default_on,
                            jit_o2_without_ge_kernel=o2_without_ge_kernel)
 
     @property
