@@ -38,6 +38,11 @@ API (stable; the probe's ``sim`` source and ``kvguard serve --demo`` drive it)::
 - ``run(progress=None) -> ScenarioResult``: drives to the end; ``progress(done, total)``
   is called after each step when given.
 
+MindSpore's pool follows one release (``mindspore_version``, default the one the
+``vllm_mindspore_version`` launcher pins) under the deployment's knobs (``mindspore_mode``,
+``task_sink``, ``ms_alloc_conf``, ``mempool_block_size_bytes``, ``soc_supports_vmm``); the
+defaults are what that vllm-mindspore launcher sets (``sim/mindspore_releases.py``).
+
 Everything is deterministic for a given config (the request mix comes from ``seed``).
 """
 
@@ -65,6 +70,10 @@ GIB = 1 << 30
 # Held outside the allocator from the start: CUDA context (+ cuBLAS workspace) on NVIDIA;
 # the ACL runtime context and HCCL buffers on Ascend.
 DEFAULT_NON_ALLOCATOR_BYTES = {"torch": 512 * MIB, "torch_npu": 1 * GIB, "mindspore": 1 * GIB}
+
+
+_MINDSPORE_FIELDS = ("vllm_mindspore_version", "mindspore_version", "mindspore_mode", "task_sink", "ms_alloc_conf",
+                     "mempool_block_size_bytes", "soc_supports_vmm")
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,9 @@ class ScenarioConfig:
             out["mindspore_version"] = self.mindspore_release.version
             out["enable_vmm"] = self.enable_vmm
             out["ms_alloc_conf_effective"] = dict(self.resolved_alloc_conf.items)
+        else:
+            for key in _MINDSPORE_FIELDS:
+                out.pop(key, None)
         return out
 
 
