@@ -72,7 +72,12 @@ def test_a_configured_unit_is_capped_at_free_minus_1_gib():
     p = pool(capacity=3 * GIB, mempool_block_size=4 * GIB)
     p.malloc(1000)                                  # min(4 GiB, 3 GiB - 1 GiB)
     assert p.block_sizes(persistent=False) == [2 * GIB]
-    assert p.memory_stats()["commom_mem_pool_stats"]["block_unit_size"] == 1 * GIB   # now min(4, 1 - 0)
+    # memory_stats reports the unit set at the last expansion (SetMemPoolBlockSize), not today's.
+    assert p.memory_stats()["commom_mem_pool_stats"]["block_unit_size"] == 2 * GIB
+    p.malloc(2 * GIB - 1024)                        # fills the block
+    p.malloc(100 * MIB)                             # 1 GiB free, not above the reserve: unit min(4, 1) GiB
+    assert p.block_sizes(persistent=False) == [2 * GIB, 1 * GIB]
+    assert p.memory_stats()["commom_mem_pool_stats"]["block_unit_size"] == 1 * GIB
 
 
 def test_a_configured_1_gb_unit_is_the_default_rule():

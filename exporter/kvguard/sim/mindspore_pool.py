@@ -197,6 +197,8 @@ class DynamicMemPool:
         # The memory MindSpore may use: what was free on the device when the pool started.
         self.total_mem_size = device.free_bytes
         self._max_pages = -(-self.total_mem_size // self.page)
+        # common_unit_size_ / persist_unit_size_: 1 GiB until SetMemPoolBlockSize runs at an expansion.
+        self._units = {False: self.release.default_unit_bytes, True: self.release.default_unit_bytes}
         self._allocators = {True: _BufAllocator(self, True), False: _BufAllocator(self, False)}
         self._used: dict[int, tuple[MemBuf, _BufAllocator]] = {}
         self._next_addr = 1 << 44
@@ -246,7 +248,9 @@ class DynamicMemPool:
         free = self._device_free
         if free < size:
             return 0
-        unit = self.unit_size(persistent, free)
+        # SetMemPoolBlockSize(free) sets both units at every expansion; memory_stats reports them.
+        self._units = {False: self.unit_size(False, free), True: self.unit_size(True, free)}
+        unit = self._units[persistent]
         if unit <= 0:
             return 0
         block = unit
@@ -435,7 +439,7 @@ class DynamicMemPool:
         def pool_stats(persistent: bool) -> dict[str, Any]:
             allocator = self._allocators[persistent]
             return {
-                "block_unit_size": self.unit_size(persistent),
+                "block_unit_size": self._units[persistent],
                 "block_counts": len(allocator.blocks),
                 "blocks_info": {block.addr: {"block_stream_id": 0, "block_memory_size": block.size}
                                 for block in allocator.blocks},
