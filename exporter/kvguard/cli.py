@@ -482,9 +482,23 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--fail-on-oom", is_flag=True,
               help=f"Exit {EXIT_OOM} when the run ends in an out-of-memory error (with --search-utilization: "
                    f"when no utilization serves without one).")
+@click.option("--mindspore-version", metavar="X.Y.Z",
+              help="MindSpore release whose pool rules apply (2.4.0 ... 2.10.0; default: the launcher's pin).")
+@click.option("--vllm-mindspore-version", type=click.Choice(["0.5.1", "0.2.0"]), default="0.5.1", show_default=True,
+              help="Whose launcher defaults to take (0.2.0: the seed fix's, PR !428).")
+@click.option("--mindspore-mode", type=click.Choice(["pynative", "graph"]), default="pynative", show_default=True,
+              help="MindSpore execution mode (vllm-mindspore: PyNative with jit_level O0 graphs).")
+@click.option("--task-sink/--no-task-sink", default=False, show_default=True,
+              help="Task sink (graph mode, jit_level O2): 8 MiB units, blocks grown by adding units.")
+@click.option("--ms-alloc-conf", metavar="CONF",
+              help='MS_ALLOC_CONF, e.g. "enable_vmm: true, vmm_align_size: 2MB" (default: the launcher\'s).')
+@click.option("--mempool-block-size", type=SIZE, metavar="SIZE",
+              help="Pool block unit: MS_MEMPOOL_BLOCK_SIZE=2 is 2GiB; set_memory(increase_size=...).")
+@click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
-             replay_log, search_utilization, as_json, plot_file, fail_on_oom) -> None:
+             replay_log, search_utilization, as_json, plot_file, fail_on_oom, mindspore_version, vllm_mindspore_version,
+             mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
@@ -525,7 +539,13 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             gpu_memory_utilization=gpu_memory_utilization, allocator=allocator, budget=budget,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, requests=requests,
             long_request_fraction=long_fraction, tensor_parallel_size=tensor_parallel_size,
-            non_allocator_bytes=non_allocator_memory, seed=seed)
+            non_allocator_bytes=non_allocator_memory, seed=seed, mindspore_version=mindspore_version,
+            vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=task_sink,
+            ms_alloc_conf=ms_alloc_conf, mempool_block_size_bytes=mempool_block_size,
+            soc_supports_vmm=not no_vmm_soc)
+        if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size or task_sink
+                                         or no_vmm_soc or mindspore_mode != "pynative"):
+            raise ValueError("the MindSpore pool options need --allocator mindspore")
         if non_allocator_memory is not None and non_allocator_memory >= device_memory:
             raise ValueError("--non-allocator-memory must be smaller than --device-memory")
     except (ConfigError, ValueError) as exc:
@@ -617,6 +637,10 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     profile = result.profile
     click.echo(f"Device       {format_bytes(device_memory)}, utilization {gpu_memory_utilization:g}, "
                f"allocator {allocator}, budget {budget}")
+    if allocator == "mindspore":
+        click.echo(f"Pool         MindSpore {config.mindspore_release.version} ({config.mindspore_mode}"
+                   f"{', task sink' if task_sink else ''}), VMM {'on' if config.enable_vmm else 'off'}"
+                   + (f", block unit {format_bytes(mempool_block_size)}" if mempool_block_size else ""))
     if profile is not None:
         click.echo(f"Profile      weights {format_bytes(profile.weights_bytes)}, allocated peak +"
                    f"{format_bytes(profile.peak_allocated_increase_bytes)}, reserved +"
