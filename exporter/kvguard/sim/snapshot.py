@@ -36,7 +36,7 @@ Knows nothing of files: ``kvguard.sim.traces`` reads the pickle.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -120,8 +120,23 @@ def settings_of(snapshot: dict[str, Any]) -> Settings:
                     garbage_collection_threshold=float(gc))
 
 
-def _entries(trace: list[dict[str, Any]], device: int) -> tuple[list[tuple[int, int, int, int, int]], int]:
-    """(position, action code, addr, size, stream) of the replayed entries; the free action's name."""
+@dataclass
+class _Trace:
+    """A device trace's replayed entries, and what the seed needs to know of them (one pass)."""
+
+    entries: list[tuple[int, int, int, int, int]]   # (position, action code, addr, size, stream)
+    allocs: int = 0
+    frees: int = 0
+    live: set[int] = field(default_factory=set)     # allocated in the trace, not freed in it
+    preexisting: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (requested, free position)
+    first_alloc: dict[int, int] = field(default_factory=dict)  # addr -> position of its first allocation
+    live_segments: set[int] = field(default_factory=set)
+    freed_segments: dict[int, tuple[int, int]] = field(default_factory=dict)  # base -> (size, stream)
+    mapped: bool = False
+
+
+def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
+    """Read and check a device trace's replayed entries, and note what the seed needs."""
     actions = dict(_ACTIONS)
     free_name = "free_requested"
     for entry in trace:
@@ -129,24 +144,51 @@ def _entries(trace: list[dict[str, Any]], device: int) -> tuple[list[tuple[int, 
             free_name = "free_completed"
             break
     actions[free_name] = _FREE
-    out = []
+    actions_get = actions.get
+    out: list[tuple[int, int, int, int, int]] = []
     append = out.append
+    scan = _Trace(out)
+    live, preexisting, first_alloc = scan.live, scan.preexisting, scan.first_alloc
+    live_add, live_discard, first_setdefault = live.add, live.discard, first_alloc.setdefault
+    allocs = frees = 0
     for index, entry in enumerate(trace):
         if type(entry) is not dict:
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] is not a dict")
-        code = actions.get(entry.get("action"))
+        code = actions_get(entry.get("action"))
         if code is None:
             continue
         addr = 0 if code == _OOM else entry.get("addr")
         size = entry.get("size")
         stream = entry.get("stream") or 0
-        if type(addr) is not int or type(size) is not int or type(stream) is not int or \
-                addr < 0 or size < 0 or stream < 0:
+        if not (int is type(addr) is type(size) is type(stream)) or (addr | size | stream) < 0:
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
                                 f"addr, size and stream must be non-negative integers, got "
                                 f"{addr!r}, {size!r}, {stream!r}"[:200])
+        if (addr | size) >> 64:
+            raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                                f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200])
         append((index, code, addr, size, stream))
-    return out, free_name
+        if code == _ALLOC:
+            allocs += 1
+            live_add(addr)
+            first_setdefault(addr, index)
+        elif code == _FREE:
+            frees += 1
+            if addr in live:
+                live_discard(addr)
+            elif addr not in preexisting:
+                preexisting[addr] = (size, index)
+        elif code == _SEG_ALLOC:
+            scan.live_segments.add(addr)
+        elif code == _SEG_FREE:
+            if addr in scan.live_segments:
+                scan.live_segments.discard(addr)
+            else:
+                scan.freed_segments.setdefault(addr, (size, stream))
+        elif code == _MAP or code == _UNMAP:
+            scan.mapped = True
+    scan.allocs, scan.frees = allocs, frees
+    return scan
 
 
 def _end_segments(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
@@ -187,7 +229,8 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     trace = traces[device] if isinstance(traces, list) and device < len(traces) else []
     if not isinstance(trace, list):
         raise SnapshotError(f"snapshot device_traces[{device}] is not a list")
-    entries, _ = _entries(trace, device)
+    scan = _entries(trace, device)
+    entries = scan.entries
     settings = settings_of(snapshot)
     try:
         model = CachingAllocator(Device(_UNLIMITED_DEVICE), max_split_size=settings.max_split_size,
@@ -198,7 +241,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         raise SnapshotError(f"snapshot allocator_settings: {exc}") from None
     model.address_space_total = address_space_bytes
     end = _end_segments(snapshot, device)
-    seed = _seed(model, entries, end)
+    seed = _seed(model, scan, end)
 
     pending_segments: deque[tuple[int, int]] = deque()
     pending_maps: list[tuple[int, int]] = []
@@ -217,48 +260,52 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     model.segment_address = segment_address
     model.on_map = lambda addr, size: model_maps.append((addr, size))
     addr_map: dict[int, int] = {addr: addr for addr in model._active}
-    allocs = matched = frees = frees_skipped = seg_allocs = seg_allocs_matched = seg_frees = seg_frees_matched = 0
+    matched = frees_skipped = seg_allocs = seg_allocs_matched = seg_frees = seg_frees_matched = 0
     maps = maps_matched = unmaps = unmaps_matched = ooms = ooms_matched = 0
     first_mismatch = None
     malloc, free, active = model.malloc, model.free, model._active
+    pop = addr_map.pop
+    # After an allocation, the segment and map entries before it are settled. Only a log, an
+    # expandable model (which maps pages itself) or such an entry makes that work necessary.
+    always = log is not None or model.expandable_segments
+    settle = always
     for position, code, addr, size, stream in entries:
         if code == _ALLOC:
             got = malloc(size, False, stream)
-            allocs += 1
             if got == addr:
                 matched += 1
             elif first_mismatch is None:
                 first_mismatch = position
             addr_map[addr] = got
-            if log is not None:
-                log(device, position, got, size)
-            if used_segments:
-                seg_allocs_matched += sum(ok for _, ok in used_segments)
-                used_segments.clear()
+            if settle:
+                if log is not None:
+                    log(device, position, got, size)
+                if used_segments:
+                    seg_allocs_matched += sum(ok for _, ok in used_segments)
+                    used_segments.clear()
                 pending_segments.clear()
-            elif pending_segments:
-                pending_segments.clear()
-            if pending_maps:
-                maps_matched += sum(1 for m in pending_maps if m in model_maps)
-                pending_maps.clear()
-            if model_maps:
+                if pending_maps:
+                    maps_matched += sum(1 for m in pending_maps if m in model_maps)
+                    pending_maps.clear()
                 model_maps.clear()
+                settle = always
         elif code == _FREE:
-            frees += 1
-            target = addr_map.pop(addr, None)
-            if target is None or target not in active:
-                frees_skipped += 1
-            else:
+            target = pop(addr, None)
+            if target in active:
                 free(target)
+            else:
+                frees_skipped += 1
         elif code == _SEG_ALLOC:
             seg_allocs += 1
             pending_segments.append((addr, size))
+            settle = True
         elif code == _SEG_FREE:
             seg_frees += 1
             seg_frees_matched += model.release_segment_at(addr)
         elif code == _MAP:
             maps += 1
             pending_maps.append((addr, size))
+            settle = True
         elif code == _UNMAP:
             unmaps += 1
             unmaps_matched += model.unmap_range(addr, size)
@@ -269,8 +316,8 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     matches, detail = _compare_end_state(modelled, end)
     stats = model.memory_stats()
     return DeviceReplay(
-        device=device, events=len(entries), allocs=allocs, allocs_matched=matched,
-        first_mismatch_index=first_mismatch, frees=frees, frees_skipped=frees_skipped,
+        device=device, events=len(entries), allocs=scan.allocs, allocs_matched=matched,
+        first_mismatch_index=first_mismatch, frees=scan.frees, frees_skipped=frees_skipped,
         seeded_segments=seed[0], seeded_blocks=seed[1], preexisting_frees=seed[2], preexisting_extended=seed[3],
         segment_allocs=seg_allocs, segment_allocs_matched=seg_allocs_matched,
         segment_frees=seg_frees, segment_frees_matched=seg_frees_matched,
@@ -282,53 +329,28 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         segment_bytes=tuple(sorted(s["total_size"] for s in modelled)), memory_stats=stats)
 
 
-def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]],
-          end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
     """Give ``model`` the state in which recording began; (segments, blocks, pre-existing frees, extended)."""
-    live: set[int] = set()
-    preexisting: dict[int, tuple[int, int]] = {}     # addr -> (requested, position of its free)
-    allocated_at: list[tuple[int, int]] = []         # (addr, position) of every allocation
-    live_segments: set[int] = set()
-    freed_segments: dict[int, tuple[int, int]] = {}  # base -> (size, stream)
-    mapped_in_trace = False
-    for position, code, addr, size, stream in entries:
-        if code == _ALLOC:
-            live.add(addr)
-            allocated_at.append((addr, position))
-        elif code == _FREE:
-            if addr in live:
-                live.discard(addr)
-            elif addr not in preexisting:
-                preexisting[addr] = (size, position)
-        elif code == _SEG_ALLOC:
-            live_segments.add(addr)
-        elif code == _SEG_FREE:
-            if addr in live_segments:
-                live_segments.discard(addr)
-            else:
-                freed_segments.setdefault(addr, (size, stream))
-        elif code in (_MAP, _UNMAP):
-            mapped_in_trace = True
+    live, preexisting = scan.live, scan.preexisting
     # Start segments: (base, size, small, stream, [(addr, size, requested)] of blocks allocated at the end).
     start: dict[int, list[Any]] = {}
     for segment in end:
         if segment.get("is_expandable"):
-            if not mapped_in_trace and any(a for _, _, a, _ in _block_list(segment)):
+            if not scan.mapped and any(a for _, _, a, _ in _block_list(segment)):
                 raise SnapshotError("an expandable segment was mapped before recording began: "
                                     "its address space cannot be rebuilt from the snapshot")
             continue
         base = segment["address"]
-        if base in live_segments:
+        if base in scan.live_segments:
             continue
         small = segment.get("segment_type") == "small"
         blocks = [(a, s, r) for a, s, allocated, r in _block_list(segment) if allocated and a not in live]
         start[base] = [base, segment["total_size"], small, segment.get("stream") or 0, blocks]
-    for base, (size, stream) in freed_segments.items():
+    for base, (size, stream) in scan.freed_segments.items():
         start.setdefault(base, [base, size, size == K_SMALL_BUFFER, stream, []])
     bases = sorted(start)
     extended = 0
-    placed = 0
-    by_segment: dict[int, list[tuple[int, int]]] = {}
+    by_segment: dict[int, list[tuple[int, int, int]]] = {}
     for addr, (requested, freed_at) in preexisting.items():
         index = bisect_right(bases, addr) - 1
         if index < 0:
@@ -337,7 +359,8 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
         if addr >= base + start[base][1]:
             continue
         by_segment.setdefault(base, []).append((addr, requested, freed_at))
-    allocated_at.sort()
+    first_alloc = scan.first_alloc
+    allocated: list[int] | None = None      # addresses the trace allocates, sorted when first needed
     for base, frees in by_segment.items():
         _, size, small, _, blocks = start[base]
         starts = sorted([a for a, _, _ in blocks] + [a for a, _, _ in frees])
@@ -347,12 +370,15 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
                 else base + size
             if not small and not model.expandable_segments:
                 # An allocation the trace places within 1 MiB past the rounded end while this block
-                # is still allocated starts the next block: this block ends there.
-                index = bisect_right(allocated_at, (addr + block, -1))
-                while index < len(allocated_at) and allocated_at[index][0] <= min(addr + block + K_SMALL_SIZE,
-                                                                                   following):
-                    if allocated_at[index][1] < freed_at:
-                        following = allocated_at[index][0]
+                # is still allocated starts the next block: this block ends there. (The trace's
+                # first allocation at an address is its earliest.)
+                if allocated is None:
+                    allocated = sorted(first_alloc)
+                index = bisect_left(allocated, addr + block)
+                limit = min(addr + block + K_SMALL_SIZE, following)
+                while index < len(allocated) and allocated[index] <= limit:
+                    if first_alloc[allocated[index]] < freed_at:
+                        following = allocated[index]
                         break
                     index += 1
             gap = following - (addr + block)
@@ -360,7 +386,6 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
                 block = following - addr
                 extended += 1
             blocks.append((addr, block, requested))
-            placed += 1
     seeded_blocks = 0
     for base in bases:
         _, size, small, stream, blocks = start[base]
