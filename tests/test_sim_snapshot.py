@@ -90,6 +90,23 @@ def test_new_segments_take_the_address_the_trace_recorded():
     assert device.end_state_matches
 
 
+def test_an_end_state_that_differs_is_reported():
+    # The trace leaves a 4 MiB tensor allocated, but the recorded end state has its segment all free.
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")]),
+                     segment(BASE + 40 * MIB, 20 * MIB, [(BASE + 40 * MIB, 20 * MIB, 0, "inactive")])],
+                    [alloc(BASE, 4 * MIB)])
+    [device] = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert device.allocs_matched == 1
+    assert not device.end_state_matches
+    assert device.end_state_detail == "1 of 2 recorded segments equal; 1 modelled segments differ"
+
+
+def test_an_address_past_64_bits_is_a_one_line_error():
+    snap = snapshot([], [alloc(1 << 64, 4096)])
+    with pytest.raises(SnapshotError, match=r"addr and size must be below 2\*\*64"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
 def test_a_recorded_oom_is_a_request_the_cache_cannot_serve():
     snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")])],
                     [{"action": "oom", "size": 30 * MIB, "device_free": 1 << 20, "stream": 0},

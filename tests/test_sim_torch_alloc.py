@@ -332,3 +332,17 @@ def test_blocks_are_not_shared_across_streams():
     a.free(a.malloc(12 * MIB, stream=1))
     got = a.malloc(12 * MIB, stream=2)
     assert len(a.segments()) == 2 and a.block_at(got).stream == 2
+
+
+def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compares():
+    # Expandable: freeing the middle tensor and emptying the cache unmaps its pages, which splits
+    # the segment into two mapped ranges; a non-expandable run keeps one range per segment.
+    for expandable in (True, False):
+        a = CachingAllocator(Device(1 << 30), expandable_segments=expandable)
+        addrs = [a.malloc(size) for size in (30 * MIB, 50 * MIB, 30 * MIB, 100)]
+        a.free(addrs[1])
+        a.empty_cache()
+        want = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
+                for s in a.snapshot_segments()]
+        assert a.segment_layout() == want
+        assert (len(want), len(a.segments())) == ((3, 2) if expandable else (3, 3))

@@ -312,7 +312,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         else:  # _OOM: the size is the rounded request (``malloc``'s TraceEntry::OOM uses params.size())
             ooms += 1
             ooms_matched += not model.fits_in_cache(size, stream)
-    modelled = model.snapshot_segments()
+    modelled = model.segment_layout()
     matches, detail = _compare_end_state(modelled, end)
     stats = model.memory_stats()
     return DeviceReplay(
@@ -326,7 +326,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         end_state_matches=matches, end_state_detail=detail,
         reserved_bytes=stats["reserved_bytes.all.current"], allocated_bytes=stats["allocated_bytes.all.current"],
         inactive_split_bytes=stats["inactive_split_bytes.all.current"],
-        segment_bytes=tuple(sorted(s["total_size"] for s in modelled)), memory_stats=stats)
+        segment_bytes=tuple(sorted(total for _, total, _ in modelled)), memory_stats=stats)
 
 
 def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
@@ -394,10 +394,21 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> t
     return len(bases), seeded_blocks, len(preexisting), extended
 
 
-def _compare_end_state(modelled: list[dict[str, Any]], end: list[dict[str, Any]]) -> tuple[bool, str]:
-    want = sorted((s["address"], s["total_size"], tuple((a, z, al) for a, z, al, _ in _block_list(s))) for s in end)
-    got = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
-           for s in modelled]
+def _compare_end_state(modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]],
+                       end: list[dict[str, Any]]) -> tuple[bool, str]:
+    """Compare ``CachingAllocator.segment_layout()`` with the snapshot's segments."""
+    want = []
+    for segment in end:
+        addr = segment["address"]
+        blocks = []
+        for block in segment.get("blocks", []):
+            addr = block.get("address", addr)
+            size = block["size"]
+            blocks.append((addr, size, block.get("state") != "inactive"))
+            addr += size
+        want.append((segment["address"], segment["total_size"], tuple(blocks)))
+    want.sort()
+    got = modelled
     if want == got:
         return True, f"{len(got)} segments equal"
     want_set, got_set = set(want), set(got)

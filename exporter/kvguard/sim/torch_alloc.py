@@ -772,51 +772,69 @@ class CachingAllocator:
         The free space between them becomes free blocks, merged as the allocator keeps them.
         Counters are those of the seeded state; peaks start there.
         """
+        end = base + size
+        if base < 0 or end >> _KEY_SIZE:
+            raise ValueError(f"seeded segment {base:#x}+{size} lies outside the 64-bit address space")
         segment = Segment(base, size, small, stream=stream)
         if not self.device.malloc(size):
             raise ValueError(f"seeded segment of {size} bytes does not fit the device")
         self._segments.append(segment)
-        self._next_addr = max(self._next_addr, base + size)
+        if end > self._next_addr:
+            self._next_addr = end
         pool = _SMALL if small else _LARGE
         _inc(self._s_segment, pool, 1)
         _inc(self._s_reserved_bytes, pool, size)
-        if size >= self.max_split_size:
+        max_split = self.max_split_size
+        if size >= max_split:
             _bump(self._oversize_segments, 1)
-        pieces: list[tuple[int, int, int | None]] = []
+        active = self._active
+        free: list[Block] = []
         cursor = base
+        previous: Block | None = None
+        count = allocated = requested_total = oversize = 0
         for addr, block_size, requested in sorted(blocks):
-            if addr < cursor or addr + block_size > base + size:
+            if addr < cursor or addr + block_size > end:
                 raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
             if addr > cursor:
-                pieces.append((cursor, addr - cursor, None))
-            pieces.append((addr, block_size, requested))
-            cursor = addr + block_size
-        if cursor < base + size:
-            pieces.append((cursor, base + size - cursor, None))
-        previous: Block | None = None
-        for addr, block_size, requested in pieces:
+                gap = Block(cursor, addr - cursor, small, segment, stream)
+                if previous is not None:
+                    previous.next = gap
+                    gap.prev = previous
+                previous = gap
+                free.append(gap)
             block = Block(addr, block_size, small, segment, stream)
             if previous is not None:
-                link_after(previous, block)
+                previous.next = block
+                block.prev = previous
             previous = block
-            if requested is None:
-                continue
             block.allocated = True
             block.requested = requested
-            self._active[addr] = block
-            for stat_name, amount in (("allocation", 1), ("allocated_bytes", block_size),
-                                      ("requested_bytes", requested)):
-                _inc(self._stats[stat_name], pool, amount)
-            if block_size >= self.max_split_size:
-                _bump(self._oversize_allocations, 1)
-        block = previous
-        while block is not None:
-            if not block.allocated:
-                self._insert_free(block)
-                if block.is_split():
-                    _inc(self._s_inactive_split, pool, 1)
-                    _inc(self._s_inactive_split_bytes, pool, block.size)
-            block = block.prev
+            active[addr] = block
+            count += 1
+            allocated += block_size
+            requested_total += requested
+            if block_size >= max_split:
+                oversize += 1
+            cursor = addr + block_size
+        if cursor < end:
+            gap = Block(cursor, end - cursor, small, segment, stream)
+            if previous is not None:
+                previous.next = gap
+                gap.prev = previous
+            free.append(gap)
+        # Every increment is positive, so one increment of the sum leaves the same current and peak.
+        if count:
+            _inc(self._s_allocation, pool, count)
+            _inc(self._s_allocated_bytes, pool, allocated)
+            if requested_total:
+                _inc(self._s_requested_bytes, pool, requested_total)
+            if oversize:
+                _bump(self._oversize_allocations, oversize)
+        for block in free:
+            self._insert_free(block)
+        if free and count + len(free) > 1:        # every free block is split off another
+            _inc(self._s_inactive_split, pool, len(free))
+            _inc(self._s_inactive_split_bytes, pool, sum(block.size for block in free))
         self._note_reserved()
         self._window_alloc = max(self._window_alloc, self.allocated_bytes)
 
@@ -880,6 +898,34 @@ class CachingAllocator:
                     current = None
                 block = block.next
         return sorted(out, key=lambda s: s["address"])
+
+    def segment_layout(self) -> list[tuple[int, int, tuple[tuple[int, int, bool], ...]]]:
+        """``snapshot_segments`` reduced to what an end-state check compares, sorted by address:
+        (address, total_size, ((block address, size, allocated), ...)) per contiguous mapped range."""
+        heads = {}
+        for blocks in (self._active.values(), self._free_blocks.values()):
+            for block in blocks:
+                if block.prev is None:
+                    heads[id(block.segment)] = block
+        for entries in self._unmapped:
+            for entry in entries:
+                if entry[3].prev is None:
+                    heads[id(entry[3].segment)] = entry[3]
+        out = []
+        for segment in self._segments:
+            block = heads.get(id(segment))
+            current: list[tuple[int, int, bool]] = []
+            while block is not None:
+                if block.mapped:
+                    current.append((block.addr, block.size, block.allocated))
+                elif current:
+                    out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
+                    current = []
+                block = block.next
+            if current:
+                out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
+        out.sort()
+        return out
 
     # ----------------------------------------------------------------- torch.cuda API
     def reset_peak_memory_stats(self) -> None:
