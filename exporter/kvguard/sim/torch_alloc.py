@@ -255,7 +255,10 @@ class CachingAllocator:
     def _insert_free(self, block: Block) -> None:
         if self._gc_enabled:      # the call count stays 0 until garbage collection is on
             block.gc_base = self._gc_calls[block.small]
-        key = block.key = (block.stream << _KEY_STREAM) | (block.size << _KEY_SIZE) | block.addr
+        key = (block.size << _KEY_SIZE) | block.addr
+        if block.stream:
+            key |= block.stream << _KEY_STREAM
+        block.key = key
         insort(self._free[block.small], key)
         self._free_blocks[block.addr] = block
 
@@ -288,7 +291,7 @@ class CachingAllocator:
             # _get_free_block without expandable segments or garbage collection, inlined: the hot path.
             block = None
             entries = self._free[small]
-            index = bisect_left(entries, (stream << _KEY_STREAM) | (size << _KEY_SIZE))
+            index = bisect_left(entries, (stream << _KEY_STREAM) | (size << _KEY_SIZE) if stream else size << _KEY_SIZE)
             if index < len(entries):
                 key = entries[index]
                 if key >> _KEY_STREAM == stream:
@@ -311,8 +314,97 @@ class CachingAllocator:
                 self.num_ooms += 1
                 raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
                                      f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
-        self._split_and_activate(block, size, small, _SMALL if small else _LARGE, requested)
-        return block.addr
+        # Split off the remainder (``should_split``) and activate the block; the rest of this
+        # method is _split_and_activate inlined, the hot path.
+        pool = _SMALL if small else _LARGE
+        addr = block.addr
+        remaining_size = block.size - size
+        if small or self.expandable_segments:
+            split = remaining_size >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split_size and remaining_size > K_SMALL_SIZE
+        segment = block.segment
+        if split:
+            # Splice the remainder in after the block (base.link_after) and cache it (_insert_free).
+            block_stream = block.stream
+            remaining = Block(addr + size, remaining_size, small, segment, block_stream)
+            nxt = block.next
+            already_split = nxt is not None or block.prev is not None
+            remaining.next = nxt
+            if nxt is not None:
+                nxt.prev = remaining
+            remaining.prev = block
+            block.next = remaining
+            block.size = size
+            if self._gc_enabled:
+                remaining.gc_base = self._gc_calls[small]
+            key = (remaining_size << _KEY_SIZE) | (addr + size)
+            if block_stream:
+                key |= block_stream << _KEY_STREAM
+            remaining.key = key
+            insort(self._free[small], key)
+            self._free_blocks[addr + size] = remaining
+            if not segment.expandable:
+                arrays = self._s_inactive_split_bytes
+                if already_split:
+                    # An already-split inactive block shrinks by `size` bytes.
+                    arrays[_ALL][0] -= size
+                    stat = arrays[pool]
+                    stat[0] -= size
+                    stat[3] += size
+                else:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + remaining_size
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + remaining_size
+                    if value > stat[1]:
+                        stat[1] = value
+                    _inc(self._s_inactive_split, pool, 1)
+        elif (block.prev is not None or block.next is not None) and not segment.expandable:
+            _dec(self._s_inactive_split_bytes, pool, block.size)
+            _dec(self._s_inactive_split, pool, 1)
+        block.allocated = True
+        block.requested = requested
+        self._active[addr] = block
+        # Each stat keeps current and peak ("allocated" is current + freed, filled in by
+        # memory_stats()); `active` mirrors `allocation` (no stream events are modelled, so
+        # nothing is freed-but-pending).
+        size = block.size
+        arrays = self._s_allocation
+        stat = arrays[_ALL]
+        value = stat[0] = stat[0] + 1
+        if value > stat[1]:
+            stat[1] = value
+        stat = arrays[pool]
+        value = stat[0] = stat[0] + 1
+        if value > stat[1]:
+            stat[1] = value
+        arrays = self._s_allocated_bytes
+        stat = arrays[_ALL]
+        allocated = stat[0] = stat[0] + size
+        if allocated > stat[1]:
+            stat[1] = allocated
+        if allocated > self._window_alloc:
+            self._window_alloc = allocated
+        stat = arrays[pool]
+        value = stat[0] = stat[0] + size
+        if value > stat[1]:
+            stat[1] = value
+        if requested:
+            arrays = self._s_requested_bytes
+            stat = arrays[_ALL]
+            value = stat[0] = stat[0] + requested
+            if value > stat[1]:
+                stat[1] = value
+            stat = arrays[pool]
+            value = stat[0] = stat[0] + requested
+            if value > stat[1]:
+                stat[1] = value
+        if size >= self.max_split_size:
+            _bump(self._oversize_allocations, 1)
+        return addr
 
     def fits_in_cache(self, size: int, stream: int = 0) -> bool:
         """Whether a request of ``size`` (already rounded) would be served from cached blocks."""
@@ -361,78 +453,6 @@ class CachingAllocator:
             return None
         del entries[index]
         return self._free_blocks.pop(addr)
-
-    def _split_and_activate(self, block: Block, size: int, small: bool, pool: int, requested: int) -> None:
-        remaining_size = block.size - size
-        if small or self.expandable_segments:
-            split = remaining_size >= K_MIN_BLOCK_SIZE
-        else:
-            split = size < self.max_split_size and remaining_size > K_SMALL_SIZE
-        segment = block.segment
-        if split:
-            # Splice the remainder in after the block (base.link_after, inlined) and cache it.
-            addr = block.addr
-            remaining = Block(addr + size, remaining_size, small, segment, block.stream)
-            nxt = block.next
-            already_split = nxt is not None or block.prev is not None
-            remaining.next = nxt
-            if nxt is not None:
-                nxt.prev = remaining
-            remaining.prev = block
-            block.next = remaining
-            block.size = size
-            self._insert_free(remaining)
-            if not segment.expandable:
-                if already_split:
-                    # An already-split inactive block shrinks by `size` bytes.
-                    _dec(self._s_inactive_split_bytes, pool, size)
-                else:
-                    _inc(self._s_inactive_split_bytes, pool, remaining_size)
-                    _inc(self._s_inactive_split, pool, 1)
-        else:
-            addr = block.addr
-            if (block.prev is not None or block.next is not None) and not segment.expandable:
-                _dec(self._s_inactive_split_bytes, pool, block.size)
-                _dec(self._s_inactive_split, pool, 1)
-        block.allocated = True
-        block.requested = requested
-        self._active[addr] = block
-        # Unrolled: this is the hot path. Each stat keeps current and peak ("allocated" is
-        # current + freed, filled in by memory_stats()); `active` mirrors `allocation` (no
-        # stream events are modelled, so nothing is freed-but-pending).
-        size = block.size
-        arrays = self._s_allocation
-        stat = arrays[_ALL]
-        value = stat[0] = stat[0] + 1
-        if value > stat[1]:
-            stat[1] = value
-        stat = arrays[pool]
-        value = stat[0] = stat[0] + 1
-        if value > stat[1]:
-            stat[1] = value
-        arrays = self._s_allocated_bytes
-        stat = arrays[_ALL]
-        allocated = stat[0] = stat[0] + size
-        if allocated > stat[1]:
-            stat[1] = allocated
-        if allocated > self._window_alloc:
-            self._window_alloc = allocated
-        stat = arrays[pool]
-        value = stat[0] = stat[0] + size
-        if value > stat[1]:
-            stat[1] = value
-        if requested:
-            arrays = self._s_requested_bytes
-            stat = arrays[_ALL]
-            value = stat[0] = stat[0] + requested
-            if value > stat[1]:
-                stat[1] = value
-            stat = arrays[pool]
-            value = stat[0] = stat[0] + requested
-            if value > stat[1]:
-                stat[1] = value
-        if size >= self.max_split_size:
-            _bump(self._oversize_allocations, 1)
 
     def _new_segment_base(self, size: int, small: bool) -> int:
         base = self.segment_address(size, small) if self.segment_address is not None else None
@@ -523,7 +543,10 @@ class CachingAllocator:
         if self._gc_enabled:
             block.gc_base = self._gc_calls[small]
         addr = block.addr
-        key = block.key = (block.stream << _KEY_STREAM) | (block.size << _KEY_SIZE) | addr
+        key = (block.size << _KEY_SIZE) | addr
+        if block.stream:
+            key |= block.stream << _KEY_STREAM
+        block.key = key
         insort(entries, key)
         free_blocks[addr] = block
         if not block.segment.expandable:
@@ -533,14 +556,38 @@ class CachingAllocator:
             else:
                 inactive_blocks = -merged_blocks
                 inactive_bytes = -merged_bytes
-            if inactive_blocks > 0:
-                _inc(self._s_inactive_split, pool, inactive_blocks)
-            elif inactive_blocks < 0:
-                _dec(self._s_inactive_split, pool, -inactive_blocks)
-            if inactive_bytes > 0:
-                _inc(self._s_inactive_split_bytes, pool, inactive_bytes)
-            elif inactive_bytes < 0:
-                _dec(self._s_inactive_split_bytes, pool, -inactive_bytes)
+            if inactive_blocks:
+                arrays = self._s_inactive_split
+                if inactive_blocks > 0:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + inactive_blocks
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + inactive_blocks
+                    if value > stat[1]:
+                        stat[1] = value
+                else:
+                    arrays[_ALL][0] += inactive_blocks
+                    stat = arrays[pool]
+                    stat[0] += inactive_blocks
+                    stat[3] -= inactive_blocks
+            if inactive_bytes:
+                arrays = self._s_inactive_split_bytes
+                if inactive_bytes > 0:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + inactive_bytes
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + inactive_bytes
+                    if value > stat[1]:
+                        stat[1] = value
+                else:
+                    arrays[_ALL][0] += inactive_bytes
+                    stat = arrays[pool]
+                    stat[0] += inactive_bytes
+                    stat[3] -= inactive_bytes
 
     def _try_merge(self, dst: Block, src: Block | None) -> int:
         if src is None or src.allocated or src.mapped != dst.mapped:
