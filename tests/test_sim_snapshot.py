@@ -101,6 +101,14 @@ def test_an_end_state_that_differs_is_reported():
     assert device.end_state_detail == "1 of 2 recorded segments equal; 1 modelled segments differ"
 
 
+def test_overlapping_recorded_blocks_are_a_one_line_error():
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 4 * MIB, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 12 * MIB, 8 * MIB, 0, "inactive")])], [])
+    with pytest.raises(SnapshotError, match=r"^snapshot segments: seeded block at 0x7f0000400000 does not fit"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
 def test_an_address_past_64_bits_is_a_one_line_error():
     snap = snapshot([], [alloc(1 << 64, 4096)])
     with pytest.raises(SnapshotError, match=r"addr and size must be below 2\*\*64"):

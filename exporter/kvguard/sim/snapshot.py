@@ -129,7 +129,6 @@ class _Trace:
     frees: int = 0
     live: set[int] = field(default_factory=set)     # allocated in the trace, not freed in it
     preexisting: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (requested, free position)
-    first_alloc: dict[int, int] = field(default_factory=dict)  # addr -> position of its first allocation
     live_segments: set[int] = field(default_factory=set)
     freed_segments: dict[int, tuple[int, int]] = field(default_factory=dict)  # base -> (size, stream)
     mapped: bool = False
@@ -148,36 +147,44 @@ def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
     out: list[tuple[int, int, int, int, int]] = []
     append = out.append
     scan = _Trace(out)
-    live, preexisting, first_alloc = scan.live, scan.preexisting, scan.first_alloc
-    live_add, live_discard, first_setdefault = live.add, live.discard, first_alloc.setdefault
+    live, preexisting = scan.live, scan.preexisting
+    live_add, live_remove = live.add, live.remove
     allocs = frees = 0
     for index, entry in enumerate(trace):
         if type(entry) is not dict:
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] is not a dict")
-        code = actions_get(entry.get("action"))
+        try:
+            code = actions_get(entry["action"])
+        except (KeyError, TypeError):      # no action, or an unhashable one: not a replayed entry
+            continue
         if code is None:
             continue
-        addr = 0 if code == _OOM else entry.get("addr")
-        size = entry.get("size")
-        stream = entry.get("stream") or 0
-        if not (int is type(addr) is type(size) is type(stream)) or (addr | size | stream) < 0:
+        try:
+            addr = entry["addr"]
+            size = entry["size"]
+            stream = entry["stream"] or 0
+        except KeyError:
+            addr, size, stream = entry.get("addr"), entry.get("size"), entry.get("stream") or 0
+        if code == _OOM:
+            addr = 0
+        if not (int is type(addr) is type(size) is type(stream)) or (addr | size | stream) < 0 or (addr | size) >> 64:
+            if int is type(addr) is type(size) is type(stream) and (addr | size | stream) >= 0:
+                raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                                    f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200])
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
                                 f"addr, size and stream must be non-negative integers, got "
                                 f"{addr!r}, {size!r}, {stream!r}"[:200])
-        if (addr | size) >> 64:
-            raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
-                                f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200])
         append((index, code, addr, size, stream))
         if code == _ALLOC:
             allocs += 1
             live_add(addr)
-            first_setdefault(addr, index)
         elif code == _FREE:
             frees += 1
-            if addr in live:
-                live_discard(addr)
-            elif addr not in preexisting:
-                preexisting[addr] = (size, index)
+            try:
+                live_remove(addr)
+            except KeyError:
+                if addr not in preexisting:
+                    preexisting[addr] = (size, index)
         elif code == _SEG_ALLOC:
             scan.live_segments.add(addr)
         elif code == _SEG_FREE:
@@ -359,8 +366,8 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> t
         if addr >= base + start[base][1]:
             continue
         by_segment.setdefault(base, []).append((addr, requested, freed_at))
-    first_alloc = scan.first_alloc
-    allocated: list[int] | None = None      # addresses the trace allocates, sorted when first needed
+    first_alloc: dict[int, int] = {}         # addr -> position of the trace's first allocation there
+    allocated: list[int] | None = None      # those addresses sorted; both built when first needed
     for base, frees in by_segment.items():
         _, size, small, _, blocks = start[base]
         starts = sorted([a for a, _, _ in blocks] + [a for a, _, _ in frees])
@@ -373,6 +380,9 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> t
                 # is still allocated starts the next block: this block ends there. (The trace's
                 # first allocation at an address is its earliest.)
                 if allocated is None:
+                    for position, code, allocated_addr, _, _ in scan.entries:
+                        if code == _ALLOC and allocated_addr not in first_alloc:
+                            first_alloc[allocated_addr] = position
                     allocated = sorted(first_alloc)
                 index = bisect_left(allocated, addr + block)
                 limit = min(addr + block + K_SMALL_SIZE, following)
@@ -386,11 +396,12 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> t
                 block = following - addr
                 extended += 1
             blocks.append((addr, block, requested))
-    seeded_blocks = 0
-    for base in bases:
-        _, size, small, stream, blocks = start[base]
-        model.seed_segment(base, size, small, blocks, stream)
-        seeded_blocks += len(blocks)
+    try:
+        model.seed_segments((base, size, small, blocks, stream) for base, size, small, stream, blocks
+                            in (start[base] for base in bases))
+    except ValueError as exc:
+        raise SnapshotError(f"snapshot segments: {exc}") from None
+    seeded_blocks = sum(len(start[base][4]) for base in bases)
     return len(bases), seeded_blocks, len(preexisting), extended
 
 

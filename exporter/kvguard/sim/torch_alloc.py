@@ -819,69 +819,90 @@ class CachingAllocator:
         The free space between them becomes free blocks, merged as the allocator keeps them.
         Counters are those of the seeded state; peaks start there.
         """
-        end = base + size
-        if base < 0 or end >> _KEY_SIZE:
-            raise ValueError(f"seeded segment {base:#x}+{size} lies outside the 64-bit address space")
-        segment = Segment(base, size, small, stream=stream)
-        if not self.device.malloc(size):
-            raise ValueError(f"seeded segment of {size} bytes does not fit the device")
-        self._segments.append(segment)
-        if end > self._next_addr:
-            self._next_addr = end
-        pool = _SMALL if small else _LARGE
-        _inc(self._s_segment, pool, 1)
-        _inc(self._s_reserved_bytes, pool, size)
-        max_split = self.max_split_size
-        if size >= max_split:
-            _bump(self._oversize_segments, 1)
+        self.seed_segments([(base, size, small, blocks, stream)])
+
+    def seed_segments(self, segments: Iterable[tuple[int, int, bool, Iterable[tuple[int, int, int]], int]]) -> None:
+        """``seed_segment`` for many (base, size, small, blocks, stream) at once, counters added once per pool."""
+        segments = list(segments)
+        for base, size, _, _, _ in segments:
+            if base < 0 or size < 0 or (base + size) >> _KEY_SIZE:
+                raise ValueError(f"seeded segment {base:#x}+{size} lies outside the 64-bit address space")
+        total = sum(size for _, size, _, _, _ in segments)
+        if not self.device.malloc(total):
+            raise ValueError(f"seeded segments of {total} bytes do not fit the device")
         active = self._active
+        max_split = self.max_split_size
+        # Per pool (index 0 large, 1 small): segments, reserved, allocations, allocated, requested,
+        # inactive split blocks and bytes. Every increment is positive, so adding each sum once
+        # leaves the same current and peak as adding its parts one by one.
+        sums = [[0] * 7, [0] * 7]
+        oversize_segments = oversize_allocations = 0
         free: list[Block] = []
-        cursor = base
-        previous: Block | None = None
-        count = allocated = requested_total = oversize = 0
-        for addr, block_size, requested in sorted(blocks):
-            if addr < cursor or addr + block_size > end:
-                raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
-            if addr > cursor:
-                gap = Block(cursor, addr - cursor, small, segment, stream)
+        for base, size, small, blocks, stream in segments:
+            end = base + size
+            segment = Segment(base, size, small, stream=stream)
+            self._segments.append(segment)
+            if end > self._next_addr:
+                self._next_addr = end
+            counts = sums[small]
+            counts[0] += 1
+            counts[1] += size
+            if size >= max_split:
+                oversize_segments += 1
+            first_free = len(free)
+            cursor = base
+            previous: Block | None = None
+            pieces = 0
+            for addr, block_size, requested in sorted(blocks):
+                if addr < cursor or addr + block_size > end:
+                    raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
+                if addr > cursor:
+                    gap = Block(cursor, addr - cursor, small, segment, stream)
+                    if previous is not None:
+                        previous.next = gap
+                        gap.prev = previous
+                    previous = gap
+                    free.append(gap)
+                    pieces += 1
+                block = Block(addr, block_size, small, segment, stream)
+                if previous is not None:
+                    previous.next = block
+                    block.prev = previous
+                previous = block
+                block.allocated = True
+                block.requested = requested
+                active[addr] = block
+                pieces += 1
+                counts[2] += 1
+                counts[3] += block_size
+                counts[4] += requested
+                if block_size >= max_split:
+                    oversize_allocations += 1
+                cursor = addr + block_size
+            if cursor < end:
+                gap = Block(cursor, end - cursor, small, segment, stream)
                 if previous is not None:
                     previous.next = gap
                     gap.prev = previous
-                previous = gap
                 free.append(gap)
-            block = Block(addr, block_size, small, segment, stream)
-            if previous is not None:
-                previous.next = block
-                block.prev = previous
-            previous = block
-            block.allocated = True
-            block.requested = requested
-            active[addr] = block
-            count += 1
-            allocated += block_size
-            requested_total += requested
-            if block_size >= max_split:
-                oversize += 1
-            cursor = addr + block_size
-        if cursor < end:
-            gap = Block(cursor, end - cursor, small, segment, stream)
-            if previous is not None:
-                previous.next = gap
-                gap.prev = previous
-            free.append(gap)
-        # Every increment is positive, so one increment of the sum leaves the same current and peak.
-        if count:
-            _inc(self._s_allocation, pool, count)
-            _inc(self._s_allocated_bytes, pool, allocated)
-            if requested_total:
-                _inc(self._s_requested_bytes, pool, requested_total)
-            if oversize:
-                _bump(self._oversize_allocations, oversize)
+                pieces += 1
+            if pieces > 1:           # every free block of a segment with several is split off another
+                for gap in free[first_free:]:
+                    counts[5] += 1
+                    counts[6] += gap.size
+        for small, counts in enumerate(sums):
+            pool = _SMALL if small else _LARGE
+            for arrays, amount in zip((self._s_segment, self._s_reserved_bytes, self._s_allocation,
+                                       self._s_allocated_bytes, self._s_requested_bytes, self._s_inactive_split,
+                                       self._s_inactive_split_bytes), counts):
+                if amount:
+                    _inc(arrays, pool, amount)
+        if oversize_segments:
+            _bump(self._oversize_segments, oversize_segments)
+        if oversize_allocations:
+            _bump(self._oversize_allocations, oversize_allocations)
         for block in free:
             self._insert_free(block)
-        if free and count + len(free) > 1:        # every free block is split off another
-            _inc(self._s_inactive_split, pool, len(free))
-            _inc(self._s_inactive_split_bytes, pool, sum(block.size for block in free))
         self._note_reserved()
         self._window_alloc = max(self._window_alloc, self.allocated_bytes)
 
