@@ -198,35 +198,42 @@ def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
     return scan
 
 
-def _end_segments(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
+# A recorded segment: (address, total_size, small, stream, expandable,
+# [(block address, size, allocated, requested), ...]), block addresses filled in when absent.
+_EndSegment = tuple[int, int, bool, int, bool, list[tuple[int, int, bool, int]]]
+
+
+def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
     segments = snapshot.get("segments") or []
     if not isinstance(segments, list):
         raise SnapshotError("snapshot segments is not a list")
     out = []
     for index, segment in enumerate(segments):
-        if not isinstance(segment, dict) or not isinstance(segment.get("blocks", []), list):
+        if type(segment) is not dict and not isinstance(segment, dict):
+            raise SnapshotError(f"snapshot segments[{index}] is not a segment dict")
+        blocks = segment.get("blocks", [])
+        if type(blocks) is not list and not isinstance(blocks, list):
             raise SnapshotError(f"snapshot segments[{index}] is not a segment dict")
         if segment.get("device", 0) != device:
             continue
         for name in ("address", "total_size"):
-            if not isinstance(segment.get(name), int) or isinstance(segment.get(name), bool):
+            value = segment.get(name)
+            if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise SnapshotError(f"snapshot segments[{index}].{name} is not an integer")
-        for block in segment.get("blocks", []):
-            if not isinstance(block, dict) or not isinstance(block.get("size"), int) or \
-                    not isinstance(block.get("address", segment["address"]), int):
+        addr = segment["address"]
+        block_list = []
+        for block in blocks:
+            if type(block) is not dict and not isinstance(block, dict):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-        out.append(segment)
-    return out
-
-
-def _block_list(segment: dict[str, Any]) -> list[tuple[int, int, bool, int]]:
-    """(address, size, allocated, requested) of a snapshot segment's blocks (addresses filled in when absent)."""
-    out = []
-    addr = segment["address"]
-    for block in segment.get("blocks", []):
-        addr = block.get("address", addr)
-        out.append((addr, block["size"], block.get("state") != "inactive", block.get("requested_size", 0) or 0))
-        addr += block["size"]
+            size = block.get("size")
+            addr = block.get("address", addr)
+            if type(size) is not int and not isinstance(size, int) or \
+                    type(addr) is not int and not isinstance(addr, int):
+                raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
+            block_list.append((addr, size, block.get("state") != "inactive", block.get("requested_size", 0) or 0))
+            addr += size
+        out.append((segment["address"], segment["total_size"], segment.get("segment_type") == "small",
+                    segment.get("stream") or 0, bool(segment.get("is_expandable")), block_list))
     return out
 
 
@@ -336,23 +343,21 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         segment_bytes=tuple(sorted(total for _, total, _ in modelled)), memory_stats=stats)
 
 
-def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tuple[int, int, int, int]:
     """Give ``model`` the state in which recording began; (segments, blocks, pre-existing frees, extended)."""
     live, preexisting = scan.live, scan.preexisting
     # Start segments: (base, size, small, stream, [(addr, size, requested)] of blocks allocated at the end).
     start: dict[int, list[Any]] = {}
-    for segment in end:
-        if segment.get("is_expandable"):
-            if not scan.mapped and any(a for _, _, a, _ in _block_list(segment)):
+    for base, total, small, stream, expandable, block_list in end:
+        if expandable:
+            if not scan.mapped and any(a for _, _, a, _ in block_list):
                 raise SnapshotError("an expandable segment was mapped before recording began: "
                                     "its address space cannot be rebuilt from the snapshot")
             continue
-        base = segment["address"]
         if base in scan.live_segments:
             continue
-        small = segment.get("segment_type") == "small"
-        blocks = [(a, s, r) for a, s, allocated, r in _block_list(segment) if allocated and a not in live]
-        start[base] = [base, segment["total_size"], small, segment.get("stream") or 0, blocks]
+        blocks = [(a, s, r) for a, s, allocated, r in block_list if allocated and a not in live]
+        start[base] = [base, total, small, stream, blocks]
     for base, (size, stream) in scan.freed_segments.items():
         start.setdefault(base, [base, size, size == K_SMALL_BUFFER, stream, []])
     bases = sorted(start)
@@ -406,19 +411,10 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[dict[str, Any]]) -> t
 
 
 def _compare_end_state(modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]],
-                       end: list[dict[str, Any]]) -> tuple[bool, str]:
+                       end: list[_EndSegment]) -> tuple[bool, str]:
     """Compare ``CachingAllocator.segment_layout()`` with the snapshot's segments."""
-    want = []
-    for segment in end:
-        addr = segment["address"]
-        blocks = []
-        for block in segment.get("blocks", []):
-            addr = block.get("address", addr)
-            size = block["size"]
-            blocks.append((addr, size, block.get("state") != "inactive"))
-            addr += size
-        want.append((segment["address"], segment["total_size"], tuple(blocks)))
-    want.sort()
+    want = sorted((base, total, tuple((a, z, allocated) for a, z, allocated, _ in block_list))
+                  for base, total, _, _, _, block_list in end)
     got = modelled
     if want == got:
         return True, f"{len(got)} segments equal"
