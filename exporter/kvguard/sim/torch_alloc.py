@@ -363,8 +363,18 @@ class CachingAllocator:
                         stat[1] = value
                     _inc(self._s_inactive_split, pool, 1)
         elif (block.prev is not None or block.next is not None) and not segment.expandable:
-            _dec(self._s_inactive_split_bytes, pool, block.size)
-            _dec(self._s_inactive_split, pool, 1)
+            # A split inactive block becomes active whole.
+            arrays = self._s_inactive_split_bytes
+            amount = block.size
+            arrays[_ALL][0] -= amount
+            stat = arrays[pool]
+            stat[0] -= amount
+            stat[3] += amount
+            arrays = self._s_inactive_split
+            arrays[_ALL][0] -= 1
+            stat = arrays[pool]
+            stat[0] -= 1
+            stat[3] += 1
         block.allocated = True
         block.requested = requested
         self._active[addr] = block
