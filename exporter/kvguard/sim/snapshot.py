@@ -222,15 +222,19 @@ def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
                 raise SnapshotError(f"snapshot segments[{index}].{name} is not an integer")
         addr = segment["address"]
         block_list = []
+        append = block_list.append
         for block in blocks:
             if type(block) is not dict and not isinstance(block, dict):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-            size = block.get("size")
-            addr = block.get("address", addr)
+            try:            # the keys _dump_snapshot writes; any missing one takes the slower path
+                size, addr, state, requested = block["size"], block["address"], block["state"], block["requested_size"]
+            except KeyError:
+                size, addr, state = block.get("size"), block.get("address", addr), block.get("state")
+                requested = block.get("requested_size", 0)
             if type(size) is not int and not isinstance(size, int) or \
                     type(addr) is not int and not isinstance(addr, int):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-            block_list.append((addr, size, block.get("state") != "inactive", block.get("requested_size", 0) or 0))
+            append((addr, size, state != "inactive", requested or 0))
             addr += size
         out.append((segment["address"], segment["total_size"], segment.get("segment_type") == "small",
                     segment.get("stream") or 0, bool(segment.get("is_expandable")), block_list))
