@@ -179,7 +179,8 @@ def main() -> None:
     replay_times = [time_replay(recorded)[0] for _ in range(3)]
     replay_s = min(replay_times)
     replayed = sum(1 for e in recorded["device_traces"][0])
-    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} {dict_s * replayed / n / replay_s:8.3f}"
+    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} "
+          f"{dict_s * replayed / n / replay_s:8.3f}"
           f" {scan_s * replayed / n / replay_s:12.2f} {spread(replay_times)}")
     folder = os.environ.get("KVGUARD_TORCH_SNAPSHOTS")
     if folder:
@@ -200,7 +201,8 @@ def main() -> None:
             total_matched += matched
             rate = f"{count / seconds:10,.0f}" if seconds else f"{'-':>10}"
             print(f"  {path.name[:60]:60} {matched:6}/{allocs:<6} {rate} events/s")
-        print(f"  all: {total_matched}/{total_allocs} allocations matched, {total_events / total_seconds:,.0f} events/s "
+        print(f"  all: {total_matched}/{total_allocs} allocations matched, "
+              f"{total_events / total_seconds:,.0f} events/s "
               f"(x dict {dict_s * total_events / n / total_seconds:.3f}, "
               f"x list-scan {scan_s * total_events / n / total_seconds:.2f}; "
               f"spread {spread([total_seconds, worst_seconds]).strip()})")

@@ -49,7 +49,7 @@ recorded state (``seed_segment``), take new segment addresses from a callback
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
