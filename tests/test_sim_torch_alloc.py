@@ -205,6 +205,33 @@ def test_peaks_reset_to_current():
     assert stats["reserved_bytes.all.peak"] == 12 * MIB
 
 
+def test_allocated_and_freed_totals_count_every_change():
+    a = alloc()
+    x = a.malloc(1000)          # 1 KiB of a new 2 MiB small segment; the rest is split off
+    y = a.malloc(12 * MIB)      # a new 12 MiB large segment, used whole
+    a.free(x)                   # merges back into one unsplit 2 MiB block
+    a.free(y)
+    a.malloc(1000)              # splits the small segment again
+    a.reset_peak_memory_stats()
+    stats = a.memory_stats()
+    rest = 2 * MIB - 1024
+
+    def stat(name):
+        return {pool: tuple(stats[f"{name}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed"))
+                for pool in ("all", "small_pool", "large_pool")}
+
+    assert stat("allocation") == {"all": (1, 1, 3, 2), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 1, 1)}
+    assert stat("active") == stat("allocation")
+    assert stat("allocated_bytes") == {"all": (1024, 1024, 12 * MIB + 2048, 12 * MIB + 1024),
+                                       "small_pool": (1024, 1024, 2048, 1024),
+                                       "large_pool": (0, 0, 12 * MIB, 12 * MIB)}
+    assert stat("requested_bytes")["all"] == (1000, 1000, 12 * MIB + 2000, 12 * MIB + 1000)
+    assert stat("inactive_split") == {"all": (1, 1, 2, 1), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 0, 0)}
+    assert stat("inactive_split_bytes")["small_pool"] == (rest, rest, 2 * rest, rest)
+    assert stat("segment") == {"all": (2, 2, 2, 0), "small_pool": (1, 1, 1, 0), "large_pool": (1, 1, 1, 0)}
+    assert [stats[f"oversize_allocations.{f}"] for f in ("current", "peak", "allocated", "freed")] == [0, 0, 0, 0]
+
+
 def test_memory_stats_use_torch_key_names():
     stats = alloc().memory_stats()
     for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "inactive_split_bytes.all.current",

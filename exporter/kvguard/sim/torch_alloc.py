@@ -41,9 +41,15 @@ follows there), per stream, no CUDA-graph private pools:
 Statistics use the real flattened key names of ``torch.cuda.memory_stats()``.
 
 For exact trace replay (``kvguard.sim.snapshot``) the allocator can be seeded with a
-recorded state (``seed_segment``), take new segment addresses from a callback
-(``segment_address``), and release or unmap what a trace says the real allocator released
-(``release_segment_at``, ``unmap_range``).
+recorded state (``seed_segment``, ``seed_segments``), take new segment addresses from a
+callback (``segment_address``), release or unmap what a trace says the real allocator
+released (``release_segment_at``, ``unmap_range``), and give its end state as tuples
+(``segment_layout``).
+
+Speed (``bench/bench_sim.py``): free blocks are kept per pool as a sorted list of one packed
+int each, ``stream << 128 | size << 64 | address``, so best fit is a C-level ``bisect`` over
+ints; ``malloc``'s cache hit, split and activation and ``free``'s merge are written inline;
+statistics keep current and peak (and freed per pool), "allocated" being current + freed.
 """
 
 from __future__ import annotations
