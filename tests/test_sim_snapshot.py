@@ -109,6 +109,22 @@ def test_overlapping_recorded_blocks_are_a_one_line_error():
         replay_snapshot(snap, address_space_bytes=80 << 30)
 
 
+def test_a_segment_stream_or_request_of_the_wrong_type_is_a_one_line_error():
+    bad_stream = segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")])
+    bad_stream["stream"] = "7"
+    bad_request = segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 2.5, "active_allocated")])
+    for seg, message in ((bad_stream, r"segments\[0\]\.stream is not a non-negative integer"),
+                         (bad_request, r"segments\[0\] has a block whose requested_size is not an integer")):
+        with pytest.raises(SnapshotError, match=message):
+            replay_snapshot(snapshot([seg], []), address_space_bytes=80 << 30)
+
+
+def test_an_allocation_no_device_could_serve_is_a_one_line_error():
+    snap = snapshot([], [alloc(BASE, 1 << 63)])
+    with pytest.raises(SnapshotError, match=r"device_traces\[0\]\[0\] \(alloc\): 9223372036854775808 bytes cannot"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
 def test_an_address_past_64_bits_is_a_one_line_error():
     snap = snapshot([], [alloc(1 << 64, 4096)])
     with pytest.raises(SnapshotError, match=r"addr and size must be below 2\*\*64"):

@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .base import SimOutOfMemory
 from .device import Device
 from .torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
 
@@ -234,10 +235,16 @@ def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
             if type(size) is not int and not isinstance(size, int) or \
                     type(addr) is not int and not isinstance(addr, int):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-            append((addr, size, state != "inactive", requested or 0))
+            requested = requested or 0
+            if type(requested) is not int and not isinstance(requested, int):
+                raise SnapshotError(f"snapshot segments[{index}] has a block whose requested_size is not an integer")
+            append((addr, size, state != "inactive", requested))
             addr += size
+        stream = segment.get("stream") or 0
+        if type(stream) is not int or stream < 0:
+            raise SnapshotError(f"snapshot segments[{index}].stream is not a non-negative integer")
         out.append((segment["address"], segment["total_size"], segment.get("segment_type") == "small",
-                    segment.get("stream") or 0, bool(segment.get("is_expandable")), block_list))
+                    stream, bool(segment.get("is_expandable")), block_list))
     return out
 
 
@@ -289,7 +296,13 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     settle = always
     for position, code, addr, size, stream in entries:
         if code == _ALLOC:
-            got = malloc(size, False, stream)
+            try:
+                got = malloc(size, False, stream)
+            except SimOutOfMemory:
+                # The model's device is effectively unlimited (2**56 bytes): only a request no
+                # real device could have served gets here.
+                raise SnapshotError(f"snapshot device_traces[{device}][{position}] (alloc): {size} bytes "
+                                    f"cannot be served on any device") from None
             if got == addr:
                 matched += 1
             elif first_mismatch is None:
