@@ -7,7 +7,7 @@ simulated CUDA ranks, with the sim's stable UUIDs and PCI addresses) and a real 
 runs a stand-in `npu-smi` printing a recorded 8 x 910B3 table. The fake exporters answer for the
 same devices by UUID (dcgm-exporter) and by PCIe address (npu-exporter), numbered differently from
 kvguard's device labels, so only the identity labels can match them. The chart's switch for these
-rules is checked here too.
+rules is in tests/test_helm_chart.py, promtool's lint of them in tests/test_rules_promtool.py.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ import yaml
 from kvguard.probe import Probe
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
 from kvguard.sources.sim import SimSource, sim_identity
-from monitoring import RULES_DIR
+from monitoring import JOINS_FILE
 from sidecar_fixtures import free_port
 from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, Stack, poll, stop
 
-JOINS_FILE = os.path.join(RULES_DIR, "kvguard-joins.yaml")
 NPU_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "npu-smi", "910b3-24.1.rc1-vllm-tp8.txt")
 MIB = 1 << 20
 
@@ -191,18 +190,6 @@ def test_each_npu_chip_joins_the_one_npu_exporter_chip_at_its_pcie_address(joine
         assert row["vdie_id"].endswith(f"-{index:08X}")
 
 
-def test_chart_renders_the_join_rules_only_when_asked(tmp_path):
-    from test_helm_chart import render
-
-    assert [d for d in render(None) if d["metadata"]["name"].endswith("-joins")] == []
-    docs = render(None, "--set", "prometheusRule.deviceJoins.enabled=true")
-    [joins] = [d for d in docs if d["kind"] == "PrometheusRule" and d["metadata"]["name"].endswith("-joins")]
-    with open(JOINS_FILE) as handle:
-        assert joins["spec"]["groups"] == yaml.safe_load(handle)["groups"]
-    off = render(None, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false")
-    assert [d for d in off if d["kind"] == "PrometheusRule"] == []
-
-
 def documented_joins() -> list[str]:
     """The ad-hoc queries of docs/metrics.md "Joining other exporters", comments dropped."""
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "metrics.md")) as handle:
@@ -221,10 +208,3 @@ def test_the_documented_ad_hoc_joins_have_one_row_per_device(joined):
         sorted(sim_identity("cuda", rank)[0] for rank in (0, 1))
     assert sorted(r["device"] for r in rows(joined, npu_join, 8)) == sorted(c.device for c in npu_chips())
 
-
-def test_promtool_checks_the_join_rules_with_lint_fatal():
-    from monitoring import promtool
-
-    result = subprocess.run([promtool(), "check", "rules", "--lint=all", "--lint-fatal", JOINS_FILE],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
