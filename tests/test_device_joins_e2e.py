@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import threading
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import yaml
 
 from kvguard.probe import Probe
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
 from kvguard.sources.sim import SimSource, sim_identity
 from monitoring import JOINS_FILE
-from sidecar_fixtures import free_port
-from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, Stack, poll, stop
+from test_prometheus_e2e import STARTUP_DEADLINE, Stack, kvguard_and_prometheus, poll
 
 NPU_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "npu-smi", "910b3-24.1.rc1-vllm-tp8.txt")
 MIB = 1 << 20
@@ -98,8 +93,6 @@ class Exposition:
 
 @pytest.fixture(scope="module")
 def joined(tmp_path_factory):
-    if not os.access(PROMETHEUS, os.X_OK):
-        pytest.fail("prometheus not found: ./dev.sh test installs Debian's prometheus package")
     work = tmp_path_factory.mktemp("joins")
     spool, bin_dir = work / "spool", work / "bin"
     spool.mkdir()
@@ -109,52 +102,23 @@ def joined(tmp_path_factory):
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     dcgm, npu = Exposition(dcgm_exposition()), Exposition(npu_exporter_exposition())
     probe = Probe(str(spool), source=SimSource(ranks=2, allocator="torch"), interval=1.0).start()
-    kvguard_port, prometheus_port = free_port(), free_port()
-    logs = {name: open(work / f"{name}.log", "wb") for name in ("kvguard", "prometheus")}
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    kvguard = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(kvguard_port),
-         "--spool-dir", str(spool), "--source", "npu-smi", "--interval", "1"],
-        env=env, stdout=logs["kvguard"], stderr=subprocess.STDOUT, start_new_session=True)
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [JOINS_FILE],
-        "scrape_configs": [
-            {"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"]}]},
-            {"job_name": "dcgm-exporter", "static_configs": [{"targets": [dcgm.target]}]},
-            {"job_name": "npu-exporter", "static_configs": [{"targets": [npu.target]}]},
-        ],
-    }
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    prometheus = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
-        stdout=logs["prometheus"], stderr=subprocess.STDOUT, start_new_session=True)
-    stack = Stack(f"http://127.0.0.1:{prometheus_port}", f"http://127.0.0.1:{kvguard_port}")
+    scrape = [{"job_name": name, "static_configs": [{"targets": [exposition.target]}]}
+              for name, exposition in (("dcgm-exporter", dcgm), ("npu-exporter", npu))]
     try:
-        def ready() -> bool:
-            for name, process in (("kvguard", kvguard), ("prometheus", prometheus)):
-                if process.poll() is not None:
-                    pytest.fail(f"{name} exited with {process.returncode}: "
-                                f"{(work / f'{name}.log').read_text(errors='replace')[-2000:]}")
-            with urllib.request.urlopen(f"{stack.prometheus_url}/-/ready", timeout=2) as response:
-                return response.status == 200
-
-        poll("Prometheus to be ready", ready, STARTUP_DEADLINE)
-        poll("all three targets up", lambda: len(stack.instant("up == 1")["data"]["result"]) == 3, STARTUP_DEADLINE)
-        # Both kvguard ranks and all 8 chips scraped, then a rule evaluation after that.
-        poll("kvguard's ranks and chips", lambda: len(stack.instant(
-            'kvguard_allocator_reserved_bytes{device_uuid!=""}')["data"]["result"]) == 2 and len(stack.instant(
-                'kvguard_device_used_bytes{source="npu-smi"}')["data"]["result"]) == 8, STARTUP_DEADLINE)
-        yield stack
+        with kvguard_and_prometheus(work, ["--spool-dir", str(spool), "--source", "npu-smi", "--interval", "1"],
+                                    [JOINS_FILE], env=env, scrape_configs=scrape) as stack:
+            poll("all three targets up", lambda: len(stack.instant("up == 1")["data"]["result"]) == 3,
+                 STARTUP_DEADLINE)
+            # Both kvguard ranks and all 8 chips scraped, then a rule evaluation after that.
+            poll("kvguard's ranks and chips", lambda: len(stack.instant(
+                'kvguard_allocator_reserved_bytes{device_uuid!=""}')["data"]["result"]) == 2 and len(stack.instant(
+                    'kvguard_device_used_bytes{source="npu-smi"}')["data"]["result"]) == 8, STARTUP_DEADLINE)
+            yield stack
     finally:
-        stop(prometheus)
-        stop(kvguard)
         probe.stop()
         dcgm.close()
         npu.close()
-        for handle in logs.values():
-            handle.close()
 
 
 def rows(stack: Stack, expr: str, expected: int) -> list[dict]:
