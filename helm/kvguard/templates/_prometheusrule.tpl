@@ -76,3 +76,23 @@ then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}`
 {{- end }}
 {{- toYaml $groups }}
 {{- end }}
+
+{{- /*
+kvguard.prometheusRule: a PrometheusRule named <fullname><suffix> holding kvguard.ruleGroups of path.
+Called with (dict "root" $ "suffix" "" "path" "files/<name>.template.yaml").
+*/}}
+{{- define "kvguard.prometheusRule" -}}
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: {{ include "kvguard.fullname" .root }}{{ .suffix }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "kvguard.labels" .root | nindent 4 }}
+    {{- with .root.Values.prometheusRule.labels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  groups:
+    {{- include "kvguard.ruleGroups" (dict "root" .root "path" .path) | nindent 4 }}
+{{- end }}
