@@ -293,6 +293,17 @@ def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_
     assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(written[p] for p in JOIN_RULE_FILES)
 
 
+def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
+    # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
+    values = {"prometheusRule": {"jobSelector": "", "deviceJoins": {"enabled": True}}}
+    (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
+    written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
+    docs = render(str(tmp_path / "empty.yaml"))
+    assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(written[p] for p in OWN_RULE_FILES)
+    assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(written[p] for p in JOIN_RULE_FILES)
+    assert "up == 0" in str(prometheus_rule(docs)["spec"]["groups"])
+
+
 def test_join_selector_values_change_the_rendered_join_rules():
     default = _rules_by_name(prometheus_rule(render(None, "--set", "prometheusRule.deviceJoins.enabled=true"),
                                              joins=True)["spec"]["groups"])
