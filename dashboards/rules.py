@@ -5,7 +5,8 @@
     python dashboards/rules.py --check      exit 1 if a committed file differs from what the code writes
     python dashboards/rules.py --config my.yaml --output-dir DIR
                                             your own rules: my.yaml is shaped like the chart's
-                                            prometheusRule values (jobSelector, runbookUrl, thresholds, for)
+                                            prometheusRule values (jobSelector, runbookUrl, thresholds, for,
+                                            deviceJoins)
 
 The config, with DEFAULTS below as its defaults:
   jobSelector   label matchers added to every kvguard series the rules read, and to up{}
@@ -13,13 +14,20 @@ The config, with DEFAULTS below as its defaults:
                 (kube-prometheus' runbookURLPattern)
   thresholds    the numbers the alerts compare against, by name
   for           each alert's `for` duration, by alert name
+  deviceJoins   label matchers on the other exporters' series the join rules read:
+                dcgmExporterSelector (DCGM_FI_DEV_FB_USED), npuExporterSelector
+                (npu_chip_info_hbm_used_memory); empty (the default): any job
 
-The rule table uses placeholders: ${jobSelector}, ${thresholds.NAME}, ${for} (the alert's own `for`)
-and ${runbookUrl} (the alert's own link). Two outputs come from it:
+The rule table uses placeholders: ${jobSelector}, ${thresholds.NAME}, ${deviceJoins.NAME}, ${for} (the
+alert's own `for`) and ${runbookUrl} (the alert's own link). A selector is the last matcher of its
+braces, so an empty one leaves `{a="b",}` or `{}`: both are tidied away (`{a="b"}`, nothing) once filled.
+Two outputs come from the table:
   dashboards/rules/*.yaml                      the placeholders filled from DEFAULTS: plain `groups:`
                                                files for promtool and for Prometheus without Helm;
-  helm/kvguard/files/kvguard-rules.template.yaml  the placeholders kept; the chart's
-                                               templates/prometheusrule.yaml fills them from
+  helm/kvguard/files/*.template.yaml           the placeholders kept, one file per PrometheusRule the
+                                               chart renders (kvguard-rules: recording and alerts;
+                                               kvguard-joins: the device joins). The chart's
+                                               templates/_prometheusrule.tpl fills them from
                                                .Values.prometheusRule, whose defaults mirror DEFAULTS
                                                (tests/test_rules_generate.py holds them equal, and
                                                `helm template` equal to this generator for a
@@ -41,19 +49,24 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RULES_DIR = os.path.join(HERE, "rules")
-CHART_TEMPLATE = os.path.join(os.path.dirname(HERE), "helm", "kvguard", "files", "kvguard-rules.template.yaml")
+CHART_FILES = os.path.join(os.path.dirname(HERE), "helm", "kvguard", "files")
+CHART_TEMPLATE = os.path.join(CHART_FILES, "kvguard-rules.template.yaml")
+JOINS_CHART_TEMPLATE = os.path.join(CHART_FILES, "kvguard-joins.template.yaml")
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z][A-Za-z0-9]*(?:\.[A-Za-z][A-Za-z0-9]*)?)\}")
 # Exactly one %s and no other %: what both Python's % and Go's printf (the chart) read alike.
 RUNBOOK_PATTERN = re.compile(r"[^%]*%s[^%]*")
 DURATION = re.compile(r"0|(?:[0-9]+(?:ms|s|m|h|d|w|y))+")
+# What an empty selector leaves, as tidy() removes it; the chart's template uses the same two patterns.
+TRAILING_COMMA = re.compile(r",\}")
+EMPTY_MATCHERS = re.compile(r"([A-Za-z0-9_:])\{\}")
 
 
 # ----------------------------------------------------------------------------- the table
 
-def series(name: str) -> str:
-    """A kvguard series selected by the job selector."""
-    return f"{name}{{${{jobSelector}}}}"
+def series(name: str, *matchers: str, selector: str = "jobSelector") -> str:
+    """A series with its own matchers, then the config's selector (a kvguard series: the job selector)."""
+    return f"{name}{{{''.join(m + ',' for m in matchers)}${{{selector}}}}}"
 
 
 def threshold(name: str) -> str:
@@ -89,6 +102,7 @@ class RuleFile:
     name: str                   # under dashboards/rules/
     header: str
     groups: tuple
+    chart: str = CHART_TEMPLATE     # the chart template (one PrometheusRule) its groups go into
 
 
 # Where a rank's alert names it: the rank labels of docs/metrics.md plus the scrape's instance.
@@ -205,8 +219,68 @@ NAMESPACE = (
            "sum by (job, namespace) (namespace_pod:kvguard_allocator_ooms:rate5m)"),
 )
 
-# The chart renders every file's groups, in this order, as one PrometheusRule. A further file (a
-# group of joins with other exporters, say) is one more entry here.
+# ----------------------------------------------------------------------------- device joins
+# The exporters' labels and units, with their upstream sources: the kvguard-joins.yaml header in FILES.
+
+def dcgm(name: str, *matchers: str) -> str:
+    return series(name, *matchers, selector="deviceJoins.dcgmExporterSelector")
+
+
+def npu_exporter(name: str) -> str:
+    return series(name, selector="deviceJoins.npuExporterSelector")
+
+
+DCGM_WHOLE_GPU = dcgm("DCGM_FI_DEV_FB_USED", 'GPU_I_ID=""')      # a MIG instance's rows have GPU_I_ID
+RESERVED_WITH_UUID = series("kvguard_allocator_reserved_bytes", 'device_uuid!=""')
+DEVICE_WITH_BUS = series("kvguard_device_used_bytes", 'pci_bus_id!=""')
+NPU_HBM_BY_BUS = f'label_replace({npu_exporter("npu_chip_info_hbm_used_memory")}, "pci_bus_id", "$1", "pcie_bus_info", "(.+)")'
+
+DEVICE_JOINS = (
+    Record("kvguard:dcgm_fb_used_bytes",
+           "max by (device_uuid, pci_bus_id, gpu, modelName, hostname, Hostname) (\n"
+           f'  label_replace({DCGM_WHOLE_GPU}, "device_uuid", "$1", "UUID", "(.+)")\n'
+           ") * 1048576\n",
+           comment="dcgm-exporter's framebuffer used in bytes, one row per whole GPU, keyed by device_uuid."),
+    Record("kvguard:allocator_reserved_bytes:dcgm",
+           f"{RESERVED_WITH_UUID}\n"
+           "  * on (device_uuid) group_left (gpu, modelName)\n"
+           "  (0 * kvguard:dcgm_fb_used_bytes + 1)\n",
+           comment="Each rank's allocator reserved bytes, with the GPU index and model dcgm-exporter names: "
+                   "one row per rank on a GPU that dcgm-exporter reports."),
+    Record("kvguard:gpu_outside_allocator_bytes:dcgm",
+           "kvguard:dcgm_fb_used_bytes\n"
+           "  - on (device_uuid) group_left ()\n"
+           f"  sum by (device_uuid) ({RESERVED_WITH_UUID})\n",
+           comment="What a GPU holds beyond the allocators kvguard watches on it (CUDA contexts, NCCL buffers, "
+                   "other processes): dcgm-exporter's framebuffer used minus its ranks' reserved bytes. One row "
+                   "per GPU that has kvguard ranks."),
+    Record("kvguard:npu_hbm_used_bytes:npu_exporter",
+           "(\n"
+           "  max by (pci_bus_id, id, vdie_id, model_name) (\n"
+           f"    {NPU_HBM_BY_BUS}\n"
+           "  ) * 1048576\n"
+           ")\n"
+           "and on (pci_bus_id)\n"
+           "(\n"
+           "  count by (pci_bus_id) (\n"
+           "    max by (pci_bus_id, id) (\n"
+           f"      {NPU_HBM_BY_BUS}\n"
+           "    )\n"
+           "  ) == 1\n"
+           ")\n",
+           comment="npu-exporter's HBM used in bytes, one row per chip whose PCIe address is its own, keyed by "
+                   "pci_bus_id (an Atlas 300I Duo's two chips print one address: they are left out)."),
+    Record("kvguard:device_used_bytes:npu_exporter",
+           f"{DEVICE_WITH_BUS}\n"
+           "  * on (pci_bus_id) group_left (id, vdie_id, model_name)\n"
+           "  (0 * kvguard:npu_hbm_used_bytes:npu_exporter + 1)\n",
+           comment="kvguard's npu-smi device series with npu-exporter's chip id, die id and model: one row per "
+                   "chip."),
+)
+
+
+# The chart renders each chart template's groups, in this order, as one PrometheusRule: the recording
+# rules and alerts as the release's own, the device joins as "<release>-joins" (off by default).
 FILES = (
     RuleFile("kvguard-recording.yaml", """\
 kvguard recording rules. Tested by dashboards/tests/kvguard-recording.test.yaml (promtool test rules).
@@ -225,6 +299,28 @@ Per-rank alerts carry the rank labels of docs/metrics.md (device, rank, pid, pod
 container) plus the scrape's job and instance; instance tells hosts apart outside Kubernetes,
 where pod and namespace are empty.""",
              (Group("kvguard.alerts", ALERTS),)),
+    RuleFile("kvguard-joins.yaml", """\
+kvguard's series joined to dcgm-exporter's and Huawei npu-exporter's on the device identity labels
+(device_uuid, pci_bus_id; docs/metrics.md "Joining other exporters"). Off in the chart unless
+prometheusRule.deviceJoins.enabled; tested by dashboards/tests/kvguard-joins.test.yaml and, against a
+real Prometheus scraping kvguard beside both exporters' expositions, tests/test_device_joins_e2e.py.
+Their selectors are config: jobSelector on kvguard's series, deviceJoins.dcgmExporterSelector and
+deviceJoins.npuExporterSelector on the exporters' (empty by default: any job).
+
+dcgm-exporter (4.5.3-4.8.2, internal/pkg/rendermetrics/render_metrics.go:47) labels every GPU series
+  gpu, UUID, pci_bus_id, device ("nvidia0"), modelName, hostname (Hostname in 3.x,
+  pkg/dcgmexporter/pipeline.go:299 at 3.3.9-3.6.1); GPU_I_PROFILE and GPU_I_ID on a MIG instance's
+  rows, which carry the parent GPU's UUID.
+  DCGM_FI_DEV_FB_USED is framebuffer memory used, in MiB.
+npu-exporter (v5, collector/npu_collector.go) labels every chip series
+  id (the physical chip id), model_name, vdie_id, pcie_bus_info ("0000:C1:00.0", dcmi.go's
+  %04X:%02X:%02X.%X: the Bus-Id npu-smi prints, which kvguard's npu-smi source exports as pci_bus_id).
+  npu_chip_info_hbm_used_memory is HBM used, in MB (MiB).
+
+Each join's right-hand side is made unique per key first (max by the key and the labels taken
+over), so two scrapes of one exporter, or two chips behind one PCIe address, can never make a
+many-to-many match that fails the whole rule: they drop out of the join instead.""",
+             (Group("kvguard.rules.device-joins", DEVICE_JOINS),), chart=JOINS_CHART_TEMPLATE),
 )
 
 DEFAULTS = {
@@ -242,7 +338,14 @@ DEFAULTS = {
         "allocRetriesPerSecond": 0,
     },
     "for": {alert.name: alert.for_ for alert in ALERTS if alert.for_ is not None},
+    "deviceJoins": {
+        # Label matchers on dcgm-exporter's and npu-exporter's series; empty: any scrape job.
+        "dcgmExporterSelector": "",
+        "npuExporterSelector": "",
+    },
 }
+# Keys of the chart's prometheusRule block that switch objects on and label them, not rule config.
+CHART_ONLY = {"enabled", "labels"}
 
 
 # ----------------------------------------------------------------------------- config
@@ -254,9 +357,9 @@ class ConfigError(ValueError):
 def merge(config: dict | None) -> dict:
     """DEFAULTS overlaid with config (nested maps key by key, as Helm merges values)."""
     merged = copy.deepcopy(DEFAULTS)
-    config = dict(config or {})
-    for key in ("enabled", "labels", "deviceJoins"):    # a chart's prometheusRule block may be passed whole
-        config.pop(key, None)
+    config = {k: v for k, v in (config or {}).items() if k not in CHART_ONLY}   # a chart's block, passed whole
+    if isinstance(config.get("deviceJoins"), dict):
+        config["deviceJoins"] = {k: v for k, v in config["deviceJoins"].items() if k != "enabled"}
     unknown = set(config) - set(DEFAULTS)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))} (known: {', '.join(DEFAULTS)})")
@@ -278,6 +381,9 @@ def merge(config: dict | None) -> dict:
 def validate(config: dict) -> None:
     if not isinstance(config["jobSelector"], str):
         raise ConfigError("jobSelector: expected label matchers as a string, e.g. 'job=\"kvguard\"'")
+    for name, value in config["deviceJoins"].items():
+        if not isinstance(value, str):
+            raise ConfigError(f"deviceJoins.{name}: expected label matchers as a string, e.g. 'job=\"dcgm-exporter\"'")
     if not isinstance(config["runbookUrl"], str) or not RUNBOOK_PATTERN.fullmatch(config["runbookUrl"]):
         raise ConfigError(f"runbookUrl: expected a URL with exactly one %s (the alert name), "
                           f"got {config['runbookUrl']!r}")
@@ -324,6 +430,7 @@ def filled(data: dict, config: dict | None) -> dict:
         return data
     values = {"jobSelector": config["jobSelector"]}
     values.update({f"thresholds.{k}": number(v) for k, v in config["thresholds"].items()})
+    values.update({f"deviceJoins.{k}": v for k, v in config["deviceJoins"].items()})
     if "alert" in data:
         values["runbookUrl"] = config["runbookUrl"] % data["alert"].lower()
         if data["alert"] in config["for"]:
@@ -333,7 +440,14 @@ def filled(data: dict, config: dict | None) -> dict:
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
         return fill(value, values)
-    return walk(data)
+    result = walk(data)
+    result["expr"] = tidy(result["expr"])
+    return result
+
+
+def tidy(expr: str) -> str:
+    """An expression whose selector was empty: `{a="b",}` to `{a="b"}`, `name{}` to `name` (the chart too)."""
+    return EMPTY_MATCHERS.sub(r"\1", TRAILING_COMMA.sub("}", expr))
 
 
 def groups(rule_file: RuleFile, config: dict | None) -> list[dict]:
@@ -403,13 +517,17 @@ def outputs(config: dict | None = None, output_dir: str = RULES_DIR, chart: bool
                   "not here.")
         result[os.path.join(output_dir, rule_file.name)] = render_file(rule_file, merged, header)
     if chart:
-        header = ("kvguard's rules with their placeholders kept, for the Helm chart: templates/prometheusrule.yaml\n"
-                  "fills ${jobSelector}, ${thresholds.NAME}, ${for} and ${runbookUrl} from .Values.prometheusRule.\n"
-                  "Generated by dashboards/rules.py; change the rules there, not here.")
-        # One groups: list over every file, in FILES order.
-        every_group = RuleFile(os.path.basename(CHART_TEMPLATE), header, sum((f.groups for f in FILES), ()))
-        result[CHART_TEMPLATE] = render_file(every_group, None, header)
+        for template in dict.fromkeys(f.chart for f in FILES):
+            header = (f"kvguard's rules with their placeholders kept, for the Helm chart: {CHART_FILLER}\n"
+                      "fills ${jobSelector}, ${thresholds.NAME}, ${deviceJoins.NAME}, ${for} and ${runbookUrl} from\n"
+                      ".Values.prometheusRule. Generated by dashboards/rules.py; change the rules there, not here.")
+            # One groups: list over the files that go into this template, in FILES order.
+            groups_ = sum((f.groups for f in FILES if f.chart == template), ())
+            result[template] = render_file(RuleFile(os.path.basename(template), header, groups_), None, header)
     return result
+
+
+CHART_FILLER = "templates/_prometheusrule.tpl"
 
 
 def load_config(path: str) -> dict:

@@ -7,30 +7,24 @@ simulated CUDA ranks, with the sim's stable UUIDs and PCI addresses) and a real 
 runs a stand-in `npu-smi` printing a recorded 8 x 910B3 table. The fake exporters answer for the
 same devices by UUID (dcgm-exporter) and by PCIe address (npu-exporter), numbered differently from
 kvguard's device labels, so only the identity labels can match them. The chart's switch for these
-rules is checked here too.
+rules is in tests/test_helm_chart.py, promtool's lint of them in tests/test_rules_promtool.py.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 import threading
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import yaml
 
 from kvguard.probe import Probe
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
 from kvguard.sources.sim import SimSource, sim_identity
-from monitoring import RULES_DIR
-from sidecar_fixtures import free_port
-from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, Stack, poll, stop
+from monitoring import JOINS_FILE
+from test_prometheus_e2e import STARTUP_DEADLINE, Stack, kvguard_and_prometheus, poll
 
-JOINS_FILE = os.path.join(RULES_DIR, "kvguard-joins.yaml")
 NPU_FIXTURE = os.path.join(os.path.dirname(__file__), "data", "npu-smi", "910b3-24.1.rc1-vllm-tp8.txt")
 MIB = 1 << 20
 
@@ -99,8 +93,6 @@ class Exposition:
 
 @pytest.fixture(scope="module")
 def joined(tmp_path_factory):
-    if not os.access(PROMETHEUS, os.X_OK):
-        pytest.fail("prometheus not found: ./dev.sh test installs Debian's prometheus package")
     work = tmp_path_factory.mktemp("joins")
     spool, bin_dir = work / "spool", work / "bin"
     spool.mkdir()
@@ -110,52 +102,23 @@ def joined(tmp_path_factory):
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     dcgm, npu = Exposition(dcgm_exposition()), Exposition(npu_exporter_exposition())
     probe = Probe(str(spool), source=SimSource(ranks=2, allocator="torch"), interval=1.0).start()
-    kvguard_port, prometheus_port = free_port(), free_port()
-    logs = {name: open(work / f"{name}.log", "wb") for name in ("kvguard", "prometheus")}
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    kvguard = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(kvguard_port),
-         "--spool-dir", str(spool), "--source", "npu-smi", "--interval", "1"],
-        env=env, stdout=logs["kvguard"], stderr=subprocess.STDOUT, start_new_session=True)
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [JOINS_FILE],
-        "scrape_configs": [
-            {"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"]}]},
-            {"job_name": "dcgm-exporter", "static_configs": [{"targets": [dcgm.target]}]},
-            {"job_name": "npu-exporter", "static_configs": [{"targets": [npu.target]}]},
-        ],
-    }
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    prometheus = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
-        stdout=logs["prometheus"], stderr=subprocess.STDOUT, start_new_session=True)
-    stack = Stack(f"http://127.0.0.1:{prometheus_port}", f"http://127.0.0.1:{kvguard_port}")
+    scrape = [{"job_name": name, "static_configs": [{"targets": [exposition.target]}]}
+              for name, exposition in (("dcgm-exporter", dcgm), ("npu-exporter", npu))]
     try:
-        def ready() -> bool:
-            for name, process in (("kvguard", kvguard), ("prometheus", prometheus)):
-                if process.poll() is not None:
-                    pytest.fail(f"{name} exited with {process.returncode}: "
-                                f"{(work / f'{name}.log').read_text(errors='replace')[-2000:]}")
-            with urllib.request.urlopen(f"{stack.prometheus_url}/-/ready", timeout=2) as response:
-                return response.status == 200
-
-        poll("Prometheus to be ready", ready, STARTUP_DEADLINE)
-        poll("all three targets up", lambda: len(stack.instant("up == 1")["data"]["result"]) == 3, STARTUP_DEADLINE)
-        # Both kvguard ranks and all 8 chips scraped, then a rule evaluation after that.
-        poll("kvguard's ranks and chips", lambda: len(stack.instant(
-            'kvguard_allocator_reserved_bytes{device_uuid!=""}')["data"]["result"]) == 2 and len(stack.instant(
-                'kvguard_device_used_bytes{source="npu-smi"}')["data"]["result"]) == 8, STARTUP_DEADLINE)
-        yield stack
+        with kvguard_and_prometheus(work, ["--spool-dir", str(spool), "--source", "npu-smi", "--interval", "1"],
+                                    [JOINS_FILE], env=env, scrape_configs=scrape) as stack:
+            poll("all three targets up", lambda: len(stack.instant("up == 1")["data"]["result"]) == 3,
+                 STARTUP_DEADLINE)
+            # Both kvguard ranks and all 8 chips scraped, then a rule evaluation after that.
+            poll("kvguard's ranks and chips", lambda: len(stack.instant(
+                'kvguard_allocator_reserved_bytes{device_uuid!=""}')["data"]["result"]) == 2 and len(stack.instant(
+                    'kvguard_device_used_bytes{source="npu-smi"}')["data"]["result"]) == 8, STARTUP_DEADLINE)
+            yield stack
     finally:
-        stop(prometheus)
-        stop(kvguard)
         probe.stop()
         dcgm.close()
         npu.close()
-        for handle in logs.values():
-            handle.close()
 
 
 def rows(stack: Stack, expr: str, expected: int) -> list[dict]:
@@ -191,18 +154,6 @@ def test_each_npu_chip_joins_the_one_npu_exporter_chip_at_its_pcie_address(joine
         assert row["vdie_id"].endswith(f"-{index:08X}")
 
 
-def test_chart_renders_the_join_rules_only_when_asked(tmp_path):
-    from test_helm_chart import render
-
-    assert [d for d in render(None) if d["metadata"]["name"].endswith("-joins")] == []
-    docs = render(None, "--set", "prometheusRule.deviceJoins.enabled=true")
-    [joins] = [d for d in docs if d["kind"] == "PrometheusRule" and d["metadata"]["name"].endswith("-joins")]
-    with open(JOINS_FILE) as handle:
-        assert joins["spec"]["groups"] == yaml.safe_load(handle)["groups"]
-    off = render(None, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false")
-    assert [d for d in off if d["kind"] == "PrometheusRule"] == []
-
-
 def documented_joins() -> list[str]:
     """The ad-hoc queries of docs/metrics.md "Joining other exporters", comments dropped."""
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "metrics.md")) as handle:
@@ -221,10 +172,3 @@ def test_the_documented_ad_hoc_joins_have_one_row_per_device(joined):
         sorted(sim_identity("cuda", rank)[0] for rank in (0, 1))
     assert sorted(r["device"] for r in rows(joined, npu_join, 8)) == sorted(c.device for c in npu_chips())
 
-
-def test_promtool_checks_the_join_rules_with_lint_fatal():
-    from monitoring import promtool
-
-    result = subprocess.run([promtool(), "check", "rules", "--lint=all", "--lint-fatal", JOINS_FILE],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr

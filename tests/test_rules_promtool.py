@@ -3,6 +3,7 @@ rules dashboards/rules.py writes from a non-default config (dashboards/tests/cus
 
 from __future__ import annotations
 
+import copy
 import functools
 import glob
 import os
@@ -15,8 +16,8 @@ import pytest
 import yaml
 
 from monitoring import (
-    CUSTOM_PROMTOOL_TESTS, PROMTOOL_TESTS, RULE_FILES, RULES_GENERATOR, alerts, custom_rules_config, load_yaml, promtool,
-    recording_rules,
+    CUSTOM_PROMTOOL_TESTS, JOINS_FILE, PROMTOOL_TESTS, RULE_FILES, RULES_GENERATOR, alerts, custom_rules_config,
+    load_yaml, promtool, recording_rules, rules,
 )
 
 TEST_FILES = sorted(glob.glob(os.path.join(PROMTOOL_TESTS, "*.test.yaml")))
@@ -75,7 +76,7 @@ def test_every_alert_has_a_firing_and_a_non_firing_unit_test(name):
 
 def test_every_recording_rule_has_a_promql_unit_test():
     tested = expressions_under_test()
-    untested = [r["record"] for r in recording_rules() if r["record"] not in tested]
+    untested = [r["record"] for r in recording_rules() + rules(JOINS_FILE) if r["record"] not in tested]
     assert not untested
 
 
@@ -145,6 +146,24 @@ def test_the_custom_tests_fail_with_default_thresholds_and_for_exactly_where_tho
         ("KVGuardSnapshotStale", "7m"), ("KVGuardSnapshotStale", "11m"),
         ("KVGuardSourceDown", "15m"), ("KVGuardSourceDown", "21m"),
         ("KVGuardExporterDown", "7m"), ("KVGuardExporterDown", "11m"),
+    }
+
+
+def failed_exprs(output: str) -> set[str]:
+    """The expression of every promql_expr_test case promtool reports as failed."""
+    return set(re.findall(r'expr: "([^"]+)", time:', output))
+
+
+def test_the_custom_join_tests_fail_with_the_default_exporter_selectors(tmp_path):
+    # Same jobSelector, any dcgm-exporter or npu-exporter job: the series the selectors left out join in.
+    config = copy.deepcopy(custom_rules_config())
+    del config["deviceJoins"]["dcgmExporterSelector"], config["deviceJoins"]["npuExporterSelector"]
+    custom_rules(tmp_path, config)
+    result = run("test", "rules", str(tmp_path / "kvguard-joins.test.yaml"))
+    assert result.returncode != 0
+    assert failed_exprs(result.stdout + result.stderr) == {
+        "kvguard:dcgm_fb_used_bytes", "kvguard:gpu_outside_allocator_bytes:dcgm",   # the canary's 75000 MiB
+        "kvguard:npu_hbm_used_bytes:npu_exporter", "kvguard:device_used_bytes:npu_exporter",  # 2 chips at C1
     }
 
 

@@ -51,9 +51,16 @@ class RankView:
     stale: bool
     verdict: Verdict
 
+    def identity(self) -> dict[str, str]:
+        """The identity labels the rank's series carry (collector.RANK_IDENTITY_LABELS); "" where unknown."""
+        memory = self.snapshot.memory if self.snapshot else None
+        return {"device_uuid": memory.device_uuid if memory else "", "pci_bus_id": memory.pci_bus_id if memory else "",
+                "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", "")}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **{k: self.labels[k] for k in RANK_LABELS},
+            **self.identity(),
             "host": self.snapshot.host if self.snapshot else None,
             "profile_origin": self.profile_origin,
             "snapshot_age_seconds": None if self.age_seconds is None else round(self.age_seconds, 3),
