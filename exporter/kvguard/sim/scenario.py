@@ -49,7 +49,6 @@ Everything is deterministic for a given config (the request mix comes from ``see
 from __future__ import annotations
 
 import random
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
@@ -60,6 +59,7 @@ from .device import Device
 from .mindspore_pool import DynamicMemPool
 from .mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
                                  vmm_enabled)
+from .scheduler import Scheduler, Sequence
 from .torch_alloc import CachingAllocator
 from .workload import ModelShape, forward_ops, model_shape, weight_tensors
 
@@ -306,24 +306,6 @@ def make_allocator(config: ScenarioConfig, device: Device):
                             expandable_segments=config.expandable_segments)
 
 
-class _Running:
-    __slots__ = ("request", "computed", "generated", "blocks")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.computed = 0      # prompt tokens already prefilled
-        self.generated = 0     # output tokens produced
-        self.blocks = 0        # KV blocks held
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.computed < self.request.prompt_tokens
-
-    @property
-    def context(self) -> int:
-        return self.computed + self.generated
-
-
 class ServingScenario:
     """Drives one rank of a vLLM server through startup and serving on a simulated device."""
 
@@ -337,9 +319,8 @@ class ServingScenario:
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)
-        self._waiting: deque[_Running] = deque(_Running(r) for r in self.requests)
-        self._running: list[_Running] = []
-        self._free_blocks = 0
+        self._scheduler = Scheduler(self.kv_layout.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                                    (Sequence(r.prompt_tokens, r.output_tokens, r) for r in self.requests))
         self._timeline: list[StepRecord] = []
         self._started = False
         self._ops_cache: dict[tuple, list] = {}
@@ -353,7 +334,6 @@ class ServingScenario:
         self.error: str | None = None
         self.step_index = 0
         self.requests_finished = 0
-        self.preemptions = 0
         self._kv_addrs: list[int] = []
 
     # ----------------------------------------------------------------- public state
@@ -361,7 +341,7 @@ class ServingScenario:
     def finished(self) -> bool:
         if self.oom or self.error:
             return True
-        return self._started and not self._waiting and not self._running
+        return self._started and not self._scheduler.waiting and not self._scheduler.running
 
     @property
     def timeline(self) -> tuple[StepRecord, ...]:
@@ -389,9 +369,10 @@ class ServingScenario:
         return record
 
     def _record_serving(self, num_tokens: int) -> StepRecord:
-        return self._record("serving", self.step_index, num_running=len(self._running),
-                            num_waiting=len(self._waiting), num_tokens=num_tokens,
-                            kv_blocks_used=(self.num_blocks or 0) - self._free_blocks)
+        scheduler = self._scheduler
+        return self._record("serving", self.step_index, num_running=len(scheduler.running),
+                            num_waiting=len(scheduler.waiting), num_tokens=num_tokens,
+                            kv_blocks_used=(self.num_blocks or 0) - scheduler.free_blocks)
 
     def _fail(self, phase: str, exc: SimOutOfMemory) -> None:
         self.oom = True
@@ -469,7 +450,7 @@ class ServingScenario:
             self._record("kv_cache")
             self._fail("kv_cache", exc)
             return self.profile
-        self._free_blocks = self.num_blocks
+        self._scheduler.free_blocks = self.num_blocks
         self._record("kv_cache")
         return self.profile
 
@@ -509,59 +490,13 @@ class ServingScenario:
             raise
 
     # ----------------------------------------------------------------- serving
-    def _blocks_needed(self, seq: _Running, new_tokens: int) -> int:
-        total = seq.context + new_tokens
-        return -(-total // self.kv_layout.block_size) - seq.blocks
-
-    def _preempt(self) -> None:
-        victim = self._running.pop()
-        self._free_blocks += victim.blocks
-        victim.blocks = 0
-        victim.computed = 0
-        victim.generated = 0
-        self._waiting.appendleft(victim)
-        self.preemptions += 1
-
-    def _schedule(self) -> list[tuple[_Running, int]]:
-        """vLLM V1's scheduler, simplified: running first, then waiting FCFS, one token budget."""
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[_Running, int]] = []
-        index = 0
-        while index < len(self._running) and budget > 0:
-            seq = self._running[index]
-            tokens = min(seq.request.prompt_tokens - seq.computed, budget) if seq.in_prefill else 1
-            need = self._blocks_needed(seq, tokens)
-            while need > self._free_blocks and self._running[-1] is not seq:
-                self._preempt()
-            if need > self._free_blocks:
-                self._preempt()  # the sequence itself
-                break
-            self._free_blocks -= need
-            seq.blocks += need
-            scheduled.append((seq, tokens))
-            budget -= tokens
-            index += 1
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting[0]
-            tokens = min(seq.request.prompt_tokens - seq.computed, budget)
-            need = self._blocks_needed(seq, tokens)
-            if need > self._free_blocks:
-                break
-            self._waiting.popleft()
-            self._free_blocks -= need
-            seq.blocks += need
-            self._running.append(seq)
-            scheduled.append((seq, tokens))
-            budget -= tokens
-        return scheduled
-
     def step(self) -> StepRecord:
         if not self._started:
             self.startup()
         if self.finished:
             return self._timeline[-1] if self._timeline else self._record("serving", self.step_index)
-        scheduled = self._schedule()
+        scheduler = self._scheduler
+        scheduled = scheduler.schedule()
         num_tokens = sum(tokens for _, tokens in scheduled)
         gathered: tuple[int, ...] = ()
         if self.config.gathers_kv:
@@ -573,27 +508,12 @@ class ServingScenario:
             except SimOutOfMemory as exc:
                 self._fail("serving", exc)
                 return self._record_serving(num_tokens)
-        for seq, tokens in scheduled:
-            if seq.in_prefill:
-                seq.computed += tokens
-                if not seq.in_prefill:
-                    seq.generated += 1  # the last prefill chunk samples the first token
-            else:
-                seq.generated += 1
-        still_running = []
-        for seq in self._running:
-            if not seq.in_prefill and seq.generated >= seq.request.output_tokens:
-                self._free_blocks += seq.blocks
-                seq.blocks = 0
-                self.requests_finished += 1
-            else:
-                still_running.append(seq)
-        self._running = still_running
+        self.requests_finished += len(scheduler.advance(scheduled))
         record = self._record_serving(num_tokens)
         self.step_index += 1
-        if not num_tokens and not self._running and self._waiting:
+        if not num_tokens and not scheduler.running and scheduler.waiting:
             # Nothing fits even alone: vLLM would reject such a request; drop it to stay live.
-            self._waiting.popleft()
+            scheduler.waiting.popleft()
         return record
 
     def result(self) -> ScenarioResult:
@@ -602,7 +522,7 @@ class ServingScenario:
             config=self.config, oom=self.oom, oom_at_step=self.oom_at_step, oom_phase=self.oom_phase,
             oom_request_bytes=self.oom_request_bytes, error=self.error, profile=self.profile,
             kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, steps=self.step_index,
-            requests_finished=self.requests_finished, preemptions=self.preemptions,
+            requests_finished=self.requests_finished, preemptions=self._scheduler.preemptions,
             memory_stats=self.allocator.memory_stats(), device_free_bytes=free, device_total_bytes=total,
             device_peak_used_bytes=self.device.peak_used_bytes, timeline=tuple(self._timeline),
             kv_layout=self.kv_layout)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from ..estimator import Profile
 from .base import SimOutOfMemory
 from .scenario import ScenarioConfig, ServingScenario
+from .scheduler import Scheduler, Sequence
 from .workload import forward_ops
 
 
@@ -64,21 +64,6 @@ class Traffic:
             raise ValueError(f"prompt_sigma must be in [0, 4], got {self.prompt_sigma}")
 
 
-class _Request:
-    __slots__ = ("prompt", "output", "computed", "generated", "blocks")
-
-    def __init__(self, prompt: int, output: int) -> None:
-        self.prompt = prompt
-        self.output = output
-        self.computed = 0
-        self.generated = 0
-        self.blocks = 0
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.computed < self.prompt
-
-
 class LiveServing:
     """One rank: the scenario's startup, then an open request stream (module docstring).
 
@@ -100,16 +85,14 @@ class LiveServing:
         self._max_len = config.resolved_max_model_len
         self._clock = 0.0
         self._next_arrival = self._rng.expovariate(self.traffic.arrival_rate)
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._free_blocks = 0
+        self._scheduler = Scheduler(self.kv_layout.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                                    reject_unfittable=True)
         self._pending: list | None = None      # the in-flight forward: (ops, next index, live addresses)
         self._started = False
         self.arrivals: list[int] = []          # the step of each arrival, in order (the first 1024)
-        self.refused = 0
+        self._queue_full = 0                   # arrivals refused because the waiting queue was full
         self.leaked_bytes = 0
         self.requests_finished = 0
-        self.preemptions = 0
         self.step_index = 0
         self.num_tokens = 0                    # tokens scheduled in the last step
         self._oom = False
@@ -153,11 +136,20 @@ class LiveServing:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._scheduler.waiting)
+
+    @property
+    def refused(self) -> int:
+        """Requests never served: the queue was full, or one could not fit even alone (vLLM rejects it)."""
+        return self._queue_full + self._scheduler.rejected
+
+    @property
+    def preemptions(self) -> int:
+        return self._scheduler.preemptions
 
     # ------------------------------------------------------------------ serving
     def step(self) -> None:
@@ -165,13 +157,13 @@ class LiveServing:
         if not self._started:
             self._started = True
             self._scenario.startup()
-            self._free_blocks = self._scenario.num_blocks or 0
+            self._scheduler.free_blocks = self._scenario.num_blocks or 0
         if self.finished:
             return
         try:
             self._finish_pending()
             self._arrive()
-            scheduled = self._schedule()
+            scheduled = self._scheduler.schedule()
             num_tokens = self.num_tokens = sum(tokens for _, tokens in scheduled)
             if scheduled:
                 gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
@@ -197,81 +189,20 @@ class LiveServing:
             output = min(output, self._max_len - 1)
             prompt = int(self._rng.lognormvariate(math.log(traffic.prompt_median_tokens), traffic.prompt_sigma))
             prompt = max(1, min(prompt, self._max_len - output))
-            if len(self._waiting) >= self.MAX_QUEUE:
-                self.refused += 1
+            if len(self._scheduler.waiting) >= self.MAX_QUEUE:
+                self._queue_full += 1
                 continue
             if len(self.arrivals) < 1024:
                 self.arrivals.append(self.step_index)
-            self._waiting.append(_Request(prompt, output))
+            self._scheduler.waiting.append(Sequence(prompt, output))
 
-    def _blocks_needed(self, seq: _Request, tokens: int) -> int:
-        return -(-(seq.computed + seq.generated + tokens) // self.kv_layout.block_size) - seq.blocks
-
-    def _preempt(self) -> None:
-        victim = self._running.pop()
-        self._free_blocks += victim.blocks
-        victim.blocks = victim.computed = victim.generated = 0
-        self._waiting.appendleft(victim)
-        self.preemptions += 1
-
-    def _schedule(self) -> list[tuple[_Request, int]]:
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[tuple[_Request, int]] = []
-        index = 0
-        while index < len(self._running) and budget > 0:
-            seq = self._running[index]
-            tokens = min(seq.prompt - seq.computed, budget) if seq.in_prefill else 1
-            need = self._blocks_needed(seq, tokens)
-            while need > self._free_blocks and self._running[-1] is not seq:
-                self._preempt()
-            if need > self._free_blocks:
-                self._preempt()
-                break
-            self._free_blocks -= need
-            seq.blocks += need
-            scheduled.append((seq, tokens))
-            budget -= tokens
-            index += 1
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting[0]
-            tokens = min(seq.prompt - seq.computed, budget)
-            need = self._blocks_needed(seq, tokens)
-            if need > self._free_blocks:
-                if not self._running:
-                    self._waiting.popleft()     # cannot fit even alone: vLLM rejects it
-                    self.refused += 1
-                    continue
-                break
-            self._waiting.popleft()
-            self._free_blocks -= need
-            seq.blocks += need
-            self._running.append(seq)
-            scheduled.append((seq, tokens))
-            budget -= tokens
-        return scheduled
-
-    def _advance(self, scheduled: list[tuple[_Request, int]]) -> None:
-        for seq, tokens in scheduled:
-            if seq.in_prefill:
-                seq.computed += tokens
-                if not seq.in_prefill:
-                    seq.generated += 1          # the last prefill chunk samples the first token
-            else:
-                seq.generated += 1
-        still = []
+    def _advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
         leak = self.traffic.leak_bytes_per_request
-        for seq in self._running:
-            if not seq.in_prefill and seq.generated >= seq.output:
-                self._free_blocks += seq.blocks
-                seq.blocks = 0
-                self.requests_finished += 1
-                if leak:
-                    self._scenario.allocator.malloc(leak)    # kept: never freed
-                    self.leaked_bytes += leak
-            else:
-                still.append(seq)
-        self._running = still
+        for _ in self._scheduler.advance(scheduled):
+            self.requests_finished += 1
+            if leak:
+                self._scenario.allocator.malloc(leak)    # kept: never freed
+                self.leaked_bytes += leak
 
     # ------------------------------------------------------------------ the forward in flight
     def _run_pending(self, stop: int) -> None:
