@@ -14,6 +14,7 @@ encoder. tests/test_exposition.py holds the two to the same bytes.
 from __future__ import annotations
 
 import gzip
+import math
 import re
 import threading
 import time
@@ -78,7 +79,7 @@ def sample_blocks(metrics: Iterable) -> list[tuple[str, str, str, bytes]] | None
     label_sets: dict[tuple, dict[tuple, tuple[str, list[str]]]] = {}
     escaped: dict[str, str] = {}
     names_ok: set[str] = set()
-    values: dict[float, str] = {}
+    values: dict = {}
 
     def part(label: str, value: str) -> str:
         if label not in names_ok:
@@ -130,9 +131,10 @@ def sample_blocks(metrics: Iterable) -> list[tuple[str, str, str, bytes]] | None
             else:
                 text = ""
             value = sample.value
-            number = values.get(value)
-            if number is None:   # NaN never hits (it is not equal to itself), and is formatted each time
-                number = values[value] = floatToGoString(value)
+            value_key = value if value else (value, math.copysign(1.0, value))   # 0.0 == -0.0, "0.0" != "-0.0"
+            number = values.get(value_key)
+            if number is None:
+                number = values[value_key] = floatToGoString(value)
             append(f"{sample_name}{text} {number}\n")
         blocks.append((name, kind, metric.documentation, "".join(lines).encode("utf-8")))
     return blocks
