@@ -1,9 +1,15 @@
-"""The sidecar's view of a spool others can write: future dates never hide or keep a rank."""
+"""The sidecar's view of a spool others can write: future dates never hide or keep a rank; late
+and raising sources; and the commands beside it, whose bad profiles are one line each."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+
+import pytest
 
 from kvguard.poller import Poller
 from kvguard.sidecar import Sidecar, SidecarConfig
@@ -61,3 +67,54 @@ def test_the_npu_smi_poller_waits_as_long_as_npu_smi_itself():
                                     pod_labels=POD))
     (poller,) = sidecar._device_pollers
     assert poller.timeout == 10.0
+
+
+# ------------------------------------------------------------------ commands: one line, never a traceback
+
+def kvguard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "KVGUARD_DEBUG": ""})
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def log_with_utilization_5(data_path, tmp_path):
+    """A real vLLM V1 log whose profile line states utilization 5.0 (the probe's ProfileError)."""
+    with open(data_path("logs", "v1-tp2-debug.log")) as handle:
+        text = handle.read()
+    assert "utilization is (0.9, 57.60 GiB)" in text
+    path = tmp_path / "utilization-5.log"
+    path.write_text(text.replace("utilization is (0.9, 57.60 GiB)", "utilization is (5.0, 320.00 GiB)"))
+    return str(path)
+
+
+def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_2(log_with_utilization_5):
+    result = kvguard("check", "--from-log", log_with_utilization_5)
+    assert result.returncode == 2   # 1 would read as "warning" to the caller
+    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
+
+
+def test_serve_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
+    result = kvguard("serve", "--from-log", log_with_utilization_5, "--port", "0", "--source", "none",
+                     "--listen", "127.0.0.1")
+    assert result.returncode != 0
+    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
+
+
+def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
+    result = kvguard("budget", "--from-log", log_with_utilization_5)
+    assert result.returncode != 0
+    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
+
+
+def test_budget_with_a_reserved_increase_larger_than_the_device_is_one_line(data_path):
+    result = kvguard("budget", "--from-log", data_path("logs", "v1-tp2-debug.log"), "--peak-reserved-increase",
+                     "1000GiB")
+    assert result.returncode != 0
+    assert one_line_error(result).startswith("Error: ")
