@@ -1,14 +1,20 @@
 """The /metrics body: made once per sidecar refresh, whatever the scrape rate.
 
-``Exposition`` collects the registry's families once per refresh (the sidecar's ``generation``),
-encodes each format a scraper asks for once, and gzips each once; concurrent scrapes share it.
+``Exposition`` takes one observation per refresh (the sidecar's ``generation``), collects its
+families once, writes their sample lines once (they are the same in both formats), and assembles
+and gzips each format a scraper asks for once; concurrent scrapes share it.
 
-``encode`` writes the same bytes as prometheus_client's ``generate_latest`` (text format 0.0.4)
-and ``openmetrics.generate_latest`` (OpenMetrics 1.0), for the families kvguard exports (gauges
-and counters, legacy names, no timestamps or exemplars), about ten times faster: each rank's label
-set is escaped and joined once per render, not once per sample, and each value formatted once.
-Anything else (another escaping scheme, a histogram, a timestamp) goes to the library's own
-encoder. tests/test_exposition.py holds the two to the same bytes.
+``encode`` writes the bytes prometheus_client's own encoders write, for the families kvguard
+exports (gauges and counters, legacy names, no timestamps, exemplars or units), three to four
+times faster (bench/bench_metrics.py): each rank's label set is escaped and joined once per
+render, not once per sample, and each value formatted once. The rules followed, as in
+prometheus_client 0.26.0: ``exposition.py`` generate_latest (line 283; sample_line, line 294:
+labels sorted by name; counters as ``NAME_total`` in HELP and TYPE, line 322) and
+``openmetrics/exposition.py`` generate_latest (line 58: HELP escaped as label values, TYPE by
+family name, ``# EOF``); label values escaped as ``_escape`` does for allow-utf-8 (line 219);
+values by ``utils.floatToGoString`` itself. Anything else (another escaping scheme, a
+histogram, a timestamp) goes to the library's encoder, whole. tests/test_server_exposition.py
+holds the two to the same bytes, on real ranks and on fuzzed labels and values.
 """
 
 from __future__ import annotations

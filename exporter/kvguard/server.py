@@ -16,8 +16,9 @@ and threads are bounded whatever it sends:
   and the connection closed, so a body is never read as the next request;
 - TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
 
-/metrics is rendered once per sidecar refresh (:class:`Exposition`), whatever the scrape rate:
-parallel scrapes share one render, and the gzip of it.
+/metrics is made once per sidecar refresh (kvguard.exposition), whatever the scrape rate:
+parallel scrapes share one observation, one collection, each format and its gzip; a large body is
+sent from the shared chunks, never joined or copied per scrape.
 
 TLS and basic auth come from ``--web.config.file`` (exporter-toolkit format, kvguard.webconfig,
 re-read on change) or the shorthand flags; the probes (/healthz, /readyz) stay open so the
