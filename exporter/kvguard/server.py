@@ -43,9 +43,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.process_collector import ProcessCollector
 
-from kvguard.collector import KVGuardCollector
 from kvguard.exposition import Exposition
 from kvguard.guard import CRITICAL
 from kvguard.sidecar import Sidecar
@@ -83,13 +81,6 @@ def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(options.tls_cert_file, options.tls_key_file)
     return context
-
-
-def make_registry(sidecar: Sidecar) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(KVGuardCollector(sidecar))
-    ProcessCollector(registry=registry)
-    return registry
 
 
 def _gzip_accepted(header: str | None) -> bool:
