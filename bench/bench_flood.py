@@ -21,6 +21,7 @@ import argparse
 import multiprocessing
 import os
 import selectors
+import shutil
 import socket
 import sys
 import tempfile
@@ -164,12 +165,15 @@ def main() -> None:
     args = parser.parse_args()
     raise_fd_limit(SLOWLORIS_CONNECTIONS + 1024)
     spool = tempfile.mkdtemp(prefix="kvguard-bench-flood-")
-    write_spool(spool, 2)
     scenarios = [(attack, auth) for attack in ATTACKS for auth in (False, True)]
     results: dict[tuple, list[dict]] = {s: [] for s in scenarios}
-    for _ in range(args.repeats):
-        for attack, auth in scenarios:   # interleaved: every scenario once per round
-            results[(attack, auth)].append(run_one(spool, attack, auth, args.seconds))
+    try:
+        write_spool(spool, 2)
+        for _ in range(args.repeats):
+            for attack, auth in scenarios:   # interleaved: every scenario once per round
+                results[(attack, auth)].append(run_one(spool, attack, auth, args.seconds))
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
 
     print(f"kvguard serve under attack, {args.repeats} run(s) of {args.seconds:g} s each; "
           "median (min-max) over runs")

@@ -16,8 +16,10 @@ each <= 1.2x the bare client's.
 from __future__ import annotations
 
 import argparse
+import atexit
 import http.client
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +62,7 @@ def start_bare(text: bytes) -> tuple[subprocess.Popen, int]:
     handle.close()
     port = free_port()
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bare", handle.name, str(port)])
+    atexit.register(os.unlink, handle.name)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -143,11 +146,13 @@ def main() -> None:
             finally:
                 conn.close()
             keep_alive.append((median(kept), percentile(kept, 0.99)))
+        ours, library, observe = render_costs(spool)
     finally:
         served.stop()
         if bare is not None:
             bare.kill()
             bare.wait()
+        shutil.rmtree(spool, ignore_errors=True)
 
     print(f"/metrics for {RANKS} ranks ({len(text) / 1000:.0f} kB of text), {args.rounds} round(s) of "
           f"{args.scrapes} interleaved scrapes per server and variant; median (min-max) over rounds")
@@ -163,7 +168,6 @@ def main() -> None:
         ok &= all(m <= GOAL_RATIO and p <= GOAL_RATIO for m, p in ratios[variant])
     print(f"{'gzip, keep-alive':<22} {spread([k[0] * 1000 for k in keep_alive], '{:.2f}'):>20} "
           f"{spread([k[1] * 1000 for k in keep_alive], '{:.2f}'):>18}   (kvguard only: Prometheus keeps the connection)")
-    ours, library, observe = render_costs(spool)
     print(f"one render after a refresh, in-process, best of 30: observation + families {observe * 1000:.2f} ms; "
           f"encoding them {ours * 1000:.2f} ms against the library's generate_latest {library * 1000:.2f} ms "
           f"({ours / library:.2f}x)")
