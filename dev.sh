@@ -3,6 +3,9 @@
 #   ./dev.sh run    set up a virtualenv and run the demo sidecar on simulated devices
 #   ./dev.sh test   set up everything the tests need (Debian packages, pip packages, helm) and run them
 set -euo pipefail
+# `run` executes its command where the caller stands, so relative paths in its arguments
+# (--plot run.png, --trace, --model-config) are the caller's; setup runs in the clone.
+CALLER_PWD=$PWD
 cd "$(dirname "$0")"
 
 VENV=${KVGUARD_VENV:-.venv}
@@ -71,7 +74,10 @@ case "${1:-}" in
             # It makes a fresh spool of its own and removes it on exit, so no earlier run's ranks linger.
             set -- serve --demo --listen 127.0.0.1
         fi
-        exec "$VENV/bin/kvguard" "$@"
+        kvguard=$VENV/bin/kvguard
+        [[ $kvguard = /* ]] || kvguard=$PWD/$kvguard
+        cd "$CALLER_PWD" || { say "cannot return to $CALLER_PWD"; exit 1; }
+        exec "$kvguard" "$@"
         ;;
     test)
         setup_test

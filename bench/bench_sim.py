@@ -7,10 +7,16 @@ naive first-fit allocator that scans a Python list), the speed of exact snapshot
 snapshot recorded from the torch model on the same events, and on each real snapshot in
 ``$KVGUARD_TORCH_SNAPSHOTS`` when set, and the wall time of the default ``kvguard
 simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9).
+
+Events a second are timed in this process's CPU time (``time.process_time``): the code is
+single-threaded, so that is one core's time, and other load on a shared machine (which
+only delays the process) does not count. Each figure is the best of its repeats; the
+spread column is how much slower the slowest repeat was.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -54,24 +60,24 @@ def trace(seed: int = 0, events: int = EVENTS) -> list[tuple[int, int]]:
 def run_allocator(allocator, events) -> float:
     addrs: dict[int, int] = {}
     malloc, free = allocator.malloc, allocator.free
-    start = time.perf_counter()
+    start = time.process_time()
     for slot, size in events:
         if size:
             addrs[slot] = malloc(size)
         else:
             free(addrs.pop(slot))
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def run_dict(events) -> float:
     table: dict[int, int] = {}
-    start = time.perf_counter()
+    start = time.process_time()
     for slot, size in events:
         if size:
             table[slot] = size
         else:
             del table[slot]
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 class ListScanAllocator:
@@ -136,23 +142,25 @@ def recorded_snapshot(events: list[tuple[int, int]]) -> dict:
 
 
 def time_replay(snapshot: dict) -> tuple[float, int, int, int]:
-    start = time.perf_counter()
+    start = time.process_time()
     devices = replay_snapshot(snapshot, address_space_bytes=80 * GIB)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     return (seconds, sum(d.events for d in devices), sum(d.allocs for d in devices),
             sum(d.allocs_matched for d in devices))
 
 
-def best_of(fn, repeats: int = 3) -> float:
-    return min(fn() for _ in range(repeats))
+def spread(times: list[float]) -> str:
+    """How much slower the slowest repeat was than the best, in percent."""
+    return f"{100 * (max(times) / min(times) - 1):5.0f}%"
 
 
 def main() -> None:
     events = trace()
     n = len(events)
-    dict_s = best_of(lambda: run_dict(events))
-    scan_s = best_of(lambda: run_allocator(ListScanAllocator(1 << 40), events))
-    rows = [("dict insert/delete (baseline)", dict_s), ("list-scan first fit (baseline)", scan_s)]
+    dict_times = [run_dict(events) for _ in range(3)]
+    scan_times = [run_allocator(ListScanAllocator(1 << 40), events) for _ in range(3)]
+    dict_s, scan_s = min(dict_times), min(scan_times)
+    rows = [("dict insert/delete (baseline)", dict_times), ("list-scan first fit (baseline)", scan_times)]
     models = {
         "torch caching allocator": lambda: CachingAllocator(Device(1 << 40)),
         "torch_npu caching allocator": lambda: CachingAllocator(Device(1 << 40), variant="torch_npu"),
@@ -160,32 +168,44 @@ def main() -> None:
         "mindspore pool": lambda: DynamicMemPool(Device(1 << 40)),
     }
     for name, make in models.items():
-        rows.append((name, best_of(lambda: run_allocator(make(), events))))
-    print(f"{n} alloc/free events, {LIVE} live at most, one core, best of 3")
-    print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12}")
-    for name, seconds in rows:
-        print(f"{name:34} {n / seconds:12,.0f} {dict_s / seconds:8.3f} {scan_s / seconds:12.2f}")
+        rows.append((name, [run_allocator(make(), events) for _ in range(3)]))
+    print(f"{n} alloc/free events, {LIVE} live at most, one core (CPU time), best of 3")
+    print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12} {'spread':>7}")
+    for name, times in rows:
+        seconds = min(times)
+        print(f"{name:34} {n / seconds:12,.0f} {dict_s / seconds:8.3f} {scan_s / seconds:12.2f} {spread(times)}")
 
     recorded = recorded_snapshot(events)
-    replay_s = min(time_replay(recorded)[0] for _ in range(3))
+    replay_times = [time_replay(recorded)[0] for _ in range(3)]
+    replay_s = min(replay_times)
     replayed = sum(1 for e in recorded["device_traces"][0])
-    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} {dict_s * replayed / n / replay_s:8.3f}"
-          f" {scan_s * replayed / n / replay_s:12.2f}")
+    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} "
+          f"{dict_s * replayed / n / replay_s:8.3f}"
+          f" {scan_s * replayed / n / replay_s:12.2f} {spread(replay_times)}")
     folder = os.environ.get("KVGUARD_TORCH_SNAPSHOTS")
     if folder:
         print()
-        print(f"real snapshots in {folder} (whole replay: seed, every device, end-state check; best of 3)")
-        total_events = total_seconds = 0.0
+        print(f"real snapshots in {folder} (whole replay: seed, every device, end-state check; "
+              f"CPU time, best of 3)")
+        total_events = total_seconds = worst_seconds = 0.0
+        total_allocs = total_matched = 0
         for path in sorted(Path(folder).glob("*.pickle")):
             snapshot = load_snapshot_pickle(path.read_bytes())
+            gc.collect()     # the loaded pickle's objects are collected here, not inside the first replay
             runs = [time_replay(snapshot) for _ in range(3)]
             seconds, count, allocs, matched = min(runs)
             total_events += count
             total_seconds += seconds
-            print(f"  {path.name[:60]:60} {matched:6}/{allocs:<6} {count / seconds:10,.0f} events/s")
-        print(f"  all: {total_events / total_seconds:,.0f} events/s "
+            worst_seconds += max(runs)[0]
+            total_allocs += allocs
+            total_matched += matched
+            rate = f"{count / seconds:10,.0f}" if seconds else f"{'-':>10}"
+            print(f"  {path.name[:60]:60} {matched:6}/{allocs:<6} {rate} events/s")
+        print(f"  all: {total_matched}/{total_allocs} allocations matched, "
+              f"{total_events / total_seconds:,.0f} events/s "
               f"(x dict {dict_s * total_events / n / total_seconds:.3f}, "
-              f"x list-scan {scan_s * total_events / n / total_seconds:.2f})")
+              f"x list-scan {scan_s * total_events / n / total_seconds:.2f}; "
+              f"spread {spread([total_seconds, worst_seconds]).strip()})")
 
     config = json.loads((ROOT / "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json").read_text())
     print()

@@ -2,9 +2,10 @@
 
 Run on demand:  .venv/bin/python bench/seed_plot.py [OUT.png]
 
-Qwen2.5-7B-Instruct on a 32 GiB device, MindSpore's pool, utilization 0.9, long requests,
-seed 0 — the scenario README.md describes. Nothing here is drawn by hand: both panels are
-simulator runs.
+Qwen2.5-7B-Instruct on a 32 GiB device, MindSpore's pool under the releases of the seed's time
+(vllm-mindspore 0.2.0 at PR !428: MindSpore 2.6.0's rules, no MS_ALLOC_CONF, so VMM on as MindSpore
+defaults on a 910B), utilization 0.9, long requests, seed 0 — the scenario README.md describes.
+Nothing here is drawn by hand: both panels are simulator runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main() -> None:
     config = ScenarioConfig(
         model_config=load_model_config(os.path.join(ROOT, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")),
         device_memory_bytes=32 * GIB, gpu_memory_utilization=0.9, allocator="mindspore",
-        long_request_fraction=1.0, requests=16, seed=0)
+        long_request_fraction=1.0, requests=16, seed=0, vllm_mindspore_version="0.2.0")
     results = [run_scenario(config, budget=budget) for budget in ("stock", "reserved")]
     for result in results:
         data = result.to_dict()

@@ -27,7 +27,8 @@ OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvguard.json"
 
 UID = "kvguard"
 TITLE = "kvguard: allocator memory and KV-cache guard"
-# Grafana 12's classic dashboard model; no migration we rely on comes after it.
+# The SDK's "next" build (pyproject pins it) carries Grafana 12's classic dashboard model and writes
+# its schemaVersion, 41; the default build pip calls "latest" is Grafana 10.1's (schema 36).
 SCHEMA_VERSION = 41
 
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -50,12 +51,12 @@ GUARD_STATES = {"0": ("ok", "green"), "1": ("warning", "orange"), "2": ("critica
 # ----------------------------------------------------------------------------- variables
 
 def datasource_variable() -> dash.DatasourceVariable:
-    return (dash.DatasourceVariable("datasource").id("datasource").label("Data source").type("prometheus")
+    return (dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
             .description("The Prometheus that scrapes the kvguard sidecars."))
 
 
 def query_variable(name: str, label: str, query: str, all_value: str, description: str) -> dash.QueryVariable:
-    return (dash.QueryVariable(name).id(name).label(label).query(query).datasource(DATASOURCE)
+    return (dash.QueryVariable(name).label(label).query(query).datasource(DATASOURCE)
             .description(description)
             .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
             .sort(model.VariableSort.ALPHABETICAL_CASE_INSENSITIVE_ASC)
@@ -364,7 +365,9 @@ def build() -> model.Dashboard:
     for row in (overview_row, memory_row, fragmentation_row, kv_cache_row, guard_row, allocator_row, probe_row):
         row(board)
     built = board.build()
-    built.schema_version = SCHEMA_VERSION
+    if built.schema_version != SCHEMA_VERSION:
+        raise SystemExit(f"grafana-foundation-sdk writes schemaVersion {built.schema_version}, not "
+                         f"{SCHEMA_VERSION}: install the build pyproject.toml pins")
     for panel_id, panel in enumerate(built.panels or [], start=1):
         panel.id_val = panel_id
     return built

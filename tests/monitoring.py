@@ -17,7 +17,8 @@ DASHBOARD_JSON = os.path.join(DASHBOARDS, "kvguard.json")
 RULES_DIR = os.path.join(DASHBOARDS, "rules")
 ALERTS_FILE = os.path.join(RULES_DIR, "kvguard-alerts.yaml")
 RECORDING_FILE = os.path.join(RULES_DIR, "kvguard-recording.yaml")
-RULE_FILES = (ALERTS_FILE, RECORDING_FILE)
+JOINS_FILE = os.path.join(RULES_DIR, "kvguard-joins.yaml")
+RULE_FILES = (ALERTS_FILE, RECORDING_FILE, JOINS_FILE)
 PROMTOOL_TESTS = os.path.join(DASHBOARDS, "tests")
 METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
 RUNBOOK = os.path.join(ROOT, "docs", "runbook.md")
@@ -78,3 +79,27 @@ def promtool() -> str:
     if path is None:
         pytest.fail("promtool not found: ./dev.sh test installs Debian's prometheus package")
     return path
+
+
+RULES_GENERATOR = os.path.join(DASHBOARDS, "rules.py")
+CUSTOM_PROMTOOL_TESTS = os.path.join(PROMTOOL_TESTS, "custom")
+# The non-default rule config: a chart values file whose prometheusRule block dashboards/rules.py reads too.
+CUSTOM_RULES_VALUES = os.path.join(ROOT, "helm", "kvguard", "ci", "sidecar-custom-rules-values.yaml")
+
+
+def rules_generator():
+    """dashboards/rules.py as a module (it is a script, not part of the package)."""
+    import importlib.util
+    import sys
+
+    name = "kvguard_rules_generator"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, RULES_GENERATOR)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module          # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def custom_rules_config() -> dict:
+    return load_yaml(CUSTOM_RULES_VALUES)["prometheusRule"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -27,6 +28,26 @@ vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.421
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="Qwen/Qwen2.5-7B-Instruct"} 12.0
+"""
+
+
+# Two data-parallel engines as vLLM 0.14+ labels them (vllm/v1/metrics/loggers.py 0.34.0:499-500, 1114-1135):
+# one cache_config_info per engine with an engine label and no model_name; the other series carry both.
+DP2_TEXT = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.9",num_gpu_blocks="44292",num_gpu_blocks_override="None"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="1",\
+gpu_memory_utilization="0.9",num_gpu_blocks="43960",num_gpu_blocks_override="None"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen-7b"} 12.0
+vllm:num_requests_running{engine="1",model_name="qwen-7b"} 3.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="qwen-7b"} 0.4213
+vllm:kv_cache_usage_perc{engine="1",model_name="qwen-7b"} 0.0871
 """
 
 
@@ -60,7 +81,7 @@ class FakeVllm:
                         except OSError:
                             return
                     return
-                status, body = {"ok": (200, VLLM_TEXT.encode()),
+                status, body = {"ok": (200, VLLM_TEXT.encode()), "dp2": (200, DP2_TEXT.encode()),
                                 "huge": (200, HUGE_BLOCKS_TEXT.encode()),
                                 "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
                                 "error": (500, b"internal error")}[fake.mode]
@@ -128,6 +149,56 @@ def test_vllm_usage_is_attached_to_every_spool_rank(fake_vllm, tmp_path):
     sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
     sidecar.refresh_background(wait=5)
     assert [v for _, v in scrape(sidecar)["kvguard_kv_cache_usage_ratio"]] == [pytest.approx(0.4213)] * 2
+
+
+def test_parse_keeps_one_state_per_engine():
+    state = vllm_metrics.parse(DP2_TEXT)
+    assert [(e.engine, e.model_name, e.num_gpu_blocks, e.kv_cache_usage_ratio) for e in state.engines] == [
+        ("0", "qwen-7b", 44292, pytest.approx(0.4213)), ("1", "qwen-7b", 43960, pytest.approx(0.0871))]
+    assert state.engine_for("qwen-7b", "1").num_gpu_blocks == 43960
+    assert state.engine_for() is None                       # two engines, nothing to tell them apart
+    assert state.engine_for("other-model", "1") is None
+
+
+def test_an_engine_label_flood_is_cut_at_max_engines():
+    text = "".join(f'vllm:kv_cache_usage_perc{{engine="{i}",model_name="m"}} 0.5\n' for i in range(1000))
+    state = vllm_metrics.parse("# TYPE vllm:kv_cache_usage_perc gauge\n" + text)
+    assert len(state.engines) == vllm_metrics.MAX_ENGINES
+    assert [e.engine for e in state.engines[:3]] == ["0", "1", "2"]
+
+
+def test_data_parallel_ranks_each_get_their_own_engines_facts(fake_vllm, tmp_path):
+    server = fake_vllm("dp2")
+    write(tmp_path, replace(snapshot(rank=0, pid=1, device="cuda:0"), model_name="qwen-7b", engine="0", kv_cache=None),
+          replace(snapshot(rank=1, pid=2, device="cuda:1"), model_name="qwen-7b", engine="1", kv_cache=None))
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=0, engine="0", model_name="qwen-7b") == \
+        pytest.approx(0.4213)
+    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=1, engine="1", model_name="qwen-7b") == \
+        pytest.approx(0.0871)
+    assert value(samples, "kvguard_kv_cache_allocated_blocks", rank=1, engine="1") == 43960
+
+
+def test_without_a_probe_each_engine_is_judged_apart(fake_vllm):
+    server = fake_vllm("dp2")
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert [(labels["engine"], labels["model_name"], v) for labels, v in samples["kvguard_kv_cache_allocated_blocks"]] \
+        == [("0", "qwen-7b", 44292), ("1", "qwen-7b", 43960)]
+    assert len(samples["kvguard_guard_severity"]) == 2
+
+
+def test_ranks_that_do_not_name_their_engine_get_no_guessed_usage_from_two(fake_vllm, tmp_path):
+    server = fake_vllm("dp2")
+    write(tmp_path, snapshot(rank=0, pid=1))
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
+    sidecar.refresh_background(wait=5)
+    samples = scrape(sidecar)
+    assert "kvguard_kv_cache_usage_ratio" not in samples
+    assert value(samples, "kvguard_guard_severity", rank=0, engine="", model_name="") in (0, 1, 2)
 
 
 @pytest.mark.parametrize("mode, error", [("garbage", "not Prometheus metrics text"), ("error", "HTTP 500")])

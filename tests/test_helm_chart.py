@@ -23,10 +23,14 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from monitoring import DASHBOARD_JSON, DASHBOARDS, RULES_DIR, documented_serve_flags, documented_serve_port
+from monitoring import (
+    ALERTS_FILE, CUSTOM_RULES_VALUES, DASHBOARD_JSON, DASHBOARDS, JOINS_FILE, KVGUARD_METRIC, RECORDING_FILE, RULE_FILES,
+    RULES_DIR, custom_rules_config, documented_serve_flags, documented_serve_port, rules_generator,
+)
 
 CHART = os.path.join(ROOT, "helm", "kvguard")
-RULE_FILES = ("kvguard-recording.yaml", "kvguard-alerts.yaml")
+# The rule files each PrometheusRule carries: the release's own, and "<release>-joins".
+OWN_RULE_FILES, JOIN_RULE_FILES = (RECORDING_FILE, ALERTS_FILE), (JOINS_FILE,)
 KUBERNETES_VERSION = "1.31.0"
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
 
@@ -242,12 +246,113 @@ def test_ci_values_cover_every_kind_the_chart_renders():
 # ------------------------------------------------------------- rules and dashboard
 
 
+def prometheus_rule(docs: list[dict], joins: bool = False) -> dict:
+    """The release's own PrometheusRule, or with joins its device-join one ("<release>-joins")."""
+    found = [d for d in docs if d["kind"] == "PrometheusRule" and d["metadata"]["name"].endswith("-joins") == joins]
+    assert len(found) == 1, [(d["kind"], d["metadata"]["name"]) for d in docs]
+    return found[0]
+
+
+def rule_groups(texts) -> list[dict]:
+    return [group for text in texts for group in yaml.safe_load(text)["groups"]]
+
+
+def committed(paths) -> list[str]:
+    texts = []
+    for path in paths:
+        with open(path) as handle:
+            texts.append(handle.read())
+    return texts
+
+
 def test_prometheus_rule_groups_equal_the_rule_files():
-    expected = []
-    for name in RULE_FILES:
-        with open(os.path.join(RULES_DIR, name)) as handle:
-            expected += yaml.safe_load(handle)["groups"]
-    assert only(render(), "PrometheusRule")["spec"]["groups"] == expected
+    assert prometheus_rule(render())["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
+
+
+def test_chart_renders_the_join_rules_only_when_asked():
+    assert [d for d in render(None) if d["metadata"]["name"].endswith("-joins")] == []
+    docs = render(None, "--set", "prometheusRule.deviceJoins.enabled=true")
+    assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(committed(JOIN_RULE_FILES))
+    assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
+    off = render(None, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false")
+    assert [d for d in off if d["kind"] == "PrometheusRule"] == []
+
+
+CUSTOM_RULES = os.path.join("ci", os.path.basename(CUSTOM_RULES_VALUES))
+
+
+def _rules_by_name(groups: list[dict]) -> dict[str, dict]:
+    return {rule.get("alert") or rule["record"]: rule for group in groups for rule in group["rules"]}
+
+
+def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_from_them():
+    # One source: the chart fills the generator's templates as dashboards/rules.py fills them.
+    written = rules_generator().outputs(custom_rules_config(), output_dir=RULES_DIR, chart=False)
+    docs = render(CUSTOM_RULES)
+    assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(written[p] for p in OWN_RULE_FILES)
+    assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(written[p] for p in JOIN_RULE_FILES)
+
+
+def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
+    # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
+    values = {"prometheusRule": {"jobSelector": "", "deviceJoins": {"enabled": True}}}
+    (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
+    written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
+    docs = render(str(tmp_path / "empty.yaml"))
+    assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(written[p] for p in OWN_RULE_FILES)
+    assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(written[p] for p in JOIN_RULE_FILES)
+    assert "up == 0" in str(prometheus_rule(docs)["spec"]["groups"])
+
+
+def test_join_selector_values_change_the_rendered_join_rules():
+    default = _rules_by_name(prometheus_rule(render(None, "--set", "prometheusRule.deviceJoins.enabled=true"),
+                                             joins=True)["spec"]["groups"])
+    custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES), joins=True)["spec"]["groups"])
+    assert 'DCGM_FI_DEV_FB_USED{GPU_I_ID=""}' in default["kvguard:dcgm_fb_used_bytes"]["expr"]
+    assert 'DCGM_FI_DEV_FB_USED{GPU_I_ID="",job="gpu-operator/nvidia-dcgm-exporter"}' in \
+        custom["kvguard:dcgm_fb_used_bytes"]["expr"]
+    assert custom["kvguard:npu_hbm_used_bytes:npu_exporter"]["expr"].count(
+        'npu_chip_info_hbm_used_memory{job="ascend/npu-exporter",namespace="ascend"}') == 2
+    assert custom["kvguard:device_used_bytes:npu_exporter"]["expr"].startswith(
+        'kvguard_device_used_bytes{pci_bus_id!="",job="llm-guard"}')
+
+
+def test_prometheus_rule_values_change_the_rendered_rules():
+    default = _rules_by_name(prometheus_rule(render())["spec"]["groups"])
+    custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES))["spec"]["groups"])
+    assert default.keys() == custom.keys()
+    assert custom["KVGuardHeadroomLow"]["expr"] == \
+        'kvguard_guard_headroom_bytes{job="llm-guard"} / kvguard_guard_capacity_bytes{job="llm-guard"} < 0.1'
+    assert custom["KVGuardFragmentationHigh"]["expr"].endswith('kvguard_allocator_fragmentation_bytes'
+                                                             '{job="llm-guard"} > 4294967296')
+    assert custom["KVGuardOOMRiskCritical"]["for"] == "5m" and default["KVGuardOOMRiskCritical"]["for"] == "2m"
+    assert custom["KVGuardExporterDown"]["annotations"]["runbook_url"] == \
+        "https://runbooks.example.com/kvguard/kvguardexporterdown.html"
+    # Every rule reading a series of kvguard's own (not only recorded ones) reads it through the selector.
+    reads_raw = {name for name, rule in default.items() if KVGUARD_METRIC.search(rule["expr"]) or "up{" in rule["expr"]}
+    assert len(reads_raw) == 20         # 9 alerts, 11 deployment-level recording rules
+    assert all(custom[name]["expr"] != default[name]["expr"] for name in reads_raw)
+
+
+def test_one_threshold_set_on_the_command_line_moves_only_its_alert():
+    default = _rules_by_name(prometheus_rule(render())["spec"]["groups"])
+    changed = _rules_by_name(prometheus_rule(render(None, "--set-json", "prometheusRule.thresholds.headroomRatio=0.2"))
+                             ["spec"]["groups"])
+    assert {name for name in default if default[name] != changed[name]} == {"KVGuardHeadroomLow"}
+    assert changed["KVGuardHeadroomLow"]["expr"].endswith("< 0.2")
+
+
+@pytest.mark.parametrize("setting", [
+    "prometheusRule.thresholds.headroomRatio=0.2",          # --set passes it as a string
+    "prometheusRule.thresholds.headroomRatoi=1",
+    "prometheusRule.for.KVGuardAllocatorOOMs=5m",
+    "prometheusRule.for.KVGuardHeadroomLow=ten",
+    "prometheusRule.runbookUrl=https://runbooks.example.com/kvguard",
+])
+def test_bad_prometheus_rule_values_are_refused_by_the_schema(setting):
+    result = helm(*template_args(None, "--set", setting))
+    assert result.returncode != 0
+    assert SCHEMA_ERROR in result.stderr
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
@@ -271,7 +376,10 @@ def test_packaged_chart_contains_the_linked_files_themselves(tmp_path):
     (archive,) = tmp_path.glob("kvguard-*.tgz")
     with tarfile.open(archive) as tar:
         members = {m.name: m for m in tar.getmembers()}
-        expected = {f"kvguard/files/rules/{name}": os.path.join(RULES_DIR, name) for name in RULE_FILES}
+        expected = {f"kvguard/files/rules/{os.path.basename(path)}": path for path in RULE_FILES}
+        generator = rules_generator()
+        for template in (generator.CHART_TEMPLATE, generator.JOINS_CHART_TEMPLATE):
+            expected[f"kvguard/files/{os.path.basename(template)}"] = template
         expected["kvguard/files/kvguard.json"] = DASHBOARD_JSON
         for member, source in expected.items():
             assert members[member].isfile(), f"{member} is not a regular file in the package"
@@ -510,10 +618,11 @@ def test_service_monitor_selects_a_service_that_selects_the_pods(values):
 
 
 def _exporter_down_job_regex(docs: list[dict]) -> str:
-    rules = [rule for group in only(docs, "PrometheusRule")["spec"]["groups"] for rule in group["rules"]]
+    """The job KVGuardExporterDown selects, as an anchored regex (job="x" or job=~"x")."""
+    rules = [rule for group in prometheus_rule(docs)["spec"]["groups"] for rule in group["rules"]]
     (expr,) = [rule["expr"] for rule in rules if rule.get("alert") == "KVGuardExporterDown"]
-    (regex,) = re.findall(r'^up\{job=~"([^"]+)"\} == 0$', expr.strip())
-    return regex
+    ((op, value),) = re.findall(r'^up\{job(=~|=)"([^"]+)"\} == 0$', expr.strip())
+    return value if op == "=~" else re.escape(value)
 
 
 def _scrape_job(docs: list[dict], kind: str) -> str:
@@ -535,6 +644,13 @@ def test_exporter_down_alert_selects_the_scrape_job_whatever_the_release_is_call
     job = _scrape_job(docs, kind)
     assert job == "kvguard"
     assert re.fullmatch(_exporter_down_job_regex(docs), job)
+
+
+def test_exporter_down_alert_follows_a_job_selector_set_with_a_relabeled_job():
+    docs = render(CUSTOM_RULES)
+    assert _scrape_job(docs, "PodMonitor") == "llm-guard"
+    assert re.fullmatch(_exporter_down_job_regex(docs), "llm-guard")
+    assert not re.fullmatch(_exporter_down_job_regex(docs), "kvguard")
 
 
 def test_monitor_kind_none_renders_no_monitor():

@@ -211,9 +211,46 @@ def test_a_hanging_source_is_sampled_once_at_a_time(spool):
     runner = Probe(spool, source, environ={})
     for _ in range(3):
         runner.run_once(timeout=0.01)
+    assert len(calls) == 1                    # callers wait on the hung sample, they never start another
     source.release.set()
-    runner.run_once(timeout=30)
-    assert len(calls) == 1
+    assert runner.run_once(timeout=30) == 1
+    assert len(calls) == 2                    # then one fresh sample: the hung one predates this call
+
+
+class Gated:
+    """A source that reads its value when a sample starts, then waits for the test's gate."""
+
+    name = "gated"
+
+    def __init__(self):
+        self.allocated = 10 * GIB
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def sample(self):
+        allocated = self.allocated
+        self.entered.set()
+        self.gate.wait(30)
+        return [record(allocated=allocated, reserved=allocated)]
+
+
+def test_run_once_never_writes_a_sample_taken_before_it_was_called(spool):
+    # vLLM's plugin calls run_once right after loading the weights; a sample the probe's own loop began
+    # before the load must not be what that call writes (it once did, under load: 0 bytes allocated).
+    source = Gated()
+    runner = Probe(spool, source, 3600, environ={}).start()
+    try:
+        assert source.entered.wait(30)        # the loop's sample is in flight, holding 10 GiB
+        source.allocated = 16 * GIB           # the caller now loads more
+        done = []
+        caller = threading.Thread(target=lambda: done.append(runner.run_once(timeout=30)))
+        caller.start()
+        source.gate.set()
+        caller.join(30)
+        assert done == [1]
+        assert read(spool)["npu:0"].memory.allocated_bytes == 16 * GIB
+    finally:
+        runner.stop(timeout=30)
 
 
 def test_stop_returns_while_the_source_hangs(spool):
@@ -389,3 +426,24 @@ def test_an_exception_whose_str_raises_is_counted_not_printed(spool, capfd):
     assert probe.status.errors_total >= 3
     assert probe.status.last_error == "unprintable: UnprintableError"
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_set_engine_names_the_engine_in_every_snapshot_and_refuses_wrong_types(tmp_path):
+    from kvguard.spool import read_spool
+
+    class One:
+        name = "one"
+
+        def sample(self):
+            from kvguard.records import DeviceMemory
+            return [DeviceMemory(device="cuda:0", source="one", allocated_bytes=1)]
+
+    probe_ = Probe(str(tmp_path), source=One(), interval=1.0)
+    probe_.set_engine("qwen-7b", 2)
+    probe_.run_once()
+    [snap] = read_spool(str(tmp_path)).snapshots
+    assert (snap.model_name, snap.engine) == ("qwen-7b", "2")
+    with pytest.raises(TypeError):
+        probe_.set_engine(["qwen"], 0)
+    with pytest.raises(TypeError):
+        probe_.set_engine("qwen", True)

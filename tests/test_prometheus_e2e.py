@@ -10,6 +10,7 @@ stopped afterwards. Scrape and evaluation intervals are 1 s; every wait polls wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -93,33 +94,24 @@ class Stack:
         return self.api("query_range", query=expr, start=end - RANGE_SECONDS, end=end, step="1")
 
 
-def serve_supports_demo() -> bool:
-    result = subprocess.run([sys.executable, "-m", "kvguard", "serve", "--help"], capture_output=True, text=True,
-                            env=kvguard_env(), timeout=60)
-    return result.returncode == 0 and "--demo" in result.stdout
-
-
-def kvguard_env() -> dict[str, str]:
-    return {**os.environ, **POD_ENV}
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@contextlib.contextmanager
+def kvguard_and_prometheus(work, kvguard_args: list[str], rule_files: list[str], env: dict[str, str],
+                           scrape_configs: list[dict] = ()):
+    """`kvguard serve KVGUARD_ARGS` and a real Prometheus scraping it (job "kvguard", and scrape_configs)
+    every second with rule_files, on free loopback ports, logs in work/; yields their Stack once
+    Prometheus is ready, and stops both afterwards. Either exiting early fails the test with its log."""
     if not os.access(PROMETHEUS, os.X_OK):
         pytest.fail("prometheus not found: ./dev.sh test installs Debian's prometheus package")
-    if not serve_supports_demo():
-        pytest.fail("`kvguard serve --demo` is not available")
-    work = tmp_path_factory.mktemp("e2e")
     kvguard_port, prometheus_port = free_port(), free_port()
     logs = {name: open(work / f"{name}.log", "wb") for name in ("kvguard", "prometheus")}
     kvguard = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "serve", "--demo", "--listen", "127.0.0.1", "--port", str(kvguard_port),
-         "--spool-dir", str(work / "spool"), "--source", "host", "--interval", "1"],
-        env=kvguard_env(), stdout=logs["kvguard"], stderr=subprocess.STDOUT, start_new_session=True)
+        [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(kvguard_port), *kvguard_args],
+        env=env, stdout=logs["kvguard"], stderr=subprocess.STDOUT, start_new_session=True)
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [RECORDING_FILE, ALERTS_FILE],
-        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"]}]}],
+        "rule_files": list(rule_files),
+        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"]}]},
+                           *scrape_configs],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
@@ -137,16 +129,36 @@ def stack(tmp_path_factory):
                 return response.status == 200
 
         poll("Prometheus to be ready", ready, STARTUP_DEADLINE)
-        # Enough scrapes for rates over $__rate_interval, and a rule evaluation after them.
-        poll("kvguard to be scraped 5 times",
-             lambda: stack.instant('count_over_time(up{job="kvguard"}[1m]) >= 5 and up{job="kvguard"} == 1')
-             ["data"]["result"], STARTUP_DEADLINE)
         yield stack
     finally:
         stop(prometheus)
         stop(kvguard)
         for handle in logs.values():
             handle.close()
+
+
+def serve_supports_demo() -> bool:
+    result = subprocess.run([sys.executable, "-m", "kvguard", "serve", "--help"], capture_output=True, text=True,
+                            env=kvguard_env(), timeout=60)
+    return result.returncode == 0 and "--demo" in result.stdout
+
+
+def kvguard_env() -> dict[str, str]:
+    return {**os.environ, **POD_ENV}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    if not serve_supports_demo():
+        pytest.fail("`kvguard serve --demo` is not available")
+    work = tmp_path_factory.mktemp("e2e")
+    args = ["--demo", "--spool-dir", str(work / "spool"), "--source", "host", "--interval", "1"]
+    with kvguard_and_prometheus(work, args, [RECORDING_FILE, ALERTS_FILE], env=kvguard_env()) as stack:
+        # Enough scrapes for rates over $__rate_interval, and a rule evaluation after them.
+        poll("kvguard to be scraped 5 times",
+             lambda: stack.instant('count_over_time(up{job="kvguard"}[1m]) >= 5 and up{job="kvguard"} == 1')
+             ["data"]["result"], STARTUP_DEADLINE)
+        yield stack
 
 
 def dashboard_queries() -> list[tuple[str, str, str, bool]]:
@@ -238,7 +250,7 @@ def test_recording_rule_records_series(stack, record):
 
 
 def test_the_demos_tripping_rank_makes_oom_risk_critical_pending_or_firing(stack):
-    # The demo's last rank is critical from startup (docs: `kvguard serve --demo`).
+    # The demo's last rank turns critical within seconds of each start (docs: `kvguard serve --demo`).
     def oom_risk():
         return [a for a in stack.api("alerts")["data"]["alerts"]
                 if a["labels"]["alertname"] == "KVGuardOOMRiskCritical"]

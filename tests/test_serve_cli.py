@@ -254,8 +254,8 @@ def test_demo_says_it_caps_the_interval(served):
 def test_demo_reports_the_hosts_memory_as_a_device_source(served):
     server = served("--demo")
     status, metrics = server.poll("/metrics", lambda status, body: b'source="host"' in body)
-    assert b'kvguard_device_total_bytes{container="kvguard",device="host",namespace="llm",pod="vllm-0",' \
-           b'source="host"}' in metrics
+    assert b'kvguard_device_total_bytes{container="kvguard",device="host",device_uuid="",namespace="llm",' \
+           b'pci_bus_id="",pod="vllm-0",source="host"}' in metrics
 
 
 def test_serve_without_a_spool_dir_reads_no_spool(served):

@@ -103,7 +103,7 @@ def test_guard_answers_the_verdict_per_rank_with_reasons(serve):
 
 def test_anything_else_is_404(serve):
     server = serve()
-    for path in ("/", "/metrics/", "/debug", "/../etc/passwd"):
+    for path in ("/index.html", "//", "/metrics/", "/debug", "/../etc/passwd"):
         assert get(server, path)[0] == 404
 
 

@@ -18,14 +18,64 @@ def invoke(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
-def test_json_reports_the_stock_oom_with_profile_and_stats():
+def test_json_reports_the_run_with_profile_and_stats():
+    # vllm-mindspore 0.5.1's defaults: MindSpore 2.7.1, VMM on; the stock budget serves (story tests).
     result = invoke(*STORY, "--budget", "stock", "--json")
     assert result.exit_code == 0
     data = json.loads(result.output)
-    assert data["oom"] is True and data["oom_at_step"] == 0
+    assert data["oom"] is False and data["requests_finished"] == 4
     assert data["num_blocks"] > 0 and data["kv_cache_bytes"] > 0
     assert data["profile"]["weights_bytes"] == 15_231_233_024
     assert "total_reserved_memory" in data["memory_stats"]
+    assert (data["config"]["mindspore_version"], data["config"]["enable_vmm"]) == ("2.7.1", True)
+    assert data["config"]["ms_alloc_conf_effective"] == {"enable_vmm": "true"}
+
+
+def test_vmm_off_makes_the_reserved_budget_fail_placing_the_kv_cache():
+    # The seed setting without VMM (tests/test_sim_scenario.py: delta reserved 0 < delta allocated).
+    result = invoke(*STORY, "--budget", "reserved", "--ms-alloc-conf", "enable_vmm:False", "--json")
+    data = json.loads(result.output)
+    assert (data["oom"], data["oom_phase"], data["config"]["enable_vmm"]) == (True, "kv_cache", False)
+
+
+def test_mindspore_version_selects_the_release_key_spellings():
+    data = json.loads(invoke(*STORY, "--mindspore-version", "2.4.0", "--ms-alloc-conf", "enable_vmm:False",
+                             "--json").output)
+    assert "total_allocatd_memory" in data["memory_stats"] and "commom_mem_pool_stats" in data["memory_stats"]
+    data = json.loads(invoke(*STORY, "--mindspore-version", "2.10", "--json").output)
+    assert "total_allocated_memory" in data["memory_stats"] and "common_mem_pool_stats" in data["memory_stats"]
+
+
+def test_mempool_block_size_sets_the_common_unit():
+    data = json.loads(invoke(*STORY, "--ms-alloc-conf", "enable_vmm:False", "--mempool-block-size", "4GiB",
+                             "--json").output)
+    common = data["memory_stats"]["commom_mem_pool_stats"]
+    # The first common block opens while 30 GiB are free (the weights spill into it): 4 GiB.
+    assert [info["block_memory_size"] for info in common["blocks_info"].values()][0] == 4 << 30
+    assert data["memory_stats"]["persistent_mem_pool_stats"]["block_unit_size"] == 1 << 30
+    assert data["config"]["mempool_block_size_bytes"] == 4 << 30
+
+
+def test_text_summary_names_the_pool():
+    result = invoke(*STORY, "--vllm-mindspore-version", "0.2.0")
+    assert "Pool         MindSpore 2.6.0 (pynative), VMM on" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ms-alloc-conf", "enable_vmm: true, derag_memory_step_freq: -1"],
+     "Error: MS_ALLOC_CONF key 'derag_memory_step_freq' is not one MindSpore 2.7.1 reads"),
+    (["--mindspore-version", "3.1"], "Error: unknown MindSpore version '3.1'"),
+    (["--ms-alloc-conf", "vmm_align_size:3MB"], "Error: MS_ALLOC_CONF vmm_align_size must be a positive multiple"),
+])
+def test_bad_mindspore_options_are_one_line_errors(args, message):
+    result = CliRunner().invoke(main, [*STORY, *args])
+    assert result.exit_code == 1
+    assert result.output.startswith(message) and result.output.count("\n") == 1
+
+
+def test_mindspore_options_with_another_allocator_are_refused():
+    result = CliRunner().invoke(main, ["simulate", "--allocator", "torch", "--ms-alloc-conf", "enable_vmm:True"])
+    assert result.exit_code == 1 and "need --allocator mindspore" in result.output
 
 
 def test_json_same_seed_same_output():

@@ -90,6 +90,47 @@ def test_new_segments_take_the_address_the_trace_recorded():
     assert device.end_state_matches
 
 
+def test_an_end_state_that_differs_is_reported():
+    # The trace leaves a 4 MiB tensor allocated, but the recorded end state has its segment all free.
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")]),
+                     segment(BASE + 40 * MIB, 20 * MIB, [(BASE + 40 * MIB, 20 * MIB, 0, "inactive")])],
+                    [alloc(BASE, 4 * MIB)])
+    [device] = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert device.allocs_matched == 1
+    assert not device.end_state_matches
+    assert device.end_state_detail == "1 of 2 recorded segments equal; 1 modelled segments differ"
+
+
+def test_overlapping_recorded_blocks_are_a_one_line_error():
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 4 * MIB, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 12 * MIB, 8 * MIB, 0, "inactive")])], [])
+    with pytest.raises(SnapshotError, match=r"^snapshot segments: seeded block at 0x7f0000400000 does not fit"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
+def test_a_segment_stream_or_request_of_the_wrong_type_is_a_one_line_error():
+    bad_stream = segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")])
+    bad_stream["stream"] = "7"
+    bad_request = segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 2.5, "active_allocated")])
+    for seg, message in ((bad_stream, r"segments\[0\]\.stream is not a non-negative integer"),
+                         (bad_request, r"segments\[0\] has a block whose requested_size is not an integer")):
+        with pytest.raises(SnapshotError, match=message):
+            replay_snapshot(snapshot([seg], []), address_space_bytes=80 << 30)
+
+
+def test_an_allocation_no_device_could_serve_is_a_one_line_error():
+    snap = snapshot([], [alloc(BASE, 1 << 63)])
+    with pytest.raises(SnapshotError, match=r"device_traces\[0\]\[0\] \(alloc\): 9223372036854775808 bytes cannot"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
+def test_an_address_past_64_bits_is_a_one_line_error():
+    snap = snapshot([], [alloc(1 << 64, 4096)])
+    with pytest.raises(SnapshotError, match=r"addr and size must be below 2\*\*64"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
 def test_a_recorded_oom_is_a_request_the_cache_cannot_serve():
     snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 20 * MIB, 0, "inactive")])],
                     [{"action": "oom", "size": 30 * MIB, "device_free": 1 << 20, "stream": 0},

@@ -205,6 +205,33 @@ def test_peaks_reset_to_current():
     assert stats["reserved_bytes.all.peak"] == 12 * MIB
 
 
+def test_allocated_and_freed_totals_count_every_change():
+    a = alloc()
+    x = a.malloc(1000)          # 1 KiB of a new 2 MiB small segment; the rest is split off
+    y = a.malloc(12 * MIB)      # a new 12 MiB large segment, used whole
+    a.free(x)                   # merges back into one unsplit 2 MiB block
+    a.free(y)
+    a.malloc(1000)              # splits the small segment again
+    a.reset_peak_memory_stats()
+    stats = a.memory_stats()
+    rest = 2 * MIB - 1024
+
+    def stat(name):
+        return {pool: tuple(stats[f"{name}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed"))
+                for pool in ("all", "small_pool", "large_pool")}
+
+    assert stat("allocation") == {"all": (1, 1, 3, 2), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 1, 1)}
+    assert stat("active") == stat("allocation")
+    assert stat("allocated_bytes") == {"all": (1024, 1024, 12 * MIB + 2048, 12 * MIB + 1024),
+                                       "small_pool": (1024, 1024, 2048, 1024),
+                                       "large_pool": (0, 0, 12 * MIB, 12 * MIB)}
+    assert stat("requested_bytes")["all"] == (1000, 1000, 12 * MIB + 2000, 12 * MIB + 1000)
+    assert stat("inactive_split") == {"all": (1, 1, 2, 1), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 0, 0)}
+    assert stat("inactive_split_bytes")["small_pool"] == (rest, rest, 2 * rest, rest)
+    assert stat("segment") == {"all": (2, 2, 2, 0), "small_pool": (1, 1, 1, 0), "large_pool": (1, 1, 1, 0)}
+    assert [stats[f"oversize_allocations.{f}"] for f in ("current", "peak", "allocated", "freed")] == [0, 0, 0, 0]
+
+
 def test_memory_stats_use_torch_key_names():
     stats = alloc().memory_stats()
     for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "inactive_split_bytes.all.current",
@@ -332,3 +359,17 @@ def test_blocks_are_not_shared_across_streams():
     a.free(a.malloc(12 * MIB, stream=1))
     got = a.malloc(12 * MIB, stream=2)
     assert len(a.segments()) == 2 and a.block_at(got).stream == 2
+
+
+def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compares():
+    # Expandable: freeing the middle tensor and emptying the cache unmaps its pages, which splits
+    # the segment into two mapped ranges; a non-expandable run keeps one range per segment.
+    for expandable in (True, False):
+        a = CachingAllocator(Device(1 << 30), expandable_segments=expandable)
+        addrs = [a.malloc(size) for size in (30 * MIB, 50 * MIB, 30 * MIB, 100)]
+        a.free(addrs[1])
+        a.empty_cache()
+        want = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
+                for s in a.snapshot_segments()]
+        assert a.segment_layout() == want
+        assert (len(want), len(a.segments())) == ((3, 2) if expandable else (3, 3))

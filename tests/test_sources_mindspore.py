@@ -159,7 +159,7 @@ def test_an_absolute_peak_above_the_current_figure_is_kept(data_path):
 def test_the_simulated_pool_after_a_reset_reads_with_its_peak_at_least_allocated():
     from kvguard.sim.device import Device
     from kvguard.sim.mindspore_pool import DynamicMemPool
-    pool = DynamicMemPool(Device(64 * GIB))
+    pool = DynamicMemPool(Device(64 * GIB), version="2.5.0")
     pool.malloc(20 * GIB)
     pool.reset_peak_memory_stats()
     pool.free(pool.malloc(1 * GIB))
@@ -167,6 +167,21 @@ def test_the_simulated_pool_after_a_reset_reads_with_its_peak_at_least_allocated
     assert stats["max_allocated_memory"] == 1 * GIB                 # the increase since the reset
     record = device_memory_from_stats(stats, "npu:0")
     assert record.peak_allocated_bytes == record.allocated_bytes == 20 * GIB
+
+
+@pytest.mark.parametrize("version", ["2.4.0", "2.4.1", "2.4.10", "2.5.0", "2.6.0", "2.7.0", "2.7.1", "2.7.2",
+                                     "2.8.0", "2.9.0", "2.10.0"])
+def test_every_release_of_the_simulated_pool_reads_back_through_the_source(version):
+    # 20 GiB used in a 32 GiB common block (the 1 GiB unit doubled five times), 1 GiB persistent block.
+    from kvguard.sim.device import Device
+    from kvguard.sim.mindspore_pool import DynamicMemPool
+    pool = DynamicMemPool(Device(64 * GIB), version=version)
+    pool.malloc(1 * GIB, persistent=True)
+    pool.malloc(20 * GIB)
+    stats = pool.memory_stats()
+    record = device_memory_from_stats(stats, "npu:0")
+    assert (record.allocated_bytes, record.reserved_bytes) == (21 * GIB, 33 * GIB)
+    assert pool_blocks(stats) == {"common": PoolBlocks(1, GIB), "persistent": PoolBlocks(1, GIB)}
 
 
 # ---------------------------------------------------------------------------- the pool dicts
@@ -196,3 +211,24 @@ def test_odd_pool_dicts_read_as_unknown_not_errors(data_path):
 
 def test_a_dict_with_only_pool_stats_is_recognised_as_mindspores():
     assert is_mindspore_stats({"commom_mem_pool_stats": {"block_counts": 0, "block_unit_size": 0}})
+
+
+# ---------------------------------------------------------------------------- VMM: no split slivers
+
+def test_under_vmm_with_physical_accounting_the_inactive_split_is_zero():
+    # 2.6+ under VMM: reserved (3 GiB of 2 MiB handles) fits the device; eager-free address space > 0.
+    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB}
+    record = device_memory_from_stats(stats, "npu:0", free_bytes=28 * GIB, total_bytes=32 * GIB)
+    assert record.inactive_split_bytes == 0
+
+
+@pytest.mark.parametrize("stats, total", [
+    ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 0},
+     32 * GIB),                                                                  # VMM off: block tails
+    ({"total_reserved_memory": 64 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 61 * GIB},
+     32 * GIB),                                                                  # 2.4/2.5: address space
+    ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB},
+     None),                                                                      # device size unknown
+])
+def test_otherwise_the_inactive_split_stays_unknown(stats, total):
+    assert device_memory_from_stats(stats, "npu:0", total_bytes=total).inactive_split_bytes is None

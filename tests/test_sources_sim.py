@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 
 from kvguard.model_config import bundled_model_config_path, load_model_config
@@ -16,8 +19,8 @@ def test_torch_ranks_are_read_with_the_torch_sources_reader():
     [record] = source.sample()
     scenario = source._scenarios[0]
     free, total = scenario.device_memory()
-    assert record == torch_source.device_memory_from_stats(scenario.memory_stats(), "cuda:0", "sim",
-                                                           free_bytes=free, total_bytes=total)
+    assert replace(record, device_uuid="", pci_bus_id="") == torch_source.device_memory_from_stats(
+        scenario.memory_stats(), "cuda:0", "sim", free_bytes=free, total_bytes=total)
     assert record.reserved_bytes >= record.allocated_bytes > 0
 
 
@@ -26,8 +29,8 @@ def test_mindspore_ranks_are_read_with_the_mindspore_sources_reader():
     [record] = source.sample()
     scenario = source._scenarios[0]
     free, total = scenario.device_memory()
-    assert record == mindspore_source.device_memory_from_stats(scenario.memory_stats(), "npu:0", "sim",
-                                                               free_bytes=free, total_bytes=total)
+    assert replace(record, device_uuid="", pci_bus_id="") == mindspore_source.device_memory_from_stats(
+        scenario.memory_stats(), "npu:0", "sim", free_bytes=free, total_bytes=total)
     assert record.idle_bytes is not None and record.alloc_retries is None
 
 
@@ -67,8 +70,9 @@ def test_a_finished_scenario_is_shown_once_then_restarted_with_a_new_seed():
 
 
 def test_an_oom_scenario_keeps_the_demo_running():
-    # MindSpore's pool with vLLM's stock budget runs out of memory at once on this device.
-    source = SimSource(ranks=1, allocator="mindspore", budget="stock")
+    # MindSpore's pool without VMM under the reserved budget cannot place its KV cache on this device
+    # (tests/test_sim_scenario.py, the seed story without VMM).
+    source = SimSource(ranks=1, allocator="mindspore", budget="reserved", ms_alloc_conf="enable_vmm:False")
     for _ in range(4):
         assert len(source.sample()) == 1
     assert source.restarts >= 1
@@ -90,3 +94,16 @@ def test_bad_options_are_one_line_errors():
         SimSource(allocator="jax")
     with pytest.raises(SourceError, match="sim model config /nonexistent.json"):
         SimSource(model_config="/nonexistent.json")
+
+
+def test_simulated_devices_have_stable_distinct_identities_shaped_like_the_real_ones():
+    first = SimSource(ranks=3, allocator="torch").sample()
+    again = SimSource(ranks=3, allocator="torch", seed=99).sample()   # another run, other requests
+    assert [(r.device_uuid, r.pci_bus_id) for r in first] == [(r.device_uuid, r.pci_bus_id) for r in again]
+    assert len({r.device_uuid for r in first}) == len({r.pci_bus_id for r in first}) == 3
+    hexes = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    assert all(re.fullmatch(f"GPU-{hexes}", r.device_uuid) for r in first)
+    assert all(re.fullmatch(r"[0-9A-F]{8}:[0-9A-F]{2}:00\.0", r.pci_bus_id) for r in first)
+    npus = SimSource(ranks=64, allocator="mindspore").sample()
+    assert [r.device_uuid for r in npus[:2]] == ["npu-phy-0", "npu-phy-1"]
+    assert all(re.fullmatch(r"0000:[0-9A-F]{2}:00\.0", r.pci_bus_id) for r in npus)

@@ -239,3 +239,17 @@ def test_a_probe_that_cannot_start_does_not_stop_the_worker(fake_vllm, monkeypat
     assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
     assert vllm_plugin.hook_errors["init_device"] == 1
     assert probe.current() is None
+
+
+def test_engine_identity_reads_the_served_name_and_the_data_parallel_index():
+    import types
+
+    def worker(**parallel):
+        config = types.SimpleNamespace(model_config=types.SimpleNamespace(served_model_name="qwen-7b"),
+                                       parallel_config=types.SimpleNamespace(**parallel))
+        return types.SimpleNamespace(vllm_config=config)
+
+    # data_parallel_index (0.14+) is the engine's index even where data_parallel_rank is overridden.
+    assert vllm_plugin.engine_identity(worker(data_parallel_index=2, data_parallel_rank=0)) == ("qwen-7b", 2)
+    assert vllm_plugin.engine_identity(worker(data_parallel_rank=1)) == ("qwen-7b", 1)
+    assert vllm_plugin.engine_identity(types.SimpleNamespace()) == (None, None)

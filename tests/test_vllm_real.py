@@ -27,15 +27,18 @@ RELEASES = envs.releases()
 # Fragmentation the allocated peak does not show: an earlier activation's cached block the
 # profile's peak cannot reuse, so the reserved peak outgrows the allocated one by 1 GiB.
 FRAGMENTED = {"profile_unreusable_bytes": GIB}
+# The name the engine serves under, as an operator passes --served-model-name (a list: vLLM keeps the first).
+SERVED = ["kvguard/qwen-served", "alias"]
+DEFAULT_RUN = {**FRAGMENTED, "served_model_name": SERVED}
 _runs: dict = {}
 
 
 def run(release: str, tmp_path_factory, scenario=None, budget: str = "stock"):
     """One startup of the release with kvguard's plugin; (harness result, the rank's snapshot)."""
-    key = (release, json.dumps(scenario or FRAGMENTED, sort_keys=True), budget)
+    key = (release, json.dumps(scenario or DEFAULT_RUN, sort_keys=True), budget)
     if key not in _runs:
         spool = tmp_path_factory.mktemp(f"spool-{release}")
-        result = run_worker(release, scenario or FRAGMENTED,
+        result = run_worker(release, scenario or DEFAULT_RUN,
                             env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget})
         snapshots = read_spool(str(spool)).snapshots
         assert len(snapshots) == 1, f"vLLM {release}: the plugin wrote {len(snapshots)} snapshots"
@@ -51,6 +54,15 @@ def committed(result) -> int | None:
 def test_the_required_releases_are_set_up():
     # vllm-mindspore 0.5's base and the newest release: the issue's minimum.
     assert {"0.11.0", "0.34.0"} <= set(RELEASES)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_snapshot_names_the_served_model_and_the_engine_as_vllm_labels_them(release, tmp_path_factory):
+    result, snap, _ = run(release, tmp_path_factory)
+    # What the release itself resolved --served-model-name to (the first of the list), and data-parallel
+    # engine 0: the model_name and engine labels its own /metrics series carry.
+    assert result["config"]["served_model_name"] == SERVED[0]
+    assert (snap.model_name, snap.engine) == (SERVED[0], "0")
 
 
 @pytest.mark.parametrize("release", RELEASES)

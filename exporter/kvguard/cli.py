@@ -444,6 +444,8 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
 
 # ---------------------------------------------------------------------------- simulate
 
+EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (usage)
+
 
 @main.command()
 @click.option("--model-config", "model_config", metavar="PATH",
@@ -475,15 +477,41 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
 @click.option("--search-utilization", is_flag=True,
               help="Find the highest --gpu-memory-utilization (0.01 steps) that serves every seed without an OOM.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--plot", "plot_file", metavar="FILE.png", help="Write allocated/reserved/capacity over time.")
+@click.option("--plot", "plot_file", metavar="FILE.png",
+              help="Write allocated/reserved/capacity over time (a relative path is the current directory's).")
+@click.option("--fail-on-oom", is_flag=True,
+              help=f"Exit {EXIT_OOM} when the run ends in an out-of-memory error (with --search-utilization: "
+                   f"when no utilization serves without one).")
+@click.option("--mindspore-version", metavar="X.Y.Z",
+              help="MindSpore release whose pool rules apply (2.4.0 ... 2.10.0; default: the launcher's pin).")
+@click.option("--vllm-mindspore-version", type=click.Choice(["0.5.1", "0.2.0"]), default="0.5.1", show_default=True,
+              help="Whose launcher defaults to take (0.2.0: the seed fix's, PR !428).")
+@click.option("--mindspore-mode", type=click.Choice(["pynative", "graph"]), default="pynative", show_default=True,
+              help="MindSpore execution mode (vllm-mindspore: PyNative with jit_level O0 graphs).")
+@click.option("--task-sink/--no-task-sink", default=False, show_default=True,
+              help="Task sink (graph mode, jit_level O2): 8 MiB units, blocks grown by adding units.")
+@click.option("--ms-alloc-conf", metavar="CONF",
+              help='MS_ALLOC_CONF, e.g. "enable_vmm: true, vmm_align_size: 2MB" (default: the launcher\'s).')
+@click.option("--mempool-block-size", type=SIZE, metavar="SIZE",
+              help="Pool block unit: MS_MEMPOOL_BLOCK_SIZE=2 is 2GiB; set_memory(increase_size=...).")
+@click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
-             replay_log, search_utilization, as_json, plot_file) -> None:
+             replay_log, search_utilization, as_json, plot_file, fail_on_oom, mindspore_version, vllm_mindspore_version,
+             mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
     cache with the chosen budget formula, then serves a seeded mix of short and long
     requests under chunked prefill until they finish or the allocator runs out of memory.
+
+    \b
+    Exit codes:
+      0  the run finished (an OOM too, unless --fail-on-oom)
+      1  bad input: a one-line error
+      2  usage error, or an internal error
+      3  --fail-on-oom and the run (scenario, trace replay) ended in an OOM, or the
+         search found no utilization without one
     """
     from kvguard.sim.device import Device
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
@@ -511,7 +539,13 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             gpu_memory_utilization=gpu_memory_utilization, allocator=allocator, budget=budget,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, requests=requests,
             long_request_fraction=long_fraction, tensor_parallel_size=tensor_parallel_size,
-            non_allocator_bytes=non_allocator_memory, seed=seed)
+            non_allocator_bytes=non_allocator_memory, seed=seed, mindspore_version=mindspore_version,
+            vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=task_sink,
+            ms_alloc_conf=ms_alloc_conf, mempool_block_size_bytes=mempool_block_size,
+            soc_supports_vmm=not no_vmm_soc)
+        if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size or task_sink
+                                         or no_vmm_soc or mindspore_mode != "pynative"):
+            raise ValueError("the MindSpore pool options need --allocator mindspore")
         if non_allocator_memory is not None and non_allocator_memory >= device_memory:
             raise ValueError("--non-allocator-memory must be smaller than --device-memory")
     except (ConfigError, ValueError) as exc:
@@ -523,12 +557,12 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         except TraceError as exc:
             raise click.ClickException(str(exc)) from None
         if is_snapshot_pickle(data):
-            _replay_snapshot_exactly(trace_file, data, device_memory, replay_log, as_json)
+            _exit_on_oom(fail_on_oom, _replay_snapshot_exactly(trace_file, data, device_memory, replay_log, as_json))
             return
     if replay_log:
         raise click.ClickException("--replay-log needs a PyTorch snapshot --trace replayed with --allocator torch")
     if search_utilization:
-        _search_utilization(config, seeds, as_json)
+        _exit_on_oom(fail_on_oom, _search_utilization(config, seeds, as_json) is None)
         return
 
     if trace_file:
@@ -559,6 +593,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
                         f"{trace.source} replayed on {allocator}")
         if as_json:
             _emit_json(data)
+            _exit_on_oom(fail_on_oom, outcome.oom)
             return
         click.echo(f"Trace        {trace_file} ({trace.source}): {len(trace.events)} events, "
                    f"{trace.num_allocs} allocations, {trace.skipped} skipped")
@@ -568,6 +603,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         click.echo("Outcome      " + (f"OOM at event {outcome.oom_at_event} "
                                       f"({format_bytes(outcome.oom_request_bytes)} requested)"
                                       if outcome.oom else "no OOM"))
+        _exit_on_oom(fail_on_oom, outcome.oom)
         return
 
     try:
@@ -596,10 +632,15 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         _write_plot(plot_file, plot_scenario, [result], plot_file)
     if as_json:
         _emit_json({**result.to_dict(), "guard": guard})
+        _exit_on_oom(fail_on_oom, result.oom)
         return
     profile = result.profile
     click.echo(f"Device       {format_bytes(device_memory)}, utilization {gpu_memory_utilization:g}, "
                f"allocator {allocator}, budget {budget}")
+    if allocator == "mindspore":
+        click.echo(f"Pool         MindSpore {config.mindspore_release.version} ({config.mindspore_mode}"
+                   f"{', task sink' if task_sink else ''}), VMM {'on' if config.enable_vmm else 'off'}"
+                   + (f", block unit {format_bytes(mempool_block_size)}" if mempool_block_size else ""))
     if profile is not None:
         click.echo(f"Profile      weights {format_bytes(profile.weights_bytes)}, allocated peak +"
                    f"{format_bytes(profile.peak_allocated_increase_bytes)}, reserved +"
@@ -619,10 +660,17 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         click.echo(f"Outcome      OOM during {where} ({format_bytes(result.oom_request_bytes)} requested)")
     elif not result.error:
         click.echo("Outcome      no OOM")
+    _exit_on_oom(fail_on_oom, result.oom)
+
+
+def _exit_on_oom(fail_on_oom: bool, oom: bool) -> None:
+    """``--fail-on-oom``: exit EXIT_OOM after the report when the run ended in an OOM."""
+    if fail_on_oom and oom:
+        click.get_current_context().exit(EXIT_OOM)
 
 
 def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, replay_log: str | None,
-                             as_json: bool) -> None:
+                             as_json: bool) -> bool:
     """``simulate --trace SNAPSHOT.pickle``: every device, seeded, at the recorded addresses."""
     from kvguard.sim.snapshot import SnapshotError, replay_snapshot
     from kvguard.sim.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
@@ -666,7 +714,7 @@ def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, r
     }
     if as_json:
         _emit_json(payload)
-        return
+        return payload["oom"]
     click.echo(f"Trace        {trace_file} (torch_snapshot): {len(devices)} device(s), "
                f"{payload['trace']['events']} events")
     for d in devices:
@@ -677,10 +725,12 @@ def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, r
                    + (f"; {d.preexisting_frees} frees of blocks from before recording "
                       f"({d.preexisting_extended} sizes extended)" if d.preexisting_frees else ""))
     click.echo(f"Outcome      {matched}/{allocs} allocations matched")
+    return payload["oom"]
 
 
-def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> None:
-    """``simulate --search-utilization``: bisection over 0.01 steps, every seed at each probe."""
+def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> float | None:
+    """``simulate --search-utilization``: bisection over 0.01 steps, every seed at each probe; the
+    utilization found (None: every one runs out of memory)."""
     from kvguard.sim.scenario import search_gpu_memory_utilization
 
     try:
@@ -691,13 +741,13 @@ def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> None:
         raise click.ClickException(f"model config: {exc}") from None
     if as_json:
         _emit_json({"search": search.to_dict(), "config": config.summary()})
-        return
+        return search.gpu_memory_utilization
     found = search.gpu_memory_utilization
     click.echo(f"Search       {config.allocator}, budget {config.budget}, seeds {', '.join(map(str, seeds))}: "
                f"{len(search.runs)} runs")
     if found is None:
         click.echo("Outcome      no utilization serves without an OOM (0.01 already runs out of memory)")
-        return
+        return None
     above = f"; {found + 0.01:.2f} runs out of memory" if found < 1.0 else ""
     click.echo(f"Outcome      highest utilization without an OOM: {found:.2f}{above}")
     if search.kv_cache_memory_bytes is not None:
@@ -705,6 +755,7 @@ def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> None:
                    f"(--kv-cache-memory-bytes {search.kv_cache_memory_bytes})")
     if search.recommended_gpu_memory_utilization is not None:
         click.echo(f"Estimator    recommends {search.recommended_gpu_memory_utilization:.2f} from the same profile")
+    return found
 
 
 def _check_plot_path(path: str) -> None:

@@ -42,15 +42,17 @@ def _read_startup_log(path: str, error=click.ClickException):
         raise error(str(exc)) from None
 
 
-def _build_sources(names: tuple[str, ...]) -> list[tuple[str, Any]]:
+def _build_sources(names: tuple[str, ...], nvml_mig: bool = False) -> list[tuple[str, Any]]:
     from kvguard.sources import SourceError, get_source
+
+    options = {"nvml": {"mig": True}, "auto": {"nvml_mig": True}} if nvml_mig else {}
 
     built = []
     for name in names:
         if name == "none":
             continue
         try:
-            built.append((name, get_source(name)))
+            built.append((name, get_source(name, **options.get(name, {}))))
         except SourceError as exc:
             if name == "auto":   # nothing to find on this machine is not an error for auto
                 click.echo(f"kvguard serve: --source auto: {exc}", err=True)
@@ -137,6 +139,8 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 @click.option("--source", "sources", multiple=True, metavar="NAME",
               help="Device-level source, repeatable: auto, nvml, npu-smi, host, sim, none "
                    "[default: auto; with --demo: host].")
+@click.option("--nvml-mig", is_flag=True, help="With the nvml (or auto) source, also read each MIG device of a GPU "
+              "in MIG mode as a device of its own (label cuda:N/mig:S, its own UUID).")
 @click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, e.g. http://127.0.0.1:8000/metrics.")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
 @click.option("--interval", type=click.FloatRange(0, min_open=True), default=5.0, show_default=True,
@@ -158,7 +162,7 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
               f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Simulated ranks with --demo (the last one is set up to trip the guard).")
-def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
+def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
           web_config_file, demo, demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
@@ -174,7 +178,7 @@ def serve(listen, port, spool_dir, sources, vllm_metrics_url, log_file, interval
     if demo:
         sources = sources or ("host",)
         interval = min(interval, DEMO_MAX_INTERVAL)
-    built_sources = _build_sources(sources or ("auto",))
+    built_sources = _build_sources(sources or ("auto",), nvml_mig=nvml_mig)
     options = ServerOptions(listen=listen, port=port, fail_readiness_on_critical=fail_readiness_on_critical,
                             tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
                             basic_auth_user=basic_auth_user, basic_auth_password=password,

@@ -22,6 +22,10 @@ from kvguard.sidecar import DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView
 from kvguard.spool import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
+# Which device a series is about, for joins with dcgm-exporter and npu-exporter (docs/metrics.md):
+# on device series, and on rank series with the vLLM engine the rank serves ("" where unknown).
+IDENTITY_LABELS = ("device_uuid", "pci_bus_id")
+RANK_IDENTITY_LABELS = IDENTITY_LABELS + ("model_name", "engine")
 SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
 
 
@@ -183,11 +187,11 @@ def families(obs: Observation) -> Iterator[Metric]:
               "see kvguard_source_cache_age_seconds.")
     spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
                     "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
-    rank_labels = [[view.labels[k] for k in RANK_LABELS] for view in obs.ranks]
+    rank_labels = [[view.labels[k] for k in RANK_LABELS] + _rank_identity(view) for view in obs.ranks]
     for kind, name, doc, extra, samples in _RANK_FAMILIES:
         doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
-        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc,
-                                                                                 labels=list(RANK_LABELS + extra))
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=list(RANK_LABELS + RANK_IDENTITY_LABELS + extra))
         for view, labels in zip(obs.ranks, rank_labels):
             for extra_values, value in samples(view):
                 _add(family, labels + list(extra_values), value)
@@ -198,22 +202,26 @@ def families(obs: Observation) -> Iterator[Metric]:
 
 def _other_families(obs: Observation, cached: str) -> _Families:
     fam = _Families()
-    dev_labels = list(DEVICE_LABELS)
+    dev_labels = list(DEVICE_LABELS + IDENTITY_LABELS)
     dev_total = fam.gauge("kvguard_device_total_bytes", "Device memory capacity as the device-level source reports "
                           "it." + cached, dev_labels)
     dev_used = fam.gauge("kvguard_device_used_bytes", "Device memory in use by all processes." + cached, dev_labels)
     dev_free = fam.gauge("kvguard_device_free_bytes", "Device memory free." + cached, dev_labels)
+    dev_driver = fam.gauge("kvguard_device_driver_reserved_bytes", "Device memory the driver keeps for itself, "
+                           "outside total - free (NVML nvmlMemory_v2 reserved)." + cached, dev_labels)
     dev_process = fam.gauge("kvguard_device_process_used_bytes", "Device memory one process holds, as the driver "
                             "sees it (reserved plus context overhead)." + cached, dev_labels + ["pid"])
     seen_devices: set[tuple] = set()
     for view in obs.devices:
         labels = [safe_text(str(view.labels[k]), 253) for k in DEVICE_LABELS]   # names a driver reported
+        labels += [view.memory.device_uuid, view.memory.pci_bus_id]              # identity_text already
         if tuple(labels) in seen_devices:
             continue
         seen_devices.add(tuple(labels))
         _add(dev_total, labels, view.memory.total_bytes)
         _add(dev_used, labels, view.memory.used_bytes)
         _add(dev_free, labels, view.memory.free_bytes)
+        _add(dev_driver, labels, view.memory.device_reserved_bytes)
         seen_pids = set()
         for process in view.memory.processes:
             if process.pid not in seen_pids:
@@ -249,3 +257,8 @@ def _other_families(obs: Observation, cached: str) -> _Families:
     build.add_metric([__version__, platform.python_version()], 1)
     return fam
 
+
+def _rank_identity(view: RankView) -> list[str]:
+    memory = view.snapshot.memory if view.snapshot else None
+    return [memory.device_uuid if memory else "", memory.pci_bus_id if memory else "",
+            view.labels.get("model_name", ""), view.labels.get("engine", "")]

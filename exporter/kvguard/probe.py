@@ -7,6 +7,7 @@ small probe there and a sidecar outside it::
     kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
     kvguard.probe.set_profile(profile)          # kvguard.estimator.Profile, after vLLM profiled
     kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.KVCacheAllocation
+    kvguard.probe.set_engine("qwen-7b", 0)      # served model name, engine (data-parallel) index
     kvguard.probe.stop()
 
 Every ``interval`` seconds a daemon thread asks the source for one record per device
@@ -75,6 +76,7 @@ class _Job:
     """One sample running on its own worker thread."""
 
     done: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
     records: list[DeviceMemory] | None = None
     error: str | None = None
 
@@ -126,8 +128,10 @@ class Probe:
         self._last_error: str | None = None
         self._logged: set[str] = set()
         self._sequence: dict[str, int] = {}
+        self._written_sampled_at: dict[str, float] = {}    # per device: when its written sample began
         self._profiles: dict[str | None, Profile | None] = {}
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
+        self._engine = ("", "")       # (served model name, engine index) of the serving engine
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -156,8 +160,10 @@ class Probe:
             close_source(self._source)
 
     def run_once(self, timeout: float | None = None) -> int:
-        """One sample and write, on the caller's thread; returns the snapshots written."""
-        return self._tick(self.sample_timeout if timeout is None else timeout)
+        """One sample taken after this call began, and its write, on the caller's thread; returns the
+        snapshots written. (A sample the loop started earlier is waited out, not reused: it may predate
+        what the caller just did, such as loading the weights.)"""
+        return self._tick(self.sample_timeout if timeout is None else timeout, not_before=time.monotonic())
 
     # ------------------------------------------------------------------ engine facts
     def set_profile(self, profile: Profile | None, device: str | None = _ALL) -> None:
@@ -171,6 +177,16 @@ class Probe:
             raise TypeError(f"kv_cache must be a kvguard.spool.KVCacheAllocation, got {type(kv_cache).__name__}")
         with self._lock:
             self._kv_caches[device] = kv_cache
+
+    def set_engine(self, model_name: str | None, engine: str | int | None = None) -> None:
+        """The serving engine this process belongs to, as vLLM labels its own series: the served
+        model name (``model_name``) and the engine index (``engine``, the data-parallel rank)."""
+        if model_name is not None and not isinstance(model_name, str):
+            raise TypeError(f"model_name must be a string, got {type(model_name).__name__}")
+        if engine is not None and (isinstance(engine, bool) or not isinstance(engine, (str, int))):
+            raise TypeError(f"engine must be a string or an index, got {type(engine).__name__}")
+        with self._lock:
+            self._engine = (model_name or "", "" if engine is None else str(engine))
 
     @property
     def status(self) -> ProbeStatus:
@@ -193,20 +209,32 @@ class Probe:
             next_tick = max(next_tick + self.interval, time.monotonic())
             self._stop.wait(max(0.0, next_tick - time.monotonic()))
 
-    def _tick(self, timeout: float) -> int:
-        records = self._sample(timeout)
-        if records is None:
+    def _tick(self, timeout: float, not_before: float | None = None) -> int:
+        job = self._sample(timeout, not_before)
+        if job is None:
             return 0
-        return self._write(records)
+        return self._write(job.records, job.started)
 
-    def _sample(self, timeout: float) -> list[DeviceMemory] | None:
-        with self._lock:
-            job = self._job
-            if job is None:
-                job = self._job = _Job()
-                threading.Thread(target=self._run_job, args=(job,), name="kvguard-probe-sample",
-                                 daemon=True).start()
+    def _sample(self, timeout: float, not_before: float | None = None) -> _Job | None:
         deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                job = self._job
+                if job is None:
+                    job = self._job = _Job()
+                    threading.Thread(target=self._run_job, args=(job,), name="kvguard-probe-sample",
+                                     daemon=True).start()
+            if not_before is None or job.started >= not_before:
+                break
+            # An older sample is in flight: let it finish (it is the loop's), then take a fresh one.
+            job.done.wait(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                if self._job is job and job.done.is_set():
+                    self._job = None
+            if not job.done.is_set():
+                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s",
+                            overrun=True)
+                return None
         while not job.done.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
             if self._stop.is_set() and threading.current_thread() is self._thread:
                 return None          # stopping: do not wait out a slow source
@@ -215,7 +243,8 @@ class Probe:
                             overrun=True)
                 return None
         with self._lock:
-            self._job = None
+            if self._job is job:     # a caller may have started a fresh job after this one ended
+                self._job = None
         if job.error is None and job.records is None:    # the job ended without an answer or an error
             job.error = f"{self.source_name}: the sample ended without a result"
         if job.error is not None:
@@ -223,7 +252,7 @@ class Probe:
             return None
         with self._lock:
             self._samples += 1
-        return job.records
+        return job
 
     def _run_job(self, job: _Job) -> None:
         try:
@@ -242,25 +271,31 @@ class Probe:
         finally:
             job.done.set()
 
-    def _write(self, records: list[DeviceMemory]) -> int:
+    def _write(self, records: list[DeviceMemory], sampled_at: float) -> int:
         with self._write_lock:
-            return self._write_locked(records)
+            return self._write_locked(records, sampled_at)
 
-    def _write_locked(self, records: list[DeviceMemory]) -> int:
+    def _write_locked(self, records: list[DeviceMemory], sampled_at: float) -> int:
         contexts = rank_contexts(self._source)
         written = 0
         for record in records:
+            # The loop and run_once can finish samples together: one that began before the sample
+            # already written for this device is older data, and never replaces it.
+            if sampled_at < self._written_sampled_at.get(record.device, float("-inf")):
+                continue
+            self._written_sampled_at[record.device] = sampled_at
             context = contexts.get(record.device) or RankContext()
             with self._lock:
                 sequence = self._sequence[record.device] = self._sequence.get(record.device, 0) + 1
                 profile = _pick(self._profiles, record.device, context.profile)
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
                 status = self._status()
+                model_name, engine = self._engine
             snapshot = Snapshot(
                 written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
                 pid=os.getpid(), device=record.device, memory=record,
                 rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
-                profile=profile, kv_cache=kv_cache, probe=status)
+                profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine)
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -384,7 +419,13 @@ def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) 
     return _apply("set_kv_cache", kv_cache, device)
 
 
-def _apply(method: str, value: Any, device: str | None) -> bool:
+def set_engine(model_name: str | None, engine: str | int | None = None) -> bool:
+    """Name the serving engine in the snapshots (vLLM's ``model_name`` and ``engine`` labels).
+    Never raises; False when not applied."""
+    return _apply("set_engine", model_name, engine)
+
+
+def _apply(method: str, value: Any, device: Any) -> bool:
     probe = _PROBE
     if probe is None:
         return False

@@ -5,6 +5,7 @@ Every size is an int number of bytes; None means the backend cannot tell.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
@@ -19,6 +20,24 @@ _INT_FIELDS = (
     "alloc_retries", "ooms", "total_bytes", "free_bytes", "used_bytes", "device_reserved_bytes",
     "process_used_bytes",
 )
+
+# Device identity (label values that join kvguard's series to dcgm-exporter's and npu-exporter's):
+# at most this many characters, and only what UUIDs and PCI addresses are written with
+# (NVML "GPU-8c6b…", "MIG-…", "00000000:3B:00.0"; npu-smi "0000:C1:00.0"). Anything else is
+# dropped, so a hostile snapshot cannot make a label of arbitrary text; one value per device
+# keeps the label's cardinality that of the device label itself.
+IDENTITY_FIELDS = ("device_uuid", "pci_bus_id")
+MAX_IDENTITY_CHARS = 96
+_NOT_IDENTITY = re.compile(r"[^A-Za-z0-9:._-]")
+
+
+def identity_text(value: Any) -> str:
+    """A device UUID or PCI bus id as a label value: str or bytes in, "" for anything unusable."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str):
+        return ""
+    return _NOT_IDENTITY.sub("", value.strip()[:MAX_IDENTITY_CHARS * 2])[:MAX_IDENTITY_CHARS]
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,9 @@ class DeviceMemory:
     device_reserved_bytes: int | None = None
     process_used_bytes: int | None = None
     processes: tuple[ProcessMemory, ...] = field(default_factory=tuple)
+    # Which physical (or MIG) device this is, where the source can tell; "" when it cannot.
+    device_uuid: str = ""
+    pci_bus_id: str = ""
 
     @property
     def fragmentation_bytes(self) -> int | None:
@@ -113,4 +135,9 @@ class DeviceMemory:
             parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
                                         name=str(entry.get("name", ""))[:128]))
         values["processes"] = tuple(parsed)
+        for name in IDENTITY_FIELDS:   # absent from older snapshots: "" then
+            value = data.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"memory field {name} is not a string")
+            values[name] = identity_text(value or "")
         return cls(**values)

@@ -1,4 +1,4 @@
-"""The sidecar's HTTP endpoints: /metrics, /healthz, /readyz, /guard; 404 for anything else.
+"""The sidecar's HTTP endpoints: /metrics, /healthz, /readyz, /guard, a landing page at /; 404 for anything else.
 
 The peer is untrusted (``/metrics`` listens on 0.0.0.0 in a pod with a 256 MiB limit), so memory
 and threads are bounded whatever it sends:
@@ -270,6 +270,8 @@ class Application:
             if path == "/guard":
                 guard = self.exposition.observation().guard_dict()
                 return Response(200, json.dumps(guard, indent=2).encode() + b"\n", "application/json")
+            if path == "/":
+                return Response(200, landing_page(), "text/html; charset=utf-8")
             return _text(404, "not found\n")
         except Exception as exc:  # one line to the client, never a traceback
             message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
@@ -706,3 +708,20 @@ class KVGuardServer:
             conn.started = None
             if not keep:
                 return False
+
+
+_LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),
+                  ("healthz", "liveness"), ("readyz", "readiness"))
+
+
+def landing_page() -> bytes:
+    """The page at ``/``, as exporters built on exporter-toolkit serve one (``web/landing_page.go``):
+    the name, the version and a link to each endpoint. Behind the same auth as ``/metrics`` (there
+    authentication wraps the whole handler, the landing page included). Links are relative, so they
+    work behind a path prefix."""
+    from kvguard import __version__  # noqa: PLC0415
+
+    items = "\n".join(f'<li><a href="{path}">/{path}</a>: {text}</li>' for path, text in _LANDING_LINKS)
+    return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head><meta charset=\"utf-8\"><title>kvguard</title></head>\n"
+            f"<body>\n<h1>kvguard</h1>\n<p>Allocator memory exporter and KV-cache OOM guard for LLM serving. "
+            f"Version {__version__}.</p>\n<ul>\n{items}\n</ul>\n</body>\n</html>\n").encode()

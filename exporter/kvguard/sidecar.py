@@ -51,9 +51,16 @@ class RankView:
     stale: bool
     verdict: Verdict
 
+    def identity(self) -> dict[str, str]:
+        """The identity labels the rank's series carry (collector.RANK_IDENTITY_LABELS); "" where unknown."""
+        memory = self.snapshot.memory if self.snapshot else None
+        return {"device_uuid": memory.device_uuid if memory else "", "pci_bus_id": memory.pci_bus_id if memory else "",
+                "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", "")}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             **{k: self.labels[k] for k in RANK_LABELS},
+            **self.identity(),
             "host": self.snapshot.host if self.snapshot else None,
             "profile_origin": self.profile_origin,
             "snapshot_age_seconds": None if self.age_seconds is None else round(self.age_seconds, 3),
@@ -235,7 +242,6 @@ class Sidecar:
         config = self.config
         skipped = Counter(spool_read.skipped)
         log, log_profile = config.startup_log, self._log_profile
-        engine_kv_cache = self._engine_kv_cache(vllm)   # for ranks whose probe did not count theirs
         now_wall, now = time.time(), time.monotonic()
 
         newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
@@ -250,7 +256,11 @@ class Sidecar:
             stale = age > config.stale_after
             profile, origin = (snap.profile, "snapshot") if snap.profile else \
                 (log_profile, "log" if log_profile else None)
-            blocks, kv_bytes = engine_kv_cache if snap.kv_cache is None else \
+            # The vLLM engine this rank belongs to (its snapshot names it, or vLLM has only one).
+            engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
+            labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
+                          engine=snap.engine or (engine.engine if engine else ""))
+            blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
@@ -258,15 +268,17 @@ class Sidecar:
                                        kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
             views.append(RankView(labels, snap, profile, origin, blocks,
-                                  vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))
+                                  engine.kv_cache_usage_ratio if engine else None, age, stale, verdict))
 
         if not views and (log is not None or vllm is not None):
-            # No probe: judge the one engine the log or vLLM's metrics describe.
-            labels = {"device": "", "rank": "", "pid": "", **config.pod_labels}
-            blocks, kv_bytes = engine_kv_cache
-            verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
-            views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
-                                  vllm.kv_cache_usage_ratio if vllm else None, None, False, verdict))
+            # No probe: judge each engine vLLM's metrics describe (or the one the log does).
+            for engine in (vllm.engines if vllm and vllm.engines else (None,)):
+                labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
+                          "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else ""}
+                blocks, kv_bytes = self._engine_kv_cache(engine)
+                verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
+                views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
+                                      engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
         return views, skipped
 
     def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
@@ -288,8 +300,9 @@ class Sidecar:
                 pod["pod"], pod["namespace"], pod["container"])
 
     def _engine_kv_cache(self, vllm) -> tuple[int | None, int | None]:
-        """(blocks, bytes) the engine allocated as vLLM's metrics or the startup log tell it
-        (a rank's probe count, where there is one, comes first)."""
+        """(blocks, bytes) the engine allocated as vLLM's metrics (``vllm``: that engine's
+        VllmEngineState, or None) or the startup log tell it (a rank's probe count, where there
+        is one, comes first)."""
         log = self.config.startup_log
         blocks = (vllm.num_gpu_blocks if vllm else None) or (log.num_gpu_blocks if log else None)
         block_bytes = self._log_block_bytes

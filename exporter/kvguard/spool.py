@@ -45,6 +45,8 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 _UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 # A snapshot's device process table is not exported per rank; a few entries are kept for /guard.
 MAX_SNAPSHOT_PROCESSES = 64
+MAX_MODEL_NAME_CHARS = 253   # a served model name is a label value of vLLM's own series
+MAX_ENGINE_CHARS = 16
 
 
 def safe_text(text: str, limit: int) -> str:
@@ -94,6 +96,10 @@ class Snapshot:
     profile: Profile | None = None
     kv_cache: KVCacheAllocation | None = None
     probe: ProbeStatus = field(default_factory=ProbeStatus)
+    # The serving engine this rank belongs to, as vLLM labels its own series (schema 1 extension;
+    # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
+    model_name: str = ""
+    engine: str = ""
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
 
@@ -113,6 +119,8 @@ class Snapshot:
             "profile": self.profile.to_dict() if self.profile else None,
             "kv_cache": None if self.kv_cache is None else asdict(self.kv_cache),
             "probe": asdict(self.probe),
+            "model_name": self.model_name,
+            "engine": self.engine,
         }
 
     @classmethod
@@ -161,6 +169,7 @@ class Snapshot:
                 interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
             )
+            model_name, engine = (_text(data, key) for key in ("model_name", "engine"))
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
         # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
@@ -172,7 +181,8 @@ class Snapshot:
         return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
                    pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
                    pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
-                   probe=probe)
+                   probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
+                   engine=safe_text(engine, MAX_ENGINE_CHARS))
 
 
 class SnapshotError(ValueError):
@@ -187,6 +197,15 @@ def _number(data: Mapping[str, Any], key: str) -> float:
             or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
         raise ValueError(f"{key} is not a number in range")
     return float(value)
+
+
+def _text(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{key} is not a string")
+    return value
 
 
 def _int(data: Mapping[str, Any], key: str, default: int | None = None) -> int:

@@ -95,7 +95,7 @@ def run_worker(version: str, scenario: dict | None = None, env: dict | None = No
                plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
     """Start release `version`'s real worker on a fake device per `scenario` (keys of
     DEFAULT_SCENARIO; gpu_memory_utilization, kv_cache_memory_bytes, block_size,
-    enable_extensible_kv_cache, max_num_seqs also taken) and return what it did:
+    enable_extensible_kv_cache, max_num_seqs, served_model_name also taken) and return what it did:
 
       returned_available_bytes  what Worker.determine_available_memory returned to the engine
       figures                   the worker's own figures (requested_memory, init snapshot, ...)

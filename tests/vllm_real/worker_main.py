@@ -189,6 +189,8 @@ def _engine_args(scenario):
         kwargs["enable_extensible_kv_cache"] = scenario["enable_extensible_kv_cache"]
     if scenario.get("max_num_seqs") is not None:
         kwargs["max_num_seqs"] = scenario["max_num_seqs"]
+    if scenario.get("served_model_name") is not None:
+        kwargs["served_model_name"] = scenario["served_model_name"]
     return EngineArgs(**kwargs)
 
 
@@ -211,6 +213,7 @@ def _startup(request, scenario, device, result):
         "dtype": str(vllm_config.model_config.dtype),
         "max_model_len": vllm_config.model_config.max_model_len,
         "worker_cls": vllm_config.parallel_config.worker_cls,
+        "served_model_name": vllm_config.model_config.served_model_name,
     }
 
     _install_fake_runner(fake_runner.FakeModelRunner)

@@ -1,40 +1,39 @@
-"""MindSpore's dynamic memory pool on Ascend, rule for rule.
+"""MindSpore's dynamic memory pool on Ascend, rule for rule, per release.
 
-Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator``
-(``mindspore/ccsrc/backend/common/mem_reuse/abstract_dynamic_mem_pool.cc``, 2.4-2.6) and
-``AbstractAscendMemoryPoolSupport::CalMemBlockAllocSize``; one stream:
+Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator`` and
+``AbstractAscendMemoryPoolSupport::CalMemBlockAllocSize``; the rules that differ between
+releases are the switches of a :class:`~kvguard.sim.mindspore_releases.MindSporeRelease` row,
+each cited there (file:line @ tag in ``mindspore-ai/mindspore_test``). One stream.
 
-- sizes are rounded up to 512 bytes (0 becomes 512);
-- one allocator per pool: ``persistent`` (weights, constants) and ``common``
-  (activations, workspace, KV cache); idle memory of one serves only the other's
-  fallback (below);
-- an allocator finds the smallest idle buffer that fits, ordered by (size, address),
-  then the smallest eager-free (unmapped) one; a buffer is split when the remainder is
-  at least 512 bytes; a freed buffer merges with a neighbour of the same status;
-- a miss: (VMM off, persistent request) try the common allocator; (VMM on) eager-free
-  every idle buffer and retry; then expand the allocator with a new block; then fail;
-- a new block is the pool's unit (``increase_size`` for the common pool, default
-  2 GiB here as ``set_memory``'s documented default; 1 GiB for the persistent pool),
-  grown by adding units until the request fits (graph mode; ``growth="double"`` for
-  PyNative's doubling), capped by the device's free memory, refused when the request
-  itself exceeds it;
-- VMM (``enable_vmm``): a block reserves ``max(block, device total)`` of address space,
-  counted in ``total_reserved_memory`` and ``total_eager_free_memory``; physical 2 MiB
-  pages are mapped when a buffer is handed out and unmapped by eager free;
-  ``empty_cache`` eager-frees idle buffers and releases blocks left wholly unmapped.
-  Without VMM, ``empty_cache`` releases nothing (``AscendVmmAdapter::EmptyCache``).
+- sizes aligned to 512 bytes (0 becomes 512);
+- one allocator per pool: ``persistent`` (weights, constants) and ``common`` (activations,
+  workspace, KV cache);
+- an allocator with no block expands at once; otherwise it takes the smallest idle buffer that
+  fits, ordered by (size, address), then the smallest eager-free (unmapped) one; a buffer is
+  split when at least 512 bytes remain; a freed buffer merges with same-status neighbours;
+- a miss: a persistent request tries the common allocator when VMM is off (and stays there);
+  with VMM every idle buffer is eager-freed and the allocator retried; then it expands; then,
+  from 2.5, a failed *common* expansion tries the persistent allocator's idle memory; then OOM;
+- a block: the unit (1 GiB; 8 MiB in a graph run; a configured ``mempool_block_size`` for the
+  common pool, capped at free − 1 GiB, when it is not the 1.0 GB default), grown by adding
+  units under task sink and by doubling otherwise, at most the device's free memory, none
+  when the request exceeds it;
+- VMM: a block reserves ``max(block, total_mem_size)`` of address space; 2 MiB physical
+  handles are mapped when a buffer is handed out, taken from a handle cache first and refused
+  once the handles reach ``total_mem_size``; eager free unmaps whole pages into the cache (still
+  physically held); ``empty_cache`` (2.6+) eager-frees idle buffers and frees the cache, or
+  without VMM releases wholly idle blocks; in 2.4 and 2.5 it does nothing.
 
-Statistics are ``mindspore.runtime.memory_stats()``'s keys. ``max_allocated_memory`` is
-``MemStat``'s ``temp_peak_size_`` (2.4-2.6, ``MaxMemAllocatedStatistics``): the peak
-*increase* of used memory since the last ``reset_peak_memory_stats`` (the absolute peak
-until the first reset), which is why ``max_memory_allocated()`` reads 0 right after a
-reset; later builds (``iterUsedPeakSize_``) report the absolute peak since the reset.
-``max_reserved_memory`` here is the absolute peak of reserved memory since the reset, as
-later builds report it (``iterAllocPeakSize_``); 2.4-2.6 report reserved now minus
-reserved at the reset, which is not a peak at all. The ``mindspore`` source therefore
-exports ``max(reported, current)`` for both, which is right for every build (see
-``kvguard.sources.mindspore``). ``peak_allocated_bytes`` and ``peak_reserved_bytes`` are
-absolute peaks since the reset, what vLLM's profile arithmetic needs.
+Statistics: ``memory_stats()`` has the release's own key spellings. ``reserved_bytes`` is what
+``memory_reserved()`` returns in that release (2.4/2.5: blocks, VMM address space included;
+2.6+: physical handles under VMM, blocks otherwise). ``peak_allocated_bytes`` and
+``peak_reserved_bytes`` are absolute peaks since the reset, what vLLM's profile arithmetic
+needs; ``memory_stats()['max_*']`` follow the release (2.4/2.5: increase of used memory since
+the reset and reserved now minus reserved at the reset; 2.6+: absolute peaks).
+
+Not modelled: ``SearchAvaliableMemBuf`` (an idle buffer extended into an eager-free neighbour,
+POOL:118-158 @ v2.6.0), ``NoAdditionalMemory`` (blocks of exactly the request under cell reuse
+with task sink and GE kernels disabled, SUPPORT:73-82), multiple streams and events.
 """
 
 from __future__ import annotations
@@ -44,12 +43,12 @@ from typing import Any
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
+from .mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, release
 
-K_ALIGN = 512
+K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30
-DEFAULT_INCREASE_SIZE = 2 * GIB
-PERSISTENT_UNIT_SIZE = 1 * GIB
-VMM_PAGE_SIZE = 2 << 20
+VMM_PAGE_SIZE = VMM_PAGE_BYTES
+DEFAULT_VERSION = "2.7.1"     # what vllm-mindspore 0.5.x pins (mindspore_releases.VLLM_MINDSPORE_LAUNCHERS)
 
 IDLE, USED, EAGER_FREE = 0, 1, 2
 
@@ -73,7 +72,7 @@ class MemBlock:
         self.addr = addr
         self.size = size
         # VMM: one byte per 2 MiB page, 1 when physically mapped.
-        self.pages = bytearray(-(-size // VMM_PAGE_SIZE)) if vmm else None
+        self.pages = bytearray(-(-size // VMM_PAGE_SIZE)) if vmm else bytearray()
         self.mapped_pages = 0
 
 
@@ -158,64 +157,105 @@ class _BufAllocator:
             self.pool._unmap(buf.block, buf.addr, buf.size)
         return turned
 
-    def release_unmapped_blocks(self) -> None:
+    def release_idle_blocks(self) -> None:
+        """``ReleaseFreeBlocks``: blocks that are one idle buffer go back to the device (VMM off)."""
         for block in list(self.blocks):
             buf = self.bufs.get(block.addr)
-            if buf is not None and buf.status == EAGER_FREE and buf.size == block.size and block.mapped_pages == 0:
+            if buf is not None and buf.status == IDLE and buf.size == block.size:
                 self._remove(buf)
                 self.blocks.remove(block)
                 self.pool._release_block(block)
 
 
 class DynamicMemPool:
-    """MindSpore's ``AbstractDynamicMemPool`` on a simulated Ascend device."""
+    """MindSpore's ``AbstractDynamicMemPool`` of one release on a simulated Ascend device.
+
+    ``graph_mode`` / ``task_sink``: the execution mode and ``MS_CTX_ENABLE_TASK_SINK`` as the pool
+    reads them. vllm-mindspore runs in PyNative with jit_level O0 graphs, kernel by kernel: task sink
+    off. ``mempool_block_size``: bytes set by ``mempool_block_size`` / ``set_memory(increase_size=)``
+    (None or 1 GiB: the default rule). ``vmm_page_bytes``: ``vmm_align_size``.
+    """
 
     name = "mindspore"
 
-    def __init__(self, device: Device, *, increase_size: int = DEFAULT_INCREASE_SIZE,
-                 persistent_unit_size: int = PERSISTENT_UNIT_SIZE, growth: str = "add",
-                 enable_vmm: bool = False) -> None:
-        if growth not in ("add", "double"):
-            raise ValueError(f"block growth must be 'add' or 'double', got {growth!r}")
-        if increase_size <= 0 or persistent_unit_size <= 0:
-            raise ValueError("pool unit sizes must be positive")
+    def __init__(self, device: Device, *, version: str | MindSporeRelease = DEFAULT_VERSION,
+                 graph_mode: bool = False, task_sink: bool = False, mempool_block_size: int | None = None,
+                 enable_vmm: bool = False, vmm_page_bytes: int | None = None) -> None:
+        self.release = version if isinstance(version, MindSporeRelease) else release(version)
+        if mempool_block_size is not None and mempool_block_size <= 0:
+            raise ValueError("mempool block size must be positive")
+        if vmm_page_bytes is None:
+            vmm_page_bytes = self.release.vmm_page_bytes
+        if vmm_page_bytes <= 0 or vmm_page_bytes % VMM_PAGE_BYTES:
+            raise ValueError("the VMM page size must be a positive multiple of 2 MiB")
         self.device = device
-        self.increase_size = int(increase_size)
-        self.persistent_unit_size = int(persistent_unit_size)
-        self.growth = growth
+        self.graph_mode = graph_mode
+        self.task_sink = task_sink
+        self.mempool_block_size = mempool_block_size
         self.enable_vmm = enable_vmm
+        self.page = int(vmm_page_bytes)
         # The memory MindSpore may use: what was free on the device when the pool started.
         self.total_mem_size = device.free_bytes
+        self._max_pages = -(-self.total_mem_size // self.page)
+        # common_unit_size_ / persist_unit_size_: 1 GiB until SetMemPoolBlockSize runs at an expansion.
+        self._units = {False: self.release.default_unit_bytes, True: self.release.default_unit_bytes}
         self._allocators = {True: _BufAllocator(self, True), False: _BufAllocator(self, False)}
         self._used: dict[int, tuple[MemBuf, _BufAllocator]] = {}
         self._next_addr = 1 << 44
-        self.alloc_size = 0           # total_reserved_memory
+        self.alloc_size = 0           # MemStat::alloc_size_ (VMM: address space)
         self.used_size = 0            # total_allocated_memory
         self.eager_free_size = 0      # total_eager_free_memory
+        self.physical_pages = 0       # VMM handles allocated (mapped + cached)
+        self.cached_pages = 0         # VMM handles unmapped but kept
         self._peak_used = 0
-        self._peak_alloc = 0
-        self._used_at_reset = 0     # MemStat::temp_used_size_
-        self._peak_increase = 0     # MemStat::temp_peak_size_
+        self._peak_reserved = 0
+        self._used_at_reset = 0     # MemStat::temp_used_size_ (2.4/2.5)
+        self._peak_increase = 0     # MemStat::temp_peak_size_ (2.4/2.5)
+        self._alloc_at_reset = 0    # MemStat::temp_alloc_size_ (2.4/2.5)
         self._window_used = 0
-        self._window_alloc = 0
+        self._window_reserved = 0
         self.num_ooms = 0
 
     # ----------------------------------------------------------------- sizes
-    @staticmethod
-    def align(size: int) -> int:
+    def align(self, size: int) -> int:
+        step = self.release.align_bytes
         if size == 0:
-            return K_ALIGN
-        return -(-size // K_ALIGN) * K_ALIGN
+            return step
+        return -(-size // step) * step
+
+    @property
+    def _device_free(self) -> int:
+        # Cached VMM handles are physical memory the pool can map again at once.
+        return self.device.free_bytes + (self.cached_pages * self.page if self.enable_vmm else 0)
+
+    def unit_size(self, persistent: bool, free: int | None = None) -> int:
+        """``SetMemPoolBlockSize`` + ``MemAllocUnitSize``: the unit a new block of this pool starts from."""
+        free = self._device_free if free is None else free
+        rel = self.release
+        configured = self.mempool_block_size
+        if configured is not None and configured != rel.default_unit_bytes:
+            if persistent:
+                return rel.default_unit_bytes
+            reserve = rel.persistent_reserve_bytes
+            available = free - reserve if free > reserve else free
+            return min(configured, available)
+        if self.graph_mode and self.task_sink:
+            return rel.graph_run_unit_bytes
+        return rel.default_unit_bytes
 
     def block_alloc_size(self, size: int, persistent: bool) -> int:
         """``CalMemBlockAllocSize``: 0 when the device cannot hold the request itself."""
-        free = self.device.free_bytes
+        free = self._device_free
         if free < size:
             return 0
-        unit = self.persistent_unit_size if persistent else self.increase_size
+        # SetMemPoolBlockSize(free) sets both units at every expansion; memory_stats reports them.
+        self._units = {False: self.unit_size(False, free), True: self.unit_size(True, free)}
+        unit = self._units[persistent]
+        if unit <= 0:
+            return 0
         block = unit
         while block < size:
-            block = block + unit if self.growth == "add" else block * 2
+            block = block + unit if self.task_sink else block * 2
         return min(block, free)
 
     # ----------------------------------------------------------------- device side
@@ -226,7 +266,8 @@ class DynamicMemPool:
         if self.enable_vmm:
             # Address space only; pages are mapped when buffers are handed out.
             reserve = max(block_size, self.total_mem_size)
-            block = MemBlock(self._next_addr, reserve, vmm=True)
+            block = MemBlock(self._next_addr, reserve, vmm=False)
+            block.pages = bytearray(-(-reserve // self.page))
             self.eager_free_size += reserve
             self.alloc_size += reserve
         else:
@@ -234,32 +275,50 @@ class DynamicMemPool:
                 return None
             block = MemBlock(self._next_addr, block_size, vmm=False)
             self.alloc_size += block_size
-        self._next_addr += -(-block.size // VMM_PAGE_SIZE) * VMM_PAGE_SIZE + VMM_PAGE_SIZE
-        self._note_alloc()
+        self._next_addr += -(-block.size // self.page) * self.page + self.page
+        self._note_reserved()
         return block
 
     def _release_block(self, block: MemBlock) -> None:
         self.alloc_size -= block.size
-        self.eager_free_size -= block.size
-        if not self.enable_vmm:
+        if self.enable_vmm:
+            self.eager_free_size -= block.size
+        else:
             self.device.free(block.size)
+        self._note_reserved()
 
     def _map(self, block: MemBlock, addr: int, size: int) -> bool:
-        first = (addr - block.addr) // VMM_PAGE_SIZE
-        last = (addr + size - 1 - block.addr) // VMM_PAGE_SIZE
+        """``MmapDeviceMem``: map the pages under [addr, addr + size), cached handles first."""
+        page = self.page
+        first = (addr - block.addr) // page
+        last = (addr + size - 1 - block.addr) // page
         pages = block.pages
         missing = (last - first + 1) - sum(pages[first:last + 1])
-        if missing and not self.device.malloc(missing * VMM_PAGE_SIZE):
+        from_cache = min(missing, self.cached_pages)
+        new = missing - from_cache
+        possible = min(max(0, self._max_pages - self.physical_pages), self.device.free_bytes // page)
+        if new > possible:
+            # The handles allocated before the refusal go back to the cache, still allocated.
+            if possible and self.device.malloc(possible * page):
+                self.physical_pages += possible
+                self.cached_pages += possible
+            self._note_reserved()
             return False
+        if new and not self.device.malloc(new * page):
+            return False
+        self.physical_pages += new
+        self.cached_pages -= from_cache
         pages[first:last + 1] = b"\x01" * (last - first + 1)
         block.mapped_pages += missing
         self.eager_free_size -= size
+        self._note_reserved()
         return True
 
     def _unmap(self, block: MemBlock, addr: int, size: int) -> int:
-        """Unmap the pages lying wholly inside [addr, addr + size); bytes unmapped."""
-        first = -(-(addr - block.addr) // VMM_PAGE_SIZE)
-        end = (addr + size - block.addr) // VMM_PAGE_SIZE
+        """Unmap the pages lying wholly inside [addr, addr + size) into the handle cache; bytes unmapped."""
+        page = self.page
+        first = -(-(addr - block.addr) // page)
+        end = (addr + size - block.addr) // page
         if end <= first:
             return 0
         pages = block.pages
@@ -268,28 +327,32 @@ class DynamicMemPool:
             return 0
         pages[first:end] = bytes(end - first)
         block.mapped_pages -= mapped
-        self.device.free(mapped * VMM_PAGE_SIZE)
-        return mapped * VMM_PAGE_SIZE
+        self.cached_pages += mapped
+        return mapped * page
 
     # ----------------------------------------------------------------- alloc / free
     def malloc(self, size: int, persistent: bool = False) -> int:
+        """``AllocMemBuf``: own pool, other pool, eager free, expand, (2.5+) persistent fallback."""
         size = self.align(size)
         allocator = self._allocators[persistent]
         buf = allocator.malloc(size)
         if buf is None and persistent and not self.enable_vmm:
-            other = self._allocators[False]
-            buf = other.malloc(size)
-            if buf is not None:
-                allocator = other
-        if buf is None and self.enable_vmm:
+            allocator = self._allocators[False]
+            buf = allocator.malloc(size)
+        if buf is None and self.enable_vmm and self.release.eager_free_on_miss:
             self._eager_free_idle()
             buf = allocator.malloc(size)
         if buf is None:
             buf = allocator.malloc_expand_block(size)
+        if buf is None and not persistent and self.release.common_falls_back_to_persistent:
+            other = self._allocators[True]
+            buf = other.malloc(size)
+            if buf is not None:
+                allocator = other
         if buf is None:
             self.num_ooms += 1
             raise SimOutOfMemory(size, self.name, self.device.free_bytes,
-                                 f"{self.used_size} allocated, {self.alloc_size} reserved")
+                                 f"{self.used_size} allocated, {self.reserved_bytes} reserved")
         self._used[buf.addr] = (buf, allocator)
         self.used_size += buf.size
         if self.used_size > self._peak_used:
@@ -308,19 +371,28 @@ class DynamicMemPool:
     def _eager_free_idle(self) -> None:
         for allocator in self._allocators.values():
             self.eager_free_size += allocator.eager_free_idle()
+        self._note_reserved()
 
     def empty_cache(self) -> None:
-        if not self.enable_vmm:
+        """``mindspore.runtime.empty_cache()`` of the release (a no-op before 2.6)."""
+        if self.release.empty_cache_rule == "none":
             return
-        self._eager_free_idle()
-        for allocator in self._allocators.values():
-            allocator.release_unmapped_blocks()
+        if self.enable_vmm:
+            self._eager_free_idle()
+            self.device.free(self.cached_pages * self.page)
+            self.physical_pages -= self.cached_pages
+            self.cached_pages = 0
+        else:
+            for allocator in self._allocators.values():
+                allocator.release_idle_blocks()
+        self._note_reserved()
 
-    def _note_alloc(self) -> None:
-        if self.alloc_size > self._peak_alloc:
-            self._peak_alloc = self.alloc_size
-        if self.alloc_size > self._window_alloc:
-            self._window_alloc = self.alloc_size
+    def _note_reserved(self) -> None:
+        reserved = self.reserved_bytes
+        if reserved > self._peak_reserved:
+            self._peak_reserved = reserved
+        if reserved > self._window_reserved:
+            self._window_reserved = reserved
 
     # ----------------------------------------------------------------- counters
     @property
@@ -329,7 +401,15 @@ class DynamicMemPool:
 
     @property
     def reserved_bytes(self) -> int:
+        """``memory_reserved()``: ``TotalMemStatistics`` of the release."""
+        if self.enable_vmm and self.release.stats_rule == "iter":
+            return self.physical_pages * self.page
         return self.alloc_size
+
+    @property
+    def physical_bytes(self) -> int:
+        """Device memory the pool holds: VMM handles, or its blocks."""
+        return self.physical_pages * self.page if self.enable_vmm else self.alloc_size
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -337,40 +417,48 @@ class DynamicMemPool:
 
     @property
     def peak_reserved_bytes(self) -> int:
-        return self._peak_alloc
+        return self._peak_reserved
 
     def take_window_peaks(self) -> tuple[int, int]:
-        peaks = (max(self._window_used, self.used_size), max(self._window_alloc, self.alloc_size))
+        peaks = (max(self._window_used, self.used_size), max(self._window_reserved, self.reserved_bytes))
         self._window_used = self.used_size
-        self._window_alloc = self.alloc_size
+        self._window_reserved = self.reserved_bytes
         return peaks
 
     def reset_peak_memory_stats(self) -> None:
         self._peak_used = self.used_size
-        self._peak_alloc = self.alloc_size
+        self._peak_reserved = self.reserved_bytes
         self._used_at_reset = self.used_size
         self._peak_increase = 0
+        self._alloc_at_reset = self.alloc_size
 
     def memory_stats(self) -> dict[str, Any]:
-        """``mindspore.runtime.memory_stats()``: real key names; block addresses stand in for capsules."""
+        """``mindspore.runtime.memory_stats()`` with the release's keys; block addresses stand in for capsules."""
+        rel = self.release
 
         def pool_stats(persistent: bool) -> dict[str, Any]:
             allocator = self._allocators[persistent]
             return {
-                "block_unit_size": self.persistent_unit_size if persistent else self.increase_size,
+                "block_unit_size": self._units[persistent],
                 "block_counts": len(allocator.blocks),
                 "blocks_info": {block.addr: {"block_stream_id": 0, "block_memory_size": block.size}
                                 for block in allocator.blocks},
             }
 
+        if rel.stats_rule == "temp":
+            max_reserved = self.alloc_size - self._alloc_at_reset
+            max_allocated = self._peak_increase
+        else:
+            max_reserved = self._peak_reserved
+            max_allocated = self._peak_used
         return {
-            "total_reserved_memory": self.alloc_size,
-            "total_allocated_memory": self.used_size,
+            "total_reserved_memory": self.reserved_bytes,
+            rel.allocated_key: self.used_size,
             "total_idle_memory": self.alloc_size - self.used_size,
             "total_eager_free_memory": self.eager_free_size,
-            "max_reserved_memory": self._peak_alloc,
-            "max_allocated_memory": self._peak_increase,
-            "common_mem_pool_stats": pool_stats(False),
+            "max_reserved_memory": max_reserved,
+            "max_allocated_memory": max_allocated,
+            rel.common_pool_key: pool_stats(False),
             "persistent_mem_pool_stats": pool_stats(True),
         }
 

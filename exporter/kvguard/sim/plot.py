@@ -23,18 +23,45 @@ def _pyplot():
     return plt
 
 
-def plot_scenario(results: Sequence[ScenarioResult], path: str, title: str | None = None) -> None:
-    """Allocated and reserved memory per step (peaks within the step), device capacity,
-    the vLLM budget line, the KV-cache band and the OOM point; one panel per result."""
+PHASE_LABELS = {"weights": "weights", "profile": "profile", "kv_cache": "KV cache"}
+
+
+def _phase_positions(timeline, spacing: float) -> list[float]:
+    """x of each timeline point: serving step ``n`` at ``n``; the startup phases before 0, ``spacing``
+    apart, so their labels have room however long serving lasted."""
+    startup = sum(1 for r in timeline if r.phase != "serving")
+    return [(i - startup) * spacing if i < startup else float(i - startup) for i in range(len(timeline))]
+
+
+def _phase_ticks(timeline, positions: list[float]) -> tuple[list[float], list[str]]:
+    """Ticks naming each startup phase, then serving steps at round numbers."""
+    from matplotlib.ticker import MaxNLocator
+
+    ticks = [(x, PHASE_LABELS.get(r.phase, r.phase)) for x, r in zip(positions, timeline) if r.phase != "serving"]
+    serving = sum(1 for r in timeline if r.phase == "serving")
+    if serving:
+        for value in MaxNLocator(nbins=6, integer=True).tick_values(0, max(serving - 1, 1)):
+            if 0 <= value <= serving - 1:
+                ticks.append((float(value), f"{int(value)}"))
+    return [x for x, _ in ticks], [label for _, label in ticks]
+
+
+def scenario_figure(results: Sequence[ScenarioResult], title: str | None = None):
+    """The figure ``plot_scenario`` saves: allocated and reserved memory per step (peaks within the
+    step), device capacity, the vLLM budget line, the KV-cache band and the OOM point; one panel per
+    result. The x-axis names the startup phases (weights, profile, KV cache), then counts serving steps."""
     plt = _pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False,
                              sharex=True)  # one time axis: how long each run lasted is the story
+    longest = max(sum(1 for r in result.timeline if r.phase == "serving") for result in results)
+    spacing = max(1.0, longest / 10)
+    tick_source = max(results, key=lambda result: len(result.timeline))
     for ax, result in zip(axes[:, 0], results):
         timeline = result.timeline
-        xs = list(range(len(timeline)))
+        xs = _phase_positions(timeline, spacing)
         capacity = gib(result.device_total_bytes)
         ax.plot(xs, [gib(r.peak_allocated_bytes) for r in timeline], label="allocated (step peak)", color="tab:blue",
-                lw=1.2)
+                lw=1.2, marker="." if len(timeline) < 50 else None)
         ax.plot(xs, [gib(r.peak_reserved_bytes) for r in timeline], label="reserved (step peak)", color="tab:orange",
                 lw=1.2)
         ax.plot(xs, [gib(r.device_used_bytes) for r in timeline], label="device used", color="tab:gray", lw=0.8,
@@ -50,10 +77,10 @@ def plot_scenario(results: Sequence[ScenarioResult], path: str, title: str | Non
                            label=f"KV cache ({result.config.budget} budget)")
         startup = sum(1 for r in timeline if r.phase != "serving")
         if startup and startup < len(timeline):
-            ax.axvline(startup - 0.5, color="tab:gray", lw=0.6)
-            ax.text(startup - 0.5, capacity * 0.03, " serving", fontsize=8, color="tab:gray")
+            ax.axvline(-spacing / 2, color="tab:gray", lw=0.6)
+            ax.text(-spacing / 2, capacity * 0.03, " serving", fontsize=8, color="tab:gray")
         if result.oom and timeline:
-            x = len(timeline) - 1
+            x = xs[-1]
             y = gib(timeline[-1].peak_reserved_bytes)
             ax.plot([x], [y], marker="X", color="red", ms=11, ls="none",
                     label=f"OOM ({result.oom_phase}" + (f", step {result.oom_at_step})" if result.oom_at_step is not None
@@ -62,13 +89,25 @@ def plot_scenario(results: Sequence[ScenarioResult], path: str, title: str | Non
         ax.set_title(title or f"{cfg.allocator}, budget {cfg.budget}, utilization {cfg.gpu_memory_utilization:g}, "
                      f"{gib(cfg.device_memory_bytes):g} GiB", fontsize=10)
         ax.set_ylabel("GiB")
-        ax.set_xlabel("startup phases, then serving steps")
         ax.set_ylim(0, capacity * 1.05)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
         ax.grid(alpha=0.3)
+    bottom = axes[-1, 0]
+    positions, labels = _phase_ticks(tick_source.timeline, _phase_positions(tick_source.timeline, spacing))
+    bottom.set_xticks(positions, labels)
+    bottom.set_xlabel("startup phase (weights, profile, KV cache), then serving step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot_scenario(results: Sequence[ScenarioResult], path: str, title: str | None = None) -> None:
+    """``scenario_figure`` written to ``path`` (PNG)."""
+    plt = _pyplot()
+    fig = scenario_figure(results, title)
+    try:
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def plot_replay(result: ReplayResult, capacity_bytes: int, path: str, title: str) -> None:

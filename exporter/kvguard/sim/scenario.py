@@ -38,6 +38,11 @@ API (stable; the probe's ``sim`` source and ``kvguard serve --demo`` drive it)::
 - ``run(progress=None) -> ScenarioResult``: drives to the end; ``progress(done, total)``
   is called after each step when given.
 
+MindSpore's pool follows one release (``mindspore_version``, default the one the
+``vllm_mindspore_version`` launcher pins) under the deployment's knobs (``mindspore_mode``,
+``task_sink``, ``ms_alloc_conf``, ``mempool_block_size_bytes``, ``soc_supports_vmm``); the
+defaults are what that vllm-mindspore launcher sets (``sim/mindspore_releases.py``).
+
 Everything is deterministic for a given config (the request mix comes from ``seed``).
 """
 
@@ -52,7 +57,9 @@ from ..estimator import (KVLayout, Profile, _positive_int, _text_config, estimat
                          reserved_kv_cache_bytes, stock_kv_cache_bytes)
 from .base import SimOutOfMemory
 from .device import Device
-from .mindspore_pool import DEFAULT_INCREASE_SIZE, DynamicMemPool
+from .mindspore_pool import DynamicMemPool
+from .mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
+                                 vmm_enabled)
 from .torch_alloc import CachingAllocator
 from .workload import ModelShape, forward_ops, model_shape, weight_tensors
 
@@ -63,6 +70,10 @@ GIB = 1 << 30
 # Held outside the allocator from the start: CUDA context (+ cuBLAS workspace) on NVIDIA;
 # the ACL runtime context and HCCL buffers on Ascend.
 DEFAULT_NON_ALLOCATOR_BYTES = {"torch": 512 * MIB, "torch_npu": 1 * GIB, "mindspore": 1 * GIB}
+
+
+_MINDSPORE_FIELDS = ("vllm_mindspore_version", "mindspore_version", "mindspore_mode", "task_sink", "ms_alloc_conf",
+                     "mempool_block_size_bytes", "soc_supports_vmm")
 
 
 @dataclass(frozen=True)
@@ -91,10 +102,15 @@ class ScenarioConfig:
     # PyTorch caching allocator
     max_split_size_bytes: int | None = None
     expandable_segments: bool = False
-    # MindSpore pool
-    increase_size_bytes: int = DEFAULT_INCREASE_SIZE
-    block_growth: str = "add"                 # "add" (graph mode) or "double" (PyNative)
-    enable_vmm: bool = False
+    # MindSpore pool (sim/mindspore_releases.py). Defaults: what vllm-mindspore's launcher sets
+    # (``vllm_mindspore_version``): its pinned MindSpore, its MS_ALLOC_CONF, PyNative with O0 jit.
+    vllm_mindspore_version: str = DEFAULT_LAUNCHER
+    mindspore_version: str | None = None      # None: the one the launcher pins
+    mindspore_mode: str = "pynative"          # "pynative" or "graph"
+    task_sink: bool = False                   # jit_level O0/O1 run kernel by kernel: no task sink
+    ms_alloc_conf: str | None = None          # None: the launcher's MS_ALLOC_CONF
+    mempool_block_size_bytes: int | None = None   # MS_MEMPOOL_BLOCK_SIZE / set_memory(increase_size=)
+    soc_supports_vmm: bool = True             # 910B / 910_93 with a VMM driver: VMM on unless MS_ALLOC_CONF says off
     gather_kv_on_chunked_prefill: bool | None = None  # None: True for mindspore
 
     def __post_init__(self) -> None:
@@ -111,6 +127,34 @@ class ScenarioConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.long_request_fraction <= 1:
             raise ValueError("long_request_fraction must be in [0, 1]")
+        if self.vllm_mindspore_version not in VLLM_MINDSPORE_LAUNCHERS:
+            raise ValueError(f"unknown vllm-mindspore launcher {self.vllm_mindspore_version!r} "
+                             f"(known: {', '.join(VLLM_MINDSPORE_LAUNCHERS)})")
+        if self.mindspore_mode not in ("pynative", "graph"):
+            raise ValueError(f"mindspore_mode must be 'pynative' or 'graph', got {self.mindspore_mode!r}")
+        if self.mempool_block_size_bytes is not None and self.mempool_block_size_bytes <= 0:
+            raise ValueError("the mempool block size must be positive")
+        self.mindspore_release            # unknown versions and MS_ALLOC_CONF keys fail here, in one line
+        self.resolved_alloc_conf.vmm_page_bytes
+
+    @property
+    def mindspore_release(self):
+        launcher = VLLM_MINDSPORE_LAUNCHERS[self.vllm_mindspore_version]
+        return release(self.mindspore_version or launcher.mindspore)
+
+    @property
+    def resolved_alloc_conf(self):
+        if self.ms_alloc_conf is not None:
+            return parse_alloc_conf(self.ms_alloc_conf, self.mindspore_release)
+        launcher = VLLM_MINDSPORE_LAUNCHERS[self.vllm_mindspore_version]
+        return parse_alloc_conf(launcher.ms_alloc_conf, self.mindspore_release, strict=False)
+
+    @property
+    def enable_vmm(self) -> bool:
+        o2_without_ge_kernel = False    # jit_level O2 with GE kernels disabled is not a vllm-mindspore setting
+        default_on = self.soc_supports_vmm and self.mindspore_release.vmm_default_on_910b
+        return vmm_enabled(self.resolved_alloc_conf, soc_supports_vmm=default_on,
+                           jit_o2_without_ge_kernel=o2_without_ge_kernel)
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -140,6 +184,13 @@ class ScenarioConfig:
         out["max_model_len"] = self.resolved_max_model_len
         out["non_allocator_bytes"] = self.resolved_non_allocator_bytes
         out["gather_kv_on_chunked_prefill"] = self.gathers_kv
+        if self.allocator == "mindspore":
+            out["mindspore_version"] = self.mindspore_release.version
+            out["enable_vmm"] = self.enable_vmm
+            out["ms_alloc_conf_effective"] = dict(self.resolved_alloc_conf.items)
+        else:
+            for key in _MINDSPORE_FIELDS:
+                out.pop(key, None)
         return out
 
 
@@ -247,8 +298,10 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
 
 def make_allocator(config: ScenarioConfig, device: Device):
     if config.allocator == "mindspore":
-        return DynamicMemPool(device, increase_size=config.increase_size_bytes, growth=config.block_growth,
-                              enable_vmm=config.enable_vmm)
+        return DynamicMemPool(device, version=config.mindspore_release, graph_mode=config.mindspore_mode == "graph",
+                              task_sink=config.task_sink, mempool_block_size=config.mempool_block_size_bytes,
+                              enable_vmm=config.enable_vmm,
+                              vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
     return CachingAllocator(device, variant=config.allocator, max_split_size=config.max_split_size_bytes,
                             expandable_segments=config.expandable_segments)
 

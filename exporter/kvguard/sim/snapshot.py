@@ -36,11 +36,12 @@ Knows nothing of files: ``kvguard.sim.traces`` reads the pickle.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .base import SimOutOfMemory
 from .device import Device
 from .torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
 
@@ -120,8 +121,22 @@ def settings_of(snapshot: dict[str, Any]) -> Settings:
                     garbage_collection_threshold=float(gc))
 
 
-def _entries(trace: list[dict[str, Any]], device: int) -> tuple[list[tuple[int, int, int, int, int]], int]:
-    """(position, action code, addr, size, stream) of the replayed entries; the free action's name."""
+@dataclass
+class _Trace:
+    """A device trace's replayed entries, and what the seed needs to know of them (one pass)."""
+
+    entries: list[tuple[int, int, int, int, int]]   # (position, action code, addr, size, stream)
+    allocs: int = 0
+    frees: int = 0
+    live: set[int] = field(default_factory=set)     # allocated in the trace, not freed in it
+    preexisting: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (requested, free position)
+    live_segments: set[int] = field(default_factory=set)
+    freed_segments: dict[int, tuple[int, int]] = field(default_factory=dict)  # base -> (size, stream)
+    mapped: bool = False
+
+
+def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
+    """Read and check a device trace's replayed entries, and note what the seed needs."""
     actions = dict(_ACTIONS)
     free_name = "free_requested"
     for entry in trace:
@@ -129,55 +144,107 @@ def _entries(trace: list[dict[str, Any]], device: int) -> tuple[list[tuple[int, 
             free_name = "free_completed"
             break
     actions[free_name] = _FREE
-    out = []
+    actions_get = actions.get
+    out: list[tuple[int, int, int, int, int]] = []
     append = out.append
+    scan = _Trace(out)
+    live, preexisting = scan.live, scan.preexisting
+    live_add, live_remove = live.add, live.remove
+    allocs = frees = 0
     for index, entry in enumerate(trace):
         if type(entry) is not dict:
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] is not a dict")
-        code = actions.get(entry.get("action"))
+        try:
+            code = actions_get(entry["action"])
+        except (KeyError, TypeError):      # no action, or an unhashable one: not a replayed entry
+            continue
         if code is None:
             continue
-        addr = 0 if code == _OOM else entry.get("addr")
-        size = entry.get("size")
-        stream = entry.get("stream") or 0
-        if type(addr) is not int or type(size) is not int or type(stream) is not int or \
-                addr < 0 or size < 0 or stream < 0:
+        try:
+            addr = entry["addr"]
+            size = entry["size"]
+            stream = entry["stream"] or 0
+        except KeyError:
+            addr, size, stream = entry.get("addr"), entry.get("size"), entry.get("stream") or 0
+        if code == _OOM:
+            addr = 0
+        if not (int is type(addr) is type(size) is type(stream)) or (addr | size | stream) < 0 or (addr | size) >> 64:
+            if int is type(addr) is type(size) is type(stream) and (addr | size | stream) >= 0:
+                raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                                    f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200])
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
                                 f"addr, size and stream must be non-negative integers, got "
                                 f"{addr!r}, {size!r}, {stream!r}"[:200])
         append((index, code, addr, size, stream))
-    return out, free_name
+        if code == _ALLOC:
+            allocs += 1
+            live_add(addr)
+        elif code == _FREE:
+            frees += 1
+            try:
+                live_remove(addr)
+            except KeyError:
+                if addr not in preexisting:
+                    preexisting[addr] = (size, index)
+        elif code == _SEG_ALLOC:
+            scan.live_segments.add(addr)
+        elif code == _SEG_FREE:
+            if addr in scan.live_segments:
+                scan.live_segments.discard(addr)
+            else:
+                scan.freed_segments.setdefault(addr, (size, stream))
+        elif code == _MAP or code == _UNMAP:
+            scan.mapped = True
+    scan.allocs, scan.frees = allocs, frees
+    return scan
 
 
-def _end_segments(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
+# A recorded segment: (address, total_size, small, stream, expandable,
+# [(block address, size, allocated, requested), ...]), block addresses filled in when absent.
+_EndSegment = tuple[int, int, bool, int, bool, list[tuple[int, int, bool, int]]]
+
+
+def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
     segments = snapshot.get("segments") or []
     if not isinstance(segments, list):
         raise SnapshotError("snapshot segments is not a list")
     out = []
     for index, segment in enumerate(segments):
-        if not isinstance(segment, dict) or not isinstance(segment.get("blocks", []), list):
+        if type(segment) is not dict and not isinstance(segment, dict):
+            raise SnapshotError(f"snapshot segments[{index}] is not a segment dict")
+        blocks = segment.get("blocks", [])
+        if type(blocks) is not list and not isinstance(blocks, list):
             raise SnapshotError(f"snapshot segments[{index}] is not a segment dict")
         if segment.get("device", 0) != device:
             continue
         for name in ("address", "total_size"):
-            if not isinstance(segment.get(name), int) or isinstance(segment.get(name), bool):
+            value = segment.get(name)
+            if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise SnapshotError(f"snapshot segments[{index}].{name} is not an integer")
-        for block in segment.get("blocks", []):
-            if not isinstance(block, dict) or not isinstance(block.get("size"), int) or \
-                    not isinstance(block.get("address", segment["address"]), int):
+        addr = segment["address"]
+        block_list = []
+        append = block_list.append
+        for block in blocks:
+            if type(block) is not dict and not isinstance(block, dict):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-        out.append(segment)
-    return out
-
-
-def _block_list(segment: dict[str, Any]) -> list[tuple[int, int, bool, int]]:
-    """(address, size, allocated, requested) of a snapshot segment's blocks (addresses filled in when absent)."""
-    out = []
-    addr = segment["address"]
-    for block in segment.get("blocks", []):
-        addr = block.get("address", addr)
-        out.append((addr, block["size"], block.get("state") != "inactive", block.get("requested_size", 0) or 0))
-        addr += block["size"]
+            try:            # the keys _dump_snapshot writes; any missing one takes the slower path
+                size, addr, state, requested = block["size"], block["address"], block["state"], block["requested_size"]
+            except KeyError:
+                size, addr, state = block.get("size"), block.get("address", addr), block.get("state")
+                requested = block.get("requested_size", 0)
+            if type(size) is not int and not isinstance(size, int) or \
+                    type(addr) is not int and not isinstance(addr, int):
+                raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
+            requested = requested or 0
+            if type(requested) is not int and not isinstance(requested, int):
+                raise SnapshotError(f"snapshot segments[{index}] has a block whose requested_size is not an integer")
+            append((addr, size, state != "inactive", requested))
+            addr += size
+        stream = segment.get("stream") or 0
+        if type(stream) is not int or stream < 0:
+            raise SnapshotError(f"snapshot segments[{index}].stream is not a non-negative integer")
+        out.append((segment["address"], segment["total_size"], segment.get("segment_type") == "small",
+                    stream, bool(segment.get("is_expandable")), block_list))
     return out
 
 
@@ -187,7 +254,8 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     trace = traces[device] if isinstance(traces, list) and device < len(traces) else []
     if not isinstance(trace, list):
         raise SnapshotError(f"snapshot device_traces[{device}] is not a list")
-    entries, _ = _entries(trace, device)
+    scan = _entries(trace, device)
+    entries = scan.entries
     settings = settings_of(snapshot)
     try:
         model = CachingAllocator(Device(_UNLIMITED_DEVICE), max_split_size=settings.max_split_size,
@@ -198,7 +266,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         raise SnapshotError(f"snapshot allocator_settings: {exc}") from None
     model.address_space_total = address_space_bytes
     end = _end_segments(snapshot, device)
-    seed = _seed(model, entries, end)
+    seed = _seed(model, scan, end)
 
     pending_segments: deque[tuple[int, int]] = deque()
     pending_maps: list[tuple[int, int]] = []
@@ -217,60 +285,70 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     model.segment_address = segment_address
     model.on_map = lambda addr, size: model_maps.append((addr, size))
     addr_map: dict[int, int] = {addr: addr for addr in model._active}
-    allocs = matched = frees = frees_skipped = seg_allocs = seg_allocs_matched = seg_frees = seg_frees_matched = 0
+    matched = frees_skipped = seg_allocs = seg_allocs_matched = seg_frees = seg_frees_matched = 0
     maps = maps_matched = unmaps = unmaps_matched = ooms = ooms_matched = 0
     first_mismatch = None
     malloc, free, active = model.malloc, model.free, model._active
+    pop = addr_map.pop
+    # After an allocation, the segment and map entries before it are settled. Only a log, an
+    # expandable model (which maps pages itself) or such an entry makes that work necessary.
+    always = log is not None or model.expandable_segments
+    settle = always
     for position, code, addr, size, stream in entries:
         if code == _ALLOC:
-            got = malloc(size, False, stream)
-            allocs += 1
+            try:
+                got = malloc(size, False, stream)
+            except SimOutOfMemory:
+                # The model's device is effectively unlimited (2**56 bytes): only a request no
+                # real device could have served gets here.
+                raise SnapshotError(f"snapshot device_traces[{device}][{position}] (alloc): {size} bytes "
+                                    f"cannot be served on any device") from None
             if got == addr:
                 matched += 1
             elif first_mismatch is None:
                 first_mismatch = position
             addr_map[addr] = got
-            if log is not None:
-                log(device, position, got, size)
-            if used_segments:
-                seg_allocs_matched += sum(ok for _, ok in used_segments)
-                used_segments.clear()
+            if settle:
+                if log is not None:
+                    log(device, position, got, size)
+                if used_segments:
+                    seg_allocs_matched += sum(ok for _, ok in used_segments)
+                    used_segments.clear()
                 pending_segments.clear()
-            elif pending_segments:
-                pending_segments.clear()
-            if pending_maps:
-                maps_matched += sum(1 for m in pending_maps if m in model_maps)
-                pending_maps.clear()
-            if model_maps:
+                if pending_maps:
+                    maps_matched += sum(1 for m in pending_maps if m in model_maps)
+                    pending_maps.clear()
                 model_maps.clear()
+                settle = always
         elif code == _FREE:
-            frees += 1
-            target = addr_map.pop(addr, None)
-            if target is None or target not in active:
-                frees_skipped += 1
-            else:
+            target = pop(addr, None)
+            if target in active:
                 free(target)
+            else:
+                frees_skipped += 1
         elif code == _SEG_ALLOC:
             seg_allocs += 1
             pending_segments.append((addr, size))
+            settle = True
         elif code == _SEG_FREE:
             seg_frees += 1
             seg_frees_matched += model.release_segment_at(addr)
         elif code == _MAP:
             maps += 1
             pending_maps.append((addr, size))
+            settle = True
         elif code == _UNMAP:
             unmaps += 1
             unmaps_matched += model.unmap_range(addr, size)
         else:  # _OOM: the size is the rounded request (``malloc``'s TraceEntry::OOM uses params.size())
             ooms += 1
             ooms_matched += not model.fits_in_cache(size, stream)
-    modelled = model.snapshot_segments()
+    modelled = model.segment_layout()
     matches, detail = _compare_end_state(modelled, end)
     stats = model.memory_stats()
     return DeviceReplay(
-        device=device, events=len(entries), allocs=allocs, allocs_matched=matched,
-        first_mismatch_index=first_mismatch, frees=frees, frees_skipped=frees_skipped,
+        device=device, events=len(entries), allocs=scan.allocs, allocs_matched=matched,
+        first_mismatch_index=first_mismatch, frees=scan.frees, frees_skipped=frees_skipped,
         seeded_segments=seed[0], seeded_blocks=seed[1], preexisting_frees=seed[2], preexisting_extended=seed[3],
         segment_allocs=seg_allocs, segment_allocs_matched=seg_allocs_matched,
         segment_frees=seg_frees, segment_frees_matched=seg_frees_matched,
@@ -279,56 +357,29 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         end_state_matches=matches, end_state_detail=detail,
         reserved_bytes=stats["reserved_bytes.all.current"], allocated_bytes=stats["allocated_bytes.all.current"],
         inactive_split_bytes=stats["inactive_split_bytes.all.current"],
-        segment_bytes=tuple(sorted(s["total_size"] for s in modelled)), memory_stats=stats)
+        segment_bytes=tuple(sorted(total for _, total, _ in modelled)), memory_stats=stats)
 
 
-def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]],
-          end: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tuple[int, int, int, int]:
     """Give ``model`` the state in which recording began; (segments, blocks, pre-existing frees, extended)."""
-    live: set[int] = set()
-    preexisting: dict[int, tuple[int, int]] = {}     # addr -> (requested, position of its free)
-    allocated_at: list[tuple[int, int]] = []         # (addr, position) of every allocation
-    live_segments: set[int] = set()
-    freed_segments: dict[int, tuple[int, int]] = {}  # base -> (size, stream)
-    mapped_in_trace = False
-    for position, code, addr, size, stream in entries:
-        if code == _ALLOC:
-            live.add(addr)
-            allocated_at.append((addr, position))
-        elif code == _FREE:
-            if addr in live:
-                live.discard(addr)
-            elif addr not in preexisting:
-                preexisting[addr] = (size, position)
-        elif code == _SEG_ALLOC:
-            live_segments.add(addr)
-        elif code == _SEG_FREE:
-            if addr in live_segments:
-                live_segments.discard(addr)
-            else:
-                freed_segments.setdefault(addr, (size, stream))
-        elif code in (_MAP, _UNMAP):
-            mapped_in_trace = True
+    live, preexisting = scan.live, scan.preexisting
     # Start segments: (base, size, small, stream, [(addr, size, requested)] of blocks allocated at the end).
     start: dict[int, list[Any]] = {}
-    for segment in end:
-        if segment.get("is_expandable"):
-            if not mapped_in_trace and any(a for _, _, a, _ in _block_list(segment)):
+    for base, total, small, stream, expandable, block_list in end:
+        if expandable:
+            if not scan.mapped and any(a for _, _, a, _ in block_list):
                 raise SnapshotError("an expandable segment was mapped before recording began: "
                                     "its address space cannot be rebuilt from the snapshot")
             continue
-        base = segment["address"]
-        if base in live_segments:
+        if base in scan.live_segments:
             continue
-        small = segment.get("segment_type") == "small"
-        blocks = [(a, s, r) for a, s, allocated, r in _block_list(segment) if allocated and a not in live]
-        start[base] = [base, segment["total_size"], small, segment.get("stream") or 0, blocks]
-    for base, (size, stream) in freed_segments.items():
+        blocks = [(a, s, r) for a, s, allocated, r in block_list if allocated and a not in live]
+        start[base] = [base, total, small, stream, blocks]
+    for base, (size, stream) in scan.freed_segments.items():
         start.setdefault(base, [base, size, size == K_SMALL_BUFFER, stream, []])
     bases = sorted(start)
     extended = 0
-    placed = 0
-    by_segment: dict[int, list[tuple[int, int]]] = {}
+    by_segment: dict[int, list[tuple[int, int, int]]] = {}
     for addr, (requested, freed_at) in preexisting.items():
         index = bisect_right(bases, addr) - 1
         if index < 0:
@@ -337,7 +388,8 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
         if addr >= base + start[base][1]:
             continue
         by_segment.setdefault(base, []).append((addr, requested, freed_at))
-    allocated_at.sort()
+    first_alloc: dict[int, int] = {}         # addr -> position of the trace's first allocation there
+    allocated: list[int] | None = None      # those addresses sorted; both built when first needed
     for base, frees in by_segment.items():
         _, size, small, _, blocks = start[base]
         starts = sorted([a for a, _, _ in blocks] + [a for a, _, _ in frees])
@@ -347,12 +399,18 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
                 else base + size
             if not small and not model.expandable_segments:
                 # An allocation the trace places within 1 MiB past the rounded end while this block
-                # is still allocated starts the next block: this block ends there.
-                index = bisect_right(allocated_at, (addr + block, -1))
-                while index < len(allocated_at) and allocated_at[index][0] <= min(addr + block + K_SMALL_SIZE,
-                                                                                   following):
-                    if allocated_at[index][1] < freed_at:
-                        following = allocated_at[index][0]
+                # is still allocated starts the next block: this block ends there. (The trace's
+                # first allocation at an address is its earliest.)
+                if allocated is None:
+                    for position, code, allocated_addr, _, _ in scan.entries:
+                        if code == _ALLOC and allocated_addr not in first_alloc:
+                            first_alloc[allocated_addr] = position
+                    allocated = sorted(first_alloc)
+                index = bisect_left(allocated, addr + block)
+                limit = min(addr + block + K_SMALL_SIZE, following)
+                while index < len(allocated) and allocated[index] <= limit:
+                    if first_alloc[allocated[index]] < freed_at:
+                        following = allocated[index]
                         break
                     index += 1
             gap = following - (addr + block)
@@ -360,19 +418,21 @@ def _seed(model: CachingAllocator, entries: list[tuple[int, int, int, int, int]]
                 block = following - addr
                 extended += 1
             blocks.append((addr, block, requested))
-            placed += 1
-    seeded_blocks = 0
-    for base in bases:
-        _, size, small, stream, blocks = start[base]
-        model.seed_segment(base, size, small, blocks, stream)
-        seeded_blocks += len(blocks)
+    try:
+        model.seed_segments((base, size, small, blocks, stream) for base, size, small, stream, blocks
+                            in (start[base] for base in bases))
+    except ValueError as exc:
+        raise SnapshotError(f"snapshot segments: {exc}") from None
+    seeded_blocks = sum(len(start[base][4]) for base in bases)
     return len(bases), seeded_blocks, len(preexisting), extended
 
 
-def _compare_end_state(modelled: list[dict[str, Any]], end: list[dict[str, Any]]) -> tuple[bool, str]:
-    want = sorted((s["address"], s["total_size"], tuple((a, z, al) for a, z, al, _ in _block_list(s))) for s in end)
-    got = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
-           for s in modelled]
+def _compare_end_state(modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]],
+                       end: list[_EndSegment]) -> tuple[bool, str]:
+    """Compare ``CachingAllocator.segment_layout()`` with the snapshot's segments."""
+    want = sorted((base, total, tuple((a, z, allocated) for a, z, allocated, _ in block_list))
+                  for base, total, _, _, _, block_list in end)
+    got = modelled
     if want == got:
         return True, f"{len(got)} segments equal"
     want_set, got_set = set(want), set(got)

@@ -41,15 +41,21 @@ follows there), per stream, no CUDA-graph private pools:
 Statistics use the real flattened key names of ``torch.cuda.memory_stats()``.
 
 For exact trace replay (``kvguard.sim.snapshot``) the allocator can be seeded with a
-recorded state (``seed_segment``), take new segment addresses from a callback
-(``segment_address``), and release or unmap what a trace says the real allocator released
-(``release_segment_at``, ``unmap_range``).
+recorded state (``seed_segment``, ``seed_segments``), take new segment addresses from a
+callback (``segment_address``), release or unmap what a trace says the real allocator
+released (``release_segment_at``, ``unmap_range``), and give its end state as tuples
+(``segment_layout``).
+
+Speed (``bench/bench_sim.py``): free blocks are kept per pool as a sorted list of one packed
+int each, ``stream << 128 | size << 64 | address``, so best fit is a C-level ``bisect`` over
+ints; ``malloc``'s cache hit, split and activation and ``free``'s merge are written inline;
+statistics keep current and peak (and freed per pool), "allocated" being current + freed.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
@@ -70,11 +76,16 @@ STAT_POOLS = ("all", "small_pool", "large_pool")
 STAT_FIELDS = ("current", "peak", "allocated", "freed")
 # Indexes into the per-pool stat arrays.
 _ALL, _SMALL, _LARGE = 0, 1, 2
+# A free block's sort key is one int, (stream, size, address) packed as
+# stream << 128 | size << 64 | address: ints compare in C, tuples element by element.
+_KEY_SIZE = 64
+_KEY_STREAM = 128
+_MASK64 = (1 << 64) - 1
 
 
 class Block:
     __slots__ = ("addr", "size", "requested", "small", "prev", "next", "allocated", "mapped", "segment", "stream",
-                 "gc_base")
+                 "gc_base", "key")
 
     def __init__(self, addr: int, size: int, small: bool, segment: "Segment", stream: int = 0) -> None:
         self.addr = addr
@@ -88,6 +99,7 @@ class Block:
         self.segment = segment
         self.stream = stream
         self.gc_base = 0
+        self.key = 0          # its sort key while it is in a free list
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -167,8 +179,8 @@ class CachingAllocator:
         self.allowed_memory_maximum = 0
         self.set_fraction = False
         self._gc_enabled = False     # garbage collection acts only once a memory fraction is set
-        # Free blocks per pool as a sorted list of (stream, size, addr): best fit is bisect_left.
-        self._free = ([], [])  # index 0: large pool, 1: small pool (Block.small as int)
+        # Free blocks per pool as a sorted list of packed (stream, size, addr) keys: best fit is bisect_left.
+        self._free: tuple[list[int], list[int]] = ([], [])  # index 0: large pool, 1: small pool (Block.small)
         self._free_blocks: dict[int, Block] = {}
         self._active: dict[int, Block] = {}
         # Expandable mode: unmapped blocks per pool, sorted by (stream, address).
@@ -247,13 +259,18 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- free-list helpers
     def _insert_free(self, block: Block) -> None:
-        block.gc_base = self._gc_calls[block.small]
-        insort(self._free[block.small], (block.stream, block.size, block.addr))
+        if self._gc_enabled:      # the call count stays 0 until garbage collection is on
+            block.gc_base = self._gc_calls[block.small]
+        key = (block.size << _KEY_SIZE) | block.addr
+        if block.stream:
+            key |= block.stream << _KEY_STREAM
+        block.key = key
+        insort(self._free[block.small], key)
         self._free_blocks[block.addr] = block
 
     def _remove_free(self, block: Block) -> None:
         entries = self._free[block.small]
-        del entries[bisect_left(entries, (block.stream, block.size, block.addr))]
+        del entries[bisect_left(entries, block.key)]
         del self._free_blocks[block.addr]
 
     def _insert_unmapped(self, block: Block) -> None:
@@ -274,8 +291,22 @@ class CachingAllocator:
         else:
             size = self.round_size(size)
         small = size <= K_SMALL_SIZE
-        pool = _SMALL if small else _LARGE
-        block = self._get_free_block(size, small, stream)
+        if self.expandable_segments or self._gc_enabled:
+            block = self._get_free_block(size, small, stream)
+        else:
+            # _get_free_block without expandable segments or garbage collection, inlined: the hot path.
+            block = None
+            entries = self._free[small]
+            index = bisect_left(entries, (stream << _KEY_STREAM) | (size << _KEY_SIZE) if stream else size << _KEY_SIZE)
+            if index < len(entries):
+                key = entries[index]
+                if key >> _KEY_STREAM == stream:
+                    block_size = (key >> _KEY_SIZE) & _MASK64
+                    max_split = self.max_split_size
+                    if not ((size < max_split <= block_size) or
+                            (size >= max_split and block_size >= size + K_LARGE_BUFFER)):
+                        del entries[index]
+                        block = self._free_blocks.pop(key & _MASK64)
         if block is None:
             if self._gc_enabled:
                 self._garbage_collect_cached_blocks()
@@ -289,17 +320,116 @@ class CachingAllocator:
                 self.num_ooms += 1
                 raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
                                      f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
-        self._split_and_activate(block, size, small, pool, requested)
-        return block.addr
+        # Split off the remainder (``should_split``) and activate the block; the rest of this
+        # method is _split_and_activate inlined, the hot path.
+        pool = _SMALL if small else _LARGE
+        addr = block.addr
+        remaining_size = block.size - size
+        if small or self.expandable_segments:
+            split = remaining_size >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split_size and remaining_size > K_SMALL_SIZE
+        segment = block.segment
+        if split:
+            # Splice the remainder in after the block (base.link_after) and cache it (_insert_free).
+            block_stream = block.stream
+            remaining = Block(addr + size, remaining_size, small, segment, block_stream)
+            nxt = block.next
+            already_split = nxt is not None or block.prev is not None
+            remaining.next = nxt
+            if nxt is not None:
+                nxt.prev = remaining
+            remaining.prev = block
+            block.next = remaining
+            block.size = size
+            if self._gc_enabled:
+                remaining.gc_base = self._gc_calls[small]
+            key = (remaining_size << _KEY_SIZE) | (addr + size)
+            if block_stream:
+                key |= block_stream << _KEY_STREAM
+            remaining.key = key
+            insort(self._free[small], key)
+            self._free_blocks[addr + size] = remaining
+            if not segment.expandable:
+                arrays = self._s_inactive_split_bytes
+                if already_split:
+                    # An already-split inactive block shrinks by `size` bytes.
+                    arrays[_ALL][0] -= size
+                    stat = arrays[pool]
+                    stat[0] -= size
+                    stat[3] += size
+                else:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + remaining_size
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + remaining_size
+                    if value > stat[1]:
+                        stat[1] = value
+                    _inc(self._s_inactive_split, pool, 1)
+        elif (block.prev is not None or block.next is not None) and not segment.expandable:
+            # A split inactive block becomes active whole.
+            arrays = self._s_inactive_split_bytes
+            amount = block.size
+            arrays[_ALL][0] -= amount
+            stat = arrays[pool]
+            stat[0] -= amount
+            stat[3] += amount
+            arrays = self._s_inactive_split
+            arrays[_ALL][0] -= 1
+            stat = arrays[pool]
+            stat[0] -= 1
+            stat[3] += 1
+        block.allocated = True
+        block.requested = requested
+        self._active[addr] = block
+        # Each stat keeps current and peak ("allocated" is current + freed, filled in by
+        # memory_stats()); `active` mirrors `allocation` (no stream events are modelled, so
+        # nothing is freed-but-pending).
+        size = block.size
+        arrays = self._s_allocation
+        stat = arrays[_ALL]
+        value = stat[0] = stat[0] + 1
+        if value > stat[1]:
+            stat[1] = value
+        stat = arrays[pool]
+        value = stat[0] = stat[0] + 1
+        if value > stat[1]:
+            stat[1] = value
+        arrays = self._s_allocated_bytes
+        stat = arrays[_ALL]
+        allocated = stat[0] = stat[0] + size
+        if allocated > stat[1]:
+            stat[1] = allocated
+        if allocated > self._window_alloc:
+            self._window_alloc = allocated
+        stat = arrays[pool]
+        value = stat[0] = stat[0] + size
+        if value > stat[1]:
+            stat[1] = value
+        if requested:
+            arrays = self._s_requested_bytes
+            stat = arrays[_ALL]
+            value = stat[0] = stat[0] + requested
+            if value > stat[1]:
+                stat[1] = value
+            stat = arrays[pool]
+            value = stat[0] = stat[0] + requested
+            if value > stat[1]:
+                stat[1] = value
+        if size >= self.max_split_size:
+            _bump(self._oversize_allocations, 1)
+        return addr
 
     def fits_in_cache(self, size: int, stream: int = 0) -> bool:
         """Whether a request of ``size`` (already rounded) would be served from cached blocks."""
         small = size <= K_SMALL_SIZE
         entries = self._free[small]
-        index = bisect_left(entries, (stream, size, 0))
-        if index == len(entries) or entries[index][0] != stream:
+        index = bisect_left(entries, (stream << _KEY_STREAM) | (size << _KEY_SIZE))
+        if index == len(entries) or entries[index] >> _KEY_STREAM != stream:
             return False
-        block_size = entries[index][1]
+        block_size = (entries[index] >> _KEY_SIZE) & _MASK64
         if size < self.max_split_size <= block_size:
             return False
         return not (size >= self.max_split_size and block_size >= size + K_LARGE_BUFFER)
@@ -308,12 +438,13 @@ class CachingAllocator:
         if self._gc_enabled:
             self._gc_calls[small] += 1
         entries = self._free[small]
-        index = bisect_left(entries, (stream, size, 0))
+        index = bisect_left(entries, (stream << _KEY_STREAM) | (size << _KEY_SIZE))
         if index == len(entries):
             return None
-        block_stream, block_size, addr = entries[index]
-        if block_stream != stream:
+        key = entries[index]
+        if key >> _KEY_STREAM != stream:
             return None
+        block_size, addr = (key >> _KEY_SIZE) & _MASK64, key & _MASK64
         if self.expandable_segments and self._free_blocks[addr].segment.expandable:
             # Best fit counts a block's room to grow into unmapped space as part of its
             # size, so prefer a later candidate that cannot grow over one that can.
@@ -322,8 +453,9 @@ class CachingAllocator:
             def expandable_size(b: Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
-            while block.segment.expandable and index + 1 < len(entries) and entries[index + 1][0] == stream:
-                nxt = self._free_blocks[entries[index + 1][2]]
+            while block.segment.expandable and index + 1 < len(entries) and \
+                    entries[index + 1] >> _KEY_STREAM == stream:
+                nxt = self._free_blocks[entries[index + 1] & _MASK64]
                 if expandable_size(nxt) < expandable_size(block):
                     index += 1
                     block = nxt
@@ -337,56 +469,6 @@ class CachingAllocator:
             return None
         del entries[index]
         return self._free_blocks.pop(addr)
-
-    def _split_and_activate(self, block: Block, size: int, small: bool, pool: int, requested: int) -> None:
-        remaining_size = block.size - size
-        expandable = block.segment.expandable
-        if small or self.expandable_segments:
-            split = remaining_size >= K_MIN_BLOCK_SIZE
-        else:
-            split = size < self.max_split_size and remaining_size > K_SMALL_SIZE
-        already_split = block.is_split()
-        if split:
-            remaining = Block(block.addr + size, remaining_size, small, block.segment, block.stream)
-            link_after(block, remaining)
-            block.size = size
-            self._insert_free(remaining)
-            if not expandable:
-                if already_split:
-                    # An already-split inactive block shrinks by `size` bytes.
-                    _dec(self._s_inactive_split_bytes, pool, size)
-                else:
-                    _inc(self._s_inactive_split_bytes, pool, remaining_size)
-                    _inc(self._s_inactive_split, pool, 1)
-        elif already_split and not expandable:
-            _dec(self._s_inactive_split_bytes, pool, block.size)
-            _dec(self._s_inactive_split, pool, 1)
-        block.allocated = True
-        block.requested = requested
-        self._active[block.addr] = block
-        # Unrolled: this is the hot path. `active` mirrors `allocation` (no stream events
-        # are modelled, so nothing is freed-but-pending) and is filled in by memory_stats().
-        size = block.size
-        for stat in (self._s_allocation[_ALL], self._s_allocation[pool]):
-            stat[0] += 1
-            stat[2] += 1
-            if stat[0] > stat[1]:
-                stat[1] = stat[0]
-        for stat in (self._s_allocated_bytes[_ALL], self._s_allocated_bytes[pool]):
-            stat[0] += size
-            stat[2] += size
-            if stat[0] > stat[1]:
-                stat[1] = stat[0]
-        for stat in (self._s_requested_bytes[_ALL], self._s_requested_bytes[pool]):
-            stat[0] += requested
-            stat[2] += requested
-            if stat[0] > stat[1]:
-                stat[1] = stat[0]
-        if block.size >= self.max_split_size:
-            _bump(self._oversize_allocations, 1)
-        allocated = self._stats["allocated_bytes"][_ALL][0]
-        if allocated > self._window_alloc:
-            self._window_alloc = allocated
 
     def _new_segment_base(self, size: int, small: bool) -> int:
         base = self.segment_address(size, small) if self.segment_address is not None else None
@@ -425,43 +507,103 @@ class CachingAllocator:
     # ----------------------------------------------------------------- free
     def free(self, addr: int) -> None:
         block = self._active.pop(addr)
-        pool = _SMALL if block.small else _LARGE
+        small = block.small
+        pool = _SMALL if small else _LARGE
         original_size = block.size
-        for stat in (self._s_allocation[_ALL], self._s_allocation[pool]):
-            stat[0] -= 1
-            stat[3] += 1
-        for stat in (self._s_allocated_bytes[_ALL], self._s_allocated_bytes[pool]):
-            stat[0] -= original_size
-            stat[3] += original_size
+        arrays = self._s_allocation
+        arrays[_ALL][0] -= 1
+        stat = arrays[pool]
+        stat[0] -= 1
+        stat[3] += 1
+        arrays = self._s_allocated_bytes
+        arrays[_ALL][0] -= original_size
+        stat = arrays[pool]
+        stat[0] -= original_size
+        stat[3] += original_size
         requested = block.requested
-        for stat in (self._s_requested_bytes[_ALL], self._s_requested_bytes[pool]):
+        if requested:
+            arrays = self._s_requested_bytes
+            arrays[_ALL][0] -= requested
+            stat = arrays[pool]
             stat[0] -= requested
             stat[3] += requested
+            block.requested = 0
         if original_size >= self.max_split_size:
             _drop(self._oversize_allocations, 1)
         block.allocated = False
-        block.requested = 0
-        expandable = block.segment.expandable
-        inactive_blocks = 0
-        inactive_bytes = 0
-        for candidate in (block.prev, block.next):
-            subsumed = self._try_merge(block, candidate)
-            if subsumed:
-                inactive_blocks -= 1
-                inactive_bytes -= subsumed
-        self._insert_free(block)
-        if block.is_split():
-            inactive_blocks += 1
-            inactive_bytes += block.size
-        if not expandable:
-            if inactive_blocks > 0:
-                _inc(self._s_inactive_split, pool, inactive_blocks)
-            elif inactive_blocks < 0:
-                _dec(self._s_inactive_split, pool, -inactive_blocks)
-            if inactive_bytes > 0:
-                _inc(self._s_inactive_split_bytes, pool, inactive_bytes)
-            elif inactive_bytes < 0:
-                _dec(self._s_inactive_split_bytes, pool, -inactive_bytes)
+        # Merge with free mapped neighbours (``free_block`` -> ``try_merge_blocks``, base.absorb
+        # inlined). An allocated block is mapped, so an unmapped neighbour never merges here.
+        entries = self._free[small]
+        free_blocks = self._free_blocks
+        merged_blocks = merged_bytes = 0
+        prev, nxt = block.prev, block.next
+        if prev is not None and not prev.allocated and prev.mapped:
+            del entries[bisect_left(entries, prev.key)]
+            del free_blocks[prev.addr]
+            block.addr = prev.addr
+            before = block.prev = prev.prev
+            if before is not None:
+                before.next = block
+            block.size += prev.size
+            merged_blocks += 1
+            merged_bytes += prev.size
+        if nxt is not None and not nxt.allocated and nxt.mapped:
+            del entries[bisect_left(entries, nxt.key)]
+            del free_blocks[nxt.addr]
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            block.size += nxt.size
+            merged_blocks += 1
+            merged_bytes += nxt.size
+        if self._gc_enabled:
+            block.gc_base = self._gc_calls[small]
+        addr = block.addr
+        key = (block.size << _KEY_SIZE) | addr
+        if block.stream:
+            key |= block.stream << _KEY_STREAM
+        block.key = key
+        insort(entries, key)
+        free_blocks[addr] = block
+        if not block.segment.expandable:
+            if block.prev is not None or block.next is not None:
+                inactive_blocks = 1 - merged_blocks
+                inactive_bytes = block.size - merged_bytes
+            else:
+                inactive_blocks = -merged_blocks
+                inactive_bytes = -merged_bytes
+            if inactive_blocks:
+                arrays = self._s_inactive_split
+                if inactive_blocks > 0:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + inactive_blocks
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + inactive_blocks
+                    if value > stat[1]:
+                        stat[1] = value
+                else:
+                    arrays[_ALL][0] += inactive_blocks
+                    stat = arrays[pool]
+                    stat[0] += inactive_blocks
+                    stat[3] -= inactive_blocks
+            if inactive_bytes:
+                arrays = self._s_inactive_split_bytes
+                if inactive_bytes > 0:
+                    stat = arrays[_ALL]
+                    value = stat[0] = stat[0] + inactive_bytes
+                    if value > stat[1]:
+                        stat[1] = value
+                    stat = arrays[pool]
+                    value = stat[0] = stat[0] + inactive_bytes
+                    if value > stat[1]:
+                        stat[1] = value
+                else:
+                    arrays[_ALL][0] += inactive_bytes
+                    stat = arrays[pool]
+                    stat[0] += inactive_bytes
+                    stat[3] -= inactive_bytes
 
     def _try_merge(self, dst: Block, src: Block | None) -> int:
         if src is None or src.allocated or src.mapped != dst.mapped:
@@ -493,18 +635,18 @@ class CachingAllocator:
             return False
         entries = self._free[small]
         key = max(size, self.max_split_size)
-        index = bisect_left(entries, (stream, key, 0))
-        if index < len(entries) and entries[index][0] == stream:
-            block = self._free_blocks[entries[index][2]]
+        index = bisect_left(entries, (stream << _KEY_STREAM) | (key << _KEY_SIZE))
+        if index < len(entries) and entries[index] >> _KEY_STREAM == stream:
+            block = self._free_blocks[entries[index] & _MASK64]
             if block.is_split() or block.segment.expandable:
                 return False
             self._release_block(block)
             return True
         released = 0
         index -= 1
-        while released < key and index >= 0 and entries[index][1] >= self.max_split_size \
-                and entries[index][0] == stream:
-            block = self._free_blocks[entries[index][2]]
+        while released < key and index >= 0 and (entries[index] >> _KEY_SIZE) & _MASK64 >= self.max_split_size \
+                and entries[index] >> _KEY_STREAM == stream:
+            block = self._free_blocks[entries[index] & _MASK64]
             index -= 1
             if not block.is_split() and not block.segment.expandable:
                 released += block.size
@@ -517,8 +659,8 @@ class CachingAllocator:
         self.num_sync_all_streams += 1
         for entries in self._free:           # large pool first, as release_cached_blocks does
             to_unmap = []
-            for _, _, addr in list(entries):
-                block = self._free_blocks.get(addr)
+            for key in list(entries):
+                block = self._free_blocks.get(key & _MASK64)
                 if block is None:
                     continue
                 if block.segment.expandable:
@@ -538,7 +680,7 @@ class CachingAllocator:
             return
         target = reserved - threshold
         calls = self._gc_calls[False]
-        freeable = [self._free_blocks[addr] for _, _, addr in self._free[False]]
+        freeable = [self._free_blocks[key & _MASK64] for key in self._free[False]]
         freeable = [b for b in freeable if not b.is_split() and not b.segment.expandable]
         if not freeable:
             return
@@ -549,8 +691,8 @@ class CachingAllocator:
         while reclaimed < target and freed and count > 0:
             age_threshold = total_age / count
             freed = False
-            for _, _, addr in list(self._free[False]):
-                block = self._free_blocks.get(addr)
+            for key in list(self._free[False]):
+                block = self._free_blocks.get(key & _MASK64)
                 if block is None or block.is_split() or block.segment.expandable:
                     continue
                 age = calls - block.gc_base
@@ -693,51 +835,90 @@ class CachingAllocator:
         The free space between them becomes free blocks, merged as the allocator keeps them.
         Counters are those of the seeded state; peaks start there.
         """
-        segment = Segment(base, size, small, stream=stream)
-        if not self.device.malloc(size):
-            raise ValueError(f"seeded segment of {size} bytes does not fit the device")
-        self._segments.append(segment)
-        self._next_addr = max(self._next_addr, base + size)
-        pool = _SMALL if small else _LARGE
-        _inc(self._s_segment, pool, 1)
-        _inc(self._s_reserved_bytes, pool, size)
-        if size >= self.max_split_size:
-            _bump(self._oversize_segments, 1)
-        pieces: list[tuple[int, int, int | None]] = []
-        cursor = base
-        for addr, block_size, requested in sorted(blocks):
-            if addr < cursor or addr + block_size > base + size:
-                raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
-            if addr > cursor:
-                pieces.append((cursor, addr - cursor, None))
-            pieces.append((addr, block_size, requested))
-            cursor = addr + block_size
-        if cursor < base + size:
-            pieces.append((cursor, base + size - cursor, None))
-        previous: Block | None = None
-        for addr, block_size, requested in pieces:
-            block = Block(addr, block_size, small, segment, stream)
-            if previous is not None:
-                link_after(previous, block)
-            previous = block
-            if requested is None:
-                continue
-            block.allocated = True
-            block.requested = requested
-            self._active[addr] = block
-            for stat_name, amount in (("allocation", 1), ("allocated_bytes", block_size),
-                                      ("requested_bytes", requested)):
-                _inc(self._stats[stat_name], pool, amount)
-            if block_size >= self.max_split_size:
-                _bump(self._oversize_allocations, 1)
-        block = previous
-        while block is not None:
-            if not block.allocated:
-                self._insert_free(block)
-                if block.is_split():
-                    _inc(self._s_inactive_split, pool, 1)
-                    _inc(self._s_inactive_split_bytes, pool, block.size)
-            block = block.prev
+        self.seed_segments([(base, size, small, blocks, stream)])
+
+    def seed_segments(self, segments: Iterable[tuple[int, int, bool, Iterable[tuple[int, int, int]], int]]) -> None:
+        """``seed_segment`` for many (base, size, small, blocks, stream) at once, counters added once per pool."""
+        segments = list(segments)
+        for base, size, _, _, _ in segments:
+            if base < 0 or size < 0 or (base + size) >> _KEY_SIZE:
+                raise ValueError(f"seeded segment {base:#x}+{size} lies outside the 64-bit address space")
+        total = sum(size for _, size, _, _, _ in segments)
+        if not self.device.malloc(total):
+            raise ValueError(f"seeded segments of {total} bytes do not fit the device")
+        active = self._active
+        max_split = self.max_split_size
+        # Per pool (index 0 large, 1 small): segments, reserved, allocations, allocated, requested,
+        # inactive split blocks and bytes. Every increment is positive, so adding each sum once
+        # leaves the same current and peak as adding its parts one by one.
+        sums = [[0] * 7, [0] * 7]
+        oversize_segments = oversize_allocations = 0
+        free: list[Block] = []
+        for base, size, small, blocks, stream in segments:
+            end = base + size
+            segment = Segment(base, size, small, stream=stream)
+            self._segments.append(segment)
+            if end > self._next_addr:
+                self._next_addr = end
+            counts = sums[small]
+            counts[0] += 1
+            counts[1] += size
+            if size >= max_split:
+                oversize_segments += 1
+            first_free = len(free)
+            cursor = base
+            previous: Block | None = None
+            pieces = 0
+            for addr, block_size, requested in sorted(blocks):
+                if addr < cursor or addr + block_size > end:
+                    raise ValueError(f"seeded block at {addr:#x} does not fit segment {base:#x}+{size}")
+                if addr > cursor:
+                    gap = Block(cursor, addr - cursor, small, segment, stream)
+                    if previous is not None:
+                        previous.next = gap
+                        gap.prev = previous
+                    previous = gap
+                    free.append(gap)
+                    pieces += 1
+                block = Block(addr, block_size, small, segment, stream)
+                if previous is not None:
+                    previous.next = block
+                    block.prev = previous
+                previous = block
+                block.allocated = True
+                block.requested = requested
+                active[addr] = block
+                pieces += 1
+                counts[2] += 1
+                counts[3] += block_size
+                counts[4] += requested
+                if block_size >= max_split:
+                    oversize_allocations += 1
+                cursor = addr + block_size
+            if cursor < end:
+                gap = Block(cursor, end - cursor, small, segment, stream)
+                if previous is not None:
+                    previous.next = gap
+                    gap.prev = previous
+                free.append(gap)
+                pieces += 1
+            if pieces > 1:           # every free block of a segment with several is split off another
+                for gap in free[first_free:]:
+                    counts[5] += 1
+                    counts[6] += gap.size
+        for small, counts in enumerate(sums):
+            pool = _SMALL if small else _LARGE
+            for arrays, amount in zip((self._s_segment, self._s_reserved_bytes, self._s_allocation,
+                                       self._s_allocated_bytes, self._s_requested_bytes, self._s_inactive_split,
+                                       self._s_inactive_split_bytes), counts):
+                if amount:
+                    _inc(arrays, pool, amount)
+        if oversize_segments:
+            _bump(self._oversize_segments, oversize_segments)
+        if oversize_allocations:
+            _bump(self._oversize_allocations, oversize_allocations)
+        for block in free:
+            self._insert_free(block)
         self._note_reserved()
         self._window_alloc = max(self._window_alloc, self.allocated_bytes)
 
@@ -751,8 +932,8 @@ class CachingAllocator:
 
     def unmap_range(self, addr: int, size: int) -> bool:
         """Unmap [addr, addr + size) of an expandable segment, as a trace's ``segment_unmap`` says."""
-        for _, _, block_addr in list(self._free[False]) + list(self._free[True]):
-            block = self._free_blocks.get(block_addr)
+        for key in list(self._free[False]) + list(self._free[True]):
+            block = self._free_blocks.get(key & _MASK64)
             if block is None or not block.segment.expandable:
                 continue
             if block.addr <= addr and addr + size <= block.addr + block.size:
@@ -802,6 +983,34 @@ class CachingAllocator:
                 block = block.next
         return sorted(out, key=lambda s: s["address"])
 
+    def segment_layout(self) -> list[tuple[int, int, tuple[tuple[int, int, bool], ...]]]:
+        """``snapshot_segments`` reduced to what an end-state check compares, sorted by address:
+        (address, total_size, ((block address, size, allocated), ...)) per contiguous mapped range."""
+        heads = {}
+        for blocks in (self._active.values(), self._free_blocks.values()):
+            for block in blocks:
+                if block.prev is None:
+                    heads[id(block.segment)] = block
+        for entries in self._unmapped:
+            for entry in entries:
+                if entry[3].prev is None:
+                    heads[id(entry[3].segment)] = entry[3]
+        out = []
+        for segment in self._segments:
+            block = heads.get(id(segment))
+            current: list[tuple[int, int, bool]] = []
+            while block is not None:
+                if block.mapped:
+                    current.append((block.addr, block.size, block.allocated))
+                elif current:
+                    out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
+                    current = []
+                block = block.next
+            if current:
+                out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
+        out.sort()
+        return out
+
     # ----------------------------------------------------------------- torch.cuda API
     def reset_peak_memory_stats(self) -> None:
         for arrays in self._stats.values():
@@ -815,12 +1024,12 @@ class CachingAllocator:
         stats: dict[str, Any] = {}
         for name in STAT_ARRAYS:
             source = {"active": "allocation", "active_bytes": "allocated_bytes"}.get(name, name)
-            for pool_name, stat in zip(STAT_POOLS, self._stats[source]):
+            for pool_name, stat in zip(STAT_POOLS, _filled(self._stats[source])):
                 for field, value in zip(STAT_FIELDS, stat):
                     stats[f"{name}.{pool_name}.{field}"] = value
         for name, stat in (("oversize_allocations", self._oversize_allocations),
                            ("oversize_segments", self._oversize_segments)):
-            for field, value in zip(STAT_FIELDS, stat):
+            for field, value in zip(STAT_FIELDS, (stat[0], stat[1], stat[0] + stat[3], stat[3])):
                 stats[f"{name}.{field}"] = value
         stats["num_alloc_retries"] = self.num_alloc_retries
         stats["num_ooms"] = self.num_ooms
@@ -840,7 +1049,7 @@ class CachingAllocator:
         return self._active.get(addr) or self._free_blocks[addr]
 
     def free_block_sizes(self, small: bool) -> list[int]:
-        return [size for _, size, _ in self._free[small]]
+        return [(key >> _KEY_SIZE) & _MASK64 for key in self._free[small]]
 
 
 def _roundup_power2_next_division(size: int, divisions: int) -> int:
@@ -855,35 +1064,43 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if floor == size else floor + step
 
 
+# A stat is [current, peak, allocated, freed] for all pools, the small pool and the large pool.
+# Only current and peak are kept everywhere, and freed per pool: "allocated" is current + freed
+# (every change goes through these helpers), and the all-pool freed is the pools' sum; both
+# are filled in by memory_stats(). The hot paths (malloc, free) follow the same scheme inline.
+
 def _inc(arrays: list[list[int]], pool: int, amount: int) -> None:
     stat = arrays[_ALL]
-    stat[0] += amount
-    if stat[0] > stat[1]:
-        stat[1] = stat[0]
-    stat[2] += amount
+    value = stat[0] = stat[0] + amount
+    if value > stat[1]:
+        stat[1] = value
     stat = arrays[pool]
-    stat[0] += amount
-    if stat[0] > stat[1]:
-        stat[1] = stat[0]
-    stat[2] += amount
+    value = stat[0] = stat[0] + amount
+    if value > stat[1]:
+        stat[1] = value
 
 
 def _dec(arrays: list[list[int]], pool: int, amount: int) -> None:
-    stat = arrays[_ALL]
-    stat[0] -= amount
-    stat[3] += amount
+    arrays[_ALL][0] -= amount
     stat = arrays[pool]
     stat[0] -= amount
     stat[3] += amount
 
 
 def _bump(stat: list[int], amount: int) -> None:
-    stat[0] += amount
-    if stat[0] > stat[1]:
-        stat[1] = stat[0]
-    stat[2] += amount
+    value = stat[0] = stat[0] + amount
+    if value > stat[1]:
+        stat[1] = value
 
 
 def _drop(stat: list[int], amount: int) -> None:
     stat[0] -= amount
     stat[3] += amount
+
+
+def _filled(arrays: list[list[int]]) -> list[list[int]]:
+    """A stat's [current, peak, allocated, freed] per pool with allocated and freed filled in."""
+    freed = arrays[_SMALL][3] + arrays[_LARGE][3]
+    out = [[arrays[_ALL][0], arrays[_ALL][1], arrays[_ALL][0] + freed, freed]]
+    out += [[stat[0], stat[1], stat[0] + stat[3], stat[3]] for stat in arrays[1:]]
+    return out

@@ -48,12 +48,13 @@ def framework_in_process() -> str | None:
 class AutoSource:
     name = "auto"
 
-    def __init__(self, npu_smi_timeout: float = 10.0):
+    def __init__(self, npu_smi_timeout: float = 10.0, nvml_mig: bool = False):
         self._lock = threading.Lock()
         self._framework: Source | None = None
         # None until the first device-level sample has shown which backends are present.
         self._device_sources: list[Source] | None = None
         self._npu_smi_timeout = npu_smi_timeout
+        self._nvml_mig = nvml_mig
 
     @property
     def timeout_seconds(self) -> float:
@@ -66,7 +67,7 @@ class AutoSource:
             return framework.sample()
         with self._lock:
             first = self._device_sources is None
-            candidates = [NvmlSource(), NpuSmiSource(timeout=self._npu_smi_timeout), HostSource()] if first \
+            candidates = [NvmlSource(mig=self._nvml_mig), NpuSmiSource(timeout=self._npu_smi_timeout), HostSource()] if first \
                 else list(self._device_sources or [])
             records: list[DeviceMemory] = []
             errors: list[SourceError] = []

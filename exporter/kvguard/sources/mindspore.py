@@ -6,23 +6,35 @@ both spellings are read. :func:`device_memory_from_stats` is the one reader of t
 keys: the simulator's counters go through it too.
 
 MindSpore has no allocation-retry or OOM counter and no inactive-split figure; those
-fields stay None. It does report idle memory (held by the pool, free for reuse) and
+fields stay None, except the inactive split under VMM with 2.6+'s physical accounting
+(reserved = 2 MiB handles, at most the device), where idle memory is pages the pool remaps
+on a miss: 0 there. It does report idle memory (held by the pool, free for reuse) and
 eager-free memory (idle buffers whose physical pages were unmapped under VMM).
 
+Release by release (kvguard.sim.mindspore_releases): 2.4.x spell ``total_allocatd_memory``;
+2.4 to 2.7 spell ``commom_mem_pool_stats``; 2.8+ ``common_mem_pool_stats``.
+
 Peaks. ``max_allocated_memory`` / ``max_reserved_memory`` do not mean the same thing in
-every build. In the 2.4-2.6 ``AbstractDynamicMemPool`` (``MemStat::temp_*``),
+every build. In the 2.4-2.5 ``AbstractDynamicMemPool`` (``MemStat::temp_*``),
 ``max_allocated_memory`` is the peak *increase* of used memory since the last
 ``reset_peak_memory_stats`` (0 right after one; the absolute peak only before the first)
-and ``max_reserved_memory`` is reserved memory now minus reserved at the reset; later
-builds (``iterUsedPeakSize_`` / ``iterAllocPeakSize_``) report absolute peaks since the
+and ``max_reserved_memory`` is reserved memory now minus reserved at the reset; 2.6 and
+later (``iter_used_peak_size_`` / ``iter_alloc_peak_size_``) report absolute peaks since the
 reset. vLLM resets the peaks while it profiles, so the exported peaks are
 ``max(reported, current)``: never below what is allocated (reserved) now, exact on the
 later builds, a lower bound on the earlier ones.
 
-The pool dicts (``common_mem_pool_stats``, misspelled ``commom_mem_pool_stats`` in the
-releases that also misspell ``total_allocatd_memory``; ``persistent_mem_pool_stats``)
+The pool dicts (``common_mem_pool_stats``, misspelled ``commom_mem_pool_stats`` up to 2.7;
+``persistent_mem_pool_stats``)
 are read by :func:`pool_blocks` for their ``block_counts`` and ``block_unit_size``;
 their ``blocks_info`` keys are pointer capsules and are never read.
+
+Identity: MindSpore exposes no device UUID or PCI address. ``hal.get_device_properties`` has
+``name``, ``total_memory`` and ``free_memory`` on Ascend (plus compute-capability fields on GPU) in
+2.10 (hal/device.py); MindSpore itself learns a chip's PCIe address by running ``npu-smi info -t board`` and
+reading its ``PCIe Bus Info`` line (runtime/thread_bind_core.py ``_get_pcie_info``, 2.10). So
+``device_uuid`` and ``pci_bus_id`` stay empty on MindSpore ranks; the npu-smi device source carries
+the chip's Bus-Id.
 
 Every stats call synchronises MindSpore's runtime pipeline (``WaitAll``) in newer builds,
 so keep the probe interval coarse.
@@ -112,7 +124,17 @@ def device_memory_from_stats(
     for peak, current in (("peak_allocated_bytes", "allocated_bytes"), ("peak_reserved_bytes", "reserved_bytes")):
         if values[peak] is not None and values[current] is not None:
             values[peak] = max(values[peak], values[current])
-    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values)
+    # VMM with physical accounting (2.6+: total_reserved_memory is the mapped-or-cached 2 MiB handles,
+    # so it cannot exceed the device): idle memory is pages the pool eager-frees and remaps on a miss
+    # (AllocMemBuf, abstract_dynamic_mem_pool.cc:514 @ v2.6.0), reusable by any request but for a
+    # partial page at a buffer's edge. There is no split-block sliver: the inactive split is 0.
+    # Without VMM (eager free 0), or with 2.4/2.5's address-space accounting, it stays unknown.
+    inactive_split = None
+    if values["eager_free_bytes"] and values["reserved_bytes"] is not None and total_bytes is not None \
+            and values["reserved_bytes"] <= total_bytes:
+        inactive_split = 0
+    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values,
+                        inactive_split_bytes=inactive_split)
 
 
 def device_label(device_target: str, device_id: int) -> str:

@@ -19,6 +19,15 @@ report their DDR in Memory-Usage.
 
 Device labels: ``npu:<logical id>`` where the table has a ``Device`` column (310P), else
 ``npu:<NPU id>`` when every NPU has one chip, else ``npu:<NPU id>.<chip>``.
+
+Identity (:func:`chip_identity`), what ``npu-smi info`` itself prints about a chip: its PCIe address
+(the ``Bus-Id`` column, ``0000:C1:00.0``: the form npu-exporter's ``pcie_bus_info`` label takes,
+``%04X:%02X:%02X.%X`` in its dcmi.go) becomes ``pci_bus_id``; ``device_uuid`` is
+``npu-phy-<id>`` where the table has a ``Chip Phy-ID`` column (910 A3: npu-exporter's ``id`` label is
+this physical id), ``npu-logic-<id>`` where it has a ``Device`` column (310P: the logical id), and
+empty where it shows neither (910B: the table has no per-chip id beyond the NPU's own index). Ascend
+chips have no UUID that npu-smi prints; the die id npu-exporter labels ``vdie_id`` comes from dcmi,
+not from this table. On an Atlas 300I Duo the two chips of a card print the same Bus-Id.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ _FALLBACK_PATHS = ("/usr/local/sbin/npu-smi", "/usr/local/bin/npu-smi", "/usr/lo
 
 _PAIR = re.compile(r"(\d+)\s*/\s*(\d+)")
 _VERSION = re.compile(r"npu-smi\s+([0-9][0-9A-Za-z.\-]*)")
+_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]\Z")
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class NpuChip:
     name: str
     health: str
     logical_id: int | None = None           # the "Device" column of 310P tables
+    physical_id: int | None = None          # the "Phy-ID" column of 910 A3 tables
+    bus_id: str = ""                        # the "Bus-Id" column
     memory_used_mib: int | None = None      # Memory-Usage(MB): DDR
     memory_total_mib: int | None = None
     hbm_used_mib: int | None = None         # HBM-Usage(MB)
@@ -121,7 +133,7 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
         if mode == "devices" and len(cells) >= 3 and words:
             if all(_is_int(word) for word in words):
                 if npu_row is not None and len(words) <= 2:
-                    chips.append(_chip(npu_row, words, cells[2], has_hbm, chip_column))
+                    chips.append(_chip(npu_row, words, cells[1], cells[2], has_hbm, chip_column))
             elif _is_int(words[0]) and len(words) >= 2:
                 npu_row = (int(words[0]), " ".join(words[1:])[:64], cells[1][:32])
         elif mode == "processes" and len(cells) >= 4 and len(words) == 2 and all(_is_int(w) for w in words):
@@ -131,7 +143,7 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     return NpuSmiInfo(version=version, chips=chips, processes=processes)
 
 
-def _chip(npu_row: tuple[int, str, str], words: list[str], usage: str, has_hbm: bool | None,
+def _chip(npu_row: tuple[int, str, str], words: list[str], bus_id: str, usage: str, has_hbm: bool | None,
           chip_column: str | None) -> NpuChip:
     npu, name, health = npu_row
     pairs = [(int(used), int(total)) for used, total in _PAIR.findall(usage)]
@@ -142,7 +154,10 @@ def _chip(npu_row: tuple[int, str, str], words: list[str], usage: str, has_hbm: 
     elif pairs:
         memory = pairs[0]
     logical = int(words[1]) if chip_column == "Device" and len(words) == 2 else None
+    physical = int(words[1]) if chip_column == "Phy-ID" and len(words) == 2 else None
+    bus = bus_id if _BUS_ID.match(bus_id) else ""
     return NpuChip(npu=npu, chip=int(words[0]), name=name, health=health, logical_id=logical,
+                   physical_id=physical, bus_id=bus,
                    memory_used_mib=memory[0] if memory else None, memory_total_mib=memory[1] if memory else None,
                    hbm_used_mib=hbm[0] if hbm else None, hbm_total_mib=hbm[1] if hbm else None)
 
@@ -180,8 +195,21 @@ def device_memory_from_npu_smi(info: NpuSmiInfo) -> list[DeviceMemory]:
                                  None if total is None else total * MIB, None if used is None else used * MIB)
         processes = tuple(ProcessMemory(pid=p.pid, used_bytes=p.memory_mib * MIB, name=p.name)
                           for p in info.processes if (p.npu, p.chip) == (chip.npu, chip.chip))
-        records.append(DeviceMemory(device=label, source="npu-smi", processes=processes, **fields))
+        uuid, pci_bus_id = chip_identity(chip)
+        records.append(DeviceMemory(device=label, source="npu-smi", processes=processes, device_uuid=uuid,
+                                    pci_bus_id=pci_bus_id, **fields))
     return records
+
+
+def chip_identity(chip: NpuChip) -> tuple[str, str]:
+    """(device_uuid, pci_bus_id) from what the table prints about the chip (module docstring)."""
+    if chip.physical_id is not None:
+        uuid = f"npu-phy-{chip.physical_id}"
+    elif chip.logical_id is not None:
+        uuid = f"npu-logic-{chip.logical_id}"
+    else:
+        uuid = ""
+    return uuid, chip.bus_id.upper()
 
 
 class NpuSmiSource:

@@ -7,15 +7,22 @@ scenario's ``memory_stats()`` with the *same* key-reading code as the real sourc
 :func:`kvguard.sources.mindspore.device_memory_from_stats` for MindSpore's pool), so
 simulated and real counters take one path to the spool.
 
+With ``traffic`` (a :class:`kvguard.sim.traffic.Traffic`), each rank serves an open request
+stream instead (:class:`kvguard.sim.traffic.LiveServing`: Poisson arrivals, chunked prefill,
+requests that finish, a forward pass in flight when the counters are read), so the counters
+move from sample to sample; ``kvguard serve --demo`` uses it.
+
 A scenario that finishes (all requests served, OOM, or no room for the cache) is shown
-once in its final state, then restarted with a new seed, so a demo runs forever. The
-source also tells the probe each rank's startup Profile and KV-cache allocation
-(``rank_contexts()``), which the probe writes into that rank's snapshot.
+once in its final state, then restarted with a new seed (so a new arrival sequence), so a demo
+runs forever. The source also tells the probe each rank's startup Profile and KV-cache
+allocation (``rank_contexts()``), which the probe writes into that rank's snapshot.
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
+from dataclasses import replace
 from typing import Any, Mapping
 
 from kvguard.estimator import ConfigError
@@ -38,14 +45,38 @@ def record_from_scenario(scenario: Any, device: str, source: str) -> DeviceMemor
     return reader.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total)
 
 
+def sim_identity(prefix: str, rank: int) -> tuple[str, str]:
+    """A simulated device's (device_uuid, pci_bus_id): the same for a rank in every run and restart,
+    written as the real sources write them (NVML ``GPU-<uuid>``, ``%08X:%02X:%02X.0``; npu-smi's
+    ``Bus-Id``), from a name-based UUID that no real device has."""
+    if prefix == "cuda":
+        return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'kvguard-sim:cuda:{rank}')}", f"00000000:{0x18 + rank:02X}:00.0"
+    return f"npu-phy-{rank}", f"0000:{0x80 + rank:02X}:00.0"
+
+
+def renumbered(record: DeviceMemory, prefix: str, index: int) -> DeviceMemory:
+    """``record`` as device ``prefix:index`` of one node, with that device's simulated identity (for
+    callers that number several sim sources' ranks as one node's devices, like the demo)."""
+    device_uuid, pci_bus_id = sim_identity(prefix, index)
+    return replace(record, device=f"{prefix}:{index}", device_uuid=device_uuid, pci_bus_id=pci_bus_id)
+
+
+def _live_serving(traffic: Any) -> Any:
+    """A scenario factory serving ``traffic`` (a ``Traffic``) as an open request stream."""
+    from kvguard.sim.traffic import LiveServing  # noqa: PLC0415
+
+    return lambda config: LiveServing(config, traffic)
+
+
 class SimSource:
     """``ranks`` simulated serving ranks. ``scenario`` options go to ``ScenarioConfig``
-    (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …)."""
+    (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …);
+    ``traffic`` serves an open request stream instead of ``requests`` queued at once (module docstring)."""
 
     name = "sim"
 
     def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
-                 model_config: Mapping[str, Any] | str | None = None, **scenario: Any):
+                 model_config: Mapping[str, Any] | str | None = None, traffic: Any = None, **scenario: Any):
         for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS),
                                        ("steps per sample", steps_per_sample, 1, 10**6)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -53,7 +84,7 @@ class SimSource:
         # Imported here: the simulator is only loaded when a sim source is built.
         from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: PLC0415
 
-        self._scenario_class = ServingScenario
+        self._scenario_class = ServingScenario if traffic is None else _live_serving(traffic)
         if model_config is None:
             model_config = load_model_config(bundled_model_config_path())
         elif isinstance(model_config, str):
@@ -107,7 +138,9 @@ class SimSource:
             scenario.step()
         if scenario.finished:
             self._shown_final[rank] = True
-        return record_from_scenario(scenario, self.device(rank), self.name)
+        device_uuid, pci_bus_id = sim_identity(self._prefix, rank)
+        return replace(record_from_scenario(scenario, self.device(rank), self.name),
+                       device_uuid=device_uuid, pci_bus_id=pci_bus_id)
 
     def rank_contexts(self) -> dict[str, RankContext]:
         with self._lock:

@@ -13,10 +13,12 @@ a context of several hundred MiB.
 
 from __future__ import annotations
 
+import re
 import sys
+from dataclasses import replace
 from typing import Any, Mapping
 
-from kvguard.records import DeviceMemory
+from kvguard.records import DeviceMemory, identity_text
 from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used, one_line
 
 # DeviceMemory field <- memory_stats key (PyTorch's names, torch/csrc/cuda/Module.cpp).
@@ -32,7 +34,9 @@ STATS_KEYS = {
 }
 
 BACKENDS = ("auto", "cuda", "npu")
-
+# CUDA's 16-byte device UUID as torch prints it (``str(props.uuid)``, 8-4-4-4-12 hex digits); NVML
+# and dcgm-exporter write the same bytes with a ``GPU-`` prefix.
+_BARE_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\Z")
 
 
 def device_memory_from_stats(
@@ -76,6 +80,7 @@ class TorchSource:
         self._device = device
         self._initialize = initialize
         self._torch = torch_module
+        self._identities: dict[tuple[str, int], tuple[str, str]] = {}
 
     def _accelerator(self) -> tuple[str, Any]:
         torch = self._torch
@@ -120,7 +125,38 @@ class TorchSource:
         # and memory_stats() of an uninitialised allocator is an empty dict.
         free, total = module.mem_get_info(index)
         stats = module.memory_stats(index)
-        return device_memory_from_stats(stats, f"{backend}:{index}", self.name, free_bytes=free, total_bytes=total)
+        record = device_memory_from_stats(stats, f"{backend}:{index}", self.name, free_bytes=free, total_bytes=total)
+        key = (backend, index)
+        if key not in self._identities:   # fixed for the device's life: asked once
+            self._identities[key] = device_identity(backend, module, index)
+        uuid, pci_bus_id = self._identities[key]
+        return replace(record, device_uuid=uuid, pci_bus_id=pci_bus_id)
+
+
+def device_identity(backend: str, module: Any, index: int) -> tuple[str, str]:
+    """(UUID, PCI bus id) from ``get_device_properties(index)``; "" for what this release lacks.
+
+    ``uuid``: torch.cuda's ``_CudaDeviceProperties.uuid`` (a ``_CUuuid``; ``str()`` is the bare
+    8-4-4-4-12 form, given NVML's ``GPU-`` prefix here so it equals dcgm-exporter's ``UUID``; inside
+    a MIG instance CUDA reports the MIG device's UUID, which NVML writes ``MIG-…`` and torch cannot
+    tell apart: it gets ``GPU-`` too, see docs/metrics.md); torch_npu's properties have no UUID in the releases we know
+    and are read only if a later one adds the attribute. PCI: ``pci_domain_id``, ``pci_bus_id``,
+    ``pci_device_id`` where the torch release has them, written as NVML writes ``busId``
+    (``%08X:%02X:%02X.0``).
+    """
+    try:
+        props = module.get_device_properties(index)
+    except Exception:  # noqa: BLE001 - identity is an extra; the counters still count
+        return "", ""
+    uuid = getattr(props, "uuid", None)
+    uuid_text = "" if uuid is None else identity_text(str(uuid))
+    if backend == "cuda" and _BARE_UUID.match(uuid_text):
+        uuid_text = f"GPU-{uuid_text}"
+    pci = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    pci_text = ""
+    if all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 32 for v in pci):
+        pci_text = f"{pci[0]:08X}:{pci[1]:02X}:{pci[2]:02X}.0"
+    return uuid_text, pci_text
 
 
 def _is_initialized(module: Any) -> bool:

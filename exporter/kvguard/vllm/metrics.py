@@ -6,6 +6,13 @@ is the fraction of blocks in use (0–1 despite the name; ``vllm:gpu_cache_usage
 0.9). The fetch is bounded in time and size: the whole exchange (connect, headers, body) ends at
 ``timeout`` even when the endpoint trickles bytes, so the next poll can run. Anything that is not
 Prometheus text is an error with one line, never a traceback.
+
+Engines. vLLM labels its series with ``model_name`` (the served model name) and ``engine`` (the
+engine index: the data-parallel rank), and emits one ``cache_config_info`` per engine, labelled with
+``engine`` but not ``model_name`` (vllm/v1/metrics/loggers.py, 0.14.0:411-416 and 1002-1024,
+0.34.0:499-500 and 1114-1135). :func:`parse` keeps one :class:`VllmEngineState` per engine
+(at most :data:`MAX_ENGINES`), its model name taken from the engine's ``vllm:`` series; a
+``cache_config_info`` without an ``engine`` label (releases before the label) holds for every engine.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import urllib.request
 from dataclasses import dataclass
 
 from kvguard.records import MAX_COUNTER
+from kvguard.spool import MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS, safe_text
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 _CHUNK = 64 * 1024
 
 CACHE_CONFIG = "vllm:cache_config_info"
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+MAX_ENGINES = 64    # engines past this many (a hostile or broken endpoint) are left out
 
 
 class VllmMetricsError(Exception):
@@ -33,11 +42,35 @@ class VllmMetricsError(Exception):
 
 
 @dataclass(frozen=True)
-class VllmCacheState:
+class VllmEngineState:
+    """One engine's KV-cache facts and identity, as vLLM's series label them."""
+
+    model_name: str = ""
+    engine: str = ""
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     gpu_memory_utilization: float | None = None
     kv_cache_usage_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class VllmCacheState:
+    """Every engine's state (``engines``, in engine order); the flat fields are the first engine's."""
+
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    engines: tuple[VllmEngineState, ...] = ()
+
+    def engine_for(self, model_name: str = "", engine: str = "") -> VllmEngineState | None:
+        """The engine a rank belongs to: the one its (model name, engine index) names, else the only
+        engine there is; None when that is ambiguous or names none (never a guess)."""
+        if model_name or engine:
+            found = [e for e in self.engines if (not engine or e.engine == engine)
+                     and (not model_name or not e.model_name or e.model_name == model_name)]
+            return found[0] if len(found) == 1 else None
+        return self.engines[0] if len(self.engines) == 1 else None
 
 
 class _Deadline:
@@ -140,24 +173,51 @@ def parse(text: str) -> VllmCacheState:
     """Parse Prometheus text. Raises VllmMetricsError when it is not metrics text or has no vLLM KV facts."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    config_labels: dict[str, str] | None = None
-    usage: float | None = None
+    configs: dict[str, dict[str, str]] = {}      # engine label ("" when absent) -> cache_config_info labels
+    usages: dict[str, float] = {}
+    models: dict[str, str] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == CACHE_CONFIG and config_labels is None:
-                    config_labels = dict(sample.labels)
-                elif sample.name in USAGE_NAMES and usage is None and math.isfinite(sample.value):
-                    usage = min(max(float(sample.value), 0.0), 1.0)
+                labels = sample.labels
+                engine = safe_text(str(labels.get("engine", "")), MAX_ENGINE_CHARS)
+                known = engine in configs or engine in usages or engine in models
+                if not known and len(set(configs) | set(usages) | set(models)) >= MAX_ENGINES:
+                    continue
+                if sample.name == CACHE_CONFIG:
+                    configs.setdefault(engine, dict(labels))
+                    continue
+                if sample.name in USAGE_NAMES and engine not in usages and math.isfinite(sample.value):
+                    usages[engine] = min(max(float(sample.value), 0.0), 1.0)
+                if "model_name" in labels and engine not in models and sample.name.startswith("vllm:"):
+                    models[engine] = safe_text(str(labels["model_name"]), MAX_MODEL_NAME_CHARS)
     except Exception as exc:  # the parser raises ValueError, IndexError, … on garbage
         raise VllmMetricsError(f"not Prometheus metrics text ({type(exc).__name__})") from None
-    if config_labels is None and usage is None:
+    if not configs and not usages:
         raise VllmMetricsError(f"no {CACHE_CONFIG} or {USAGE_NAMES[0]} in the metrics")
-    config_labels = config_labels or {}
-    return VllmCacheState(
-        num_gpu_blocks=_positive_int(config_labels.get("num_gpu_blocks")),
-        block_size=_positive_int(config_labels.get("block_size")),
-        gpu_memory_utilization=_ratio(config_labels.get("gpu_memory_utilization")),
+    names = set(configs) | set(usages)
+    if len(names) > 1:
+        names.discard("")    # a cache_config_info without an engine label holds for every engine
+    shared = configs.get("", {})
+    engines = tuple(_engine(name, configs.get(name, shared), usages.get(name, usages.get("")),
+                            models.get(name, models.get("", "")))
+                    for name in sorted(names, key=_engine_order))
+    first = engines[0]
+    return VllmCacheState(num_gpu_blocks=first.num_gpu_blocks, block_size=first.block_size,
+                          gpu_memory_utilization=first.gpu_memory_utilization,
+                          kv_cache_usage_ratio=first.kv_cache_usage_ratio, engines=engines)
+
+
+def _engine_order(name: str) -> tuple[int, int, str]:
+    return (0, int(name), "") if name.isdigit() and len(name) < 10 else (1, 0, name)
+
+
+def _engine(name: str, config: dict[str, str], usage: float | None, model_name: str) -> VllmEngineState:
+    return VllmEngineState(
+        model_name=model_name, engine=name,
+        num_gpu_blocks=_positive_int(config.get("num_gpu_blocks")),
+        block_size=_positive_int(config.get("block_size")),
+        gpu_memory_utilization=_ratio(config.get("gpu_memory_utilization")),
         kv_cache_usage_ratio=usage,
     )
 

@@ -16,7 +16,11 @@ It wraps three methods of the worker class (``vllm.v1.worker.gpu_worker.Worker``
 ``vllm_ascend.worker.worker.NPUWorker`` and ``worker_v1.NPUWorker``), patched when their
 module is imported, or at once if it already is:
 
-- ``init_device``: starts the probe once the worker's device is set (rank = worker rank);
+- ``init_device``: starts the probe once the worker's device is set (rank = worker rank), and
+  names the engine in its snapshots as vLLM's own series label it: ``model_name`` is
+  ``model_config.served_model_name`` (one name: ``get_served_model_name`` keeps the first of a list,
+  config/model.py 0.34.0), ``engine`` the data-parallel index (``parallel_config.data_parallel_index``,
+  else ``data_parallel_rank``: the engine indices the API server's stat loggers label, loggers.py);
 - ``determine_available_memory``: while it runs, the ``memory_profiling`` context manager
   it calls (whatever object that name holds in the worker's module then, vllm-mindspore's
   replacement included) is wrapped to read the allocator's reserved peak before and after
@@ -239,6 +243,24 @@ def _ensure_probe(worker: Any) -> None:
     # counted and logged once by _guard.
     probe._start(_settings.spool_dir, _settings.interval, _settings.source,
                  rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
+    model_name, engine = engine_identity(worker)
+    probe.set_engine(model_name, engine)
+
+
+def engine_identity(worker: Any) -> tuple[str | None, int | None]:
+    """(served model name, engine index) of the engine this worker serves; None for what it lacks."""
+    config = getattr(worker, "vllm_config", None)
+    name = getattr(getattr(config, "model_config", None), "served_model_name", None)
+    if isinstance(name, (list, tuple)):       # before ModelConfig resolves it, a list may stand here
+        name = name[0] if name else None
+    parallel = getattr(config, "parallel_config", None)
+    engine = None
+    for field in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            engine = value
+            break
+    return (name if isinstance(name, str) and name else None), engine
 
 
 def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,0 +1,110 @@
+"""``kvguard simulate --fail-on-oom``: exit 3 after the report when the run ends in an OOM; the
+other exit codes keep click's meanings (1 a one-line error, 2 usage)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import ROOT
+from kvguard.cli import EXIT_OOM, main
+
+# MindSpore's pool with VMM off (MS_ALLOC_CONF=enable_vmm:False) and vLLM's stock budget runs out of
+# memory at the first serving step of Mistral-Nemo at 0.95 on a 32 GiB device: its profile run opens a
+# fresh 1 GiB common block that the stock budget counts as KV room (tests/test_sim_scenario.py's grid);
+# the reserved budget serves every request.
+STORY = ["simulate", "--device-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.95",
+         "--requests", "4", "--long-fraction", "1", "--ms-alloc-conf", "enable_vmm:False",
+         "--model-config", os.path.join(ROOT, "tests", "data", "configs", "mistral-nemo-instruct-2407")]
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_the_oom_code_is_none_of_clicks():
+    assert EXIT_OOM == 3
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_scenario_that_runs_out_exits_3_with_the_flag_and_0_without(as_json):
+    extra = ["--json"] if as_json else []
+    without = run(*STORY, "--budget", "stock", *extra)
+    with_flag = run(*STORY, "--budget", "stock", *extra, "--fail-on-oom")
+    assert (without.exit_code, with_flag.exit_code) == (0, EXIT_OOM)
+    assert with_flag.output == without.output            # the full report first, then the exit code
+    if as_json:
+        assert json.loads(with_flag.output)["oom"] is True
+    else:
+        assert "Outcome      OOM during serving step 0" in with_flag.output
+
+
+def test_a_scenario_that_serves_exits_0_with_the_flag():
+    result = run(*STORY, "--budget", "reserved", "--fail-on-oom")
+    assert result.exit_code == 0 and "Outcome      no OOM" in result.output
+
+
+def snapshot(tmp_path, entries):
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [entries]}))
+    return str(path)
+
+
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_what_if_trace_replay_that_runs_out_exits_3(tmp_path, as_json):
+    trace = snapshot(tmp_path, [{"action": "alloc", "addr": 1, "size": 12 << 20},
+                                {"action": "alloc", "addr": 2, "size": 12 << 20}])
+    args = ["simulate", "--trace", trace, "--device-memory", "20MiB", "--non-allocator-memory", "0",
+            "--allocator", "torch_npu", *(["--json"] if as_json else [])]
+    assert run(*args).exit_code == 0
+    result = run(*args, "--fail-on-oom")
+    assert result.exit_code == EXIT_OOM
+    assert (json.loads(result.output)["oom"] is True) if as_json else "Outcome      OOM at event 1" in result.output
+    roomy = run("simulate", "--trace", trace, "--device-memory", "64MiB", "--non-allocator-memory", "0",
+                "--allocator", "torch_npu", "--fail-on-oom")
+    assert roomy.exit_code == 0 and "no OOM" in roomy.output
+
+
+def test_an_exact_snapshot_replay_with_a_recorded_oom_exits_3(tmp_path):
+    trace = snapshot(tmp_path, [{"action": "alloc", "addr": 1 << 30, "size": 12 << 20, "stream": 0},
+                                {"action": "oom", "addr": 0, "size": 64 << 30, "stream": 0}])
+    args = ["simulate", "--trace", trace, "--json"]
+    plain = run(*args)
+    assert plain.exit_code == 0 and json.loads(plain.output)["oom"] is True
+    assert run(*args, "--fail-on-oom").exit_code == EXIT_OOM
+    clean = snapshot(tmp_path, [{"action": "alloc", "addr": 1 << 30, "size": 12 << 20, "stream": 0}])
+    assert run("simulate", "--trace", clean, "--fail-on-oom").exit_code == 0
+
+
+def test_a_search_that_finds_no_utilization_exits_3():
+    # 15 GiB holds the weights but not the profile forward: every utilization runs out of memory.
+    args = ["simulate", "--device-memory", "15GiB", "--requests", "2", "--search-utilization"]
+    assert run(*args).exit_code == 0
+    result = run(*args, "--fail-on-oom")
+    assert result.exit_code == EXIT_OOM and "no utilization serves without an OOM" in result.output
+    json_result = run(*args, "--json", "--fail-on-oom")
+    assert json_result.exit_code == EXIT_OOM
+    assert json.loads(json_result.output)["search"]["gpu_memory_utilization"] is None
+
+
+def test_a_search_that_finds_one_exits_0():
+    result = run(*STORY, "--budget", "reserved", "--search-utilization", "--fail-on-oom")
+    assert result.exit_code == 0 and "highest utilization without an OOM" in result.output
+
+
+def test_bad_input_is_still_1_and_usage_still_2():
+    assert CliRunner().invoke(main, ["simulate", "--seed", "1", "--seed", "2", "--fail-on-oom"]).exit_code == 1
+    assert CliRunner().invoke(main, ["simulate", "--fail-on-oom=yes"]).exit_code == 2
+
+
+def test_help_lists_the_exit_codes():
+    text = CliRunner().invoke(main, ["simulate", "--help"]).output
+    assert "Exit codes:" in text and "--fail-on-oom" in text
+    for code in ("0  the run finished", "1  bad input", "2  usage error", "3  --fail-on-oom"):
+        assert code in text
