@@ -14,8 +14,6 @@ from kvguard.server import BadRequest, KVGuardServer, parse_request
 from sidecar_fixtures import snapshot, write
 
 
-
-
 def scrape(server: KVGuardServer, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     try:
@@ -81,6 +79,41 @@ def test_a_normal_scrape_answers_while_forty_flooding_connections_stall(serve):
         assert status == 200 and b"kvguard_guard_state" in body
     finally:
         for sock in flooders:
+            sock.close()
+
+
+def test_a_header_flood_under_basic_auth_is_refused_at_the_cap_before_auth(serve):
+    """With auth on, the flood still sends no credentials: the cap must hold before auth is looked at."""
+    server = serve(snapshot(), basic_auth_user="prometheus", basic_auth_password="s3cret")
+    answers = []
+    for _ in range(20):   # 20 connections reached 152 MB under auth
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(10):
+                    sock.sendall(b"X-Flood: " + b"a" * 65000 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            answers.append(read_all(sock)[:12])
+    assert answers == [b"HTTP/1.1 431"] * 20
+    assert scrape(server)[0] == 401
+
+
+def test_open_connections_start_no_threads(serve):
+    """One thread per connection was the slowloris' lever: 2,000 idle connections held 70 MB."""
+    server = serve(snapshot())
+    assert scrape(server)[0] == 200    # the first spool read is done: its thread is gone
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(100):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+            idle.append(sock)
+        assert scrape(server)[0] == 200   # accepted after the 100: they are all open by now
+        assert threading.active_count() <= before
+    finally:
+        for sock in idle:
             sock.close()
 
 

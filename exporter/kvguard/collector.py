@@ -3,12 +3,15 @@
 A custom collector in client_python's sense: ``collect()`` builds new families on every
 scrape and the class holds no gauges, so a rank that disappears leaves no stale series.
 Names, labels and HELP are the contract in docs/metrics.md.
+
+The families are made one at a time (a generator, family by family over every rank), so a
+spool of thousands of ranks never holds all its samples at once while it is encoded.
 """
 
 from __future__ import annotations
 
 import platform
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -71,71 +74,134 @@ class KVGuardCollector(Collector):
         return iter(families(self.pinned if self.pinned is not None else self.sidecar.observe()))
 
 
-# (type, name, HELP, extra labels) for every per-rank family, in exposition order.
+def _memory(field: str) -> Callable[[RankView], tuple]:
+    return lambda v: (((), getattr(v.snapshot.memory, field)),) if v.snapshot is not None else ()
+
+
+def _verdict(field: str) -> Callable[[RankView], tuple]:
+    return lambda v: (((), getattr(v.verdict, field)),)
+
+
+def _profile(field: str) -> Callable[[RankView], tuple]:
+    return lambda v: (((), getattr(v.profile, field)),) if v.profile is not None else ()
+
+
+def _activation_peaks(view: RankView) -> tuple:
+    if view.profile is None:
+        return ()
+    return ((("allocated",), view.profile.peak_allocated_increase_bytes),
+            (("reserved",), view.verdict.activation_reserved_peak_bytes))
+
+
+def _reasons(view: RankView) -> tuple:
+    active = set(view.verdict.reason_codes)
+    return tuple(((code,), 1.0 if code in active else 0.0) for code in REASON_CODES)
+
+
+# (type, name, HELP, extra labels, samples) for every per-rank family, in exposition order;
+# samples(view) gives (extra label values, value) pairs, a value of None leaving the sample out.
 _RANK_FAMILIES = (
     ("gauge", "kvguard_allocator_allocated_bytes", "Bytes the framework allocator has handed out to tensors "
-     "(torch allocated_bytes.all.current, MindSpore total_allocated_memory).", ()),
+     "(torch allocated_bytes.all.current, MindSpore total_allocated_memory).", (),
+     _memory("allocated_bytes")),
     ("gauge", "kvguard_allocator_reserved_bytes", "Bytes the framework allocator holds from the device "
-     "(reserved_bytes.all.current, total_reserved_memory).", ()),
-    ("gauge", "kvguard_allocator_peak_allocated_bytes", "Peak allocated bytes since start or the last peak reset.", ()),
-    ("gauge", "kvguard_allocator_peak_reserved_bytes", "Peak reserved bytes since start or the last peak reset.", ()),
+     "(reserved_bytes.all.current, total_reserved_memory).", (),
+     _memory("reserved_bytes")),
+    ("gauge", "kvguard_allocator_peak_allocated_bytes", "Peak allocated bytes since start or the last peak reset.", (),
+     _memory("peak_allocated_bytes")),
+    ("gauge", "kvguard_allocator_peak_reserved_bytes", "Peak reserved bytes since start or the last peak reset.", (),
+     _memory("peak_reserved_bytes")),
     ("gauge", "kvguard_allocator_fragmentation_bytes", "Reserved minus allocated: memory the allocator holds that "
-     "tensors cannot use.", ()),
+     "tensors cannot use.", (),
+     _memory("fragmentation_bytes")),
     ("gauge", "kvguard_allocator_fragmentation_ratio", "Fragmentation bytes over reserved bytes (0 when nothing is "
-     "reserved).", ()),
+     "reserved).", (),
+     _memory("fragmentation_ratio")),
     ("gauge", "kvguard_allocator_inactive_split_bytes", "Free bytes inside split segments that cannot be released "
-     "(torch inactive_split_bytes.all.current).", ()),
+     "(torch inactive_split_bytes.all.current).", (),
+     _memory("inactive_split_bytes")),
     ("counter", "kvguard_allocator_alloc_retries_total", "Allocations that succeeded only after the allocator flushed "
-     "its cache and retried (num_alloc_retries).", ()),
-    ("counter", "kvguard_allocator_ooms_total", "Out-of-memory errors the allocator raised (num_ooms).", ()),
+     "its cache and retried (num_alloc_retries).", (),
+     _memory("alloc_retries")),
+    ("counter", "kvguard_allocator_ooms_total", "Out-of-memory errors the allocator raised (num_ooms).", (),
+     _memory("ooms")),
     ("gauge", "kvguard_kv_cache_allocated_bytes", "KV cache the serving engine allocated (num_gpu_blocks x block "
-     "bytes); the stock budget when the block count is unknown.", ()),
+     "bytes); the stock budget when the block count is unknown.", (),
+     _verdict("kv_cache_bytes")),
     ("gauge", "kvguard_kv_cache_allocated_blocks", "KV-cache blocks the serving engine allocated (vLLM "
-     "num_gpu_blocks).", ()),
+     "num_gpu_blocks).", (),
+     lambda v: (((), v.kv_cache_blocks),)),
     ("gauge", "kvguard_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use, from vLLM "
-     "vllm:kv_cache_usage_perc.{cached}", ()),
+     "vllm:kv_cache_usage_perc.{cached}", (),
+     lambda v: (((), v.kv_cache_usage_ratio),)),
     ("gauge", "kvguard_kv_cache_budget_bytes", "KV-cache budget from the startup profile: stock is vLLM's (total x "
      "utilization - weights - allocated activation peak - non-torch), reserved uses the reserved activation peak "
-     "instead.", ("budget",)),
+     "instead.", ("budget",),
+     lambda v: ((("stock",), v.verdict.stock_budget_bytes), (("reserved",), v.verdict.reserved_budget_bytes))),
     ("gauge", "kvguard_kv_cache_overcommit_bytes", "How much the stock budget exceeds the reserved-aware budget "
-     "(0 when it does not).", ()),
-    ("gauge", "kvguard_profile_weights_bytes", "Model weights on this rank, from the startup profile.", ()),
+     "(0 when it does not).", (),
+     _verdict("overcommit_bytes")),
+    ("gauge", "kvguard_profile_weights_bytes", "Model weights on this rank, from the startup profile.", (),
+     _profile("weights_bytes")),
     ("gauge", "kvguard_profile_activation_peak_bytes", "Increase of the allocator's allocated (or reserved) peak "
-     "during vLLM's profiling run.", ("measure",)),
+     "during vLLM's profiling run.", ("measure",),
+     _activation_peaks),
     ("gauge", "kvguard_profile_non_torch_bytes", "Increase of memory outside the framework allocator during "
-     "profiling (may be negative).", ()),
-    ("gauge", "kvguard_profile_gpu_memory_utilization_ratio", "vLLM's gpu_memory_utilization for this rank.", ()),
+     "profiling (may be negative).", (),
+     _profile("non_torch_increase_bytes")),
+    ("gauge", "kvguard_profile_gpu_memory_utilization_ratio", "vLLM's gpu_memory_utilization for this rank.", (),
+     _profile("gpu_memory_utilization")),
     ("gauge", "kvguard_guard_state", "1 for the guard's current state of this rank, 0 for the other two states.",
-     ("state",)),
-    ("gauge", "kvguard_guard_severity", "Guard state as a number: 0 ok, 1 warning, 2 critical.", ()),
+     ("state",),
+     lambda v: tuple(((name,), 1.0 if v.verdict.state == name else 0.0) for name in STATES)),
+    ("gauge", "kvguard_guard_severity", "Guard state as a number: 0 ok, 1 warning, 2 critical.", (),
+     lambda v: (((), float(SEVERITY[v.verdict.state])),)),
     ("gauge", "kvguard_guard_reason", "1 for each reason the guard currently reports for this rank, 0 for the other reason "
-     "codes.", ("reason",)),
+     "codes.", ("reason",),
+     _reasons),
     ("gauge", "kvguard_guard_projected_peak_bytes", "Projected device peak: weights + KV cache allocated + reserved "
-     "activation peak + non-torch.", ()),
+     "activation peak + non-torch.", (),
+     _verdict("projected_peak_bytes")),
     ("gauge", "kvguard_guard_capacity_bytes", "Device memory the projected peak must fit in (the profile's total "
-     "memory).", ()),
+     "memory).", (),
+     _verdict("capacity_bytes")),
     ("gauge", "kvguard_guard_headroom_bytes", "Capacity minus projected peak; negative means the projected peak does "
-     "not fit.", ()),
+     "not fit.", (),
+     _verdict("headroom_bytes")),
     ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot, as of "
-     "the last spool read.{spool_cached}", ()),
-    ("gauge", "kvguard_snapshot_stale", "1 when the snapshot is older than --stale-after.", ()),
-    ("counter", "kvguard_probe_samples_total", "Samples the in-process probe has taken.", ()),
-    ("counter", "kvguard_probe_errors_total", "Samples the in-process probe failed to take or write.", ()),
+     "the last spool read.{spool_cached}", (),
+     lambda v: (((), v.age_seconds),) if v.snapshot is not None else ()),
+    ("gauge", "kvguard_snapshot_stale", "1 when the snapshot is older than --stale-after.", (),
+     lambda v: (((), 1 if v.stale else 0),) if v.snapshot is not None else ()),
+    ("counter", "kvguard_probe_samples_total", "Samples the in-process probe has taken.", (),
+     lambda v: (((), v.snapshot.probe.samples_total),) if v.snapshot is not None else ()),
+    ("counter", "kvguard_probe_errors_total", "Samples the in-process probe failed to take or write.", (),
+     lambda v: (((), v.snapshot.probe.errors_total + v.snapshot.probe.write_errors_total),)
+     if v.snapshot is not None else ()),
 )
 
 
-def families(obs: Observation) -> _Families:
-    fam = _Families()
+def families(obs: Observation) -> Iterator[Metric]:
+    """Every non-empty family, in exposition order, one at a time."""
     cached = (f" Cached: read in the background every {obs.interval_seconds:g}s, "
               "see kvguard_source_cache_age_seconds.")
     spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
                     "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
-    for kind, name, doc, extra in _RANK_FAMILIES:
+    rank_labels = [[view.labels[k] for k in RANK_LABELS] + _rank_identity(view) for view in obs.ranks]
+    for kind, name, doc, extra, samples in _RANK_FAMILIES:
         doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
-        getattr(fam, kind)(name, doc, RANK_LABELS + RANK_IDENTITY_LABELS + extra)
-    for view in obs.ranks:
-        _rank_samples(view, [view.labels[k] for k in RANK_LABELS] + _rank_identity(view), fam)
+        family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+            name, doc, labels=list(RANK_LABELS + RANK_IDENTITY_LABELS + extra))
+        for view, labels in zip(obs.ranks, rank_labels):
+            for extra_values, value in samples(view):
+                _add(family, labels + list(extra_values), value)
+        if family.samples:
+            yield family
+    yield from _other_families(obs, cached)
 
+
+def _other_families(obs: Observation, cached: str) -> _Families:
+    fam = _Families()
     dev_labels = list(DEVICE_LABELS + IDENTITY_LABELS)
     dev_total = fam.gauge("kvguard_device_total_bytes", "Device memory capacity as the device-level source reports "
                           "it." + cached, dev_labels)
@@ -196,49 +262,3 @@ def _rank_identity(view: RankView) -> list[str]:
     memory = view.snapshot.memory if view.snapshot else None
     return [memory.device_uuid if memory else "", memory.pci_bus_id if memory else "",
             view.labels.get("model_name", ""), view.labels.get("engine", "")]
-
-
-def _rank_samples(view: RankView, labels: list[str], fam: _Families) -> None:
-    memory = view.snapshot.memory if view.snapshot else None
-    if memory is not None:
-        _add(fam["kvguard_allocator_allocated_bytes"], labels, memory.allocated_bytes)
-        _add(fam["kvguard_allocator_reserved_bytes"], labels, memory.reserved_bytes)
-        _add(fam["kvguard_allocator_peak_allocated_bytes"], labels, memory.peak_allocated_bytes)
-        _add(fam["kvguard_allocator_peak_reserved_bytes"], labels, memory.peak_reserved_bytes)
-        _add(fam["kvguard_allocator_fragmentation_bytes"], labels, memory.fragmentation_bytes)
-        _add(fam["kvguard_allocator_fragmentation_ratio"], labels, memory.fragmentation_ratio)
-        _add(fam["kvguard_allocator_inactive_split_bytes"], labels, memory.inactive_split_bytes)
-        _add(fam["kvguard_allocator_alloc_retries_total"], labels, memory.alloc_retries)
-        _add(fam["kvguard_allocator_ooms_total"], labels, memory.ooms)
-
-    verdict = view.verdict
-    _add(fam["kvguard_kv_cache_allocated_bytes"], labels, verdict.kv_cache_bytes)
-    _add(fam["kvguard_kv_cache_allocated_blocks"], labels, view.kv_cache_blocks)
-    _add(fam["kvguard_kv_cache_usage_ratio"], labels, view.kv_cache_usage_ratio)
-    _add(fam["kvguard_kv_cache_budget_bytes"], labels + ["stock"], verdict.stock_budget_bytes)
-    _add(fam["kvguard_kv_cache_budget_bytes"], labels + ["reserved"], verdict.reserved_budget_bytes)
-    _add(fam["kvguard_kv_cache_overcommit_bytes"], labels, verdict.overcommit_bytes)
-
-    profile = view.profile
-    if profile is not None:
-        _add(fam["kvguard_profile_weights_bytes"], labels, profile.weights_bytes)
-        _add(fam["kvguard_profile_activation_peak_bytes"], labels + ["allocated"], profile.peak_allocated_increase_bytes)
-        _add(fam["kvguard_profile_activation_peak_bytes"], labels + ["reserved"], verdict.activation_reserved_peak_bytes)
-        _add(fam["kvguard_profile_non_torch_bytes"], labels, profile.non_torch_increase_bytes)
-        _add(fam["kvguard_profile_gpu_memory_utilization_ratio"], labels, profile.gpu_memory_utilization)
-
-    for name in STATES:
-        fam["kvguard_guard_state"].add_metric(labels + [name], 1.0 if verdict.state == name else 0.0)
-    fam["kvguard_guard_severity"].add_metric(labels, float(SEVERITY[verdict.state]))
-    active = set(verdict.reason_codes)
-    for code in REASON_CODES:
-        fam["kvguard_guard_reason"].add_metric(labels + [code], 1.0 if code in active else 0.0)
-    _add(fam["kvguard_guard_projected_peak_bytes"], labels, verdict.projected_peak_bytes)
-    _add(fam["kvguard_guard_capacity_bytes"], labels, verdict.capacity_bytes)
-    _add(fam["kvguard_guard_headroom_bytes"], labels, verdict.headroom_bytes)
-
-    if view.snapshot is not None:
-        _add(fam["kvguard_snapshot_age_seconds"], labels, view.age_seconds)
-        _add(fam["kvguard_snapshot_stale"], labels, 1 if view.stale else 0)
-        _add(fam["kvguard_probe_samples_total"], labels, view.snapshot.probe.samples_total)
-        _add(fam["kvguard_probe_errors_total"], labels, view.snapshot.probe.errors_total + view.snapshot.probe.write_errors_total)

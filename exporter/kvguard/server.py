@@ -16,8 +16,9 @@ and threads are bounded whatever it sends:
   and the connection closed, so a body is never read as the next request;
 - TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
 
-/metrics is rendered once per sidecar refresh (:class:`Exposition`), whatever the scrape rate:
-parallel scrapes share one render, and the gzip of it.
+/metrics is made once per sidecar refresh (kvguard.exposition), whatever the scrape rate:
+parallel scrapes share one observation, one collection, each format and its gzip; a large body is
+sent from the shared chunks, never joined or copied per scrape.
 
 TLS and basic auth come from ``--web.config.file`` (exporter-toolkit format, kvguard.webconfig,
 re-read on change) or the shorthand flags; the probes (/healthz, /readyz) stay open so the
@@ -27,7 +28,6 @@ kubelet can reach them without credentials.
 from __future__ import annotations
 
 import base64
-import gzip
 import hmac
 import json
 import queue
@@ -43,15 +43,15 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
-from prometheus_client.process_collector import ProcessCollector
 
-from kvguard.collector import KVGuardCollector
+from kvguard.exposition import Exposition
 from kvguard.guard import CRITICAL
-from kvguard.sidecar import Observation, Sidecar
+from kvguard.sidecar import Sidecar
 from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
 
 OPEN_PATHS = ("/healthz", "/readyz")
+LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
+ACCEPTS_PER_WAKEUP = 256
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large",
             500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
@@ -83,13 +83,6 @@ def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(options.tls_cert_file, options.tls_key_file)
     return context
-
-
-def make_registry(sidecar: Sidecar) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(KVGuardCollector(sidecar))
-    ProcessCollector(registry=registry)
-    return registry
 
 
 def _gzip_accepted(header: str | None) -> bool:
@@ -187,88 +180,62 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
     return Request(method, target, version, headers, keep_alive and not has_body, has_body)
 
 
-# ------------------------------------------------------------------------------ the exposition
-
-class Exposition:
-    """The latest observation and its rendered exposition, made once per sidecar refresh.
-
-    A new render happens when the sidecar's background reads have moved on (its ``generation``)
-    or the cached one is older than ``max_age`` seconds; concurrent callers share one render.
-    """
-
-    def __init__(self, sidecar: Sidecar, registry: CollectorRegistry | None = None, max_age: float | None = None):
-        self.sidecar = sidecar
-        self.collector = KVGuardCollector(sidecar)
-        if registry is None:
-            registry = CollectorRegistry(auto_describe=False)
-            registry.register(self.collector)
-            ProcessCollector(registry=registry)
-        self.registry = registry
-        self.max_age = sidecar.config.interval if max_age is None else max_age
-        self._lock = threading.Lock()
-        self._key: tuple | None = None
-        self._made_at = 0.0
-        self._observation: Observation | None = None
-        self._bodies: dict[tuple[str, bool], bytes] = {}
-        self.renders_total = 0
-
-    def _fresh(self) -> None:
-        """Refresh the cache when it is out of date (the caller holds the lock)."""
-        key = self.sidecar.generation()
-        now = time.monotonic()
-        if self._observation is None or key != self._key or now - self._made_at >= self.max_age:
-            self._observation = self.sidecar.observe()
-            self._key = self.sidecar.generation()
-            self._made_at = now
-            self._bodies = {}
-
-    def observation(self) -> Observation:
-        with self._lock:
-            self._fresh()
-            return self._observation
-
-    def body(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept)
-        with self._lock:
-            self._fresh()
-            body = self._bodies.get((content_type, gzipped))
-            if body is None:
-                plain = self._bodies.get((content_type, False))
-                if plain is None:
-                    self.collector.pinned = self._observation
-                    try:
-                        plain = encoder(self.registry)
-                    finally:
-                        self.collector.pinned = None
-                    self.renders_total += 1
-                    self._bodies[(content_type, False)] = plain
-                body = gzip.compress(plain, compresslevel=6) if gzipped else plain
-                self._bodies[(content_type, gzipped)] = body
-            return body, content_type
-
-
 # ------------------------------------------------------------------------------ responses
 
 @dataclass
 class Response:
     status: int
-    body: bytes
+    body: bytes | tuple[bytes, ...]     # or chunks sent in order (the cached /metrics, never joined)
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
     close: bool = False
+
+    @property
+    def chunks(self) -> tuple[bytes, ...]:
+        return (self.body,) if isinstance(self.body, bytes) else self.body
+
+    @property
+    def length(self) -> int:
+        return sum(len(chunk) for chunk in self.chunks)
 
 
 def _text(status: int, text: str, **kw: Any) -> Response:
     return Response(status, text.encode("utf-8", "replace"), **kw)
 
 
-def encode_response(response: Response, head_only: bool, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
+def encode_head(response: Response, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
     lines = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}",
-             "Server: kvguard", f"Content-Type: {response.content_type}", f"Content-Length: {len(response.body)}"]
+             "Server: kvguard", f"Content-Type: {response.content_type}", f"Content-Length: {response.length}"]
     lines += [f"{k}: {v}" for k, v in {**extra, **response.headers}.items()]
     lines.append("Connection: keep-alive" if keep_alive else "Connection: close")
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
-    return head if head_only else head + response.body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+
+
+def encode_response(response: Response, head_only: bool, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
+    head = encode_head(response, keep_alive, extra)
+    return head if head_only else b"".join((head,) + response.chunks)
+
+
+# Writes up to this size are joined into one send (with TCP_NODELAY, each send is a segment);
+# larger chunks (a big spool's exposition, shared by every scrape of a refresh) go out as they
+# are, never copied per scrape.
+COALESCE_BYTES = 64 * 1024
+
+
+def send_response(sock: socket.socket, head: bytes, chunks: tuple[bytes, ...]) -> None:
+    pending: list[bytes] = [head]
+    size = len(head)
+    for chunk in chunks:
+        if size + len(chunk) > COALESCE_BYTES and pending:
+            sock.sendall(b"".join(pending))
+            pending, size = [], 0
+        if len(chunk) > COALESCE_BYTES:
+            sock.sendall(chunk)
+        else:
+            pending.append(chunk)
+            size += len(chunk)
+    if pending:
+        sock.sendall(b"".join(pending))
 
 
 class Application:
@@ -292,8 +259,8 @@ class Application:
                          headers={"WWW-Authenticate": 'Basic realm="kvguard", charset="UTF-8"'})
         try:
             if path == "/metrics":
-                body, content_type = self.exposition.body(request.headers.get("accept", ""),
-                                                          _gzip_accepted(request.headers.get("accept-encoding")))
+                body, content_type = self.exposition.parts(request.headers.get("accept", ""),
+                                                           _gzip_accepted(request.headers.get("accept-encoding")))
                 headers = {"Content-Encoding": "gzip"} if _gzip_accepted(request.headers.get("accept-encoding")) else {}
                 return Response(200, body, content_type, headers)
             if path == "/healthz":
@@ -382,7 +349,9 @@ class KVGuardServer:
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind((options.listen, options.port))
-            self._listener.listen(128)
+            # A deep accept queue: slowloris clients re-opening by the thousand would otherwise
+            # overflow it, and a dropped SYN costs a normal scrape a 1 s retransmit (bench_flood.py).
+            self._listener.listen(LISTEN_BACKLOG)
         except OSError:
             self._listener.close()
             raise
@@ -502,7 +471,7 @@ class KVGuardServer:
                 self.close()
 
     def _accept(self) -> None:
-        for _ in range(64):
+        for _ in range(ACCEPTS_PER_WAKEUP):
             try:
                 sock, address = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -731,7 +700,8 @@ class KVGuardServer:
             response = self.app.handle(request)
             keep = request.keep_alive and not response.close and not self._stop.is_set()
             try:
-                sock.sendall(encode_response(response, request.method == "HEAD", keep, extra))
+                send_response(sock, encode_head(response, keep, extra),
+                              () if request.method == "HEAD" else response.chunks)
             except (OSError, ValueError):
                 return False
             conn.last = time.monotonic()
