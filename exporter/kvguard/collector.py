@@ -187,7 +187,8 @@ def families(obs: Observation) -> Iterator[Metric]:
               "see kvguard_source_cache_age_seconds.")
     spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
                     "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
-    rank_labels = [[view.labels[k] for k in RANK_LABELS] + _rank_identity(view) for view in obs.ranks]
+    rank_labels = [[view.labels[k] for k in RANK_LABELS] + [view.identity()[k] for k in RANK_IDENTITY_LABELS]
+                   for view in obs.ranks]
     for kind, name, doc, extra, samples in _RANK_FAMILIES:
         doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
         family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
@@ -256,9 +257,3 @@ def _other_families(obs: Observation, cached: str) -> _Families:
                       ["version", "python_version"])
     build.add_metric([__version__, platform.python_version()], 1)
     return fam
-
-
-def _rank_identity(view: RankView) -> list[str]:
-    memory = view.snapshot.memory if view.snapshot else None
-    return [memory.device_uuid if memory else "", memory.pci_bus_id if memory else "",
-            view.labels.get("model_name", ""), view.labels.get("engine", "")]

@@ -52,7 +52,7 @@ class RankView:
     verdict: Verdict
 
     def identity(self) -> dict[str, str]:
-        """The identity labels the rank's series carry (collector.RANK_IDENTITY_LABELS); "" where unknown."""
+        """The identity labels the rank's series carry, (collector.RANK_IDENTITY_LABELS); "" where unknown."""
         memory = self.snapshot.memory if self.snapshot else None
         return {"device_uuid": memory.device_uuid if memory else "", "pci_bus_id": memory.pci_bus_id if memory else "",
                 "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", "")}
