@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvguard.cli import main
-from kvguard.estimator import ProfileError
+from kvguard.estimator import Profile, ProfileError, recommended_gpu_memory_utilization
 from kvguard.vllm.log import LogLineError, parse_log
 
 from kvguard.poller import Poller
 from kvguard.sidecar import Sidecar, SidecarConfig
 from kvguard.sources.npu_smi import NpuSmiSource
-from sidecar_fixtures import snapshot, write
+from sidecar_fixtures import GIB, snapshot, write
 
 POD = {"pod": "", "namespace": "", "container": ""}
 
@@ -111,8 +111,9 @@ def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_2(log_with_
 def test_serve_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
     result = kvguard("serve", "--from-log", log_with_utilization_5, "--port", "0", "--source", "none",
                      "--listen", "127.0.0.1")
-    assert result.returncode != 0
-    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
+    assert result.returncode == 1
+    assert one_line_error(result) == (f"Error: --from-log {log_with_utilization_5}: the log's profile is impossible: "
+                                      "gpu_memory_utilization must be in (0, 1], got 5.0")   # not "internal error"
 
 
 def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
@@ -124,8 +125,17 @@ def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilizatio
 def test_budget_with_a_reserved_increase_larger_than_the_device_is_one_line(data_path):
     result = kvguard("budget", "--from-log", data_path("logs", "v1-tp2-debug.log"), "--peak-reserved-increase",
                      "1000GiB")
-    assert result.returncode != 0
-    assert one_line_error(result).startswith("Error: ")
+    assert result.returncode == 1
+    assert one_line_error(result) == ("Error: --peak-reserved-increase 1000.00 GiB is more than the device's total "
+                                      "memory (64.00 GiB): check its unit")
+
+
+def test_the_recommendation_survives_a_reserved_increase_past_the_device():
+    # What the CLI refuses above, the estimator itself (the guard and plugin call it) answers: none is safe.
+    profile = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=14 * GIB,
+                      peak_allocated_increase_bytes=4 * GIB, peak_reserved_increase_bytes=1000 * GIB,
+                      non_torch_increase_bytes=0)
+    assert recommended_gpu_memory_utilization(profile) is None
 
 
 # ------------------------------------------------------------------ mutated real log lines

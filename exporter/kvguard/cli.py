@@ -17,7 +17,7 @@ from kvguard.estimator import (
     estimate, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
 )
 from kvguard.model_config import bundled_model_config_path, load_model_config
-from kvguard.units import format_bytes, parse_size
+from kvguard.units import format_bytes, format_gib, parse_size
 
 
 class SizeType(click.ParamType):
@@ -302,6 +302,8 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         raise click.UsageError("nothing to compute: give --model-config, a profile (--profile, --from-log, "
                                "or --total-memory ... flags), or both")
 
+    if profile is not None:
+        _refuse_growth_past_the_device(profile)
     result: dict[str, Any] = {"vllm_version": fields.get("vllm_version"),
                               "era": era.to_dict() if era else None,
                               "block_bytes": layout.block_bytes if layout else None}
@@ -334,6 +336,17 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         _emit_json(result)
     else:
         _print_budget(result, layout)
+
+
+def _refuse_growth_past_the_device(profile: Profile) -> None:
+    """A profile whose weights or profile-run increases exceed the device itself was mis-typed (a unit, a
+    digit); say which figure, rather than print a budget of minus hundreds of GiB."""
+    for name, flag in (("weights_bytes", "--weights"), ("peak_allocated_increase_bytes", "--peak-allocated-increase"),
+                       ("peak_reserved_increase_bytes", "--peak-reserved-increase")):
+        value = getattr(profile, name)
+        if value is not None and value > profile.total_memory_bytes:
+            raise click.ClickException(f"{flag} {format_gib(value)} is more than the device's total memory "
+                                       f"({format_gib(profile.total_memory_bytes)}): check its unit")
 
 
 def _recommended_flags(result: dict[str, Any], era) -> list[str]:

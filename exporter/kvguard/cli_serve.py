@@ -34,12 +34,19 @@ class CheckError(click.ClickException):
 
 
 def _read_startup_log(path: str, error=click.ClickException):
+    """The log, and its profile checked here: a log stating an impossible profile (utilization 5.0) is
+    refused in one line at startup, not at the first judgement."""
+    from kvguard.estimator import ProfileError
     from kvguard.vllm.log import LogFileError, read_startup_log
 
     try:
-        return read_startup_log(path)
+        startup = read_startup_log(path)
+        startup.profile()
     except LogFileError as exc:
         raise error(str(exc)) from None
+    except ProfileError as exc:
+        raise error(f"--from-log {path}: the log's profile is impossible: {exc}") from None
+    return startup
 
 
 def _build_sources(names: tuple[str, ...], nvml_mig: bool = False) -> list[tuple[str, Any]]:

@@ -517,7 +517,9 @@ def recommended_gpu_memory_utilization(profile: Profile) -> float | None:
 
     gap = non_kv_cache_bytes(profile, reserved=True) - non_kv_cache_bytes(profile)
     hundredths = math.floor(100 * profile.gpu_memory_utilization - 100 * gap / profile.total_memory_bytes)
-    hundredths = min(hundredths, math.floor(100 * profile.gpu_memory_utilization))
+    # A reserved increase near or past the device's size puts the estimate at or below zero: no
+    # utilization is safe, and none below 0.01 may be built into a Profile.
+    hundredths = max(0, min(hundredths, math.floor(100 * profile.gpu_memory_utilization)))
     # Float rounding can land one step off either way: settle on the largest safe value.
     while hundredths > 0 and stock_at(hundredths) > reserved:
         hundredths -= 1
