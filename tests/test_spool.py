@@ -185,7 +185,18 @@ def test_control_characters_and_lone_surrogates_in_text_become_replacement_chara
     data["host"] = "node\x00a"
     data["pod"]["pod"] = "qwen\n0"
     data["memory"]["device"] = "npu:\ud800"
+    data["memory"]["processes"] = [{"pid": 7, "used_bytes": 1, "name": "vllm\x1b[2J"}]
     write_json(tmp_path, "x.json", data)
     [read] = read_spool(str(tmp_path)).snapshots
-    assert (read.device, read.host, read.pod["pod"], read.memory.device) == \
-        ("npu:\ufffd", "node\ufffda", "qwen\ufffd0", "npu:\ufffd")
+    assert (read.device, read.host, read.pod["pod"], read.memory.device, read.memory.processes[0].name) == \
+        ("npu:\ufffd", "node\ufffda", "qwen\ufffd0", "npu:\ufffd", "vllm\ufffd[2J")
+
+
+def test_a_snapshot_keeps_its_first_64_device_processes_and_never_builds_the_rest(tmp_path):
+    data = good_payload()
+    # Entries past the kept 64 are neither built nor checked: a malformed one there costs nothing.
+    data["memory"]["processes"] = [{"pid": i, "used_bytes": i, "name": f"p{i}"} for i in range(64)] + \
+        [{"pid": "not a pid"}] * 10_000
+    write_json(tmp_path, "many.json", data)
+    [snap] = read_spool(str(tmp_path)).snapshots
+    assert [p.pid for p in snap.memory.processes] == list(range(64))

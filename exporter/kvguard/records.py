@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 # No device or counter comes near 2**63; anything larger in untrusted input is garbage, and
 # Python's unbounded ints would otherwise overflow later float conversions.
@@ -100,8 +100,11 @@ class DeviceMemory:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DeviceMemory":
-        """Strict decoding for untrusted input (spool files): raises ValueError with one line."""
+    def from_dict(cls, data: Mapping[str, Any], max_processes: int = 1024,
+                  process_name: Callable[[str], str] = lambda name: name[:128]) -> "DeviceMemory":
+        """Strict decoding for untrusted input (spool files): raises ValueError with one line. The first
+        ``max_processes`` process entries are kept (and checked), the rest ignored; ``process_name``
+        cleans each entry's name as it is built."""
         if not isinstance(data, Mapping):
             raise ValueError("memory record is not an object")
         device = data.get("device")
@@ -127,13 +130,13 @@ class DeviceMemory:
         if not isinstance(processes, list):
             raise ValueError("memory field processes is not a list")
         parsed = []
-        for entry in processes[:1024]:
+        for entry in processes[:max_processes]:
             if not isinstance(entry, Mapping) or not isinstance(entry.get("pid"), int) \
                     or not isinstance(entry.get("used_bytes"), int) or isinstance(entry.get("pid"), bool) \
                     or not 0 <= entry["pid"] <= MAX_COUNTER or entry["used_bytes"] > MAX_COUNTER:
                 raise ValueError("memory field processes has a malformed entry")
             parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
-                                        name=str(entry.get("name", ""))[:128]))
+                                        name=process_name(str(entry.get("name", "")))))
         values["processes"] = tuple(parsed)
         for name in IDENTITY_FIELDS:   # absent from older snapshots: "" then
             value = data.get(name)

@@ -54,6 +54,10 @@ def safe_text(text: str, limit: int) -> str:
     return _UNSAFE_TEXT.sub("\ufffd", text[:limit])
 
 
+def _process_name(name: str) -> str:
+    return safe_text(name, 128)
+
+
 @dataclass(frozen=True)
 class KVCacheAllocation:
     """The KV cache the serving engine actually allocated on this rank."""
@@ -146,7 +150,8 @@ class Snapshot:
             if not isinstance(pod_raw, Mapping):
                 raise ValueError("pod is not an object")
             pod = {k: str(pod_raw[k])[:253] for k in POD_ENV if isinstance(pod_raw.get(k), str) and pod_raw[k]}
-            memory = DeviceMemory.from_dict(data.get("memory"))
+            memory = DeviceMemory.from_dict(data.get("memory"), max_processes=MAX_SNAPSHOT_PROCESSES,
+                                            process_name=_process_name)
             profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
             kv_cache = None
             if data.get("kv_cache") is not None:
@@ -174,9 +179,7 @@ class Snapshot:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
         # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
         # of non-UTF-8 device names) and control characters would break the whole exposition.
-        memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64),
-                         processes=tuple(replace(p, name=safe_text(p.name, 128))
-                                         for p in memory.processes[:MAX_SNAPSHOT_PROCESSES]))
+        memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64))
         probe = replace(probe, last_error=None if probe.last_error is None else safe_text(probe.last_error, 512))
         return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
                    pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
