@@ -216,3 +216,27 @@ def test_real_snapshot_replays_at_every_recorded_address(path):
         assert device.ooms_matched == device.ooms
         assert device.segment_frees_matched == device.segment_frees
         assert device.frees_skipped == 0
+
+
+def test_without_device_memory_a_replay_does_not_guess_the_gpus_size(tmp_path):
+    # An expandable segment grown to 40 GiB, as on an 80 GB GPU. The CLI's 32 GiB default would bound its
+    # address space at 36 GiB and refuse the growth; a snapshot does not record its GPU's size, so an exact
+    # replay takes --device-memory only when it is given.
+    gib = 1 << 30
+    settings = {**SETTINGS, "expandable_segments": True}
+    snap = snapshot([segment(BASE, 40 * gib, [(BASE, 40 * gib, 40 * gib, "active_allocated")], expandable=True)],
+                    [entry("segment_map", BASE, 40 * gib), alloc(BASE, 40 * gib)], settings)
+    path = tmp_path / "big.pickle"
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+
+    def matched(*args):
+        result = CliRunner().invoke(main, ["simulate", "--trace", str(path), "--json", *args])
+        assert result.exit_code == 0, result.output
+        [device] = json.loads(result.output)["trace"]["devices"]
+        return device["allocs_matched"], device["end_state_matches"]
+
+    assert matched() == (1, True)
+    assert matched("--device-memory", "80GiB") == (1, True)
+    smaller = CliRunner().invoke(main, ["simulate", "--trace", str(path), "--device-memory", "32GiB"])
+    assert (smaller.exit_code, smaller.output) == (1, "Error: snapshot device_traces[0][1] (alloc): 42949672960 "
+                                                      "bytes cannot be served on any device\n")   # asked for
