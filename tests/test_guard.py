@@ -175,7 +175,7 @@ def test_verdict_serialises_with_reasons():
 
 def test_worst_state_of_several_ranks():
     assert worst([judge(GuardInput(NPU_910B, kv_cache_bytes=GIB)), judge(GuardInput(NPU_910B))]) == WARNING
-    assert worst([]) == OK
+    assert worst([]) == WARNING    # judging nothing is no all-clear
 
 
 def test_counter_window_reports_growth_within_the_window():

@@ -45,9 +45,11 @@ NO_PROFILE = "no_profile"
 SNAPSHOT_STALE = "snapshot_stale"
 REASON_CODES = (OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY, RETRIES_CLIMBING, OOMS_CLIMBING, LIVE_RESERVED_EXCEEDS,
                 NO_PROFILE, SNAPSHOT_STALE)
+# Not about one rank: the overall state when no rank was judged (/guard, /readyz, kvguard check).
+NO_RANKS = "no_ranks"
 _REASON_STATE = {OVERCOMMITTED: WARNING, PEAK_EXCEEDS_CAPACITY: CRITICAL, RETRIES_CLIMBING: CRITICAL,
                  OOMS_CLIMBING: CRITICAL, LIVE_RESERVED_EXCEEDS: WARNING, NO_PROFILE: WARNING,
-                 SNAPSHOT_STALE: WARNING}
+                 SNAPSHOT_STALE: WARNING, NO_RANKS: WARNING}
 
 @dataclass(frozen=True)
 class Reason:
@@ -79,6 +81,9 @@ class GuardInput:
     ooms_increase: int | None = None
     snapshot_stale: bool = False
     kv_cache_outside_allocator: bool = False     # 0.34's extensible KV pages: in used memory, not in reserved
+    # Why there is no profile, when the caller knows better than "none anywhere" (a startup log
+    # that lacks some figures: one line naming them).
+    no_profile_detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,9 +131,10 @@ def judge(inp: GuardInput) -> Verdict:
 
     profile = inp.profile
     if profile is None:
-        reasons.append(Reason(NO_PROFILE, "no startup profile for this rank (none in the snapshot, no --from-log, "
-                                          "no vLLM metrics): cannot judge the KV cache"))
-        return Verdict(state=_state(reasons), reasons=tuple(reasons))
+        reasons.append(Reason(NO_PROFILE, inp.no_profile_detail or
+                              "no startup profile for this rank (none in the snapshot, no --from-log): "
+                              "cannot judge the KV cache"))
+        return Verdict(state=_state(reasons), reasons=tuple(reasons), kv_cache_bytes=inp.kv_cache_bytes)
 
     stock = stock_kv_cache_bytes(profile)
     profile_for_reserved, estimated = _profile_with_reserved_peak(profile, memory)
@@ -271,7 +277,15 @@ def _state(reasons: list[Reason]) -> str:
 
 
 def worst(verdicts: list[Verdict]) -> str:
+    """The overall state of the ranks judged; ``warning`` when there are none: no verdict is no all-clear."""
+    if not verdicts:
+        return WARNING
     return _worst_state(v.state for v in verdicts)
+
+
+def no_ranks_reason(why: str) -> Reason:
+    """The overall reason when no rank was judged; ``why`` says what was looked at."""
+    return Reason(NO_RANKS, f"no rank judged ({why}): the guard cannot say the KV cache fits")
 
 
 class CounterWindow:

@@ -47,7 +47,6 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.process_collector import ProcessCollector
 
 from kvguard.collector import KVGuardCollector
-from kvguard.guard import CRITICAL
 from kvguard.sidecar import Observation, Sidecar
 from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
 
@@ -333,14 +332,8 @@ class Application:
         return ok_user and ok_password
 
     def _readyz(self) -> Response:
-        if self.options.fail_readiness_on_critical:
-            observation = self.exposition.observation()
-            if observation.state == CRITICAL:
-                critical = [r for r in observation.ranks if r.verdict.state == CRITICAL]
-                lines = [f"critical: rank {r.labels['rank'] or '-'} device {r.labels['device'] or '-'}: "
-                         f"{'; '.join(reason.code for reason in r.verdict.reasons)}" for r in critical]
-                return _text(503, "\n".join(lines) + "\n")
-        return _text(200, "ready\n")
+        status, body = self.exposition.observation().readiness(self.options.fail_readiness_on_critical)
+        return _text(status, body)
 
 
 # ------------------------------------------------------------------------------ connections
