@@ -159,3 +159,21 @@ def test_0_34_utilization_none_is_resolved_never_none(tmp_path_factory):
     result, snap, _ = run("0.34.0", tmp_path_factory)
     assert result["config"]["gpu_memory_utilization"] is None
     assert snap.profile.gpu_memory_utilization == result["config"]["resolved_gpu_memory_utilization"] == 1.0
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_budget_time_verdict_counts_the_kv_tensors_vllm_then_allocates(release, tmp_path_factory):
+    """Written at determine_available_memory, before vLLM sized its KV cache: the block count the verdict
+    assumed is the one vLLM's engine core then chose, tensor for tensor (0.34's extensible cache is
+    sized after warm-up, outside the allocator: no budget-time verdict there)."""
+    result, snap, _ = run(release, tmp_path_factory)
+    if era_for(release).extensible_kv_cache_default:
+        assert snap.budget_verdict is None
+        return
+    verdict = snap.budget_verdict
+    config = result["kv_cache_config"]
+    [group] = config["groups"]
+    assert verdict.phase == "budget" and verdict.kv_tensors == verdict.kv_tensors_placed == group["num_layers"]
+    assert verdict.kv_cache_bytes == config["num_blocks"] * group["page_size_bytes"] * group["num_layers"]
+    # The fake device does not round: placing the tensors costs nothing beyond their bytes.
+    assert verdict.kv_placement_loss_bytes == 0 or verdict.kv_placement_loss_bytes < 2 * group["num_layers"] << 20

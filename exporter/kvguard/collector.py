@@ -112,6 +112,12 @@ _RANK_FAMILIES = (
      "memory).", ()),
     ("gauge", "kvguard_guard_headroom_bytes", "Capacity minus projected peak; negative means the projected peak does "
      "not fit.", ()),
+    ("gauge", "kvguard_guard_budget_severity", "The budget-time verdict (judged when vLLM fixed its KV budget, "
+     "before the KV cache existed) as a number: 0 ok, 1 warning, 2 critical.", ()),
+    ("gauge", "kvguard_guard_budget_reason", "1 for each reason of the budget-time verdict, 0 for the other reason "
+     "codes.", ("reason",)),
+    ("gauge", "kvguard_guard_budget_headroom_bytes", "Capacity minus projected peak at budget time, the KV "
+     "tensors placed by the allocator's rules.", ()),
     ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot, as of "
      "the last spool read.{spool_cached}", ()),
     ("gauge", "kvguard_snapshot_stale", "1 when the snapshot is older than --stale-after.", ()),
@@ -222,6 +228,12 @@ def _rank_samples(view: RankView, labels: list[str], fam: _Families) -> None:
     _add(fam["kvguard_guard_projected_peak_bytes"], labels, verdict.projected_peak_bytes)
     _add(fam["kvguard_guard_capacity_bytes"], labels, verdict.capacity_bytes)
     _add(fam["kvguard_guard_headroom_bytes"], labels, verdict.headroom_bytes)
+    at_budget = view.at_budget
+    if at_budget is not None:
+        fam["kvguard_guard_budget_severity"].add_metric(labels, float(SEVERITY[at_budget.state]))
+        for code in REASON_CODES:
+            fam["kvguard_guard_budget_reason"].add_metric(labels + [code], 1.0 if code in at_budget.reason_codes else 0.0)
+        _add(fam["kvguard_guard_budget_headroom_bytes"], labels, at_budget.headroom_bytes)
 
     if view.snapshot is not None:
         _add(fam["kvguard_snapshot_age_seconds"], labels, view.age_seconds)

@@ -128,6 +128,7 @@ class Probe:
         self._sequence: dict[str, int] = {}
         self._profiles: dict[str | None, Profile | None] = {}
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
+        self._budget_verdicts: dict[str | None, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -171,6 +172,14 @@ class Probe:
             raise TypeError(f"kv_cache must be a kvguard.spool.KVCacheAllocation, got {type(kv_cache).__name__}")
         with self._lock:
             self._kv_caches[device] = kv_cache
+
+    def set_budget_verdict(self, verdict: Any, device: str | None = _ALL) -> None:
+        """The guard's budget-time verdict (``kvguard.guard.judge_at_budget``), for the snapshots."""
+        from kvguard.guard import BUDGET, Verdict
+        if verdict is not None and (not isinstance(verdict, Verdict) or verdict.phase != BUDGET):
+            raise TypeError("budget verdict must be a kvguard.guard.Verdict of phase 'budget'")
+        with self._lock:
+            self._budget_verdicts[device] = verdict
 
     @property
     def status(self) -> ProbeStatus:
@@ -255,12 +264,13 @@ class Probe:
                 sequence = self._sequence[record.device] = self._sequence.get(record.device, 0) + 1
                 profile = _pick(self._profiles, record.device, context.profile)
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
+                budget_verdict = _pick(self._budget_verdicts, record.device, None)
                 status = self._status()
             snapshot = Snapshot(
                 written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
                 pid=os.getpid(), device=record.device, memory=record,
                 rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
-                profile=profile, kv_cache=kv_cache, probe=status)
+                profile=profile, kv_cache=kv_cache, probe=status, budget_verdict=budget_verdict)
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -382,6 +392,11 @@ def set_profile(profile: Profile | None, device: str | None = _ALL) -> bool:
 def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> bool:
     """Attach the engine's KV-cache allocation to the snapshots. Never raises; False when not applied."""
     return _apply("set_kv_cache", kv_cache, device)
+
+
+def set_budget_verdict(verdict: Any, device: str | None = _ALL) -> bool:
+    """Attach the budget-time verdict to the snapshots. Never raises; False when not applied."""
+    return _apply("set_budget_verdict", verdict, device)
 
 
 def _apply(method: str, value: Any, device: str | None) -> bool:

@@ -50,6 +50,7 @@ class RankView:
     age_seconds: float | None
     stale: bool
     verdict: Verdict
+    at_budget: Verdict | None = None    # the probe's budget-time verdict, from before the KV cache existed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +62,7 @@ class RankView:
             "kv_cache_blocks": self.kv_cache_blocks,
             "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
             **self.verdict.to_dict(),
+            "at_budget": None if self.at_budget is None else self.at_budget.to_dict(),
         }
 
 
@@ -288,8 +290,13 @@ class Sidecar:
                                        kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
                                        no_profile_detail=missing))
+            at_budget = snap.budget_verdict
+            if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
+                # Between the budget and the KV cache's allocation the budget-time verdict is the one
+                # that knows where the cache will go: it stands for the rank until the cache exists.
+                verdict = at_budget
             views.append(RankView(labels, snap, profile, origin, blocks,
-                                  vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict))
+                                  vllm.kv_cache_usage_ratio if vllm else None, age, stale, verdict, at_budget))
 
         if not views and (log is not None or vllm is not None):
             # No probe: judge the one engine the log or vLLM's metrics describe.

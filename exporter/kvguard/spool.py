@@ -94,6 +94,7 @@ class Snapshot:
     profile: Profile | None = None
     kv_cache: KVCacheAllocation | None = None
     probe: ProbeStatus = field(default_factory=ProbeStatus)
+    budget_verdict: Any = None        # kvguard.guard.Verdict (phase "budget"): judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
 
@@ -113,6 +114,7 @@ class Snapshot:
             "profile": self.profile.to_dict() if self.profile else None,
             "kv_cache": None if self.kv_cache is None else asdict(self.kv_cache),
             "probe": asdict(self.probe),
+            "budget_verdict": None if self.budget_verdict is None else self.budget_verdict.to_dict(),
         }
 
     @classmethod
@@ -148,6 +150,14 @@ class Snapshot:
                 kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
                                              block_size=_int(kv, "block_size"),
                                              outside_allocator=kv.get("outside_allocator") is True)
+            budget_verdict = None
+            if data.get("budget_verdict") is not None:
+                from kvguard.guard import BUDGET, Verdict
+                budget_verdict = Verdict.from_dict(data["budget_verdict"])
+                if budget_verdict.phase != BUDGET:
+                    raise ValueError("budget_verdict is not of phase 'budget'")
+                budget_verdict = replace(budget_verdict, reasons=tuple(
+                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons))
             probe_raw = data.get("probe") or {}
             if not isinstance(probe_raw, Mapping):
                 raise ValueError("probe is not an object")
@@ -172,7 +182,7 @@ class Snapshot:
         return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
                    pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
                    pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
-                   probe=probe)
+                   probe=probe, budget_verdict=budget_verdict)
 
 
 class SnapshotError(ValueError):
