@@ -59,7 +59,7 @@ WORKER_CLASSES = (
     ("vllm_ascend.worker.worker_v1", "NPUWorker"),
     ("vllm_ascend._310p.worker_310p", "NPUWorker310"),     # 310P: its own determine_available_memory (0.18+)
 )
-BUDGETS = ("stock", "reserved")
+BUDGETS = ("stock", "reserved", "guard")
 DEFAULT_INTERVAL = 5.0
 _MARK = "_kvguard_wrapped"
 
