@@ -208,11 +208,12 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
 # ------------------------------------------------------------------ a real rank's allocator, from its counters
 
 def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,
-                            enable_vmm: bool = False, increase_size: int | None = None) -> Any:
+                            enable_vmm: bool = False) -> Any:
     """A new ``kvguard.sim`` model of a real rank's allocator holding what its counters say it holds.
 
     What a rank's counters do not say (where its cached memory lies, which pool holds what) is
-    taken on the safe side, with the models' own rules:
+    taken on the safe side, with the models' own rules (only their constructors, ``malloc``,
+    ``free`` and ``memory_stats`` are used):
 
     - the device: ``total``, and outside the allocator everything used but the allocator's
       physical reservation (``used − reserved``; MindSpore with VMM: reserved − eager-free);
@@ -220,29 +221,35 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
       not counted on for the KV tensors: after vLLM's ``empty_cache`` it is the free slivers of
       split segments);
     - ``mindspore``: the allocated bytes held in the persistent pool (the weights); the idle rest
-      of the reservation as whole common-pool blocks of the pool's unit, idle (the KV tensors go
-      there first, as the pool would put them), and what does not make a whole block held as lost.
-      With VMM, idle pages go back to the device on a miss: only the allocated bytes are held.
+      of the reservation as whole common-pool blocks of the pool's unit (``block_unit_size``), idle
+      (the KV tensors go there first, as the pool would put them), and what does not make a whole
+      block held as lost. With VMM, idle pages go back to the device on a miss: only the allocated
+      bytes are held.
     """
     from kvguard.sim.device import Device
-    from kvguard.sim.mindspore_pool import DEFAULT_INCREASE_SIZE, DynamicMemPool
+    from kvguard.sim.mindspore_pool import DynamicMemPool
     from kvguard.sim.torch_alloc import CachingAllocator
 
     total, free = memory.total_bytes, memory.free_bytes
     reserved, allocated = memory.reserved_bytes or 0, memory.allocated_bytes or 0
     if not total or free is None:
         raise ValueError("the rank's counters lack the device's total or free memory")
-    physical = reserved - (memory.eager_free_bytes or 0) if kind == "mindspore" and enable_vmm else reserved
+    physical = reserved - min(memory.eager_free_bytes or 0, reserved) if kind == "mindspore" and enable_vmm \
+        else reserved
     outside = max(0, total - free - physical)
     device = Device(total, min(outside, total - 1))
     if kind == "mindspore":
-        unit = increase_size or DEFAULT_INCREASE_SIZE
-        pool = DynamicMemPool(device, increase_size=unit, enable_vmm=enable_vmm)
+        pool = DynamicMemPool(device, enable_vmm=enable_vmm)
         if allocated:
             pool.malloc(allocated, persistent=True)
         if not enable_vmm:
-            # The reservation not yet in the model, as whole idle common blocks.
-            blocks = [pool.malloc(unit) for _ in range(max(0, device.free_bytes - free) // unit)]
+            # The reservation not yet in the model, as whole idle common blocks of the pool's unit.
+            blocks = []
+            for _ in range(4096):
+                unit = _common_unit(pool)
+                if unit <= 0 or device.free_bytes - free < unit:
+                    break
+                blocks.append(pool.malloc(unit))
             for addr in blocks:
                 pool.free(addr)
         held_beyond = device.free_bytes - free
@@ -311,3 +318,13 @@ def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str,
             "tensor_style": style, "kv_cache_bytes": kv_cache_bytes, "num_blocks": num_blocks,
             "counters": memory.to_dict(), "verdict": verdict.to_dict(),
             "largest_fitting_blocks": fits, "largest_fitting_kv_cache_bytes": fits * layout.block_bytes}
+
+
+def _common_unit(pool: Any) -> int:
+    """The common pool's block unit, from the pool's own ``memory_stats()`` (the key's spelling differs
+    between MindSpore releases)."""
+    for key, value in pool.memory_stats().items():
+        if key.endswith("_mem_pool_stats") and not key.startswith("persistent") and isinstance(value, dict):
+            unit = value.get("block_unit_size")
+            return int(unit) if isinstance(unit, int) else 0
+    return 0
