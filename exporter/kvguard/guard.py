@@ -220,9 +220,9 @@ def judge(inp: GuardInput) -> Verdict:
         # What the allocator holds now already includes weights and KV cache with every
         # rounding and packing loss; the next activation peak must fit on top of it, less
         # only the cached blocks it can reuse whole (not the slivers of split segments).
-        held = _physical_reserved(memory)
+        held = physical_reserved_bytes(memory)
         live = held + non_torch + kv_outside + max(0, activation - _reusable_bytes(memory))
-        if memory.peak_reserved_bytes is not None and not memory.eager_free_bytes:
+        if memory.peak_reserved_bytes is not None and held == memory.reserved_bytes:
             # (With MindSpore's VMM the reserved peak counts address space, not memory.)
             live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
         if live > projected + capacity_tolerance(profile):
@@ -288,7 +288,7 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
     from kvguard.sim.base import SimOutOfMemory
 
     model = inp.build()
-    reserved_before = _physical_reserved(inp.read(model))
+    reserved_before = physical_reserved_bytes(inp.read(model))
     tensors = inp.kv_tensor_bytes
     kv_cache = sum(tensors)
     placed, failure = 0, None
@@ -303,7 +303,7 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
     placed_bytes = sum(tensors[:placed])
     # Reserved growth beyond the tensors' bytes (rounding, block tails); 0 where they reused idle memory.
     memory = inp.read(model)
-    loss = max(0, _physical_reserved(memory) - reserved_before - placed_bytes)
+    loss = max(0, physical_reserved_bytes(memory) - reserved_before - placed_bytes)
     if failure is None:
         verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, memory=memory,
                                    kv_cache_outside_allocator=inp.kv_cache_outside_allocator))
@@ -352,17 +352,23 @@ def _live_non_torch(memory: DeviceMemory | None) -> int | None:
     if memory is None or memory.reserved_bytes is None:
         return None
     held = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
-    reserved = _physical_reserved(memory)
+    reserved = physical_reserved_bytes(memory)
     if held is None or held < reserved:
         return None
     return held - reserved
 
 
-def _physical_reserved(memory: DeviceMemory) -> int:
-    """The allocator's reservation in device memory: MindSpore's VMM pool counts reserved address
-    space in ``total_reserved_memory`` and the unmapped part of it in ``total_eager_free_memory``
-    (kvguard.sim.mindspore_pool), so only the difference is memory."""
-    return memory.reserved_bytes - min(memory.eager_free_bytes or 0, memory.reserved_bytes)
+def physical_reserved_bytes(memory: DeviceMemory) -> int:
+    """The allocator's reservation in device memory. MindSpore's VMM pool counts reserved address
+    space in ``total_reserved_memory`` on some releases (2.4-2.5: ``MemStat::alloc_size_``) and
+    mapped pages on later ones, and the unmapped address space in ``total_eager_free_memory``
+    (kvguard.sim.mindspore_pool). A reservation larger than the memory the device has in use cannot
+    be memory: then only reserved − eager-free is."""
+    reserved = memory.reserved_bytes
+    used = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
+    if not memory.eager_free_bytes or used is None or reserved <= used:
+        return reserved
+    return max(0, min(used, reserved - memory.eager_free_bytes))
 
 
 def _reusable_bytes(memory: DeviceMemory) -> int:

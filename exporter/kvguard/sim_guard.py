@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvguard.estimator import kv_cache_tensor_bytes
-from kvguard.guard import CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget
+from kvguard.guard import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget,
+                           physical_reserved_bytes)
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
 from kvguard.sources import mindspore as mindspore_source
@@ -216,7 +217,7 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
     ``free`` and ``memory_stats`` are used):
 
     - the device: ``total``, and outside the allocator everything used but the allocator's
-      physical reservation (``used − reserved``; MindSpore with VMM: reserved − eager-free);
+      physical reservation (``used − reserved``; MindSpore with VMM: ``physical_reserved_bytes``);
     - ``torch`` / ``torch_npu``: the reservation held as one allocated block (cached memory is
       not counted on for the KV tensors: after vLLM's ``empty_cache`` it is the free slivers of
       split segments);
@@ -234,8 +235,7 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
     reserved, allocated = memory.reserved_bytes or 0, memory.allocated_bytes or 0
     if not total or free is None:
         raise ValueError("the rank's counters lack the device's total or free memory")
-    physical = reserved - min(memory.eager_free_bytes or 0, reserved) if kind == "mindspore" and enable_vmm \
-        else reserved
+    physical = physical_reserved_bytes(memory) if kind == "mindspore" and enable_vmm else reserved
     outside = max(0, total - free - physical)
     device = Device(total, min(outside, total - 1))
     if kind == "mindspore":
