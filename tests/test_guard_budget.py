@@ -157,3 +157,18 @@ def test_guard_and_metrics_show_the_budget_verdict_and_it_stands_until_the_kv_ca
             and 'rank="0"' in line][0].endswith(" 2.0")
     assert any(line.startswith("kvguard_guard_budget_reason{") and 'reason="kv_cache_placement_fails"' in line
                and line.endswith(" 1.0") for line in metrics.splitlines())
+    import subprocess
+    from monitoring import promtool
+    lint = subprocess.run([promtool(), "check", "metrics"], input=metrics.encode(), capture_output=True, timeout=60)
+    assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
+
+
+def test_check_says_when_the_budget_time_verdict_stands_for_a_rank(tmp_path):
+    from sidecar_fixtures import write
+    run = run_guarded(scenario())
+    write(tmp_path, dataclasses.replace(snapshot(), budget_verdict=run.at_budget, kv_cache=None))
+    result = CliRunner().invoke(main, ["check", "--spool-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    first = result.output.splitlines()[0]
+    assert first.startswith("CRITICAL") and "(budget-time verdict: the KV cache is not allocated yet)" in first
+    assert "kv_cache_placement_fails" in result.output

@@ -315,7 +315,8 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
             verdict = view.verdict
             who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
             headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
-            click.echo(f"{verdict.state.upper():<8} {who}{headroom}")
+            phase = "  (budget-time verdict: the KV cache is not allocated yet)" if verdict.phase == "budget" else ""
+            click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")
         skipped = sum(observation.skipped.values())
