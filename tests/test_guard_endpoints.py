@@ -30,7 +30,7 @@ def test_an_empty_spool_is_a_no_ranks_warning_on_guard_and_readyz(serve, tmp_pat
                                             f"cannot say the KV cache fits"}]
     status, body = get(server, "/readyz")
     assert status == 200    # a sidecar with nothing to judge yet is ready; it says it judged nothing
-    assert body == f"ready (guard: warning; no_ranks: {guard['reasons'][0]['message']})\n"
+    assert body == f"ready\nguard: warning; no_ranks: {guard['reasons'][0]['message']}\n"
 
 
 def test_an_unlistable_spool_names_the_source_on_guard(serve, tmp_path):
@@ -47,7 +47,7 @@ def test_an_unlistable_spool_names_the_source_on_guard(serve, tmp_path):
 def test_readyz_states_the_rank_state_guard_gives(serve):
     server = serve(snapshot())
     assert json.loads(get(server, "/guard")[1])["state"] == "warning"     # the stock budget is overcommitted
-    assert get(server, "/readyz") == (200, "ready (guard: warning)\n")
+    assert get(server, "/readyz") == (200, "ready\nguard: warning\n")
 
 
 def test_with_the_flag_only_critical_fails_readiness_not_no_ranks(serve):

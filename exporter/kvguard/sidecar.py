@@ -103,7 +103,7 @@ class Observation:
                      f"{'; '.join(reason.code for reason in r.verdict.reasons)}" for r in critical]
             return 503, "\n".join(lines) + "\n"
         why = "".join(f"; {reason.code}: {reason.message}" for reason in self.reasons)
-        return 200, f"ready (guard: {self.state}{why})\n"
+        return 200, f"ready\nguard: {self.state}{why}\n"
 
     def guard_dict(self) -> dict[str, Any]:
         return {
