@@ -195,6 +195,10 @@ def judge(inp: GuardInput) -> Verdict:
     if profile.budget_formula.non_kv == "peak":
         activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
                       else profile.peak_allocated_increase_bytes)
+        # A reserved increase below the allocated one means the profile run's activations lived in
+        # memory the allocator already held idle (MindSpore: the weights' pool-block tails); once the
+        # KV cache takes that memory, the next peak needs its allocated bytes anew.
+        activation = max(activation or 0, profile.peak_allocated_increase_bytes or 0)
         non_torch = profile.non_torch_increase_bytes
         if live_non_torch is not None and live_non_torch > non_torch:
             # The profile holds the increase only; the runtime context and communication buffers
