@@ -11,7 +11,9 @@ vLLM budget alone (no guard: every OOM is a surprise):
   point before the failing step (must be all);
 - runs that never OOM: how many the guard called critical at startup / at any point (the
   false-critical rate, must stay at or under 10%);
-- startup failures (the KV cache allocation itself ran out): critical at the end of startup.
+- startup failures (the KV cache allocation itself ran out): critical at the budget-time verdict
+  (``guard_at_budget``, before the allocation: the only call that comes before such an OOM), and
+  at the end of startup (after it).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Outcome:
     critical_at_startup: bool
     critical_before_oom: bool
     critical_ever: bool
+    critical_at_budget: bool = False
 
 
 def run_one(scenario: tuple) -> Outcome:
@@ -73,7 +76,7 @@ def run_one(scenario: tuple) -> Outcome:
     else:
         kind = "no_oom"
     at_startup = run.startup is not None and run.startup.state == CRITICAL
-    return Outcome(scenario, kind, at_startup, run.caught_before_oom, run.first_critical_step is not None)
+    return Outcome(scenario, kind, at_startup, run.caught_before_oom, run.critical_ever, run.caught_at_budget)
 
 
 def grid(spec: dict) -> list[tuple]:
@@ -98,9 +101,11 @@ def measure(spec: dict, jobs: int = 1) -> dict:
         "serving_ooms_critical_before_oom": sum(o.critical_before_oom for o in serving),
         "startup_ooms": len(startup),
         "startup_ooms_critical_at_startup": sum(o.critical_at_startup for o in startup),
+        "startup_ooms_critical_at_budget": sum(o.critical_at_budget for o in startup),
         "no_oom": len(clean),
         "no_oom_critical_at_startup": sum(o.critical_at_startup for o in clean),
         "no_oom_critical_ever": sum(o.critical_ever for o in clean),
+        "no_oom_critical_at_budget": sum(o.critical_at_budget for o in clean),
         "not_started": sum(o.kind == "not_started" for o in outcomes),
         "missed": [o.scenario for o in serving if not o.critical_before_oom],
         "false_critical": [o.scenario for o in clean if o.critical_ever],
@@ -117,9 +122,11 @@ def report(figures: dict) -> str:
         f"  critical at the end of startup:      {rate(figures['serving_ooms_critical_at_startup'], figures['serving_ooms'])}",
         f"  critical before the OOM (caught):    {rate(figures['serving_ooms_critical_before_oom'], figures['serving_ooms'])}",
         f"startup OOMs (KV cache allocation): {figures['startup_ooms']}",
+        f"  critical at budget time (before):    {rate(figures['startup_ooms_critical_at_budget'], figures['startup_ooms'])}",
         f"  critical at the end of startup:      {rate(figures['startup_ooms_critical_at_startup'], figures['startup_ooms'])}",
         f"runs that never OOM: {figures['no_oom']}",
         f"  false critical at startup:           {rate(figures['no_oom_critical_at_startup'], figures['no_oom'])}",
+        f"  false critical at budget time:       {rate(figures['no_oom_critical_at_budget'], figures['no_oom'])}",
         f"  false critical at any point:         {rate(figures['no_oom_critical_ever'], figures['no_oom'])}",
     ]
     return "\n".join(lines)

@@ -215,3 +215,45 @@ def test_consumed_era_profile_missing_an_input_names_its_flag():
     result = kvguard("budget", "--vllm-version", "0.27.0", "--total-memory", "80GiB", "--weights", "15GiB",
                      "--total-consumed", "17GiB")
     assert result.returncode == 2 and "--transient-peak-headroom" in result.stderr
+
+
+# ------------------------------------------------------------------ the budget-time verdict (--allocator)
+
+def test_allocator_predicts_the_kv_placement_on_mindspores_pool_without_vmm():
+    data = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "mindspore",
+                       "--no-enable-vmm")
+    at = data["at_budget"]
+    verdict = at["verdict"]
+    assert (at["allocator"], at["enable_vmm"], at["tensor_style"]) == ("mindspore", False, "per_layer_k_v")
+    assert at["kv_cache_bytes"] == data["budgets"]["stock"]["kv_cache_bytes"]
+    assert verdict["phase"] == "budget" and verdict["state"] == "critical"
+    assert verdict["reasons"][0]["code"] == "kv_cache_placement_fails"
+    assert verdict["kv_tensors"] == 2 * 28 and verdict["kv_tensors_placed"] < verdict["kv_tensors"]
+    # The largest budget that fits is smaller than vLLM's, and judged on its own it is not critical.
+    fits = at["largest_fitting_kv_cache_bytes"]
+    assert 0 < fits < at["kv_cache_bytes"]
+    again = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "mindspore",
+                        "--no-enable-vmm", "--gpu-memory-utilization", "0.5")
+    assert again["at_budget"]["verdict"]["state"] != "critical"
+
+
+def test_allocator_with_vmm_places_pages_and_the_log_needs_only_what_it_lacks():
+    log = os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")
+    data = budget_json("--model-config", QWEN, "--from-log", log, "--total-memory", "64GiB",
+                       "--gpu-memory-utilization", "0.9", "--allocator", "mindspore")
+    at = data["at_budget"]
+    assert at["enable_vmm"] is True      # vllm-mindspore's env_setup turns VMM on
+    assert at["verdict"]["state"] != "critical" and at["verdict"]["kv_placement_loss_bytes"] < 2 * GIB
+    assert at["kv_cache_bytes"] == data["budgets"]["stock"]["kv_cache_bytes"]
+
+
+def test_allocator_on_torch_counts_one_tensor_per_layer():
+    data = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "torch",
+                       "--vllm-version", "0.11.0")
+    assert data["at_budget"]["tensor_style"] == "per_layer" and data["at_budget"]["verdict"]["kv_tensors"] == 28
+
+
+def test_allocator_without_a_model_config_is_a_usage_error():
+    result = kvguard("budget", "--profile", SEED_PROFILE, "--allocator", "torch")
+    assert result.returncode == 2 and "--allocator needs --model-config" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -87,9 +87,43 @@ def test_check_exits_2_with_nothing_to_check():
     assert result.output.strip() == "Error: nothing to check: give --spool-dir, --from-log or --vllm-metrics-url"
 
 
-def test_check_exits_2_on_an_empty_spool(tmp_path):
+def test_check_on_an_empty_spool_is_the_no_ranks_warning_guard_gives(tmp_path):
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 2 and "no snapshots" in result.output
+    assert result.exit_code == 1
+    assert result.output == f"WARNING  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot " \
+                            f"say the KV cache fits\n"
+    data = json.loads(check("--spool-dir", str(tmp_path), "--json").output)
+    assert data["state"] == "warning" and data["ranks"] == []
+    assert [r["code"] for r in data["reasons"]] == ["no_ranks"]
+
+
+def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
+    result = check("--from-log", os.path.join(ROOT, "exporter", "kvguard", "examples",
+                                              "vllm-mindspore-qwen2.5-7b.log"), "--json")
+    assert result.exit_code == 1, result.output
+    rank = json.loads(result.output)["ranks"][0]
+    assert rank["state"] == "warning" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
+    message = rank["reasons"][0]["message"]
+    assert "no --from-log" not in message
+    assert "vllm-mindspore 0.5.0+" in message and "states the weights, the KV cache vLLM decided" in message
+    assert "but not the device's total memory, gpu_memory_utilization (the activation peak follows" in message
+
+
+@pytest.mark.parametrize(("utilization", "state", "headroom_gib"), [(0.9, "ok", 6.4), (0.99, "ok", 0.64)])
+def test_check_from_the_bundled_log_with_what_it_lacks_gives_a_real_verdict(utilization, state, headroom_gib):
+    log = os.path.join(ROOT, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log")
+    result = check("--from-log", log, "--total-memory", "64GiB", "--gpu-memory-utilization", str(utilization),
+                   "--json")
+    rank = json.loads(result.output)["ranks"][0]
+    assert (result.exit_code, rank["state"], rank["profile_origin"]) == (0, state, "log")
+    # vllm-mindspore budgets from the reserved peak: the stock budget fills total x util, the rest is headroom.
+    assert rank["headroom_bytes"] == pytest.approx(headroom_gib * (1 << 30), abs=1 << 24)
+    assert rank["stock_budget_bytes"] == rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
+
+
+def test_check_refuses_log_figures_without_a_log(tmp_path):
+    result = check("--spool-dir", str(tmp_path), "--total-memory", "64GiB")
+    assert result.exit_code == 2 and "give --from-log" in result.output
 
 
 def test_check_exits_2_on_a_log_without_vllm_lines(data_path):
@@ -114,9 +148,9 @@ def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):
 def test_check_says_why_there_is_nothing_to_judge():
     url = f"http://127.0.0.1:{free_port()}/metrics"   # nothing listens there
     result = check("--vllm-metrics-url", url, "--read-timeout", "5")
-    assert result.exit_code == 2
-    assert result.output.startswith(f"Error: nothing to judge (vllm_metrics: {url}: ")
-    assert "(nothing to judge)" not in result.output and len(result.output.splitlines()) == 1
+    assert result.exit_code == 1
+    assert result.output.startswith(f"WARNING  no_ranks: no rank judged (vllm_metrics down: {url}: ")
+    assert len(result.output.splitlines()) == 1
 
 
 def test_check_counts_hostile_spool_files_and_judges_the_rest(tmp_path):
@@ -127,7 +161,7 @@ def test_check_counts_hostile_spool_files_and_judges_the_rest(tmp_path):
     assert "1 spool file(s) skipped: invalid_snapshot 1" in result.output
 
 
-def test_check_against_a_hanging_vllm_ends_with_exit_2():
+def test_check_against_a_hanging_vllm_ends_with_the_no_ranks_warning():
     server = FakeVllm("hang")
     try:
         result = {}
@@ -136,7 +170,7 @@ def test_check_against_a_hanging_vllm_ends_with_exit_2():
         runner.start()
         runner.join(timeout=60)
         assert not runner.is_alive()
-        assert result["r"].exit_code == 2
+        assert result["r"].exit_code == 1 and "no_ranks" in result["r"].output
         assert "Traceback" not in result["r"].output
     finally:
         server.close()

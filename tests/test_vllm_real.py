@@ -171,3 +171,65 @@ def test_0_34_utilization_none_is_resolved_never_none(tmp_path_factory):
     result, snap, _ = run("0.34.0", tmp_path_factory)
     assert result["config"]["gpu_memory_utilization"] is None
     assert snap.profile.gpu_memory_utilization == result["config"]["resolved_gpu_memory_utilization"] == 1.0
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_budget_time_verdict_counts_the_kv_tensors_vllm_then_allocates(release, tmp_path_factory):
+    """Written at determine_available_memory, before vLLM sized its KV cache: the block count the verdict
+    assumed is the one vLLM's engine core then chose, tensor for tensor (0.34's extensible cache is
+    sized after warm-up, outside the allocator: no budget-time verdict there)."""
+    result, snap, _ = run(release, tmp_path_factory)
+    if era_for(release).extensible_kv_cache_default:
+        assert snap.budget_verdict is None
+        return
+    verdict = snap.budget_verdict
+    config = result["kv_cache_config"]
+    [group] = config["groups"]
+    assert verdict.phase == "budget" and verdict.kv_tensors == verdict.kv_tensors_placed == group["num_layers"]
+    assert verdict.kv_cache_bytes == config["num_blocks"] * group["page_size_bytes"] * group["num_layers"]
+    # The fake device does not round: placing the tensors costs nothing beyond their bytes.
+    assert verdict.kv_placement_loss_bytes == 0 or verdict.kv_placement_loss_bytes < 2 * group["num_layers"] << 20
+
+
+# ---------------------------------------------------------------------------- KVGUARD_BUDGET=guard
+
+# vLLM's budget does not fit: the profile's reserved peak outgrows the allocated one by 3 GiB, more
+# than the 2% slack of utilization 0.98 leaves on 80 GiB.
+OVERCOMMITTED = {"profile_unreusable_bytes": 3 * GIB, "gpu_memory_utilization": 0.98}
+
+
+def kvguard_lines(result) -> list[str]:
+    return [line.split("kvguard-log ", 1)[1] for line in result["log_lines"] if "kvguard-log " in line]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_kvguard_budget_guard_shrinks_a_budget_the_guard_predicts_does_not_fit(release, tmp_path_factory):
+    # 0.34: with its extensible KV cache off (vLLM's --no-enable-extensible-kv-cache), one backing tensor.
+    scenario = {**OVERCOMMITTED, **({"enable_extensible_kv_cache": False}
+                                    if era_for(release).extensible_kv_cache_default else {})}
+    stock, stock_snap, _ = run(release, tmp_path_factory, scenario=scenario)
+    guarded, snap, _ = run(release, tmp_path_factory, scenario=scenario, budget="guard")
+    if stock_snap.budget_verdict.state != "critical":
+        pytest.skip(f"vLLM {release}'s own budget fits this scenario by the guard's prediction")
+    assert guarded["returned_available_bytes"] < stock["returned_available_bytes"]
+    assert guarded["kv_cache_config"]["num_blocks"] < stock["kv_cache_config"]["num_blocks"]
+    # What vLLM then allocated is what the guard predicted fits.
+    assert snap.budget_verdict.state != "critical"
+    [line] = [text for text in kvguard_lines(guarded) if "KVGUARD_BUDGET=guard" in text]
+    assert line.startswith("kvguard: KV cache budget ") and "instead of vLLM's" in line
+    assert "projected_peak_exceeds_capacity" in line
+    # Hands-off by default: the stock run logged no change.
+    assert not [text for text in kvguard_lines(stock) if "KVGUARD_BUDGET" in text]
+
+
+@pytest.mark.parametrize("release", ["0.11.0", "0.34.0"])
+def test_kvguard_budget_guard_keeps_a_budget_that_fits(release, tmp_path_factory):
+    scenario = {} if release == "0.11.0" else {"gpu_memory_utilization": 0.9}
+    stock, _, _ = run(release, tmp_path_factory, scenario=scenario)
+    guarded, _, _ = run(release, tmp_path_factory, scenario=scenario, budget="guard")
+    assert guarded["returned_available_bytes"] == stock["returned_available_bytes"]
+    assert committed(guarded) == committed(stock)
+    [line] = [text for text in kvguard_lines(guarded) if "KVGUARD_BUDGET=guard" in text]
+    expected = ("changes nothing here: vLLM's extensible KV cache is sized after warm-up"
+                if era_for(release).extensible_kv_cache_default else "keeps vLLM's KV cache budget")
+    assert expected in line

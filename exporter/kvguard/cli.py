@@ -15,7 +15,7 @@ from click.core import ParameterSource
 from kvguard import __version__
 from kvguard.estimator import (
     EXTENSIBLE_INPUTS, FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for,
-    estimate, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
+    estimate, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields, stock_kv_cache_bytes,
 )
 from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, format_gib, parse_size
@@ -220,13 +220,22 @@ def _era_size_options(function):
                    "extensible inputs are given).")
 @click.option("--profile", "profile_file", metavar="FILE", help="Startup profile JSON (the profile keys).")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM / vllm-ascend / vllm-mindspore startup log.")
+@click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]),
+              help="Predict the budget-time verdict for this allocator: the era's KV tensors placed by its rules "
+                   "(needs --model-config).")
+@click.option("--enable-vmm/--no-enable-vmm", default=None,
+              help="MindSpore's VMM (default: on for vllm-mindspore, whose env_setup sets it; off otherwise).")
+@click.option("--expandable-segments", is_flag=True, help="PyTorch's expandable_segments:True.")
+@click.option("--non-allocator-memory", type=SIZE,
+              help="Memory held outside the allocator from the start (default: the simulator's 512 MiB for "
+                   "torch, 1 GiB on Ascend).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_size, pipeline_parallel_size,
            max_model_len, kv_cache_memory, total_memory, gpu_memory_utilization, weights, peak_allocated_increase,
            peak_reserved_increase, non_torch_increase, total_consumed, transient_peak_headroom,
            reserved_transient_peak, cudagraph_memory, init_free_memory, free_after_warmup, kv_committed,
            kv_transient_peak, torch_reserve_growth, non_torch_cleared, extensible_kv_cache, profile_file, log_file,
-           as_json):
+           allocator, enable_vmm, expandable_segments, non_allocator_memory, as_json):
     """vLLM's KV-cache budget beside the reserved-aware one, and the utilization that closes the gap.
 
     The profile comes from flags, --profile FILE or --from-log FILE; flags override the
@@ -332,6 +341,14 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         for key in ("overcommit_bytes", "recommended_gpu_memory_utilization", "recommended_kv_cache_memory_bytes"):
             result.setdefault(key, None)
     result["recommended_flags"] = _recommended_flags(result, era)
+    if allocator:
+        if profile is None and startup is not None:
+            # A log without the profile line: the non-KV memory read back from the decided budget, as
+            # kvguard check does (kvguard.sidecar.log_profile), with --total-memory / --gpu-memory-utilization.
+            from kvguard.sidecar import log_profile
+            profile = log_profile(startup, total_memory, gpu_memory_utilization)[0]
+        result["at_budget"] = _budget_time_verdict(result, profile, layout, allocator, era, enable_vmm,
+                                                   expandable_segments, non_allocator_memory)
 
     if as_json:
         _emit_json(result)
@@ -348,6 +365,31 @@ def _refuse_growth_past_the_device(profile: Profile) -> None:
         if value is not None and value > profile.total_memory_bytes:
             raise click.ClickException(f"{flag} {format_gib(value)} is more than the device's total memory "
                                        f"({format_gib(profile.total_memory_bytes)}): check its unit")
+
+
+def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str, era, enable_vmm,
+                         expandable_segments: bool, non_allocator_memory) -> dict[str, Any]:
+    """``--allocator``: the guard's budget-time verdict on vLLM's budget (the log's decided figure, or the
+    stock formula), and the largest budget it predicts fits (kvguard.sim_guard.predict_at_budget)."""
+    if layout is None:
+        raise click.UsageError("--allocator needs --model-config: the KV tensors are counted per layer")
+    if profile is None:
+        raise click.UsageError("--allocator needs a complete profile (--profile, --from-log or flags): the "
+                               "allocator's state at the budget follows from it")
+    stock = (result.get("budgets") or {}).get("stock") or {}
+    kv_cache = stock.get("kv_cache_bytes")
+    if kv_cache is None:
+        kv_cache = stock_kv_cache_bytes(profile)
+    if enable_vmm is None:
+        enable_vmm = allocator == "mindspore" and bool(era and era.project == "vllm-mindspore")
+    from kvguard.sim_guard import predict_at_budget
+
+    try:
+        return predict_at_budget(profile, layout, kv_cache, allocator, enable_vmm=enable_vmm,
+                                 expandable_segments=expandable_segments,
+                                 non_allocator_bytes=non_allocator_memory)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _recommended_flags(result: dict[str, Any], era) -> list[str]:
@@ -424,6 +466,18 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
     if result.get("log"):
         log = result["log"]
         out(f"Log          {log['lines_matched']} startup lines matched (era {log['era'] or 'unknown'})")
+    at_budget = result.get("at_budget")
+    if at_budget:
+        verdict = at_budget["verdict"]
+        out("")
+        out(f"At budget    {verdict['state'].upper()} for vLLM's {format_bytes(at_budget['kv_cache_bytes'])} "
+            f"on {at_budget['allocator']}{' (VMM)' if at_budget['enable_vmm'] else ''}: "
+            f"{verdict['kv_tensors']} KV tensors, headroom {format_bytes(verdict['headroom_bytes'])}")
+        for reason in verdict["reasons"]:
+            out(f"             - {reason['code']}: {reason['message']}")
+        fits = at_budget["largest_fitting_kv_cache_bytes"]
+        out(f"             largest budget the guard predicts fits: "
+            f"{'none' if not fits else format_bytes(fits)}")
     budgets = result.get("budgets")
     if budgets:
         mml = result.get("max_model_len") or (result.get("log") or {}).get("max_model_len")
@@ -632,9 +686,11 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         raise click.ClickException(str(exc)) from None
     except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
         raise click.ClickException(f"model config: {exc}") from None
+    from kvguard.sim_guard import BudgetWatch, startup_guard_dict, startup_verdict
+    watch = BudgetWatch(scenario)       # the guard when the budget is fixed, before the KV cache
     scenario.startup()
-    from kvguard.sim_guard import startup_guard_dict, startup_verdict
     guard = startup_guard_dict(startup_verdict(scenario))   # the guard before serving starts
+    guard_at_budget = startup_guard_dict(watch.verdict(), at_budget=True)
     if sys.stderr.isatty() and not scenario.finished:
         with click.progressbar(length=len(scenario.requests), label="serving", file=sys.stderr) as bar:
             done = 0
@@ -651,7 +707,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         from kvguard.sim.plot import plot_scenario
         _write_plot(plot_file, plot_scenario, [result], plot_file)
     if as_json:
-        _emit_json({**result.to_dict(), "guard": guard})
+        _emit_json({**result.to_dict(), "guard_at_budget": guard_at_budget, "guard": guard})
         _exit_on_oom(fail_on_oom, result.oom)
         return
     profile = result.profile

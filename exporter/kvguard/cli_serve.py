@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from kvguard.cli import main
+from kvguard.cli import SIZE, main
 
 DEFAULT_PORT = 10240
 # Where --demo makes its spool when --spool-dir is not given: in memory when /dev/shm is writable
@@ -266,14 +266,22 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
               help="A snapshot older than this many seconds is stale.")
 @click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
               help="Time limit in seconds for each read.")
+@click.option("--total-memory", type=SIZE, help="With --from-log: the device memory vLLM saw, where the log "
+                                               "does not state it (vllm-mindspore).")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              help="With --from-log: vLLM's --gpu-memory-utilization, where the log does not state it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json):
-    """Run the guard once: exit 0 ok, 1 warning or critical, 2 when it cannot judge.
+def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, total_memory, gpu_memory_utilization,
+          as_json):
+    """Run the guard once: exit 0 ok, 1 warning or critical, 2 when the check itself fails.
 
     For init containers and CI. Allocator retries and OOMs count since each process started.
+    The state is /guard's: no rank to judge (an empty spool, a source down) is a warning
+    (no_ranks, exit 1), never ok; exit 2 is a bad option, an unreadable log or a crash.
     """
     try:
-        _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json)
+        _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory,
+               gpu_memory_utilization)
     except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
             KeyboardInterrupt):
         raise
@@ -284,22 +292,25 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_j
         raise CheckError(f"cannot judge: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
 
 
-def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json):
+def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory=None,
+           gpu_memory_utilization=None):
     from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
     from kvguard.units import format_gib
 
     if not (spool_dir or log_file or vllm_metrics_url):
         raise CheckError("nothing to check: give --spool-dir, --from-log or --vllm-metrics-url")
     startup = _read_startup_log(log_file, error=CheckError) if log_file else None
+    if (total_memory is not None or gpu_memory_utilization is not None) and not log_file:
+        raise CheckError("--total-memory and --gpu-memory-utilization complete a --from-log profile: give --from-log")
     sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
+                                    log_total_memory_bytes=total_memory,
+                                    log_gpu_memory_utilization=gpu_memory_utilization,
                                     stale_after=stale_after, read_timeout=read_timeout, one_shot=True,
                                     pod_labels={"pod": "", "namespace": "", "container": ""}))
     observation = sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
     failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
     if not observation.ranks:
-        why = "; ".join(f"{name}: {error}" for name, error in failed.items()) or \
-            (f"no snapshots in {spool_dir}" if spool_dir else "no rank to judge")
-        raise CheckError(f"nothing to judge ({why})")
+        failed = {}     # the no_ranks reason names every source that is down
     if VLLM_METRICS in failed and vllm_metrics_url:
         click.echo(f"kvguard check: vLLM metrics: {failed[VLLM_METRICS]}", err=True)
     if SPOOL in failed:
@@ -308,11 +319,15 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
     if as_json:
         click.echo(json.dumps(observation.guard_dict(), indent=2))
     else:
+        for reason in observation.reasons:
+            # No rank judged: the same overall warning /guard and /readyz give (no false all-clear).
+            click.echo(f"{observation.state.upper():<8} {reason.code}: {reason.message}")
         for view in observation.ranks:
             verdict = view.verdict
             who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
             headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
-            click.echo(f"{verdict.state.upper():<8} {who}{headroom}")
+            phase = "  (budget-time verdict: the KV cache is not allocated yet)" if verdict.phase == "budget" else ""
+            click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")
         skipped = sum(observation.skipped.values())

@@ -168,6 +168,16 @@ _RANK_FAMILIES = (
     ("gauge", "kvguard_guard_headroom_bytes", "Capacity minus projected peak; negative means the projected peak does "
      "not fit.", (),
      _verdict("headroom_bytes")),
+    ("gauge", "kvguard_guard_budget_severity", "The budget-time verdict (judged when vLLM fixed its KV budget, "
+     "before the KV cache existed) as a number: 0 ok, 1 warning, 2 critical.", (),
+     lambda v: (((), float(SEVERITY[v.at_budget.state])),) if v.at_budget is not None else ()),
+    ("gauge", "kvguard_guard_budget_reason", "1 for each reason of the budget-time verdict, 0 for the other reason "
+     "codes.", ("reason",),
+     lambda v: tuple(((code,), 1.0 if code in v.at_budget.reason_codes else 0.0) for code in REASON_CODES)
+     if v.at_budget is not None else ()),
+    ("gauge", "kvguard_guard_budget_headroom_bytes", "Capacity minus projected peak at budget time, the KV "
+     "tensors placed by the allocator's rules.", (),
+     lambda v: (((), v.at_budget.headroom_bytes),) if v.at_budget is not None else ()),
     ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot, as of "
      "the last spool read.{spool_cached}", (),
      lambda v: (((), v.age_seconds),) if v.snapshot is not None else ()),

@@ -79,6 +79,47 @@ class KVLayout:
         return -(-max_model_len // self.block_size)
 
 
+# How an era allocates the KV cache's tensors (kv_cache_tensor_bytes):
+# - "per_layer": vLLM V1 through 0.27, one raw int8 tensor per layer (per KVCacheTensor: layers of
+#   several groups share one), num_blocks x page size, viewed as K and V by the backend
+#   (get_kv_cache_shape (2, num_blocks, ...)); v1/worker/gpu_model_runner.py 0.11.0:3771-3777,
+#   0.14.0:5339-5345, 0.27.0:7327-7342; the sizes from v1/core/kv_cache_utils.py 0.27.0:1398-1404.
+# - "per_layer_k_v": vllm-mindspore, a key and a value cache tensor per layer (half each; MLA: one).
+# - "one_backing": 0.34, one backing allocation for every layer (v1/worker/utils.py 0.34.0:577-583,
+#   _allocate_kv_cache_buffer 629-645: torch.zeros(raw_size)); the extensible KV cache maps its pages
+#   outside the allocator instead.
+KV_TENSOR_STYLES = ("per_layer", "per_layer_k_v", "one_backing")
+
+
+def kv_cache_tensor_bytes(layout: KVLayout, num_blocks: int, style: str = "per_layer") -> tuple[int, ...]:
+    """The KV-cache tensors an era allocates for ``num_blocks`` blocks, in allocation order."""
+    if style not in KV_TENSOR_STYLES:
+        raise ValueError(f"unknown KV tensor style {style!r} (one of {', '.join(KV_TENSOR_STYLES)})")
+    per_layer = max(0, int(num_blocks)) * layout.page_bytes_per_layer
+    if style == "one_backing":
+        return (per_layer * layout.num_layers,)
+    if style == "per_layer_k_v" and not layout.is_mla:
+        return (per_layer // 2, per_layer - per_layer // 2) * layout.num_layers
+    return (per_layer,) * layout.num_layers
+
+
+def kv_tensor_style(formula: str, vllm_version: str | None = None) -> str:
+    """The KV tensor style of the release that measured a profile (its formula; its version picks
+    0.34's single backing)."""
+    if formula == "mindspore_reserved" or (vllm_version or "").startswith("vllm-mindspore:"):
+        return "per_layer_k_v"
+    if formula == "extensible":
+        return "one_backing"
+    if vllm_version and vllm_version.startswith("vllm:"):
+        parts = vllm_version[5:].split(".")
+        try:
+            if (int(parts[0]), int(parts[1])) >= (0, 34):
+                return "one_backing"
+        except (ValueError, IndexError):
+            pass
+    return "per_layer"
+
+
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten multimodal configs: the language model's fields win over the wrapper's."""
     merged = dict(config)

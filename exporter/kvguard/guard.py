@@ -17,6 +17,13 @@ rank runs out of memory when it is larger than that slack.
 States: ``critical`` when the projected peak exceeds capacity or the allocator's retries / OOMs
 climb; ``warning`` when the stock budget is overcommitted (or the live reserved peak outgrew the
 projection, or the guard cannot judge); ``ok`` otherwise.
+
+``judge_at_budget`` is the same verdict one step earlier: when vLLM has fixed its KV budget but
+before the KV cache is allocated (README, "The budget-time verdict"). It places the KV tensors, as
+the era allocates them, into a fresh model of the rank's allocator (``kvguard.sim``'s rule-for-
+rule models, built holding what the rank has reserved), then judges the state that leaves: a tensor the
+model cannot place is ``kv_cache_placement_fails`` (critical); otherwise ``judge`` on the predicted
+end-of-startup counters says whether the first serving peak fits.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 from kvguard.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
@@ -43,11 +50,15 @@ OOMS_CLIMBING = "ooms_climbing"
 LIVE_RESERVED_EXCEEDS = "live_reserved_exceeds_projection"
 NO_PROFILE = "no_profile"
 SNAPSHOT_STALE = "snapshot_stale"
+KV_PLACEMENT_FAILS = "kv_cache_placement_fails"
 REASON_CODES = (OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY, RETRIES_CLIMBING, OOMS_CLIMBING, LIVE_RESERVED_EXCEEDS,
-                NO_PROFILE, SNAPSHOT_STALE)
+                NO_PROFILE, SNAPSHOT_STALE, KV_PLACEMENT_FAILS)
+# Not about one rank: the overall state when no rank was judged (/guard, /readyz, kvguard check).
+NO_RANKS = "no_ranks"
 _REASON_STATE = {OVERCOMMITTED: WARNING, PEAK_EXCEEDS_CAPACITY: CRITICAL, RETRIES_CLIMBING: CRITICAL,
                  OOMS_CLIMBING: CRITICAL, LIVE_RESERVED_EXCEEDS: WARNING, NO_PROFILE: WARNING,
-                 SNAPSHOT_STALE: WARNING}
+                 SNAPSHOT_STALE: WARNING, NO_RANKS: WARNING, KV_PLACEMENT_FAILS: CRITICAL}
+BUDGET, RUNNING = "budget", "running"     # Verdict.phase: at the budget (before the KV cache), or after
 
 @dataclass(frozen=True)
 class Reason:
@@ -79,6 +90,9 @@ class GuardInput:
     ooms_increase: int | None = None
     snapshot_stale: bool = False
     kv_cache_outside_allocator: bool = False     # 0.34's extensible KV pages: in used memory, not in reserved
+    # Why there is no profile, when the caller knows better than "none anywhere" (a startup log
+    # that lacks some figures: one line naming them).
+    no_profile_detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,12 @@ class Verdict:
     projected_peak_bytes: int | None = None
     capacity_bytes: int | None = None
     headroom_bytes: int | None = None
+    phase: str = RUNNING
+    # Budget time only: the KV tensors placed of those the era allocates, and what placing them cost
+    # beyond their bytes (pool block tails, segment rounding), from the allocator model.
+    kv_tensors: int | None = None
+    kv_tensors_placed: int | None = None
+    kv_placement_loss_bytes: int | None = None
 
     @property
     def severity(self) -> int:
@@ -108,6 +128,35 @@ class Verdict:
         data = dataclasses.asdict(self)
         data["reasons"] = [r.to_dict() for r in self.reasons]
         return data
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Verdict":
+        """Strict decoding of ``to_dict`` (a snapshot's budget-time verdict); ValueError when malformed."""
+        if not isinstance(data, dict):
+            raise ValueError("verdict is not an object")
+        state, phase, raw = data.get("state"), data.get("phase", RUNNING), data.get("reasons")
+        if state not in STATES or phase not in (BUDGET, RUNNING) or not isinstance(raw, list) or len(raw) > 16:
+            raise ValueError("verdict state, phase or reasons malformed")
+        reasons = []
+        for item in raw:
+            if not isinstance(item, dict) or item.get("code") not in _REASON_STATE \
+                    or not isinstance(item.get("message"), str):
+                raise ValueError("verdict reason malformed")
+            reasons.append(Reason(item["code"], item["message"][:1024]))
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in ("state", "phase", "reasons"):
+                continue
+            value = data.get(f.name)
+            if f.name.endswith("_estimated"):
+                values[f.name] = value is True
+            elif value is not None:
+                if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 1 << 63:
+                    raise ValueError(f"verdict field {f.name} is not an integer")
+                values[f.name] = value
+        if _worst_state(r.state for r in reasons) != state:
+            raise ValueError("verdict state does not follow from its reasons")
+        return cls(state=state, reasons=tuple(reasons), phase=phase, **values)
 
 
 def judge(inp: GuardInput) -> Verdict:
@@ -126,9 +175,10 @@ def judge(inp: GuardInput) -> Verdict:
 
     profile = inp.profile
     if profile is None:
-        reasons.append(Reason(NO_PROFILE, "no startup profile for this rank (none in the snapshot, no --from-log, "
-                                          "no vLLM metrics): cannot judge the KV cache"))
-        return Verdict(state=_state(reasons), reasons=tuple(reasons))
+        reasons.append(Reason(NO_PROFILE, inp.no_profile_detail or
+                              "no startup profile for this rank (none in the snapshot, no --from-log): "
+                              "cannot judge the KV cache"))
+        return Verdict(state=_state(reasons), reasons=tuple(reasons), kv_cache_bytes=inp.kv_cache_bytes)
 
     stock = stock_kv_cache_bytes(profile)
     profile_for_reserved, estimated = _profile_with_reserved_peak(profile, memory)
@@ -145,6 +195,10 @@ def judge(inp: GuardInput) -> Verdict:
     if profile.budget_formula.non_kv == "peak":
         activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
                       else profile.peak_allocated_increase_bytes)
+        # A reserved increase below the allocated one means the profile run's activations lived in
+        # memory the allocator already held idle (MindSpore: the weights' pool-block tails); once the
+        # KV cache takes that memory, the next peak needs its allocated bytes anew.
+        activation = max(activation or 0, profile.peak_allocated_increase_bytes or 0)
         non_torch = profile.non_torch_increase_bytes
         if live_non_torch is not None and live_non_torch > non_torch:
             # The profile holds the increase only; the runtime context and communication buffers
@@ -170,8 +224,10 @@ def judge(inp: GuardInput) -> Verdict:
         # What the allocator holds now already includes weights and KV cache with every
         # rounding and packing loss; the next activation peak must fit on top of it, less
         # only the cached blocks it can reuse whole (not the slivers of split segments).
-        live = memory.reserved_bytes + non_torch + kv_outside + max(0, activation - _reusable_bytes(memory))
-        if memory.peak_reserved_bytes is not None:
+        held = physical_reserved_bytes(memory)
+        live = held + non_torch + kv_outside + max(0, activation - _reusable_bytes(memory))
+        if memory.peak_reserved_bytes is not None and held == memory.reserved_bytes:
+            # (With MindSpore's VMM the reserved peak counts address space, not memory.)
             live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
         if live > projected + capacity_tolerance(profile):
             peak = memory.peak_reserved_bytes or memory.reserved_bytes
@@ -211,6 +267,85 @@ def judge(inp: GuardInput) -> Verdict:
     )
 
 
+@dataclass(frozen=True)
+class BudgetInput:
+    """What a rank knows when vLLM has fixed its KV budget, before the KV cache exists.
+
+    ``kv_tensor_bytes``: the tensors the era will allocate for the cache, in order
+    (``kvguard.estimator.kv_cache_tensor_bytes``). ``build``: returns a new ``kvguard.sim``
+    allocator model (``CachingAllocator``, ``DynamicMemPool``) on its simulated device, holding
+    what the rank has reserved now (``kvguard.sim_guard``: a replay of the simulated rank's
+    history, or ``allocator_from_counters`` for a real one). ``read``: the counters of a model, as
+    the rank's source would report them (``kvguard.sim_guard.counters_of``).
+    """
+
+    profile: Profile
+    kv_tensor_bytes: tuple[int, ...]
+    build: Callable[[], Any]
+    read: Callable[[Any], DeviceMemory]
+    kv_cache_outside_allocator: bool = False
+
+
+def judge_at_budget(inp: BudgetInput) -> Verdict:
+    """The budget-time verdict: does the KV cache the budget buys fit where the allocator will put
+    it, and does the first serving peak fit beside it? Pure: the model is built for this call."""
+    from kvguard.sim.base import SimOutOfMemory
+
+    model = inp.build()
+    reserved_before = physical_reserved_bytes(inp.read(model))
+    tensors = inp.kv_tensor_bytes
+    kv_cache = sum(tensors)
+    placed, failure = 0, None
+    if not inp.kv_cache_outside_allocator:
+        for size in tensors:
+            try:
+                model.malloc(size)
+            except SimOutOfMemory as exc:
+                failure = exc
+                break
+            placed += 1
+    placed_bytes = sum(tensors[:placed])
+    # Reserved growth beyond the tensors' bytes (rounding, block tails); 0 where they reused idle memory.
+    memory = inp.read(model)
+    loss = max(0, physical_reserved_bytes(memory) - reserved_before - placed_bytes)
+    if failure is None:
+        verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, memory=memory,
+                                   kv_cache_outside_allocator=inp.kv_cache_outside_allocator))
+        return dataclasses.replace(verdict, phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed,
+                                   kv_placement_loss_bytes=loss)
+    free = memory.free_bytes or 0
+    short = sum(tensors[placed:]) - free
+    verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache))
+    reason = Reason(KV_PLACEMENT_FAILS, f"the KV cache ({format_gib(kv_cache)} in {len(tensors)} tensors of up to "
+                                        f"{format_gib(max(tensors))}) does not fit where the allocator puts it: "
+                                        f"tensor {placed + 1} fails with {format_gib(free)} free on the device "
+                                        f"({placed} placed, {format_gib(loss)} reserved beyond their bytes for "
+                                        f"rounding and block tails)")
+    headroom = min(verdict.headroom_bytes if verdict.headroom_bytes is not None else -short, -max(short, 1))
+    capacity = inp.profile.total_memory_bytes
+    return dataclasses.replace(
+        verdict, state=CRITICAL, reasons=tuple(sorted((reason,) + verdict.reasons, key=lambda r: -SEVERITY[r.state])),
+        phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed, kv_placement_loss_bytes=loss,
+        headroom_bytes=headroom, projected_peak_bytes=capacity - headroom)
+
+
+def largest_fitting_blocks(verdict_for: Callable[[int], Verdict | None], max_blocks: int) -> int:
+    """The largest block count, at most ``max_blocks``, whose verdict (``verdict_for(blocks)``) is not
+    critical; 0 when none is. Bisection: more blocks never make the verdict better."""
+    first = verdict_for(max_blocks)
+    if first is not None and first.state != CRITICAL:
+        return max_blocks
+    low, high = 0, max_blocks
+    while high - low > 1:
+        mid = (low + high) // 2
+        verdict = verdict_for(mid)
+        if verdict is not None and verdict.state != CRITICAL:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def capacity_tolerance(profile: Profile) -> int:
     """Allocator rounding below 1% of the device is noise, not a finding (the projection still counts it)."""
     return profile.total_memory_bytes // 100
@@ -221,9 +356,23 @@ def _live_non_torch(memory: DeviceMemory | None) -> int | None:
     if memory is None or memory.reserved_bytes is None:
         return None
     held = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
-    if held is None or held < memory.reserved_bytes:
+    reserved = physical_reserved_bytes(memory)
+    if held is None or held < reserved:
         return None
-    return held - memory.reserved_bytes
+    return held - reserved
+
+
+def physical_reserved_bytes(memory: DeviceMemory) -> int:
+    """The allocator's reservation in device memory. MindSpore's VMM pool counts reserved address
+    space in ``total_reserved_memory`` on some releases (2.4-2.5: ``MemStat::alloc_size_``) and
+    mapped pages on later ones, and the unmapped address space in ``total_eager_free_memory``
+    (kvguard.sim.mindspore_pool). A reservation larger than the memory the device has in use cannot
+    be memory: then only reserved − eager-free is."""
+    reserved = memory.reserved_bytes
+    used = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
+    if not memory.eager_free_bytes or used is None or reserved <= used:
+        return reserved
+    return max(0, min(used, reserved - memory.eager_free_bytes))
 
 
 def _reusable_bytes(memory: DeviceMemory) -> int:
@@ -271,7 +420,15 @@ def _state(reasons: list[Reason]) -> str:
 
 
 def worst(verdicts: list[Verdict]) -> str:
+    """The overall state of the ranks judged; ``warning`` when there are none: no verdict is no all-clear."""
+    if not verdicts:
+        return WARNING
     return _worst_state(v.state for v in verdicts)
+
+
+def no_ranks_reason(why: str) -> Reason:
+    """The overall reason when no rank was judged; ``why`` says what was looked at."""
+    return Reason(NO_RANKS, f"no rank judged ({why}): the guard cannot say the KV cache fits")
 
 
 class CounterWindow:

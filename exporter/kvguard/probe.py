@@ -132,6 +132,7 @@ class Probe:
         self._profiles: dict[str | None, Profile | None] = {}
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
         self._engine = ("", "")       # (served model name, engine index) of the serving engine
+        self._budget_verdicts: dict[str | None, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -187,6 +188,14 @@ class Probe:
             raise TypeError(f"engine must be a string or an index, got {type(engine).__name__}")
         with self._lock:
             self._engine = (model_name or "", "" if engine is None else str(engine))
+
+    def set_budget_verdict(self, verdict: Any, device: str | None = _ALL) -> None:
+        """The guard's budget-time verdict (``kvguard.guard.judge_at_budget``), for the snapshots."""
+        from kvguard.guard import BUDGET, Verdict
+        if verdict is not None and (not isinstance(verdict, Verdict) or verdict.phase != BUDGET):
+            raise TypeError("budget verdict must be a kvguard.guard.Verdict of phase 'budget'")
+        with self._lock:
+            self._budget_verdicts[device] = verdict
 
     @property
     def status(self) -> ProbeStatus:
@@ -289,13 +298,15 @@ class Probe:
                 sequence = self._sequence[record.device] = self._sequence.get(record.device, 0) + 1
                 profile = _pick(self._profiles, record.device, context.profile)
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
+                budget_verdict = _pick(self._budget_verdicts, record.device, None)
                 status = self._status()
                 model_name, engine = self._engine
             snapshot = Snapshot(
                 written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
                 pid=os.getpid(), device=record.device, memory=record,
                 rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
-                profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine)
+                profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine,
+                budget_verdict=budget_verdict)
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -417,6 +428,11 @@ def set_profile(profile: Profile | None, device: str | None = _ALL) -> bool:
 def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> bool:
     """Attach the engine's KV-cache allocation to the snapshots. Never raises; False when not applied."""
     return _apply("set_kv_cache", kv_cache, device)
+
+
+def set_budget_verdict(verdict: Any, device: str | None = _ALL) -> bool:
+    """Attach the budget-time verdict to the snapshots. Never raises; False when not applied."""
+    return _apply("set_budget_verdict", verdict, device)
 
 
 def set_engine(model_name: str | None, engine: str | int | None = None) -> bool:

@@ -45,7 +45,6 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry
 
 from kvguard.exposition import Exposition
-from kvguard.guard import CRITICAL
 from kvguard.sidecar import Sidecar
 from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
 
@@ -302,14 +301,8 @@ class Application:
         return ok_user and ok_password
 
     def _readyz(self) -> Response:
-        if self.options.fail_readiness_on_critical:
-            observation = self.exposition.observation()
-            if observation.state == CRITICAL:
-                critical = [r for r in observation.ranks if r.verdict.state == CRITICAL]
-                lines = [f"critical: rank {r.labels['rank'] or '-'} device {r.labels['device'] or '-'}: "
-                         f"{'; '.join(reason.code for reason in r.verdict.reasons)}" for r in critical]
-                return _text(503, "\n".join(lines) + "\n")
-        return _text(200, "ready\n")
+        status, body = self.exposition.observation().readiness(self.options.fail_readiness_on_critical)
+        return _text(status, body)
 
 
 # ------------------------------------------------------------------------------ connections

@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from kvguard.estimator import Profile
-from kvguard.guard import CounterWindow, GuardInput, Verdict, judge, worst
+from kvguard.estimator import FORMULAS, Profile, required_fields
+from kvguard.guard import CounterWindow, GuardInput, Reason, Verdict, judge, no_ranks_reason, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
 from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, safe_text
@@ -50,9 +50,10 @@ class RankView:
     age_seconds: float | None
     stale: bool
     verdict: Verdict
+    at_budget: Verdict | None = None    # the probe's budget-time verdict, from before the KV cache existed
 
     def identity(self) -> dict[str, str]:
-        """The identity labels the rank's series carry, (collector.RANK_IDENTITY_LABELS); "" where unknown."""
+        """The identity labels the rank's series carry (collector.RANK_IDENTITY_LABELS); "" where unknown."""
         memory = self.snapshot.memory if self.snapshot else None
         return {"device_uuid": memory.device_uuid if memory else "", "pci_bus_id": memory.pci_bus_id if memory else "",
                 "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", "")}
@@ -68,6 +69,7 @@ class RankView:
             "kv_cache_blocks": self.kv_cache_blocks,
             "kv_cache_usage_ratio": self.kv_cache_usage_ratio,
             **self.verdict.to_dict(),
+            "at_budget": None if self.at_budget is None else self.at_budget.to_dict(),
         }
 
 
@@ -86,14 +88,34 @@ class Observation:
     skipped: Counter
     interval_seconds: float
     spool_clamped: int = 0              # snapshots dated in the future at the last spool read
+    no_ranks_why: str = "nothing to read"   # what was looked at, when no rank was judged
 
     @property
     def state(self) -> str:
+        """The worst rank's state; ``warning`` (reason ``no_ranks``) when no rank was judged."""
         return worst([r.verdict for r in self.ranks])
+
+    @property
+    def reasons(self) -> list[Reason]:
+        """The overall reasons beside the ranks' own: ``no_ranks`` when there is no rank."""
+        return [] if self.ranks else [no_ranks_reason(self.no_ranks_why)]
+
+    def readiness(self, fail_on_critical: bool) -> tuple[int, str]:
+        """/readyz: (status, body). The body states the same overall state as /guard; 503 only
+        while a rank is critical and ``fail_on_critical`` is set (a warning never fails readiness)."""
+        from kvguard.guard import CRITICAL
+        if fail_on_critical and self.state == CRITICAL:
+            critical = [r for r in self.ranks if r.verdict.state == CRITICAL]
+            lines = [f"critical: rank {r.labels['rank'] or '-'} device {r.labels['device'] or '-'}: "
+                     f"{'; '.join(reason.code for reason in r.verdict.reasons)}" for r in critical]
+            return 503, "\n".join(lines) + "\n"
+        why = "".join(f"; {reason.code}: {reason.message}" for reason in self.reasons)
+        return 200, f"ready\nguard: {self.state}{why}\n"
 
     def guard_dict(self) -> dict[str, Any]:
         return {
             "state": self.state,
+            "reasons": [r.to_dict() for r in self.reasons],
             "ranks": [r.to_dict() for r in self.ranks],
             "sources": {s.name: {"up": s.up, "errors_total": s.errors_total, "last_error": s.last_error}
                         for s in self.sources},
@@ -108,6 +130,8 @@ class SidecarConfig:
     sources: Sequence[tuple[str, Any]] = ()       # (name, object with sample() -> list[DeviceMemory])
     vllm_metrics_url: str | None = None
     startup_log: StartupLog | None = None
+    log_total_memory_bytes: int | None = None      # what the startup log does not state (kvguard check flags)
+    log_gpu_memory_utilization: float | None = None
     interval: float = 5.0
     stale_after: float = 30.0
     read_timeout: float = 2.0
@@ -124,7 +148,8 @@ class Sidecar:
         # From the startup log (frozen), once: its profile, and its KV cache's bytes per block
         # where the log counts the blocks itself (else vLLM's block size does, per scrape).
         log = config.startup_log
-        self._log_profile = log.profile() if log else None
+        self._log_profile, self._log_missing = log_profile(log, config.log_total_memory_bytes,
+                                                           config.log_gpu_memory_utilization) if log else (None, None)
         self._log_block_bytes = log.available_kv_cache_bytes // log.num_gpu_blocks \
             if log and log.available_kv_cache_bytes and log.num_gpu_blocks else None
         self._spool_reader = SpoolReader(config.spool_dir) if config.spool_dir else None
@@ -236,7 +261,18 @@ class Sidecar:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
                 devices.append(DeviceView(labels, memory))
         return Observation(ranks=ranks, devices=devices, sources=sources, spool_snapshots=len(spool_read.snapshots),
-                           skipped=skipped, interval_seconds=config.interval, spool_clamped=spool_read.clamped)
+                           skipped=skipped, interval_seconds=config.interval, spool_clamped=spool_read.clamped,
+                           no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read))
+
+    def _no_ranks_why(self, sources: list[PollState], spool_read: SpoolRead) -> str:
+        config = self.config
+        why = [f"{s.name} down: {s.last_error}" for s in sources if not s.up and s.last_error]
+        if config.spool_dir and self._spool and self._spool.state.up:
+            skipped = sum(spool_read.skipped.values())
+            why.append(f"no snapshots in {config.spool_dir}" + (f" ({skipped} file(s) skipped)" if skipped else ""))
+        if not config.spool_dir and config.startup_log is None and not config.vllm_metrics_url:
+            why.append("no spool, startup log or vLLM metrics configured")
+        return "; ".join(why) or "nothing to read"
 
     def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
         config = self.config
@@ -260,15 +296,22 @@ class Sidecar:
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
             labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
                           engine=snap.engine or (engine.engine if engine else ""))
+            missing = self._log_missing if profile is None else None
             blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
                                        kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
-                                       alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale))
+                                       alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
+                                       no_profile_detail=missing))
+            at_budget = snap.budget_verdict
+            if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
+                # Between the budget and the KV cache's allocation the budget-time verdict is the one
+                # that knows where the cache will go: it stands for the rank until the cache exists.
+                verdict = at_budget
             views.append(RankView(labels, snap, profile, origin, blocks,
-                                  engine.kv_cache_usage_ratio if engine else None, age, stale, verdict))
+                                  engine.kv_cache_usage_ratio if engine else None, age, stale, verdict, at_budget))
 
         if not views and (log is not None or vllm is not None):
             # No probe: judge each engine vLLM's metrics describe (or the one the log does).
@@ -276,7 +319,7 @@ class Sidecar:
                 labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
                           "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else ""}
                 blocks, kv_bytes = self._engine_kv_cache(engine)
-                verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes))
+                verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
                 views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
                                       engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
         return views, skipped
@@ -316,6 +359,56 @@ class Sidecar:
         if log is not None and log.available_kv_cache_bytes is not None:
             return blocks, max(0, log.available_kv_cache_bytes)
         return blocks, None
+
+
+# What each profile field is, for a message that names the ones a log lacks.
+_FIELD_WORDS = {"total_memory_bytes": "the device's total memory", "gpu_memory_utilization": "gpu_memory_utilization",
+                "weights_bytes": "the weights", "peak_allocated_increase_bytes": "the profile run's allocated peak",
+                "peak_reserved_increase_bytes": "the profile run's reserved peak increase",
+                "non_torch_increase_bytes": "the non-torch increase", "total_consumed_bytes": "the total consumed",
+                "transient_peak_headroom_bytes": "the transient peak"}
+
+
+def log_profile(log: StartupLog, total_memory_bytes: int | None = None,
+                gpu_memory_utilization: float | None = None) -> tuple[Profile | None, str | None]:
+    """The startup log's profile, or (None, a one-line message naming what the log states and
+    which figures of its era's formula it lacks).
+
+    ``total_memory_bytes`` / ``gpu_memory_utilization`` fill what the log does not state (vllm-mindspore
+    logs neither at INFO). With both, and the KV cache vLLM decided, a log without the profile line
+    still gives the peak formulas' non-KV memory: ``total × util − weights − decided`` (the formula read
+    backwards), taken whole as the activation peak (non-torch 0).
+    """
+    fields = log.profile_fields()
+    if total_memory_bytes is not None:
+        fields["total_memory_bytes"] = total_memory_bytes
+    if gpu_memory_utilization is not None:
+        fields["gpu_memory_utilization"] = gpu_memory_utilization
+    formula = FORMULAS[fields["formula"]]
+    peak = "peak_reserved_increase_bytes" if formula.peak == "reserved" else "peak_allocated_increase_bytes"
+    derivable = (formula.non_kv == "peak" and log.available_kv_cache_bytes is not None and fields.get(peak) is None
+                 and fields.get("non_torch_increase_bytes") is None and fields.get("kv_cache_memory_bytes") is None)
+    if derivable and all(fields.get(k) is not None for k in ("total_memory_bytes", "gpu_memory_utilization",
+                                                             "weights_bytes")):
+        requested = int(fields["total_memory_bytes"] * fields["gpu_memory_utilization"])
+        fields[peak] = max(0, requested - fields["weights_bytes"] - log.available_kv_cache_bytes)
+        fields["non_torch_increase_bytes"] = 0
+    needs = required_fields(fields["formula"], fields.get("kv_cache_memory_bytes"))
+    if all(fields.get(n) is not None for n in needs):
+        return Profile(**{**{k: None for k in Profile.REQUIRED}, **fields}), None
+    needs = required_fields(fields["formula"], fields.get("kv_cache_memory_bytes"))
+    derived = (peak, "non_torch_increase_bytes") if derivable else ()
+    missing = [_FIELD_WORDS.get(n, n) for n in needs if fields.get(n) is None and n not in derived]
+    stated = [_FIELD_WORDS.get(n, n) for n in needs if fields.get(n) is not None]
+    if log.available_kv_cache_bytes is not None:
+        stated.append("the KV cache vLLM decided")
+    who = log.era or log.project
+    return None, (f"the startup log ({who}) states {', '.join(stated) or 'no profile figure'} but not "
+                  f"{', '.join(missing)}" + (" (the activation peak follows from them and the decided KV cache)"
+                                             if derived else "")
+                  + f": without them the peak cannot be projected (give them to kvguard check "
+                  f"as --total-memory / --gpu-memory-utilization, or run the probe: a KVGUARD_SPOOL_DIR snapshot "
+                  f"carries the whole profile)")
 
 
 def _own_timeout(source: Any) -> float:

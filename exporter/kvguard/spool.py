@@ -104,6 +104,7 @@ class Snapshot:
     # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
     model_name: str = ""
     engine: str = ""
+    budget_verdict: Any = None        # kvguard.guard.Verdict (phase "budget"): judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
 
@@ -125,6 +126,7 @@ class Snapshot:
             "probe": asdict(self.probe),
             "model_name": self.model_name,
             "engine": self.engine,
+            "budget_verdict": None if self.budget_verdict is None else self.budget_verdict.to_dict(),
         }
 
     @classmethod
@@ -161,6 +163,14 @@ class Snapshot:
                 kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
                                              block_size=_int(kv, "block_size"),
                                              outside_allocator=kv.get("outside_allocator") is True)
+            budget_verdict = None
+            if data.get("budget_verdict") is not None:
+                from kvguard.guard import BUDGET, Verdict
+                budget_verdict = Verdict.from_dict(data["budget_verdict"])
+                if budget_verdict.phase != BUDGET:
+                    raise ValueError("budget_verdict is not of phase 'budget'")
+                budget_verdict = replace(budget_verdict, reasons=tuple(
+                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons))
             probe_raw = data.get("probe") or {}
             if not isinstance(probe_raw, Mapping):
                 raise ValueError("probe is not an object")
@@ -185,7 +195,7 @@ class Snapshot:
                    pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
                    pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
                    probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
-                   engine=safe_text(engine, MAX_ENGINE_CHARS))
+                   engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict)
 
 
 class SnapshotError(ValueError):

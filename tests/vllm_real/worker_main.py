@@ -137,6 +137,12 @@ def _run(request, scenario, result):
         vllm.logger._configure_vllm_root_logger()
     result["vllm_version"] = vllm.__version__
     result["torch_version"] = torch.__version__
+    # kvguard's own log lines (the plugin's logger is not vLLM's), on the same stdout.
+    kvguard_log = logging.getLogger("kvguard")
+    kvguard_handler = logging.StreamHandler(sys.stdout)
+    kvguard_handler.setFormatter(logging.Formatter("%(levelname)s kvguard-log %(message)s"))
+    kvguard_log.addHandler(kvguard_handler)
+    kvguard_log.setLevel(logging.INFO)
 
     # vLLM's loggers at DEBUG, formatted as vLLM formats them.
     # The real CUDA platform class (no NVML on this machine): its device queries go through

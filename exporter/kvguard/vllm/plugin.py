@@ -10,7 +10,9 @@ environment:
 ``KVGUARD_SOURCE``      the probe's source (default ``auto``: the worker's own allocator).
 ``KVGUARD_BUDGET``      ``stock`` (default, vLLM's own budget) or ``reserved``: size the KV
                         cache with :func:`kvguard.estimator.reserved_kv_cache_bytes`, the
-                        formula of ``kvguard budget`` (never more than vLLM's own figure).
+                        formula of ``kvguard budget`` (never more than vLLM's own figure);
+                        ``guard``: the largest budget the budget-time verdict predicts fits
+                        (``kvguard.guard.judge_at_budget``), never more than vLLM's figure.
 
 It wraps three methods of the worker class (``vllm.v1.worker.gpu_worker.Worker``;
 ``vllm_ascend.worker.worker.NPUWorker`` and ``worker_v1.NPUWorker``), patched when their
@@ -28,6 +30,12 @@ module is imported, or at once if it already is:
   ``torch_peak_increase``, ``non_torch_increase``, ``before_create.total_memory``) and
   ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`;
 - ``initialize_from_config``: records the KV cache vLLM allocated (``KVCacheConfig``).
+
+Once the budget is fixed (``determine_available_memory`` returned, the KV cache not allocated yet)
+the plugin also judges it: the era's KV tensors for that budget (the worker's ``get_kv_cache_spec``)
+placed into a model of this rank's allocator built from its counters now
+(``kvguard.sim_guard.allocator_from_counters``), and the serving peak beside them. The verdict goes
+into the rank's snapshot at once (``budget_verdict``; ``/guard``'s ``at_budget``).
 
 Every hook is wrapped: a failure is logged once, counted (:data:`hook_errors`), and the
 original method's result passes through untouched. kvguard never makes vLLM fail.
@@ -55,7 +63,7 @@ WORKER_CLASSES = (
     ("vllm_ascend.worker.worker_v1", "NPUWorker"),
     ("vllm_ascend._310p.worker_310p", "NPUWorker310"),     # 310P: its own determine_available_memory (0.18+)
 )
-BUDGETS = ("stock", "reserved")
+BUDGETS = ("stock", "reserved", "guard")
 DEFAULT_INTERVAL = 5.0
 _MARK = "_kvguard_wrapped"
 
@@ -525,18 +533,169 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
         global _profile
         _profile = profile
         probe.set_profile(profile)
-        if _settings.budget != "reserved" or not isinstance(available, int):
+        if not isinstance(available, int):
             return available
-        budget = _guard("budget", _reserved_budget, self, profile, available)
-        if budget is None:
-            return available
-        from kvguard.units import format_gib
-        log.info("kvguard: KV cache budget %s (reserved-aware, KVGUARD_BUDGET=reserved) instead of "
-                 "vLLM's %s", format_gib(budget), format_gib(available))
-        if hasattr(self, "available_kv_cache_memory_bytes"):
-            self.available_kv_cache_memory_bytes = budget
+        budget = None
+        if _settings.budget == "reserved":
+            budget = _guard("budget", _reserved_budget, self, profile, available)
+        elif _settings.budget == "guard":
+            budget = _guard("budget", _guard_budget, self, profile, available)
+        if budget is not None and budget < available:
+            from kvguard.units import format_gib
+            if _settings.budget == "reserved":
+                log.info("kvguard: KV cache budget %s (reserved-aware, KVGUARD_BUDGET=reserved) instead of "
+                         "vLLM's %s", format_gib(budget), format_gib(available))
+            if hasattr(self, "available_kv_cache_memory_bytes"):
+                self.available_kv_cache_memory_bytes = budget
+        else:
+            budget = available
+        _guard("budget_verdict", _record_budget_verdict, self, profile, budget)
         return budget
     return determine_available_memory
+
+
+# ---------------------------------------------------------------------------- the budget-time verdict
+
+def _allocator_kind(worker: Any) -> str:
+    release = running_release(worker) or ""
+    if release.startswith("vllm-mindspore:"):
+        return "mindspore"
+    return "torch_npu" if release.startswith("vllm-ascend") else "torch"
+
+
+def _alloc_conf_flag(names: tuple[str, ...], key: str, default: bool) -> bool:
+    """``key:True`` in the first of the ``names`` environment variables that is set (the allocators'
+    comma-separated ``key:value`` config strings)."""
+    for name in names:
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        for item in text.split(","):
+            k, _, v = item.partition(":")
+            if k.strip().lower() == key:
+                return v.strip().lower() in ("true", "1")
+        return default
+    return default
+
+
+def _budget_model(worker: Any) -> tuple[Any, Any] | None:
+    """(this rank's counters now, a builder of a new allocator model holding them); None when the
+    source tells too little (no total or free memory)."""
+    global _reader
+    if _reader is None:
+        from kvguard.sources import get_source
+        _reader = get_source(_settings.source)
+    records = _reader.sample()
+    if not records or records[0].total_bytes is None or records[0].free_bytes is None:
+        return None
+    memory = records[0]
+    kind = _allocator_kind(worker)
+    # vllm-mindspore's env_setup turns VMM on (scripts.py: MS_ALLOC_CONF='enable_vmm: true, ...').
+    vmm = _alloc_conf_flag(("MS_ALLOC_CONF",), "enable_vmm", True) if kind == "mindspore" else False
+    expandable = _alloc_conf_flag(("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                                  if kind == "torch_npu" else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
+                                  "expandable_segments", False)
+    from kvguard.sim_guard import allocator_from_counters
+
+    return memory, lambda: allocator_from_counters(kind, memory, expandable_segments=expandable, enable_vmm=vmm)
+
+
+def _kv_tensors_for(worker: Any, profile: Any, budget: int) -> tuple[int, ...] | None:
+    """The KV tensors the era allocates for ``budget``: per layer spec (``get_kv_cache_spec``), vLLM's
+    block count (``available // page_size // num_layers`` for one uniform group, kv_cache_utils.py
+    0.11.0:1050-1061), the era's style (kvguard.estimator.kv_tensor_style)."""
+    from kvguard.estimator import kv_tensor_style
+
+    specs = _kv_cache_spec(worker)
+    if not specs:
+        return None
+    pages = [int(spec.page_size_bytes) for spec in specs.values()]
+    if not pages or min(pages) <= 0:
+        return None
+    num_blocks = max(0, int(budget)) // max(pages) // len(pages)
+    style = kv_tensor_style(profile.formula, profile.vllm_version)
+    if style == "one_backing":
+        return (num_blocks * sum(pages),)
+    if style == "per_layer_k_v":
+        return tuple(size for page in pages for size in (num_blocks * page // 2, num_blocks * page - num_blocks * page // 2))
+    return tuple(num_blocks * page for page in pages)
+
+
+def _kv_cache_spec(worker: Any) -> dict | None:
+    """The worker's per-layer KV cache specs (``Worker.get_kv_cache_spec``, or its model runner's);
+    None for a worker that has neither."""
+    for owner in (worker, getattr(worker, "model_runner", None)):
+        method = getattr(owner, "get_kv_cache_spec", None)
+        if callable(method):
+            return dict(method())
+    return None
+
+
+def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) -> Any:
+    from kvguard.guard import BudgetInput, judge_at_budget
+    from kvguard.sim_guard import counters_of
+
+    tensors = _kv_tensors_for(worker, profile, budget)
+    if tensors is None:
+        return None
+    _, build = model
+    return judge_at_budget(BudgetInput(profile, tensors, build, counters_of))
+
+
+def _record_budget_verdict(worker: Any, profile: Any, budget: int) -> None:
+    if _settings.spool_dir is None or _extensible(worker) or not _kv_cache_spec(worker):
+        return   # no probe; 0.34's extensible KV cache (sized after warm-up, outside the allocator); no specs
+    model = _budget_model(worker)
+    if model is None:
+        return
+    verdict = _verdict_at(worker, profile, budget, model)
+    if verdict is None:
+        return
+    from kvguard import probe
+    probe.set_budget_verdict(verdict)
+    running = probe.current()
+    if running is not None:
+        running.run_once()      # into the snapshot at once: the KV allocation may be what fails next
+    if verdict.state == "critical":
+        log.warning("kvguard: budget-time verdict critical for a %d-byte KV cache: %s", budget,
+                    "; ".join(r.message for r in verdict.reasons if r.state == "critical"))
+
+
+def _guard_budget(worker: Any, profile: Any, available: int) -> int | None:
+    """KVGUARD_BUDGET=guard: the largest budget, at most vLLM's, whose budget-time verdict is not
+    critical (bisection over whole blocks; the verdict only worsens with more blocks). None keeps
+    vLLM's figure (it already fits, or nothing fits, or the guard cannot judge)."""
+    from kvguard.units import format_gib
+
+    if _extensible(worker) or profile.kv_cache_memory_bytes is not None:
+        log.info("kvguard: KVGUARD_BUDGET=guard changes nothing here: %s",
+                 "vLLM's extensible KV cache is sized after warm-up" if _extensible(worker)
+                 else "--kv-cache-memory-bytes fixed the size")
+        return None
+    model = _budget_model(worker)
+    if model is None:
+        _failed("budget", "the device source gives no free/total memory; keeping vLLM's KV cache budget")
+        return None
+    first = _verdict_at(worker, profile, available, model)
+    if first is None or first.state != "critical":
+        log.info("kvguard: KVGUARD_BUDGET=guard keeps vLLM's KV cache budget %s: the guard predicts it fits "
+                 "(%s)", format_gib(available), first.state if first else "no KV cache spec")
+        return None
+    from kvguard.guard import largest_fitting_blocks
+
+    specs = _kv_cache_spec(worker)
+    block = max(int(spec.page_size_bytes) for spec in specs.values()) * len(specs)
+    low = largest_fitting_blocks(lambda blocks: _verdict_at(worker, profile, blocks * block, model),
+                                 available // block - 1)
+    if low == 0:
+        log.warning("kvguard: KVGUARD_BUDGET=guard: no KV cache budget fits by the guard's prediction; keeping "
+                    "vLLM's %s (%s)", format_gib(available), first.reasons[0].message)
+        return None
+    budget = low * block
+    log.info("kvguard: KV cache budget %s (KVGUARD_BUDGET=guard) instead of vLLM's %s: at vLLM's the guard "
+             "predicts %s (%s)", format_gib(budget), format_gib(available), first.reasons[0].code,
+             first.reasons[0].message)
+    return budget
 
 
 # ---------------------------------------------------------------------------- the KV cache

@@ -1,0 +1,239 @@
+"""The guard on a held-out grid, fixed by rule before any tuning: does it hold out of sample?
+
+Run on demand:  .venv/bin/python bench/guard_holdout.py [--jobs N] [--json FILE]
+
+The rule (committed before the guard was tuned on anything; disjoint from bench/guard_grid.py's
+tuning grid on every axis that grid has):
+
+- models: every model config the repository carries that the tuning grid does not use:
+  Qwen3-0.6B, Qwen2.5-7B-Instruct-FP8, Mistral-Small-3.1-24B at TP 1, and Qwen2.5-72B at TP 4
+  (one rank of four; it fits no single device here);
+- device sizes: 12, 16, 24, 48, 96 GiB (the tuning grid has 32, 64, 80);
+- utilizations: 0.8, 0.88, 0.92, 0.96 (tuning: 0.85, 0.9, 0.95, 0.98);
+- allocators: PyTorch's caching allocator plain and with expandable segments, torch_npu, and
+  MindSpore's pool with VMM off and on. Once the simulator models MindSpore per release
+  (``kvguard.sim.mindspore_releases.RELEASES``, ``ScenarioConfig.mindspore_version``), the pool
+  axis becomes every modelled release under its vllm-mindspore launcher's own MS_ALLOC_CONF (VMM as
+  that default), and each release with VMM forced off (``ms_alloc_conf="enable_vmm:False"``);
+- budgets: stock and reserved (as tuned: the budget is what the guard judges, not a tuning knob);
+- seeds: 2, 3 (tuning: 0, 1); 32 requests per run (as the full tuning grid).
+
+Each run is judged as bench/guard_grid.py judges it, plus the budget-time verdict
+(``kvguard.sim_guard.BudgetWatch``). Printed: recall (OOMs called critical before they happen: a
+KV-cache placement OOM only by the budget-time verdict, a serving OOM by that, at the end of
+startup or at any step before the failing one) and false criticals (runs that never OOM but were
+called critical at any point, budget time included), with the missed runs and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "exporter"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import guard_grid  # noqa: E402
+
+GIB = 1 << 30
+MODELS = {   # name: (config path, tensor-parallel size)
+    "qwen3-0.6b": ("tests/data/configs/qwen3-0.6b/config.json", 1),
+    "qwen2.5-7b-fp8": ("tests/data/configs/qwen2.5-7b-instruct-fp8/config.json", 1),
+    "mistral-small-24b": ("tests/data/configs/mistral-small-3.1-24b-instruct-2503/config.json", 1),
+    "qwen2.5-72b-tp4": ("tests/data/configs/qwen2.5-72b-instruct/config.json", 4),
+}
+DEVICES_GIB = (12, 16, 24, 48, 96)
+UTILIZATIONS = (0.8, 0.88, 0.92, 0.96)
+BUDGETS = ("stock", "reserved")
+SEEDS = (2, 3)
+REQUESTS = 32
+
+
+def config_fields() -> set[str]:
+    from kvguard.sim.scenario import ScenarioConfig
+    return {f.name for f in dataclasses.fields(ScenarioConfig)}
+
+
+def allocators() -> list[tuple[str, str, tuple]]:
+    """(name, allocator, config overrides) per the rule: MindSpore per release where the simulator has them."""
+    axis = [("torch", "torch", ()), ("torch+expandable", "torch", (("expandable_segments", True),)),
+            ("torch_npu", "torch_npu", ())]
+    fields = config_fields()
+    if "mindspore_version" in fields and "ms_alloc_conf" in fields:
+        from kvguard.sim.mindspore_releases import RELEASES
+        for rel in RELEASES:
+            axis.append((f"mindspore-{rel.version}", "mindspore", (("mindspore_version", rel.version),)))
+            axis.append((f"mindspore-{rel.version}-novmm", "mindspore",
+                         (("mindspore_version", rel.version), ("ms_alloc_conf", "enable_vmm:False"))))
+    else:
+        axis.append(("mindspore-novmm", "mindspore", (("enable_vmm", False),)))
+        axis.append(("mindspore-vmm", "mindspore", (("enable_vmm", True),)))
+    return axis
+
+
+def grid() -> list[tuple]:
+    return [(model, gib, util, alloc, budget, seed) for model, gib, util, alloc, budget, seed in itertools.product(
+        MODELS, DEVICES_GIB, UTILIZATIONS, allocators(), BUDGETS, SEEDS)]
+
+
+def disjoint_from_tuning() -> dict[str, set]:
+    """Axis values the held-out grid shares with the tuning grid (all empty by the rule)."""
+    full = guard_grid.FULL
+    tuned_paths = set(guard_grid.MODELS.values())
+    return {"models": {m for m, (path, _) in MODELS.items() if path in tuned_paths},
+            "devices_gib": set(DEVICES_GIB) & set(full["devices_gib"]),
+            "utilizations": set(UTILIZATIONS) & set(full["utilizations"]),
+            "seeds": set(SEEDS) & set(full["seeds"])}
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    scenario: tuple
+    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started"
+    critical_at_budget: bool
+    critical_at_startup: bool
+    critical_before_oom: bool
+    critical_ever: bool
+    reasons: tuple[str, ...] = ()
+
+
+def run_one(scenario: tuple) -> Outcome:
+    from kvguard.guard import CRITICAL
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+    from kvguard.sim_guard import run_guarded
+
+    model, gib, util, (_, allocator, overrides), budget, seed = scenario
+    path, tp = MODELS[model]
+    with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
+        model_config = json.load(handle)
+    run = run_guarded(ServingScenario(ScenarioConfig(
+        model_config=model_config, device_memory_bytes=gib * GIB, gpu_memory_utilization=util,
+        allocator=allocator, budget=budget, seed=seed, requests=REQUESTS, tensor_parallel_size=tp,
+        **dict(overrides))))
+    result = run.result
+    if result.profile is None or (result.error and not result.oom):
+        kind = "not_started"
+    elif result.oom and result.oom_phase == "serving":
+        kind = "serving_oom"
+    elif result.oom:
+        kind = "startup_oom"
+    else:
+        kind = "no_oom"
+    reasons = (run.at_budget.reason_codes if run.at_budget else ()) + run.first_critical_reasons
+    return Outcome(scenario, kind, run.caught_at_budget,
+                   run.startup is not None and run.startup.state == CRITICAL, run.caught_before_oom,
+                   run.critical_ever, reasons)
+
+
+def measure(scenarios: list[tuple], jobs: int = 1) -> dict:
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            outcomes = list(pool.map(run_one, scenarios, chunksize=8))
+    else:
+        outcomes = [run_one(s) for s in scenarios]
+    return summarize(outcomes)
+
+
+def _name(scenario: tuple) -> str:
+    model, gib, util, alloc, budget, seed = scenario[:6]
+    alloc_name = alloc[0] if isinstance(alloc, tuple) else alloc
+    return f"{model} {gib}GiB u{util} {alloc_name} {budget} s{seed}"
+
+
+def summarize(outcomes: list) -> dict:
+    serving = [o for o in outcomes if o.kind == "serving_oom"]
+    startup = [o for o in outcomes if o.kind == "startup_oom"]
+    clean = [o for o in outcomes if o.kind == "no_oom"]
+    ooms = serving + startup
+    return {
+        "scenarios": len(outcomes),
+        "not_started": sum(o.kind == "not_started" for o in outcomes),
+        "ooms": len(ooms),
+        "ooms_called_before": sum(o.critical_before_oom for o in ooms),
+        "serving_ooms": len(serving),
+        "serving_ooms_called_before": sum(o.critical_before_oom for o in serving),
+        "serving_ooms_called_at_budget": sum(o.critical_at_budget for o in serving),
+        "kv_placement_ooms": len(startup),
+        "kv_placement_ooms_called_at_budget": sum(o.critical_at_budget for o in startup),
+        "no_oom": len(clean),
+        "no_oom_critical_ever": sum(o.critical_ever for o in clean),
+        "no_oom_critical_at_budget": sum(o.critical_at_budget for o in clean),
+        "missed": [_name(o.scenario) for o in ooms if not o.critical_before_oom],
+        "false_critical": [f"{_name(o.scenario)}: {','.join(dict.fromkeys(o.reasons))}" for o in clean
+                           if o.critical_ever],
+    }
+
+
+def report(figures: dict, title: str) -> str:
+    def rate(n: int, d: int) -> str:
+        return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "0/0"
+    return "\n".join([
+        f"{title}: {figures['scenarios']} runs ({figures['not_started']} never started: weights or one request "
+        f"do not fit)",
+        f"  recall, OOMs called critical before they happen: {rate(figures['ooms_called_before'], figures['ooms'])}",
+        f"    KV-placement OOMs, by the budget-time verdict:  "
+        f"{rate(figures['kv_placement_ooms_called_at_budget'], figures['kv_placement_ooms'])}",
+        f"    serving OOMs, before the failing step:          "
+        f"{rate(figures['serving_ooms_called_before'], figures['serving_ooms'])}"
+        f" ({figures['serving_ooms_called_at_budget']} already at budget time)",
+        f"  false criticals, runs that never OOM:             "
+        f"{rate(figures['no_oom_critical_ever'], figures['no_oom'])}"
+        f" ({figures['no_oom_critical_at_budget']} at budget time)",
+    ])
+
+
+def tuning_outcomes(jobs: int) -> dict:
+    """The tuning grid (bench/guard_grid.py FULL) scored the same way, budget time included."""
+    scenarios = guard_grid.grid(guard_grid.FULL)
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            outcomes = list(pool.map(_tuning_one, scenarios, chunksize=8))
+    else:
+        outcomes = [_tuning_one(s) for s in scenarios]
+    return summarize(outcomes)
+
+
+def _tuning_one(scenario: tuple) -> Outcome:
+    model, gib, util, allocator, budget, seed, requests = scenario
+    overrides = ()
+    fields = config_fields()
+    if allocator == "mindspore":   # the tuning grid's pool: VMM off, as it was tuned
+        overrides = (("ms_alloc_conf", "enable_vmm:False"),) if "ms_alloc_conf" in fields else (("enable_vmm", False),)
+    global MODELS
+    MODELS = {**MODELS, model: (guard_grid.MODELS[model], 1)}
+    return run_one((model, gib, util, (allocator, allocator, overrides), budget, seed))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--tuning", action="store_true", help="also score the tuning grid the same way")
+    parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    args = parser.parse_args()
+    started = time.monotonic()
+    shared = {k: sorted(v) for k, v in disjoint_from_tuning().items() if v}
+    if shared:
+        sys.exit(f"the held-out grid shares axis values with the tuning grid: {shared}")
+    figures = {"held_out": measure(grid(), args.jobs)}
+    print(report(figures["held_out"], "held-out grid"))
+    if args.tuning:
+        figures["tuning"] = tuning_outcomes(args.jobs)
+        print(report(figures["tuning"], "tuning grid"))
+    for name, data in figures.items():
+        for line in data["missed"]:
+            print(f"  missed ({name}): {line}")
+    print(f"({time.monotonic() - started:.0f}s)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()

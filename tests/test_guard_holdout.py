@@ -1,0 +1,24 @@
+"""The held-out grid's rule (bench/guard_holdout.py): fixed before tuning, disjoint from the tuning grid."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import guard_holdout  # noqa: E402
+
+
+def test_the_held_out_grid_shares_no_axis_value_with_the_tuning_grid():
+    assert guard_holdout.disjoint_from_tuning() == {"models": set(), "devices_gib": set(), "utilizations": set(),
+                                                   "seeds": set()}
+
+
+def test_every_held_out_model_config_exists_and_the_grid_covers_the_rule():
+    for path, _ in guard_holdout.MODELS.values():
+        assert os.path.isfile(os.path.join(guard_holdout.ROOT, path)), path
+    names = [name for name, _, _ in guard_holdout.allocators()]
+    assert {"torch", "torch+expandable", "torch_npu"} <= set(names)
+    assert any(n.startswith("mindspore") and "novmm" in n for n in names)
+    assert any(n.startswith("mindspore") and "novmm" not in n for n in names)
+    assert len(guard_holdout.grid()) == 4 * 5 * 4 * len(names) * 2 * 2
