@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
+import ssl
 import time
 
 from kvguard.estimator import Profile, stock_kv_cache_bytes
@@ -76,3 +78,18 @@ def start_server(spool, *snapshots, pod_labels=None, web_config=None, **options)
                                                                           else pod_labels)))
     return KVGuardServer(sidecar, ServerOptions(listen="127.0.0.1", port=0, **options),
                          web_config=web_config).start()
+
+
+def http_get(server, path: str = "/metrics", headers: dict | None = None, method: str = "GET",
+             context: ssl.SSLContext | None = None, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    """One request on a fresh loopback connection to a test server: (status, headers, body)."""
+    if context is not None:
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        conn.request(method, path, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()

@@ -3,22 +3,15 @@
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import http_get, snapshot
 
 
 def get(server, path: str):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
+    status, _, body = http_get(server, path)
+    return status, body.decode()
 
 def test_an_empty_spool_is_a_no_ranks_warning_on_guard_and_readyz(serve, tmp_path):
     server = serve()

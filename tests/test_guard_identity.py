@@ -4,26 +4,19 @@ pci_bus_id of its device, model_name and engine of the vLLM engine it serves (""
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import http_get, snapshot
 
 IDENTITY = ("device_uuid", "pci_bus_id", "model_name", "engine")
 
 
 def get(server, path: str) -> bytes:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        assert response.status == 200, path
-        return response.read()
-    finally:
-        conn.close()
-
+    status, _, body = http_get(server, path)
+    assert status == 200, path
+    return body
 
 def with_identity(snap, device_uuid: str, pci_bus_id: str, model_name: str, engine: str):
     memory = dataclasses.replace(snap.memory, device_uuid=device_uuid, pci_bus_id=pci_bus_id)

@@ -13,25 +13,11 @@ import subprocess
 
 import pytest
 
-from kvguard.server import KVGuardServer
 from monitoring import promtool
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import http_get as get, snapshot
 
 
 
-
-def get(server: KVGuardServer, path: str, headers: dict | None = None, method: str = "GET",
-        context: ssl.SSLContext | None = None):
-    if context is not None:
-        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=30, context=context)
-    else:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request(method, path, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        conn.close()
 
 
 def test_metrics_is_prometheus_text_by_default(serve):

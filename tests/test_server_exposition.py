@@ -8,7 +8,6 @@ observation and one collection per refresh, whatever the formats and encodings s
 from __future__ import annotations
 
 import gzip
-import http.client
 import math
 import time
 
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.collector import families
 from kvguard.exposition import Exposition, _Pinned, encode
 from kvguard.sidecar import Sidecar, SidecarConfig
-from sidecar_fixtures import snapshot, write
+from sidecar_fixtures import http_get as get, snapshot, write
 
 POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
@@ -34,15 +33,6 @@ PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,applicati
 FUZZ = settings(derandomize=True, max_examples=120, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
-
-def get(server, path="/metrics", headers=None, method="GET"):
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request(method, path, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        conn.close()
 
 
 def hostile_spool(tmp_path):

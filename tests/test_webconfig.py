@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from kvguard.cli import main
 from kvguard.server import KVGuardServer
 from kvguard.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import http_get, snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
@@ -77,20 +77,9 @@ def client_context(pki, ca: str = "ca", cert: str | None = None) -> ssl.SSLConte
 
 
 def get(server, path="/metrics", context=None, auth: tuple[str, str] | None = None):
-    if context is None:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    else:
-        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
-    headers = {}
-    if auth:
-        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-    try:
-        conn.request("GET", path, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
+    headers = {"Authorization": "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()} if auth else {}
+    status, _, body = http_get(server, path, headers, context=context, timeout=10)
+    return status, body
 
 def tls_config(pki, cert="server", **extra) -> str:
     lines = ["tls_server_config:", f"  cert_file: {pki / (cert + '.crt')}", f"  key_file: {pki / (cert + '.key')}"]
