@@ -67,16 +67,27 @@ def run_one(scenario: tuple) -> Outcome:
         model_config=model_config, device_memory_bytes=device_gib * GIB, gpu_memory_utilization=utilization,
         allocator=allocator, budget=budget, seed=seed, requests=requests)))
     result = run.result
-    if result.profile is None or result.error:
-        kind = "not_started"          # weights do not fit, or no room for one request's blocks
-    elif result.oom and result.oom_phase == "serving":
-        kind = "serving_oom"
-    elif result.oom:
-        kind = "startup_oom"
-    else:
-        kind = "no_oom"
+    kind = outcome_kind(result)
     at_startup = run.startup is not None and run.startup.state == CRITICAL
     return Outcome(scenario, kind, at_startup, run.caught_before_oom, run.critical_ever, run.caught_at_budget)
+
+
+def outcome_kind(result) -> str:
+    """not_started (weights do not fit, or no room for one request's blocks), serving_oom, startup_oom
+    (the KV cache could not be placed) or no_oom."""
+    if result.profile is None or (result.error and not result.oom):
+        return "not_started"
+    if result.oom:
+        return "serving_oom" if result.oom_phase == "serving" else "startup_oom"
+    return "no_oom"
+
+
+def map_runs(run, scenarios: list[tuple], jobs: int) -> list:
+    """run(scenario) for every scenario, on jobs processes."""
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            return list(pool.map(run, scenarios, chunksize=8))
+    return [run(s) for s in scenarios]
 
 
 def grid(spec: dict) -> list[tuple]:
@@ -85,12 +96,7 @@ def grid(spec: dict) -> list[tuple]:
 
 
 def measure(spec: dict, jobs: int = 1) -> dict:
-    scenarios = grid(spec)
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            outcomes = list(pool.map(run_one, scenarios, chunksize=4))
-    else:
-        outcomes = [run_one(s) for s in scenarios]
+    outcomes = map_runs(run_one, grid(spec), jobs)
     serving = [o for o in outcomes if o.kind == "serving_oom"]
     startup = [o for o in outcomes if o.kind == "startup_oom"]
     clean = [o for o in outcomes if o.kind == "no_oom"]

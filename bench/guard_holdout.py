@@ -34,7 +34,6 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "exporter"))
@@ -118,14 +117,7 @@ def run_one(scenario: tuple) -> Outcome:
         allocator=allocator, budget=budget, seed=seed, requests=REQUESTS, tensor_parallel_size=tp,
         **dict(overrides))))
     result = run.result
-    if result.profile is None or (result.error and not result.oom):
-        kind = "not_started"
-    elif result.oom and result.oom_phase == "serving":
-        kind = "serving_oom"
-    elif result.oom:
-        kind = "startup_oom"
-    else:
-        kind = "no_oom"
+    kind = guard_grid.outcome_kind(result)
     reasons = (run.at_budget.reason_codes if run.at_budget else ()) + run.first_critical_reasons
     return Outcome(scenario, kind, run.caught_at_budget,
                    run.startup is not None and run.startup.state == CRITICAL, run.caught_before_oom,
@@ -133,12 +125,7 @@ def run_one(scenario: tuple) -> Outcome:
 
 
 def measure(scenarios: list[tuple], jobs: int = 1) -> dict:
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            outcomes = list(pool.map(run_one, scenarios, chunksize=8))
-    else:
-        outcomes = [run_one(s) for s in scenarios]
-    return summarize(outcomes)
+    return summarize(guard_grid.map_runs(run_one, scenarios, jobs))
 
 
 def _name(scenario: tuple) -> str:
@@ -191,13 +178,7 @@ def report(figures: dict, title: str) -> str:
 
 def tuning_outcomes(jobs: int) -> dict:
     """The tuning grid (bench/guard_grid.py FULL) scored the same way, budget time included."""
-    scenarios = guard_grid.grid(guard_grid.FULL)
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            outcomes = list(pool.map(_tuning_one, scenarios, chunksize=8))
-    else:
-        outcomes = [_tuning_one(s) for s in scenarios]
-    return summarize(outcomes)
+    return summarize(guard_grid.map_runs(_tuning_one, guard_grid.grid(guard_grid.FULL), jobs))
 
 
 def _tuning_one(scenario: tuple) -> Outcome:
