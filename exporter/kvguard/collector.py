@@ -93,9 +93,18 @@ def _activation_peaks(view: RankView) -> tuple:
             (("reserved",), view.verdict.activation_reserved_peak_bytes))
 
 
-def _reasons(view: RankView) -> tuple:
-    active = set(view.verdict.reason_codes)
+def _reason_samples(verdict) -> tuple:
+    active = set(verdict.reason_codes)
     return tuple(((code,), 1.0 if code in active else 0.0) for code in REASON_CODES)
+
+
+def _reasons(view: RankView) -> tuple:
+    return _reason_samples(view.verdict)
+
+
+def _at_budget(samples: Callable) -> Callable[[RankView], tuple]:
+    """Samples of the budget-time verdict, for the ranks that have one."""
+    return lambda v: samples(v.at_budget) if v.at_budget is not None else ()
 
 
 # (type, name, HELP, extra labels, samples) for every per-rank family, in exposition order;
@@ -170,14 +179,13 @@ _RANK_FAMILIES = (
      _verdict("headroom_bytes")),
     ("gauge", "kvguard_guard_budget_severity", "The budget-time verdict (judged when vLLM fixed its KV budget, "
      "before the KV cache existed) as a number: 0 ok, 1 warning, 2 critical.", (),
-     lambda v: (((), float(SEVERITY[v.at_budget.state])),) if v.at_budget is not None else ()),
+     _at_budget(lambda verdict: (((), float(SEVERITY[verdict.state])),))),
     ("gauge", "kvguard_guard_budget_reason", "1 for each reason of the budget-time verdict, 0 for the other reason "
      "codes.", ("reason",),
-     lambda v: tuple(((code,), 1.0 if code in v.at_budget.reason_codes else 0.0) for code in REASON_CODES)
-     if v.at_budget is not None else ()),
+     _at_budget(_reason_samples)),
     ("gauge", "kvguard_guard_budget_headroom_bytes", "Capacity minus projected peak at budget time, the KV "
      "tensors placed by the allocator's rules.", (),
-     lambda v: (((), v.at_budget.headroom_bytes),) if v.at_budget is not None else ()),
+     _at_budget(lambda verdict: (((), verdict.headroom_bytes),))),
     ("gauge", "kvguard_snapshot_age_seconds", "Seconds since the probe wrote this rank's latest snapshot, as of "
      "the last spool read.{spool_cached}", (),
      lambda v: (((), v.age_seconds),) if v.snapshot is not None else ()),
@@ -197,8 +205,10 @@ def families(obs: Observation) -> Iterator[Metric]:
               "see kvguard_source_cache_age_seconds.")
     spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
                     "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
-    rank_labels = [[view.labels[k] for k in RANK_LABELS] + [view.identity()[k] for k in RANK_IDENTITY_LABELS]
-                   for view in obs.ranks]
+    rank_labels = []
+    for view in obs.ranks:
+        identity = view.identity()
+        rank_labels.append([view.labels[k] for k in RANK_LABELS] + [identity[k] for k in RANK_IDENTITY_LABELS])
     for kind, name, doc, extra, samples in _RANK_FAMILIES:
         doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
         family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(

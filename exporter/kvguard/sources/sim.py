@@ -138,9 +138,7 @@ class SimSource:
             scenario.step()
         if scenario.finished:
             self._shown_final[rank] = True
-        device_uuid, pci_bus_id = sim_identity(self._prefix, rank)
-        return replace(record_from_scenario(scenario, self.device(rank), self.name),
-                       device_uuid=device_uuid, pci_bus_id=pci_bus_id)
+        return renumbered(record_from_scenario(scenario, self.device(rank), self.name), self._prefix, rank)
 
     def rank_contexts(self) -> dict[str, RankContext]:
         with self._lock:
