@@ -55,7 +55,7 @@ statistics keep current and peak (and freed per pool), "allocated" being current
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
@@ -954,38 +954,8 @@ class CachingAllocator:
                 return block
         return None
 
-    def snapshot_segments(self) -> list[dict[str, Any]]:
-        """The segments as ``torch.cuda.memory._snapshot()`` reports them (``snapshot()``).
-
-        One entry per contiguous mapped range of an expandable segment; blocks as
-        ``{"address", "size", "allocated"}``; sorted by address.
-        """
-        out = []
-        heads = {}
-        for block in list(self._active.values()) + list(self._free_blocks.values()) + \
-                [entry[3] for entries in self._unmapped for entry in entries]:
-            if block.prev is None:
-                heads[id(block.segment)] = block
-        for segment in self._segments:
-            block = heads.get(id(segment))
-            current: dict[str, Any] | None = None
-            while block is not None:
-                if block.mapped:
-                    if current is None:
-                        current = {"address": block.addr, "total_size": 0, "small": segment.small,
-                                   "expandable": segment.expandable, "stream": segment.stream, "blocks": []}
-                        out.append(current)
-                    current["total_size"] += block.size
-                    current["blocks"].append({"address": block.addr, "size": block.size,
-                                              "allocated": block.allocated})
-                else:
-                    current = None
-                block = block.next
-        return sorted(out, key=lambda s: s["address"])
-
-    def segment_layout(self) -> list[tuple[int, int, tuple[tuple[int, int, bool], ...]]]:
-        """``snapshot_segments`` reduced to what an end-state check compares, sorted by address:
-        (address, total_size, ((block address, size, allocated), ...)) per contiguous mapped range."""
+    def _mapped_ranges(self) -> Iterator[tuple[Segment, tuple[tuple[int, int, bool], ...]]]:
+        """(segment, ((block address, size, allocated), ...)) per contiguous mapped range of each segment."""
         heads = {}
         for blocks in (self._active.values(), self._free_blocks.values()):
             for block in blocks:
@@ -995,7 +965,6 @@ class CachingAllocator:
             for entry in entries:
                 if entry[3].prev is None:
                     heads[id(entry[3].segment)] = entry[3]
-        out = []
         for segment in self._segments:
             block = heads.get(id(segment))
             current: list[tuple[int, int, bool]] = []
@@ -1003,13 +972,28 @@ class CachingAllocator:
                 if block.mapped:
                     current.append((block.addr, block.size, block.allocated))
                 elif current:
-                    out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
+                    yield segment, tuple(current)
                     current = []
                 block = block.next
             if current:
-                out.append((current[0][0], sum(size for _, size, _ in current), tuple(current)))
-        out.sort()
-        return out
+                yield segment, tuple(current)
+
+    def snapshot_segments(self) -> list[dict[str, Any]]:
+        """The segments as ``torch.cuda.memory._snapshot()`` reports them (``snapshot()``).
+
+        One entry per contiguous mapped range of an expandable segment; blocks as
+        ``{"address", "size", "allocated"}``; sorted by address.
+        """
+        out = [{"address": blocks[0][0], "total_size": sum(size for _, size, _ in blocks), "small": segment.small,
+                "expandable": segment.expandable, "stream": segment.stream,
+                "blocks": [{"address": addr, "size": size, "allocated": allocated} for addr, size, allocated in blocks]}
+               for segment, blocks in self._mapped_ranges()]
+        return sorted(out, key=lambda s: s["address"])
+
+    def segment_layout(self) -> list[tuple[int, int, tuple[tuple[int, int, bool], ...]]]:
+        """``snapshot_segments`` reduced to what an end-state check compares, sorted by address:
+        (address, total_size, ((block address, size, allocated), ...)) per contiguous mapped range."""
+        return sorted((blocks[0][0], sum(size for _, size, _ in blocks), blocks) for _, blocks in self._mapped_ranges())
 
     # ----------------------------------------------------------------- torch.cuda API
     def reset_peak_memory_stats(self) -> None:
