@@ -407,11 +407,6 @@ class DynamicMemPool:
         return self.alloc_size
 
     @property
-    def physical_bytes(self) -> int:
-        """Device memory the pool holds: VMM handles, or its blocks."""
-        return self.physical_pages * self.page if self.enable_vmm else self.alloc_size
-
-    @property
     def peak_allocated_bytes(self) -> int:
         return self._peak_used
 

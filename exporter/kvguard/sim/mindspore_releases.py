@@ -229,7 +229,6 @@ SEED_MINDSPORE = "2.6.0"
 SEED_MINDSPORE_COMMIT = "b6f48709740e52a1daf206553f742609a0998bae"
 
 BY_VERSION: dict[str, MindSporeRelease] = {row.version: row for row in RELEASES}
-NEWEST = RELEASES[-1].version
 
 
 def release(version: str) -> MindSporeRelease:

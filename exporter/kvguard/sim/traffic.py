@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..estimator import Profile
 from .base import SimOutOfMemory
 from .scenario import ScenarioConfig, ServingScenario
 from .scheduler import Scheduler, Sequence
-from .workload import forward_ops
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class LiveServing:
         self.config = config
         self.traffic = traffic or Traffic()
         # requests=1: the scenario's own queued batch is unused; only its startup runs.
-        self._scenario = ServingScenario(_with_requests(config, 1))
+        self._scenario = ServingScenario(replace(config, requests=1))
         self.kv_layout = self._scenario.kv_layout
         self._rng = random.Random(config.seed)
         self._max_len = config.resolved_max_model_len
@@ -168,7 +167,7 @@ class LiveServing:
             if scheduled:
                 gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
                                  if self.config.gathers_kv and seq.in_prefill and seq.computed > 0)
-                ops = list(forward_ops(self._scenario.shape, num_tokens, len(scheduled), gathered))
+                ops = self._scenario._ops(num_tokens, len(scheduled), gathered)   # noqa: SLF001 - its cache
                 self._pending = [ops, 0, {}]
                 self._run_pending(self._rng.randrange(len(ops)))
             self._advance(scheduled)
@@ -229,9 +228,3 @@ class LiveServing:
             for addr in self._pending[2].values():
                 free(addr)
             self._pending = None
-
-
-def _with_requests(config: ScenarioConfig, requests: int) -> ScenarioConfig:
-    from dataclasses import replace  # noqa: PLC0415
-
-    return replace(config, requests=requests)
