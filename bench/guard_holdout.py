@@ -55,25 +55,15 @@ SEEDS = (2, 3)
 REQUESTS = 32
 
 
-def config_fields() -> set[str]:
-    from kvguard.sim.scenario import ScenarioConfig
-    return {f.name for f in dataclasses.fields(ScenarioConfig)}
-
-
 def allocators() -> list[tuple[str, str, tuple]]:
     """(name, allocator, config overrides) per the rule: MindSpore per release where the simulator has them."""
     axis = [("torch", "torch", ()), ("torch+expandable", "torch", (("expandable_segments", True),)),
             ("torch_npu", "torch_npu", ())]
-    fields = config_fields()
-    if "mindspore_version" in fields and "ms_alloc_conf" in fields:
-        from kvguard.sim.mindspore_releases import RELEASES
-        for rel in RELEASES:
-            axis.append((f"mindspore-{rel.version}", "mindspore", (("mindspore_version", rel.version),)))
-            axis.append((f"mindspore-{rel.version}-novmm", "mindspore",
-                         (("mindspore_version", rel.version), ("ms_alloc_conf", "enable_vmm:False"))))
-    else:
-        axis.append(("mindspore-novmm", "mindspore", (("enable_vmm", False),)))
-        axis.append(("mindspore-vmm", "mindspore", (("enable_vmm", True),)))
+    from kvguard.sim.mindspore_releases import RELEASES
+    for rel in RELEASES:
+        axis.append((f"mindspore-{rel.version}", "mindspore", (("mindspore_version", rel.version),)))
+        axis.append((f"mindspore-{rel.version}-novmm", "mindspore",
+                     (("mindspore_version", rel.version), ("ms_alloc_conf", "enable_vmm:False"))))
     return axis
 
 
@@ -183,10 +173,8 @@ def tuning_outcomes(jobs: int) -> dict:
 
 def _tuning_one(scenario: tuple) -> Outcome:
     model, gib, util, allocator, budget, seed, requests = scenario
-    overrides = ()
-    fields = config_fields()
-    if allocator == "mindspore":   # the tuning grid's pool: VMM off, as it was tuned
-        overrides = (("ms_alloc_conf", "enable_vmm:False"),) if "ms_alloc_conf" in fields else (("enable_vmm", False),)
+    # The tuning grid's pool: VMM off, as it was tuned.
+    overrides = (("ms_alloc_conf", "enable_vmm:False"),) if allocator == "mindspore" else ()
     global MODELS
     MODELS = {**MODELS, model: (guard_grid.MODELS[model], 1)}
     return run_one((model, gib, util, (allocator, allocator, overrides), budget, seed))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import http.client
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -180,7 +179,3 @@ def raise_fd_limit(wanted: int) -> int:
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return target
-
-
-def connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=5)

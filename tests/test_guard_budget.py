@@ -18,7 +18,7 @@ from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 from kvguard.sim_guard import (BudgetWatch, allocator_from_counters, counters_of, record_from_scenario, run_guarded,
                                scenario_tensor_style)
 from kvguard.spool import Snapshot
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import http_get, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
@@ -144,13 +144,8 @@ def test_guard_and_metrics_show_the_budget_verdict_and_it_stands_until_the_kv_ca
     before_kv = dataclasses.replace(snapshot(rank=0, pid=1), budget_verdict=run.at_budget, kv_cache=None)
     after_kv = dataclasses.replace(snapshot(rank=1, device="npu:1", pid=2), budget_verdict=run.at_budget)
     server = serve(before_kv, after_kv)
-    import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    conn.request("GET", "/guard")
-    ranks = {r["rank"]: r for r in json.loads(conn.getresponse().read())["ranks"]}
-    conn.request("GET", "/metrics")
-    metrics = conn.getresponse().read().decode()
-    conn.close()
+    ranks = {r["rank"]: r for r in json.loads(http_get(server, "/guard")[2])["ranks"]}
+    metrics = http_get(server, "/metrics")[2].decode()
     assert ranks["0"]["state"] == "critical" and ranks["0"]["phase"] == "budget"
     assert ranks["1"]["phase"] == "running" and ranks["1"]["at_budget"]["state"] == "critical"
     assert [line for line in metrics.splitlines() if line.startswith("kvguard_guard_budget_severity{")
