@@ -541,8 +541,11 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--trace", "trace_file", metavar="FILE",
               help="Replay a MindSpore memory_block.csv or a PyTorch _dump_snapshot pickle instead "
                    "(a snapshot with --allocator torch is replayed exactly, every device).")
+@click.option("--ops", "ops_file", metavar="FILE",
+              help="Replay a plain allocator op stream (JSON lines: malloc / free / empty_cache) through the "
+                   "--allocator model; --device-memory is then the device's free memory.")
 @click.option("--replay-log", "replay_log", metavar="FILE",
-              help="With a snapshot --trace: write one JSON line per replayed allocation.")
+              help="With a snapshot --trace: one JSON line per replayed allocation; with --ops: one per op.")
 @click.option("--search-utilization", is_flag=True,
               help="Find the highest --gpu-memory-utilization (0.01 steps) that serves every seed without an OOM.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -566,7 +569,7 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
-             replay_log, search_utilization, as_json, plot_file, fail_on_oom, mindspore_version, vllm_mindspore_version,
+             ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, mindspore_version, vllm_mindspore_version,
              mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
@@ -579,8 +582,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
       0  the run finished (an OOM too, unless --fail-on-oom)
       1  bad input: a one-line error
       2  usage error, or an internal error
-      3  --fail-on-oom and the run (scenario, trace replay) ended in an OOM, or the
-         search found no utilization without one
+      3  --fail-on-oom and the run (scenario, trace replay) ended in an OOM, an op of
+         an --ops stream ran out of memory, or the search found no utilization without one
     """
     from kvguard.sim.device import Device
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
@@ -590,10 +593,15 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     seed = seeds[0]
     if len(seeds) > 1 and not search_utilization:
         raise click.ClickException("give one --seed, or several with --search-utilization")
-    if replay_log and not trace_file:
-        raise click.ClickException("--replay-log needs a snapshot --trace")
-    if search_utilization and trace_file:
-        raise click.ClickException("--search-utilization simulates a workload; it does not take --trace")
+    if replay_log and not (trace_file or ops_file):
+        raise click.ClickException("--replay-log needs a snapshot --trace or --ops")
+    if ops_file and trace_file:
+        raise click.ClickException("give --ops or --trace, not both")
+    if search_utilization and (trace_file or ops_file):
+        raise click.ClickException("--search-utilization simulates a workload; it does not take --trace or --ops")
+    if ops_file and non_allocator_memory is not None:
+        raise click.ClickException("--ops takes --device-memory as the device's free memory; "
+                                   "--non-allocator-memory does not apply")
 
     if plot_file:
         _check_plot_path(plot_file)
@@ -620,6 +628,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
+    if ops_file:
+        _exit_on_oom(fail_on_oom, _replay_ops_file(ops_file, config, device_memory, replay_log, as_json))
+        return
     if trace_file and allocator == "torch":
         try:
             data = read_trace_bytes(trace_file)
@@ -743,6 +754,69 @@ def _exit_on_oom(fail_on_oom: bool, oom: bool) -> None:
     """``--fail-on-oom``: exit EXIT_OOM after the report when the run ended in an OOM."""
     if fail_on_oom and oom:
         click.get_current_context().exit(EXIT_OOM)
+
+
+def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str | None, as_json: bool) -> bool:
+    """``simulate --ops FILE``: the stream through the chosen allocator model; True when an op ran out of memory."""
+    from kvguard.sim.device import Device
+    from kvguard.sim.ops import OpsError, read_ops, replay_ops
+    from kvguard.sim.scenario import make_allocator
+
+    try:
+        ops = read_ops(ops_file)
+        # The device's free memory, all of it the allocator's to ask for: the models apply their own ceilings
+        # (MindSpore's pool takes 15/16 of it) as the real allocators do.
+        device = Device(device_memory)
+        target = make_allocator(config, device)
+    except (OpsError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    counts = {"malloc": 0, "free": 0, "empty_cache": 0}
+    ooms = 0
+    first_oom = None
+    peak_reserved = 0
+    log_handle = None
+    try:
+        if replay_log:
+            try:
+                log_handle = open(replay_log, "w", encoding="utf-8")
+            except OSError as exc:
+                raise click.ClickException(f"cannot write {replay_log}: {exc.strerror or exc}") from None
+        for record in replay_ops(target, ops):
+            counts[record["kind"]] += 1
+            peak_reserved = max(peak_reserved, record["reserved_bytes"])
+            if record["oom"]:
+                ooms += 1
+                if first_oom is None:
+                    first_oom = record["op"]
+            if log_handle is not None:
+                log_handle.write(json.dumps({key: record[key] for key in (
+                    "op", "reserved_bytes", "allocated_bytes", "peak_allocated_bytes", "oom", "address")}) + "\n")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {replay_log}: {exc.strerror or exc}") from None
+    finally:
+        if log_handle is not None:
+            log_handle.close()
+    data = {
+        "ops": {"file": ops_file, "count": len(ops), **counts},
+        "allocator": config.allocator, "device": {"free_bytes": device_memory},
+        "oom": ooms > 0, "ooms": ooms, "first_oom_op": first_oom,
+        "reserved_bytes": target.reserved_bytes, "allocated_bytes": target.allocated_bytes,
+        "peak_allocated_bytes": target.peak_allocated_bytes,
+        "peak_reserved_bytes": max(peak_reserved, target.peak_reserved_bytes),
+        "memory_stats": {str(k): v for k, v in target.memory_stats().items()},
+    }
+    if as_json:
+        _emit_json(data)
+        return ooms > 0
+    click.echo(f"Ops          {ops_file}: {len(ops)} ops ({counts['malloc']} malloc, {counts['free']} free, "
+               f"{counts['empty_cache']} empty_cache)")
+    click.echo(f"Allocator    {config.allocator} with {format_bytes(device_memory)} free")
+    click.echo(f"Peaks        allocated {format_bytes(target.peak_allocated_bytes)}, "
+               f"reserved {format_bytes(data['peak_reserved_bytes'])}")
+    click.echo(f"End          allocated {format_bytes(target.allocated_bytes)}, "
+               f"reserved {format_bytes(target.reserved_bytes)}")
+    click.echo("Outcome      " + (f"{ooms} out-of-memory op(s), the first at op {first_oom}" if ooms else "no OOM"))
+    return ooms > 0
 
 
 SNAPSHOT_ADDRESS_SPACE_BYTES = 1 << 44   # 16 TiB: larger than any GPU's memory, so it never decides a replay
