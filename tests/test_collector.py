@@ -146,7 +146,7 @@ def test_missing_spool_directory_is_a_down_source_not_an_error(tmp_path):
 
 
 def test_snapshot_age_and_staleness(tmp_path):
-    write(tmp_path, snapshot(written_at=1000.0))
+    write(tmp_path, snapshot(written_at=time.time() - 60))
     samples = scrape(sidecar_for(tmp_path, stale_after=30))
     assert value(samples, "kvguard_snapshot_age_seconds") > 30
     assert value(samples, "kvguard_snapshot_stale") == 1
@@ -325,3 +325,11 @@ def test_a_spool_that_cannot_be_listed_says_so_once(tmp_path):
     sidecar = sidecar_for(missing)
     assert sidecar.observe().guard_dict()["sources"]["spool"]["last_error"] == \
         f"cannot list spool directory {missing}: No such file or directory"
+
+
+def test_ranks_aged_out_are_counted_by_reason_and_export_no_series(tmp_path):
+    write(tmp_path, snapshot(pid=10, written_at=time.time() - 1000), snapshot(pid=11, device="npu:1", rank=1))
+    samples = scrape(sidecar_for(tmp_path, stale_after=30))
+    assert value(samples, "kvguard_spool_aged_out_ranks", reason="not_written") == 1
+    assert value(samples, "kvguard_spool_aged_out_ranks", reason="process_exited") == 0
+    assert [labels["pid"] for labels, _ in samples["kvguard_guard_severity"]] == ["11"]

@@ -409,3 +409,39 @@ def test_check_that_fails_inside_says_so_in_one_line_and_exits_2(tmp_path, monke
     result = check("--spool-dir", str(tmp_path))
     assert result.exit_code == 2
     assert result.output == "Error: cannot judge: KeyError: 'surprise'\n"
+
+
+def test_demo_removes_its_spool_on_sighup_as_on_sigterm(served):
+    """A closed terminal (SIGHUP) ends the demo as SIGTERM does: its spool in /dev/shm goes too."""
+    server = served("--demo", "--source", "none")
+    (spool_line,) = [line for line in banner_lines(server) if line.strip().startswith("spool ")]
+    spool = spool_line.split()[1].rstrip(";")
+    assert os.path.isdir(spool)
+    server.process.send_signal(signal.SIGHUP)
+    assert server.process.wait(timeout=30) == 0
+    assert not os.path.exists(spool)
+
+
+def test_check_leaves_out_a_rank_not_written_for_forget_after(tmp_path):
+    """The runbook's "restart the engine": the old process's snapshot stays in the spool, unwritten."""
+    write(tmp_path, snapshot(utilization=0.99, pid=10, written_at=time.time() - 100),
+          snapshot(kv_blocks=1000, pid=11))
+    result = check("--spool-dir", str(tmp_path), "--forget-after", "50")
+    assert result.exit_code == 0, result.output
+    assert "1 rank(s) aged out: not_written 1" in result.output
+
+
+def test_check_post_mortem_judges_the_ranks_of_a_finished_run_however_old(tmp_path):
+    """After a crash the dead rank is the one to read: --post-mortem keeps it, and its verdict."""
+    write(tmp_path, snapshot(utilization=0.99, pid=10, written_at=time.time() - 1000))
+    aged = check("--spool-dir", str(tmp_path))
+    assert aged.exit_code == 1 and "no_ranks" in aged.output and "not_written 1" in aged.output, aged.output
+    kept = check("--spool-dir", str(tmp_path), "--post-mortem", "--json")
+    data = json.loads(kept.output)
+    assert [rank["state"] for rank in data["ranks"]] == ["critical"], data
+    assert kept.exit_code == 1
+
+
+def test_check_post_mortem_does_not_take_forget_after(tmp_path):
+    result = check("--spool-dir", str(tmp_path), "--post-mortem", "--forget-after", "5")
+    assert result.exit_code == 2 and "does not take --forget-after" in result.output

@@ -170,3 +170,17 @@ def test_plain_http_on_the_tls_port_is_one_line_on_stderr(serve, certificate, ca
     (line,) = err.splitlines()
     assert line.startswith("kvguard serve: connection from 127.0.0.1: ") and "SSL" in line
     assert server.connection_errors_total == 1
+
+
+def test_plain_http_on_the_tls_port_gets_a_400_that_says_so(serve, certificate):
+    """As Go's net/http answers it (server.go: "Client sent an HTTP request to an HTTPS server."),
+    so a curl without https:// reads why, instead of a closed connection."""
+    cert, key = certificate
+    server = serve(tls_cert_file=cert, tls_key_file=key)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as plain:
+        plain.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while chunk := plain.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.0 400 Bad Request\r\n")
+    assert answer.endswith(b"\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")

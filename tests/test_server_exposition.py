@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import threading
 import time
 
 import pytest
@@ -206,3 +207,23 @@ def test_the_age_gauges_are_as_of_the_refresh_they_were_rendered_in(serve):
     ages = [{s.labels.get("source"): s.value for f in text_string_to_metric_families(b.decode()) for s in f.samples
              if s.name == "kvguard_source_cache_age_seconds"} for b in (first, second)]
     assert ages[0] == ages[1] and not math.isnan(ages[0]["spool"])
+
+
+def test_parallel_guard_readers_share_one_build_per_refresh(serve, monkeypatch):
+    """/guard with 10,000 ranks and 8 readers peaked over the chart's memory limit when each
+    reader built its own JSON: one build per refresh, like /metrics."""
+    from kvguard.sidecar import Observation
+
+    builds = []
+    guard_dict = Observation.guard_dict
+    monkeypatch.setattr(Observation, "guard_dict", lambda self: builds.append(1) or guard_dict(self))
+    server = serve(snapshot(rank=0, pid=10), snapshot(rank=1, device="npu:1", pid=11))
+    answers = []
+    readers = [threading.Thread(target=lambda: answers.append(get(server, "/guard"))) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert [status for status, _, _ in answers] == [200] * 8
+    assert len({body for _, _, body in answers}) == 1
+    assert len(builds) == 1

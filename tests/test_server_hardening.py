@@ -228,5 +228,67 @@ def test_malformed_request_heads_get_a_4xx_or_505(head, status):
 def test_http_1_0_closes_unless_it_asks_for_keep_alive():
     assert not parse_request(b"GET / HTTP/1.0\r\n\r\n").keep_alive
     assert parse_request(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").keep_alive
-    assert parse_request(b"GET / HTTP/1.1\r\n\r\n").keep_alive
-    assert not parse_request(b"GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").keep_alive
+    assert parse_request(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").keep_alive
+    assert not parse_request(b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n").keep_alive
+
+
+# ------------------------------------------------------------------ issue 23's small ones
+
+def test_a_content_length_of_digits_outside_ascii_is_a_400():
+    """'²' is a digit to str.isdigit() and not to int(): a ValueError left the peer without an answer."""
+    with pytest.raises(BadRequest) as raised:
+        parse_request("GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"))
+    assert raised.value.status == 400
+
+
+def test_the_server_answers_a_content_length_of_a_superscript_two_with_400(serve):
+    server = serve()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall("GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1"))
+        assert read_all(sock).startswith(b"HTTP/1.1 400 ")
+
+
+def test_http_1_1_without_host_is_a_400():
+    """RFC 9112 3.2: a server MUST respond with 400 to an HTTP/1.1 request that lacks a Host field."""
+    with pytest.raises(BadRequest) as raised:
+        parse_request(b"GET /metrics HTTP/1.1\r\nAccept: */*\r\n\r\n")
+    assert raised.value.status == 400 and "Host" in str(raised.value)
+
+
+def test_http_1_0_without_host_is_served():
+    assert parse_request(b"GET /metrics HTTP/1.0\r\n\r\n").path == "/metrics"
+
+
+def test_the_asterisk_target_is_a_400_for_get():
+    """'*' is only OPTIONS' target (RFC 9112 3.2.4); node_exporter and nginx answer GET * with 400."""
+    with pytest.raises(BadRequest) as raised:
+        parse_request(b"GET * HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert raised.value.status == 400
+
+
+def test_a_higher_http_1_minor_version_is_served_as_http_1_1():
+    """RFC 9110 6.2: a server should send a response for the highest minor version it supports."""
+    request = parse_request(b"GET /metrics HTTP/1.2\r\nHost: x\r\n\r\n")
+    assert request.version == "HTTP/1.1" and request.keep_alive
+
+
+def test_a_431_is_followed_by_a_lingering_close_not_a_reset(serve):
+    """The server shuts its side, reads and drops what the peer still sends, then closes: the
+    peer reads the whole 431 and an orderly end, never a reset that can discard the answer."""
+    server = serve(max_header_bytes=4096)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sender_error = []
+
+        def send_head():   # a head far over the cap, still being sent when the server answers
+            try:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * 256 * 1024)
+            except OSError as exc:
+                sender_error.append(exc)
+        sender = threading.Thread(target=send_head)
+        sender.start()
+        chunks = []
+        while chunk := sock.recv(65536):   # a reset raises ConnectionResetError here
+            chunks.append(chunk)
+        sender.join()
+    assert b"".join(chunks).startswith(b"HTTP/1.1 431 ")
+    assert sender_error == []

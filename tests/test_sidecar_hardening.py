@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -187,3 +188,68 @@ def test_any_mutated_real_log_is_a_startup_log_or_one_line_in_budget_and_check(t
         assert result.exception is None or isinstance(result.exception, SystemExit), (command, result.exception)
         if result.exit_code == 2 or (command[0] == "budget" and result.exit_code):
             assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1, result.output
+
+
+# ------------------------------------------------------------------ dead ranks age out
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_and_exit(spool, **fields) -> int:
+    """A process that writes its own rank's snapshot (as the in-process probe does) and is killed;
+    returns its pid, now gone."""
+    code = ("import os, signal, socket, sys; sys.path.insert(0, sys.argv[2]);"
+            "from sidecar_fixtures import snapshot, write;"
+            f"snap = snapshot(pid=os.getpid(), **{fields!r});"
+            "write(sys.argv[1], snap.__class__(**{**snap.__dict__, 'host': socket.gethostname()}));"
+            "print(os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    process = subprocess.run([sys.executable, "-c", code, str(spool), HERE], capture_output=True, text=True,
+                             timeout=60)
+    assert process.returncode == -9, process.stderr
+    return int(process.stdout)
+
+
+def write_own(spool, **fields) -> None:
+    """This (live) process's own rank snapshot, as its probe would write it."""
+    snap = snapshot(pid=os.getpid(), **fields)
+    write(spool, snap.__class__(**{**snap.__dict__, "host": socket.gethostname(),
+                                   "started_at": min(time.time(), snap.written_at)}))
+
+
+def test_a_rank_whose_process_is_gone_is_left_out_and_counted(tmp_path):
+    write_and_exit(tmp_path, device="npu:1", rank=1)
+    write_own(tmp_path, device="npu:0", rank=0)
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD)).observe()
+    assert [view.labels["pid"] for view in observation.ranks] == [str(os.getpid())]
+    assert observation.aged_out == {"process_exited": 1}
+    assert observation.guard_dict()["spool"]["aged_out"] == {"process_exited": 1}
+
+
+def test_a_rank_not_written_for_forget_after_is_left_out_and_counted(tmp_path):
+    write(tmp_path, snapshot(pid=10, written_at=time.time() - 1000))
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, stale_after=30)).observe()
+    assert observation.ranks == []
+    assert observation.aged_out == {"not_written": 1}
+    assert "1 rank(s) aged out" in observation.reasons[0].message
+
+
+def test_forget_after_defaults_to_a_few_stale_windows(tmp_path):
+    """Stale (and judged so) first; left out only after several stale windows without a write."""
+    write(tmp_path, snapshot(pid=10, written_at=time.time() - 60))
+    (view,) = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, stale_after=30)).observe().ranks
+    assert view.stale
+
+
+def test_restarting_the_engine_clears_its_dead_ranks_from_the_verdict(tmp_path):
+    """50 SIGKILLed probes left 800 ranks and kept the guard at warning; the runbook says restart."""
+    write_and_exit(tmp_path, utilization=0.99)          # the old engine: critical, then killed
+    write_own(tmp_path, kv_blocks=1000)                 # the restarted one: ok
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD)).observe()
+    assert observation.state == "ok"
+
+
+def test_a_rank_whose_pid_now_belongs_to_a_later_process_is_left_out(tmp_path):
+    """A reused pid: the process that has it now (this one) started after the snapshot was written."""
+    write_own(tmp_path, written_at=time.time() - 30 * 86400)
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, forget_after=1e9)).observe()
+    assert observation.ranks == [] and observation.aged_out == {"process_exited": 1}

@@ -200,3 +200,17 @@ def test_a_snapshot_keeps_its_first_64_device_processes_and_never_builds_the_res
     write_json(tmp_path, "many.json", data)
     [snap] = read_spool(str(tmp_path)).snapshots
     assert [p.pid for p in snap.memory.processes] == list(range(64))
+
+
+def test_junk_dated_in_the_future_never_hides_a_live_rank(tmp_path):
+    """4,096 junk files named as the probe names them and dated a year ahead filled a read
+    (newest mtime first) and left no rank: an mtime past the clock is not believed for order."""
+    write_snapshot(str(tmp_path), snapshot())
+    next_year = time.time() + 365 * 86400
+    for index in range(20):
+        junk = tmp_path / snapshot_filename("node-a", 100000 + index, "npu:0")
+        junk.write_text("{}")
+        os.utime(junk, (next_year, next_year))
+    result = read_spool(str(tmp_path), max_files=8)
+    assert [s.pid for s in result.snapshots] == [snapshot().pid]
+    assert result.skipped["too_many_files"] == 13

@@ -153,9 +153,10 @@ def test_real_startup_lines_parse_to_the_decided_budget(release, tmp_path_factor
 @pytest.mark.parametrize("release", RELEASES)
 def test_check_judges_a_healthy_startup_ok(release, tmp_path_factory):
     """A default startup leaves room: the guard must not call it critical (0.34: the KV pages mapped
-    outside torch's allocator counted once)."""
+    outside torch's allocator counted once). The worker has exited by now: judged post mortem."""
     _, _, spool = run(release, tmp_path_factory, scenario={})
-    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--json"],
+    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--json",
+                          "--post-mortem"],
                          capture_output=True, text=True, timeout=60)
     data = json.loads(out.stdout)
     assert data["ranks"][0]["state"] != "critical", data["ranks"][0]["reasons"]

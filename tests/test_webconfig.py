@@ -218,3 +218,17 @@ def test_a_bad_web_config_is_one_line_at_startup(tmp_path, pki, text, message):
     assert "Traceback" not in result.output
     with pytest.raises(WebConfigError):
         load_web_config(str(path))
+
+
+def test_a_web_config_truncated_to_empty_is_refused_on_reload(serve_web, tmp_path, capfd):
+    """An empty file is a valid config at startup (no TLS, no users), but on reload it is what a
+    truncate-then-write leaves for a moment: it must not switch authentication off."""
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    path = tmp_path / "web.yml"
+    path.write_text("")
+    capfd.readouterr()
+    assert get(server)[0] == 401
+    assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith("kvguard serve: web config not reloaded, keeping the previous one: ") and "empty" in line
+    assert server.web_config.reload_errors_total == 1

@@ -154,6 +154,9 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
               help="Seconds between background reads of the sources and vLLM.")
 @click.option("--stale-after", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
               help="A snapshot older than this many seconds is stale.")
+@click.option("--forget-after", type=click.FloatRange(0, min_open=True), metavar="SECONDS",
+              help="Leave out a rank whose snapshot was not written for this many seconds (a dead rank; "
+                   "one whose process is gone on this host goes at once) [default: 4 x --stale-after].")
 @click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
               help="Time limit in seconds for one source, spool or vLLM read.")
 @click.option("--fail-readiness-on-critical", is_flag=True, help="/readyz answers 503 while a rank is critical.")
@@ -169,7 +172,8 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
               f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Simulated ranks with --demo (the last one is set up to trip the guard).")
-def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file, interval, stale_after, read_timeout,
+def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file, interval, stale_after, forget_after,
+          read_timeout,
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
           web_config_file, demo, demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
@@ -204,7 +208,8 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
     try:
         sidecar = Sidecar(SidecarConfig(
             spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
-            startup_log=startup, interval=interval, stale_after=stale_after, read_timeout=read_timeout))
+            startup_log=startup, interval=interval, stale_after=stale_after, forget_after=forget_after,
+            read_timeout=read_timeout))
         try:
             server = KVGuardServer(sidecar, options, tls_context=tls_context, web_config=watcher)
         except OSError as exc:
@@ -243,14 +248,17 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
     def stop(signum, _frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    # SIGHUP (a closed terminal) ends serve as SIGTERM does, cleanly: --demo's spool is removed.
+    # Go programs such as node_exporter end on it too; none of kvguard's state is reloaded by it.
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         announce()
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         server.close()
         sidecar.stop()
         if probe is not None:
@@ -264,6 +272,12 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
 @click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, for num_gpu_blocks and KV usage.")
 @click.option("--stale-after", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
               help="A snapshot older than this many seconds is stale.")
+@click.option("--forget-after", type=click.FloatRange(0, min_open=True), metavar="SECONDS",
+              help="Leave out a rank whose snapshot was not written for this many seconds (a dead rank; "
+                   "one whose process is gone on this host goes at once) [default: 4 x --stale-after].")
+@click.option("--post-mortem", is_flag=True,
+              help="Judge every rank as it was last written, however old and whether its process still runs "
+                   "(after a crash or a finished run); no rank ages out.")
 @click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
               help="Time limit in seconds for each read.")
 @click.option("--total-memory", type=SIZE, help="With --from-log: the device memory vLLM saw, where the log "
@@ -271,8 +285,8 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               help="With --from-log: vLLM's --gpu-memory-utilization, where the log does not state it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, total_memory, gpu_memory_utilization,
-          as_json):
+def check(spool_dir, log_file, vllm_metrics_url, stale_after, forget_after, post_mortem, read_timeout, total_memory,
+          gpu_memory_utilization, as_json):
     """Run the guard once: exit 0 ok, 1 warning or critical, 2 when the check itself fails.
 
     For init containers and CI. Allocator retries and OOMs count since each process started.
@@ -280,8 +294,10 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, tota
     (no_ranks, exit 1), never ok; exit 2 is a bad option, an unreadable log or a crash.
     """
     try:
+        if post_mortem and forget_after is not None:
+            raise CheckError("--post-mortem keeps every rank: it does not take --forget-after")
         _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory,
-               gpu_memory_utilization)
+               gpu_memory_utilization, forget_after, post_mortem)
     except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
             KeyboardInterrupt):
         raise
@@ -293,8 +309,8 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, tota
 
 
 def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory=None,
-           gpu_memory_utilization=None):
-    from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig
+           gpu_memory_utilization=None, forget_after=None, post_mortem=False):
+    from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig, aged_out_text
     from kvguard.units import format_gib
 
     if not (spool_dir or log_file or vllm_metrics_url):
@@ -305,7 +321,8 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
     sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
                                     log_total_memory_bytes=total_memory,
                                     log_gpu_memory_utilization=gpu_memory_utilization,
-                                    stale_after=stale_after, read_timeout=read_timeout, one_shot=True,
+                                    stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
+                                    one_shot=True, post_mortem=post_mortem,
                                     pod_labels={"pod": "", "namespace": "", "container": ""}))
     observation = sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
     failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
@@ -330,6 +347,8 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
             click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")
+        if observation.aged_out and observation.ranks:   # with no rank, the no_ranks reason says it
+            click.echo(f"({aged_out_text(observation.aged_out)})")
         skipped = sum(observation.skipped.values())
         if skipped:
             click.echo(f"({skipped} spool file(s) skipped: "

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvguard import __version__
 from kvguard.guard import REASON_CODES, SEVERITY, STATES
-from kvguard.sidecar import DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
+from kvguard.sidecar import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
 from kvguard.spool import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
@@ -267,11 +267,16 @@ def _other_families(obs: Observation, cached: str) -> _Families:
                         "10 s in the future: their age counts from when the sidecar first saw them." + cached)
     skipped = fam.gauge("kvguard_spool_skipped_files", "Spool files skipped at the spool's last read, by reason."
                         + cached, ["reason"])
+    aged_out = fam.gauge("kvguard_spool_aged_out_ranks", "Ranks left out at the spool's last read as dead, by "
+                         "reason: process_exited (the snapshot's pid runs no more on this host, where the sidecar "
+                         "shares its pid namespace), not_written (no write for --forget-after)." + cached, ["reason"])
     if any(s.name == SPOOL for s in obs.sources):
         _add(snapshots, [], obs.spool_snapshots)
         _add(clamped, [], obs.spool_clamped)
         for reason in SKIP_REASON_VALUES:
             _add(skipped, [reason], obs.skipped.get(reason, 0))
+        for reason in AGED_OUT_REASONS:
+            _add(aged_out, [reason], obs.aged_out.get(reason, 0))
 
     build = fam.gauge("kvguard_build_info", "Always 1; the kvguard build that serves these metrics.",
                       ["version", "python_version"])

@@ -20,6 +20,7 @@ holds the two to the same bytes, on real ranks and on fuzzed labels and values.
 from __future__ import annotations
 
 import gzip
+import json
 import math
 import re
 import threading
@@ -183,7 +184,8 @@ def encode(metrics: Sequence, accept: str) -> tuple[bytes, str]:
 
 
 class Exposition:
-    """The latest observation and its encodings, made once per sidecar refresh.
+    """The latest observation and its encodings (/metrics, and /guard's JSON), made once per
+    sidecar refresh.
 
     A new observation is taken when the sidecar's background reads have moved on (its
     ``generation``) or the cached one is older than ``max_age`` seconds. Its families are
@@ -208,6 +210,7 @@ class Exposition:
         self._observation: Observation | None = None
         self._blocks: list | None = None
         self._bodies: dict[tuple[str, bool], bytes] = {}
+        self._guard: bytes | None = None
         self.observations_total = 0     # observations taken (one per refresh)
         self.renders_total = 0          # collections of the registry (one per observation, as a rule)
 
@@ -217,7 +220,7 @@ class Exposition:
         now = self._clock()
         if self._observation is None or key != self._key or now - self._made_at >= self.max_age:
             # Let go of the old one first: with thousands of ranks, two at once is what peaks.
-            self._observation, self._blocks, self._bodies = None, None, {}
+            self._observation, self._blocks, self._bodies, self._guard = None, None, {}, None
             self._observation = self.sidecar.observe()
             self._key = self.sidecar.generation()
             self._made_at = now
@@ -236,6 +239,16 @@ class Exposition:
         with self._lock:
             self._fresh()
             return self._observation
+
+    def guard_json(self) -> bytes:
+        """/guard's body for the current observation: built once per refresh, whatever the number
+        of readers (10,000 ranks read by 8 clients at once went past the chart's memory limit
+        when each built its own)."""
+        with self._lock:
+            self._fresh()
+            if self._guard is None:
+                self._guard = json.dumps(self._observation.guard_dict(), indent=2).encode() + b"\n"
+            return self._guard
 
     def parts(self, accept: str, gzipped: bool) -> tuple[tuple[bytes, ...], str]:
         """The body for this Accept header (gzipped or not) as chunks to send in order, and its

@@ -14,9 +14,15 @@ and threads are bounded whatever it sends:
 - complete requests go to a fixed pool of ``workers`` threads (a bounded queue; 503 when full);
 - a request with a body (``405``, or a GET with Content-Length / Transfer-Encoding) is answered
   and the connection closed, so a body is never read as the next request;
+- a connection the server ends after an answer (an error, ``Connection: close``) is closed
+  lingering, as Apache and Go do: writes shut down, what the peer still sends read and dropped
+  for at most ``LINGER_SECONDS`` / ``LINGER_BYTES``, then closed, so unread input does not turn
+  the close into a reset that can destroy the answer (a 431) before the peer reads it;
+- plain HTTP sent to the TLS port is answered 400 with a sentence, in plain text, as Go's
+  net/http answers it;
 - TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
 
-/metrics is made once per sidecar refresh (kvguard.exposition), whatever the scrape rate:
+/metrics and /guard are made once per sidecar refresh (kvguard.exposition), whatever the scrape rate:
 parallel scrapes share one observation, one collection, each format and its gzip; a large body is
 sent from the shared chunks, never joined or copied per scrape.
 
@@ -29,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import hmac
-import json
 import queue
 import re
 import selectors
@@ -51,6 +56,15 @@ from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
 OPEN_PATHS = ("/healthz", "/readyz")
 LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
 ACCEPTS_PER_WAKEUP = 256
+# Apache's lingering close waits 2 s per read (SECONDS_TO_LINGER), 30 s in all; here 2 s in all,
+# and at most LINGER_BYTES dropped, so a peer cannot hold a lingering connection busy.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 1 << 20
+# Go's net/http answer to a TLS record header that looks like HTTP (server.go, (*conn).serve,
+# tlsRecordHeaderLooksLikeHTTP), written on the raw connection.
+PLAIN_HTTP_ON_TLS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+# OpenSSL's reasons for a handshake whose first bytes are an HTTP request (ssl/record/ssl3_record.c).
+_PLAIN_HTTP_REASONS = ("HTTP_REQUEST", "HTTPS_PROXY_REQUEST")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large",
             500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
@@ -113,6 +127,8 @@ class Request:
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 _METHOD = re.compile(r"[A-Z]{1,16}\Z")
 _SINGLE = ("host", "authorization", "content-length")
+_VERSION = re.compile(r"HTTP/([0-9])\.([0-9])\Z")
+_DIGITS = re.compile(r"[0-9]{1,18}\Z")
 MAX_TARGET = 8 * 1024
 
 
@@ -146,10 +162,15 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
     if not target or any(ord(c) <= 32 or ord(c) >= 127 for c in target) or \
             not (target.startswith("/") or target == "*" or target.startswith(("http://", "https://"))):
         raise BadRequest(400, "malformed request target")
-    if not version.startswith("HTTP/") or version[5:] not in ("1.0", "1.1"):
-        if re.fullmatch(r"HTTP/\d\.\d", version):
-            raise BadRequest(505, "HTTP version not supported")
+    if target == "*" and method != "OPTIONS":   # RFC 9112 3.2.4: the asterisk form is OPTIONS' only
+        raise BadRequest(400, "the request target * is only for OPTIONS")
+    numbers = _VERSION.match(version)
+    if numbers is None:
         raise BadRequest(400, "malformed HTTP version")
+    if numbers.group(1) != "1":
+        raise BadRequest(505, "HTTP version not supported")
+    # RFC 9110 6.2: a later HTTP/1.x is answered as the highest 1.x the server speaks, 1.1.
+    version = "HTTP/1.0" if numbers.group(2) == "0" else "HTTP/1.1"
     if len(lines) - 1 > max_headers:
         raise BadRequest(431, f"more than {max_headers} header lines")
     headers: dict[str, str] = {}
@@ -168,12 +189,14 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
             headers[name] += ", " + value
         else:
             headers[name] = value
+    if version == "HTTP/1.1" and "host" not in headers:   # RFC 9112 3.2: MUST answer 400
+        raise BadRequest(400, "an HTTP/1.1 request needs a Host header")
     connection = {token.strip().lower() for token in headers.get("connection", "").split(",")}
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
     has_body = "transfer-encoding" in headers
     if "content-length" in headers:
         length = headers["content-length"]
-        if not length.isdigit() or len(length) > 18:
+        if not _DIGITS.match(length):   # ASCII digits only: str.isdigit() is true for "²", int() refuses it
             raise BadRequest(400, "malformed Content-Length")
         has_body = has_body or int(length) > 0
     return Request(method, target, version, headers, keep_alive and not has_body, has_body)
@@ -267,8 +290,7 @@ class Application:
             if path == "/readyz":
                 return self._readyz()
             if path == "/guard":
-                guard = self.exposition.observation().guard_dict()
-                return Response(200, json.dumps(guard, indent=2).encode() + b"\n", "application/json")
+                return Response(200, self.exposition.guard_json(), "application/json")
             if path == "/":
                 return Response(200, landing_page(), "text/html; charset=utf-8")
             return _text(404, "not found\n")
@@ -308,7 +330,8 @@ class Application:
 # ------------------------------------------------------------------------------ connections
 
 class _Conn:
-    __slots__ = ("sock", "address", "buffer", "tls_pending", "started", "last", "events", "in_worker")
+    __slots__ = ("sock", "address", "buffer", "tls_pending", "started", "last", "events", "in_worker",
+                 "linger_until", "drained")
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
@@ -319,6 +342,8 @@ class _Conn:
         self.last = time.monotonic()         # accepted, or last response sent
         self.events = selectors.EVENT_READ
         self.in_worker = False
+        self.linger_until: float | None = None   # answered and shut down for writing: drained until then
+        self.drained = 0
 
 
 class KVGuardServer:
@@ -504,13 +529,17 @@ class KVGuardServer:
         waiting = [c for c in self._conns.values() if not c.in_worker]
         if not waiting:
             return False
-        oldest = min(waiting, key=lambda c: c.started if c.started is not None else c.last)
+        # Those already answered and lingering go first, then the longest waiting.
+        oldest = min(waiting, key=lambda c: (c.linger_until is None, c.started if c.started is not None else c.last))
         self._close(oldest)
         self.connections_evicted_total += 1
         return True
 
     def _readable(self, conn: _Conn) -> None:
         sock = conn.sock
+        if conn.linger_until is not None:
+            self._drain(conn)
+            return
         if conn.tls_pending:
             try:
                 sock.do_handshake()
@@ -524,6 +553,14 @@ class KVGuardServer:
                 return
             except (OSError, ValueError) as exc:
                 self._connection_error(conn.address, exc)
+                if isinstance(exc, ssl.SSLError) and exc.reason in _PLAIN_HTTP_REASONS:
+                    self.rejected_total += 1
+                    try:   # past the TLS layer: OpenSSL sent nothing (no alert for these reasons)
+                        socket.socket.send(sock, PLAIN_HTTP_ON_TLS)
+                    except OSError:
+                        pass
+                    self._linger(conn)
+                    return
                 self._close(conn)
                 return
         limit = self.options.max_header_bytes
@@ -576,7 +613,45 @@ class KVGuardServer:
             conn.sock.send(data)
         except (OSError, ValueError):
             pass
-        self._close(conn, registered)
+        self._linger(conn, registered)
+
+    def _linger(self, conn: _Conn, registered: bool = True) -> None:
+        """Close after an answer without a reset: shut down writes (the peer reads the answer and
+        then end of file), then read and drop what it still sends until it closes, for at most
+        LINGER_SECONDS and LINGER_BYTES (kvguard.server's docstring)."""
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.shutdown(socket.SHUT_WR)   # an SSLSocket drops its TLS layer here: raw reads from now
+        except (OSError, ValueError):
+            self._close(conn, registered)
+            return
+        conn.linger_until = time.monotonic() + LINGER_SECONDS
+        conn.buffer = bytearray()
+        conn.tls_pending = False
+        conn.started = None
+        try:
+            if registered:
+                self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            else:
+                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+            conn.events = selectors.EVENT_READ
+        except (KeyError, ValueError, OSError):
+            self._close(conn, registered=False)
+            return
+        self._drain(conn)
+
+    def _drain(self, conn: _Conn) -> None:
+        while True:
+            try:
+                chunk = conn.sock.recv(65536)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                return
+            except (OSError, ValueError):
+                chunk = b""
+            conn.drained += len(chunk)
+            if not chunk or conn.drained > LINGER_BYTES:
+                self._close(conn)
+                return
 
     def _set_events(self, conn: _Conn, events: int) -> None:
         if conn.events != events:
@@ -593,8 +668,11 @@ class KVGuardServer:
             except queue.Empty:
                 return
             conn.in_worker = False
-            if not keep or self._stop.is_set():
+            if self._stop.is_set():
                 self._close(conn, registered=False)
+                continue
+            if not keep:
+                self._linger(conn, registered=False)
                 continue
             conn.events = selectors.EVENT_READ
             try:
@@ -610,6 +688,10 @@ class KVGuardServer:
         now = time.monotonic()
         for conn in list(self._conns.values()):
             if conn.in_worker:
+                continue
+            if conn.linger_until is not None:
+                if now > conn.linger_until:
+                    self._close(conn)
                 continue
             if conn.started is not None or conn.tls_pending:
                 if now - (conn.started or conn.last) > self.options.header_timeout:

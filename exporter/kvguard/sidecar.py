@@ -5,11 +5,18 @@ bounded in time; the spool read also in files and bytes). ``Sidecar.observe()`` 
 completed reads and judges every rank with the guard; it waits only for a source's very first
 read, at most ``read_timeout``. The collector, ``/guard``, ``/readyz`` and ``kvguard check`` all
 render the same Observation, so they never disagree.
+
+Dead ranks age out: a rank whose snapshot was not written for ``forget_after`` seconds (by
+default FORGET_AFTER_STALE_WINDOWS stale windows), or whose process is gone where the sidecar
+can tell (same host and pid namespace as the writer, and /proc shows no live process of that
+pid that started before the snapshot was written), is left out of the ranks, judged nowhere, and counted by reason. Its
+file stays (the sidecar may not write the spool); a restarted engine writes under new pids.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -20,7 +27,7 @@ from kvguard.estimator import FORMULAS, Profile, required_fields
 from kvguard.guard import CounterWindow, GuardInput, Reason, Verdict, judge, no_ranks_reason, worst
 from kvguard.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, safe_text
+from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, own_pid_namespace, safe_text
 from kvguard.vllm.log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -32,6 +39,15 @@ POD_ENV = {key: SNAPSHOT_POD_ENV[key] for key in POD_KEYS}
 SPOOL = "spool"
 VLLM_METRICS = "vllm_metrics"
 DUPLICATE = "duplicate"
+# Why a rank was left out as dead (a label value, so the set is fixed).
+PROCESS_EXITED = "process_exited"
+NOT_WRITTEN = "not_written"
+AGED_OUT_REASONS = (PROCESS_EXITED, NOT_WRITTEN)
+FORGET_AFTER_STALE_WINDOWS = 4
+# A process that started this long after the snapshot was written is another one under a reused
+# pid (/proc/stat's btime has whole seconds). Its last write, not the probe's start: a clock
+# stepped forward then still needs to pass the process's whole uptime to make it look new.
+PID_REUSE_TOLERANCE_SECONDS = 2.0
 
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -89,6 +105,7 @@ class Observation:
     interval_seconds: float
     spool_clamped: int = 0              # snapshots dated in the future at the last spool read
     no_ranks_why: str = "nothing to read"   # what was looked at, when no rank was judged
+    aged_out: Counter = field(default_factory=Counter)   # AGED_OUT_REASONS -> ranks left out as dead
 
     @property
     def state(self) -> str:
@@ -120,7 +137,7 @@ class Observation:
             "sources": {s.name: {"up": s.up, "errors_total": s.errors_total, "last_error": s.last_error}
                         for s in self.sources},
             "spool": {"snapshots": self.spool_snapshots, "skipped": dict(self.skipped),
-                      "clamped_timestamps": self.spool_clamped},
+                      "clamped_timestamps": self.spool_clamped, "aged_out": dict(self.aged_out)},
         }
 
 
@@ -134,6 +151,8 @@ class SidecarConfig:
     log_gpu_memory_utilization: float | None = None
     interval: float = 5.0
     stale_after: float = 30.0
+    forget_after: float | None = None              # None: FORGET_AFTER_STALE_WINDOWS x stale_after
+    post_mortem: bool = False                      # keep every rank as last written (check --post-mortem)
     read_timeout: float = 2.0
     counter_window_seconds: float = 300.0
     one_shot: bool = False                         # counters since process start, not over a window
@@ -167,6 +186,10 @@ class Sidecar:
             self._vllm = Poller(VLLM_METRICS, lambda: vllm_metrics.fetch(url, timeout), timeout)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.forget_after = config.forget_after if config.forget_after is not None \
+            else FORGET_AFTER_STALE_WINDOWS * config.stale_after
+        self._host = socket.gethostname()
+        self._pid_namespace = own_pid_namespace()
 
     # -------------------------------------------------------------------- background reads
 
@@ -235,6 +258,7 @@ class Sidecar:
             return
         spool_read = self._spool.state.value if self._spool else None
         newest, _ = newest_per_rank((spool_read or SpoolRead()).snapshots, self._label_key)
+        newest, _ = self._living(newest, time.time())
         with self._lock:
             self._counter_increases(newest, time.monotonic())
 
@@ -254,7 +278,7 @@ class Sidecar:
         if vllm_state:
             sources.append(vllm_state)
         with self._lock:
-            ranks, skipped = self._ranks(spool_read, vllm_state.value if vllm_state else None)
+            ranks, skipped, aged_out = self._ranks(spool_read, vllm_state.value if vllm_state else None)
         devices = []
         for state in device_states:
             for memory in state.value or []:
@@ -262,19 +286,37 @@ class Sidecar:
                 devices.append(DeviceView(labels, memory))
         return Observation(ranks=ranks, devices=devices, sources=sources, spool_snapshots=len(spool_read.snapshots),
                            skipped=skipped, interval_seconds=config.interval, spool_clamped=spool_read.clamped,
-                           no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read))
+                           no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
+                           aged_out=aged_out)
 
-    def _no_ranks_why(self, sources: list[PollState], spool_read: SpoolRead) -> str:
+    def _no_ranks_why(self, sources: list[PollState], spool_read: SpoolRead, aged_out: Counter) -> str:
         config = self.config
         why = [f"{s.name} down: {s.last_error}" for s in sources if not s.up and s.last_error]
         if config.spool_dir and self._spool and self._spool.state.up:
             skipped = sum(spool_read.skipped.values())
             why.append(f"no snapshots in {config.spool_dir}" + (f" ({skipped} file(s) skipped)" if skipped else ""))
+        if aged_out:
+            why.append(aged_out_text(aged_out))
         if not config.spool_dir and config.startup_log is None and not config.vllm_metrics_url:
             why.append("no spool, startup log or vLLM metrics configured")
         return "; ".join(why) or "nothing to read"
 
-    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter]:
+    def _living(self, newest: dict[tuple, Snapshot], now_wall: float) -> tuple[dict[tuple, Snapshot], Counter]:
+        """The ranks that have not aged out (the module's docstring), and how many did, by reason."""
+        living, aged_out = {}, Counter()
+        if self.config.post_mortem:
+            return dict(newest), aged_out
+        for key, snap in newest.items():
+            if now_wall - snap.written_at > self.forget_after:
+                aged_out[NOT_WRITTEN] += 1
+            elif snap.host == self._host and snap.pid_namespace and snap.pid_namespace == self._pid_namespace \
+                    and process_gone(snap.pid, snap.written_at):
+                aged_out[PROCESS_EXITED] += 1
+            else:
+                living[key] = snap
+        return living, aged_out
+
+    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter, Counter]:
         config = self.config
         skipped = Counter(spool_read.skipped)
         log, log_profile = config.startup_log, self._log_profile
@@ -283,6 +325,7 @@ class Sidecar:
         newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
         if duplicates:
             skipped[DUPLICATE] += duplicates
+        newest, aged_out = self._living(newest, now_wall)
         increases = {} if config.one_shot else self._counter_increases(newest, now)
 
         views = []
@@ -322,7 +365,7 @@ class Sidecar:
                 verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
                 views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
                                       engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
-        return views, skipped
+        return views, skipped, aged_out
 
     def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
         """Feed each rank's alloc retries and OOMs to the counter window (ranks in label-key
@@ -414,6 +457,54 @@ def log_profile(log: StartupLog, total_memory_bytes: int | None = None,
 def _own_timeout(source: Any) -> float:
     value = getattr(source, "timeout_seconds", None)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
+
+
+def aged_out_text(aged_out: Counter) -> str:
+    """``N rank(s) aged out: process_exited M, not_written N``."""
+    return (f"{sum(aged_out.values())} rank(s) aged out: "
+            + ", ".join(f"{reason} {aged_out[reason]}" for reason in AGED_OUT_REASONS if aged_out[reason]))
+
+
+_boot_time: list[float] = []
+
+
+def _booted_at() -> float | None:
+    """Unix time of this host's boot (/proc/stat btime), or None without /proc."""
+    if not _boot_time:
+        try:
+            with open("/proc/stat", "rb") as handle:
+                for line in handle:
+                    if line.startswith(b"btime "):
+                        _boot_time.append(float(line.split()[1]))
+                        break
+        except (OSError, ValueError, IndexError):
+            return None
+    return _boot_time[0] if _boot_time else None
+
+
+def process_gone(pid: int, written_at: float) -> bool:
+    """True when /proc shows that process ``pid``, which wrote a snapshot at ``written_at`` (unix
+    seconds), is no more: no process has that pid, it is a zombie, or the one that has it started
+    after that write (the pid was reused). False whenever /proc cannot tell."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read(4096)
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    booted = _booted_at()
+    try:
+        # proc(5): fields count from 3 (state) after the ")" ending comm; 22 is starttime, in ticks since boot.
+        fields = stat.rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):   # exited, not yet reaped
+            return True
+        start = booted + int(fields[19]) / os.sysconf("SC_CLK_TCK") if booted is not None else None
+    except (IndexError, ValueError, OSError):
+        return False
+    return start is not None and start > written_at + PID_REUSE_TOLERANCE_SECONDS
 
 
 def _recency(snap: Snapshot) -> tuple[bool, float]:

@@ -107,6 +107,9 @@ class Snapshot:
     budget_verdict: Any = None        # kvguard.guard.Verdict (phase "budget"): judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
+    # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
+    # sidecar checks that ``pid`` still runs only where it shares host and namespace with it.
+    pid_namespace: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +130,7 @@ class Snapshot:
             "model_name": self.model_name,
             "engine": self.engine,
             "budget_verdict": None if self.budget_verdict is None else self.budget_verdict.to_dict(),
+            "pid_namespace": self.pid_namespace,
         }
 
     @classmethod
@@ -184,7 +188,7 @@ class Snapshot:
                 interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
             )
-            model_name, engine = (_text(data, key) for key in ("model_name", "engine"))
+            model_name, engine, pid_namespace = (_text(data, key) for key in ("model_name", "engine", "pid_namespace"))
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
             raise SnapshotError("invalid_snapshot", str(exc)) from None
         # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
@@ -195,7 +199,8 @@ class Snapshot:
                    pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
                    pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
                    probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
-                   engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict)
+                   engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict,
+                   pid_namespace=safe_text(pid_namespace, 64))
 
 
 class SnapshotError(ValueError):
@@ -232,10 +237,22 @@ def snapshot_filename(host: str, pid: int, device: str) -> str:
     return f"{_SAFE_NAME.sub('_', host)[:64]}-{pid}-{_SAFE_NAME.sub('_', str(device))[:32]}.json"
 
 
+def own_pid_namespace() -> str:
+    """This process's pid namespace as /proc names it (``pid:[4026531836]``), or "" without /proc."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def write_snapshot(spool_dir: str, snapshot: Snapshot) -> str:
-    """Atomically replace this rank's snapshot. Raises OSError on failure (the probe counts it)."""
+    """Atomically replace this rank's snapshot. Raises OSError on failure (the probe counts it).
+    A snapshot of the writing process itself (the in-process probe's) records its pid namespace."""
     name = snapshot_filename(snapshot.host, snapshot.pid, snapshot.device)
-    payload = json.dumps(snapshot.to_dict(), separators=(",", ":"), allow_nan=False).encode()
+    data = snapshot.to_dict()
+    if snapshot.pid == os.getpid() and not snapshot.pid_namespace:
+        data["pid_namespace"] = own_pid_namespace()
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
     fd, tmp_path = tempfile.mkstemp(dir=spool_dir, prefix=f".{name}.", suffix=".tmp")
     try:
         # mkstemp makes 0600 files; the sidecar usually runs as another (non-root) user.
@@ -283,7 +300,10 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     """Read the ``*.json`` snapshots, newest first; never raises, only counts.
 
     Junk must not hide live ranks, so files are read by validity and recency, not by name: files
-    named as the probe names them first, each group newest (mtime) first. ``max_bytes`` caps one
+    named as the probe names them first, each group newest (mtime) first. An mtime more than
+    FUTURE_TOLERANCE_SECONDS past ``now`` is not believed (the probe writes with the node's
+    clock): such files are read after every believably dated one, so a year-ahead junk flood
+    never fills a read before a live rank. ``max_bytes`` caps one
     file; ``max_files`` files and ``max_total_bytes`` bytes cap the read (the rest is counted as
     ``too_many_files``); at most ``max_entries`` directory entries are looked at.
 
@@ -293,6 +313,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     """
     result = SpoolRead()
     now = time.time() if now is None else now
+    latest_ns = int((now + FUTURE_TOLERANCE_SECONDS) * 1e9)
     candidates = []
     try:
         with os.scandir(spool_dir) as entries:
@@ -318,7 +339,9 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
                     result.skipped["too_large"] += 1
                     result.error(f"{name}: too_large: {info.st_size} bytes exceeds {max_bytes}")
                     continue
-                candidates.append((_PROBE_NAME.match(name) is not None, info.st_mtime_ns, name))
+                believable = info.st_mtime_ns <= latest_ns
+                candidates.append((_PROBE_NAME.match(name) is not None, believable,
+                                   info.st_mtime_ns if believable else 0, name))
     except OSError as exc:
         result.listing_error = str(exc.strerror or exc)
         result.errors.append(f"{spool_dir}: {result.listing_error}")
@@ -330,7 +353,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
         del candidates[max_files:]
     used = 0
     clamped_keys: set = set()
-    for index, (_, _, name) in enumerate(candidates):
+    for index, (_, _, _, name) in enumerate(candidates):
         try:
             raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, max_total_bytes - used), max_bytes)
             if raw is None:   # longer than what is left of this read's budget, not than one snapshot

@@ -18,7 +18,9 @@ dcgm-exporter read)::
 Like exporter-toolkit (web/tls_config.go, ``getConfig`` per request), the file and the files it
 names are watched: :class:`WebConfigWatcher` re-reads them when their size, mtime or inode
 changes, so a rotated certificate or a new password takes effect on the next connection without a
-restart. A change that does not load is one line on stderr and the previous configuration stays.
+restart. A change that does not load is one line on stderr and the previous configuration stays; so is a
+file emptied (an empty file at startup is a valid config, no TLS and no users; on a reload it is
+what a truncate-then-write leaves for a moment, and would switch authentication off).
 Whether TLS is on at all is fixed at startup (exporter-toolkit fixes it too).
 
 What Python's ssl module cannot do is refused with one line, never silently weakened:
@@ -269,14 +271,24 @@ def _users(users: Mapping[str, Any]) -> dict[str, bytes]:
     return parsed
 
 
-def load_web_config(path: str) -> WebConfig:
-    """Read and load ``path``. Raises WebConfigError with one line."""
+def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
+    """Read and load ``path``. Raises WebConfigError with one line. An empty file (nothing but
+    blanks and comments) is no TLS and no users; with ``allow_empty`` False it is refused."""
     text = read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError)
     try:
+        if not allow_empty and _empty(text):
+            raise WebConfigError("the file is empty (truncated, or being rewritten?): it would switch "
+                                 "authentication and TLS off")
         config = parse_web_config(text, os.path.dirname(os.path.abspath(path)))
     except WebConfigError as exc:
         raise WebConfigError(f"web config {path}: {exc}") from None
     return WebConfig(config.tls_context, config.basic_auth_users, config.headers, (path,) + config.files)
+
+
+def _empty(text: str) -> bool:
+    """Nothing but blank lines, comments and YAML document markers: what YAML reads as no document."""
+    return all(not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
+               for line in text.splitlines())
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple:
@@ -354,7 +366,7 @@ class WebConfigWatcher:
                 return self.config
             self._stamp = stamp
         try:
-            config = load_web_config(self.path)
+            config = load_web_config(self.path, allow_empty=False)
             if (config.tls_context is not None) != self._tls:
                 raise WebConfigError("turning TLS on or off needs a restart")
         except WebConfigError as exc:
