@@ -189,7 +189,8 @@ def main() -> None:
               f"CPU time, best of 3)")
         total_events = total_seconds = worst_seconds = 0.0
         total_allocs = total_matched = 0
-        for path in sorted(Path(folder).glob("*.pickle")):
+        paths = sorted(path for part in folder.split(os.pathsep) if part for path in Path(part).rglob("*.pickle"))
+        for path in paths:
             snapshot = load_snapshot_pickle(path.read_bytes())
             gc.collect()     # the loaded pickle's objects are collected here, not inside the first replay
             runs = [time_replay(snapshot) for _ in range(3)]

@@ -4,9 +4,10 @@ Two kinds of input:
 
 - small snapshots written here in ``_dump_snapshot``'s format, each with addresses worked
   out by hand from the allocator's rules (``c10/cuda/CUDACachingAllocator.cpp``);
-- real public snapshots, when a directory of them is given (``KVGUARD_TORCH_SNAPSHOTS``,
-  default ``../shared/torch-snapshots`` beside the checkout; see its PROVENANCE file). Without
-  one those tests are skipped, visibly.
+- real public snapshots, every ``*.pickle`` under each folder (subfolders too) of
+  ``KVGUARD_TORCH_SNAPSHOTS`` (paths separated by ``os.pathsep``), by default
+  ``../shared/torch-snapshots`` and ``../shared/torch-snapshots-2`` beside the checkout (see
+  their PROVENANCE files). A folder that is missing or holds none is one visible skip.
 """
 
 import glob
@@ -27,8 +28,24 @@ SETTINGS = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collec
             "expandable_segments": False, "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # shared/ lies beside the checkout (as CI lays it out), never inside it: fetched data is not committed.
-REAL_DIR = os.environ.get("KVGUARD_TORCH_SNAPSHOTS", os.path.join(os.path.dirname(REPO), "shared", "torch-snapshots"))
-REAL = sorted(glob.glob(os.path.join(REAL_DIR, "*.pickle")))
+SHARED = os.path.join(os.path.dirname(REPO), "shared")
+REAL_DIRS = [path for path in os.environ.get(
+    "KVGUARD_TORCH_SNAPSHOTS",
+    os.pathsep.join([os.path.join(SHARED, "torch-snapshots"), os.path.join(SHARED, "torch-snapshots-2")]),
+).split(os.pathsep) if path]
+
+
+def real_snapshots():
+    """One param per pickle under each folder; one skipped param per folder that has none."""
+    params = []
+    for folder in REAL_DIRS:
+        found = sorted(glob.glob(os.path.join(folder, "**", "*.pickle"), recursive=True))
+        name = os.path.basename(os.path.normpath(folder))
+        if not found:
+            params.append(pytest.param(None, id=f"{name}:none", marks=pytest.mark.skip(
+                reason=f"no real snapshots in {folder} (set KVGUARD_TORCH_SNAPSHOTS)")))
+        params += [pytest.param(path, id=f"{name}/{os.path.relpath(path, folder)}") for path in found]
+    return params
 
 
 def segment(address, total, blocks, small=False, expandable=False, device=0):
@@ -204,18 +221,111 @@ def test_cli_json_and_replay_log(tmp_path):
         {"device": 0, "index": 2, "addr": BASE, "size": 8 * MIB}]
 
 
-@pytest.mark.skipif(not REAL, reason=f"no real snapshots in {REAL_DIR} (set KVGUARD_TORCH_SNAPSHOTS)")
-@pytest.mark.parametrize("path", REAL, ids=[os.path.basename(p) for p in REAL])
+EXPANDABLE = {**SETTINGS, "expandable_segments": True}
+
+
+def test_a_dump_without_history_replays_its_end_state():
+    # _dump_snapshot without _record_memory_history: empty device traces, the segments as they are.
+    # Device 0 holds an ordinary segment and a 40 MiB mapped range of an expandable one; device 1 a
+    # small segment. Nothing happens, so each device's end state is its start state.
+    exp = BASE + 0x1000000000
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 8 * MIB, 12 * MIB, 0, "inactive")]),
+                     segment(exp, 40 * MIB, [(exp, 16 * MIB, 0, "inactive"),
+                                             (exp + 16 * MIB, 8 * MIB, 8 * MIB - 100, "active_allocated"),
+                                             (exp + 24 * MIB, 16 * MIB, 0, "inactive")], expandable=True),
+                     segment(BASE * 2, 2 * MIB, [(BASE * 2, 512, 300, "active_allocated"),
+                                                 (BASE * 2 + 512, 2 * MIB - 512, 0, "inactive")],
+                             small=True, device=1)],
+                    [], EXPANDABLE, devices=2)
+    devices = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert [(d.device, d.history_recorded, d.events, d.allocs) for d in devices] == [(0, False, 0, 0),
+                                                                                  (1, False, 0, 0)]
+    assert all(d.end_state_matches for d in devices)
+    assert [(d.reserved_bytes, d.allocated_bytes) for d in devices] == [(60 * MIB, 16 * MIB), (2 * MIB, 512)]
+    assert "no history recorded" in devices[0].end_state_detail
+
+
+def test_the_cli_reports_a_dump_without_history_instead_of_refusing_it(tmp_path):
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 8 * MIB, 12 * MIB, 0, "inactive")])], [])
+    path = tmp_path / "nohistory.pickle"
+    path.write_bytes(pickle.dumps(snap, protocol=4))
+    result = CliRunner().invoke(main, ["simulate", "--trace", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "0 events" in result.output and "no history recorded" in result.output
+    data = json.loads(CliRunner().invoke(main, ["simulate", "--trace", str(path), "--json"]).output)
+    [device] = data["trace"]["devices"]
+    assert (data["trace"]["events"], device["history_recorded"], device["end_state_matches"]) == (0, False, True)
+
+
+def test_an_expandable_segment_mapped_before_recording_serves_the_traces_allocations():
+    # 40 MiB (two 20 MiB pages) were mapped before recording, a 16 MiB tensor at the start; the trace
+    # maps nothing. Best fit inside the mapped pages: A (8 MiB) and B (4 MiB) follow the tensor; A is
+    # freed; C (6 MiB) takes A's 8 MiB block, the smaller of the two free ones, splitting off 2 MiB.
+    a, b = BASE + 16 * MIB, BASE + 24 * MIB
+    snap = snapshot([segment(BASE, 40 * MIB, [(BASE, 16 * MIB, 16 * MIB, "active_allocated"),
+                                              (a, 6 * MIB, 6 * MIB, "active_allocated"),
+                                              (a + 6 * MIB, 2 * MIB, 0, "inactive"),
+                                              (b, 4 * MIB, 4 * MIB, "active_allocated"),
+                                              (b + 4 * MIB, 12 * MIB, 0, "inactive")], expandable=True)],
+                    [alloc(a, 8 * MIB), alloc(b, 4 * MIB)] + free(a, 8 * MIB) + [alloc(a, 6 * MIB)], EXPANDABLE)
+    [device] = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert (device.allocs, device.allocs_matched, device.maps) == (3, 3, 0)
+    assert device.end_state_matches, device.end_state_detail
+    assert device.reserved_bytes == 40 * MIB
+
+
+def test_growth_past_the_pages_mapped_before_recording_maps_the_next_page():
+    # One 20 MiB page was mapped before recording, a 16 MiB tensor at its start. An 8 MiB request
+    # starts in the free 4 MiB left and maps the next page for the rest (find_expandable_block).
+    snap = snapshot([segment(BASE, 40 * MIB, [(BASE, 16 * MIB, 16 * MIB, "active_allocated"),
+                                              (BASE + 16 * MIB, 8 * MIB, 8 * MIB, "active_allocated"),
+                                              (BASE + 24 * MIB, 16 * MIB, 0, "inactive")], expandable=True)],
+                    [entry("segment_map", BASE + 20 * MIB, 20 * MIB), alloc(BASE + 16 * MIB, 8 * MIB)], EXPANDABLE)
+    [device] = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert (device.allocs_matched, device.maps, device.maps_matched) == (1, 1, 1)
+    assert device.end_state_matches, device.end_state_detail
+
+
+def test_pages_the_trace_unmaps_were_mapped_before_recording():
+    # Two pages were mapped before recording; empty_cache unmapped the second, wholly free one.
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 4 * MIB, 4 * MIB, "active_allocated"),
+                                              (BASE + 4 * MIB, 16 * MIB, 0, "inactive")], expandable=True)],
+                    [entry("segment_unmap", BASE + 20 * MIB, 20 * MIB)], EXPANDABLE)
+    [device] = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert (device.unmaps, device.unmaps_matched) == (1, 1)
+    assert device.end_state_matches, device.end_state_detail
+    assert device.reserved_bytes == 20 * MIB
+
+
+def test_a_block_from_before_recording_in_pages_the_trace_maps_is_a_one_line_error():
+    snap = snapshot([segment(BASE, 20 * MIB, [(BASE, 4 * MIB, 4 * MIB, "active_allocated"),
+                                              (BASE + 4 * MIB, 16 * MIB, 0, "inactive")], expandable=True)],
+                    [entry("segment_map", BASE, 20 * MIB)], EXPANDABLE)
+    with pytest.raises(SnapshotError, match=r"^snapshot segments: the block at 0x7f0000000000, allocated before "
+                                            r"recording began, lies in expandable-segment pages that the trace maps$"):
+        replay_snapshot(snap, address_space_bytes=80 << 30)
+
+
+@pytest.mark.parametrize("path", real_snapshots())
 def test_real_snapshot_replays_at_every_recorded_address(path):
     with open(path, "rb") as handle:
         snap = load_snapshot_pickle(handle.read())
     devices = replay_snapshot(snap, address_space_bytes=80 << 30)
+    assert devices, "no device replayed"
     for device in devices:
         assert device.allocs_matched == device.allocs, device.to_dict()
         assert device.end_state_matches, device.end_state_detail
         assert device.ooms_matched == device.ooms
         assert device.segment_frees_matched == device.segment_frees
+        assert (device.maps_matched, device.unmaps_matched) == (device.maps, device.unmaps)
         assert device.frees_skipped == 0
+        # Reserved and allocated bytes are the recorded segments' own sums.
+        recorded = [s for s in snap["segments"] if s.get("device", 0) == device.device]
+        assert device.reserved_bytes == sum(s["total_size"] for s in recorded)
+        assert device.allocated_bytes == sum(b["size"] for s in recorded for b in s["blocks"]
+                                             if b["state"] != "inactive")
 
 
 def test_without_device_memory_a_replay_does_not_guess_the_gpus_size(tmp_path):

@@ -18,6 +18,15 @@ their blocks), plus ``allocator_settings``. The replay:
    expandable segments split any 512-byte remainder, so their gaps are never extended).
    Every large-pool block is larger than 1 MiB, so such a gap cannot be a block of its
    own. Both counts are reported (``preexisting_frees``, ``preexisting_extended``).
+   An expandable segment is seeded with the pages mapped at the start: the recorded mapped
+   ranges with the trace's ``segment_map`` entries undone and its ``segment_unmap`` entries
+   restored (``_expandable_at_start``); with none, the start's mapping is the end's.
+   A dump taken without recording (an empty device trace) is its own start state: nothing
+   is replayed (0 events, ``history_recorded`` False) and the end state is rebuilt and compared.
+   ``_dump_snapshot`` pickles ``_snapshot()`` (torch/cuda/memory.py:893-904 at v2.6.0), which
+   holds one trace per device allocator (c10/cuda/CUDACachingAllocator.cpp:3552-3553 at
+   v2.6.0), filled only while history is recorded (``record_trace``, :3237-3238; turning
+   recording off clears it, ``recordHistory``, :1127-1129).
 2. **Honours** ``allocator_settings``: ``expandable_segments``, ``max_split_size``,
    ``roundup_power2_divisions``, ``garbage_collection_threshold`` (which acts only with
    a memory fraction, which a snapshot does not record, so it stays inactive).
@@ -61,6 +70,7 @@ class DeviceReplay:
     """One device's replay: agreement counts and the end state, in bytes."""
 
     device: int
+    history_recorded: bool             # False: the device's trace is empty (recorded without history)
     events: int
     allocs: int
     allocs_matched: int
@@ -132,7 +142,7 @@ class _Trace:
     preexisting: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (requested, free position)
     live_segments: set[int] = field(default_factory=set)
     freed_segments: dict[int, tuple[int, int]] = field(default_factory=dict)  # base -> (size, stream)
-    mapped: bool = False
+    page_events: list[tuple[int, int, int]] = field(default_factory=list)  # (_MAP or _UNMAP, addr, size)
 
 
 def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
@@ -194,7 +204,7 @@ def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
             else:
                 scan.freed_segments.setdefault(addr, (size, stream))
         elif code == _MAP or code == _UNMAP:
-            scan.mapped = True
+            scan.page_events.append((code, addr, size))
     scan.allocs, scan.frees = allocs, frees
     return scan
 
@@ -345,9 +355,11 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
             ooms_matched += not model.fits_in_cache(size, stream)
     modelled = model.segment_layout()
     matches, detail = _compare_end_state(modelled, end)
+    if not trace:
+        detail += "; no history recorded: 0 events replayed, the end state is the start state"
     stats = model.memory_stats()
     return DeviceReplay(
-        device=device, events=len(entries), allocs=scan.allocs, allocs_matched=matched,
+        device=device, history_recorded=bool(trace), events=len(entries), allocs=scan.allocs, allocs_matched=matched,
         first_mismatch_index=first_mismatch, frees=scan.frees, frees_skipped=frees_skipped,
         seeded_segments=seed[0], seeded_blocks=seed[1], preexisting_frees=seed[2], preexisting_extended=seed[3],
         segment_allocs=seg_allocs, segment_allocs_matched=seg_allocs_matched,
@@ -363,13 +375,13 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
 def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tuple[int, int, int, int]:
     """Give ``model`` the state in which recording began; (segments, blocks, pre-existing frees, extended)."""
     live, preexisting = scan.live, scan.preexisting
-    # Start segments: (base, size, small, stream, [(addr, size, requested)] of blocks allocated at the end).
+    # Start segments, and each expandable segment's ranges mapped at the start: (base, size, small, stream,
+    # [(addr, size, requested)] of blocks allocated at the start).
     start: dict[int, list[Any]] = {}
+    premapped_blocks: list[tuple[int, int, int]] = []
     for base, total, small, stream, expandable, block_list in end:
         if expandable:
-            if not scan.mapped and any(a for _, _, a, _ in block_list):
-                raise SnapshotError("an expandable segment was mapped before recording began: "
-                                    "its address space cannot be rebuilt from the snapshot")
+            premapped_blocks += [(a, s, r) for a, s, allocated, r in block_list if allocated and a not in live]
             continue
         if base in scan.live_segments:
             continue
@@ -377,6 +389,20 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
         start[base] = [base, total, small, stream, blocks]
     for base, (size, stream) in scan.freed_segments.items():
         start.setdefault(base, [base, size, size == K_SMALL_BUFFER, stream, []])
+    reservations = _expandable_at_start(model, scan, end)
+    in_reservation: set[int] = set()
+    for _, _, small, stream, ranges in reservations:
+        for low, high in ranges:
+            start[low] = [low, high - low, small, stream, []]
+            in_reservation.add(low)
+    if premapped_blocks:
+        lows = sorted(in_reservation)
+        for addr, size, requested in premapped_blocks:
+            index = bisect_right(lows, addr) - 1
+            if index < 0 or addr + size > lows[index] + start[lows[index]][1]:
+                raise SnapshotError(f"snapshot segments: the block at {addr:#x}, allocated before recording began, "
+                                    f"lies in expandable-segment pages that the trace maps")
+            start[lows[index]][4].append((addr, size, requested))
     bases = sorted(start)
     extended = 0
     by_segment: dict[int, list[tuple[int, int, int]]] = {}
@@ -418,13 +444,76 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
                 block = following - addr
                 extended += 1
             blocks.append((addr, block, requested))
+    plain = [start[base] for base in bases if base not in in_reservation]
     try:
-        model.seed_segments((base, size, small, blocks, stream) for base, size, small, stream, blocks
-                            in (start[base] for base in bases))
+        model.seed_segments((base, size, small, blocks, stream) for base, size, small, stream, blocks in plain)
+        for base, size, small, stream, ranges in reservations:
+            model.seed_expandable_segment(base, size, small, ranges,
+                                          [block for low, _ in ranges for block in start[low][4]], stream)
     except ValueError as exc:
         raise SnapshotError(f"snapshot segments: {exc}") from None
     seeded_blocks = sum(len(start[base][4]) for base in bases)
-    return len(bases), seeded_blocks, len(preexisting), extended
+    return len(plain) + len(reservations), seeded_blocks, len(preexisting), extended
+
+
+def _expandable_at_start(model: CachingAllocator, scan: _Trace,
+                         end: list[_EndSegment]) -> list[tuple[int, int, bool, int, list[tuple[int, int]]]]:
+    """The expandable segments that had pages mapped when recording began, rebuilt from the end state:
+    (reservation base, reservation size, small, stream, [(start, end) of each range mapped then]).
+
+    Rules, c10/cuda/CUDACachingAllocator.cpp at v2.6.0 (the same code as at 001074d2):
+
+    - a snapshot reports one segment per contiguous mapped range of an expandable segment
+      (``snapshot``, :1969-1971 and :1989), so the recorded ranges of one pool and stream with no
+      other segment between them are one reservation: ``find_expandable_block`` (:2239) grows the
+      pool's and stream's existing reservation, lowest unmapped address first (:2258), and makes
+      a new one only when none has room;
+    - every page mapped or unmapped is a trace entry while history is on: ``map_block`` records
+      SEGMENT_MAP (:2349-2350), ``unmap_block`` SEGMENT_UNMAP (:3037-3038), ``record_trace``
+      (:3237). So the pages mapped at the start are the end state's with the trace's maps undone
+      and its unmaps restored, latest first; with no such entry, the start's mapping is the end's;
+    - a reservation is 1 1/8 of the GPU's memory in whole pages (``ExpandableSegment``, :376;
+      ``find_expandable_block``, :2278). It starts at the lowest address known to be in it and is
+      cut at the next recorded segment, since reservations do not overlap.
+    """
+    groups: list[list[Any]] = []            # [small, stream, [(start, end)], low, high]
+    current: list[Any] | None = None
+    previous_end = 0
+    for base, total, small, stream, expandable, _ in sorted(end, key=lambda segment: segment[0]):
+        if expandable and current is not None and (current[0], current[1]) == (small, stream):
+            current[2].append((base, base + total))
+        else:
+            if current is not None:
+                current[4] = base
+            current = [small, stream, [(base, base + total)], previous_end, 1 << 64] if expandable else None
+            if current is not None:
+                groups.append(current)
+        previous_end = base + total
+    out = []
+    for small, stream, ranges, low, high in groups:
+        page, reservation = model.expandable_reservation(small)
+        pages = {addr for start, stop in ranges for addr in range(start, stop, page)}
+        known_low, known_high = ranges[0][0], ranges[-1][1]
+        for code, addr, size in reversed(scan.page_events):
+            if not low <= addr < high:
+                continue
+            known_low, known_high = min(known_low, addr), max(known_high, addr + size)
+            if code == _MAP:
+                pages.difference_update(range(addr, addr + size, page))
+            else:
+                pages.update(range(addr, addr + size, page))
+        if not pages:
+            continue                         # mapped while recording: the trace's maps place it
+        mapped: list[tuple[int, int]] = []
+        for addr in sorted(pages):
+            if mapped and mapped[-1][1] == addr:
+                mapped[-1] = (mapped[-1][0], addr + page)
+            else:
+                mapped.append((addr, addr + page))
+        base = min(known_low, mapped[0][0])
+        size = max(min(reservation, high - base), max(known_high, mapped[-1][1]) - base)
+        out.append((base, size, small, stream, mapped))
+    return out
 
 
 def _compare_end_state(modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]],

@@ -18,6 +18,8 @@ Two formats are read:
   then ``torch.cuda.memory._dump_snapshot(path)``): the ``device_traces`` list of the
   first device that has one (or ``device=``), actions ``alloc`` and ``free_completed``
   (``free_requested`` when a trace has no ``free_completed``: a single-stream trace).
+  A dump taken without recording (every ``device_traces`` list empty, ``segments``
+  present) has no events: only its end state, which ``kvguard.sim.snapshot`` replays.
   Frees of blocks allocated before recording started are skipped and counted;
   ``segment_*``, ``snapshot`` and ``oom`` entries are the recording allocator's own
   decisions and are not replayed. Pickles are read with an unpickler that builds only
@@ -178,11 +180,17 @@ def _is_int(value: Any) -> bool:
 
 def parse_torch_snapshot(snapshot: dict[str, Any], device: int | None = None) -> Trace:
     traces = snapshot.get("device_traces")
-    if not isinstance(traces, list) or not any(traces):
+    segments = snapshot.get("segments")
+    if not isinstance(traces, list) or not (any(traces) or isinstance(segments, list) and segments):
         raise TraceError("snapshot has no device_traces (record with torch.cuda.memory._record_memory_history())")
     for index, trace in enumerate(traces):
         if not isinstance(trace, list):
             raise TraceError(f"snapshot device_traces[{index}] is {_kind(trace)}, not a list of entries")
+    if not any(traces) and device is None:
+        # Dumped without recording: every device's history is empty (``record_trace`` stores entries
+        # only while history is on, c10/cuda/CUDACachingAllocator.cpp:3237-3238 at v2.6.0); only the
+        # end state is there.
+        return Trace("torch_snapshot", ())
     if device is None:
         device = next(i for i, t in enumerate(traces) if t)
     if not 0 <= device < len(traces):
