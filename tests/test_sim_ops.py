@@ -159,3 +159,28 @@ def test_simulate_ops_does_not_mix_with_a_trace_or_a_search(tmp_path):
     for extra in (["--trace", ops], ["--search-utilization"], ["--non-allocator-memory", "1GiB"]):
         result = CliRunner().invoke(main, ["simulate", "--ops", ops, *extra])
         assert result.exit_code == 1 and result.output.startswith("Error: "), (extra, result.output)
+
+
+def test_simulate_alloc_conf_reaches_the_model_as_the_variant_parses_it(tmp_path):
+    """torch_npu with expandable segments maps whole 20 MiB pages; without, a large segment is rounded to 2 MiB."""
+    ops = write(tmp_path, {"op": "malloc", "size": 30 * MIB})
+    runs = {}
+    for conf in (None, "expandable_segments:True"):
+        log = tmp_path / f"{conf}.jsonl"
+        args = ["simulate", "--ops", ops, "--allocator", "torch_npu", "--replay-log", str(log)]
+        result = CliRunner().invoke(main, args + (["--alloc-conf", conf] if conf else []))
+        assert result.exit_code == 0, result.output
+        runs[conf] = json.loads(log.read_text())["reserved_bytes"]
+    assert runs == {None: 32 * MIB, "expandable_segments:True": 40 * MIB}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--allocator", "torch_npu", "--alloc-conf", "expandable_segment:True"],
+     "Error: alloc conf: unknown key 'expandable_segment' for PYTORCH_NPU_ALLOC_CONF"),
+    (["--allocator", "mindspore", "--alloc-conf", "expandable_segments:True"],
+     "Error: --alloc-conf is for --allocator torch and torch_npu; MindSpore's pool takes --ms-alloc-conf"),
+])
+def test_simulate_alloc_conf_refuses_what_the_allocator_would_not_take(tmp_path, args, message):
+    ops = write(tmp_path, {"op": "empty_cache"})
+    result = CliRunner().invoke(main, ["simulate", "--ops", ops, *args])
+    assert result.exit_code == 1 and result.output.strip() == message, result.output

@@ -554,6 +554,9 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--fail-on-oom", is_flag=True,
               help=f"Exit {EXIT_OOM} when the run ends in an out-of-memory error (with --search-utilization: "
                    f"when no utilization serves without one).")
+@click.option("--alloc-conf", metavar="CONF",
+              help='PyTorch\'s / torch_npu\'s allocator settings in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF '
+                   'syntax, e.g. "expandable_segments:True,max_split_size_mb:256" (--allocator torch, torch_npu).')
 @click.option("--mindspore-version", metavar="X.Y.Z",
               help="MindSpore release whose pool rules apply (2.4.0 ... 2.10.0; default: the launcher's pin).")
 @click.option("--vllm-mindspore-version", type=click.Choice(["0.5.1", "0.2.0"]), default="0.5.1", show_default=True,
@@ -569,8 +572,8 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
-             ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, mindspore_version, vllm_mindspore_version,
-             mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
+             ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, alloc_conf, mindspore_version,
+             vllm_mindspore_version, mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
@@ -610,6 +613,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install 'kvguard[plot]'") from None
     try:
+        if allocator == "mindspore" and alloc_conf:
+            raise ValueError("--alloc-conf is for --allocator torch and torch_npu; MindSpore's pool takes "
+                             "--ms-alloc-conf")
         config_dict = load_model_config(model_config or bundled_model_config_path())
         config = ScenarioConfig(
             model_config=config_dict, device_memory_bytes=device_memory,
@@ -619,7 +625,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             non_allocator_bytes=non_allocator_memory, seed=seed, mindspore_version=mindspore_version,
             vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=task_sink,
             ms_alloc_conf=ms_alloc_conf, mempool_block_size_bytes=mempool_block_size,
-            soc_supports_vmm=not no_vmm_soc)
+            soc_supports_vmm=not no_vmm_soc, alloc_conf=alloc_conf)
         if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size or task_sink
                                          or no_vmm_soc or mindspore_mode != "pynative"):
             raise ValueError("the MindSpore pool options need --allocator mindspore")

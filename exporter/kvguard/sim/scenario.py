@@ -61,6 +61,7 @@ from .mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, par
                                  vmm_enabled)
 from .scheduler import Scheduler, Sequence
 from .torch_alloc import CachingAllocator
+from .torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
 from .workload import ModelShape, forward_ops, model_shape, weight_tensors
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
@@ -102,6 +103,7 @@ class ScenarioConfig:
     # PyTorch caching allocator
     max_split_size_bytes: int | None = None
     expandable_segments: bool = False
+    alloc_conf: str | None = None             # PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF, as the variant parses it
     # MindSpore pool (sim/mindspore_releases.py). Defaults: what vllm-mindspore's launcher sets
     # (``vllm_mindspore_version``): its pinned MindSpore, its MS_ALLOC_CONF, PyNative with O0 jit.
     vllm_mindspore_version: str = DEFAULT_LAUNCHER
@@ -134,8 +136,22 @@ class ScenarioConfig:
             raise ValueError(f"mindspore_mode must be 'pynative' or 'graph', got {self.mindspore_mode!r}")
         if self.mempool_block_size_bytes is not None and self.mempool_block_size_bytes <= 0:
             raise ValueError("the mempool block size must be positive")
+        if self.alloc_conf is not None:
+            if self.allocator == "mindspore":
+                raise ValueError("alloc_conf is PyTorch's and torch_npu's; MindSpore's pool takes ms_alloc_conf")
+            self.torch_alloc_kwargs       # unknown keys and bad values fail here, in one line
         self.mindspore_release            # unknown versions and MS_ALLOC_CONF keys fail here, in one line
         self.resolved_alloc_conf.vmm_page_bytes
+
+    @property
+    def torch_alloc_kwargs(self) -> dict[str, Any]:
+        """The caching allocator's options: the config's fields, then ``alloc_conf`` (which wins) parsed by
+        :func:`~kvguard.sim.torch_alloc.parse_alloc_conf` as that variant's own parser reads it."""
+        kwargs: dict[str, Any] = {"max_split_size": self.max_split_size_bytes,
+                                  "expandable_segments": self.expandable_segments}
+        if self.alloc_conf:
+            kwargs.update(parse_torch_alloc_conf(self.alloc_conf, self.allocator))
+        return kwargs
 
     @property
     def mindspore_release(self):
@@ -191,6 +207,8 @@ class ScenarioConfig:
         else:
             for key in _MINDSPORE_FIELDS:
                 out.pop(key, None)
+        if self.allocator == "mindspore" or self.alloc_conf is None:
+            out.pop("alloc_conf", None)
         return out
 
 
@@ -302,8 +320,7 @@ def make_allocator(config: ScenarioConfig, device: Device):
                               task_sink=config.task_sink, mempool_block_size=config.mempool_block_size_bytes,
                               enable_vmm=config.enable_vmm,
                               vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
-    return CachingAllocator(device, variant=config.allocator, max_split_size=config.max_split_size_bytes,
-                            expandable_segments=config.expandable_segments)
+    return CachingAllocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
 
 
 class ServingScenario:
