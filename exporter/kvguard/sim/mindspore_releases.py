@@ -39,6 +39,19 @@ Rules common to every row (2.4.0 ... r2.7.rc1 hold the same lines):
   handle cache first, refused once the handles reach ``total_mem_size``; eager free unmaps
   whole pages into that cache, which keeps them physically allocated (``VMM.cc:107-200,
   220-263 @ b6f48709``); VMM's ``EmptyCache`` frees the cache (``VMM.cc:268-280``);
+- the pool's budget (``total_mem_size``) is not the device's free memory but
+  ``floor(free × 15/16)`` rounded down to 2 MiB, less 10 MiB (``kMSMemoryRatio``,
+  ``kExtraReservedMemory``; ``ascend_memory_adapter.cc:128-130 @ v2.4.0``, ``:130-132 @ v2.5.0``,
+  ``:135-137 @ v2.6.0, r2.7.rc1``), then rounded down to the VMM page under VMM (``:159-165 @
+  r2.7.rc1``); without VMM a block comes out of what is left of it (``FreeDevMemSize``,
+  ``ascend_dynamic_mem_adapter.cc:103 @ r2.7.rc1``), with VMM every block may use all of it
+  (blocks are address space). The oracle's 2.7.0-2.10.0 wheels report 64,414,023,680 for 64 GiB;
+- task sink (``MS_CTX_ENABLE_TASK_SINK``) defaults on (``core/utils/ms_context.cc:621 @ r2.7.rc1``);
+  PyNative leaves it on and a jit_level O0 graph compile turns it off, so blocks grow by adding
+  units until the first compile and by doubling after it (the oracle shows both);
+- a free idle buffer too small for a request grows into an eager-free neighbour, mapping only
+  the missing bytes (``SearchAvaliableMemBuf``, ``POOL:119-161 @ r2.7.rc1``; the 2.7.1 binary
+  spells it ``SearchAvailableMemBuf``); a refused map keeps the handles it took, in the cache;
 - VMM is on by default on 910B / 910_93 with a VMM-capable driver, off on other SoCs, off under
   jit_level O2 with GE kernels disabled; ``enable_vmm`` in MS_ALLOC_CONF overrides
   (``VMM.h:77-111 @ v2.4.0``, ``:82-116 @ v2.6.0``).
@@ -46,7 +59,7 @@ Rules common to every row (2.4.0 ... r2.7.rc1 hold the same lines):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 MIB = 1 << 20
@@ -57,6 +70,22 @@ GRAPH_RUN_UNIT_BYTES = 8 * MIB         # ASCEND_COMMON_POOL_ALLOC_UNIT_SIZE_FOR_
 PERSISTENT_RESERVE_BYTES = 1 * GIB     # "Reserve 1G for persistent_mem"
 DEFAULT_MEMPOOL_BLOCK_GB = 1.0         # kDefaultMempoolBlockSize (ms_context.h:95 @ b6f48709)
 VMM_PAGE_BYTES = 2 * MIB               # AscendVmmAdapter::kDefaultAlignSize
+MS_MEMORY_RATIO = (15, 16)             # kMSMemoryRatio 0.9375 (ascend_memory_adapter.cc:34 @ r2.7.rc1)
+HUGE_PAGE_BYTES = 2 * MIB              # kPerHugePageMemorySize (:36)
+EXTRA_RESERVED_BYTES = 10 * MIB        # kExtraReservedMemory (:37)
+
+
+def pool_budget_bytes(device_free_bytes: int, vmm_page_bytes: int | None = None) -> int:
+    """``AscendMemAdapter::Initialize``: what MindSpore's pool may use of ``device_free_bytes``.
+
+    ``floor(free × 15/16)`` down to 2 MiB, less 10 MiB (ascend_memory_adapter.cc:135-137 @ r2.7.rc1,
+    the same lines at v2.4.0-v2.6.0), then down to the VMM page with VMM (:159-160) or 512 bytes
+    without (:163-164, kAscendMemAlignSize). 0 when that leaves nothing.
+    """
+    ratio, whole = MS_MEMORY_RATIO
+    used = device_free_bytes * ratio // whole // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES - EXTRA_RESERVED_BYTES
+    align = vmm_page_bytes or ALIGN_BYTES
+    return max(0, used // align * align)
 
 
 @dataclass(frozen=True)
@@ -96,6 +125,17 @@ class MindSporeRelease:
     vmm_page_bytes: int = VMM_PAGE_BYTES                           # default vmm_align_size
     vmm_default_on_910b: bool = True                               # IsVmmEnabled without enable_vmm
     eager_free_on_miss: bool = True                                # VMM: eager-free idle buffers, then retry
+    # SearchAvaliableMemBuf: an idle buffer grows into its eager-free neighbour (POOL:118-160 @ v2.6.0,
+    # :119-161 @ r2.7.rc1; absent from MemBufAllocator::Malloc at v2.4.0 :95 and v2.5.0 :98).
+    grows_idle_into_eager_free: bool = True
+    # The pool's mem_mapper lowers total_eager_free_memory by the size before it maps, so a refused map
+    # lowers it too (POOL:644-647 @ v2.4.0, :705-708 @ v2.5.0, :777-780 @ v2.6.0, :784-787 @ r2.7.rc1; the
+    # 2.7.0 binary does so, the oracle shows). The 2.7.1-2.10.0 binaries lower it only for a mapped buffer.
+    eager_free_drops_on_refused_map: bool = False
+    # total_idle_memory (MemStat::IdleSize): alloc - used up to 2.7.0 (the 2.7.0 wheel's
+    # include/backend/mem_reuse/abstract_dynamic_mem_pool.h:174); alloc - used - eager free from 2.7.1
+    # (the 2.7.1 wheel's include/runtime/memory/mem_pool/abstract_dynamic_mem_pool.h:176-178, 2.10.0's :296-298).
+    idle_excludes_eager_free: bool = True
 
     def __post_init__(self) -> None:
         if self.small_unit_rule not in ("graph_task_sink", "ge_o2"):
@@ -180,7 +220,7 @@ def _row(version: str, ref: str, note: str, cites: Mapping[str, str], *, small: 
 
 
 _R27_NOTE = ("no tag in the mirror: pool rules read at branch r2.7.rc1 (2025-07-05); ")
-RELEASES: tuple[MindSporeRelease, ...] = (
+_RELEASES: tuple[MindSporeRelease, ...] = (
     _row("2.4.0", "v2.4.0", "", _CITES_24, small="graph_task_sink", fallback=False,
          allocated="total_allocatd_memory", common="commom_mem_pool_stats", stats="temp", empty="none",
          keys=_KEYS_24),
@@ -220,6 +260,14 @@ RELEASES: tuple[MindSporeRelease, ...] = (
          fallback=True, allocated="total_allocated_memory", common="common_mem_pool_stats", stats="iter",
          empty="release", keys=_KEYS_27),
 )
+
+# The binary-read switches: before 2.6 no SearchAvaliableMemBuf; up to 2.7.0 the source's mapper bookkeeping.
+_OLD_MAPPER = {"2.4.0", "2.4.1", "2.4.10", "2.5.0", "2.6.0", "2.7.0"}
+RELEASES: tuple[MindSporeRelease, ...] = tuple(
+    replace(row, grows_idle_into_eager_free=row.version not in ("2.4.0", "2.4.1", "2.4.10", "2.5.0"),
+            eager_free_drops_on_refused_map=row.version in _OLD_MAPPER,
+            idle_excludes_eager_free=row.version not in _OLD_MAPPER)
+    for row in _RELEASES)
 
 # The MindSpore build vllm-mindspore's seed fix ran on: vllm-mindspore master at PR !428 (f2b96744,
 # 2025-05-28; !437 is not in the mirror) pins the master nightly of 2025-05-26, commit b6f48709

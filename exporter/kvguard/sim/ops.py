@@ -162,15 +162,24 @@ class Recorder:
 
     Everything else (counters, ``memory_stats()``, peaks) reads through to the wrapped allocator.
     A malloc that runs out of memory is recorded too, and re-raised: a replay meets the same request.
+    MindSpore's ``jit_o0_compile()`` (task sink cleared, ``sim/mindspore_pool.py``) is no op of the
+    stream but a change of the pool's context: ``compiled_at`` keeps the op positions it came before.
     """
 
     def __init__(self, allocator: Any) -> None:
         self.allocator = allocator
         self.ops: list[Op] = []
+        self.compiled_at: list[int] = []
         self._malloc_of: dict[int, int] = {}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.allocator, name)
+        attribute = getattr(self.allocator, name)
+        if name == "jit_o0_compile":
+            def jit_o0_compile() -> None:
+                self.compiled_at.append(len(self.ops))
+                attribute()
+            return jit_o0_compile
+        return attribute
 
     def malloc(self, size: int, persistent: bool = False) -> int:
         position = len(self.ops)

@@ -109,7 +109,7 @@ class ScenarioConfig:
     vllm_mindspore_version: str = DEFAULT_LAUNCHER
     mindspore_version: str | None = None      # None: the one the launcher pins
     mindspore_mode: str = "pynative"          # "pynative" or "graph"
-    task_sink: bool = False                   # jit_level O0/O1 run kernel by kernel: no task sink
+    task_sink: bool = False                   # from the first forward: jit_level O0/O1 run kernel by kernel, no task sink
     ms_alloc_conf: str | None = None          # None: the launcher's MS_ALLOC_CONF
     mempool_block_size_bytes: int | None = None   # MS_MEMPOOL_BLOCK_SIZE / set_memory(increase_size=)
     soc_supports_vmm: bool = True             # 910B / 910_93 with a VMM driver: VMM on unless MS_ALLOC_CONF says off
@@ -316,8 +316,10 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
 
 def make_allocator(config: ScenarioConfig, device: Device):
     if config.allocator == "mindspore":
+        # Task sink is MindSpore's default (ms_context.cc:621 @ r2.7.rc1) until the first jit compile, which
+        # vllm-mindspore runs after loading the weights: startup() switches to config.task_sink there.
         return DynamicMemPool(device, version=config.mindspore_release, graph_mode=config.mindspore_mode == "graph",
-                              task_sink=config.task_sink, mempool_block_size=config.mempool_block_size_bytes,
+                              task_sink=True, mempool_block_size=config.mempool_block_size_bytes,
                               enable_vmm=config.enable_vmm,
                               vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
     return CachingAllocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
@@ -425,6 +427,8 @@ class ServingScenario:
         before_peak, before_reserved, _ = self._snapshot()
         num_tokens = cfg.max_num_batched_tokens
         num_seqs = min(cfg.max_num_seqs, num_tokens)
+        if cfg.allocator == "mindspore" and not cfg.task_sink:
+            alloc.jit_o0_compile()      # the profile forward is vllm-mindspore's first jit_level O0 compile
         try:
             if cfg.profile_non_allocator_growth_bytes and \
                     not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):

@@ -1,0 +1,284 @@
+// kvguard's MindSpore pool oracle: MindSpore's own Ascend memory pool, compiled, on a fake ACL device.
+//
+// The PyPI wheel ships lib/plugin/ascend/libmindspore_ascend_res_manager.so. That library reaches the ACL
+// runtime only through exported std::function globals (dlopen_macro.h ORIGIN_METHOD_WITH_SIMU:
+// `extern name##FunObj name##_`), which it normally fills by dlopen'ing libascendcl.so. This program fills
+// them with a fake device instead, creates the pool MindSpore uses on Ascend
+// (AscendMemoryPool::GetInstance(): a DefaultAscendMemoryPool) and drives it. Everything above the driver
+// calls (block sizing, best fit, split and merge, eager free, the VMM adapter, the memory adapter's budget)
+// is MindSpore's machine code; only the device is fake.
+//
+// stdin: the op stream of `kvguard simulate --ops`, one JSON object per line:
+//   {"op": "malloc", "size": N, "persistent": false}
+//   {"op": "free", "index": K}      K: 0-based line of the malloc whose buffer is freed (an OOM'd one: no-op)
+//   {"op": "empty_cache"}
+// One line that is not an op, for streams recorded across a compile (the serving scenario's):
+//   {"op": "jit_o0_compile"}       clears MS_CTX_ENABLE_TASK_SINK, as a jit_level O0 compile does; no output
+// stdout: one JSON object first ({"init": ...}: what the pool started with), then one per op.
+// MindSpore's own prints go to stderr, so stdout carries JSON only.
+//
+// env: KVGUARD_ORACLE_DEVICE_FREE / KVGUARD_ORACLE_DEVICE_TOTAL (bytes; total defaults to free);
+//      KVGUARD_ORACLE_TASK_SINK=0|1 (MsContext enable_task_sink; unset keeps MindSpore's default, on);
+//      KVGUARD_ORACLE_MEMPOOL_BLOCK_GB (context mempool_block_size); MS_ALLOC_CONF, read by MindSpore itself.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+// 2.7.0 keeps the pool's headers under include/backend/mem_reuse/, 2.7.1+ under include/runtime/memory/mem_pool/.
+#if __has_include("include/runtime/memory/mem_pool/dynamic_mem_pool.h")
+#include "include/runtime/memory/mem_pool/dynamic_mem_pool.h"
+#else
+#include "include/backend/mem_reuse/dynamic_mem_pool.h"
+#endif
+#if __has_include("plugin/ascend/res_manager/mem_manager/abstract_ascend_memory_pool_support.h")
+#include "plugin/ascend/res_manager/mem_manager/abstract_ascend_memory_pool_support.h"
+#else
+#include "plugin/res_manager/ascend/mem_manager/abstract_ascend_memory_pool_support.h"
+#endif
+#include "utils/ms_context.h"
+
+namespace mindspore::device::ascend {
+// Declared here because their headers pull in CANN's: only the symbols are needed, and a non-template
+// function's mangled name does not carry its return type.
+class AscendMemAdapter {
+ public:
+  static std::shared_ptr<AscendMemAdapter> GetInstance();
+  bool Initialize();
+};
+class AscendMemoryPool {
+ public:
+  static AbstractAscendMemoryPoolSupport &GetInstance();
+};
+// The ACL entry points the pool path calls. ACL enums are ints at the ABI level; a variable's mangled
+// name carries no type, so these bind to the library's globals by name alone.
+extern std::function<int(int, size_t *, size_t *)> aclrtGetMemInfo_;
+extern std::function<int(void **, size_t, int)> aclrtMalloc_;
+extern std::function<int(void *)> aclrtFree_;
+extern std::function<int(void **, size_t, size_t, void *, uint64_t)> aclrtReserveMemAddress_;
+extern std::function<int(void *)> aclrtReleaseMemAddress_;
+extern std::function<int(void **, size_t, const void *, uint64_t)> aclrtMallocPhysical_;
+extern std::function<int(void *)> aclrtFreePhysical_;
+extern std::function<int(void *, size_t, size_t, void *, uint64_t)> aclrtMapMem_;
+extern std::function<int(void *)> aclrtUnmapMem_;
+extern std::function<int(void *)> aclrtSynchronizeStream_;
+// AscendStreamMng::SyncAllStreams, which the pool calls before it eager-frees idle buffers on a miss.
+extern std::function<int(int32_t)> aclrtSynchronizeDeviceWithTimeout_;
+}  // namespace mindspore::device::ascend
+
+namespace {
+constexpr int kAclMemoryAllocationError = 207001;  // ACL_ERROR_RT_MEMORY_ALLOCATION
+constexpr uintptr_t kPage = 2ULL << 20;
+
+// ------------------------------------------------------------------------------------------ the fake device
+// Physical memory is a byte count; addresses are handed out upwards from 1 << 44 with a 2 MiB gap after each
+// range (kvguard's model places its blocks the same way, so addresses compare one to one). Nothing is touched.
+struct FakeDevice {
+  size_t total = 64ULL << 30;
+  size_t free_at_start = 64ULL << 30;
+  size_t malloc_bytes = 0;    // aclrtMalloc'd
+  size_t physical_bytes = 0;  // aclrtMallocPhysical'd (VMM handles)
+  uintptr_t next_address = uintptr_t{1} << 44;
+  uintptr_t next_handle = 1;
+  std::map<uintptr_t, size_t> blocks;
+  std::map<uintptr_t, size_t> handles;
+
+  size_t free() const { return free_at_start - malloc_bytes - physical_bytes; }
+  uintptr_t take_address(size_t size) {
+    uintptr_t address = next_address;
+    next_address += ((size + kPage - 1) / kPage + 1) * kPage;
+    return address;
+  }
+};
+FakeDevice device;
+
+void install_fake_acl() {
+  using namespace mindspore::device::ascend;
+  aclrtGetMemInfo_ = [](int, size_t *free, size_t *total) {
+    *free = device.free();
+    *total = device.total;
+    return 0;
+  };
+  aclrtMalloc_ = [](void **ptr, size_t size, int) {
+    if (size > device.free()) {
+      *ptr = nullptr;
+      return kAclMemoryAllocationError;
+    }
+    uintptr_t address = device.take_address(size);
+    device.blocks[address] = size;
+    device.malloc_bytes += size;
+    *ptr = reinterpret_cast<void *>(address);
+    return 0;
+  };
+  aclrtFree_ = [](void *ptr) {
+    auto it = device.blocks.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it != device.blocks.end()) {
+      device.malloc_bytes -= it->second;
+      device.blocks.erase(it);
+    }
+    return 0;
+  };
+  // Address space is not limited, as on the device (`// Virtual address is unlimited.` in the pool).
+  aclrtReserveMemAddress_ = [](void **ptr, size_t size, size_t, void *, uint64_t) {
+    *ptr = reinterpret_cast<void *>(device.take_address(size));
+    return 0;
+  };
+  aclrtReleaseMemAddress_ = [](void *) { return 0; };
+  aclrtMallocPhysical_ = [](void **handle, size_t size, const void *, uint64_t) {
+    if (size > device.free()) return kAclMemoryAllocationError;
+    uintptr_t id = device.next_handle++;
+    device.handles[id] = size;
+    device.physical_bytes += size;
+    *handle = reinterpret_cast<void *>(id);
+    return 0;
+  };
+  aclrtFreePhysical_ = [](void *handle) {
+    auto it = device.handles.find(reinterpret_cast<uintptr_t>(handle));
+    if (it != device.handles.end()) {
+      device.physical_bytes -= it->second;
+      device.handles.erase(it);
+    }
+    return 0;
+  };
+  aclrtMapMem_ = [](void *, size_t, size_t, void *, uint64_t) { return 0; };
+  aclrtUnmapMem_ = [](void *) { return 0; };
+  aclrtSynchronizeStream_ = [](void *) { return 0; };
+  aclrtSynchronizeDeviceWithTimeout_ = [](int32_t) { return 0; };
+}
+
+// ------------------------------------------------------------------------------------------ input
+// The op stream is flat JSON objects with string, integer and boolean values: a small scanner suffices.
+bool find_value(const std::string &line, const std::string &key, std::string *value) {
+  auto at = line.find("\"" + key + "\"");
+  if (at == std::string::npos) return false;
+  at = line.find(':', at + key.size() + 2);
+  if (at == std::string::npos) return false;
+  at = line.find_first_not_of(" \t", at + 1);
+  if (at == std::string::npos) return false;
+  if (line[at] == '"') {
+    auto end = line.find('"', at + 1);
+    *value = line.substr(at + 1, end - at - 1);
+  } else {
+    auto end = line.find_first_of(",} \t", at);
+    *value = line.substr(at, end == std::string::npos ? std::string::npos : end - at);
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------ output
+std::string blocks_json(const std::unordered_map<void *, std::unordered_map<std::string, size_t>> &info) {
+  std::vector<std::pair<uintptr_t, size_t>> blocks;
+  for (const auto &[address, fields] : info) {
+    auto size = fields.find("block_memory_size");
+    blocks.emplace_back(reinterpret_cast<uintptr_t>(address), size == fields.end() ? 0 : size->second);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < blocks.size(); ++i) out << (i ? "," : "") << "[" << blocks[i].first << "," << blocks[i].second << "]";
+  out << "]";
+  return out.str();
+}
+}  // namespace
+
+int main() {
+  // MindSpore prints a few plain lines on stdout ("[MS_ALLOC_CONF]..."): keep stdout for JSON only.
+  FILE *json = fdopen(dup(1), "w");
+  dup2(2, 1);
+
+  if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_FREE")) device.free_at_start = strtoull(v, nullptr, 10);
+  device.total = device.free_at_start;
+  if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_TOTAL")) device.total = strtoull(v, nullptr, 10);
+  install_fake_acl();
+
+  auto context = mindspore::MsContext::GetInstance();
+  if (const char *v = getenv("KVGUARD_ORACLE_TASK_SINK")) {
+    context->set_param<bool>(mindspore::MS_CTX_ENABLE_TASK_SINK, atoi(v) != 0);
+  }
+  if (const char *v = getenv("KVGUARD_ORACLE_MEMPOOL_BLOCK_GB")) {
+    context->set_param<float>(mindspore::MS_CTX_MEMPOOL_BLOCK_SIZE, strtof(v, nullptr));
+  }
+  // The pool's budget (total_mem_size) is computed here from aclrtGetMemInfo (ascend_memory_adapter.cc).
+  mindspore::device::ascend::AscendMemAdapter::GetInstance()->Initialize();
+  mindspore::device::DynamicMemPool &pool = mindspore::device::ascend::AscendMemoryPool::GetInstance();
+
+  fprintf(json,
+          "{\"init\":{\"vmm\":%d,\"eager_free\":%d,\"task_sink\":%d,\"device_free_bytes\":%zu,"
+          "\"total_mem_size\":%zu,\"free_mem_size\":%zu}}\n",
+          pool.IsEnableVmm() ? 1 : 0, pool.IsEnableEagerFree() ? 1 : 0,
+          context->get_param<bool>(mindspore::MS_CTX_ENABLE_TASK_SINK) ? 1 : 0, device.free(),
+          static_cast<size_t>(pool.total_mem_size()), static_cast<size_t>(pool.free_mem_size()));
+  fflush(json);
+
+  std::vector<void *> address_of_line;  // per input line: the malloc's address (nullptr: not a malloc, or OOM)
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    std::string op, value;
+    find_value(line, "op", &op);
+    if (op == "jit_o0_compile") {
+      context->set_param<bool>(mindspore::MS_CTX_ENABLE_TASK_SINK, false);
+      continue;
+    }
+    const size_t step = address_of_line.size();
+    address_of_line.push_back(nullptr);
+    std::ostringstream extra;
+    try {
+      if (op == "malloc") {
+        find_value(line, "size", &value);
+        size_t size = strtoull(value.c_str(), nullptr, 10);
+        bool persistent = find_value(line, "persistent", &value) && value == "true";
+        void *address = pool.AllocTensorMem(size, persistent, false, 0);
+        address_of_line[step] = address;
+        if (address == nullptr) {
+          extra << ",\"address\":null,\"oom\":true";
+        } else {
+          extra << ",\"address\":" << reinterpret_cast<uintptr_t>(address) << ",\"oom\":false";
+        }
+      } else if (op == "free") {
+        find_value(line, "index", &value);
+        size_t index = strtoull(value.c_str(), nullptr, 10);
+        if (index < step && address_of_line[index] != nullptr) {
+          pool.FreeTensorMem(address_of_line[index]);
+          address_of_line[index] = nullptr;
+        }
+        extra << ",\"oom\":false";
+      } else if (op == "empty_cache") {
+        extra << ",\"released_bytes\":" << pool.EmptyCache() << ",\"oom\":false";
+      } else {
+        extra << ",\"error\":\"unknown op\"";
+      }
+    } catch (const std::exception &e) {
+      std::string message = e.what();
+      for (auto &c : message) {
+        if (c == '"' || c == '\\' || c < ' ') c = ' ';
+      }
+      extra << ",\"error\":\"" << message.substr(0, 300) << "\"";
+    }
+    auto units = pool.BlockUnitSizeStatistics();
+    std::ostringstream out;
+    out << "{\"step\":" << step << ",\"op\":\"" << op << "\"" << extra.str()
+        << ",\"reserved_bytes\":" << pool.TotalMemStatistics() << ",\"allocated_bytes\":" << pool.TotalUsedMemStatistics()
+        << ",\"peak_allocated_bytes\":" << pool.MaxMemAllocatedStatistics()
+        << ",\"peak_reserved_bytes\":" << pool.MaxMemReservedStatistics()
+        << ",\"used_peak_bytes\":" << pool.UsedMemPeakStatistics() << ",\"idle_bytes\":" << pool.TotalIdleMemStatistics()
+        << ",\"eager_free_bytes\":" << pool.TotalEagerFreeMemStatistics()
+        << ",\"total_mem_size\":" << pool.total_mem_size() << ",\"unit_common\":" << units["common_mem_pool"]
+        << ",\"unit_persistent\":" << units["persistent_mem_pool"]
+        << ",\"common_blocks\":" << blocks_json(pool.CommonMemBlocksInfoStatistics())
+        << ",\"persistent_blocks\":" << blocks_json(pool.PersistentMemBlocksInfoStatistics())
+        << ",\"device_free_bytes\":" << device.free() << "}";
+    fprintf(json, "%s\n", out.str().c_str());
+    fflush(json);
+  }
+  return 0;
+}
