@@ -22,9 +22,11 @@ Two formats are read:
   present) has no events: only its end state, which ``kvguard.sim.snapshot`` replays.
   Frees of blocks allocated before recording started are skipped and counted;
   ``segment_*``, ``snapshot`` and ``oom`` entries are the recording allocator's own
-  decisions and are not replayed. Pickles are read with an unpickler that builds only
-  builtin containers and scalars: anything else in the file is refused, nothing in it
-  is executed. Entries must have the types ``_dump_snapshot`` writes (dicts with a
+  decisions and are not replayed. Pickles are read by a reader of their opcodes that
+  builds only builtin containers and scalars: anything else in the file is refused,
+  nothing in it is executed, and bytes, objects, memo entries, items in a container and
+  values reached through shared references are each held to a budget
+  (``SNAPSHOT_MAX_*``). Entries must have the types ``_dump_snapshot`` writes (dicts with a
   string ``action``; integer ``addr``, ``size`` >= 0 and ``stream`` on the replayed
   actions): anything else is a :class:`TraceError`, not a guess.
 
@@ -37,7 +39,10 @@ from __future__ import annotations
 import csv
 import io
 import math
-import pickle
+import struct
+from collections import OrderedDict
+from itertools import compress, repeat
+from operator import is_
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -146,29 +151,492 @@ def parse_memory_block_csv(text: str) -> Trace:
 
 
 # ----------------------------------------------------------------------------- PyTorch pickle
-class _Refused(pickle.UnpicklingError):
-    pass
+# The reader walks the pickle's opcodes itself (their codes and arguments as CPython's
+# Lib/pickle.py defines them, v3.11.7 lines 107-193, and loads them, lines 1187-1745) and
+# builds only builtin scalars and containers, plus the allow-listed constructors below,
+# within budgets. CPython's own unpickler cannot be bounded: a 9-byte pickle storing memo
+# index 200,000,000 makes the C unpickler grow its memo to twice that (3 GiB).
+#
+# The budgets are sized from the 64 real snapshots in ../shared/torch-snapshots*: at most
+# 4,186,457 bytes, 179,228 objects built, 63,867 memo entries, 8,934,684 values when every
+# shared reference is counted as what it refers to (torch shares frame dicts between trace
+# entries), 27,358 items in one container, containers 9 deep and strings of 3,289 bytes.
+SNAPSHOT_MAX_BYTES = 32 << 20                 # 8x the largest real snapshot
+SNAPSHOT_MAX_OBJECTS = 2_000_000              # values built, references to them not counted: 11x
+SNAPSHOT_MAX_VALUES = 64_000_000              # values, each shared reference counted in full: 7x
+SNAPSHOT_MAX_CONTAINER_ITEMS = 1_000_000      # items in one list, dict, tuple or set: 36x
+SNAPSHOT_MAX_MEMO = 1_000_000                 # memo entries stored: 15x
+SNAPSHOT_MAX_STRING_BYTES = 1 << 20           # one str, bytes or bytearray: 300x
+SNAPSHOT_MAX_DEPTH = 100                      # containers within containers: 11x
+
+_CONTAINER_TYPES = frozenset({dict, list, tuple, set, frozenset, OrderedDict})
+_HASHABLE_CONTAINERS = (tuple, frozenset)
 
 
-class _ContainersOnlyUnpickler(pickle.Unpickler):
-    """Builds dicts, lists, tuples, sets, strings, bytes and numbers; refuses every class."""
+class _Refused(Exception):
+    """Something a snapshot never holds, or more of it than the budget: the message says what."""
 
-    _ALLOWED = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "bytearray"),
-                ("collections", "OrderedDict")}
 
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        raise _Refused(f"refusing to load {module}.{name} from a snapshot pickle")
+class _Unreadable(_Refused):
+    """Not a pickle, or a broken one: cut short, or an opcode without what it takes."""
+
+
+def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
+    # bytearray.__reduce_ex__ writes (bytes,) at protocols 3-4 and (str, "latin-1") at 2
+    # (Objects/bytearrayobject.c, bytearray_reduce_ex): never a count, which would allocate that many bytes.
+    if type(source) is bytes and encoding is None:
+        return bytearray(source)
+    if type(source) is str and encoding == "latin-1":
+        return bytearray(source, "latin-1")
+    raise _Refused(f"bytearray of {_kind(source)} (a pickled bytearray holds bytes)")
+
+
+def _set(items: Any = ()) -> set:
+    # set.__reduce__ writes (set, ([items],)) (Objects/setobject.c, set_reduce): a list already in budget.
+    if type(items) not in (list, tuple):
+        raise _Refused(f"set of {_kind(items)} (a pickled set holds a list)")
+    return set(items)
+
+
+def _frozenset(items: Any = ()) -> frozenset:
+    if type(items) not in (list, tuple):
+        raise _Refused(f"frozenset of {_kind(items)} (a pickled frozenset holds a list)")
+    return frozenset(items)
+
+
+def _bytes(*args: Any) -> bytes:
+    # Protocol 2 writes b"" as bytes(), other bytes as _codecs.encode(str, "latin1") (Lib/pickle.py, save_bytes).
+    if args:
+        raise _Refused("bytes with arguments (a pickled b'' has none)")
+    return b""
+
+
+def _encode(text: Any, encoding: Any) -> bytes:
+    if type(text) is not str or encoding != "latin1":
+        raise _Refused(f"_codecs.encode of {_kind(text)} as {str(encoding)[:20]!r} (a pickled bytes is latin1 text)")
+    return text.encode("latin-1")
+
+
+def _ordered_dict(*args: Any) -> OrderedDict:
+    # OrderedDict.__reduce__ passes no arguments; SETITEMS adds the items (Lib/collections/__init__.py).
+    if args:
+        raise _Refused("OrderedDict with arguments (a pickled OrderedDict has none)")
+    return OrderedDict()
+
+
+_CONSTRUCTORS = {("builtins", "bytearray"): _bytearray, ("builtins", "set"): _set,
+                 ("builtins", "frozenset"): _frozenset, ("collections", "OrderedDict"): _ordered_dict,
+                 # protocol 2 names builtins as Python 2 did (Lib/_compat_pickle.py, IMPORT_MAPPING)
+                 ("__builtin__", "bytearray"): _bytearray, ("__builtin__", "set"): _set,
+                 ("__builtin__", "frozenset"): _frozenset,
+                 # protocol 2 writes bytes as these (Lib/pickle.py, save_bytes)
+                 ("__builtin__", "bytes"): _bytes, ("builtins", "bytes"): _bytes, ("_codecs", "encode"): _encode}
+_CONSTRUCTOR_FUNCTIONS = (_bytearray, _set, _frozenset, _ordered_dict, _bytes, _encode)
+
+# Bytes after an opcode that are read before any length is known (Lib/pickletools.py's ArgumentDescriptors).
+_ARGUMENT_BYTES = {0x68: 1, 0x6A: 4, 0x8A: 1, 0x4B: 1, 0x4D: 2, 0x4A: 4, 0x8C: 1, 0x58: 4, 0x8D: 8, 0x95: 8,
+                   0x71: 1, 0x72: 4, 0x47: 8, 0x8B: 4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8, 0x80: 1}
+
+
+def _opcode_name(code: int) -> str:
+    import pickletools
+    return next((op.name for op in pickletools.opcodes if op.code == chr(code)), f"opcode 0x{code:02x}")
+
+
+def _over_budget(what: str, count: int, limit: int) -> _Refused:
+    return _Refused(f"{count:,} {what}, over the budget of {limit:,}")
+
+
+def _load_bounded(data: bytes) -> Any:
+    """Run the pickle in ``data`` within the budgets. Raises _Refused, or what a corrupt pickle gives."""
+    n = len(data)
+    stack: list[Any] = []
+    push, pop = stack.append, stack.pop
+    marks: list[int] = []
+    memo: list[Any] = []
+    memo_references: list[int] = []     # memo references to each entry
+    memoize = memo.append
+    tuple_depth: dict[int, int] = {}    # tuples and frozensets that hold some: hashing them recurses in C
+    unpack = struct.unpack_from
+    max_items, max_objects = SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_OBJECTS
+    objects = 0
+    pos = 0
+    op = -1
+    try:
+        while True:
+            op = data[pos]
+            # The opcodes of real snapshots first, the most frequent first.
+            if op == 0x68:                                          # BINGET
+                index = data[pos + 1]
+                push(memo[index])
+                memo_references[index] += 1
+                pos += 2
+            elif op == 0x6A:                                        # LONG_BINGET
+                index = unpack("<I", data, pos + 1)[0]
+                push(memo[index])
+                memo_references[index] += 1
+                pos += 5
+            elif op == 0x94:                                        # MEMOIZE
+                memoize(stack[-1])
+                memo_references.append(0)
+                if len(memo) > SNAPSHOT_MAX_MEMO:
+                    raise _over_budget("memo entries", len(memo), SNAPSHOT_MAX_MEMO)
+                pos += 1
+            elif op == 0x8A:                                        # LONG1
+                start = pos + 2
+                end = start + data[pos + 1]
+                if end > n:
+                    raise _Unreadable(f"an integer of {end - start} bytes past the end of the data")
+                push(int.from_bytes(data[start:end], "little", signed=True))
+                pos = end
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x28:                                        # MARK
+                marks.append(len(stack))
+                pos += 1
+            elif op == 0x4B:                                        # BININT1
+                push(data[pos + 1])
+                pos += 2
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x7D:                                        # EMPTY_DICT
+                push({})
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x75:                                        # SETITEMS
+                mark = marks.pop()
+                target = stack[mark - 1]
+                if mark == 0 or not isinstance(target, dict):
+                    raise _Unreadable(f"SETITEMS on {'nothing' if mark == 0 else _kind(target)}")
+                items = iter(stack[mark:])
+                del stack[mark:]
+                target.update(zip(items, items))
+                if next(items, target) is not target:
+                    raise _Unreadable("SETITEMS with a key and no value")
+                if len(target) > max_items:
+                    raise _over_budget("items in one dict", len(target), max_items)
+                pos += 1
+            elif op == 0x4A:                                        # BININT
+                push(unpack("<i", data, pos + 1)[0])
+                pos += 5
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x5D:                                        # EMPTY_LIST
+                push([])
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x65:                                        # APPENDS
+                mark = marks.pop()
+                target = stack[mark - 1]
+                if mark == 0 or type(target) is not list:
+                    raise _Unreadable(f"APPENDS on {'nothing' if mark == 0 else _kind(target)}")
+                target += stack[mark:]
+                del stack[mark:]
+                if len(target) > max_items:
+                    raise _over_budget("items in one list", len(target), max_items)
+                pos += 1
+            elif op == 0x8C or op == 0x58 or op == 0x8D:            # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
+                if op == 0x8C:
+                    length, start = data[pos + 1], pos + 2
+                else:
+                    wide = op != 0x58          # an 8-byte length, not 4
+                    length, start = unpack("<Q" if wide else "<I", data, pos + 1)[0], pos + (9 if wide else 5)
+                    if length > SNAPSHOT_MAX_STRING_BYTES:
+                        raise _over_budget("bytes in one string", length, SNAPSHOT_MAX_STRING_BYTES)
+                end = start + length
+                if end > n:
+                    raise _Unreadable(f"a string of {length:,} bytes past the end of the data")
+                push(str(data[start:end], "utf-8", "surrogatepass"))
+                pos = end
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x4D:                                        # BININT2
+                push(data[pos + 1] | data[pos + 2] << 8)
+                pos += 3
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x89 or op == 0x88 or op == 0x4E:            # NEWFALSE, NEWTRUE, NONE
+                push(False if op == 0x89 else True if op == 0x88 else None)
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif 0x85 <= op <= 0x87 or op == 0x74 or op == 0x29:   # TUPLE1-3, TUPLE (from a mark), EMPTY_TUPLE
+                if op == 0x74:
+                    mark = marks.pop()
+                elif op == 0x29:
+                    mark = len(stack)
+                else:
+                    mark = len(stack) - (op - 0x84)
+                    if mark < (marks[-1] if marks else 0):
+                        raise _Unreadable(f"{_opcode_name(op)} with too little on the stack")
+                if len(stack) - mark > max_items:
+                    raise _over_budget("items in one tuple", len(stack) - mark, max_items)
+                value = tuple(stack[mark:])
+                del stack[mark:]
+                _note_depth(value, tuple_depth)
+                push(value)
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x95:                                        # FRAME: a hint for buffered readers
+                frame = unpack("<Q", data, pos + 1)[0]
+                if pos + 9 + frame > n:
+                    raise _Unreadable(f"the data ends at byte {n:,}, inside a frame of {frame:,} bytes")
+                pos += 9
+            elif op == 0x61 or op == 0x73:                          # APPEND, SETITEM
+                if len(stack) - (marks[-1] if marks else 0) < (2 if op == 0x61 else 3):
+                    raise _Unreadable(f"{'APPEND' if op == 0x61 else 'SETITEM'} with too little on the stack")
+                value = pop()
+                if op == 0x73:
+                    key = pop()
+                    target = stack[-1]
+                    if not isinstance(target, dict):
+                        raise _Unreadable(f"SETITEM on {_kind(target)}")
+                    target[key] = value
+                else:
+                    target = stack[-1]
+                    if type(target) is not list:
+                        raise _Unreadable(f"APPEND on {_kind(target)}")
+                    target.append(value)
+                if len(target) > max_items:
+                    raise _over_budget("items in one container", len(target), max_items)
+                pos += 1
+            elif op == 0x2E:                                        # STOP
+                if not stack:
+                    raise _Unreadable("STOP with nothing built")
+                _count_values(objects, memo, memo_references)
+                return stack[-1]
+            elif op == 0x47:                                        # BINFLOAT
+                push(unpack(">d", data, pos + 1)[0])
+                pos += 9
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x71 or op == 0x72:                          # BINPUT, LONG_BINPUT
+                index = data[pos + 1] if op == 0x71 else unpack("<I", data, pos + 1)[0]
+                # The pickler stores at len(memo) (Lib/pickle.py:509), never elsewhere. Further out
+                # is a sparse memo, which CPython's C unpickler grows to twice the index.
+                if index != len(memo):
+                    raise _Refused(f"memo index {index:,} stored where the next is {len(memo):,}")
+                memoize(stack[-1])
+                memo_references.append(0)
+                if len(memo) > SNAPSHOT_MAX_MEMO:
+                    raise _over_budget("memo entries", len(memo), SNAPSHOT_MAX_MEMO)
+                pos += 2 if op == 0x71 else 5
+            elif op == 0x8B:                                        # LONG4
+                length = unpack("<i", data, pos + 1)[0]
+                if not 0 <= length <= 255:          # a snapshot's integers are addresses and sizes
+                    raise _over_budget("bytes in one integer", length, 255)
+                start = pos + 5
+                end = start + length
+                if end > n:
+                    raise _Unreadable(f"an integer of {length} bytes past the end of the data")
+                push(int.from_bytes(data[start:end], "little", signed=True))
+                pos = end
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op in (0x43, 0x42, 0x8E, 0x96):    # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
+                if op == 0x43:
+                    length, start = data[pos + 1], pos + 2
+                else:
+                    wide = op != 0x42          # an 8-byte length, not 4
+                    length, start = unpack("<Q" if wide else "<I", data, pos + 1)[0], pos + (9 if wide else 5)
+                if length > SNAPSHOT_MAX_STRING_BYTES:
+                    raise _over_budget("bytes in one string", length, SNAPSHOT_MAX_STRING_BYTES)
+                end = start + length
+                if end > n:
+                    raise _Unreadable(f"a string of {length:,} bytes past the end of the data")
+                push((bytearray if op == 0x96 else bytes)(data[start:end]))
+                pos = end
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x8F:                                        # EMPTY_SET
+                push(set())
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x90 or op == 0x91:                          # ADDITEMS, FROZENSET (from a mark)
+                mark = marks.pop()
+                items = stack[mark:]
+                del stack[mark:]
+                if op == 0x90:
+                    target = stack[-1] if stack else None
+                    if type(target) is not set:
+                        raise _Unreadable(f"ADDITEMS on {_kind(target)}")
+                    target.update(items)
+                else:
+                    target = frozenset(items)
+                    _note_depth(target, tuple_depth)
+                    push(target)
+                    objects += 1
+                    if objects > max_objects:
+                        raise _over_budget("objects", objects, max_objects)
+                if len(target) > max_items:
+                    raise _over_budget("items in one set", len(target), max_items)
+                pos += 1
+            elif op == 0x30:                                        # POP
+                if marks and marks[-1] == len(stack):
+                    marks.pop()         # an empty frame: POP takes the mark (Lib/pickle.py, load_pop)
+                else:
+                    pop()
+                pos += 1
+            elif op == 0x31:                                        # POP_MARK
+                del stack[marks.pop():]
+                pos += 1
+            elif op == 0x63 or op == 0x93:                          # GLOBAL, STACK_GLOBAL
+                if op == 0x63:
+                    end_module = data.find(b"\n", pos + 1, pos + 258)
+                    end_name = data.find(b"\n", end_module + 1, end_module + 258)
+                    if end_module < 0 or end_name < 0:
+                        raise _Unreadable("GLOBAL without two lines of names")
+                    module = data[pos + 1:end_module].decode("utf-8", "replace")
+                    name = data[end_module + 1:end_name].decode("utf-8", "replace")
+                    pos = end_name + 1
+                else:
+                    if len(stack) - (marks[-1] if marks else 0) < 2:
+                        raise _Unreadable("STACK_GLOBAL with too little on the stack")
+                    name, module = pop(), pop()
+                    if type(name) is not str or type(module) is not str:
+                        raise _Unreadable("STACK_GLOBAL of names that are not strings")
+                    pos += 1
+                constructor = _CONSTRUCTORS.get((module, name))
+                if constructor is None:
+                    raise _Refused(f"refusing to load {module[:80]}.{name[:80]} from a snapshot pickle")
+                push(constructor)
+            elif op == 0x52:                                        # REDUCE
+                if len(stack) - (marks[-1] if marks else 0) < 2:
+                    raise _Unreadable("REDUCE with too little on the stack")
+                args = pop()
+                constructor = stack[-1]
+                if constructor not in _CONSTRUCTOR_FUNCTIONS or type(args) is not tuple:
+                    raise _Refused(f"REDUCE of {_kind(constructor)}")
+                value = constructor(*args)
+                if len(value) > max_items:
+                    raise _over_budget("items in one container", len(value), max_items)
+                if type(value) is frozenset:
+                    _note_depth(value, tuple_depth)
+                stack[-1] = value
+                pos += 1
+                objects += 1
+                if objects > max_objects:
+                    raise _over_budget("objects", objects, max_objects)
+            elif op == 0x80:                                        # PROTO
+                if not 2 <= data[pos + 1] <= 5:
+                    raise _Unreadable(f"pickle protocol {data[pos + 1]} (a snapshot is written at 2 to 5)")
+                pos += 2
+            else:
+                raise _Unreadable(f"{_opcode_name(op)} (not an opcode of a pickle of dicts, lists and numbers)")
+    except _Refused as exc:
+        raise exc.__class__(f"{exc} at byte {pos:,}") from None
+    except (IndexError, struct.error):
+        if pos >= n or pos + 1 + _ARGUMENT_BYTES.get(op, 0) > n:
+            raise _Unreadable(f"the data ends at byte {n:,} without STOP") from None
+        if op == 0x68 or op == 0x6A:
+            index = data[pos + 1] if op == 0x68 else unpack("<I", data, pos + 1)[0]
+            raise _Unreadable(f"memo index {index:,} was never stored ({len(memo):,} entries) at byte {pos:,}") from None
+        raise _Unreadable(f"{_opcode_name(op)} with nothing to take from the stack at byte {pos:,}") from None
+
+
+def _note_depth(value: Any, tuple_depth: dict[int, int]) -> None:
+    """Refuse tuples and frozensets nested deeper than the budget: hashing them recurses in C."""
+    deepest = 0
+    for item in value:
+        if type(item) in _HASHABLE_CONTAINERS:
+            deepest = max(deepest, tuple_depth.get(id(item), 1))
+    if not deepest:
+        tuple_depth.pop(id(value), None)    # the id of a tuple gone since
+    elif deepest >= SNAPSHOT_MAX_DEPTH:
+        raise _Refused(f"tuples nested over {SNAPSHOT_MAX_DEPTH} deep")
+    else:
+        tuple_depth[id(value)] = deepest + 1
+
+
+def _count_values(objects: int, memo: list[Any], memo_references: list[int]) -> None:
+    """Refuse a pickle whose values, each memo reference counted as the whole value it refers to, are over budget.
+
+    A walk that treats the snapshot as a tree (as its readers do) visits a shared value each
+    time it is referred to: a few hundred bytes of references that double at each level
+    would make it walk for ever. Every value built is counted once, and each reference as
+    all the values in what it refers to, as it stands at the end. Values built but dropped
+    (POP) count too: a bound, not an exact figure."""
+    shared = _Shared()
+    total = objects
+    for value, references in zip(memo, memo_references):
+        if references:
+            total += references * shared.count(value)
+            if total > SNAPSHOT_MAX_VALUES:
+                raise _over_budget("values with every shared reference counted in full", total, SNAPSHOT_MAX_VALUES)
+
+
+class _Shared:
+    """Values in each container (values in it, and in what it holds, counted as a tree), computed once each.
+
+    A container that holds itself is refused."""
+
+    def __init__(self) -> None:
+        # id -> values in it; -1 while it is being counted. Ids stay unique: the memo keeps all of them alive.
+        self.values: dict[int, int] = {}
+
+    def count(self, obj: Any, depth: int = 0) -> int:
+        if type(obj) not in _CONTAINER_TYPES:
+            return 1
+        known = self.values.get
+        key = id(obj)
+        total = known(key)
+        if total is not None:
+            if total < 0:
+                raise _Refused("a container that holds itself")
+            return total
+        if depth > SNAPSHOT_MAX_DEPTH:
+            raise _Refused(f"containers nested over {SNAPSHOT_MAX_DEPTH} deep")
+        self.values[key] = -1
+        if isinstance(obj, dict):
+            total, parts = 1 + 2 * len(obj), (obj, obj.values())
+        else:
+            total, parts = 1 + len(obj), (obj,)
+        for part in parts:
+            if set(map(type, part)).isdisjoint(_CONTAINER_TYPES):
+                continue
+            sizes = list(map(known, map(id, part)))     # None: a scalar, or a container not counted yet
+            if -1 in sizes:
+                raise _Refused("a container that holds itself")
+            uncounted = sizes.count(None)
+            total += sum(filter(None, sizes)) - (len(sizes) - uncounted)
+            if uncounted:
+                for item in compress(part, map(is_, sizes, repeat(None))):
+                    if type(item) in _CONTAINER_TYPES:
+                        total += self.count(item, depth + 1) - 1
+        self.values[key] = total
+        return total
 
 
 def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
+    """Read a ``_dump_snapshot`` pickle within the budgets above; anything else is a one-line TraceError."""
+    if len(data) > SNAPSHOT_MAX_BYTES:
+        raise TraceError(f"snapshot pickle of {len(data):,} bytes, over the budget of {SNAPSHOT_MAX_BYTES:,}")
     try:
-        snapshot = _ContainersOnlyUnpickler(io.BytesIO(data)).load()
+        snapshot = _load_bounded(data)
+    except _Unreadable as exc:
+        raise TraceError(f"cannot read snapshot pickle: {exc}") from None
     except _Refused as exc:
         raise TraceError(f"not a plain snapshot pickle: {exc}") from None
-    except Exception as exc:  # truncated or corrupt files raise many kinds of errors
-        raise TraceError(f"cannot read snapshot pickle: {exc.__class__.__name__}: {exc}") from None
+    except Exception as exc:  # a corrupt file: unhashable keys, bad UTF-8
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        raise TraceError(f"cannot read snapshot pickle: {exc.__class__.__name__}: {message}"[:300]) from None
     if not isinstance(snapshot, dict):
         raise TraceError("snapshot pickle does not hold a dict")
     return snapshot
@@ -247,11 +715,18 @@ def _kind(value: Any) -> str:
 
 
 def read_trace_bytes(path: str) -> bytes:
+    """The file's bytes; a snapshot pickle is read no further than one byte past its budget."""
     try:
         with open(path, "rb") as handle:
-            return handle.read()
+            head = handle.read(1)
+            if not is_snapshot_pickle(head):
+                return head + handle.read()
+            data = head + handle.read(SNAPSHOT_MAX_BYTES)
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    if len(data) > SNAPSHOT_MAX_BYTES:
+        raise TraceError(f"snapshot pickle {path} is over the budget of {SNAPSHOT_MAX_BYTES:,} bytes")
+    return data
 
 
 def is_snapshot_pickle(data: bytes) -> bool:
