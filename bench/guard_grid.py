@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "exporter"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 1 << 30
 MODELS = {
@@ -48,28 +49,49 @@ QUICK = dict(models=("qwen2.5-7b", "llama-3-8b", "deepseek-v2-lite"), devices_gi
 @dataclass(frozen=True)
 class Outcome:
     scenario: tuple
-    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started"
+    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started", "diverged" (real_pool.py)
     critical_at_startup: bool
     critical_before_oom: bool
     critical_ever: bool
     critical_at_budget: bool = False
+    truth: str = "model"      # "real_pool": a MindSpore run's outcome from the compiled pool (bench/real_pool.py)
+    exact: bool | None = None  # real_pool: the model agreed with the real pool at every op
 
 
 def run_one(scenario: tuple) -> Outcome:
     from kvguard.guard import CRITICAL
-    from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-    from kvguard.sim_guard import run_guarded
+    from kvguard.sim.scenario import ScenarioConfig
 
     model, device_gib, utilization, allocator, budget, seed, requests = scenario
     with open(os.path.join(ROOT, MODELS[model]), encoding="utf-8") as handle:
         model_config = json.load(handle)
-    run = run_guarded(ServingScenario(ScenarioConfig(
+    run, kind, caught, truth = guarded_with_truth(ScenarioConfig(
         model_config=model_config, device_memory_bytes=device_gib * GIB, gpu_memory_utilization=utilization,
-        allocator=allocator, budget=budget, seed=seed, requests=requests)))
-    result = run.result
-    kind = outcome_kind(result)
+        allocator=allocator, budget=budget, seed=seed, requests=requests))
     at_startup = run.startup is not None and run.startup.state == CRITICAL
-    return Outcome(scenario, kind, at_startup, run.caught_before_oom, run.critical_ever, run.caught_at_budget)
+    return Outcome(scenario, kind, at_startup, caught, run.critical_ever, run.caught_at_budget,
+                   "real_pool" if truth else "model", truth.exact if truth else None)
+
+
+def guarded_with_truth(config):
+    """The guarded run, its outcome kind and whether the guard called it before it happened, with a
+    MindSpore run's outcome taken from the real pool where its oracle is built (bench/real_pool.py).
+    Returns (GuardedRun, kind, caught_before_oom, Truth or None)."""
+    import real_pool
+    from kvguard.sim.scenario import ServingScenario
+    from kvguard.sim_guard import run_guarded
+
+    run, truth = real_pool.run_with_truth(ServingScenario(config), run_guarded)
+    if truth is None:
+        return run, outcome_kind(run.result), run.caught_before_oom, None
+    if truth.kind == "serving_oom":
+        caught = run.caught_at_budget or (run.first_critical_step is not None
+                                          and run.first_critical_step < truth.oom_at_step)
+    elif truth.kind == "startup_oom":
+        caught = run.caught_at_budget
+    else:
+        caught = False
+    return run, truth.kind, caught, truth
 
 
 def outcome_kind(result) -> str:
@@ -115,7 +137,20 @@ def measure(spec: dict, jobs: int = 1) -> dict:
         "not_started": sum(o.kind == "not_started" for o in outcomes),
         "missed": [o.scenario for o in serving if not o.critical_before_oom],
         "false_critical": [o.scenario for o in clean if o.critical_ever],
+        **truth_figures(outcomes),
     }
+
+
+def truth_figures(outcomes: list) -> dict:
+    """How many runs took their outcome from the real pool, and whether the model agreed at every op."""
+    real = [o for o in outcomes if o.truth == "real_pool"]
+    return {"real_pool_truth": len(real), "real_pool_exact": sum(bool(o.exact) for o in real),
+            "diverged": [o.scenario for o in outcomes if o.kind == "diverged" or o.exact is False]}
+
+
+def truth_line(figures: dict) -> str:
+    return (f"outcomes from MindSpore's compiled pool: {figures['real_pool_truth']} runs, the model exact at every "
+            f"op in {figures['real_pool_exact']}; diverged: {len(figures['diverged'])}")
 
 
 def report(figures: dict) -> str:
@@ -134,6 +169,7 @@ def report(figures: dict) -> str:
         f"  false critical at startup:           {rate(figures['no_oom_critical_at_startup'], figures['no_oom'])}",
         f"  false critical at budget time:       {rate(figures['no_oom_critical_at_budget'], figures['no_oom'])}",
         f"  false critical at any point:         {rate(figures['no_oom_critical_ever'], figures['no_oom'])}",
+        truth_line(figures),
     ]
     return "\n".join(lines)
 

@@ -19,7 +19,8 @@
 //
 // env: KVGUARD_ORACLE_DEVICE_FREE / KVGUARD_ORACLE_DEVICE_TOTAL (bytes; total defaults to free);
 //      KVGUARD_ORACLE_TASK_SINK=0|1 (MsContext enable_task_sink; unset keeps MindSpore's default, on);
-//      KVGUARD_ORACLE_MEMPOOL_BLOCK_GB (context mempool_block_size); MS_ALLOC_CONF, read by MindSpore itself.
+//      KVGUARD_ORACLE_MEMPOOL_BLOCK_GB (context mempool_block_size); MS_ALLOC_CONF, read by MindSpore itself;
+//      KVGUARD_ORACLE_OUTPUT=compact: after the init line, "oom reserved allocated address" per op instead.
 #include <unistd.h>
 
 #include <algorithm>
@@ -219,6 +220,10 @@ int main() {
           static_cast<size_t>(pool.total_mem_size()), static_cast<size_t>(pool.free_mem_size()));
   fflush(json);
 
+  // KVGUARD_ORACLE_OUTPUT=compact: one line "oom reserved allocated address" per op (address 0: none), without
+  // the block lists, for long streams replayed in one batch (bench/real_pool.py); JSON otherwise.
+  const char *output = getenv("KVGUARD_ORACLE_OUTPUT");
+  const bool compact = output != nullptr && std::string(output) == "compact";
   std::vector<void *> address_of_line;  // per input line: the malloc's address (nullptr: not a malloc, or OOM)
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -263,6 +268,17 @@ int main() {
         if (c == '"' || c == '\\' || c < ' ') c = ' ';
       }
       extra << ",\"error\":\"" << message.substr(0, 300) << "\"";
+    }
+    if (compact) {
+      const std::string text = extra.str();
+      if (text.find("\"error\"") != std::string::npos) {
+        fprintf(json, "error %zu%s\n", step, text.c_str());
+      } else {
+        fprintf(json, "%d %zu %zu %zu\n", text.find("\"oom\":true") != std::string::npos ? 1 : 0,
+                static_cast<size_t>(pool.TotalMemStatistics()), static_cast<size_t>(pool.TotalUsedMemStatistics()),
+                static_cast<size_t>(reinterpret_cast<uintptr_t>(address_of_line[step])));
+      }
+      continue;
     }
     auto units = pool.BlockUnitSizeStatistics();
     std::ostringstream out;
