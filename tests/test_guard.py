@@ -207,3 +207,27 @@ def test_activations_the_profile_ran_in_idle_memory_still_need_their_bytes_once_
     verdict = judge(GuardInput(profile, kv_cache_bytes=22_718_065_664 - 8_705_944_576, memory=memory))
     assert verdict.state == CRITICAL and PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
     assert verdict.headroom_bytes == -990_019_584
+
+
+def mindspore_rank(reserved: int, outside: int, total: int = 64 * GIB) -> DeviceMemory:
+    """A MindSpore rank's counters (total_idle_memory present: the pool's) with ``outside`` held beside the pool."""
+    return DeviceMemory(device="npu:0", source="mindspore", allocated_bytes=reserved, reserved_bytes=reserved,
+                        idle_bytes=0, eager_free_bytes=0, total_bytes=total, used_bytes=reserved + outside,
+                        free_bytes=total - reserved - outside)
+
+
+def test_a_mindspore_peak_that_fits_the_device_but_not_the_pools_budget_is_critical():
+    # 64 GiB with 1.30 GiB outside the pool when it started: MindSpore's pool may hold 15/16 of the 62.70 GiB
+    # free, less 10 MiB (the compiled pool reports 64,414,023,680 B for 64 GiB free: tests/test_oracle_mindspore.py).
+    outside = NPU_910B.non_torch_increase_bytes
+    pool_budget = (64 * GIB - outside) * 15 // 16 // (2 << 20) * (2 << 20) - (10 << 20)
+    allocator_peak = NPU_910B.weights_bytes + NPU_910B.peak_reserved_increase_bytes
+    kv = pool_budget - allocator_peak + GIB          # 1 GiB past the pool's budget, 2.9 GiB inside the device
+    memory = mindspore_rank(NPU_910B.weights_bytes + kv, outside)
+    verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=memory))
+    assert verdict.state == CRITICAL and PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
+    assert verdict.headroom_bytes == -GIB
+    assert "pool budget" in dict((r.code, r.message) for r in verdict.reasons)[PEAK_EXCEEDS_CAPACITY]
+    # The same bytes on a PyTorch rank (no pool budget) fit the device.
+    torch_memory = dataclasses.replace(memory, idle_bytes=None, eager_free_bytes=None)
+    assert judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=torch_memory)).headroom_bytes > 2 * GIB

@@ -239,6 +239,13 @@ def judge(inp: GuardInput) -> Verdict:
         projected = max(projected, live)
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
+    pool_budget = mindspore_pool_budget(memory)
+    pool_headroom = None
+    if pool_budget is not None:
+        # MindSpore's pool cannot grow past its budget, however much the device has free: the allocator's
+        # part of the projection (everything but non-torch memory) must fit in it.
+        pool_headroom = pool_budget - (projected - non_torch - kv_outside)
+        headroom = min(headroom, pool_headroom)
 
     if kv_over:
         reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({format_gib(kv_cache)}) exceeds the reserved-aware "
@@ -247,7 +254,13 @@ def judge(inp: GuardInput) -> Verdict:
                                              f"allocated peak, the allocator holds the reserved peak"
                                              + (" (reserved peak inferred from live fragmentation)" if estimated
                                                 else "")))
-    if headroom < 0:
+    if pool_headroom is not None and pool_headroom < 0 and pool_headroom <= capacity - projected:
+        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected pool peak {format_gib(pool_budget - pool_headroom)}"
+                                                     f" (weights + KV cache + reserved activation peak) exceeds "
+                                                     f"MindSpore's pool budget {format_gib(pool_budget)} (15/16 of "
+                                                     f"the memory free when the pool started, less 10 MiB) by "
+                                                     f"{format_gib(-pool_headroom)}"))
+    elif headroom < 0:
         reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {format_gib(projected)} (weights + KV cache "
                                                      f"+ reserved activation peak + non-torch) exceeds the device's "
                                                      f"{format_gib(capacity)} by {format_gib(-headroom)}"))
@@ -349,6 +362,27 @@ def largest_fitting_blocks(verdict_for: Callable[[int], Verdict | None], max_blo
 def capacity_tolerance(profile: Profile) -> int:
     """Allocator rounding below 1% of the device is noise, not a finding (the projection still counts it)."""
     return profile.total_memory_bytes // 100
+
+
+def mindspore_pool_budget(memory: DeviceMemory | None) -> int | None:
+    """What MindSpore's pool may hold at most, for a rank whose counters are the pool's.
+
+    ``AscendMemAdapter::Initialize`` fixes the pool's budget (``total_mem_size``) at 15/16 of the
+    memory free when the pool starts, down to 2 MiB, less 10 MiB (ascend_memory_adapter.cc:131-137
+    @ r2.7.rc1; ``kvguard.sim.mindspore_releases.pool_budget_bytes``, checked against the compiled
+    pool). ``memory_stats()`` does not report it, so it is derived from the device's total less the
+    memory held outside the pool now (``total_idle_memory`` in the counters marks the pool's). Memory
+    that appeared outside the pool after it started makes the estimate smaller: it errs towards
+    calling an OOM.
+    """
+    if memory is None or memory.idle_bytes is None or memory.total_bytes is None:
+        return None
+    outside = _live_non_torch(memory)
+    if outside is None:
+        return None
+    from kvguard.sim.mindspore_releases import pool_budget_bytes
+
+    return pool_budget_bytes(memory.total_bytes - outside)
 
 
 def _live_non_torch(memory: DeviceMemory | None) -> int | None:
