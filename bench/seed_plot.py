@@ -2,10 +2,12 @@
 
 Run on demand:  .venv/bin/python bench/seed_plot.py [OUT.png]
 
-Qwen2.5-7B-Instruct on a 32 GiB device, MindSpore's pool under the releases of the seed's time
-(vllm-mindspore 0.2.0 at PR !428: MindSpore 2.6.0's rules, no MS_ALLOC_CONF, so VMM on as MindSpore
-defaults on a 910B), utilization 0.9, long requests, seed 0 — the scenario README.md describes.
-Nothing here is drawn by hand: both panels are simulator runs.
+Qwen2.5-7B-Instruct on a 32 GiB device, MindSpore's pool under the seed era's launcher
+(vllm-mindspore 0.2.0 at PR !428: no MS_ALLOC_CONF, so VMM on as MindSpore defaults on a 910B) with
+MindSpore 2.7.0's pool, the oldest release whose compiled pool runs as the oracle (the seed era pinned
+2.6.0's, which does not load here), utilization 0.9, long requests, seed 0 — the scenario README.md
+describes. Both panels are simulator runs, and bench/seed_story.py checks each against the real pool
+op by op. Nothing here is drawn by hand.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def main() -> None:
     config = ScenarioConfig(
         model_config=load_model_config(os.path.join(ROOT, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")),
         device_memory_bytes=32 * GIB, gpu_memory_utilization=0.9, allocator="mindspore",
-        long_request_fraction=1.0, requests=16, seed=0, vllm_mindspore_version="0.2.0")
+        long_request_fraction=1.0, requests=16, seed=0, vllm_mindspore_version="0.2.0", mindspore_version="2.7.0")
     results = [run_scenario(config, budget=budget) for budget in ("stock", "reserved")]
     for result in results:
         data = result.to_dict()

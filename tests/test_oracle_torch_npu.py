@@ -150,6 +150,7 @@ def oracle_env() -> dict[str, str] | None:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "FAKE_"))}
     env.update(paths)
+    env["TASK_QUEUE_ENABLE"] = "1"    # torch_npu's default, pinned: empty_cache differs without the queue (worker.py)
     return env
 
 

@@ -52,6 +52,11 @@ def replay(path: str, stream_number: int, fake: ctypes.CDLL) -> None:
             if address is not None:
                 torch.npu.caching_allocator_delete(address)
         elif op["op"] == "empty_cache":
+            # Drain torch_npu's task queue first. With TASK_QUEUE_ENABLE=1 (the default, pinned by the tests) a
+            # free's bookkeeping runs on the queue's thread; an empty_cache that overtakes it keeps the block
+            # (seen once in CI-like load: 2.2 GB kept after a free). With TASK_QUEUE_ENABLE=0 this stream's
+            # empty_cache keeps the block always, synchronized or not: another real behaviour, not modelled.
+            torch.npu.synchronize()
             torch.npu.empty_cache()
         else:
             raise SystemExit(f"line {index + 1}: unknown op {op['op']!r}")

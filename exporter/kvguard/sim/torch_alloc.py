@@ -851,9 +851,7 @@ class CachingAllocator:
                 walker = walker.next
             if room >= size:
                 return candidate
-        page = K_SMALL_BUFFER if small else self.large_page_size
-        total = self.address_space_total or self.device.capacity_bytes
-        virtual = -(-(total + total // 8) // page) * page
+        page, virtual = self.expandable_reservation(small)
         segment = Segment(self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page,
                           stream=stream)
         self._segments.append(segment)
