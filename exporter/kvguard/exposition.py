@@ -226,6 +226,43 @@ class Exposition:
             self._made_at = now
             self.observations_total += 1
 
+    def _current(self) -> bool:
+        """The cached observation is still the one _fresh would keep (the caller holds the lock)."""
+        return self._observation is not None and self.sidecar.generation() == self._key and \
+            self._clock() - self._made_at < self.max_age
+
+    def readiness_now(self, fail_on_critical: bool) -> tuple[int, str] | None:
+        """/readyz's answer from the cached observation, or None when that would mean waiting
+        (another thread is building) or observing anew: the server's event loop asks this, and
+        never blocks."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._observation.readiness(fail_on_critical) if self._current() else None
+        finally:
+            self._lock.release()
+
+    def stale_now(self) -> bool:
+        """True when the next scrape would have to take a new observation and nobody is taking
+        one now (the server then builds ahead of it, off the event loop). Never waits."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return not self._current()
+        finally:
+            self._lock.release()
+
+    def parts_now(self, accept: str, gzipped: bool) -> tuple[tuple[bytes, ...], str] | None:
+        """parts() when its answer is already made, or None (never builds, never waits)."""
+        _, content_type = choose_encoder(accept)
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            body = self._bodies.get((content_type, gzipped)) if self._current() else None
+            return (body, content_type) if body is not None else None
+        finally:
+            self._lock.release()
+
     def _collect(self) -> Iterator:
         """The registry's families for the cached observation, one at a time."""
         self.renders_total += 1

@@ -11,7 +11,22 @@ and threads are bounded whatever it sends:
   lock a scrape out;
 - a head must arrive within ``header_timeout`` seconds of its first byte, and an idle keep-alive
   connection is closed after ``idle_timeout``;
-- complete requests go to a fixed pool of ``workers`` threads (a bounded queue; 503 when full);
+- the same thread answers what is cheap (``/healthz``, ``/readyz`` and ``/metrics`` once made for
+  this refresh, errors, 401, 429, the landing page) and writes every answer without blocking: each
+  connection keeps its unsent output (the shared chunks, not copies) and is not read while that
+  is over ``output_limit``, until it drains; output unsent ``request_timeout`` seconds after it
+  was queued closes the connection. A peer that never reads holds its own connection, nothing else;
+- what is not cheap (a /metrics or /guard build, /readyz after a refresh) goes to a pool of
+  ``workers`` threads, /readyz first; pipelined requests are taken one at a time per connection,
+  so at most one request per connection is queued and nothing is refused for being busy (no 503);
+- basic-auth credentials already verified are checked in the loop in constant time; others go to
+  a pool of ``auth_workers`` bcrypt threads of their own (``auth_queue`` deep), at most
+  ``auth_rate`` a second per source address (``auth_burst`` at once), 429 beyond
+  (kvguard.webconfig.BasicAuth);
+  a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
+  read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
+- new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
+  busy ones, so a probe or a scrape does not wait for a round of keep-alive clients;
 - a request with a body (``405``, or a GET with Content-Length / Transfer-Encoding) is answered
   and the connection closed, so a body is never read as the next request;
 - a connection the server ends after an answer (an error, ``Connection: close``) is closed
@@ -22,7 +37,8 @@ and threads are bounded whatever it sends:
   net/http answers it;
 - TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
 
-/metrics and /guard are made once per sidecar refresh (kvguard.exposition), whatever the scrape rate:
+/metrics and /guard are made once per sidecar refresh (kvguard.exposition), whatever the scrape rate
+(the /metrics formats scraped during one refresh are built ahead for the next, in a worker):
 parallel scrapes share one observation, one collection, each format and its gzip; a large body is
 sent from the shared chunks, never joined or copied per scrape.
 
@@ -34,7 +50,9 @@ kubelet can reach them without credentials.
 from __future__ import annotations
 
 import base64
+import heapq
 import hmac
+import itertools
 import queue
 import re
 import selectors
@@ -43,6 +61,7 @@ import ssl
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
@@ -51,11 +70,13 @@ from prometheus_client import CollectorRegistry
 
 from kvguard.exposition import Exposition
 from kvguard.sidecar import Sidecar
-from kvguard.webconfig import BasicAuth, WebConfig, WebConfigWatcher
+from kvguard.webconfig import BasicAuth, GuessLimiter, WebConfig, WebConfigWatcher
 
 OPEN_PATHS = ("/healthz", "/readyz")
 LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
 ACCEPTS_PER_WAKEUP = 256
+SWEEP_SECONDS = 0.05           # timeouts and held answers are looked at this often
+ACCEPT_EVERY = 16              # busy connections served between two looks at the listener
 # Apache's lingering close waits 2 s per read (SECONDS_TO_LINGER), 30 s in all; here 2 s in all,
 # and at most LINGER_BYTES dropped, so a peer cannot hold a lingering connection busy.
 LINGER_SECONDS = 2.0
@@ -66,7 +87,8 @@ PLAIN_HTTP_ON_TLS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP reques
 # OpenSSL's reasons for a handshake whose first bytes are an HTTP request (ssl/record/ssl3_record.c).
 _PLAIN_HTTP_REASONS = ("HTTP_REQUEST", "HTTPS_PROXY_REQUEST")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large",
+            408: "Request Timeout", 414: "URI Too Long", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large",
             500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 
 
@@ -84,8 +106,14 @@ class ServerOptions:
     header_timeout: float = 10.0        # from a request's first byte to the end of its head
     max_header_bytes: int = 32 * 1024   # request line and headers together
     max_headers: int = 100
-    max_connections: int = 256
-    workers: int = 8
+    max_connections: int = 1024
+    workers: int = 4                    # build /metrics and /guard; the event loop sends
+    output_limit: int = 256 * 1024      # unsent bytes past which a connection is not read until it drains
+    auth_workers: int = 1               # bcrypt runs for credentials not verified yet (~70 ms each)
+    auth_queue: int = 64                # credentials waiting for those; beyond, 429
+    auth_rate: float = 1.0              # unverified credentials per second and source address (429 beyond)
+    auth_burst: float = 4.0
+    auth_failure_delay: float = 1.0     # a wrong password or a 429 answered this late (the connection not read)
 
 
 def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
@@ -211,6 +239,7 @@ class Response:
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
     close: bool = False
+    delay: float = 0.0     # seconds to hold the answer back (a wrong password, a 429)
 
     @property
     def chunks(self) -> tuple[bytes, ...]:
@@ -233,35 +262,42 @@ def encode_head(response: Response, keep_alive: bool, extra: Mapping[str, str]) 
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
 
 
-def encode_response(response: Response, head_only: bool, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
-    head = encode_head(response, keep_alive, extra)
-    return head if head_only else b"".join((head,) + response.chunks)
-
-
-# Writes up to this size are joined into one send (with TCP_NODELAY, each send is a segment);
-# larger chunks (a big spool's exposition, shared by every scrape of a refresh) go out as they
-# are, never copied per scrape.
+# Over TLS, writes up to this size are joined into one send (with TCP_NODELAY, each send is a
+# segment); larger chunks (a big spool's exposition, shared by every scrape of a refresh) go out
+# as they are, never copied per scrape. Plain TCP gathers them in one sendmsg instead.
 COALESCE_BYTES = 64 * 1024
+# Plain TCP: up to this many pieces, or bytes, in one sendmsg (scatter-gather; IOV_MAX is 1024).
+GATHER_PIECES, GATHER_BYTES = 256, 4 << 20
+# What the event loop does for one connection before it turns to the others (pipelined requests).
+REQUESTS_PER_TURN = 16
+
+# What the event loop hands on to a worker (bcrypt first is a Verify).
+BUILD = "build"
+# Worker queue priorities: /readyz before everything else, then the rest in arrival order, then
+# building ahead for the next refresh.
+_PROBE, _SCRAPE, _AHEAD = 0, 1, 2
+# Formats (Accept, gzip) remembered for building ahead: the few a deployment's scrapers ask for.
+AHEAD_FORMATS = 4
 
 
-def send_response(sock: socket.socket, head: bytes, chunks: tuple[bytes, ...]) -> None:
-    pending: list[bytes] = [head]
-    size = len(head)
-    for chunk in chunks:
-        if size + len(chunk) > COALESCE_BYTES and pending:
-            sock.sendall(b"".join(pending))
-            pending, size = [], 0
-        if len(chunk) > COALESCE_BYTES:
-            sock.sendall(chunk)
-        else:
-            pending.append(chunk)
-            size += len(chunk)
-    if pending:
-        sock.sendall(b"".join(pending))
+@dataclass(frozen=True)
+class Verify:
+    """Credentials bcrypt has to check before the request is built (kvguard.webconfig.BasicAuth)."""
+    users: Mapping[str, bytes]
+    user: str
+    password: str
+
+
+_UNAUTHORIZED = {"WWW-Authenticate": 'Basic realm="kvguard", charset="UTF-8"'}
 
 
 class Application:
-    """What each request gets: auth, then one endpoint. Pure of sockets (tests call it directly)."""
+    """What each request gets: auth, then one endpoint. Pure of sockets.
+
+    ``route`` runs in the server's event loop and never blocks: it answers what is cheap (the
+    probes, errors, 401 and 429, the landing page, a /metrics body already made) and says what
+    needs a worker (``BUILD``) or a bcrypt run first (a :class:`Verify`); ``build`` runs in a worker.
+    """
 
     def __init__(self, sidecar: Sidecar, options: ServerOptions, exposition: Exposition,
                  web_config: Callable[[], WebConfig] | None = None):
@@ -270,80 +306,118 @@ class Application:
         self.exposition = exposition
         self.web_config = web_config or (lambda: WebConfig())
         self.basic_auth = BasicAuth()
+        self.guesses = GuessLimiter(options.auth_rate, options.auth_burst)
+        self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
 
-    def handle(self, request: Request) -> Response:
+    def route(self, request: Request, source: str = "") -> Response | str | Verify:
         if request.method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
         path = request.path
-        config = self.web_config()
-        if path not in OPEN_PATHS and not self._authorized(request, config):
-            return _text(401, "unauthorized\n",
-                         headers={"WWW-Authenticate": 'Basic realm="kvguard", charset="UTF-8"'})
+        if path == OPEN_PATHS[0]:   # /healthz: the probes need no credentials
+            return _text(200, "ok\n")
+        if path == OPEN_PATHS[1]:
+            ready = self.exposition.readiness_now(self.options.fail_readiness_on_critical)
+            return _text(*ready) if ready is not None else BUILD
+        verdict = self._authorize(request, self.web_config(), source)
+        if verdict is not True:
+            return verdict
+        if path == "/metrics":
+            gzipped = _gzip_accepted(request.headers.get("accept-encoding"))
+            accept = request.headers.get("accept", "")
+            if len(self.asked) < AHEAD_FORMATS:
+                self.asked[(accept, gzipped)] = None
+            made = self.exposition.parts_now(accept, gzipped)
+            return self._metrics(made, gzipped) if made is not None else BUILD
+        if path == "/guard":
+            return BUILD
+        if path == "/":
+            return Response(200, landing_page(), "text/html; charset=utf-8")
+        return _text(404, "not found\n")
+
+    def build(self, request: Request) -> Response:
+        """/metrics, /guard or /readyz, made (or taken from the refresh's cache) in a worker thread."""
         try:
+            path = request.path
             if path == "/metrics":
-                body, content_type = self.exposition.parts(request.headers.get("accept", ""),
-                                                           _gzip_accepted(request.headers.get("accept-encoding")))
-                headers = {"Content-Encoding": "gzip"} if _gzip_accepted(request.headers.get("accept-encoding")) else {}
-                return Response(200, body, content_type, headers)
-            if path == "/healthz":
-                return _text(200, "ok\n")
-            if path == "/readyz":
-                return self._readyz()
+                gzipped = _gzip_accepted(request.headers.get("accept-encoding"))
+                return self._metrics(self.exposition.parts(request.headers.get("accept", ""), gzipped), gzipped)
             if path == "/guard":
                 return Response(200, self.exposition.guard_json(), "application/json")
-            if path == "/":
-                return Response(200, landing_page(), "text/html; charset=utf-8")
+            if path == "/readyz":
+                return _text(*self.exposition.observation().readiness(self.options.fail_readiness_on_critical))
             return _text(404, "not found\n")
         except Exception as exc:  # one line to the client, never a traceback
             message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
             return _text(500, f"error: {message}\n")
 
-    def _authorized(self, request: Request, config: WebConfig) -> bool:
+    @staticmethod
+    def _metrics(made: tuple[tuple[bytes, ...], str], gzipped: bool) -> Response:
+        body, content_type = made
+        return Response(200, body, content_type, {"Content-Encoding": "gzip"} if gzipped else {})
+
+    def _authorize(self, request: Request, config: WebConfig, source: str) -> bool | Response | Verify:
+        """True, a 401 / 429 answer, or the bcrypt check still to run."""
         users = config.basic_auth_users
         user, password = self.options.basic_auth_user, self.options.basic_auth_password
         if not users and user is None:
             return True
+        refused = _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED))
+        wrong = _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED), delay=self.options.auth_failure_delay)
         scheme, _, encoded = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "basic":
-            return False
+            return refused
         try:
             given_user, sep, given_password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8") \
                 .partition(":")
         except (ValueError, UnicodeDecodeError):
-            return False
+            return refused
         if not sep:
-            return False
+            return refused
         if users:
-            return self.basic_auth.check(users, given_user, given_password)
+            if self.basic_auth.verified(users, given_user, given_password):
+                return True
+            if self.basic_auth.refused(users, given_user, given_password):
+                return wrong
+            if not self.guesses.allow(source):
+                return _text(429, "too many unverified credentials from this address; retry later\n",
+                             headers={"Retry-After": "1"}, delay=self.options.auth_failure_delay)
+            return Verify(users, given_user, given_password)
         if not user or not password:   # refused at startup; never an open door here either
-            return False
+            return refused
         # Compare both, always, in constant time.
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
         ok_password = hmac.compare_digest(given_password.encode(), password.encode())
-        return ok_user and ok_password
-
-    def _readyz(self) -> Response:
-        status, body = self.exposition.observation().readiness(self.options.fail_readiness_on_critical)
-        return _text(status, body)
+        return True if ok_user and ok_password else wrong
 
 
 # ------------------------------------------------------------------------------ connections
 
 class _Conn:
-    __slots__ = ("sock", "address", "buffer", "tls_pending", "started", "last", "events", "in_worker",
-                 "linger_until", "drained")
+    __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
+                 "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
+                 "close_after", "closed", "hold_until", "key")
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
+        self.key = sock.fileno()             # its entry in the server's table (kept after close)
         self.address = address
+        self.source = str(address[0]) if isinstance(address, tuple) and address else str(address)
         self.buffer = bytearray()
         self.tls_pending = tls_pending       # the TLS handshake has not finished
+        self.tls_wants = selectors.EVENT_READ
         self.started: float | None = None    # monotonic time of the current head's first byte
         self.last = time.monotonic()         # accepted, or last response sent
-        self.events = selectors.EVENT_READ
-        self.in_worker = False
+        self.events = 0                      # what the selector watches for; 0: not registered
+        self.in_worker = False               # a request of it is with a worker or bcrypt: nothing else read
         self.linger_until: float | None = None   # answered and shut down for writing: drained until then
         self.drained = 0
+        self.out: deque[bytes | memoryview] = deque()   # unsent output, in order (shared chunks, not copies)
+        self.out_offset = 0                  # sent of out[0]
+        self.out_bytes = 0                   # unsent, in all
+        self.write_deadline: float | None = None   # the unsent output must be gone by then
+        self.close_after = False             # the last answer is queued: close (lingering) once it is sent
+        self.closed = False
+        self.hold_until: float | None = None  # its output is held back until then (a wrong password)
 
 
 class KVGuardServer:
@@ -381,8 +455,17 @@ class KVGuardServer:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: dict[int, _Conn] = {}
-        self._returned: queue.SimpleQueue[tuple[_Conn, bool]] = queue.SimpleQueue()
-        self._work: queue.Queue[tuple[_Conn, bytes] | None] = queue.Queue(maxsize=max(4, options.workers * 8))
+        self._ready: list[_Conn] = []        # to be read again without waiting for the selector
+        self._returned: queue.SimpleQueue[tuple[_Conn, Request, Response]] = queue.SimpleQueue()
+        # At most one request per connection is out of the loop, so the queues are bounded by
+        # max_connections without a cap of their own: a busy server queues, it does not refuse.
+        self._work: queue.PriorityQueue[tuple[int, int, _Conn | None, Any]] = queue.PriorityQueue()
+        self._verify: queue.Queue[tuple[_Conn, Request, Verify] | None] = queue.Queue(maxsize=options.auth_queue)
+        self._sequence = itertools.count()
+        self._verifying = 0
+        self._swept_at = 0.0
+        self._building_ahead = False
+        self._verifying_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
@@ -390,8 +473,9 @@ class KVGuardServer:
         self._log_times: list[float] = []
         self.connection_errors_total = 0
         self.connections_evicted_total = 0
+        self.write_timeouts_total = 0   # connections closed with output they would not read
         self.requests_total = 0
-        self.rejected_total = 0      # 4xx/5xx answered before a worker saw the request
+        self.rejected_total = 0      # 4xx/5xx answered before the request was parsed (408, 431), or 429
 
     # ------------------------------------------------------------------ public
     @property
@@ -405,6 +489,16 @@ class KVGuardServer:
     @property
     def open_connections(self) -> int:
         return len(self._conns)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Output queued for peers that have not read it yet, over every connection."""
+        return sum(conn.out_bytes for conn in list(self._conns.values()))
+
+    @property
+    def pending_verifications(self) -> int:
+        """Credentials waiting for (or in) a bcrypt run."""
+        return self._verify.qsize() + self._verifying
 
     def url(self, path: str = "/", host: str | None = None) -> str:
         host = host or self.options.listen
@@ -436,11 +530,19 @@ class KVGuardServer:
             return
         self._closed = True
         self._stop.set()
-        for _ in self._workers:
+        while True:   # guesses still waiting for bcrypt are dropped, not checked
             try:
-                self._work.put_nowait(None)
-            except queue.Full:
-                pass
+                self._verify.get_nowait()
+            except queue.Empty:
+                break
+        for worker in self._workers:
+            if worker.name.startswith("kvguard-bcrypt"):
+                try:
+                    self._verify.put_nowait(None)
+                except queue.Full:
+                    pass
+            else:
+                self._work.put((-1, 0, None, None))
         for conn in list(self._conns.values()):
             self._close(conn)
         for sock in (self._listener, self._wake_r, self._wake_w):
@@ -453,12 +555,16 @@ class KVGuardServer:
         except (OSError, ValueError):
             pass
 
-    # ------------------------------------------------------------------ the selector thread
+    # ------------------------------------------------------------------ the event loop
     def _start_workers(self) -> None:
         if self._workers:
             return
         for index in range(max(1, self.options.workers)):
             worker = threading.Thread(target=self._worker, name=f"kvguard-http-{index}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        for index in range(max(1, self.options.auth_workers)):
+            worker = threading.Thread(target=self._verifier, name=f"kvguard-bcrypt-{index}", daemon=True)
             worker.start()
             self._workers.append(worker)
 
@@ -471,7 +577,8 @@ class KVGuardServer:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                for key, events in self._selector.select(timeout=0.25):
+                handled = 0
+                for key, events in self._selector.select(timeout=0 if self._ready else 0.25):
                     if key.data is None:
                         self._accept()
                     elif key.data == "wake":
@@ -481,7 +588,20 @@ class KVGuardServer:
                         except OSError:
                             pass
                     else:
-                        self._readable(key.data)
+                        conn = key.data
+                        if events & selectors.EVENT_WRITE and not conn.closed:
+                            self._writable(conn)
+                        if events & selectors.EVENT_READ and not conn.closed:
+                            self._readable(conn)
+                        handled += 1
+                        if handled % ACCEPT_EVERY == 0:
+                            # New connections (a probe, a scrape) do not wait for a whole round
+                            # of busy keep-alive ones: accepted, read and answered in between.
+                            self._accept()
+                ready, self._ready = self._ready, []
+                for conn in ready:
+                    if not conn.closed and not conn.in_worker:
+                        self._readable(conn)
                 self._take_back()
                 self._sweep()
         finally:
@@ -514,8 +634,8 @@ class KVGuardServer:
                     sock.close()
                     continue
             conn = _Conn(sock, address, context is not None)
-            self._conns[sock.fileno()] = conn
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self._conns[conn.key] = conn
+            self._readable(conn)   # a request sent with the connection is often there already
 
     def _tls_context(self) -> ssl.SSLContext | None:
         if self.web_config is not None:
@@ -525,52 +645,110 @@ class KVGuardServer:
         return self._static_tls
 
     def _evict(self) -> bool:
-        """Close the connection that has waited longest for a complete request; False if none may go."""
+        """Close the connections that have waited longest for a complete request (1/64 of the cap
+        at a time, so that a churning flood does not cost a scan of every connection per accept);
+        False if none may go."""
         waiting = [c for c in self._conns.values() if not c.in_worker]
         if not waiting:
             return False
         # Those already answered and lingering go first, then the longest waiting.
-        oldest = min(waiting, key=lambda c: (c.linger_until is None, c.started if c.started is not None else c.last))
-        self._close(oldest)
-        self.connections_evicted_total += 1
+        for oldest in heapq.nsmallest(max(1, self.options.max_connections // 64), waiting,
+                                      key=lambda c: (c.linger_until is None,
+                                                     c.started if c.started is not None else c.last)):
+            self._close(oldest)
+            self.connections_evicted_total += 1
         return True
+
+    def _wants_input(self, conn: _Conn) -> bool:
+        """Read more from it? Not while a request of it is out of the loop, not once its answers
+        are over the output bound (until they drain), not past a complete head or the head cap."""
+        return not conn.in_worker and not conn.close_after and conn.hold_until is None \
+            and conn.out_bytes <= self.options.output_limit \
+            and len(conn.buffer) <= self.options.max_header_bytes and find_head_end(conn.buffer) < 0
+
+    def _update(self, conn: _Conn) -> None:
+        """Watch the connection for what it can use next (nothing, while a worker has it)."""
+        if conn.closed:
+            return
+        if conn.linger_until is not None:
+            events = selectors.EVENT_READ
+        elif conn.tls_pending:
+            events = conn.tls_wants
+        elif conn.hold_until is not None:
+            events = 0
+        else:
+            events = selectors.EVENT_WRITE if conn.out else 0
+            if self._wants_input(conn):
+                events |= selectors.EVENT_READ
+        if events == conn.events:
+            return
+        was_reading = conn.events & selectors.EVENT_READ
+        try:
+            if not conn.events:
+                self._selector.register(conn.sock, events, conn)
+            elif not events:
+                self._selector.unregister(conn.sock)
+            else:
+                self._selector.modify(conn.sock, events, conn)
+        except (KeyError, ValueError, OSError):
+            conn.events = 0
+            self._close(conn)
+            return
+        conn.events = events
+        if events & selectors.EVENT_READ and not was_reading and isinstance(conn.sock, ssl.SSLSocket) \
+                and not conn.tls_pending and conn.sock.pending():
+            self._ready.append(conn)   # bytes already decrypted: the selector would not see them
+
+    def _handshake(self, conn: _Conn) -> bool:
+        """Go on with the TLS handshake; True once it is done."""
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            conn.tls_wants = selectors.EVENT_READ
+            self._update(conn)
+            return False
+        except ssl.SSLWantWriteError:
+            conn.tls_wants = selectors.EVENT_WRITE
+            self._update(conn)
+            return False
+        except (OSError, ValueError) as exc:
+            self._connection_error(conn.address, exc)
+            if isinstance(exc, ssl.SSLError) and exc.reason in _PLAIN_HTTP_REASONS:
+                self.rejected_total += 1
+                try:   # past the TLS layer: OpenSSL sent nothing (no alert for these reasons)
+                    socket.socket.send(conn.sock, PLAIN_HTTP_ON_TLS)
+                except OSError:
+                    pass
+                self._linger(conn)
+                return False
+            self._close(conn)
+            return False
+        conn.tls_pending = False
+        return True
+
+    def _writable(self, conn: _Conn) -> None:
+        if conn.tls_pending:
+            if self._handshake(conn):
+                self._readable(conn)
+            return
+        self._flush(conn)
+        if not conn.closed:
+            self._process(conn)
 
     def _readable(self, conn: _Conn) -> None:
         sock = conn.sock
         if conn.linger_until is not None:
             self._drain(conn)
             return
-        if conn.tls_pending:
-            try:
-                sock.do_handshake()
-                conn.tls_pending = False
-                self._set_events(conn, selectors.EVENT_READ)
-            except ssl.SSLWantReadError:
-                self._set_events(conn, selectors.EVENT_READ)
-                return
-            except ssl.SSLWantWriteError:
-                self._set_events(conn, selectors.EVENT_WRITE)
-                return
-            except (OSError, ValueError) as exc:
-                self._connection_error(conn.address, exc)
-                if isinstance(exc, ssl.SSLError) and exc.reason in _PLAIN_HTTP_REASONS:
-                    self.rejected_total += 1
-                    try:   # past the TLS layer: OpenSSL sent nothing (no alert for these reasons)
-                        socket.socket.send(sock, PLAIN_HTTP_ON_TLS)
-                    except OSError:
-                        pass
-                    self._linger(conn)
-                    return
-                self._close(conn)
-                return
+        if conn.tls_pending and not self._handshake(conn):
+            return
         limit = self.options.max_header_bytes
-        while True:
+        while self._wants_input(conn):
             try:
                 chunk = sock.recv(min(16384, limit + 1 - len(conn.buffer)) or 1)
             except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
                 break
             except ssl.SSLWantWriteError:
-                self._set_events(conn, selectors.EVENT_WRITE)
                 break
             except (OSError, ValueError) as exc:
                 if not isinstance(exc, (ConnectionResetError, BrokenPipeError)):
@@ -578,44 +756,158 @@ class KVGuardServer:
                 self._close(conn)
                 return
             if not chunk:
+                if conn.out:   # the peer is done sending; it still gets what it asked for
+                    conn.close_after = True
+                    conn.buffer = bytearray()
+                    break
                 self._close(conn)
                 return
             if conn.started is None:
                 conn.started = time.monotonic()
             conn.buffer += chunk
-            if find_head_end(conn.buffer) >= 0 or len(conn.buffer) > limit:
+        self._process(conn)
+
+    def _may_answer(self, conn: _Conn) -> bool:
+        return not conn.closed and not conn.in_worker and not conn.close_after and conn.hold_until is None \
+            and conn.out_bytes <= self.options.output_limit
+
+    def _process(self, conn: _Conn) -> None:
+        """Answer the complete requests in its buffer, in order, while it may: one at a time
+        while a worker has one, none while its output is over the bound."""
+        served = 0
+        while True:
+            while served < REQUESTS_PER_TURN and self._may_answer(conn) and self._answer_next(conn):
+                served += 1
+            self._flush(conn)   # may take it back under the bound: then on with the buffer
+            if not self._may_answer(conn) or find_head_end(conn.buffer) < 0:
                 break
+            if served >= REQUESTS_PER_TURN:   # the others' turn; back to this one right after
+                self._ready.append(conn)
+                break
+        self._update(conn)
+
+    def _answer_next(self, conn: _Conn) -> bool:
+        """Answer (or hand on) the first complete request in the buffer; False when there is none."""
         end = find_head_end(conn.buffer)
         if end < 0:
-            if len(conn.buffer) > limit:
-                self._reject(conn, 431, f"request head over {limit} bytes\n")
+            if len(conn.buffer) > self.options.max_header_bytes:
+                self._reject(conn, 431, f"request head over {self.options.max_header_bytes} bytes\n")
+            elif not conn.buffer:
+                conn.started = None
+            elif conn.started is None:
+                conn.started = time.monotonic()
+            return False
+        head = bytes(conn.buffer[:end])
+        del conn.buffer[:end]
+        conn.started = None
+        self.requests_total += 1
+        try:
+            request = parse_request(head, self.options.max_headers)
+        except BadRequest as exc:
+            self._respond(conn, None, _text(exc.status, f"{exc}\n"))
+            return False
+        outcome = self.app.route(request, conn.source)
+        if isinstance(outcome, Response):
+            if outcome.status == 429:
+                self.rejected_total += 1
+            self._respond(conn, request, outcome)
+        elif isinstance(outcome, Verify):
+            try:
+                self._verify.put_nowait((conn, request, outcome))
+                conn.in_worker = True
+            except queue.Full:   # more guesses waiting than the bcrypt pool will get through soon
+                self.rejected_total += 1
+                self._respond(conn, request, _text(429, "too many credentials waiting; retry later\n",
+                                                   headers={"Retry-After": "1"},
+                                                   delay=self.options.auth_failure_delay))
+        else:
+            conn.in_worker = True
+            self._work.put((_PROBE if request.path == "/readyz" else _SCRAPE, next(self._sequence), conn, request))
+        return True
+
+    def _respond(self, conn: _Conn, request: Request | None, response: Response) -> None:
+        """Queue one answer on the connection (sent by _flush, never blocking)."""
+        keep = request is not None and request.keep_alive and not response.close and not self._stop.is_set()
+        extra = self.web_config.current().headers if self.web_config is not None else {}
+        pieces = [encode_head(response, keep, extra)]
+        if request is None or request.method != "HEAD":
+            pieces += [chunk for chunk in response.chunks if chunk]
+        for piece in pieces:
+            conn.out.append(piece)
+            conn.out_bytes += len(piece)
+        if response.delay > 0:
+            conn.hold_until = time.monotonic() + response.delay
+        if conn.write_deadline is None:
+            conn.write_deadline = time.monotonic() + self.options.request_timeout + response.delay
+        if not keep:
+            conn.close_after = True
+            conn.buffer = bytearray()
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes now; what it does not stays queued (EVENT_WRITE)."""
+        if conn.hold_until is not None:
             return
-        self._dispatch(conn)
+        out = conn.out
+        gather = not isinstance(conn.sock, ssl.SSLSocket)
+        while out and not conn.closed:
+            try:
+                if gather:   # one writev of the queued pieces: the shared chunks, never joined
+                    pieces: list[bytes | memoryview] = []
+                    size = 0
+                    for piece in out:
+                        pieces.append(memoryview(piece)[conn.out_offset:] if not pieces else piece)
+                        size += len(pieces[-1])
+                        if len(pieces) >= GATHER_PIECES or size >= GATHER_BYTES:
+                            break
+                    sent = conn.sock.sendmsg(pieces)
+                else:
+                    sent = conn.sock.send(self._first_piece(conn))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                return
+            except (OSError, ValueError):
+                self._close(conn)
+                return
+            if not sent:
+                return
+            conn.out_bytes -= sent
+            while sent:
+                left = len(out[0]) - conn.out_offset
+                if sent < left:
+                    conn.out_offset += sent
+                    break
+                sent -= left
+                out.popleft()
+                conn.out_offset = 0
+        if not out and not conn.closed:
+            conn.write_deadline = None
+            conn.last = time.monotonic()
+            if conn.close_after:
+                self._linger(conn)
 
-    def _dispatch(self, conn: _Conn) -> None:
-        try:
-            self._selector.unregister(conn.sock)
-        except (KeyError, ValueError, OSError):
-            pass
-        conn.in_worker = True
-        try:
-            self._work.put_nowait((conn, b""))
-        except queue.Full:
-            conn.in_worker = False
-            self._reject(conn, 503, "busy\n", registered=False)
+    @staticmethod
+    def _first_piece(conn: _Conn) -> memoryview:
+        """What one TLS write sends: small pieces (a head, a short body) joined up to COALESCE_BYTES,
+        never re-joined once partly sent (a TLS write that must be retried is retried as it was)."""
+        out = conn.out
+        first = out[0]
+        if not conn.out_offset and len(first) < COALESCE_BYTES and len(out) > 1 and len(out[1]) < COALESCE_BYTES:
+            pieces = [out.popleft()]
+            size = len(first)
+            while out and size + len(out[0]) <= COALESCE_BYTES:
+                size += len(out[0])
+                pieces.append(out.popleft())
+            first = b"".join(pieces)
+            out.appendleft(first)
+        return memoryview(first)[conn.out_offset:]
 
-    def _reject(self, conn: _Conn, status: int, text: str, registered: bool = True) -> None:
-        """Answer one short error and close (non-blocking: a peer that does not read loses it)."""
+    def _reject(self, conn: _Conn, status: int, text: str) -> None:
+        """Answer one short error before a request could be parsed, then close lingering."""
         self.rejected_total += 1
-        data = encode_response(_text(status, text), False, False, {})
-        try:
-            conn.sock.setblocking(False)
-            conn.sock.send(data)
-        except (OSError, ValueError):
-            pass
-        self._linger(conn, registered)
+        self._respond(conn, None, _text(status, text))
+        self._flush(conn)
+        self._update(conn)
 
-    def _linger(self, conn: _Conn, registered: bool = True) -> None:
+    def _linger(self, conn: _Conn) -> None:
         """Close after an answer without a reset: shut down writes (the peer reads the answer and
         then end of file), then read and drop what it still sends until it closes, for at most
         LINGER_SECONDS and LINGER_BYTES (kvguard.server's docstring)."""
@@ -623,22 +915,19 @@ class KVGuardServer:
             conn.sock.setblocking(False)
             conn.sock.shutdown(socket.SHUT_WR)   # an SSLSocket drops its TLS layer here: raw reads from now
         except (OSError, ValueError):
-            self._close(conn, registered)
+            self._close(conn)
             return
         conn.linger_until = time.monotonic() + LINGER_SECONDS
+        conn.hold_until = None
         conn.buffer = bytearray()
+        conn.out.clear()
+        conn.out_bytes = conn.out_offset = 0
+        conn.write_deadline = None
         conn.tls_pending = False
         conn.started = None
-        try:
-            if registered:
-                self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
-            else:
-                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-            conn.events = selectors.EVENT_READ
-        except (KeyError, ValueError, OSError):
-            self._close(conn, registered=False)
-            return
-        self._drain(conn)
+        self._update(conn)
+        if not conn.closed:
+            self._drain(conn)
 
     def _drain(self, conn: _Conn) -> None:
         while True:
@@ -653,44 +942,42 @@ class KVGuardServer:
                 self._close(conn)
                 return
 
-    def _set_events(self, conn: _Conn, events: int) -> None:
-        if conn.events != events:
-            conn.events = events
-            try:
-                self._selector.modify(conn.sock, events, conn)
-            except (KeyError, ValueError, OSError):
-                pass
-
     def _take_back(self) -> None:
         while True:
             try:
-                conn, keep = self._returned.get_nowait()
+                conn, request, response = self._returned.get_nowait()
             except queue.Empty:
                 return
             conn.in_worker = False
+            if conn.closed:
+                continue
             if self._stop.is_set():
-                self._close(conn, registered=False)
+                self._close(conn)
                 continue
-            if not keep:
-                self._linger(conn, registered=False)
-                continue
-            conn.events = selectors.EVENT_READ
-            try:
-                conn.sock.setblocking(False)
-                self._selector.register(conn.sock, selectors.EVENT_READ, conn)
-            except (KeyError, ValueError, OSError):
-                self._close(conn, registered=False)
-                continue
-            if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
-                self._readable(conn)   # bytes already decrypted: the selector would not see them
+            self._respond(conn, request, response)
+            self._process(conn)
 
     def _sweep(self) -> None:
         now = time.monotonic()
+        if now - self._swept_at < SWEEP_SECONDS:
+            return
+        self._swept_at = now
+        self._build_ahead()
         for conn in list(self._conns.values()):
-            if conn.in_worker:
+            if conn.in_worker or conn.closed:
+                continue
+            if conn.hold_until is not None:
+                if now >= conn.hold_until:
+                    conn.hold_until = None
+                    self._process(conn)
                 continue
             if conn.linger_until is not None:
                 if now > conn.linger_until:
+                    self._close(conn)
+                continue
+            if conn.out_bytes:
+                if conn.write_deadline is not None and now > conn.write_deadline:
+                    self.write_timeouts_total += 1   # it would not read its answers: no lingering either
                     self._close(conn)
                 continue
             if conn.started is not None or conn.tls_pending:
@@ -702,24 +989,31 @@ class KVGuardServer:
             elif now - conn.last > self.options.request_timeout:
                 self._close(conn)
 
-    def _close(self, conn: _Conn, registered: bool = True) -> None:
-        fileno = None
-        try:
-            fileno = conn.sock.fileno()
-        except (OSError, ValueError):
-            pass
-        if registered:
+    def _build_ahead(self) -> None:
+        """When the refresh moves on, build what was scraped during the last one in a worker, so
+        that the next scrapes find it made (a scrape that comes first still builds, as before).
+        Only formats asked for since the last build ahead: scrapers slower than the refresh cost
+        no extra builds."""
+        if self._building_ahead or not self.app.asked or not self.exposition.stale_now():
+            return
+        formats, self.app.asked = tuple(self.app.asked), {}
+        self._building_ahead = True
+        self._work.put((_AHEAD, next(self._sequence), None, formats))
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        if conn.events:
             try:
                 self._selector.unregister(conn.sock)
             except (KeyError, ValueError, OSError):
                 pass
-        for key, value in list(self._conns.items()):
-            if value is conn:
-                del self._conns[key]
-                break
-        else:
-            if fileno is not None:
-                self._conns.pop(fileno, None)
+            conn.events = 0
+        if self._conns.get(conn.key) is conn:
+            del self._conns[conn.key]
+        conn.out.clear()
+        conn.out_bytes = 0
         try:
             conn.sock.close()
         except OSError:
@@ -738,51 +1032,52 @@ class KVGuardServer:
         print(f"kvguard serve: connection from {host}: {message[:200]}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ workers
+    def _hand_back(self, conn: _Conn, request: Request, response: Response) -> None:
+        self._returned.put((conn, request, response))
+        self._wake()
+
     def _worker(self) -> None:
+        """Builds /metrics, /guard (and /readyz after a refresh); the event loop sends them."""
         while True:
-            item = self._work.get()
+            _, _, conn, request = self._work.get()
+            if conn is None and request:   # formats to build ahead
+                for accept, gzipped in request:
+                    try:
+                        self.exposition.parts(accept, gzipped)
+                    except Exception:   # noqa: BLE001 - the scrape that needs it will say why
+                        break
+                self._building_ahead = False
+                continue
+            if conn is None or request is None:
+                return
+            try:
+                response = self.app.build(request)
+            except Exception as exc:   # noqa: BLE001 - a worker outlives any one request
+                response = _text(500, f"error: {type(exc).__name__}\n")
+            self._hand_back(conn, request, response)
+
+    def _verifier(self) -> None:
+        """Runs bcrypt for credentials not verified yet, apart from the workers: a flood of guesses
+        waits here, never in front of a scrape whose credentials are already verified."""
+        while True:
+            item = self._verify.get()
             if item is None:
                 return
-            conn, _ = item
-            keep = False
+            conn, request, check = item
+            with self._verifying_lock:
+                self._verifying += 1
             try:
-                keep = self._serve(conn)
-            except Exception:   # noqa: BLE001 - a worker outlives any one connection
-                keep = False
-            self._returned.put((conn, keep))
-            self._wake()
-
-    def _serve(self, conn: _Conn) -> bool:
-        """Answer every complete request in the buffer; True to keep the connection."""
-        sock = conn.sock
-        sock.settimeout(self.options.request_timeout)
-        while True:
-            end = find_head_end(conn.buffer)
-            if end < 0:
-                if len(conn.buffer) > self.options.max_header_bytes:
-                    return False
-                conn.started = time.monotonic() if conn.buffer else None
-                return True
-            head = bytes(conn.buffer[:end])
-            del conn.buffer[:end]
-            self.requests_total += 1
-            extra = self.web_config.current().headers if self.web_config is not None else {}
-            try:
-                request = parse_request(head, self.options.max_headers)
-            except BadRequest as exc:
-                sock.sendall(encode_response(_text(exc.status, f"{exc}\n"), False, False, extra))
-                return False
-            response = self.app.handle(request)
-            keep = request.keep_alive and not response.close and not self._stop.is_set()
-            try:
-                send_response(sock, encode_head(response, keep, extra),
-                              () if request.method == "HEAD" else response.chunks)
-            except (OSError, ValueError):
-                return False
-            conn.last = time.monotonic()
-            conn.started = None
-            if not keep:
-                return False
+                ok = self.app.basic_auth.verify(check.users, check.user, check.password)
+            except Exception:   # noqa: BLE001
+                ok = False
+            finally:
+                with self._verifying_lock:
+                    self._verifying -= 1
+            if ok:
+                self._work.put((_SCRAPE, next(self._sequence), conn, request))
+            else:
+                self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
+                                                     delay=self.options.auth_failure_delay))
 
 
 _LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),

@@ -32,6 +32,7 @@ curve, and ``rate_limit``.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
 import ssl
 import sys
@@ -303,37 +304,115 @@ def _stamp(paths: tuple[str, ...]) -> tuple:
 
 
 class BasicAuth:
-    """Checks basic-auth credentials against bcrypt hashes, caching results like exporter-toolkit
-    (web/handler.go: bcrypt runs once per credential, then the cached answer is used). The cache
-    is keyed by a digest of (user, password, hash) and bounded."""
+    """Basic-auth credentials against bcrypt hashes, in two steps, so that the legitimate never
+    wait behind guesses (issue 23):
 
-    CACHE_SIZE = 128
+    - :meth:`verified`: is this (user, password) one that bcrypt has already accepted? A digest of
+      (user, password, hash) compared in constant time with the few kept for that user; no bcrypt.
+      Only successes are kept, so a flood of wrong passwords cannot push a valid one out (one
+      cache for both, as before, could);
+    - :meth:`verify`: the bcrypt run for anything else (kvguard.server runs it in a small pool of
+      its own); a success joins the verified ones, a failure a bounded list of refusals that are
+      answered again without bcrypt.
+
+    exporter-toolkit caches the same way (web/handler.go: bcrypt once per credential, then the
+    cached answer). A password change in the web config changes the hash, hence every digest."""
+
+    VERIFIED_PER_USER = 4
+    REFUSED_SIZE = 256
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._cache: OrderedDict[bytes, bool] = OrderedDict()
+        self._verified: dict[str, list[bytes]] = {}
+        self._refused: OrderedDict[bytes, None] = OrderedDict()
 
-    def check(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+    @staticmethod
+    def _digest(user: str, password: str, hashed: bytes) -> bytes:
+        return hashlib.sha256(b"\0".join([user.encode("utf-8", "replace"), password.encode("utf-8", "replace"),
+                                          hashed])).digest()
+
+    def verified(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+        """True when bcrypt has accepted these credentials before; constant time in the password."""
+        hashed = users.get(user)
+        if hashed is None:
+            return False
+        key = self._digest(user, password, hashed)
+        with self._lock:
+            digests = tuple(self._verified.get(user, ()))
+        ok = False
+        for digest in digests:   # every one compared, whichever matches
+            ok |= hmac.compare_digest(digest, key)
+        return ok
+
+    def refused(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+        """True when bcrypt has refused exactly these credentials before (answered 401 without a run)."""
+        key = self._digest(user, password, users.get(user) or _NO_USER_HASH)
+        with self._lock:
+            return key in self._refused
+
+    def verify(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+        """The bcrypt check (about 70 ms at cost 10); remembers the answer."""
         import bcrypt
 
         hashed = users.get(user)
         # An unknown user still costs a bcrypt run, so timing does not tell which users exist.
-        target = hashed or b"$2b$10$" + b"." * 53
-        key = hashlib.sha256(b"\0".join([user.encode("utf-8", "replace"), password.encode("utf-8", "replace"),
-                                         target])).digest()
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        target = hashed or _NO_USER_HASH
         try:
             ok = bcrypt.checkpw(password.encode("utf-8", "replace"), target) and hashed is not None
         except ValueError:   # a hash bcrypt cannot read
             ok = False
+        key = self._digest(user, password, target)
         with self._lock:
-            self._cache[key] = ok
-            while len(self._cache) > self.CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if ok:
+                digests = self._verified.setdefault(user, [])
+                if key not in digests:
+                    digests.append(key)
+                    del digests[:-self.VERIFIED_PER_USER]
+            else:
+                self._refused[key] = None
+                self._refused.move_to_end(key)
+                while len(self._refused) > self.REFUSED_SIZE:
+                    self._refused.popitem(last=False)
         return ok
+
+    def check(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
+        """verified(), else verify() unless refused before: the whole check, in the caller's thread."""
+        if self.verified(users, user, password):
+            return True
+        return not self.refused(users, user, password) and self.verify(users, user, password)
+
+
+_NO_USER_HASH = b"$2b$10$" + b"." * 53
+
+
+class GuessLimiter:
+    """A token bucket per source address for credentials that are not verified yet: ``rate`` a
+    second, bursts of ``burst``. At most ``max_sources`` addresses are tracked (the least recently
+    seen forgotten first), so a spray of addresses cannot grow it."""
+
+    def __init__(self, rate: float = 4.0, burst: float = 8.0, max_sources: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.max_sources, self._clock = rate, burst, max_sources, clock
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()   # source -> [tokens, updated]
+        self.refused_total = 0
+
+    def allow(self, source: str) -> bool:
+        """Take one token for ``source``; False (refused) when it has none left."""
+        now = self._clock()
+        bucket = self._buckets.get(source)
+        if bucket is None:
+            bucket = self._buckets[source] = [self.burst, now]
+            while len(self._buckets) > self.max_sources:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(source)
+            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        if bucket[0] < 1.0:
+            self.refused_total += 1
+            return False
+        bucket[0] -= 1.0
+        return True
 
 
 class WebConfigWatcher:

@@ -1,0 +1,515 @@
+"""The sidecar under issue 23's attacks, all at once, beside the previous commit's server and
+Debian's prometheus-node-exporter: /healthz latency, a normal scrape's p99, 503s, peak RSS.
+
+A real ``kvguard serve`` subprocess on loopback over the 64-rank spool of the other benches
+(sidecar_bench.write_spool), with basic auth from an exporter-toolkit web config (one bcrypt user,
+cost 10). Attackers run in processes of their own, each bounded in connections and time and
+stopping by itself:
+
+- slow readers: 8 connections with a 1 KiB receive window, each pipelining 200 GETs of /metrics
+  and never reading (re-opened when the server closes one, at most 50 times in all);
+- slowloris: 400 connections, each a partial request head and one more byte every 0.5 s;
+- password flood: 32 keep-alive connections sending GET /metrics with a random password, as fast
+  as they are answered;
+- ordinary clients: 256 keep-alive connections with valid credentials, each GET /metrics again as
+  soon as its answer is in (wrk -c256).
+
+Meanwhile this process probes /healthz every 0.1 s and scrapes /metrics (valid credentials) every
+0.25 s, each on a new connection, as the kubelet and Prometheus do. Scenarios: idle, the password
+flood alone, everything at once. Goals (issue 23): /healthz <= 100 ms (max), scrape p99 <= 1 s
+under everything, no 503 below 256 clients, peak RSS <= 128 MiB, scrape p99 <= 100 ms under the
+password flood.
+
+Targets: ``new`` (this working tree), ``head`` (the server of the last commit: server.py,
+webconfig.py and exposition.py from ``git show HEAD:...`` over a copy of this tree's package),
+``node_exporter`` (when /usr/bin/prometheus-node-exporter exists; it has no /healthz, so its probe
+is ``/`` with credentials, and it serves its own metrics, not kvguard's).
+
+    python bench/bench_attacks.py [--repeats 2] [--seconds 8] [--targets new,head,node_exporter]
+        [--write bench/results/attacks-YYYY-MM-DD.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import multiprocessing
+import os
+import secrets
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from sidecar_bench import EXPORTER, MIB, ROOT, median, percentile, raise_fd_limit, write_spool  # noqa: E402
+from sidecar_fixtures import free_port  # noqa: E402
+
+import psutil  # noqa: E402
+
+RANKS = 64
+USER, PASSWORD = "prometheus", "bench-password"
+SLOW_READERS, SLOW_PIPELINE, SLOW_REOPENS = 8, 200, 50
+SLOWLORIS = 400
+FLOOD = 32
+ORDINARY = 256
+PROBE_PERIOD, SCRAPE_PERIOD = 0.1, 0.25
+ATTACK_GRACE = 30.0   # an attacker ends itself this long after its planned end, whatever happens
+GOALS = {"healthz_max": 0.100, "scrape_p99": 1.0, "flood_scrape_p99": 0.100, "rss": 128 * MIB}
+NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
+# What Prometheus 2.x/3.x sends with a scrape (scrape/scrape.go, acceptHeader and Accept-Encoding);
+# --plain drops it, as wrk does: the uncompressed text then (461 kB for 64 ranks, against 17 kB).
+SCRAPER_HEADERS = "Accept: application/openmetrics-text;version=1.0.0;q=0.75,text/plain;version=0.0.4;q=0.5," \
+                  "*/*;q=0.1\r\nAccept-Encoding: gzip\r\n"
+
+
+def _auth(password: str) -> str:
+    return "Basic " + base64.b64encode(f"{USER}:{password}".encode()).decode()
+
+
+# ------------------------------------------------------------------------------ targets
+
+class Target:
+    """One server process on 127.0.0.1: start(), rss(), peak_rss(), stop()."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, probe_path: str,
+                 scrape_path: str):
+        self.name, self.port, self.probe_path, self.scrape_path = name, port, probe_path, scrape_path
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env)
+        self.process = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if request(self.port, self.probe_path, _auth(PASSWORD), timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self._stderr.seek(0)
+                raise SystemExit(f"{name} did not start: {self._stderr.read().decode(errors='replace')[-2000:]}")
+            time.sleep(0.1)
+
+    def rss(self) -> int:
+        return self.process.memory_info().rss
+
+    def reset_peak(self) -> None:
+        try:
+            with open(f"/proc/{self.proc.pid}/clear_refs", "w") as handle:
+                handle.write("5")
+        except OSError:
+            pass
+
+    def peak_rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._stderr.close()
+
+
+def web_config(directory: str) -> str:
+    import bcrypt
+
+    path = os.path.join(directory, "web.yml")
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=10)).decode()
+    with open(path, "w") as handle:
+        handle.write(f"basic_auth_users:\n  {USER}: {hashed}\n")
+    return path
+
+
+def head_package(directory: str) -> str:
+    """This tree's package with the last commit's server, web config and exposition modules."""
+    root = os.path.join(directory, "head")
+    if os.path.isdir(root):   # made by an earlier repeat
+        return root
+    shutil.copytree(os.path.join(EXPORTER, "kvguard"), os.path.join(root, "kvguard"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for module in ("server.py", "webconfig.py", "exposition.py"):
+        text = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:exporter/kvguard/{module}"], check=True,
+                              capture_output=True).stdout
+        with open(os.path.join(root, "kvguard", module), "wb") as handle:
+            handle.write(text)
+    return root
+
+
+def start_target(name: str, directory: str, spool: str, config: str) -> Target:
+    port = free_port()
+    if name == "node_exporter":
+        command = [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={config}"]
+        return Target(name, command, dict(os.environ), port, "/", "/metrics")
+    package = EXPORTER if name == "new" else head_package(directory)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
+               "--source", "none", "--interval", "5", "--spool-dir", spool, "--web.config.file", config]
+    return Target(name, command, env, port, "/healthz", "/metrics")
+
+
+# ------------------------------------------------------------------------------ one request, timed
+
+def request(port: int, path: str, authorization: str | None, timeout: float = 10.0, extra: str = "") \
+        -> tuple[int, float]:
+    """(status, seconds) of one GET on a new connection, the body read to its end."""
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        auth = f"Authorization: {authorization}\r\n" if authorization else ""
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}{extra}Connection: close\r\n\r\n".encode())
+        data = bytearray()
+        while chunk := sock.recv(262144):
+            data += chunk
+    status = int(bytes(data[:32]).split()[1]) if data.startswith(b"HTTP/") else 0
+    return status, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------ attackers
+
+def _answer(state: dict, buffer: bytearray) -> int | None:
+    """The status of the first complete answer in ``buffer`` (Content-Length or chunked), removed
+    from it; None while it is incomplete."""
+    if state["need"] is None:
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        head = bytes(buffer[:end]).decode("latin-1").lower()
+        state["status"], state["close"] = int(head.split()[1]), "connection: close" in head
+        state["chunked"] = "transfer-encoding: chunked" in head
+        length = int(head.split("content-length:")[1].split()[0]) if "content-length:" in head else 0
+        state["need"] = end + 4 + (0 if state["chunked"] else length)
+    if state["chunked"]:   # walk the chunks from where the head ends; the last one has size 0
+        at = state["need"]
+        while True:
+            line_end = buffer.find(b"\r\n", at)
+            if line_end < 0:
+                return None
+            size = int(bytes(buffer[at:line_end]).split(b";")[0], 16)
+            if size == 0:
+                if len(buffer) < line_end + 4:
+                    return None
+                state["need"], state["chunked"] = line_end + 4, False
+                break
+            if len(buffer) < line_end + 2 + size + 2:
+                state["need"] = at
+                return None
+            at = line_end + 2 + size + 2
+    if len(buffer) < state["need"]:
+        return None
+    del buffer[:state["need"]]
+    state["need"] = None
+    return state["status"]
+
+
+def _clients(port: int, count: int, make_request, stop, counts, deadline: float) -> None:
+    """``count`` keep-alive connections, each sending make_request() again as soon as its answer
+    (Content-Length or chunked) is in; counts[0..3]: 200, 503, other statuses, connections re-opened."""
+    selector = selectors.DefaultSelector()
+
+    def open_one() -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        state = {"buffer": bytearray(), "need": None}
+        selector.register(sock, selectors.EVENT_WRITE, state)
+
+    for _ in range(count):
+        open_one()
+    local = [0, 0, 0, 0]
+    last_flush = time.monotonic()
+    while not stop.is_set() and time.monotonic() < deadline:
+        for key, events in selector.select(timeout=0.1):
+            sock, state = key.fileobj, key.data
+            try:
+                if events & selectors.EVENT_WRITE:
+                    sock.send(make_request())   # a short request: all of it fits
+                    selector.modify(sock, selectors.EVENT_READ, state)
+                    continue
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionResetError
+                buffer = state["buffer"]
+                buffer += chunk
+                while (status := _answer(state, buffer)) is not None:
+                    local[0 if status == 200 else 1 if status == 503 else 2] += 1
+                    if state["close"]:
+                        raise ConnectionResetError
+                    sock.send(make_request())
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (OSError, ValueError):   # closed, reset, or an answer it cannot frame: a new one
+                selector.unregister(sock)
+                sock.close()
+                local[3] += 1
+                open_one()
+        if time.monotonic() - last_flush > 0.5:
+            for i in range(4):
+                counts[i] += local[i]
+            local, last_flush = [0, 0, 0, 0], time.monotonic()
+    for i in range(4):
+        counts[i] += local[i]
+    for key in list(selector.get_map().values()):
+        key.fileobj.close()
+
+
+def ordinary(port: int, stop, counts, deadline: float, extra: str) -> None:
+    line = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(PASSWORD)}\r\n{extra}\r\n".encode()
+    _clients(port, ORDINARY, lambda: line, stop, counts, deadline)
+
+
+def password_flood(port: int, stop, counts, deadline: float, extra: str) -> None:
+    def guess() -> bytes:
+        return f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}" \
+               "\r\n\r\n".encode()
+    _clients(port, FLOOD, guess, stop, counts, deadline)
+
+
+def slow_readers(port: int, stop, counts, deadline: float, extra: str) -> None:
+    """SLOW_READERS connections pipelining SLOW_PIPELINE GETs with a 1 KiB window, never reading."""
+    line = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(PASSWORD)}\r\n\r\n".encode()
+    del extra   # the issue's slow readers ask for the uncompressed text: the most to leave unread
+
+    def open_one() -> socket.socket:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", port))
+        try:
+            sock.sendall(line * SLOW_PIPELINE)
+        except OSError:
+            pass
+        sock.setblocking(False)
+        return sock
+
+    socks = [open_one() for _ in range(SLOW_READERS)]
+    reopened = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        for index, sock in enumerate(socks):
+            try:   # never reads an answer: only asks the kernel whether the server closed it
+                closed = sock.recv(1, socket.MSG_PEEK) == b""
+            except (BlockingIOError, InterruptedError):
+                closed = False
+            except OSError:
+                closed = True
+            if closed and reopened < SLOW_REOPENS:
+                sock.close()
+                socks[index] = open_one()
+                reopened += 1
+        stop.wait(0.2)
+    counts[3] += reopened
+    for sock in socks:
+        sock.close()
+
+
+def slowloris(port: int, stop, counts, deadline: float, extra: str) -> None:
+    head = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+    socks: list[socket.socket] = []
+    first: list[bool] = []
+
+    def open_one() -> socket.socket:
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        return sock
+
+    for _ in range(SLOWLORIS):
+        socks.append(open_one())
+        first.append(True)
+    reopened = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        for index, sock in enumerate(socks):
+            try:
+                sock.send(head if first[index] else b"a")
+                first[index] = False
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                sock.close()
+                socks[index], first[index] = open_one(), True
+                reopened += 1
+        stop.wait(0.5)
+    counts[3] += reopened
+    for sock in socks:
+        sock.close()
+
+
+SCENARIOS = {
+    "idle": (),
+    "password flood": (password_flood,),
+    "everything at once": (slow_readers, slowloris, password_flood, ordinary),
+}
+
+
+# ------------------------------------------------------------------------------ one run
+
+def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
+    authorization = _auth(PASSWORD)
+    for _ in range(3):   # the valid credentials verified (and the body made) before anything starts
+        request(target.port, target.scrape_path, authorization, extra=extra)
+    stop = multiprocessing.Event()
+    attackers = []
+    counts = {}
+    deadline = time.monotonic() + seconds + 2 + ATTACK_GRACE
+    time.sleep(0.3)
+    target.reset_peak()
+    peak = target.rss()
+    for attack in SCENARIOS[scenario]:
+        counts[attack.__name__] = multiprocessing.Array("q", 4)
+        attackers.append(multiprocessing.Process(target=attack, args=(target.port, stop, counts[attack.__name__],
+                                                                      deadline, extra), daemon=True))
+    for attacker in attackers:
+        attacker.start()
+    if attackers:
+        time.sleep(1.5)   # the attack's connections open and fill their windows
+    probes, scrapes, probe_fail, scrape_fail = [], [], 0, 0
+    end = time.monotonic() + seconds
+    next_probe = next_scrape = time.monotonic()
+    while time.monotonic() < end:
+        now = time.monotonic()
+        if now >= next_probe:
+            try:
+                status, took = request(target.port, target.probe_path,
+                                       authorization if target.name == "node_exporter" else None)
+                probes.append(took)
+                probe_fail += status != 200
+            except OSError:
+                probe_fail += 1
+                probes.append(10.0)
+            next_probe = time.monotonic() + PROBE_PERIOD
+        if now >= next_scrape:
+            try:
+                status, took = request(target.port, target.scrape_path, authorization, extra=extra)
+                scrapes.append(took)
+                scrape_fail += status != 200
+            except OSError:
+                scrape_fail += 1
+                scrapes.append(10.0)
+            next_scrape = time.monotonic() + SCRAPE_PERIOD
+        peak = max(peak, target.rss())
+        time.sleep(0.005)
+    stop.set()
+    for attacker in attackers:
+        attacker.join(timeout=ATTACK_GRACE)
+        if attacker.is_alive():
+            attacker.kill()
+    peak = max(peak, target.peak_rss())
+    result = {"healthz_p50": median(probes), "healthz_max": max(probes), "probe_failures": probe_fail,
+              "scrape_p50": median(scrapes), "scrape_p99": percentile(scrapes, 0.99), "scrape_max": max(scrapes),
+              "scrape_failures": scrape_fail, "rss": peak}
+    if "ordinary" in counts:
+        ok, busy, other, reopened = counts["ordinary"][:]
+        result.update(ordinary_200=ok, ordinary_503=busy, ordinary_other=other, ordinary_reopened=reopened)
+    if "password_flood" in counts:
+        result["flood_answers"] = sum(counts["password_flood"][:3])
+    return result
+
+
+def fmt(value: float, unit: str = "ms") -> str:
+    return f"{value * 1000:.0f}" if unit == "ms" else f"{value / MIB:.0f}"
+
+
+def spread(values: list[float], unit: str = "ms") -> str:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return fmt(ordered[0], unit)
+    return f"{fmt(median(ordered), unit)} ({fmt(ordered[0], unit)}-{fmt(ordered[-1], unit)})"
+
+
+def report(results: dict[tuple[str, str], list[dict]], repeats: int, seconds: float) -> list[str]:
+    lines = [f"{repeats} run(s) of {seconds:.0f} s per cell; median (min-max) over runs; times in ms, RSS in MiB; "
+             "10000 ms is the client's 10 s timeout (no answer); 'failed': probes and scrapes not answered 200; "
+             "'503' and 'ordinary 200': the 256 ordinary clients' answers, summed over runs",
+             f"{'target':<14} {'scenario':<19} {'healthz p50':>12} {'healthz max':>14} {'scrape p50':>12} "
+             f"{'scrape p99':>14} {'failed':>7} {'503':>6} {'ordinary 200':>13} {'peak RSS':>10}"]
+    for (target, scenario), runs in results.items():
+        lines.append(
+            f"{target:<14} {scenario:<19} {spread([r['healthz_p50'] for r in runs]):>12} "
+            f"{spread([r['healthz_max'] for r in runs]):>14} {spread([r['scrape_p50'] for r in runs]):>12} "
+            f"{spread([r['scrape_p99'] for r in runs]):>14} "
+            f"{sum(r['probe_failures'] + r['scrape_failures'] for r in runs):>7} "
+            f"{sum(r.get('ordinary_503', 0) for r in runs):>6} "
+            f"{sum(r.get('ordinary_200', 0) for r in runs):>13} {spread([r['rss'] for r in runs], 'MiB'):>10}")
+    return lines
+
+
+def verdicts(results: dict[tuple[str, str], list[dict]]) -> list[str]:
+    lines = []
+    for target in sorted({t for t, _ in results}):
+        every = results.get((target, "everything at once"), [])
+        flood = results.get((target, "password flood"), [])
+        if not every or not flood:
+            continue
+        checks = [
+            ("/healthz max <= 100 ms under everything", all(r["healthz_max"] <= GOALS["healthz_max"] for r in every)),
+            ("scrape p99 <= 1 s under everything", all(r["scrape_p99"] <= GOALS["scrape_p99"] for r in every)),
+            ("no 503 for 256 ordinary clients", all(r.get("ordinary_503", 0) == 0 for r in every)),
+            ("peak RSS <= 128 MiB", all(r["rss"] <= GOALS["rss"] for r in every + flood)),
+            ("scrape p99 <= 100 ms under the password flood",
+             all(r["scrape_p99"] <= GOALS["flood_scrape_p99"] for r in flood)),
+        ]
+        lines.append(f"{target}: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--targets", default="new,head,node_exporter")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--plain", action="store_true", help="scrape as wrk does: no Accept, no gzip")
+    parser.add_argument("--write", help="append the report to this file")
+    args = parser.parse_args()
+    raise_fd_limit(8192)
+    targets = [t for t in args.targets.split(",") if t != "node_exporter" or os.path.exists(NODE_EXPORTER)]
+    scenarios = args.scenarios.split(",")
+    results: dict[tuple[str, str], list[dict]] = {}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="kvguard-attacks-") as directory:
+        spool = os.path.join(directory, "spool")
+        write_spool(spool, RANKS)
+        config = web_config(directory)
+        for repeat in range(args.repeats):
+            for name in targets:   # interleaved, so a busy moment of the shared machine hits each
+                target = start_target(name, directory, spool, config)
+                try:
+                    for scenario in scenarios:
+                        result = run_one(target, scenario, args.seconds, "" if args.plain else SCRAPER_HEADERS)
+                        results.setdefault((name, scenario), []).append(result)
+                        print(f"run {repeat + 1} {name:<14} {scenario:<19} " +
+                              " ".join(f"{k}={v * 1000:.0f}ms" if isinstance(v, float) else
+                                       f"{k}={v / MIB:.0f}MiB" if k == "rss" else f"{k}={v}"
+                                       for k, v in result.items()), flush=True)
+                finally:
+                    target.stop()
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "exporter/kvguard/server.py",
+                            "exporter/kvguard/webconfig.py", "exporter/kvguard/exposition.py"],
+                           capture_output=True, text=True).stdout.strip()
+    header = [f"bench_attacks.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+              f"commit {commit}{' + working tree (new server)' if dirty else ''}; {RANKS} ranks; "
+              f"{os.cpu_count()} CPUs shared with other jobs (1-min load {load_before:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after); scrapes "
+              f"{'as wrk (no Accept, no gzip)' if args.plain else 'as Prometheus (OpenMetrics, gzip)'}",
+              "head = the server of commit " + commit + " (its server.py, webconfig.py, exposition.py)"]
+    lines = header + report(results, args.repeats, args.seconds) + verdicts(results)
+    print("\n".join(lines))
+    if args.write:
+        with open(args.write, "a") as handle:
+            handle.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
