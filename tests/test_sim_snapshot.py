@@ -26,13 +26,7 @@ MIB = 1 << 20
 BASE = 0x7F0000000000
 SETTINGS = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
             "expandable_segments": False, "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# shared/ lies beside the checkout (as CI lays it out), never inside it: fetched data is not committed.
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
-REAL_DIRS = [path for path in os.environ.get(
-    "KVGUARD_TORCH_SNAPSHOTS",
-    os.pathsep.join([os.path.join(SHARED, "torch-snapshots"), os.path.join(SHARED, "torch-snapshots-2")]),
-).split(os.pathsep) if path]
+from real_snapshots import REAL_DIRS  # tests/real_snapshots.py
 
 
 def real_snapshots():

@@ -24,12 +24,7 @@ from kvguard.sim.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS
                                 SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
                                 load_snapshot_pickle, parse_torch_snapshot, read_trace_bytes)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED = os.path.join(os.path.dirname(REPO), "shared")
-REAL_DIRS = [path for path in os.environ.get(
-    "KVGUARD_TORCH_SNAPSHOTS",
-    os.pathsep.join([os.path.join(SHARED, "torch-snapshots"), os.path.join(SHARED, "torch-snapshots-2")]),
-).split(os.pathsep) if path]
+from real_snapshots import REAL_DIRS  # tests/real_snapshots.py
 
 
 def budget(limit: int) -> str:
