@@ -105,11 +105,25 @@ def outcome_kind(result) -> str:
 
 
 def map_runs(run, scenarios: list[tuple], jobs: int) -> list:
-    """run(scenario) for every scenario, on jobs processes."""
+    """run(scenario) for every scenario, on jobs processes, saying on stderr how far it got (a grid with
+    real-pool truth runs for an hour and more on 2 cores)."""
+    started = time.monotonic()
+    results = []
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
-            return list(pool.map(run, scenarios, chunksize=8))
-    return [run(s) for s in scenarios]
+            for result in pool.map(run, scenarios, chunksize=8):
+                results.append(result)
+                _progress(len(results), len(scenarios), started)
+        return results
+    for scenario in scenarios:
+        results.append(run(scenario))
+        _progress(len(results), len(scenarios), started)
+    return results
+
+
+def _progress(done: int, total: int, started: float) -> None:
+    if done % 200 == 0 or done == total:
+        print(f"  {done}/{total} runs, {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def grid(spec: dict) -> list[tuple]:
