@@ -51,6 +51,15 @@ class Op:
             return {"op": "free", "index": self.index}
         return {"op": self.kind}
 
+    def to_line(self) -> str:
+        """``json.dumps(self.to_dict(), separators=(",", ":"))``, formatted directly (streams run to
+        millions of ops)."""
+        if self.kind == "malloc":
+            return f'{{"op":"malloc","size":{self.size},"persistent":{"true" if self.persistent else "false"}}}'
+        if self.kind == "free":
+            return f'{{"op":"free","index":{self.index}}}'
+        return f'{{"op":"{self.kind}"}}'
+
 
 def _parse_one(text: str, position: int, ops: list[Op], freed: set[int]) -> Op:
     where = f"op {position}"
@@ -123,8 +132,7 @@ def read_ops(path: str) -> list[Op]:
 
 
 def write_ops(ops: Iterable[Op], handle) -> None:
-    for op in ops:
-        handle.write(json.dumps(op.to_dict(), separators=(",", ":")) + "\n")
+    handle.writelines(op.to_line() + "\n" for op in ops)
 
 
 def replay_ops(allocator: Any, ops: Iterable[Op]) -> Iterator[dict[str, Any]]:
