@@ -22,17 +22,15 @@ mode and runtime memory growing mid-run have no oracle: ``truth()`` returns None
 from __future__ import annotations
 
 import importlib.util
-import io
 import os
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("mindspore_oracle_build",
-                                               os.path.join(ROOT, "oracles", "mindspore", "build.py"))
-oracle_build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(oracle_build)
+_spec = importlib.util.spec_from_file_location("mindspore_oracle_client",
+                                               os.path.join(ROOT, "oracles", "mindspore", "client.py"))
+oracle_client = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(oracle_client)
 
 COMPARED = ("oom", "reserved_bytes", "allocated_bytes", "address")
 
@@ -78,41 +76,18 @@ def record(scenario) -> Recording:
 
 
 def oracle_for(config) -> str | None:
-    """The built oracle for the run's release, or None where there is none (see the module doc)."""
+    """The release whose built oracle replays the run, or None where there is none (see the module doc)."""
     if config.allocator != "mindspore" or config.mindspore_mode != "pynative" or \
             config.profile_non_allocator_growth_bytes or config.mempool_block_size_bytes:
         return None
-    path = oracle_build.oracle_path(config.mindspore_release.version)
-    return str(path) if path else None
+    version = config.mindspore_release.version
+    return version if oracle_client.oracle_build.oracle_path(version) else None
 
 
 def replay(oracle: str, recording: Recording, enable_vmm: bool) -> list[dict]:
-    """The real pool's record after each op of the recorded stream."""
-    from kvguard.sim.ops import write_ops
-
-    ops = recording.recorder.ops
-    stream = io.StringIO()
-    start = 0
-    for position in recording.recorder.compiled_at:
-        write_ops(ops[start:position], stream)
-        stream.write('{"op": "jit_o0_compile"}\n')   # a harness line: MindSpore's context, not an op
-        start = position
-    write_ops(ops[start:], stream)
-    env = {**os.environ, "KVGUARD_ORACLE_DEVICE_FREE": str(recording.free_at_start), "KVGUARD_ORACLE_TASK_SINK": "1",
-           "MS_ALLOC_CONF": f"enable_vmm:{'true' if enable_vmm else 'false'}", "KVGUARD_ORACLE_OUTPUT": "compact"}
-    proc = subprocess.run([oracle], input=stream.getvalue(), capture_output=True, text=True, env=env, timeout=600)
-    lines = proc.stdout.splitlines()
-    if proc.returncode != 0 or len(lines) != len(ops) + 1:
-        raise RuntimeError(f"oracle {oracle} exited {proc.returncode} after {len(lines) - 1} of {len(ops)} ops: "
-                           f"{proc.stderr.strip()[-300:]}")
-    records = []
-    for line in lines[1:]:
-        if line.startswith("error"):
-            raise RuntimeError(f"the real pool raised at op {line[:300]}")
-        oom, reserved, allocated, address = map(int, line.split())
-        records.append({"oom": bool(oom), "reserved_bytes": reserved, "allocated_bytes": allocated,
-                        "address": address or None})
-    return records
+    """The real pool's record after each op of the recorded stream (``oracle``: the release)."""
+    return oracle_client.replay(oracle, recording.recorder.ops, free=recording.free_at_start, vmm=enable_vmm,
+                                task_sink=True, compiled_at=recording.recorder.compiled_at, compact=True)[1]
 
 
 def truth(recording: Recording, result, enable_vmm: bool, oracle: str) -> Truth:

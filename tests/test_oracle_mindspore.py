@@ -40,9 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 STEPS = 800
 
-_spec = importlib.util.spec_from_file_location("mindspore_oracle_build", REPO / "oracles" / "mindspore" / "build.py")
-oracle_build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(oracle_build)
+_spec = importlib.util.spec_from_file_location("mindspore_oracle_client", REPO / "oracles" / "mindspore" / "client.py")
+oracle_client = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(oracle_client)
+oracle_build = oracle_client.oracle_build
 PINNED = "2.7.1"         # what vllm-mindspore 0.5.x runs: every seed; the other releases one seed each
 
 
@@ -87,26 +88,28 @@ def random_ops(seed: int, steps: int = STEPS) -> list[Op]:
 
 
 # ----------------------------------------------------------------- both sides
-def run_oracle(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool,
+def run_oracle(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool | None,
                compile_at: int | None = None) -> tuple[dict, list[dict]]:
-    """The real pool's init record and one record per op. ``compile_at``: the op before which a
-    jit_level O0 compile clears task sink (a harness line, not an op)."""
+    """The real pool's init record and one record per op (oracles/mindspore/client.py). ``compile_at``:
+    the op before which a jit_level O0 compile clears task sink (a harness line, not an op)."""
+    oracle(version)
+    try:
+        return oracle_client.replay(version, ops, free=free, vmm=vmm, task_sink=task_sink,
+                                    compiled_at=() if compile_at is None else (compile_at,), timeout=300)
+    except oracle_client.OracleError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def run_oracle_once(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool) -> list[str]:
+    """The oracle's output for one stream from a process of its own, as a user runs it by hand."""
     stream = io.StringIO()
-    write_ops(ops[:compile_at], stream)
-    if compile_at is not None:
-        stream.write('{"op": "jit_o0_compile"}\n')
-        write_ops(ops[compile_at:], stream)
+    write_ops(ops, stream)
     env = {**os.environ, "KVGUARD_ORACLE_DEVICE_FREE": str(free), "KVGUARD_ORACLE_TASK_SINK": str(int(task_sink)),
            "MS_ALLOC_CONF": f"enable_vmm:{'true' if vmm else 'false'}"}
     proc = subprocess.run([str(oracle(version))], input=stream.getvalue(), capture_output=True, text=True,
                           env=env, timeout=300)
-    lines = proc.stdout.splitlines()
-    assert proc.returncode == 0 and len(lines) == len(ops) + 1, \
-        f"oracle exited {proc.returncode} after {len(lines) - 1} of {len(ops)} ops: {proc.stderr.strip()[-300:]}"
-    records = [json.loads(line) for line in lines]
-    errors = [r for r in records[1:] if "error" in r]
-    assert not errors, f"the real pool raised at op {errors[0]['step']}: {errors[0]['error'][:200]}"
-    return records[0]["init"], records[1:]
+    assert proc.returncode == 0, proc.stderr.strip()[-300:]
+    return proc.stdout.splitlines()
 
 
 def run_model(model: DynamicMemPool, ops: list[Op], compile_at: int | None = None):
@@ -175,11 +178,25 @@ def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
 
 
 def test_task_sink_is_on_unless_a_compile_turns_it_off():
-    env_default = {k: v for k, v in os.environ.items() if k != "KVGUARD_ORACLE_TASK_SINK"}
-    proc = subprocess.run([str(oracle(PINNED))], input="", capture_output=True, text=True, timeout=120,
-                          env={**env_default, "KVGUARD_ORACLE_DEVICE_FREE": str(16 * GIB)})
-    assert json.loads(proc.stdout.splitlines()[0])["init"]["task_sink"] == 1
+    init, _ = run_oracle(PINNED, [], 16 * GIB, True, None)
+    assert init["task_sink"] == 1
     assert DynamicMemPool(Device(16 * GIB)).task_sink is True
+    ops = random_ops(4, steps=40)
+    _, real = run_oracle(PINNED, ops, 16 * GIB, False, None, compile_at=20)
+    model = DynamicMemPool(Device(16 * GIB), version=PINNED, enable_vmm=False)
+    difference = first_difference(real, run_model(model, ops, 20), ops)
+    assert difference is None, difference
+
+
+@pytest.mark.parametrize("vmm", [False, True])
+def test_streams_served_from_one_process_equal_a_process_each(vmm):
+    # The client runs every stream in a child the oracle forks after loading MindSpore, before any pool
+    # exists; a stream must not see what an earlier one left (the pool is a process-wide singleton).
+    first, second = random_ops(5), random_ops(6)
+    for ops in (first, second, first):
+        _, served = run_oracle(PINNED, ops, 16 * GIB, vmm, True)
+        alone = [json.loads(line) for line in run_oracle_once(PINNED, ops, 16 * GIB, vmm, True)[1:]]
+        assert served == alone
 
 
 # ----------------------------------------------------------------- the serving scenario's own stream
@@ -195,17 +212,10 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
     scenario = ServingScenario(config)
     pool = scenario.allocator
     free_at_start = scenario.device.free_bytes
-    recorder = Recorder(pool)
-    compiled_at: list[int] = []
-
-    def jit_o0_compile():
-        compiled_at.append(len(recorder.ops))
-        pool.jit_o0_compile()
-
-    recorder.jit_o0_compile = jit_o0_compile
+    recorder = Recorder(pool)      # keeps the op positions a jit_level O0 compile came before
     scenario.allocator = recorder
     scenario.run()
-    ops = recorder.ops
+    ops, compiled_at = recorder.ops, recorder.compiled_at
     assert len(compiled_at) == 1 and 0 < compiled_at[0] < len(ops)
     assert sum(op.kind == "malloc" for op in ops) > 100
 

@@ -20,7 +20,10 @@
 // env: KVGUARD_ORACLE_DEVICE_FREE / KVGUARD_ORACLE_DEVICE_TOTAL (bytes; total defaults to free);
 //      KVGUARD_ORACLE_TASK_SINK=0|1 (MsContext enable_task_sink; unset keeps MindSpore's default, on);
 //      KVGUARD_ORACLE_MEMPOOL_BLOCK_GB (context mempool_block_size); MS_ALLOC_CONF, read by MindSpore itself;
-//      KVGUARD_ORACLE_OUTPUT=compact: after the init line, "oom reserved allocated address" per op instead.
+//      KVGUARD_ORACLE_OUTPUT=compact: after the init line, "oom reserved allocated address" per op instead;
+//      KVGUARD_ORACLE_SERVE=1: many streams from one process, each in a forked child (serve() below;
+//      oracles/mindspore/client.py speaks it).
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -189,13 +192,8 @@ std::string blocks_json(const std::unordered_map<void *, std::unordered_map<std:
   out << "]";
   return out.str();
 }
-}  // namespace
-
-int main() {
-  // MindSpore prints a few plain lines on stdout ("[MS_ALLOC_CONF]..."): keep stdout for JSON only.
-  FILE *json = fdopen(dup(1), "w");
-  dup2(2, 1);
-
+// One stream: the pool created fresh for the device and context the environment names, then every op of `in`.
+int run_stream(std::istream &in, FILE *json) {
   if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_FREE")) device.free_at_start = strtoull(v, nullptr, 10);
   device.total = device.free_at_start;
   if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_TOTAL")) device.total = strtoull(v, nullptr, 10);
@@ -226,7 +224,7 @@ int main() {
   const bool compact = output != nullptr && std::string(output) == "compact";
   std::vector<void *> address_of_line;  // per input line: the malloc's address (nullptr: not a malloc, or OOM)
   std::string line;
-  while (std::getline(std::cin, line)) {
+  while (std::getline(in, line)) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     std::string op, value;
     find_value(line, "op", &op);
@@ -296,5 +294,63 @@ int main() {
     fprintf(json, "%s\n", out.str().c_str());
     fflush(json);
   }
+  fflush(json);
   return 0;
+}
+
+// KVGUARD_ORACLE_SERVE=1: many streams from one process. Loading MindSpore's libraries is most of a short
+// stream's cost (~0.35 s), and the pool is a process-wide singleton, so each stream runs in a child forked
+// after the libraries are loaded and before any pool exists. stdin, per stream: a header line
+//   {"stream": N, "KVGUARD_ORACLE_DEVICE_FREE": "...", "MS_ALLOC_CONF": "...", ...}
+// (the environment of a one-stream run, as strings; a variable not named is unset), then the stream's N lines.
+// stdout, per stream: what a one-stream run prints, then {"end": STATUS} (the child's wait status; 0: clean).
+const char *const kStreamVariables[] = {"KVGUARD_ORACLE_DEVICE_FREE", "KVGUARD_ORACLE_DEVICE_TOTAL",
+                                        "KVGUARD_ORACLE_TASK_SINK", "KVGUARD_ORACLE_MEMPOOL_BLOCK_GB",
+                                        "KVGUARD_ORACLE_OUTPUT", "MS_ALLOC_CONF"};
+
+int serve(FILE *json) {
+  std::string header;
+  while (std::getline(std::cin, header)) {
+    if (header.find_first_not_of(" \t\r") == std::string::npos) continue;
+    std::string value;
+    if (!find_value(header, "stream", &value)) {
+      fprintf(json, "{\"end\":-1,\"error\":\"a stream header must name its line count\"}\n");
+      fflush(json);
+      return 2;
+    }
+    const size_t count = strtoull(value.c_str(), nullptr, 10);
+    std::string body, line;
+    for (size_t i = 0; i < count && std::getline(std::cin, line); ++i) body += line + "\n";
+    fflush(json);
+    fflush(stderr);
+    const pid_t child = fork();
+    if (child == 0) {
+      for (const char *name : kStreamVariables) {
+        if (find_value(header, name, &value)) {
+          setenv(name, value.c_str(), 1);
+        } else {
+          unsetenv(name);
+        }
+      }
+      std::istringstream in(body);
+      run_stream(in, json);
+      fflush(json);
+      _exit(0);
+    }
+    int status = -1;
+    if (child < 0 || waitpid(child, &status, 0) != child) status = -1;
+    fprintf(json, "{\"end\":%d}\n", status);
+    fflush(json);
+  }
+  return 0;
+}
+}  // namespace
+
+int main() {
+  // MindSpore prints a few plain lines on stdout ("[MS_ALLOC_CONF]..."): keep stdout for JSON only.
+  FILE *json = fdopen(dup(1), "w");
+  dup2(2, 1);
+  const char *serving = getenv("KVGUARD_ORACLE_SERVE");
+  if (serving != nullptr && std::string(serving) == "1") return serve(json);
+  return run_stream(std::cin, json);
 }
