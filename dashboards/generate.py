@@ -23,6 +23,9 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rules  # noqa: E402 - the rules' config: the panels' thresholds are the alerts' own
+
 OUTPUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvguard.json")
 
 UID = "kvguard"
@@ -37,9 +40,14 @@ DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # scrape; instance tells hosts apart outside Kubernetes, where pod and namespace are empty.
 # Sidecar-level families (sources, spool) carry no pod labels of their own, but a PodMonitor or
 # ServiceMonitor adds namespace and pod target labels; where none are added, ".*" still matches.
-SIDECAR = 'job=~"$job", instance=~"$instance", namespace=~"$namespace", pod=~"$pod"'
+# cluster: a target label many multi-cluster setups add (absent, ".*" still matches).
+SIDECAR = 'cluster=~"$cluster", job=~"$job", instance=~"$instance", namespace=~"$namespace", pod=~"$pod"'
 DEVICE = SIDECAR + ', device=~"$device"'
-RANK = DEVICE + ', rank=~"$rank"'
+RANK = DEVICE + ', model_name=~"$model_name", rank=~"$rank"'
+# One engine across its pods, grouped as the namespace_engine:… recording rules group it. The panels
+# aggregate the rank series themselves, so the pod, instance and rank variables still select.
+PER_ENGINE = "namespace, model_name, engine_id, engine"
+ENGINE_LEGEND = "{{engine_id}} engine {{engine}} ({{model_name}})"
 
 RANK_LEGEND = "{{pod}} rank {{rank}} ({{device}})"
 PER_DEVICE = "instance, namespace, pod, device"
@@ -69,20 +77,26 @@ def variables() -> list:
     any_family = '{__name__=~"kvguard_snapshot_age_seconds|kvguard_device_total_bytes", %s}'
     return [
         datasource_variable(),
-        query_variable("job", "Job", "label_values(kvguard_build_info, job)", ".+",
+        query_variable("cluster", "Cluster", "label_values(kvguard_build_info, cluster)", ".*",
+                       "Cluster, where the scrape adds a cluster label (empty where it does not)."),
+        query_variable("job", "Job", 'label_values(kvguard_build_info{cluster=~"$cluster"}, job)', ".+",
                        "Scrape job of the kvguard sidecars."),
         query_variable("namespace", "Namespace",
-                       "label_values(%s, namespace)" % (any_family % 'job=~"$job"'), ".*",
+                       "label_values(%s, namespace)" % (any_family % 'cluster=~"$cluster", job=~"$job"'), ".*",
                        "Kubernetes namespace of the serving pods (empty outside Kubernetes)."),
+        query_variable("model_name", "Model",
+                       'label_values(kvguard_snapshot_age_seconds{cluster=~"$cluster", job=~"$job", '
+                       'namespace=~"$namespace"}, model_name)', ".*",
+                       "Served model name, as vLLM labels its own series (empty where unknown)."),
         query_variable("pod", "Pod",
                        "label_values(%s, pod)" % (any_family % 'job=~"$job", namespace=~"$namespace"'), ".*",
-                       "Serving pod; one vLLM deployment and its kvguard sidecar."),
+                       "Serving pod with its kvguard sidecar (a multi-node engine spans several)."),
         query_variable("instance", "Instance",
                        'label_values(kvguard_build_info{job=~"$job"}, instance)', ".+",
                        "Scrape target: one kvguard sidecar (the only host identity outside Kubernetes)."),
         query_variable("rank", "Rank",
                        'label_values(kvguard_snapshot_age_seconds{job=~"$job", instance=~"$instance", '
-                       'namespace=~"$namespace", pod=~"$pod"}, rank)', ".*",
+                       'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"}, rank)', ".*",
                        "Serving rank (tensor / pipeline parallel worker)."),
         query_variable("device", "Device",
                        "label_values(%s, device)"
@@ -123,13 +137,14 @@ def series_panel(title: str, description: str, unit: str, targets: list[tuple[st
 
 def stat_panel(title: str, description: str, unit: str, targets: list[tuple[str, str]], width: int = 4,
                height: int = 4, thresholds: list[tuple[float | None, str]] | None = None,
-               mappings: dict[str, tuple[str, str]] | None = None, decimals: int | None = None) -> stat.Panel:
+               mappings: dict[str, tuple[str, str]] | None = None, decimals: int | None = None,
+               text_mode: common.BigValueTextMode = common.BigValueTextMode.AUTO) -> stat.Panel:
     panel = (stat.Panel().title(title).description(description).unit(unit).datasource(DATASOURCE)
              .span(width).height(height)
              .reduce_options(common_builder.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
              .color_mode(common.BigValueColorMode.BACKGROUND)
              .graph_mode(common.BigValueGraphMode.NONE)
-             .text_mode(common.BigValueTextMode.AUTO))
+             .text_mode(text_mode))
     if thresholds:
         panel = panel.thresholds(dash.ThresholdsConfig().mode(model.ThresholdsMode.ABSOLUTE).steps(
             [model.Threshold(value=value, color=color) for value, color in thresholds]))
@@ -145,8 +160,66 @@ def stat_panel(title: str, description: str, unit: str, targets: list[tuple[str,
 GUARD_THRESHOLDS = [(None, "green"), (1, "orange"), (2, "red")]
 
 
-def overview_row(board: dash.Dashboard) -> None:
+def percent(ratio: float) -> str:
+    return f"{ratio * 100:g}%"
+
+
+def overview_row(board: dash.Dashboard, config: dict) -> None:
+    thresholds = config["thresholds"]
+    headroom_ratio, fragmentation_ratio = thresholds["headroomRatio"], thresholds["fragmentationRatio"]
     board.with_row(dash.Row("Overview"))
+    board.with_panel(stat_panel(
+        "Engine state",
+        "Per serving engine, across all its pods (a multi-node engine is one): its worst rank's guard "
+        "state (recording rule namespace_engine:kvguard_guard_severity:max; KVGuardOOMRiskCritical fires "
+        "on it).",
+        "none", [(f"max by ({PER_ENGINE}) (kvguard_guard_severity{{{RANK}}})", ENGINE_LEGEND)],
+        width=8, thresholds=GUARD_THRESHOLDS, mappings=GUARD_STATES))
+    board.with_panel(stat_panel(
+        "Engine headroom (weakest rank)",
+        "Per serving engine: its weakest rank's headroom as a share of that rank's device "
+        "(namespace_engine:kvguard_guard_headroom_ratio:min). Orange below the KVGuardHeadroomLow "
+        f"threshold ({percent(headroom_ratio)} of capacity, from the rules' config), red below zero: the "
+        "projected peak does not fit.",
+        "percentunit", [(f"min by ({PER_ENGINE}) "
+                         f"(kvguard_guard_headroom_bytes{{{RANK}}} / kvguard_guard_capacity_bytes{{{RANK}}})",
+                         ENGINE_LEGEND)],
+        width=8, thresholds=[(None, "red"), (0, "orange"), (headroom_ratio, "green")], decimals=1))
+    board.with_panel(stat_panel(
+        "Engine KV-cache blocks",
+        "Per serving engine: the KV-cache blocks it holds, counted once however many pods and ranks it "
+        "spans (vLLM gives every rank the smallest block count of its workers; "
+        "namespace_engine:kvguard_kv_cache_allocated_blocks:min).",
+        "short", [(f"min by ({PER_ENGINE}) (kvguard_kv_cache_allocated_blocks{{{RANK}}})", ENGINE_LEGEND)],
+        width=8))
+    board.with_panel(stat_panel(
+        "Guard state per rank",
+        "The kvguard guard's current state of every selected rank: ok, warning or critical. \"Why\" beside "
+        "it names the reasons; /guard on the sidecar gives them as sentences.",
+        "none", [(f"max by ({PER_RANK}) (kvguard_guard_severity{{{RANK}}})", RANK_LEGEND)],
+        width=12, height=6, thresholds=GUARD_THRESHOLDS, mappings=GUARD_STATES))
+    board.with_panel(stat_panel(
+        "Why: guard reasons per rank",
+        "Every reason the guard reports for a selected rank now (kvguard_guard_reason == 1): "
+        "projected_peak_exceeds_capacity, alloc_retries_climbing, ooms_climbing, overcommitted, "
+        "live_reserved_exceeds_projection, snapshot_stale, no_profile. Empty: every rank is ok.",
+        "none", [(f"max by ({PER_RANK}, reason) (kvguard_guard_reason{{{RANK}}} == 1)",
+                  RANK_LEGEND + ": {{reason}}")],
+        width=12, height=6, thresholds=[(None, "orange")], text_mode=common.BigValueTextMode.NAME))
+    board.with_panel(stat_panel(
+        "Budget-time verdict per rank",
+        "The guard's verdict when vLLM fixed its KV budget, before the KV cache existed (the KV tensors "
+        "placed by the allocator's own rules): critical means the KV cache's allocation itself was "
+        "predicted to fail. Only ranks whose vLLM plugin judged at budget time.",
+        "none", [(f"max by ({PER_RANK}) (kvguard_guard_budget_severity{{{RANK}}})", RANK_LEGEND)],
+        width=12, thresholds=GUARD_THRESHOLDS, mappings=GUARD_STATES))
+    board.with_panel(stat_panel(
+        "Budget-time reasons",
+        "Every reason of the budget-time verdict (kvguard_guard_budget_reason == 1), e.g. "
+        "kv_cache_placement_fails.",
+        "none", [(f"max by ({PER_RANK}, reason) (kvguard_guard_budget_reason{{{RANK}}} == 1)",
+                  RANK_LEGEND + ": {{reason}}")],
+        width=12, thresholds=[(None, "orange")], text_mode=common.BigValueTextMode.NAME))
     board.with_panel(stat_panel(
         "Worst guard state",
         "The worst kvguard guard state over the selected ranks: ok, warning (KV cache overcommitted, "
@@ -156,10 +229,12 @@ def overview_row(board: dash.Dashboard) -> None:
         thresholds=GUARD_THRESHOLDS, mappings=GUARD_STATES))
     board.with_panel(stat_panel(
         "Least headroom",
-        "The smallest headroom over the selected ranks: device capacity minus the projected peak "
-        "(weights + KV cache + reserved activation peak + non-torch). Negative: the peak does not fit.",
-        "bytes", [(f"min(kvguard_guard_headroom_bytes{{{RANK}}})", "least headroom")],
-        thresholds=[(None, "red"), (0, "orange"), (2 * 2**30, "green")]))
+        "The smallest headroom over the selected ranks, as a share of the rank's device: capacity minus "
+        "the projected peak (weights + KV cache + reserved activation peak + non-torch). Orange below "
+        f"KVGuardHeadroomLow's {percent(headroom_ratio)}, red below zero: the peak does not fit.",
+        "percentunit", [(f"min(kvguard_guard_headroom_bytes{{{RANK}}} / kvguard_guard_capacity_bytes{{{RANK}}})",
+                         "least headroom")],
+        thresholds=[(None, "red"), (0, "orange"), (headroom_ratio, "green")], decimals=1))
     board.with_panel(stat_panel(
         "Largest overcommit",
         "How far vLLM's stock KV-cache budget exceeds the reserved-aware budget, on the worst selected "
@@ -168,9 +243,11 @@ def overview_row(board: dash.Dashboard) -> None:
         thresholds=[(None, "green"), (1, "orange")]))
     board.with_panel(stat_panel(
         "Highest fragmentation ratio",
-        "Fragmentation (reserved minus allocated) over reserved bytes, on the worst selected rank.",
+        "Fragmentation (reserved minus allocated) over reserved bytes, on the worst selected rank. Red "
+        f"above KVGuardFragmentationHigh's ratio ({percent(fragmentation_ratio)}; the alert also needs "
+        "the bytes over its threshold).",
         "percentunit", [(f"max(kvguard_allocator_fragmentation_ratio{{{RANK}}})", "highest ratio")],
-        thresholds=[(None, "green"), (0.2, "orange"), (0.3, "red")], decimals=1))
+        thresholds=[(None, "green"), (fragmentation_ratio, "red")], decimals=1))
     board.with_panel(stat_panel(
         "Stale snapshots",
         "Selected ranks whose latest probe snapshot is older than the sidecar's --stale-after.",
@@ -184,7 +261,7 @@ def overview_row(board: dash.Dashboard) -> None:
         thresholds=[(None, "green"), (1, "red")]))
 
 
-def memory_row(board: dash.Dashboard) -> None:
+def memory_row(board: dash.Dashboard, config: dict) -> None:
     board.with_row(dash.Row("Device memory"))
     board.with_panel(series_panel(
         "Allocator memory per device",
@@ -209,7 +286,8 @@ def memory_row(board: dash.Dashboard) -> None:
         ], fill=0, minimum=0))
 
 
-def fragmentation_row(board: dash.Dashboard) -> None:
+def fragmentation_row(board: dash.Dashboard, config: dict) -> None:
+    thresholds = config["thresholds"]
     board.with_row(dash.Row("Fragmentation"))
     board.with_panel(series_panel(
         "Fragmentation bytes",
@@ -222,12 +300,13 @@ def fragmentation_row(board: dash.Dashboard) -> None:
     board.with_panel(series_panel(
         "Fragmentation ratio",
         "Per rank: fragmentation bytes over reserved bytes. The KVGuardFragmentationHigh alert fires above "
-        "30% when more than 1 GiB is fragmented.",
+        f"{percent(thresholds['fragmentationRatio'])} when more than "
+        f"{thresholds['fragmentationBytes'] / 2**30:g} GiB is fragmented.",
         "percentunit", [(f"kvguard_allocator_fragmentation_ratio{{{RANK}}}", RANK_LEGEND)],
         minimum=0, maximum=1))
 
 
-def kv_cache_row(board: dash.Dashboard) -> None:
+def kv_cache_row(board: dash.Dashboard, config: dict) -> None:
     board.with_row(dash.Row("KV cache"))
     board.with_panel(series_panel(
         "KV cache against the stock and reserved budgets",
@@ -239,12 +318,15 @@ def kv_cache_row(board: dash.Dashboard) -> None:
             (f"kvguard_kv_cache_budget_bytes{{{RANK}}}", RANK_LEGEND + " {{budget}} budget"),
         ], fill=0))
     board.with_panel(series_panel(
-        "KV-cache blocks per deployment",
-        "KV-cache blocks per pod: vLLM gives every worker the smallest block count over its workers, so the "
-        "deployment holds its weakest rank's count; the largest rank shows what the others could hold.",
+        "KV-cache blocks per engine",
+        "KV-cache blocks per serving engine, across its pods: vLLM gives every worker the smallest block "
+        "count over its workers, so the engine holds its weakest rank's count; the largest rank shows what "
+        "the others could hold.",
         "short", [
-            (f"min by (instance, namespace, pod) (kvguard_kv_cache_allocated_blocks{{{RANK}}})", "{{pod}} min over ranks"),
-            (f"max by (instance, namespace, pod) (kvguard_kv_cache_allocated_blocks{{{RANK}}})", "{{pod}} max over ranks"),
+            (f"min by ({PER_ENGINE}) (kvguard_kv_cache_allocated_blocks{{{RANK}}})",
+             ENGINE_LEGEND + " min over ranks"),
+            (f"max by ({PER_ENGINE}) (kvguard_kv_cache_allocated_blocks{{{RANK}}})",
+             ENGINE_LEGEND + " max over ranks"),
         ], fill=0))
     board.with_panel(series_panel(
         "vLLM KV-cache usage",
@@ -254,14 +336,8 @@ def kv_cache_row(board: dash.Dashboard) -> None:
         minimum=0, maximum=1))
 
 
-def guard_row(board: dash.Dashboard) -> None:
+def guard_row(board: dash.Dashboard, config: dict) -> None:
     board.with_row(dash.Row("Guard"))
-    board.with_panel(stat_panel(
-        "Guard state per rank",
-        "The kvguard guard's current state of every selected rank: ok, warning or critical. /guard on the "
-        "sidecar gives the reasons as sentences.",
-        "none", [(f"max by ({PER_RANK}) (kvguard_guard_severity{{{RANK}}})", RANK_LEGEND)],
-        width=24, thresholds=GUARD_THRESHOLDS, mappings=GUARD_STATES))
     board.with_panel(series_panel(
         "Overcommit",
         "Per rank: how far vLLM's stock KV-cache budget exceeds the reserved-aware budget (0 when it does not).",
@@ -269,7 +345,8 @@ def guard_row(board: dash.Dashboard) -> None:
     board.with_panel(series_panel(
         "Headroom",
         "Per rank: device capacity minus the projected peak. Below zero the projected peak does not fit; "
-        "KVGuardHeadroomLow fires under 5% of capacity.",
+        f"KVGuardHeadroomLow fires under {percent(config['thresholds']['headroomRatio'])} of capacity on an "
+        "engine's weakest rank.",
         "bytes", [(f"kvguard_guard_headroom_bytes{{{RANK}}}", RANK_LEGEND)], width=8))
     board.with_panel(series_panel(
         "Projected peak against capacity",
@@ -281,7 +358,26 @@ def guard_row(board: dash.Dashboard) -> None:
         ], width=8, fill=0, minimum=0))
 
 
-def allocator_row(board: dash.Dashboard) -> None:
+def profile_row(board: dash.Dashboard, config: dict) -> None:
+    board.with_row(dash.Row("Startup profile"))
+    board.with_panel(series_panel(
+        "Startup profile per rank",
+        "What vLLM's profiling run measured on each rank, as the budget formulas read it: the weights, the "
+        "activation peak's increase in allocated and in reserved memory (their gap is the fragmentation "
+        "vLLM's stock budget does not see), and the memory outside the allocator.",
+        "bytes", [
+            (f"kvguard_profile_weights_bytes{{{RANK}}}", RANK_LEGEND + " weights"),
+            (f"kvguard_profile_activation_peak_bytes{{{RANK}}}", RANK_LEGEND + " activation peak ({{measure}})"),
+            (f"kvguard_profile_non_torch_bytes{{{RANK}}}", RANK_LEGEND + " non-torch"),
+        ], width=16, fill=0))
+    board.with_panel(stat_panel(
+        "gpu_memory_utilization per rank",
+        "vLLM's gpu_memory_utilization on each rank, from its startup profile.",
+        "percentunit", [(f"max by ({PER_RANK}) (kvguard_profile_gpu_memory_utilization_ratio{{{RANK}}})",
+                         RANK_LEGEND)], width=8, height=8, decimals=2))
+
+
+def allocator_row(board: dash.Dashboard, config: dict) -> None:
     board.with_row(dash.Row("Allocator retries and OOMs"))
     board.with_panel(series_panel(
         "Allocator retries",
@@ -296,7 +392,7 @@ def allocator_row(board: dash.Dashboard) -> None:
                  RANK_LEGEND)], minimum=0))
 
 
-def probe_row(board: dash.Dashboard) -> None:
+def probe_row(board: dash.Dashboard, config: dict) -> None:
     board.with_row(dash.Row("Probes and sources"))
     board.with_panel(series_panel(
         "Snapshot age",
@@ -345,10 +441,11 @@ def alerts_annotation() -> dash.AnnotationQuery:
     return (dash.AnnotationQuery().name("kvguard alerts").datasource(DATASOURCE).enable(True).hide(False)
             .icon_color("red")
             .expr('ALERTS{alertname=~"KVGuard.*", alertstate="firing", job=~"$job", '
-                  'namespace=~"$namespace", pod=~"$pod"}'))
+                  'namespace=~"$namespace"}'))
 
 
-def build() -> model.Dashboard:
+def build(config: dict | None = None) -> model.Dashboard:
+    config = rules.merge(config)
     board = (dash.Dashboard(TITLE).uid(UID)
              .description("kvguard: the framework allocator's allocated vs reserved memory per rank, "
                           "fragmentation, vLLM's KV-cache budget against the reserved-aware one, the OOM "
@@ -362,8 +459,9 @@ def build() -> model.Dashboard:
                    .icon("doc"))
              .annotation(alerts_annotation())
              .variables(variables()))
-    for row in (overview_row, memory_row, fragmentation_row, kv_cache_row, guard_row, allocator_row, probe_row):
-        row(board)
+    for row in (overview_row, memory_row, fragmentation_row, kv_cache_row, guard_row, profile_row, allocator_row,
+                probe_row):
+        row(board, config)
     built = board.build()
     if built.schema_version != SCHEMA_VERSION:
         raise SystemExit(f"grafana-foundation-sdk writes schemaVersion {built.schema_version}, not "
@@ -373,16 +471,22 @@ def build() -> model.Dashboard:
     return built
 
 
-def render() -> str:
-    return json.dumps(build(), cls=JSONEncoder, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+def render(config: dict | None = None) -> str:
+    return json.dumps(build(config), cls=JSONEncoder, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the committed file instead of writing")
     parser.add_argument("--output", default=OUTPUT, help="where to write (default: dashboards/kvguard.json)")
+    parser.add_argument("--config", help="the rules' config (a YAML file shaped like the chart's prometheusRule "
+                        "values, as dashboards/rules.py --config reads it): the panels' thresholds follow it")
     args = parser.parse_args(argv)
-    rendered = render()
+    try:
+        rendered = render(rules.load_config(args.config) if args.config else None)
+    except rules.ConfigError as exc:
+        print(f"generate.py: {exc}", file=sys.stderr)
+        return 2
     if args.check:
         try:
             with open(args.output, encoding="utf-8") as handle:

@@ -17,6 +17,12 @@ The config, with DEFAULTS below as its defaults:
   deviceJoins   label matchers on the other exporters' series the join rules read:
                 dcgmExporterSelector (DCGM_FI_DEV_FB_USED), npuExporterSelector
                 (npu_chip_info_hbm_used_memory); empty (the default): any job
+  additionalRuleLabels  labels added to every alert (routing: team, cluster, ...), as
+                kube-prometheus-stack's defaultRules.additionalRuleLabels
+  disabled      alerts left out, by name: {KVGuardFragmentationHigh: true} (kube-prometheus-stack's
+                defaultRules.disabled)
+  customRules   per alert, a severity of one's own: {KVGuardHeadroomLow: {severity: critical}}
+                (kube-prometheus-stack's customRules; `for` has its own map above)
 
 The rule table uses placeholders: ${jobSelector}, ${thresholds.NAME}, ${deviceJoins.NAME}, ${for} (the
 alert's own `for`) and ${runbookUrl} (the alert's own link). A selector is the last matcher of its
@@ -111,13 +117,21 @@ RANK = ('rank "{{ $labels.rank }}" on device {{ $labels.device }} ({{ $labels.na
 RANK_PAREN = ('rank "{{ $labels.rank }}" ({{ $labels.device }}, {{ $labels.namespace }}/{{ $labels.pod }}, '
               '{{ $labels.instance }})')
 POD = "job, instance, namespace, pod"
+# One serving engine, across all its pods: engine_id is the same on every pod of a multi-node engine (an
+# LWS group, a Ray cluster) and defaults to the pod; engine is vLLM's data-parallel index inside it.
+ENGINE = "job, namespace, model_name, engine_id, engine"
+# Where an engine's alert names it.
+ENGINE_TEXT = ('engine "{{ $labels.engine_id }}" (model "{{ $labels.model_name }}", data-parallel engine '
+               '"{{ $labels.engine }}", namespace {{ $labels.namespace }})')
 
 ALERTS = (
-    Alert("KVGuardOOMRiskCritical", f"{series('kvguard_guard_severity')} >= 2", "critical",
-          "A serving rank is about to run out of device memory.",
-          f"kvguard's guard has judged {RANK} critical for ${{for}}: its projected peak exceeds the device's "
-          "capacity, or the allocator's retries or out-of-memory errors are climbing. kvguard_guard_reason and "
-          "/guard name the reason.", "2m"),
+    Alert("KVGuardOOMRiskCritical", "namespace_engine:kvguard_guard_severity:max >= 2", "critical",
+          "A serving engine is about to run out of device memory.",
+          f"kvguard's guard has judged a rank of {ENGINE_TEXT} critical for ${{for}}: its projected peak exceeds "
+          "the device's capacity, or the allocator's retries or out-of-memory errors are climbing. "
+          "kvguard_guard_reason and /guard on the engine's pods name the rank and the reason.", "2m",
+          comment="One alert per engine (recording rule namespace_engine:…), not one per rank: an engine fails "
+                  "as a whole when any of its ranks does."),
     Alert("KVGuardAllocatorOOMs", f"increase({series('kvguard_allocator_ooms_total')}[10m]) > 0", "critical",
           "The framework allocator raised out-of-memory errors.",
           f"R{RANK[1:]} raised {{{{ printf \"%.0f\" $value }}}} out-of-memory error(s) in the last 10 minutes: "
@@ -137,12 +151,14 @@ ALERTS = (
           "allocated) for ${for}.", "15m",
           comment="Both conditions: a high ratio on a small pool is harmless, many bytes on a huge pool may be too."),
     Alert("KVGuardHeadroomLow",
-          f"{series('kvguard_guard_headroom_bytes')} / {series('kvguard_guard_capacity_bytes')} "
-          f"< {threshold('headroomRatio')}", "warning",
+          f"namespace_engine:kvguard_guard_headroom_ratio:min < {threshold('headroomRatio')}", "warning",
           f"The projected memory peak leaves less than {{{{ {threshold('headroomRatio')} | humanizePercentage }}}} "
-          "of the device free.",
-          f"On {RANK_PAREN} the headroom between the projected peak and the device's capacity is "
-          "{{ $value | humanizePercentage }} of capacity (negative: the peak does not fit).", "10m"),
+          "of a device free.",
+          f"On the weakest rank of {ENGINE_TEXT} the headroom between the projected peak and the device's "
+          "capacity is {{ $value | humanizePercentage }} of capacity (negative: the peak does not fit); "
+          "kvguard_guard_headroom_bytes names the rank.", "10m",
+          comment="vLLM sizes every rank's KV cache alike, so the engine is as close to its OOM as its "
+                  "weakest rank: the minimum over the engine's ranks, on every pod."),
     Alert("KVGuardAllocRetriesClimbing",
           f"rate({series('kvguard_allocator_alloc_retries_total')}[5m]) > {threshold('allocRetriesPerSecond')}",
           "warning", "The allocator keeps flushing its cache and retrying allocations.",
@@ -172,15 +188,45 @@ def by_pod(op: str, metric: str, extra: str = "") -> str:
     return f"{op} by ({POD}{extra}) ({series(metric)})"
 
 
+def by_engine(op: str, metric: str, extra: str = "") -> str:
+    return f"{op} by ({ENGINE}{extra}) ({series(metric)})"
+
+
+ENGINES = (
+    Record("namespace_engine:kvguard_kv_cache_allocated_blocks:min",
+           by_engine("min", "kvguard_kv_cache_allocated_blocks"),
+           comment="vLLM sizes every worker's KV cache to the minimum block count over its workers "
+                   "(get_kv_cache_configs, vllm/v1/core/kv_cache_utils.py 0.11.0:1283-1289), and every rank of the engine holds "
+                   "that many: the engine's blocks, counted once however many pods and ranks it spans."),
+    Record("namespace_engine:kvguard_kv_cache_budget_bytes:min",
+           by_engine("min", "kvguard_kv_cache_budget_bytes", ", budget")),
+    Record("namespace_engine:kvguard_kv_cache_overcommit_bytes:max",
+           by_engine("max", "kvguard_kv_cache_overcommit_bytes")),
+    Record("namespace_engine:kvguard_guard_headroom_bytes:min", by_engine("min", "kvguard_guard_headroom_bytes"),
+           comment="The engine fails with its weakest rank: least headroom, worst guard state."),
+    Record("namespace_engine:kvguard_guard_headroom_ratio:min",
+           f"min by ({ENGINE}) (\n"
+           f"  {series('kvguard_guard_headroom_bytes')}\n"
+           f"  / {series('kvguard_guard_capacity_bytes')}\n"
+           ")\n",
+           comment="The least headroom as a share of its own device's capacity (KVGuardHeadroomLow)."),
+    Record("namespace_engine:kvguard_guard_severity:max", by_engine("max", "kvguard_guard_severity")),
+    Record("namespace_engine:kvguard_ranks:count", f"count by ({ENGINE}) ({series('kvguard_guard_severity')})",
+           comment="Ranks reporting, over all the engine's pods: a TP16 engine on two pods reports 16."),
+    Record("namespace_engine:kvguard_allocator_allocated_bytes:sum",
+           by_engine("sum", "kvguard_allocator_allocated_bytes")),
+    Record("namespace_engine:kvguard_allocator_reserved_bytes:sum",
+           by_engine("sum", "kvguard_allocator_reserved_bytes")),
+)
+
 DEPLOYMENT = (
     Record("namespace_pod:kvguard_kv_cache_allocated_blocks:min", by_pod("min", "kvguard_kv_cache_allocated_blocks"),
-           comment="vLLM sizes every worker's KV cache to the minimum block count over its workers, so the "
-                   "deployment holds as many blocks as its smallest rank."),
+           comment="The pod's ranks' smallest block count (an engine that spans pods: "
+                   "namespace_engine:kvguard_kv_cache_allocated_blocks:min counts it once)."),
     Record("namespace_pod:kvguard_kv_cache_budget_bytes:min",
            by_pod("min", "kvguard_kv_cache_budget_bytes", ", budget")),
     Record("namespace_pod:kvguard_kv_cache_overcommit_bytes:max", by_pod("max", "kvguard_kv_cache_overcommit_bytes")),
-    Record("namespace_pod:kvguard_guard_headroom_bytes:min", by_pod("min", "kvguard_guard_headroom_bytes"),
-           comment="The deployment fails with its weakest rank: least headroom, worst guard state."),
+    Record("namespace_pod:kvguard_guard_headroom_bytes:min", by_pod("min", "kvguard_guard_headroom_bytes")),
     Record("namespace_pod:kvguard_guard_severity:max", by_pod("max", "kvguard_guard_severity")),
     Record("namespace_pod:kvguard_allocator_allocated_bytes:sum", by_pod("sum", "kvguard_allocator_allocated_bytes")),
     Record("namespace_pod:kvguard_allocator_reserved_bytes:sum", by_pod("sum", "kvguard_allocator_reserved_bytes")),
@@ -205,11 +251,14 @@ def by_namespace(op: str, metric: str, pod_op: str | None = None) -> Record:
 
 NAMESPACE = (
     Record("namespace:kvguard_kv_cache_allocated_blocks:sum",
-           "sum by (job, namespace) (namespace_pod:kvguard_kv_cache_allocated_blocks:min)",
-           comment="KV-cache blocks the namespace can serve: each deployment's minimum, summed over pods."),
-    by_namespace("max", "kvguard_guard_severity"),
-    by_namespace("min", "kvguard_guard_headroom_bytes"),
-    by_namespace("max", "kvguard_kv_cache_overcommit_bytes"),
+           "sum by (job, namespace) (namespace_engine:kvguard_kv_cache_allocated_blocks:min)",
+           comment="KV-cache blocks the namespace can serve: each engine's, once, summed over engines."),
+    Record("namespace:kvguard_guard_severity:max",
+           "max by (job, namespace) (namespace_engine:kvguard_guard_severity:max)"),
+    Record("namespace:kvguard_guard_headroom_bytes:min",
+           "min by (job, namespace) (namespace_engine:kvguard_guard_headroom_bytes:min)"),
+    Record("namespace:kvguard_kv_cache_overcommit_bytes:max",
+           "max by (job, namespace) (namespace_engine:kvguard_kv_cache_overcommit_bytes:max)"),
     by_namespace("sum", "kvguard_allocator_allocated_bytes"),
     by_namespace("sum", "kvguard_allocator_reserved_bytes"),
     by_namespace("sum", "kvguard_allocator_fragmentation_bytes"),
@@ -286,18 +335,22 @@ FILES = (
 kvguard recording rules. Tested by dashboards/tests/kvguard-recording.test.yaml (promtool test rules).
 
 Names follow level:metric:operations.
-  namespace_pod:  one serving deployment, i.e. one vLLM engine and its ranks in one pod. job and
-                  instance are kept: a sidecar's instance is its pod, and outside Kubernetes
-                  (namespace and pod empty) instance is what keeps hosts apart.
-  namespace:      all kvguard pods of a namespace and scrape job.""",
-             (Group("kvguard.rules.deployment", DEPLOYMENT), Group("kvguard.rules.namespace", NAMESPACE))),
+  namespace_engine: one serving engine across all its pods (engine_id: the same on every pod of a
+                  multi-node engine, by default the pod; engine: vLLM's data-parallel index in it).
+  namespace_pod:  one pod's ranks. job and instance are kept: a sidecar's instance is its pod, and
+                  outside Kubernetes (namespace and pod empty) instance is what keeps hosts apart.
+  namespace:      all engines of a namespace and scrape job.""",
+             (Group("kvguard.rules.engine", ENGINES), Group("kvguard.rules.deployment", DEPLOYMENT),
+              Group("kvguard.rules.namespace", NAMESPACE))),
     RuleFile("kvguard-alerts.yaml", """\
 kvguard alerting rules. Tested by dashboards/tests/kvguard-alerts.test.yaml (promtool test rules);
 every alert's runbook is a section of docs/runbook.md.
 
 Per-rank alerts carry the rank labels of docs/metrics.md (device, rank, pid, pod, namespace,
 container) plus the scrape's job and instance; instance tells hosts apart outside Kubernetes,
-where pod and namespace are empty.""",
+where pod and namespace are empty. KVGuardOOMRiskCritical and KVGuardHeadroomLow are per engine
+(job, namespace, model_name, engine_id, engine): they read kvguard-recording.yaml's
+namespace_engine rules, which must be loaded too.""",
              (Group("kvguard.alerts", ALERTS),)),
     RuleFile("kvguard-joins.yaml", """\
 kvguard's series joined to dcgm-exporter's and Huawei npu-exporter's on the device identity labels
@@ -343,7 +396,15 @@ DEFAULTS = {
         "dcgmExporterSelector": "",
         "npuExporterSelector": "",
     },
+    # Labels added to every alert; alerts left out by name; a severity of one's own per alert.
+    "additionalRuleLabels": {},
+    "disabled": {},
+    "customRules": {},
 }
+# Config maps whose keys are not fixed by DEFAULTS: any label name, or any alert name.
+OPEN_MAPS = ("additionalRuleLabels", "disabled", "customRules")
+LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+SEVERITY = re.compile(r"[a-z]+")
 # Keys of the chart's prometheusRule block that switch objects on and label them, not rule config.
 CHART_ONLY = {"enabled", "labels"}
 
@@ -367,10 +428,11 @@ def merge(config: dict | None) -> dict:
         if isinstance(DEFAULTS[key], dict):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a map, got {type(value).__name__}")
-            unknown = set(value) - set(DEFAULTS[key])
+            known = {a.name for a in ALERTS} if key in ("disabled", "customRules") else set(DEFAULTS[key])
+            unknown = set() if key == "additionalRuleLabels" else set(value) - known
             if unknown:
                 raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))} "
-                                  f"(known: {', '.join(DEFAULTS[key])})")
+                                  f"(known: {', '.join(sorted(known))})")
             merged[key].update(value)
         else:
             merged[key] = value
@@ -393,6 +455,21 @@ def validate(config: dict) -> None:
     for name, value in config["for"].items():
         if not isinstance(value, str) or not DURATION.fullmatch(value):
             raise ConfigError(f"for.{name}: expected a Prometheus duration such as 5m, got {value!r}")
+    for name, value in config["additionalRuleLabels"].items():
+        if not isinstance(name, str) or not LABEL_NAME.fullmatch(name) or name == "severity":
+            raise ConfigError(f"additionalRuleLabels: {name!r} is not a label name one may add (severity: use "
+                              "customRules)")
+        if not isinstance(value, str):
+            raise ConfigError(f"additionalRuleLabels.{name}: expected a string, got {value!r}")
+    for name, value in config["disabled"].items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"disabled.{name}: expected true or false, got {value!r}")
+    for name, value in config["customRules"].items():
+        if not isinstance(value, dict) or set(value) - {"severity"}:
+            raise ConfigError(f"customRules.{name}: expected {{severity: NAME}}, got {value!r}")
+        if "severity" in value and (not isinstance(value["severity"], str) or not SEVERITY.fullmatch(value["severity"])):
+            raise ConfigError(f"customRules.{name}.severity: expected a lower-case word such as critical, "
+                              f"got {value['severity']!r}")
 
 
 def number(value: int | float) -> str:
@@ -442,6 +519,10 @@ def filled(data: dict, config: dict | None) -> dict:
         return fill(value, values)
     result = walk(data)
     result["expr"] = tidy(result["expr"])
+    if "alert" in data:
+        severity = config["customRules"].get(data["alert"], {}).get("severity")
+        result["labels"] = {**result["labels"], **({"severity": severity} if severity else {}),
+                            **config["additionalRuleLabels"]}
     return result
 
 
@@ -450,8 +531,15 @@ def tidy(expr: str) -> str:
     return EMPTY_MATCHERS.sub(r"\1", TRAILING_COMMA.sub("}", expr))
 
 
+def kept(rules: tuple, config: dict | None) -> list:
+    """The rules of a group, less the alerts the config disables."""
+    disabled = {name for name, off in config["disabled"].items() if off} if config else set()
+    return [r for r in rules if not (isinstance(r, Alert) and r.name in disabled)]
+
+
 def groups(rule_file: RuleFile, config: dict | None) -> list[dict]:
-    return [{"name": g.name, "rules": [filled(rule_data(r), config) for r in g.rules]} for g in rule_file.groups]
+    return [{"name": g.name, "rules": [filled(rule_data(r), config) for r in kept(g.rules, config)]}
+            for g in rule_file.groups]
 
 
 # ----------------------------------------------------------------------------- YAML text
@@ -488,7 +576,7 @@ def render_file(rule_file: RuleFile, config: dict | None, header: str) -> str:
         if index:
             lines.append("")
         lines += [f"  - name: {scalar(group['name'], 6)}", "    rules:"]
-        for rule, source in zip(group["rules"], table[group["name"]].rules):
+        for rule, source in zip(group["rules"], kept(table[group["name"]].rules, config)):
             if "alert" in rule and lines[-1] != "    rules:":
                 lines.append("")
             if source.comment:

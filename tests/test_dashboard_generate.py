@@ -55,13 +55,14 @@ def test_panels_are_timeseries_and_stat_only():
     assert {p["type"] for p in PANELS} == {"timeseries", "stat"}
 
 
-def test_variables_are_datasource_job_instance_namespace_pod_rank_device():
+def test_variables_are_datasource_cluster_job_instance_namespace_model_pod_rank_device():
     names = [v["name"] for v in lint.variables(DASHBOARD)]
     assert names[0] == "datasource"
-    assert set(names) == {"datasource", "job", "instance", "namespace", "pod", "rank", "device"}
+    assert set(names) == {"datasource", "cluster", "job", "instance", "namespace", "model_name", "pod", "rank",
+                          "device"}
 
 
-@pytest.mark.parametrize("name", ["namespace", "pod", "rank", "device"])
+@pytest.mark.parametrize("name", ["cluster", "namespace", "model_name", "pod", "rank", "device"])
 def test_kvguard_label_variables_match_empty_values_when_all(name):
     # Outside Kubernetes pod and namespace are "", and rank is "" when the probe does not know
     # it: "All" must not hide those series, so these variables use .* rather than .+.
@@ -103,7 +104,9 @@ def test_guard_state_per_rank_maps_severity_to_state_names():
 @pytest.mark.parametrize("suffix, unit", [("_bytes", "bytes"), ("_ratio", "percentunit"), ("_seconds", "s")])
 def test_panels_of_one_base_unit_use_the_grafana_unit(suffix, unit):
     # bytes is Grafana's IEC unit (KiB, MiB, GiB); percentunit reads 0-1 ratios.
-    panels = [p for p in PANELS if metrics_of(p) and all(m.endswith(suffix) for m in metrics_of(p))]
+    # A quotient of two byte counts (headroom over capacity) is a ratio, whatever its inputs' unit.
+    panels = [p for p in PANELS if metrics_of(p) and all(m.endswith(suffix) for m in metrics_of(p))
+              and not any(" / " in t["expr"] for t in p["targets"])]
     assert panels
     assert {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in panels} == {p["title"]: unit for p in panels}
 
@@ -134,3 +137,56 @@ def test_runbook_panel_names_exist_on_the_dashboard():
         text = re.sub(r"\s+", " ", handle.read())
     named = set(re.findall(r'"([A-Z][^"]+)"(?= (?:and "[^"]+" )?panels?\b)', text))
     assert named and named <= {p["title"] for p in PANELS}
+
+
+def stat_thresholds(title: str) -> list:
+    panel = next(p for p in PANELS if p["title"] == title)
+    return [(step["value"], step["color"]) for step in panel["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+
+def test_headroom_panels_turn_orange_where_their_alert_fires():
+    # KVGuardHeadroomLow's threshold, from the rules' defaults (helm values.yaml mirrors them).
+    ratio = load_yaml_values()["prometheusRule"]["thresholds"]["headroomRatio"]
+    for title in ("Least headroom", "Engine headroom (weakest rank)"):
+        assert stat_thresholds(title) == [(None, "red"), (0, "orange"), (ratio, "green")], title
+
+
+def test_the_fragmentation_panel_turns_red_at_its_alerts_ratio():
+    ratio = load_yaml_values()["prometheusRule"]["thresholds"]["fragmentationRatio"]
+    assert stat_thresholds("Highest fragmentation ratio") == [(None, "green"), (ratio, "red")]
+
+
+def test_a_rules_config_moves_the_panels_thresholds_with_the_alerts(tmp_path):
+    config = tmp_path / "rules.yaml"
+    config.write_text("thresholds:\n  headroomRatio: 0.1\n  fragmentationRatio: 0.5\n")
+    out = tmp_path / "kvguard.json"
+    result = generate("--config", str(config), "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    panels = {p["title"]: p for p in lint.all_panels(json.loads(out.read_text()))}
+    steps = panels["Engine headroom (weakest rank)"]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps] == [None, 0, 0.1]
+    assert "50%" in panels["Fragmentation ratio"]["description"]
+
+
+def test_a_bad_rules_config_is_one_line(tmp_path):
+    config = tmp_path / "rules.yaml"
+    config.write_text("thresholds:\n  headroomRatio: lots\n")
+    result = generate("--config", str(config), "--output", str(tmp_path / "x.json"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_the_guard_reasons_and_the_budget_time_verdict_are_above_the_fold():
+    first_row_end = next(p["gridPos"]["y"] for p in lint.all_panels(DASHBOARD)
+                         if p["type"] == "row" and p["title"] != "Overview")
+    above = {p["title"] for p in PANELS if p["gridPos"]["y"] < first_row_end}
+    assert {"Engine state", "Guard state per rank", "Why: guard reasons per rank",
+            "Budget-time verdict per rank"} <= above
+    why = next(p for p in PANELS if p["title"] == "Why: guard reasons per rank")
+    assert "kvguard_guard_reason" in why["targets"][0]["expr"] and "{{reason}}" in why["targets"][0]["legendFormat"]
+
+
+def load_yaml_values() -> dict:
+    import yaml
+
+    with open(os.path.join(DASHBOARDS, "..", "helm", "kvguard", "values.yaml"), encoding="utf-8") as handle:
+        return yaml.safe_load(handle)

@@ -47,3 +47,53 @@ def test_a_relative_plot_path_is_written_where_the_caller_stands(tmp_path, relat
     assert (tmp_path / "kvguard.cwd").read_text().strip() == str(caller)
     assert (caller / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not os.path.exists(os.path.join(REPO, "run.png"))
+
+
+def test_dev_sh_test_says_what_it_does_from_its_first_second(tmp_path):
+    # The stand-in venv answers the pip installs; the rest of the setup is the real one (its caches
+    # are up to date after any ./dev.sh test, so each step returns quickly), then pytest --version.
+    if shutil.which("bash") is None:
+        pytest.fail("bash not found")
+    import time
+
+    venv = stand_in_venv(tmp_path)
+    start = time.monotonic()
+    process = subprocess.Popen(["bash", os.path.join(REPO, "dev.sh"), "test", "--version"], cwd=tmp_path,
+                               env={**os.environ, "KVGUARD_VENV": venv}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    first = process.stderr.readline()
+    first_after = time.monotonic() - start
+    _, rest = process.communicate(timeout=600)
+    stderr = first + rest
+    assert process.returncode == 0, stderr
+    assert first.startswith("==> [  0s] ") and first_after < 1.0, (first, first_after)
+    steps = [line.split("] ", 1)[1] for line in stderr.splitlines() if line.startswith("==> [")]
+    for words in ("Debian packages", "torch==2.13.0 CPU build", "vLLM release environments", "MindSpore",
+                  "torch_npu", "setup done"):
+        assert any(words in step for step in steps), (words, steps)
+
+
+def test_torch_comes_from_pytorchs_cpu_index_beside_pypi(tmp_path):
+    venv = stand_in_venv(tmp_path)
+    result = subprocess.run(["bash", os.path.join(REPO, "dev.sh"), "test", "--version"], cwd=tmp_path,
+                            env={**os.environ, "KVGUARD_VENV": venv}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    torch_installs = [line for line in (tmp_path / "pip.log").read_text().splitlines() if "torch==2.13.0" in line]
+    assert torch_installs and all("--extra-index-url https://download.pytorch.org/whl/cpu" in line
+                                  for line in torch_installs[:1])
+
+
+def test_the_torch_install_resolves_to_the_cpu_build_here(tmp_path):
+    # The command dev.sh runs, resolved by the real pip without installing: here pip's configured local
+    # wheel answers (the PyTorch index is out of reach); elsewhere the PyTorch CPU index does. Either
+    # way a +cpu build, never PyPI's CUDA one.
+    import json
+
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
+                             "-q", "--report", str(report), "--retries", "1", "--extra-index-url",
+                             "https://download.pytorch.org/whl/cpu", "torch==2.13.0"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (torch,) = json.loads(report.read_text())["install"]
+    assert torch["metadata"]["version"] == "2.13.0+cpu", torch["download_info"]["url"]

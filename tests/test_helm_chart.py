@@ -39,6 +39,8 @@ CI_VALUES = sorted(
 SIDECAR_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("sidecar-")]
 # None: the chart's defaults.
 ALL_VALUES = [None, *CI_VALUES]
+# Those that render a workload (mode cluster renders the dashboard and the rules only).
+WORKLOAD_VALUES = [v for v in ALL_VALUES if v is None or not os.path.basename(v).startswith("cluster-")]
 
 
 def _ids(values):
@@ -70,8 +72,14 @@ def helm(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+# No kvguard image is published: every install names where it was pushed (the chart refuses none).
+IMAGE = ("--set", "image.repository=registry.example.com/kvguard")
+# What is cluster-wide (dashboard, rules) renders by default only in mode cluster.
+CLUSTER = ("--set", "mode=cluster")
+
+
 def template_args(values: str | None = None, *extra: str) -> list[str]:
-    args = ["template", "kv", CHART, "--namespace", "serving"]
+    args = ["template", "kv", CHART, "--namespace", "serving", *IMAGE]
     if values:
         args += ["-f", os.path.join(CHART, values)]
     return [*args, *extra]
@@ -177,6 +185,9 @@ def _monitor_schema(kind: str, endpoints_key: str) -> dict:
                 "metadata": _METADATA,
                 "spec": {"type": "object", "additionalProperties": False, "required": ["selector", endpoints_key],
                          "properties": {"selector": _LABEL_SELECTOR,
+                                        "namespaceSelector": {"type": "object", "additionalProperties": False,
+                                                              "properties": {"any": {"type": "boolean"},
+                                                                             "matchNames": {"type": "array"}}},
                                         endpoints_key: {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}}
 
 
@@ -208,7 +219,7 @@ OPERATOR_SCHEMAS = {
 
 @pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
 def test_helm_lint_strict_passes(values):
-    args = ["lint", "--strict", CHART]
+    args = ["lint", "--strict", CHART, *IMAGE]
     if values:
         args += ["-f", os.path.join(CHART, values)]
     result = helm(*args)
@@ -237,10 +248,40 @@ def test_rendered_operator_objects_match_their_crd_fields(values):
             jsonschema.Draft7Validator(OPERATOR_SCHEMAS[doc["kind"]]).validate(doc)
 
 
+OPERATOR_MODULES = os.path.join(ROOT, ".tools", "node", "node_modules")
+
+
+def _real_crd_failures(docs: list[dict]) -> subprocess.CompletedProcess:
+    if not os.path.isdir(os.path.join(OPERATOR_MODULES, "@kubernetes-models", "prometheus-operator")):
+        pytest.fail("@kubernetes-models/prometheus-operator not in .tools/node: run ./dev.sh test, which installs it")
+    return subprocess.run(["node", os.path.join(ROOT, "tests", "operator_crds.mjs"), OPERATOR_MODULES],
+                          input=json.dumps(docs), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("values", [v for v in ALL_VALUES if v is None or "no-prometheus-operator" not in v], ids=_ids)
+def test_rendered_operator_objects_pass_the_real_prometheus_operator_crd_schemas(values):
+    # @kubernetes-models/prometheus-operator 6.0.0: validators compiled from the operator's own CRDs.
+    docs = [doc for doc in render(values, *CLUSTER_TOO.get(values, ())) if doc["kind"] in OPERATOR_SCHEMAS]
+    assert docs
+    result = _real_crd_failures(docs)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_real_crd_schemas_refuse_a_bad_monitor():
+    monitor = only(render(), "PodMonitor")
+    monitor["spec"]["podMetricsEndpoints"][0]["scheme"] = "ftp"
+    result = _real_crd_failures([monitor])
+    assert result.returncode == 1 and "scheme must be equal to one of the allowed values" in result.stdout
+
+
+# The defaults render no PrometheusRule (the cluster release carries it): check it there too.
+CLUSTER_TOO = {None: ("--set", "prometheusRule.enabled=true")}
+
+
 def test_ci_values_cover_every_kind_the_chart_renders():
     kinds = {doc["kind"] for values in CI_VALUES for doc in render(values)}
     assert kinds == {"ServiceAccount", "Service", "ConfigMap", "Deployment", "DaemonSet", "PodMonitor",
-                     "ServiceMonitor", "PrometheusRule"}
+                     "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}
 
 
 # ------------------------------------------------------------- rules and dashboard
@@ -266,15 +307,16 @@ def committed(paths) -> list[str]:
 
 
 def test_prometheus_rule_groups_equal_the_rule_files():
-    assert prometheus_rule(render())["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
+    assert prometheus_rule(render(None, *CLUSTER))["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
 
 
 def test_chart_renders_the_join_rules_only_when_asked():
-    assert [d for d in render(None) if d["metadata"]["name"].endswith("-joins")] == []
-    docs = render(None, "--set", "prometheusRule.deviceJoins.enabled=true")
+    assert [d for d in render(None, *CLUSTER) if d["metadata"]["name"].endswith("-joins")] == []
+    docs = render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true")
     assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(committed(JOIN_RULE_FILES))
     assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
-    off = render(None, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false")
+    off = render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true",
+                 "--set", "prometheusRule.enabled=false")
     assert [d for d in off if d["kind"] == "PrometheusRule"] == []
 
 
@@ -295,7 +337,7 @@ def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_
 
 def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
     # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
-    values = {"prometheusRule": {"jobSelector": "", "deviceJoins": {"enabled": True}}}
+    values = {"prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
     (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
     written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
     docs = render(str(tmp_path / "empty.yaml"))
@@ -305,7 +347,7 @@ def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
 
 
 def test_join_selector_values_change_the_rendered_join_rules():
-    default = _rules_by_name(prometheus_rule(render(None, "--set", "prometheusRule.deviceJoins.enabled=true"),
+    default = _rules_by_name(prometheus_rule(render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true"),
                                              joins=True)["spec"]["groups"])
     custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES), joins=True)["spec"]["groups"])
     assert 'DCGM_FI_DEV_FB_USED{GPU_I_ID=""}' in default["kvguard:dcgm_fb_used_bytes"]["expr"]
@@ -318,11 +360,10 @@ def test_join_selector_values_change_the_rendered_join_rules():
 
 
 def test_prometheus_rule_values_change_the_rendered_rules():
-    default = _rules_by_name(prometheus_rule(render())["spec"]["groups"])
+    default = _rules_by_name(prometheus_rule(render(None, *CLUSTER))["spec"]["groups"])
     custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES))["spec"]["groups"])
     assert default.keys() == custom.keys()
-    assert custom["KVGuardHeadroomLow"]["expr"] == \
-        'kvguard_guard_headroom_bytes{job="llm-guard"} / kvguard_guard_capacity_bytes{job="llm-guard"} < 0.1'
+    assert custom["KVGuardHeadroomLow"]["expr"] == "namespace_engine:kvguard_guard_headroom_ratio:min < 0.1"
     assert custom["KVGuardFragmentationHigh"]["expr"].endswith('kvguard_allocator_fragmentation_bytes'
                                                              '{job="llm-guard"} > 4294967296')
     assert custom["KVGuardOOMRiskCritical"]["for"] == "5m" and default["KVGuardOOMRiskCritical"]["for"] == "2m"
@@ -330,14 +371,14 @@ def test_prometheus_rule_values_change_the_rendered_rules():
         "https://runbooks.example.com/kvguard/kvguardexporterdown.html"
     # Every rule reading a series of kvguard's own (not only recorded ones) reads it through the selector.
     reads_raw = {name for name, rule in default.items() if KVGUARD_METRIC.search(rule["expr"]) or "up{" in rule["expr"]}
-    assert len(reads_raw) == 20         # 9 alerts, 11 deployment-level recording rules
+    assert len(reads_raw) == 27         # 7 alerts (2 read engine rules), 9 engine and 11 pod-level recording rules
     assert all(custom[name]["expr"] != default[name]["expr"] for name in reads_raw)
 
 
 def test_one_threshold_set_on_the_command_line_moves_only_its_alert():
-    default = _rules_by_name(prometheus_rule(render())["spec"]["groups"])
-    changed = _rules_by_name(prometheus_rule(render(None, "--set-json", "prometheusRule.thresholds.headroomRatio=0.2"))
-                             ["spec"]["groups"])
+    default = _rules_by_name(prometheus_rule(render(None, *CLUSTER))["spec"]["groups"])
+    changed = _rules_by_name(prometheus_rule(render(None, *CLUSTER, "--set-json",
+                                                    "prometheusRule.thresholds.headroomRatio=0.2"))["spec"]["groups"])
     assert {name for name in default if default[name] != changed[name]} == {"KVGuardHeadroomLow"}
     assert changed["KVGuardHeadroomLow"]["expr"].endswith("< 0.2")
 
@@ -364,7 +405,7 @@ def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
 
 
 def test_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar():
-    configmap = only(render(), "ConfigMap")
+    configmap = only(render(None, *CLUSTER), "ConfigMap")
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     with open(DASHBOARD_JSON) as handle:
         assert json.loads(configmap["data"]["kvguard.json"]) == json.load(handle)
@@ -389,7 +430,7 @@ def test_packaged_chart_contains_the_linked_files_themselves(tmp_path):
 
 
 def test_disabling_rules_and_dashboard_renders_neither():
-    kinds = [doc["kind"] for doc in render(None, "--set", "prometheusRule.enabled=false",
+    kinds = [doc["kind"] for doc in render(None, *CLUSTER, "--set", "prometheusRule.enabled=false",
                                            "--set", "dashboard.enabled=false")]
     assert "PrometheusRule" not in kinds and "ConfigMap" not in kinds
 
@@ -418,14 +459,15 @@ def test_sidecar_mounts_the_spool_read_only_and_the_serving_container_read_write
 
 def test_native_sidecar_is_an_init_container_that_restarts_always():
     spec = pod_spec(render("ci/sidecar-native-podmonitor-values.yaml"))
-    assert [c["name"] for c in spec["initContainers"]] == ["kvguard"]
-    assert spec["initContainers"][0]["restartPolicy"] == "Always"
+    assert [c["name"] for c in spec["initContainers"]] == ["kvguard-plugin", "kvguard"]
+    assert spec["initContainers"][1]["restartPolicy"] == "Always"
+    assert "restartPolicy" not in spec["initContainers"][0]         # the plugin copy runs once, first
     assert [c["name"] for c in spec["containers"]] == ["vllm"]
 
 
 def test_plain_sidecar_is_a_second_container():
     spec = pod_spec(render("ci/sidecar-plain-container-servicemonitor-values.yaml"))
-    assert "initContainers" not in spec
+    assert [c["name"] for c in spec["initContainers"]] == ["kvguard-plugin"]
     assert sorted(c["name"] for c in spec["containers"]) == ["kvguard", "vllm"]
     assert all("restartPolicy" not in c for c in spec["containers"])
 
@@ -522,7 +564,7 @@ def test_npu_smi_daemonset_mounts_the_hosts_npu_smi_and_driver_read_only():
 # ------------------------------------------------------------- both modes: kvguard
 
 
-@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+@pytest.mark.parametrize("values", WORKLOAD_VALUES, ids=_ids)
 def test_kvguard_runs_non_root_read_only_without_privileges(values):
     docs = render(values)
     context = kvguard_container(docs)["securityContext"]
@@ -533,14 +575,14 @@ def test_kvguard_runs_non_root_read_only_without_privileges(values):
     assert context["capabilities"]["drop"] == ["ALL"] and not context["capabilities"].get("add")
 
 
-@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+@pytest.mark.parametrize("values", WORKLOAD_VALUES, ids=_ids)
 def test_kvguard_has_resources_and_a_writable_tmp(values):
     kvguard = kvguard_container(render(values))
     assert kvguard["resources"]["requests"]["memory"] and kvguard["resources"]["limits"]["memory"]
     assert mount_path(kvguard, "kvguard-tmp") == "/tmp"
 
 
-@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+@pytest.mark.parametrize("values", WORKLOAD_VALUES, ids=_ids)
 def test_kvguard_probes_healthz_and_readyz_on_its_metrics_port(values):
     kvguard = kvguard_container(render(values))
     (port,) = [p for p in kvguard["ports"] if p["name"] == "metrics"]
@@ -551,7 +593,7 @@ def test_kvguard_probes_healthz_and_readyz_on_its_metrics_port(values):
         assert kvguard[probe]["httpGet"]["port"] == "metrics"
 
 
-@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+@pytest.mark.parametrize("values", WORKLOAD_VALUES, ids=_ids)
 def test_pod_identity_comes_from_the_downward_api(values):
     docs = render(values)
     containers = [kvguard_container(docs)]
@@ -565,7 +607,7 @@ def test_pod_identity_comes_from_the_downward_api(values):
         assert env["CONTAINER_NAME"]["value"]
 
 
-@pytest.mark.parametrize("values", ALL_VALUES, ids=_ids)
+@pytest.mark.parametrize("values", WORKLOAD_VALUES, ids=_ids)
 def test_kvguard_args_use_only_documented_serve_flags(values):
     args = kvguard_container(render(values))["args"]
     assert args[0] == "serve"
@@ -595,7 +637,7 @@ def _monitor_kind(values: str | None) -> str:
     return chosen.get("kind", "PodMonitor")
 
 
-@pytest.mark.parametrize("values", [v for v in ALL_VALUES if _monitor_kind(v) == "PodMonitor"], ids=_ids)
+@pytest.mark.parametrize("values", [v for v in WORKLOAD_VALUES if _monitor_kind(v) == "PodMonitor"], ids=_ids)
 def test_pod_monitor_selects_the_pods_and_their_metrics_port(values):
     docs = render(values)
     monitor = only(docs, "PodMonitor")
@@ -605,7 +647,7 @@ def test_pod_monitor_selects_the_pods_and_their_metrics_port(values):
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"metrics"} <= container_ports
 
 
-@pytest.mark.parametrize("values", [v for v in ALL_VALUES if _monitor_kind(v) == "ServiceMonitor"], ids=_ids)
+@pytest.mark.parametrize("values", [v for v in WORKLOAD_VALUES if _monitor_kind(v) == "ServiceMonitor"], ids=_ids)
 def test_service_monitor_selects_a_service_that_selects_the_pods(values):
     docs = render(values)
     monitor, service = only(docs, "ServiceMonitor"), only(docs, "Service")
@@ -640,7 +682,8 @@ def _scrape_job(docs: list[dict], kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
 def test_exporter_down_alert_selects_the_scrape_job_whatever_the_release_is_called(kind):
-    docs = render(None, "--set", "fullnameOverride=llm-guard", "--set", f"monitor.kind={kind}")
+    docs = render(None, "--set", "fullnameOverride=llm-guard", "--set", f"monitor.kind={kind}",
+                  "--set", "prometheusRule.enabled=true")
     job = _scrape_job(docs, kind)
     assert job == "kvguard"
     assert re.fullmatch(_exporter_down_job_regex(docs), job)
@@ -775,7 +818,7 @@ def test_notes_tell_how_to_reach_the_metrics(tmp_path, values, workload_ref):
     (chart / "templates" / "zz-notes.yaml").write_text(
         'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
         'data:\n  notes: {{ include "kvguard/templates/NOTES.txt" . | toJson }}\n')
-    args = ["template", "kv", str(chart), "--namespace", "serving", "--show-only", "templates/zz-notes.yaml"]
+    args = ["template", "kv", str(chart), "--namespace", "serving", "--show-only", "templates/zz-notes.yaml", *IMAGE]
     if values:
         args += ["-f", os.path.join(CHART, values)]
     result = helm(*args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import pathlib
 import re
 import shlex
 import shutil
@@ -220,3 +221,71 @@ def test_installed_wheel_registers_the_vllm_plugin(installed, tmp_path):
                             text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['kvguard.vllm.plugin:register']"
+
+
+# ------------------------------------------------- the plugin, copied by the chart
+
+
+def _plugin_copy_command() -> list[str]:
+    """The chart's kvguard-plugin init container command (helm/kvguard/templates/_helpers.tpl)."""
+    from test_helm_chart import pod_spec, render
+
+    (init,) = [c for c in pod_spec(render())["initContainers"] if c["name"] == "kvguard-plugin"]
+    return init["command"]
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(installed, tmp_path_factory):
+    """What the init container leaves in the shared volume, run by the image's python (the wheel's venv)."""
+    dest = tmp_path_factory.mktemp("kvguard-plugin")
+    command = _plugin_copy_command()
+    assert command[:2] == ["python", "-c"]
+    result = subprocess.run([str(installed / "bin" / "python"), *command[1:-1], str(dest)], capture_output=True,
+                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "copied to" in result.stdout
+    return dest
+
+
+def test_the_chart_copies_the_package_and_its_dist_info_only(plugin_dir):
+    assert sorted(p.name for p in plugin_dir.iterdir()) == ["kvguard", f"kvguard-{_version()}.dist-info"]
+    assert (plugin_dir / "kvguard" / "vllm" / "plugin.py").is_file()
+
+
+def _version() -> str:
+    from kvguard import __version__
+    return __version__
+
+
+def _vllm_python() -> pathlib.Path:
+    from vllm_real import envs
+
+    python = envs.env_python("0.11.0")
+    if python is None:
+        pytest.fail("the vLLM 0.11.0 environment is not set up: ./dev.sh test builds it (tests/vllm_real/envs.py)")
+    return python
+
+
+def _load_general_plugins(plugin_dir, extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+    # vLLM's own loader (vllm/plugins/__init__.py 0.11.0:59-72): entry points of group
+    # vllm.general_plugins, filtered by VLLM_PLUGINS when set. kvguard is not installed in this env:
+    # only the copied folder on PYTHONPATH can provide it.
+    code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "print('kvguard.vllm.plugin' in sys.modules)")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(plugin_dir), "HOME": str(plugin_dir.parent), **extra_env}
+    return subprocess.run([str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_vllms_own_loader_finds_the_copied_plugin_on_pythonpath(plugin_dir):
+    result = _load_general_plugins(plugin_dir, {})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_vllm_plugins_without_kvguard_leaves_the_plugin_out(plugin_dir):
+    # The pitfall docs/kubernetes.md names, and the chart refuses: VLLM_PLUGINS lists the only ones loaded.
+    result = _load_general_plugins(plugin_dir, {"VLLM_PLUGINS": "some_other_plugin"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
+    result = _load_general_plugins(plugin_dir, {"VLLM_PLUGINS": "some_other_plugin,kvguard"})
+    assert result.stdout.strip().splitlines()[-1] == "True", result.stderr[-2000:]

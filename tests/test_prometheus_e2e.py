@@ -45,6 +45,8 @@ POD_ENV = {"POD_NAMESPACE": "llm", "POD_NAME": "qwen-demo-0", "CONTAINER_NAME": 
 # Dashboard queries that stay empty against `kvguard serve --demo`, and why. Key: (panel, refId).
 EXPECTED_EMPTY = {
     ("vLLM KV-cache usage", "A"): "no vLLM: the demo runs without --vllm-metrics-url",
+    ("Budget-time verdict per rank", "A"): "no vLLM plugin: the demo's probe judges nothing at budget time",
+    ("Budget-time reasons", "A"): "no vLLM plugin: the demo's probe judges nothing at budget time",
 }
 
 def poll(what: str, check, deadline_seconds: float, interval: float = 0.25):
@@ -110,7 +112,9 @@ def kvguard_and_prometheus(work, kvguard_args: list[str], rule_files: list[str],
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": list(rule_files),
-        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"]}]},
+        # A cluster target label, as multi-cluster setups add one: the dashboard's $cluster reads it.
+        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"],
+                                                                       "labels": {"cluster": "e2e"}}]},
                            *scrape_configs],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))

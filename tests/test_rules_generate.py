@@ -114,7 +114,7 @@ def test_the_job_selector_is_on_every_kvguard_series_and_on_up(tmp_path):
         for matchers in selectors(rule["expr"], KVGUARD_METRIC):
             read += 1
             assert matchers == 'job="llm-guard"' or matchers.endswith(',job="llm-guard"'), (name, rule["expr"])
-    assert read == 24       # 9 alerts' 10, 11 deployment-level recording rules, 3 in the device joins
+    assert read == 31       # 7 alerts' 7 (2 read engine rules), 9 engine rules' 10, 11 pod-level, 3 joins
     assert rules["KVGuardExporterDown"]["expr"] == 'up{job="llm-guard"} == 0'
 
 

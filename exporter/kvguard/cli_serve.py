@@ -137,7 +137,9 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 
 
 @main.command()
-@click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR", help="Address to bind.")
+@click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR",
+              help="Address to bind: an IPv4 address, or an IPv6 one (\"::\" or \"[::]\": every address, IPv6 and IPv4 "
+                   "where the host maps them, for dual-stack and IPv6-only clusters).")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to serve /metrics, /healthz, /readyz and /guard on.")
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
@@ -168,6 +170,15 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 @click.option("--web.config.file", "web_config_file", metavar="FILE",
               help="Prometheus exporter-toolkit web config (tls_server_config, basic_auth_users with bcrypt "
                    "hashes); re-read on change. The --tls-* and --basic-auth-* flags are shorthands for it.")
+@click.option("--engine-id", envvar="KVGUARD_ENGINE_ID", default="", metavar="ID",
+              help="The engine the spool's ranks belong to, the same on every pod of a multi-node engine "
+                   "(an LWS group, a Ray cluster): the engine_id label [env KVGUARD_ENGINE_ID; default: the "
+                   "rank's pod, else its host].")
+@click.option("--log.level", "log_level", type=click.Choice(["debug", "info", "warn", "error"]), default="info",
+              show_default=True, help="Log lines on stderr at this level and above: source failures and guard "
+                                      "state changes, once per change.")
+@click.option("--log.format", "log_format", type=click.Choice(["logfmt", "json"]), default="logfmt",
+              show_default=True, help="Log line format.")
 @click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector "
               f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
@@ -175,11 +186,16 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file, interval, stale_after, forget_after,
           read_timeout,
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
-          web_config_file, demo, demo_ranks):
+          web_config_file, engine_id, log_level, log_format, demo, demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
     from kvguard.server import KVGuardServer, ServerOptions, make_tls_context
     from kvguard.sidecar import Sidecar, SidecarConfig
+    from kvguard.logs import setup as setup_logging
+    from kvguard.spool import safe_text
 
+    setup_logging(log_level, log_format)
+    if listen.startswith("[") and listen.endswith("]"):   # "[::]", as URLs and Kubernetes values write IPv6
+        listen = listen[1:-1]
     if bool(tls_cert_file) != bool(tls_key_file):
         raise click.UsageError("--tls-cert-file and --tls-key-file go together")
     password = _check_basic_auth(basic_auth_user, basic_auth_password_file)
@@ -209,7 +225,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
         sidecar = Sidecar(SidecarConfig(
             spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
             startup_log=startup, interval=interval, stale_after=stale_after, forget_after=forget_after,
-            read_timeout=read_timeout))
+            read_timeout=read_timeout, engine_id=safe_text(engine_id, 253)))
         try:
             server = KVGuardServer(sidecar, options, tls_context=tls_context, web_config=watcher)
         except OSError as exc:

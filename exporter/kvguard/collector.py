@@ -23,9 +23,11 @@ from kvguard.spool import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 # Which device a series is about, for joins with dcgm-exporter and npu-exporter (docs/metrics.md):
-# on device series, and on rank series with the vLLM engine the rank serves ("" where unknown).
+# on device series, and on rank series with the vLLM engine the rank serves ("" where unknown):
+# model_name and engine as vLLM labels its own series (engine: the data-parallel index), engine_id
+# the same on every pod of one engine, so that rules aggregate a multi-node engine once.
 IDENTITY_LABELS = ("device_uuid", "pci_bus_id")
-RANK_IDENTITY_LABELS = IDENTITY_LABELS + ("model_name", "engine")
+RANK_IDENTITY_LABELS = IDENTITY_LABELS + ("model_name", "engine", "engine_id")
 SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
 
 

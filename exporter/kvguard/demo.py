@@ -105,5 +105,7 @@ def start_demo(spool_dir: str, ranks: int, interval: float = 1.0):
     """Start the probe over the demo ranks; returns the running Probe."""
     from kvguard.probe import Probe
 
-    return Probe(spool_dir, source=DemoSource(ranks=ranks), interval=interval, sample_timeout=max(interval, 5.0),
-                 environ={}).start()
+    probe = Probe(spool_dir, source=DemoSource(ranks=ranks), interval=interval, sample_timeout=max(interval, 5.0),
+                  environ={})
+    probe.set_engine("Qwen/Qwen2.5-7B-Instruct", 0)   # the simulated model, named as vLLM names its engine
+    return probe.start()

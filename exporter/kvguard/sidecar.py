@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+import logging
+
 from kvguard.estimator import FORMULAS, Profile, required_fields
 from kvguard.guard import CounterWindow, GuardInput, Reason, Verdict, judge, no_ranks_reason, worst
 from kvguard.poller import Poller, PollState
@@ -37,6 +39,7 @@ POD_KEYS = tuple(key for key in SNAPSHOT_POD_ENV if key != "node")
 POD_ENV = {key: SNAPSHOT_POD_ENV[key] for key in POD_KEYS}
 
 SPOOL = "spool"
+ENGINE_ID_ENV = "KVGUARD_ENGINE_ID"
 VLLM_METRICS = "vllm_metrics"
 DUPLICATE = "duplicate"
 # Why a rank was left out as dead (a label value, so the set is fixed).
@@ -72,7 +75,8 @@ class RankView:
         """The identity labels the rank's series carry (collector.RANK_IDENTITY_LABELS); "" where unknown."""
         memory = self.snapshot.memory if self.snapshot else None
         return {"device_uuid": memory.device_uuid if memory else "", "pci_bus_id": memory.pci_bus_id if memory else "",
-                "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", "")}
+                "model_name": self.labels.get("model_name", ""), "engine": self.labels.get("engine", ""),
+                "engine_id": self.labels.get("engine_id", "")}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +161,9 @@ class SidecarConfig:
     counter_window_seconds: float = 300.0
     one_shot: bool = False                         # counters since process start, not over a window
     pod_labels: dict[str, str] = field(default_factory=pod_labels_from_env)
+    # The engine these ranks belong to, the same on every pod of a multi-node engine (serve --engine-id,
+    # KVGUARD_ENGINE_ID: an LWS group, a Ray cluster); "": each rank's pod, else its host (engine_id()).
+    engine_id: str = field(default_factory=lambda: safe_text(os.environ.get(ENGINE_ID_ENV, ""), 253))
 
 
 class Sidecar:
@@ -190,6 +197,11 @@ class Sidecar:
             else FORGET_AFTER_STALE_WINDOWS * config.stale_after
         self._host = socket.gethostname()
         self._pid_namespace = own_pid_namespace()
+        # What was last logged (log_changes): each source's up, each rank's state and reasons.
+        self._log_lock = threading.Lock()
+        self._logged_sources: dict[str, bool] = {}
+        self._logged_ranks: dict[tuple, tuple] = {}
+        self._logged_no_ranks: str | None = None
 
     # -------------------------------------------------------------------- background reads
 
@@ -284,10 +296,53 @@ class Sidecar:
             for memory in state.value or []:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
                 devices.append(DeviceView(labels, memory))
-        return Observation(ranks=ranks, devices=devices, sources=sources, spool_snapshots=len(spool_read.snapshots),
-                           skipped=skipped, interval_seconds=config.interval, spool_clamped=spool_read.clamped,
-                           no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
-                           aged_out=aged_out)
+        observation = Observation(ranks=ranks, devices=devices, sources=sources,
+                                  spool_snapshots=len(spool_read.snapshots), skipped=skipped,
+                                  interval_seconds=config.interval, spool_clamped=spool_read.clamped,
+                                  no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
+                                  aged_out=aged_out)
+        self.log_changes(observation)
+        return observation
+
+    def log_changes(self, observation: Observation) -> None:
+        """Log what changed since the last observation, once per change: a source going down (with
+        its error) or coming back, a rank's guard state or reasons, no rank left to judge. Every
+        scrape, /guard and /readyz observes; an unchanged world logs nothing."""
+        from kvguard.logs import LOGGER, event
+
+        logger = logging.getLogger(LOGGER)
+        with self._log_lock:
+            for state in observation.sources:
+                before = self._logged_sources.get(state.name)
+                if before is None and state.up:
+                    self._logged_sources[state.name] = True
+                elif before is not None and before == state.up:
+                    continue
+                elif state.up:
+                    self._logged_sources[state.name] = True
+                    event(logger, logging.INFO, "source up", source=state.name)
+                elif state.last_error:          # down, and a read has said why
+                    self._logged_sources[state.name] = False
+                    event(logger, logging.WARNING, "source down", source=state.name, error=state.last_error)
+            seen = {}
+            for view in observation.ranks:
+                key = tuple(view.labels.get(k, "") for k in RANK_LABELS)
+                now = (view.verdict.state, tuple(r.code for r in view.verdict.reasons))
+                seen[key] = now
+                before = self._logged_ranks.get(key)
+                if before == now:
+                    continue
+                level = {"ok": logging.INFO, "warning": logging.WARNING}.get(now[0], logging.ERROR)
+                event(logger, level, "guard state", pod=view.labels.get("pod", ""),
+                      namespace=view.labels.get("namespace", ""), rank=view.labels.get("rank", ""),
+                      device=view.labels.get("device", ""), engine_id=view.labels.get("engine_id", ""),
+                      state=now[0], previous=before[0] if before else "", reasons=",".join(now[1]),
+                      headroom_bytes=view.verdict.headroom_bytes)
+            self._logged_ranks = seen
+            why = None if observation.ranks else observation.no_ranks_why
+            if why != self._logged_no_ranks and why is not None:
+                event(logger, logging.WARNING, "no ranks to judge", why=why)
+            self._logged_no_ranks = why
 
     def _no_ranks_why(self, sources: list[PollState], spool_read: SpoolRead, aged_out: Counter) -> str:
         config = self.config
@@ -338,7 +393,8 @@ class Sidecar:
             # The vLLM engine this rank belongs to (its snapshot names it, or vLLM has only one).
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
             labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
-                          engine=snap.engine or (engine.engine if engine else ""))
+                          engine=snap.engine or (engine.engine if engine else ""),
+                          engine_id=config.engine_id or labels["pod"] or snap.host)
             missing = self._log_missing if profile is None else None
             blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
@@ -360,7 +416,8 @@ class Sidecar:
             # No probe: judge each engine vLLM's metrics describe (or the one the log does).
             for engine in (vllm.engines if vllm and vllm.engines else (None,)):
                 labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
-                          "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else ""}
+                          "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else "",
+                          "engine_id": config.engine_id or config.pod_labels.get("pod", "") or self._host}
                 blocks, kv_bytes = self._engine_kv_cache(engine)
                 verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
                 views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,

@@ -37,6 +37,7 @@ ROOTS = (
     "io.k8s.api.core.v1.Capabilities",
     "io.k8s.api.apps.v1.DeploymentStrategy",
     "io.k8s.api.apps.v1.DaemonSetUpdateStrategy",
+    "io.k8s.api.networking.v1.NetworkPolicyPeer",
     "io.k8s.apimachinery.pkg.api.resource.Quantity",
 )
 SCHEMA = pathlib.Path(__file__).resolve().parent.parent / "values.schema.json"

@@ -22,7 +22,7 @@
 
 {{/* The pods' role: the serving workload with kvguard beside it, or kvguard alone per node. */}}
 {{- define "kvguard.component" -}}
-{{- if eq .Values.mode "sidecar" }}serving{{ else }}device-exporter{{ end }}
+{{- if eq .Values.mode "daemonset" }}device-exporter{{ else }}serving{{ end }}
 {{- end }}
 
 {{- define "kvguard.selectorLabels" -}}
@@ -63,8 +63,47 @@ app.kubernetes.io/part-of: kvguard
 {{- if or .Values.kvguard.tls.enabled (and .Values.kvguard.webConfig.enabled .Values.kvguard.webConfig.tls) }}https{{ else }}http{{ end }}
 {{- end }}
 
+{{/*
+What is cluster-wide (the dashboard, the rules): "true" or "". Unset (null), on only in mode cluster,
+so that N sidecar releases beside one cluster release make one dashboard and one rule set.
+*/}}
+{{- define "kvguard.rulesEnabled" -}}
+{{- $on := .Values.prometheusRule.enabled }}
+{{- if kindIs "invalid" $on }}{{ $on = eq .Values.mode "cluster" }}{{ end }}
+{{- if and $on (ne .Values.mode "attach") }}true{{ end }}
+{{- end }}
+
+{{- define "kvguard.dashboardEnabled" -}}
+{{- $on := .Values.dashboard.enabled }}
+{{- if kindIs "invalid" $on }}{{ $on = eq .Values.mode "cluster" }}{{ end }}
+{{- if and $on (ne .Values.mode "attach") }}true{{ end }}
+{{- end }}
+
+{{/*
+The dashboard's uid, title suffix and ConfigMap key: "kvguard" and kvguard.json for the cluster's one
+copy; a release's own copy gets its own (uid at most 40 characters, as Grafana allows), so that two
+copies never overwrite each other in Grafana's sidecar folder or under one uid.
+*/}}
+{{- define "kvguard.dashboardUid" -}}
+{{- if eq .Values.mode "cluster" }}kvguard{{ else }}{{ printf "kvguard-%s" (sha256sum (printf "%s/%s" .Release.Namespace (include "kvguard.fullname" .)) | trunc 12) }}{{ end }}
+{{- end }}
+
+{{- define "kvguard.dashboardKey" -}}
+{{- if eq .Values.mode "cluster" }}kvguard.json{{ else }}{{ printf "kvguard-%s-%s.json" .Release.Namespace (include "kvguard.fullname" .) }}{{ end }}
+{{- end }}
+
 {{/* Checks on combinations of values that the schema cannot express clearly. */}}
 {{- define "kvguard.validate" -}}
+{{- if and (ne .Values.mode "cluster") (not .Values.image.repository) }}
+{{- fail "image.repository is required: no kvguard image is published; build it from the repository's Dockerfile, push it, and set image.repository (README, \"Install\")" }}
+{{- end }}
+{{- if has .Values.mode (list "sidecar" "leaderworkerset") }}
+{{- range .Values.serving.env }}
+{{- if and (eq .name "VLLM_PLUGINS") (not (has "kvguard" (splitList "," (.value | default "" | nospace)))) }}
+{{- fail (printf "serving.env sets VLLM_PLUGINS=%q without kvguard: vLLM would load no kvguard plugin and the probe would never start; add kvguard to the list" (.value | default "")) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if and (eq .Values.monitor.kind "ServiceMonitor") (not .Values.service.enabled) }}
 {{- fail "monitor.kind=ServiceMonitor needs service.enabled=true (or use monitor.kind=PodMonitor)" }}
 {{- end }}
@@ -80,10 +119,10 @@ app.kubernetes.io/part-of: kvguard
 {{- if and .Values.kvguard.basicAuth.enabled (not .Values.kvguard.basicAuth.secretName) }}
 {{- fail "kvguard.basicAuth.enabled needs kvguard.basicAuth.secretName (a Secret with the username and password keys)" }}
 {{- end }}
-{{- if and (eq .Values.mode "sidecar") (eq .Values.serving.name .Values.kvguard.name) }}
+{{- if and (has .Values.mode (list "sidecar" "leaderworkerset")) (eq .Values.serving.name .Values.kvguard.name) }}
 {{- fail (printf "serving.name and kvguard.name are both %q: two containers in one pod cannot share a name; rename one" .Values.serving.name) }}
 {{- end }}
-{{- if and (eq .Values.mode "sidecar") .Values.sidecar.native (semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version) }}
+{{- if and (has .Values.mode (list "sidecar" "leaderworkerset")) .Values.sidecar.native (semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version) }}
 {{- fail (printf "sidecar.native=true needs Kubernetes >= 1.29 (native sidecar containers); this cluster is %s: set sidecar.native=false" .Capabilities.KubeVersion.Version) }}
 {{- end }}
 {{- end }}
@@ -109,16 +148,20 @@ app.kubernetes.io/part-of: kvguard
 {{- $k := .Values.kvguard -}}
 {{- $sources := $k.sources -}}
 {{- if not $sources -}}
-{{- if eq .Values.mode "sidecar" }}{{ $sources = list "auto" }}{{ else }}{{ $sources = list .Values.daemonset.deviceSource }}{{ end -}}
+{{- if has .Values.mode (list "sidecar" "leaderworkerset") }}{{ $sources = list "auto" }}{{ else }}{{ $sources = list .Values.daemonset.deviceSource }}{{ end -}}
 {{- end -}}
 - serve
-- --listen=0.0.0.0
+- --listen={{ $k.listen }}
 - --port={{ $k.port }}
-{{- if eq .Values.mode "sidecar" }}
+- --log.level={{ $k.logLevel }}
+- --log.format={{ $k.logFormat }}
+{{- if has .Values.mode (list "sidecar" "leaderworkerset") }}
 - --spool-dir={{ .Values.sidecar.spool.mountPath }}
-{{- if $k.vllmMetrics.enabled }}
+{{- if and $k.vllmMetrics.enabled (ne (index .Values "__role" | default "") "worker") }}
 - --vllm-metrics-url=http://127.0.0.1:{{ .Values.serving.port }}{{ $k.vllmMetrics.path }}
 {{- end }}
+{{- else if and (eq .Values.mode "daemonset") .Values.daemonset.spoolHostPath }}
+- --spool-dir={{ .Values.sidecar.spool.mountPath }}
 {{- end }}
 {{- range $sources }}
 - --source={{ . }}
@@ -170,7 +213,7 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
 - name: {{ $k.name }}
   image: {{ include "kvguard.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  {{- if and (eq .Values.mode "sidecar") .Values.sidecar.native }}
+  {{- if and (has .Values.mode (list "sidecar" "leaderworkerset")) .Values.sidecar.native }}
   restartPolicy: Always
   {{- end }}
   args:
@@ -178,8 +221,25 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
   env:
     {{- include "kvguard.identityEnv" . | nindent 4 }}
     - name: CONTAINER_NAME
-      value: {{ if eq .Values.mode "sidecar" }}{{ .Values.serving.name }}{{ else }}{{ $k.name }}{{ end }}
-    {{- if eq .Values.mode "sidecar" }}
+      value: {{ if has .Values.mode (list "sidecar" "leaderworkerset") }}{{ .Values.serving.name }}{{ else }}{{ $k.name }}{{ end }}
+    {{- if index .Values "__role" }}
+    {{- /* A LeaderWorkerSet group is one engine: its name and group index, the same on the leader and
+           every worker pod (leaderworkerset.sigs.k8s.io labels, set on every pod of the group). */}}
+    - name: LWS_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/name']
+    - name: LWS_GROUP_INDEX
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.labels['leaderworkerset.sigs.k8s.io/group-index']
+    - name: KVGUARD_ENGINE_ID
+      value: {{ $k.engineId | default "$(LWS_NAME)-$(LWS_GROUP_INDEX)" | quote }}
+    {{- else if $k.engineId }}
+    - name: KVGUARD_ENGINE_ID
+      value: {{ $k.engineId | quote }}
+    {{- end }}
+    {{- if has .Values.mode (list "sidecar" "leaderworkerset") }}
     - name: KVGUARD_SPOOL_DIR
       value: {{ .Values.sidecar.spool.mountPath }}
     {{- end }}
@@ -229,7 +289,12 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
   volumeMounts:
     - name: kvguard-tmp
       mountPath: /tmp
-    {{- if eq .Values.mode "sidecar" }}
+    {{- if has .Values.mode (list "sidecar" "leaderworkerset") }}
+    - name: kvguard-spool
+      mountPath: {{ .Values.sidecar.spool.mountPath }}
+      readOnly: true
+    {{- end }}
+    {{- if and (eq .Values.mode "daemonset") .Values.daemonset.spoolHostPath }}
     - name: kvguard-spool
       mountPath: {{ .Values.sidecar.spool.mountPath }}
       readOnly: true
@@ -260,6 +325,35 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
       mountPath: /etc/kvguard/web-config
       readOnly: true
     {{- end }}
+{{- end }}
+
+{{/*
+The init container that copies kvguard's plugin from the kvguard image into a shared volume: the
+package and its dist-info (which carries the vllm.general_plugins entry point), for the serving
+container's PYTHONPATH. The plugin needs nothing beyond the standard library and kvguard itself.
+*/}}
+{{- define "kvguard.pluginInitContainer" -}}
+- name: kvguard-plugin
+  image: {{ include "kvguard.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - python
+    - -c
+    - |
+      import importlib.metadata, pathlib, shutil, sys
+      dist, dest = importlib.metadata.distribution("kvguard"), pathlib.Path(sys.argv[1])
+      for top in sorted({pathlib.PurePath(str(f)).parts[0] for f in dist.files}):
+          if top == "kvguard" or (top.startswith("kvguard-") and top.endswith(".dist-info")):
+              shutil.copytree(dist.locate_file(top), dest / top, dirs_exist_ok=True)
+      print("kvguard plugin", dist.version, "copied to", dest)
+    - {{ .Values.sidecar.plugin.mountPath }}
+  resources:
+    {{- toYaml .Values.kvguard.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.kvguard.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: kvguard-plugin
+      mountPath: {{ .Values.sidecar.plugin.mountPath }}
 {{- end }}
 
 {{/* Volumes the kvguard container needs, in both modes. */}}
@@ -382,6 +476,13 @@ affinity:
     - action: replace
       targetLabel: job
       replacement: kvguard
+    {{- if has .Values.mode (list "sidecar" "leaderworkerset" "servingruntime") }}
+    # The container every series names: the serving container, whose memory kvguard reports (its
+    # rank and device series say so through CONTAINER_NAME); up{} and the sidecar's own series too.
+    - action: replace
+      targetLabel: container
+      replacement: {{ if eq .Values.mode "servingruntime" }}kserve-container{{ else }}{{ .Values.serving.name }}{{ end }}
+    {{- end }}
     {{- with $m.relabelings }}
     {{- toYaml . | nindent 4 }}
     {{- end }}

@@ -10,6 +10,9 @@ fills them as the generator fills them from its DEFAULTS (which values.yaml mirr
   ${runbookUrl}            printf prometheusRule.runbookUrl <the alert's name in lower case>
 then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}` to `}`, `name{}` to
 `name`. Substitution happens in the parsed strings, so a value's quotes cannot break the YAML.
+Alerts named in prometheusRule.disabled (true) are left out; prometheusRule.customRules.<alert>.severity
+replaces an alert's severity, and prometheusRule.additionalRuleLabels are added to every alert's labels,
+as rules.py's kept() and filled() do.
 */}}
 {{- define "kvguard.ruleGroups" -}}
 {{- $config := .root.Values.prometheusRule }}
@@ -38,6 +41,7 @@ then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}`
 {{- range $group := get $parsed "groups" }}
 {{- $rules := list }}
 {{- range $rule := $group.rules }}
+{{- if not (and (hasKey $rule "alert") (index (default (dict) $config.disabled) $rule.alert)) }}
 {{- $values := deepCopy $common }}
 {{- if hasKey $rule "alert" }}
 {{- $_ := set $values "${runbookUrl}" (printf $config.runbookUrl (lower $rule.alert)) }}
@@ -67,7 +71,17 @@ then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}`
 {{- $_ := set $filled $key $s }}
 {{- end }}
 {{- end }}
+{{- if hasKey $rule "alert" }}
+{{- $labels := get $filled "labels" }}
+{{- with (index (default (dict) $config.customRules) $rule.alert) }}
+{{- with .severity }}{{ $_ := set $labels "severity" . }}{{ end }}
+{{- end }}
+{{- range $name, $value := (default (dict) $config.additionalRuleLabels) }}
+{{- $_ := set $labels $name (toString $value) }}
+{{- end }}
+{{- end }}
 {{- $rules = append $rules $filled }}
+{{- end }}
 {{- end }}
 {{- $groups = append $groups (dict "name" $group.name "rules" $rules) }}
 {{- end }}
