@@ -163,7 +163,7 @@ def test_check_says_when_the_budget_time_verdict_stands_for_a_rank(tmp_path):
     run = run_guarded(scenario())
     write(tmp_path, dataclasses.replace(snapshot(), budget_verdict=run.at_budget, kv_cache=None))
     result = CliRunner().invoke(main, ["check", "--spool-dir", str(tmp_path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2   # critical
     first = result.output.splitlines()[0]
     assert first.startswith("CRITICAL") and "(budget-time verdict: the KV cache is not allocated yet)" in first
     assert "kv_cache_placement_fails" in result.output

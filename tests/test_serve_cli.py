@@ -53,10 +53,10 @@ def test_check_exits_1_on_warning(tmp_path):
     assert "overcommitted" in result.output
 
 
-def test_check_exits_1_on_critical_and_says_why(tmp_path):
+def test_check_exits_2_on_critical_and_says_why(tmp_path):
     write(tmp_path, snapshot(utilization=0.99))
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.startswith("CRITICAL")
     assert "projected_peak_exceeds_capacity" in result.output
 
@@ -72,7 +72,7 @@ def test_check_json_is_the_guard_verdict(tmp_path):
 def test_check_counts_ooms_since_process_start(tmp_path):
     write(tmp_path, snapshot(kv_blocks=1000, ooms=1))
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 1 and "ooms_climbing" in result.output
+    assert result.exit_code == 2 and "ooms_climbing" in result.output
 
 
 def test_check_from_a_log(data_path):
@@ -81,15 +81,15 @@ def test_check_from_a_log(data_path):
     assert json.loads(result.output)["ranks"][0]["stock_budget_bytes"] > 0
 
 
-def test_check_exits_2_with_nothing_to_check():
+def test_check_exits_3_with_nothing_to_check():
     result = check()
-    assert result.exit_code == 2
+    assert result.exit_code == 3
     assert result.output.strip() == "Error: nothing to check: give --spool-dir, --from-log or --vllm-metrics-url"
 
 
 def test_check_on_an_empty_spool_is_the_no_ranks_warning_guard_gives(tmp_path):
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 1
+    assert result.exit_code == 3   # UNKNOWN: no verdict, never ok
     assert result.output == f"WARNING  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot " \
                             f"say the KV cache fits\n"
     data = json.loads(check("--spool-dir", str(tmp_path), "--json").output)
@@ -100,12 +100,12 @@ def test_check_on_an_empty_spool_is_the_no_ranks_warning_guard_gives(tmp_path):
 def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
     result = check("--from-log", os.path.join(ROOT, "exporter", "kvguard", "examples",
                                               "vllm-mindspore-qwen2.5-7b.log"), "--json")
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 3, result.output   # could not judge
     rank = json.loads(result.output)["ranks"][0]
     assert rank["state"] == "warning" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
     message = rank["reasons"][0]["message"]
     assert "no --from-log" not in message
-    assert "vllm-mindspore 0.5.0+" in message and "states the weights, the KV cache vLLM decided" in message
+    assert "(vllm-mindspore)" in message and "states the weights, the KV cache vLLM decided" in message
     assert "but not the device's total memory, gpu_memory_utilization (the activation peak follows" in message
 
 
@@ -123,32 +123,32 @@ def test_check_from_the_bundled_log_with_what_it_lacks_gives_a_real_verdict(util
 
 def test_check_refuses_log_figures_without_a_log(tmp_path):
     result = check("--spool-dir", str(tmp_path), "--total-memory", "64GiB")
-    assert result.exit_code == 2 and "give --from-log" in result.output
+    assert result.exit_code == 3 and "give --from-log" in result.output
 
 
-def test_check_exits_2_on_a_log_without_vllm_lines(data_path):
+def test_check_exits_3_on_a_log_without_vllm_lines(data_path):
     result = check("--from-log", data_path("logs", "garbage.log"))
-    assert result.exit_code == 2
+    assert result.exit_code == 3
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
-def test_check_exits_2_on_a_missing_log(tmp_path):
+def test_check_exits_3_on_a_missing_log(tmp_path):
     result = check("--from-log", str(tmp_path / "absent.log"))
-    assert result.exit_code == 2 and result.output == f"Error: log file not found: {tmp_path / 'absent.log'}\n"
+    assert result.exit_code == 3 and result.output == f"Error: log file not found: {tmp_path / 'absent.log'}\n"
 
 
 def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):
     fifo = tmp_path / "vllm.log"
     os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
     result = invoke_bounded("check", "--from-log", str(fifo))
-    assert result.exit_code == 2
+    assert result.exit_code == 3
     assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
 
 
 def test_check_says_why_there_is_nothing_to_judge():
     url = f"http://127.0.0.1:{free_port()}/metrics"   # nothing listens there
     result = check("--vllm-metrics-url", url, "--read-timeout", "5")
-    assert result.exit_code == 1
+    assert result.exit_code == 3
     assert result.output.startswith(f"WARNING  no_ranks: no rank judged (vllm_metrics down: {url}: ")
     assert len(result.output.splitlines()) == 1
 
@@ -170,7 +170,7 @@ def test_check_against_a_hanging_vllm_ends_with_the_no_ranks_warning():
         runner.start()
         runner.join(timeout=60)
         assert not runner.is_alive()
-        assert result["r"].exit_code == 1 and "no_ranks" in result["r"].output
+        assert result["r"].exit_code == 3 and "no_ranks" in result["r"].output
         assert "Traceback" not in result["r"].output
     finally:
         server.close()
@@ -399,7 +399,7 @@ def test_check_with_a_lone_surrogate_in_a_snapshot_prints_no_traceback(tmp_path)
     assert result.returncode == 1 and "npu:\ufffd" in result.stdout
 
 
-def test_check_that_fails_inside_says_so_in_one_line_and_exits_2(tmp_path, monkeypatch):
+def test_check_that_fails_inside_says_so_in_one_line_and_exits_3(tmp_path, monkeypatch):
     write(tmp_path, snapshot())
     from kvguard import sidecar
 
@@ -407,7 +407,7 @@ def test_check_that_fails_inside_says_so_in_one_line_and_exits_2(tmp_path, monke
         raise KeyError("surprise")
     monkeypatch.setattr(sidecar.Sidecar, "observe", broken)
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 2
+    assert result.exit_code == 3
     assert result.output == "Error: cannot judge: KeyError: 'surprise'\n"
 
 
@@ -435,13 +435,13 @@ def test_check_post_mortem_judges_the_ranks_of_a_finished_run_however_old(tmp_pa
     """After a crash the dead rank is the one to read: --post-mortem keeps it, and its verdict."""
     write(tmp_path, snapshot(utilization=0.99, pid=10, written_at=time.time() - 1000))
     aged = check("--spool-dir", str(tmp_path))
-    assert aged.exit_code == 1 and "no_ranks" in aged.output and "not_written 1" in aged.output, aged.output
+    assert aged.exit_code == 3 and "no_ranks" in aged.output and "not_written 1" in aged.output, aged.output
     kept = check("--spool-dir", str(tmp_path), "--post-mortem", "--json")
     data = json.loads(kept.output)
     assert [rank["state"] for rank in data["ranks"]] == ["critical"], data
-    assert kept.exit_code == 1
+    assert kept.exit_code == 2
 
 
 def test_check_post_mortem_does_not_take_forget_after(tmp_path):
     result = check("--spool-dir", str(tmp_path), "--post-mortem", "--forget-after", "5")
-    assert result.exit_code == 2 and "does not take --forget-after" in result.output
+    assert result.exit_code == 3 and "does not take --forget-after" in result.output

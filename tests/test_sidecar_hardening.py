@@ -103,9 +103,9 @@ def log_with_utilization_5(data_path, tmp_path):
     return str(path)
 
 
-def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_2(log_with_utilization_5):
+def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_3(log_with_utilization_5):
     result = kvguard("check", "--from-log", log_with_utilization_5)
-    assert result.returncode == 2   # 1 would read as "warning" to the caller
+    assert result.returncode == 3   # UNKNOWN: 1 or 2 would read as a verdict to the caller
     assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
 
 
@@ -182,11 +182,11 @@ def test_any_mutated_real_log_is_a_startup_log_or_one_line_in_budget_and_check(t
         except ProfileError as exc:
             assert "\n" not in str(exc)
     for command, codes in ((["budget", "--from-log", str(path)], (0, 1, 2)),
-                           (["check", "--from-log", str(path)], (0, 1, 2))):
+                           (["check", "--from-log", str(path)], (0, 1, 2, 3))):
         result = CliRunner().invoke(main, command)
         assert result.exit_code in codes, (command, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit), (command, result.exception)
-        if result.exit_code == 2 or (command[0] == "budget" and result.exit_code):
+        if result.output.startswith("Error") or (command[0] == "budget" and result.exit_code):
             assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1, result.output
 
 

@@ -16,10 +16,9 @@ def read(data_path, name):
 
 def test_v1_lines_with_colour_codes_and_worker_prefixes(data_path):
     log = read(data_path, "v1-tp2-debug.log")
-    # The a-D profile line and "Free memory on device": a V1 release before 0.27, not one era.
-    assert log.era is None
-    assert log.era_candidates == ("vllm 0.9.1–0.11.2", "vllm 0.12.0–0.13.0", "vllm 0.14.0–0.17.1",
-                                  "vllm 0.18.0–0.19.1", "vllm 0.20.0–0.26.0")
+    # The a-D profile line (0.9.1-0.26) and "Model loading took … GiB and" (0.12 added "memory"): one era.
+    assert log.era == "vllm 0.9.1–0.11.2" and log.era_candidates == ("vllm 0.9.1–0.11.2",)
+    assert "model_loading (0.8.5–0.11.2)" in log.era_reason and "profile_peak (0.9.1–0.26.0)" in log.era_reason
     assert log.kv_cache_tokens == 708_672
     assert (log.max_model_len, log.max_concurrency) == (32_768, 21.63)
 
@@ -179,12 +178,16 @@ def test_310p_halving_names_its_worker(data_path):
     assert log.weights_bytes == round(14.3005 * GIB)
 
 
-def test_bundled_example_log_now_carries_the_weights():
+def test_bundled_example_log_is_labelled_with_its_real_era():
     from conftest import EXAMPLES
     with open(os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")) as handle:
         log = parse_log(handle.read())
     assert log.weights_bytes == round(14.1852 * GIB)   # "Model loading took 14.1852 GiB and 21.47 seconds"
-    assert (log.project, log.era) == ("vllm-mindspore", "vllm-mindspore 0.5.0+")
+    # It names vllm-mindspore's platform plugin, which 0.5 no longer has (issue 24): an older release, no row,
+    # and so no 128-token default: its tokens are not turned into blocks of a size it did not use.
+    assert (log.project, log.era, log.era_candidates) == ("vllm-mindspore", None, ())
+    assert "before 0.5" in log.era_reason
+    assert log.effective_block_size() == (None, "no era")
 
 
 def test_requested_memory_line_tells_0_13_from_0_14_by_its_digits():
@@ -206,3 +209,162 @@ def test_regex_bait_is_skipped_without_error():
     bait = "Model loading took " * 150 + "Available KV cache memory: " * 100 + "(" * 2000   # < MAX_LINE_CHARS
     log = parse_log("\n".join([bait] * 20))
     assert log.lines_matched == 0 and log.weights_bytes is None
+
+
+# ------------------------------------------------------------------ what people paste (issue 19)
+# Lines below render the format strings of the release each test names (file:line cited), with the
+# prefix vLLM's logger writes; the real logs users posted are in tests/data/logs/real (test_real_logs.py).
+
+def _prefix(message, file_line="gpu_worker.py:563", pid="Worker_TP0 pid=447"):
+    return f"({pid}) INFO 08-14 14:07:22 [{file_line}] {message}"
+
+
+def test_a_terminal_wrapped_line_reads_as_the_whole():
+    # worker/worker.py 0.7.0's breakdown, as posted in vllm-project/vllm#15598 (real r14), cut at 80 columns.
+    line = ("(RayWorkerWrapper pid=1463574, ip=192.168.10.60) INFO 03-27 10:29:01 [worker.py:267] model weights take "
+            "20.64GiB; non_torch_memory takes 0.28GiB; PyTorch activation peak memory takes 1.52GiB; the rest of the "
+            "memory reserved for KV Cache is 21.20GiB.")
+    whole = parse_log(line)
+    wrapped = parse_log("\n".join(line[i:i + 80] for i in range(0, len(line), 80)))
+    assert whole.available_kv_cache_bytes == round(21.20 * GIB)
+    for name in ("weights_bytes", "non_torch_increase_bytes", "peak_allocated_increase_bytes", "available_kv_cache_bytes"):
+        assert getattr(wrapped, name) == getattr(whole, name), name
+
+
+def test_the_0_27_summary_is_read_whole_even_split_at_its_full_stops():
+    # w 0.27.0:767-786 (compile_or_warm_up_model), figures of a 79.19 GiB device.
+    summary = ("Free memory on device (70.12/79.19 GiB) on startup. Desired GPU memory utilization is (0.92, 72.86 "
+               "GiB). Actual usage is 16.1 GiB for consumed memory (weights + non-torch), 1.42 GiB for peak "
+               "activation, and 0.51 GiB for CUDAGraph memory. Replace gpu_memory_utilization config with "
+               "`--kv-cache-memory=59678851072` (55.58 GiB) to fit into requested memory, or "
+               "`--kv-cache-memory=67529234432` (62.89 GiB) to fully utilize gpu memory. Current kv cache memory in "
+               "use is 55.34 GiB.")
+    for text in (_prefix(summary, "gpu_worker.py:786"),
+                 "\n".join(_prefix(part, "gpu_worker.py:786") for part in summary.replace(". ", ".\n").splitlines())):
+        log = parse_log(text)
+        assert (log.init_free_memory_bytes, log.total_memory_bytes) == (round(70.12 * GIB), round(79.19 * GIB))
+        assert (log.gpu_memory_utilization, log.requested_memory_bytes) == (0.92, round(72.86 * GIB))
+        assert log.total_consumed_bytes == round(16.1 * GIB) and log.peak_activation_bytes == round(1.42 * GIB)
+        assert log.cudagraph_actual_bytes == round(0.51 * GIB)
+        assert log.available_kv_cache_bytes == round(55.34 * GIB)
+        assert log.era_candidates == ("vllm 0.27.0–0.33.0", "vllm 0.34.0+")
+
+
+def test_the_v1_max_seq_len_refusal_is_a_fact_and_names_its_wording_era():
+    # v1/core/kv_cache_utils.py 0.27.0:779-782 ("model's"; up to 0.26 "models's").
+    log = parse_log(_prefix("ValueError: To serve at least one request with the model's max seq len (131072), "
+                            "(16.00 GiB KV cache is needed, which is larger than the available KV cache memory "
+                            "(8.69 GiB). Based on the available memory, the estimated maximum model length is 71168.",
+                            "core.py:1100", "EngineCore pid=12"))
+    assert (log.refusal, log.max_model_len) == ("max_seq_len", 131072)
+    assert (log.needed_kv_cache_bytes, log.available_kv_cache_bytes) == (16 * GIB, round(8.69 * GIB))
+    assert log.era_candidates == ("vllm 0.27.0–0.33.0", "vllm 0.34.0+")
+
+
+def test_the_new_torch_oom_message_states_every_figure():
+    # c10/cuda/CUDACachingAllocator.cpp (torch 2.1+), as posted in FlashML-org/FreeToken#168.
+    log = parse_log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 128.00 MiB. GPU 0 has a total "
+                    "capacity of 11.63 GiB of which 21.56 MiB is free. Including non-PyTorch memory, this process has "
+                    "11.07 GiB memory in use. Of the allocated memory 10.85 GiB is allocated by PyTorch, with 22.00 MiB "
+                    "allocated in private pools (e.g., CUDA Graphs), and 36.30 MiB is reserved by PyTorch but "
+                    "unallocated.")
+    oom = log.oom
+    assert (oom.device, oom.tried_bytes, oom.total_bytes) == ("cuda", 128 << 20, round(11.63 * GIB))
+    assert oom.free_bytes == round(21.56 * (1 << 20)) and oom.allocated_bytes == round(10.85 * GIB)
+    assert oom.reserved_unallocated_bytes == round(36.30 * (1 << 20)) == oom.idle_reserved_bytes
+    assert oom.process_in_use_bytes == round(11.07 * GIB)
+
+
+def test_the_disabled_cuda_graph_estimate_states_the_utilization_and_subtracts_nothing():
+    # w 0.20.0:472-480: the estimate measured, not applied.
+    log = parse_log(_prefix("CUDA graph memory profiling is disabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0). "
+                            "Without it, CUDA graph memory is not accounted for during KV cache allocation, which may "
+                            "require lowering --gpu-memory-utilization to avoid OOM. Consider re-enabling it (the "
+                            "default as of v0.21.0) and increasing --gpu-memory-utilization from 0.9350 to 0.9595.",
+                            "gpu_worker.py:473"))
+    assert (log.gpu_memory_utilization, log.cudagraph_memory_bytes) == (0.935, 0)
+    assert "vllm 0.14.0–0.17.1" not in log.era_candidates and "vllm 0.18.0–0.19.1" in log.era_candidates
+
+
+def test_cuda_graph_pool_and_capture_lines():
+    # w 0.20.0:600 and v1/worker/gpu_model_runner.py 0.20.0:6134.
+    log = parse_log(_prefix("CUDA graph pool memory: 2.0 GiB (actual), 1.59 GiB (estimated), difference: 0.41 GiB "
+                            "(20.5%).", "gpu_worker.py:600") + "\n"
+                    + _prefix("Graph capturing finished in 12 secs, took 1.42 GiB", "gpu_model_runner.py:6134"))
+    assert log.cudagraph_estimate_bytes == round(1.59 * GIB)
+    assert log.cudagraph_actual_bytes == round(1.42 * GIB)   # the later line: what capture took
+
+
+def test_a_hybrid_models_block_size_is_read_not_invented(data_path):
+    log = read(data_path, os.path.join("real", "r30.log"))
+    assert log.effective_block_size() == (544, "stated")
+
+
+def test_a_lost_hash_does_not_turn_the_cpu_count_into_the_gpu_count(data_path):
+    # "GPU blocks: 1952, # CPU blocks: 2048" posted without its leading '#' (vllm-project/vllm#10517, real r22).
+    assert read(data_path, os.path.join("real", "r22.log")).num_gpu_blocks == 1952
+
+
+def test_vllm_mindspore_0_5_is_told_by_its_own_logger_and_measures_reserved():
+    # vllm_mindspore/logger.py (0.5): "%(levelname)s %(asctime)s vllm-mindspore[%(filename)s:%(lineno)d]", line 75
+    # announces it; the profile repr is vLLM 0.11's, whose "torch peak" vllm-mindspore measures as reserved.
+    log = parse_log("\n".join([
+        "INFO 11-20 10:00:00 vllm-mindspore[logger.py:75] The config of vllm-mindspore logger has been updated "
+        "successfully.",
+        "DEBUG 11-20 10:01:00 [gpu_worker.py:278] Memory profiling takes 9.13 seconds. Total non KV cache memory: "
+        "19.80GiB; torch peak memory increase: 5.50GiB; non-torch forward increase memory: 0.30GiB; weights memory: "
+        "14.00GiB.",
+        "INFO 11-20 10:01:00 [gpu_worker.py:298] Available KV cache memory: 37.80 GiB",
+    ]))
+    assert (log.project, log.era) == ("vllm-mindspore", "vllm-mindspore 0.5.0+")
+    fields = log.profile_fields()
+    assert fields["peak_reserved_increase_bytes"] == round(5.5 * GIB) and "peak_allocated_increase_bytes" not in fields
+    assert log.effective_block_size() == (128, "every candidate era's default")
+
+
+def test_lines_that_begin_templates_and_never_finish_are_skipped_in_bounded_time():
+    import time
+    bait = ("Free memory on device (" * 30 + "Actual usage is " * 30 + "Model loading took " * 30)[:2000]
+    start = time.perf_counter()
+    log = parse_log("\n".join([bait] * 3000))
+    assert log.lines_matched == 0 and time.perf_counter() - start < 20
+
+
+def _budget_json(*args):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvguard.cli import main
+    result = CliRunner().invoke(main, ["budget", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_budget_from_a_log_whose_candidate_eras_agree_counts_128_token_blocks(tmp_path):
+    # The vllm-ascend DEBUG log above: three candidate rows, each with 128-token blocks (not vLLM's 16).
+    from conftest import EXAMPLES
+    path = tmp_path / "vllm-ascend.log"
+    path.write_text("INFO 11-20 10:00:00 [__init__.py:43] - ascend -> vllm_ascend:register\n"
+                    "INFO 11-20 10:01:00 [worker.py:358] Available KV cache memory: 39.30 GiB\n")
+    data = _budget_json("--from-log", str(path), "--model-config", os.path.join(EXAMPLES, "qwen2.5-7b-instruct"))
+    # Qwen2.5-7B: 28 layers x 4 KV heads x 128 x 2 (K, V) x 2 bytes = 56 KiB a token.
+    assert data["layout"]["block_size"] == 128
+    assert data["budgets"]["stock"]["num_blocks"] == round(39.30 * GIB) // (128 * 56 * 1024)
+
+
+def test_budget_from_a_hybrid_models_log_uses_the_block_size_it_states(tmp_path, data_path):
+    from conftest import EXAMPLES
+    path = tmp_path / "hybrid.log"
+    with open(data_path("logs", "real", "r30.log"), encoding="utf-8") as handle:
+        path.write_text(handle.read())
+    data = _budget_json("--from-log", str(path), "--model-config", os.path.join(EXAMPLES, "qwen2.5-7b-instruct"))
+    assert data["layout"]["block_size"] == 544   # not vLLM's default 16: "Setting attention block size to 544"
+
+
+def test_the_docs_table_of_line_kinds_is_the_code_s():
+    from kvguard.vllm.log import kinds_markdown
+    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "log-reading.md")
+    with open(docs, encoding="utf-8") as handle:
+        assert kinds_markdown() in handle.read()
+

@@ -135,6 +135,25 @@ def test_kvguard_budget_reserved_changes_what_vllm_returns(release, tmp_path_fac
 
 
 @pytest.mark.parametrize("release", RELEASES)
+def test_kvguards_lines_are_in_vllms_own_log_and_the_log_reads_the_budget_applied(release, tmp_path_factory):
+    """vLLM configures only its "vllm" logger: the plugin hands its records to vLLM's handler, so its
+    budget line reaches the operator formatted as vLLM's own lines, and --from-log reads what was applied."""
+    import re
+    stock, _, _ = run(release, tmp_path_factory)
+    reserved, _, _ = run(release, tmp_path_factory, budget="reserved")
+    vllm_formatted = re.compile(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*plugin\.py:\d+\] kvguard: ")
+    heard = [line for line in reserved["log_lines"] if vllm_formatted.search(line)]
+    assert heard, "no kvguard line in vLLM's log"
+    if era_for(release).extensible_kv_cache_default:
+        assert "KVGUARD_BUDGET=reserved changes nothing here" in heard[0]
+        return
+    assert "KV cache budget" in " ".join(heard)
+    log = parse_lines(reserved["log_lines"])
+    assert abs(log.available_kv_cache_bytes - reserved["returned_available_bytes"]) <= 0.005 * GIB + 1
+    assert reserved["returned_available_bytes"] < stock["returned_available_bytes"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
 def test_real_startup_lines_parse_to_the_decided_budget(release, tmp_path_factory):
     result, snap, _ = run(release, tmp_path_factory)
     log = parse_lines(result["log_lines"])

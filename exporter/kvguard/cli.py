@@ -283,6 +283,10 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
 
     config = None
     layout = None
+    if block_size is None and startup is not None:
+        # The log's own block size: stated (a hybrid model's), tokens / blocks, or every candidate
+        # era's default when they agree (vllm-ascend 0.15+: 128), before the era's default.
+        block_size = startup.effective_block_size()[0]
     if model_config:
         try:
             config = load_model_config(model_config)
@@ -347,6 +351,9 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
             # kvguard check does (kvguard.sidecar.log_profile), with --total-memory / --gpu-memory-utilization.
             from kvguard.sidecar import log_profile
             profile = log_profile(startup, total_memory, gpu_memory_utilization)[0]
+        if enable_vmm is None and era is None and startup is not None and allocator == "mindspore":
+            # A vllm-mindspore log older than the table (no era row) still ran its launcher's VMM.
+            enable_vmm = startup.project == "vllm-mindspore"
         result["at_budget"] = _budget_time_verdict(result, profile, layout, allocator, era, enable_vmm,
                                                    expandable_segments, non_allocator_memory)
 

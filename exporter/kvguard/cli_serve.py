@@ -24,23 +24,38 @@ DEFAULT_PORT = 10240
 # (it is in a container with a read-only root, where /tmp may not be), else the temporary directory.
 DEMO_SPOOL_PARENTS: tuple[str | None, ...] = ("/dev/shm", None)
 DEMO_MAX_INTERVAL = 1.0
-EXIT_OK, EXIT_GUARD, EXIT_ERROR = 0, 1, 2
+# kvguard check's exit codes, as Nagios plugins use them: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (no verdict:
+# nothing to judge by, a bad option, an unreadable log, a crash).
+EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
+# Reason codes that mean "could not judge", not "judged badly".
+UNJUDGED_REASONS = ("no_profile", "no_ranks")
 
 
 class CheckError(click.ClickException):
-    """A one-line error that exits 2 (the guard could not judge), not 1 (the guard judged badly)."""
+    """A one-line error that exits 3 (UNKNOWN: the check reached no verdict), not 1 or 2 (a verdict)."""
 
-    exit_code = EXIT_ERROR
+    exit_code = EXIT_UNKNOWN
 
 
-def _read_startup_log(path: str, error=click.ClickException):
+class _CheckCommand(click.Command):
+    """``kvguard check``: a bad option is UNKNOWN (3), not click's usage exit 2, which check gives CRITICAL."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as error:
+            error.exit_code = EXIT_UNKNOWN
+            raise
+
+
+def _read_startup_log(path: str, error=click.ClickException, oom_is_enough: bool = False):
     """The log, and its profile checked here: a log stating an impossible profile (utilization 5.0) is
     refused in one line at startup, not at the first judgement."""
     from kvguard.estimator import ProfileError
     from kvguard.vllm.log import LogFileError, read_startup_log
 
     try:
-        startup = read_startup_log(path)
+        startup = read_startup_log(path, oom_is_enough)
         startup.profile()
     except LogFileError as exc:
         raise error(str(exc)) from None
@@ -281,7 +296,7 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
             probe.stop()
 
 
-@main.command()
+@main.command(cls=_CheckCommand)
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
               help="Spool of probe snapshots to judge [env KVGUARD_SPOOL_DIR].")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
@@ -303,11 +318,13 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def check(spool_dir, log_file, vllm_metrics_url, stale_after, forget_after, post_mortem, read_timeout, total_memory,
           gpu_memory_utilization, as_json):
-    """Run the guard once: exit 0 ok, 1 warning or critical, 2 when the check itself fails.
+    """Run the guard once: exit 0 ok, 1 warning, 2 critical, 3 could not judge (as Nagios plugins do).
 
     For init containers and CI. Allocator retries and OOMs count since each process started.
-    The state is /guard's: no rank to judge (an empty spool, a source down) is a warning
-    (no_ranks, exit 1), never ok; exit 2 is a bad option, an unreadable log or a crash.
+    The state is /guard's. Exit 3 (UNKNOWN) when no verdict was reached: no rank to judge (an empty
+    spool, a source down: no_ranks), a log without the figures its era's formula needs (no_profile),
+    a bad option, an unreadable log or a crash; never 0. A --from-log log that states a refusal, a
+    KV cache of zero or less, or an out-of-memory error is critical (2), with a post-mortem.
     """
     try:
         if post_mortem and forget_after is not None:
@@ -331,9 +348,16 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
 
     if not (spool_dir or log_file or vllm_metrics_url):
         raise CheckError("nothing to check: give --spool-dir, --from-log or --vllm-metrics-url")
-    startup = _read_startup_log(log_file, error=CheckError) if log_file else None
     if (total_memory is not None or gpu_memory_utilization is not None) and not log_file:
         raise CheckError("--total-memory and --gpu-memory-utilization complete a --from-log profile: give --from-log")
+    startup = _read_startup_log(log_file, error=CheckError, oom_is_enough=True) if log_file else None
+    if startup is not None and total_memory is not None:
+        _refuse_a_device_smaller_than_the_log(startup, total_memory)
+    findings = []
+    if startup is not None:
+        from kvguard.vllm.log_verdict import judge_log
+
+        findings = judge_log(startup, total_memory, gpu_memory_utilization)
     sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
                                     log_total_memory_bytes=total_memory,
                                     log_gpu_memory_utilization=gpu_memory_utilization,
@@ -349,9 +373,18 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
     if SPOOL in failed:
         click.echo(f"kvguard check: spool: {failed[SPOOL]}", err=True)
 
+    state = "critical" if findings else observation.state
     if as_json:
-        click.echo(json.dumps(observation.guard_dict(), indent=2))
+        data = observation.guard_dict()
+        if startup is not None:
+            data["state"] = state
+            data["log"] = _log_dict(startup, findings)
+        click.echo(json.dumps(data, indent=2))
     else:
+        if startup is not None:
+            click.echo(f"{'LOG':<8} {startup.era or startup.project}: {startup.era_reason}")
+        for finding in findings:
+            click.echo(f"{finding.state.upper():<8} log {finding.code}: {finding.message}")
         for reason in observation.reasons:
             # No rank judged: the same overall warning /guard and /readyz give (no false all-clear).
             click.echo(f"{observation.state.upper():<8} {reason.code}: {reason.message}")
@@ -369,4 +402,40 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
         if skipped:
             click.echo(f"({skipped} spool file(s) skipped: "
                        f"{', '.join(f'{k} {v}' for k, v in sorted(observation.skipped.items()) if v)})")
-    sys.exit(EXIT_OK if observation.state == "ok" else EXIT_GUARD)
+    sys.exit(_exit_code(state, observation))
+
+
+def _exit_code(state: str, observation) -> int:
+    """0 ok, 1 warning, 2 critical; 3 when every warning says the guard could not judge (no profile, no rank)."""
+    if state == "critical":
+        return EXIT_CRITICAL
+    if state == "ok":
+        return EXIT_OK
+    reasons = list(observation.reasons) + [r for view in observation.ranks for r in view.verdict.reasons
+                                           if r.state != "ok"]
+    if reasons and all(r.code in UNJUDGED_REASONS for r in reasons):
+        return EXIT_UNKNOWN
+    return EXIT_WARNING
+
+
+def _log_dict(startup, findings) -> dict[str, Any]:
+    block_size, block_source = startup.effective_block_size()
+    return {"project": startup.project, "era": startup.era, "era_candidates": list(startup.era_candidates),
+            "era_reason": startup.era_reason, "block_size": block_size, "block_size_source": block_source,
+            "refusal": startup.refusal, "kv_cache_bytes": startup.available_kv_cache_bytes,
+            "ooms": [o.to_dict() for o in startup.ooms], "findings": [f.to_dict() for f in findings]}
+
+
+def _refuse_a_device_smaller_than_the_log(startup, total_memory: int) -> None:
+    """``--total-memory 64`` (the unit forgotten) is 64 bytes: refuse it in one line, as ``budget`` refuses a
+    figure larger than the device, rather than judge a device smaller than the weights it holds."""
+    from kvguard.units import format_bytes, format_gib
+
+    stated = [(name, getattr(startup, field)) for name, field in (
+        ("weights", "weights_bytes"), ("KV cache", "available_kv_cache_bytes"),
+        ("requested memory", "requested_memory_bytes"))]
+    larger = [(name, value) for name, value in stated if value is not None and value > total_memory]
+    if larger:
+        name, value = larger[0]
+        raise CheckError(f"--total-memory {format_bytes(total_memory)} is less than the log's {name} "
+                         f"({format_gib(value)}): check its unit")

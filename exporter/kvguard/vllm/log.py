@@ -1,4 +1,4 @@
-"""Startup facts from a vLLM / vllm-ascend / vllm-mindspore log.
+"""Startup facts from a vLLM / vllm-ascend / vllm-mindspore log, as people paste it.
 
 Pure parsing: text in, a StartupLog record out. What a log does not say stays None; nothing
 is invented. Each line kind below is a template of literal text and numeric slots, matched
@@ -7,9 +7,17 @@ later piece must follow it (``…`` skips to the next literal), and a number is 
 token. Parsing is linear in the log's size whatever the text; a number longer than
 :data:`MAX_NUMBER_CHARS` is refused with a one-line :class:`LogLineError`.
 
+What people paste is not what vLLM wrote, so each line is first cleaned: colour codes (real, or
+written out as ``^[[0;36m``) go, runs of blanks become one space. A line holding the start of a
+template that does not match whole is tried again joined to the next one or two lines (without
+their own log prefix): terminal and markdown wrapping, backslash continuations and a long
+message split at a full stop all come back together. The window is three lines, so parsing stays
+linear.
+
 The templates follow each release's format strings (file:line per release in
 ``kvguard/vllm/eras.py`` and the README's era table); each carries the vLLM releases that
-write it, so the lines a log holds narrow down its era.
+write it, so the lines a log holds narrow down its era. OOM messages and refusals are read as
+facts (:mod:`kvguard.vllm.oom`); ``kvguard check --from-log`` judges them.
 """
 
 from __future__ import annotations
@@ -17,19 +25,41 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras
+from kvguard.vllm.oom import OomFact, is_oom_line, read_oom, step_in
 
 GIB = 1 << 30
 MAX_NUMBER_CHARS = 40
 # A line longer than this is not a vLLM log line; skip it rather than scan it.
 MAX_LINE_CHARS = 8192
-_ANSI = re.compile(r"\x1b\[[0-9;?]{0,32}[A-Za-z]")
+# A line is joined to the next ones only when a template began in it and it is no longer than this (real
+# wrapped lines are far shorter), for at most this many templates: a bound on the work a hostile line causes.
+MAX_JOIN_CHARS = 2048
+MAX_JOIN_KINDS = 6
+# An OOM's step is looked for in this many lines up to it; the record tag style in the first this many tags.
+STEP_WINDOW_LINES = 400
+MAX_TAGGED_LINES = 1000
+# OOM messages kept (the first stopped the engine; the rest are its echoes from other ranks).
+MAX_OOMS = 16
+# The end of a line kept to rejoin an anchor a hard wrap cut in two (longer than any template's first literal).
+MAX_ANCHOR_CHARS = 120
+# Real escape sequences, and the same written out by a paste ("^[[0;36m").
+_ANSI = re.compile(r"(?:\x1b|\^\[)\[[0-9;?]{0,32}[A-Za-z]")
+_BLANKS = re.compile(r"[ \t\r\f\v]{2,}|[\t\r\f\v]")
 # One bounded token; the class repeats once, so matching is linear in its length.
 _NUMBER = re.compile(r"[-+]?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+# A log record's own prefix on a continuation line: "(Worker pid=1) INFO 04-12 08:21:19 [worker.py:267] ",
+# "INFO 12-13 19:54:18 worker.py:243] ". Bounded repetition only.
+_RECORD_PREFIX = re.compile(r"^.{0,160}?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0-9]{2}-[0-9]{2} "
+                            r"[0-9:.]{8,15} \[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
+# vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
+# "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
+_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)([\w./-]{1,80}\.py):[0-9]{1,6}\]")
 
 
 class LogFileError(ValueError):
@@ -56,6 +86,7 @@ class LineKind:
     also: Callable[[dict[str, str], dict[str, Any]], None] | None = field(default=None, compare=False)
     pieces: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     units: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    anchor: str = field(default="", compare=False, repr=False)    # the first literal, found with str.find
 
     def __post_init__(self) -> None:
         pieces = tuple(_compile(self.template))
@@ -63,9 +94,10 @@ class LineKind:
                                                  for kind, value in pieces))
         object.__setattr__(self, "units", {value.partition(":")[0]: value.partition(":")[2]
                                            for kind, value in pieces if kind == "num"})
+        object.__setattr__(self, "anchor", self.pieces[0][1])
 
     def match(self, line: str) -> dict[str, str] | None:
-        kind, anchor = self.pieces[0]
+        anchor = self.anchor
         start = line.find(anchor)
         tries = 0
         while start >= 0 and tries < 4:
@@ -80,7 +112,8 @@ class LineKind:
 def _compile(template: str) -> Iterator[tuple[str, str]]:
     """``"took {weights_bytes:gib} GiB … and"`` -> (lit, "took "), (num, "weights_bytes:gib"), (lit, " GiB"),
     (skip, ""), (lit, " and"). A slot names the fact it states and its unit (gib, int, float)."""
-    for part in re.split(r"(\{[a-z_]+:[a-z]+\}|…)", template):
+    end = template.endswith("$")
+    for part in re.split(r"(\{[a-z_0-9]+:[a-z]+\}|…)", template[:-1] if end else template):
         if not part:
             continue
         if part == "…":
@@ -89,6 +122,8 @@ def _compile(template: str) -> Iterator[tuple[str, str]]:
             yield ("num", part[1:-1])
         else:
             yield ("lit", part)
+    if end:
+        yield ("end", "")
 
 
 def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dict[str, str] | None:
@@ -97,6 +132,10 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dic
     for kind, value in pieces:
         if kind == "skip":
             skipping = True
+            continue
+        if kind == "end":
+            if line[pos:].strip(" .,;"):
+                return None
             continue
         if kind == "lit":
             if skipping:
@@ -120,9 +159,10 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dic
     return found
 
 
-def _util_decimals(found: dict[str, str], f: dict[str, Any]) -> None:
-    # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14: it tells the eras apart.
-    f["_util_decimals"] = len(found["gpu_memory_utilization"].partition(".")[2])
+def _decimals(slot: str, key: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
+    def record(found: dict[str, str], f: dict[str, Any]) -> None:
+        f.setdefault("_decimals", {})[key] = len(found[slot].partition(".")[2])
+    return record
 
 
 def _kv_cache_memory_decided(found: dict[str, str], f: dict[str, Any]) -> None:
@@ -133,23 +173,43 @@ def _cudagraph_utilization(found: dict[str, str], f: dict[str, Any]) -> None:
     f.setdefault("gpu_memory_utilization", f["_cudagraph_util"])
 
 
+def _cudagraph_off(found: dict[str, str], f: dict[str, Any]) -> None:
+    # The estimate was measured but not applied (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): vLLM took 0.
+    f.setdefault("gpu_memory_utilization", f.pop("_cudagraph_util_off"))
+    f["cudagraph_memory_bytes"] = 0
+    f["_cudagraph_applied"] = False
+
+
 def _halved(found: dict[str, str], f: dict[str, Any]) -> None:
     f["halved_for_workspace"] = True
 
 
-# The templates, by the releases that write them (research: the wheels' format strings).
+def _refusal(reason: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
+    def record(found: dict[str, str], f: dict[str, Any]) -> None:
+        f.setdefault("refusal", reason)
+    return record
+
+
+# The templates, by the releases that write them (research: the wheels' format strings; where no wheel
+# was at hand, the posted logs of tests/data/logs/real, named by their manifest id).
 KINDS: tuple[LineKind, ...] = (
     # Weights: "%.4f GiB and %.6f seconds" (0.10.2-0.11), "… GiB memory and …" (0.12+ v1 runner),
-    # format_gib from 0.14; V0's "Loading model weights took %.4f GB" divides by 2**30 too.
-    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB",
-             cite="v1/worker/gpu_model_runner.py 0.11.0:2653, 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442"),
-    LineKind("model_loading", "Loading model weights took {weights_bytes:gib} GB",
-             cite="worker/model_runner.py 0.6.4:1077; vllm-ascend model_runner_v1.py"),
+    # format_gib (2 decimals) from 0.14; V0's "Loading model weights took %.4f GB" divides by 2**30 too.
+    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB memory", releases=(V("0.12.0"), None),
+             also=_decimals("weights_bytes", "weights"),
+             cite="v1/worker/gpu_model_runner.py 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442"),
+    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB and", releases=(V("0.8.5"), V("0.11.2")),
+             cite="v1/worker/gpu_model_runner.py 0.11.0:2653 '%.4f GiB and %.6f seconds'; real r05 (0.8.5.dev)"),
+    LineKind("model_loading", "Model loading took {weights_bytes:gib} GB", releases=(V("0.8.0"), V("0.10.1")),
+             cite="v1/worker/gpu_model_runner.py 0.8.x '%.4f GB and' (issue 19's posted 0.8 logs)"),
+    LineKind("model_loading", "Loading model weights took {weights_bytes:gib} GB", releases=(V("0.6.4"), V("0.8.4")),
+             cite="worker/model_runner.py 0.6.4:1077; V1 gpu_model_runner.py 0.7.1 (real r19); vllm-ascend "
+                  "model_runner_v1.py"),
     # "Initial free memory: %.2f GiB; Requested memory: %.2f (util), %.2f GiB" (<= 0.13, util 2 decimals);
     # "%s GiB; Requested memory: %f (util), %s GiB" (0.14+, util 6 decimals).
     LineKind("requested_memory", "Initial free memory: {init_free_memory_bytes:gib} GiB; Requested memory: "
              "{gpu_memory_utilization:float} (util), {requested_memory_bytes:gib} GiB", releases=(V("0.9.1"), None),
-             also=_util_decimals,
+             also=_decimals("gpu_memory_utilization", "util"),
              cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
     LineKind("kv_cache_memory_bytes", "Initial free memory {init_free_memory_bytes:gib} GiB, reserved {kv_cache_memory_bytes:gib}…"
              "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.9.1"), None),
@@ -176,9 +236,27 @@ KINDS: tuple[LineKind, ...] = (
              also=_cudagraph_utilization),
     LineKind("cudagraph", "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
              "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
-             "--gpu-memory-utilization={_cudagraph_equiv:float} without", releases=(V("0.18.0"), V("0.19.1")), cite="w 0.18.0:472-484, 0.19.0:453"),
-    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_memory_bytes:gib} GiB total",
-             releases=(V("0.20.0"), None), cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045"),
+             "--gpu-memory-utilization={_cudagraph_equiv:float} without", releases=(V("0.18.0"), V("0.19.1")),
+             cite="w 0.18.0:472-484, 0.19.0:453"),
+    # The estimate measured but not applied: 0.18/0.19's notice of the coming default, and from 0.20 the
+    # warning when it is switched off; both state the utilization and what it would become.
+    LineKind("cudagraph_off", "In v0.19, CUDA graph memory profiling will be enabled by default…"
+             "from {_cudagraph_util_off:float} to", releases=(V("0.18.0"), V("0.18.99")), also=_cudagraph_off,
+             cite="w 0.18.0 (issue 19's quote: '… from 0.8200 to 0.8283'; no 0.18 wheel here)"),
+    LineKind("cudagraph_off", "CUDA graph memory profiling is disabled…--gpu-memory-utilization from "
+             "{_cudagraph_util_off:float} to", releases=(V("0.18.0"), None), also=_cudagraph_off,
+             cite="w 0.20.0:472-480, 0.27.0:595-603, 0.34.0:829"),
+    # The estimate line exists wherever the estimate does: 0.18 measures it too, applied or not.
+    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_estimate_bytes:gib} GiB total",
+             releases=(V("0.18.0"), None), cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045; w 0.18.0:384-399"),
+    LineKind("cudagraph_pool", "CUDA graph pool memory: {cudagraph_actual_bytes:gib} GiB (actual), "
+             "{cudagraph_estimate_bytes:gib} GiB (estimated)", releases=(V("0.18.0"), None),
+             cite="w 0.20.0:600, 0.27.0:727, 0.34.0:1113"),
+    LineKind("graph_captured", "Graph capturing finished in … took {cudagraph_actual_bytes:gib} GiB",
+             cite="v1/worker/gpu_model_runner.py 0.11.0:3480, 0.27.0:6914; gpu/model_runner.py 0.34.0:1217"),
+    # kvguard's own plugin, heard in vLLM's log: the budget it applied in place of vLLM's printed one.
+    LineKind("kvguard_budget", "kvguard: KV cache budget {_kvguard_budget:gib} GiB (",
+             cite="kvguard/vllm/plugin.py _wrap_determine_available_memory, _guard_budget"),
     LineKind("available_kv_cache", "Available KV cache memory: {_available_profiled:gib} GiB",
              cite="w 0.11.0:298, 0.14.0:358-362, 0.34.0:795-798"),
     LineKind("kv_cache_size", " KV cache size: {kv_cache_tokens:int} tokens",
@@ -191,37 +269,127 @@ KINDS: tuple[LineKind, ...] = (
              releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709"),
     LineKind("extended_kv_cache", "Extended KV cache to {num_gpu_blocks:int} blocks ({_extended_kv:gib} GiB)",
              releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540"),
+    # The end-of-startup summary (compile_or_warm_up_model), read whole: its first part states the device and
+    # the request; "Actual usage" the profile; the last sentence the KV cache in use.
+    LineKind("startup_summary", "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
+             "on startup. Desired GPU memory utilization is ({gpu_memory_utilization:float}, "
+             "{requested_memory_bytes:gib} GiB)",
+             cite="w 0.11.0:372-378, 0.27.0:768-773, 0.34.0:1154-1159 (first release not known: no narrowing)"),
+    LineKind("summary_usage_peak", "Actual usage is {weights_bytes:gib} GiB for weight, {peak_activation_bytes:gib} GiB "
+             "for peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, and "
+             "{cudagraph_actual_bytes:gib} GiB for CUDAGraph memory", releases=(ALL[0], V("0.26.0")),
+             cite="w 0.11.0:379-382, 0.20.0:648"),
+    LineKind("summary_usage_consumed", "Actual usage is {total_consumed_bytes:gib} GiB for consumed memory (weights + "
+             "non-torch), {peak_activation_bytes:gib} GiB for peak activation, and {cudagraph_actual_bytes:gib} GiB "
+             "for CUDAGraph memory", releases=(V("0.27.0"), None), cite="w 0.27.0:774-777, 0.34.0:1160-1163"),
+    LineKind("summary_kv_in_use", "Current kv cache memory in use is {_kv_in_use:gib} GiB", cite="w 0.11.0:389, 0.27.0:784, 0.34.0:1170"),
+    # vllm-ascend's NPUWorker summary (vllm-project/vllm-ascend PR #8289, real r06).
+    LineKind("ascend_summary", "Actual usage: {weights_bytes:gib} GiB for weights, {peak_activation_bytes:gib} GiB for "
+             "peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, {cudagraph_actual_bytes:gib} GiB "
+             "for NPU graph memory", project="vllm-ascend", cite="vllm_ascend/worker/worker.py (PR #8289, 2026-04)"),
+    # Refusals: the worker stops before or instead of allocating the KV cache.
+    LineKind("refusal_free", "Free memory on device (…{init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
+             "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+             "{requested_memory_bytes:gib} GiB)", releases=(V("0.9.1"), V("0.13.0")), also=_refusal("free_memory"),
+             cite="w 0.11.0:186-194 (no device name; 0.14 names it)"),
+    LineKind("refusal_free", "Free memory on device cuda:…({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
+             "on startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+             "{requested_memory_bytes:gib} GiB)", releases=(V("0.12.0"), None), also=_refusal("free_memory"),
+             cite="wu 0.14.0:262-268, 0.34.0:789-796 'Free memory on device {device_}'"),
+    LineKind("refusal_free", "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
+             "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+             "{requested_memory_bytes:gib} GiB)", also=_refusal("free_memory"), cite="any device name (npu:0, xpu:0)"),
+    LineKind("refusal_profiling", "Error in memory profiling. Initial free memory {init_free_memory_bytes:gib} GiB, "
+             "current free memory {_free_after_profile:gib} GiB", also=_refusal("profiling_error"),
+             cite="w 0.11.0:271-276, 0.27.0:535-544, 0.34.0:755-760 (the assertion)"),
+    LineKind("refusal_no_kv", "No available memory for the cache blocks", also=_refusal("no_kv_memory"),
+             cite="v1/core/kv_cache_utils.py 0.11.0:699, 0.27.0:759; kv_cache_planning.py 0.34.0:108"),
+    LineKind("refusal_seq_len", "The model's max seq len ({max_model_len:int}) is larger than the maximum number of "
+             "tokens that can be stored in KV cache ({kv_cache_tokens:int})", releases=(V("0.6.4"), V("0.8.4")),
+             also=_refusal("max_seq_len"), cite="worker/worker.py 0.6.4 raise_if_cache_size_invalid"),
+    LineKind("refusal_seq_len_v1", "To serve at least one request with the models's max seq len ({max_model_len:int}), "
+             "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
+             "memory ({_available_refused:gib} GiB)", releases=(V("0.8.0"), V("0.26.0")),
+             also=_refusal("max_seq_len"), cite="v1/core/kv_cache_utils.py 0.11.0:716-720, 0.20.0:715-718"),
+    LineKind("refusal_seq_len_v1", "To serve at least one request with the model's max seq len ({max_model_len:int}), "
+             "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
+             "memory ({_available_refused:gib} GiB)", releases=(V("0.27.0"), None),
+             also=_refusal("max_seq_len"), cite="v1/core/kv_cache_utils.py 0.27.0:779-782; kv_cache_planning.py "
+                                                "0.34.0:125-128"),
+    # The same refusal cut short or re-wrapped by a paste: its first words and the model length are enough.
+    LineKind("refusal_seq_len_v1", "To serve at least one request with the model…max seq len ({max_model_len:int})",
+             releases=(V("0.8.0"), None), also=_refusal("max_seq_len"),
+             cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)"),
+    # Hybrid (mamba + attention) models: the attention block size vLLM chose, in tokens.
+    LineKind("block_size", "Setting attention block size to {block_size:int} tokens",
+             cite="model_executor/models/config.py 0.11.0:377, 0.14.0:477; platforms/interface.py 0.20.0:607, "
+                  "0.34.0:1121; platforms/xpu.py 0.34.0:519"),
     LineKind("free_on_startup", "Free memory on device (…/{total_memory_bytes:gib} GiB) on startup. Desired GPU memory "
-             "utilization is ({gpu_memory_utilization:float}", cite="w 0.11.0:185-195 (the refusal when free < requested)"),
+             "utilization is ({gpu_memory_utilization:float}", cite="w 0.11.0:372-377"),
     # V0's worker (worker/worker.py): its lines pin the V0 row (the V0 engine stayed selectable
     # until 0.10, but kvguard's table follows each release's default engine).
     LineKind("v0_can_use", "can use total_gpu_memory ({total_memory_bytes:gib}GiB) x gpu_memory_utilization "
              "({gpu_memory_utilization:float})",
-             releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
+             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
+    LineKind("v0_requested", "x gpu_memory_utilization ({_v0_util:float}) = {requested_memory_bytes:gib}GiB",
+             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
     LineKind("v0_breakdown", "model weights take {weights_bytes:gib}GiB; non_torch_memory takes {non_torch_increase_bytes:gib}GiB; "
              "PyTorch activation peak memory takes {peak_allocated_increase_bytes:gib}GiB; the rest of the memory "
              "reserved for KV Cache is {_available_profiled:gib}GiB",
-             releases=(V("0.6.4"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
+             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
+    # 0.6.5's "Memory profiling results:" table, one figure a line (PR #10511, real r01/r38).
+    LineKind("v0_table", "] total_gpu_memory {total_memory_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
+             cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] gpu_memory_utilization {gpu_memory_utilization:float}$", releases=(V("0.6.5"), V("0.6.5")),
+             cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] the current vLLM instance can use {requested_memory_bytes:gib}GiB$",
+             releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] model weights take {weights_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
+             cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] non_torch_memory {non_torch_increase_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
+             cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] PyTorch activation peak memory {peak_allocated_increase_bytes:gib}GiB$",
+             releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243"),
+    LineKind("v0_table", "] available_kv_cache_memory {_available_profiled:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
+             cite="worker/worker.py 0.6.5:243"),
     LineKind("v0_results", "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
              "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
              "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
              releases=(V("0.6.4"), V("0.6.4")), cite="worker/worker.py 0.6.4:232-243"),
     # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
-    LineKind("v0_blocks", "# … blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
-             cite="executor/gpu_executor.py 0.6.4:113; executor/executor_base.py 0.7.0:110"),
+    # Anchored on the device word, not on "#": a paste that lost the first "#" must not read the CPU count.
+    LineKind("v0_blocks", "GPU blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
+             cite="executor/gpu_executor.py 0.6.4:113; v1/core/kv_cache_utils.py 0.7.1:395 (real r19)"),
+    LineKind("v0_blocks", "cuda blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
+             cite="executor/executor_base.py 0.7.0:110 '# %s blocks'"),
+    LineKind("v0_blocks", "CUDA blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
+             cite="executor/executor_base.py 0.7.0:110 '# %s blocks'"),
+    LineKind("v0_blocks", "npu blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
+             cite="executor/executor_base.py 0.8.5:112 on vllm-ascend (real r20)"),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
-    LineKind("ascend_available", "Available memory: {_available_profiled:int}, total memory: {total_memory_bytes:int}", project="vllm-ascend",
-             cite="vllm_ascend/worker/worker_v1.py determine_available_memory (2025-07 .. 2025-11)"),
+    LineKind("ascend_available", "Available memory: {_available_profiled:int}, total memory: {total_memory_bytes:int}",
+             project="vllm-ascend",
+             cite="vllm_ascend/worker/worker_v1.py 0.11.0:257; worker.py 0.13.0:309"),
     LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p", also=_halved,
              cite="vllm_ascend/worker/worker_310p.py NPUWorker310"),
-    # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM.
+    # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM. vllm-mindspore
+    # 0.5 has no platform plugin: its own logger names it (issue 24: "vllm-mindspore[logger.py:75]").
     LineKind("platform_plugin", "-> vllm_mindspore:", project="vllm-mindspore",
              cite="vllm/plugins/__init__.py 'Available plugins for group vllm.platform_plugins'"),
     LineKind("platform_plugin", "-> vllm_ascend:", project="vllm-ascend"),
+    LineKind("mindspore_logger", "vllm-mindspore[", project="vllm-mindspore",
+             cite="vllm_mindspore 0.5.x logger (issue 24)"),
 )
 
-# Quick reject: a line with none of these cannot match any template.
-_KEYS = tuple(sorted({k.pieces[0][1] for k in KINDS}, key=len))
+# The kinds by their first literal: a line holding none of these cannot match any template.
+_BY_ANCHOR: tuple[tuple[str, tuple[LineKind, ...]], ...] = tuple(
+    (anchor, tuple(k for k in KINDS if k.anchor == anchor)) for anchor in dict.fromkeys(k.anchor for k in KINDS))
+# Words that only an Ascend engine's log holds (its device, its worker files, its package).
+_ASCEND_WORDS = ("vllm_ascend", "vllm-ascend", "NPU out of memory", "npu blocks", "NPU graph memory", "NPUWorker",
+                 "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF")
+_MINDSPORE_WORDS = ("vllm_mindspore", "vllm-mindspore", "mindspore")
+# The kinds some era row lists: the others (refusals, OOMs, block sizes) narrow nothing on a platform.
+_ROW_KINDS = frozenset(k for e in eras.ERAS for k in e.log_lines) | {k.name for k in KINDS if k.project}
 
 
 @dataclass(frozen=True)
@@ -230,6 +398,7 @@ class StartupLog:
 
     era: str | None = None                       # the era table row the lines pin down, if one
     era_candidates: tuple[str, ...] = ()         # every row consistent with the lines seen
+    era_reason: str = ""                         # why that row, or why not one
     project: str = "vllm"
     total_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
@@ -238,17 +407,25 @@ class StartupLog:
     weights_bytes: int | None = None
     peak_allocated_increase_bytes: int | None = None
     non_torch_increase_bytes: int | None = None
+    non_torch_memory_bytes: int | None = None    # the summary's non-torch memory (absolute, after the profile)
     non_kv_cache_bytes: int | None = None
     total_consumed_bytes: int | None = None
-    cudagraph_memory_bytes: int | None = None
+    peak_activation_bytes: int | None = None     # the summary's peak activation
+    cudagraph_memory_bytes: int | None = None    # what vLLM subtracted for CUDA graphs
+    cudagraph_estimate_bytes: int | None = None  # the estimate, applied or not
+    cudagraph_actual_bytes: int | None = None    # what capturing took
     kv_cache_memory_bytes: int | None = None     # --kv-cache-memory-bytes, as the log states it
     peak_torch_memory_bytes: int | None = None   # 0.6.4: weights + activation peak together
     available_kv_cache_bytes: int | None = None  # what vLLM decided
+    needed_kv_cache_bytes: int | None = None     # a max-seq-len refusal: what one request needs
     num_gpu_blocks: int | None = None
     kv_cache_tokens: int | None = None
+    block_size: int | None = None                # tokens per block, where the log states it
     max_model_len: int | None = None
     max_concurrency: float | None = None
     halved_for_workspace: bool = False
+    refusal: str | None = None                   # free_memory, max_seq_len, no_kv_memory, profiling_error
+    ooms: tuple[OomFact, ...] = ()
     lines_matched: int = 0
     kinds_seen: tuple[str, ...] = ()
 
@@ -256,11 +433,36 @@ class StartupLog:
         data = asdict(self)
         data["era_candidates"] = list(self.era_candidates)
         data["kinds_seen"] = list(self.kinds_seen)
+        data["ooms"] = [o.to_dict() for o in self.ooms]
+        data["block_size"], data["block_size_source"] = self.effective_block_size()
         return data
 
     @property
     def era_row(self) -> "eras.Era | None":
         return next((e for e in eras.ERAS if e.name == self.era), None)
+
+    @property
+    def oom(self) -> OomFact | None:
+        """The first OOM the log holds (the one that stopped it; later ones are its echoes)."""
+        return self.ooms[0] if self.ooms else None
+
+    @property
+    def kv_cache_nonpositive(self) -> bool:
+        """vLLM decided a KV cache of zero or less (it clamps it, or stops)."""
+        return self.available_kv_cache_bytes is not None and self.available_kv_cache_bytes <= 0
+
+    def effective_block_size(self) -> tuple[int | None, str]:
+        """Tokens per block and where that comes from: the log's own statement, its token and block
+        counts, or the era rows still in question when they all agree."""
+        if self.block_size is not None:
+            return self.block_size, "stated"
+        if self.kv_cache_tokens and self.num_gpu_blocks:
+            if self.kv_cache_tokens % self.num_gpu_blocks == 0:
+                return self.kv_cache_tokens // self.num_gpu_blocks, "tokens / blocks"
+        sizes = {e.default_block_size for e in eras.ERAS if e.name in self.era_candidates}
+        if len(sizes) == 1:
+            return sizes.pop(), "every candidate era's default"
+        return None, "the candidate eras disagree" if sizes else "no era"
 
     def profile_fields(self) -> dict[str, Any]:
         """The profile figures the log states, with the formula of its era where the lines pin one."""
@@ -275,6 +477,11 @@ class StartupLog:
                 fields[name] = getattr(self, name)
         if self.total_consumed_bytes is not None and self.non_kv_cache_bytes is not None:
             fields["transient_peak_headroom_bytes"] = max(0, self.non_kv_cache_bytes - self.total_consumed_bytes)
+        elif self.total_consumed_bytes is not None and self.peak_activation_bytes is not None:
+            # The summary's peak activation is the transient headroom plus the applied graph estimate
+            # (w 0.27.0:527-529).
+            fields["transient_peak_headroom_bytes"] = max(0, self.peak_activation_bytes
+                                                          - (self.cudagraph_memory_bytes or 0))
         if FORMULAS[formula].cudagraph:
             fields["cudagraph_memory_bytes"] = self.cudagraph_memory_bytes or 0
         if FORMULAS[formula].peak == "reserved" and "peak_allocated_increase_bytes" in fields:
@@ -304,60 +511,187 @@ def _int(text: str) -> int:
 
 
 _CONVERT = {"gib": _gib, "int": _int, "float": _number}
+# Facts every worker states for itself: the engine keeps the smallest (its KV cache fits every rank).
+_SMALLEST = ("_available_profiled", "kv_cache_tokens")
 
 
 def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
     """What a line states, into the facts dict: each slot is a fact in its unit."""
     for fact, text in found.items():
         value = _CONVERT[kind.units[fact]](text)
-        if fact == "_available_profiled" and fact in f:
-            value = min(value, f[fact])     # every worker logs its own; the engine keeps the smallest
+        if fact in _SMALLEST and fact in f:
+            value = min(value, f[fact])
         f[fact] = value
     if kind.also is not None:
         kind.also(found, f)
 
 
+def _clean(raw: str) -> str:
+    line = _ANSI.sub("", raw) if ("\x1b" in raw or "^[[" in raw) else raw
+    return _BLANKS.sub(" ", line) if ("  " in line or "\t" in line or "\r" in line) else line
+
+
+def _continuation(line: str) -> str:
+    """A following line without its own log prefix (and a paste's quote or indent)."""
+    stripped = line.lstrip(" >")
+    match = _RECORD_PREFIX.match(stripped)
+    return stripped[match.end():] if match else stripped
+
+
+class _Reader:
+    """One pass over a log's lines, holding the last two for joins; linear in the log's size."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, Any] = {}
+        self.matched = 0
+        self.seen: list[LineKind] = []
+        self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False}
+        self.ooms: list[OomFact] = []
+        self.pending: list[tuple[int, list[str], list[LineKind]]] = []   # templates begun but not finished
+        self.previous_tail = ""
+        self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)   # where an OOM's step is looked for
+        self.tagged = 0
+
+    def _step(self) -> str | None:
+        """The step an OOM happened at: the last step word in the lines up to it (its traceback's frames,
+        the worker's own lines before it)."""
+        for line in reversed(self.recent):
+            step = step_in(line)
+            if step:
+                return step
+        return None
+
+    def feed(self, number: int, raw: str) -> None:
+        if len(raw) > MAX_LINE_CHARS:
+            return
+        line = _clean(raw)
+        self._hints(line)
+        self.recent.append(line)
+        if is_oom_line(line) and len(self.ooms) < MAX_OOMS:
+            oom = read_oom(line, number)
+            if oom is not None:
+                self.ooms.append(_with_step(oom, self._step()))
+        self._retry_pending(number, line)
+        if self.previous_tail and not _RECORD_PREFIX.match(line):
+            self._straddled(number, line)
+        self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
+        hit, started = False, []
+        for anchor, kinds in _BY_ANCHOR:
+            if anchor not in line:
+                continue
+            # A line may state several facts (0.30+ joins the KV size and the concurrency). Kinds sharing
+            # an anchor are one message's variants: when one matched, the others did not break off.
+            failed = [kind for kind in kinds if not self._take(kind, line, number)]
+            if len(failed) < len(kinds):
+                hit = True
+            else:
+                started.extend(failed)
+        self.matched += hit
+        if started and len(line) <= MAX_JOIN_CHARS:
+            self.pending.append((number, [line], started[:MAX_JOIN_KINDS]))
+
+    def _retry_pending(self, number: int, line: str) -> None:
+        """Join the lines whose template began but broke off to this one (and, once, the next): with a space
+        (a message split at a full stop or a soft wrap) and without (a hard wrap inside a word or number)."""
+        if not self.pending:
+            return
+        tail = _continuation(line)
+        still = []
+        for start, texts, kinds in self.pending:
+            joined = [text + sep + tail for text in texts for sep in (" ", "")]
+            left = [kind for kind in kinds if not any(self._take(kind, text, start) for text in joined)]
+            if len(left) < len(kinds):
+                self.matched += 1
+            if left and number - start < 2:
+                still.append((start, joined[:4], left))
+        self.pending = still
+
+    def _straddled(self, number: int, line: str) -> None:
+        """A template whose first words a hard wrap cut in two: this continuation line joined, without a
+        space, to the end of the line before it."""
+        joined = self.previous_tail + line
+        for anchor, kinds in _BY_ANCHOR:
+            if anchor in joined and anchor not in line and anchor not in self.previous_tail:
+                for kind in kinds:
+                    if self._take(kind, joined, number - 1):
+                        self.matched += 1
+
+    def _take(self, kind: LineKind, line: str, number: int) -> bool:
+        try:
+            found = kind.match(line)
+            if found is None:
+                return False
+            _record(kind, found, self.facts)
+        except LogLineError as exc:
+            raise LogLineError(f"line {number}: {exc}") from None
+        except (ValueError, OverflowError):
+            return False
+        self.seen.append(kind)
+        return True
+
+    def _hints(self, line: str) -> None:
+        hints = self.hints
+        # The first tagged lines tell the tag style; reading every line's tag would say nothing more.
+        match = _TAG.search(line) if self.tagged < MAX_TAGGED_LINES and "] " in line else None
+        if match:
+            self.tagged += 1
+            hints["tags"].add(bool(match.group(1)))
+        if not hints["ascend"] and any(word in line for word in _ASCEND_WORDS):
+            hints["ascend"] = True
+        if not hints["mindspore"] and any(word in line for word in _MINDSPORE_WORDS):
+            hints["mindspore"] = True
+        if not hints["engine_core"] and "(EngineCore pid=" in line:
+            hints["engine_core"] = True
+
+    def finish(self) -> StartupLog:
+        return _finish(self.facts, self.matched, self.seen, self.hints, tuple(self.ooms))
+
+
+def _with_step(oom: OomFact, step: str | None) -> OomFact:
+    from dataclasses import replace
+    return replace(oom, step=step) if step and oom.step is None else oom
+
+
 def parse_lines(lines: Iterable[str]) -> StartupLog:
     """Parse a log's lines; raises LogLineError (one line, with the line number) for a budget line
     whose numbers are too long to be real."""
-    facts: dict[str, Any] = {}
-    matched = 0
-    seen: list[LineKind] = []
+    reader = _Reader()
     for number, raw in enumerate(lines, 1):
-        if len(raw) > MAX_LINE_CHARS:
-            continue
-        if not any(key in raw for key in _KEYS):
-            continue
-        line = _ANSI.sub("", raw) if "\x1b" in raw else raw
-        hit = False
-        for kind in KINDS:
-            # A line may state several facts (0.30+ joins the KV size and the concurrency).
-            try:
-                found = kind.match(line)
-                if found is None:
-                    continue
-                _record(kind, found, facts)
-            except LogLineError as exc:
-                raise LogLineError(f"line {number}: {exc}") from None
-            except (ValueError, OverflowError):
-                continue
-            hit = True
-            seen.append(kind)
-        matched += hit
-    return _finish(facts, matched, seen)
+        reader.feed(number, raw)
+    return reader.finish()
 
 
-def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind]) -> StartupLog:
+def _project(seen: list[LineKind], hints: dict[str, Any]) -> tuple[str, str]:
     projects = [k.project for k in seen if k.project]
-    # 310P's own line is the most specific; then a platform plugin's.
-    project = "vllm-ascend-310p" if "vllm-ascend-310p" in projects else (projects[0] if projects else "vllm")
-    candidates = _candidates(project, seen, facts.pop("_util_decimals", None))
+    # 310P's own line is the most specific; then vllm-mindspore's (it runs on the NPU too); then vllm-ascend's.
+    if "vllm-ascend-310p" in projects:
+        return "vllm-ascend-310p", "its '(halved for workspace)' line is NPUWorker310's"
+    if "vllm-mindspore" in projects or hints["mindspore"]:
+        return "vllm-mindspore", "it names vllm-mindspore"
+    if "vllm-ascend" in projects:
+        return "vllm-ascend", "it names vllm-ascend's platform plugin or writes NPUWorker's own line"
+    if hints["ascend"]:
+        return "vllm-ascend", "it names the NPU, vllm_ascend or vllm-ascend's worker files"
+    return "vllm", ""
+
+
+def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: dict[str, Any],
+            ooms: tuple[OomFact, ...]) -> StartupLog:
+    project, project_reason = _project(seen, hints)
+    decimals = facts.pop("_decimals", {})
+    candidates, reason = _candidates(project, seen, decimals, hints)
+    if project_reason:
+        reason = f"{project}: {project_reason}; {reason}"
     facts["era"] = candidates[0] if len(candidates) == 1 else None
     facts["era_candidates"] = tuple(candidates)
+    facts["era_reason"] = reason
     facts["project"] = project
     snapshot_free = facts.pop("_snapshot_free", None)
     if snapshot_free is not None:
         facts.setdefault("init_free_memory_bytes", snapshot_free)
+    facts.pop("_v0_util", None)
+    facts.pop("_free_after_profile", None)
+    facts.pop("_cudagraph_applied", None)
     util, equiv = facts.pop("_cudagraph_util", None), facts.pop("_cudagraph_equiv", None)
     delta = util - equiv if util is not None and equiv is not None else None
     total = facts.get("total_memory_bytes")
@@ -367,47 +701,94 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind]) -> Startu
         total = facts["total_memory_bytes"]
     if "cudagraph_memory_bytes" not in facts and delta is not None and total:
         facts["cudagraph_memory_bytes"] = round(delta * total)
+    if "cudagraph_memory_bytes" not in facts and delta is not None and facts.get("cudagraph_estimate_bytes"):
+        facts["cudagraph_memory_bytes"] = facts["cudagraph_estimate_bytes"]
     profiled = facts.pop("_available_profiled", None)
     extended = facts.pop("_extended_kv", None)
     warmup = facts.pop("_warmup_kv", None)
     warmup_blocks = facts.pop("_warmup_blocks", None)
+    in_use = facts.pop("_kv_in_use", None)
+    kvguard_budget = facts.pop("_kvguard_budget", None)
+    refused = facts.pop("_available_refused", None)
     # What vLLM decided: 0.34's extensible KV cache commits its size after warm-up; before, the profile.
-    decided = extended if extended is not None else warmup if warmup is not None else profiled
+    # kvguard's plugin, when it changed the budget, logs the one applied after vLLM printed its own.
+    decided = next((v for v in (extended, warmup, kvguard_budget, profiled, in_use, refused) if v is not None), None)
     if decided is not None:
         facts["available_kv_cache_bytes"] = decided
     if facts.get("num_gpu_blocks") is None and warmup_blocks is not None:
         facts["num_gpu_blocks"] = warmup_blocks
-    return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), **facts)
+    facts.pop("_cudagraph_util_off", None)
+    return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), ooms=ooms,
+                      **facts)
 
 
-def _candidates(project: str, seen: list[LineKind], util_decimals: int | None) -> list[str]:
-    """The era rows of ``project`` consistent with every line seen (vLLM release ranges)."""
+def _text(version: tuple[int, ...] | None) -> str:
+    return "the newest" if version is None else eras._text(version)
+
+
+def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
+                hints: dict[str, Any]) -> tuple[list[str], str]:
+    """The era rows of ``project`` consistent with every hint (vLLM release ranges), and why."""
     lo, hi = V("0.0.0"), None
+    why: list[str] = []
+    bounds: list[tuple[str, tuple[int, ...], tuple[int, ...] | None]] = []
     for kind in seen:
-        if kind.project:
+        if kind.project or kind.releases == ALL:
             continue
-        first, last = kind.releases
+        bounds.append((kind.name, kind.releases[0], kind.releases[1]))
+    util = decimals.get("util")
+    if util is not None:
+        # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14 (w 0.11.0:284-290, 0.14.0:347).
+        bounds.append(("the utilization's digits", *((ALL[0], V("0.13.0")) if util == 2 else (V("0.14.0"), None))))
+    weights = decimals.get("weights")
+    if weights is not None:
+        # "%.4f" up to 0.13, format_gib (round to 2) from 0.14 (gpu_model_runner.py 0.14.0:3906).
+        bounds.append(("the weights' digits", *((ALL[0], V("0.13.0")) if weights == 4 else (V("0.14.0"), None))))
+    if hints["engine_core"]:
+        # The engine process is "EngineCore_DP<n>" through 0.14 (v1/engine/utils.py 0.11.0:119, 0.14.0:122),
+        # "EngineCore" without data parallelism by 0.20 (0.20.0:145, 0.34.0:289).
+        bounds.append(("the process name EngineCore", V("0.14.1"), None))
+    tags = hints["tags"]
+    if tags == {True}:
+        bounds.append(("[file:line] tags", V("0.8.0"), None))
+    elif tags == {False}:
+        bounds.append(("file:line] tags", ALL[0], V("0.7.3")))
+    for name, first, last in bounds:
         lo = max(lo, first)
         hi = last if hi is None else (hi if last is None else min(hi, last))
-    if util_decimals is not None:
-        # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14 (w 0.11.0:284-290, 0.14.0:347).
-        if util_decimals == 2:
-            hi = V("0.13.0") if hi is None else min(hi, V("0.13.0"))
-        else:
-            lo = max(lo, V("0.14.0"))
     if not seen:
-        return []
+        return [], "no startup memory line"
     rows = [e for e in eras.ERAS if e.project == project]
     if project != "vllm":
-        # Platform releases differ in which lines they write (their rows' log_lines).
-        kinds = {k.name for k in seen if k.project is None or k.project == project} - {"platform_plugin"}
-        return [e.name for e in rows if not e.log_lines or kinds <= set(e.log_lines)]
+        # Platform releases differ in which lines they write (their rows' log_lines); DEBUG lines of vLLM's
+        # memory_profiling count for the rows that call it.
+        if project == "vllm-mindspore" and any(k.name == "platform_plugin" for k in seen):
+            return [], ("vllm-mindspore before 0.5: it names its platform plugin ('-> vllm_mindspore:'), which 0.5 "
+                        "no longer has; older than the table")
+        kinds = ({k.name for k in seen if k.project is None or k.project == project} & _ROW_KINDS) - {
+            "platform_plugin", "mindspore_logger"}
+        names = [e.name for e in rows if not e.log_lines or kinds <= set(e.log_lines)]
+        if not names:
+            return [], (f"its lines ({', '.join(sorted(kinds))}) fit no {project} row of the table "
+                        f"(an older or newer release)")
+        if len(names) == 1:
+            return names, f"only {names[0]} writes {', '.join(sorted(kinds))}"
+        return names, f"{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
+    if hi is not None and hi < lo:
+        return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
+            f"{n} {_text(f)}–{_text(l)}" for n, f, l in bounds)) + ")"
     names = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
         if (hi is None or era.first <= hi) and (end is None or lo < end):
             names.append(era.name)
-    return names
+    narrowing = list(dict.fromkeys(f"{n} ({_text(f)}–{_text(l)})" for n, f, l in bounds))
+    span = f"vLLM {_text(lo)}–{_text(hi)}"
+    if len(names) == 1:
+        return names, f"{span} from " + ", ".join(narrowing)
+    if not narrowing:
+        return names, "no line names a release range (the lines are every V1 release's)"
+    return names, f"{span} from " + ", ".join(narrowing) + f": {len(names)} rows"
 
 
 def parse_log(text: str) -> StartupLog:
@@ -434,9 +815,10 @@ def read_log_file(path: str, max_bytes: int = MAX_LOG_BYTES) -> StartupLog:
             raise LogLineError(f"log file {path}: {exc}") from None
 
 
-def read_startup_log(path: str) -> StartupLog:
+def read_startup_log(path: str, oom_is_enough: bool = False) -> StartupLog:
     """``read_log_file`` for the command line: every failure is a LogFileError with one line (a missing
-    or unreadable file, a number too long to be real, a file with no startup memory lines)."""
+    or unreadable file, a number too long to be real, a file with no startup memory lines; with
+    ``oom_is_enough``, as ``check`` reads it, a log holding only an OOM message is read)."""
     try:
         startup = read_log_file(path)
     except LogLineError as exc:
@@ -445,7 +827,7 @@ def read_startup_log(path: str) -> StartupLog:
         raise LogFileError(f"log file not found: {path}") from None
     except OSError as exc:
         raise LogFileError(f"cannot read log file {path}: {exc.strerror or exc}") from None
-    if startup.lines_matched == 0:
+    if startup.lines_matched == 0 and not (oom_is_enough and startup.ooms):
         raise LogFileError(f"no vLLM startup memory lines found in {path}")
     return startup
 
@@ -466,3 +848,16 @@ def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
                 left -= len(line)
             continue
         yield line.decode("utf-8", errors="replace")
+
+
+def kinds_markdown() -> str:
+    """The line kinds as a markdown table (docs/log-reading.md holds it; a test keeps the two equal)."""
+    rows = ["| Kind | Template | vLLM releases | Project | Source |", "|---|---|---|---|---|"]
+    for kind in KINDS:
+        first, last = kind.releases
+        releases = "any" if kind.releases == ALL else f"{_text(first)}+" if last is None else \
+            f"{'…' if first == ALL[0] else _text(first)}–{_text(last)}"
+        template = kind.template.replace("|", "\\|").replace("`", "'")
+        rows.append(f"| {kind.name} | `{template}` | {releases} | {kind.project or ''} | "
+                    f"{kind.cite.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"

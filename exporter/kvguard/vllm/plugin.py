@@ -144,6 +144,7 @@ def register() -> None:
         _settings = Settings.from_environment()
         if not _settings.enabled:
             return
+        _guard("logging", _join_vllm_logging)
         for module_name, class_name in WORKER_CLASSES:
             module = sys.modules.get(module_name)
             if module is not None:
@@ -152,6 +153,17 @@ def register() -> None:
                 _PatchOnImport.watch(module_name, functools.partial(_patch_worker_class, class_name=class_name))
     except Exception as exc:  # noqa: BLE001
         _failed("register", str(exc))
+
+
+def _join_vllm_logging() -> None:
+    """vLLM configures only its own "vllm" logger (vllm/logger.py DEFAULT_LOGGING_CONFIG, propagate False,
+    0.11.0:29-53, 0.34.0), so kvguard's lines reached no handler in a vLLM process. Hand them to vLLM's
+    handlers, formatted as vLLM formats its own lines, at INFO and above."""
+    handlers = [h for h in logging.getLogger("vllm").handlers if h not in log.handlers]
+    for handler in handlers:
+        log.addHandler(handler)
+    if handlers and (log.level == logging.NOTSET or log.level > logging.INFO):
+        log.setLevel(logging.INFO)
 
 
 def _reset_for_tests() -> None:
