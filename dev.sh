@@ -67,6 +67,10 @@ setup_test() {
     # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
     step "vLLM release environments (${XDG_CACHE_HOME:-~/.cache}/kvguard/vllm-envs; one torch shared by all)"
     KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/vllm_real/envs.py setup >&2
+    # vllm-ascend releases (tests/test_ascend_real.py): their real NPUPlatform / NPUWorker on a fake NPU,
+    # one small environment per release on its vLLM base, in the same cache.
+    step "vllm-ascend environments (tests/ascend_real/envs.py)"
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/ascend_real/envs.py setup >&2
     # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
     # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
     step "allocator oracles: MindSpore's compiled pool"

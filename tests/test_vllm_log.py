@@ -305,6 +305,24 @@ def test_a_lost_hash_does_not_turn_the_cpu_count_into_the_gpu_count(data_path):
     assert read(data_path, os.path.join("real", "r22.log")).num_gpu_blocks == 1952
 
 
+def test_vllm_ascend_at_debug_gets_its_rows_and_their_128_token_blocks():
+    # vllm_ascend/worker/worker.py 0.18.0:356-358: the profile result at DEBUG, then the budget; the
+    # profile's repr is vLLM 0.18's (mu: "Memory profiling takes ...").
+    log = parse_log("\n".join([
+        "INFO 11-20 10:00:00 [__init__.py:43] - ascend -> vllm_ascend:register",
+        "DEBUG 11-20 10:01:00 [worker.py:356] Memory profiling takes 9.13 seconds. Total non KV cache memory: "
+        "18.30GiB; torch peak memory increase: 4.00GiB; non-torch forward increase memory: 0.30GiB; weights memory: "
+        "14.00GiB.",
+        "INFO 11-20 10:01:00 [worker.py:358] Available KV cache memory: 39.30 GiB",
+    ]))
+    from kvguard.vllm import eras
+    assert log.project == "vllm-ascend"
+    # Every vllm-ascend row that runs vLLM's memory_profiling (0.15+), and only those.
+    assert log.era_candidates == tuple(e.name for e in eras.ERAS if e.project == "vllm-ascend"
+                                       and e.first >= (0, 15, 0))
+    assert log.effective_block_size() == (128, "every candidate era's default")
+
+
 def test_vllm_mindspore_0_5_is_told_by_its_own_logger_and_measures_reserved():
     # vllm_mindspore/logger.py (0.5): "%(levelname)s %(asctime)s vllm-mindspore[%(filename)s:%(lineno)d]", line 75
     # announces it; the profile repr is vLLM 0.11's, whose "torch peak" vllm-mindspore measures as reserved.
@@ -368,3 +386,25 @@ def test_the_docs_table_of_line_kinds_is_the_code_s():
     with open(docs, encoding="utf-8") as handle:
         assert kinds_markdown() in handle.read()
 
+
+# ------------------------------------------------------------------ the Ascend engines' real logs (issue 24)
+# tests/data/logs/ascend-real: what each vllm-ascend release printed on tests/ascend_real's fake NPU
+# (its README gives what each must parse to: the era row, the decided budget, 128-token blocks).
+ASCEND_REAL = {
+    "0.11.0": ("vllm-ascend 0.9.1–0.14.0", 41_131_861_606, 717_184),
+    "0.17.0rc1": ("vllm-ascend 0.15.0–0.17.0", 41_131_861_606, 717_184),
+    "0.18.0": ("vllm-ascend 0.18.0", 42_205_603_430, 736_000),
+    "0.23.0.post1": ("vllm-ascend 0.20.0–0.23.0", 43_579_992_965, 759_936),
+}
+
+
+@pytest.mark.parametrize("debug", ["", "-debug"])
+@pytest.mark.parametrize("release", sorted(ASCEND_REAL))
+def test_a_real_vllm_ascend_log_gets_its_row_its_budget_and_128_token_blocks(data_path, release, debug):
+    row, decided, tokens = ASCEND_REAL[release]
+    log = read(data_path, os.path.join("ascend-real", f"vllm-ascend-{release}{debug}.log"))
+    assert log.project == "vllm-ascend" and row in log.era_candidates, log.era_reason
+    assert log.effective_block_size()[0] == 128
+    # 0.11 states the bytes; later releases print GiB to two decimals.
+    assert abs(log.available_kv_cache_bytes - decided) <= (0 if release == "0.11.0" else 0.005 * GIB)
+    assert log.kv_cache_tokens == tokens

@@ -182,7 +182,10 @@ _SIZE_HELP = {
     "--kv-committed": "0.34 extensible KV cache: KV pages committed at the measurement.",
     "--kv-transient-peak": "0.34 extensible KV cache: the transient peak it keeps free.",
     "--torch-reserve-growth": "0.34 extensible KV cache: torch's reserved growth over the sizing steps.",
-    "--non-torch-cleared": "vllm-ascend 0.15+: non-torch memory the profile's empty_cache cleared.",
+    "--non-torch-cleared": "vllm-ascend 0.15-0.17 and 310P: non-torch memory read inside the profile before "
+                           "empty_cache (total - free - memory_reserved()) less the non-torch increase: in effect "
+                           "the non-torch memory already there at startup (ACL context, HCCL), whatever "
+                           "empty_cache freed (vllm_ascend/worker/worker.py 0.17.0rc1:344-363).",
 }
 
 
@@ -213,7 +216,13 @@ def _era_size_options(function):
 @click.option("--peak-allocated-increase", type=SIZE,
               help="Increase of allocated_bytes.all.peak during the profile run.")
 @click.option("--peak-reserved-increase", type=SIZE, help="Increase of memory_reserved() during the profile run.")
-@click.option("--non-torch-increase", type=SIGNED_SIZE, help="Increase of non-torch memory since startup.")
+@click.option("--non-torch-increase", type=SIGNED_SIZE,
+              help="Increase of non-torch memory since the init snapshot (vLLM's non_torch_increase); the eras "
+                   "that add the absolute non-torch memory take --non-torch-memory instead.")
+@click.option("--non-torch-memory", type=SIGNED_SIZE,
+              help="vLLM V0, V1 0.8.5-0.9.0 and vllm-ascend <= 0.14: the absolute non-torch memory after the "
+                   "profile's empty_cache (total - free - torch allocated), which their formula adds when "
+                   "positive (vllm_ascend/worker/worker_v1.py 0.11.0:245-251).")
 @_era_size_options
 @click.option("--extensible-kv-cache/--no-extensible-kv-cache", default=None,
               help="0.34: whether the extensible KV cache sized the cache (default: on where the "
@@ -225,7 +234,9 @@ def _era_size_options(function):
                    "(needs --model-config).")
 @click.option("--enable-vmm/--no-enable-vmm", default=None,
               help="MindSpore's VMM (default: on for vllm-mindspore, whose env_setup sets it; off otherwise).")
-@click.option("--expandable-segments", is_flag=True, help="PyTorch's expandable_segments:True.")
+@click.option("--expandable-segments/--no-expandable-segments", default=None,
+              help="PyTorch's / torch_npu's expandable_segments:True (default: the release's own: on for "
+                   "--allocator torch_npu with vllm-ascend 0.17.0rc1+, which sets it; else off).")
 @click.option("--non-allocator-memory", type=SIZE,
               help="Memory held outside the allocator from the start (default: the simulator's 512 MiB for "
                    "torch, 1 GiB on Ascend).")
@@ -235,7 +246,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
            peak_reserved_increase, non_torch_increase, total_consumed, transient_peak_headroom,
            reserved_transient_peak, cudagraph_memory, init_free_memory, free_after_warmup, kv_committed,
            kv_transient_peak, torch_reserve_growth, non_torch_cleared, extensible_kv_cache, profile_file, log_file,
-           allocator, enable_vmm, expandable_segments, non_allocator_memory, as_json):
+           allocator, enable_vmm, expandable_segments, non_allocator_memory, as_json, non_torch_memory=None):
     """vLLM's KV-cache budget beside the reserved-aware one, and the utilization that closes the gap.
 
     The profile comes from flags, --profile FILE or --from-log FILE; flags override the
@@ -264,6 +275,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     era = _era(release or fields.get("vllm_version"))
     if era is None and startup is not None:
         era = startup.era_row
+    _non_torch_flag(era, non_torch_increase, non_torch_memory, fields)
     if era is not None:
         fields["vllm_version"] = release or fields.get("vllm_version")
         formula = era.formula
@@ -363,6 +375,25 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         _print_budget(result, layout)
 
 
+def _non_torch_flag(era, non_torch_increase, non_torch_memory, fields: dict[str, Any]) -> None:
+    """The non-torch input under the name of what the era's formula takes: the increase since the init
+    snapshot, or (formula non_torch "positive") the absolute memory; both fill non_torch_increase_bytes."""
+    absolute = era is not None and FORMULAS[era.formula].non_torch == "positive"
+    if non_torch_increase is not None and non_torch_memory is not None:
+        raise click.UsageError("give --non-torch-increase or --non-torch-memory, not both")
+    if non_torch_increase is not None and absolute:
+        raise click.UsageError(f"{era.name} adds the absolute non-torch memory after empty_cache (total - free - "
+                               f"torch allocated), not an increase: give it as --non-torch-memory")
+    if non_torch_memory is not None:
+        if era is None:
+            raise click.UsageError("--non-torch-memory needs --vllm-version: only some eras add the absolute "
+                                   "non-torch memory")
+        if not absolute:
+            raise click.UsageError(f"{era.name} takes the non-torch increase since the init snapshot: give it as "
+                                   f"--non-torch-increase")
+        fields["non_torch_increase_bytes"] = non_torch_memory
+
+
 def _refuse_growth_past_the_device(profile: Profile) -> None:
     """A profile whose weights or profile-run increases exceed the device itself was mis-typed (a unit, a
     digit); say which figure, rather than print a budget of minus hundreds of GiB."""
@@ -375,7 +406,7 @@ def _refuse_growth_past_the_device(profile: Profile) -> None:
 
 
 def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str, era, enable_vmm,
-                         expandable_segments: bool, non_allocator_memory) -> dict[str, Any]:
+                         expandable_segments: bool | None, non_allocator_memory) -> dict[str, Any]:
     """``--allocator``: the guard's budget-time verdict on vLLM's budget (the log's decided figure, or the
     stock formula), and the largest budget it predicts fits (kvguard.sim_guard.predict_at_budget)."""
     if layout is None:
@@ -389,6 +420,9 @@ def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str
         kv_cache = stock_kv_cache_bytes(profile)
     if enable_vmm is None:
         enable_vmm = allocator == "mindspore" and bool(era and era.project == "vllm-mindspore")
+    if expandable_segments is None:
+        from kvguard.vllm.eras import expandable_segments_default
+        expandable_segments = expandable_segments_default(result.get("vllm_version"), allocator)
     from kvguard.sim_guard import predict_at_budget
 
     try:
@@ -461,7 +495,8 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
         era = result.get("era")
         if era:
             out(f"Era          {era['name']} (formula {profile.get('formula', 'peak')}"
-                + (f", checked against vLLM's {era['checked_against']} wheel" if era.get("checked_against") else "")
+                + (f", checked against the {era['project']} {era['checked_against']} wheel"
+                   if era.get("checked_against") else "")
                 + ")")
         out(f"Profile      total {format_bytes(total)} x utilization {util:g} = {format_bytes(total * util)}")
         parts = [f"{_PROFILE_WORDS[key]} {format_bytes(value)}" for key, value in profile.items()

@@ -160,28 +160,51 @@ ERAS: tuple[Era, ...] = (
     Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "absolute_peak", default_block_size=128,
         log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency"),
         hooks=HOOKS_V1,
-        cites=("aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
+        checked_against="0.11.0",
+        cites=("worker/worker_v1.py 0.11.0:219-259 the same (tests/test_ascend_real.py runs it on vLLM 0.11.0); "
+               "the plugin records its profile from the torch_npu.npu reads it makes",
+               "config/cache.py 0.11.0 gpu_memory_utilization 0.9; platform.py 0.11.0 block size 128",
+               "aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
                "weights + absolute non-torch if > 0)), clamped at 0",
                "aw 0.13.0:307-309 'Available memory: %d, total memory: %d' (exact bytes)",
                "worker/model_runner_v1.py 0.13.0:2395 'Loading model weights took %.4f GB'")),
     Era("vllm-ascend", _v("0.15.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
-        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
+        checked_against="0.17.0rc1",
+        # profile_peak: vLLM's MemoryProfilingResult at DEBUG (aw 0.17.0rc1:366 logger.debug(profile_result))
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
         cites=("aw 0.17.0rc1:266-267 requested_memory = total * util (float, no ceil)",
                "aw 0.17.0rc1:339-366 available = requested - non_kv - (absolute non-torch before empty_cache - "
-               "non_torch_increase)")),
-    Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak", default_block_size=128,
-        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
-        cites=("aw 0.18.0:327-361 available = requested - non_kv (vLLM's memory_profiling, float request)",)),
-    Era("vllm-ascend", _v("0.19.0"), _v("0.23.0"), "peak", default_block_size=128,
+               "non_torch_increase): the subtrahend is in effect the non-torch memory present at startup, "
+               "whatever empty_cache freed (--non-torch-cleared)",
+               "vLLM 0.17.0 config/cache.py gpu_memory_utilization 0.9")),
+    Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak", default_block_size=128, base="vllm:0.18.0",
+        checked_against="0.18.0",
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
+        cites=("aw 0.18.0:327-361 available = requested - non_kv (vLLM's memory_profiling, float request)",
+               "vLLM 0.18.0 config/cache.py:41 gpu_memory_utilization 0.9")),
+    # vllm-ascend X runs on vLLM X and keeps its utilization default: 0.9 through vLLM 0.19, 0.92 from 0.20.
+    Era("vllm-ascend", _v("0.19.0"), _v("0.19.1"), "peak", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency",
-                   "kv_cache_memory_bytes"),
-        cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",)),
+                   "kv_cache_memory_bytes", "profile_peak", "ascend_summary"),
+        cites=("aw 0.23.0:527-597 the formula (0.19 not run: only release candidates on PyPI)",
+               "vLLM 0.19 config/cache.py gpu_memory_utilization 0.9 (the vllm 0.18.0-0.19.1 row)")),
+    Era("vllm-ascend", _v("0.20.0"), _v("0.23.0"), "peak", default_block_size=128,
+        default_gpu_memory_utilization=0.92, base="vllm:0.23.0",
+        # ascend_summary: "Free memory on device … Actual usage: … for NPU graph memory" (aw 0.23.0.post1:771,
+        # tests/data/logs/ascend-real; vllm-ascend PR #8289, 2026-04; 0.18.0 does not write it).
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency",
+                   "kv_cache_memory_bytes", "profile_peak", "ascend_summary"),
+        checked_against="0.23.0.post1",
+        cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",
+               "vLLM 0.23.0 config/cache.py:67 gpu_memory_utilization 0.92 (0.20.0:66); vllm-ascend's "
+               "check_and_update_config leaves it")),
     # NPUWorker310 (vllm_ascend/_310p/worker_310p.py) inherits NPUWorker's formula until 0.18, then halves it.
     Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
         cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)),
     Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved", default_block_size=128,
-        log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency"),
+        log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency",
+                   "profile_peak"),   # 310 0.18.0:99 logger.debug(profile_result)
         cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
                "310 0.21.0rc1 first writes 'Available KV cache memory: %.2f GiB (halved for workspace)' "
                "(310 0.23.0:118-122)",
@@ -196,6 +219,23 @@ ERAS: tuple[Era, ...] = (
                "(memory_reserved)", "platforms/ascend.py:92-94 block_size default 128",
                "scripts.py env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'")),
 )
+
+
+# vllm-ascend sets PYTORCH_NPU_ALLOC_CONF=expandable_segments:True when the operator has not set the key (nor
+# max_split_size_mb / garbage_collection_threshold), outside sleep mode: platform.py 0.17.0rc1:422-439,
+# 0.18.0:518-535, 0.23.0.post1:772-789; 0.11.0 and 0.13.0 leave torch_npu's default (off).
+NPU_EXPANDABLE_SEGMENTS_FROM = (0, 17, 0)
+
+
+def expandable_segments_default(release: str | None, allocator: str) -> bool:
+    """Whether the release's own launch turns torch_npu's expandable segments on (vllm-ascend 0.17.0rc1+)."""
+    if allocator != "torch_npu" or not release:
+        return False
+    try:
+        project, version = parse_release(release)
+    except EraError:
+        return False
+    return project.startswith("vllm-ascend") and version >= NPU_EXPANDABLE_SEGMENTS_FROM
 
 
 def _validate(eras: tuple[Era, ...]) -> None:

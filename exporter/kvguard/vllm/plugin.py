@@ -28,7 +28,9 @@ module is imported, or at once if it already is:
   replacement included) is wrapped to read the allocator's reserved peak before and after
   the profile run; afterwards the result's named fields (``weights_memory``,
   ``torch_peak_increase``, ``non_torch_increase``, ``before_create.total_memory``) and
-  ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`;
+  ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`; vllm-ascend <= 0.14's
+  NPUWorker runs no ``memory_profiling``, so its own ``torch_npu.npu`` reads make it instead
+  (:func:`profile_from_npu_readings`);
 - ``initialize_from_config``: records the KV cache vLLM allocated (``KVCacheConfig``).
 
 Once the budget is fixed (``determine_available_memory`` returned, the KV cache not allocated yet)
@@ -527,12 +529,98 @@ def _check_formula(profile: Any, available: Any) -> None:
                     profile.formula, expected)
 
 
+class _NpuReadings:
+    """What vllm-ascend <= 0.14's ``NPUWorker.determine_available_memory`` reads through ``torch_npu.npu``: it
+    never calls ``memory_profiling`` (aw 0.13.0:269-311, worker_v1.py 0.11.0:219-259). It reads
+    ``memory_stats()`` twice (the peak after the profile run, then the allocated bytes after ``empty_cache``)
+    and ``mem_get_info()`` twice (``total - free``), and budgets ``int(total * util - (peak + non-torch if > 0))``
+    with non-torch = total - free - torch allocated."""
+
+    def __init__(self) -> None:
+        self.stats: list[dict] = []
+        self.mem_info: list[tuple[int, int]] = []
+
+
+class _RecordingNpu:
+    def __init__(self, npu: Any, readings: _NpuReadings) -> None:
+        self._npu, self._readings = npu, readings
+
+    def memory_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = self._npu.memory_stats(*args, **kwargs)
+        self._readings.stats.append(dict(stats))
+        return stats
+
+    def mem_get_info(self, *args: Any, **kwargs: Any) -> Any:
+        info = self._npu.mem_get_info(*args, **kwargs)
+        self._readings.mem_info.append((int(info[0]), int(info[1])))
+        return info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._npu, name)
+
+
+class _RecordingTorchNpu:
+    def __init__(self, module: Any, readings: _NpuReadings) -> None:
+        self._module = module
+        self.npu = _RecordingNpu(module.npu, readings)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+@contextlib.contextmanager
+def _npu_readings_captured(function: Callable[..., Any]) -> Iterator[_NpuReadings]:
+    """While ``function`` runs, the ``torch_npu`` global of its module reads through a recorder (a
+    worker without ``memory_profiling`` only: vllm-ascend <= 0.14)."""
+    readings = _NpuReadings()
+    namespace = getattr(inspect.unwrap(function), "__globals__", {})
+    current = namespace.get("torch_npu")
+    recorder = None
+    if "memory_profiling" not in namespace and current is not None and hasattr(current, "npu") \
+            and not isinstance(current, _RecordingTorchNpu):
+        recorder = _RecordingTorchNpu(current, readings)
+        namespace["torch_npu"] = recorder
+    try:
+        yield readings
+    finally:
+        if recorder is not None and namespace.get("torch_npu") is recorder:
+            namespace["torch_npu"] = current
+
+
+def profile_from_npu_readings(worker: Any, readings: _NpuReadings) -> Any:
+    """The ``absolute_peak`` profile of what NPUWorker computed: its allocated peak since
+    ``reset_peak_memory_stats`` holds the weights, so it is split into what stays allocated after
+    ``empty_cache`` (``weights_bytes``: the weights, as the guard counts them) and the increase above it (the
+    sum is NPUWorker's peak, to the byte); the reserved peak is split alike; the non-torch figure is the
+    absolute one NPUWorker adds. None when the worker did not read them so."""
+    from kvguard.estimator import Profile
+
+    release = running_release(worker)
+    era = _era_of(release)
+    if era is None or era.formula != "absolute_peak" or len(readings.stats) < 2 or len(readings.mem_info) < 2:
+        return None
+    peak = int(readings.stats[0]["allocated_bytes.all.peak"])
+    reserved_peak = readings.stats[0].get("reserved_bytes.all.peak")
+    allocated = int(readings.stats[-1]["allocated_bytes.all.current"])
+    total, free = readings.mem_info[-2][1], readings.mem_info[-1][0]
+    if not 0 <= allocated <= peak:
+        return None
+    return Profile(total_memory_bytes=int(total), gpu_memory_utilization=_utilization(worker.cache_config),
+                   weights_bytes=allocated, peak_allocated_increase_bytes=peak - allocated,
+                   peak_reserved_increase_bytes=(max(0, int(reserved_peak) - allocated)
+                                                 if reserved_peak is not None else None),
+                   non_torch_increase_bytes=int(total - free - allocated), formula="absolute_peak",
+                   vllm_version=release)
+
+
 def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         _guard("determine_available_memory", _ensure_probe, self)
-        with _profiling_captured(original) as capture:
+        with _profiling_captured(original) as capture, _npu_readings_captured(original) as readings:
             available = original(self, *args, **kwargs)
         profile = _guard("profile", profile_from, self, capture)
+        if profile is None and capture.result is None:
+            profile = _guard("profile", profile_from_npu_readings, self, readings)
         if profile is None:
             if capture.result is None and "no_profile" not in _logged:
                 _logged.add("no_profile")

@@ -1,0 +1,201 @@
+"""Run one vllm-ascend release's real startup code on a fake NPU; write a JSON result.
+
+Invoked by harness.py as `<engine env python> tests/ascend_real/engine_main.py IN.json OUT.json`.
+It reuses tests/vllm_real (by import): the fake device's allocator model, the fake model runner,
+the stubs for vLLM's compiled CUDA extensions, the engine arguments. On top of them:
+
+- a fake ``torch_npu`` (fake_torch_npu.py) backs torch.npu's memory calls with the fake
+  device; the real ``NPUPlatform`` is vLLM's current platform; the real ``NPUWorker`` is built by vLLM's
+  own executor and sized by vLLM's own EngineCore._initialize_kv_caches. HCCL is replaced by gloo (one
+  process), and NPUModelRunner by the fake runner (what it allocates is the scenario's).
+- kvguard's plugin is loaded by vLLM's own ``load_general_plugins()``, as in a real deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+import traceback
+import types
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "vllm_real"))
+sys.path.insert(0, str(HERE))
+
+import importlib.util  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("vllm_real_worker_main", HERE.parent / "vllm_real" / "worker_main.py")
+vllm_worker = importlib.util.module_from_spec(_spec)  # tests/vllm_real/worker_main.py, reused
+_spec.loader.exec_module(vllm_worker)
+
+PROFILES = vllm_worker.PROFILES
+NPU_WORKER_MODULES = ("vllm_ascend.worker.worker", "vllm_ascend.worker.worker_v1")
+
+
+def main(argv):
+    in_path, out_path = argv[1], argv[2]
+    with open(in_path) as f:
+        request = json.load(f)
+    result: dict = {"ok": False}
+    t0 = time.perf_counter()
+    try:
+        _run(request["scenario"], result)
+        result["ok"] = True
+    except BaseException as exc:  # report every failure as data, never as a hang
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+def _run(scenario, result):
+    vllm_worker._stub_compiled_extensions()
+    import fake_device
+    import fake_runner
+    import fake_torch_npu
+
+    device = fake_device.FakeDevice(
+        total=scenario["total_memory_bytes"],
+        other=scenario.get("other_process_bytes", 0),
+        non_torch=scenario.get("init_non_torch_bytes", 0),
+    )
+    fake_runner.DEVICE = device
+    fake_runner.SCENARIO = scenario
+    fake_torch_npu.install(device)
+
+    import torch
+    import vllm
+    import vllm.logger
+
+    if not logging.getLogger("vllm").handlers and hasattr(vllm.logger, "_configure_vllm_root_logger"):
+        vllm.logger._configure_vllm_root_logger()
+    kvguard_log = logging.getLogger("kvguard")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s kvguard-log %(message)s"))
+    kvguard_log.addHandler(handler)
+    kvguard_log.setLevel(logging.INFO)
+    result["vllm_version"] = vllm.__version__
+    result["torch_version"] = torch.__version__
+
+    from importlib.metadata import version
+
+    result["engine_version"] = f"vllm-ascend:{version('vllm-ascend')}"
+    # The platform plugin vLLM would resolve (vllm_ascend:register names it); its device calls go to
+    # the fake torch.npu.
+    import vllm.platforms
+    from vllm_ascend.platform import NPUPlatform
+
+    vllm.platforms._current_platform = NPUPlatform()
+    _startup(scenario, device, result)
+    probe_module = sys.modules.get("kvguard.probe")
+    running = probe_module.current() if probe_module else None
+    if running is not None:
+        running.run_once(timeout=5)
+    result["device_calls"] = dict(sorted(device.calls.items()))
+    result["device_final"] = device.snapshot()
+
+
+class FakeNPUModelRunner:
+    """The fake runner (tests/vllm_real/fake_runner.py) with the calls NPUWorker makes beyond vLLM's."""
+
+    def eplb_warmup(self, *args, **kwargs):
+        return None
+
+    def _dummy_run(self, *args, **kwargs):
+        return None
+
+    def capture_model(self, *args, **kwargs):
+        return super().capture_model(*args, **kwargs)
+
+
+def _npu_runner_class():
+    import fake_runner
+
+    return type("FakeNPUModelRunner", (FakeNPUModelRunner, fake_runner.FakeModelRunner), {})
+
+
+def _patch_worker_module(module):
+    """What the fake NPU cannot run, in the NPUWorker's module: the model runner (the scenario's
+    allocations), HCCL (gloo, one process), the ATB warm-up kernel."""
+    module.NPUModelRunner = _npu_runner_class()
+    original = module.init_distributed_environment
+
+    def init_distributed_environment(world_size=-1, rank=-1, distributed_init_method="env://",
+                                     local_rank=-1, backend="gloo", *args, **kwargs):
+        return original(world_size, rank, distributed_init_method, local_rank, "gloo", *args, **kwargs)
+
+    module.init_distributed_environment = init_distributed_environment
+    worker_cls = getattr(module, "NPUWorker", None)
+    if worker_cls is not None and "_warm_up_atb" in vars(worker_cls):
+        worker_cls._warm_up_atb = lambda self: None
+    vllm_worker._spy_on_memory_profiling(module)
+
+
+def _startup(scenario, device, result):
+    import importlib
+
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()
+    # vLLM inspects lazily registered model classes in a subprocess, which would import the real
+    # torch_npu; the fake one lives in this process, so the inspection runs here (config path only).
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+    vllm_config = vllm_worker._engine_args(scenario).create_engine_config()
+    cache = vllm_config.cache_config
+    result["config"] = {
+        "block_size": cache.block_size,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+        "kv_cache_memory_bytes": getattr(cache, "kv_cache_memory_bytes", None),
+        "dtype": str(vllm_config.model_config.dtype),
+        "max_model_len": vllm_config.model_config.max_model_len,
+        "worker_cls": vllm_config.parallel_config.worker_cls,
+        # what the platform's check_and_update_config left for torch_npu's allocator (0.17.0rc1+ sets it)
+        "npu_alloc_conf": os.environ.get("PYTORCH_NPU_ALLOC_CONF"),
+    }
+    module_name, _, _ = vllm_config.parallel_config.worker_cls.rpartition(".")
+    worker_module = importlib.import_module(module_name)
+    _patch_worker_module(worker_module)
+
+    from vllm.v1.executor.abstract import Executor
+
+    executor = Executor.get_class(vllm_config)(vllm_config)
+    worker = executor.driver_worker.worker
+    runner = worker.model_runner
+    core = types.SimpleNamespace(model_executor=executor, vllm_config=vllm_config)
+    core.collective_rpc = executor.collective_rpc
+    from vllm.v1.engine.core import EngineCore
+
+    outcome = EngineCore._initialize_kv_caches(core, vllm_config)
+    result["engine_outcome"] = repr(outcome)
+    result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
+    result["figures"] = {
+        "init_npu_memory": getattr(worker, "init_npu_memory", None),
+        "model_memory_usage": getattr(runner, "model_memory_usage", None),
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "gpu_memory_utilization": cache.gpu_memory_utilization,
+    }
+    kv = runner.kv_cache_config
+    if kv is not None:
+        result["kv_cache_config"] = {
+            "num_blocks": kv.num_blocks,
+            "num_tensors": len(kv.kv_cache_tensors),
+            "groups": [{"num_layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
+                        "page_size_bytes": g.kv_cache_spec.page_size_bytes,
+                        "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups],
+        }
+    result["runner_events"] = runner.events
+    if PROFILES:
+        result["profile"] = vllm_worker._profile_fields(PROFILES[-1])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,125 @@
+"""Run a vllm-ascend release's real worker startup on a fake NPU, from kvguard's venv.
+
+    from ascend_real.harness import run_engine          # from tests/ (pytest puts it on sys.path)
+    result = run_engine("vllm-ascend:0.18.0", ASCEND_SCENARIO, env={"KVGUARD_BUDGET": "reserved"})
+
+The release runs in its own environment (envs.py), in a subprocess (engine_main.py), with kvguard's
+plugin visible as an installed distribution as tests/vllm_real/harness.py arranges it; the result's keys
+are those of vllm_real.harness.run_worker (returned_available_bytes, config, figures, profile,
+kv_cache_config, log_lines, device_calls, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+if not __package__:  # run as a script
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from ascend_real import envs  # noqa: E402
+from vllm_real import harness as vllm_harness
+
+HERE = pathlib.Path(__file__).resolve().parent
+GiB = 1 << 30
+MiB = 1 << 20
+
+# The issue's scenario: a 64 GiB device, 14 GiB of weights, a profile run of +4 GiB allocated and
+# +5.5 GiB reserved (an earlier 1.5 GiB activation block the peak cannot reuse), 300 MiB of non-torch
+# memory left behind; 1 GiB of non-torch memory (HCCL, the ACL context) before the worker's snapshot.
+ASCEND_SCENARIO = {
+    "model_dir": str(vllm_harness.EXAMPLE_MODEL),
+    "total_memory_bytes": 64 * GiB,
+    "other_process_bytes": 0,
+    "init_non_torch_bytes": 1 * GiB,
+    "weights_bytes": 14 * GiB,
+    "profile_transient_bytes": 4 * GiB,
+    "profile_unreusable_bytes": 1536 * MiB,
+    "profile_residual_bytes": 0,
+    "profile_non_torch_bytes": 300 * MiB,
+    "profile_fragment_bytes": 0,
+    "cudagraph_bytes": 0,
+    "max_model_len": 4096,
+    "enforce_eager": True,
+}
+
+
+class EnvironmentMissing(RuntimeError):
+    """The release's environment has not been set up (python3 tests/ascend_real/envs.py setup)."""
+
+
+class HarnessError(RuntimeError):
+    """The release's startup failed on the fake NPU; the message carries the engine's error."""
+
+
+def available_releases() -> list[str]:
+    return [r for r in envs.RELEASES if envs.env_python(r) is not None]
+
+
+def run_engine(release: str, scenario: dict | None = None, env: dict | None = None, *,
+               plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
+    python = envs.env_python(release)
+    if python is None:
+        raise EnvironmentMissing(f"{release}: its environment is not set up "
+                                 f"(python3 tests/ascend_real/envs.py setup {release})")
+    merged = {**ASCEND_SCENARIO, **(scenario or {})}
+    with tempfile.TemporaryDirectory(prefix=f"kvguard-{envs._name(release)}-") as tmp:
+        tmp = pathlib.Path(tmp)
+        site = tmp / "site"
+        site.mkdir()
+        if plugins:
+            vllm_harness._plugin_dist(site)
+        (tmp / "in.json").write_text(json.dumps({"scenario": merged}))
+        child_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+        child_env.update(vllm_harness.BASE_ENV)
+        child_env["VLLM_CACHE_ROOT"] = str(envs.envs_dir() / "vllm-cache" / envs._name(release))
+        child_env["PYTHONPATH"] = os.pathsep.join([str(site), str(vllm_harness.REPO / "exporter")])
+        child_env.update(env or {})
+        try:
+            proc = subprocess.run(
+                [str(python), "-W", "ignore", str(HERE / "engine_main.py"), str(tmp / "in.json"),
+                 str(tmp / "out.json")],
+                capture_output=True, text=True, env=child_env, timeout=timeout, cwd=tmp)
+        except subprocess.TimeoutExpired as exc:
+            raise HarnessError(f"{release}: startup did not finish in {timeout:.0f}s") from exc
+        out = tmp / "out.json"
+        if not out.is_file():
+            raise HarnessError(f"{release}: the worker process died (rc={proc.returncode}): "
+                               + "\n".join(proc.stderr.strip().splitlines()[-12:]))
+        result = json.loads(out.read_text())
+    result["log_lines"] = proc.stdout.splitlines()
+    result["stderr_tail"] = proc.stderr.splitlines()[-40:]
+    result["scenario"] = merged
+    if check and not result.get("ok"):
+        raise HarnessError(f"{release}: {result.get('error')}\n"
+                           + "\n".join(str(result.get("traceback", "")).splitlines()[-12:]))
+    return result
+
+
+def main(argv):
+    """python tests/ascend_real/harness.py RELEASE [KEY=VALUE ...] [--env K=V] [--lines]"""
+    release, scenario, env = argv[1], {}, {}
+    args = iter(argv[2:])
+    lines = False
+    for arg in args:
+        if arg == "--env":
+            k, _, v = next(args).partition("=")
+            env[k] = v
+        elif arg == "--lines":
+            lines = True
+        else:
+            k, _, v = arg.partition("=")
+            scenario[k] = json.loads(v)
+    result = run_engine(release, scenario, env, check=False)
+    log_lines = result.pop("log_lines")
+    print(json.dumps(result, indent=1, default=str))
+    if lines:
+        print("\n".join(log_lines))
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,172 @@
+"""kvguard against the Ascend engines as they ship: each vllm-ascend era row's release runs its real
+NPUWorker (and vLLM's own engine-core KV sizing) on a fake NPU, with kvguard's plugin loaded by vLLM's
+own load_general_plugins (tests/ascend_real: only torch_npu's device calls are faked).
+
+The scenario is the issue's: a 64 GiB device, 14 GiB of weights, a profile run of +4 GiB allocated and
++5.5 GiB reserved, 300 MiB of non-torch memory left behind, 1 GiB of it (ACL context, HCCL) from the start.
+What each release returned is the oracle; the plugin's profile, `kvguard budget` and the reserved /
+guard budgets are checked against it. Environments: `python3 tests/ascend_real/envs.py setup`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ascend_real import envs
+from ascend_real.harness import ASCEND_SCENARIO, run_engine
+from kvguard.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.spool import read_spool
+from kvguard.vllm.eras import era_for
+
+GIB = 1 << 30
+MIB = 1 << 20
+ASCEND = [r for r in envs.RELEASES if r.startswith("vllm-ascend:")]
+_runs: dict = {}
+
+
+def run(release: str, tmp_path_factory, budget: str = "stock", **scenario):
+    """One startup with kvguard's plugin; (the engine's result, the rank's snapshot)."""
+    key = (release, budget, json.dumps(scenario, sort_keys=True))
+    if key not in _runs:
+        spool = tmp_path_factory.mktemp(f"spool-{envs._name(release)}")
+        result = run_engine(release, scenario, env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget})
+        snapshots = read_spool(str(spool)).snapshots
+        assert len(snapshots) == 1, f"{release}: the plugin wrote {len(snapshots)} snapshots"
+        _runs[key] = (result, snapshots[0])
+    return _runs[key]
+
+
+def kvguard_budget(*args) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", *map(str, args), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_every_ascend_era_row_release_is_set_up():
+    missing = [r for r in envs.RELEASES if envs.env_python(r) is None]
+    assert not missing, f"not set up (python3 tests/ascend_real/envs.py setup): {missing}"
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_row_names_the_wheel_the_tests_run(release):
+    project, version = release.split(":")
+    assert era_for(release).checked_against == version
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_plugin_records_the_release_and_its_era(release, tmp_path_factory):
+    result, snap = run(release, tmp_path_factory)
+    assert result["engine_version"] == release
+    assert snap.profile.vllm_version == release
+    assert snap.profile.formula == era_for(release).formula
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_recorded_profile_reproduces_the_engines_budget_to_the_byte(release, tmp_path_factory):
+    result, snap = run(release, tmp_path_factory)
+    assert stock_kv_cache_bytes(snap.profile) == result["returned_available_bytes"]
+    assert result["config"]["block_size"] == era_for(release).default_block_size == 128
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_rows_utilization_default_is_the_engines(release, tmp_path_factory):
+    result, snap = run(release, tmp_path_factory)
+    assert result["config"]["gpu_memory_utilization"] == era_for(release).default_gpu_memory_utilization
+    assert snap.profile.gpu_memory_utilization == result["config"]["gpu_memory_utilization"]
+
+
+def test_on_0_11_the_profile_is_what_npuworker_read(tmp_path_factory):
+    """No memory_profiling: the plugin records NPUWorker's own reads. Its allocated peak holds the weights
+    (14 GiB stay allocated after empty_cache, +4 GiB above), the reserved peak +5.5 GiB, and the absolute
+    non-torch memory is all of it, 1 GiB + 300 MiB."""
+    _, snap = run("vllm-ascend:0.11.0", tmp_path_factory)
+    p = snap.profile
+    assert (p.weights_bytes, p.peak_allocated_increase_bytes, p.peak_reserved_increase_bytes) == \
+        (14 * GIB, 4 * GIB, 5 * GIB + 512 * MIB)
+    assert p.non_torch_increase_bytes == GIB + 300 * MIB
+
+
+def test_on_0_17_the_cleared_term_is_the_startup_non_torch_memory(tmp_path_factory):
+    """vllm-ascend 0.17's extra subtrahend (worker.py 0.17.0rc1:344-363) comes out as the 1 GiB of non-torch
+    memory there before the profile, although the profile's empty_cache freed nothing."""
+    _, snap = run("vllm-ascend:0.17.0rc1", tmp_path_factory)
+    assert snap.profile.non_torch_cleared_bytes == ASCEND_SCENARIO["init_non_torch_bytes"]
+
+
+def _flags(release: str, result: dict) -> list:
+    """The budget flags, as their help describes them, from what the engine measured: the scenario's device
+    figures (the fake device's state), and vLLM's MemoryProfilingResult where the release runs one."""
+    s = ASCEND_SCENARIO
+    flags = ["--vllm-version", release, "--total-memory", s["total_memory_bytes"], "--weights", s["weights_bytes"],
+             "--peak-allocated-increase", s["profile_transient_bytes"]]
+    formula = FORMULAS[era_for(release).formula]
+    if formula.non_torch == "positive":
+        # total - free - torch allocated, after empty_cache: every non-torch byte in the process.
+        flags += ["--non-torch-memory", s["init_non_torch_bytes"] + s["profile_non_torch_bytes"]]
+    else:
+        flags += ["--non-torch-increase", result["profile"]["non_torch_increase"]]
+        assert result["profile"]["weights_memory"] == s["weights_bytes"]
+        assert result["profile"]["torch_peak_increase"] == s["profile_transient_bytes"]
+    if formula.cleared:
+        flags += ["--non-torch-cleared", s["init_non_torch_bytes"]]
+    return flags
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_kvguard_budget_from_the_flags_gives_the_engines_figure(release, tmp_path_factory):
+    result, _ = run(release, tmp_path_factory)
+    out = kvguard_budget(*_flags(release, result))
+    assert out["budgets"]["stock"]["kv_cache_bytes"] == result["returned_available_bytes"]
+
+
+def test_the_increase_flag_is_refused_where_the_formula_takes_the_absolute_non_torch_memory():
+    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.11.0",
+                          "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
+                          "--non-torch-increase", "300MiB"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--non-torch-memory" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_kvguard_budget_reserved_changes_what_the_worker_returns(release, tmp_path_factory):
+    stock, stock_snap = run(release, tmp_path_factory)
+    reserved, _ = run(release, tmp_path_factory, budget="reserved")
+    expected = reserved_kv_cache_bytes(stock_snap.profile)
+    # The profile run reserved 1.5 GiB more than it allocated at its peak: that much less KV cache.
+    assert stock["returned_available_bytes"] - expected == 1536 * MIB
+    assert reserved["returned_available_bytes"] == expected
+    assert reserved["kv_cache_config"]["num_blocks"] < stock["kv_cache_config"]["num_blocks"]
+
+
+@pytest.mark.parametrize("release", ["vllm-ascend:0.11.0", "vllm-ascend:0.23.0.post1"])
+def test_kvguard_budget_guard_shrinks_a_budget_the_guard_predicts_does_not_fit(release, tmp_path_factory):
+    """At utilization 0.98 the KV cache, the weights, the reserved activation peak and the non-torch memory
+    come to more than the 64 GiB device: the guard's budget is smaller than the engine's own."""
+    stock, _ = run(release, tmp_path_factory, gpu_memory_utilization=0.98)
+    guarded, _ = run(release, tmp_path_factory, budget="guard", gpu_memory_utilization=0.98)
+    assert 0 < guarded["returned_available_bytes"] < stock["returned_available_bytes"]
+    assert any("KVGUARD_BUDGET=guard" in line for line in guarded["log_lines"])
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_budget_allocator_torch_npu_follows_the_releases_expandable_segments(release, tmp_path_factory):
+    """What the release's own platform left in PYTORCH_NPU_ALLOC_CONF (none set before it ran) is what
+    `budget --allocator torch_npu` assumes for it."""
+    result, snap = run(release, tmp_path_factory)
+    conf = result["config"]["npu_alloc_conf"] or ""
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    profile.write_text(json.dumps(snap.profile.to_dict()))
+    out = kvguard_budget("--profile", profile, "--model-config", ASCEND_SCENARIO["model_dir"],
+                         "--allocator", "torch_npu")
+    assert out["at_budget"]["expandable_segments"] == ("expandable_segments:True" in conf)
+
+
+def test_the_absolute_flag_is_refused_where_the_formula_takes_the_increase():
+    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.18.0",
+                          "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
+                          "--non-torch-memory", "1.3GiB"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--non-torch-increase" in out.stderr.strip().splitlines()[-1]
