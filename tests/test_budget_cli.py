@@ -257,3 +257,105 @@ def test_allocator_without_a_model_config_is_a_usage_error():
     result = kvguard("budget", "--profile", SEED_PROFILE, "--allocator", "torch")
     assert result.returncode == 2 and "--allocator needs --model-config" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------ an era input is refused, never dropped (issue 19)
+
+def one_line_usage_error(result):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("release, missing", [
+    # 0.27+ budget from total consumed and the transient peak (mu 0.27.0:317-326), which a peak profile lacks.
+    ("0.34.0", "missing --total-consumed, --transient-peak-headroom"),
+    ("0.27.0", "missing --total-consumed, --transient-peak-headroom"),
+    # 0.20+ subtract the CUDA-graph estimate by default (envs.py 0.20.0:1725).
+    ("0.20.0", "missing --cudagraph-memory"),
+    # vllm-ascend 0.15-0.17 also subtract the non-torch memory present at startup (worker.py 0.17.0rc1:339-366).
+    ("vllm-ascend:0.17.0", "missing --non-torch-cleared"),
+])
+def test_a_profile_file_the_era_cannot_budget_is_refused_not_dropped(release, missing):
+    result = kvguard("budget", "--profile", SEED_PROFILE, "--model-config", QWEN, "--vllm-version", release)
+    assert missing in one_line_usage_error(result)
+
+
+def test_0_34_names_the_extensible_inputs_as_the_alternative():
+    result = kvguard("budget", "--profile", SEED_PROFILE, "--vllm-version", "0.34.0")
+    assert "--init-free-memory" in one_line_usage_error(result)
+
+
+@pytest.mark.parametrize("release", ["0.9.0", "0.6.4", "vllm-ascend:0.11.0"])
+def test_an_increase_from_a_profile_file_is_not_taken_for_the_absolute_non_torch_memory(release):
+    # The seed's profile holds the non-torch increase; these eras add the absolute memory (w 0.9.0:167-214).
+    result = kvguard("budget", "--profile", SEED_PROFILE, "--vllm-version", release)
+    assert "give it as --non-torch-memory" in one_line_usage_error(result)
+    with open(SEED_PROFILE) as handle:
+        absolute = json.load(handle)["non_torch_increase_bytes"] + GIB
+    out = budget_json("--profile", SEED_PROFILE, "--vllm-version", release, "--non-torch-memory", str(absolute))
+    assert out["profile"]["non_torch_increase_bytes"] == absolute
+
+
+@pytest.mark.parametrize("args, unread", [
+    (["--vllm-version", "0.11.0", "--cudagraph-memory", "1GiB"], "does not read --cudagraph-memory"),
+    (["--vllm-version", "0.13.0", "--non-torch-cleared", "1GiB"], "does not read --non-torch-cleared"),
+    (["--vllm-version", "0.11.0", "--total-consumed", "1GiB"], "does not read --total-consumed"),
+    (["--vllm-version", "vllm-ascend:0.18.0", "--init-free-memory", "60GiB"], "does not read --init-free-memory"),
+])
+def test_a_flag_the_era_does_not_read_is_refused(args, unread):
+    result = kvguard("budget", "--profile", SEED_PROFILE, *args)
+    assert unread in one_line_usage_error(result)
+
+
+def test_a_profile_files_figure_the_chosen_era_does_not_read_is_refused(tmp_path):
+    with open(SEED_PROFILE) as handle:
+        profile = {**json.load(handle), "formula": "peak_ceil_cudagraph", "cudagraph_memory_bytes": GIB}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    assert budget_json("--profile", str(path), "--vllm-version", "0.20.0")["profile"]["cudagraph_memory_bytes"] == GIB
+    result = kvguard("budget", "--profile", str(path), "--vllm-version", "0.11.0")
+    assert "does not read the profile file's cudagraph_memory_bytes" in one_line_usage_error(result)
+
+
+def test_extensible_kv_cache_before_0_34_is_refused():
+    result = kvguard("budget", "--vllm-version", "0.27.0", "--extensible-kv-cache")
+    assert "--extensible-kv-cache is vLLM 0.34+'s" in one_line_usage_error(result)
+
+
+def test_a_flag_beside_a_log_without_its_profile_is_refused_not_dropped():
+    # The seed's log states the decided budget, not the profile: a reserved increase alone cannot be used.
+    log = os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")
+    result = kvguard("budget", "--from-log", log, "--peak-reserved-increase", "5.72GiB")
+    assert "incomplete profile" in one_line_usage_error(result)
+
+
+# ------------------------------------------------------------------ the seed's release
+
+def test_budget_accepts_the_seed_release_simulate_takes_and_gives_the_seeds_figure():
+    """vllm-mindspore 0.2.0 (PR !428): the seed reported Qwen2.5-7B's 37.85 GiB / 44292 blocks becoming
+    36.40 GiB / 42593 with 16-token blocks."""
+    out = budget_json("--profile", SEED_PROFILE, "--model-config", QWEN, "--vllm-version", "vllm-mindspore:0.2.0")
+    assert (out["layout"]["block_size"], out["budgets"]["stock"]["num_blocks"]) == (16, 42593)
+    assert round(out["budgets"]["stock"]["kv_cache_bytes"] / GIB, 2) == 36.40
+    sim = kvguard("simulate", "--vllm-mindspore-version", "0.2.0", "--allocator", "mindspore", "--requests", "1",
+                  "--json")
+    assert sim.returncode == 0, sim.stderr
+
+
+def test_the_absolute_non_torch_memory_is_printed_as_what_it_is():
+    result = kvguard("budget", "--vllm-version", "0.9.0", "--total-memory", "80GiB", "--weights", "15GiB",
+                     "--peak-allocated-increase", "2GiB", "--non-torch-memory", "1GiB")
+    assert result.returncode == 0 and "non-torch memory 1.00 GiB" in result.stdout
+    assert "non-torch increase" not in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-enable-vmm"], "give --allocator too"),
+    (["--non-allocator-memory", "1GiB"], "give --allocator too"),
+    (["--allocator", "torch", "--enable-vmm"], "--allocator mindspore, not torch"),
+    (["--allocator", "mindspore", "--expandable-segments"], "--allocator torch or torch_npu"),
+])
+def test_an_allocator_option_the_verdict_would_not_use_is_refused(args, message):
+    result = kvguard("budget", "--model-config", QWEN, "--profile", SEED_PROFILE, *args)
+    assert message in one_line_usage_error(result)

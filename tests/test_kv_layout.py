@@ -178,3 +178,18 @@ def test_config_json_array_is_refused(tmp_path):
     path.write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match="not a JSON object"):
         load_model_config(str(path))
+
+
+def test_kv_tensor_style_follows_the_release_that_allocated_the_cache():
+    """One int8 tensor per layer through vLLM 0.28 (v1/worker/gpu_model_runner.py 0.28.0:7473, one per
+    KVCacheTensor of page_size * num_blocks, v1/core/kv_cache_utils.py 0.28.0:1384-1403); from 0.29 every
+    KVCacheTensor has the whole size and allocate_kv_cache makes one backing (v1/worker/utils.py
+    0.29.0:395-411). tests/test_vllm_real.py runs the real allocators of 0.11-0.34 and 0.30."""
+    from kvguard.estimator import kv_cache_tensor_bytes, kv_tensor_style
+
+    layout = kv_layout_from_config(load_model_config(QWEN_7B))
+    styles = {v: kv_tensor_style("consumed", f"vllm:{v}") for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0")}
+    assert styles == {"0.27.0": "per_layer", "0.28.0": "per_layer", "0.29.0": "one_backing",
+                      "0.30.0": "one_backing", "0.33.0": "one_backing"}
+    assert len(kv_cache_tensor_bytes(layout, 100, styles["0.28.0"])) == 28
+    assert kv_cache_tensor_bytes(layout, 100, styles["0.29.0"]) == (100 * layout.block_bytes,)

@@ -47,3 +47,11 @@ def test_0_34_defaults_block_size_64_and_resolves_utilization_at_run_time():
     era = era_for("0.34.0")
     assert (era.default_block_size, era.default_gpu_memory_utilization) == (64, None)
     assert "extend_kv_cache" in era.hooks and era.extensible_kv_cache_default
+
+
+def test_the_seed_release_is_a_row_and_older_vllm_mindspore_is_refused():
+    # vllm-mindspore 0.2.0 (PR !428): the launcher `simulate --vllm-mindspore-version 0.2.0` takes.
+    era = era_for("vllm-mindspore:0.2.0")
+    assert (era.formula, era.default_block_size) == ("mindspore_reserved", 16)
+    with pytest.raises(EraError, match="older than kvguard's era table"):
+        era_for("vllm-mindspore:0.1.0")

@@ -253,3 +253,17 @@ def test_engine_identity_reads_the_served_name_and_the_data_parallel_index():
     assert vllm_plugin.engine_identity(worker(data_parallel_index=2, data_parallel_rank=0)) == ("qwen-7b", 2)
     assert vllm_plugin.engine_identity(worker(data_parallel_rank=1)) == ("qwen-7b", 1)
     assert vllm_plugin.engine_identity(types.SimpleNamespace()) == (None, None)
+
+
+def test_a_worker_without_memory_profiling_says_once_why_nothing_is_recorded(fake_vllm, monkeypatch, caplog):
+    # vLLM 0.8.5-0.9.0's worker reads torch.cuda inline (gpu_worker.py 0.9.0:167-214): nothing to capture.
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", lambda self: 40 * GIB)
+    monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
+    vllm_plugin.register()
+    worker = start_worker()
+    with caplog.at_level(logging.INFO, logger="kvguard.vllm.plugin"):
+        assert worker.determine_available_memory() == 40 * GIB
+        assert worker.determine_available_memory() == 40 * GIB
+    [line] = [r.getMessage() for r in caplog.records if "no startup profile recorded" in r.getMessage()]
+    assert "runs no memory_profiling" in line and "KVGUARD_BUDGET=reserved keeps vLLM's budget" in line

@@ -211,6 +211,32 @@ def test_the_budget_time_verdict_counts_the_kv_tensors_vllm_then_allocates(relea
     assert verdict.kv_placement_loss_bytes == 0 or verdict.kv_placement_loss_bytes < 2 * group["num_layers"] << 20
 
 
+# The releases whose own KV allocator is run: every full release, and those set up for this check only
+# (vllm_real.envs.LAYOUT_RELEASES: 0.30.0, the first one-backing release the era rows above do not run).
+KV_ALLOCATION_RELEASES = RELEASES + [v for v in envs.LAYOUT_RELEASES if envs.env_python(v) is not None]
+
+
+@pytest.mark.parametrize("release", KV_ALLOCATION_RELEASES)
+def test_kv_tensor_style_is_how_the_release_allocates_its_kv_cache(release, tmp_path_factory):
+    """The release's own allocator, run unchanged on its own KVCacheConfig (vllm_real.worker_main), makes the
+    allocations kv_cache_tensor_bytes gives for the style kv_tensor_style names: one per layer through 0.28,
+    one backing for every layer from 0.29; and the plugin's budget-time verdict counts as many."""
+    from kvguard.estimator import kv_cache_tensor_bytes, kv_layout_from_config, kv_tensor_style
+    from kvguard.model_config import load_model_config
+
+    # 0.34 with its extensible KV cache off: the extensible cache maps its pages outside the allocator.
+    scenario = ({**OVERCOMMITTED, "enable_extensible_kv_cache": False}
+                if era_for(release).extensible_kv_cache_default else None)
+    result, snap, _ = run(release, tmp_path_factory, scenario=scenario)
+    config = result["kv_cache_config"]
+    layout = kv_layout_from_config(load_model_config(result["scenario"]["model_dir"]),
+                                   block_size=config["groups"][0]["block_size"])
+    assert layout.page_bytes_per_layer == config["groups"][0]["page_size_bytes"]
+    style = kv_tensor_style(era_for(release).formula, f"vllm:{release}")
+    assert list(kv_cache_tensor_bytes(layout, config["num_blocks"], style)) == result["kv_allocations"]
+    assert snap.budget_verdict.kv_tensors == len(result["kv_allocations"])
+
+
 # ---------------------------------------------------------------------------- KVGUARD_BUDGET=guard
 
 # vLLM's budget does not fit: the profile's reserved peak outgrows the allocated one by 3 GiB, more

@@ -15,7 +15,8 @@ from click.core import ParameterSource
 from kvguard import __version__
 from kvguard.estimator import (
     EXTENSIBLE_INPUTS, FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for,
-    estimate, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields, stock_kv_cache_bytes,
+    estimate, formula_inputs, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
+    stock_kv_cache_bytes,
 )
 from kvguard.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, format_gib, parse_size
@@ -255,12 +256,13 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     """
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise click.UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    _refuse_unused_allocator_options(allocator, enable_vmm, expandable_segments, non_allocator_memory)
     startup = _read_log(log_file) if log_file else None
     fields: dict[str, Any] = {}
     if startup:
         fields.update(startup.profile_fields())
-    if profile_file:
-        fields.update(_read_profile_file(profile_file))
+    file_fields: dict[str, Any] = _read_profile_file(profile_file) if profile_file else {}
+    fields.update(file_fields)
     flags = {"total_memory_bytes": total_memory, "gpu_memory_utilization": gpu_memory_utilization,
              "weights_bytes": weights, "peak_allocated_increase_bytes": peak_allocated_increase,
              "peak_reserved_increase_bytes": peak_reserved_increase, "non_torch_increase_bytes": non_torch_increase,
@@ -275,6 +277,11 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     era = _era(release or fields.get("vllm_version"))
     if era is None and startup is not None:
         era = startup.era_row
+    if extensible_kv_cache is not None and not (era and era.extensible_kv_cache_default):
+        raise click.UsageError(f"--{'' if extensible_kv_cache else 'no-'}extensible-kv-cache is vLLM 0.34+'s "
+                               f"(--vllm-version 0.34.0); {era.name if era else 'without --vllm-version, the formula'} "
+                               f"has no extensible KV cache")
+    file_formula = file_fields.get("formula") or "peak"
     _non_torch_flag(era, non_torch_increase, non_torch_memory, fields)
     if era is not None:
         fields["vllm_version"] = release or fields.get("vllm_version")
@@ -309,7 +316,9 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
             raise click.ClickException(str(exc)) from None
 
     profile = None
-    needs = required_fields(fields.get("formula") or "peak", fields.get("kv_cache_memory_bytes"))
+    given = {k for k, v in flags.items() if v is not None} | ({"non_torch_increase_bytes"}
+                                                             if non_torch_memory is not None else set())
+    needs = _era_needs(era, fields, given, file_fields, file_formula, profile_file)
     measured = {k: v for k, v in fields.items() if k in _PROFILE_FLAGS or k in ("formula", "vllm_version",
                                                                                   "kv_cache_memory_bytes")}
     if fields and all(fields.get(k) is not None for k in needs):
@@ -317,10 +326,16 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
             profile = Profile(**{**{k: None for k in Profile.REQUIRED}, **measured})
         except (ProfileError, TypeError) as exc:
             raise click.ClickException(str(exc)) from None
-    elif any(flags[k] is not None for k in flags) and not (startup and startup.available_kv_cache_bytes):
-        missing = [_PROFILE_FLAGS.get(k, k) for k in needs if fields.get(k) is None]
+    elif (given or profile_file) and not (startup and startup.available_kv_cache_bytes and given <= _LOG_FILLS):
+        # Never a silent drop: a profile from flags or a file that the era cannot budget is refused (a log's
+        # own decided budget stands, with --total-memory / --gpu-memory-utilization for --allocator).
+        missing = [_PROFILE_FLAGS.get(k, k) + _MISSING_HINT.get(k, "") for k in needs if fields.get(k) is None]
         era_text = f" for {era.name}" if era else ""
-        raise click.UsageError(f"incomplete profile{era_text}: missing {', '.join(missing)}")
+        extensible = ""
+        if era and era.extensible_kv_cache_default and fields.get("formula") != "extensible":
+            extensible = (" (or, with its extensible KV cache, " + ", ".join(_PROFILE_FLAGS[k] for k in
+                                                                           EXTENSIBLE_INPUTS) + ")")
+        raise click.UsageError(f"incomplete profile{era_text}: missing {', '.join(missing)}{extensible}")
 
     if kv_cache_memory is not None and layout is None:
         raise click.UsageError("--kv-cache-memory needs --model-config to count blocks")
@@ -375,6 +390,46 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         _print_budget(result, layout)
 
 
+# What a log's decided budget still uses when its profile is incomplete (--allocator: kvguard.sidecar.log_profile).
+_LOG_FILLS = {"total_memory_bytes", "gpu_memory_utilization"}
+_MISSING_HINT = {
+    "cudagraph_memory_bytes": " (the CUDA-graph estimate it subtracts; 0 if VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0)",
+    "non_torch_cleared_bytes": " (the non-torch memory present at startup, which it also subtracts)",
+}
+
+
+def _era_needs(era, fields: dict[str, Any], given: set[str], file_fields: dict[str, Any], file_formula: str,
+               profile_file: str | None) -> list[str]:
+    """The profile fields the era's formula needs here; refuses (one line) an input it would drop: a flag
+    the formula does not read, or a profile file's figure the chosen era reads otherwise or not at all."""
+    formula = fields.get("formula") or "peak"
+    reads = formula_inputs(formula)
+    who = era.name if era else "the default formula (0.9.1-0.13; no --vllm-version)"
+    takes = ", ".join(_PROFILE_FLAGS[k] for k in reads if k in _PROFILE_FLAGS)
+    unread = [_PROFILE_FLAGS[k] for k in _PROFILE_FLAGS if k in given and k not in reads]
+    if unread:
+        raise click.UsageError(f"{who} (formula {formula}) does not read {', '.join(unread)}; it takes {takes}")
+    if profile_file and formula != file_formula:
+        absolute = {name: FORMULAS[name].non_torch == "positive" for name in (formula, file_formula)}
+        if absolute[formula] != absolute[file_formula] and file_fields.get("non_torch_increase_bytes") is not None \
+                and "non_torch_increase_bytes" not in given:
+            what = "the absolute non-torch memory" if absolute[formula] else "the non-torch increase"
+            raise click.UsageError(f"{who} adds {what}, which the profile file (formula {file_formula}) does not hold: "
+                                   f"give it as {'--non-torch-memory' if absolute[formula] else '--non-torch-increase'}")
+        dropped = [k for k in file_fields if k not in Profile.REQUIRED and k not in ("formula", "vllm_version")
+                   and file_fields[k] is not None and k not in reads]
+        if dropped:
+            raise click.UsageError(f"{who} (formula {formula}) does not read the profile file's {', '.join(dropped)} "
+                                   f"(formula {file_formula}); it takes {takes}")
+    needs = list(required_fields(formula, fields.get("kv_cache_memory_bytes")))
+    if fields.get("kv_cache_memory_bytes") is None:
+        # Inputs the estimator would otherwise take as 0: vLLM 0.20+ subtracts its CUDA-graph estimate by default
+        # (the 0.18-0.19 default, off, is filled in above), vllm-ascend 0.15+ the non-torch memory at startup.
+        needs += [k for k in ("cudagraph_memory_bytes", "non_torch_cleared_bytes") if k in reads
+                  and (k != "non_torch_cleared_bytes" or FORMULAS[formula].cleared)]
+    return needs
+
+
 def _non_torch_flag(era, non_torch_increase, non_torch_memory, fields: dict[str, Any]) -> None:
     """The non-torch input under the name of what the era's formula takes: the increase since the init
     snapshot, or (formula non_torch "positive") the absolute memory; both fill non_torch_increase_bytes."""
@@ -392,6 +447,19 @@ def _non_torch_flag(era, non_torch_increase, non_torch_memory, fields: dict[str,
             raise click.UsageError(f"{era.name} takes the non-torch increase since the init snapshot: give it as "
                                    f"--non-torch-increase")
         fields["non_torch_increase_bytes"] = non_torch_memory
+
+
+def _refuse_unused_allocator_options(allocator, enable_vmm, expandable_segments, non_allocator_memory) -> None:
+    """The budget-time verdict's options mean nothing without it, or on an allocator without the feature."""
+    given = [flag for flag, value in (("--[no-]enable-vmm", enable_vmm), ("--[no-]expandable-segments",
+                                                                          expandable_segments),
+                                      ("--non-allocator-memory", non_allocator_memory)) if value is not None]
+    if given and allocator is None:
+        raise click.UsageError(f"{', '.join(given)} set the budget-time verdict's allocator: give --allocator too")
+    if enable_vmm is not None and allocator != "mindspore":
+        raise click.UsageError(f"--[no-]enable-vmm is MindSpore's VMM: --allocator mindspore, not {allocator}")
+    if expandable_segments is not None and allocator == "mindspore":
+        raise click.UsageError("--[no-]expandable-segments is PyTorch's / torch_npu's: --allocator torch or torch_npu")
 
 
 def _refuse_growth_past_the_device(profile: Profile) -> None:
@@ -499,8 +567,11 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
                    if era.get("checked_against") else "")
                 + ")")
         out(f"Profile      total {format_bytes(total)} x utilization {util:g} = {format_bytes(total * util)}")
-        parts = [f"{_PROFILE_WORDS[key]} {format_bytes(value)}" for key, value in profile.items()
-                 if key in _PROFILE_WORDS and value is not None]
+        # V0, 0.8.5-0.9.0 and vllm-ascend <= 0.14 hold the absolute non-torch memory in that field (--non-torch-memory).
+        absolute = FORMULAS[profile.get("formula", "peak")].non_torch == "positive"
+        words = {**_PROFILE_WORDS, **({"non_torch_increase_bytes": "non-torch memory"} if absolute else {})}
+        parts = [f"{words[key]} {format_bytes(value)}" for key, value in profile.items()
+                 if key in words and value is not None]
         if profile.get("peak_reserved_increase_bytes") is None and profile.get("formula", "peak").startswith("peak"):
             parts.append("reserved increase unknown")
         for start in range(0, len(parts), 3):

@@ -80,15 +80,24 @@ class KVLayout:
 
 
 # How an era allocates the KV cache's tensors (kv_cache_tensor_bytes):
-# - "per_layer": vLLM V1 through 0.27, one raw int8 tensor per layer (per KVCacheTensor: layers of
+# - "per_layer": vLLM V1 through 0.28, one raw int8 tensor per layer (per KVCacheTensor: layers of
 #   several groups share one), num_blocks x page size, viewed as K and V by the backend
 #   (get_kv_cache_shape (2, num_blocks, ...)); v1/worker/gpu_model_runner.py 0.11.0:3771-3777,
-#   0.14.0:5339-5345, 0.27.0:7327-7342; the sizes from v1/core/kv_cache_utils.py 0.27.0:1398-1404.
+#   0.14.0:5339-5345, 0.27.0:7327-7342, 0.28.0:7447-7476 (torch.zeros per KVCacheTensor at 7473); the sizes
+#   from v1/core/kv_cache_utils.py 0.27.0:1398-1404, 0.28.0:1384-1403 (page_size * num_blocks each). 0.28
+#   packs one backing only for DeepSeek V4 or enable_cross_layers_blocks (kv_cache_utils.py 0.28.0:1274-1293,
+#   gpu_model_runner.py 0.28.0:7463-7471): not modelled.
 # - "per_layer_k_v": vllm-mindspore, a key and a value cache tensor per layer (half each; MLA: one).
-# - "one_backing": 0.34, one backing allocation for every layer (v1/worker/utils.py 0.34.0:577-583,
-#   _allocate_kv_cache_buffer 629-645: torch.zeros(raw_size)); the extensible KV cache maps its pages
-#   outside the allocator instead.
+# - "one_backing": from 0.29, one backing allocation for every layer: every KVCacheTensor has
+#   size = bytes_per_block * num_blocks (v1/core/kv_cache_utils.py 0.29.0:1437-1486, 0.30.0:1747-1796),
+#   allocate_kv_cache asserts they share one and calls torch.zeros(buf_size) once (v1/worker/utils.py
+#   0.29.0:379-411, 0.30.0:389-421, 0.31.0:395-427, 0.33.0:564-596; called from gpu_model_runner.py
+#   0.29.0:7436, 0.30.0:7364); tests/test_vllm_real.py runs 0.30's and each era row's own allocator; 0.34 the same
+#   (v1/worker/utils.py 0.34.0:577-583, _allocate_kv_cache_buffer 629-645: torch.zeros(raw_size)). The
+#   extensible KV cache (0.34) maps its pages outside the allocator instead.
 KV_TENSOR_STYLES = ("per_layer", "per_layer_k_v", "one_backing")
+# The first vLLM release with one backing allocation (above).
+ONE_BACKING_FROM = (0, 29)
 
 
 def kv_cache_tensor_bytes(layout: KVLayout, num_blocks: int, style: str = "per_layer") -> tuple[int, ...]:
@@ -104,8 +113,8 @@ def kv_cache_tensor_bytes(layout: KVLayout, num_blocks: int, style: str = "per_l
 
 
 def kv_tensor_style(formula: str, vllm_version: str | None = None) -> str:
-    """The KV tensor style of the release that measured a profile (its formula; its version picks
-    0.34's single backing)."""
+    """The KV tensor style of the release that measured a profile (its formula; its version picks the
+    single backing of 0.29+)."""
     if formula == "mindspore_reserved" or (vllm_version or "").startswith("vllm-mindspore:"):
         return "per_layer_k_v"
     if formula == "extensible":
@@ -113,7 +122,7 @@ def kv_tensor_style(formula: str, vllm_version: str | None = None) -> str:
     if vllm_version and vllm_version.startswith("vllm:"):
         parts = vllm_version[5:].split(".")
         try:
-            if (int(parts[0]), int(parts[1])) >= (0, 34):
+            if (int(parts[0]), int(parts[1])) >= ONE_BACKING_FROM:
                 return "one_backing"
         except (ValueError, IndexError):
             pass
@@ -422,6 +431,18 @@ def required_fields(formula: str, kv_cache_memory_bytes: int | None = None) -> t
     if budget.non_kv == "consumed":
         return base + ("total_consumed_bytes", "transient_peak_headroom_bytes")
     return base + EXTENSIBLE_INPUTS
+
+
+def formula_inputs(formula: str) -> tuple[str, ...]:
+    """Every profile field the formula reads (non_kv_cache_bytes, _budget): its required fields, the
+    reserved twins the reserved-aware budget reads, the CUDA-graph estimate, the cleared non-torch memory."""
+    budget = FORMULAS[formula]
+    inputs = required_fields(formula) + ("kv_cache_memory_bytes",)
+    if budget.non_kv == "peak":
+        inputs += ("peak_reserved_increase_bytes",) + (("non_torch_cleared_bytes",) if budget.cleared else ())
+    elif budget.non_kv == "consumed":
+        inputs += ("reserved_transient_peak_bytes",)
+    return inputs + (("cudagraph_memory_bytes",) if budget.cudagraph else ())
 
 
 def requested_memory_bytes(profile: Profile) -> int | float:

@@ -123,8 +123,16 @@ def _wheel(name: str, version: str) -> pathlib.Path:
     return found[-1]
 
 
+# Releases whose env runs only the KV-allocation check (tests/test_vllm_real.py), not a whole worker: their
+# pinned lists are in requirements/layout/, outside releases().
+LAYOUT_RELEASES = ("0.30.0",)
+
+
 def _pinned(version: str) -> list[str]:
-    lines = (REQUIREMENTS / f"vllm-{version}.txt").read_text().splitlines()
+    path = REQUIREMENTS / f"vllm-{version}.txt"
+    if not path.is_file():
+        path = REQUIREMENTS / "layout" / f"vllm-{version}.txt"
+    lines = path.read_text().splitlines()
     return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
 
 
@@ -184,7 +192,7 @@ def main(argv: list[str]) -> int:
                 print(f"vllm {version}: {prune(env_dir(version)) / 1e9:.2f} GB of CUDA extensions removed", flush=True)
         return 0
     if len(argv) >= 2 and argv[1] == "setup":
-        versions = argv[2:] or releases()
+        versions = argv[2:] or releases() + list(LAYOUT_RELEASES)
         total = time.perf_counter()
         for version in versions:
             t0 = time.perf_counter()

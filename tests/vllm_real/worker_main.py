@@ -267,6 +267,8 @@ def _startup(request, scenario, device, result):
                         "block_size": g.kv_cache_spec.block_size}
                        for g in kv.kv_cache_groups],
         }
+    if kv is not None:
+        result["kv_allocations"] = _real_kv_allocations(vllm_config, kv)
     ext = getattr(runner, "extensible_kv_cache", None)
     if ext is not None:
         result["extensible_kv_cache"] = {
@@ -281,6 +283,40 @@ def _startup(request, scenario, device, result):
     result["runner_events"] = runner.events
     if PROFILES:
         result["profile"] = _profile_fields(PROFILES[-1])
+
+
+REAL_RUNNERS: dict = {}   # the release's own GPUModelRunner classes, kept before the fake replaces them
+
+
+def _real_kv_allocations(vllm_config, kv):
+    """The byte size of each backing allocation the release's own KV allocator makes for the KVCacheConfig its
+    kv_cache_utils built: v1/worker/utils.py allocate_kv_cache where the release has it (0.29+), else
+    GPUModelRunner._allocate_kv_cache_tensors; run unchanged on the meta device (no memory), its int8
+    torch.zeros counted."""
+    import torch
+
+    from vllm.v1.worker import utils as worker_utils
+
+    device = torch.device("meta")
+    sizes = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):
+        tensor = real_zeros(*args, **kwargs)
+        if tensor.dtype == torch.int8:
+            sizes.append(tensor.numel())
+        return tensor
+
+    torch.zeros = zeros
+    try:
+        if hasattr(worker_utils, "allocate_kv_cache"):
+            worker_utils.allocate_kv_cache(kv, device, vllm_config.cache_config.get_resolved_kv_cache_layout())
+        else:
+            runner = types.SimpleNamespace(device=device, runner_only_attn_layers=set())
+            REAL_RUNNERS["vllm.v1.worker.gpu_model_runner"]._allocate_kv_cache_tensors(runner, kv)
+    finally:
+        torch.zeros = real_zeros
+    return sizes
 
 
 def _snapshot(snap):
@@ -305,6 +341,7 @@ def _install_fake_runner(cls):
         except Exception:
             continue
         if hasattr(module, "GPUModelRunner"):
+            REAL_RUNNERS.setdefault(name, module.GPUModelRunner)
             module.GPUModelRunner = cls
     _replace_kernel_warmups(gpu_worker)
     try:

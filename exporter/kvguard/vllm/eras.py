@@ -210,6 +210,17 @@ ERAS: tuple[Era, ...] = (
                "(310 0.23.0:118-122)",
                "310 0.20.2rc1+ RC devices (host and device memory shared) halve requested - host memory used "
                "instead: not modelled")),
+    # The seed's release: vllm-mindspore 0.2.0 at Gitee PR !428 (f2b96744, merged 2025-05-28), the release whose
+    # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.sim.mindspore_releases). Its fix budgets
+    # vLLM's V1 formula with the memory_reserved() increase in place of the allocated peak: the seed reported
+    # Qwen2.5-7B's 37.85 GiB / 44292 blocks becoming 36.40 GiB / 42593, what this formula gives from the seed's
+    # profile (examples/qwen2.5-7b-910b-profile.json, constructed from those figures; tests/test_budget_cli.py).
+    # 16-token blocks: the seed's own log (examples/vllm-mindspore-qwen2.5-7b.log, 708,672 tokens in 44,292
+    # blocks). Not run against a wheel.
+    Era("vllm-mindspore", _v("0.2.0"), _v("0.2.0"), "mindspore_reserved",
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "platform_plugin"),
+        cites=("Gitee mindspore/vllm-mindspore PR !428 (f2b96744): memory_profiling's torch peak from "
+               "memory_reserved()", "examples/vllm-mindspore-qwen2.5-7b.log: 708,672 tokens / 44,292 blocks = 16")),
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
     # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
     # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.

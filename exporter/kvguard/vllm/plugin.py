@@ -624,8 +624,11 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
         if profile is None:
             if capture.result is None and "no_profile" not in _logged:
                 _logged.add("no_profile")
-                log.info("kvguard: this worker's determine_available_memory ran no memory_profiling; "
-                         "no startup profile recorded")
+                # vLLM 0.8.5-0.9.0 read torch.cuda inline (gpu_worker.py 0.9.0:167-214): no result to capture.
+                log.info("kvguard: no startup profile recorded: this worker's determine_available_memory runs no "
+                         "memory_profiling, so its figures stay local to it; kvguard check reports no_profile"
+                         + ("" if _settings.budget == "stock" else
+                            f" and KVGUARD_BUDGET={_settings.budget} keeps vLLM's budget"))
             return available
         profile = _guard("profile", _with_cleared, profile, available) or profile
         _guard("profile", _check_formula, profile, available)
