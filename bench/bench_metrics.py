@@ -88,9 +88,9 @@ def render_costs(spool: str, runs: int = 30) -> tuple[float, float, float]:
     best of ``runs`` seconds, for the same families: what a scrape after a refresh pays."""
     from prometheus_client.exposition import generate_latest
 
-    from kvguard.collector import families
-    from kvguard.exposition import Exposition, _Pinned, encode
-    from kvguard.sidecar import Sidecar, SidecarConfig
+    from kvguard.sidecar.collector import families
+    from kvguard.sidecar.exposition import Exposition, _Pinned, encode
+    from kvguard.sidecar.core import Sidecar, SidecarConfig
 
     sidecar = Sidecar(SidecarConfig(spool_dir=spool, pod_labels={}))
     exposition = Exposition(sidecar)

@@ -66,7 +66,7 @@ except BaseException as exc:
 CHILD_LOAD = r"""
 import pickle, sys, time
 sys.path.insert(0, sys.argv[1])
-from kvguard.sim.traces import load_snapshot_pickle
+from kvguard.allocators.traces import load_snapshot_pickle
 repeats = int(sys.argv[2])
 files = [open(p, "rb").read() for p in sys.argv[3:]]
 def best(load, data):
@@ -85,7 +85,7 @@ print(f"{sum(ours):.4f} {sum(cpython):.4f} {ours[slowest]:.4f} {cpython[slowest]
 CHILD_MUTATED = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from kvguard.sim.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
+from kvguard.allocators.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
 try:
     parse_torch_snapshot(load_snapshot_pickle(open(sys.argv[2], "rb").read()))
     print("read")

@@ -27,12 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
 
-from kvguard.sim.device import Device  # noqa: E402
-from kvguard.sim.mindspore_pool import DynamicMemPool  # noqa: E402
+from kvguard.allocators.device import Device  # noqa: E402
+from kvguard.allocators.mindspore_pool import DynamicMemPool  # noqa: E402
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: E402
-from kvguard.sim.snapshot import replay_snapshot  # noqa: E402
-from kvguard.sim.traces import load_snapshot_pickle  # noqa: E402
-from kvguard.sim.torch_alloc import CachingAllocator  # noqa: E402
+from kvguard.allocators.snapshot import replay_snapshot  # noqa: E402
+from kvguard.allocators.traces import load_snapshot_pickle  # noqa: E402
+from kvguard.allocators.torch_alloc import CachingAllocator  # noqa: E402
 
 GIB = 1 << 30
 EVENTS = 400_000

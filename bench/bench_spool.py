@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from sidecar_bench import MIB, PeakSampler, Served, median, scrape, spread, write_spool  # noqa: E402
 
-from kvguard.spool import MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES  # noqa: E402
+from kvguard.spool.io import MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES  # noqa: E402
 
 SCRAPERS = 8
 PROMETHEUS = {"Accept": "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;"

@@ -36,7 +36,7 @@ GIB = 1 << 30
 def worst_batch(scenario: tuple) -> dict:
     """The run to its end, then one profile-size forward: did it run out, on which allocator, with how
     much room."""
-    from kvguard.sim.base import SimOutOfMemory
+    from kvguard.allocators.base import SimOutOfMemory
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 
     model, gib, util, (_, allocator, overrides), budget, seed = scenario

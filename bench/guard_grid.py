@@ -3,7 +3,7 @@
 Run on demand:  .venv/bin/python bench/guard_grid.py [--quick] [--jobs N]
 
 For each scenario (model x device x utilization x allocator x budget x seed) the simulator
-starts vLLM and serves a seeded request mix; ``kvguard.sim_guard.run_guarded`` judges it at
+starts vLLM and serves a seeded request mix; ``kvguard.sim.guarded.run_guarded`` judges it at
 the end of startup and after every serving step. Prints, against the baseline of the stock
 vLLM budget alone (no guard: every OOM is a surprise):
 
@@ -59,7 +59,7 @@ class Outcome:
 
 
 def run_one(scenario: tuple) -> Outcome:
-    from kvguard.guard import CRITICAL
+    from kvguard.guard.judge import CRITICAL
     from kvguard.sim.scenario import ScenarioConfig
 
     model, device_gib, utilization, allocator, budget, seed, requests = scenario
@@ -79,7 +79,7 @@ def guarded_with_truth(config):
     Returns (GuardedRun, kind, caught_before_oom, Truth or None)."""
     import real_pool
     from kvguard.sim.scenario import ServingScenario
-    from kvguard.sim_guard import run_guarded
+    from kvguard.sim.guarded import run_guarded
 
     run, truth = real_pool.run_with_truth(ServingScenario(config), run_guarded)
     if truth is None:

@@ -12,7 +12,7 @@ tuning grid on every axis that grid has):
 - utilizations: 0.8, 0.88, 0.92, 0.96 (tuning: 0.85, 0.9, 0.95, 0.98);
 - allocators: PyTorch's caching allocator plain and with expandable segments, torch_npu, and
   MindSpore's pool with VMM off and on. Once the simulator models MindSpore per release
-  (``kvguard.sim.mindspore_releases.RELEASES``, ``ScenarioConfig.mindspore_version``), the pool
+  (``kvguard.allocators.mindspore_releases.RELEASES``, ``ScenarioConfig.mindspore_version``), the pool
   axis becomes every modelled release under its vllm-mindspore launcher's own MS_ALLOC_CONF (VMM as
   that default), and each release with VMM forced off (``ms_alloc_conf="enable_vmm:False"``);
 - budgets: stock and reserved (as tuned: the budget is what the guard judges, not a tuning knob);
@@ -26,7 +26,7 @@ budgets and request count as the first (no other model configs are in the reposi
 once, after the change, and its figures are reported as they come.
 
 Each run is judged as bench/guard_grid.py judges it, plus the budget-time verdict
-(``kvguard.sim_guard.BudgetWatch``). Printed: recall (OOMs called critical before they happen: a
+(``kvguard.sim.guarded.BudgetWatch``). Printed: recall (OOMs called critical before they happen: a
 KV-cache placement OOM only by the budget-time verdict, a serving OOM by that, at the end of
 startup or at any step before the failing one) and false criticals (runs that never OOM but were
 called critical at any point, budget time included), with the missed runs and why.
@@ -66,7 +66,7 @@ def allocators() -> list[tuple[str, str, tuple]]:
     """(name, allocator, config overrides) per the rule: MindSpore per release where the simulator has them."""
     axis = [("torch", "torch", ()), ("torch+expandable", "torch", (("expandable_segments", True),)),
             ("torch_npu", "torch_npu", ())]
-    from kvguard.sim.mindspore_releases import RELEASES
+    from kvguard.allocators.mindspore_releases import RELEASES
     for rel in RELEASES:
         axis.append((f"mindspore-{rel.version}", "mindspore", (("mindspore_version", rel.version),)))
         axis.append((f"mindspore-{rel.version}-novmm", "mindspore",
@@ -118,7 +118,7 @@ class Outcome:
 
 
 def run_one(scenario: tuple) -> Outcome:
-    from kvguard.guard import CRITICAL
+    from kvguard.guard.judge import CRITICAL
     from kvguard.sim.scenario import ScenarioConfig
 
     model, gib, util, (_, allocator, overrides), budget, seed = scenario

@@ -3,7 +3,7 @@
 The guard grids (bench/guard_grid.py, bench/guard_holdout.py) judge the guard by whether a run ran
 out of memory, and where. For a MindSpore run that outcome is taken from the real pool:
 
-1. the run is recorded as it goes (``kvguard.sim.ops.Recorder``: every malloc, free and
+1. the run is recorded as it goes (``kvguard.allocators.ops.Recorder``: every malloc, free and
    empty_cache, the jit_level O0 compile that clears task sink, the model's state after each op,
    and the op count at the end of each phase and serving step);
 2. the recorded stream is replayed through the real ``DefaultAscendMemoryPool`` of that release
@@ -122,8 +122,8 @@ def truth(recording: Recording, result, enable_vmm: bool, oracle: str) -> Truth:
 def _truth_recorder(pool):
     """A Recorder that also keeps the model's COMPARED fields after each op (``.states``). Its methods
     are the class's, so a wrapper that patches and later unpatches the instance (BudgetWatch) keeps them."""
-    from kvguard.sim.base import SimOutOfMemory
-    from kvguard.sim.ops import Recorder
+    from kvguard.allocators.base import SimOutOfMemory
+    from kvguard.allocators.ops import Recorder
 
     class TruthRecorder(Recorder):
         def __init__(self, allocator: Any) -> None:

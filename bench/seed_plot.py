@@ -18,7 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "exporter"))
 
-from kvguard.model_config import load_model_config  # noqa: E402
+from kvguard.budget.model_config import load_model_config  # noqa: E402
 from kvguard.sim.plot import plot_scenario  # noqa: E402
 from kvguard.sim.scenario import ScenarioConfig, run_scenario  # noqa: E402
 

@@ -39,7 +39,7 @@ BUDGETS = ("stock", "reserved")
 
 
 def config(release: str, gib: int, conf: str | None, budget: str, seed: int):
-    from kvguard.model_config import load_model_config
+    from kvguard.budget.model_config import load_model_config
     from kvguard.sim.scenario import ScenarioConfig
 
     return ScenarioConfig(

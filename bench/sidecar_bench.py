@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))   # sidecar_fixtures: the tests'
 import psutil  # noqa: E402
 
 from kvguard.records import ProcessMemory  # noqa: E402
-from kvguard.spool import write_snapshot  # noqa: E402
+from kvguard.spool.io import write_snapshot  # noqa: E402
 from sidecar_fixtures import free_port, snapshot  # noqa: E402
 
 MIB = 1 << 20

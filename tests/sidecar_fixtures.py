@@ -9,9 +9,9 @@ import socket
 import ssl
 import time
 
-from kvguard.estimator import Profile, stock_kv_cache_bytes
+from kvguard.budget.estimator import Profile, stock_kv_cache_bytes
 from kvguard.records import DeviceMemory, ProcessMemory
-from kvguard.spool import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+from kvguard.spool.io import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
 
 GIB = 1 << 30
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exporter", "kvguard",
@@ -69,8 +69,8 @@ SERVER_POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
 
 def start_server(spool, *snapshots, pod_labels=None, web_config=None, **options):
     """A KVGuardServer on an ephemeral loopback port over a spool holding ``snapshots``."""
-    from kvguard.server import KVGuardServer, ServerOptions
-    from kvguard.sidecar import Sidecar, SidecarConfig
+    from kvguard.sidecar.server import KVGuardServer, ServerOptions
+    from kvguard.sidecar.core import Sidecar, SidecarConfig
 
     spool.mkdir(exist_ok=True)
     write(spool, *snapshots)

@@ -18,8 +18,8 @@ import pytest
 
 from ascend_real import envs
 from ascend_real.harness import ASCEND_SCENARIO, run_engine
-from kvguard.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
-from kvguard.spool import read_spool
+from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
 
 GIB = 1 << 30

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.collector import KVGuardCollector
+from kvguard.sidecar.collector import KVGuardCollector
 from kvguard.records import DeviceMemory, ProcessMemory
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.vllm.log import parse_lines
 from sidecar_fixtures import GIB, snapshot, write
 
@@ -306,7 +306,7 @@ def test_spool_families_say_they_are_read_in_the_background(tmp_path):
 
 
 def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
-    from kvguard.spool import read_spool
+    from kvguard.spool.io import read_spool
 
     import os
     write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))

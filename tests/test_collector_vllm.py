@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kvguard.vllm import metrics as vllm_metrics
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.vllm.log import parse_lines
 from sidecar_fixtures import snapshot, write
 from test_collector import POD, scrape, value

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.demo import DemoSource
-from kvguard.guard import CRITICAL, CounterWindow, GuardInput, judge
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.sim.demo import DemoSource
+from kvguard.guard.judge import CRITICAL, CounterWindow, GuardInput, judge
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sim.scenario import ScenarioConfig
 from kvguard.sim.traffic import LiveServing, Traffic
 

@@ -13,7 +13,7 @@ import pytest
 from kvguard.records import DeviceMemory
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
 from kvguard.sources.torch import TorchSource, device_identity
-from kvguard.spool import read_spool, write_snapshot
+from kvguard.spool.io import read_spool, write_snapshot
 from sidecar_fixtures import snapshot, write
 from test_collector import StaticSource, scrape, sidecar_for, value
 

@@ -21,7 +21,7 @@ import pytest
 
 from kvguard.probe import Probe
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
-from kvguard.sources.sim import SimSource, sim_identity
+from kvguard.sim.source import SimSource, sim_identity
 from monitoring import JOINS_FILE
 from test_prometheus_e2e import STARTUP_DEADLINE, Stack, kvguard_and_prometheus, poll
 

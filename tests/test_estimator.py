@@ -4,11 +4,11 @@ import os
 
 import pytest
 
-from kvguard.estimator import (
+from kvguard.budget.estimator import (
     Profile, ProfileError, estimate, kv_layout_from_config, overcommit_bytes, recommended_gpu_memory_utilization,
     reserved_kv_cache_bytes, stock_kv_cache_bytes,
 )
-from kvguard.model_config import load_model_config
+from kvguard.budget.model_config import load_model_config
 
 from conftest import EXAMPLES
 from sidecar_fixtures import example_profile

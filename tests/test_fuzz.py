@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvguard.collector import families
-from kvguard.estimator import ConfigError, Profile, ProfileError, kv_layout_from_config
-from kvguard.model_config import bundled_model_config_path, load_model_config
-from kvguard.server import BadRequest, KVGuardServer, ServerOptions, find_head_end, parse_request
-from kvguard.sidecar import Sidecar, SidecarConfig
-from kvguard.spool import read_spool, write_snapshot
+from kvguard.sidecar.collector import families
+from kvguard.budget.estimator import ConfigError, Profile, ProfileError, kv_layout_from_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.sidecar.server import BadRequest, KVGuardServer, ServerOptions, find_head_end, parse_request
+from kvguard.sidecar.core import Sidecar, SidecarConfig
+from kvguard.spool.io import read_spool, write_snapshot
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from sidecar_fixtures import snapshot

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvguard import estimator
-from kvguard.estimator import Profile
-from kvguard.guard import (
+from kvguard.budget import estimator as estimator
+from kvguard.budget.estimator import Profile
+from kvguard.guard.judge import (
     CRITICAL, LIVE_RESERVED_EXCEEDS, NO_PROFILE, OK, OOMS_CLIMBING, OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY,
     RETRIES_CLIMBING, SNAPSHOT_STALE, WARNING, CounterWindow, GuardInput, judge, worst,
 )

@@ -1,5 +1,5 @@
 """The budget-time verdict: the KV tensors placed by the allocator's own rules before the KV cache
-exists (kvguard.guard.judge_at_budget), in the simulator, from a real rank's counters, in the
+exists (kvguard.guard.judge.judge_at_budget), in the simulator, from a real rank's counters, in the
 snapshot and on /guard and /metrics."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.estimator import kv_cache_tensor_bytes, kv_tensor_style
-from kvguard.guard import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
+from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
+from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-from kvguard.sim_guard import (BudgetWatch, allocator_from_counters, counters_of, record_from_scenario, run_guarded,
+from kvguard.sim.guarded import (BudgetWatch, allocator_from_counters, counters_of, record_from_scenario, run_guarded,
                                scenario_tensor_style)
-from kvguard.spool import Snapshot
+from kvguard.spool.io import Snapshot
 from sidecar_fixtures import http_get, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

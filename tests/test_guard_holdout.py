@@ -20,7 +20,7 @@ def test_every_held_out_model_config_exists_and_the_grid_covers_the_rule():
     names = [name for name, _, _ in guard_holdout.allocators()]
     assert {"torch", "torch+expandable", "torch_npu"} <= set(names)
     # Every modelled MindSpore release, once under its launcher's MS_ALLOC_CONF and once with VMM off.
-    from kvguard.sim.mindspore_releases import RELEASES
+    from kvguard.allocators.mindspore_releases import RELEASES
     for release in RELEASES:
         overrides = [dict(o) for _, allocator, o in guard_holdout.allocators()
                      if allocator == "mindspore" and dict(o).get("mindspore_version") == release.version]

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from kvguard.estimator import ConfigError, kv_layout_from_config
-from kvguard.model_config import load_model_config
+from kvguard.budget.estimator import ConfigError, kv_layout_from_config
+from kvguard.budget.model_config import load_model_config
 
 from conftest import DATA, EXAMPLES
 
@@ -139,7 +139,7 @@ def test_config_without_what_a_layout_needs_is_refused(mutate, message):
 
 
 def test_one_check_of_integer_config_fields_serves_the_estimator_and_the_simulator():
-    from kvguard.estimator import _positive_int
+    from kvguard.budget.estimator import _positive_int
     from kvguard.sim.scenario import ScenarioConfig
 
     assert _positive_int({"a": None, "b": 4.0}, "a", "b") == 4
@@ -185,7 +185,7 @@ def test_kv_tensor_style_follows_the_release_that_allocated_the_cache():
     KVCacheTensor of page_size * num_blocks, v1/core/kv_cache_utils.py 0.28.0:1384-1403); from 0.29 every
     KVCacheTensor has the whole size and allocate_kv_cache makes one backing (v1/worker/utils.py
     0.29.0:395-411). tests/test_vllm_real.py runs the real allocators of 0.11-0.34 and 0.30."""
-    from kvguard.estimator import kv_cache_tensor_bytes, kv_tensor_style
+    from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
 
     layout = kv_layout_from_config(load_model_config(QWEN_7B))
     styles = {v: kv_tensor_style("consumed", f"vllm:{v}") for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0")}

@@ -45,7 +45,7 @@ def test_the_landing_page_links_every_endpoint_and_says_the_version(serve):
 
 def test_relative_links_stay_under_a_path_prefix():
     # Behind a proxy serving kvguard at /kvguard/, the page's links resolve under the prefix.
-    from kvguard.server import landing_page
+    from kvguard.sidecar.server import landing_page
 
     hrefs = parse(landing_page()).hrefs
     assert {urljoin("https://proxy.example/kvguard/", href) for href in hrefs} == {

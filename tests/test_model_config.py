@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.estimator import ConfigError, kv_layout_from_config
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.estimator import ConfigError, kv_layout_from_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 
 
 def bundled() -> dict:

@@ -3,7 +3,7 @@
 The oracle is each MindSpore release's own compiled pool (libmindspore_ascend_res_manager.so from
 the PyPI wheel) on a fake ACL device (oracles/mindspore/, built by ``./dev.sh test``): block sizing,
 best fit, eager free, the VMM adapter and the pool's budget are MindSpore's machine code; only the
-driver is fake. Each case replays one op stream (kvguard.sim.ops format) through the real pool and
+driver is fake. Each case replays one op stream (kvguard.allocators.ops format) through the real pool and
 through ``DynamicMemPool`` on a ``Device`` of the same free memory, and asserts that reserved,
 allocated and peak allocated bytes, out-of-memory, the returned address, the eager-free and idle
 counters, the pool's budget and every block's size agree after every op. The fake device hands out
@@ -12,7 +12,7 @@ addresses compare as they are.
 
 Streams: seeded random ones near the limit (16 GiB free) and far from it (64 GiB), VMM on and off,
 task sink on (MindSpore's default) and off (after a jit_level O0 compile), and the serving
-scenario's own allocation stream, recorded with ``kvguard.sim.ops.Recorder``.
+scenario's own allocation stream, recorded with ``kvguard.allocators.ops.Recorder``.
 
 Without the oracle built, these tests fail and say how to build it; KVGUARD_SKIP_ORACLES=1 makes
 them skips instead.
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.sim.device import Device
-from kvguard.sim.mindspore_pool import DynamicMemPool
-from kvguard.sim.ops import Op, Recorder, replay_ops, write_ops
+from kvguard.allocators.device import Device
+from kvguard.allocators.mindspore_pool import DynamicMemPool
+from kvguard.allocators.ops import Op, Recorder, replay_ops, write_ops
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
 The oracle is the PyPI wheel torch-npu==2.13.0 running on kvguard's CPU torch 2.13.0 under fake
 CANN libraries (oracles/torch_npu/, built by ``./dev.sh test``): every placement rule is
 torch_npu's compiled code, only the device is fake. Each case replays seeded random op streams
-(kvguard.sim.ops format) through the real allocator (oracles/torch_npu/worker.py, a subprocess)
+(kvguard.allocators.ops format) through the real allocator (oracles/torch_npu/worker.py, a subprocess)
 and through ``CachingAllocator(variant="torch_npu", **parse_alloc_conf(conf))``, and asserts that
 reserved, allocated and peak allocated bytes, out-of-memory, the returned address and the
 device's used bytes agree after every op. The model takes its segments' base addresses from the
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvguard.sim.device import Device
-from kvguard.sim.ops import Op, replay_ops, write_ops
-from kvguard.sim.torch_alloc import CachingAllocator, parse_alloc_conf
+from kvguard.allocators.device import Device
+from kvguard.allocators.ops import Op, replay_ops, write_ops
+from kvguard.allocators.torch_alloc import CachingAllocator, parse_alloc_conf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = os.path.join(REPO, "oracles", "torch_npu")

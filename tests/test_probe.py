@@ -10,11 +10,11 @@ import threading
 import pytest
 
 from kvguard import probe as probe_module
-from kvguard.estimator import Profile
+from kvguard.budget.estimator import Profile
 from kvguard.probe import Probe, pod_identity
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, SourceError
-from kvguard.spool import SCHEMA_VERSION, KVCacheAllocation, read_spool, snapshot_filename
+from kvguard.spool.io import SCHEMA_VERSION, KVCacheAllocation, read_spool, snapshot_filename
 
 GIB = 1 << 30
 PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=15 * GIB,
@@ -137,7 +137,7 @@ def test_rank_context_from_the_source_is_written(spool):
 
 
 def test_wrong_profile_type_is_refused_by_the_probe(spool):
-    with pytest.raises(TypeError, match="kvguard.estimator.Profile"):
+    with pytest.raises(TypeError, match="kvguard.budget.estimator.Profile"):
         Probe(spool, Fixed()).set_profile(PROFILE.to_dict())
 
 
@@ -299,7 +299,7 @@ def test_a_read_only_spool_is_counted(tmp_path, monkeypatch):
 
     def read_only(*args, dir=None, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir or "", "x.tmp"))
-    monkeypatch.setattr("kvguard.spool.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("kvguard.spool.io.tempfile.mkstemp", read_only)
     runner = Probe(str(path), Fixed(), environ={})
     assert runner.run_once() == 0
     assert runner.status.write_errors_total == 1
@@ -312,7 +312,7 @@ def test_a_full_disk_is_counted_and_leaves_no_temporary_file(spool, monkeypatch)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr("kvguard.spool.os.replace", no_space)
+    monkeypatch.setattr("kvguard.spool.io.os.replace", no_space)
     runner = Probe(spool, Fixed(), environ={})
     assert runner.run_once() == 0
     assert runner.status.last_error == f"write {spool}: No space left on device"
@@ -429,7 +429,7 @@ def test_an_exception_whose_str_raises_is_counted_not_printed(spool, capfd):
 
 
 def test_set_engine_names_the_engine_in_every_snapshot_and_refuses_wrong_types(tmp_path):
-    from kvguard.spool import read_spool
+    from kvguard.spool.io import read_spool
 
     class One:
         name = "one"

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.spool import read_spool
+from kvguard.spool.io import read_spool
 
 
 @pytest.fixture

@@ -140,7 +140,7 @@ def check_exit(entry) -> int:
     from click.testing import CliRunner
 
     from kvguard.cli import main
-    import kvguard.cli_serve  # noqa: F401  (registers check)
+    import kvguard.cli.serve  # noqa: F401  (registers check)
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, entry["id"] + ".log"), "--json"])
     return result.exit_code
@@ -241,7 +241,7 @@ def check_json(log_id: str, *flags: str):
     from click.testing import CliRunner
 
     from kvguard.cli import main
-    import kvguard.cli_serve  # noqa: F401
+    import kvguard.cli.serve  # noqa: F401
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, log_id + ".log"), "--json", *flags])
     return result.exit_code, (json.loads(result.output[result.output.index("{"):]) if "{" in result.output else None)
@@ -290,7 +290,7 @@ def test_a_total_memory_without_its_unit_is_refused_as_budget_refuses_it():
     from click.testing import CliRunner
 
     from kvguard.cli import main
-    import kvguard.cli_serve  # noqa: F401
+    import kvguard.cli.serve  # noqa: F401
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, "r02.log"), "--total-memory", "64"])
     assert result.exit_code == 3

@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from click.testing import CliRunner
 
-from kvguard import cli_serve
+from kvguard.cli import serve as cli_serve
 from kvguard.cli import main
 from monitoring import promtool
 from sidecar_fixtures import free_port, snapshot, write
@@ -401,7 +401,7 @@ def test_check_with_a_lone_surrogate_in_a_snapshot_prints_no_traceback(tmp_path)
 
 def test_check_that_fails_inside_says_so_in_one_line_and_exits_3(tmp_path, monkeypatch):
     write(tmp_path, snapshot())
-    from kvguard import sidecar
+    from kvguard.sidecar import core as sidecar
 
     def broken(self):
         raise KeyError("surprise")

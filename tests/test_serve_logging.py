@@ -163,7 +163,7 @@ def test_listen_on_every_ipv6_address_serves_ipv6_and_ipv4_clients(tmp_path, spo
 
 
 def test_the_banner_names_an_ipv6_listener_as_a_url():
-    from kvguard.server import KVGuardServer
+    from kvguard.sidecar.server import KVGuardServer
 
     class Fake:
         options = type("O", (), {"listen": "::"})()

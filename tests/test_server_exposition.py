@@ -1,6 +1,6 @@
 """/metrics is made once per sidecar refresh and written byte for byte as prometheus_client writes it.
 
-The fast encoder (kvguard.exposition) is held to the library's own generate_latest, text and
+The fast encoder (kvguard.sidecar.exposition) is held to the library's own generate_latest, text and
 OpenMetrics, on real snapshots and on fuzzed label text and values; the cache is held to one
 observation and one collection per refresh, whatever the formats and encodings scrapers ask for.
 """
@@ -22,9 +22,9 @@ from prometheus_client.openmetrics.exposition import generate_latest as generate
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvguard.collector import families
-from kvguard.exposition import Exposition, _Pinned, encode
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.sidecar.collector import families
+from kvguard.sidecar.exposition import Exposition, _Pinned, encode
+from kvguard.sidecar.core import Sidecar, SidecarConfig
 from sidecar_fixtures import http_get as get, snapshot, write
 
 POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
@@ -212,7 +212,7 @@ def test_the_age_gauges_are_as_of_the_refresh_they_were_rendered_in(serve):
 def test_parallel_guard_readers_share_one_build_per_refresh(serve, monkeypatch):
     """/guard with 10,000 ranks and 8 readers peaked over the chart's memory limit when each
     reader built its own JSON: one build per refresh, like /metrics."""
-    from kvguard.sidecar import Observation
+    from kvguard.sidecar.core import Observation
 
     builds = []
     guard_dict = Observation.guard_dict

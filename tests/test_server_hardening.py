@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvguard.server import BadRequest, KVGuardServer, parse_request
+from kvguard.sidecar.server import BadRequest, KVGuardServer, parse_request
 from sidecar_fixtures import snapshot, write
 
 

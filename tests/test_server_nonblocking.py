@@ -14,7 +14,7 @@ import time
 import bcrypt
 import pytest
 
-from kvguard.webconfig import BasicAuth, GuessLimiter, WebConfigWatcher
+from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfigWatcher
 from sidecar_fixtures import http_get, snapshot
 
 PIPELINED = 200

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvguard.cli import main
-from kvguard.estimator import Profile, ProfileError, recommended_gpu_memory_utilization
+from kvguard.budget.estimator import Profile, ProfileError, recommended_gpu_memory_utilization
 from kvguard.vllm.log import LogLineError, parse_log
 
-from kvguard.poller import Poller
-from kvguard.sidecar import Sidecar, SidecarConfig
+from kvguard.sidecar.poller import Poller
+from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.sources.npu_smi import NpuSmiSource
 from sidecar_fixtures import GIB, snapshot, write
 

@@ -163,7 +163,7 @@ def test_snapshot_whose_device_trace_is_not_a_list_is_a_one_line_error(tmp_path)
 
 def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch):
     # Whatever a reader bug raises on an odd file reaches the user as one line, never a traceback.
-    import kvguard.sim.traces as traces
+    import kvguard.allocators.traces as traces
 
     def broken(path):
         raise RecursionError("maximum recursion depth exceeded\nmore")
@@ -173,7 +173,7 @@ def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch)
     path.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 4}]]}))
     assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path), "--allocator", "torch_npu"])) \
         == f"Error: cannot read trace {path}: RecursionError: maximum recursion depth exceeded"
-    import kvguard.sim.snapshot as snapshot
+    import kvguard.allocators.snapshot as snapshot
 
     def broken_replay(*args, **kwargs):
         raise RecursionError("maximum recursion depth exceeded\nmore")

@@ -5,10 +5,10 @@ The rules and their sources are in kvguard/sim/mindspore_releases.py; each test 
 
 import pytest
 
-from kvguard.sim.base import SimOutOfMemory
-from kvguard.sim.device import Device
-from kvguard.sim.mindspore_pool import DynamicMemPool
-from kvguard.sim.mindspore_releases import (RELEASES, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, pool_budget_bytes,
+from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.device import Device
+from kvguard.allocators.mindspore_pool import DynamicMemPool
+from kvguard.allocators.mindspore_releases import (RELEASES, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, pool_budget_bytes,
                                             release, vmm_enabled)
 
 MIB = 1 << 20

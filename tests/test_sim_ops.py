@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvguard.cli import EXIT_OOM, main
-from kvguard.model_config import bundled_model_config_path, load_model_config
-from kvguard.sim.device import Device
-from kvguard.sim.ops import Op, OpsError, Recorder, parse_ops, read_ops, replay_ops, write_ops
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.allocators.device import Device
+from kvguard.allocators.ops import Op, OpsError, Recorder, parse_ops, read_ops, replay_ops, write_ops
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
-from kvguard.sim.torch_alloc import CachingAllocator
+from kvguard.allocators.torch_alloc import CachingAllocator
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sim.scenario import ScenarioConfig, run_scenario
 
 pytest.importorskip("matplotlib")

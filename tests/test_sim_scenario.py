@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.estimator import ConfigError, kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.budget.estimator import ConfigError, kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 from kvguard.sim.workload import forward_ops, model_shape, weight_tensors
 

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sim.scenario import ScenarioConfig, run_scenario, search_gpu_memory_utilization
 
 

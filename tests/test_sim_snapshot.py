@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.sim.snapshot import SnapshotError, replay_snapshot
-from kvguard.sim.traces import load_snapshot_pickle
+from kvguard.allocators.snapshot import SnapshotError, replay_snapshot
+from kvguard.allocators.traces import load_snapshot_pickle
 
 MIB = 1 << 20
 BASE = 0x7F0000000000

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvguard.sim.base import SimOutOfMemory
-from kvguard.sim.device import Device
-from kvguard.sim.torch_alloc import CachingAllocator
+from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.device import Device
+from kvguard.allocators.torch_alloc import CachingAllocator
 
 MIB = 1 << 20
 
@@ -295,7 +295,7 @@ def test_roundup_power2_divisions_rounds_to_the_next_of_n_steps_between_powers_o
 
 
 def test_roundup_power2_divisions_from_a_snapshot_settings_dict():
-    from kvguard.sim.torch_alloc import roundup_divisions_table
+    from kvguard.allocators.torch_alloc import roundup_divisions_table
 
     table = roundup_divisions_table({"1": 0, "2": 2, "32768": 16})
     assert table[0] == 0 and table[1] == 2 and table[15] == 16

@@ -5,10 +5,10 @@ import pickle
 
 import pytest
 
-from kvguard.sim.device import Device
-from kvguard.sim.mindspore_pool import DynamicMemPool
-from kvguard.sim.torch_alloc import CachingAllocator
-from kvguard.sim.traces import (TraceError, TraceEvent, load_snapshot_pickle, load_trace, parse_memory_block_csv,
+from kvguard.allocators.device import Device
+from kvguard.allocators.mindspore_pool import DynamicMemPool
+from kvguard.allocators.torch_alloc import CachingAllocator
+from kvguard.allocators.traces import (TraceError, TraceEvent, load_snapshot_pickle, load_trace, parse_memory_block_csv,
                                 parse_torch_snapshot, replay)
 
 MIB = 1 << 20

@@ -157,8 +157,8 @@ def test_an_absolute_peak_above_the_current_figure_is_kept(data_path):
 
 
 def test_the_simulated_pool_after_a_reset_reads_with_its_peak_at_least_allocated():
-    from kvguard.sim.device import Device
-    from kvguard.sim.mindspore_pool import DynamicMemPool
+    from kvguard.allocators.device import Device
+    from kvguard.allocators.mindspore_pool import DynamicMemPool
     pool = DynamicMemPool(Device(64 * GIB), version="2.5.0")
     pool.malloc(20 * GIB)
     pool.reset_peak_memory_stats()
@@ -173,8 +173,8 @@ def test_the_simulated_pool_after_a_reset_reads_with_its_peak_at_least_allocated
                                      "2.8.0", "2.9.0", "2.10.0"])
 def test_every_release_of_the_simulated_pool_reads_back_through_the_source(version):
     # 20 GiB used in a 32 GiB common block (the 1 GiB unit doubled five times), 1 GiB persistent block.
-    from kvguard.sim.device import Device
-    from kvguard.sim.mindspore_pool import DynamicMemPool
+    from kvguard.allocators.device import Device
+    from kvguard.allocators.mindspore_pool import DynamicMemPool
     pool = DynamicMemPool(Device(64 * GIB), version=version, task_sink=False)   # doubling: after a compile
     pool.malloc(1 * GIB, persistent=True)
     pool.malloc(20 * GIB)

@@ -220,8 +220,8 @@ def test_hostile_identity_text_is_cut_to_label_safe_characters():
 
 
 def test_reserved_memory_is_exported_as_a_device_series():
-    from kvguard.collector import families
-    from kvguard.sidecar import Sidecar, SidecarConfig
+    from kvguard.sidecar.collector import families
+    from kvguard.sidecar.core import Sidecar, SidecarConfig
 
     sidecar = Sidecar(SidecarConfig(sources=[("nvml", NvmlSource(FakeNvml([(H200, [])])))], pod_labels={
         "pod": "", "namespace": "", "container": ""}))

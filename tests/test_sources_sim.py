@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sources import SourceError, get_source, rank_contexts
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.sources.sim import SimSource
+from kvguard.sim.source import SimSource
 
 
 def test_torch_ranks_are_read_with_the_torch_sources_reader():

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kvguard.estimator import Profile
+from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.spool import KVCacheAllocation, Snapshot, read_spool, snapshot_filename, write_snapshot
+from kvguard.spool.io import KVCacheAllocation, Snapshot, read_spool, snapshot_filename, write_snapshot
 
 GIB = 1 << 30
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvguard.cli import main
-from kvguard.sim.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_DEPTH,
+from kvguard.allocators.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_DEPTH,
                                 SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
                                 load_snapshot_pickle, parse_torch_snapshot, read_trace_bytes)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvguard.estimator import FORMULAS
+from kvguard.budget.estimator import FORMULAS
 from kvguard.vllm.eras import ERAS, PROJECTS, EraError, era_for, parse_release
 
 

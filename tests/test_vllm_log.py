@@ -148,7 +148,7 @@ def test_0_27_debug_profile_gives_the_consumed_profile(data_path):
     assert profile.formula == "consumed"
     assert profile.transient_peak_headroom_bytes == round(17.3 * GIB) - round(15.87 * GIB)
     # The decided budget and the recomputed one agree to the log's 0.01 GiB rounding.
-    from kvguard.estimator import stock_kv_cache_bytes
+    from kvguard.budget.estimator import stock_kv_cache_bytes
     assert abs(stock_kv_cache_bytes(profile) - log.available_kv_cache_bytes) < 0.05 * GIB
 
 

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from kvguard.estimator import (FORMULAS, Profile, extensible_kv_cache_bytes, reserved_kv_cache_bytes,
+from kvguard.budget.estimator import (FORMULAS, Profile, extensible_kv_cache_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
-from kvguard.spool import read_spool
+from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
 from kvguard.vllm.log import parse_lines
 from vllm_real import envs
@@ -221,8 +221,8 @@ def test_kv_tensor_style_is_how_the_release_allocates_its_kv_cache(release, tmp_
     """The release's own allocator, run unchanged on its own KVCacheConfig (vllm_real.worker_main), makes the
     allocations kv_cache_tensor_bytes gives for the style kv_tensor_style names: one per layer through 0.28,
     one backing for every layer from 0.29; and the plugin's budget-time verdict counts as many."""
-    from kvguard.estimator import kv_cache_tensor_bytes, kv_layout_from_config, kv_tensor_style
-    from kvguard.model_config import load_model_config
+    from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_layout_from_config, kv_tensor_style
+    from kvguard.budget.model_config import load_model_config
 
     # 0.34 with its extensible KV cache off: the extensible cache maps its pages outside the allocator.
     scenario = ({**OVERCOMMITTED, "enable_extensible_kv_cache": False}

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.server import KVGuardServer
-from kvguard.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
+from kvguard.sidecar.server import KVGuardServer
+from kvguard.sidecar.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
 from sidecar_fixtures import http_get, snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")

@@ -5,14 +5,14 @@ small probe there and a sidecar outside it::
 
     import kvguard.probe
     kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
-    kvguard.probe.set_profile(profile)          # kvguard.estimator.Profile, after vLLM profiled
-    kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.KVCacheAllocation
+    kvguard.probe.set_profile(profile)          # kvguard.budget.estimator.Profile, after vLLM profiled
+    kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.io.KVCacheAllocation
     kvguard.probe.set_engine("qwen-7b", 0)      # served model name, engine (data-parallel) index
     kvguard.probe.stop()
 
 Every ``interval`` seconds a daemon thread asks the source for one record per device
 and atomically replaces one JSON snapshot per (host, pid, device) in the spool
-(:func:`kvguard.spool.write_snapshot`: a temporary name outside ``*.json``, then a rename).
+(:func:`kvguard.spool.io.write_snapshot`: a temporary name outside ``*.json``, then a rename).
 
 The probe never raises into the host process and never blocks it:
 
@@ -45,10 +45,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from kvguard.estimator import Profile
+from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, Source, close_source, get_source, one_line, rank_contexts, source_names
-from kvguard.spool import POD_ENV, KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+from kvguard.spool.io import POD_ENV, KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
 
 log = logging.getLogger("kvguard.probe")
 
@@ -169,13 +169,13 @@ class Probe:
     # ------------------------------------------------------------------ engine facts
     def set_profile(self, profile: Profile | None, device: str | None = _ALL) -> None:
         if profile is not None and not isinstance(profile, Profile):
-            raise TypeError(f"profile must be a kvguard.estimator.Profile, got {type(profile).__name__}")
+            raise TypeError(f"profile must be a kvguard.budget.estimator.Profile, got {type(profile).__name__}")
         with self._lock:
             self._profiles[device] = profile
 
     def set_kv_cache(self, kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> None:
         if kv_cache is not None and not isinstance(kv_cache, KVCacheAllocation):
-            raise TypeError(f"kv_cache must be a kvguard.spool.KVCacheAllocation, got {type(kv_cache).__name__}")
+            raise TypeError(f"kv_cache must be a kvguard.spool.io.KVCacheAllocation, got {type(kv_cache).__name__}")
         with self._lock:
             self._kv_caches[device] = kv_cache
 
@@ -190,10 +190,10 @@ class Probe:
             self._engine = (model_name or "", "" if engine is None else str(engine))
 
     def set_budget_verdict(self, verdict: Any, device: str | None = _ALL) -> None:
-        """The guard's budget-time verdict (``kvguard.guard.judge_at_budget``), for the snapshots."""
-        from kvguard.guard import BUDGET, Verdict
+        """The guard's budget-time verdict (``kvguard.guard.judge.judge_at_budget``), for the snapshots."""
+        from kvguard.guard.judge import BUDGET, Verdict
         if verdict is not None and (not isinstance(verdict, Verdict) or verdict.phase != BUDGET):
-            raise TypeError("budget verdict must be a kvguard.guard.Verdict of phase 'budget'")
+            raise TypeError("budget verdict must be a kvguard.guard.judge.Verdict of phase 'budget'")
         with self._lock:
             self._budget_verdicts[device] = verdict
 

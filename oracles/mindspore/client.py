@@ -9,7 +9,7 @@ stream still meets a fresh ``DefaultAscendMemoryPool``, exactly as a one-stream 
 
     init, records = replay("2.7.1", ops, free=64 << 30, vmm=True, task_sink=True, compiled_at=[120])
 
-``ops`` are ``kvguard.sim.ops.Op``; ``compiled_at``: op positions a jit_level O0 compile came before
+``ops`` are ``kvguard.allocators.ops.Op``; ``compiled_at``: op positions a jit_level O0 compile came before
 (``Recorder.compiled_at``), sent as the harness's context line ``{"op": "jit_o0_compile"}``.
 """
 
@@ -120,7 +120,7 @@ def _close_all() -> None:
 def stream_lines(ops: list, compiled_at: Iterable[int] = ()) -> list[str]:
     """The harness's input: the ops as ``kvguard simulate --ops`` lines, with the compile line before
     each position in ``compiled_at``."""
-    from kvguard.sim.ops import write_ops
+    from kvguard.allocators.ops import write_ops
 
     stream = io.StringIO()
     start = 0

@@ -3,7 +3,7 @@
     PYTHONPATH=<oracle>/site LD_LIBRARY_PATH=<oracle>/fake FAKE_NPU_TOTAL=<bytes> \
         [PYTORCH_NPU_ALLOC_CONF=...] .venv/bin/python oracles/torch_npu/worker.py OPS.jsonl [OPS.jsonl ...]
 
-OPS.jsonl is kvguard's op stream (``kvguard.sim.ops``): ``{"op": "malloc", "size": N}``,
+OPS.jsonl is kvguard's op stream (``kvguard.allocators.ops``): ``{"op": "malloc", "size": N}``,
 ``{"op": "free", "index": K}`` (K: the line of the malloc whose block is freed; a malloc that
 ran out of memory, or returned null for 0 bytes, frees nothing), ``{"op": "empty_cache"}``.
 Writes one JSON line per op, read from the real allocator after the op: stream (which file),

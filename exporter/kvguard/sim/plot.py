@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..units import gib
-from .scenario import ScenarioResult
-from .traces import ReplayResult
+from kvguard.units import gib
+from kvguard.sim.scenario import ScenarioResult
+from kvguard.allocators.traces import ReplayResult
 
 
 class PlotUnavailable(RuntimeError):

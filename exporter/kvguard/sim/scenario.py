@@ -22,7 +22,7 @@ API (stable; the probe's ``sim`` source and ``kvguard serve --demo`` drive it)::
   profile forward at ``max_num_batched_tokens`` the way vLLM's ``memory_profiling``
   measures it (peak stats reset before; allocated-peak increase and reserved increase
   read before ``empty_cache``), sizes the KV cache with
-  ``kvguard.estimator.stock_kv_cache_bytes`` or ``reserved_kv_cache_bytes`` and
+  ``kvguard.budget.estimator.stock_kv_cache_bytes`` or ``reserved_kv_cache_bytes`` and
   allocates it per layer as vLLM does. An OOM here ends the run (``oom_phase``). Idempotent.
 - ``step() -> StepRecord``: one scheduler step (chunked prefill, FCFS, preemption when
   KV blocks run out); calls ``startup()`` first if needed; after the run is
@@ -52,17 +52,17 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from ..estimator import (KVLayout, Profile, _positive_int, _text_config, estimate, kv_layout_from_config,
+from kvguard.budget.estimator import (KVLayout, Profile, _positive_int, _text_config, estimate, kv_layout_from_config,
                          reserved_kv_cache_bytes, stock_kv_cache_bytes)
-from .base import SimOutOfMemory
-from .device import Device
-from .mindspore_pool import DynamicMemPool
-from .mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
+from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.device import Device
+from kvguard.allocators.mindspore_pool import DynamicMemPool
+from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
                                  vmm_enabled)
-from .scheduler import Scheduler, Sequence
-from .torch_alloc import CachingAllocator
-from .torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
-from .workload import ModelShape, forward_ops, model_shape, weight_tensors
+from kvguard.sim.scheduler import Scheduler, Sequence
+from kvguard.allocators.torch_alloc import CachingAllocator
+from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
+from kvguard.sim.workload import ModelShape, forward_ops, model_shape, weight_tensors
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
 BUDGETS = ("stock", "reserved")
@@ -146,7 +146,7 @@ class ScenarioConfig:
     @property
     def torch_alloc_kwargs(self) -> dict[str, Any]:
         """The caching allocator's options: the config's fields, then ``alloc_conf`` (which wins) parsed by
-        :func:`~kvguard.sim.torch_alloc.parse_alloc_conf` as that variant's own parser reads it."""
+        :func:`~kvguard.allocators.torch_alloc.parse_alloc_conf` as that variant's own parser reads it."""
         kwargs: dict[str, Any] = {"max_split_size": self.max_split_size_bytes,
                                   "expandable_segments": self.expandable_segments}
         if self.alloc_conf:
@@ -600,7 +600,7 @@ def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...]
     not (or the answer is 1.0). A run that ends in vLLM's startup error (too little KV
     cache) is not an OOM; its error is reported in ``runs``.
     """
-    from ..estimator import recommended_gpu_memory_utilization
+    from kvguard.budget.estimator import recommended_gpu_memory_utilization
 
     runs: list[SearchRun] = []
     kv_at: dict[int, int | None] = {}

@@ -33,10 +33,10 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..estimator import Profile
-from .base import SimOutOfMemory
-from .scenario import ScenarioConfig, ServingScenario
-from .scheduler import Scheduler, Sequence
+from kvguard.budget.estimator import Profile
+from kvguard.allocators.base import SimOutOfMemory
+from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+from kvguard.sim.scheduler import Scheduler, Sequence
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Traffic:
 class LiveServing:
     """One rank: the scenario's startup, then an open request stream (module docstring).
 
-    Offers what :class:`kvguard.sources.sim.SimSource` reads from a scenario: ``config``,
+    Offers what :class:`kvguard.sim.source.SimSource` reads from a scenario: ``config``,
     ``step()``, ``finished``, ``memory_stats()``, ``device_memory()``, ``profile``,
     ``num_blocks``, ``kv_layout``, ``oom``; plus ``arrivals`` (the arrival steps so far, for tests)
     and ``requests_finished``.

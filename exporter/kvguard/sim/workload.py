@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ..estimator import ConfigError, KVLayout, _positive_int, _text_config, kv_layout_from_config, model_dtype_bytes
+from kvguard.budget.estimator import ConfigError, KVLayout, _positive_int, _text_config, kv_layout_from_config, model_dtype_bytes
 
 Op = tuple[Any, "int | None"]
 

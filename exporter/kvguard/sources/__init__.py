@@ -18,9 +18,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-from kvguard.estimator import Profile
+from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.spool import KVCacheAllocation
+from kvguard.spool.io import KVCacheAllocation
 
 
 class SourceError(RuntimeError):
@@ -58,7 +58,7 @@ _BUILTIN: dict[str, str] = {
     "mindspore": "kvguard.sources.mindspore:MindSporeSource",
     "npu-smi": "kvguard.sources.npu_smi:NpuSmiSource",
     "nvml": "kvguard.sources.nvml:NvmlSource",
-    "sim": "kvguard.sources.sim:SimSource",
+    "sim": "kvguard.sim.source:SimSource",
     "torch": "kvguard.sources.torch:TorchSource",
 }
 _REGISTERED: dict[str, Callable[..., Source]] = {}

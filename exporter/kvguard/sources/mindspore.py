@@ -11,7 +11,7 @@ fields stay None, except the inactive split under VMM with 2.6+'s physical accou
 on a miss: 0 there. It does report idle memory (held by the pool, free for reuse) and
 eager-free memory (idle buffers whose physical pages were unmapped under VMM).
 
-Release by release (kvguard.sim.mindspore_releases): 2.4.x spell ``total_allocatd_memory``;
+Release by release (kvguard.allocators.mindspore_releases): 2.4.x spell ``total_allocatd_memory``;
 2.4 to 2.7 spell ``commom_mem_pool_stats``; 2.8+ ``common_mem_pool_stats``.
 
 Peaks. ``max_allocated_memory`` / ``max_reserved_memory`` do not mean the same thing in

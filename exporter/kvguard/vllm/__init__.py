@@ -7,5 +7,5 @@
 - ``plugin``: the ``vllm.general_plugins`` entry point that runs inside vLLM's workers.
 
 Supporting the next release touches this folder and its tests, nothing else. The formulas
-themselves stay pure in :mod:`kvguard.estimator`.
+themselves stay pure in :mod:`kvguard.budget.estimator`.
 """

@@ -1,7 +1,7 @@
 """The era table: which vLLM / vllm-ascend / vllm-mindspore releases budget the KV cache how.
 
 Each row is one release range of one project. It names the estimator formula the range's
-``determine_available_memory`` runs (:data:`kvguard.estimator.FORMULAS`), its defaults, the
+``determine_available_memory`` runs (:data:`kvguard.budget.estimator.FORMULAS`), its defaults, the
 startup-log lines it writes (:mod:`kvguard.vllm.log` reads them), the worker hooks the plugin
 wraps, and the upstream file:line each of those facts follows. Paths are inside the release's
 wheel (``vllm/...``); "w" is ``vllm/v1/worker/gpu_worker.py``, "mu" ``vllm/utils/mem_utils.py``
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from kvguard.estimator import FORMULAS
+from kvguard.budget.estimator import FORMULAS
 
 PROJECTS = ("vllm", "vllm-ascend", "vllm-ascend-310p", "vllm-mindspore")
 
@@ -34,7 +34,7 @@ class Era:
     first: tuple[int, ...]             # first release of the range
     last: tuple[int, ...] | None       # last release read to behave so (None: the newest); a release
                                        # belongs to the last row whose ``first`` it reaches
-    formula: str                       # kvguard.estimator.FORMULAS key
+    formula: str                       # kvguard.budget.estimator.FORMULAS key
     default_block_size: int = 16
     default_gpu_memory_utilization: float | None = 0.9   # None: resolved at run time (0.34)
     mla_block_size: int | None = None  # vLLM on CUDA sets this block size for MLA models (FlashMLA)
@@ -211,7 +211,7 @@ ERAS: tuple[Era, ...] = (
                "310 0.20.2rc1+ RC devices (host and device memory shared) halve requested - host memory used "
                "instead: not modelled")),
     # The seed's release: vllm-mindspore 0.2.0 at Gitee PR !428 (f2b96744, merged 2025-05-28), the release whose
-    # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.sim.mindspore_releases). Its fix budgets
+    # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.allocators.mindspore_releases). Its fix budgets
     # vLLM's V1 formula with the memory_reserved() increase in place of the allocated peak: the seed reported
     # Qwen2.5-7B's 37.85 GiB / 44292 blocks becoming 36.40 GiB / 42593, what this formula gives from the seed's
     # profile (examples/qwen2.5-7b-910b-profile.json, constructed from those figures; tests/test_budget_cli.py).

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
-from kvguard.estimator import FORMULAS, Profile, required_fields
+from kvguard.budget.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras
 from kvguard.vllm.oom import OomFact, is_oom_line, read_oom, step_in
 

@@ -9,10 +9,10 @@ environment:
 ``KVGUARD_INTERVAL``    seconds between samples (default 5).
 ``KVGUARD_SOURCE``      the probe's source (default ``auto``: the worker's own allocator).
 ``KVGUARD_BUDGET``      ``stock`` (default, vLLM's own budget) or ``reserved``: size the KV
-                        cache with :func:`kvguard.estimator.reserved_kv_cache_bytes`, the
+                        cache with :func:`kvguard.budget.estimator.reserved_kv_cache_bytes`, the
                         formula of ``kvguard budget`` (never more than vLLM's own figure);
                         ``guard``: the largest budget the budget-time verdict predicts fits
-                        (``kvguard.guard.judge_at_budget``), never more than vLLM's figure.
+                        (``kvguard.guard.judge.judge_at_budget``), never more than vLLM's figure.
 
 It wraps three methods of the worker class (``vllm.v1.worker.gpu_worker.Worker``;
 ``vllm_ascend.worker.worker.NPUWorker`` and ``worker_v1.NPUWorker``), patched when their
@@ -36,7 +36,7 @@ module is imported, or at once if it already is:
 Once the budget is fixed (``determine_available_memory`` returned, the KV cache not allocated yet)
 the plugin also judges it: the era's KV tensors for that budget (the worker's ``get_kv_cache_spec``)
 placed into a model of this rank's allocator built from its counters now
-(``kvguard.sim_guard.allocator_from_counters``), and the serving peak beside them. The verdict goes
+(``kvguard.sim.guarded.allocator_from_counters``), and the serving peak beside them. The verdict goes
 into the rank's snapshot at once (``budget_verdict``; ``/guard``'s ``at_budget``).
 
 Every hook is wrapped: a failure is logged once, counted (:data:`hook_errors`), and the
@@ -420,7 +420,7 @@ def _era_of(release: str | None):
 def profile_from(worker: Any, capture: _Capture) -> Any:
     """The estimator's Profile, in the running release's terms, from the MemoryProfilingResult and
     the worker (its cache config, its CUDA-graph estimate)."""
-    from kvguard.estimator import FORMULAS, Profile
+    from kvguard.budget.estimator import FORMULAS, Profile
 
     result = capture.result
     release = running_release(worker)
@@ -479,7 +479,7 @@ def _extensible(worker: Any) -> bool:
 
 def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
     """The reserved-aware budget when it is smaller than vLLM's; None to keep vLLM's."""
-    from kvguard.estimator import reserved_kv_cache_bytes, stock_kv_cache_bytes
+    from kvguard.budget.estimator import reserved_kv_cache_bytes, stock_kv_cache_bytes
 
     if _extensible(worker):
         if "extensible_budget" not in _logged:
@@ -503,7 +503,7 @@ def _with_cleared(profile: Any, available: Any) -> Any:
     """vllm-ascend 0.15+ also subtracts the non-torch memory its profile's empty_cache cleared, a local of
     its determine_available_memory (worker.py 0.17.0rc1:339-366); it is what the returned figure leaves
     unexplained (310P: twice that, less the halving's rounding)."""
-    from kvguard.estimator import non_kv_cache_bytes, requested_memory_bytes
+    from kvguard.budget.estimator import non_kv_cache_bytes, requested_memory_bytes
 
     formula = profile.budget_formula
     if not formula.cleared or not isinstance(available, int) or profile.non_torch_cleared_bytes is not None:
@@ -516,7 +516,7 @@ def _with_cleared(profile: Any, available: Any) -> Any:
 
 def _check_formula(profile: Any, available: Any) -> None:
     """Say once when kvguard's formula for this release does not reproduce vLLM's own figure."""
-    from kvguard.estimator import stock_kv_cache_bytes
+    from kvguard.budget.estimator import stock_kv_cache_bytes
 
     if not isinstance(available, int) or "formula_mismatch" in _logged:
         return
@@ -593,7 +593,7 @@ def profile_from_npu_readings(worker: Any, readings: _NpuReadings) -> Any:
     ``empty_cache`` (``weights_bytes``: the weights, as the guard counts them) and the increase above it (the
     sum is NPUWorker's peak, to the byte); the reserved peak is split alike; the non-torch figure is the
     absolute one NPUWorker adds. None when the worker did not read them so."""
-    from kvguard.estimator import Profile
+    from kvguard.budget.estimator import Profile
 
     release = running_release(worker)
     era = _era_of(release)
@@ -698,7 +698,7 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
     expandable = _alloc_conf_flag(("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
                                   if kind == "torch_npu" else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
                                   "expandable_segments", False)
-    from kvguard.sim_guard import allocator_from_counters
+    from kvguard.sim.guarded import allocator_from_counters
 
     return memory, lambda: allocator_from_counters(kind, memory, expandable_segments=expandable, enable_vmm=vmm)
 
@@ -706,8 +706,8 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
 def _kv_tensors_for(worker: Any, profile: Any, budget: int) -> tuple[int, ...] | None:
     """The KV tensors the era allocates for ``budget``: per layer spec (``get_kv_cache_spec``), vLLM's
     block count (``available // page_size // num_layers`` for one uniform group, kv_cache_utils.py
-    0.11.0:1050-1061), the era's style (kvguard.estimator.kv_tensor_style)."""
-    from kvguard.estimator import kv_tensor_style
+    0.11.0:1050-1061), the era's style (kvguard.budget.estimator.kv_tensor_style)."""
+    from kvguard.budget.estimator import kv_tensor_style
 
     specs = _kv_cache_spec(worker)
     if not specs:
@@ -735,8 +735,8 @@ def _kv_cache_spec(worker: Any) -> dict | None:
 
 
 def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) -> Any:
-    from kvguard.guard import BudgetInput, judge_at_budget
-    from kvguard.sim_guard import counters_of
+    from kvguard.guard.judge import BudgetInput, judge_at_budget
+    from kvguard.sim.guarded import counters_of
 
     tensors = _kv_tensors_for(worker, profile, budget)
     if tensors is None:
@@ -784,7 +784,7 @@ def _guard_budget(worker: Any, profile: Any, available: int) -> int | None:
         log.info("kvguard: KVGUARD_BUDGET=guard keeps vLLM's KV cache budget %s: the guard predicts it fits "
                  "(%s)", format_gib(available), first.state if first else "no KV cache spec")
         return None
-    from kvguard.guard import largest_fitting_blocks
+    from kvguard.guard.judge import largest_fitting_blocks
 
     specs = _kv_cache_spec(worker)
     block = max(int(spec.page_size_bytes) for spec in specs.values()) * len(specs)
@@ -816,7 +816,7 @@ def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, out
     """KVCacheAllocation from vLLM's KVCacheConfig, sized as vLLM sizes it: the largest group's bytes
     per block (vLLM takes the max over groups, kv_cache_utils.py 0.11.0:1050-1061, kv_cache_planning.py
     0.34.0:615-648); without groups, the tensors it allocates over the block count."""
-    from kvguard.spool import KVCacheAllocation
+    from kvguard.spool.io import KVCacheAllocation
 
     config_blocks = int(kv_cache_config.num_blocks)
     num_blocks = config_blocks if num_blocks is None else int(num_blocks)

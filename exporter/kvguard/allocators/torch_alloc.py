@@ -40,7 +40,7 @@ follows there), per stream, no CUDA-graph private pools:
 
 Statistics use the real flattened key names of ``torch.cuda.memory_stats()``.
 
-For exact trace replay (``kvguard.sim.snapshot``) the allocator can be seeded with a
+For exact trace replay (``kvguard.allocators.snapshot``) the allocator can be seeded with a
 recorded state (``seed_segment``, ``seed_segments``), take new segment addresses from a
 callback (``segment_address``), release or unmap what a trace says the real allocator
 released (``release_segment_at``, ``unmap_range``), and give its end state as tuples
@@ -57,8 +57,8 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any, Callable, Iterable, Iterator
 
-from .base import SimOutOfMemory, absorb, link_after
-from .device import Device
+from kvguard.allocators.base import SimOutOfMemory, absorb, link_after
+from kvguard.allocators.device import Device
 
 K_MIN_BLOCK_SIZE = 512
 K_SMALL_SIZE = 1 << 20

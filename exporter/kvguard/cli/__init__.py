@@ -13,12 +13,12 @@ import click
 from click.core import ParameterSource
 
 from kvguard import __version__
-from kvguard.estimator import (
+from kvguard.budget.estimator import (
     EXTENSIBLE_INPUTS, FORMULAS, KV_CACHE_DTYPES, ConfigError, KVLayout, Profile, ProfileError, budget_for,
     estimate, formula_inputs, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
     stock_kv_cache_bytes,
 )
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.units import format_bytes, format_gib, parse_size
 
 
@@ -160,7 +160,7 @@ def _era(release: str | None):
 
 def _block_size(era, block_size: int | None, config: Any) -> int:
     """The era's default block size, and vLLM's MLA block size on CUDA where the era forces one."""
-    from kvguard.estimator import _text_config
+    from kvguard.budget.estimator import _text_config
     is_mla = isinstance(config, dict) and "kv_lora_rank" in _text_config(config)
     if era and is_mla and era.mla_block_size:
         forced, rule = era.mla_block_size, era.mla_block_rule
@@ -375,8 +375,8 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     if allocator:
         if profile is None and startup is not None:
             # A log without the profile line: the non-KV memory read back from the decided budget, as
-            # kvguard check does (kvguard.sidecar.log_profile), with --total-memory / --gpu-memory-utilization.
-            from kvguard.sidecar import log_profile
+            # kvguard check does (kvguard.sidecar.core.log_profile), with --total-memory / --gpu-memory-utilization.
+            from kvguard.sidecar.core import log_profile
             profile = log_profile(startup, total_memory, gpu_memory_utilization)[0]
         if enable_vmm is None and era is None and startup is not None and allocator == "mindspore":
             # A vllm-mindspore log older than the table (no era row) still ran its launcher's VMM.
@@ -390,7 +390,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         _print_budget(result, layout)
 
 
-# What a log's decided budget still uses when its profile is incomplete (--allocator: kvguard.sidecar.log_profile).
+# What a log's decided budget still uses when its profile is incomplete (--allocator: kvguard.sidecar.core.log_profile).
 _LOG_FILLS = {"total_memory_bytes", "gpu_memory_utilization"}
 _MISSING_HINT = {
     "cudagraph_memory_bytes": " (the CUDA-graph estimate it subtracts; 0 if VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0)",
@@ -476,7 +476,7 @@ def _refuse_growth_past_the_device(profile: Profile) -> None:
 def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str, era, enable_vmm,
                          expandable_segments: bool | None, non_allocator_memory) -> dict[str, Any]:
     """``--allocator``: the guard's budget-time verdict on vLLM's budget (the log's decided figure, or the
-    stock formula), and the largest budget it predicts fits (kvguard.sim_guard.predict_at_budget)."""
+    stock formula), and the largest budget it predicts fits (kvguard.sim.guarded.predict_at_budget)."""
     if layout is None:
         raise click.UsageError("--allocator needs --model-config: the KV tensors are counted per layer")
     if profile is None:
@@ -491,7 +491,7 @@ def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str
     if expandable_segments is None:
         from kvguard.vllm.eras import expandable_segments_default
         expandable_segments = expandable_segments_default(result.get("vllm_version"), allocator)
-    from kvguard.sim_guard import predict_at_budget
+    from kvguard.sim.guarded import predict_at_budget
 
     try:
         return predict_at_budget(profile, layout, kv_cache, allocator, enable_vmm=enable_vmm,
@@ -701,9 +701,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
       3  --fail-on-oom and the run (scenario, trace replay) ended in an OOM, an op of
          an --ops stream ran out of memory, or the search found no utilization without one
     """
-    from kvguard.sim.device import Device
+    from kvguard.allocators.device import Device
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
-    from kvguard.sim.traces import TraceError, is_snapshot_pickle, load_trace, read_trace_bytes, replay
+    from kvguard.allocators.traces import TraceError, is_snapshot_pickle, load_trace, read_trace_bytes, replay
 
     seeds = seeds or (0,)
     seed = seeds[0]
@@ -816,7 +816,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         raise click.ClickException(str(exc)) from None
     except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
         raise click.ClickException(f"model config: {exc}") from None
-    from kvguard.sim_guard import BudgetWatch, startup_guard_dict, startup_verdict
+    from kvguard.sim.guarded import BudgetWatch, startup_guard_dict, startup_verdict
     watch = BudgetWatch(scenario)       # the guard when the budget is fixed, before the KV cache
     scenario.startup()
     guard = startup_guard_dict(startup_verdict(scenario))   # the guard before serving starts
@@ -877,8 +877,8 @@ def _exit_on_oom(fail_on_oom: bool, oom: bool) -> None:
 
 def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str | None, as_json: bool) -> bool:
     """``simulate --ops FILE``: the stream through the chosen allocator model; True when an op ran out of memory."""
-    from kvguard.sim.device import Device
-    from kvguard.sim.ops import OpsError, read_ops, replay_ops
+    from kvguard.allocators.device import Device
+    from kvguard.allocators.ops import OpsError, read_ops, replay_ops
     from kvguard.sim.scenario import make_allocator
 
     try:
@@ -944,8 +944,8 @@ SNAPSHOT_ADDRESS_SPACE_BYTES = 1 << 44   # 16 TiB: larger than any GPU's memory,
 def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, replay_log: str | None,
                              as_json: bool) -> bool:
     """``simulate --trace SNAPSHOT.pickle``: every device, seeded, at the recorded addresses."""
-    from kvguard.sim.snapshot import SnapshotError, replay_snapshot
-    from kvguard.sim.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
+    from kvguard.allocators.snapshot import SnapshotError, replay_snapshot
+    from kvguard.allocators.traces import TraceError, load_snapshot_pickle, parse_torch_snapshot
 
     log_handle = None
     try:
@@ -1127,7 +1127,7 @@ def probe(source_name, spool_dir, interval, once, ranks, steps_per_sample):
     click.echo(f"kvguard probe: {source_name} every {interval:g}s into {spool_dir} (Ctrl-C to stop)", err=True)
     run_until_signalled(runner)
 
-from kvguard import cli_serve  # noqa: E402,F401  (registers serve and check)
+from kvguard.cli import serve as cli_serve  # noqa: E402,F401  (registers serve and check)
 
 
 if __name__ == "__main__":  # pragma: no cover

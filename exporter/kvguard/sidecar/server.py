@@ -22,7 +22,7 @@ and threads are bounded whatever it sends:
 - basic-auth credentials already verified are checked in the loop in constant time; others go to
   a pool of ``auth_workers`` bcrypt threads of their own (``auth_queue`` deep), at most
   ``auth_rate`` a second per source address (``auth_burst`` at once), 429 beyond
-  (kvguard.webconfig.BasicAuth);
+  (kvguard.sidecar.webconfig.BasicAuth);
   a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
   read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
 - new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
@@ -37,12 +37,12 @@ and threads are bounded whatever it sends:
   net/http answers it;
 - TCP_NODELAY on every connection, so a keep-alive scrape does not wait on Nagle / delayed ACK.
 
-/metrics and /guard are made once per sidecar refresh (kvguard.exposition), whatever the scrape rate
+/metrics and /guard are made once per sidecar refresh (kvguard.sidecar.exposition), whatever the scrape rate
 (the /metrics formats scraped during one refresh are built ahead for the next, in a worker):
 parallel scrapes share one observation, one collection, each format and its gzip; a large body is
 sent from the shared chunks, never joined or copied per scrape.
 
-TLS and basic auth come from ``--web.config.file`` (exporter-toolkit format, kvguard.webconfig,
+TLS and basic auth come from ``--web.config.file`` (exporter-toolkit format, kvguard.sidecar.webconfig,
 re-read on change) or the shorthand flags; the probes (/healthz, /readyz) stay open so the
 kubelet can reach them without credentials.
 """
@@ -68,9 +68,9 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
-from kvguard.exposition import Exposition
-from kvguard.sidecar import Sidecar
-from kvguard.webconfig import BasicAuth, GuessLimiter, WebConfig, WebConfigWatcher
+from kvguard.sidecar.exposition import Exposition
+from kvguard.sidecar.core import Sidecar
+from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfig, WebConfigWatcher
 
 OPEN_PATHS = ("/healthz", "/readyz")
 LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
@@ -282,7 +282,7 @@ AHEAD_FORMATS = 4
 
 @dataclass(frozen=True)
 class Verify:
-    """Credentials bcrypt has to check before the request is built (kvguard.webconfig.BasicAuth)."""
+    """Credentials bcrypt has to check before the request is built (kvguard.sidecar.webconfig.BasicAuth)."""
     users: Mapping[str, bytes]
     user: str
     password: str
@@ -910,7 +910,7 @@ class KVGuardServer:
     def _linger(self, conn: _Conn) -> None:
         """Close after an answer without a reset: shut down writes (the peer reads the answer and
         then end of file), then read and drop what it still sends until it closes, for at most
-        LINGER_SECONDS and LINGER_BYTES (kvguard.server's docstring)."""
+        LINGER_SECONDS and LINGER_BYTES (kvguard.sidecar.server's docstring)."""
         try:
             conn.sock.setblocking(False)
             conn.sock.shutdown(socket.SHUT_WR)   # an SSLSocket drops its TLS layer here: raw reads from now

@@ -51,7 +51,7 @@ class _CheckCommand(click.Command):
 def _read_startup_log(path: str, error=click.ClickException, oom_is_enough: bool = False):
     """The log, and its profile checked here: a log stating an impossible profile (utilization 5.0) is
     refused in one line at startup, not at the first judgement."""
-    from kvguard.estimator import ProfileError
+    from kvguard.budget.estimator import ProfileError
     from kvguard.vllm.log import LogFileError, read_startup_log
 
     try:
@@ -138,7 +138,7 @@ def _check_basic_auth(user: str | None, password_file: str | None) -> str | None
 def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_user: str | None):
     if path is None:
         return None
-    from kvguard.webconfig import WebConfigError, WebConfigWatcher
+    from kvguard.sidecar.webconfig import WebConfigError, WebConfigWatcher
 
     try:
         watcher = WebConfigWatcher(path)
@@ -203,10 +203,10 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
           web_config_file, engine_id, log_level, log_format, demo, demo_ranks):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
-    from kvguard.server import KVGuardServer, ServerOptions, make_tls_context
-    from kvguard.sidecar import Sidecar, SidecarConfig
+    from kvguard.sidecar.server import KVGuardServer, ServerOptions, make_tls_context
+    from kvguard.sidecar.core import Sidecar, SidecarConfig
     from kvguard.logs import setup as setup_logging
-    from kvguard.spool import safe_text
+    from kvguard.spool.io import safe_text
 
     setup_logging(log_level, log_format)
     if listen.startswith("[") and listen.endswith("]"):   # "[::]", as URLs and Kubernetes values write IPv6
@@ -247,7 +247,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
             raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
         probe = None
         if demo:
-            from kvguard.demo import start_demo
+            from kvguard.sim.demo import start_demo
 
             probe = start_demo(spool_dir, demo_ranks, interval=interval)
         sidecar.start()
@@ -343,7 +343,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, forget_after, post
 
 def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory=None,
            gpu_memory_utilization=None, forget_after=None, post_mortem=False):
-    from kvguard.sidecar import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig, aged_out_text
+    from kvguard.sidecar.core import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig, aged_out_text
     from kvguard.units import format_gib
 
     if not (spool_dir or log_file or vllm_metrics_url):

@@ -19,7 +19,7 @@ Two formats are read:
   first device that has one (or ``device=``), actions ``alloc`` and ``free_completed``
   (``free_requested`` when a trace has no ``free_completed``: a single-stream trace).
   A dump taken without recording (every ``device_traces`` list empty, ``segments``
-  present) has no events: only its end state, which ``kvguard.sim.snapshot`` replays.
+  present) has no events: only its end state, which ``kvguard.allocators.snapshot`` replays.
   Frees of blocks allocated before recording started are skipped and counted;
   ``segment_*``, ``snapshot`` and ``oom`` entries are the recording allocator's own
   decisions and are not replayed. Pickles are read by a reader of their opcodes that
@@ -46,7 +46,7 @@ from operator import is_
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .base import SimOutOfMemory
+from kvguard.allocators.base import SimOutOfMemory
 
 PERSISTENT_TYPES = frozenset({"Weight", "ConstantValue", "GeConst"})
 _POSITIONS = {"start_time_stamp": 0, "end_time_stamp": 1, "stream_id": 3, "size": 5, "type": 9}

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext
-from kvguard.sources.sim import renumbered
+from kvguard.sim.source import renumbered
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -56,7 +56,7 @@ class DemoSource:
     name = "sim"
 
     def __init__(self, ranks: int = 2, steps_per_sample: int = STEPS_PER_SAMPLE, seed: int = 0):
-        from kvguard.sources.sim import SimSource
+        from kvguard.sim.source import SimSource
 
         if ranks < 1:
             raise ValueError("the demo needs at least one rank")

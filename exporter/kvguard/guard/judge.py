@@ -20,7 +20,7 @@ projection, or the guard cannot judge); ``ok`` otherwise.
 
 ``judge_at_budget`` is the same verdict one step earlier: when vLLM has fixed its KV budget but
 before the KV cache is allocated (README, "The budget-time verdict"). It places the KV tensors, as
-the era allocates them, into a fresh model of the rank's allocator (``kvguard.sim``'s rule-for-
+the era allocates them, into a fresh model of the rank's allocator (``kvguard.allocators``' rule-for-
 rule models, built holding what the rank has reserved), then judges the state that leaves: a tensor the
 model cannot place is ``kv_cache_placement_fails`` (critical); otherwise ``judge`` on the predicted
 end-of-startup counters says whether the first serving peak fits.
@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-from kvguard.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
+from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
 from kvguard.records import DeviceMemory
 from kvguard.units import format_gib
@@ -285,11 +285,11 @@ class BudgetInput:
     """What a rank knows when vLLM has fixed its KV budget, before the KV cache exists.
 
     ``kv_tensor_bytes``: the tensors the era will allocate for the cache, in order
-    (``kvguard.estimator.kv_cache_tensor_bytes``). ``build``: returns a new ``kvguard.sim``
+    (``kvguard.budget.estimator.kv_cache_tensor_bytes``). ``build``: returns a new ``kvguard.allocators``
     allocator model (``CachingAllocator``, ``DynamicMemPool``) on its simulated device, holding
-    what the rank has reserved now (``kvguard.sim_guard``: a replay of the simulated rank's
+    what the rank has reserved now (``kvguard.sim.guarded``: a replay of the simulated rank's
     history, or ``allocator_from_counters`` for a real one). ``read``: the counters of a model, as
-    the rank's source would report them (``kvguard.sim_guard.counters_of``).
+    the rank's source would report them (``kvguard.sim.guarded.counters_of``).
     """
 
     profile: Profile
@@ -302,7 +302,7 @@ class BudgetInput:
 def judge_at_budget(inp: BudgetInput) -> Verdict:
     """The budget-time verdict: does the KV cache the budget buys fit where the allocator will put
     it, and does the first serving peak fit beside it? Pure: the model is built for this call."""
-    from kvguard.sim.base import SimOutOfMemory
+    from kvguard.allocators.base import SimOutOfMemory
 
     model = inp.build()
     reserved_before = physical_reserved_bytes(inp.read(model))
@@ -369,7 +369,7 @@ def mindspore_pool_budget(memory: DeviceMemory | None) -> int | None:
 
     ``AscendMemAdapter::Initialize`` fixes the pool's budget (``total_mem_size``) at 15/16 of the
     memory free when the pool starts, down to 2 MiB, less 10 MiB (ascend_memory_adapter.cc:131-137
-    @ r2.7.rc1; ``kvguard.sim.mindspore_releases.pool_budget_bytes``, checked against the compiled
+    @ r2.7.rc1; ``kvguard.allocators.mindspore_releases.pool_budget_bytes``, checked against the compiled
     pool). ``memory_stats()`` does not report it, so it is derived from the device's total less the
     memory held outside the pool now (``total_idle_memory`` in the counters marks the pool's). Memory
     that appeared outside the pool after it started makes the estimate smaller: it errs towards
@@ -380,7 +380,7 @@ def mindspore_pool_budget(memory: DeviceMemory | None) -> int | None:
     outside = _live_non_torch(memory)
     if outside is None:
         return None
-    from kvguard.sim.mindspore_releases import pool_budget_bytes
+    from kvguard.allocators.mindspore_releases import pool_budget_bytes
 
     return pool_budget_bytes(memory.total_bytes - outside)
 
@@ -400,7 +400,7 @@ def physical_reserved_bytes(memory: DeviceMemory) -> int:
     """The allocator's reservation in device memory. MindSpore's VMM pool counts reserved address
     space in ``total_reserved_memory`` on some releases (2.4-2.5: ``MemStat::alloc_size_``) and
     mapped pages on later ones, and the unmapped address space in ``total_eager_free_memory``
-    (kvguard.sim.mindspore_pool). A reservation larger than the memory the device has in use cannot
+    (kvguard.allocators.mindspore_pool). A reservation larger than the memory the device has in use cannot
     be memory: then only reserved − eager-free is."""
     reserved = memory.reserved_bytes
     used = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes

@@ -311,7 +311,7 @@ class BasicAuth:
       (user, password, hash) compared in constant time with the few kept for that user; no bcrypt.
       Only successes are kept, so a flood of wrong passwords cannot push a valid one out (one
       cache for both, as before, could);
-    - :meth:`verify`: the bcrypt run for anything else (kvguard.server runs it in a small pool of
+    - :meth:`verify`: the bcrypt run for anything else (kvguard.sidecar.server runs it in a small pool of
       its own); a success joins the verified ones, a failure a bounded list of refusals that are
       answered again without bcrypt.
 

@@ -5,7 +5,7 @@ exactly what a real rank offers: the startup profile vLLM measured, the KV cache
 the allocator's and device's counters at that moment. ``BudgetWatch`` takes the budget-time
 verdict (``guard_at_budget``): it copies the allocator the moment vLLM's profile has run and
 emptied the cache (the scenario calls ``empty_cache`` once after the profile record, then sizes
-and allocates the KV cache), and ``kvguard.guard.judge_at_budget`` places the era's KV tensors
+and allocates the KV cache), and ``kvguard.guard.judge.judge_at_budget`` places the era's KV tensors
 into that copy. ``run_guarded`` then keeps judging after
 every serving step the way the sidecar does, so the grid in ``tests/test_guard_grid.py`` can
 say when the guard first said ``critical`` and whether that was before the OOM.
@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.estimator import kv_cache_tensor_bytes
-from kvguard.guard import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget,
+from kvguard.budget.estimator import kv_cache_tensor_bytes
+from kvguard.guard.judge import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget,
                            physical_reserved_bytes)
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.sources.sim import record_from_scenario
+from kvguard.sim.source import record_from_scenario
 
 
 def counters_of(model: Any, device: str = "sim:0", source: str = "sim") -> DeviceMemory:
@@ -81,7 +81,7 @@ class BudgetWatch:
 
     def build(self) -> Any:
         """A new allocator model, on a new device, in the state the scenario's had at the budget."""
-        from kvguard.sim.device import Device
+        from kvguard.allocators.device import Device
         from kvguard.sim.scenario import make_allocator
 
         config = self.scenario.config
@@ -212,7 +212,7 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
 
 def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,
                             enable_vmm: bool = False) -> Any:
-    """A new ``kvguard.sim`` model of a real rank's allocator holding what its counters say it holds.
+    """A new ``kvguard.allocators`` model of a real rank's allocator holding what its counters say it holds.
 
     What a rank's counters do not say (where its cached memory lies, which pool holds what) is
     taken on the safe side, with the models' own rules (only their constructors, ``malloc``,
@@ -229,9 +229,9 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
       block held as lost. With VMM, idle pages go back to the device on a miss: only the allocated
       bytes are held.
     """
-    from kvguard.sim.device import Device
-    from kvguard.sim.mindspore_pool import DynamicMemPool
-    from kvguard.sim.torch_alloc import CachingAllocator
+    from kvguard.allocators.device import Device
+    from kvguard.allocators.mindspore_pool import DynamicMemPool
+    from kvguard.allocators.torch_alloc import CachingAllocator
 
     total, free = memory.total_bytes, memory.free_bytes
     reserved, allocated = memory.reserved_bytes or 0, memory.allocated_bytes or 0
@@ -272,7 +272,7 @@ def counters_at_budget(profile: Any, kind: str, *, enable_vmm: bool = False,
     """The rank's counters when vLLM fixes its budget, as a startup profile implies them (``kvguard
     budget --allocator``): the weights allocated; reserved, the weights and, on MindSpore's pool without
     VMM, the profile run's reserved increase too (its ``empty_cache`` releases nothing without VMM:
-    ``AscendVmmAdapter::EmptyCache``, see kvguard.sim.mindspore_pool); outside the allocator, the
+    ``AscendVmmAdapter::EmptyCache``, see kvguard.allocators.mindspore_pool); outside the allocator, the
     runtime context held from the start (``non_allocator_bytes``, default the simulator's per
     allocator) plus the profile's non-torch increase."""
     from kvguard.sim.scenario import DEFAULT_NON_ALLOCATOR_BYTES
@@ -300,8 +300,8 @@ def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str,
                       memory: DeviceMemory | None = None) -> dict[str, Any]:
     """The budget-time verdict for ``kv_cache_bytes`` (vLLM's budget) from a profile, and the largest
     budget the guard predicts fits: what ``kvguard budget --allocator`` prints."""
-    from kvguard.estimator import kv_tensor_style
-    from kvguard.guard import largest_fitting_blocks
+    from kvguard.budget.estimator import kv_tensor_style
+    from kvguard.guard.judge import largest_fitting_blocks
 
     if memory is None:
         memory = counters_at_budget(profile, kind, enable_vmm=enable_vmm, non_allocator_bytes=non_allocator_bytes)

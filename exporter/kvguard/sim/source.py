@@ -25,13 +25,13 @@ import uuid
 from dataclasses import replace
 from typing import Any, Mapping
 
-from kvguard.estimator import ConfigError
-from kvguard.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.estimator import ConfigError
+from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, SourceError, one_line
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.spool import KVCacheAllocation
+from kvguard.spool.io import KVCacheAllocation
 
 _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64

@@ -36,8 +36,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvguard.collector import KVGuardCollector
-from kvguard.sidecar import Observation, Sidecar
+from kvguard.sidecar.collector import KVGuardCollector
+from kvguard.sidecar.core import Observation, Sidecar
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from kvguard.estimator import ConfigError
+from kvguard.budget.estimator import ConfigError
 from kvguard.textfile import read_text
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -37,7 +37,7 @@ BUNDLED_MODEL = "qwen2.5-7b-instruct"
 
 def bundled_model_config_path() -> str:
     """Path of the bundled Qwen2.5-7B-Instruct ``config.json`` (package data), for ``load_model_config``."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", BUNDLED_MODEL, "config.json")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", BUNDLED_MODEL, "config.json")
 
 
 def load_model_config(path: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ their blocks), plus ``allocator_settings``. The replay:
    to be requests the model cannot serve from its cache.
 4. **Compares** each device's end state with the snapshot's own segments.
 
-Knows nothing of files: ``kvguard.sim.traces`` reads the pickle.
+Knows nothing of files: ``kvguard.allocators.traces`` reads the pickle.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .base import SimOutOfMemory
-from .device import Device
-from .torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
+from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.device import Device
+from kvguard.allocators.torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
 
 _ALLOC, _FREE, _SEG_ALLOC, _SEG_FREE, _MAP, _UNMAP, _OOM = range(7)
 _ACTIONS = {"alloc": _ALLOC, "segment_alloc": _SEG_ALLOC, "segment_free": _SEG_FREE, "segment_map": _MAP,

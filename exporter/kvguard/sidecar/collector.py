@@ -17,9 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvguard import __version__
-from kvguard.guard import REASON_CODES, SEVERITY, STATES
-from kvguard.sidecar import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
-from kvguard.spool import SKIP_REASONS, safe_text
+from kvguard.guard.judge import REASON_CODES, SEVERITY, STATES
+from kvguard.sidecar.core import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
+from kvguard.spool.io import SKIP_REASONS, safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 # Which device a series is about, for joins with dcgm-exporter and npu-exporter (docs/metrics.md):

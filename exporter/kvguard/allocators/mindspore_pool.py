@@ -2,7 +2,7 @@
 
 Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator`` and
 ``AbstractAscendMemoryPoolSupport::CalMemBlockAllocSize``; the rules that differ between
-releases are the switches of a :class:`~kvguard.sim.mindspore_releases.MindSporeRelease` row,
+releases are the switches of a :class:`~kvguard.allocators.mindspore_releases.MindSporeRelease` row,
 each cited there (file:line @ tag in ``mindspore-ai/mindspore_test``). One stream.
 
 Checked against the real thing: ``tests/test_oracle_mindspore.py`` replays op streams through
@@ -55,9 +55,9 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
-from .base import SimOutOfMemory, absorb, link_after
-from .device import Device
-from .mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
+from kvguard.allocators.base import SimOutOfMemory, absorb, link_after
+from kvguard.allocators.device import Device
+from kvguard.allocators.mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
 
 K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30

@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
-from kvguard.estimator import Profile, ProfileError
+from kvguard.budget.estimator import Profile, ProfileError
 from kvguard.records import MAX_COUNTER, DeviceMemory
 
 # Timestamps beyond year ~5000 are garbage; this also keeps float() from overflowing on huge ints.
@@ -104,7 +104,7 @@ class Snapshot:
     # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
     model_name: str = ""
     engine: str = ""
-    budget_verdict: Any = None        # kvguard.guard.Verdict (phase "budget"): judged before the KV cache existed
+    budget_verdict: Any = None        # kvguard.guard.judge.Verdict (phase "budget"): judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
     # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
@@ -169,7 +169,7 @@ class Snapshot:
                                              outside_allocator=kv.get("outside_allocator") is True)
             budget_verdict = None
             if data.get("budget_verdict") is not None:
-                from kvguard.guard import BUDGET, Verdict
+                from kvguard.guard.judge import BUDGET, Verdict
                 budget_verdict = Verdict.from_dict(data["budget_verdict"])
                 if budget_verdict.phase != BUDGET:
                     raise ValueError("budget_verdict is not of phase 'budget'")

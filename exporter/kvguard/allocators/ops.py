@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from .base import SimOutOfMemory
+from kvguard.allocators.base import SimOutOfMemory
 
 MAX_OPS = 5_000_000               # about 0.5 GiB of parsed ops; a longer stream is refused, not swapped
 MAX_LINE_CHARS = 4096             # an op is a few dozen characters
@@ -136,7 +136,7 @@ def write_ops(ops: Iterable[Op], handle) -> None:
 
 
 def replay_ops(allocator: Any, ops: Iterable[Op]) -> Iterator[dict[str, Any]]:
-    """Run ``ops`` through ``allocator`` (the :class:`~kvguard.sim.base.Allocator` protocol).
+    """Run ``ops`` through ``allocator`` (the :class:`~kvguard.allocators.base.Allocator` protocol).
 
     Yields one record per op, after it ran: ``reserved_bytes``, ``allocated_bytes``,
     ``peak_allocated_bytes``, ``oom`` (this op ran out of memory) and ``address`` (a malloc's

@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import logging
 
-from kvguard.estimator import FORMULAS, Profile, required_fields
-from kvguard.guard import CounterWindow, GuardInput, Reason, Verdict, judge, no_ranks_reason, worst
-from kvguard.poller import Poller, PollState
+from kvguard.budget.estimator import FORMULAS, Profile, required_fields
+from kvguard.guard.judge import CounterWindow, GuardInput, Reason, Verdict, judge, no_ranks_reason, worst
+from kvguard.sidecar.poller import Poller, PollState
 from kvguard.records import DeviceMemory
-from kvguard.spool import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, own_pid_namespace, safe_text
+from kvguard.spool.io import POD_ENV as SNAPSHOT_POD_ENV, Snapshot, SpoolRead, SpoolReader, own_pid_namespace, safe_text
 from kvguard.vllm.log import StartupLog
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")
@@ -124,7 +124,7 @@ class Observation:
     def readiness(self, fail_on_critical: bool) -> tuple[int, str]:
         """/readyz: (status, body). The body states the same overall state as /guard; 503 only
         while a rank is critical and ``fail_on_critical`` is set (a warning never fails readiness)."""
-        from kvguard.guard import CRITICAL
+        from kvguard.guard.judge import CRITICAL
         if fail_on_critical and self.state == CRITICAL:
             critical = [r for r in self.ranks if r.verdict.state == CRITICAL]
             lines = [f"critical: rank {r.labels['rank'] or '-'} device {r.labels['device'] or '-'}: "

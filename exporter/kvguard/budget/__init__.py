@@ -1,0 +1,1 @@
+"""The vLLM budget: the formula, its inverse, and the model's config."""

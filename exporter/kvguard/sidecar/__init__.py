@@ -1,0 +1,1 @@
+"""The sidecar: reads the spool, sources and vLLM; serves /metrics and /guard."""

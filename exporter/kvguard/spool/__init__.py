@@ -1,0 +1,1 @@
+"""The spool: the snapshot record the probe writes and the sidecar reads."""
