@@ -382,7 +382,7 @@ def test_budget_from_a_hybrid_models_log_uses_the_block_size_it_states(tmp_path,
 
 def test_the_docs_table_of_line_kinds_is_the_code_s():
     from kvguard.vllm.log import kinds_markdown
-    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "log-reading.md")
+    docs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "reference", "log-lines.md")
     with open(docs, encoding="utf-8") as handle:
         assert kinds_markdown() in handle.read()
 
