@@ -11,7 +11,9 @@ import time
 
 from kvguard.budget.estimator import Profile, stock_kv_cache_bytes
 from kvguard.records import DeviceMemory, ProcessMemory
-from kvguard.spool.io import KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+from kvguard.spool.io import write_snapshot
+from kvguard.spool.schema import ProbeStatus, Snapshot
+from kvguard.records import KVCacheAllocation
 
 GIB = 1 << 30
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exporter", "kvguard",

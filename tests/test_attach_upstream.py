@@ -73,7 +73,7 @@ def test_both_pod_templates_are_valid_kubernetes_pod_templates(lws, role):
 
 @pytest.mark.parametrize("role", ["leaderTemplate", "workerTemplate"])
 def test_every_pod_of_the_group_names_one_engine_from_the_lws_labels(lws, role):
-    from kvguard.sidecar.core import ENGINE_ID_ENV
+    from kvguard.sidecar.observation import ENGINE_ID_ENV
 
     kvguard = containers_of(lws["spec"]["leaderWorkerTemplate"][role]["spec"])["kvguard"]
     env = env_of(kvguard)

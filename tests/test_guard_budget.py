@@ -15,9 +15,9 @@ from kvguard.cli import main
 from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
 from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-from kvguard.sim.guarded import (BudgetWatch, allocator_from_counters, counters_of, record_from_scenario, run_guarded,
-                               scenario_tensor_style)
-from kvguard.spool.io import Snapshot
+from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded, scenario_tensor_style
+from kvguard.guard.at_budget import allocator_from_counters, counters_of
+from kvguard.spool.schema import Snapshot
 from sidecar_fixtures import http_get, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,9 @@ from kvguard.budget.estimator import Profile
 from kvguard.probe import Probe, pod_identity
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext, SourceError
-from kvguard.spool.io import SCHEMA_VERSION, KVCacheAllocation, read_spool, snapshot_filename
+from kvguard.spool.io import read_spool
+from kvguard.spool.schema import SCHEMA_VERSION, snapshot_filename
+from kvguard.records import KVCacheAllocation
 
 GIB = 1 << 30
 PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=15 * GIB,

@@ -212,7 +212,7 @@ def test_the_age_gauges_are_as_of_the_refresh_they_were_rendered_in(serve):
 def test_parallel_guard_readers_share_one_build_per_refresh(serve, monkeypatch):
     """/guard with 10,000 ranks and 8 readers peaked over the chart's memory limit when each
     reader built its own JSON: one build per refresh, like /metrics."""
-    from kvguard.sidecar.core import Observation
+    from kvguard.sidecar.observation import Observation
 
     builds = []
     guard_dict = Observation.guard_dict

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import ROOT
-from kvguard.cli import EXIT_OOM, main
+from kvguard.cli import main
+from kvguard.cli.simulate import EXIT_OOM
 
 # MindSpore's pool with VMM off (MS_ALLOC_CONF=enable_vmm:False) and vLLM's stock budget runs out of
 # memory at the first serving step of Mistral-Nemo at 0.9 on a 32 GiB device: the pool may use only

@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvguard.cli import EXIT_OOM, main
+from kvguard.cli import main
+from kvguard.cli.simulate import EXIT_OOM
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.allocators.device import Device
 from kvguard.allocators.ops import Op, OpsError, Recorder, parse_ops, read_ops, replay_ops, write_ops

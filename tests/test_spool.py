@@ -9,7 +9,9 @@ import pytest
 
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.spool.io import KVCacheAllocation, Snapshot, read_spool, snapshot_filename, write_snapshot
+from kvguard.spool.io import read_spool, write_snapshot
+from kvguard.spool.schema import Snapshot, snapshot_filename
+from kvguard.records import KVCacheAllocation
 
 GIB = 1 << 30
 

@@ -47,8 +47,11 @@ from typing import Any, Mapping
 
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.sources import RankContext, Source, close_source, get_source, one_line, rank_contexts, source_names
-from kvguard.spool.io import POD_ENV, KVCacheAllocation, ProbeStatus, Snapshot, write_snapshot
+from kvguard.sources import RankContext, Source, close_source, get_source, rank_contexts, source_names
+from kvguard.text import one_line
+from kvguard.spool.io import write_snapshot
+from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
+from kvguard.records import KVCacheAllocation
 
 log = logging.getLogger("kvguard.probe")
 

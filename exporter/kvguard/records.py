@@ -144,3 +144,19 @@ class DeviceMemory:
                 raise ValueError(f"memory field {name} is not a string")
             values[name] = identity_text(value or "")
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class KVCacheAllocation:
+    """The KV cache the serving engine actually allocated on this rank."""
+
+    num_blocks: int
+    block_bytes: int
+    block_size: int
+    # vLLM 0.34's extensible KV cache maps its pages with the CUDA driver, outside torch's
+    # caching allocator: they show in the device's used memory, not in reserved.
+    outside_allocator: bool = False
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes

@@ -7,6 +7,11 @@ the way ``torch.cuda.mem_get_info`` does: device-wide ``(free, total)``.
 
 from __future__ import annotations
 
+# Held outside the allocator from the start, per allocator: CUDA context (+ cuBLAS workspace) on
+# NVIDIA; the ACL runtime context and HCCL buffers on Ascend. The simulator's device starts with it,
+# and the budget-time verdict assumes it where a rank's counters are not known.
+DEFAULT_NON_ALLOCATOR_BYTES = {"torch": 512 << 20, "torch_npu": 1 << 30, "mindspore": 1 << 30}
+
 
 class Device:
     """Physical memory of one rank's device.

@@ -1,67 +1,26 @@
-"""``kvguard serve`` and ``kvguard check``: the sidecar and the one-shot guard.
+"""``kvguard serve``: the sidecar.
 
-Registered on the ``kvguard`` click group (``kvguard.cli.main``) when cli.py imports this
-module; kept apart so the sidecar's flags live beside each other. The flags are a contract
+Registered on the ``kvguard`` click group by ``kvguard.cli``. The flags are a contract
 (docs/metrics.md): the Helm chart and the README use them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from typing import Any
 
 import click
+from kvguard.cli.options import read_startup_log_or_fail
 
-from kvguard.cli import SIZE, main
 
 DEFAULT_PORT = 10240
 # Where --demo makes its spool when --spool-dir is not given: in memory when /dev/shm is writable
 # (it is in a container with a read-only root, where /tmp may not be), else the temporary directory.
 DEMO_SPOOL_PARENTS: tuple[str | None, ...] = ("/dev/shm", None)
 DEMO_MAX_INTERVAL = 1.0
-# kvguard check's exit codes, as Nagios plugins use them: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (no verdict:
-# nothing to judge by, a bad option, an unreadable log, a crash).
-EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
-# Reason codes that mean "could not judge", not "judged badly".
-UNJUDGED_REASONS = ("no_profile", "no_ranks")
-
-
-class CheckError(click.ClickException):
-    """A one-line error that exits 3 (UNKNOWN: the check reached no verdict), not 1 or 2 (a verdict)."""
-
-    exit_code = EXIT_UNKNOWN
-
-
-class _CheckCommand(click.Command):
-    """``kvguard check``: a bad option is UNKNOWN (3), not click's usage exit 2, which check gives CRITICAL."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as error:
-            error.exit_code = EXIT_UNKNOWN
-            raise
-
-
-def _read_startup_log(path: str, error=click.ClickException, oom_is_enough: bool = False):
-    """The log, and its profile checked here: a log stating an impossible profile (utilization 5.0) is
-    refused in one line at startup, not at the first judgement."""
-    from kvguard.budget.estimator import ProfileError
-    from kvguard.vllm.log import LogFileError, read_startup_log
-
-    try:
-        startup = read_startup_log(path, oom_is_enough)
-        startup.profile()
-    except LogFileError as exc:
-        raise error(str(exc)) from None
-    except ProfileError as exc:
-        raise error(f"--from-log {path}: the log's profile is impossible: {exc}") from None
-    return startup
 
 
 def _build_sources(names: tuple[str, ...], nvml_mig: bool = False) -> list[tuple[str, Any]]:
@@ -151,7 +110,7 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
     return watcher
 
 
-@main.command()
+@click.command()
 @click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR",
               help="Address to bind: an IPv4 address, or an IPv6 one (\"::\" or \"[::]\": every address, IPv6 and IPv4 "
                    "where the host maps them, for dual-stack and IPv6-only clusters).")
@@ -206,7 +165,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
     from kvguard.sidecar.server import KVGuardServer, ServerOptions, make_tls_context
     from kvguard.sidecar.core import Sidecar, SidecarConfig
     from kvguard.logs import setup as setup_logging
-    from kvguard.spool.io import safe_text
+    from kvguard.text import safe_text
 
     setup_logging(log_level, log_format)
     if listen.startswith("[") and listen.endswith("]"):   # "[::]", as URLs and Kubernetes values write IPv6
@@ -215,7 +174,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
         raise click.UsageError("--tls-cert-file and --tls-key-file go together")
     password = _check_basic_auth(basic_auth_user, basic_auth_password_file)
     watcher = _load_web_config(web_config_file, tls_cert_file, basic_auth_user)
-    startup = _read_startup_log(log_file) if log_file else None
+    startup = read_startup_log_or_fail(log_file) if log_file else None
     requested_interval = interval
     if demo:
         sources = sources or ("host",)
@@ -296,146 +255,3 @@ def _serve_until_signalled(server, sidecar, probe, announce) -> None:
             probe.stop()
 
 
-@main.command(cls=_CheckCommand)
-@click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
-              help="Spool of probe snapshots to judge [env KVGUARD_SPOOL_DIR].")
-@click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
-@click.option("--vllm-metrics-url", metavar="URL", help="vLLM's /metrics, for num_gpu_blocks and KV usage.")
-@click.option("--stale-after", type=click.FloatRange(0, min_open=True), default=30.0, show_default=True,
-              help="A snapshot older than this many seconds is stale.")
-@click.option("--forget-after", type=click.FloatRange(0, min_open=True), metavar="SECONDS",
-              help="Leave out a rank whose snapshot was not written for this many seconds (a dead rank; "
-                   "one whose process is gone on this host goes at once) [default: 4 x --stale-after].")
-@click.option("--post-mortem", is_flag=True,
-              help="Judge every rank as it was last written, however old and whether its process still runs "
-                   "(after a crash or a finished run); no rank ages out.")
-@click.option("--read-timeout", type=click.FloatRange(0, min_open=True), default=2.0, show_default=True,
-              help="Time limit in seconds for each read.")
-@click.option("--total-memory", type=SIZE, help="With --from-log: the device memory vLLM saw, where the log "
-                                               "does not state it (vllm-mindspore).")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
-              help="With --from-log: vLLM's --gpu-memory-utilization, where the log does not state it.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def check(spool_dir, log_file, vllm_metrics_url, stale_after, forget_after, post_mortem, read_timeout, total_memory,
-          gpu_memory_utilization, as_json):
-    """Run the guard once: exit 0 ok, 1 warning, 2 critical, 3 could not judge (as Nagios plugins do).
-
-    For init containers and CI. Allocator retries and OOMs count since each process started.
-    The state is /guard's. Exit 3 (UNKNOWN) when no verdict was reached: no rank to judge (an empty
-    spool, a source down: no_ranks), a log without the figures its era's formula needs (no_profile),
-    a bad option, an unreadable log or a crash; never 0. A --from-log log that states a refusal, a
-    KV cache of zero or less, or an out-of-memory error is critical (2), with a post-mortem.
-    """
-    try:
-        if post_mortem and forget_after is not None:
-            raise CheckError("--post-mortem keeps every rank: it does not take --forget-after")
-        _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory,
-               gpu_memory_utilization, forget_after, post_mortem)
-    except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
-            KeyboardInterrupt):
-        raise
-    except Exception as exc:  # noqa: BLE001 - exit 1 means "warning" to the caller: a crash must say 2
-        from kvguard.sources import one_line
-
-        detail = one_line(exc)
-        raise CheckError(f"cannot judge: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
-
-
-def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory=None,
-           gpu_memory_utilization=None, forget_after=None, post_mortem=False):
-    from kvguard.sidecar.core import SPOOL, VLLM_METRICS, Sidecar, SidecarConfig, aged_out_text
-    from kvguard.units import format_gib
-
-    if not (spool_dir or log_file or vllm_metrics_url):
-        raise CheckError("nothing to check: give --spool-dir, --from-log or --vllm-metrics-url")
-    if (total_memory is not None or gpu_memory_utilization is not None) and not log_file:
-        raise CheckError("--total-memory and --gpu-memory-utilization complete a --from-log profile: give --from-log")
-    startup = _read_startup_log(log_file, error=CheckError, oom_is_enough=True) if log_file else None
-    if startup is not None and total_memory is not None:
-        _refuse_a_device_smaller_than_the_log(startup, total_memory)
-    findings = []
-    if startup is not None:
-        from kvguard.vllm.log_verdict import judge_log
-
-        findings = judge_log(startup, total_memory, gpu_memory_utilization)
-    sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
-                                    log_total_memory_bytes=total_memory,
-                                    log_gpu_memory_utilization=gpu_memory_utilization,
-                                    stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
-                                    one_shot=True, post_mortem=post_mortem,
-                                    pod_labels={"pod": "", "namespace": "", "container": ""}))
-    observation = sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
-    failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
-    if not observation.ranks:
-        failed = {}     # the no_ranks reason names every source that is down
-    if VLLM_METRICS in failed and vllm_metrics_url:
-        click.echo(f"kvguard check: vLLM metrics: {failed[VLLM_METRICS]}", err=True)
-    if SPOOL in failed:
-        click.echo(f"kvguard check: spool: {failed[SPOOL]}", err=True)
-
-    state = "critical" if findings else observation.state
-    if as_json:
-        data = observation.guard_dict()
-        if startup is not None:
-            data["state"] = state
-            data["log"] = _log_dict(startup, findings)
-        click.echo(json.dumps(data, indent=2))
-    else:
-        if startup is not None:
-            click.echo(f"{'LOG':<8} {startup.era or startup.project}: {startup.era_reason}")
-        for finding in findings:
-            click.echo(f"{finding.state.upper():<8} log {finding.code}: {finding.message}")
-        for reason in observation.reasons:
-            # No rank judged: the same overall warning /guard and /readyz give (no false all-clear).
-            click.echo(f"{observation.state.upper():<8} {reason.code}: {reason.message}")
-        for view in observation.ranks:
-            verdict = view.verdict
-            who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
-            headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
-            phase = "  (budget-time verdict: the KV cache is not allocated yet)" if verdict.phase == "budget" else ""
-            click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
-            for reason in verdict.reasons:
-                click.echo(f"         - {reason.code}: {reason.message}")
-        if observation.aged_out and observation.ranks:   # with no rank, the no_ranks reason says it
-            click.echo(f"({aged_out_text(observation.aged_out)})")
-        skipped = sum(observation.skipped.values())
-        if skipped:
-            click.echo(f"({skipped} spool file(s) skipped: "
-                       f"{', '.join(f'{k} {v}' for k, v in sorted(observation.skipped.items()) if v)})")
-    sys.exit(_exit_code(state, observation))
-
-
-def _exit_code(state: str, observation) -> int:
-    """0 ok, 1 warning, 2 critical; 3 when every warning says the guard could not judge (no profile, no rank)."""
-    if state == "critical":
-        return EXIT_CRITICAL
-    if state == "ok":
-        return EXIT_OK
-    reasons = list(observation.reasons) + [r for view in observation.ranks for r in view.verdict.reasons
-                                           if r.state != "ok"]
-    if reasons and all(r.code in UNJUDGED_REASONS for r in reasons):
-        return EXIT_UNKNOWN
-    return EXIT_WARNING
-
-
-def _log_dict(startup, findings) -> dict[str, Any]:
-    block_size, block_source = startup.effective_block_size()
-    return {"project": startup.project, "era": startup.era, "era_candidates": list(startup.era_candidates),
-            "era_reason": startup.era_reason, "block_size": block_size, "block_size_source": block_source,
-            "refusal": startup.refusal, "kv_cache_bytes": startup.available_kv_cache_bytes,
-            "ooms": [o.to_dict() for o in startup.ooms], "findings": [f.to_dict() for f in findings]}
-
-
-def _refuse_a_device_smaller_than_the_log(startup, total_memory: int) -> None:
-    """``--total-memory 64`` (the unit forgotten) is 64 bytes: refuse it in one line, as ``budget`` refuses a
-    figure larger than the device, rather than judge a device smaller than the weights it holds."""
-    from kvguard.units import format_bytes, format_gib
-
-    stated = [(name, getattr(startup, field)) for name, field in (
-        ("weights", "weights_bytes"), ("KV cache", "available_kv_cache_bytes"),
-        ("requested memory", "requested_memory_bytes"))]
-    larger = [(name, value) for name, value in stated if value is not None and value > total_memory]
-    if larger:
-        name, value = larger[0]
-        raise CheckError(f"--total-memory {format_bytes(total_memory)} is less than the log's {name} "
-                         f"({format_gib(value)}): check its unit")

@@ -18,8 +18,10 @@ from prometheus_client.registry import Collector
 
 from kvguard import __version__
 from kvguard.guard.judge import REASON_CODES, SEVERITY, STATES
-from kvguard.sidecar.core import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView, Sidecar
-from kvguard.spool.io import SKIP_REASONS, safe_text
+from kvguard.sidecar.core import Sidecar
+from kvguard.sidecar.observation import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView
+from kvguard.spool.io import SKIP_REASONS
+from kvguard.text import safe_text
 
 DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 # Which device a series is about, for joins with dcgm-exporter and npu-exporter (docs/metrics.md):

@@ -37,7 +37,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvguard.sidecar.collector import KVGuardCollector
-from kvguard.sidecar.core import Observation, Sidecar
+from kvguard.sidecar.core import Sidecar
+from kvguard.sidecar.observation import Observation
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")

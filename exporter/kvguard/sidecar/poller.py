@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvguard.sources import one_line
+from kvguard.text import one_line
 
 
 @dataclass(frozen=True)

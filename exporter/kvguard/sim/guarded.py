@@ -17,21 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvguard.budget.estimator import kv_cache_tensor_bytes
-from kvguard.guard.judge import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget,
-                           physical_reserved_bytes)
+from kvguard.guard.judge import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget)
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
-from kvguard.sources import mindspore as mindspore_source
-from kvguard.sources import torch as torch_source
 from kvguard.sim.source import record_from_scenario
-
-
-def counters_of(model: Any, device: str = "sim:0", source: str = "sim") -> DeviceMemory:
-    """A sim allocator model's counters as the rank's own source reads them (MindSpore's reader for
-    the pool, torch's for the caching allocator), with its device's free and total."""
-    free, total = model.device.mem_get_info()
-    reader = mindspore_source if model.name == "mindspore" else torch_source
-    return reader.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free, total_bytes=total)
+from kvguard.guard.at_budget import counters_of
 
 
 def scenario_tensor_style(scenario: ServingScenario) -> str:
@@ -210,123 +200,4 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
 
 # ------------------------------------------------------------------ a real rank's allocator, from its counters
 
-def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,
-                            enable_vmm: bool = False) -> Any:
-    """A new ``kvguard.allocators`` model of a real rank's allocator holding what its counters say it holds.
 
-    What a rank's counters do not say (where its cached memory lies, which pool holds what) is
-    taken on the safe side, with the models' own rules (only their constructors, ``malloc``,
-    ``free`` and ``memory_stats`` are used):
-
-    - the device: ``total``, and outside the allocator everything used but the allocator's
-      physical reservation (``used − reserved``; MindSpore with VMM: ``physical_reserved_bytes``);
-    - ``torch`` / ``torch_npu``: the reservation held as one allocated block (cached memory is
-      not counted on for the KV tensors: after vLLM's ``empty_cache`` it is the free slivers of
-      split segments);
-    - ``mindspore``: the allocated bytes held in the persistent pool (the weights); the idle rest
-      of the reservation as whole common-pool blocks of the pool's unit (``block_unit_size``), idle
-      (the KV tensors go there first, as the pool would put them), and what does not make a whole
-      block held as lost. With VMM, idle pages go back to the device on a miss: only the allocated
-      bytes are held.
-    """
-    from kvguard.allocators.device import Device
-    from kvguard.allocators.mindspore_pool import DynamicMemPool
-    from kvguard.allocators.torch_alloc import CachingAllocator
-
-    total, free = memory.total_bytes, memory.free_bytes
-    reserved, allocated = memory.reserved_bytes or 0, memory.allocated_bytes or 0
-    if not total or free is None:
-        raise ValueError("the rank's counters lack the device's total or free memory")
-    physical = physical_reserved_bytes(memory) if kind == "mindspore" and enable_vmm else reserved
-    outside = max(0, total - free - physical)
-    device = Device(total, min(outside, total - 1))
-    if kind == "mindspore":
-        pool = DynamicMemPool(device, enable_vmm=enable_vmm)
-        if allocated:
-            pool.malloc(allocated, persistent=True)
-        if not enable_vmm:
-            # The reservation not yet in the model, as whole idle common blocks of the pool's unit.
-            blocks = []
-            for _ in range(4096):
-                unit = _common_unit(pool)
-                if unit <= 0 or device.free_bytes - free < unit:
-                    break
-                blocks.append(pool.malloc(unit))
-            for addr in blocks:
-                pool.free(addr)
-        held_beyond = device.free_bytes - free
-        if held_beyond > 0:
-            device.grow_non_allocator(held_beyond)    # block tails and slivers: not reusable
-        return pool
-    model = CachingAllocator(device, variant=kind if kind in ("torch", "torch_npu") else "torch",
-                             expandable_segments=expandable_segments)
-    if physical:
-        model.malloc(physical)
-    if device.free_bytes > free:
-        device.grow_non_allocator(device.free_bytes - free)
-    return model
-
-
-def counters_at_budget(profile: Any, kind: str, *, enable_vmm: bool = False,
-                       non_allocator_bytes: int | None = None) -> DeviceMemory:
-    """The rank's counters when vLLM fixes its budget, as a startup profile implies them (``kvguard
-    budget --allocator``): the weights allocated; reserved, the weights and, on MindSpore's pool without
-    VMM, the profile run's reserved increase too (its ``empty_cache`` releases nothing without VMM:
-    ``AscendVmmAdapter::EmptyCache``, see kvguard.allocators.mindspore_pool); outside the allocator, the
-    runtime context held from the start (``non_allocator_bytes``, default the simulator's per
-    allocator) plus the profile's non-torch increase."""
-    from kvguard.sim.scenario import DEFAULT_NON_ALLOCATOR_BYTES
-
-    held = DEFAULT_NON_ALLOCATOR_BYTES[kind] if non_allocator_bytes is None else int(non_allocator_bytes)
-    weights = profile.weights_bytes
-    reserved = weights
-    if kind == "mindspore" and not enable_vmm:
-        increase = profile.peak_reserved_increase_bytes
-        if increase is None:
-            increase = profile.peak_allocated_increase_bytes or 0
-        reserved += increase
-    outside = held + max(0, profile.non_torch_increase_bytes or 0)
-    total = profile.total_memory_bytes
-    free = total - outside - reserved
-    if free < 0:
-        raise ValueError(f"the profile leaves no free memory at the budget ({outside} bytes outside the "
-                         f"allocator, {reserved} reserved, {total} total)")
-    return DeviceMemory(device="budget", source=kind, allocated_bytes=weights, reserved_bytes=reserved,
-                        total_bytes=total, free_bytes=free, used_bytes=total - free)
-
-
-def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str, *, enable_vmm: bool = False,
-                      expandable_segments: bool = False, non_allocator_bytes: int | None = None,
-                      memory: DeviceMemory | None = None) -> dict[str, Any]:
-    """The budget-time verdict for ``kv_cache_bytes`` (vLLM's budget) from a profile, and the largest
-    budget the guard predicts fits: what ``kvguard budget --allocator`` prints."""
-    from kvguard.budget.estimator import kv_tensor_style
-    from kvguard.guard.judge import largest_fitting_blocks
-
-    if memory is None:
-        memory = counters_at_budget(profile, kind, enable_vmm=enable_vmm, non_allocator_bytes=non_allocator_bytes)
-    style = "per_layer_k_v" if kind == "mindspore" else kv_tensor_style(profile.formula, profile.vllm_version)
-
-    def build() -> Any:
-        return allocator_from_counters(kind, memory, expandable_segments=expandable_segments, enable_vmm=enable_vmm)
-
-    def verdict_for(blocks: int) -> Verdict:
-        return judge_at_budget(BudgetInput(profile, kv_cache_tensor_bytes(layout, blocks, style), build, counters_of))
-
-    num_blocks = layout.num_blocks(kv_cache_bytes)
-    verdict = verdict_for(num_blocks)
-    fits = num_blocks if verdict.state != CRITICAL else largest_fitting_blocks(verdict_for, max(0, num_blocks - 1))
-    return {"allocator": kind, "enable_vmm": enable_vmm, "expandable_segments": expandable_segments,
-            "tensor_style": style, "kv_cache_bytes": kv_cache_bytes, "num_blocks": num_blocks,
-            "counters": memory.to_dict(), "verdict": verdict.to_dict(),
-            "largest_fitting_blocks": fits, "largest_fitting_kv_cache_bytes": fits * layout.block_bytes}
-
-
-def _common_unit(pool: Any) -> int:
-    """The common pool's block unit, from the pool's own ``memory_stats()`` (the key's spelling differs
-    between MindSpore releases)."""
-    for key, value in pool.memory_stats().items():
-        if key.endswith("_mem_pool_stats") and not key.startswith("persistent") and isinstance(value, dict):
-            unit = value.get("block_unit_size")
-            return int(unit) if isinstance(unit, int) else 0
-    return 0

@@ -55,7 +55,7 @@ from typing import Any, Callable, Mapping
 from kvguard.budget.estimator import (KVLayout, Profile, _positive_int, _text_config, estimate, kv_layout_from_config,
                          reserved_kv_cache_bytes, stock_kv_cache_bytes)
 from kvguard.allocators.base import SimOutOfMemory
-from kvguard.allocators.device import Device
+from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
                                  vmm_enabled)
@@ -68,9 +68,6 @@ ALLOCATORS = ("torch", "torch_npu", "mindspore")
 BUDGETS = ("stock", "reserved")
 MIB = 1 << 20
 GIB = 1 << 30
-# Held outside the allocator from the start: CUDA context (+ cuBLAS workspace) on NVIDIA;
-# the ACL runtime context and HCCL buffers on Ascend.
-DEFAULT_NON_ALLOCATOR_BYTES = {"torch": 512 * MIB, "torch_npu": 1 * GIB, "mindspore": 1 * GIB}
 
 
 _MINDSPORE_FIELDS = ("vllm_mindspore_version", "mindspore_version", "mindspore_mode", "task_sink", "ms_alloc_conf",

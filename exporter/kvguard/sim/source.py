@@ -28,10 +28,11 @@ from typing import Any, Mapping
 from kvguard.budget.estimator import ConfigError
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.records import DeviceMemory
-from kvguard.sources import RankContext, SourceError, one_line
+from kvguard.sources import RankContext, SourceError
+from kvguard.text import one_line
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.spool.io import KVCacheAllocation
+from kvguard.records import KVCacheAllocation
 
 _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.spool.io import KVCacheAllocation
+from kvguard.records import KVCacheAllocation
 
 
 class SourceError(RuntimeError):
@@ -148,14 +148,3 @@ def free_total_used(free: Any, total: Any, used: Any = None) -> dict[str, int | 
     return {"free_bytes": free_bytes, "total_bytes": total_bytes, "used_bytes": used_bytes}
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one short line, for errors that cross the source boundary."""
-    try:
-        text = " ".join(str(exc).split())
-    except Exception:  # noqa: BLE001 - an exception whose __str__ raises must still be one line
-        text = ""
-    try:
-        name = type(exc).__name__
-    except Exception:  # noqa: BLE001
-        name = "Exception"
-    return (text or str(name))[:300]

@@ -10,7 +10,8 @@ import os
 from typing import Any
 
 from kvguard.records import DeviceMemory, ProcessMemory
-from kvguard.sources import SourceError, free_total_used, one_line
+from kvguard.sources import SourceError, free_total_used
+from kvguard.text import one_line
 
 
 class HostSource:

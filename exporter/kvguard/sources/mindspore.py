@@ -46,7 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used, one_line
+from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
+from kvguard.text import one_line
 
 # DeviceMemory field <- memory_stats keys, preferred spelling first.
 STATS_KEYS: dict[str, tuple[str, ...]] = {

@@ -23,7 +23,8 @@ import threading
 from typing import Any, Iterable
 
 from kvguard.records import DeviceMemory, ProcessMemory, identity_text
-from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used, one_line
+from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
+from kvguard.text import one_line
 
 # NVML return codes that mean "no NVIDIA driver here" rather than "a read failed".
 _ABSENT_CODES = {9, 12}   # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND

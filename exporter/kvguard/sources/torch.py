@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from kvguard.records import DeviceMemory, identity_text
-from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used, one_line
+from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
+from kvguard.text import one_line
 
 # DeviceMemory field <- memory_stats key (PyTorch's names, torch/csrc/cuda/Module.cpp).
 STATS_KEYS = {

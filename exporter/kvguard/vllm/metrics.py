@@ -27,7 +27,8 @@ import urllib.request
 from dataclasses import dataclass
 
 from kvguard.records import MAX_COUNTER
-from kvguard.spool.io import MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS, safe_text
+from kvguard.spool.schema import MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS
+from kvguard.text import safe_text
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 _CHUNK = 64 * 1024

@@ -128,7 +128,7 @@ def _guard(hook: str, function: Callable[..., Any], *args: Any) -> Any:
     try:
         return function(*args)
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
-        from kvguard.sources import one_line
+        from kvguard.text import one_line
         _failed(hook, one_line(exc))
         return None
 
@@ -698,7 +698,7 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
     expandable = _alloc_conf_flag(("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
                                   if kind == "torch_npu" else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
                                   "expandable_segments", False)
-    from kvguard.sim.guarded import allocator_from_counters
+    from kvguard.guard.at_budget import allocator_from_counters
 
     return memory, lambda: allocator_from_counters(kind, memory, expandable_segments=expandable, enable_vmm=vmm)
 
@@ -736,7 +736,7 @@ def _kv_cache_spec(worker: Any) -> dict | None:
 
 def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) -> Any:
     from kvguard.guard.judge import BudgetInput, judge_at_budget
-    from kvguard.sim.guarded import counters_of
+    from kvguard.guard.at_budget import counters_of
 
     tensors = _kv_tensors_for(worker, profile, budget)
     if tensors is None:
@@ -816,7 +816,7 @@ def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, out
     """KVCacheAllocation from vLLM's KVCacheConfig, sized as vLLM sizes it: the largest group's bytes
     per block (vLLM takes the max over groups, kv_cache_utils.py 0.11.0:1050-1061, kv_cache_planning.py
     0.34.0:615-648); without groups, the tensors it allocates over the block count."""
-    from kvguard.spool.io import KVCacheAllocation
+    from kvguard.records import KVCacheAllocation
 
     config_blocks = int(kv_cache_config.num_blocks)
     num_blocks = config_blocks if num_blocks is None else int(num_blocks)

@@ -1,0 +1,205 @@
+"""The snapshot record: one rank's latest state as the probe writes it, and its strict decoding.
+
+Pure: no I/O here (spool/io.py reads and writes the directory). Decoding treats every byte as
+hostile: bounded numbers, bounded text, and a SnapshotError with a reason instead of anything else."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping
+from kvguard.budget.estimator import Profile, ProfileError
+from kvguard.records import MAX_COUNTER, DeviceMemory
+from kvguard.text import safe_text
+from kvguard.records import KVCacheAllocation
+
+
+# Timestamps beyond year ~5000 are garbage; this also keeps float() from overflowing on huge ints.
+_MAX_SECONDS = 1e11
+SCHEMA_VERSION = 1
+KIND = "kvguard.snapshot"
+MAX_SNAPSHOT_BYTES = 256 * 1024
+# A snapshot's pod identity: key <- the downward-API environment variable the chart sets.
+# The probe reads all four; the sidecar labels ranks with all but node.
+POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAINER_NAME", "node": "NODE_NAME"}
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+# A snapshot's device process table is not exported per rank; a few entries are kept for /guard.
+MAX_SNAPSHOT_PROCESSES = 64
+MAX_MODEL_NAME_CHARS = 253   # a served model name is a label value of vLLM's own series
+MAX_ENGINE_CHARS = 16
+
+
+def _process_name(name: str) -> str:
+    return safe_text(name, 128)
+
+
+@dataclass(frozen=True)
+class ProbeStatus:
+    samples_total: int = 0
+    errors_total: int = 0
+    write_errors_total: int = 0
+    last_error: str | None = None
+    interval_seconds: float | None = None
+    overruns_total: int = 0           # ticks at which the previous sample had not finished (schema 1 extension)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One rank's latest state, as written by the probe."""
+
+    written_at: float                 # unix seconds when the probe wrote it
+    started_at: float                 # unix seconds when the probe started
+    sequence: int                     # increases by one per write
+    host: str
+    pid: int
+    device: str
+    memory: DeviceMemory
+    rank: int | None = None
+    pod: Mapping[str, str] = field(default_factory=dict)   # pod, namespace, container, node
+    profile: Profile | None = None
+    kv_cache: KVCacheAllocation | None = None
+    probe: ProbeStatus = field(default_factory=ProbeStatus)
+    # The serving engine this rank belongs to, as vLLM labels its own series (schema 1 extension;
+    # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
+    model_name: str = ""
+    engine: str = ""
+    budget_verdict: Any = None        # kvguard.guard.judge.Verdict (phase "budget"): judged before the KV cache existed
+    schema: int = SCHEMA_VERSION
+    clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
+    # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
+    # sidecar checks that ``pid`` still runs only where it shares host and namespace with it.
+    pid_namespace: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": KIND,
+            "schema": self.schema,
+            "written_at": self.written_at,
+            "started_at": self.started_at,
+            "sequence": self.sequence,
+            "host": self.host,
+            "pid": self.pid,
+            "rank": self.rank,
+            "device": self.device,
+            "pod": dict(self.pod),
+            "memory": self.memory.to_dict(),
+            "profile": self.profile.to_dict() if self.profile else None,
+            "kv_cache": None if self.kv_cache is None else asdict(self.kv_cache),
+            "probe": asdict(self.probe),
+            "model_name": self.model_name,
+            "engine": self.engine,
+            "budget_verdict": None if self.budget_verdict is None else self.budget_verdict.to_dict(),
+            "pid_namespace": self.pid_namespace,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Snapshot":
+        """Strict decoding; raises SnapshotError(reason, message)."""
+        if not isinstance(data, Mapping) or data.get("kind") != KIND:
+            raise SnapshotError("invalid_snapshot", "not a kvguard snapshot")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise SnapshotError("unsupported_schema", f"schema {data.get('schema')!r} is not {SCHEMA_VERSION}")
+        try:
+            written_at = _number(data, "written_at")
+            started_at = _number(data, "started_at")
+            sequence = _int(data, "sequence")
+            pid = _int(data, "pid")
+            rank = data.get("rank")
+            if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+                raise ValueError("rank is not a non-negative integer")
+            host = data.get("host")
+            device = data.get("device")
+            if not isinstance(host, str) or not isinstance(device, (str, int)) or isinstance(device, bool):
+                raise ValueError("host or device missing")
+            pod_raw = data.get("pod") or {}
+            if not isinstance(pod_raw, Mapping):
+                raise ValueError("pod is not an object")
+            pod = {k: str(pod_raw[k])[:253] for k in POD_ENV if isinstance(pod_raw.get(k), str) and pod_raw[k]}
+            memory = DeviceMemory.from_dict(data.get("memory"), max_processes=MAX_SNAPSHOT_PROCESSES,
+                                            process_name=_process_name)
+            profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
+            kv_cache = None
+            if data.get("kv_cache") is not None:
+                kv = data["kv_cache"]
+                if not isinstance(kv, Mapping):
+                    raise ValueError("kv_cache is not an object")
+                kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
+                                             block_size=_int(kv, "block_size"),
+                                             outside_allocator=kv.get("outside_allocator") is True)
+            budget_verdict = None
+            if data.get("budget_verdict") is not None:
+                from kvguard.guard.judge import BUDGET, Verdict
+                budget_verdict = Verdict.from_dict(data["budget_verdict"])
+                if budget_verdict.phase != BUDGET:
+                    raise ValueError("budget_verdict is not of phase 'budget'")
+                budget_verdict = replace(budget_verdict, reasons=tuple(
+                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons))
+            probe_raw = data.get("probe") or {}
+            if not isinstance(probe_raw, Mapping):
+                raise ValueError("probe is not an object")
+            last_error = probe_raw.get("last_error")
+            interval = probe_raw.get("interval_seconds")
+            probe = ProbeStatus(
+                samples_total=_int(probe_raw, "samples_total", 0),
+                errors_total=_int(probe_raw, "errors_total", 0),
+                write_errors_total=_int(probe_raw, "write_errors_total", 0),
+                last_error=str(last_error)[:512] if last_error is not None else None,
+                interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
+                overruns_total=_int(probe_raw, "overruns_total", 0),
+            )
+            model_name, engine, pid_namespace = (_text(data, key) for key in ("model_name", "engine", "pid_namespace"))
+        except (ValueError, TypeError, OverflowError, ProfileError) as exc:
+            raise SnapshotError("invalid_snapshot", str(exc)) from None
+        # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
+        # of non-UTF-8 device names) and control characters would break the whole exposition.
+        memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64))
+        probe = replace(probe, last_error=None if probe.last_error is None else safe_text(probe.last_error, 512))
+        return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
+                   pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
+                   pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
+                   probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
+                   engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict,
+                   pid_namespace=safe_text(pid_namespace, 64))
+
+
+class SnapshotError(ValueError):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _number(data: Mapping[str, Any], key: str) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
+        raise ValueError(f"{key} is not a number in range")
+    return float(value)
+
+
+def _text(data: Mapping[str, Any], key: str) -> str:
+    value = data.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{key} is not a string")
+    return value
+
+
+def _int(data: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER:
+        raise ValueError(f"{key} is not a non-negative integer in range")
+    return value
+
+
+def snapshot_filename(host: str, pid: int, device: str) -> str:
+    return f"{_SAFE_NAME.sub('_', host)[:64]}-{pid}-{_SAFE_NAME.sub('_', str(device))[:32]}.json"
+
+
+def decode_snapshot(raw: bytes) -> Snapshot:
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SnapshotError("invalid_json", (str(exc).splitlines() or [""])[0][:200]) from None
+    return Snapshot.from_dict(data)
