@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 import zipfile
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
 HERE = pathlib.Path(__file__).resolve().parent
 HARNESS = HERE / "ms_pool_oracle.cc"
@@ -45,13 +47,6 @@ FAILED = "FAILED"
 REQUIRED = ("libmindspore_ascend_res_manager.so", "libmindspore_memory_pool.so", "libmindspore_core.so")
 LINKED = REQUIRED + ("libmindspore_backend_common.so", "libmindspore_hardware_abstract.so", "libmindspore_common.so")
 STUBS_SONAME = "libkvguard_cann_stubs.so"
-
-
-def cache_root() -> pathlib.Path:
-    if os.environ.get("KVGUARD_CACHE"):
-        return pathlib.Path(os.environ["KVGUARD_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(xdg) / "kvguard"
 
 
 def oracle_dir(version: str) -> pathlib.Path:

@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
 HERE = pathlib.Path(__file__).resolve().parent
 RELEASE = "2.13.0"  # built for torch 2.13.0, the CPU torch kvguard's .venv holds
@@ -41,13 +43,6 @@ MARKER = ".kvguard-ready"
 SOURCES = ("fake_acl.c", "stubbed_symbols.txt", "build.py")
 # Sonames torch_npu's libraries need besides libascendcl.so; libruntime.so is looked up with dlopen.
 EMPTY_SONAMES = ("libhccl", "libacl_op_compiler", "libge_runner", "libgraph", "libacl_tdt_channel", "libruntime")
-
-
-def cache_root() -> pathlib.Path:
-    if os.environ.get("KVGUARD_CACHE"):
-        return pathlib.Path(os.environ["KVGUARD_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(xdg) / "kvguard"
 
 
 def oracle_dir() -> pathlib.Path:

@@ -30,18 +30,13 @@ import shutil
 import subprocess
 import sys
 import time
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "oracles"))
+from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
 HERE = pathlib.Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements"
 TORCH = "torch==2.13.0"  # the CPU build, as dev.sh installs it for kvguard's own venv
 MARKER = ".kvguard-ready"
-
-
-def cache_root() -> pathlib.Path:
-    if os.environ.get("KVGUARD_CACHE"):
-        return pathlib.Path(os.environ["KVGUARD_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(xdg) / "kvguard"
 
 
 def wheels_dir() -> pathlib.Path:
