@@ -19,6 +19,7 @@ Layout, under the cache root (KVGUARD_CACHE, default ~/.cache/kvguard):
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -109,11 +110,20 @@ def _engine_package(release: str) -> pathlib.Path:
         # A source archive's metadata build asks npu-smi for the chip unless SOC_VERSION is set, and
         # compiles kernels unless COMPILE_CUSTOM_KERNELS=0: neither is wanted to fetch the file.
         env = {**__import__("os").environ, "COMPILE_CUSTOM_KERNELS": "0", "SOC_VERSION": "ascend910b1"}
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-build-isolation",
-                        "-d", wheels, f"{project}=={version}"], capture_output=True, env=env)
+        # The metadata build of a source archive imports setuptools_scm (setup.py 0.23.0.post1:32); without
+        # build isolation it must be importable here, so it is put on the path from the cache, not installed.
+        tools = vllm_envs.cache_root() / "build-tools"
+        if not (tools / "setuptools_scm").is_dir():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", tools, "setuptools_scm"],
+                           capture_output=True)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tools), env.get("PYTHONPATH")]))
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-build-isolation",
+                                  "-d", wheels, f"{project}=={version}"], capture_output=True, text=True, env=env)
         found = sorted(wheels.glob(f"{stem}-*.whl")) + sorted(wheels.glob(f"{stem}.tar.gz"))
-    if not found:
-        raise SystemExit(f"no wheel or source archive for {project}=={version} in {wheels}")
+        if not found:
+            why = [line for line in fetched.stderr.splitlines() if line.strip() and "Location" not in line][-3:]
+            raise SystemExit(f"no wheel or source archive for {project}=={version} in {wheels}: "
+                             + " | ".join(line.strip() for line in why))
     return found[0]
 
 
