@@ -47,10 +47,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sidecar_bench import EXPORTER, MIB, ROOT, median, percentile, raise_fd_limit, write_spool  # noqa: E402
+from sidecar_bench import EXPORTER, MIB, ROOT, ServerProcess, median, slowloris as slowloris_connections, percentile, raise_fd_limit, write_spool  # noqa: E402
 from sidecar_fixtures import free_port  # noqa: E402
 
-import psutil  # noqa: E402
 
 RANKS = 64
 USER, PASSWORD = "prometheus", "bench-password"
@@ -74,52 +73,14 @@ def _auth(password: str) -> str:
 
 # ------------------------------------------------------------------------------ targets
 
-class Target:
-    """One server process on 127.0.0.1: start(), rss(), peak_rss(), stop()."""
+class Target(ServerProcess):
+    """One server process on 127.0.0.1, with the paths the attacks probe and scrape."""
 
     def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, probe_path: str,
                  scrape_path: str):
         self.name, self.port, self.probe_path, self.scrape_path = name, port, probe_path, scrape_path
-        self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env)
-        self.process = psutil.Process(self.proc.pid)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if request(self.port, self.probe_path, _auth(PASSWORD), timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self._stderr.seek(0)
-                raise SystemExit(f"{name} did not start: {self._stderr.read().decode(errors='replace')[-2000:]}")
-            time.sleep(0.1)
-
-    def rss(self) -> int:
-        return self.process.memory_info().rss
-
-    def reset_peak(self) -> None:
-        try:
-            with open(f"/proc/{self.proc.pid}/clear_refs", "w") as handle:
-                handle.write("5")
-        except OSError:
-            pass
-
-    def peak_rss(self) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._stderr.close()
+        super().__init__(name, command, env, lambda: request(self.port, self.probe_path, _auth(PASSWORD),
+                                                              timeout=2)[0] == 200)
 
 
 def web_config(directory: str) -> str:
@@ -313,35 +274,7 @@ def slow_readers(port: int, stop, counts, deadline: float, extra: str) -> None:
 
 
 def slowloris(port: int, stop, counts, deadline: float, extra: str) -> None:
-    head = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
-    socks: list[socket.socket] = []
-    first: list[bool] = []
-
-    def open_one() -> socket.socket:
-        sock = socket.socket()
-        sock.setblocking(False)
-        sock.connect_ex(("127.0.0.1", port))
-        return sock
-
-    for _ in range(SLOWLORIS):
-        socks.append(open_one())
-        first.append(True)
-    reopened = 0
-    while not stop.is_set() and time.monotonic() < deadline:
-        for index, sock in enumerate(socks):
-            try:
-                sock.send(head if first[index] else b"a")
-                first[index] = False
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                sock.close()
-                socks[index], first[index] = open_one(), True
-                reopened += 1
-        stop.wait(0.5)
-    counts[3] += reopened
-    for sock in socks:
-        sock.close()
+    counts[3] += slowloris_connections(port, SLOWLORIS, stop, deadline)
 
 
 SCENARIOS = {
@@ -403,7 +336,7 @@ def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
         attacker.join(timeout=ATTACK_GRACE)
         if attacker.is_alive():
             attacker.kill()
-    peak = max(peak, target.peak_rss())
+    peak = max(peak, target.peak_rss() or 0)
     result = {"healthz_p50": median(probes), "healthz_max": max(probes), "probe_failures": probe_fail,
               "scrape_p50": median(scrapes), "scrape_p99": percentile(scrapes, 0.99), "scrape_max": max(scrapes),
               "scrape_failures": scrape_fail, "rss": peak}

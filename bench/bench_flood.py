@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sidecar_bench import MIB, Served, PeakSampler, median, raise_fd_limit, scrape, spread, write_spool  # noqa: E402
+from sidecar_bench import MIB, Served, PeakSampler, median, raise_fd_limit, scrape, slowloris, spread, write_spool  # noqa: E402
 
 FLOOD_CONNECTIONS, FLOOD_HEADERS, FLOOD_HEADER_BYTES = 40, 98, 65_000
 SLOWLORIS_CONNECTIONS = 2_000
@@ -81,33 +81,11 @@ def _header_flood(port: int, stop, counter) -> None:
 
 def _slowloris(port: int, stop, counter) -> None:
     """SLOWLORIS_CONNECTIONS partial heads, one more byte each every 0.5 s; closed ones re-opened."""
-    socks: list[socket.socket | None] = [None] * SLOWLORIS_CONNECTIONS
-    head = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
-    def open_one(index: int) -> None:
-        sock = socket.socket()
-        sock.setblocking(False)
-        sock.connect_ex(("127.0.0.1", port))
-        socks[index] = sock
+    def opened() -> None:
         counter.value += 1
 
-    for index in range(SLOWLORIS_CONNECTIONS):
-        open_one(index)
-    first = [True] * SLOWLORIS_CONNECTIONS
-    while not stop.is_set():
-        for index, sock in enumerate(socks):
-            try:
-                sock.send(head if first[index] else b"a")
-                first[index] = False
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                sock.close()
-                open_one(index)
-                first[index] = True
-        stop.wait(0.5)
-    for sock in socks:
-        sock.close()
+    slowloris(port, SLOWLORIS_CONNECTIONS, stop, on_open=opened)
 
 
 ATTACKS = {"header flood": _header_flood, "slowloris": _slowloris}

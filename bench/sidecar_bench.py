@@ -10,6 +10,7 @@ import base64
 import http.client
 import os
 import statistics
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,40 +47,25 @@ def write_spool(spool_dir: str, ranks: int, processes: int = 1) -> int:
     return sum(entry.stat().st_size for entry in os.scandir(spool_dir))
 
 
-class Served:
-    """``python -m kvguard serve`` on 127.0.0.1, started and waited for; ``stop()`` ends it."""
+class ServerProcess:
+    """A server process on 127.0.0.1, started and waited for until ``ready()``; RSS, peak RSS, threads
+    and ``stop()``. kvguard's sidecar here; bench_attacks.py runs node_exporter with it too."""
 
-    def __init__(self, spool_dir: str | None, *args: str, auth: bool = False, interval: float = 5.0):
-        self.port = free_port()
-        self.auth = auth
-        command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(self.port),
-                   "--source", "none", "--interval", str(interval), *args]
-        if spool_dir:
-            command += ["--spool-dir", spool_dir]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))}
-        if auth:
-            command += ["--basic-auth-user", AUTH_USER]
-            env["KVGUARD_BASIC_AUTH_PASSWORD"] = AUTH_PASSWORD
+    def __init__(self, name: str, command: list[str], env: dict[str, str], ready) -> None:
         self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._stderr, env=env)
         self.process = psutil.Process(self.proc.pid)
         deadline = time.monotonic() + 60
         while True:
             try:
-                if scrape(self.port, "/healthz", timeout=2)[0] == 200:
+                if ready():
                     break
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self._stderr.seek(0)
-                raise SystemExit(f"kvguard serve did not start: {self._stderr.read().decode(errors='replace')}")
+                raise SystemExit(f"{name} did not start: {self._stderr.read().decode(errors='replace')[-2000:]}")
             time.sleep(0.1)
-
-    def headers(self) -> dict[str, str]:
-        if not self.auth:
-            return {}
-        token = base64.b64encode(f"{AUTH_USER}:{AUTH_PASSWORD}".encode()).decode()
-        return {"Authorization": f"Basic {token}"}
 
     def rss(self) -> int:
         return self.process.memory_info().rss
@@ -114,6 +100,62 @@ class Served:
             self.proc.kill()
             self.proc.wait()
         self._stderr.close()
+
+
+class Served(ServerProcess):
+    """``python -m kvguard serve`` on 127.0.0.1, started and waited for; ``stop()`` ends it."""
+
+    def __init__(self, spool_dir: str | None, *args: str, auth: bool = False, interval: float = 5.0):
+        self.port = free_port()
+        self.auth = auth
+        command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(self.port),
+                   "--source", "none", "--interval", str(interval), *args]
+        if spool_dir:
+            command += ["--spool-dir", spool_dir]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))}
+        if auth:
+            command += ["--basic-auth-user", AUTH_USER]
+            env["KVGUARD_BASIC_AUTH_PASSWORD"] = AUTH_PASSWORD
+        super().__init__("kvguard serve", command, env, lambda: scrape(self.port, "/healthz", timeout=2)[0] == 200)
+
+    def headers(self) -> dict[str, str]:
+        if not self.auth:
+            return {}
+        token = base64.b64encode(f"{AUTH_USER}:{AUTH_PASSWORD}".encode()).decode()
+        return {"Authorization": f"Basic {token}"}
+
+
+def slowloris(port: int, connections: int, stop, deadline: float = float("inf"), on_open=lambda: None) -> int:
+    """``connections`` partial request heads to /metrics on 127.0.0.1:``port``, one more byte each every
+    0.5 s, closed ones re-opened, until ``stop`` is set or ``deadline`` (monotonic) passes. ``on_open``
+    is called per connection opened; returns how many were re-opened."""
+    head = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+    def open_one() -> socket.socket:
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+        on_open()
+        return sock
+
+    socks = [open_one() for _ in range(connections)]
+    first = [True] * connections
+    reopened = 0
+    while not stop.is_set() and time.monotonic() < deadline:
+        for index, sock in enumerate(socks):
+            try:
+                sock.send(head if first[index] else b"a")
+                first[index] = False
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                sock.close()
+                socks[index], first[index] = open_one(), True
+                reopened += 1
+        stop.wait(0.5)
+    for sock in socks:
+        sock.close()
+    return reopened
 
 
 class PeakSampler:

@@ -13,13 +13,10 @@ the stubs for vLLM's compiled CUDA extensions, the engine arguments. On top of t
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pathlib
 import sys
-import time
-import traceback
 import types
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -37,21 +34,7 @@ NPU_WORKER_MODULES = ("vllm_ascend.worker.worker", "vllm_ascend.worker.worker_v1
 
 
 def main(argv):
-    in_path, out_path = argv[1], argv[2]
-    with open(in_path) as f:
-        request = json.load(f)
-    result: dict = {"ok": False}
-    t0 = time.perf_counter()
-    try:
-        _run(request["scenario"], result)
-        result["ok"] = True
-    except BaseException as exc:  # report every failure as data, never as a hang
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-    result["seconds"] = round(time.perf_counter() - t0, 3)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    return 0
+    return vllm_worker.run_request(argv, lambda request, result: _run(request["scenario"], result))
 
 
 def _run(scenario, result):

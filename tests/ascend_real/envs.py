@@ -24,7 +24,6 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -202,14 +201,7 @@ def main(argv: list[str]) -> int:
         print(python)
         return 0
     if len(argv) >= 2 and argv[1] == "setup":
-        total = time.perf_counter()
-        for release in argv[2:] or list(RELEASES):
-            t0 = time.perf_counter()
-            env, built = setup(release)
-            state = "built" if built else "up to date"
-            print(f"{release}: {state} in {time.perf_counter() - t0:.1f}s ({env})", flush=True)
-        print(f"Ascend engine environments ready in {time.perf_counter() - total:.1f}s", flush=True)
-        return 0
+        return vllm_envs.setup_each(argv[2:] or list(RELEASES), setup, "{}", "Ascend engine environments")
     print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
     return 2
 

@@ -24,7 +24,6 @@ import sys
 import types
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 # Ascend 910B1 (vllm_ascend/utils.py init_ascend_soc_version: 220-225 is A2).
 SOC_VERSION = 220
@@ -140,28 +139,6 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             setattr(sys.modules[parent], child, module)
 
 
-class _NpuTensorsOnMeta(TorchFunctionMode):
-    """Tensors the engine creates on "npu" become meta tensors: shapes and dtypes kept, no memory."""
-
-    @staticmethod
-    def _is_npu(value) -> bool:
-        if isinstance(value, torch.device):
-            return value.type == "npu"
-        return isinstance(value, str) and value.startswith("npu")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.device:
-            return func(*args, **(kwargs or {}))
-        kwargs = dict(kwargs or {})
-        if self._is_npu(kwargs.get("device")):
-            kwargs["device"] = "meta"
-        args = tuple("meta" if self._is_npu(a) else a for a in args)
-        if getattr(func, "__name__", "") == "npu":  # Tensor.npu()
-            return args[0].to("meta")
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
-
 
 def memory_functions(device) -> dict[str, object]:
     """The torch.npu memory calls, counted on the fake device (names as torch_npu.npu has them)."""
@@ -215,5 +192,7 @@ def install(device) -> None:
     # vLLM 0.18+ asks torch.accelerator: the same fake device.
     for attr, fn in functions["accelerator"].items():
         setattr(torch.accelerator, attr, fn)
-    _installed = _NpuTensorsOnMeta()
+    from fake_device import TensorsOnMeta  # tests/vllm_real: the same mode, for "npu"
+
+    _installed = TensorsOnMeta("npu")
     _installed.__enter__()

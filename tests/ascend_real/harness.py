@@ -12,11 +12,8 @@ kv_cache_config, log_lines, device_calls, ...).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import tempfile
 
 if not __package__:  # run as a script
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -66,37 +63,12 @@ def run_engine(release: str, scenario: dict | None = None, env: dict | None = No
         raise EnvironmentMissing(f"{release}: its environment is not set up "
                                  f"(python3 tests/ascend_real/envs.py setup {release})")
     merged = {**ASCEND_SCENARIO, **(scenario or {})}
-    with tempfile.TemporaryDirectory(prefix=f"kvguard-{envs._name(release)}-") as tmp:
-        tmp = pathlib.Path(tmp)
-        site = tmp / "site"
-        site.mkdir()
-        if plugins:
-            vllm_harness._plugin_dist(site)
-        (tmp / "in.json").write_text(json.dumps({"scenario": merged}))
-        child_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
-        child_env.update(vllm_harness.BASE_ENV)
-        child_env["VLLM_CACHE_ROOT"] = str(envs.envs_dir() / "vllm-cache" / envs._name(release))
-        child_env["PYTHONPATH"] = os.pathsep.join([str(site), str(vllm_harness.REPO / "exporter")])
-        child_env.update(env or {})
-        try:
-            proc = subprocess.run(
-                [str(python), "-W", "ignore", str(HERE / "engine_main.py"), str(tmp / "in.json"),
-                 str(tmp / "out.json")],
-                capture_output=True, text=True, env=child_env, timeout=timeout, cwd=tmp)
-        except subprocess.TimeoutExpired as exc:
-            raise HarnessError(f"{release}: startup did not finish in {timeout:.0f}s") from exc
-        out = tmp / "out.json"
-        if not out.is_file():
-            raise HarnessError(f"{release}: the worker process died (rc={proc.returncode}): "
-                               + "\n".join(proc.stderr.strip().splitlines()[-12:]))
-        result = json.loads(out.read_text())
-    result["log_lines"] = proc.stdout.splitlines()
-    result["stderr_tail"] = proc.stderr.splitlines()[-40:]
-    result["scenario"] = merged
-    if check and not result.get("ok"):
-        raise HarnessError(f"{release}: {result.get('error')}\n"
-                           + "\n".join(str(result.get("traceback", "")).splitlines()[-12:]))
-    return result
+    try:
+        return vllm_harness.run_release_process(
+            python, HERE / "engine_main.py", merged, label=release, cache_key=envs._name(release), env=env,
+            plugins=plugins, check=check, timeout=timeout)
+    except vllm_harness.HarnessError as exc:
+        raise HarnessError(str(exc)) from exc.__cause__
 
 
 def main(argv):

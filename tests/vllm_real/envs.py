@@ -173,6 +173,18 @@ def prune(env: pathlib.Path) -> int:
     return freed
 
 
+def setup_each(names, setup_one, label: str, what: str) -> int:
+    """Set up each environment in turn, one line each (built or up to date, and the time), then a total."""
+    total = time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        env, built = setup_one(name)
+        state = "built" if built else "up to date"
+        print(f"{label.format(name)}: {state} in {time.perf_counter() - t0:.1f}s ({env})", flush=True)
+    print(f"{what} ready in {time.perf_counter() - total:.1f}s", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[1] == "python":
         python = env_python(argv[2])
@@ -187,15 +199,7 @@ def main(argv: list[str]) -> int:
                 print(f"vllm {version}: {prune(env_dir(version)) / 1e9:.2f} GB of CUDA extensions removed", flush=True)
         return 0
     if len(argv) >= 2 and argv[1] == "setup":
-        versions = argv[2:] or releases() + list(LAYOUT_RELEASES)
-        total = time.perf_counter()
-        for version in versions:
-            t0 = time.perf_counter()
-            env, built = setup(version)
-            state = "built" if built else "up to date"
-            print(f"vllm {version}: {state} in {time.perf_counter() - t0:.1f}s ({env})", flush=True)
-        print(f"vllm environments ready in {time.perf_counter() - total:.1f}s", flush=True)
-        return 0
+        return setup_each(argv[2:] or releases() + list(LAYOUT_RELEASES), setup, "vllm {}", "vllm environments")
     print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
     return 2
 

@@ -104,24 +104,28 @@ class FakeDevice:
         }
 
 
-class _CudaTensorsOnMeta(TorchFunctionMode):
-    """Tensors vLLM itself creates on "cuda" (cuBLAS warm-up, small buffers) become meta tensors:
-    shapes and dtypes are kept, no memory is used and nothing is charged to the fake device."""
+class TensorsOnMeta(TorchFunctionMode):
+    """Tensors the engine itself creates on the fake device type ("cuda"; "npu" for the Ascend
+    engines), from cuBLAS warm-up to small buffers, become meta tensors: shapes and dtypes are kept,
+    no memory is used and nothing is charged to the fake device."""
 
-    @staticmethod
-    def _is_cuda(value) -> bool:
+    def __init__(self, device_type: str = "cuda") -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def _on_device(self, value) -> bool:
         if isinstance(value, torch.device):
-            return value.type == "cuda"
-        return isinstance(value, str) and value.startswith("cuda")
+            return value.type == self.device_type
+        return isinstance(value, str) and value.startswith(self.device_type)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.device:  # a device object names the fake device; only tensors move
             return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
-        if self._is_cuda(kwargs.get("device")):
+        if self._on_device(kwargs.get("device")):
             kwargs["device"] = "meta"
-        args = tuple("meta" if self._is_cuda(a) else a for a in args)
-        if getattr(func, "__name__", "") == "cuda":  # Tensor.cuda()
+        args = tuple("meta" if self._on_device(a) else a for a in args)
+        if getattr(func, "__name__", "") == self.device_type:  # Tensor.cuda() / Tensor.npu()
             return args[0].to("meta")
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False  # pinned host memory needs a CUDA build
@@ -218,7 +222,7 @@ def patched(table: dict[str, object]):
         saved.append((owner, attr, getattr(owner, attr, None), hasattr(owner, attr)))
         setattr(owner, attr, value)
     try:
-        with _CudaTensorsOnMeta():
+        with TensorsOnMeta("cuda"):
             yield
     finally:
         for owner, attr, value, existed in reversed(saved):

@@ -113,35 +113,43 @@ def run_worker(version: str, scenario: dict | None = None, env: dict | None = No
         raise EnvironmentMissing(
             f"vLLM {version}: its environment is not set up (./dev.sh test builds it)")
     merged = {**DEFAULT_SCENARIO, **(scenario or {})}
-    with tempfile.TemporaryDirectory(prefix=f"kvguard-vllm-{version}-") as tmp:
+    return run_release_process(python, HERE / "worker_main.py", merged, label=f"vLLM {version}",
+                               cache_key=version, env=env, plugins=plugins, check=check, timeout=timeout)
+
+
+def run_release_process(python, main_script: pathlib.Path, scenario: dict, *, label: str, cache_key: str,
+                        env: dict | None, plugins: bool, check: bool, timeout: float) -> dict:
+    """Run ``main_script`` (worker_main.py, or tests/ascend_real/engine_main.py) under a release
+    environment's ``python`` on ``scenario``, with kvguard (and its plugin entry point, unless
+    ``plugins`` is off) importable, and return its result with the lines it logged."""
+    with tempfile.TemporaryDirectory(prefix=f"kvguard-{cache_key}-") as tmp:
         tmp = pathlib.Path(tmp)
         site = tmp / "site"
         site.mkdir()
         if plugins:
             _plugin_dist(site)
-        (tmp / "in.json").write_text(json.dumps({"scenario": merged}))
+        (tmp / "in.json").write_text(json.dumps({"scenario": scenario}))
         child_env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
         child_env.update(BASE_ENV)
-        child_env["VLLM_CACHE_ROOT"] = str(envs.cache_root() / "vllm-cache" / version)
+        child_env["VLLM_CACHE_ROOT"] = str(envs.cache_root() / "vllm-cache" / cache_key)
         child_env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO / "exporter")])
         child_env.update(env or {})
         try:
             proc = subprocess.run(
-                [str(python), "-W", "ignore", str(HERE / "worker_main.py"),
-                 str(tmp / "in.json"), str(tmp / "out.json")],
+                [str(python), "-W", "ignore", str(main_script), str(tmp / "in.json"), str(tmp / "out.json")],
                 capture_output=True, text=True, env=child_env, timeout=timeout, cwd=tmp)
         except subprocess.TimeoutExpired as exc:
-            raise HarnessError(f"vLLM {version}: startup did not finish in {timeout:.0f}s") from exc
+            raise HarnessError(f"{label}: startup did not finish in {timeout:.0f}s") from exc
         out = tmp / "out.json"
         if not out.is_file():
-            raise HarnessError(f"vLLM {version}: the worker process died (rc={proc.returncode}): "
+            raise HarnessError(f"{label}: the worker process died (rc={proc.returncode}): "
                                + "\n".join(proc.stderr.strip().splitlines()[-12:]))
         result = json.loads(out.read_text())
     result["log_lines"] = proc.stdout.splitlines()
     result["stderr_tail"] = proc.stderr.splitlines()[-40:]
-    result["scenario"] = merged
+    result["scenario"] = scenario
     if check and not result.get("ok"):
-        raise HarnessError(f"vLLM {version}: {result.get('error')}\n"
+        raise HarnessError(f"{label}: {result.get('error')}\n"
                            + "\n".join(str(result.get("traceback", "")).splitlines()[-12:]))
     return result
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -101,14 +100,19 @@ def _free_port() -> int:
 
 
 def main(argv):
+    return run_request(argv, lambda request, result: _run(request, request["scenario"], result))
+
+
+def run_request(argv, run) -> int:
+    """Read the request (argv[1]), ``run(request, result)``, and write the result (argv[2]): every
+    failure as data (error and traceback), never as a hang or a lost result."""
     in_path, out_path = argv[1], argv[2]
     with open(in_path) as f:
         request = json.load(f)
-    scenario = request["scenario"]
     result: dict = {"ok": False}
     t0 = time.perf_counter()
     try:
-        _run(request, scenario, result)
+        run(request, result)
         result["ok"] = True
     except BaseException as exc:  # report every failure as data, never as a hang
         result["error"] = f"{type(exc).__name__}: {exc}"
