@@ -12,12 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.cli import main
-from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
+from kvguard.budget.estimator import kv_cache_tensor_bytes
 from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded, scenario_tensor_style
 from kvguard.guard.at_budget import allocator_from_counters, counters_of
 from kvguard.spool.schema import Snapshot
+from kvguard.vllm.eras import kv_tensor_style
 from sidecar_fixtures import http_get, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,10 +84,10 @@ def test_tensor_styles_follow_the_era():
     assert kv_cache_tensor_bytes(layout, 10, "per_layer") == (per_layer,) * 28
     assert kv_cache_tensor_bytes(layout, 10, "per_layer_k_v") == (per_layer // 2, per_layer // 2) * 28
     assert kv_cache_tensor_bytes(layout, 10, "one_backing") == (per_layer * 28,)
-    assert kv_tensor_style("peak", "vllm:0.11.0") == "per_layer"
-    assert kv_tensor_style("consumed", "vllm:0.27.0") == "per_layer"
-    assert kv_tensor_style("consumed", "vllm:0.34.0") == "one_backing"
-    assert kv_tensor_style("mindspore_reserved", "vllm-mindspore:0.5.0") == "per_layer_k_v"
+    assert kv_tensor_style("vllm:0.11.0") == "per_layer"
+    assert kv_tensor_style("vllm:0.27.0") == "per_layer"
+    assert kv_tensor_style("vllm:0.34.0") == "one_backing"
+    assert kv_tensor_style("vllm-mindspore:0.5.0") == "per_layer_k_v"
     with pytest.raises(ValueError):
         kv_cache_tensor_bytes(layout, 10, "per_head")
 

@@ -139,15 +139,15 @@ def test_config_without_what_a_layout_needs_is_refused(mutate, message):
 
 
 def test_one_check_of_integer_config_fields_serves_the_estimator_and_the_simulator():
-    from kvguard.budget.estimator import _positive_int
+    from kvguard.budget.estimator import positive_int
     from kvguard.sim.scenario import ScenarioConfig
 
-    assert _positive_int({"a": None, "b": 4.0}, "a", "b") == 4
-    assert _positive_int({"n": 0}, "n", minimum=0) == 0
+    assert positive_int({"a": None, "b": 4.0}, "a", "b") == 4
+    assert positive_int({"n": 0}, "n", minimum=0) == 0
     with pytest.raises(ConfigError, match="^config field 'n' must be a non-negative integer, got -1$"):
-        _positive_int({"n": -1}, "n", minimum=0)
+        positive_int({"n": -1}, "n", minimum=0)
     with pytest.raises(ConfigError, match=r"^config field 'n' must be a positive integer, got 'xxx+\.\.\.$"):
-        _positive_int({"n": "x" * 1000}, "n")
+        positive_int({"n": "x" * 1000}, "n")
     cfg = load_model_config(QWEN_7B)
     nested = {"architectures": ["X"], "text_config": {**cfg, "max_position_embeddings": 4096}}
     assert ScenarioConfig(model_config=nested, device_memory_bytes=1 << 30).resolved_max_model_len == 4096
@@ -185,10 +185,11 @@ def test_kv_tensor_style_follows_the_release_that_allocated_the_cache():
     KVCacheTensor of page_size * num_blocks, v1/core/kv_cache_utils.py 0.28.0:1384-1403); from 0.29 every
     KVCacheTensor has the whole size and allocate_kv_cache makes one backing (v1/worker/utils.py
     0.29.0:395-411). tests/test_vllm_real.py runs the real allocators of 0.11-0.34 and 0.30."""
-    from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
+    from kvguard.budget.estimator import kv_cache_tensor_bytes
+    from kvguard.vllm.eras import kv_tensor_style
 
     layout = kv_layout_from_config(load_model_config(QWEN_7B))
-    styles = {v: kv_tensor_style("consumed", f"vllm:{v}") for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0")}
+    styles = {v: kv_tensor_style(f"vllm:{v}") for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0")}
     assert styles == {"0.27.0": "per_layer", "0.28.0": "per_layer", "0.29.0": "one_backing",
                       "0.30.0": "one_backing", "0.33.0": "one_backing"}
     assert len(kv_cache_tensor_bytes(layout, 100, styles["0.28.0"])) == 28

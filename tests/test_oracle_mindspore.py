@@ -26,7 +26,6 @@ import json
 import os
 import random
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

@@ -19,11 +19,10 @@ pytest.importorskip("torch")   # the fake Worker keeps vLLM's @torch.inference_m
 
 from kvguard import probe
 from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
-from kvguard.budget.estimator import Profile, reserved_kv_cache_bytes, stock_kv_cache_bytes  # noqa: E402
+from kvguard.budget.estimator import Profile, stock_kv_cache_bytes  # noqa: E402
 from kvguard.sources import register as register_source, unregister  # noqa: E402
 from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
 from kvguard.spool.io import read_spool  # noqa: E402
-from kvguard.records import KVCacheAllocation
 
 GIB = 1 << 30
 MIB = 1 << 20

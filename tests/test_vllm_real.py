@@ -8,7 +8,6 @@ Each release is one of the era table's rows; its environment is set up by ./dev.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -221,8 +220,9 @@ def test_kv_tensor_style_is_how_the_release_allocates_its_kv_cache(release, tmp_
     """The release's own allocator, run unchanged on its own KVCacheConfig (vllm_real.worker_main), makes the
     allocations kv_cache_tensor_bytes gives for the style kv_tensor_style names: one per layer through 0.28,
     one backing for every layer from 0.29; and the plugin's budget-time verdict counts as many."""
-    from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_layout_from_config, kv_tensor_style
+    from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_layout_from_config
     from kvguard.budget.model_config import load_model_config
+    from kvguard.vllm.eras import kv_tensor_style
 
     # 0.34 with its extensible KV cache off: the extensible cache maps its pages outside the allocator.
     scenario = ({**OVERCOMMITTED, "enable_extensible_kv_cache": False}
@@ -232,7 +232,7 @@ def test_kv_tensor_style_is_how_the_release_allocates_its_kv_cache(release, tmp_
     layout = kv_layout_from_config(load_model_config(result["scenario"]["model_dir"]),
                                    block_size=config["groups"][0]["block_size"])
     assert layout.page_bytes_per_layer == config["groups"][0]["page_size_bytes"]
-    style = kv_tensor_style(era_for(release).formula, f"vllm:{release}")
+    style = kv_tensor_style(f"vllm:{release}")
     assert list(kv_cache_tensor_bytes(layout, config["num_blocks"], style)) == result["kv_allocations"]
     assert snap.budget_verdict.kv_tensors == len(result["kv_allocations"])
 

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvguard.text import one_line
+
 LOGGER = "kvguard"
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
 LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
@@ -44,7 +46,7 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
               "msg": record.getMessage()}
     fields.update(getattr(record, "kvguard_fields", None) or {})
     if record.exc_info and record.exc_info[1] is not None:
-        fields["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        fields["error"] = one_line(record.exc_info[1], with_type=True)
     return fields
 
 

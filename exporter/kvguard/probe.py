@@ -29,7 +29,7 @@ The probe never raises into the host process and never blocks it:
 - when the probe stops or its process dies, the snapshots stay and age.
 
 Pod identity comes from the downward API through the environment: ``POD_NAME``,
-``POD_NAMESPACE``, ``CONTAINER_NAME``, ``NODE_NAME`` (see docs/probe.md).
+``POD_NAMESPACE``, ``CONTAINER_NAME``, ``NODE_NAME`` (see docs/reference/probe.md).
 """
 
 from __future__ import annotations
@@ -389,14 +389,14 @@ def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Sour
     ``source_options`` (see :class:`Probe`).
     """
     try:
-        return _start(spool_dir, interval, source, **options)
+        return start_strict(spool_dir, interval, source, **options)
     except Exception as exc:  # noqa: BLE001 - a bad argument must not take the serving process down
         log.warning("kvguard probe: not started: %s", one_line(exc))
         return None
 
 
-def _start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
-           **options: Any) -> Probe:
+def start_strict(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
+                 **options: Any) -> Probe:
     """:func:`start` that raises (ValueError, TypeError) for bad arguments: for callers that count
     their own failures, like the vLLM plugin."""
     global _PROBE

@@ -13,6 +13,10 @@ from typing import Any, Callable, Mapping
 # Python's unbounded ints would otherwise overflow later float conversions.
 MAX_COUNTER = (1 << 63) - 1
 
+# Label values of vLLM's own series: a served model name (a Kubernetes name at most) and an engine index.
+MAX_MODEL_NAME_CHARS = 253
+MAX_ENGINE_CHARS = 16
+
 # Fields of DeviceMemory that hold byte counts or event counts (all optional ints).
 _INT_FIELDS = (
     "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes",

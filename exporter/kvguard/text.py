@@ -5,17 +5,28 @@ from __future__ import annotations
 import re
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one short line, for errors that cross the source boundary."""
+def one_line(exc: object, *, first_line: bool = False, with_type: bool = False) -> str:
+    """An exception as one short line, for errors that reach a user, a log line or a scrape.
+
+    The message's whitespace runs become single spaces; with ``first_line``, only its first non-blank
+    line is kept (for readers that echo the input on the lines after, as PyYAML does). With
+    ``with_type``, the type's name comes first (``ValueError: ...``). An empty message, or one whose
+    ``__str__`` raises, gives the type's name alone. At most 300 characters.
+    """
     try:
-        text = " ".join(str(exc).split())
+        text = str(exc)
     except Exception:  # noqa: BLE001 - an exception whose __str__ raises must still be one line
         text = ""
+    if first_line:
+        text = next((line for line in text.splitlines() if line.strip()), "")
+    text = " ".join(text.split())
     try:
-        name = type(exc).__name__
+        name = str(type(exc).__name__)
     except Exception:  # noqa: BLE001
         name = "Exception"
-    return (text or str(name))[:300]
+    if with_type and text:
+        text = f"{name}: {text}"
+    return (text or name)[:300]
 
 
 # Lone surrogates, C0 and C1 controls: not exportable as label values (encoding fails, or parsers choke).

@@ -390,3 +390,27 @@ VLLM_MINDSPORE_LAUNCHERS: dict[str, VllmMindSporeLauncher] = {
 }
 DEFAULT_LAUNCHER = "0.5.1"
 SEED_LAUNCHER = "0.2.0"
+
+
+def vmm_on(ms_alloc_conf: str | None, *, launcher_vmm: bool | None = None,
+           mindspore: str | MindSporeRelease | None = None, soc_supports_vmm: bool = True,
+           jit_o2_without_ge_kernel: bool = False) -> bool:
+    """Whether MindSpore's pool runs with VMM: the one rule the vLLM plugin, ``kvguard budget
+    --allocator mindspore`` and the simulator call.
+
+    ``ms_alloc_conf``: MS_ALLOC_CONF as the operator set it (None: unset). ``launcher_vmm``: what the
+    release's launcher sets it to when it is unset (vllm-mindspore's env_setup sets only a variable not
+    already set, scripts.py:55-58 @ 0.5.1): its era row's ``vmm_default`` (kvguard.vllm.eras); None, it sets
+    nothing and MindSpore's own default applies. ``mindspore``: the MindSpore release (default: the one the
+    default launcher pins). Then MindSpore's own parse (``parse_alloc_conf``, unknown keys ignored as
+    MindSpore ignores them) and ``IsVmmEnabled`` (``vmm_enabled``): on for 910B / 910_93
+    (``soc_supports_vmm``) unless ``enable_vmm`` says otherwise.
+    """
+    if ms_alloc_conf is None and launcher_vmm is not None:
+        ms_alloc_conf = f"enable_vmm:{str(launcher_vmm).lower()}"
+    if mindspore is None:
+        mindspore = VLLM_MINDSPORE_LAUNCHERS[DEFAULT_LAUNCHER].mindspore
+    row = mindspore if isinstance(mindspore, MindSporeRelease) else release(mindspore)
+    conf = parse_alloc_conf(ms_alloc_conf, row, strict=False)
+    return vmm_enabled(conf, soc_supports_vmm=soc_supports_vmm and row.vmm_default_on_910b,
+                       jit_o2_without_ge_kernel=jit_o2_without_ge_kernel)

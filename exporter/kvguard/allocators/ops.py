@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from kvguard.allocators.base import SimOutOfMemory
+from kvguard.text import one_line
 
 MAX_OPS = 5_000_000               # about 0.5 GiB of parsed ops; a longer stream is refused, not swapped
 MAX_LINE_CHARS = 4096             # an op is a few dozen characters
@@ -66,7 +67,7 @@ def _parse_one(text: str, position: int, ops: list[Op], freed: set[int]) -> Op:
     try:
         record = json.loads(text)
     except ValueError as exc:
-        raise OpsError(f"{where}: not JSON ({exc.__class__.__name__}: {str(exc)[:80]})") from None
+        raise OpsError(f"{where}: not JSON ({one_line(exc, with_type=True)[:120]})") from None
     if not isinstance(record, dict):
         raise OpsError(f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = record.get("op")

@@ -53,6 +53,7 @@ from typing import Any, Callable
 from kvguard.allocators.base import SimOutOfMemory
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
+from kvguard.text import one_line
 
 _ALLOC, _FREE, _SEG_ALLOC, _SEG_FREE, _MAP, _UNMAP, _OOM = range(7)
 _ACTIONS = {"alloc": _ALLOC, "segment_alloc": _SEG_ALLOC, "segment_free": _SEG_FREE, "segment_map": _MAP,
@@ -273,7 +274,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
                                  roundup_power2_divisions=settings.roundup_power2_divisions,
                                  garbage_collection_threshold=settings.garbage_collection_threshold)
     except ValueError as exc:
-        raise SnapshotError(f"snapshot allocator_settings: {exc}") from None
+        raise SnapshotError(f"snapshot allocator_settings: {one_line(exc)}") from None
     model.address_space_total = address_space_bytes
     end = _end_segments(snapshot, device)
     seed = _seed(model, scan, end)
@@ -451,7 +452,7 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
             model.seed_expandable_segment(base, size, small, ranges,
                                           [block for low, _ in ranges for block in start[low][4]], stream)
     except ValueError as exc:
-        raise SnapshotError(f"snapshot segments: {exc}") from None
+        raise SnapshotError(f"snapshot segments: {one_line(exc)}") from None
     seeded_blocks = sum(len(start[base][4]) for base in bases)
     return len(plain) + len(reservations), seeded_blocks, len(preexisting), extended
 

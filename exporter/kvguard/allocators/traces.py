@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kvguard.allocators.base import SimOutOfMemory
+from kvguard.text import one_line
 
 PERSISTENT_TYPES = frozenset({"Weight", "ConstantValue", "GeConst"})
 _POSITIONS = {"start_time_stamp": 0, "end_time_stamp": 1, "stream_id": 3, "size": 5, "type": 9}
@@ -111,7 +112,7 @@ def parse_memory_block_csv(text: str) -> Trace:
     try:
         rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
     except csv.Error as exc:     # a stray carriage return, a cell past the csv module's field limit
-        raise TraceError(f"memory_block.csv is not a readable CSV: {exc}") from None
+        raise TraceError(f"memory_block.csv is not a readable CSV: {one_line(exc)}") from None
     if not rows:
         raise TraceError("memory_block.csv is empty")
     header = [cell.strip() for cell in rows[0]]
@@ -129,7 +130,7 @@ def parse_memory_block_csv(text: str) -> Trace:
             end = _int_field(row[columns["end_time_stamp"]]) if "end_time_stamp" in columns else None
             size = _int_field(row[columns["size"]])
         except (IndexError, ValueError) as exc:
-            raise TraceError(f"memory_block.csv row {number + 1}: {exc}") from None
+            raise TraceError(f"memory_block.csv row {number + 1}: {one_line(exc)}") from None
         if start is None or start < 0 or size is None:
             skipped += 1
             continue
@@ -141,7 +142,7 @@ def parse_memory_block_csv(text: str) -> Trace:
             try:
                 stream = _int_field(row[columns["stream_id"]]) or 0
             except ValueError as exc:
-                raise TraceError(f"memory_block.csv row {number + 1}: stream_id: {exc}") from None
+                raise TraceError(f"memory_block.csv row {number + 1}: stream_id: {one_line(exc)}") from None
         timed.append((start, 1, TraceEvent(number, size, kind in PERSISTENT_TYPES, stream)))
         if end is not None and end >= 0:
             timed.append((end, 0, TraceEvent(number, None, kind in PERSISTENT_TYPES, stream)))
@@ -635,8 +636,8 @@ def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     except _Refused as exc:
         raise TraceError(f"not a plain snapshot pickle: {exc}") from None
     except Exception as exc:  # a corrupt file: unhashable keys, bad UTF-8
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        raise TraceError(f"cannot read snapshot pickle: {exc.__class__.__name__}: {message}"[:300]) from None
+        raise TraceError(f"cannot read snapshot pickle: {one_line(exc, first_line=True, with_type=True)}"[:300]) \
+            from None
     if not isinstance(snapshot, dict):
         raise TraceError("snapshot pickle does not hold a dict")
     return snapshot

@@ -4,7 +4,7 @@ One definition of each formula lives here; the CLI, the guard, the simulator and
 vLLM plugin all call these functions. Pure logic: no I/O, no imports of torch or
 mindspore. Every size is an int number of bytes.
 
-Sources (see README, "How the budget is computed"; which release runs which formula, with
+Sources (see docs/explanation/budget.md; which release runs which formula, with
 the upstream file and line of each, is the era table in ``kvguard/vllm/eras.py``):
 - vLLM V1 ``Worker.determine_available_memory``, up to 0.26:
   ``available = requested - (weights + Δ allocated_bytes.all.peak + Δ non-torch)
@@ -16,13 +16,19 @@ the upstream file and line of each, is the era table in ``kvguard/vllm/eras.py``
   latent per token (no factor 2).
 - ``vllm/v1/core/kv_cache_utils.py``: ``num_blocks = available // page_size // num_layers``;
   max concurrency ``num_blocks / cdiv(max_model_len, block_size)``.
+
+Each formula is also read backwards (``solve_for_budget``, ``profile_for_budget``, at the end): the
+figure a log does not state, from the budget vLLM decided, such that the forward formula gives that
+budget again to the byte.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+from kvguard.budget.fields import PROFILE_FIELDS
 
 # Bytes per element of the KV cache for each --kv-cache-dtype and model dtype name.
 _DTYPE_BYTES = {
@@ -79,57 +85,58 @@ class KVLayout:
         return -(-max_model_len // self.block_size)
 
 
-# How an era allocates the KV cache's tensors (kv_cache_tensor_bytes):
+# How a release allocates the KV cache's tensors: the ``kv_tensor_style`` column of its era row
+# (kvguard.vllm.eras, where each row cites its own lines); kv_cache_tensor_bytes is the one rule the
+# plugin, ``kvguard budget --allocator``, the guard and the simulator call.
 # - "per_layer": vLLM V1 through 0.28, one raw int8 tensor per layer (per KVCacheTensor: layers of
 #   several groups share one), num_blocks x page size, viewed as K and V by the backend
-#   (get_kv_cache_shape (2, num_blocks, ...)); v1/worker/gpu_model_runner.py 0.11.0:3771-3777,
-#   0.14.0:5339-5345, 0.27.0:7327-7342, 0.28.0:7447-7476 (torch.zeros per KVCacheTensor at 7473); the sizes
-#   from v1/core/kv_cache_utils.py 0.27.0:1398-1404, 0.28.0:1384-1403 (page_size * num_blocks each). 0.28
-#   packs one backing only for DeepSeek V4 or enable_cross_layers_blocks (kv_cache_utils.py 0.28.0:1274-1293,
-#   gpu_model_runner.py 0.28.0:7463-7471): not modelled.
-# - "per_layer_k_v": vllm-mindspore, a key and a value cache tensor per layer (half each; MLA: one).
-# - "one_backing": from 0.29, one backing allocation for every layer: every KVCacheTensor has
-#   size = bytes_per_block * num_blocks (v1/core/kv_cache_utils.py 0.29.0:1437-1486, 0.30.0:1747-1796),
-#   allocate_kv_cache asserts they share one and calls torch.zeros(buf_size) once (v1/worker/utils.py
-#   0.29.0:379-411, 0.30.0:389-421, 0.31.0:395-427, 0.33.0:564-596; called from gpu_model_runner.py
-#   0.29.0:7436, 0.30.0:7364); tests/test_vllm_real.py runs 0.30's and each era row's own allocator; 0.34 the same
-#   (v1/worker/utils.py 0.34.0:577-583, _allocate_kv_cache_buffer 629-645: torch.zeros(raw_size)). The
-#   extensible KV cache (0.34) maps its pages outside the allocator instead.
+#   (get_kv_cache_shape (2, num_blocks, ...)). 0.28 packs one backing only for DeepSeek V4 or
+#   enable_cross_layers_blocks (kv_cache_utils.py 0.28.0:1274-1293): not modelled.
+# - "per_layer_k_v": a key and a value tensor per layer, half the page each (vllm-ascend, vllm-mindspore).
+#   An MLA layer is one tensor: vllm-mindspore's coef is 1 for MLAAttentionSpec (one latent per token).
+#   Not modelled, same bytes: vllm-mindspore's RingMLA (quantized MLA with ms_custom_ops) and vllm-ascend's
+#   DeepSeek MLA split that tensor in two, kv_lora_rank : qk_rope_head_dim.
+# - "one_backing": from vLLM 0.29, one backing allocation for every layer (torch.zeros(buf_size) once).
+#   The extensible KV cache (0.34) maps its pages outside the allocator instead.
 KV_TENSOR_STYLES = ("per_layer", "per_layer_k_v", "one_backing")
-# The first vLLM release with one backing allocation (above).
-ONE_BACKING_FROM = (0, 29)
 
 
-def kv_cache_tensor_bytes(layout: KVLayout, num_blocks: int, style: str = "per_layer") -> tuple[int, ...]:
-    """The KV-cache tensors an era allocates for ``num_blocks`` blocks, in allocation order."""
+@dataclass(frozen=True)
+class LayerPage:
+    """One attention layer's page: what vLLM's ``KVCacheSpec.page_size_bytes`` says, and whether the
+    spec is MLA's (one latent per token, no separate V)."""
+
+    page_bytes: int
+    is_mla: bool = False
+
+
+def layer_pages(layout: KVLayout) -> tuple[LayerPage, ...]:
+    """A layout's layers as pages, for kv_cache_tensor_bytes."""
+    return (LayerPage(layout.page_bytes_per_layer, layout.is_mla),) * layout.num_layers
+
+
+def kv_cache_tensor_bytes(pages: KVLayout | Sequence[LayerPage], num_blocks: int,
+                          style: str = "per_layer") -> tuple[int, ...]:
+    """The KV-cache tensors a release allocates for ``num_blocks`` blocks over its per-layer pages (a
+    KVLayout's, or a worker's own specs), in allocation order; ``style`` is the era row's."""
     if style not in KV_TENSOR_STYLES:
         raise ValueError(f"unknown KV tensor style {style!r} (one of {', '.join(KV_TENSOR_STYLES)})")
-    per_layer = max(0, int(num_blocks)) * layout.page_bytes_per_layer
+    if isinstance(pages, KVLayout):
+        pages = layer_pages(pages)
+    blocks = max(0, int(num_blocks))
     if style == "one_backing":
-        return (per_layer * layout.num_layers,)
-    if style == "per_layer_k_v" and not layout.is_mla:
-        return (per_layer // 2, per_layer - per_layer // 2) * layout.num_layers
-    return (per_layer,) * layout.num_layers
+        return (blocks * sum(page.page_bytes for page in pages),)
+    tensors: list[int] = []
+    for page in pages:
+        size = blocks * page.page_bytes
+        if style == "per_layer_k_v" and not page.is_mla:
+            tensors += (size // 2, size - size // 2)
+        else:
+            tensors.append(size)
+    return tuple(tensors)
 
 
-def kv_tensor_style(formula: str, vllm_version: str | None = None) -> str:
-    """The KV tensor style of the release that measured a profile (its formula; its version picks the
-    single backing of 0.29+)."""
-    if formula == "mindspore_reserved" or (vllm_version or "").startswith("vllm-mindspore:"):
-        return "per_layer_k_v"
-    if formula == "extensible":
-        return "one_backing"
-    if vllm_version and vllm_version.startswith("vllm:"):
-        parts = vllm_version[5:].split(".")
-        try:
-            if (int(parts[0]), int(parts[1])) >= ONE_BACKING_FROM:
-                return "one_backing"
-        except (ValueError, IndexError):
-            pass
-    return "per_layer"
-
-
-def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten multimodal configs: the language model's fields win over the wrapper's."""
     merged = dict(config)
     for nested in ("text_config", "llm_config", "language_config"):
@@ -140,7 +147,7 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _positive_int(config: Mapping[str, Any], *names: str, minimum: int = 1) -> int | None:
+def positive_int(config: Mapping[str, Any], *names: str, minimum: int = 1) -> int | None:
     """The first of ``names`` the config sets, as an integer >= ``minimum`` (1 or 0); None if none is set.
 
     Integral floats are accepted (JSON may write them); anything else, ``inf`` included, is a ConfigError.
@@ -167,7 +174,7 @@ def model_dtype_bytes(config: Mapping[str, Any]) -> int:
 
     A float32 (or unspecified) checkpoint is served in 16-bit by vLLM's ``dtype=auto``.
     """
-    text = _text_config(config)
+    text = text_config(config)
     name = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype")
     if name is None:
         return 2
@@ -195,8 +202,8 @@ def kv_layout_from_config(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown KV cache dtype {kv_cache_dtype!r} (choose from {', '.join(KV_CACHE_DTYPES)})")
 
-    text = _text_config(config)
-    num_layers = _positive_int(text, "num_hidden_layers", "num_layers", "n_layer")
+    text = text_config(config)
+    num_layers = positive_int(text, "num_hidden_layers", "num_layers", "n_layer")
     if num_layers is None:
         raise ConfigError("model config has no layer count (num_hidden_layers)")
     if pipeline_parallel_size > num_layers:
@@ -207,7 +214,7 @@ def kv_layout_from_config(
 
     dtype_bytes = model_dtype_bytes(config) if kv_cache_dtype == "auto" else min(_DTYPE_BYTES[kv_cache_dtype], 4)
 
-    num_heads = _positive_int(text, "num_attention_heads", "n_head", "num_heads")
+    num_heads = positive_int(text, "num_attention_heads", "n_head", "num_heads")
     # vLLM refuses this before it sizes anything (config/model.py verify_with_parallel_config,
     # 0.11.0:1045-1052, 0.34.0:1577-1584); its message, word for word.
     if num_heads is not None and num_heads % tensor_parallel_size:
@@ -216,20 +223,20 @@ def kv_layout_from_config(
 
     kv_lora_rank = text.get("kv_lora_rank")
     if kv_lora_rank is not None:
-        rope = _positive_int(text, "qk_rope_head_dim")
-        lora = _positive_int(text, "kv_lora_rank")
+        rope = positive_int(text, "qk_rope_head_dim")
+        lora = positive_int(text, "kv_lora_rank")
         if rope is None:
             raise ConfigError("MLA config has kv_lora_rank but no qk_rope_head_dim")
         # One compressed latent per token, shared by all heads: not split by TP, no V copy.
         return KVLayout(num_layers=layers_per_stage, num_kv_heads=1, head_size=lora + rope, head_size_v=0,
                         dtype_bytes=dtype_bytes, block_size=block_size, is_mla=True, kv_cache_dtype=kv_cache_dtype)
 
-    num_kv_heads = _positive_int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or num_heads
+    num_kv_heads = positive_int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or num_heads
     if num_kv_heads is None:
         raise ConfigError("model config has no head count (num_attention_heads / num_key_value_heads)")
-    head_size = _positive_int(text, "head_dim")
+    head_size = positive_int(text, "head_dim")
     if head_size is None:
-        hidden = _positive_int(text, "hidden_size", "n_embd", "d_model")
+        hidden = positive_int(text, "hidden_size", "n_embd", "d_model")
         if hidden is None or num_heads is None:
             raise ConfigError("model config has no head size (head_dim, or hidden_size and num_attention_heads)")
         head_size = hidden // num_heads
@@ -348,13 +355,9 @@ class Profile:
 
     REQUIRED = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes", "peak_allocated_increase_bytes",
                 "peak_reserved_increase_bytes", "non_torch_increase_bytes")
-    _BYTES = ("total_memory_bytes", "weights_bytes", "peak_allocated_increase_bytes", "peak_reserved_increase_bytes",
-              "non_torch_increase_bytes", "total_consumed_bytes", "transient_peak_headroom_bytes",
-              "reserved_transient_peak_bytes", "cudagraph_memory_bytes", "kv_cache_memory_bytes",
-              "init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes", "kv_transient_peak_bytes",
-              "torch_reserve_growth_bytes", "non_torch_cleared_bytes")
-    # May be negative: vLLM logs show "non_torch_memory takes -0.51GiB"; consumed can drop too.
-    _SIGNED = ("non_torch_increase_bytes", "total_consumed_bytes", "non_torch_cleared_bytes")
+    # Which fields are sizes, and which may be negative, is the field table's (kvguard.budget.fields).
+    _BYTES = tuple(row.name for row in PROFILE_FIELDS if row.kind != "float")
+    _SIGNED = tuple(row.name for row in PROFILE_FIELDS if row.kind == "signed_size")
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
@@ -448,8 +451,12 @@ def formula_inputs(formula: str) -> tuple[str, ...]:
 def requested_memory_bytes(profile: Profile) -> int | float:
     """What vLLM requests of the device: ``total × utilization``, a float before 0.14 (gpu_worker.py
     ``init_device``) and ``math.ceil`` of it since (v1/worker/utils.py ``request_memory``)."""
-    product = profile.total_memory_bytes * profile.gpu_memory_utilization
-    return math.ceil(product) if profile.budget_formula.requested == "ceil" else product
+    return _requested(profile.budget_formula, profile.total_memory_bytes, profile.gpu_memory_utilization)
+
+
+def _requested(formula: BudgetFormula, total_memory_bytes: int, gpu_memory_utilization: float) -> int | float:
+    product = total_memory_bytes * gpu_memory_utilization
+    return math.ceil(product) if formula.requested == "ceil" else product
 
 
 def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | None:
@@ -490,10 +497,14 @@ def extensible_kv_cache_bytes(profile: Profile) -> int:
     and the free memory less a margin, less the larger of the transient peak and torch's reserve growth."""
     non_kv_used = profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
     headroom = profile.free_after_warmup_bytes + profile.kv_committed_bytes
-    margin = max(EXTENSIBLE_MARGIN_FLOOR_BYTES, int(profile.kv_transient_peak_bytes * 0.75))
+    margin = _extensible_margin(profile.kv_transient_peak_bytes)
     available = min(int(requested_memory_bytes(profile)) - non_kv_used, headroom - margin)
     available -= max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
     return max(available, 0)
+
+
+def _extensible_margin(kv_transient_peak_bytes: int) -> int:
+    return max(EXTENSIBLE_MARGIN_FLOOR_BYTES, int(kv_transient_peak_bytes * 0.75))
 
 
 def _budget(profile: Profile, non_kv: int | None) -> int:
@@ -503,7 +514,12 @@ def _budget(profile: Profile, non_kv: int | None) -> int:
         return extensible_kv_cache_bytes(profile)
     formula = profile.budget_formula
     cudagraph = (profile.cudagraph_memory_bytes or 0) if formula.cudagraph else 0
-    available = requested_memory_bytes(profile) - non_kv - cudagraph
+    return _available(formula, requested_memory_bytes(profile), non_kv, cudagraph)
+
+
+def _available(formula: BudgetFormula, requested: int | float, non_kv: int, cudagraph: int) -> int:
+    """The peak formulas' and 0.27+'s last step: what the request leaves after the non-KV memory."""
+    available = requested - non_kv - cudagraph
     if formula.halved:
         available = available // 2      # vllm_ascend/_310p/worker_310p.py 0.18.0:94-97 (float floor division)
     available = int(available)
@@ -635,3 +651,76 @@ def estimate(profile: Profile, layout: KVLayout | None = None, max_model_len: in
         recommended_gpu_memory_utilization=recommended_gpu_memory_utilization(profile),
         recommended_kv_cache_memory_bytes=max(0, reserved_bytes),
     )
+
+
+# ---------------------------------------------------------------------------- the formulas read backwards
+
+def solved_field(formula: str) -> str:
+    """The profile figure the inverse solves for: the one a startup log at INFO does not state (the peak
+    formulas' activation peak, 0.27+'s total consumed, 0.34's free memory after warm-up)."""
+    budget = FORMULAS[formula]
+    if budget.non_kv == "peak":
+        return "peak_reserved_increase_bytes" if budget.peak == "reserved" else "peak_allocated_increase_bytes"
+    if budget.non_kv == "consumed":
+        return "total_consumed_bytes"
+    return "free_after_warmup_bytes"
+
+
+def solve_for_budget(fields: Mapping[str, Any], kv_cache_bytes: int) -> int:
+    """The figure ``solved_field`` for which the formula ``fields["formula"]`` decides ``kv_cache_bytes``,
+    every other input as ``fields`` gives it (an unmeasured non-torch increase, CUDA-graph estimate or
+    cleared non-torch memory counts 0). The figure may be out of its field's range (a peak below zero when
+    the other figures are rounded); ProfileError where no figure gives that budget."""
+    name = fields.get("formula") or DEFAULT_FORMULA
+    if name not in FORMULAS:
+        raise ProfileError(f"unknown budget formula {_short_repr(name)} (one of {', '.join(FORMULAS)})")
+    formula = FORMULAS[name]
+    if fields.get("kv_cache_memory_bytes") is not None:
+        raise ProfileError("--kv-cache-memory-bytes fixes the KV cache: vLLM's budget reads no profile figure")
+    if kv_cache_bytes < 0 and (formula.floor_zero or formula.non_kv == "measured_after_warmup"):
+        raise ProfileError(f"formula {name!r} never decides a negative budget ({kv_cache_bytes} B)")
+    requested = _requested(formula, fields["total_memory_bytes"], fields["gpu_memory_utilization"])
+    if formula.non_kv == "measured_after_warmup":
+        # available = min(int(requested) - used, init_free - used - margin) - kept: both branches drop by the
+        # non-KV memory used (init_free - free_after - kv_committed), so it is solved for once.
+        kept = max(fields["kv_transient_peak_bytes"], fields["torch_reserve_growth_bytes"])
+        ceiling = min(int(requested), fields["init_free_memory_bytes"]
+                      - _extensible_margin(fields["kv_transient_peak_bytes"]))
+        used = ceiling - kept - kv_cache_bytes
+        return fields["init_free_memory_bytes"] - fields["kv_committed_bytes"] - used
+    cudagraph = (fields.get("cudagraph_memory_bytes") or 0) if formula.cudagraph else 0
+    # int() truncates towards zero and 310P floor-halves: start from the exact solution of the real-valued
+    # equation, then settle on the integer the forward step itself maps onto the budget.
+    whole = math.floor(requested)
+    if formula.halved:
+        non_kv = whole - cudagraph - 2 * kv_cache_bytes
+    else:
+        non_kv = whole - cudagraph - kv_cache_bytes + (1 if kv_cache_bytes < 0 and requested != whole else 0)
+    for step in (0, 1, -1, 2, -2):
+        if _available(formula, requested, non_kv + step, cudagraph) == kv_cache_bytes:
+            non_kv += step
+            break
+    else:
+        raise ProfileError(f"formula {name!r} decides no budget of exactly {kv_cache_bytes} B here")
+    if formula.non_kv == "consumed":
+        return non_kv - fields["transient_peak_headroom_bytes"]
+    non_torch = fields.get("non_torch_increase_bytes") or 0
+    if formula.non_torch == "positive":
+        non_torch = max(0, non_torch)
+    cleared = (fields.get("non_torch_cleared_bytes") or 0) if formula.cleared else 0
+    return non_kv - fields["weights_bytes"] - non_torch - cleared
+
+
+def profile_for_budget(fields: Mapping[str, Any], kv_cache_bytes: int) -> Profile:
+    """The profile whose budget is ``kv_cache_bytes``: ``fields`` with ``solved_field`` solved for
+    (``solve_for_budget``). ``stock_kv_cache_bytes(profile_for_budget(f, b)) == b`` to the byte."""
+    name = fields.get("formula") or DEFAULT_FORMULA
+    value = solve_for_budget(fields, kv_cache_bytes)
+    formula = FORMULAS[name]
+    filled = {k: v for k, v in fields.items() if v is not None}
+    if formula.non_kv == "peak":
+        filled.setdefault("non_torch_increase_bytes", 0)
+    if formula.cudagraph:
+        filled.setdefault("cudagraph_memory_bytes", 0)
+    filled[solved_field(name)] = value
+    return Profile(**{**{k: None for k in Profile.REQUIRED}, **filled})

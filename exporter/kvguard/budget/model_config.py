@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from kvguard.budget.estimator import ConfigError
+from kvguard.text import one_line
 from kvguard.textfile import read_text
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -21,7 +22,7 @@ MAX_CONFIG_DEPTH = 64
 # No model field comes near this (vocab sizes are ~10^6, layer counts ~10^2); a bigger integer
 # is garbage that would overflow float arithmetic later.
 MAX_CONFIG_INT = 1 << 40
-# Where a multimodal config keeps its language model (estimator._text_config reads the same keys).
+# Where a multimodal config keeps its language model (estimator.text_config reads the same keys).
 _NESTED = ("text_config", "llm_config", "language_config")
 # Fields read as sizes or counts: must be integers in [1, MAX_CONFIG_INT] (integral floats too) when set.
 _POSITIVE = ("num_hidden_layers", "num_layers", "n_layer", "num_attention_heads", "n_head", "num_heads",
@@ -50,7 +51,7 @@ def load_model_config(path: str) -> dict[str, Any]:
     try:
         config = json.loads(text, parse_int=_parse_int, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
-        raise ConfigError(f"model config {path} is not valid JSON: {(str(exc).splitlines() or [''])[0]}") from None
+        raise ConfigError(f"model config {path} is not valid JSON: {one_line(exc, first_line=True)}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model config {path} is not a JSON object")
     validate_model_config(config)
@@ -105,7 +106,7 @@ def validate_model_config(config: dict[str, Any]) -> None:
                 shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
                         or value in (float("inf"), float("-inf")) or int(value) != value or value < minimum:
-                    # The estimator's own wording (estimator._positive_int), so every reader says the same.
+                    # The estimator's own wording (estimator.positive_int), so every reader says the same.
                     raise ConfigError(f"config field {prefix}{name!r} must be a {kind} integer, got {shown}")
                 if value > MAX_CONFIG_INT:
                     raise ConfigError(f"config field {prefix}{name!r} is larger than {MAX_CONFIG_INT}, got {shown}")

@@ -11,33 +11,28 @@ from kvguard.budget.estimator import (
     estimate, formula_inputs, kv_layout_from_config, max_concurrency, overcommit_bytes, required_fields,
     stock_kv_cache_bytes,
 )
+from kvguard.budget.fields import FLAGGED, PROFILE_FIELDS, field
 from kvguard.budget.model_config import load_model_config
+from kvguard.text import one_line
 from kvguard.units import format_bytes, format_gib
-from kvguard.cli import serve as cli_serve  # noqa: E402,F401  (registers serve and check)
 from kvguard.cli.options import SIGNED_SIZE, SIZE, block_size_for, emit_json, era_for_release, read_log
 from kvguard.cli.options import format_count
+from kvguard.vllm.log_profile import LOG_FILLS, log_profile
 
 
-# Profile field -> the flag that sets it. The first six are every era's; the rest are the inputs of
-# the eras that need them (kvguard.vllm.eras; README "vLLM eras").
-_PROFILE_FLAGS = {
-    "total_memory_bytes": "--total-memory",
-    "gpu_memory_utilization": "--gpu-memory-utilization",
-    "weights_bytes": "--weights",
-    "peak_allocated_increase_bytes": "--peak-allocated-increase",
-    "peak_reserved_increase_bytes": "--peak-reserved-increase",
-    "non_torch_increase_bytes": "--non-torch-increase",
-    "total_consumed_bytes": "--total-consumed",
-    "transient_peak_headroom_bytes": "--transient-peak-headroom",
-    "reserved_transient_peak_bytes": "--reserved-transient-peak",
-    "cudagraph_memory_bytes": "--cudagraph-memory",
-    "init_free_memory_bytes": "--init-free-memory",
-    "free_after_warmup_bytes": "--free-after-warmup",
-    "kv_committed_bytes": "--kv-committed",
-    "kv_transient_peak_bytes": "--kv-transient-peak",
-    "torch_reserve_growth_bytes": "--torch-reserve-growth",
-    "non_torch_cleared_bytes": "--non-torch-cleared",
-}
+# The profile fields' flags, types, help and words are the field table's (kvguard.budget.fields); the first
+# six are every era's, the rest the inputs of the eras that need them (kvguard.vllm.eras).
+_KINDS = {"size": SIZE, "signed_size": SIGNED_SIZE, "float": float}
+
+
+def _flag(name: str, absolute: bool = False) -> str:
+    """The flag that sets a profile field (``absolute``: the era adds the absolute non-torch memory)."""
+    return field(name).flag_for(absolute) or name
+
+
+def _absolute(formula: str | None) -> bool:
+    """V0, 0.8.5-0.9.0 and vllm-ascend <= 0.14 hold the absolute non-torch memory (--non-torch-memory)."""
+    return FORMULAS[formula or "peak"].non_torch == "positive"
 
 
 def _read_profile_file(path: str) -> dict[str, Any]:
@@ -47,42 +42,28 @@ def _read_profile_file(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise click.ClickException(f"profile file not found: {path}") from None
     except OSError as exc:
-        raise click.ClickException(f"cannot read profile file {path}: {exc.strerror or exc}") from None
+        raise click.ClickException(f"cannot read profile file {path}: {exc.strerror or one_line(exc)}") from None
     except RecursionError:
         raise click.ClickException(f"profile file {path} is nested too deeply to be a profile") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise click.ClickException(f"profile file {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
+        raise click.ClickException(f"profile file {path} is not valid JSON: {one_line(exc, first_line=True)}") from None
     try:
         return Profile.from_dict(data).to_dict()
     except (ProfileError, TypeError) as exc:
-        raise click.ClickException(f"profile file {path}: {exc}") from None
+        raise click.ClickException(f"profile file {path}: {one_line(exc)}") from None
 
 
 def _layout_dict(layout: KVLayout) -> dict[str, Any]:
     return {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
 
-_SIZE_HELP = {
-    "--total-consumed": "0.27+: free device memory at the init snapshot minus after the profile run.",
-    "--transient-peak-headroom": "0.27+: allocated peak minus allocated after the profile run.",
-    "--reserved-transient-peak": "0.27+: reserved peak minus reserved after the profile run (kvguard's).",
-    "--cudagraph-memory": "0.18+: the CUDA-graph memory estimate vLLM subtracted (0 when disabled).",
-    "--init-free-memory": "0.34 extensible KV cache: free device memory at the init snapshot.",
-    "--free-after-warmup": "0.34 extensible KV cache: free device memory after warm-up.",
-    "--kv-committed": "0.34 extensible KV cache: KV pages committed at the measurement.",
-    "--kv-transient-peak": "0.34 extensible KV cache: the transient peak it keeps free.",
-    "--torch-reserve-growth": "0.34 extensible KV cache: torch's reserved growth over the sizing steps.",
-    "--non-torch-cleared": "vllm-ascend 0.15-0.17 and 310P: non-torch memory read inside the profile before "
-                           "empty_cache (total - free - memory_reserved()) less the non-torch increase: in effect "
-                           "the non-torch memory already there at startup (ACL context, HCCL), whatever "
-                           "empty_cache freed (vllm_ascend/worker/worker.py 0.17.0rc1:344-363).",
-}
-
-
-def _era_size_options(function):
-    for flag in reversed(list(_SIZE_HELP)):
-        function = click.option(flag, type=SIGNED_SIZE if flag in ("--total-consumed", "--non-torch-cleared")
-                                else SIZE, help=_SIZE_HELP[flag])(function)
+def _profile_field_options(function):
+    """One option per profile field of the table, in its order (each field's absolute twin after it)."""
+    for row in reversed(FLAGGED):
+        if row.absolute_flag:
+            function = click.option(row.absolute_flag, "non_torch_memory", type=_KINDS[row.kind],
+                                    help=row.absolute_help)(function)
+        function = click.option(row.flag, row.name, type=_KINDS[row.kind], help=row.help)(function)
     return function
 
 
@@ -99,21 +80,7 @@ def _era_size_options(function):
 @click.option("--pipeline-parallel-size", "-pp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--max-model-len", type=click.IntRange(min=1), help="Tokens per request, for max concurrency.")
 @click.option("--kv-cache-memory", type=SIZE, help="Block count for this much KV cache memory.")
-@click.option("--total-memory", type=SIZE, help="Device memory vLLM saw at startup (mem_get_info total).")
-@click.option("--gpu-memory-utilization", type=float,
-              help="vLLM's --gpu-memory-utilization, in (0, 1] (default: the era's resolved default).")
-@click.option("--weights", type=SIZE, help="Model weights memory.")
-@click.option("--peak-allocated-increase", type=SIZE,
-              help="Increase of allocated_bytes.all.peak during the profile run.")
-@click.option("--peak-reserved-increase", type=SIZE, help="Increase of memory_reserved() during the profile run.")
-@click.option("--non-torch-increase", type=SIGNED_SIZE,
-              help="Increase of non-torch memory since the init snapshot (vLLM's non_torch_increase); the eras "
-                   "that add the absolute non-torch memory take --non-torch-memory instead.")
-@click.option("--non-torch-memory", type=SIGNED_SIZE,
-              help="vLLM V0, V1 0.8.5-0.9.0 and vllm-ascend <= 0.14: the absolute non-torch memory after the "
-                   "profile's empty_cache (total - free - torch allocated), which their formula adds when "
-                   "positive (vllm_ascend/worker/worker_v1.py 0.11.0:245-251).")
-@_era_size_options
+@_profile_field_options
 @click.option("--extensible-kv-cache/--no-extensible-kv-cache", default=None,
               help="0.34: whether the extensible KV cache sized the cache (default: on where the "
                    "extensible inputs are given).")
@@ -123,7 +90,8 @@ def _era_size_options(function):
               help="Predict the budget-time verdict for this allocator: the era's KV tensors placed by its rules "
                    "(needs --model-config).")
 @click.option("--enable-vmm/--no-enable-vmm", default=None,
-              help="MindSpore's VMM (default: on for vllm-mindspore, whose env_setup sets it; off otherwise).")
+              help="MindSpore's VMM (default: as the release's launcher sets MS_ALLOC_CONF, vllm-mindspore 0.5+: "
+                   "on; else MindSpore's own default, on for 910B).")
 @click.option("--expandable-segments/--no-expandable-segments", default=None,
               help="PyTorch's / torch_npu's expandable_segments:True (default: the release's own: on for "
                    "--allocator torch_npu with vllm-ascend 0.17.0rc1+, which sets it; else off).")
@@ -132,17 +100,18 @@ def _era_size_options(function):
                    "torch, 1 GiB on Ascend).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_size, pipeline_parallel_size,
-           max_model_len, kv_cache_memory, total_memory, gpu_memory_utilization, weights, peak_allocated_increase,
-           peak_reserved_increase, non_torch_increase, total_consumed, transient_peak_headroom,
-           reserved_transient_peak, cudagraph_memory, init_free_memory, free_after_warmup, kv_committed,
-           kv_transient_peak, torch_reserve_growth, non_torch_cleared, extensible_kv_cache, profile_file, log_file,
-           allocator, enable_vmm, expandable_segments, non_allocator_memory, as_json, non_torch_memory=None):
+           max_model_len, kv_cache_memory, extensible_kv_cache, profile_file, log_file, allocator, enable_vmm,
+           expandable_segments, non_allocator_memory, as_json, non_torch_memory=None, **field_flags):
     """vLLM's KV-cache budget beside the reserved-aware one, and the utilization that closes the gap.
 
     The profile comes from flags, --profile FILE or --from-log FILE; flags override the
-    file, the file overrides the log. --vllm-version picks the release's formula (README,
-    "vLLM eras"); a profile written by the plugin names its release itself.
+    file, the file overrides the log. --vllm-version picks the release's formula
+    (docs/reference/eras.md); a profile written by the plugin names its release itself.
     """
+    # The field flags by profile field name (kvguard.budget.fields).
+    flags = {row.name: field_flags.get(row.name) for row in FLAGGED}
+    total_memory, gpu_memory_utilization = flags["total_memory_bytes"], flags["gpu_memory_utilization"]
+    non_torch_increase = flags["non_torch_increase_bytes"]
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise click.UsageError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
     _refuse_unused_allocator_options(allocator, enable_vmm, expandable_segments, non_allocator_memory)
@@ -152,14 +121,6 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         fields.update(startup.profile_fields())
     file_fields: dict[str, Any] = _read_profile_file(profile_file) if profile_file else {}
     fields.update(file_fields)
-    flags = {"total_memory_bytes": total_memory, "gpu_memory_utilization": gpu_memory_utilization,
-             "weights_bytes": weights, "peak_allocated_increase_bytes": peak_allocated_increase,
-             "peak_reserved_increase_bytes": peak_reserved_increase, "non_torch_increase_bytes": non_torch_increase,
-             "total_consumed_bytes": total_consumed, "transient_peak_headroom_bytes": transient_peak_headroom,
-             "reserved_transient_peak_bytes": reserved_transient_peak, "cudagraph_memory_bytes": cudagraph_memory,
-             "init_free_memory_bytes": init_free_memory, "free_after_warmup_bytes": free_after_warmup,
-             "kv_committed_bytes": kv_committed, "kv_transient_peak_bytes": kv_transient_peak,
-             "torch_reserve_growth_bytes": torch_reserve_growth, "non_torch_cleared_bytes": non_torch_cleared}
     fields.update({k: v for k, v in flags.items() if v is not None})
 
     # The era: --vllm-version, else the profile file's own release, else the log's lines.
@@ -181,10 +142,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
             formula = "extensible"
         fields["formula"] = formula
         if fields.get("gpu_memory_utilization") is None:
-            default = era.default_gpu_memory_utilization
-            if default is None:   # 0.34: resolved_gpu_memory_utilization (config/cache.py 0.34.0:494-501)
-                default = 1.0 if formula == "extensible" else 0.92
-            fields["gpu_memory_utilization"] = default
+            fields["gpu_memory_utilization"] = era.utilization_default(extensible=formula == "extensible")
         if FORMULAS[formula].cudagraph and fields.get("cudagraph_memory_bytes") is None \
                 and not era.cudagraph_estimate_default:
             fields["cudagraph_memory_bytes"] = 0
@@ -208,22 +166,22 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     given = {k for k, v in flags.items() if v is not None} | ({"non_torch_increase_bytes"}
                                                              if non_torch_memory is not None else set())
     needs = _era_needs(era, fields, given, file_fields, file_formula, profile_file)
-    measured = {k: v for k, v in fields.items() if k in _PROFILE_FLAGS or k in ("formula", "vllm_version",
-                                                                                  "kv_cache_memory_bytes")}
+    profile_keys = {f.name for f in dataclasses.fields(Profile)}
+    measured = {k: v for k, v in fields.items() if k in profile_keys}
     if fields and all(fields.get(k) is not None for k in needs):
         try:
             profile = Profile(**{**{k: None for k in Profile.REQUIRED}, **measured})
         except (ProfileError, TypeError) as exc:
             raise click.ClickException(str(exc)) from None
-    elif (given or profile_file) and not (startup and startup.available_kv_cache_bytes and given <= _LOG_FILLS):
+    elif (given or profile_file) and not (startup and startup.available_kv_cache_bytes and given <= set(LOG_FILLS)):
         # Never a silent drop: a profile from flags or a file that the era cannot budget is refused (a log's
         # own decided budget stands, with --total-memory / --gpu-memory-utilization for --allocator).
-        missing = [_PROFILE_FLAGS.get(k, k) + _MISSING_HINT.get(k, "") for k in needs if fields.get(k) is None]
+        absolute = _absolute(fields.get("formula"))
+        missing = [_flag(k, absolute) + field(k).hint for k in needs if fields.get(k) is None]
         era_text = f" for {era.name}" if era else ""
         extensible = ""
         if era and era.extensible_kv_cache_default and fields.get("formula") != "extensible":
-            extensible = (" (or, with its extensible KV cache, " + ", ".join(_PROFILE_FLAGS[k] for k in
-                                                                           EXTENSIBLE_INPUTS) + ")")
+            extensible = " (or, with its extensible KV cache, " + ", ".join(map(_flag, EXTENSIBLE_INPUTS)) + ")"
         raise click.UsageError(f"incomplete profile{era_text}: missing {', '.join(missing)}{extensible}")
 
     if kv_cache_memory is not None and layout is None:
@@ -264,12 +222,10 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     if allocator:
         if profile is None and startup is not None:
             # A log without the profile line: the non-KV memory read back from the decided budget, as
-            # kvguard check does (kvguard.sidecar.core.log_profile), with --total-memory / --gpu-memory-utilization.
-            from kvguard.sidecar.core import log_profile
-            profile = log_profile(startup, total_memory, gpu_memory_utilization)[0]
-        if enable_vmm is None and era is None and startup is not None and allocator == "mindspore":
-            # A vllm-mindspore log older than the table (no era row) still ran its launcher's VMM.
-            enable_vmm = startup.project == "vllm-mindspore"
+            # kvguard check does (kvguard.vllm.log_profile), with --total-memory / --gpu-memory-utilization and the
+            # formula of the release --vllm-version names.
+            profile = log_profile(startup, total_memory, gpu_memory_utilization,
+                                  formula=era.formula if era is not None else None)[0]
         result["at_budget"] = _budget_time_verdict(result, profile, layout, allocator, era, enable_vmm,
                                                    expandable_segments, non_allocator_memory)
 
@@ -279,16 +235,6 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         _print_budget(result, layout)
 
 
-# What a log's decided budget still uses when its profile is incomplete (--allocator: kvguard.sidecar.core.log_profile).
-_LOG_FILLS = {"total_memory_bytes", "gpu_memory_utilization"}
-
-
-_MISSING_HINT = {
-    "cudagraph_memory_bytes": " (the CUDA-graph estimate it subtracts; 0 if VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0)",
-    "non_torch_cleared_bytes": " (the non-torch memory present at startup, which it also subtracts)",
-}
-
-
 def _era_needs(era, fields: dict[str, Any], given: set[str], file_fields: dict[str, Any], file_formula: str,
                profile_file: str | None) -> list[str]:
     """The profile fields the era's formula needs here; refuses (one line) an input it would drop: a flag
@@ -296,8 +242,9 @@ def _era_needs(era, fields: dict[str, Any], given: set[str], file_fields: dict[s
     formula = fields.get("formula") or "peak"
     reads = formula_inputs(formula)
     who = era.name if era else "the default formula (0.9.1-0.13; no --vllm-version)"
-    takes = ", ".join(_PROFILE_FLAGS[k] for k in reads if k in _PROFILE_FLAGS)
-    unread = [_PROFILE_FLAGS[k] for k in _PROFILE_FLAGS if k in given and k not in reads]
+    absolute = _absolute(formula)
+    takes = ", ".join(_flag(k, absolute) for k in reads if field(k).flag)
+    unread = [_flag(row.name, absolute) for row in FLAGGED if row.name in given and row.name not in reads]
     if unread:
         raise click.UsageError(f"{who} (formula {formula}) does not read {', '.join(unread)}; it takes {takes}")
     if profile_file and formula != file_formula:
@@ -356,9 +303,8 @@ def _refuse_unused_allocator_options(allocator, enable_vmm, expandable_segments,
 def _refuse_growth_past_the_device(profile: Profile) -> None:
     """A profile whose weights or profile-run increases exceed the device itself was mis-typed (a unit, a
     digit); say which figure, rather than print a budget of minus hundreds of GiB."""
-    for name, flag in (("weights_bytes", "--weights"), ("peak_allocated_increase_bytes", "--peak-allocated-increase"),
-                       ("peak_reserved_increase_bytes", "--peak-reserved-increase")):
-        value = getattr(profile, name)
+    for name in ("weights_bytes", "peak_allocated_increase_bytes", "peak_reserved_increase_bytes"):
+        value, flag = getattr(profile, name), _flag(name)
         if value is not None and value > profile.total_memory_bytes:
             raise click.ClickException(f"{flag} {format_gib(value)} is more than the device's total memory "
                                        f"({format_gib(profile.total_memory_bytes)}): check its unit")
@@ -377,8 +323,11 @@ def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str
     kv_cache = stock.get("kv_cache_bytes")
     if kv_cache is None:
         kv_cache = stock_kv_cache_bytes(profile)
-    if enable_vmm is None:
-        enable_vmm = allocator == "mindspore" and bool(era and era.project == "vllm-mindspore")
+    if enable_vmm is None and allocator == "mindspore":
+        # MS_ALLOC_CONF unset: the release's launcher default, else MindSpore's (kvguard.allocators.mindspore_releases).
+        from kvguard.allocators.mindspore_releases import vmm_on
+        enable_vmm = vmm_on(None, launcher_vmm=era.vmm_default if era else None)
+    enable_vmm = bool(enable_vmm)
     if expandable_segments is None:
         from kvguard.vllm.eras import expandable_segments_default
         expandable_segments = expandable_segments_default(result.get("vllm_version"), allocator)
@@ -421,18 +370,6 @@ def _decided_budget(startup, layout: KVLayout | None, block_size: int, max_model
             "num_tokens": num_tokens, "max_concurrency": concurrency}
 
 
-_PROFILE_WORDS = {
-    "weights_bytes": "weights", "peak_allocated_increase_bytes": "allocated peak increase",
-    "peak_reserved_increase_bytes": "reserved increase", "non_torch_increase_bytes": "non-torch increase",
-    "total_consumed_bytes": "total consumed", "transient_peak_headroom_bytes": "transient peak",
-    "reserved_transient_peak_bytes": "reserved transient peak", "cudagraph_memory_bytes": "CUDA graphs",
-    "kv_cache_memory_bytes": "--kv-cache-memory-bytes", "init_free_memory_bytes": "free at init",
-    "free_after_warmup_bytes": "free after warm-up", "kv_committed_bytes": "KV committed",
-    "kv_transient_peak_bytes": "KV transient peak", "torch_reserve_growth_bytes": "torch reserve growth",
-    "non_torch_cleared_bytes": "non-torch cleared",
-}
-
-
 def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
     out = click.echo
     if layout:
@@ -454,11 +391,10 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
                    if era.get("checked_against") else "")
                 + ")")
         out(f"Profile      total {format_bytes(total)} x utilization {util:g} = {format_bytes(total * util)}")
-        # V0, 0.8.5-0.9.0 and vllm-ascend <= 0.14 hold the absolute non-torch memory in that field (--non-torch-memory).
-        absolute = FORMULAS[profile.get("formula", "peak")].non_torch == "positive"
-        words = {**_PROFILE_WORDS, **({"non_torch_increase_bytes": "non-torch memory"} if absolute else {})}
-        parts = [f"{words[key]} {format_bytes(value)}" for key, value in profile.items()
-                 if key in words and value is not None]
+        # The field table's words; total and utilization are on the line above.
+        absolute = _absolute(profile.get("formula"))
+        parts = [f"{row.word_for(absolute)} {format_bytes(profile[row.name])}" for row in PROFILE_FIELDS
+                 if row.name not in LOG_FILLS and profile.get(row.name) is not None]
         if profile.get("peak_reserved_increase_bytes") is None and profile.get("formula", "peak").startswith("peak"):
             parts.append("reserved increase unknown")
         for start in range(0, len(parts), 3):

@@ -76,8 +76,7 @@ def check(spool_dir, log_file, vllm_metrics_url, stale_after, forget_after, post
     except Exception as exc:  # noqa: BLE001 - exit 1 means "warning" to the caller: a crash must say 2
         from kvguard.text import one_line
 
-        detail = one_line(exc)
-        raise CheckError(f"cannot judge: {type(exc).__name__}" + (f": {detail}" if detail else "")) from None
+        raise CheckError(f"cannot judge: {one_line(exc, with_type=True)}") from None
 
 
 def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_json, total_memory=None,
@@ -169,10 +168,11 @@ def _log_dict(startup, findings) -> dict[str, Any]:
 def _refuse_a_device_smaller_than_the_log(startup, total_memory: int) -> None:
     """``--total-memory 64`` (the unit forgotten) is 64 bytes: refuse it in one line, as ``budget`` refuses a
     figure larger than the device, rather than judge a device smaller than the weights it holds."""
+    from kvguard.budget.fields import field as profile_field
     from kvguard.units import format_bytes, format_gib
 
     stated = [(name, getattr(startup, field)) for name, field in (
-        ("weights", "weights_bytes"), ("KV cache", "available_kv_cache_bytes"),
+        (profile_field("weights_bytes").word, "weights_bytes"), ("KV cache", "available_kv_cache_bytes"),
         ("requested memory", "requested_memory_bytes"))]
     larger = [(name, value) for name, value in stated if value is not None and value > total_memory]
     if larger:

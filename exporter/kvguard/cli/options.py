@@ -8,7 +8,6 @@ import os
 from typing import Any
 import click
 from kvguard.units import parse_size
-from kvguard.cli import serve as cli_serve  # noqa: E402,F401  (registers serve and check)
 
 
 class SizeType(click.ParamType):
@@ -69,9 +68,8 @@ class KVGuardGroup(click.Group):
                 raise
             from kvguard.text import one_line
 
-            detail = one_line(exc)
-            error = click.ClickException(f"internal error: {type(exc).__name__}" + (f": {detail}" if detail else "")
-                                         + " (KVGUARD_DEBUG=1 shows the traceback)")
+            error = click.ClickException(f"internal error: {one_line(exc, with_type=True)}"
+                                         " (KVGUARD_DEBUG=1 shows the traceback)")
             error.exit_code = 2
             raise error from None
 
@@ -97,8 +95,8 @@ def era_for_release(release: str | None):
 
 def block_size_for(era, block_size: int | None, config: Any) -> int:
     """The era's default block size, and vLLM's MLA block size on CUDA where the era forces one."""
-    from kvguard.budget.estimator import _text_config
-    is_mla = isinstance(config, dict) and "kv_lora_rank" in _text_config(config)
+    from kvguard.budget.estimator import text_config
+    is_mla = isinstance(config, dict) and "kv_lora_rank" in text_config(config)
     if era and is_mla and era.mla_block_size:
         forced, rule = era.mla_block_size, era.mla_block_rule
         if block_size is None or (rule == "equal" and block_size != forced) \

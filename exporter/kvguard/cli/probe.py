@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 import click
 from kvguard.units import format_bytes
-from kvguard.cli import serve as cli_serve  # noqa: E402,F401  (registers serve and check)
 from kvguard.cli.options import FiniteFloatRange, emit_json
 
 

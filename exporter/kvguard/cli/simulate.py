@@ -11,8 +11,8 @@ from kvguard.budget.estimator import (
     ConfigError,
 )
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.text import one_line
 from kvguard.units import format_bytes
-from kvguard.cli import serve as cli_serve  # noqa: E402,F401  (registers serve and check)
 from kvguard.cli.options import SIZE, emit_json
 from kvguard.cli.options import format_count
 
@@ -167,8 +167,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         except TraceError as exc:
             raise click.ClickException(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a reader bug on an odd file is one line, not a traceback
-            raise click.ClickException(f"cannot read trace {trace_file}: {exc.__class__.__name__}: "
-                                       f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
+            raise click.ClickException(f"cannot read trace {trace_file}: "
+                                       f"{one_line(exc, first_line=True, with_type=True)}"[:300]) from None
         device = Device(device_memory, config.resolved_non_allocator_bytes)
         target = make_allocator(config, device)
         outcome = replay(trace.events, target, sample_every=max(1, len(trace.events) // 2000))
@@ -207,7 +207,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
-        raise click.ClickException(f"model config: {exc}") from None
+        raise click.ClickException(f"model config: {one_line(exc)}") from None
     from kvguard.sim.guarded import BudgetWatch, startup_guard_dict, startup_verdict
     watch = BudgetWatch(scenario)       # the guard when the budget is fixed, before the KV cache
     scenario.startup()
@@ -361,8 +361,8 @@ def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, r
     except (TraceError, SnapshotError) as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - an odd snapshot is one line, not a traceback
-        raise click.ClickException(f"cannot replay snapshot {trace_file}: {exc.__class__.__name__}: "
-                                   f"{str(exc).splitlines()[0] if str(exc) else ''}"[:300]) from None
+        raise click.ClickException(f"cannot replay snapshot {trace_file}: "
+                                   f"{one_line(exc, first_line=True, with_type=True)}"[:300]) from None
     finally:
         if log_handle is not None:
             log_handle.close()
@@ -402,7 +402,7 @@ def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> float 
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     except ArithmeticError as exc:
-        raise click.ClickException(f"model config: {exc}") from None
+        raise click.ClickException(f"model config: {one_line(exc)}") from None
     if as_json:
         emit_json({"search": search.to_dict(), "config": config.summary()})
         return search.gpu_memory_utilization
@@ -437,7 +437,6 @@ def _write_plot(path: str, plot, *args) -> None:
     try:
         plot(*args)
     except OSError as exc:
-        raise click.ClickException(f"cannot write plot {path}: {exc.strerror or exc}") from None
+        raise click.ClickException(f"cannot write plot {path}: {exc.strerror or one_line(exc)}") from None
     except (ValueError, RuntimeError) as exc:
-        raise click.ClickException(f"cannot write plot {path}: {str(exc).splitlines()[0] if str(exc) else exc}") \
-            from None
+        raise click.ClickException(f"cannot write plot {path}: {one_line(exc, first_line=True)}") from None

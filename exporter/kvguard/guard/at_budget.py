@@ -11,10 +11,11 @@ from typing import Any
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.torch_alloc import CachingAllocator
-from kvguard.budget.estimator import kv_cache_tensor_bytes, kv_tensor_style
+from kvguard.budget.estimator import kv_cache_tensor_bytes
 from kvguard.guard.judge import (CRITICAL, BudgetInput, Verdict, judge_at_budget, largest_fitting_blocks,
                            physical_reserved_bytes)
 from kvguard.records import DeviceMemory
+from kvguard.vllm.eras import kv_tensor_style
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
 
@@ -116,7 +117,8 @@ def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str,
 
     if memory is None:
         memory = counters_at_budget(profile, kind, enable_vmm=enable_vmm, non_allocator_bytes=non_allocator_bytes)
-    style = "per_layer_k_v" if kind == "mindspore" else kv_tensor_style(profile.formula, profile.vllm_version)
+    # The release's era row; a profile without one: the rows of this allocator (MindSpore's pool: vllm-mindspore).
+    style = kv_tensor_style(profile.vllm_version, formula=profile.formula, allocator=kind)
 
     def build() -> Any:
         return allocator_from_counters(kind, memory, expandable_segments=expandable_segments, enable_vmm=enable_vmm)

@@ -4,7 +4,7 @@ Pure logic: a rank's startup profile, the KV cache the engine allocated and the 
 counters in, a verdict with reasons out. No I/O; the budgets come from the estimator (one
 definition of every formula).
 
-The projection, per rank (README, "The guard"):
+The projection, per rank (docs/explanation/guard.md):
 
     projected peak = weights + KV cache allocated + reserved activation peak + non-torch increase
     headroom       = capacity − projected peak          (capacity: the profile's total memory)
@@ -19,7 +19,7 @@ climb; ``warning`` when the stock budget is overcommitted (or the live reserved 
 projection, or the guard cannot judge); ``ok`` otherwise.
 
 ``judge_at_budget`` is the same verdict one step earlier: when vLLM has fixed its KV budget but
-before the KV cache is allocated (README, "The budget-time verdict"). It places the KV tensors, as
+before the KV cache is allocated (docs/explanation/guard.md). It places the KV tensors, as
 the era allocates them, into a fresh model of the rank's allocator (``kvguard.allocators``' rule-for-
 rule models, built holding what the rank has reserved), then judges the state that leaves: a tensor the
 model cannot place is ``kv_cache_placement_fails`` (critical); otherwise ``judge`` on the predicted

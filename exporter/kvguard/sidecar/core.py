@@ -25,13 +25,13 @@ from typing import Any, Callable, Sequence
 
 import logging
 
-from kvguard.budget.estimator import FORMULAS, Profile, required_fields
 from kvguard.guard.judge import CounterWindow, GuardInput, judge
 from kvguard.sidecar.poller import Poller, PollState
 from kvguard.spool.io import SpoolRead, SpoolReader, own_pid_namespace
 from kvguard.spool.schema import Snapshot
 from kvguard.text import safe_text
 from kvguard.vllm.log import StartupLog
+from kvguard.vllm.log_profile import log_profile
 from kvguard.sidecar.observation import DUPLICATE, DeviceView, ENGINE_ID_ENV, NOT_WRITTEN, Observation, POD_KEYS, PROCESS_EXITED, RANK_LABELS, RankView, SPOOL, VLLM_METRICS, aged_out_text, pod_labels_from_env
 
 
@@ -356,56 +356,6 @@ class Sidecar:
         if log is not None and log.available_kv_cache_bytes is not None:
             return blocks, max(0, log.available_kv_cache_bytes)
         return blocks, None
-
-
-# What each profile field is, for a message that names the ones a log lacks.
-_FIELD_WORDS = {"total_memory_bytes": "the device's total memory", "gpu_memory_utilization": "gpu_memory_utilization",
-                "weights_bytes": "the weights", "peak_allocated_increase_bytes": "the profile run's allocated peak",
-                "peak_reserved_increase_bytes": "the profile run's reserved peak increase",
-                "non_torch_increase_bytes": "the non-torch increase", "total_consumed_bytes": "the total consumed",
-                "transient_peak_headroom_bytes": "the transient peak"}
-
-
-def log_profile(log: StartupLog, total_memory_bytes: int | None = None,
-                gpu_memory_utilization: float | None = None) -> tuple[Profile | None, str | None]:
-    """The startup log's profile, or (None, a one-line message naming what the log states and
-    which figures of its era's formula it lacks).
-
-    ``total_memory_bytes`` / ``gpu_memory_utilization`` fill what the log does not state (vllm-mindspore
-    logs neither at INFO). With both, and the KV cache vLLM decided, a log without the profile line
-    still gives the peak formulas' non-KV memory: ``total × util − weights − decided`` (the formula read
-    backwards), taken whole as the activation peak (non-torch 0).
-    """
-    fields = log.profile_fields()
-    if total_memory_bytes is not None:
-        fields["total_memory_bytes"] = total_memory_bytes
-    if gpu_memory_utilization is not None:
-        fields["gpu_memory_utilization"] = gpu_memory_utilization
-    formula = FORMULAS[fields["formula"]]
-    peak = "peak_reserved_increase_bytes" if formula.peak == "reserved" else "peak_allocated_increase_bytes"
-    derivable = (formula.non_kv == "peak" and log.available_kv_cache_bytes is not None and fields.get(peak) is None
-                 and fields.get("non_torch_increase_bytes") is None and fields.get("kv_cache_memory_bytes") is None)
-    if derivable and all(fields.get(k) is not None for k in ("total_memory_bytes", "gpu_memory_utilization",
-                                                             "weights_bytes")):
-        requested = int(fields["total_memory_bytes"] * fields["gpu_memory_utilization"])
-        fields[peak] = max(0, requested - fields["weights_bytes"] - log.available_kv_cache_bytes)
-        fields["non_torch_increase_bytes"] = 0
-    needs = required_fields(fields["formula"], fields.get("kv_cache_memory_bytes"))
-    if all(fields.get(n) is not None for n in needs):
-        return Profile(**{**{k: None for k in Profile.REQUIRED}, **fields}), None
-    needs = required_fields(fields["formula"], fields.get("kv_cache_memory_bytes"))
-    derived = (peak, "non_torch_increase_bytes") if derivable else ()
-    missing = [_FIELD_WORDS.get(n, n) for n in needs if fields.get(n) is None and n not in derived]
-    stated = [_FIELD_WORDS.get(n, n) for n in needs if fields.get(n) is not None]
-    if log.available_kv_cache_bytes is not None:
-        stated.append("the KV cache vLLM decided")
-    who = log.era or log.project
-    return None, (f"the startup log ({who}) states {', '.join(stated) or 'no profile figure'} but not "
-                  f"{', '.join(missing)}" + (" (the activation peak follows from them and the decided KV cache)"
-                                             if derived else "")
-                  + f": without them the peak cannot be projected (give them to kvguard check "
-                  f"as --total-memory / --gpu-memory-utilization, or run the probe: a KVGUARD_SPOOL_DIR snapshot "
-                  f"carries the whole profile)")
 
 
 def _own_timeout(source: Any) -> float:

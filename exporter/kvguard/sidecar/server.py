@@ -67,10 +67,12 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import gzip_accepted  # exposition.py 0.17.0:251-256, 0.26.0:429-434
 
 from kvguard.sidecar.exposition import Exposition
 from kvguard.sidecar.core import Sidecar
 from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfig, WebConfigWatcher
+from kvguard.text import one_line
 
 OPEN_PATHS = ("/healthz", "/readyz")
 LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
@@ -124,10 +126,6 @@ def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(options.tls_cert_file, options.tls_key_file)
     return context
-
-
-def _gzip_accepted(header: str | None) -> bool:
-    return any(part.split(";")[0].strip().lower() == "gzip" for part in (header or "").split(","))
 
 
 # ------------------------------------------------------------------------------ request parsing
@@ -322,7 +320,7 @@ class Application:
         if verdict is not True:
             return verdict
         if path == "/metrics":
-            gzipped = _gzip_accepted(request.headers.get("accept-encoding"))
+            gzipped = gzip_accepted(request.headers.get("accept-encoding"))
             accept = request.headers.get("accept", "")
             if len(self.asked) < AHEAD_FORMATS:
                 self.asked[(accept, gzipped)] = None
@@ -339,7 +337,7 @@ class Application:
         try:
             path = request.path
             if path == "/metrics":
-                gzipped = _gzip_accepted(request.headers.get("accept-encoding"))
+                gzipped = gzip_accepted(request.headers.get("accept-encoding"))
                 return self._metrics(self.exposition.parts(request.headers.get("accept", ""), gzipped), gzipped)
             if path == "/guard":
                 return Response(200, self.exposition.guard_json(), "application/json")
@@ -347,7 +345,7 @@ class Application:
                 return _text(*self.exposition.observation().readiness(self.options.fail_readiness_on_critical))
             return _text(404, "not found\n")
         except Exception as exc:  # one line to the client, never a traceback
-            message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            message = one_line(exc, first_line=True)
             return _text(500, f"error: {message}\n")
 
     @staticmethod
@@ -1027,7 +1025,7 @@ class KVGuardServer:
         if len(self._log_times) >= 10:
             return
         self._log_times.append(now)
-        message = (str(error).splitlines() or [""])[0] or type(error).__name__
+        message = one_line(error, first_line=True)
         host = address[0] if isinstance(address, tuple) and address else address
         print(f"kvguard serve: connection from {host}: {message[:200]}", file=sys.stderr, flush=True)
 

@@ -42,6 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from kvguard.text import one_line
 from kvguard.textfile import read_text
 
 MAX_WEB_CONFIG_BYTES = 1 << 20
@@ -113,11 +114,6 @@ class WebConfig:
     files: tuple[str, ...] = ()                                           # what to watch for changes
 
 
-def _one_line(exc: BaseException) -> str:
-    text = (str(exc).splitlines() or [""])[0].strip()
-    return text[:300] or type(exc).__name__
-
-
 def _resolve(base: str, path: Any, key: str) -> str:
     if not isinstance(path, str) or not path:
         raise WebConfigError(f"tls_server_config.{key} must be a file name")
@@ -146,7 +142,7 @@ def parse_web_config(text: str, base_dir: str = ".") -> WebConfig:
     try:
         data = yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError, ValueError) as exc:
-        raise WebConfigError(f"not valid YAML: {_one_line(exc)}") from None
+        raise WebConfigError(f"not valid YAML: {one_line(exc, first_line=True)}") from None
     data = _mapping(data, "the web config")
     _strict(data, {"tls_server_config", "http_server_config", "basic_auth_users", "rate_limit"}, "web config")
     if data.get("rate_limit") not in (None, {}):
@@ -188,7 +184,7 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
     try:
         context.load_cert_chain(cert, key)
     except (OSError, ssl.SSLError) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc, first_line=True)
         raise WebConfigError(f"cannot load cert_file {cert} / key_file {key}: {detail}") from None
 
     versions = {}
@@ -203,7 +199,7 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
     try:
         context.minimum_version, context.maximum_version = versions["min_version"], versions["max_version"]
     except (ValueError, ssl.SSLError) as exc:
-        raise WebConfigError(f"tls_server_config: this OpenSSL refuses the TLS versions: {_one_line(exc)}") from None
+        raise WebConfigError(f"tls_server_config: this OpenSSL refuses the TLS versions: {one_line(exc, first_line=True)}") from None
 
     suites = tls.get("cipher_suites") or []
     if not isinstance(suites, list) or not all(isinstance(s, str) for s in suites):
@@ -219,7 +215,7 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
         try:
             context.set_ciphers(":".join(openssl_names))
         except ssl.SSLError as exc:
-            raise WebConfigError(f"tls_server_config.cipher_suites: {_one_line(exc)}") from None
+            raise WebConfigError(f"tls_server_config.cipher_suites: {one_line(exc, first_line=True)}") from None
     if tls.get("prefer_server_cipher_suites", True) is True:
         context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     curves = tls.get("curve_preferences") or []
@@ -253,7 +249,7 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
                     raise WebConfigError("tls_server_config.client_ca must be PEM text")
                 context.load_verify_locations(cadata=tls["client_ca"])
         except (OSError, ssl.SSLError) as exc:
-            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else one_line(exc, first_line=True)
             raise WebConfigError(f"cannot load the client CA: {detail}") from None
     context.verify_mode = mode
     return context
@@ -282,7 +278,7 @@ def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
                                  "authentication and TLS off")
         config = parse_web_config(text, os.path.dirname(os.path.abspath(path)))
     except WebConfigError as exc:
-        raise WebConfigError(f"web config {path}: {exc}") from None
+        raise WebConfigError(f"web config {path}: {one_line(exc)}") from None
     return WebConfig(config.tls_context, config.basic_auth_users, config.headers, (path,) + config.files)
 
 

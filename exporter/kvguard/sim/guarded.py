@@ -25,9 +25,9 @@ from kvguard.guard.at_budget import counters_of
 
 
 def scenario_tensor_style(scenario: ServingScenario) -> str:
-    """The KV tensor style of the release the scenario stands for: vllm-mindspore on MindSpore's
-    pool, vLLM V1 (0.9-0.27, one tensor per layer) on torch and torch_npu."""
-    return "per_layer_k_v" if scenario.config.allocator == "mindspore" else "per_layer"
+    """The KV tensor style of the release the scenario stands for (``ScenarioConfig.vllm_release``'s era
+    row: the vllm-mindspore launcher on MindSpore's pool, vLLM V1 on torch and torch_npu)."""
+    return scenario.config.kv_tensor_style
 
 
 class BudgetWatch:

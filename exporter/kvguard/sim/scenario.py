@@ -52,19 +52,24 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from kvguard.budget.estimator import (KVLayout, Profile, _positive_int, _text_config, estimate, kv_layout_from_config,
-                         reserved_kv_cache_bytes, stock_kv_cache_bytes)
+from kvguard.budget.estimator import (KVLayout, Profile, positive_int, text_config, estimate, kv_cache_tensor_bytes,
+                                      kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes)
 from kvguard.allocators.base import SimOutOfMemory
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
-                                 vmm_enabled)
+                                 vmm_on)
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.allocators.torch_alloc import CachingAllocator
 from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
 from kvguard.sim.workload import ModelShape, forward_ops, model_shape, weight_tensors
+from kvguard.vllm.eras import era_for, kv_tensor_style
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
+# The release a run on torch or torch_npu stands for: vLLM V1 with one KV tensor per layer (its era row).
+# vllm-ascend itself allocates a K and a V tensor per layer (its rows); the simulated torch_npu runs keep
+# vLLM's allocation, which the guard grid's figures were measured on.
+SIMULATED_VLLM = "vllm:0.11.0"
 BUDGETS = ("stock", "reserved")
 MIB = 1 << 20
 GIB = 1 << 30
@@ -164,16 +169,28 @@ class ScenarioConfig:
 
     @property
     def enable_vmm(self) -> bool:
-        o2_without_ge_kernel = False    # jit_level O2 with GE kernels disabled is not a vllm-mindspore setting
-        default_on = self.soc_supports_vmm and self.mindspore_release.vmm_default_on_910b
-        return vmm_enabled(self.resolved_alloc_conf, soc_supports_vmm=default_on,
-                           jit_o2_without_ge_kernel=o2_without_ge_kernel)
+        # jit_level O2 with GE kernels disabled is not a vllm-mindspore setting.
+        return vmm_on(self.ms_alloc_conf, launcher_vmm=era_for(self.vllm_release).vmm_default,
+                      mindspore=self.mindspore_release, soc_supports_vmm=self.soc_supports_vmm)
+
+    @property
+    def vllm_release(self) -> str:
+        """The release the run stands for: the vllm-mindspore launcher on MindSpore's pool; vLLM V1's own
+        per-layer allocation on torch and torch_npu (SIMULATED_VLLM)."""
+        if self.allocator == "mindspore":
+            return f"vllm-mindspore:{self.vllm_mindspore_version}"
+        return SIMULATED_VLLM
+
+    @property
+    def kv_tensor_style(self) -> str:
+        """How that release allocates the KV cache (its era row's kv_tensor_style)."""
+        return kv_tensor_style(self.vllm_release)
 
     @property
     def resolved_max_model_len(self) -> int:
         if self.max_model_len:
             return self.max_model_len
-        value = _positive_int(_text_config(self.model_config), "max_position_embeddings")
+        value = positive_int(text_config(self.model_config), "max_position_embeddings")
         return 32768 if value is None else min(value, 32768)
 
     @property
@@ -472,14 +489,8 @@ class ServingScenario:
         self._record("kv_cache")
         return self.profile
 
-    def _kv_tensor_sizes(self, num_blocks: int) -> list[int]:
-        layout = self.kv_layout
-        per_layer = num_blocks * layout.page_bytes_per_layer
-        if self.config.allocator == "mindspore" and not layout.is_mla:
-            # vllm-mindspore keeps separate key and value cache tensors per layer.
-            return [per_layer // 2, per_layer - per_layer // 2] * layout.num_layers
-        # vLLM V1 allocates one raw int8 buffer per layer and views it as K and V.
-        return [per_layer] * layout.num_layers
+    def _kv_tensor_sizes(self, num_blocks: int) -> tuple[int, ...]:
+        return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)
 
     # ----------------------------------------------------------------- execution
     def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> list:

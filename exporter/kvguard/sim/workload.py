@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from kvguard.budget.estimator import ConfigError, KVLayout, _positive_int, _text_config, kv_layout_from_config, model_dtype_bytes
+from kvguard.budget.estimator import ConfigError, KVLayout, positive_int, text_config, kv_layout_from_config, model_dtype_bytes
 
 Op = tuple[Any, "int | None"]
 
@@ -72,7 +72,7 @@ class ModelShape:
 
 def _int(text: Mapping[str, Any], *names: str, default: int | None = None, minimum: int = 1) -> int:
     """The first of ``names`` the config sets, as an integer >= ``minimum``; ConfigError otherwise."""
-    value = _positive_int(text, *names, minimum=minimum)
+    value = positive_int(text, *names, minimum=minimum)
     if value is not None:
         return value
     if default is None:
@@ -96,7 +96,7 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
         raise ConfigError("model config must be a JSON object")
     if layout is None:
         layout = kv_layout_from_config(config, tensor_parallel_size=tensor_parallel_size)
-    text = _text_config(config)
+    text = text_config(config)
     tp = tensor_parallel_size
     hidden = _int(text, "hidden_size", "n_embd", "d_model")
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")

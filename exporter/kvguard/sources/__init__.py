@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
 from kvguard.records import KVCacheAllocation
+from kvguard.text import one_line
 
 
 class SourceError(RuntimeError):
@@ -105,7 +106,7 @@ def get_source(name: str, **options: Any) -> Source:
     except SourceError:
         raise
     except TypeError as exc:
-        raise SourceError(f"source {name!r}: {exc}") from None
+        raise SourceError(f"source {name!r}: {one_line(exc)}") from None
 
 
 def close_source(source: Any) -> None:

@@ -10,8 +10,9 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 from kvguard.budget.estimator import Profile, ProfileError
-from kvguard.records import MAX_COUNTER, DeviceMemory
-from kvguard.text import safe_text
+from kvguard.guard.judge import BUDGET, Verdict
+from kvguard.records import MAX_COUNTER, MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS, DeviceMemory
+from kvguard.text import one_line, safe_text
 from kvguard.records import KVCacheAllocation
 
 
@@ -26,8 +27,6 @@ POD_ENV = {"pod": "POD_NAME", "namespace": "POD_NAMESPACE", "container": "CONTAI
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 # A snapshot's device process table is not exported per rank; a few entries are kept for /guard.
 MAX_SNAPSHOT_PROCESSES = 64
-MAX_MODEL_NAME_CHARS = 253   # a served model name is a label value of vLLM's own series
-MAX_ENGINE_CHARS = 16
 
 
 def _process_name(name: str) -> str:
@@ -64,7 +63,7 @@ class Snapshot:
     # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
     model_name: str = ""
     engine: str = ""
-    budget_verdict: Any = None        # kvguard.guard.judge.Verdict (phase "budget"): judged before the KV cache existed
+    budget_verdict: Verdict | None = None   # phase "budget": judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
     # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
@@ -129,7 +128,6 @@ class Snapshot:
                                              outside_allocator=kv.get("outside_allocator") is True)
             budget_verdict = None
             if data.get("budget_verdict") is not None:
-                from kvguard.guard.judge import BUDGET, Verdict
                 budget_verdict = Verdict.from_dict(data["budget_verdict"])
                 if budget_verdict.phase != BUDGET:
                     raise ValueError("budget_verdict is not of phase 'budget'")
@@ -150,7 +148,7 @@ class Snapshot:
             )
             model_name, engine, pid_namespace = (_text(data, key) for key in ("model_name", "engine", "pid_namespace"))
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
-            raise SnapshotError("invalid_snapshot", str(exc)) from None
+            raise SnapshotError("invalid_snapshot", one_line(exc)) from None
         # Every string becomes a label value or a JSON field: lone surrogates (what surrogateescape makes
         # of non-UTF-8 device names) and control characters would break the whole exposition.
         memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64))
@@ -201,5 +199,5 @@ def decode_snapshot(raw: bytes) -> Snapshot:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise SnapshotError("invalid_json", (str(exc).splitlines() or [""])[0][:200]) from None
+        raise SnapshotError("invalid_json", one_line(exc, first_line=True)[:200]) from None
     return Snapshot.from_dict(data)

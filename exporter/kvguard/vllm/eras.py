@@ -15,9 +15,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from kvguard.budget.estimator import FORMULAS
+from kvguard.budget.estimator import FORMULAS, KV_TENSOR_STYLES
 
 PROJECTS = ("vllm", "vllm-ascend", "vllm-ascend-310p", "vllm-mindspore")
+# The device allocators a release's worker runs on: CUDA's caching allocator, torch_npu's, MindSpore's pool.
+ALLOCATORS = ("torch", "torch_npu", "mindspore")
 
 # Worker methods the plugin wraps (kvguard.vllm.plugin); an era lists the ones its worker has.
 HOOKS_V1 = ("init_device", "determine_available_memory", "initialize_from_config")
@@ -36,13 +38,21 @@ class Era:
                                        # belongs to the last row whose ``first`` it reaches
     formula: str                       # kvguard.budget.estimator.FORMULAS key
     default_block_size: int = 16
-    default_gpu_memory_utilization: float | None = 0.9   # None: resolved at run time (0.34)
+    default_gpu_memory_utilization: float | None = 0.9   # None: resolved at run time (0.34), below
+    resolved_gpu_memory_utilization: float | None = None  # what a None default resolves to without the
+    extensible_gpu_memory_utilization: float | None = None  # extensible KV cache, and with it
     mla_block_size: int | None = None  # vLLM on CUDA sets this block size for MLA models (FlashMLA)
     mla_block_rule: str = "default"    # "equal": forced unless equal; "multiple": unless a multiple;
                                        # "default": only when --block-size is not given
     cudagraph_estimate_default: bool = False
     extensible_kv_cache_default: bool = False
     kv_cache_memory_flag: str | None = "--kv-cache-memory-bytes"
+    allocator: str = "torch"           # the device allocator its worker runs on (ALLOCATORS)
+    kv_tensor_style: str = "per_layer" # how it allocates the KV cache (kvguard.budget.estimator.KV_TENSOR_STYLES)
+    one_backing_from: tuple[int, ...] | None = None   # the row's first release with one backing allocation
+                                       # for every layer (its budget arithmetic unchanged)
+    vmm_default: bool | None = None    # MindSpore's VMM as the release's env_setup sets MS_ALLOC_CONF when the
+                                       # operator has not (None: it does not; MindSpore's own default applies)
     log_lines: tuple[str, ...] = ()    # kvguard.vllm.log line kinds this era writes
     hooks: tuple[str, ...] = HOOKS_V1
     base: str | None = None            # the vLLM release a platform plugin runs on
@@ -51,9 +61,24 @@ class Era:
 
     @property
     def name(self) -> str:
-        first = _text(self.first)
-        last = f"–{_text(self.last)}" if self.last and self.last != self.first else ("+" if self.last is None else "")
+        first = version_text(self.first)
+        last = f"–{version_text(self.last)}" if self.last and self.last != self.first else ("+" if self.last is None else "")
         return f"{self.project} {first}{last}"
+
+    def tensor_style(self, version: tuple[int, ...] | None = None) -> str:
+        """How ``version`` (a release of this row; None: its first) allocates the KV cache."""
+        if self.one_backing_from is not None and version is not None and version >= self.one_backing_from:
+            return "one_backing"
+        return self.kv_tensor_style
+
+    def utilization_default(self, extensible: bool = False) -> float:
+        """The --gpu-memory-utilization the release runs with when none is given: its default, or (0.34)
+        what ``resolved_gpu_memory_utilization`` resolves it to, with or without the extensible KV cache."""
+        if self.default_gpu_memory_utilization is not None:
+            return self.default_gpu_memory_utilization
+        value = self.extensible_gpu_memory_utilization if extensible else self.resolved_gpu_memory_utilization
+        assert value is not None, self.name
+        return value
 
     def to_dict(self) -> dict:
         return {"name": self.name, "project": self.project, "formula": self.formula,
@@ -66,17 +91,54 @@ class Era:
                 "checked_against": self.checked_against}
 
 
-def _v(text: str) -> tuple[int, ...]:
+def parse_version(text: str) -> tuple[int, ...]:
+    """``"0.14.0"`` as ``(0, 14, 0)``."""
     return tuple(int(p) for p in text.split("."))
 
 
-def _text(version: tuple[int, ...]) -> str:
+_v = parse_version   # the table's short spelling
+
+
+def version_text(version: tuple[int, ...]) -> str:
     return ".".join(str(p) for p in version)
 
 
 # Lines every V1 release writes (kvguard.vllm.log kinds).
 _V1_LINES = ("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "requested_memory",
              "kv_cache_memory_bytes")
+
+# The cites of the allocator, kv_tensor_style and vmm_default cells ("mr" is v1/worker/gpu_model_runner.py,
+# "amr" vllm_ascend/worker/model_runner_v1.py).
+_TORCH_CITES = ("allocator torch: w 0.11.0:101,113,179,254-255 torch.cuda.mem_get_info, empty_cache, "
+                "reset_peak_memory_stats: CUDA's caching allocator",)
+_V0_CITES = ("kv_tensor_style per_layer: worker/cache_engine.py 0.6.4 CacheEngine._allocate_kv_cache, one tensor "
+             "(2, num_blocks, ...) per layer (not re-read; V0 has no worker hook the plugin wraps)",) + _TORCH_CITES
+_V1_EARLY_CITES = ("kv_tensor_style per_layer: mr initialize_kv_cache, one tensor per layer (0.8.5, 0.9.0 not "
+                   "re-read; 0.11.0:3758-3777 the same)",) + _TORCH_CITES
+_ASCEND_CITES = ("allocator torch_npu: aw 0.11.0:207,226,231 NPUPlatform.mem_get_info (torch_npu's caching "
+                 "allocator)",
+                 "kv_tensor_style per_layer_k_v: a K and a V tensor per layer, half the page each: amr "
+                 "0.11.0:2997-3003 torch.zeros(size // 2) twice; 0.17.0rc1:2702-2703, 0.18.0:2795-2796 and "
+                 "0.23.0.post1:4227-4256 k_tensor and v_tensor of size // split factor (calc_split_factor, utils.py "
+                 "0.18.0:1323-1328: 2 for K = V); DeepSeek MLA splits kv_lora_rank : qk_rope_head_dim instead "
+                 "(amr 0.11.0:2871-2955; not modelled, one tensor of the same bytes)")
+_ASCEND_310P_CITES = ("allocator torch_npu: NPUWorker310 is an NPUWorker (310 0.18.0)",
+                      "kv_tensor_style per_layer_k_v: _310p/model_runner_310p.py 0.17.0rc1:300-309 and 0.18.0:299-308 "
+                      "a k_cache and a v_cache per attention layer (torch_npu.empty_with_format)")
+_MINDSPORE_CITES = ("allocator mindspore: vllm_mindspore/__init__.py:22-27 @ 0.5.1 msadapter (torch's API on "
+                    "MindSpore); v1/worker/gpu_model_runner.py:642 @ 0.5.1 the KV cache by mint.zeros, in MindSpore's "
+                    "pool",
+                    "kv_tensor_style per_layer_k_v: v1/worker/gpu_model_runner.py:597-661 @ 0.5.1 "
+                    "_allocate_kv_cache_tensors, coef tensors of size // dtype_size // coef elements per layer, coef "
+                    "1 for MLAAttentionSpec / MLAQuantFullAttentionSpec (:613-614), else 2; with RingMLA "
+                    "(quantized MLA with ms_custom_ops, model_executor/models/utils.py:286-303) the MLA tensor is "
+                    "split kv_lora_rank : qk_rope_head_dim (:643-651; not modelled, the same bytes)",
+                    "vmm_default True: scripts.py:52 @ 0.5.1 MS_ALLOC_CONF 'enable_vmm: true, ...', set only when the "
+                    "variable is unset (:55-58), at import of vllm_mindspore (__init__.py:40-42)")
+_MINDSPORE_SEED_CITES = ("allocator mindspore, kv_tensor_style per_layer_k_v: as vllm-mindspore 0.5 (0.2.0's model "
+                         "runner not read)",
+                         "vmm_default None: scripts.py:25-46 @ f2b96744 sets no MS_ALLOC_CONF (MindSpore's own "
+                         "default: on for 910B, kvguard.allocators.mindspore_releases)")
 
 ERAS: tuple[Era, ...] = (
     # V0's worker: the allocated peak with the weights in it, plus the absolute non-torch memory when
@@ -86,14 +148,14 @@ ERAS: tuple[Era, ...] = (
                    "kv_cache_size", "max_concurrency"),
         cites=("worker/worker.py 0.6.4:174-250 determine_num_available_blocks: "
                "max(int((total * util - (peak + max(non_torch, 0))) // block_bytes), 0)",
-               "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'")),
+               "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'") + _V0_CITES),
     # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped.
     Era("vllm", _v("0.8.5"), _v("0.9.0"), "absolute_peak_signed", kv_cache_memory_flag=None,
         # No "Available KV cache memory" line: 0.9.0's worker never writes it (issue 19, its real worker run;
         # the posted 0.8.5 log tests/data/logs/real/r05.log has none either).
         log_lines=("model_loading", "kv_cache_size", "max_concurrency"),
         cites=("w 0.8.5:165-212, 0.9.0:167-214 int(total * util - (allocated peak incl. weights + "
-               "max(absolute non-torch, 0)))",)),
+               "max(absolute non-torch, 0)))",) + _V1_EARLY_CITES),
     # memory_profiling: weights + Δ peak + Δ non-torch, total × util as a float, int(). 0.9.1-0.10.2 take
     # the init snapshot before NCCL starts (w 0.10.2:175 vs 192), so NCCL buffers are in Δ non-torch.
     Era("vllm", _v("0.9.1"), _v("0.11.2"), "peak", mla_block_size=64, mla_block_rule="equal",
@@ -104,11 +166,15 @@ ERAS: tuple[Era, ...] = (
                "utils/__init__.py 0.11.0:2859 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
                "config/cache.py 0.11.0 gpu_memory_utilization = 0.9, block_size 16",
                "platforms/cuda.py 0.11.0:162-184 MLA block size forced to 64 unless equal (FlashMLA; CUTLASS MLA on "
-               "Blackwell: 128)")),
+               "Blackwell: 128)")
+              + ("v1/worker/gpu_model_runner.py 0.11.0:3758-3777 one torch.zeros(size, int8) per KVCacheTensor: "
+                 "a tensor per layer",) + _TORCH_CITES),
     Era("vllm", _v("0.12.0"), _v("0.13.0"), "peak", mla_block_size=64, mla_block_rule="multiple",
         log_lines=_V1_LINES + ("profile_peak",),
         cites=("w 0.13.0:241-244,357-359,382 the 0.11 arithmetic (float request, int())",
-               "platforms/cuda.py 0.12.0:205, 0.13.0:208 MLA: a block size not a multiple of 64 is forced to 64")),
+               "platforms/cuda.py 0.12.0:205, 0.13.0:208 MLA: a block size not a multiple of 64 is forced to 64")
+              + ("v1/worker/gpu_model_runner.py 0.11.0:3758-3777 and 0.14.0:5325-5345 a tensor per layer (0.12, "
+                 "0.13 not re-read)",) + _TORCH_CITES),
     Era("vllm", _v("0.14.0"), _v("0.17.1"), "peak_ceil", mla_block_size=64, mla_block_rule="multiple",
         log_lines=_V1_LINES + ("profile_peak",),
         checked_against="0.14.0",
@@ -116,7 +182,8 @@ ERAS: tuple[Era, ...] = (
                "w 0.14.0:341-343,365 return int(requested_memory - non_kv_cache_memory)",
                "mu 0.14.0:283 non_kv = non_torch_increase + torch_peak_increase + weights_memory",
                "platforms/cuda.py 0.14.0:205-235 MLA: a block size not a multiple of 64 is forced to 64 "
-               "(last in 0.17.1)")),
+               "(last in 0.17.1)")
+              + ("v1/worker/gpu_model_runner.py 0.14.0:5325-5345 a tensor per layer",) + _TORCH_CITES),
     Era("vllm", _v("0.18.0"), _v("0.19.1"), "peak_ceil_cudagraph", mla_block_size=64,
         log_lines=_V1_LINES + ("profile_peak",),
         cites=("w 0.18.0:384-399 profile_cudagraph_memory() measured inside memory_profiling",
@@ -124,7 +191,8 @@ ERAS: tuple[Era, ...] = (
                "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS)",
                "envs.py 0.18.0:1636 VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default '0'",
                "platforms/interface.py 0.18.0:427-474 MLA block size from the backend (FlashMLA: 64) only "
-               "when --block-size is not given")),
+               "when --block-size is not given")
+              + ("v1/worker/gpu_model_runner.py 0.18.0:6214-6235 a tensor per layer",) + _TORCH_CITES),
     Era("vllm", _v("0.20.0"), _v("0.26.0"), "peak_ceil_cudagraph", mla_block_size=64,
         default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
         log_lines=_V1_LINES + ("profile_peak", "cudagraph"),
@@ -132,8 +200,9 @@ ERAS: tuple[Era, ...] = (
         cites=("envs.py 0.20.0:1725 VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default '1'",
                "w 0.20.0:366-425 the 0.18 arithmetic, the estimate now on by default",
                "config/cache.py 0.20.0:66 gpu_memory_utilization default 0.92",
-               "w 0.25.0:582 return through reserve_mm_ipc_gpu_memory (a no-op for text models)")),
-    Era("vllm", _v("0.27.0"), _v("0.33.0"), "consumed", mla_block_size=64,
+               "w 0.25.0:582 return through reserve_mm_ipc_gpu_memory (a no-op for text models)")
+              + ("v1/worker/gpu_model_runner.py 0.20.0:6522-6541 a tensor per layer",) + _TORCH_CITES),
+    Era("vllm", _v("0.27.0"), _v("0.33.0"), "consumed", one_backing_from=_v("0.29.0"), mla_block_size=64,
         default_gpu_memory_utilization=0.92, cudagraph_estimate_default=True,
         log_lines=_V1_LINES + ("profile_consumed", "cudagraph"),
         checked_against="0.27.0",
@@ -141,8 +210,16 @@ ERAS: tuple[Era, ...] = (
                "after.torch_peak - after.torch_allocated; non_kv = total_consumed + transient_peak_headroom",
                "w 0.27.0:500-548 CUDA-graph estimate measured after memory_profiling, subtracted",
                "w 0.27.0:607-611 return reserve_mm_ipc_gpu_memory(int(available), ...)",
-               "mu 0.27.0 MemoryProfilingResult.__repr__ 'total consumed (from mem_get_info)'")),
+               "mu 0.27.0 MemoryProfilingResult.__repr__ 'total consumed (from mem_get_info)'")
+              + ("v1/worker/gpu_model_runner.py 0.27.0:7312-7342, 0.28.0:7447-7476 a tensor per layer (0.28 packs "
+                 "one backing only for DeepSeek V4 or enable_cross_layers_blocks, kv_cache_utils.py "
+                 "0.28.0:1274-1293: not modelled)",
+                 "one_backing_from 0.29: every KVCacheTensor is bytes_per_block * num_blocks "
+                 "(v1/core/kv_cache_utils.py 0.29.0:1437-1486, 0.30.0:1747-1796) and allocate_kv_cache calls "
+                 "torch.zeros(buf_size) once (v1/worker/utils.py 0.29.0:379-411, 0.30.0:389-421, 0.31.0:395-427, "
+                 "0.33.0:564-596; gpu_model_runner.py 0.29.0:7436, 0.30.0:7364)") + _TORCH_CITES),
     Era("vllm", _v("0.34.0"), None, "consumed",
+        kv_tensor_style="one_backing", resolved_gpu_memory_utilization=0.92, extensible_gpu_memory_utilization=1.0,
         default_block_size=64, default_gpu_memory_utilization=None, cudagraph_estimate_default=True,
         extensible_kv_cache_default=True,
         log_lines=_V1_LINES + ("profile_consumed", "cudagraph"),
@@ -154,10 +231,15 @@ ERAS: tuple[Era, ...] = (
                "wu 0.34.0:734-781 requested_memory = ceil(total * resolved_gpu_memory_utilization)",
                "w 0.34.0:716-780 the 0.27 arithmetic, profile run under _scoped_allocator_max_split(20)",
                "v1/worker/extensible_kv_cache.py 0.34.0:592-681 the committed size is measured after warm-up",
-               "w 0.34.0:1007 Worker.extend_kv_cache(num_blocks) commits it")),
+               "w 0.34.0:1007 Worker.extend_kv_cache(num_blocks) commits it")
+              + ("v1/worker/utils.py 0.34.0:577-583, _allocate_kv_cache_buffer 629-645: one torch.zeros(raw_size); "
+                 "the extensible KV cache maps its pages outside the allocator",
+                 "config/cache.py 0.34.0:186 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92 (resolved), :494-501 1.0 with the "
+                 "extensible KV cache (extensible)") + _TORCH_CITES),
 
     # vllm-ascend X runs on vLLM X; "aw" is vllm_ascend/worker/worker.py (0.9.1: worker_v1.py).
-    Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "absolute_peak", default_block_size=128,
+    Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "absolute_peak",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency"),
         hooks=HOOKS_V1,
         checked_against="0.11.0",
@@ -167,8 +249,9 @@ ERAS: tuple[Era, ...] = (
                "aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
                "weights + absolute non-torch if > 0)), clamped at 0",
                "aw 0.13.0:307-309 'Available memory: %d, total memory: %d' (exact bytes)",
-               "worker/model_runner_v1.py 0.13.0:2395 'Loading model weights took %.4f GB'")),
-    Era("vllm-ascend", _v("0.15.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
+               "worker/model_runner_v1.py 0.13.0:2395 'Loading model weights took %.4f GB'") + _ASCEND_CITES),
+    Era("vllm-ascend", _v("0.15.0"), _v("0.17.0"), "ascend_cleared",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         checked_against="0.17.0rc1",
         # profile_peak: vLLM's MemoryProfilingResult at DEBUG (aw 0.17.0rc1:366 logger.debug(profile_result))
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
@@ -176,19 +259,23 @@ ERAS: tuple[Era, ...] = (
                "aw 0.17.0rc1:339-366 available = requested - non_kv - (absolute non-torch before empty_cache - "
                "non_torch_increase): the subtrahend is in effect the non-torch memory present at startup, "
                "whatever empty_cache freed (--non-torch-cleared)",
-               "vLLM 0.17.0 config/cache.py gpu_memory_utilization 0.9")),
-    Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak", default_block_size=128, base="vllm:0.18.0",
+               "vLLM 0.17.0 config/cache.py gpu_memory_utilization 0.9") + _ASCEND_CITES),
+    Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128, base="vllm:0.18.0",
         checked_against="0.18.0",
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
         cites=("aw 0.18.0:327-361 available = requested - non_kv (vLLM's memory_profiling, float request)",
-               "vLLM 0.18.0 config/cache.py:41 gpu_memory_utilization 0.9")),
+               "vLLM 0.18.0 config/cache.py:41 gpu_memory_utilization 0.9") + _ASCEND_CITES),
     # vllm-ascend X runs on vLLM X and keeps its utilization default: 0.9 through vLLM 0.19, 0.92 from 0.20.
-    Era("vllm-ascend", _v("0.19.0"), _v("0.19.1"), "peak", default_block_size=128,
+    Era("vllm-ascend", _v("0.19.0"), _v("0.19.1"), "peak",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency",
                    "kv_cache_memory_bytes", "profile_peak", "ascend_summary"),
         cites=("aw 0.23.0:527-597 the formula (0.19 not run: only release candidates on PyPI)",
-               "vLLM 0.19 config/cache.py gpu_memory_utilization 0.9 (the vllm 0.18.0-0.19.1 row)")),
-    Era("vllm-ascend", _v("0.20.0"), _v("0.23.0"), "peak", default_block_size=128,
+               "vLLM 0.19 config/cache.py gpu_memory_utilization 0.9 (the vllm 0.18.0-0.19.1 row)")
+              + _ASCEND_CITES),
+    Era("vllm-ascend", _v("0.20.0"), _v("0.23.0"), "peak",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         default_gpu_memory_utilization=0.92, base="vllm:0.23.0",
         # ascend_summary: "Free memory on device … Actual usage: … for NPU graph memory" (aw 0.23.0.post1:771,
         # tests/data/logs/ascend-real; vllm-ascend PR #8289, 2026-04; 0.18.0 does not write it).
@@ -197,19 +284,22 @@ ERAS: tuple[Era, ...] = (
         checked_against="0.23.0.post1",
         cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",
                "vLLM 0.23.0 config/cache.py:67 gpu_memory_utilization 0.92 (0.20.0:66); vllm-ascend's "
-               "check_and_update_config leaves it")),
+               "check_and_update_config leaves it") + _ASCEND_CITES),
     # NPUWorker310 (vllm_ascend/_310p/worker_310p.py) inherits NPUWorker's formula until 0.18, then halves it.
-    Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared", default_block_size=128,
+    Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
-        cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)),
-    Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved", default_block_size=128,
+        cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)
+              + _ASCEND_310P_CITES),
+    Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved",
+        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
         log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency",
                    "profile_peak"),   # 310 0.18.0:99 logger.debug(profile_result)
         cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
                "310 0.21.0rc1 first writes 'Available KV cache memory: %.2f GiB (halved for workspace)' "
                "(310 0.23.0:118-122)",
                "310 0.20.2rc1+ RC devices (host and device memory shared) halve requested - host memory used "
-               "instead: not modelled")),
+               "instead: not modelled") + _ASCEND_310P_CITES),
     # The seed's release: vllm-mindspore 0.2.0 at Gitee PR !428 (f2b96744, merged 2025-05-28), the release whose
     # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.allocators.mindspore_releases). Its fix budgets
     # vLLM's V1 formula with the memory_reserved() increase in place of the allocated peak: the seed reported
@@ -218,17 +308,21 @@ ERAS: tuple[Era, ...] = (
     # 16-token blocks: the seed's own log (examples/vllm-mindspore-qwen2.5-7b.log, 708,672 tokens in 44,292
     # blocks). Not run against a wheel.
     Era("vllm-mindspore", _v("0.2.0"), _v("0.2.0"), "mindspore_reserved",
+        allocator="mindspore", kv_tensor_style="per_layer_k_v",
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "platform_plugin"),
         cites=("Gitee mindspore/vllm-mindspore PR !428 (f2b96744): memory_profiling's torch peak from "
-               "memory_reserved()", "examples/vllm-mindspore-qwen2.5-7b.log: 708,672 tokens / 44,292 blocks = 16")),
+               "memory_reserved()", "examples/vllm-mindspore-qwen2.5-7b.log: 708,672 tokens / 44,292 blocks = 16")
+              + _MINDSPORE_SEED_CITES),
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
     # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
     # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.
-    Era("vllm-mindspore", _v("0.5.0"), None, "mindspore_reserved", default_block_size=128,
+    Era("vllm-mindspore", _v("0.5.0"), None, "mindspore_reserved",
+        allocator="mindspore", kv_tensor_style="per_layer_k_v", vmm_default=True, default_block_size=128,
         log_lines=_V1_LINES + ("profile_peak", "platform_plugin"), base="vllm:0.11.0",
         cites=("vllm_mindspore/utils.py:475 torch_peak_increase = after.torch_memory - before.torch_memory "
                "(memory_reserved)", "platforms/ascend.py:92-94 block_size default 128",
-               "scripts.py env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'")),
+               "scripts.py env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'")
+              + _MINDSPORE_CITES),
 )
 
 
@@ -252,6 +346,10 @@ def expandable_segments_default(release: str | None, allocator: str) -> bool:
 def _validate(eras: tuple[Era, ...]) -> None:
     for era in eras:
         assert era.project in PROJECTS and era.formula in FORMULAS, era
+        assert era.allocator in ALLOCATORS and era.kv_tensor_style in KV_TENSOR_STYLES, era.name
+        assert era.vmm_default is None or era.allocator == "mindspore", era.name
+        assert era.default_gpu_memory_utilization is not None or None not in (
+            era.resolved_gpu_memory_utilization, era.extensible_gpu_memory_utilization), era.name
     for project in PROJECTS:
         rows = [e for e in eras if e.project == project]
         for earlier, later in zip(rows, rows[1:]):
@@ -282,9 +380,38 @@ def era_for(release: str) -> Era:
     reached = [e for e in rows if version >= e.first]
     if not reached:
         known = ", ".join(e.name for e in rows) or "none"
-        raise EraError(f"{project} {_text(version)} is older than kvguard's era table (known: {known})")
+        raise EraError(f"{project} {version_text(version)} is older than kvguard's era table (known: {known})")
     return reached[-1]
 
 
 def release_text(project: str, version: tuple[int, ...]) -> str:
-    return f"{project}:{_text(version)}"
+    return f"{project}:{version_text(version)}"
+
+
+def _placed(release: str | None) -> tuple[Era, tuple[int, ...]] | None:
+    if not release:
+        return None
+    try:
+        return era_for(release), parse_release(release)[1]
+    except EraError:
+        return None
+
+
+def allocator_for(release: str | None) -> str:
+    """The device allocator the release's worker runs on (its row's ``allocator``); vLLM's own, torch's
+    caching allocator, for a release the table does not place."""
+    placed = _placed(release)
+    return placed[0].allocator if placed else "torch"
+
+
+def kv_tensor_style(release: str | None, *, formula: str | None = None, allocator: str | None = None) -> str:
+    """How the release allocates its KV cache: its row's ``kv_tensor_style`` (``one_backing`` from the row's
+    ``one_backing_from``). Without a release the table places: the style every row of that ``allocator``
+    (narrowed to the ``formula``'s rows where any) shares, else vLLM V1's ``per_layer``."""
+    placed = _placed(release)
+    if placed:
+        return placed[0].tensor_style(placed[1])
+    rows = [e for e in ERAS if allocator is None or e.allocator == allocator]
+    by_formula = [e for e in rows if e.formula == formula or (formula == "extensible" and e.extensible_kv_cache_default)]
+    styles = {e.kv_tensor_style for e in by_formula or rows}
+    return styles.pop() if len(styles) == 1 else "per_layer"

@@ -15,7 +15,7 @@ message split at a full stop all come back together. The window is three lines, 
 linear.
 
 The templates follow each release's format strings (file:line per release in
-``kvguard/vllm/eras.py`` and the README's era table); each carries the vLLM releases that
+``kvguard/vllm/eras.py`` and docs/reference/eras.md, generated from it); each carries the vLLM releases that
 write it, so the lines a log holds narrow down its era. OOM messages and refusals are read as
 facts (:mod:`kvguard.vllm.oom`); ``kvguard check --from-log`` judges them.
 """
@@ -70,7 +70,7 @@ class LogLineError(ValueError):
     """A budget line whose numbers cannot be taken (too long to be a real figure); one line."""
 
 
-V = eras._v
+V = eras.parse_version
 ALL = (V("0.0.0"), None)
 
 
@@ -338,20 +338,14 @@ KINDS: tuple[LineKind, ...] = (
              "reserved for KV Cache is {_available_profiled:gib}GiB",
              releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
     # 0.6.5's "Memory profiling results:" table, one figure a line (PR #10511, real r01/r38).
-    LineKind("v0_table", "] total_gpu_memory {total_memory_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
-             cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] gpu_memory_utilization {gpu_memory_utilization:float}$", releases=(V("0.6.5"), V("0.6.5")),
-             cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] the current vLLM instance can use {requested_memory_bytes:gib}GiB$",
-             releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] model weights take {weights_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
-             cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] non_torch_memory {non_torch_increase_bytes:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
-             cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] PyTorch activation peak memory {peak_allocated_increase_bytes:gib}GiB$",
-             releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243"),
-    LineKind("v0_table", "] available_kv_cache_memory {_available_profiled:gib}GiB$", releases=(V("0.6.5"), V("0.6.5")),
-             cite="worker/worker.py 0.6.5:243"),
+    *(LineKind("v0_table", f"] {figure}$", releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243")
+      for figure in ("total_gpu_memory {total_memory_bytes:gib}GiB",
+                     "gpu_memory_utilization {gpu_memory_utilization:float}",
+                     "the current vLLM instance can use {requested_memory_bytes:gib}GiB",
+                     "model weights take {weights_bytes:gib}GiB",
+                     "non_torch_memory {non_torch_increase_bytes:gib}GiB",
+                     "PyTorch activation peak memory {peak_allocated_increase_bytes:gib}GiB",
+                     "available_kv_cache_memory {_available_profiled:gib}GiB")),
     LineKind("v0_results", "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
              "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
              "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
@@ -360,10 +354,8 @@ KINDS: tuple[LineKind, ...] = (
     # Anchored on the device word, not on "#": a paste that lost the first "#" must not read the CPU count.
     LineKind("v0_blocks", "GPU blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
              cite="executor/gpu_executor.py 0.6.4:113; v1/core/kv_cache_utils.py 0.7.1:395 (real r19)"),
-    LineKind("v0_blocks", "cuda blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
-             cite="executor/executor_base.py 0.7.0:110 '# %s blocks'"),
-    LineKind("v0_blocks", "CUDA blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
-             cite="executor/executor_base.py 0.7.0:110 '# %s blocks'"),
+    *(LineKind("v0_blocks", f"{device} blocks: {{num_gpu_blocks:int}}", releases=(V("0.6.4"), V("0.8.4")),
+               cite="executor/executor_base.py 0.7.0:110 '# %s blocks'") for device in ("cuda", "CUDA")),
     LineKind("v0_blocks", "npu blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
              cite="executor/executor_base.py 0.8.5:112 on vllm-ascend (real r20)"),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
@@ -464,11 +456,12 @@ class StartupLog:
             return sizes.pop(), "every candidate era's default"
         return None, "the candidate eras disagree" if sizes else "no era"
 
-    def profile_fields(self) -> dict[str, Any]:
-        """The profile figures the log states, with the formula of its era where the lines pin one."""
+    def profile_fields(self, formula: str | None = None) -> dict[str, Any]:
+        """The profile figures the log states, with the formula of its era where the lines pin one (or
+        ``formula``, where the caller knows the release: kvguard budget --vllm-version)."""
         formulas = {e.formula for e in eras.ERAS if e.name in self.era_candidates}
-        formula = formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes is not None
-                                                              else "peak")
+        formula = formula or (formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes
+                                                                          is not None else "peak"))
         fields: dict[str, Any] = {"formula": formula}
         for name in ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes",
                      "peak_allocated_increase_bytes", "non_torch_increase_bytes", "total_consumed_bytes",
@@ -723,7 +716,7 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
 
 
 def _text(version: tuple[int, ...] | None) -> str:
-    return "the newest" if version is None else eras._text(version)
+    return "the newest" if version is None else eras.version_text(version)
 
 
 def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
@@ -851,7 +844,7 @@ def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
 
 
 def kinds_markdown() -> str:
-    """The line kinds as a markdown table (docs/log-reading.md holds it; a test keeps the two equal)."""
+    """The line kinds as a markdown table (docs/reference/log-lines.md holds it; a test keeps the two equal)."""
     rows = ["| Kind | Template | vLLM releases | Project | Source |", "|---|---|---|---|---|"]
     for kind in KINDS:
         first, last = kind.releases

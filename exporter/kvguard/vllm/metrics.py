@@ -26,9 +26,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from kvguard.records import MAX_COUNTER
-from kvguard.spool.schema import MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS
-from kvguard.text import safe_text
+from kvguard.records import MAX_COUNTER, MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS
+from kvguard.text import one_line, safe_text
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
 _CHUNK = 64 * 1024
@@ -149,8 +148,7 @@ def fetch(url: str, timeout: float) -> VllmCacheState:
             if deadline.expired:
                 raise late from None
             reason = getattr(exc, "reason", None) or exc
-            raise VllmMetricsError(f"{url}: {str(reason).splitlines()[0] if str(reason) else type(exc).__name__}") \
-                from None
+            raise VllmMetricsError(f"{url}: {one_line(reason, first_line=True)}") from None
         if deadline.expired:   # the shutdown can look like the end of the body
             raise late
     if len(body) > MAX_METRICS_BYTES:

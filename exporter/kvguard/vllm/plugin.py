@@ -154,7 +154,8 @@ def register() -> None:
             else:
                 _PatchOnImport.watch(module_name, functools.partial(_patch_worker_class, class_name=class_name))
     except Exception as exc:  # noqa: BLE001
-        _failed("register", str(exc))
+        from kvguard.text import one_line
+        _failed("register", one_line(exc))
 
 
 def _join_vllm_logging() -> None:
@@ -263,8 +264,8 @@ def _ensure_probe(worker: Any) -> None:
     rank = getattr(worker, "rank", None)
     # The strict start (returns the running probe, if any): a bad setting raises here and is
     # counted and logged once by _guard.
-    probe._start(_settings.spool_dir, _settings.interval, _settings.source,
-                 rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
+    probe.start_strict(_settings.spool_dir, _settings.interval, _settings.source,
+                       rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
     model_name, engine = engine_identity(worker)
     probe.set_engine(model_name, engine)
 
@@ -345,22 +346,36 @@ def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> C
 
 
 @contextlib.contextmanager
+def _global_replaced(function: Callable[..., Any], name: str,
+                     replacement_for: Callable[[dict, Any], Any]) -> Iterator[None]:
+    """While the block runs, the global ``name`` of the module that defines ``function`` is
+    ``replacement_for(namespace, current)`` (None: left alone), and put back after unless something
+    else replaced it meanwhile. The module is the one below decorators such as
+    @torch.inference_mode() (functools.wraps keeps the chain in __wrapped__)."""
+    namespace = getattr(inspect.unwrap(function), "__globals__", {})
+    current = namespace.get(name)
+    replacement = replacement_for(namespace, current)
+    if replacement is not None:
+        namespace[name] = replacement
+    try:
+        yield
+    finally:
+        if replacement is not None and namespace.get(name) is replacement:
+            namespace[name] = current
+
+
+@contextlib.contextmanager
 def _profiling_captured(function: Callable[..., Any]) -> Iterator[_Capture]:
     """While ``function`` runs, its module's ``memory_profiling`` global is wrapped."""
     capture = _Capture()
-    # The global lives in the module that defines the method, below decorators such as
-    # @torch.inference_mode() (functools.wraps keeps the chain in __wrapped__).
-    namespace = getattr(inspect.unwrap(function), "__globals__", {})
-    current = namespace.get("memory_profiling")
-    wrapped = None
-    if callable(current) and not getattr(current, _MARK, False):
-        wrapped = _wrap_memory_profiling(current, capture)
-        namespace["memory_profiling"] = wrapped
-    try:
+
+    def wrapped(namespace: dict, current: Any) -> Any:
+        if callable(current) and not getattr(current, _MARK, False):
+            return _wrap_memory_profiling(current, capture)
+        return None
+
+    with _global_replaced(function, "memory_profiling", wrapped):
         yield capture
-    finally:
-        if wrapped is not None and namespace.get("memory_profiling") is wrapped:
-            namespace["memory_profiling"] = current
 
 
 def running_release(worker: Any = None) -> str | None:
@@ -573,18 +588,15 @@ def _npu_readings_captured(function: Callable[..., Any]) -> Iterator[_NpuReading
     """While ``function`` runs, the ``torch_npu`` global of its module reads through a recorder (a
     worker without ``memory_profiling`` only: vllm-ascend <= 0.14)."""
     readings = _NpuReadings()
-    namespace = getattr(inspect.unwrap(function), "__globals__", {})
-    current = namespace.get("torch_npu")
-    recorder = None
-    if "memory_profiling" not in namespace and current is not None and hasattr(current, "npu") \
-            and not isinstance(current, _RecordingTorchNpu):
-        recorder = _RecordingTorchNpu(current, readings)
-        namespace["torch_npu"] = recorder
-    try:
+
+    def recorder(namespace: dict, current: Any) -> Any:
+        if "memory_profiling" not in namespace and current is not None and hasattr(current, "npu") \
+                and not isinstance(current, _RecordingTorchNpu):
+            return _RecordingTorchNpu(current, readings)
+        return None
+
+    with _global_replaced(function, "torch_npu", recorder):
         yield readings
-    finally:
-        if recorder is not None and namespace.get("torch_npu") is recorder:
-            namespace["torch_npu"] = current
 
 
 def profile_from_npu_readings(worker: Any, readings: _NpuReadings) -> Any:
@@ -660,10 +672,9 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
 # ---------------------------------------------------------------------------- the budget-time verdict
 
 def _allocator_kind(worker: Any) -> str:
-    release = running_release(worker) or ""
-    if release.startswith("vllm-mindspore:"):
-        return "mindspore"
-    return "torch_npu" if release.startswith("vllm-ascend") else "torch"
+    """The running release's allocator (its era row's)."""
+    from kvguard.vllm.eras import allocator_for
+    return allocator_for(running_release(worker))
 
 
 def _alloc_conf_flag(names: tuple[str, ...], key: str, default: bool) -> bool:
@@ -693,8 +704,11 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
         return None
     memory = records[0]
     kind = _allocator_kind(worker)
-    # vllm-mindspore's env_setup turns VMM on (scripts.py: MS_ALLOC_CONF='enable_vmm: true, ...').
-    vmm = _alloc_conf_flag(("MS_ALLOC_CONF",), "enable_vmm", True) if kind == "mindspore" else False
+    vmm = False
+    if kind == "mindspore":
+        from kvguard.allocators.mindspore_releases import vmm_on
+        era = _era_of(running_release(worker))
+        vmm = vmm_on(os.environ.get("MS_ALLOC_CONF"), launcher_vmm=era.vmm_default if era else None)
     expandable = _alloc_conf_flag(("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
                                   if kind == "torch_npu" else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
                                   "expandable_segments", False)
@@ -703,25 +717,32 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
     return memory, lambda: allocator_from_counters(kind, memory, expandable_segments=expandable, enable_vmm=vmm)
 
 
+# The KV cache specs of MLA layers: vLLM's, and vllm-mindspore's quantized one (kv_cache_interface.py:30 @ 0.5.1).
+_MLA_SPECS = frozenset({"MLAAttentionSpec", "MLAQuantFullAttentionSpec"})
+
+
+def _layer_page(spec: Any) -> Any:
+    from kvguard.budget.estimator import LayerPage
+    return LayerPage(int(spec.page_size_bytes), any(cls.__name__ in _MLA_SPECS for cls in type(spec).__mro__))
+
+
 def _kv_tensors_for(worker: Any, profile: Any, budget: int) -> tuple[int, ...] | None:
     """The KV tensors the era allocates for ``budget``: per layer spec (``get_kv_cache_spec``), vLLM's
     block count (``available // page_size // num_layers`` for one uniform group, kv_cache_utils.py
-    0.11.0:1050-1061), the era's style (kvguard.budget.estimator.kv_tensor_style)."""
-    from kvguard.budget.estimator import kv_tensor_style
+    0.11.0:1050-1061), the era row's style (kvguard.vllm.eras.kv_tensor_style) through the estimator's
+    one rule (kv_cache_tensor_bytes)."""
+    from kvguard.budget.estimator import kv_cache_tensor_bytes
+    from kvguard.vllm.eras import kv_tensor_style
 
     specs = _kv_cache_spec(worker)
     if not specs:
         return None
-    pages = [int(spec.page_size_bytes) for spec in specs.values()]
-    if not pages or min(pages) <= 0:
+    pages = [_layer_page(spec) for spec in specs.values()]
+    if min(page.page_bytes for page in pages) <= 0:
         return None
-    num_blocks = max(0, int(budget)) // max(pages) // len(pages)
-    style = kv_tensor_style(profile.formula, profile.vllm_version)
-    if style == "one_backing":
-        return (num_blocks * sum(pages),)
-    if style == "per_layer_k_v":
-        return tuple(size for page in pages for size in (num_blocks * page // 2, num_blocks * page - num_blocks * page // 2))
-    return tuple(num_blocks * page for page in pages)
+    num_blocks = max(0, int(budget)) // max(page.page_bytes for page in pages) // len(pages)
+    style = kv_tensor_style(profile.vllm_version, formula=profile.formula, allocator=_allocator_kind(worker))
+    return kv_cache_tensor_bytes(pages, num_blocks, style)
 
 
 def _kv_cache_spec(worker: Any) -> dict | None:
