@@ -11,6 +11,7 @@ Where a check is stricter than the linter it says so.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Callable, Iterator
 
 from promql import selectors
@@ -107,7 +108,7 @@ def template_datasource(dashboard: dict) -> list[str]:
 
 
 def _template(dashboard: dict, name: str) -> list[str]:
-    """lint/rule_template_job.go checkTemplate()."""
+    """template-job-rule and template-instance-rule: lint/rule_template_job.go checkTemplate()."""
     if not _prometheus_dashboard(dashboard):
         return []
     variable = next((v for v in variables(dashboard) if v.get("name") == name), None)
@@ -125,16 +126,6 @@ def _template(dashboard: dict, name: str) -> list[str]:
     if variable.get("allValue") != ".+":
         problems.append(f"{name} template allValue should be '.+'")
     return problems
-
-
-def template_job(dashboard: dict) -> list[str]:
-    """template-job-rule."""
-    return _template(dashboard, "job")
-
-
-def template_instance(dashboard: dict) -> list[str]:
-    """template-instance-rule."""
-    return _template(dashboard, "instance")
 
 
 def split_arguments(text: str) -> list[str]:
@@ -291,7 +282,8 @@ def target_rate_interval(dashboard: dict) -> list[str]:
 
 
 def _required_matcher(dashboard: dict, label: str) -> list[str]:
-    """lint/rule_target_job_instance.go: every selector has label=~"$label"."""
+    """target-job-rule and target-instance-rule: lint/rule_target_job_instance.go, every selector has
+    label=~"$label"."""
     if not _prometheus_dashboard(dashboard):
         return []
     problems = []
@@ -302,16 +294,6 @@ def _required_matcher(dashboard: dict, label: str) -> list[str]:
                 problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: "
                                 f"{selector.metric} lacks {label}=~\"${label}\"")
     return problems
-
-
-def target_job(dashboard: dict) -> list[str]:
-    """target-job-rule."""
-    return _required_matcher(dashboard, "job")
-
-
-def target_instance(dashboard: dict) -> list[str]:
-    """target-instance-rule."""
-    return _required_matcher(dashboard, "instance")
 
 
 def target_counter_agg(dashboard: dict) -> list[str]:
@@ -328,8 +310,8 @@ def target_counter_agg(dashboard: dict) -> list[str]:
 
 RULES: dict[str, Callable[[dict], list[str]]] = {
     "template-datasource-rule": template_datasource,
-    "template-job-rule": template_job,
-    "template-instance-rule": template_instance,
+    "template-job-rule": partial(_template, name="job"),
+    "template-instance-rule": partial(_template, name="instance"),
     "template-label-promql-rule": template_label_promql,
     "template-on-time-change-reload-rule": template_on_time_change_reload,
     "panel-datasource-rule": panel_datasource,
@@ -338,8 +320,8 @@ RULES: dict[str, Callable[[dict], list[str]]] = {
     "panel-no-targets-rule": panel_no_targets,
     "target-promql-rule": target_promql,
     "target-rate-interval-rule": target_rate_interval,
-    "target-job-rule": target_job,
-    "target-instance-rule": target_instance,
+    "target-job-rule": partial(_required_matcher, label="job"),
+    "target-instance-rule": partial(_required_matcher, label="instance"),
     "target-counter-agg-rule": target_counter_agg,
     "uneditable-dashboard": uneditable_dashboard,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -29,7 +30,9 @@ def example_profile() -> Profile:
 def snapshot(rank: int = 0, device: str = "npu:0", pid: int = 4242, *, utilization: float | None = None,
              kv_blocks: int | None = None, block_bytes: int = 14 * 1024 * 1024, allocated: int | None = None,
              reserved: int | None = None, retries: int = 0, ooms: int = 0, written_at: float | None = None,
-             profile: Profile | None | str = "example", pod: dict | None = None) -> Snapshot:
+             profile: Profile | None | str = "example", pod: dict | None = None, **overrides) -> Snapshot:
+    """One rank's snapshot, as the probe writes it: a 64 GiB NPU serving the example profile between steps.
+    ``overrides`` replace any other Snapshot field (``sequence``, ``host``, ``model_name``...)."""
     if profile == "example":
         profile = example_profile()
         if utilization is not None:
@@ -48,11 +51,11 @@ def snapshot(rank: int = 0, device: str = "npu:0", pid: int = 4242, *, utilizati
         inactive_split_bytes=256 * 1024 * 1024, alloc_retries=retries, ooms=ooms,
         total_bytes=64 * GIB, free_bytes=max(0, 63 * GIB - reserved), used_bytes=min(64 * GIB, reserved + GIB),
         processes=(ProcessMemory(pid=pid, used_bytes=55 * GIB, name="python3"),))
-    return Snapshot(written_at=now, started_at=now - 600, sequence=120, host="node-7", pid=pid, device=device,
+    return dataclasses.replace(Snapshot(written_at=now, started_at=now - 600, sequence=120, host="node-7", pid=pid, device=device,
                     memory=memory, rank=rank, pod={"pod": "vllm-0", "namespace": "llm", "container": "vllm"} if pod is None else pod,
                     profile=profile, kv_cache=KVCacheAllocation(num_blocks=kv_blocks, block_bytes=block_bytes,
                                                                 block_size=16),
-                    probe=ProbeStatus(samples_total=120, errors_total=1, interval_seconds=5.0))
+                    probe=ProbeStatus(samples_total=120, errors_total=1, interval_seconds=5.0)), **overrides)
 
 
 def write(spool_dir: str, *snapshots: Snapshot) -> None:

@@ -2,20 +2,15 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import EXAMPLES
+from helpers import kvguard
 
 QWEN = os.path.join(EXAMPLES, "qwen2.5-7b-instruct")
 SEED_PROFILE = os.path.join(EXAMPLES, "qwen2.5-7b-910b-profile.json")
 GIB = 1 << 30
-
-
-def kvguard(*args):
-    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, timeout=60)
 
 
 def budget_json(*args):

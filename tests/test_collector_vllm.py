@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from kvguard.vllm import metrics as vllm_metrics
 from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.vllm.log import parse_lines
+from helpers import LoopbackHTTP, reply, wait_for, within
 from sidecar_fixtures import snapshot, write
-from test_collector import POD, scrape, value
+from test_collector import POD, scrape, scrape_within, value
 
 # As vLLM V1 exposes it (vllm/v1/metrics/loggers.py): CacheConfig fields as labels, usage 0-1.
 VLLM_TEXT = """\
@@ -55,50 +56,36 @@ vllm:kv_cache_usage_perc{engine="1",model_name="qwen-7b"} 0.0871
 HUGE_BLOCKS_TEXT = VLLM_TEXT.replace('num_gpu_blocks="44292"', 'num_gpu_blocks="1' + "0" * 400 + '"')
 
 
-class FakeVllm:
+class FakeVllm(LoopbackHTTP):
     """A loopback /metrics endpoint that answers, hangs, or talks nonsense."""
 
     def __init__(self, mode: str):
         self.mode = mode
         self.release = threading.Event()
-        fake = self
+        super().__init__(self.answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                if fake.mode == "hang":
-                    fake.release.wait()
+    def answer(self, request: BaseHTTPRequestHandler) -> None:
+        if self.mode == "hang":
+            self.release.wait()
+            return
+        if self.mode == "drip":   # headers, then one byte at a time, never the end
+            request.send_response(200)
+            request.end_headers()
+            while not self.release.wait(0.02):
+                try:
+                    request.wfile.write(b"#")
+                    request.wfile.flush()
+                except OSError:
                     return
-                if fake.mode == "drip":   # headers, then one byte at a time, never the end
-                    self.send_response(200)
-                    self.end_headers()
-                    while not fake.release.wait(0.02):
-                        try:
-                            self.wfile.write(b"#")
-                            self.wfile.flush()
-                        except OSError:
-                            return
-                    return
-                status, body = {"ok": (200, VLLM_TEXT.encode()), "dp2": (200, DP2_TEXT.encode()),
-                                "huge": (200, HUGE_BLOCKS_TEXT.encode()),
-                                "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
-                                "error": (500, b"internal error")}[fake.mode]
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+            return
+        reply(request, *{"ok": (200, VLLM_TEXT.encode()), "dp2": (200, DP2_TEXT.encode()),
+                         "huge": (200, HUGE_BLOCKS_TEXT.encode()),
+                         "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
+                         "error": (500, b"internal error")}[self.mode])
 
     def close(self):
         self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().close()
 
 
 @pytest.fixture
@@ -119,6 +106,13 @@ def tp2_log(data_path):
         return parse_lines(handle)
 
 
+def polled(server: FakeVllm, wait: float = 5, **options) -> Sidecar:
+    """A sidecar reading ``server``'s /metrics (and ``options``), after its first poll or ``wait`` seconds."""
+    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD), **options))
+    sidecar.refresh_background(wait=wait)
+    return sidecar
+
+
 def test_parse_reads_blocks_block_size_utilization_and_usage():
     state = vllm_metrics.parse(VLLM_TEXT)
     assert (state.num_gpu_blocks, state.block_size, state.gpu_memory_utilization) == (44292, 16, 0.9)
@@ -133,8 +127,7 @@ def test_parse_rejects_text_without_vllm_kv_facts():
 def test_vllm_blocks_times_log_block_bytes_are_the_kv_cache_allocated(fake_vllm, data_path):
     server = fake_vllm("ok")
     startup = tp2_log(data_path)
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, startup_log=startup, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server, startup_log=startup)
     samples = scrape(sidecar)
     block_bytes = startup.available_kv_cache_bytes // (startup.kv_cache_tokens // 16)
     assert value(samples, "kvguard_kv_cache_allocated_blocks") == 44292
@@ -146,8 +139,7 @@ def test_vllm_blocks_times_log_block_bytes_are_the_kv_cache_allocated(fake_vllm,
 def test_vllm_usage_is_attached_to_every_spool_rank(fake_vllm, tmp_path):
     server = fake_vllm("ok")
     write(tmp_path, snapshot(rank=0, pid=1), snapshot(rank=1, device="npu:1", pid=2))
-    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server, spool_dir=str(tmp_path))
     assert [v for _, v in scrape(sidecar)["kvguard_kv_cache_usage_ratio"]] == [pytest.approx(0.4213)] * 2
 
 
@@ -171,8 +163,7 @@ def test_data_parallel_ranks_each_get_their_own_engines_facts(fake_vllm, tmp_pat
     server = fake_vllm("dp2")
     write(tmp_path, replace(snapshot(rank=0, pid=1, device="cuda:0"), model_name="qwen-7b", engine="0", kv_cache=None),
           replace(snapshot(rank=1, pid=2, device="cuda:1"), model_name="qwen-7b", engine="1", kv_cache=None))
-    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server, spool_dir=str(tmp_path))
     samples = scrape(sidecar)
     assert value(samples, "kvguard_kv_cache_usage_ratio", rank=0, engine="0", model_name="qwen-7b") == \
         pytest.approx(0.4213)
@@ -183,8 +174,7 @@ def test_data_parallel_ranks_each_get_their_own_engines_facts(fake_vllm, tmp_pat
 
 def test_without_a_probe_each_engine_is_judged_apart(fake_vllm):
     server = fake_vllm("dp2")
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server)
     samples = scrape(sidecar)
     assert [(labels["engine"], labels["model_name"], v) for labels, v in samples["kvguard_kv_cache_allocated_blocks"]] \
         == [("0", "qwen-7b", 44292), ("1", "qwen-7b", 43960)]
@@ -194,8 +184,7 @@ def test_without_a_probe_each_engine_is_judged_apart(fake_vllm):
 def test_ranks_that_do_not_name_their_engine_get_no_guessed_usage_from_two(fake_vllm, tmp_path):
     server = fake_vllm("dp2")
     write(tmp_path, snapshot(rank=0, pid=1))
-    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server, spool_dir=str(tmp_path))
     samples = scrape(sidecar)
     assert "kvguard_kv_cache_usage_ratio" not in samples
     assert value(samples, "kvguard_guard_severity", rank=0, engine="", model_name="") in (0, 1, 2)
@@ -204,8 +193,7 @@ def test_ranks_that_do_not_name_their_engine_get_no_guessed_usage_from_two(fake_
 @pytest.mark.parametrize("mode, error", [("garbage", "not Prometheus metrics text"), ("error", "HTTP 500")])
 def test_a_vllm_endpoint_that_misbehaves_is_a_down_source_with_one_line(fake_vllm, mode, error):
     server = fake_vllm(mode)
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server)
     samples = scrape(sidecar)
     assert value(samples, "kvguard_source_up", source="vllm_metrics") == 0
     message = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["last_error"]
@@ -214,19 +202,10 @@ def test_a_vllm_endpoint_that_misbehaves_is_a_down_source_with_one_line(fake_vll
 
 def test_a_vllm_endpoint_that_hangs_is_cut_off_at_the_read_timeout(fake_vllm):
     server = fake_vllm("hang")
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, read_timeout=0.2, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=0.0)
-    result = {}
-    scraper = threading.Thread(target=lambda: result.update(scrape(sidecar)), daemon=True)
-    scraper.start()
-    scraper.join(timeout=30)
-    assert not scraper.is_alive()
+    sidecar = polled(server, wait=0.0, read_timeout=0.2)
+    scrape_within(sidecar)
     # The read itself ends at the socket timeout; poll until it has, with a deadline.
-    deadline = threading.Event()
-    for _ in range(300):
-        if sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["errors_total"] >= 1:
-            break
-        deadline.wait(0.05)
+    wait_for(lambda: sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["errors_total"] >= 1, seconds=15)
     sources = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]
     assert sources["up"] is False and sources["errors_total"] >= 1
 
@@ -238,18 +217,9 @@ def test_a_non_http_url_is_refused():
 
 def test_a_vllm_endpoint_that_trickles_is_cut_off_at_the_read_timeout(fake_vllm):
     server = fake_vllm("drip")
-    result = {}
-
-    def fetch():
-        try:
-            vllm_metrics.fetch(server.url, timeout=0.3)
-        except vllm_metrics.VllmMetricsError as exc:
-            result["error"] = str(exc)
-    reader = threading.Thread(target=fetch, daemon=True)
-    reader.start()
-    reader.join(timeout=30)
-    assert not reader.is_alive(), "a trickling endpoint kept the read alive"
-    assert result["error"] == f"{server.url}: no complete answer within 0.3s"
+    with pytest.raises(vllm_metrics.VllmMetricsError) as error:
+        within(30, lambda: vllm_metrics.fetch(server.url, timeout=0.3), "a read of a trickling endpoint")
+    assert str(error.value) == f"{server.url}: no complete answer within 0.3s"
 
 
 def test_after_a_trickling_read_is_cut_off_the_next_poll_runs(fake_vllm):
@@ -267,8 +237,7 @@ def test_after_a_trickling_read_is_cut_off_the_next_poll_runs(fake_vllm):
 
 def test_a_block_count_no_float_can_hold_never_fails_a_scrape(fake_vllm):
     server = fake_vllm("huge")
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server)
     samples = scrape(sidecar)
     assert "kvguard_kv_cache_allocated_blocks" not in samples
     assert value(samples, "kvguard_kv_cache_usage_ratio") == pytest.approx(0.4213)
@@ -277,8 +246,7 @@ def test_a_block_count_no_float_can_hold_never_fails_a_scrape(fake_vllm):
 def test_a_block_count_no_float_can_hold_is_ignored_with_a_log_too(fake_vllm, data_path):
     server = fake_vllm("huge")
     startup = tp2_log(data_path)
-    sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, startup_log=startup, pod_labels=dict(POD)))
-    sidecar.refresh_background(wait=5)
+    sidecar = polled(server, startup_log=startup)
     samples = scrape(sidecar)
     assert "kvguard_kv_cache_allocated_blocks" not in samples
     assert value(samples, "kvguard_kv_cache_allocated_bytes") == startup.available_kv_cache_bytes

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from kvguard.probe import Probe
 from kvguard.sources.npu_smi import device_memory_from_npu_smi, parse_npu_smi_info
 from kvguard.sim.source import SimSource, sim_identity
+from helpers import LoopbackHTTP, reply
 from monitoring import JOINS_FILE
 from test_prometheus_e2e import STARTUP_DEADLINE, Stack, kvguard_and_prometheus, poll
 
@@ -64,31 +63,10 @@ def npu_exporter_exposition() -> str:
     return "\n".join(lines) + "\n"
 
 
-class Exposition:
+def static_endpoint(text: str) -> LoopbackHTTP:
     """A static /metrics on a loopback port."""
-
-    def __init__(self, text: str):
-        body = text.encode()
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.target = f"127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    body = text.encode()
+    return LoopbackHTTP(lambda request: reply(request, 200, body, "text/plain; version=0.0.4"))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +78,7 @@ def joined(tmp_path_factory):
     fake = bin_dir / "npu-smi"
     fake.write_text(f"#!/bin/sh\nexec cat '{NPU_FIXTURE}'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    dcgm, npu = Exposition(dcgm_exposition()), Exposition(npu_exporter_exposition())
+    dcgm, npu = static_endpoint(dcgm_exposition()), static_endpoint(npu_exporter_exposition())
     probe = Probe(str(spool), source=SimSource(ranks=2, allocator="torch"), interval=1.0).start()
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     scrape = [{"job_name": name, "static_configs": [{"targets": [exposition.target]}]}

@@ -10,23 +10,15 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
 
-from kvguard.cli import main
 from kvguard.spool.io import read_spool
+from helpers import invoke, one_line_error
 
 
 @pytest.fixture
 def cli(monkeypatch):
     monkeypatch.delenv("KVGUARD_SPOOL_DIR", raising=False)
-    return lambda *args: CliRunner().invoke(main, list(args))
-
-
-def one_line_error(result, code=1):
-    assert result.exit_code == code, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    assert "Traceback" not in result.output
-    return result.output.strip()
+    return invoke
 
 
 def test_sample_prints_json(cli):

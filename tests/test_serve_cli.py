@@ -9,15 +9,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
 import pytest
-from click.testing import CliRunner
 
 from kvguard.cli import serve as cli_serve
-from kvguard.cli import main
+from helpers import invoke
 from monitoring import promtool
 from sidecar_fixtures import free_port, snapshot, write
 from test_collector_vllm import FakeVllm
@@ -26,17 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def check(*args):
-    return CliRunner().invoke(main, ["check", *args])
-
-
-def invoke_bounded(*args, seconds: float = 30):
-    """Run the CLI in a thread: a command that hangs fails the test instead of hanging it."""
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(r=CliRunner().invoke(main, list(args))), daemon=True)
-    runner.start()
-    runner.join(timeout=seconds)
-    assert not runner.is_alive(), f"kvguard {' '.join(args)} did not return"
-    return result["r"]
+    return invoke("check", *args)
 
 
 def test_check_exits_0_when_every_rank_is_ok(tmp_path):
@@ -140,7 +128,7 @@ def test_check_exits_3_on_a_missing_log(tmp_path):
 def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):
     fifo = tmp_path / "vllm.log"
     os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
-    result = invoke_bounded("check", "--from-log", str(fifo))
+    result = invoke("check", "--from-log", str(fifo), seconds=30)
     assert result.exit_code == 3
     assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
 
@@ -164,14 +152,9 @@ def test_check_counts_hostile_spool_files_and_judges_the_rest(tmp_path):
 def test_check_against_a_hanging_vllm_ends_with_the_no_ranks_warning():
     server = FakeVllm("hang")
     try:
-        result = {}
-        runner = threading.Thread(target=lambda: result.update(
-            r=check("--vllm-metrics-url", server.url, "--read-timeout", "0.2")), daemon=True)
-        runner.start()
-        runner.join(timeout=60)
-        assert not runner.is_alive()
-        assert result["r"].exit_code == 3 and "no_ranks" in result["r"].output
-        assert "Traceback" not in result["r"].output
+        result = invoke("check", "--vllm-metrics-url", server.url, "--read-timeout", "0.2", seconds=60)
+        assert result.exit_code == 3 and "no_ranks" in result.output
+        assert "Traceback" not in result.output
     finally:
         server.close()
 
@@ -302,7 +285,7 @@ def test_serve_without_a_spool_dir_reads_no_spool(served):
 def test_serve_refuses_a_log_that_is_not_a_regular_file(tmp_path):
     fifo = tmp_path / "vllm.log"
     os.mkfifo(fifo)
-    result = invoke_bounded("serve", "--port", "0", "--source", "none", "--from-log", str(fifo))
+    result = invoke("serve", "--port", "0", "--source", "none", "--from-log", str(fifo), seconds=30)
     assert result.exit_code == 1
     assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
 
@@ -310,8 +293,8 @@ def test_serve_refuses_a_log_that_is_not_a_regular_file(tmp_path):
 def test_demo_with_an_unusable_spool_dir_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
     spool = tmp_path / "afile" / "spool"
-    result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", "0",
-                                       "--spool-dir", str(spool)])
+    result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0",
+                    "--spool-dir", str(spool))
     assert result.exit_code == 1
     assert result.output == f"Error: cannot create spool directory {spool}: Not a directory\n"
 
@@ -325,7 +308,7 @@ def test_demo_without_a_writable_tmp_makes_its_spool_in_dev_shm(tmp_path, monkey
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", str(port)])
+        result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", str(port))
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
 
@@ -334,7 +317,7 @@ def test_demo_with_nowhere_to_make_its_spool_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     monkeypatch.setattr(cli_serve, "DEMO_SPOOL_PARENTS", (str(tmp_path / "afile"), None))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))
-    result = CliRunner().invoke(main, ["serve", "--demo", "--listen", "127.0.0.1", "--port", "0"])
+    result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0")
     assert result.exit_code == 1
     assert result.output.startswith("Error: cannot create a demo spool directory (")
     assert len(result.output.splitlines()) == 1
@@ -345,28 +328,28 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(main, ["serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir",
-                                           str(tmp_path), "--source", "none"])
+        result = invoke("serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir",
+                        str(tmp_path), "--source", "none")
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in result.output
 
 
 def test_serve_with_a_missing_certificate_says_tls(tmp_path):
-    result = CliRunner().invoke(main, ["serve", "--listen", "127.0.0.1", "--port", "0", "--source", "none",
-                                       "--tls-cert-file", str(tmp_path / "tls.crt"),
-                                       "--tls-key-file", str(tmp_path / "tls.key")])
+    result = invoke("serve", "--listen", "127.0.0.1", "--port", "0", "--source", "none",
+                    "--tls-cert-file", str(tmp_path / "tls.crt"),
+                    "--tls-key-file", str(tmp_path / "tls.key"))
     assert result.exit_code == 1
     assert result.output == "Error: cannot load TLS certificate or key: No such file or directory\n"
 
 
 def test_serve_refuses_a_certificate_without_a_key(tmp_path):
-    result = CliRunner().invoke(main, ["serve", "--tls-cert-file", str(tmp_path / "c.pem")])
+    result = invoke("serve", "--tls-cert-file", str(tmp_path / "c.pem"))
     assert result.exit_code == 2 and "go together" in result.output
 
 
 def test_serve_refuses_an_unknown_source(tmp_path):
-    result = CliRunner().invoke(main, ["serve", "--spool-dir", str(tmp_path), "--source", "abacus", "--port", "0"])
+    result = invoke("serve", "--spool-dir", str(tmp_path), "--source", "abacus", "--port", "0")
     assert result.exit_code == 1 and "unknown source 'abacus'" in result.output
 
 
@@ -376,8 +359,8 @@ def test_serve_refuses_an_unknown_source(tmp_path):
 def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
     password = tmp_path / "password"
     password.write_text("s3cret")
-    result = CliRunner().invoke(main, ["serve", "--port", "0", "--source", "none", f"--basic-auth-user={user}",
-                                       "--basic-auth-password-file", str(password)])
+    result = invoke("serve", "--port", "0", "--source", "none", f"--basic-auth-user={user}",
+                    "--basic-auth-password-file", str(password))
     assert result.exit_code == 2
     assert "--basic-auth-user is" in result.output.strip().splitlines()[-1]
 
@@ -385,8 +368,8 @@ def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
 def test_serve_refuses_an_empty_basic_auth_password(tmp_path):
     password = tmp_path / "password"
     password.write_text("\n")
-    result = CliRunner().invoke(main, ["serve", "--port", "0", "--source", "none", "--basic-auth-user=prometheus",
-                                       "--basic-auth-password-file", str(password)])
+    result = invoke("serve", "--port", "0", "--source", "none", "--basic-auth-user=prometheus",
+                    "--basic-auth-password-file", str(password))
     assert result.exit_code == 2 and "password is empty" in result.output
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvguard.sidecar.server import BadRequest, KVGuardServer, parse_request
+from helpers import wait_for
 from sidecar_fixtures import snapshot, write
 
 
@@ -35,15 +36,6 @@ def read_all(sock: socket.socket) -> bytes:
     except (ConnectionResetError, socket.timeout):
         pass
     return b"".join(chunks)
-
-
-def wait_for(condition, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_a_request_head_over_the_byte_cap_is_refused_with_431(serve):

@@ -15,18 +15,10 @@ import bcrypt
 import pytest
 
 from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfigWatcher
+from helpers import wait_for
 from sidecar_fixtures import http_get, snapshot
 
 PIPELINED = 200
-
-
-def wait_for(condition, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def slow_reader(port: int, path: str = "/metrics", requests: int = PIPELINED) -> socket.socket:

@@ -23,6 +23,7 @@ from kvguard.vllm.log import LogLineError, parse_log
 from kvguard.sidecar.poller import Poller
 from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.sources.npu_smi import NpuSmiSource
+from helpers import kvguard, one_line_error
 from sidecar_fixtures import GIB, snapshot, write
 
 POD = {"pod": "", "namespace": "", "container": ""}
@@ -80,18 +81,6 @@ def test_the_npu_smi_poller_waits_as_long_as_npu_smi_itself():
 
 # ------------------------------------------------------------------ commands: one line, never a traceback
 
-def kvguard(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "KVGUARD_DEBUG": ""})
-
-
-def one_line_error(result: subprocess.CompletedProcess) -> str:
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
-
-
 @pytest.fixture
 def log_with_utilization_5(data_path, tmp_path):
     """A real vLLM V1 log whose profile line states utilization 5.0 (the probe's ProfileError)."""
@@ -105,28 +94,25 @@ def log_with_utilization_5(data_path, tmp_path):
 
 def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_3(log_with_utilization_5):
     result = kvguard("check", "--from-log", log_with_utilization_5)
-    assert result.returncode == 3   # UNKNOWN: 1 or 2 would read as a verdict to the caller
-    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
+    # Exit 3, UNKNOWN: 1 or 2 would read as a verdict to the caller.
+    assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result, code=3)
 
 
 def test_serve_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
     result = kvguard("serve", "--from-log", log_with_utilization_5, "--port", "0", "--source", "none",
                      "--listen", "127.0.0.1")
-    assert result.returncode == 1
     assert one_line_error(result) == (f"Error: --from-log {log_with_utilization_5}: the log's profile is impossible: "
                                       "gpu_memory_utilization must be in (0, 1], got 5.0")   # not "internal error"
 
 
 def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
     result = kvguard("budget", "--from-log", log_with_utilization_5)
-    assert result.returncode != 0
     assert "gpu_memory_utilization must be in (0, 1], got 5.0" in one_line_error(result)
 
 
 def test_budget_with_a_reserved_increase_larger_than_the_device_is_one_line(data_path):
     result = kvguard("budget", "--from-log", data_path("logs", "v1-tp2-debug.log"), "--peak-reserved-increase",
                      "1000GiB")
-    assert result.returncode == 1
     assert one_line_error(result) == ("Error: --peak-reserved-increase 1000.00 GiB is more than the device's total "
                                       "memory (64.00 GiB): check its unit")
 

@@ -6,16 +6,10 @@ import pickle
 from importlib import resources
 
 import pytest
-from click.testing import CliRunner
-
-from kvguard.cli import main
+from helpers import invoke, one_line_error
 
 STORY = ["simulate", "--device-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.9",
          "--requests", "4", "--long-fraction", "1"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def test_json_reports_the_run_with_profile_and_stats():
@@ -68,13 +62,13 @@ def test_text_summary_names_the_pool():
     (["--ms-alloc-conf", "vmm_align_size:3MB"], "Error: MS_ALLOC_CONF vmm_align_size must be a positive multiple"),
 ])
 def test_bad_mindspore_options_are_one_line_errors(args, message):
-    result = CliRunner().invoke(main, [*STORY, *args])
+    result = invoke(*STORY, *args)
     assert result.exit_code == 1
     assert result.output.startswith(message) and result.output.count("\n") == 1
 
 
 def test_mindspore_options_with_another_allocator_are_refused():
-    result = CliRunner().invoke(main, ["simulate", "--allocator", "torch", "--ms-alloc-conf", "enable_vmm:True"])
+    result = invoke("simulate", "--allocator", "torch", "--ms-alloc-conf", "enable_vmm:True")
     assert result.exit_code == 1 and "need --allocator mindspore" in result.output
 
 
@@ -107,7 +101,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    result = CliRunner().invoke(main, [*STORY, "--plot", "x.png"])
+    result = invoke(*STORY, "--plot", "x.png")
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == ["Error: --plot needs matplotlib: pip install 'kvguard[plot]'"]
 
@@ -128,18 +122,10 @@ def test_trace_replay_json(tmp_path):
 def test_unreadable_trace_is_a_one_line_error(tmp_path):
     path = tmp_path / "bad.pickle"
     path.write_bytes(b"\x80\x04garbage")
-    result = CliRunner().invoke(main, ["simulate", "--trace", str(path)])
+    result = invoke("simulate", "--trace", str(path))
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("Error: cannot read snapshot pickle")
-
-
-def one_line_error(result):
-    assert result.exit_code == 1, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize(("entries", "message"), [
@@ -151,13 +137,13 @@ def one_line_error(result):
 def test_snapshot_with_odd_field_types_is_a_one_line_error(tmp_path, entries, message):
     path = tmp_path / "snap.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [entries]}))
-    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])).endswith(message)
+    assert one_line_error(invoke("simulate", "--trace", str(path))).endswith(message)
 
 
 def test_snapshot_whose_device_trace_is_not_a_list_is_a_one_line_error(tmp_path):
     path = tmp_path / "snap.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [5]}))
-    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])) == (
+    assert one_line_error(invoke("simulate", "--trace", str(path))) == (
         "Error: snapshot device_traces[0] is an int, not a list of entries")
 
 
@@ -171,7 +157,7 @@ def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch)
     monkeypatch.setattr(traces, "load_trace", broken)
     path = tmp_path / "snap.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 4}]]}))
-    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path), "--allocator", "torch_npu"])) \
+    assert one_line_error(invoke("simulate", "--trace", str(path), "--allocator", "torch_npu")) \
         == f"Error: cannot read trace {path}: RecursionError: maximum recursion depth exceeded"
     import kvguard.allocators.snapshot as snapshot
 
@@ -179,27 +165,27 @@ def test_an_unexpected_reader_failure_is_a_one_line_error(tmp_path, monkeypatch)
         raise RecursionError("maximum recursion depth exceeded\nmore")
 
     monkeypatch.setattr(snapshot, "replay_snapshot", broken_replay)
-    assert one_line_error(CliRunner().invoke(main, ["simulate", "--trace", str(path)])) == (
+    assert one_line_error(invoke("simulate", "--trace", str(path))) == (
         f"Error: cannot replay snapshot {path}: RecursionError: maximum recursion depth exceeded")
 
 
 def test_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path):
     target = tmp_path / "missing" / "run.png"
-    result = CliRunner().invoke(main, [*STORY, "--plot", str(target)])
+    result = invoke(*STORY, "--plot", str(target))
     assert one_line_error(result) == f"Error: --plot: directory {target.parent} does not exist"
     assert "Device" not in result.output      # refused up front: nothing simulated
 
 
 def test_plot_to_a_name_that_is_not_png_is_refused(tmp_path):
     target = tmp_path / "run.jpg"
-    assert one_line_error(CliRunner().invoke(main, [*STORY, "--plot", str(target)])) == (
+    assert one_line_error(invoke(*STORY, "--plot", str(target))) == (
         f"Error: --plot writes a PNG: give a file name ending in .png, not {str(target)!r}")
 
 
 def test_plot_that_cannot_be_saved_is_a_one_line_error(tmp_path):
     pytest.importorskip("matplotlib")
     target = tmp_path / ("x" * 300 + ".png")       # the directory exists; the name is too long to create
-    result = CliRunner().invoke(main, [*STORY, "--plot", str(target), "--json"])
+    result = invoke(*STORY, "--plot", str(target), "--json")
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == f"Error: cannot write plot {target}: File name too long"
     assert result.exception is None or isinstance(result.exception, SystemExit)
@@ -215,12 +201,12 @@ def test_odd_model_config_fields_are_one_line_errors(tmp_path, field, value, mes
     path = tmp_path / "config.json"
     path.write_text(bundled.rstrip().rstrip("}") + f', "{field}": {value}}}')   # the last duplicate key wins
     assert json.loads(path.read_text())[field] == json.loads(value)
-    result = CliRunner().invoke(main, ["simulate", "--model-config", str(path)])
+    result = invoke("simulate", "--model-config", str(path))
     assert one_line_error(result) == f"Error: config field {message}"
 
 
 def test_missing_model_config_is_a_one_line_error(tmp_path):
-    result = CliRunner().invoke(main, ["simulate", "--model-config", str(tmp_path / "nope.json")])
+    result = invoke("simulate", "--model-config", str(tmp_path / "nope.json"))
     assert result.exit_code == 1
     assert result.output.strip().startswith("Error: model config not found")
 

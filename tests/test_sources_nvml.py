@@ -146,12 +146,14 @@ def test_source_reads_every_device():
     assert [len(r.processes) for r in records] == [1, 0]
 
 
-def test_source_initialises_nvml_once():
+def test_source_initialises_nvml_once_and_shuts_it_down_on_close():
     nvml = FakeNvml([(H200, [])])
     source = NvmlSource(nvml)
     source.sample()
     source.sample()
-    assert nvml.inits == 1
+    assert (nvml.inits, nvml.shutdowns) == (1, 0)
+    source.close()
+    assert (nvml.inits, nvml.shutdowns) == (1, 1)
 
 
 def test_old_driver_without_memory_v2_falls_back_to_v1():
@@ -182,14 +184,6 @@ def test_other_init_failures_are_errors_not_absence():
         NvmlSource(FakeNvml([], init_error=pynvml.NVML_ERROR_NO_PERMISSION)).sample()
     assert not isinstance(info.value, SourceUnavailable)
     assert str(info.value) == "nvml: Insufficient Permissions"
-
-
-def test_close_shuts_nvml_down():
-    nvml = FakeNvml([(H200, [])])
-    source = NvmlSource(nvml)
-    source.sample()
-    source.close()
-    assert nvml.shutdowns == 1
 
 
 def test_every_real_call_the_fake_answers_exists_in_nvidia_ml_py():

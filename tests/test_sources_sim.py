@@ -14,23 +14,26 @@ from kvguard.sources import torch as torch_source
 from kvguard.sim.source import SimSource
 
 
-def test_torch_ranks_are_read_with_the_torch_sources_reader():
-    source = SimSource(ranks=1, allocator="torch")
+def sampled_and_reread(allocator, reader, device):
+    """One sim rank's record, and what ``reader`` (a real source's stats reader) makes of that rank's stats and
+    device memory, given the record's identity labels (the sim's, which the reader does not make)."""
+    source = SimSource(ranks=1, allocator=allocator)
     [record] = source.sample()
     scenario = source._scenarios[0]
     free, total = scenario.device_memory()
-    assert replace(record, device_uuid="", pci_bus_id="") == torch_source.device_memory_from_stats(
-        scenario.memory_stats(), "cuda:0", "sim", free_bytes=free, total_bytes=total)
+    reread = reader(scenario.memory_stats(), device, "sim", free_bytes=free, total_bytes=total)
+    return record, replace(reread, device_uuid=record.device_uuid, pci_bus_id=record.pci_bus_id)
+
+
+def test_torch_ranks_are_read_with_the_torch_sources_reader():
+    record, reread = sampled_and_reread("torch", torch_source.device_memory_from_stats, "cuda:0")
+    assert record == reread
     assert record.reserved_bytes >= record.allocated_bytes > 0
 
 
 def test_mindspore_ranks_are_read_with_the_mindspore_sources_reader():
-    source = SimSource(ranks=1, allocator="mindspore")
-    [record] = source.sample()
-    scenario = source._scenarios[0]
-    free, total = scenario.device_memory()
-    assert replace(record, device_uuid="", pci_bus_id="") == mindspore_source.device_memory_from_stats(
-        scenario.memory_stats(), "npu:0", "sim", free_bytes=free, total_bytes=total)
+    record, reread = sampled_and_reread("mindspore", mindspore_source.device_memory_from_stats, "npu:0")
+    assert record == reread
     assert record.idle_bytes is not None and record.alloc_retries is None
 
 

@@ -7,27 +7,9 @@ import time
 
 import pytest
 
-from kvguard.budget.estimator import Profile
-from kvguard.records import DeviceMemory
 from kvguard.spool.io import read_spool, write_snapshot
-from kvguard.spool.schema import Snapshot, snapshot_filename
-from kvguard.records import KVCacheAllocation
-
-GIB = 1 << 30
-
-
-def snapshot(device="npu:0", pid=4242, **overrides):
-    fields = dict(
-        written_at=time.time(), started_at=time.time() - 60, sequence=7, host="node-a", pid=pid, device=device,
-        memory=DeviceMemory(device=device, source="mindspore", allocated_bytes=27 * GIB, reserved_bytes=30 * GIB,
-                            idle_bytes=3 * GIB),
-        rank=0, pod={"pod": "qwen-0", "namespace": "serving", "container": "vllm"},
-        profile=Profile(total_memory_bytes=32 * GIB, gpu_memory_utilization=0.9, weights_bytes=14 * GIB,
-                        peak_allocated_increase_bytes=GIB, peak_reserved_increase_bytes=2 * GIB,
-                        non_torch_increase_bytes=0),
-        kv_cache=KVCacheAllocation(num_blocks=14762, block_bytes=917_504, block_size=16))
-    fields.update(overrides)
-    return Snapshot(**fields)
+from kvguard.spool.schema import snapshot_filename
+from sidecar_fixtures import snapshot
 
 
 def good_payload():
@@ -39,7 +21,7 @@ def write_json(spool, name, data):
 
 
 def test_written_snapshot_reads_back_equal(tmp_path):
-    original = snapshot()
+    original = snapshot(kv_blocks=14762, block_bytes=917_504)
     write_snapshot(str(tmp_path), original)
     [read] = read_spool(str(tmp_path)).snapshots
     assert read == original
@@ -49,7 +31,7 @@ def test_written_snapshot_reads_back_equal(tmp_path):
 def test_write_replaces_the_rank_file_and_leaves_no_temporary(tmp_path):
     write_snapshot(str(tmp_path), snapshot(sequence=1))
     write_snapshot(str(tmp_path), snapshot(sequence=2))
-    assert os.listdir(tmp_path) == [snapshot_filename("node-a", 4242, "npu:0")]
+    assert os.listdir(tmp_path) == [snapshot_filename("node-7", 4242, "npu:0")]
     assert read_spool(str(tmp_path)).snapshots[0].sequence == 2
 
 
@@ -150,7 +132,7 @@ def test_junk_that_sorts_first_never_hides_a_live_rank(tmp_path):
 def test_newer_files_are_read_first_when_the_budget_runs_out(tmp_path):
     for pid in (1, 2, 3):
         write_snapshot(str(tmp_path), snapshot(pid=pid))
-        os.utime(tmp_path / snapshot_filename("node-a", pid, "npu:0"), (1000 + pid, 1000 + pid))
+        os.utime(tmp_path / snapshot_filename("node-7", pid, "npu:0"), (1000 + pid, 1000 + pid))
     result = read_spool(str(tmp_path), max_files=2)
     assert sorted(s.pid for s in result.snapshots) == [2, 3]
 
@@ -158,7 +140,7 @@ def test_newer_files_are_read_first_when_the_budget_runs_out(tmp_path):
 def test_a_read_stops_at_its_byte_budget_and_counts_the_rest(tmp_path):
     for pid in range(10):
         write_snapshot(str(tmp_path), snapshot(pid=pid))
-    size = os.path.getsize(tmp_path / snapshot_filename("node-a", 0, "npu:0"))
+    size = os.path.getsize(tmp_path / snapshot_filename("node-7", 0, "npu:0"))
     result = read_spool(str(tmp_path), max_total_bytes=size * 3 + size // 2)
     assert len(result.snapshots) == 3
     assert result.skipped["too_many_files"] == 7
@@ -210,7 +192,7 @@ def test_junk_dated_in_the_future_never_hides_a_live_rank(tmp_path):
     write_snapshot(str(tmp_path), snapshot())
     next_year = time.time() + 365 * 86400
     for index in range(20):
-        junk = tmp_path / snapshot_filename("node-a", 100000 + index, "npu:0")
+        junk = tmp_path / snapshot_filename("node-7", 100000 + index, "npu:0")
         junk.write_text("{}")
         os.utime(junk, (next_year, next_year))
     result = read_spool(str(tmp_path), max_files=8)
