@@ -1,21 +1,34 @@
 """Write the reference pages that restate code, from the code.
 
-    python docs/gen_reference.py           rewrite docs/reference/{eras,cli,log-lines}.md
+    python docs/gen_reference.py           rewrite docs/reference/{eras,cli,log-lines}.md and the
+                                           generated sections of docs/metrics.md, docs/reference/json-output.md
     python docs/gen_reference.py --check   exit 1, naming each page, when a page differs from the code
 
-Standard library and the kvguard package only. The era table is read from
+The kvguard package and what it depends on only. The era table is read from
 ``kvguard.vllm.eras.ERAS`` (every dataclass field of a row, whatever fields the row has), the budget
 formulas from ``FORMULAS`` as the era module imports it, the CLI from the click group
 ``kvguard.cli.main``, and the startup-log line kinds from ``kvguard.vllm.log.kinds_markdown``.
+
+Two pages are hand-written prose around generated sections, each between
+``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the metric families of
+docs/metrics.md, collected from ``KVGuardCollector`` over a fixed observation in which every family has a
+sample (name, type, labels and HELP as client_python gives them), and the keys of docs/reference/json-output.md,
+from ``kvguard budget``, ``simulate`` and ``check --json`` run in-process through click's CliRunner and
+from ``Observation.guard_dict()`` (``/guard``). Only names and types are written, never values, so the
+sections do not change from run to run.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import json
 import os
 import sys
+import tempfile
 import textwrap
+from collections import Counter
 
 DOCS = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = os.path.join(DOCS, "reference")
@@ -191,6 +204,358 @@ def log_lines_page() -> str:
         kinds_markdown().rstrip("\n"), ""])
 
 
+# ----------------------------------------------------------------- a fixed observation
+
+GIB = 1 << 30
+MIB = 1 << 20
+# Fixed values, never printed: the generated sections show names and types only.
+WRITTEN_AT = 1_700_000_000.0
+POD = {"pod": "vllm-0", "namespace": "llm", "container": "vllm"}
+MODEL_NAME = "Qwen2.5-7B-Instruct"
+# Qwen2.5-7B on one rank, block size 128: 28 layers x K and V x 4 KV heads x 128 x 2 bytes x 128 tokens.
+BLOCK_BYTES = 28 * 2 * 4 * 128 * 2 * 128
+
+
+def examples_dir() -> str:
+    _import_kvguard()
+    import kvguard
+
+    return os.path.join(os.path.dirname(kvguard.__file__), "examples")
+
+
+EXAMPLE_PROFILE = "qwen2.5-7b-910b-profile.json"
+EXAMPLE_MODEL = "qwen2.5-7b-instruct"
+EXAMPLE_LOG = "vllm-mindspore-qwen2.5-7b.log"
+EXAMPLES_SHOWN = "exporter/kvguard/examples/"       # how the pages write the example paths
+
+
+def example_profile():
+    _import_kvguard()
+    from kvguard.budget.estimator import Profile
+
+    with open(os.path.join(examples_dir(), EXAMPLE_PROFILE), encoding="utf-8") as handle:
+        return Profile.from_dict(json.load(handle))
+
+
+def example_snapshot(rank: int, written_at: float):
+    """One rank's snapshot as the probe writes it: the example profile on a 64 GiB NPU between steps, with its
+    KV cache (vLLM's stock budget in whole blocks) and a budget-time verdict."""
+    _import_kvguard()
+    from kvguard.budget.estimator import stock_kv_cache_bytes
+    from kvguard.guard.judge import BUDGET, GuardInput, judge
+    from kvguard.records import DeviceMemory, KVCacheAllocation, ProcessMemory
+    from kvguard.spool.schema import ProbeStatus, Snapshot
+
+    profile = example_profile()
+    blocks = stock_kv_cache_bytes(profile) // BLOCK_BYTES
+    allocated = profile.weights_bytes + blocks * BLOCK_BYTES
+    reserved = allocated + profile.peak_reserved_increase_bytes
+    pid = 4242 + rank
+    memory = DeviceMemory(
+        device=f"npu:{rank}", source="mindspore", allocated_bytes=allocated, reserved_bytes=reserved,
+        peak_allocated_bytes=allocated + profile.peak_allocated_increase_bytes, peak_reserved_bytes=reserved,
+        inactive_split_bytes=256 * MIB, alloc_retries=0, ooms=0, total_bytes=64 * GIB,
+        free_bytes=63 * GIB - reserved, used_bytes=reserved + GIB,
+        processes=(ProcessMemory(pid=pid, used_bytes=reserved + GIB, name="python3"),))
+    at_budget = dataclasses.replace(judge(GuardInput(profile, kv_cache_bytes=blocks * BLOCK_BYTES)), phase=BUDGET,
+                                    kv_tensors=56, kv_tensors_placed=56, kv_placement_loss_bytes=0)
+    return Snapshot(written_at=written_at, started_at=written_at - 600, sequence=120, host="node-7", pid=pid,
+                    device=memory.device, memory=memory, rank=rank, pod=dict(POD), profile=profile,
+                    kv_cache=KVCacheAllocation(num_blocks=blocks, block_bytes=BLOCK_BYTES, block_size=128),
+                    probe=ProbeStatus(samples_total=120, errors_total=1, interval_seconds=5.0),
+                    model_name=MODEL_NAME, engine="0", budget_verdict=at_budget)
+
+
+def example_observation():
+    """What the sidecar sees with one rank (snapshot, profile, KV cache, vLLM's usage, a budget-time verdict),
+    one device with a process and the driver's reserve, and the spool, a device source and vLLM up: every
+    family the collector declares gets a sample."""
+    import time
+
+    _import_kvguard()
+
+    from kvguard.guard.judge import GuardInput, judge
+    from kvguard.records import DeviceMemory, ProcessMemory
+    from kvguard.sidecar.observation import SPOOL, VLLM_METRICS, DeviceView, Observation, RankView
+    from kvguard.sidecar.poller import PollState
+
+    snap = example_snapshot(0, WRITTEN_AT)
+    verdict = judge(GuardInput(snap.profile, kv_cache_bytes=snap.kv_cache.kv_cache_bytes, memory=snap.memory))
+    labels = {"device": snap.device, "rank": str(snap.rank), "pid": str(snap.pid), **POD,
+              "model_name": snap.model_name, "engine": snap.engine, "engine_id": POD["pod"]}
+    rank = RankView(labels, snap, snap.profile, "snapshot", snap.kv_cache.num_blocks, 0.25, 2.0, False, verdict,
+                    snap.budget_verdict)
+    device = DeviceView({"device": "npu:0", "source": "npu-smi", **POD, "container": "kvguard"},
+                        DeviceMemory(device="npu:0", source="npu-smi", total_bytes=64 * GIB, used_bytes=56 * GIB,
+                                     free_bytes=8 * GIB, device_reserved_bytes=GIB,
+                                     processes=(ProcessMemory(pid=snap.pid, used_bytes=55 * GIB),),
+                                     device_uuid="npu-phy-0", pci_bus_id="0000:C1:00.0"))
+    now = time.monotonic()
+    sources = [PollState(name, up=True, success_at=now, duration_seconds=0.01) for name in (SPOOL, "npu-smi",
+                                                                                              VLLM_METRICS)]
+    return Observation([rank], [device], sources, spool_snapshots=1, skipped=Counter(), interval_seconds=5.0)
+
+
+# ----------------------------------------------------------------- sections inside hand-written pages
+
+def section_start(name: str) -> str:
+    return f"<!-- generated: {name} (docs/gen_reference.py, from the code; edit the code, then run it) -->"
+
+
+def section_end(name: str) -> str:
+    return f"<!-- end generated: {name} -->"
+
+
+def with_section(text: str, name: str, body: str) -> str:
+    """``text`` with the lines between the markers of section ``name`` replaced by ``body``; ValueError when
+    the page lacks the markers."""
+    start, end = section_start(name), section_end(name)
+    if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
+        raise ValueError(f"no generated section {name!r}: the page needs the lines {start} and {end}")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + body.rstrip("\n") + "\n\n" + end + tail     # a blank line ends a table
+
+
+def section_text(text: str, name: str) -> str:
+    """The body of section ``name`` in ``text`` as it stands."""
+    return text.split(section_start(name) + "\n", 1)[1].split(section_end(name), 1)[0]
+
+
+# ----------------------------------------------------------------- docs/metrics.md: the families
+
+# Layout only: the heading each family name prefix goes under, in exposition order. A family no prefix
+# claims still gets its row, under "Other families".
+METRIC_GROUPS = (
+    (("kvguard_allocator_",), "Allocator (per rank, from the spool)"),
+    (("kvguard_kv_cache_",), "KV cache and budgets (per rank)"),
+    (("kvguard_profile_",), "Startup profile (per rank)"),
+    (("kvguard_guard_",), "Guard (per rank)"),
+    (("kvguard_snapshot_", "kvguard_probe_"), "Snapshots and probes (per rank)"),
+    (("kvguard_device_",), "Devices (per device, from `--source`)"),
+    (("kvguard_source_", "kvguard_spool_", "kvguard_build_"), "Sources, spool, exporter"),
+)
+# Labels whose values name things of the world (a process, a source, a build), not a fixed set of the code.
+OPEN_LABELS = ("pid", "source", "version", "python_version")
+# Units by Prometheus's base-unit suffixes.
+UNITS = (("_bytes", "bytes"), ("_seconds", "seconds"), ("_ratio", "ratio"))
+
+
+def metric_families() -> list:
+    """(exposed name, type, labels, HELP, label values seen) of every family the collector yields over
+    ``example_observation()``, in exposition order."""
+    _import_kvguard()
+    from kvguard.sidecar.collector import KVGuardCollector
+
+    collector = KVGuardCollector(None)      # no Sidecar: the observation is pinned
+    collector.pinned = example_observation()
+    rows = []
+    for family in collector.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = list(family.samples[0].labels)
+        values = {label: list(dict.fromkeys(s.labels[label] for s in family.samples)) for label in labels}
+        rows.append((name, family.type, labels, family.documentation, values))
+    return rows
+
+
+def _unit(name: str) -> str:
+    return next((unit for suffix, unit in UNITS if name.endswith(suffix)), "—")
+
+
+def metrics_section() -> str:
+    _import_kvguard()
+    from kvguard.sidecar.collector import DEVICE_LABELS, IDENTITY_LABELS, RANK_IDENTITY_LABELS
+    from kvguard.sidecar.observation import RANK_LABELS
+
+    groups = {"rank labels": list(RANK_LABELS + RANK_IDENTITY_LABELS),
+              "device labels": list(DEVICE_LABELS + IDENTITY_LABELS)}
+    families = metric_families()
+    out = ['"Rank labels" below means ' + ", ".join(f"`{label}`" for label in groups["rank labels"]) + ".",
+           '"Device labels" means ' + ", ".join(f"`{label}`" for label in groups["device labels"])
+           + " (the sidecar's pod).", "",
+           ("Rows: the families `KVGuardCollector` yields, in exposition order; HELP as served with the default "
+            "`--interval 5`."), ""]
+
+    def labels_text(labels: list[str]) -> tuple[str, list[str]]:
+        for word, group in groups.items():
+            if labels[:len(group)] == group:
+                extra = labels[len(group):]
+                return ", ".join([word] + [f"`{label}`" for label in extra]), extra
+        return (", ".join(f"`{label}`" for label in labels) or "—"), labels
+
+    placed: set[str] = set()
+    sections = [(heading, [f for f in families if f[0].startswith(prefixes)]) for prefixes, heading in METRIC_GROUPS]
+    for _, members in sections:
+        placed.update(f[0] for f in members)
+    sections.append(("Other families", [f for f in families if f[0] not in placed]))
+    fixed: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for heading, members in sections:
+        if not members:
+            continue
+        out += [f"## {heading}", "", "| Name | Type | Labels | Unit | HELP |", "|---|---|---|---|---|"]
+        for name, kind, labels, documentation, values in members:
+            text, extra = labels_text(labels)
+            out.append(f"| `{name}` | {kind} | {cell(text)} | {_unit(name)} | {cell(documentation)} |")
+            for label in extra:
+                if label not in OPEN_LABELS:
+                    fixed.setdefault((label, tuple(values[label])), []).append(name)
+        out.append("")
+    if fixed:
+        out += ["## Label values", "",
+                "The labels whose values are a fixed set of the code, with every value the families emit.", "",
+                "| Label | Families | Values |", "|---|---|---|"]
+        for (label, values), names in fixed.items():
+            out.append(f"| `{label}` | {', '.join(f'`{n}`' for n in names)} | "
+                       f"{', '.join(f'`{cell(v)}`' for v in values)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------- docs/reference/json-output.md: keys
+
+# An object with more keys than this is one row (torch's memory_stats names, a hundred and more).
+MAX_LISTED_KEYS = 40
+
+
+def json_type(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    kinds = list(dict.fromkeys(json_type(v) for v in value))
+    return "array of " + " or ".join(kinds) if kinds else "array"
+
+
+def key_types(data: dict) -> dict[str, str]:
+    """Every top-level key of ``data`` and the keys one level down, with their JSON types: ``a.b`` in an
+    object, ``a[].b`` in an array of objects, ``a.*`` for an object of more than MAX_LISTED_KEYS keys."""
+    rows: dict[str, str] = {}
+    for key, value in data.items():
+        rows[key] = json_type(value)
+        if isinstance(value, dict) and len(value) > MAX_LISTED_KEYS:
+            kinds = sorted({json_type(v) for v in value.values()})
+            rows[f"{key}.*"] = f"{len(value)} keys, {' or '.join(kinds)}"
+        elif isinstance(value, dict):
+            rows.update({f"{key}.{sub}": json_type(v) for sub, v in value.items()})
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for item in value:
+                for sub, v in item.items():
+                    rows.setdefault(f"{key}[].{sub}", json_type(v))
+    return rows
+
+
+def key_table(runs: list[tuple[str, dict]]) -> list[str]:
+    """One row per key any run printed, one column per run: the key's JSON type there, — where absent. Top-level
+    keys in the order of the run that printed the most, then the others' in theirs; each followed by its own."""
+    typed = [(title, key_types(data)) for title, data in runs]
+    richest = max((data for _, data in runs), key=len)
+    tops = list(dict.fromkeys(list(richest) + [key for _, data in runs for key in data]))
+    every = list(dict.fromkeys(key for _, types in typed for key in types))
+    keys = [key for top in tops for key in every if key == top or key.startswith((f"{top}.", f"{top}[]."))]
+    lines = ["| Key | " + " | ".join(title for title, _ in typed) + " |", "|---|" + "---|" * len(typed)]
+    for key in keys:
+        lines.append(f"| `{cell(key)}` | " + " | ".join(types.get(key, "—") for _, types in typed) + " |")
+    return lines
+
+
+def shown(args: list[str]) -> str:
+    """A command line as the page writes it: example files by their path in the repository."""
+    words = ["kvguard"] + [EXAMPLES_SHOWN + os.path.basename(a) if a.startswith(examples_dir()) else a for a in args]
+    return "`" + " ".join(words) + "`"
+
+
+def run_json(args: tuple[str, ...], exit_codes: tuple[int, ...] = (0,)) -> dict:
+    """``kvguard ARGS`` in this process (click's CliRunner); its stdout as JSON."""
+    _import_kvguard()
+    from click.testing import CliRunner
+    from kvguard.cli import main
+
+    result = CliRunner().invoke(main, list(args), env={"KVGUARD_SPOOL_DIR": None})
+    if result.exit_code not in exit_codes:
+        raise RuntimeError(f"kvguard {' '.join(args)} exited {result.exit_code}: {result.output}") from result.exception
+    return json.loads(result.stdout)
+
+
+# The runs over the bundled examples give the same answer every time: one run per process.
+cached_run_json = functools.lru_cache(maxsize=None)(run_json)
+
+
+def json_runs_section(runs: list[tuple[str, list[str], dict]], note: str = "") -> str:
+    out = [("Generated from these runs, one column each: the JSON type each printed (`null` where that run had no "
+            "value, — where it printed no such key)."), ""]
+    out += [f"- {title}: {shown(args)}" for title, args, _ in runs]
+    if note:
+        out += ["", note]
+    out += [""] + key_table([(title, data) for title, _, data in runs])
+    return "\n".join(out) + "\n"
+
+
+def budget_json_section() -> str:
+    examples = examples_dir()
+    profile = os.path.join(examples, EXAMPLE_PROFILE)
+    model = os.path.join(examples, EXAMPLE_MODEL)
+    log = os.path.join(examples, EXAMPLE_LOG)
+    runs = [
+        ("profile", ["budget", "--profile", profile, "--json"]),
+        ("with model, release, allocator", ["budget", "--profile", profile, "--model-config", model, "--vllm-version",
+                                            "0.11.0", "--kv-cache-memory", "16GiB", "--max-model-len", "8192",
+                                            "--allocator", "torch", "--json"]),
+        ("log and model", ["budget", "--from-log", log, "--model-config", model, "--json"]),
+    ]
+    return json_runs_section([(title, args, cached_run_json(tuple(args))) for title, args in runs])
+
+
+def simulate_json_section() -> str:
+    args = ["simulate", "--requests", "4", "--seed", "1", "--json"]
+    return json_runs_section([("simulate", args, cached_run_json(tuple(args)))])
+
+
+def check_json_section() -> str:
+    import time
+
+    log = os.path.join(examples_dir(), EXAMPLE_LOG)
+    from kvguard.spool.io import write_snapshot
+
+    with tempfile.TemporaryDirectory(prefix="kvguard-gen-") as spool:
+        for rank in (0, 1):
+            write_snapshot(spool, example_snapshot(rank, time.time()))
+        runs = [("spool", ["check", "--spool-dir", spool, "--json"]),
+                ("spool and log", ["check", "--spool-dir", spool, "--from-log", log, "--total-memory", "64GiB",
+                                   "--gpu-memory-utilization", "0.9", "--json"])]
+        # A new spool each time: not cached. Exit 1 or 2 is a verdict (warning, critical), not a failure.
+        results = [(title, args, run_json(tuple(args), (0, 1, 2))) for title, args in runs]
+    results = [(title, [a if a != spool else "SPOOL" for a in args], data) for title, args, data in results]
+    return json_runs_section(results, "SPOOL holds two ranks' snapshots: the bundled example profile on a 64 GiB NPU "
+                                      "with its KV cache and a budget-time verdict (`example_snapshot` in "
+                                      "docs/gen_reference.py).")
+
+
+def guard_json_section() -> str:
+    data = example_observation().guard_dict()
+    out = [("Generated from `Observation.guard_dict()` over one rank with a snapshot, a profile, a KV cache and a "
+            "budget-time verdict, one device source and vLLM's metrics (`example_observation` in "
+            "docs/gen_reference.py):"), ""]
+    return "\n".join(out + key_table([("/guard", data)])) + "\n"
+
+
+# (page under docs/, section name) -> its body.
+SECTIONS = {
+    ("metrics.md", "metrics"): metrics_section,
+    ("reference/json-output.md", "budget-json"): budget_json_section,
+    ("reference/json-output.md", "simulate-json"): simulate_json_section,
+    ("reference/json-output.md", "check-json"): check_json_section,
+    ("reference/json-output.md", "guard-json"): guard_json_section,
+}
+
+
 PAGES = {
     "eras.md": eras_page,
     "cli.md": cli_page,
@@ -198,14 +563,30 @@ PAGES = {
 }
 
 
+def generated_pages() -> dict[str, str]:
+    """Every file the generator writes, by its path under docs/, as the code makes it now (a page with
+    sections: its current text with each section's body replaced)."""
+    pages = {os.path.relpath(os.path.join(REFERENCE, name), DOCS): make() for name, make in PAGES.items()}
+    for (page, name), make in SECTIONS.items():
+        if page not in pages:
+            with open(os.path.join(DOCS, page), encoding="utf-8") as handle:
+                pages[page] = handle.read()
+        pages[page] = with_section(pages[page], name, make())
+    return pages
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a generated page differs")
     args = parser.parse_args(argv)
+    try:
+        pages = generated_pages()
+    except (OSError, ValueError) as exc:     # a page with sections missing, or without their markers
+        print(f"gen_reference: {exc}", file=sys.stderr)
+        return 1
     stale = []
-    for name, make in PAGES.items():
-        path = os.path.join(REFERENCE, name)
-        text = make()
+    for page, text in pages.items():
+        path = os.path.join(DOCS, page)
         try:
             with open(path, encoding="utf-8") as handle:
                 current = handle.read()
@@ -214,14 +595,14 @@ def main(argv=None) -> int:
         if current == text:
             continue
         if args.check:
-            stale.append(name)
+            stale.append(page)
         else:
-            os.makedirs(REFERENCE, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as handle:
                 handle.write(text)
-            print(f"wrote docs/reference/{name}")
+            print(f"wrote docs/{page}")
     if stale:
-        print("out of date (run python docs/gen_reference.py): " + ", ".join(f"docs/reference/{n}" for n in stale),
+        print("out of date (run python docs/gen_reference.py): " + ", ".join(f"docs/{p}" for p in stale),
               file=sys.stderr)
         return 1
     return 0

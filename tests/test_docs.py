@@ -75,14 +75,125 @@ def test_the_cli_page_lists_every_command_and_every_option_flag():
                     assert f"`{flag}`" in section, (name, flag)
 
 
+@pytest.mark.parametrize("page,name", sorted(GENERATOR.SECTIONS), ids=lambda v: str(v))
+def test_the_generated_section_is_what_the_code_makes_now(page, name):
+    with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as handle:
+        committed = handle.read()
+    assert GENERATOR.section_text(committed, name) == GENERATOR.SECTIONS[(page, name)]().rstrip("\n") + "\n\n", (
+        f"docs/{page} section {name} has drifted from the code: run python docs/gen_reference.py")
+
+
+def _docs_copy(tmp_path, monkeypatch):
+    """Every generated file as the code makes it, under tmp_path as the generator's docs/."""
+    pages = GENERATOR.generated_pages()
+    for page, text in pages.items():
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text(text, encoding="utf-8")
+    monkeypatch.setattr(GENERATOR, "DOCS", str(tmp_path))
+    monkeypatch.setattr(GENERATOR, "REFERENCE", str(tmp_path / "reference"))
+    return pages
+
+
 def test_the_check_mode_exits_1_on_a_page_that_differs(tmp_path, monkeypatch):
-    for page in GENERATOR.PAGES:
-        (tmp_path / page).write_text(GENERATOR.PAGES[page](), encoding="utf-8")
-    monkeypatch.setattr(GENERATOR, "REFERENCE", str(tmp_path))
+    _docs_copy(tmp_path, monkeypatch)
     assert GENERATOR.main(["--check"]) == 0
-    (tmp_path / "eras.md").write_text("stale\n", encoding="utf-8")
+    (tmp_path / "reference" / "eras.md").write_text("stale\n", encoding="utf-8")
     assert GENERATOR.main(["--check"]) == 1
-    assert (tmp_path / "eras.md").read_text(encoding="utf-8") == "stale\n"     # --check writes nothing
+    assert (tmp_path / "reference" / "eras.md").read_text(encoding="utf-8") == "stale\n"     # --check writes nothing
+
+
+@pytest.mark.parametrize("page,name", sorted(GENERATOR.SECTIONS), ids=lambda v: str(v))
+def test_the_check_mode_exits_1_on_a_stale_section_and_the_write_mode_keeps_the_prose(tmp_path, monkeypatch,
+                                                                                        page, name):
+    pages = _docs_copy(tmp_path, monkeypatch)
+    path = tmp_path / page
+    stale = GENERATOR.with_section(pages[page], name, "| `kvguard_gone` | gauge | — | — | old |")
+    path.write_text(stale, encoding="utf-8")
+    assert GENERATOR.main(["--check"]) == 1
+    assert path.read_text(encoding="utf-8") == stale
+    assert GENERATOR.main([]) == 0
+    assert path.read_text(encoding="utf-8") == pages[page]       # the section back, the prose around it untouched
+
+
+def test_a_page_without_its_section_markers_fails_the_check(tmp_path, monkeypatch):
+    pages = _docs_copy(tmp_path, monkeypatch)
+    start = GENERATOR.section_start("metrics")
+    (tmp_path / "metrics.md").write_text(pages["metrics.md"].replace(start, ""), encoding="utf-8")
+    assert GENERATOR.main(["--check"]) == 1
+    assert GENERATOR.main([]) == 1           # nowhere to write it: the page keeps what it has
+    with pytest.raises(ValueError, match="metrics"):
+        GENERATOR.with_section("# a page\n", "metrics", "body")
+
+
+def test_a_changed_help_string_in_the_collector_fails_the_check(tmp_path, monkeypatch):
+    from kvguard.sidecar import collector
+
+    _docs_copy(tmp_path, monkeypatch)
+    kind, name, _, labels, samples = collector._RANK_FAMILIES[0]
+    monkeypatch.setattr(collector, "_RANK_FAMILIES",
+                        ((kind, name, "A new meaning.", labels, samples),) + collector._RANK_FAMILIES[1:])
+    assert GENERATOR.main(["--check"]) == 1
+    assert GENERATOR.main([]) == 0
+    row = next(line for line in (tmp_path / "metrics.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith(f"| `{name}` |"))
+    assert row.endswith("| A new meaning. |")
+
+
+def test_the_metrics_page_has_a_row_for_every_family_the_collector_declares():
+    from monitoring import documented_metrics
+
+    with open(os.path.join(ROOT, "exporter", "kvguard", "sidecar", "collector.py"), encoding="utf-8") as handle:
+        declared = set(re.findall(r'"(kvguard_[a-z0-9_]+)",', handle.read()))
+    assert len(declared) > 30
+    assert documented_metrics() == declared      # the rules' and dashboards' contract is the collector's set
+    rows = [line for line in GENERATOR.metrics_section().splitlines() if line.startswith("| `kvguard_")]
+    assert len(rows) == len(declared)
+
+
+def test_the_metrics_rows_say_type_labels_and_unit_as_the_collector_serves_them():
+    section = GENERATOR.metrics_section()
+    row = {line.split(" | ")[0][3:-1]: line.split(" | ") for line in section.splitlines()
+           if line.startswith("| `kvguard_")}
+    assert row["kvguard_allocator_ooms_total"][1:4] == ["counter", "rank labels", "—"]
+    assert row["kvguard_kv_cache_budget_bytes"][1:4] == ["gauge", "rank labels, `budget`", "bytes"]
+    assert row["kvguard_device_process_used_bytes"][1:4] == ["gauge", "device labels, `pid`", "bytes"]
+    assert row["kvguard_source_up"][1:4] == ["gauge", "`source`", "—"]
+    assert row["kvguard_spool_snapshots"][1:4] == ["gauge", "—", "—"]
+    assert "| `state` | `kvguard_guard_state` | `ok`, `warning`, `critical` |" in section
+    assert "`budget` | `kvguard_kv_cache_budget_bytes` | `stock`, `reserved` |" in section
+
+
+def test_json_keys_are_listed_one_level_down_with_their_types():
+    data = {"a": 1, "b": {"c": 1.5, "d": None}, "e": [{"f": "x"}, {"g": True}], "h": [], "i": ["x"],
+            "j": {str(n): n for n in range(GENERATOR.MAX_LISTED_KEYS + 1)}}
+    assert GENERATOR.key_types(data) == {
+        "a": "integer", "b": "object", "b.c": "number", "b.d": "null", "e": "array of object", "e[].f": "string",
+        "e[].g": "boolean", "h": "array", "i": "array of string", "j": "object",
+        "j.*": f"{GENERATOR.MAX_LISTED_KEYS + 1} keys, integer"}
+
+
+def test_the_json_tables_mark_a_key_one_run_did_not_print():
+    lines = GENERATOR.key_table([("small", {"x": 1}), ("large", {"x": 1, "y": {"z": "s"}})])
+    assert lines[2:] == ["| `x` | integer | integer |", "| `y` | — | object |", "| `y.z` | — | string |"]
+
+
+def _named_keys(section: str) -> set[str]:
+    """The keys the first column of a hand-written "| Key | When | Meaning |" table names."""
+    table = section.split("| Key | When | Meaning |", 1)[1].split("\n\n", 1)[0]
+    return {key for line in table.splitlines()[2:] for key in re.findall(r"`([a-z_.]+)`", line.split(" | ")[0])}
+
+
+def test_the_budget_json_meanings_name_every_top_level_key_the_command_prints():
+    with open(os.path.join(ROOT, "docs", "reference", "json-output.md"), encoding="utf-8") as handle:
+        page = handle.read()
+    named = {key.split(".")[0] for key in _named_keys(page.split("## `kvguard budget --json`", 1)[1])}
+    printed = set(re.findall(r"^\| `([a-z_]+)` \|", GENERATOR.budget_json_section(), re.MULTILINE))
+    assert printed == named
+
+
+def test_the_json_sections_show_no_local_path_or_temporary_spool():
+    text = "".join(GENERATOR.SECTIONS[key]() for key in GENERATOR.SECTIONS if key[0].endswith("json-output.md"))
+    assert ROOT not in text and "kvguard-gen-" not in text and "/tmp" not in text
 
 
 # ----------------------------------------------------------------- the README
