@@ -136,6 +136,15 @@ def request(port: int, path: str, authorization: str | None, timeout: float = 10
     return status, time.perf_counter() - start
 
 
+def timed_request(port: int, path: str, authorization: str | None, **kwargs) -> tuple[float, bool]:
+    """(seconds, failed) for one request; a request that could not be made counts as 10 s, failed."""
+    try:
+        status, took = request(port, path, authorization, **kwargs)
+    except OSError:
+        return 10.0, True
+    return took, status != 200
+
+
 # ------------------------------------------------------------------------------ attackers
 
 def _answer(state: dict, buffer: bytearray) -> int | None:
@@ -311,23 +320,15 @@ def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
     while time.monotonic() < end:
         now = time.monotonic()
         if now >= next_probe:
-            try:
-                status, took = request(target.port, target.probe_path,
-                                       authorization if target.name == "node_exporter" else None)
-                probes.append(took)
-                probe_fail += status != 200
-            except OSError:
-                probe_fail += 1
-                probes.append(10.0)
+            took, failed = timed_request(target.port, target.probe_path,
+                                         authorization if target.name == "node_exporter" else None)
+            probes.append(took)
+            probe_fail += failed
             next_probe = time.monotonic() + PROBE_PERIOD
         if now >= next_scrape:
-            try:
-                status, took = request(target.port, target.scrape_path, authorization, extra=extra)
-                scrapes.append(took)
-                scrape_fail += status != 200
-            except OSError:
-                scrape_fail += 1
-                scrapes.append(10.0)
+            took, failed = timed_request(target.port, target.scrape_path, authorization, extra=extra)
+            scrapes.append(took)
+            scrape_fail += failed
             next_scrape = time.monotonic() + SCRAPE_PERIOD
         peak = max(peak, target.rss())
         time.sleep(0.005)

@@ -39,17 +39,9 @@ def main(argv):
 
 def _run(scenario, result):
     vllm_worker._stub_compiled_extensions()
-    import fake_device
-    import fake_runner
     import fake_torch_npu
 
-    device = fake_device.FakeDevice(
-        total=scenario["total_memory_bytes"],
-        other=scenario.get("other_process_bytes", 0),
-        non_torch=scenario.get("init_non_torch_bytes", 0),
-    )
-    fake_runner.DEVICE = device
-    fake_runner.SCENARIO = scenario
+    device = vllm_worker.scenario_device(scenario)
     fake_torch_npu.install(device)
 
     import torch

@@ -131,7 +131,6 @@ def _run(request, scenario, result):
     import vllm.platforms
 
     import fake_device
-    import fake_runner
 
     # vLLM's logging as its entry points set it up (older releases do it at import): the
     # handler on stdout, at VLLM_LOGGING_LEVEL, before the plugins load.
@@ -156,13 +155,7 @@ def _run(request, scenario, result):
     vllm.platforms._current_platform = NonNvmlCudaPlatform()
     NonNvmlCudaPlatform.dist_backend = "gloo"  # one rank, on loopback; NCCL needs a GPU
 
-    device = fake_device.FakeDevice(
-        total=scenario["total_memory_bytes"],
-        other=scenario.get("other_process_bytes", 0),
-        non_torch=scenario.get("init_non_torch_bytes", 0),
-    )
-    fake_runner.DEVICE = device
-    fake_runner.SCENARIO = scenario
+    device = scenario_device(scenario)
     table = fake_device.device_functions(device)
 
     with fake_device.patched(table):
@@ -175,6 +168,21 @@ def _run(request, scenario, result):
             running.run_once(timeout=5)
     result["device_calls"] = dict(sorted(device.calls.items()))
     result["device_final"] = device.snapshot()
+
+
+def scenario_device(scenario):
+    """The fake device the scenario describes, handed to the fake model runner with the scenario."""
+    import fake_device
+    import fake_runner
+
+    device = fake_device.FakeDevice(
+        total=scenario["total_memory_bytes"],
+        other=scenario.get("other_process_bytes", 0),
+        non_torch=scenario.get("init_non_torch_bytes", 0),
+    )
+    fake_runner.DEVICE = device
+    fake_runner.SCENARIO = scenario
+    return device
 
 
 def _engine_args(scenario):
