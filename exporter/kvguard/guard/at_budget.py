@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvguard.allocators.base import Allocator
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.torch_alloc import CachingAllocator
-from kvguard.budget.estimator import kv_cache_tensor_bytes
+from kvguard.budget.estimator import KVLayout, Profile, kv_cache_tensor_bytes
 from kvguard.guard.judge import (CRITICAL, BudgetInput, Verdict, judge_at_budget, largest_fitting_blocks,
                            physical_reserved_bytes)
 from kvguard.records import DeviceMemory
@@ -20,7 +21,7 @@ from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
 
 
-def counters_of(model: Any, device: str = "sim:0", source: str = "sim") -> DeviceMemory:
+def counters_of(model: Allocator, device: str = "sim:0", source: str = "sim") -> DeviceMemory:
     """A sim allocator model's counters as the rank's own source reads them (MindSpore's reader for
     the pool, torch's for the caching allocator), with its device's free and total."""
     free, total = model.device.mem_get_info()
@@ -29,7 +30,7 @@ def counters_of(model: Any, device: str = "sim:0", source: str = "sim") -> Devic
 
 
 def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,
-                            enable_vmm: bool = False) -> Any:
+                            enable_vmm: bool = False) -> Allocator:
     """A new ``kvguard.allocators`` model of a real rank's allocator holding what its counters say it holds.
 
     What a rank's counters do not say (where its cached memory lies, which pool holds what) is
@@ -82,7 +83,7 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
     return model
 
 
-def counters_at_budget(profile: Any, kind: str, *, enable_vmm: bool = False,
+def counters_at_budget(profile: Profile, kind: str, *, enable_vmm: bool = False,
                        non_allocator_bytes: int | None = None) -> DeviceMemory:
     """The rank's counters when vLLM fixes its budget, as a startup profile implies them (``kvguard
     budget --allocator``): the weights allocated; reserved, the weights and, on MindSpore's pool without
@@ -109,7 +110,7 @@ def counters_at_budget(profile: Any, kind: str, *, enable_vmm: bool = False,
                         total_bytes=total, free_bytes=free, used_bytes=total - free)
 
 
-def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str, *, enable_vmm: bool = False,
+def predict_at_budget(profile: Profile, layout: KVLayout, kv_cache_bytes: int, kind: str, *, enable_vmm: bool = False,
                       expandable_segments: bool = False, non_allocator_bytes: int | None = None,
                       memory: DeviceMemory | None = None) -> dict[str, Any]:
     """The budget-time verdict for ``kv_cache_bytes`` (vLLM's budget) from a profile, and the largest
@@ -120,7 +121,7 @@ def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str,
     # The release's era row; a profile without one: the rows of this allocator (MindSpore's pool: vllm-mindspore).
     style = kv_tensor_style(profile.vllm_version, formula=profile.formula, allocator=kind)
 
-    def build() -> Any:
+    def build() -> Allocator:
         return allocator_from_counters(kind, memory, expandable_segments=expandable_segments, enable_vmm=enable_vmm)
 
     def verdict_for(blocks: int) -> Verdict:
@@ -135,7 +136,7 @@ def predict_at_budget(profile: Any, layout: Any, kv_cache_bytes: int, kind: str,
             "largest_fitting_blocks": fits, "largest_fitting_kv_cache_bytes": fits * layout.block_bytes}
 
 
-def _common_unit(pool: Any) -> int:
+def _common_unit(pool: Allocator) -> int:
     """The common pool's block unit, from the pool's own ``memory_stats()`` (the key's spelling differs
     between MindSpore releases)."""
     for key, value in pool.memory_stats().items():

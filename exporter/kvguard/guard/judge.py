@@ -33,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
+from kvguard.allocators.base import Allocator, SimOutOfMemory
+from kvguard.allocators.mindspore_releases import pool_budget_bytes
 from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
 from kvguard.records import DeviceMemory
@@ -294,16 +296,14 @@ class BudgetInput:
 
     profile: Profile
     kv_tensor_bytes: tuple[int, ...]
-    build: Callable[[], Any]
-    read: Callable[[Any], DeviceMemory]
+    build: Callable[[], Allocator]
+    read: Callable[[Allocator], DeviceMemory]
     kv_cache_outside_allocator: bool = False
 
 
 def judge_at_budget(inp: BudgetInput) -> Verdict:
     """The budget-time verdict: does the KV cache the budget buys fit where the allocator will put
     it, and does the first serving peak fit beside it? Pure: the model is built for this call."""
-    from kvguard.allocators.base import SimOutOfMemory
-
     model = inp.build()
     reserved_before = physical_reserved_bytes(inp.read(model))
     tensors = inp.kv_tensor_bytes
@@ -380,7 +380,6 @@ def mindspore_pool_budget(memory: DeviceMemory | None) -> int | None:
     outside = _live_non_torch(memory)
     if outside is None:
         return None
-    from kvguard.allocators.mindspore_releases import pool_budget_bytes
 
     return pool_budget_bytes(memory.total_bytes - outside)
 
