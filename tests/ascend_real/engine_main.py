@@ -68,10 +68,7 @@ def _run(scenario, result):
 
     vllm.platforms._current_platform = NPUPlatform()
     _startup(scenario, device, result)
-    probe_module = sys.modules.get("kvguard.probe")
-    running = probe_module.current() if probe_module else None
-    if running is not None:
-        running.run_once(timeout=5)
+    vllm_worker.last_probe_write()
     result["device_calls"] = dict(sorted(device.calls.items()))
     result["device_final"] = device.snapshot()
 

@@ -194,12 +194,7 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
 
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[1] == "python":
-        python = env_python(argv[2])
-        if python is None:
-            print(f"{argv[2]}: environment not set up", file=sys.stderr)
-            return 1
-        print(python)
-        return 0
+        return vllm_envs.print_python(env_python(argv[2]), argv[2])
     if len(argv) >= 2 and argv[1] == "setup":
         return vllm_envs.setup_each(argv[2:] or list(RELEASES), setup, "{}", "Ascend engine environments")
     print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)

@@ -185,14 +185,18 @@ def setup_each(names, setup_one, label: str, what: str) -> int:
     return 0
 
 
+def print_python(python, name: str) -> int:
+    """``envs.py python NAME``: the environment's interpreter, or a one-line error when it is not set up."""
+    if python is None:
+        print(f"{name}: environment not set up", file=sys.stderr)
+        return 1
+    print(python)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[1] == "python":
-        python = env_python(argv[2])
-        if python is None:
-            print(f"vllm {argv[2]}: environment not set up", file=sys.stderr)
-            return 1
-        print(python)
-        return 0
+        return print_python(env_python(argv[2]), f"vllm {argv[2]}")
     if len(argv) >= 2 and argv[1] == "prune":
         for version in argv[2:] or releases():
             if env_python(version) is not None:

@@ -160,14 +160,18 @@ def _run(request, scenario, result):
 
     with fake_device.patched(table):
         _startup(request, scenario, device, result)
-        # A serving process lives on after startup and its probe keeps writing; this one exits now,
-        # so the kvguard probe vLLM's plugin started (if any) writes once more, on the fake device.
-        probe_module = sys.modules.get("kvguard.probe")
-        running = probe_module.current() if probe_module else None
-        if running is not None:
-            running.run_once(timeout=5)
+        last_probe_write()
     result["device_calls"] = dict(sorted(device.calls.items()))
     result["device_final"] = device.snapshot()
+
+
+def last_probe_write() -> None:
+    """A serving process lives on after startup and its probe keeps writing; this one exits now, so
+    the kvguard probe vLLM's plugin started (if any) writes once more, on the fake device."""
+    probe_module = sys.modules.get("kvguard.probe")
+    running = probe_module.current() if probe_module else None
+    if running is not None:
+        running.run_once(timeout=5)
 
 
 def scenario_device(scenario):
