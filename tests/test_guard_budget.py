@@ -15,7 +15,7 @@ from kvguard.cli import main
 from kvguard.budget.estimator import kv_cache_tensor_bytes
 from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded, scenario_tensor_style
+from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded
 from kvguard.guard.at_budget import allocator_from_counters, counters_of
 from kvguard.spool.schema import Snapshot
 from kvguard.vllm.eras import kv_tensor_style
@@ -65,7 +65,7 @@ def test_the_predicted_counters_are_the_scenarios_after_its_kv_cache(allocator, 
     sc.startup()
     assert not sc.oom
     model = watch.build()
-    for size in kv_cache_tensor_bytes(sc.kv_layout, sc.num_blocks, scenario_tensor_style(sc)):
+    for size in sc.kv_tensor_sizes(sc.num_blocks):
         model.malloc(size)
     # The replay is the allocator's state: placing the era's tensors leaves the counters the run has.
     assert counters_of(model) == record_from_scenario(sc, "sim:0", "sim")
@@ -109,7 +109,7 @@ def test_from_a_real_ranks_counters_the_verdict_errs_only_to_the_safe_side():
         if exact is None:
             continue
         counters = counters_of(watch.build())
-        tensors = kv_cache_tensor_bytes(sc.kv_layout, sc.num_blocks, scenario_tensor_style(sc))
+        tensors = sc.kv_tensor_sizes(sc.num_blocks)
         rebuilt = judge_at_budget(BudgetInput(sc.profile, tensors, lambda: allocator_from_counters(
             alloc, counters, enable_vmm=vmm), counters_of))
         judged += 1

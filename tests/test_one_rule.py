@@ -10,11 +10,10 @@ import types
 from dataclasses import dataclass
 
 import pytest
-from click.testing import CliRunner
+from helpers import invoke
 
 from kvguard.allocators.mindspore_releases import VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release, vmm_enabled
 from kvguard.budget.estimator import Profile
-from kvguard.cli import main as cli
 from kvguard.guard.at_budget import counters_at_budget
 from kvguard.sim.scenario import ScenarioConfig
 from kvguard.vllm import plugin as vllm_plugin
@@ -89,8 +88,8 @@ def budget_at(tmp_path, *extra: str) -> dict:
     config.write_text(json.dumps(MLA_CONFIG))
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE.to_dict()))
-    result = CliRunner().invoke(cli, ["budget", "--model-config", str(config), "--profile", str(profile),
-                                      "--block-size", str(BLOCK), "--allocator", "mindspore", "--json", *extra])
+    result = invoke("budget", "--model-config", str(config), "--profile", str(profile),
+                    "--block-size", str(BLOCK), "--allocator", "mindspore", "--json", *extra)
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["at_budget"]
 

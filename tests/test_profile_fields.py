@@ -9,6 +9,7 @@ import random
 
 import pytest
 from click.testing import CliRunner
+from helpers import invoke
 from conftest import EXAMPLES
 from kvguard.budget.estimator import (
     FORMULAS,
@@ -136,16 +137,16 @@ def test_budget_help_offers_every_field_flag():
 def test_an_era_that_adds_the_absolute_non_torch_memory_asks_for_it_by_its_own_flag():
     # vLLM 0.6.4 refuses --non-torch-increase (it adds the absolute non-torch memory): the "missing" message
     # must name the flag it takes.
-    result = CliRunner().invoke(main, ["budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
-                                       "--weights", "10GiB", "--peak-allocated-increase", "1GiB"])
+    result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
+                    "--weights", "10GiB", "--peak-allocated-increase", "1GiB")
     assert result.exit_code == 2
     assert "missing --non-torch-memory" in result.output and "--non-torch-increase" not in result.output
 
 
 def test_an_era_that_adds_the_absolute_non_torch_memory_lists_it_among_what_it_takes():
-    result = CliRunner().invoke(main, ["budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
-                                       "--weights", "10GiB", "--peak-allocated-increase", "1GiB",
-                                       "--non-torch-memory", "1GiB", "--total-consumed", "1GiB"])
+    result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
+                    "--weights", "10GiB", "--peak-allocated-increase", "1GiB",
+                    "--non-torch-memory", "1GiB", "--total-consumed", "1GiB")
     assert result.exit_code == 2
     assert "does not read --total-consumed" in result.output
     assert "--non-torch-memory" in result.output and "--non-torch-increase" not in result.output

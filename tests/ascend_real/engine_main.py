@@ -157,13 +157,7 @@ def _startup(scenario, device, result):
     }
     kv = runner.kv_cache_config
     if kv is not None:
-        result["kv_cache_config"] = {
-            "num_blocks": kv.num_blocks,
-            "num_tensors": len(kv.kv_cache_tensors),
-            "groups": [{"num_layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
-                        "page_size_bytes": g.kv_cache_spec.page_size_bytes,
-                        "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups],
-        }
+        result["kv_cache_config"] = vllm_worker.kv_cache_config_dict(kv)
     result["runner_events"] = runner.events
     if PROFILES:
         result["profile"] = vllm_worker._profile_fields(PROFILES[-1])

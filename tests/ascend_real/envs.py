@@ -108,7 +108,7 @@ def _engine_package(release: str) -> pathlib.Path:
         wheels.mkdir(parents=True, exist_ok=True)
         # A source archive's metadata build asks npu-smi for the chip unless SOC_VERSION is set, and
         # compiles kernels unless COMPILE_CUSTOM_KERNELS=0: neither is wanted to fetch the file.
-        env = {**__import__("os").environ, "COMPILE_CUSTOM_KERNELS": "0", "SOC_VERSION": "ascend910b1"}
+        env = {**os.environ, "COMPILE_CUSTOM_KERNELS": "0", "SOC_VERSION": "ascend910b1"}
         # The metadata build of a source archive imports setuptools_scm (setup.py 0.23.0.post1:32); without
         # build isolation it must be importable here, so it is put on the path from the cache, not installed.
         tools = vllm_envs.cache_root() / "build-tools"

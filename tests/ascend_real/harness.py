@@ -19,6 +19,7 @@ if not __package__:  # run as a script
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from ascend_real import envs  # noqa: E402
 from vllm_real import harness as vllm_harness
+from vllm_real.harness import EnvironmentMissing, HarnessError  # noqa: E402,F401  (the same errors as the vLLM harness)
 
 HERE = pathlib.Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -44,14 +45,6 @@ ASCEND_SCENARIO = {
 }
 
 
-class EnvironmentMissing(RuntimeError):
-    """The release's environment has not been set up (python3 tests/ascend_real/envs.py setup)."""
-
-
-class HarnessError(RuntimeError):
-    """The release's startup failed on the fake NPU; the message carries the engine's error."""
-
-
 def available_releases() -> list[str]:
     return [r for r in envs.RELEASES if envs.env_python(r) is not None]
 
@@ -63,12 +56,9 @@ def run_engine(release: str, scenario: dict | None = None, env: dict | None = No
         raise EnvironmentMissing(f"{release}: its environment is not set up "
                                  f"(python3 tests/ascend_real/envs.py setup {release})")
     merged = {**ASCEND_SCENARIO, **(scenario or {})}
-    try:
-        return vllm_harness.run_release_process(
-            python, HERE / "engine_main.py", merged, label=release, cache_key=envs._name(release), env=env,
-            plugins=plugins, check=check, timeout=timeout)
-    except vllm_harness.HarnessError as exc:
-        raise HarnessError(str(exc)) from exc.__cause__
+    return vllm_harness.run_release_process(
+        python, HERE / "engine_main.py", merged, label=release, cache_key=envs._name(release), env=env,
+        plugins=plugins, check=check, timeout=timeout)
 
 
 def main(argv):

@@ -174,6 +174,17 @@ def last_probe_write() -> None:
         running.run_once(timeout=5)
 
 
+def kv_cache_config_dict(kv) -> dict:
+    """The KVCacheConfig vLLM built: its block count, tensor count and groups."""
+    return {
+        "num_blocks": kv.num_blocks,
+        "num_tensors": len(kv.kv_cache_tensors),
+        "groups": [{"num_layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
+                    "page_size_bytes": g.kv_cache_spec.page_size_bytes,
+                    "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups],
+    }
+
+
 def scenario_device(scenario):
     """The fake device the scenario describes, handed to the fake model runner with the scenario."""
     import fake_device
@@ -272,18 +283,11 @@ def _startup(request, scenario, device, result):
     kv = runner.kv_cache_config
     if kv is not None:
         result["kv_cache_config"] = {
-            "num_blocks": kv.num_blocks,
+            **kv_cache_config_dict(kv),
             "tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None)
                                                             or getattr(t, "layers", []))}
                         for t in kv.kv_cache_tensors][:4],
-            "num_tensors": len(kv.kv_cache_tensors),
-            "groups": [{"num_layers": len(g.layer_names),
-                        "spec": type(g.kv_cache_spec).__name__,
-                        "page_size_bytes": g.kv_cache_spec.page_size_bytes,
-                        "block_size": g.kv_cache_spec.block_size}
-                       for g in kv.kv_cache_groups],
         }
-    if kv is not None:
         result["kv_allocations"] = _real_kv_allocations(vllm_config, kv)
     ext = getattr(runner, "extensible_kv_cache", None)
     if ext is not None:

@@ -248,7 +248,7 @@ def _era_needs(era, fields: dict[str, Any], given: set[str], file_fields: dict[s
     if unread:
         raise click.UsageError(f"{who} (formula {formula}) does not read {', '.join(unread)}; it takes {takes}")
     if profile_file and formula != file_formula:
-        absolute = {name: FORMULAS[name].non_torch == "positive" for name in (formula, file_formula)}
+        absolute = {name: _absolute(name) for name in (formula, file_formula)}
         if absolute[formula] != absolute[file_formula] and file_fields.get("non_torch_increase_bytes") is not None \
                 and "non_torch_increase_bytes" not in given:
             what = "the absolute non-torch memory" if absolute[formula] else "the non-torch increase"
@@ -271,7 +271,7 @@ def _era_needs(era, fields: dict[str, Any], given: set[str], file_fields: dict[s
 def _non_torch_flag(era, non_torch_increase, non_torch_memory, fields: dict[str, Any]) -> None:
     """The non-torch input under the name of what the era's formula takes: the increase since the init
     snapshot, or (formula non_torch "positive") the absolute memory; both fill non_torch_increase_bytes."""
-    absolute = era is not None and FORMULAS[era.formula].non_torch == "positive"
+    absolute = era is not None and _absolute(era.formula)
     if non_torch_increase is not None and non_torch_memory is not None:
         raise click.UsageError("give --non-torch-increase or --non-torch-memory, not both")
     if non_torch_increase is not None and absolute:

@@ -59,8 +59,12 @@ class SidecarConfig:
     one_shot: bool = False                         # counters since process start, not over a window
     pod_labels: dict[str, str] = field(default_factory=pod_labels_from_env)
     # The engine these ranks belong to, the same on every pod of a multi-node engine (serve --engine-id,
-    # KVGUARD_ENGINE_ID: an LWS group, a Ray cluster); "": each rank's pod, else its host (engine_id()).
+    # KVGUARD_ENGINE_ID: an LWS group, a Ray cluster); "": each rank's pod, else its host (engine_of()).
     engine_id: str = field(default_factory=lambda: safe_text(os.environ.get(ENGINE_ID_ENV, ""), 253))
+
+    def engine_of(self, pod: str, host: str) -> str:
+        """The engine a rank on ``pod`` / ``host`` belongs to: the configured one, else its pod, else its host."""
+        return self.engine_id or pod or host
 
 
 class Sidecar:
@@ -198,13 +202,13 @@ class Sidecar:
                                   interval_seconds=config.interval, spool_clamped=spool_read.clamped,
                                   no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
                                   aged_out=aged_out)
-        self.log_changes(observation)
         return observation
 
     def log_changes(self, observation: Observation) -> None:
         """Log what changed since the last observation, once per change: a source going down (with
-        its error) or coming back, a rank's guard state or reasons, no rank left to judge. Every
-        scrape, /guard and /readyz observes; an unchanged world logs nothing."""
+        its error) or coming back, a rank's guard state or reasons, no rank left to judge. ``serve``
+        calls it once per refresh (kvguard.sidecar.exposition); an unchanged world logs nothing.
+        ``check`` observes once and says its verdict itself, so it does not log changes."""
         from kvguard.logs import LOGGER, event
 
         logger = logging.getLogger(LOGGER)
@@ -291,7 +295,7 @@ class Sidecar:
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
             labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
                           engine=snap.engine or (engine.engine if engine else ""),
-                          engine_id=config.engine_id or labels["pod"] or snap.host)
+                          engine_id=config.engine_of(labels["pod"], snap.host))
             missing = self._log_missing if profile is None else None
             blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
@@ -314,7 +318,7 @@ class Sidecar:
             for engine in (vllm.engines if vllm and vllm.engines else (None,)):
                 labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
                           "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else "",
-                          "engine_id": config.engine_id or config.pod_labels.get("pod", "") or self._host}
+                          "engine_id": config.engine_of(config.pod_labels.get("pod", ""), self._host)}
                 blocks, kv_bytes = self._engine_kv_cache(engine)
                 verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
                 views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,

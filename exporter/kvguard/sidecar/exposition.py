@@ -223,6 +223,7 @@ class Exposition:
             # Let go of the old one first: with thousands of ranks, two at once is what peaks.
             self._observation, self._blocks, self._bodies, self._guard = None, None, {}, None
             self._observation = self.sidecar.observe()
+            self.sidecar.log_changes(self._observation)
             self._key = self.sidecar.generation()
             self._made_at = now
             self.observations_total += 1

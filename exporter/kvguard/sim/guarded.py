@@ -16,18 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.budget.estimator import kv_cache_tensor_bytes
 from kvguard.guard.judge import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget)
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
 from kvguard.sim.source import record_from_scenario
 from kvguard.guard.at_budget import counters_of
-
-
-def scenario_tensor_style(scenario: ServingScenario) -> str:
-    """The KV tensor style of the release the scenario stands for (``ScenarioConfig.vllm_release``'s era
-    row: the vllm-mindspore launcher on MindSpore's pool, vLLM V1 on torch and torch_npu)."""
-    return scenario.config.kv_tensor_style
 
 
 class BudgetWatch:
@@ -92,7 +85,7 @@ class BudgetWatch:
         if not self.captured or scenario.profile is None or not scenario.num_blocks or \
                 (scenario.error and not scenario.oom):
             return None
-        tensors = kv_cache_tensor_bytes(scenario.kv_layout, scenario.num_blocks, scenario_tensor_style(scenario))
+        tensors = scenario.kv_tensor_sizes(scenario.num_blocks)
         return judge_at_budget(BudgetInput(scenario.profile, tensors, self.build, counters_of))
 
 
@@ -197,7 +190,5 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
             first_step, first_reasons = step_index, verdict.reason_codes
     return GuardedRun(scenario.result(), startup, first_step, first_reasons, at_budget)
 
-
-# ------------------------------------------------------------------ a real rank's allocator, from its counters
 
 

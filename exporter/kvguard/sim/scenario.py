@@ -479,7 +479,7 @@ class ServingScenario:
                           f"({self.num_blocks * self.kv_layout.block_size})")
             return self.profile
         try:
-            for size in self._kv_tensor_sizes(self.num_blocks):
+            for size in self.kv_tensor_sizes(self.num_blocks):
                 self._kv_addrs.append(alloc.malloc(size))
         except SimOutOfMemory as exc:
             self._record("kv_cache")
@@ -489,7 +489,7 @@ class ServingScenario:
         self._record("kv_cache")
         return self.profile
 
-    def _kv_tensor_sizes(self, num_blocks: int) -> tuple[int, ...]:
+    def kv_tensor_sizes(self, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)
 
     # ----------------------------------------------------------------- execution

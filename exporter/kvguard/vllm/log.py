@@ -26,7 +26,7 @@ import os
 import re
 import stat
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.budget.estimator import FORMULAS, Profile, required_fields
@@ -177,7 +177,6 @@ def _cudagraph_off(found: dict[str, str], f: dict[str, Any]) -> None:
     # The estimate was measured but not applied (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): vLLM took 0.
     f.setdefault("gpu_memory_utilization", f.pop("_cudagraph_util_off"))
     f["cudagraph_memory_bytes"] = 0
-    f["_cudagraph_applied"] = False
 
 
 def _halved(found: dict[str, str], f: dict[str, Any]) -> None:
@@ -641,7 +640,6 @@ class _Reader:
 
 
 def _with_step(oom: OomFact, step: str | None) -> OomFact:
-    from dataclasses import replace
     return replace(oom, step=step) if step and oom.step is None else oom
 
 
@@ -684,7 +682,6 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
         facts.setdefault("init_free_memory_bytes", snapshot_free)
     facts.pop("_v0_util", None)
     facts.pop("_free_after_profile", None)
-    facts.pop("_cudagraph_applied", None)
     util, equiv = facts.pop("_cudagraph_util", None), facts.pop("_cudagraph_equiv", None)
     delta = util - equiv if util is not None and equiv is not None else None
     total = facts.get("total_memory_bytes")
@@ -710,7 +707,6 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
         facts["available_kv_cache_bytes"] = decided
     if facts.get("num_gpu_blocks") is None and warmup_blocks is not None:
         facts["num_gpu_blocks"] = warmup_blocks
-    facts.pop("_cudagraph_util_off", None)
     return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), ooms=ooms,
                       **facts)
 
@@ -723,7 +719,6 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
                 hints: dict[str, Any]) -> tuple[list[str], str]:
     """The era rows of ``project`` consistent with every hint (vLLM release ranges), and why."""
     lo, hi = V("0.0.0"), None
-    why: list[str] = []
     bounds: list[tuple[str, tuple[int, ...], tuple[int, ...] | None]] = []
     for kind in seen:
         if kind.project or kind.releases == ALL:

@@ -44,6 +44,11 @@ class LogFinding:
         return {"code": self.code, "state": self.state, "message": self.message, "detail": self.detail or {}}
 
 
+def _floor_hundredths(utilization: float) -> float:
+    """A utilization rounded down to the 0.01 a user types."""
+    return math.floor(utilization * 100) / 100
+
+
 def judge_log(log: StartupLog, total_memory_bytes: int | None = None,
               gpu_memory_utilization: float | None = None) -> list[LogFinding]:
     """The log's own critical facts (empty when it states none)."""
@@ -73,7 +78,7 @@ def _refusal_text(log: StartupLog, total: int | None) -> str:
         if log.requested_memory_bytes is not None:
             text += f" ({format_gib(log.requested_memory_bytes)})"
         if log.init_free_memory_bytes is not None and total:
-            fits = math.floor(log.init_free_memory_bytes / total * 100) / 100
+            fits = _floor_hundredths(log.init_free_memory_bytes / total)
             text += (f"; --gpu-memory-utilization {fits:.2f} would fit what was free" if fits > 0
                      else "; another process holds the device")
         return text
@@ -132,7 +137,7 @@ def post_mortem(oom: OomFact, log: StartupLog, total: int | None, util: float | 
     detail["shortfall_bytes"] = shortfall
     fits = []
     if total and util:
-        lower = math.floor((util - shortfall / total) * 100) / 100
+        lower = _floor_hundredths(util - shortfall / total)
         if lower > 0:
             detail["gpu_memory_utilization_fits"] = lower
             fits.append(f"--gpu-memory-utilization {lower:.2f} (from {util})")
