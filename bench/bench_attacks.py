@@ -1,5 +1,6 @@
-"""The sidecar under issue 23's attacks, all at once, beside the previous commit's server and
-Debian's prometheus-node-exporter: /healthz latency, a normal scrape's p99, 503s, peak RSS.
+"""The sidecar under issue 23's attacks, all at once, beside the previous commit's server, two
+server libraries and Debian's prometheus-node-exporter: /healthz latency, a normal scrape's p99,
+503s, peak RSS.
 
 A real ``kvguard serve`` subprocess on loopback over the 64-rank spool of the other benches
 (sidecar_bench.write_spool), with basic auth from an exporter-toolkit web config (one bcrypt user,
@@ -10,22 +11,28 @@ stopping by itself:
   and never reading (re-opened when the server closes one, at most 50 times in all);
 - slowloris: 400 connections, each a partial request head and one more byte every 0.5 s;
 - password flood: 32 keep-alive connections sending GET /metrics with a random password, as fast
-  as they are answered;
+  as they are answered; in the scenario "flood from 32 sources", each from an address of its own
+  (127.0.0.2-33), so that a per-source limit lets 32 guesses a second through to bcrypt;
 - ordinary clients: 256 keep-alive connections with valid credentials, each GET /metrics again as
   soon as its answer is in (wrk -c256).
 
 Meanwhile this process probes /healthz every 0.1 s and scrapes /metrics (valid credentials) every
 0.25 s, each on a new connection, as the kubelet and Prometheus do. Scenarios: idle, the password
-flood alone, everything at once. Goals (issue 23): /healthz <= 100 ms (max), scrape p99 <= 1 s
-under everything, no 503 below 256 clients, peak RSS <= 128 MiB, scrape p99 <= 100 ms under the
-password flood.
+flood alone, the flood from 32 sources (not run by default), everything at once. Goals (issue 23):
+/healthz <= 100 ms (max), scrape p99 <= 1 s under everything, no 503 below 256 clients, peak RSS
+<= 128 MiB, scrape p99 <= 100 ms under the password flood. ``--cpus 1`` runs each server under
+``taskset -c 1`` (the attackers and this process are not pinned), for a server short of CPU.
 
-Targets: ``new`` (this working tree), ``head`` (the server of the last commit: server.py,
+Targets: ``new`` (this working tree), ``head`` (the server of the last commit: sidecar/server.py,
 webconfig.py and exposition.py from ``git show HEAD:...`` over a copy of this tree's package),
+``h11`` and ``cheroot`` (this tree's application, endpoints and auth behind an asyncio server on
+h11, or behind cheroot's WSGI server: bench/alt_servers.py; bench-only dependencies,
+``.venv/bin/pip install h11==0.16.0 cheroot==11.1.2``, left out when not installed),
 ``node_exporter`` (when /usr/bin/prometheus-node-exporter exists; it has no /healthz, so its probe
 is ``/`` with credentials, and it serves its own metrics, not kvguard's).
 
-    python bench/bench_attacks.py [--repeats 2] [--seconds 8] [--targets new,head,node_exporter]
+    python bench/bench_attacks.py [--repeats 2] [--seconds 8] [--targets new,head,h11,cheroot,node_exporter]
+        [--scenarios "idle,password flood,everything at once"] [--cpus LIST] [--plain]
         [--write bench/results/attacks-YYYY-MM-DD.txt]
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import importlib.util
 import multiprocessing
 import os
 import secrets
@@ -61,6 +69,11 @@ PROBE_PERIOD, SCRAPE_PERIOD = 0.1, 0.25
 ATTACK_GRACE = 30.0   # an attacker ends itself this long after its planned end, whatever happens
 GOALS = {"healthz_max": 0.100, "scrape_p99": 1.0, "flood_scrape_p99": 0.100, "rss": 128 * MIB}
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
+# The modules that make the server, taken from the last commit for the ``head`` target.
+SERVER_MODULES = ("sidecar/server.py", "sidecar/webconfig.py", "sidecar/exposition.py")
+# kvguard's application behind a server library (alt_servers.py; bench-only: pip install h11 cheroot).
+LIBRARY_SERVERS = ("h11", "cheroot")
+HERE = os.path.dirname(os.path.abspath(__file__))
 # What Prometheus 2.x/3.x sends with a scrape (scrape/scrape.go, acceptHeader and Accept-Encoding);
 # --plain drops it, as wrk does: the uncompressed text then (461 kB for 64 ranks, against 17 kB).
 SCRAPER_HEADERS = "Accept: application/openmetrics-text;version=1.0.0;q=0.75,text/plain;version=0.0.4;q=0.5," \
@@ -100,7 +113,7 @@ def head_package(directory: str) -> str:
         return root
     shutil.copytree(os.path.join(EXPORTER, "kvguard"), os.path.join(root, "kvguard"),
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for module in ("server.py", "webconfig.py", "exposition.py"):
+    for module in SERVER_MODULES:
         text = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:exporter/kvguard/{module}"], check=True,
                               capture_output=True).stdout
         with open(os.path.join(root, "kvguard", module), "wb") as handle:
@@ -108,16 +121,30 @@ def head_package(directory: str) -> str:
     return root
 
 
-def start_target(name: str, directory: str, spool: str, config: str) -> Target:
+def start_target(name: str, directory: str, spool: str, config: str, cpus: str | None = None) -> Target:
     port = free_port()
+    pin = ["taskset", "-c", cpus] if cpus else []
     if name == "node_exporter":
         command = [NODE_EXPORTER, f"--web.listen-address=127.0.0.1:{port}", f"--web.config.file={config}"]
-        return Target(name, command, dict(os.environ), port, "/", "/metrics")
-    package = EXPORTER if name == "new" else head_package(directory)
+        return Target(name, pin + command, dict(os.environ), port, "/", "/metrics")
+    package = head_package(directory) if name == "head" else EXPORTER
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-               "--source", "none", "--interval", "5", "--spool-dir", spool, "--web.config.file", config]
-    return Target(name, command, env, port, "/healthz", "/metrics")
+    if name in LIBRARY_SERVERS:
+        command = [sys.executable, os.path.join(HERE, "alt_servers.py"), name, "--port", str(port)]
+    else:
+        command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
+                   "--source", "none"]
+    command += ["--interval", "5", "--spool-dir", spool, "--web.config.file", config]
+    return Target(name, pin + command, env, port, "/healthz", "/metrics")
+
+
+def available(name: str) -> bool:
+    """node_exporter where Debian's package is installed; the library servers where their library is."""
+    if name == "node_exporter":
+        return os.path.exists(NODE_EXPORTER)
+    if name in LIBRARY_SERVERS:
+        return importlib.util.find_spec(name) is not None
+    return True
 
 
 # ------------------------------------------------------------------------------ one request, timed
@@ -182,20 +209,23 @@ def _answer(state: dict, buffer: bytearray) -> int | None:
     return state["status"]
 
 
-def _clients(port: int, count: int, make_request, stop, counts, deadline: float) -> None:
+def _clients(port: int, count: int, make_request, stop, counts, deadline: float, sources: int = 1) -> None:
     """``count`` keep-alive connections, each sending make_request() again as soon as its answer
-    (Content-Length or chunked) is in; counts[0..3]: 200, 503, other statuses, connections re-opened."""
+    (Content-Length or chunked) is in; counts[0..3]: 200, 503, other statuses, connections re-opened.
+    With ``sources`` > 1, connection i comes from 127.0.0.(2 + i % sources): that many addresses."""
     selector = selectors.DefaultSelector()
 
-    def open_one() -> None:
+    def open_one(index: int) -> None:
         sock = socket.socket()
+        if sources > 1:
+            sock.bind((f"127.0.0.{2 + index % sources}", 0))
         sock.setblocking(False)
         sock.connect_ex(("127.0.0.1", port))
-        state = {"buffer": bytearray(), "need": None}
+        state = {"buffer": bytearray(), "need": None, "index": index}
         selector.register(sock, selectors.EVENT_WRITE, state)
 
-    for _ in range(count):
-        open_one()
+    for index in range(count):
+        open_one(index)
     local = [0, 0, 0, 0]
     last_flush = time.monotonic()
     while not stop.is_set() and time.monotonic() < deadline:
@@ -222,7 +252,7 @@ def _clients(port: int, count: int, make_request, stop, counts, deadline: float)
                 selector.unregister(sock)
                 sock.close()
                 local[3] += 1
-                open_one()
+                open_one(state["index"])
         if time.monotonic() - last_flush > 0.5:
             for i in range(4):
                 counts[i] += local[i]
@@ -243,6 +273,15 @@ def password_flood(port: int, stop, counts, deadline: float, extra: str) -> None
         return f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}" \
                "\r\n\r\n".encode()
     _clients(port, FLOOD, guess, stop, counts, deadline)
+
+
+def password_flood_sources(port: int, stop, counts, deadline: float, extra: str) -> None:
+    """The same flood from FLOOD addresses, one per connection: the per-source limit lets each
+    through once a second, so the server's bcrypt pool is busy all the time."""
+    def guess() -> bytes:
+        return f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}" \
+               "\r\n\r\n".encode()
+    _clients(port, FLOOD, guess, stop, counts, deadline, sources=FLOOD)
 
 
 def slow_readers(port: int, stop, counts, deadline: float, extra: str) -> None:
@@ -289,6 +328,7 @@ def slowloris(port: int, stop, counts, deadline: float, extra: str) -> None:
 SCENARIOS = {
     "idle": (),
     "password flood": (password_flood,),
+    "flood from 32 sources": (password_flood_sources,),
     "everything at once": (slow_readers, slowloris, password_flood, ordinary),
 }
 
@@ -344,8 +384,9 @@ def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
     if "ordinary" in counts:
         ok, busy, other, reopened = counts["ordinary"][:]
         result.update(ordinary_200=ok, ordinary_503=busy, ordinary_other=other, ordinary_reopened=reopened)
-    if "password_flood" in counts:
-        result["flood_answers"] = sum(counts["password_flood"][:3])
+    for name in ("password_flood", "password_flood_sources"):
+        if name in counts:
+            result["flood_answers"] = sum(counts[name][:3])
     return result
 
 
@@ -364,11 +405,11 @@ def report(results: dict[tuple[str, str], list[dict]], repeats: int, seconds: fl
     lines = [f"{repeats} run(s) of {seconds:.0f} s per cell; median (min-max) over runs; times in ms, RSS in MiB; "
              "10000 ms is the client's 10 s timeout (no answer); 'failed': probes and scrapes not answered 200; "
              "'503' and 'ordinary 200': the 256 ordinary clients' answers, summed over runs",
-             f"{'target':<14} {'scenario':<19} {'healthz p50':>12} {'healthz max':>14} {'scrape p50':>12} "
+             f"{'target':<14} {'scenario':<21} {'healthz p50':>12} {'healthz max':>14} {'scrape p50':>12} "
              f"{'scrape p99':>14} {'failed':>7} {'503':>6} {'ordinary 200':>13} {'peak RSS':>10}"]
     for (target, scenario), runs in results.items():
         lines.append(
-            f"{target:<14} {scenario:<19} {spread([r['healthz_p50'] for r in runs]):>12} "
+            f"{target:<14} {scenario:<21} {spread([r['healthz_p50'] for r in runs]):>12} "
             f"{spread([r['healthz_max'] for r in runs]):>14} {spread([r['scrape_p50'] for r in runs]):>12} "
             f"{spread([r['scrape_p99'] for r in runs]):>14} "
             f"{sum(r['probe_failures'] + r['scrape_failures'] for r in runs):>7} "
@@ -392,6 +433,10 @@ def verdicts(results: dict[tuple[str, str], list[dict]]) -> list[str]:
             ("scrape p99 <= 100 ms under the password flood",
              all(r["scrape_p99"] <= GOALS["flood_scrape_p99"] for r in flood)),
         ]
+        if (target, "flood from 32 sources") in results:
+            checks.append(("... and under the flood from 32 sources",
+                           all(r["scrape_p99"] <= GOALS["flood_scrape_p99"]
+                               for r in results[(target, "flood from 32 sources")])))
         lines.append(f"{target}: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
     return lines
 
@@ -400,28 +445,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--targets", default="new,head,node_exporter")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--targets", default="new,head,h11,cheroot,node_exporter")
+    parser.add_argument("--scenarios", default="idle,password flood,everything at once",
+                        help=f"comma-separated, of: {', '.join(SCENARIOS)}")
     parser.add_argument("--plain", action="store_true", help="scrape as wrk does: no Accept, no gzip")
+    parser.add_argument("--cpus", help="run each server under taskset -c CPUS")
     parser.add_argument("--write", help="append the report to this file")
     args = parser.parse_args()
     raise_fd_limit(8192)
-    targets = [t for t in args.targets.split(",") if t != "node_exporter" or os.path.exists(NODE_EXPORTER)]
+    known = ("new", "head", *LIBRARY_SERVERS, "node_exporter")
+    for name in args.targets.split(","):
+        if name not in known:
+            parser.error(f"unknown target {name!r}; known: {', '.join(known)}")
+        if not available(name):
+            print(f"bench_attacks: target {name} left out: "
+                  f"{NODE_EXPORTER if name == 'node_exporter' else 'the Python package ' + name} is not installed",
+                  file=sys.stderr)
+    targets = [t for t in args.targets.split(",") if available(t)]
     scenarios = args.scenarios.split(",")
+    for scenario in scenarios:
+        if scenario not in SCENARIOS:
+            parser.error(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     results: dict[tuple[str, str], list[dict]] = {}
     load_before = os.getloadavg()[0]
+    loads: list[float] = []   # the 1-min load after each cell: the other jobs on the shared machine
     with tempfile.TemporaryDirectory(prefix="kvguard-attacks-") as directory:
         spool = os.path.join(directory, "spool")
         write_spool(spool, RANKS)
         config = web_config(directory)
         for repeat in range(args.repeats):
             for name in targets:   # interleaved, so a busy moment of the shared machine hits each
-                target = start_target(name, directory, spool, config)
+                target = start_target(name, directory, spool, config, args.cpus)
                 try:
                     for scenario in scenarios:
                         result = run_one(target, scenario, args.seconds, "" if args.plain else SCRAPER_HEADERS)
                         results.setdefault((name, scenario), []).append(result)
-                        print(f"run {repeat + 1} {name:<14} {scenario:<19} " +
+                        loads.append(os.getloadavg()[0])
+                        print(f"run {repeat + 1} {name:<14} {scenario:<21} " +
                               " ".join(f"{k}={v * 1000:.0f}ms" if isinstance(v, float) else
                                        f"{k}={v / MIB:.0f}MiB" if k == "rss" else f"{k}={v}"
                                        for k, v in result.items()), flush=True)
@@ -429,15 +489,17 @@ def main() -> None:
                     target.stop()
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "exporter/kvguard/server.py",
-                            "exporter/kvguard/webconfig.py", "exporter/kvguard/exposition.py"],
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"] +
+                           [f"exporter/kvguard/{module}" for module in SERVER_MODULES],
                            capture_output=True, text=True).stdout.strip()
     header = [f"bench_attacks.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
               f"commit {commit}{' + working tree (new server)' if dirty else ''}; {RANKS} ranks; "
               f"{os.cpu_count()} CPUs shared with other jobs (1-min load {load_before:.1f} before, "
-              f"{os.getloadavg()[0]:.1f} after); scrapes "
+              f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} after the cells, "
+              f"{os.getloadavg()[0]:.1f} after){'; servers pinned to CPU ' + args.cpus if args.cpus else ''}; scrapes "
               f"{'as wrk (no Accept, no gzip)' if args.plain else 'as Prometheus (OpenMetrics, gzip)'}",
-              "head = the server of commit " + commit + " (its server.py, webconfig.py, exposition.py)"]
+              *(["head = the server of commit " + commit + " (its server.py, webconfig.py, exposition.py)"]
+                if "head" in targets else [])]
     lines = header + report(results, args.repeats, args.seconds) + verdicts(results)
     print("\n".join(lines))
     if args.write:
