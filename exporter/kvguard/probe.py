@@ -51,7 +51,7 @@ from kvguard.sources import RankContext, Source, close_source, get_source, rank_
 from kvguard.text import one_line
 from kvguard.spool.io import write_snapshot
 from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
-from kvguard.records import KVCacheAllocation
+from kvguard.records import KVCacheAllocation, ReservedPeak
 
 log = logging.getLogger("kvguard.probe")
 
@@ -136,6 +136,7 @@ class Probe:
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
         self._engine = ("", "")       # (served model name, engine index) of the serving engine
         self._budget_verdicts: dict[str | None, Any] = {}
+        self._reserved_peaks: dict[str | None, ReservedPeak | None] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -199,6 +200,14 @@ class Probe:
             raise TypeError("budget verdict must be a kvguard.guard.judge.Verdict of phase 'budget'")
         with self._lock:
             self._budget_verdicts[device] = verdict
+
+    def set_reserved_peak(self, reserved_peak: ReservedPeak | None, device: str | None = _ALL) -> None:
+        """vllm-mindspore: the profile run's reserved peak by MindSpore's statistics, beside the engine's
+        end-of-run figure (:class:`kvguard.records.ReservedPeak`)."""
+        if reserved_peak is not None and not isinstance(reserved_peak, ReservedPeak):
+            raise TypeError(f"reserved_peak must be a kvguard.records.ReservedPeak, got {type(reserved_peak).__name__}")
+        with self._lock:
+            self._reserved_peaks[device] = reserved_peak
 
     @property
     def status(self) -> ProbeStatus:
@@ -302,6 +311,7 @@ class Probe:
                 profile = _pick(self._profiles, record.device, context.profile)
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
                 budget_verdict = _pick(self._budget_verdicts, record.device, None)
+                reserved_peak = _pick(self._reserved_peaks, record.device, None)
                 status = self._status()
                 model_name, engine = self._engine
             snapshot = Snapshot(
@@ -309,7 +319,7 @@ class Probe:
                 pid=os.getpid(), device=record.device, memory=record,
                 rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
                 profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine,
-                budget_verdict=budget_verdict)
+                budget_verdict=budget_verdict, reserved_peak=reserved_peak)
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -436,6 +446,12 @@ def set_kv_cache(kv_cache: KVCacheAllocation | None, device: str | None = _ALL) 
 def set_budget_verdict(verdict: Any, device: str | None = _ALL) -> bool:
     """Attach the budget-time verdict to the snapshots. Never raises; False when not applied."""
     return _apply("set_budget_verdict", verdict, device)
+
+
+def set_reserved_peak(reserved_peak: ReservedPeak | None, device: str | None = _ALL) -> bool:
+    """Attach the profile run's reserved peak (vllm-mindspore) to the snapshots. Never raises; False when
+    not applied."""
+    return _apply("set_reserved_peak", reserved_peak, device)
 
 
 def set_engine(model_name: str | None, engine: str | int | None = None) -> bool:

@@ -164,3 +164,47 @@ class KVCacheAllocation:
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class ReservedPeak:
+    """The profile run's reserved peak by the allocator's own peak statistic, beside the figure the engine
+    measured (vllm-mindspore only).
+
+    vllm-mindspore measures ``memory_reserved()`` at the profile run's *end*, before its ``empty_cache``
+    (``after_profile.measure()``, vllm_mindspore/utils.py:465-475 @ 0.5.1): ``measured_increase_bytes``,
+    the profile's reserved increase. When the pool releases cached blocks during the run, the reserved
+    memory it reached is more. ``peak_increase_bytes``: ``mindspore.runtime.max_memory_reserved()``
+    (mindspore/runtime/memory.py:170 @ 2.7.1) after ``reset_peak_memory_stats()`` (:214) at the run's
+    start, less ``memory_reserved()`` then (:142); None when it could not be read, ``error`` saying why.
+    """
+
+    measured_increase_bytes: int | None
+    peak_increase_bytes: int | None
+    error: str | None = None
+
+    @property
+    def above_measured(self) -> bool:
+        """The peak was read and is above what the engine measured: the pool released blocks mid-run."""
+        return self.peak_increase_bytes is not None and (
+            self.measured_increase_bytes is None or self.peak_increase_bytes > self.measured_increase_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ReservedPeak":
+        """Strict decoding for untrusted input (spool files): ValueError with one line."""
+        if not isinstance(data, Mapping):
+            raise ValueError("reserved_peak is not an object")
+        values: dict[str, Any] = {}
+        for name in ("measured_increase_bytes", "peak_increase_bytes"):
+            value = data.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_COUNTER):
+                raise ValueError(f"reserved_peak field {name} is not a non-negative integer in range")
+            values[name] = value
+        error = data.get("error")
+        if error is not None and not isinstance(error, str):
+            raise ValueError("reserved_peak field error is not a string")
+        return cls(**values, error=error)

@@ -135,6 +135,8 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
             click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")
+            if verdict.reserved_peak_note:
+                click.echo(f"         reserved peak: {verdict.reserved_peak_note}")
         if observation.aged_out and observation.ranks:   # with no rank, the no_ranks reason says it
             click.echo(f"({aged_out_text(observation.aged_out)})")
         skipped = sum(observation.skipped.values())

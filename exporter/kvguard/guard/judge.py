@@ -37,7 +37,7 @@ from kvguard.allocators.base import Allocator, SimOutOfMemory
 from kvguard.allocators.mindspore_releases import pool_budget_bytes
 from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
-from kvguard.records import DeviceMemory
+from kvguard.records import DeviceMemory, ReservedPeak
 from kvguard.units import format_gib
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
@@ -95,6 +95,8 @@ class GuardInput:
     # Why there is no profile, when the caller knows better than "none anywhere" (a startup log
     # that lacks some figures: one line naming them).
     no_profile_detail: str | None = None
+    # vllm-mindspore: the profile run's reserved peak by MindSpore's statistics (the snapshot's).
+    reserved_peak: ReservedPeak | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,11 @@ class Verdict:
     kv_tensors: int | None = None
     kv_tensors_placed: int | None = None
     kv_placement_loss_bytes: int | None = None
+    # vllm-mindspore: the reserved increase the engine measured at the profile run's end, MindSpore's
+    # reserved peak of the run, and, where the guard counts the peak instead or cannot read it, why.
+    reserved_increase_measured_bytes: int | None = None
+    reserved_peak_increase_bytes: int | None = None
+    reserved_peak_note: str | None = None
 
     @property
     def severity(self) -> int:
@@ -150,7 +157,11 @@ class Verdict:
             if f.name in ("state", "phase", "reasons"):
                 continue
             value = data.get(f.name)
-            if f.name.endswith("_estimated"):
+            if f.name == "reserved_peak_note":
+                if value is not None and not isinstance(value, str):
+                    raise ValueError("verdict field reserved_peak_note is not a string")
+                values[f.name] = None if value is None else value[:1024]
+            elif f.name.endswith("_estimated"):
                 values[f.name] = value is True
             elif value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or abs(value) >= 1 << 63:
@@ -183,7 +194,10 @@ def judge(inp: GuardInput) -> Verdict:
         return Verdict(state=_state(reasons), reasons=tuple(reasons), kv_cache_bytes=inp.kv_cache_bytes)
 
     stock = stock_kv_cache_bytes(profile)
-    profile_for_reserved, estimated = _profile_with_reserved_peak(profile, memory)
+    peak_note = reserved_peak_note(profile, inp.reserved_peak)
+    peaked = with_reserved_peak(profile, inp.reserved_peak)
+    peak_used = peaked is not profile       # the overcommit counts MindSpore's peak, not the engine's figure
+    profile_for_reserved, estimated = _profile_with_reserved_peak(peaked, memory)
     reserved = reserved_kv_cache_bytes(profile_for_reserved) if profile_for_reserved else None
     kv_cache = inp.kv_cache_bytes if inp.kv_cache_bytes is not None else max(0, stock)
     over = overcommit_bytes(stock, reserved) if reserved is not None else None
@@ -250,10 +264,11 @@ def judge(inp: GuardInput) -> Verdict:
         headroom = min(headroom, pool_headroom)
 
     if kv_over:
+        sized = ("the reserved memory left at the profile run's end, the pool reached a higher reserved peak "
+                 "during it" if peak_used else "the allocated peak, the allocator holds the reserved peak")
         reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({format_gib(kv_cache)}) exceeds the reserved-aware "
                                              f"budget ({format_gib(max(reserved, 0))}) by {format_gib(kv_over)}: "
-                                             f"vLLM sized it from the "
-                                             f"allocated peak, the allocator holds the reserved peak"
+                                             f"{_engine(profile) if peak_used else 'vLLM'} sized it from {sized}"
                                              + (" (reserved peak inferred from live fragmentation)" if estimated
                                                 else "")))
     if pool_headroom is not None and pool_headroom < 0 and pool_headroom <= capacity - projected:
@@ -279,7 +294,45 @@ def judge(inp: GuardInput) -> Verdict:
         projected_peak_bytes=projected,
         capacity_bytes=capacity,
         headroom_bytes=headroom,
+        reserved_increase_measured_bytes=inp.reserved_peak.measured_increase_bytes if inp.reserved_peak else None,
+        reserved_peak_increase_bytes=inp.reserved_peak.peak_increase_bytes if inp.reserved_peak else None,
+        reserved_peak_note=peak_note,
     )
+
+
+def with_reserved_peak(profile: Profile, reserved_peak: ReservedPeak | None) -> Profile:
+    """The profile with MindSpore's reserved peak of the profile run as its reserved increase, where that
+    peak was read and is above what the engine measured at the run's end (kvguard.records.ReservedPeak);
+    else the profile as it is. Only the peak formulas take a reserved increase."""
+    if reserved_peak is None or not reserved_peak.above_measured or profile.budget_formula.non_kv != "peak":
+        return profile
+    return dataclasses.replace(profile, peak_reserved_increase_bytes=reserved_peak.peak_increase_bytes)
+
+
+def reserved_peak_note(profile: Profile | None, reserved_peak: ReservedPeak | None) -> str | None:
+    """One line: why the guard counts MindSpore's reserved peak instead of the engine's end-of-run figure,
+    or why it could not read that peak; None where the two agree (or the rank has no such record)."""
+    if profile is None or reserved_peak is None or profile.budget_formula.non_kv != "peak":
+        return None
+    engine = _engine(profile)
+    if reserved_peak.peak_increase_bytes is None:
+        return (f"the profile run's reserved peak was not read from MindSpore ({reserved_peak.error or 'no reading'}): "
+                f"the guard counts {engine}'s end-of-run reserved increase, which misses any blocks the pool released "
+                f"during the run")
+    if not reserved_peak.above_measured:
+        return None
+    measured = reserved_peak.measured_increase_bytes
+    return (f"the profile run's reserved peak (MindSpore max_memory_reserved) is "
+            f"+{format_gib(reserved_peak.peak_increase_bytes)}, above the "
+            f"+{format_gib(measured) if measured is not None else '?'} {engine} measured at the run's end "
+            f"(its memory_reserved() before empty_cache): the pool released blocks during the run, so the "
+            f"overcommit and the projection count the peak")
+
+
+def _engine(profile: Profile) -> str:
+    """The engine that sized the KV cache, as the profile names it (``vllm-mindspore``); "vLLM" else."""
+    project = (profile.vllm_version or "").partition(":")[0]
+    return project if project and project != "vllm" else "vLLM"
 
 
 @dataclass(frozen=True)
@@ -299,6 +352,7 @@ class BudgetInput:
     build: Callable[[], Allocator]
     read: Callable[[Allocator], DeviceMemory]
     kv_cache_outside_allocator: bool = False
+    reserved_peak: ReservedPeak | None = None    # vllm-mindspore: the profile run's reserved peak
 
 
 def judge_at_budget(inp: BudgetInput) -> Verdict:
@@ -323,12 +377,13 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
     loss = max(0, physical_reserved_bytes(memory) - reserved_before - placed_bytes)
     if failure is None:
         verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, memory=memory,
-                                   kv_cache_outside_allocator=inp.kv_cache_outside_allocator))
+                                   kv_cache_outside_allocator=inp.kv_cache_outside_allocator,
+                                   reserved_peak=inp.reserved_peak))
         return dataclasses.replace(verdict, phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed,
                                    kv_placement_loss_bytes=loss)
     free = memory.free_bytes or 0
     short = sum(tensors[placed:]) - free
-    verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache))
+    verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, reserved_peak=inp.reserved_peak))
     reason = Reason(KV_PLACEMENT_FAILS, f"the KV cache ({format_gib(kv_cache)} in {len(tensors)} tensors of up to "
                                         f"{format_gib(max(tensors))}) does not fit where the allocator puts it: "
                                         f"tensor {placed + 1} fails with {format_gib(free)} free on the device "

@@ -304,7 +304,9 @@ class Sidecar:
             verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
                                        kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
                                        alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
-                                       no_profile_detail=missing))
+                                       no_profile_detail=missing,
+                                       # MindSpore's reserved peak belongs with the snapshot's own profile.
+                                       reserved_peak=snap.reserved_peak if origin == "snapshot" else None))
             at_budget = snap.budget_verdict
             if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
                 # Between the budget and the KV cache's allocation the budget-time verdict is the one

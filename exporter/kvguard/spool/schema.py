@@ -13,7 +13,7 @@ from kvguard.budget.estimator import Profile, ProfileError
 from kvguard.guard.judge import BUDGET, Verdict
 from kvguard.records import MAX_COUNTER, MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS, DeviceMemory
 from kvguard.text import one_line, safe_text
-from kvguard.records import KVCacheAllocation
+from kvguard.records import KVCacheAllocation, ReservedPeak
 
 
 # Timestamps beyond year ~5000 are garbage; this also keeps float() from overflowing on huge ints.
@@ -69,6 +69,9 @@ class Snapshot:
     # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
     # sidecar checks that ``pid`` still runs only where it shares host and namespace with it.
     pid_namespace: str = ""
+    # vllm-mindspore: the profile run's reserved peak by MindSpore's max_memory_reserved, beside the
+    # end-of-run figure the engine measured (schema 1 extension; None elsewhere and in older snapshots).
+    reserved_peak: ReservedPeak | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +93,7 @@ class Snapshot:
             "engine": self.engine,
             "budget_verdict": None if self.budget_verdict is None else self.budget_verdict.to_dict(),
             "pid_namespace": self.pid_namespace,
+            "reserved_peak": None if self.reserved_peak is None else self.reserved_peak.to_dict(),
         }
 
     @classmethod
@@ -132,7 +136,14 @@ class Snapshot:
                 if budget_verdict.phase != BUDGET:
                     raise ValueError("budget_verdict is not of phase 'budget'")
                 budget_verdict = replace(budget_verdict, reasons=tuple(
-                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons))
+                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons),
+                    reserved_peak_note=None if budget_verdict.reserved_peak_note is None
+                    else safe_text(budget_verdict.reserved_peak_note, 1024))
+            reserved_peak = None
+            if data.get("reserved_peak") is not None:
+                reserved_peak = ReservedPeak.from_dict(data["reserved_peak"])
+                if reserved_peak.error is not None:
+                    reserved_peak = replace(reserved_peak, error=safe_text(reserved_peak.error, 512))
             probe_raw = data.get("probe") or {}
             if not isinstance(probe_raw, Mapping):
                 raise ValueError("probe is not an object")
@@ -158,7 +169,7 @@ class Snapshot:
                    pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
                    probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
                    engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict,
-                   pid_namespace=safe_text(pid_namespace, 64))
+                   pid_namespace=safe_text(pid_namespace, 64), reserved_peak=reserved_peak)
 
 
 class SnapshotError(ValueError):

@@ -30,7 +30,9 @@ module is imported, or at once if it already is:
   ``torch_peak_increase``, ``non_torch_increase``, ``before_create.total_memory``) and
   ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`; vllm-ascend <= 0.14's
   NPUWorker runs no ``memory_profiling``, so its own ``torch_npu.npu`` reads make it instead
-  (:func:`profile_from_npu_readings`);
+  (:func:`profile_from_npu_readings`); on vllm-mindspore, which measures ``memory_reserved()`` at the
+  profile run's end only, the run's reserved peak is read from MindSpore's own statistics too and recorded
+  beside it (:func:`reserved_peak_from`; the guard counts it where it is higher);
 - ``initialize_from_config``: records the KV cache vLLM allocated (``KVCacheConfig``).
 
 Once the budget is fixed (``determine_available_memory`` returned, the KV cache not allocated yet)
@@ -75,6 +77,7 @@ _registered = False
 _lock = threading.Lock()
 _reader: Any = None                   # the source that reads the reserved peak during profiling
 _profile: Any = None                  # this worker's startup profile, completed after 0.34's warm-up
+_profile_peak: Any = None             # vllm-mindspore: the profile run's reserved peak (records.ReservedPeak)
 
 
 @dataclass(frozen=True)
@@ -177,8 +180,9 @@ def _reset_for_tests() -> None:
         _logged.clear()
     _settings = Settings()
     _reader = None
-    global _profile
+    global _profile, _profile_peak
     _profile = None
+    _profile_peak = None
     _PatchOnImport.forget()
 
 
@@ -290,8 +294,21 @@ def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     def init_device(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         _guard("init_device", _ensure_probe, self)
+        _guard("init_device", _say_no_budget_hook, self)
         return result
     return init_device
+
+
+def _say_no_budget_hook(worker: Any) -> None:
+    """A V0 worker (vllm-ascend 0.7.3) decides a block count in determine_num_available_blocks and has no
+    determine_available_memory: no profile is recorded there, and the budget modes cannot act. Said once."""
+    if "no_budget_hook" in _logged or hasattr(type(worker), "determine_available_memory"):
+        return
+    _logged.add("no_budget_hook")
+    era = _era_of(running_release(worker))
+    log.info("kvguard: no startup profile on %s: its V0 worker decides the block count in "
+             "determine_num_available_blocks, which kvguard does not wrap%s", era.name if era else "this engine",
+             "" if _settings.budget == "stock" else f"; KVGUARD_BUDGET={_settings.budget} cannot act")
 
 
 # ---------------------------------------------------------------------------- the profile
@@ -304,6 +321,12 @@ class _Capture:
         self.reserved_peak_before: int | None = None
         self.reserved_peak_after: int | None = None      # the profile run's reserved peak
         self.reserved_after_exit: int | None = None      # reserved after vLLM's empty_cache()
+        # vllm-mindspore: MindSpore's own reserved figures around the run (_mindspore_peak_start/_end).
+        self.mindspore = False
+        self.ms_reserved_start: int | None = None        # memory_reserved() after reset_peak_memory_stats()
+        self.ms_reserved_max: int | None = None          # max_memory_reserved() at the run's end
+        self.ms_reserved_end: int | None = None          # memory_reserved() at the run's end
+        self.ms_error: str | None = None                 # why they were not read
 
 
 def _read_reserved() -> tuple[int | None, int | None]:
@@ -334,15 +357,101 @@ def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> C
             # Entering reset the peak statistics: the reserved peak is now the reserved memory.
             capture.result = result
             capture.reserved_peak_before = _guard("memory_profiling", _reserved_peak)
+            if capture.mindspore:
+                _mindspore_peak(capture, _mindspore_peak_start)
             try:
                 yield result
             finally:
+                if capture.mindspore:
+                    _mindspore_peak(capture, _mindspore_peak_end)
                 # Read before vLLM's exit runs empty_cache(): the peak the profile run reached.
                 capture.reserved_peak_after = _guard("memory_profiling", _reserved_peak)
         # After vLLM's exit (empty_cache, after_profile measured): what stays reserved.
         capture.reserved_after_exit = _guard("memory_profiling", _reserved_now)
     setattr(memory_profiling, _MARK, True)
     return memory_profiling
+
+
+# ---------------------------------------------------------------------------- vllm-mindspore's reserved peak
+#
+# vllm-mindspore's ms_memory_profiling measures memory_reserved() at the profile run's END, before its
+# empty_cache (result.after_profile.measure(), then torch_peak_increase = the torch_memory difference:
+# vllm_mindspore/utils.py:465-475 @ 0.5.1). When the pool releases cached blocks during the run (an
+# empty_cache, a failed expansion), that is less than the reserved memory the run reached. So on that engine
+# the plugin also reads MindSpore's own peak statistic around the run (mindspore/runtime/memory.py @ 2.7.1):
+# at the start, once the original's entry has run (its own reset, utils.py:452, and before_profile.measure(),
+# :459), reset_peak_memory_stats() (:214) and memory_reserved() (:142); at the end, before the original's
+# after_profile.measure() (:465), max_memory_reserved() (:170) and memory_reserved(). The peak increase is
+# max(max, end) - start: 2.6+ report peaks since the reset; max() keeps it exact if a build reports less.
+
+
+def _runs_mindspore(worker: Any) -> bool:
+    """The running engine is vllm-mindspore on MindSpore's pool (its era row's allocator)."""
+    release = running_release(worker)
+    return bool(release and release.startswith("vllm-mindspore:")) and _allocator_kind(worker) == "mindspore"
+
+
+def _byte_count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"mindspore.runtime.{what}() returned {value!r}, not a byte count")
+    return int(value)
+
+
+def _mindspore_runtime() -> Any:
+    import importlib
+    return importlib.import_module("mindspore.runtime")
+
+
+def _mindspore_peak_start(capture: _Capture) -> None:
+    runtime = _mindspore_runtime()
+    runtime.reset_peak_memory_stats()
+    capture.ms_reserved_start = _byte_count(runtime.memory_reserved(), "memory_reserved")
+
+
+def _mindspore_peak_end(capture: _Capture) -> None:
+    if capture.ms_reserved_start is None:
+        return      # the start was not read: nothing to measure from
+    runtime = _mindspore_runtime()
+    capture.ms_reserved_max = _byte_count(runtime.max_memory_reserved(), "max_memory_reserved")
+    capture.ms_reserved_end = _byte_count(runtime.memory_reserved(), "memory_reserved")
+
+
+def _mindspore_peak(capture: _Capture, read: Callable[[_Capture], None]) -> None:
+    """One of the two reads; a failure is kept as the capture's error, counted and logged once (never raised)."""
+    try:
+        read(capture)
+    except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
+        from kvguard.text import one_line
+        message = one_line(exc)[:400]
+        capture.ms_error = capture.ms_error or message
+        _failed("reserved_peak", f"MindSpore's reserved peak of the profile run not read: {message}")
+
+
+def reserved_peak_from(profile: Any, capture: _Capture) -> Any:
+    """The profile run's reserved peak (kvguard.records.ReservedPeak) beside what vllm-mindspore measured
+    (the profile's reserved increase); None where the engine is not vllm-mindspore."""
+    from kvguard.records import ReservedPeak
+
+    if not capture.mindspore or capture.result is None or profile.budget_formula.peak != "reserved":
+        return None
+    measured = profile.peak_reserved_increase_bytes
+    start, peak, end = capture.ms_reserved_start, capture.ms_reserved_max, capture.ms_reserved_end
+    if start is None or peak is None or end is None:
+        return ReservedPeak(measured, None, error=capture.ms_error or "MindSpore's reserved memory not read")
+    return ReservedPeak(measured, max(0, max(peak, end) - start))
+
+
+def _record_reserved_peak(profile: Any, capture: _Capture) -> None:
+    global _profile_peak
+    reserved_peak = reserved_peak_from(profile, capture)
+    _profile_peak = reserved_peak
+    if reserved_peak is None:
+        return
+    from kvguard import probe
+    probe.set_reserved_peak(reserved_peak)
+    if reserved_peak.above_measured:
+        from kvguard.guard.judge import reserved_peak_note
+        log.info("kvguard: %s", reserved_peak_note(profile, reserved_peak))
 
 
 @contextlib.contextmanager
@@ -365,9 +474,11 @@ def _global_replaced(function: Callable[..., Any], name: str,
 
 
 @contextlib.contextmanager
-def _profiling_captured(function: Callable[..., Any]) -> Iterator[_Capture]:
-    """While ``function`` runs, its module's ``memory_profiling`` global is wrapped."""
+def _profiling_captured(function: Callable[..., Any], mindspore: bool = False) -> Iterator[_Capture]:
+    """While ``function`` runs, its module's ``memory_profiling`` global is wrapped (``mindspore``: reading
+    MindSpore's reserved peak of the profile run too)."""
     capture = _Capture()
+    capture.mindspore = mindspore
 
     def wrapped(namespace: dict, current: Any) -> Any:
         if callable(current) and not getattr(current, _MARK, False):
@@ -504,13 +615,21 @@ def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
         return None
     if profile.kv_cache_memory_bytes is not None:
         return None    # --kv-cache-memory-bytes: the operator fixed the size
-    reserved = reserved_kv_cache_bytes(profile)
+    from kvguard.guard.judge import with_reserved_peak
+
+    # vllm-mindspore: MindSpore's reserved peak of the profile run where it is above the engine's figure.
+    reserved = reserved_kv_cache_bytes(with_reserved_peak(profile, _profile_peak))
     if reserved is None:
         _failed("budget", "the reserved increase was not measured; keeping vLLM's KV cache budget")
         return None
     # vLLM's figure less the overcommit: what vLLM applies after the formula (its multimodal IPC
     # reserve) stays applied.
     overcommit = stock_kv_cache_bytes(profile) - reserved
+    if overcommit <= 0 and profile.budget_formula.peak == "reserved" and "reserved_formula" not in _logged:
+        _logged.add("reserved_formula")
+        log.info("kvguard: KVGUARD_BUDGET=reserved changes nothing here: this engine's own budget already takes "
+                 "the profile run's reserved increase (vllm-mindspore: vllm_mindspore/utils.py:475 @ 0.5.1), and "
+                 "its reserved peak is no higher")
     return available - overcommit if overcommit > 0 else None
 
 
@@ -628,7 +747,8 @@ def profile_from_npu_readings(worker: Any, readings: _NpuReadings) -> Any:
 def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         _guard("determine_available_memory", _ensure_probe, self)
-        with _profiling_captured(original) as capture, _npu_readings_captured(original) as readings:
+        mindspore = _guard("reserved_peak", _runs_mindspore, self) is True
+        with _profiling_captured(original, mindspore) as capture, _npu_readings_captured(original) as readings:
             available = original(self, *args, **kwargs)
         profile = _guard("profile", profile_from, self, capture)
         if profile is None and capture.result is None:
@@ -648,6 +768,7 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
         global _profile
         _profile = profile
         probe.set_profile(profile)
+        _guard("reserved_peak", _record_reserved_peak, profile, capture)
         if not isinstance(available, int):
             return available
         budget = None
@@ -763,7 +884,7 @@ def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) 
     if tensors is None:
         return None
     _, build = model
-    return judge_at_budget(BudgetInput(profile, tensors, build, counters_of))
+    return judge_at_budget(BudgetInput(profile, tensors, build, counters_of, reserved_peak=_profile_peak))
 
 
 def _record_budget_verdict(worker: Any, profile: Any, budget: int) -> None:
