@@ -71,6 +71,10 @@ setup_test() {
     # one small environment per release on its vLLM base, in the same cache.
     step "vllm-ascend environments (tests/ascend_real/envs.py)"
     KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/ascend_real/envs.py setup >&2
+    # vllm-mindspore 0.5.1 (tests/test_mindspore_real.py): its real worker code on MindSpore 2.7.1 (CPU, without
+    # its GPU and Ascend backends) and a fake NPU, one environment on vLLM 0.11.0's, in the same cache.
+    step "vllm-mindspore environment (tests/mindspore_real/envs.py)"
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/mindspore_real/envs.py setup >&2
     # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
     # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
     step "allocator oracles: MindSpore's compiled pool"

@@ -24,7 +24,7 @@ from kvguard.vllm.eras import era_for
 
 GIB = 1 << 30
 MIB = 1 << 20
-ASCEND = [r for r in envs.RELEASES if r.startswith("vllm-ascend:")]
+ASCEND = [r for r in envs.RELEASES if r.startswith("vllm-ascend:") and r not in envs.V0_RELEASES]
 _runs: dict = {}
 
 
@@ -170,3 +170,74 @@ def test_the_absolute_flag_is_refused_where_the_formula_takes_the_increase():
                           "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
                           "--non-torch-memory", "1.3GiB"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--non-torch-increase" in out.stderr.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------ vllm-ascend 0.7.3: vLLM 0.7.3's V0 engine
+# NPUWorker.determine_num_available_blocks (vllm_ascend/worker/worker.py 0.7.3:239-281) decides a block count from
+# the drop in free memory since init_device's snapshot, read after the profile run with no empty_cache between.
+# LLMEngine._initialize_kv_caches (vLLM 0.7.3) sizes the cache with it; the plugin can wrap init_device only.
+V0 = list(envs.V0_RELEASES)
+
+
+def run_v0(release: str, tmp_path_factory, budget: str = "stock"):
+    key = (release, budget, "v0")
+    if key not in _runs:
+        spool = tmp_path_factory.mktemp(f"spool-{envs._name(release)}")
+        result = run_engine(release, env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget})
+        _runs[key] = (result, read_spool(str(spool)).snapshots)
+    return _runs[key]
+
+
+@pytest.mark.parametrize("release", V0)
+def test_v0_the_row_names_the_wheel_and_the_engine_runs_its_defaults(release, tmp_path_factory):
+    result, _ = run_v0(release, tmp_path_factory)
+    era = era_for(release)
+    assert era.checked_against == release.split(":")[1] and era_for("vllm-ascend:0.7.3") is era
+    assert result["engine_version"] == release and result["vllm_version"] == "0.7.3"
+    assert result["config"]["worker_cls"] == "vllm_ascend.worker.worker.NPUWorker"
+    assert result["config"]["block_size"] == era.default_block_size == 128
+    assert result["config"]["gpu_memory_utilization"] == era.default_gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("release", V0)
+def test_v0_kvguard_budget_from_the_flags_gives_the_engines_block_count(release, tmp_path_factory):
+    """--total-consumed as its help says: free memory at the init snapshot minus after the profile run. Here that
+    is the weights, what torch_npu's pool still reserves after the run (the +5.5 GiB reserved peak: no
+    empty_cache before the read) and the 300 MiB of non-torch memory the run left."""
+    result, _ = run_v0(release, tmp_path_factory)
+    s = ASCEND_SCENARIO
+    consumed = s["weights_bytes"] + s["profile_transient_bytes"] + s["profile_unreusable_bytes"] \
+        + s["profile_non_torch_bytes"]
+    figures = result["figures"]
+    # The fake device agrees: the worker's init snapshot, less what is free after the profile run.
+    after_profile = next(e for e in result["runner_events"] if e["event"] == "profile_run")["device"]
+    assert figures["init_npu_memory"] - after_profile["free"] == consumed
+    out = kvguard_budget("--vllm-version", release, "--total-memory", s["total_memory_bytes"],
+                         "--weights", s["weights_bytes"], "--total-consumed", consumed,
+                         "--model-config", s["model_dir"], "--max-model-len", s["max_model_len"])
+    assert out["era"]["formula"] == "ascend_free_drop"
+    assert out["block_bytes"] == figures["block_bytes"]
+    assert out["budgets"]["stock"]["num_blocks"] == figures["num_gpu_blocks"] == result["kv_cache_config"]["num_blocks"]
+    # One (2, blocks, 128, heads, head size) tensor per layer (vLLM 0.7.3 worker/cache_engine.py:99-106).
+    assert figures["kv_cache_tensors"] == [[2, figures["num_gpu_blocks"], 128, 4, 128]] * 28
+    # A pool that kept its blocks: the drop already holds the reserved peak, so the reserved-aware budget is the same.
+    reserved = kvguard_budget("--vllm-version", release, "--total-memory", s["total_memory_bytes"],
+                              "--weights", s["weights_bytes"], "--total-consumed", consumed,
+                              "--reserved-transient-peak", 0)
+    assert reserved["budgets"]["reserved"]["kv_cache_bytes"] == reserved["budgets"]["stock"]["kv_cache_bytes"]
+    assert reserved["overcommit_bytes"] == 0
+
+
+@pytest.mark.parametrize("release", V0)
+def test_v0_the_plugin_records_no_profile_and_the_reserved_budget_cannot_act(release, tmp_path_factory):
+    """The V0 NPUWorker has no determine_available_memory: the plugin starts its probe in init_device (a snapshot,
+    no profile), and KVGUARD_BUDGET=reserved leaves the engine's block count as it was."""
+    stock, snapshots = run_v0(release, tmp_path_factory)
+    reserved, _ = run_v0(release, tmp_path_factory, budget="reserved")
+    assert len(snapshots) == 1 and snapshots[0].profile is None
+    assert reserved["figures"]["num_gpu_blocks"] == stock["figures"]["num_gpu_blocks"]
+    assert era_for(release).hooks == ("init_device",)
+    # ... and says so, once, in vLLM's own log (formatted by vLLM's handler: "plugin.py:N] kvguard: ...").
+    said = [line for line in reserved["log_lines"]
+            if "plugin.py:" in line and "kvguard: no startup profile on vllm-ascend 0.7.3" in line]
+    assert len(said) == 1 and "KVGUARD_BUDGET=reserved cannot act" in said[0], reserved["log_lines"][-20:]

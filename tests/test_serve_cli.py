@@ -93,7 +93,7 @@ def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
     assert rank["state"] == "warning" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
     message = rank["reasons"][0]["message"]
     assert "no --from-log" not in message
-    assert "(vllm-mindspore)" in message and "states the weights, the KV cache vLLM decided" in message
+    assert "(vllm-mindspore 0.2.0)" in message and "states the weights, the KV cache vLLM decided" in message
     assert "but not the device's total memory, gpu_memory_utilization (the activation peak follows" in message
 
 

@@ -248,3 +248,46 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kvguard", *STORY, "--budget", "reserved"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == ""
+
+
+# --vllm-version: the release's own defaults (kvguard.vllm.eras), the expandable segments its platform sets.
+RELEASE_RUN = ("simulate", "--device-memory", "64GiB", "--requests", "8", "--json")
+
+
+def _sim(*args):
+    result = invoke(*RELEASE_RUN, *args)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_a_vllm_ascend_release_runs_on_torch_npu_with_its_utilization_and_128_token_blocks():
+    data = _sim("--vllm-version", "vllm-ascend:0.23.0.post1")
+    assert data["allocator"] == "torch_npu"
+    assert data["profile"]["gpu_memory_utilization"] == 0.92      # vLLM 0.23 config/cache.py:67
+    stock = data["estimate"]["budgets"]["stock"]
+    assert stock["num_tokens"] == stock["num_blocks"] * 128        # vllm-ascend platform.py block size 128
+    # Given options still win.
+    given = _sim("--vllm-version", "vllm-ascend:0.23.0.post1", "--gpu-memory-utilization", "0.8", "--allocator", "torch")
+    assert (given["allocator"], given["profile"]["gpu_memory_utilization"]) == ("torch", 0.8)
+
+
+def test_torch_npus_expandable_segments_follow_the_releases_platform():
+    """vllm-ascend turns expandable segments on from 0.14 (platform.py 0.14.0rc1:404-420; 0.13.0 does not): the
+    simulated profile run's reserved increase is the one with them on, unless --alloc-conf says otherwise."""
+    def reserved(*args):
+        return _sim(*args)["profile"]["peak_reserved_increase_bytes"]
+    on = reserved("--allocator", "torch_npu", "--alloc-conf", "expandable_segments:True")
+    off = reserved("--allocator", "torch_npu", "--alloc-conf", "expandable_segments:False")
+    assert on != off
+    assert reserved("--vllm-version", "vllm-ascend:0.14.0", "--gpu-memory-utilization", "0.9") == on
+    assert reserved("--vllm-version", "vllm-ascend:0.13.0", "--gpu-memory-utilization", "0.9") == off
+    assert reserved("--vllm-version", "vllm-ascend:0.23.0", "--alloc-conf", "expandable_segments:False") == off
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--vllm-version", "vllm-ascend:0.8.5"), "falls between kvguard's era rows"),
+    (("--vllm-version", "not-a-release"), "not a release"),
+    (("--vllm-version", "vllm-mindspore:0.2.0", "--vllm-mindspore-version", "0.5.1"), "0.2.0's launcher"),
+])
+def test_a_release_it_cannot_place_is_one_line(args, words):
+    assert words in one_line_error(invoke("simulate", *args))

@@ -173,7 +173,8 @@ def test_kv_cache_memory_bytes_line_of_0_11(data_path):
 
 def test_310p_halving_names_its_worker(data_path):
     log = era_log(data_path, "vllm-ascend-310p.log")
-    assert (log.project, log.era, log.halved_for_workspace) == ("vllm-ascend-310p", "vllm-ascend-310p 0.18.0+", True)
+    # "(halved for workspace)" from worker_310p.py: 0.21.0rc1+, the row from 0.20 (vLLM 0.20+'s 0.92 default).
+    assert (log.project, log.era, log.halved_for_workspace) == ("vllm-ascend-310p", "vllm-ascend-310p 0.20.0+", True)
     assert log.available_kv_cache_bytes == round(11.87 * GIB)
     assert log.weights_bytes == round(14.3005 * GIB)
 
@@ -183,11 +184,12 @@ def test_bundled_example_log_is_labelled_with_its_real_era():
     with open(os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")) as handle:
         log = parse_log(handle.read())
     assert log.weights_bytes == round(14.1852 * GIB)   # "Model loading took 14.1852 GiB and 21.47 seconds"
-    # It names vllm-mindspore's platform plugin, which 0.5 no longer has (issue 24): an older release, no row,
-    # and so no 128-token default: its tokens are not turned into blocks of a size it did not use.
-    assert (log.project, log.era, log.era_candidates) == ("vllm-mindspore", None, ())
+    # It names vllm-mindspore's platform plugin, which 0.5 no longer has (issue 24): the seed's release, the
+    # 0.2.0 row, with the seed's 16-token blocks (708,672 tokens in 44,292 blocks), not 0.5's 128.
+    assert (log.project, log.era, log.era_candidates) == ("vllm-mindspore", "vllm-mindspore 0.2.0",
+                                                          ("vllm-mindspore 0.2.0",))
     assert "before 0.5" in log.era_reason
-    assert log.effective_block_size() == (None, "no era")
+    assert log.effective_block_size() == (16, "every candidate era's default")
 
 
 def test_requested_memory_line_tells_0_13_from_0_14_by_its_digits():
@@ -394,6 +396,7 @@ ASCEND_REAL = {
     "0.11.0": ("vllm-ascend 0.9.1–0.14.0", 41_131_861_606, 717_184),
     "0.17.0rc1": ("vllm-ascend 0.15.0–0.17.0", 41_131_861_606, 717_184),
     "0.18.0": ("vllm-ascend 0.18.0", 42_205_603_430, 736_000),
+    "0.19.1rc1": ("vllm-ascend 0.19.0–0.19.1", 42_205_603_430, 736_000),
     "0.23.0.post1": ("vllm-ascend 0.20.0–0.23.0", 43_579_992_965, 759_936),
 }
 
@@ -408,3 +411,46 @@ def test_a_real_vllm_ascend_log_gets_its_row_its_budget_and_128_token_blocks(dat
     # 0.11 states the bytes; later releases print GiB to two decimals.
     assert abs(log.available_kv_cache_bytes - decided) <= (0 if release == "0.11.0" else 0.005 * GIB)
     assert log.kv_cache_tokens == tokens
+
+
+@pytest.mark.parametrize("debug", ["", "-debug"])
+def test_a_real_vllm_ascend_0_7_3_v0_log_gets_its_row_its_blocks_and_128_token_blocks(data_path, debug):
+    """vLLM 0.7.3's V0 engine states the block count NPUWorker decided ("# npu blocks: 5530", README), no bytes."""
+    log = read(data_path, os.path.join("ascend-real", f"vllm-ascend-0.7.3.post1{debug}.log"))
+    assert log.project == "vllm-ascend" and log.era_candidates == ("vllm-ascend 0.7.3",), log.era_reason
+    assert log.effective_block_size()[0] == 128
+    assert log.num_gpu_blocks == 5530
+    assert log.available_kv_cache_bytes is None
+
+
+# tests/data/logs/ascend-real/vllm-ascend-310p-*: the same releases on a fake 310P, where vllm-ascend runs
+# NPUWorker310 (tests/test_ascend_310p_real.py; the README's second table): the rows every log fits, what
+# NPUWorker310 returned, the tokens of its blocks.
+ASCEND_310P_REAL = {
+    "0.14.0rc1": (("vllm-ascend-310p 0.14.0",), 41_131_861_606, 717_184),
+    "0.17.0rc1": (("vllm-ascend-310p 0.15.0–0.17.0", "vllm-ascend-310p 0.18.0–0.19.1", "vllm-ascend-310p 0.20.0+"),
+                  41_131_861_606, 717_184),
+    "0.18.0": (("vllm-ascend-310p 0.18.0–0.19.1", "vllm-ascend-310p 0.20.0+"), 20_565_930_803, 358_528),
+    "0.23.0.post1": (("vllm-ascend-310p 0.20.0+",), 21_253_125_570, 370_560),
+}
+
+
+@pytest.mark.parametrize("debug", ["", "-debug"])
+@pytest.mark.parametrize("release", sorted(ASCEND_310P_REAL))
+def test_a_real_310p_log_is_told_from_an_a2_one_and_gets_its_rows_and_128_token_blocks(data_path, release, debug):
+    rows, decided, tokens = ASCEND_310P_REAL[release]
+    log = read(data_path, os.path.join("ascend-real", f"vllm-ascend-310p-{release}{debug}.log"))
+    # Every 310P log says "Skip warm-up atb ops for 310P device"; before 0.21 no other line of it names the 310P.
+    assert (log.project, log.era_candidates) == ("vllm-ascend-310p", rows), log.era_reason
+    assert log.effective_block_size() == (128, "every candidate era's default")
+    assert abs(log.available_kv_cache_bytes - decided) <= (0 if release == "0.14.0rc1" else 0.005 * GIB)
+    assert log.kv_cache_tokens == tokens
+
+
+def test_the_bundled_example_log_budgets_its_own_16_token_blocks():
+    """Issue 19: it printed 5,536 blocks (128-token ones) beside 708,672 tokens; the seed's row says 16."""
+    from conftest import EXAMPLES
+    data = _budget_json("--from-log", os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log"),
+                        "--model-config", os.path.join(EXAMPLES, "qwen2.5-7b-instruct"))
+    assert data["layout"]["block_size"] == 16
+    assert (data["budgets"]["stock"]["num_blocks"], data["budgets"]["stock"]["num_tokens"]) == (44_292, 708_672)

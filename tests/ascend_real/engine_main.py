@@ -42,7 +42,11 @@ def _run(scenario, result):
     import fake_torch_npu
 
     device = vllm_worker.scenario_device(scenario)
+    # "soc": the chip the fake NPU claims (fake_torch_npu.SOCS); "310P3" makes vllm-ascend pick NPUWorker310.
+    device_type = fake_torch_npu.use_soc(scenario.get("soc", "910B1"))
     fake_torch_npu.install(device)
+    if device_type != "A2":
+        _as_built_for(device_type)
 
     import torch
     import vllm
@@ -67,10 +71,33 @@ def _run(scenario, result):
     from vllm_ascend.platform import NPUPlatform
 
     vllm.platforms._current_platform = NPUPlatform()
-    _startup(scenario, device, result)
+    import engine_v0  # vllm-ascend 0.7.3: vLLM 0.7.3's V0 engine (engine_v0.py)
+
+    if engine_v0.is_v0():
+        engine_v0.startup(scenario, device, result, vllm_worker, _patch_worker_module, _npu_runner_class)
+    else:
+        _startup(scenario, device, result)
     vllm_worker.last_probe_write()
     result["device_calls"] = dict(sorted(device.calls.items()))
     result["device_final"] = device.snapshot()
+
+
+def _as_built_for(device_type):
+    """vllm-ascend as its build for another chip would be: _build_info.py's device type (the PyPI wheels are
+    built for A2; check_ascend_device_type, utils.py 0.18.0:720-740, asserts it matches the chip's SoC), and
+    on 0.20.2rc1+ an EP card (Atlas 300I Duo), not RC: is_rc_device (utils.py 0.23.0.post1:155-175) would
+    otherwise ask this machine's lspci."""
+    import vllm_ascend._build_info as build_info
+
+    build_info.__device_type__ = device_type
+    utils = sys.modules.get("vllm_ascend.utils")
+    if utils is not None:
+        utils._ascend_device_type = None
+    if device_type == "_310P":
+        import vllm_ascend.utils as utils
+
+        if hasattr(utils, "is_rc_device"):
+            utils._IS_RC_DEVICE = False
 
 
 class FakeNPUModelRunner:
@@ -134,6 +161,12 @@ def _startup(scenario, device, result):
     }
     module_name, _, _ = vllm_config.parallel_config.worker_cls.rpartition(".")
     worker_module = importlib.import_module(module_name)
+    if hasattr(worker_module, "NPUWorker310"):
+        # 310P: NPUWorker310 is an NPUWorker (_310p/worker_310p.py 0.18.0:27) that builds NPUModelRunner310 and,
+        # from 0.18, runs its own memory_profiling; HCCL and the rest are in NPUWorker's module.
+        worker_module.NPUModelRunner310 = _npu_runner_class()
+        vllm_worker._spy_on_memory_profiling(worker_module)
+        worker_module = importlib.import_module("vllm_ascend.worker.worker")
     _patch_worker_module(worker_module)
 
     from vllm.v1.executor.abstract import Executor

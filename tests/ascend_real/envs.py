@@ -19,6 +19,7 @@ Layout, under the cache root (KVGUARD_CACHE, default ~/.cache/kvguard):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -33,14 +34,25 @@ REQUIREMENTS = HERE / "requirements"
 MARKER = vllm_envs.MARKER
 
 # One release per vllm-ascend era row (kvguard.vllm.eras), -> the vLLM release it runs on. 0.11.0 checks
-# the 0.9.1-0.14.0 row on tests/vllm_real's vLLM 0.11.0 env. (vllm-mindspore 0.5.1, on the same vLLM, is
-# not here yet: it needs MindSpore 2.7.1 and a stand-in for msadapter.)
+# the 0.9.1-0.14.0 row on tests/vllm_real's vLLM 0.11.0 env; 0.19.1rc1 (the only 0.19 on PyPI) the 0.19 row.
+# (vllm-mindspore 0.5.1, on the same vLLM, is tests/mindspore_real's.)
 RELEASES: dict[str, str] = {
+    "vllm-ascend:0.7.3.post1": "0.7.3",
     "vllm-ascend:0.11.0": "0.11.0",
     "vllm-ascend:0.17.0rc1": "0.17.0",
     "vllm-ascend:0.18.0": "0.18.0",
+    "vllm-ascend:0.19.1rc1": "0.19.1",
     "vllm-ascend:0.23.0.post1": "0.23.0",
 }
+# Releases only tests/test_ascend_310p_real.py runs (on a fake 310P): the vllm-ascend-310p 0.14.0 row's, on
+# tests/vllm_real's vLLM 0.14.0 env; no A2 row uses it.
+RELEASES_310P: dict[str, str] = {
+    "vllm-ascend:0.14.0rc1": "0.14.0",
+}
+# The releases that run vLLM's V0 engine (engine_v0.py): NPUWorker.determine_num_available_blocks decides a block
+# count, no byte budget, and the plugin has no worker hook to record a profile in. 0.7.3.post1 checks the 0.7.3 row
+# (its worker.py is 0.7.3's, line for line).
+V0_RELEASES = ("vllm-ascend:0.7.3.post1",)
 
 
 def envs_dir() -> pathlib.Path:
@@ -94,6 +106,7 @@ def _vllm_base(version: str) -> pathlib.Path:
         vllm_envs._run(vllm_envs._pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels,
                                       *pinned))
         vllm_envs._run(install)
+    vllm_envs.prune(env)   # vLLM's CUDA extensions, as tests/vllm_real prunes its own envs
     (env / MARKER).write_text(want)
     return env
 
@@ -135,6 +148,7 @@ def _install_source(python: pathlib.Path, archive: pathlib.Path, env: pathlib.Pa
     site = vllm_envs._site_packages(env)
     project_version = archive.name[:-len(".tar.gz")]
     package, version = project_version.split("-", 1)
+    entry_points = None
     with tarfile.open(archive) as tar:
         prefix = f"{project_version}/{package}/"
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.isfile()]
@@ -143,6 +157,10 @@ def _install_source(python: pathlib.Path, archive: pathlib.Path, env: pathlib.Pa
             target.parent.mkdir(parents=True, exist_ok=True)
             with tar.extractfile(member) as src:
                 target.write_bytes(src.read())
+        # The archive's own entry points where it ships them (0.7.3.post1: vllm_ascend.egg-info, setup.py:372-376).
+        with contextlib.suppress(KeyError):
+            with tar.extractfile(f"{project_version}/{package}.egg-info/entry_points.txt") as src:
+                entry_points = src.read().decode()
     # setup.py writes vllm_ascend/_build_info.py at build time: gen_build_info() for SOC_VERSION=ascend910b1
     # (setup.py 0.23.0.post1:153-193) writes the device type A2.
     build_info = site / package / "_build_info.py"
@@ -151,16 +169,20 @@ def _install_source(python: pathlib.Path, archive: pathlib.Path, env: pathlib.Pa
     dist = site / f"{package}-{version}.dist-info"
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: {version}\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.platform_plugins]\nascend = vllm_ascend:register\n\n"
-        "[vllm.general_plugins]\nascend_kv_connector = vllm_ascend:register_connector\n")
+    if version == "0.23.0.post1":
+        # As its env was first built and checked: the platform plugin and the KV connector only (the archive's
+        # egg-info adds register_model, register_model_loader, register_service_profiling).
+        entry_points = ("[vllm.platform_plugins]\nascend = vllm_ascend:register\n\n"
+                        "[vllm.general_plugins]\nascend_kv_connector = vllm_ascend:register_connector\n")
+    (dist / "entry_points.txt").write_text(entry_points or "[vllm.platform_plugins]\nascend = vllm_ascend:register\n")
 
 
 def setup(release: str) -> tuple[pathlib.Path, bool]:
     """Build the engine release's env if its inputs changed; return (env, built)."""
-    if release not in RELEASES:
-        raise SystemExit(f"unknown engine release {release!r} (known: {', '.join(RELEASES)})")
-    vllm_env = _vllm_base(RELEASES[release])
+    known = {**RELEASES, **RELEASES_310P}
+    if release not in known:
+        raise SystemExit(f"unknown engine release {release!r} (known: {', '.join(known)})")
+    vllm_env = _vllm_base(known[release])
     base = vllm_envs._base()
     package = _engine_package(release)
     pinned = _pinned(REQUIREMENTS / f"{_name(release)}.txt")
@@ -196,7 +218,7 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[1] == "python":
         return vllm_envs.print_python(env_python(argv[2]), argv[2])
     if len(argv) >= 2 and argv[1] == "setup":
-        return vllm_envs.setup_each(argv[2:] or list(RELEASES), setup, "{}", "Ascend engine environments")
+        return vllm_envs.setup_each(argv[2:] or [*RELEASES, *RELEASES_310P], setup, "{}", "Ascend engine environments")
     print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
     return 2
 

@@ -28,6 +28,17 @@ import torch
 # Ascend 910B1 (vllm_ascend/utils.py init_ascend_soc_version: 220-225 is A2).
 SOC_VERSION = 220
 DEVICE_NAME = "Ascend910B1"
+# The chips a scenario's "soc" names: torch_npu's SocVersion (torch_npu/csrc/core/npu/NpuVariables.h:
+# Ascend310P1 = 200, Ascend310P3 = 202, Ascend910B1 = 220) and the device type a vllm-ascend build for it
+# writes to _build_info.py (setup.py 0.23.0.post1:153-193 gen_build_info: ascend310p3 -> "_310P").
+SOCS = {"910B1": (220, "Ascend910B1", "A2"), "310P3": (202, "Ascend310P3", "_310P")}
+
+
+def use_soc(soc: str) -> str:
+    """Make the fake chip ``soc`` (a SOCS key); returns the device type its vllm-ascend build has."""
+    global SOC_VERSION, DEVICE_NAME
+    SOC_VERSION, DEVICE_NAME, device_type = SOCS[soc]
+    return device_type
 
 
 class Stub:

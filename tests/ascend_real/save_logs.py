@@ -27,7 +27,8 @@ def main(argv):
             result = run_engine(release, env={"VLLM_LOGGING_LEVEL": level}, plugins=False)
             path = OUT / f"{envs._name(release)}{suffix}.log"
             path.write_text("\n".join(result["log_lines"]) + "\n")
-            print(f"{path.name}: returned {result['returned_available_bytes']} bytes, "
+            decided = result["returned_available_bytes"]    # None on V0 (0.7.3): its worker decides blocks
+            print(f"{path.name}: returned {'no byte budget (V0)' if decided is None else f'{decided} bytes'}, "
                   f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
                   f"utilization {result['config']['gpu_memory_utilization']}", flush=True)
     return 0

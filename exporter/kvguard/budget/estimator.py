@@ -269,6 +269,8 @@ class BudgetFormula:
     the absolute non-torch memory only when positive; their peak holds the weights). ``cleared``: vllm-ascend 0.15+ also subtracts the
     non-torch memory ``empty_cache`` cleared. ``halved``: 310P halves the result for workspace.
     ``floor_zero``: the result is clamped at 0.
+    ``transient``: ``"consumed"`` adds the transient peak headroom (0.27+); vllm-ascend 0.7.3 takes the
+    free-memory drop alone.
     The release ranges and their upstream lines live in :mod:`kvguard.vllm.eras`.
     """
 
@@ -281,6 +283,7 @@ class BudgetFormula:
     cleared: bool = False
     halved: bool = False
     floor_zero: bool = False
+    transient: bool = True
     reserved_counts: str = "the reserved increase in place of the allocated peak increase"
 
 
@@ -304,6 +307,15 @@ FORMULAS: dict[str, BudgetFormula] = {f.name: f for f in (
     BudgetFormula("ascend_cleared_halved", requested="product", non_kv="peak", cleared=True, halved=True),
     BudgetFormula("mindspore_reserved", requested="product", non_kv="peak", peak="reserved",
                   reserved_counts="nothing: vllm-mindspore's profile already counts the reserved increase"),
+    # vllm-ascend 0.7.3 (V0 NPUWorker.determine_num_available_blocks, vllm_ascend/worker/worker.py 0.7.3:239-281,
+    # the same in 0.7.3.post1): blocks = max(int((total * util - (init free - free after the profile run))
+    # // block bytes), 0), the init snapshot taken after empty_cache in init_device (:184-185), the free
+    # memory read after profile_run with no empty_cache between (:255-262): the drop holds the weights, what
+    # torch_npu's pool still reserves after the run, and every non-torch byte since the snapshot (HCCL too,
+    # :190). int(x // b) of a float x >= 0 is int(x) // b: the formula in bytes, floored at 0.
+    BudgetFormula("ascend_free_drop", requested="product", non_kv="consumed", floor_zero=True, transient=False,
+                  reserved_counts="the reserved transient peak (reserved peak - reserved after the profile run): "
+                                  "the free-memory drop already holds what torch_npu's pool kept reserved"),
 )}
 # v1/worker/extensible_kv_cache.py 0.34.0:64-65: KV_CACHE_MARGIN_FLOOR_BYTES, 1 GiB (CUDA).
 EXTENSIBLE_MARGIN_FLOOR_BYTES = 1 << 30
@@ -432,7 +444,7 @@ def required_fields(formula: str, kv_cache_memory_bytes: int | None = None) -> t
         peak = "peak_reserved_increase_bytes" if budget.peak == "reserved" else "peak_allocated_increase_bytes"
         return base + (peak, "non_torch_increase_bytes")
     if budget.non_kv == "consumed":
-        return base + ("total_consumed_bytes", "transient_peak_headroom_bytes")
+        return base + ("total_consumed_bytes",) + (("transient_peak_headroom_bytes",) if budget.transient else ())
     return base + EXTENSIBLE_INPUTS
 
 
@@ -469,7 +481,7 @@ def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | Non
         # Measured after warm-up; the reserved growth is already kept free (extensible_kv_cache_bytes).
         return profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
     if formula.non_kv == "consumed":
-        transient = profile.transient_peak_headroom_bytes
+        transient = profile.transient_peak_headroom_bytes if formula.transient else 0
         if reserved:
             if profile.reserved_transient_peak_bytes is None:
                 return None
@@ -703,7 +715,7 @@ def solve_for_budget(fields: Mapping[str, Any], kv_cache_bytes: int) -> int:
     else:
         raise ProfileError(f"formula {name!r} decides no budget of exactly {kv_cache_bytes} B here")
     if formula.non_kv == "consumed":
-        return non_kv - fields["transient_peak_headroom_bytes"]
+        return non_kv - (fields["transient_peak_headroom_bytes"] if formula.transient else 0)
     non_torch = fields.get("non_torch_increase_bytes") or 0
     if formula.non_torch == "positive":
         non_torch = max(0, non_torch)

@@ -26,10 +26,15 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--device-memory", type=SIZE, default="32GiB", show_default=True,
               help="Device capacity (32GiB: an Atlas 910B4). An exact snapshot replay (--trace SNAPSHOT.pickle) "
                    "takes it only when given: a snapshot does not record its GPU's size.")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.9,
-              show_default=True)
-@click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]), default="torch",
-              show_default=True)
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              help="Default: the --vllm-version release's default, else 0.9.")
+@click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]),
+              help="Default: the --vllm-version release's (vllm-ascend: torch_npu, vllm-mindspore: mindspore), "
+                   "else torch.")
+@click.option("--vllm-version", "vllm_version", metavar="RELEASE",
+              help="The release whose defaults apply (X.Y.Z, vllm-ascend:X, vllm-mindspore:X; kvguard.vllm.eras): "
+                   "its allocator, its --gpu-memory-utilization default, torch_npu's expandable segments as its "
+                   "platform sets them (unless --alloc-conf says otherwise), vllm-mindspore's launcher.")
 @click.option("--budget", type=click.Choice(["stock", "reserved"]), default="stock", show_default=True,
               help="stock: vLLM's allocated-peak formula; reserved: vllm-mindspore's reserved-increase fix.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
@@ -64,8 +69,9 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
                    'syntax, e.g. "expandable_segments:True,max_split_size_mb:256" (--allocator torch, torch_npu).')
 @click.option("--mindspore-version", metavar="X.Y.Z",
               help="MindSpore release whose pool rules apply (2.4.0 ... 2.10.0; default: the launcher's pin).")
-@click.option("--vllm-mindspore-version", type=click.Choice(["0.5.1", "0.2.0"]), default="0.5.1", show_default=True,
-              help="Whose launcher defaults to take (0.2.0: the seed fix's, PR !428).")
+@click.option("--vllm-mindspore-version", type=click.Choice(["0.5.1", "0.2.0"]),
+              help="Whose launcher defaults to take (0.2.0: the seed fix's, PR !428). Default: the --vllm-version "
+                   "release's, else 0.5.1.")
 @click.option("--mindspore-mode", type=click.Choice(["pynative", "graph"]), default="pynative", show_default=True,
               help="MindSpore execution mode (vllm-mindspore: PyNative with jit_level O0 graphs).")
 @click.option("--task-sink/--no-task-sink", default=False, show_default=True,
@@ -75,7 +81,7 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--mempool-block-size", type=SIZE, metavar="SIZE",
               help="Pool block unit: MS_MEMPOOL_BLOCK_SIZE=2 is 2GiB; set_memory(increase_size=...).")
 @click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
-def simulate(model_config, device_memory, gpu_memory_utilization, allocator, budget, max_num_batched_tokens,
+def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vllm_version, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
              ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, alloc_conf, mindspore_version,
              vllm_mindspore_version, mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
@@ -111,6 +117,12 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
         raise click.ClickException("--ops takes --device-memory as the device's free memory; "
                                    "--non-allocator-memory does not apply")
 
+    try:
+        allocator, gpu_memory_utilization, vllm_mindspore_version, expandable, block_size = _release_defaults(
+            vllm_version, allocator, gpu_memory_utilization, vllm_mindspore_version)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
     if plot_file:
         _check_plot_path(plot_file)
         try:
@@ -130,7 +142,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, bud
             non_allocator_bytes=non_allocator_memory, seed=seed, mindspore_version=mindspore_version,
             vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=task_sink,
             ms_alloc_conf=ms_alloc_conf, mempool_block_size_bytes=mempool_block_size,
-            soc_supports_vmm=not no_vmm_soc, alloc_conf=alloc_conf)
+            soc_supports_vmm=not no_vmm_soc, alloc_conf=alloc_conf, expandable_segments=expandable,
+            block_size=block_size)
         if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size or task_sink
                                          or no_vmm_soc or mindspore_mode != "pynative"):
             raise ValueError("the MindSpore pool options need --allocator mindspore")
@@ -420,6 +433,28 @@ def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> float 
     if search.recommended_gpu_memory_utilization is not None:
         click.echo(f"Estimator    recommends {search.recommended_gpu_memory_utilization:.2f} from the same profile")
     return found
+
+
+def _release_defaults(release: str | None, allocator: str | None, utilization: float | None,
+                      vllm_mindspore_version: str | None) -> tuple[str, float, str, bool, int]:
+    """The allocator, utilization and vllm-mindspore launcher a run takes: the options given, else the
+    ``release``'s era row (kvguard.vllm.eras), else torch, 0.9 and 0.5.1; whether torch_npu's expandable
+    segments start on, as the release's platform sets them; and the release's default block size (else 16)."""
+    from kvguard.vllm.eras import era_for, expandable_segments_default, parse_release
+
+    if release is None:
+        return allocator or "torch", utilization or 0.9, vllm_mindspore_version or "0.5.1", False, 16
+    era = era_for(release)       # EraError (a ValueError): one line
+    project, version = parse_release(release)
+    if project == "vllm-mindspore":
+        launcher = "0.2.0" if version < (0, 5, 0) else "0.5.1"
+        if vllm_mindspore_version not in (None, launcher):
+            raise ValueError(f"--vllm-version {release} runs vllm-mindspore {launcher}'s launcher, not "
+                             f"--vllm-mindspore-version {vllm_mindspore_version}")
+        vllm_mindspore_version = launcher
+    allocator = allocator or era.allocator
+    return (allocator, utilization or era.utilization_default(), vllm_mindspore_version or "0.5.1",
+            expandable_segments_default(release, allocator), era.default_block_size)
 
 
 def _check_plot_path(path: str) -> None:

@@ -51,6 +51,8 @@ class Era:
     kv_tensor_style: str = "per_layer" # how it allocates the KV cache (kvguard.budget.estimator.KV_TENSOR_STYLES)
     one_backing_from: tuple[int, ...] | None = None   # the row's first release with one backing allocation
                                        # for every layer (its budget arithmetic unchanged)
+    expandable_segments_from: tuple[int, ...] | None = None  # the row's first release whose platform turns
+                                       # torch_npu's expandable segments on when the operator has not set them
     vmm_default: bool | None = None    # MindSpore's VMM as the release's env_setup sets MS_ALLOC_CONF when the
                                        # operator has not (None: it does not; MindSpore's own default applies)
     log_lines: tuple[str, ...] = ()    # kvguard.vllm.log line kinds this era writes
@@ -238,8 +240,35 @@ ERAS: tuple[Era, ...] = (
                  "extensible KV cache (extensible)") + _TORCH_CITES),
 
     # vllm-ascend X runs on vLLM X; "aw" is vllm_ascend/worker/worker.py (0.9.1: worker_v1.py).
+    # 0.7.3 and 0.7.3.post1 (source archives; worker.py, model_runner.py and the lines cited in platform.py
+    # the same in both, platform.py's one line later in post1) run vLLM 0.7.3's V0 engine (VLLM_USE_V1 default
+    # 0, vllm/envs.py 0.7.3:503-504) with the V0 NPUWorker (aw), sized by LLMEngine._initialize_kv_caches.
+    # The plugin wraps init_device only: the V0 NPUWorker has no determine_available_memory, so no profile
+    # is recorded and the reserved / guard budgets cannot act.
+    Era("vllm-ascend", _v("0.7.3"), _v("0.7.3"), "ascend_free_drop",
+        allocator="torch_npu", default_block_size=128, kv_cache_memory_flag=None, base="vllm:0.7.3",
+        log_lines=("model_loading", "v0_blocks", "max_concurrency"),
+        hooks=("init_device",),
+        checked_against="0.7.3.post1",
+        cites=("aw 0.7.3:180-185 init_device: empty_cache, then init_npu_memory = mem_get_info()[0]; HCCL "
+               "starts after it (:190)",
+               "aw 0.7.3:239-281 determine_num_available_blocks: empty_cache, profile_run, then (no empty_cache) "
+               "peak_memory = init_npu_memory - free; num_npu_blocks = max(int((total * util - peak_memory) "
+               "// cache_block_size), 0)",
+               "vLLM 0.7.3 engine/arg_utils.py:121 gpu_memory_utilization 0.90; platform.py 0.7.3:128-129 "
+               "(0.7.3.post1:129-130) block_size None -> 128; platform.py 0.7.3:125 the V0 worker_cls "
+               "vllm_ascend.worker.worker.NPUWorker",
+               "no --kv-cache-memory-bytes in vLLM 0.7.3 (engine/arg_utils.py)",
+               "worker/model_runner.py 0.7.3:907 'Loading model weights took %.4f GB'; vLLM 0.7.3 "
+               "executor/executor_base.py:111-117 '# npu blocks: %d, # CPU blocks: %d', 'Maximum concurrency "
+               "for %s tokens per request: %.2fx'",
+               "allocator torch_npu: aw 0.7.3:251,259 NPUPlatform.empty_cache / mem_get_info (platform.py 0.7.3:"
+               "93-102, torch.npu)",
+               "kv_tensor_style per_layer: vLLM 0.7.3 worker/cache_engine.py:99-106 one torch.zeros per attention "
+               "layer of AscendAttentionBackend.get_kv_cache_shape (2, num_blocks, block_size, heads, head_size) "
+               "(attention/attention.py 0.7.3:166-172); its block bytes cache_engine.py:140-167")),
     Era("vllm-ascend", _v("0.9.1"), _v("0.14.0"), "absolute_peak",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
+        allocator="torch_npu", expandable_segments_from=_v("0.14.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
         log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency"),
         hooks=HOOKS_V1,
         checked_against="0.11.0",
@@ -251,7 +280,7 @@ ERAS: tuple[Era, ...] = (
                "aw 0.13.0:307-309 'Available memory: %d, total memory: %d' (exact bytes)",
                "worker/model_runner_v1.py 0.13.0:2395 'Loading model weights took %.4f GB'") + _ASCEND_CITES),
     Era("vllm-ascend", _v("0.15.0"), _v("0.17.0"), "ascend_cleared",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
+        allocator="torch_npu", expandable_segments_from=_v("0.15.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
         checked_against="0.17.0rc1",
         # profile_peak: vLLM's MemoryProfilingResult at DEBUG (aw 0.17.0rc1:366 logger.debug(profile_result))
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
@@ -261,21 +290,31 @@ ERAS: tuple[Era, ...] = (
                "whatever empty_cache freed (--non-torch-cleared)",
                "vLLM 0.17.0 config/cache.py gpu_memory_utilization 0.9") + _ASCEND_CITES),
     Era("vllm-ascend", _v("0.18.0"), _v("0.18.0"), "peak",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128, base="vllm:0.18.0",
+        allocator="torch_npu", expandable_segments_from=_v("0.18.0"), kv_tensor_style="per_layer_k_v", default_block_size=128, base="vllm:0.18.0",
         checked_against="0.18.0",
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak"),
         cites=("aw 0.18.0:327-361 available = requested - non_kv (vLLM's memory_profiling, float request)",
                "vLLM 0.18.0 config/cache.py:41 gpu_memory_utilization 0.9") + _ASCEND_CITES),
     # vllm-ascend X runs on vLLM X and keeps its utilization default: 0.9 through vLLM 0.19, 0.92 from 0.20.
     Era("vllm-ascend", _v("0.19.0"), _v("0.19.1"), "peak",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
+        allocator="torch_npu", expandable_segments_from=_v("0.19.0"), kv_tensor_style="per_layer_k_v", default_block_size=128, base="vllm:0.19.1",
         log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency",
                    "kv_cache_memory_bytes", "profile_peak", "ascend_summary"),
-        cites=("aw 0.23.0:527-597 the formula (0.19 not run: only release candidates on PyPI)",
-               "vLLM 0.19 config/cache.py gpu_memory_utilization 0.9 (the vllm 0.18.0-0.19.1 row)")
+        checked_against="0.19.1rc1",
+        cites=("aw 0.19.1rc1:326-396 torch peak re-read before graph capture (:366-373); available = requested - "
+               "non_kv (:389, requested the float total * util, :272); tests/test_ascend_real.py runs it on "
+               "vLLM 0.19.1 (vllm_version_is('0.19.1') throughout)",
+               "vLLM 0.19.1 config/cache.py:41 gpu_memory_utilization 0.9; vllm-ascend's check_and_update_config "
+               "leaves it",
+               "aw 0.19.1rc1:391 logger.debug(profile_result), :392-394 'Available KV cache memory', :541 the "
+               "'Free memory on device ... Actual usage' summary; worker/model_runner_v1.py 0.19.1rc1:2977 "
+               "'Loading model weights took %.4f GB'",
+               "platform.py 0.19.1rc1:548-566 PYTORCH_NPU_ALLOC_CONF expandable_segments:True unless set",
+               "kv_tensor_style per_layer_k_v: worker/model_runner_v1.py 0.19.1rc1:3100-3175 a k and a v tensor "
+               "per attention layer")
               + _ASCEND_CITES),
     Era("vllm-ascend", _v("0.20.0"), _v("0.23.0"), "peak",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
+        allocator="torch_npu", expandable_segments_from=_v("0.20.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
         default_gpu_memory_utilization=0.92, base="vllm:0.23.0",
         # ascend_summary: "Free memory on device … Actual usage: … for NPU graph memory" (aw 0.23.0.post1:771,
         # tests/data/logs/ascend-real; vllm-ascend PR #8289, 2026-04; 0.18.0 does not write it).
@@ -285,21 +324,58 @@ ERAS: tuple[Era, ...] = (
         cites=("aw 0.23.0:527-597 torch peak re-read before graph capture; available = requested - non_kv",
                "vLLM 0.23.0 config/cache.py:67 gpu_memory_utilization 0.92 (0.20.0:66); vllm-ascend's "
                "check_and_update_config leaves it") + _ASCEND_CITES),
-    # NPUWorker310 (vllm_ascend/_310p/worker_310p.py) inherits NPUWorker's formula until 0.18, then halves it.
-    Era("vllm-ascend-310p", _v("0.14.0"), _v("0.17.0"), "ascend_cleared",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
-        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency"),
-        cites=("310 0.14.0rc1: NPUWorker310 has no determine_available_memory of its own",)
-              + _ASCEND_310P_CITES),
-    Era("vllm-ascend-310p", _v("0.18.0"), None, "ascend_cleared_halved",
-        allocator="torch_npu", kv_tensor_style="per_layer_k_v", default_block_size=128,
+    # NPUWorker310 (vllm_ascend/_310p/worker_310p.py, "310") is what vllm-ascend runs on a 310P (platform.py 0.18.0:437-438
+    # worker_cls when is_310p(): the device type its build wrote to _build_info.py). It inherits NPUWorker's
+    # formula until 0.18, then halves it. tests/test_ascend_310p_real.py runs it on a fake 310P3.
+    Era("vllm-ascend-310p", _v("0.14.0"), _v("0.14.0"), "absolute_peak",
+        allocator="torch_npu", expandable_segments_from=_v("0.14.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
+        log_lines=("model_loading", "ascend_available", "kv_cache_size", "max_concurrency", "ascend_310p"),
+        checked_against="0.14.0rc1",
+        cites=("310 0.14.0rc1:25-37 NPUWorker310 has no determine_available_memory of its own: NPUWorker's, "
+               "aw 0.14.0rc1:252-294 (allocated peak incl. weights + absolute non-torch if > 0; 'Available memory: "
+               "%d, total memory: %d' :291-293), the vllm-ascend 0.9.1-0.14.0 row's; the plugin records its profile "
+               "from the torch_npu.npu reads it makes",
+               "vLLM 0.14.0 config/cache.py:50 gpu_memory_utilization 0.9",
+               "310 0.14.0rc1:35-37 'Skip warm-up atb ops for 310P device' (ascend_310p)") + _ASCEND_310P_CITES),
+    Era("vllm-ascend-310p", _v("0.15.0"), _v("0.17.0"), "ascend_cleared",
+        allocator="torch_npu", expandable_segments_from=_v("0.15.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak",
+                   "ascend_310p"),
+        checked_against="0.17.0rc1",
+        cites=("310 0.17.0rc1:24-52 NPUWorker310 has no determine_available_memory of its own: NPUWorker's, "
+               "aw 0.17.0rc1:327-372 (the vllm-ascend 0.15.0-0.17.0 row; profile_peak at :366, the budget at :367-370)",
+               "vLLM 0.17.0 config/cache.py:49 gpu_memory_utilization 0.9",
+               "310 0.17.0rc1:50-52 'Skip warm-up atb ops for 310P device.' (ascend_310p)") + _ASCEND_310P_CITES),
+    Era("vllm-ascend-310p", _v("0.18.0"), _v("0.19.1"), "ascend_cleared_halved",
+        allocator="torch_npu", expandable_segments_from=_v("0.18.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
+        log_lines=("model_loading", "available_kv_cache", "kv_cache_size", "max_concurrency", "profile_peak",
+                   "ascend_310p", "ascend_310p_available", "kv_cache_memory_bytes", "ascend_summary"),
+        checked_against="0.18.0",
+        cites=("310 0.18.0:57-105 its own determine_available_memory: available = (requested - non_kv - "
+               "(non-torch memory read inside the profile before empty_cache - non_torch_increase)) // 2 (:95-97); "
+               "requested = total * util, a float (aw 0.18.0:267), so the floor division of a float, "
+               "truncated by int() (:105)",
+               "310 0.18.0:99 logger.debug(profile_result) (profile_peak); :100-104 'Available KV cache memory: "
+               "%.2f GiB' from worker_310p.py (ascend_310p_available), without '(halved for workspace)'",
+               "vLLM 0.18.0 config/cache.py:41 gpu_memory_utilization 0.9 (0.19 not run: the vllm-ascend "
+               "0.19.0-0.19.1 row's vLLM 0.19 default, 0.9)") + _ASCEND_310P_CITES),
+    Era("vllm-ascend-310p", _v("0.20.0"), None, "ascend_cleared_halved",
+        allocator="torch_npu", expandable_segments_from=_v("0.20.0"), kv_tensor_style="per_layer_k_v", default_block_size=128,
+        default_gpu_memory_utilization=0.92, base="vllm:0.23.0",
         log_lines=("model_loading", "available_kv_cache", "ascend_halved", "kv_cache_size", "max_concurrency",
-                   "profile_peak"),   # 310 0.18.0:99 logger.debug(profile_result)
-        cites=("310 0.18.0:94-97 available = (requested - non_kv - cleared non-torch) // 2",
+                   "profile_peak", "ascend_310p", "ascend_310p_available", "kv_cache_memory_bytes",
+                   "ascend_summary"),   # 310 0.23.0.post1:117 logger.debug(profile_result)
+        checked_against="0.23.0.post1",
+        cites=("310 0.23.0.post1:63-123 the 0.18 arithmetic (:113-115)",
                "310 0.21.0rc1 first writes 'Available KV cache memory: %.2f GiB (halved for workspace)' "
-               "(310 0.23.0:118-122)",
-               "310 0.20.2rc1+ RC devices (host and device memory shared) halve requested - host memory used "
-               "instead: not modelled") + _ASCEND_310P_CITES),
+               "(310 0.23.0.post1:118-122)",
+               "vLLM 0.23.0 config/cache.py:67 gpu_memory_utilization 0.92 (0.20.0:66); the 310P worker's "
+               "_init_device (310 0.23.0.post1:145) requests total * util",
+               "310 0.23.0.post1:40 'Using NPUWorker310 and NPUModelRunner310.', :127 the warm-up skip (ascend_310p); "
+               "aw 0.23.0.post1:771 NPUWorker's summary (ascend_summary)",
+               "310 0.20.2rc1+ RC devices (host and device memory shared, utils.py 0.23.0.post1:155-175 is_rc_device) "
+               "halve requested - host memory used instead (310 0.23.0.post1:109-111): not modelled")
+              + _ASCEND_310P_CITES),
     # The seed's release: vllm-mindspore 0.2.0 at Gitee PR !428 (f2b96744, merged 2025-05-28), the release whose
     # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.allocators.mindspore_releases). Its fix budgets
     # vLLM's V1 formula with the memory_reserved() increase in place of the allocated peak: the seed reported
@@ -316,31 +392,34 @@ ERAS: tuple[Era, ...] = (
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
     # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
     # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.
+    # Run (tests/test_mindspore_real.py): 0.5.1 on vLLM 0.11.0 and MindSpore 2.7.1 returns exactly this formula's
+    # figure. It has no platform plugin (its dist-info entry_points.txt holds only the vllm-mindspore console
+    # script; vLLM logs "No plugins for group vllm.platform_plugins found."): its logs name it by its logger's tag.
     Era("vllm-mindspore", _v("0.5.0"), None, "mindspore_reserved",
         allocator="mindspore", kv_tensor_style="per_layer_k_v", vmm_default=True, default_block_size=128,
-        log_lines=_V1_LINES + ("profile_peak", "platform_plugin"), base="vllm:0.11.0",
-        cites=("vllm_mindspore/utils.py:475 torch_peak_increase = after.torch_memory - before.torch_memory "
-               "(memory_reserved)", "platforms/ascend.py:92-94 block_size default 128",
-               "scripts.py env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'")
+        log_lines=_V1_LINES + ("profile_peak", "mindspore_logger"), base="vllm:0.11.0", checked_against="0.5.1",
+        cites=("vllm_mindspore/utils.py:465,468,470,475 @ 0.5.1 after_profile measured before empty_cache; "
+               "torch_peak_increase = diff_profile.torch_memory (memory_reserved)",
+               "platforms/ascend.py:92-94 @ 0.5.1 block_size default 128",
+               "scripts.py:52 @ 0.5.1 env_setup MS_ALLOC_CONF='enable_vmm: true, derag_memory_step_freq: -1'",
+               "logger.py:33-34,73-75 @ 0.5.1 'vllm-mindspore[%(filename)s:%(lineno)d]', first written at import "
+               "(mindspore_logger; no '-> vllm_mindspore:' platform_plugin line: no vllm.platform_plugins entry point)")
               + _MINDSPORE_CITES),
 )
 
 
 # vllm-ascend sets PYTORCH_NPU_ALLOC_CONF=expandable_segments:True when the operator has not set the key (nor
-# max_split_size_mb / garbage_collection_threshold), outside sleep mode: platform.py 0.17.0rc1:422-439,
-# 0.18.0:518-535, 0.23.0.post1:772-789; 0.11.0 and 0.13.0 leave torch_npu's default (off).
-NPU_EXPANDABLE_SEGMENTS_FROM = (0, 17, 0)
-
-
+# max_split_size_mb / garbage_collection_threshold), outside sleep mode: platform.py 0.14.0rc1:404-420,
+# 0.15.0rc1:412-428, 0.16.0rc1:417-433, 0.17.0rc1:422-439, 0.18.0:518-535, 0.19.1rc1:548-564, 0.23.0.post1:772-789;
+# 0.11.0, 0.12.0rc1 and 0.13.0 leave torch_npu's default (off). The rows' expandable_segments_from.
 def expandable_segments_default(release: str | None, allocator: str) -> bool:
-    """Whether the release's own launch turns torch_npu's expandable segments on (vllm-ascend 0.17.0rc1+)."""
-    if allocator != "torch_npu" or not release:
+    """Whether the release's own launch turns torch_npu's expandable segments on (its row's
+    ``expandable_segments_from``)."""
+    placed = _placed(release) if allocator == "torch_npu" else None
+    if not placed:
         return False
-    try:
-        project, version = parse_release(release)
-    except EraError:
-        return False
-    return project.startswith("vllm-ascend") and version >= NPU_EXPANDABLE_SEGMENTS_FROM
+    era, version = placed
+    return era.expandable_segments_from is not None and version >= era.expandable_segments_from
 
 
 def _validate(eras: tuple[Era, ...]) -> None:
@@ -348,6 +427,7 @@ def _validate(eras: tuple[Era, ...]) -> None:
         assert era.project in PROJECTS and era.formula in FORMULAS, era
         assert era.allocator in ALLOCATORS and era.kv_tensor_style in KV_TENSOR_STYLES, era.name
         assert era.vmm_default is None or era.allocator == "mindspore", era.name
+        assert era.expandable_segments_from is None or era.allocator == "torch_npu", era.name
         assert era.default_gpu_memory_utilization is not None or None not in (
             era.resolved_gpu_memory_utilization, era.extensible_gpu_memory_utilization), era.name
     for project in PROJECTS:
@@ -381,7 +461,14 @@ def era_for(release: str) -> Era:
     if not reached:
         known = ", ".join(e.name for e in rows) or "none"
         raise EraError(f"{project} {version_text(version)} is older than kvguard's era table (known: {known})")
-    return reached[-1]
+    era = reached[-1]
+    later = rows[rows.index(era) + 1:]
+    # Releases between two rows that skip a minor release or more (vllm-ascend 0.8.x between 0.7.3 and 0.9.1,
+    # vllm-mindspore 0.3-0.4) were not read: refused, not given the older row.
+    if later and era.last is not None and version > era.last and later[0].first[:2] > (era.last[0], era.last[1] + 1):
+        raise EraError(f"{project} {version_text(version)} falls between kvguard's era rows {era.name} and "
+                       f"{later[0].name}: its worker was not read")
+    return era
 
 
 def release_text(project: str, version: tuple[int, ...]) -> str:

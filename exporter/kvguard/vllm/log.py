@@ -362,14 +362,22 @@ KINDS: tuple[LineKind, ...] = (
              project="vllm-ascend",
              cite="vllm_ascend/worker/worker_v1.py 0.11.0:257; worker.py 0.13.0:309"),
     LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p", also=_halved,
-             cite="vllm_ascend/worker/worker_310p.py NPUWorker310"),
+             cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:118-122 NPUWorker310 (0.21.0rc1+)"),
+    # NPUWorker310's own lines (what vllm-ascend runs on a 310P): the ATB warm-up it skips, at every release
+    # (worker_310p.py 0.14.0rc1:37, 0.17.0rc1:52, 0.18.0:109, 0.23.0.post1:127), and from 0.18 its own budget line.
+    LineKind("ascend_310p", "Skip warm-up atb ops for 310P device", project="vllm-ascend-310p",
+             cite="vllm_ascend/_310p/worker_310p.py 0.17.0rc1:52, 0.23.0.post1:127"),
+    LineKind("ascend_310p", "Using NPUWorker310 and NPUModelRunner310", project="vllm-ascend-310p",
+             cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:40"),
+    LineKind("ascend_310p_available", "worker_310p.py:…] Available KV cache memory: {_available_profiled:gib} GiB",
+             project="vllm-ascend-310p", cite="vllm_ascend/_310p/worker_310p.py 0.18.0:100-104, 0.23.0.post1:118-122"),
     # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM. vllm-mindspore
     # 0.5 has no platform plugin: its own logger names it (issue 24: "vllm-mindspore[logger.py:75]").
     LineKind("platform_plugin", "-> vllm_mindspore:", project="vllm-mindspore",
              cite="vllm/plugins/__init__.py 'Available plugins for group vllm.platform_plugins'"),
     LineKind("platform_plugin", "-> vllm_ascend:", project="vllm-ascend"),
     LineKind("mindspore_logger", "vllm-mindspore[", project="vllm-mindspore",
-             cite="vllm_mindspore 0.5.x logger (issue 24)"),
+             cite="vllm_mindspore/logger.py 0.5.1:33-34,73-75 the 'vllm-mindspore[%(filename)s:%(lineno)d]' prefix"),
 )
 
 # The kinds by their first literal: a line holding none of these cannot match any template.
@@ -656,7 +664,7 @@ def _project(seen: list[LineKind], hints: dict[str, Any]) -> tuple[str, str]:
     projects = [k.project for k in seen if k.project]
     # 310P's own line is the most specific; then vllm-mindspore's (it runs on the NPU too); then vllm-ascend's.
     if "vllm-ascend-310p" in projects:
-        return "vllm-ascend-310p", "its '(halved for workspace)' line is NPUWorker310's"
+        return "vllm-ascend-310p", "it writes NPUWorker310's own lines"
     if "vllm-mindspore" in projects or hints["mindspore"]:
         return "vllm-mindspore", "it names vllm-mindspore"
     if "vllm-ascend" in projects:
@@ -750,18 +758,23 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     if project != "vllm":
         # Platform releases differ in which lines they write (their rows' log_lines); DEBUG lines of vLLM's
         # memory_profiling count for the rows that call it.
+        before_0_5 = ""
         if project == "vllm-mindspore" and any(k.name == "platform_plugin" for k in seen):
-            return [], ("vllm-mindspore before 0.5: it names its platform plugin ('-> vllm_mindspore:'), which 0.5 "
-                        "no longer has; older than the table")
-        kinds = ({k.name for k in seen if k.project is None or k.project == project} & _ROW_KINDS) - {
-            "platform_plugin", "mindspore_logger"}
+            # It names its platform plugin ('-> vllm_mindspore:'), which 0.5 no longer has: the rows before 0.5.
+            rows = [e for e in rows if e.last is not None and e.last < V("0.5.0")]
+            before_0_5 = "vllm-mindspore before 0.5 (it names its platform plugin, which 0.5 no longer has): "
+        # vllm-ascend's own lines are a 310P's too (NPUWorker310 is an NPUWorker).
+        own = (None, project, "vllm-ascend") if project == "vllm-ascend-310p" else (None, project)
+        # vllm-mindspore 0.5's own logger tag ("vllm-mindspore[logger.py:75]", vllm_mindspore/logger.py:30-31,73-75
+        # @ 0.5.1) counts like a line: only the rows that list it write it (the seed's 0.2.0 log has none).
+        kinds = ({k.name for k in seen if k.project in own} & _ROW_KINDS) - {"platform_plugin"}
         names = [e.name for e in rows if not e.log_lines or kinds <= set(e.log_lines)]
         if not names:
-            return [], (f"its lines ({', '.join(sorted(kinds))}) fit no {project} row of the table "
+            return [], (f"{before_0_5}its lines ({', '.join(sorted(kinds))}) fit no {project} row of the table "
                         f"(an older or newer release)")
         if len(names) == 1:
-            return names, f"only {names[0]} writes {', '.join(sorted(kinds))}"
-        return names, f"{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
+            return names, f"{before_0_5}only {names[0]} writes {', '.join(sorted(kinds))}"
+        return names, f"{before_0_5}{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
     if hi is not None and hi < lo:
         return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
             f"{n} {_text(f)}–{_text(l)}" for n, f, l in bounds)) + ")"
