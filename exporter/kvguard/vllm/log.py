@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.budget.estimator import FORMULAS, Profile, required_fields
-from kvguard.vllm import eras
+from kvguard.vllm import eras, source_index
 from kvguard.vllm.oom import OomFact, is_oom_line, read_oom, step_in
 
 GIB = 1 << 30
@@ -59,7 +59,12 @@ _RECORD_PREFIX = re.compile(r"^.{0,160}?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0
                             r"[0-9:.]{8,15} \[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
 # vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
 # "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
-_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)([\w./-]{1,80}\.py):[0-9]{1,6}\]")
+_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)([\w./-]{1,80}\.py):([0-9]{1,6})\]")
+
+
+# A timestamp with its year ("[2026-02-24T20:21:58Z]", journald's and docker's prefixes): the log was written
+# on or after that day, so by a release published by then (vLLM's own records carry no year).
+_DATED = re.compile(r"(?<![0-9])(20[2-9][0-9]-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01]))[T ][0-9]{2}:[0-9]{2}:[0-9]{2}")
 
 
 class LogFileError(ValueError):
@@ -257,7 +262,8 @@ KINDS: tuple[LineKind, ...] = (
     LineKind("kvguard_budget", "kvguard: KV cache budget {_kvguard_budget:gib} GiB (",
              cite="kvguard/vllm/plugin.py _wrap_determine_available_memory, _guard_budget"),
     LineKind("available_kv_cache", "Available KV cache memory: {_available_profiled:gib} GiB",
-             cite="w 0.11.0:298, 0.14.0:358-362, 0.34.0:795-798"),
+             also=_decimals("_available_profiled", "available"),
+             cite="w 0.11.0:298, 0.12.0:360, 0.13.0:376 '%.2f'; 0.14.0:358-362, 0.34.0:795-798 format_gib"),
     LineKind("kv_cache_size", " KV cache size: {kv_cache_tokens:int} tokens",
              cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092; 0.34.0:1157-1176 (one line with the concurrency)"),
     LineKind("max_concurrency", "Maximum concurrency for {max_model_len:int} tokens per request: {max_concurrency:float}x",
@@ -290,10 +296,10 @@ KINDS: tuple[LineKind, ...] = (
     LineKind("refusal_free", "Free memory on device (…{init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
              "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
              "{requested_memory_bytes:gib} GiB)", releases=(V("0.9.1"), V("0.13.0")), also=_refusal("free_memory"),
-             cite="w 0.11.0:186-194 (no device name; 0.14 names it)"),
+             cite="w 0.11.0:186-194, 0.12.0:240-246, 0.13.0:248-254 (no device name; 0.14 names it)"),
     LineKind("refusal_free", "Free memory on device cuda:…({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
              "on startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
-             "{requested_memory_bytes:gib} GiB)", releases=(V("0.12.0"), None), also=_refusal("free_memory"),
+             "{requested_memory_bytes:gib} GiB)", releases=(V("0.14.0"), None), also=_refusal("free_memory"),
              cite="wu 0.14.0:262-268, 0.34.0:789-796 'Free memory on device {device_}'"),
     LineKind("refusal_free", "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
              "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
@@ -315,7 +321,14 @@ KINDS: tuple[LineKind, ...] = (
              "memory ({_available_refused:gib} GiB)", releases=(V("0.27.0"), None),
              also=_refusal("max_seq_len"), cite="v1/core/kv_cache_utils.py 0.27.0:779-782; kv_cache_planning.py "
                                                 "0.34.0:125-128"),
-    # The same refusal cut short or re-wrapped by a paste: its first words and the model length are enough.
+    # The same refusal cut short or re-wrapped by a paste: its first words and the model length are enough (their
+    # wording, "models's" or "model's", still tells the releases apart).
+    LineKind("refusal_seq_len_v1", "To serve at least one request with the models's max seq len ({max_model_len:int})",
+             releases=(V("0.8.0"), V("0.26.0")), also=_refusal("max_seq_len"),
+             cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.20.0:715 (the message's start)"),
+    LineKind("refusal_seq_len_v1", "To serve at least one request with the model's max seq len ({max_model_len:int})",
+             releases=(V("0.27.0"), None), also=_refusal("max_seq_len"),
+             cite="v1/core/kv_cache_utils.py 0.27.0:779; kv_cache_planning.py 0.34.0:125 (the message's start)"),
     LineKind("refusal_seq_len_v1", "To serve at least one request with the model…max seq len ({max_model_len:int})",
              releases=(V("0.8.0"), None), also=_refusal("max_seq_len"),
              cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)"),
@@ -545,7 +558,8 @@ class _Reader:
         self.facts: dict[str, Any] = {}
         self.matched = 0
         self.seen: list[LineKind] = []
-        self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False}
+        self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False,
+                                      "source_tags": set(), "frames": set(), "logged_on": None}
         self.ooms: list[OomFact] = []
         self.pending: list[tuple[int, list[str], list[LineKind]]] = []   # templates begun but not finished
         self.previous_tail = ""
@@ -636,6 +650,16 @@ class _Reader:
         if match:
             self.tagged += 1
             hints["tags"].add(bool(match.group(1)))
+            if len(hints["source_tags"]) < source_index.MAX_HINTS:
+                hints["source_tags"].add((match.group(2), int(match.group(3))))
+        if "20" in line:
+            dated = _DATED.search(line)
+            if dated and (hints["logged_on"] is None or dated.group(1) < hints["logged_on"]):
+                hints["logged_on"] = dated.group(1)
+        if 'File "' in line and len(hints["frames"]) < source_index.MAX_HINTS:
+            frame = source_index.FRAME.search(line)
+            if frame:
+                hints["frames"].add((frame.group(1), int(frame.group(2)), frame.group(3)))
         if not hints["ascend"] and any(word in line for word in _ASCEND_WORDS):
             hints["ascend"] = True
         if not hints["mindspore"] and any(word in line for word in _MINDSPORE_WORDS):
@@ -740,6 +764,9 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     if weights is not None:
         # "%.4f" up to 0.13, format_gib (round to 2) from 0.14 (gpu_model_runner.py 0.14.0:3906).
         bounds.append(("the weights' digits", *((ALL[0], V("0.13.0")) if weights == 4 else (V("0.14.0"), None))))
+    if decimals.get("available", 2) < 2:
+        # "%.2f" up to 0.13 always prints two; format_gib (round to 2, "%s") from 0.14 drops trailing zeros.
+        bounds.append(("the KV cache figure's digits", V("0.14.0"), None))
     if hints["engine_core"]:
         # The engine process is "EngineCore_DP<n>" through 0.14 (v1/engine/utils.py 0.11.0:119, 0.14.0:122),
         # "EngineCore" without data parallelism by 0.20 (0.20.0:145, 0.34.0:289).
@@ -778,12 +805,28 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     if hi is not None and hi < lo:
         return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
             f"{n} {_text(f)}–{_text(l)}" for n, f, l in bounds)) + ")"
-    names = []
+    spans = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
         if (hi is None or era.first <= hi) and (end is None or lo < end):
-            names.append(era.name)
+            spans.append((era, end))
+    names = [era.name for era, _ in spans]
     narrowing = list(dict.fromkeys(f"{n} ({_text(f)}–{_text(l)})" for n, f, l in bounds))
+    # Where the lines came from in vLLM's source (file:line tags, traceback frames, the date logged) names
+    # releases, not a range: rows none of them is in are left out, unless that leaves none (the lines' own
+    # wording outranks a development build's line numbers).
+    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+    if fitted is not None:
+        inside = [V(r) for r in fitted.releases if lo <= V(r) and (hi is None or V(r) <= hi)]
+        kept = [era.name for era, end in spans if any(era.first <= r and (end is None or r < end) for r in inside)]
+        if kept:
+            names = kept
+            lo, hi = min(inside), max(inside)
+            narrowing.append(fitted.reason)
+        elif fitted.releases:
+            narrowing.append(fitted.reason.replace(" fit ", " fit only releases its lines rule out: left out; ", 1))
+        else:
+            narrowing.append(fitted.reason + ": left out")
     span = f"vLLM {_text(lo)}–{_text(hi)}"
     if len(names) == 1:
         return names, f"{span} from " + ", ".join(narrowing)

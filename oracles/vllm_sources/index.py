@@ -1,0 +1,225 @@
+"""Where each vLLM release logs, read from the release's own wheel: the source index the log reader's
+era hints use (kvguard.vllm.source_index).
+
+A startup log tags its lines with the file and line of the logger call ("[gpu_worker.py:360]", from
+vLLM 0.8.0) and its tracebacks name file, line and function. Which releases could have written them
+is a fact of each release's source, so this script reads every vLLM release's wheel from PyPI and
+records, per source file of ``vllm/``, the line spans of its logger calls and of its functions. A
+wheel is a zip: only its central directory and its ``.py`` members are fetched, by HTTP range
+requests, so a release costs a few MB, not the 250-500 MB wheel.
+
+    python3 oracles/vllm_sources/index.py [--releases 0.6.4,0.34.0] [--jobs 4]
+        writes exporter/kvguard/vllm/source_index.json.gz
+
+Standard library only. It needs the network (PyPI) and is run by hand when a release is added to the
+era table; nothing runs it at test time. The index holds line numbers and function names only, no
+source text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import datetime
+import gzip
+import hashlib
+import io
+import json
+import pathlib
+import re
+import sys
+import urllib.request
+import zipfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+OUT = ROOT / "exporter" / "kvguard" / "vllm" / "source_index.json.gz"
+SIMPLE = "https://pypi.org/simple/vllm/"
+FIRST, LAST = (0, 6, 4), (0, 34, 0)
+BLOCK = 1 << 21
+# Functions are indexed where a startup or OOM traceback passes (model code is left out: its names say little).
+DEF_PATHS = re.compile(r"^(v1/(worker|engine|core|executor)/|worker/|engine/|executor/|platforms/|utils|"
+                       r"model_executor/model_loader/|entrypoints/)")
+LOG_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
+               "debug_once", "info_once", "warning_once"}
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote file over HTTP range requests, read in cached blocks."""
+
+    def __init__(self, url: str, size: int):
+        self.url, self.size, self.pos, self.blocks, self.fetched = url, size, 0, {}, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=0):
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def _block(self, index: int) -> bytes:
+        if index not in self.blocks:
+            start = index * BLOCK
+            end = min(self.size, start + BLOCK) - 1
+            request = urllib.request.Request(self.url, headers={"Range": f"bytes={start}-{end}"})
+            for attempt in range(4):
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as response:
+                        data = response.read()
+                    break
+                except OSError:
+                    if attempt == 3:
+                        raise
+            self.fetched += len(data)
+            self.blocks[index] = data
+        return self.blocks[index]
+
+    def read(self, n=-1):
+        if n < 0:
+            n = self.size - self.pos
+        out = bytearray()
+        while n > 0 and self.pos < self.size:
+            block = self._block(self.pos // BLOCK)
+            offset = self.pos % BLOCK
+            piece = block[offset:offset + n]
+            out += piece
+            self.pos += len(piece)
+            n -= len(piece)
+        return bytes(out)
+
+    def readinto(self, buffer):
+        data = self.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def wheel_urls() -> dict[tuple[int, ...], tuple[str, str]]:
+    """Final releases FIRST..LAST -> (the URL of one x86_64 Linux wheel, its upload date), from PyPI's simple
+    index in its JSON form (PEP 691; ``upload-time``, PEP 700)."""
+    request = urllib.request.Request(SIMPLE, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        page = json.loads(response.read())
+    urls: dict[tuple[int, ...], tuple[str, str]] = {}
+    for entry in page["files"]:
+        match = re.fullmatch(r"vllm-([0-9]+(?:\.[0-9]+){2})(?:\.post[0-9]+)?(?:-[0-9]+)?-cp\w+-\w+-manylinux\w*x86_64\.whl",
+                             entry["filename"])
+        if match:
+            version = tuple(int(p) for p in match[1].split("."))
+            if FIRST <= version <= LAST:
+                urls.setdefault(version, (entry["url"], entry["upload-time"][:10]))
+    return urls
+
+
+def _size(url: str) -> int:
+    request = urllib.request.Request(url, method="HEAD")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return int(response.headers["Content-Length"])
+
+
+def index_source(text: str, with_defs: bool) -> dict:
+    """One file's logger-call spans and, ``with_defs``, its function spans (first, last line)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return {"log": [], "defs": []}
+    logs, defs = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LOG_METHODS:
+            target = node.func.value
+            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            if "log" in name.lower():
+                logs.append([node.lineno, node.end_lineno])
+        elif with_defs and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.append([node.name, node.lineno, node.end_lineno])
+    return {"log": sorted(logs), "defs": sorted(defs, key=lambda d: (d[1], d[0]))}
+
+
+def index_release(version: tuple[int, ...], url: str) -> tuple[dict[str, str], dict[str, dict], int]:
+    remote = RangeFile(url, _size(url))
+    tree: dict[str, str] = {}
+    files: dict[str, dict] = {}
+    with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as wheel:
+        members = sorted((i for i in wheel.infolist() if i.filename.startswith("vllm/") and i.filename.endswith(".py")),
+                         key=lambda i: i.header_offset)
+        for info in members:
+            text = wheel.read(info).decode("utf-8", errors="replace")
+            path = info.filename[len("vllm/"):]
+            with_defs = bool(DEF_PATHS.match(path))
+            digest = hashlib.sha1(text.encode() + bytes([with_defs])).hexdigest()[:16]
+            tree[path] = digest
+            if digest not in files:
+                files[digest] = index_source(text, with_defs)
+    return tree, files, remote.fetched
+
+
+def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: dict[str, str]) -> dict:
+    """The index as stored: each file version once (files with neither logger calls nor indexed functions left
+    out), spans as (start delta, length) pairs, function names interned."""
+    kept = sorted(d for d in files if files[d]["log"] or files[d]["defs"])
+    number = {digest: n for n, digest in enumerate(kept)}
+    names: dict[str, int] = {}
+    stored = []
+    for digest in kept:
+        log, previous = [], 0
+        for start, end in files[digest]["log"]:
+            log += [start - previous, end - start]
+            previous = start
+        defs, previous = [], 0
+        for name, start, end in files[digest]["defs"]:
+            defs += [names.setdefault(name, len(names)), start - previous, end - start]
+            previous = start
+        stored.append([log, defs])
+    releases = sorted(trees, key=lambda s: tuple(map(int, s.split("."))))
+    return {
+        "about": "Per vLLM release (its PyPI wheel and upload date), the line spans of each vllm/ source file's "
+                 "logger calls and functions; written by oracles/vllm_sources/index.py. Line numbers and names "
+                 "only. files[n] = [logger calls as (start - previous start, end - start) pairs, functions as "
+                 "(names index, start - previous start, end - start) triples].",
+        "built": datetime.date.today().isoformat(),
+        "releases": {v: {"uploaded": uploaded[v],
+                         "files": {path: number[d] for path, d in sorted(trees[v].items()) if d in number}}
+                     for v in releases},
+        "def_paths": DEF_PATHS.pattern,
+        "names": list(names),
+        "files": stored,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--releases", help="first,last (default 0.6.4,0.34.0)")
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--out", default=str(OUT), help=f"where to write it (default {OUT.relative_to(ROOT)})")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    global FIRST, LAST
+    if args.releases:
+        FIRST, LAST = (tuple(int(p) for p in v.split(".")) for v in args.releases.split(","))
+    urls = wheel_urls()
+    print(f"{len(urls)} releases: {', '.join('.'.join(map(str, v)) for v in sorted(urls))}", file=sys.stderr)
+    trees: dict[str, dict[str, str]] = {}
+    files: dict[str, dict] = {}
+    # Processes, not threads: reading the sources (ast) is the work, and the GIL would serialise it.
+    with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
+        futures = {pool.submit(index_release, v, u): v for v, (u, _) in urls.items()}
+        for future in concurrent.futures.as_completed(futures):
+            version = ".".join(map(str, futures[future]))
+            tree, found, fetched = future.result()
+            trees[version] = tree
+            files.update(found)
+            print(f"  {version}: {len(tree)} files, {fetched / 2**20:.1f} MiB fetched", file=sys.stderr)
+    uploaded = {".".join(map(str, v)): date for v, (_, date) in urls.items()}
+    data = json.dumps(compact(trees, files, uploaded), separators=(",", ":")).encode()
+    out.write_bytes(gzip.compress(data, mtime=0))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {len(files)} file versions)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
