@@ -24,7 +24,7 @@ BASE = ("kvguard", "kvguard.units", "kvguard.text", "kvguard.textfile", "kvguard
 # Lowest first; a module belongs to the last (most specific) prefix that matches it.
 LAYERS = (BASE, ("kvguard.allocators",), ("kvguard.budget",), ("kvguard.vllm",), ("kvguard.sources",),
           ("kvguard.guard",), ("kvguard.spool",), ("kvguard.probe",), ("kvguard.vllm.plugin",), ("kvguard.sim",),
-          ("kvguard.sidecar",), ("kvguard.cli", "kvguard.__main__"))
+          ("kvguard.plan",), ("kvguard.sidecar",), ("kvguard.cli", "kvguard.__main__"))
 
 
 def layer_of(module: str) -> int:

@@ -10,7 +10,7 @@ import sys
 import click
 
 from kvguard import __version__
-from kvguard.cli import budget, check, probe, serve, simulate   # the command modules
+from kvguard.cli import budget, check, plan, probe, serve, simulate   # the command modules
 from kvguard.cli.options import KVGuardGroup
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     """
 
 
-for command in (budget.budget, simulate.simulate, probe.sample, probe.probe, serve.serve, check.check):
+for command in (budget.budget, plan.plan, simulate.simulate, probe.sample, probe.probe, serve.serve, check.check):
     main.add_command(command)
 
 

@@ -1,0 +1,155 @@
+"""``kvguard plan``: what a vLLM release will decide at startup, from the serve command and config.json alone."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from kvguard.budget.estimator import ConfigError, Profile, ProfileError
+from kvguard.budget.model_config import load_model_config
+from kvguard.cli.options import SIZE, block_size_for, emit_json, format_count
+from kvguard.plan.command import CommandError, parse_serve_command
+from kvguard.plan.devices import DEVICES, DeviceError, resolve_device
+from kvguard.plan.planner import PlanError, default_release, make_plan
+from kvguard.text import one_line
+from kvguard.units import format_bytes
+
+EXIT_REFUSED = 3   # vLLM would refuse to start; click keeps 1 (ClickException) and 2 (usage)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--model-config", "model_config", metavar="PATH",
+              help="The model's config.json, or its directory (default: MODEL when it is a local directory "
+                   "holding one). Nothing is downloaded.")
+@click.option("--device", "device_text", metavar="NAME|SIZE",
+              help="A named device (" + ", ".join(d.name for d in DEVICES) + ") or a size such as 64GiB.")
+@click.option("--vllm-version", "release", metavar="RELEASE",
+              help="X.Y.Z (vLLM), vllm-ascend:X.Y.Z or vllm-mindspore:X.Y.Z. Default: vllm-mindspore's newest row "
+                   "for its entry point, vllm-ascend's on an Ascend device, else vLLM's newest row.")
+@click.option("--non-allocator-memory", type=SIZE,
+              help="Device memory outside the allocator at startup (default: the simulator's 512 MiB on CUDA, "
+                   "1 GiB on Ascend).")
+@click.option("--profile", "profile_file", metavar="FILE",
+              help="A measured startup profile (kvguard budget's profile JSON) in place of the prediction.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (kvguard budget --json's keys, "
+                                                      "then plan).")
+@click.argument("serve_command", nargs=-1, type=click.UNPROCESSED, metavar="-- SERVE COMMAND")
+def plan(model_config, device_text, release, non_allocator_memory, profile_file, as_json, serve_command) -> None:
+    """Plan a vLLM deployment before launch: weights, activation peak and the KV cache vLLM will decide.
+
+    \b
+    kvguard plan --device 910B -- vllm serve /models/Qwen2.5-7B-Instruct --max-model-len 32768
+    kvguard plan --device H100 --model-config config.json -- python -m vllm.entrypoints.openai.api_server
+        --model deepseek-ai/DeepSeek-V3 --tensor-parallel-size 16
+
+    Per rank: the weights from config.json, the profile run's activation peak at
+    --max-num-batched-tokens from the workload model through the platform's allocator model,
+    the memory outside the allocator, then what the release's formula decides: KV bytes,
+    blocks, tokens, maximum concurrency, and whether vLLM refuses to start (its own message).
+
+    \b
+    Exit codes:
+      0  vLLM would start
+      1  bad input: a one-line error
+      2  usage error, or an internal error
+      3  vLLM would refuse to start (the plan says why)
+    """
+    try:
+        command = parse_serve_command(serve_command)
+        path = model_config or _model_dir(command.model)
+        config = load_model_config(path)
+        measured = _read_profile(profile_file) if profile_file else None
+        device = resolve_device(device_text) if device_text else None
+        chosen = release or default_release(command, device)
+        if device is not None and device.source == "given as a size":
+            from kvguard.vllm.eras import era_for
+            device = resolve_device(device_text, "cuda" if era_for(chosen).allocator == "torch" else "ascend")
+        result = make_plan(command, config, release=chosen, device=device, block_size_for=block_size_for,
+                           non_allocator_bytes=non_allocator_memory, measured_profile=measured)
+    except (CommandError, ConfigError, DeviceError, PlanError, ValueError) as exc:
+        raise click.ClickException(one_line(exc)) from None
+    result["plan"]["release_source"] = "--vllm-version" if release else "default"
+    if as_json:
+        emit_json(result)
+    else:
+        _print_plan(result)
+    if not result["plan"]["will_start"]:
+        click.get_current_context().exit(EXIT_REFUSED)
+
+
+def _model_dir(model: str | None) -> str:
+    import os
+
+    if model and os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    raise ConfigError(f"no config.json for {('model ' + repr(model[:80])) if model else 'the command (no MODEL)'}: "
+                      f"give --model-config PATH (plan downloads nothing)")
+
+
+def _read_profile(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(1 << 20).decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read profile file {path}: {exc.strerror or one_line(exc)}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"profile file {path} is not valid JSON: {one_line(exc, first_line=True)}") from None
+    try:
+        return Profile.from_dict(data).to_dict()
+    except (ProfileError, TypeError) as exc:
+        raise ValueError(f"profile file {path}: {one_line(exc)}") from None
+
+
+def _print_plan(result: dict[str, Any]) -> None:
+    out = click.echo
+    plan = result["plan"]
+    command = plan["command"]
+    ignored = command["ignored"]
+    out(f"Command      {command['entry_point']} {command['model'] or ''}".rstrip()
+        + (f"; ignored: {' '.join(ignored)}" if ignored else ""))
+    era = result["era"]
+    device = plan.get("device")
+    out(f"Release      {era['name']} (formula {era['formula']}; {result['vllm_version']}, {plan['release_source']})"
+        + (f" on {device['name']} ({format_bytes(device['memory_bytes'])})" if device else ""))
+    s = {name: row["value"] for name, row in plan["settings"].items()}
+    out(f"Settings     TP {s['tensor_parallel_size']}, max_model_len {s['max_model_len']}, max_num_seqs "
+        f"{s['max_num_seqs']}, max_num_batched_tokens {s['max_num_batched_tokens']}, utilization "
+        f"{s['gpu_memory_utilization']:g}, block {s['block_size']}"
+        + (f", --kv-cache-memory-bytes {s['kv_cache_memory_bytes']}" if s["kv_cache_memory_bytes"] else ""))
+    weights = plan.get("weights")
+    if weights:
+        out(f"Weights      {format_bytes(weights['bytes'])} per rank ({weights['weight_dtype']} weights, "
+            f"{weights['dtype']} activations, {weights['tensors']} tensors, TP {weights['tensor_parallel_size']})")
+    profile = result.get("profile")
+    if profile and plan.get("activation_peak"):
+        peak = plan["activation_peak"]
+        out(f"Activation   allocated peak +{format_bytes(peak['allocated_increase_bytes'])}, reserved "
+            f"+{format_bytes(peak['reserved_increase_bytes'])} at {peak['max_num_batched_tokens']} tokens "
+            f"({peak['allocator']} allocator model; a model, not measured)")
+    elif profile:
+        out(f"Profile      measured: weights {format_bytes(profile['weights_bytes'])}, total "
+            f"{format_bytes(profile['total_memory_bytes'])}")
+    if plan.get("non_torch"):
+        nt = plan["non_torch"]
+        out(f"Non-torch    {format_bytes(nt['at_startup_bytes'])} outside the allocator at startup (platform "
+            f"default, not measured)")
+    decided = plan.get("decided")
+    if decided:
+        conc = "-" if decided["max_concurrency"] is None else f"{decided['max_concurrency']:.2f}x"
+        out(f"KV cache     {format_bytes(decided['kv_cache_bytes'])} = {format_count(decided['num_blocks'])} blocks "
+            f"= {format_count(decided['num_tokens'])} tokens; max concurrency {conc} at {result['max_model_len']}")
+        reserved = (result.get("budgets") or {}).get("reserved")
+        if reserved and reserved["kv_cache_bytes"] != decided["kv_cache_bytes"]:
+            out(f"Reserved     {format_bytes(reserved['kv_cache_bytes'])} = {format_count(reserved['num_blocks'])} "
+                f"blocks with the allocator's reserved peak"
+                + (f"; recommended {'  or  '.join(result['recommended_flags'])}"
+                   if result.get("recommended_flags") else ""))
+    if plan["refusals"]:
+        for refusal in plan["refusals"]:
+            out(f"Refused      {refusal['message']} [{refusal['cite']}]")
+    else:
+        out("Outcome      vLLM starts")
+    for note in plan["uncertainty"]:
+        out(f"Uncertain    {note}")

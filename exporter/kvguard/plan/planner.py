@@ -1,0 +1,395 @@
+"""The plan for one rank: the profile a release will measure, and what its formula decides from it.
+
+Per rank, from the serve command and ``config.json``:
+
+- weights: ``kvguard.sim.workload.weight_tensors`` (tensor by tensor, tensor-parallel sharded, fp8 weights
+  at one byte), loaded through the platform's allocator model;
+- the profile run's activation peak at ``max_num_batched_tokens``: ``forward_ops`` through the same
+  allocator model, read as vLLM's ``memory_profiling`` reads it (``kvguard.sim.scenario.ServingScenario.
+  startup``, the path ``kvguard simulate`` takes);
+- non-torch memory: the platform's memory outside the allocator (``--non-allocator-memory``, the
+  simulator's default);
+- the budget: the release's era formula (``kvguard.budget.estimator``), the one ``kvguard budget`` runs.
+
+With a measured profile (``--profile``) the prediction is replaced by it: the decided budget is then
+``kvguard budget --profile``'s to the byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.budget.estimator import (
+    ConfigError,
+    KVLayout,
+    Profile,
+    ProfileError,
+    estimate,
+    kv_layout_from_config,
+    positive_int,
+    requested_memory_bytes,
+    text_config,
+)
+from kvguard.plan.command import ServeCommand
+from kvguard.plan.devices import DeviceSpec
+from kvguard.sim.workload import model_shape, weight_tensors
+from kvguard.vllm.eras import (
+    ERAS,
+    Era,
+    EraError,
+    era_for,
+    expandable_segments_default,
+    parse_release,
+    version_text,
+)
+
+GIB = 1 << 30
+
+# The era formulas plan predicts a profile for; the others read figures the simulator does not produce
+# (V0's and vllm-ascend <= 0.14's absolute non-torch memory, vllm-ascend 0.7.3's free-memory drop, 0.34's
+# extensible KV cache measured after warm-up).
+PREDICTED_FORMULAS = ("peak", "peak_ceil", "peak_ceil_cudagraph", "consumed", "mindspore_reserved",
+                      "ascend_cleared", "ascend_cleared_halved")
+
+# vLLM's own refusals, word for word (the wheel's lines).
+CITE_FREE = "vllm/v1/worker/gpu_worker.py 0.11.0:185-195 (init_device)"
+CITE_NO_MEMORY = "vllm/v1/core/kv_cache_utils.py 0.11.0:698-701 (check_enough_kv_cache_memory)"
+CITE_TOO_SMALL = "vllm/v1/core/kv_cache_utils.py 0.11.0:703-722 (check_enough_kv_cache_memory)"
+CITE_HEADS = "vllm/config/model.py 0.11.0:1045-1052 (verify_with_parallel_config)"
+# vLLM's serve defaults when --max-num-seqs / --max-num-batched-tokens are not given.
+CITE_SERVE_DEFAULTS = "vllm/engine/arg_utils.py 0.11.0:1605-1623 (_set_default_args, OPENAI_API_SERVER)"
+
+
+class PlanError(ValueError):
+    """An input plan cannot plan for; the message is one line."""
+
+
+def newest_release(project: str) -> str:
+    """The newest release of ``project``'s newest era row: the wheel it was checked against, else its range's
+    last (or first) release."""
+    rows = [e for e in ERAS if e.project == project]
+    if not rows:
+        raise PlanError(f"no era rows for {project}")
+    era = rows[-1]
+    version = era.checked_against or version_text(era.last or era.first)
+    return f"{project}:{version}"
+
+
+def default_release(command: ServeCommand, device: DeviceSpec | None) -> str:
+    """vllm-mindspore's entry point: its newest row; an Ascend device: vllm-ascend's; else vLLM's newest row."""
+    if command.project:
+        return newest_release(command.project)
+    if device is not None and device.platform == "ascend":
+        return newest_release("vllm-ascend")
+    return newest_release("vllm")
+
+
+def _platform(era: Era) -> str:
+    return "cuda" if era.allocator == "torch" else "ascend"
+
+
+def _launcher(version: tuple[int, ...]) -> str:
+    """The vllm-mindspore launcher whose defaults the simulator takes (kvguard.allocators.mindspore_releases)."""
+    from kvguard.allocators.mindspore_releases import DEFAULT_LAUNCHER, SEED_LAUNCHER
+    return SEED_LAUNCHER if version < (0, 5, 0) else DEFAULT_LAUNCHER
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The vLLM settings the plan runs with, each with where it came from."""
+
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    block_size: int
+    kv_cache_dtype: str
+    kv_cache_memory_bytes: int | None
+    dtype: str
+    sources: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        sources = data.pop("sources")
+        return {name: {"value": value, "source": sources[name]} for name, value in data.items()}
+
+
+def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, device_bytes: int | None,
+              device_name: str, block_size_for: Callable[[Era, int | None, Any], int]) -> Settings:
+    sources: dict[str, str] = {}
+    flags = command.flags
+
+    def take(name: str, default: Any, source: str) -> Any:
+        if name in flags:
+            sources[name.replace("-", "_")] = "command"
+            return flags[name]
+        sources[name.replace("-", "_")] = source
+        return default
+
+    if flags.get("pipeline-parallel-size", 1) != 1:
+        raise PlanError("--pipeline-parallel-size above 1 is not planned yet (one stage's weights and layers)")
+    tp = take("tensor-parallel-size", 1, "vLLM's default")
+    dtype = take("dtype", "auto", "vLLM's default")
+    if dtype in ("float", "float32"):
+        raise PlanError("--dtype float32 is not planned: the workload model runs 16-bit activations")
+    max_position = positive_int(text_config(config), "max_position_embeddings")
+    if "max-model-len" not in flags and max_position is None:
+        raise PlanError("give --max-model-len: the model config has no max_position_embeddings")
+    max_model_len = take("max-model-len", max_position, "the model's max_position_embeddings")
+    # vLLM's serve defaults: 8192 tokens / 1024 sequences on a device of 70 GiB or more that is not an A100,
+    # else 2048 / 256.
+    large = device_bytes is not None and device_bytes >= 70 * GIB and "A100" not in device_name.upper()
+    note = f"vLLM's serve default ({CITE_SERVE_DEFAULTS}; other releases not read)"
+    max_num_batched_tokens = take("max-num-batched-tokens", 8192 if large else 2048, note)
+    max_num_seqs = take("max-num-seqs", 1024 if large else 256, note)
+    utilization = take("gpu-memory-utilization", era.utilization_default(extensible=False),
+                       f"the default of {era.name}")
+    given_block = flags.get("block-size")
+    block_size = block_size_for(era, given_block, dict(config))
+    sources["block_size"] = "command" if given_block == block_size else (
+        f"{era.name}'s MLA block size" if given_block is not None or block_size != era.default_block_size
+        else f"the default of {era.name}")
+    kv_cache_dtype = take("kv-cache-dtype", "auto", "vLLM's default")
+    kv_memory = take("kv-cache-memory-bytes", None, "not given")
+    if kv_memory is not None and era.kv_cache_memory_flag is None:
+        raise PlanError(f"{era.name} has no --kv-cache-memory-bytes")
+    return Settings(tp, max_model_len, max_num_seqs, max_num_batched_tokens, utilization, block_size,
+                    kv_cache_dtype, kv_memory, dtype, sources)
+
+
+def _dtype_config(config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """The config with vLLM's --dtype in place of its torch_dtype (auto: the config's own)."""
+    out = dict(config)
+    if dtype != "auto":
+        out["torch_dtype"] = {"half": "float16"}.get(dtype, dtype)
+        for nested in ("text_config", "llm_config", "language_config"):
+            if isinstance(out.get(nested), Mapping):
+                out[nested] = {**out[nested], "torch_dtype": out["torch_dtype"]}
+    return out
+
+
+def _dtype_name(config: Mapping[str, Any]) -> str:
+    text = text_config(config)
+    name = text.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    name = str(name).removeprefix("torch.")
+    return "bfloat16 (vLLM serves float32 checkpoints in 16-bit)" if name in ("float32", "float") else name
+
+
+def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str, device: DeviceSpec | None,
+              block_size_for: Callable[[Era, int | None, Any], int], non_allocator_bytes: int | None = None,
+              measured_profile: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The plan as one JSON-able dict: ``kvguard budget --json``'s keys, then ``plan``.
+
+    ``block_size_for(era, given, config)``: the block size the release runs (``kvguard.cli.options.
+    block_size_for``, the rule ``kvguard budget`` applies: the era's default, vLLM's MLA block size on CUDA).
+    """
+    try:
+        era = era_for(release)
+        version = parse_release(release)[1]
+    except EraError as exc:
+        raise PlanError(str(exc)) from None
+    if device is not None and device.platform != _platform(era) and device.source != "given as a size":
+        raise PlanError(f"{era.name} runs on {_platform(era).upper() if _platform(era) == 'cuda' else 'Ascend'} "
+                        f"devices, not on {device.name}")
+    if measured_profile is None and era.formula not in PREDICTED_FORMULAS:
+        raise PlanError(f"plan does not predict {era.name}'s profile (formula {era.formula}) yet: give a "
+                        f"newer --vllm-version, or a measured --profile")
+    if measured_profile is None and device is None:
+        raise PlanError("give --device (a named device or a size), or a measured --profile")
+    device_bytes = device.memory_bytes if device is not None else measured_profile.get("total_memory_bytes")
+    settings = _settings(command, config, era, device_bytes, device.name if device else "", block_size_for)
+    config = _dtype_config(config, settings.dtype)
+    uncertainty: list[str] = []
+    refusals: list[dict[str, str]] = []
+    plan: dict[str, Any] = {"command": command.to_dict(), "device": device.to_dict() if device else None,
+                            "settings": settings.to_dict(), "refusals": refusals, "uncertainty": uncertainty}
+    result: dict[str, Any] = {"vllm_version": release, "era": era.to_dict(), "block_bytes": None,
+                              "max_model_len": settings.max_model_len, "plan": plan}
+    try:
+        layout = kv_layout_from_config(config, block_size=settings.block_size,
+                                       kv_cache_dtype=settings.kv_cache_dtype,
+                                       tensor_parallel_size=settings.tensor_parallel_size)
+    except ConfigError as exc:
+        if str(exc).startswith("Total number of attention heads"):
+            refusals.append({"code": "heads_not_divisible", "message": str(exc), "cite": CITE_HEADS})
+            plan["will_start"] = False
+            return result
+        raise PlanError(str(exc)) from None
+    result["block_bytes"] = layout.block_bytes
+    result["layout"] = {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
+
+    try:
+        shape = model_shape(config, settings.tensor_parallel_size, layout)
+        tensors = weight_tensors(shape)
+    except (ConfigError, ArithmeticError) as exc:
+        raise PlanError(f"model config: {exc}") from None
+    dtype = _dtype_name(config)
+    plan["weights"] = {
+        "bytes": sum(tensors), "tensors": len(tensors), "dtype": dtype,
+        "weight_dtype": "fp8" if shape.weight_bytes_per_element == 1 and shape.dtype_bytes > 1 else dtype,
+        "tensor_parallel_size": settings.tensor_parallel_size, "tie_word_embeddings": shape.tie_word_embeddings,
+        "experts": shape.num_experts, "source": "config.json (kvguard.sim.workload.weight_tensors)"}
+
+    if measured_profile is not None:
+        fields = dict(measured_profile)
+        plan["profile_source"] = "measured (--profile)"
+        non_allocator = None
+    else:
+        scenario, fields = _predicted_profile(config, settings, era, version, release, device_bytes,
+                                              non_allocator_bytes, plan)
+        if fields is None:
+            plan["will_start"] = False
+            return result
+        non_allocator = scenario.config.resolved_non_allocator_bytes
+        plan["profile_source"] = "predicted (kvguard.sim workload model through the allocator model)"
+        _predicted_uncertainty(era, settings, command, uncertainty)
+    fields["formula"] = era.formula
+    fields["vllm_version"] = release
+    if "gpu-memory-utilization" in command.flags or fields.get("gpu_memory_utilization") is None:
+        fields["gpu_memory_utilization"] = settings.gpu_memory_utilization
+    if settings.kv_cache_memory_bytes is not None:
+        fields["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    try:
+        profile = Profile(**{**{k: None for k in Profile.REQUIRED}, **fields})
+    except (ProfileError, TypeError) as exc:
+        raise PlanError(f"profile: {exc}") from None
+
+    est = estimate(profile, layout, settings.max_model_len)
+    result["profile"] = profile.to_dict()
+    result.update(est.to_dict())
+    result["recommended_flags"] = _recommended_flags(result, era)
+    decided = est.stock
+    plan["decided"] = {"formula": era.formula, **decided.to_dict()}
+
+    if non_allocator is not None:
+        requested = requested_memory_bytes(profile)
+        free = profile.total_memory_bytes - non_allocator
+        if free < requested:
+            refusals.append({"code": "free_below_request", "cite": CITE_FREE, "message": (
+                f"Free memory on device ({_gib(free)}/{_gib(profile.total_memory_bytes)} GiB) on startup is less "
+                f"than desired GPU memory utilization ({profile.gpu_memory_utilization}, {_gib(requested)} GiB). "
+                f"Decrease GPU memory utilization or reduce GPU memory used by other processes.")})
+    _kv_refusals(decided.kv_cache_bytes, layout, settings.max_model_len, refusals)
+    plan["will_start"] = not refusals
+    return result
+
+
+def _gib(n_bytes: float) -> float:
+    return round(n_bytes / GIB, 2)
+
+
+def _kv_refusals(available: int, layout: KVLayout, max_model_len: int, refusals: list[dict[str, str]]) -> None:
+    """vLLM's check_enough_kv_cache_memory: no memory at all, or less than one max_model_len request needs."""
+    if available <= 0:
+        refusals.append({"code": "no_kv_cache_memory", "cite": CITE_NO_MEMORY, "message": (
+            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+            "initializing the engine.")})
+        return
+    # max_memory_usage_bytes: cdiv(max_model_len, block_size) pages on every layer.
+    needed = layout.blocks_per_request(max_model_len) * layout.block_bytes
+    if needed > available:
+        # estimate_max_model_len: the longest request whose pages fit; one full-attention group: whole blocks.
+        estimated = layout.num_blocks(available) * layout.block_size
+        estimated_msg = (f"Based on the available memory, the estimated maximum model length is {estimated}."
+                         if estimated > 0 else "")
+        refusals.append({"code": "kv_cache_too_small", "cite": CITE_TOO_SMALL, "message": (
+            f"To serve at least one request with the models's max seq len ({max_model_len}), "
+            f"({needed / GIB:.2f} GiB KV cache is needed, which is larger than the available KV cache memory "
+            f"({available / GIB:.2f} GiB). {estimated_msg} Try increasing `gpu_memory_utilization` or decreasing "
+            f"`max_model_len` when initializing the engine.")})
+
+
+def _predicted_profile(config, settings: Settings, era: Era, version, release: str, device_bytes: int,
+                       non_allocator_bytes: int | None, plan: dict[str, Any]):
+    """Startup on the simulated device (kvguard simulate's path): the profile vLLM's memory_profiling would
+    read, as the era's profile fields; (scenario, None) after an out-of-memory error (in plan's refusals)."""
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+
+    allocator = era.allocator
+    try:
+        scenario_config = ScenarioConfig(
+            model_config=config, device_memory_bytes=device_bytes,
+            gpu_memory_utilization=settings.gpu_memory_utilization, allocator=allocator, budget="stock",
+            max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
+            max_num_seqs=settings.max_num_seqs, requests=1, block_size=settings.block_size,
+            kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel_size=settings.tensor_parallel_size,
+            non_allocator_bytes=non_allocator_bytes,
+            expandable_segments=expandable_segments_default(release, allocator),
+            vllm_mindspore_version=_launcher(version) if allocator == "mindspore" else ScenarioConfig.vllm_mindspore_version)
+        if scenario_config.resolved_non_allocator_bytes >= device_bytes:
+            raise PlanError("--non-allocator-memory must be smaller than the device's memory")
+        scenario = ServingScenario(scenario_config)
+        sim_profile = scenario.startup()
+    except (ConfigError, ValueError) as exc:
+        if isinstance(exc, PlanError):
+            raise
+        raise PlanError(str(exc)) from None
+    except ArithmeticError as exc:
+        raise PlanError(f"model config: {exc}") from None
+    non_allocator = scenario_config.resolved_non_allocator_bytes
+    plan["non_torch"] = {"at_startup_bytes": non_allocator, "increase_bytes": None,
+                         "source": f"the platform's memory outside the allocator ({allocator}: the simulator's "
+                                   f"default, --non-allocator-memory), not measured"}
+    if sim_profile is None:
+        phase = "loading the weights" if scenario.oom_phase == "weights" else "the profile run"
+        plan["refusals"].append({"code": f"oom_{scenario.oom_phase}", "cite": "kvguard.sim (the allocator model)",
+                                 "message": f"out of memory during {phase}: {scenario.oom_request_bytes} bytes "
+                                            f"requested with {scenario.device.free_bytes} free"})
+        return scenario, None
+    fields = sim_profile.to_dict()
+    plan["non_torch"]["increase_bytes"] = sim_profile.non_torch_increase_bytes
+    plan["weights"]["allocated_bytes"] = sim_profile.weights_bytes
+    plan["activation_peak"] = {
+        "allocated_increase_bytes": sim_profile.peak_allocated_increase_bytes,
+        "reserved_increase_bytes": sim_profile.peak_reserved_increase_bytes,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "num_seqs": min(settings.max_num_seqs, settings.max_num_batched_tokens),
+        "allocator": allocator, "source": "model (kvguard.sim.workload.forward_ops), not measured"}
+    formula = era.formula
+    from kvguard.budget.estimator import FORMULAS
+    if FORMULAS[formula].cudagraph:
+        fields["cudagraph_memory_bytes"] = 0
+    if FORMULAS[formula].non_kv == "consumed":
+        # 0.27+'s memory_profiling (vllm/utils/mem_utils.py 0.27.0:304-326): total consumed = init free - free
+        # after the profile's empty_cache = what the allocator still reserves (the weights' segments) + the
+        # non-torch increase; transient headroom = torch peak - torch allocated after = the allocated peak
+        # increase.
+        weights_record = next(r for r in scenario.timeline if r.phase == "weights")
+        fields["total_consumed_bytes"] = weights_record.reserved_bytes + sim_profile.non_torch_increase_bytes
+        fields["transient_peak_headroom_bytes"] = sim_profile.peak_allocated_increase_bytes
+        fields["reserved_transient_peak_bytes"] = sim_profile.peak_reserved_increase_bytes
+    if FORMULAS[formula].cleared:
+        # vllm-ascend 0.15+: the non-torch memory present at startup (kvguard.budget.fields, --non-torch-cleared).
+        fields["non_torch_cleared_bytes"] = non_allocator
+    return scenario, fields
+
+
+def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, out: list[str]) -> None:
+    out.append("activation peak: a model (the workload model's forward ops through the allocator model), not "
+               "measured; its error against real profiles is not yet published")
+    out.append("weights: counted from config.json tensor by tensor; quantization scales and other metadata are "
+               "not counted")
+    out.append("non-torch memory: the platform default outside the allocator, not measured; growth after vLLM's "
+               "init snapshot (NCCL / HCCL buffers, runtime workspaces) is counted as 0")
+    from kvguard.budget.estimator import FORMULAS
+    if FORMULAS[era.formula].cudagraph and era.cudagraph_estimate_default:
+        out.append(f"CUDA-graph memory: not modelled, counted as 0; {era.name} subtracts its estimate by default, "
+                   f"so the real budget is smaller by it")
+    if era.extensible_kv_cache_default:
+        out.append(f"{era.name} sizes the KV cache after warm-up with its extensible KV cache by default: not "
+                   f"modelled; the plan is its formula without it (utilization {settings.gpu_memory_utilization:g})")
+    if "max-num-seqs" not in command.flags or "max-num-batched-tokens" not in command.flags:
+        out.append("--max-num-seqs / --max-num-batched-tokens not given: vLLM 0.11.0's serve defaults assumed")
+
+
+def _recommended_flags(result: dict[str, Any], era: Era) -> list[str]:
+    flags = []
+    if result.get("recommended_gpu_memory_utilization") is not None:
+        flags.append(f"--gpu-memory-utilization {result['recommended_gpu_memory_utilization']}")
+    if era.kv_cache_memory_flag and result.get("recommended_kv_cache_memory_bytes") is not None:
+        flags.append(f"{era.kv_cache_memory_flag} {result['recommended_kv_cache_memory_bytes']}")
+    return flags
