@@ -12,6 +12,7 @@ Environment: `python3 tests/mindspore_real/envs.py setup` (./dev.sh test runs it
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -52,7 +53,11 @@ def run(tmp_path_factory, budget: str = "stock", **scenario):
         snapshots = read_spool(str(spool)).snapshots
         assert len(snapshots) == 1, f"the plugin wrote {len(snapshots)} snapshots"
         _runs[key] = (result, snapshots[0])
+        _spools[key] = spool
     return _runs[key]
+
+
+_spools: dict = {}
 
 
 def test_the_environment_is_set_up():
@@ -189,3 +194,20 @@ def test_kvguard_budget_reserved_counts_the_reserved_peak_where_the_pool_release
     reserved, _ = run(tmp_path_factory, budget="reserved", profile_release_mid_run=1536 * MIB)
     assert stock["returned_available_bytes"] - reserved["returned_available_bytes"] == 4 * GIB - 1536 * MIB
     assert reserved["kv_cache_config"]["num_blocks"] < stock["kv_cache_config"]["num_blocks"]
+
+
+def test_kvguard_check_on_that_run_says_the_peak_and_counts_it_in_the_overcommit(tmp_path_factory):
+    """The blind spot is visible where an operator looks: kvguard check on the rank's spool (post mortem)
+    gives both figures, its one-line note, and an overcommit of the 2.5 GiB the engine's figure left out."""
+    run(tmp_path_factory, profile_release_mid_run=1536 * MIB)
+    spool = _spools[("stock", (("profile_release_mid_run", 1536 * MIB),))]
+    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    rank = json.loads(out.stdout)["ranks"][0]
+    assert (rank["reserved_increase_measured_bytes"], rank["reserved_peak_increase_bytes"]) == (1536 * MIB, 4 * GIB)
+    assert "+4.00 GiB" in rank["reserved_peak_note"] and "+1.50 GiB" in rank["reserved_peak_note"]
+    assert rank["overcommit_bytes"] == 4 * GIB - 1536 * MIB
+    assert out.returncode in (1, 2), out.stderr
+    text = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem"],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert len([line for line in text.splitlines() if "reserved peak:" in line]) == 1, text
