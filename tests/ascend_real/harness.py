@@ -49,16 +49,8 @@ def available_releases() -> list[str]:
     return [r for r in envs.RELEASES if envs.env_python(r) is not None]
 
 
-def run_engine(release: str, scenario: dict | None = None, env: dict | None = None, *,
-               plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
-    python = envs.env_python(release)
-    if python is None:
-        raise EnvironmentMissing(f"{release}: its environment is not set up "
-                                 f"(python3 tests/ascend_real/envs.py setup {release})")
-    merged = {**ASCEND_SCENARIO, **(scenario or {})}
-    return vllm_harness.run_release_process(
-        python, HERE / "engine_main.py", merged, label=release, cache_key=envs._name(release), env=env,
-        plugins=plugins, check=check, timeout=timeout)
+run_engine = vllm_harness.engine_runner(envs, HERE / "engine_main.py", ASCEND_SCENARIO,
+                                        "python3 tests/ascend_real/envs.py setup")
 
 
 def main(argv):

@@ -16,21 +16,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from ascend_real import envs  # noqa: E402
 from ascend_real.harness import run_engine  # noqa: E402
+from vllm_real import harness as vllm_harness  # noqa: E402
 
 OUT = HERE.parent / "data" / "logs" / "ascend-real"
 
 
 def main(argv):
-    OUT.mkdir(parents=True, exist_ok=True)
-    for release in argv[1:] or list(envs.RELEASES):
-        for level, suffix in (("INFO", ""), ("DEBUG", "-debug")):
-            result = run_engine(release, env={"VLLM_LOGGING_LEVEL": level}, plugins=False)
-            path = OUT / f"{envs._name(release)}{suffix}.log"
-            path.write_text("\n".join(result["log_lines"]) + "\n")
-            decided = result["returned_available_bytes"]    # None on V0 (0.7.3): its worker decides blocks
-            print(f"{path.name}: returned {'no byte budget (V0)' if decided is None else f'{decided} bytes'}, "
-                  f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
-                  f"utilization {result['config']['gpu_memory_utilization']}", flush=True)
+    vllm_harness.save_logs(run_engine, [(r, envs._name(r)) for r in argv[1:] or list(envs.RELEASES)], OUT)
     return 0
 
 

@@ -16,20 +16,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from mindspore_real import envs
 from mindspore_real.harness import run_engine
+from vllm_real import harness as vllm_harness
 
 OUT = HERE.parent / "data" / "logs" / "mindspore-real"
 
 
 def main(argv):
-    OUT.mkdir(parents=True, exist_ok=True)
-    for release in argv[1:] or list(envs.RELEASES):
-        for level, suffix in (("INFO", ""), ("DEBUG", "-debug")):
-            result = run_engine(release, env={"VLLM_LOGGING_LEVEL": level}, plugins=False)
-            path = OUT / f"{envs._name(release)}{suffix}.log"
-            path.write_text("\n".join(result["log_lines"]) + "\n")
-            print(f"{path.name}: returned {result['returned_available_bytes']} bytes, "
-                  f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
-                  f"utilization {result['config']['gpu_memory_utilization']}", flush=True)
+    vllm_harness.save_logs(run_engine, [(r, envs._name(r)) for r in argv[1:] or list(envs.RELEASES)], OUT)
     return 0
 
 

@@ -154,6 +154,36 @@ def run_release_process(python, main_script: pathlib.Path, scenario: dict, *, la
     return result
 
 
+def engine_runner(engine_envs, main_script: pathlib.Path, base_scenario: dict, setup_command: str):
+    """``run_engine(release, scenario=None, env=None, *, plugins, check, timeout)`` for a platform engine's
+    environments (``engine_envs``: tests/ascend_real/envs.py, tests/mindspore_real/envs.py): its
+    ``main_script`` run by :func:`run_release_process` on ``base_scenario`` updated by ``scenario``."""
+    def run_engine(release: str, scenario: dict | None = None, env: dict | None = None, *,
+                   plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
+        python = engine_envs.env_python(release)
+        if python is None:
+            raise EnvironmentMissing(f"{release}: its environment is not set up ({setup_command} {release})")
+        return run_release_process(python, main_script, {**base_scenario, **(scenario or {})}, label=release,
+                                   cache_key=engine_envs._name(release), env=env, plugins=plugins, check=check,
+                                   timeout=timeout)
+    return run_engine
+
+
+def save_logs(run_engine, releases, out: pathlib.Path, scenario: dict | None = None) -> None:
+    """Write each release's startup log without kvguard's plugin, at INFO (RELEASE.log) and DEBUG
+    (RELEASE-debug.log), named by ``_name`` of the release, and print what each run decided."""
+    out.mkdir(parents=True, exist_ok=True)
+    for release, name in releases:
+        for level, suffix in (("INFO", ""), ("DEBUG", "-debug")):
+            result = run_engine(release, scenario, env={"VLLM_LOGGING_LEVEL": level}, plugins=False)
+            path = out / f"{name}{suffix}.log"
+            path.write_text("\n".join(result["log_lines"]) + "\n")
+            decided = result["returned_available_bytes"]    # None on V0: its worker decides blocks
+            print(f"{path.name}: returned {'no byte budget (V0)' if decided is None else f'{decided} bytes'}, "
+                  f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
+                  f"utilization {result['config']['gpu_memory_utilization']}", flush=True)
+
+
 def vllm_lines(result: dict, contains: str) -> list[str]:
     """The logged lines that contain `contains`."""
     return [line for line in result["log_lines"] if contains in line]
