@@ -318,3 +318,64 @@ def test_unset_batch_flags_take_vllms_serve_defaults_for_the_device():
         settings = plan_json("--device", device, "--vllm-version", release, "--model-config", LLAMA3_8B, "--",
                              "vllm", "serve", "M", "--max-model-len", "8192")["plan"]["settings"]
         assert (settings["max_num_batched_tokens"]["value"], settings["max_num_seqs"]["value"]) == expected
+
+
+# ----------------------------------------------------------------------------------------- whether it fits
+
+LLAMA_SERVE = ("--", "vllm", "serve", "meta-llama/Meta-Llama-3-8B", "--max-model-len", "8192")
+
+
+def test_the_budget_time_verdict_is_budget_allocators_for_the_same_profile(tmp_path):
+    out = plan_json("--device", "H100", "--vllm-version", "0.11.0", "--model-config", LLAMA3_8B, *LLAMA_SERVE)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(out["profile"]))
+    budget = run("budget", "--json", "--profile", str(profile), "--vllm-version", "0.11.0", "--model-config",
+                 LLAMA3_8B, "--max-model-len", "8192", "--allocator", "torch")
+    assert budget.exit_code == 0, budget.output
+    assert out["plan"]["at_budget"]["verdict"] == json.loads(budget.output)["at_budget"]["verdict"]
+
+
+def test_a_plan_that_starts_but_will_not_fit_says_so_and_exits_0():
+    args = ("--device", "H100", "--vllm-version", "0.11.0", "--model-config", LLAMA3_8B, *LLAMA_SERVE,
+            "--gpu-memory-utilization", "0.99")
+    plan = plan_json(*args)["plan"]
+    assert plan["will_start"] and not plan["will_fit"]
+    verdict = plan["at_budget"]["verdict"]
+    assert verdict["state"] == "critical" and verdict["headroom_bytes"] < 0
+    # The largest KV cache that fits is below what vLLM decided.
+    assert plan["at_budget"]["largest_fitting_kv_cache_bytes"] < plan["decided"]["kv_cache_bytes"]
+    text = run("plan", *args)
+    assert text.exit_code == 0, text.output
+    assert "Outcome      vLLM's checks pass, but it will not fit: the budget-time verdict is CRITICAL" in text.output
+
+
+def test_the_serving_run_is_the_planned_one():
+    plan = plan_json("--device", "910B", "--", "vllm-mindspore", "serve", QWEN, "--max-model-len", "32768")["plan"]
+    serving = plan["serving"]
+    # vllm-mindspore's formula takes the reserved peak, so the simulated run budgets with it; the cache it
+    # sized is the one the plan decided, and the run kept below the device.
+    assert serving["budget"] == "reserved"
+    assert serving["kv_cache_bytes"] == plan["decided"]["kv_cache_bytes"]
+    assert not serving["oom"] and serving["requests_finished"] == serving["requests"]
+    assert 0 < serving["margin_bytes"] == plan["device"]["memory_bytes"] - serving["device_peak_used_bytes"]
+    assert plan["will_fit"]
+
+
+def test_search_finds_the_highest_utilization_at_which_the_plan_fits_for_every_seed():
+    base = ("--device", "H100", "--vllm-version", "0.11.0", "--model-config", LLAMA3_8B, *LLAMA_SERVE)
+    found = plan_json("--search", "--seed", "0", "--seed", "1", *base)["plan"]["search"]
+    best = found["gpu_memory_utilization"]
+    assert found["seeds"] == [0, 1] and 0.5 < best <= found["serving_gpu_memory_utilization"] <= 1.0
+    assert found["margin_bytes"] > 0 and found["kv_cache_memory_flag"] == "--kv-cache-memory-bytes"
+
+    def plan_at(utilization, seed):
+        return plan_json("--seed", str(seed), *base, "--gpu-memory-utilization", f"{utilization:.2f}")["plan"]
+
+    # At the utilization found the plan fits for every seed, with the KV cache the search named; one step
+    # above it, it does not for some seed (or the answer was the top).
+    at_best = [plan_at(best, seed) for seed in (0, 1)]
+    assert all(plan["will_fit"] for plan in at_best)
+    assert at_best[0]["decided"]["kv_cache_bytes"] == found["kv_cache_memory_bytes"]
+    assert found["margin_bytes"] == min(plan["serving"]["margin_bytes"] for plan in at_best)
+    if best < 1.0:
+        assert not all(plan_at(best + 0.01, seed)["will_fit"] for seed in (0, 1))

@@ -33,10 +33,16 @@ EXIT_REFUSED = 3   # vLLM would refuse to start; click keeps 1 (ClickException) 
                    "1 GiB on Ascend).")
 @click.option("--profile", "profile_file", metavar="FILE",
               help="A measured startup profile (kvguard budget's profile JSON) in place of the prediction.")
+@click.option("--search", is_flag=True,
+              help="Also search the highest --gpu-memory-utilization (0.01 steps) that serves every --seed without an "
+                   "OOM, as kvguard simulate --search-utilization does (a few seconds).")
+@click.option("--seed", "seeds", type=int, multiple=True,
+              help="Request-mix seed of the serving simulation (default 0); repeat it for --search.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (kvguard budget --json's keys, "
                                                       "then plan).")
 @click.argument("serve_command", nargs=-1, type=click.UNPROCESSED, metavar="-- SERVE COMMAND")
-def plan(model_config, device_text, release, non_allocator_memory, profile_file, as_json, serve_command) -> None:
+def plan(model_config, device_text, release, non_allocator_memory, profile_file, search, seeds, as_json,
+         serve_command) -> None:
     """Plan a vLLM deployment before launch: weights, activation peak and the KV cache vLLM will decide.
 
     \b
@@ -48,10 +54,14 @@ def plan(model_config, device_text, release, non_allocator_memory, profile_file,
     --max-num-batched-tokens from the workload model through the platform's allocator model,
     the memory outside the allocator, then what the release's formula decides: KV bytes,
     blocks, tokens, maximum concurrency, and whether vLLM refuses to start (its own message).
+    Then whether it fits: the guard's budget-time verdict at that budget under the release's
+    allocator (kvguard budget --allocator's), a serving simulation of the predicted run
+    (kvguard simulate's), and with --search the highest safe utilization and its margin.
 
     \b
     Exit codes:
-      0  vLLM would start
+      0  vLLM would start (also when the verdict is critical or serving runs out of
+         memory: the plan says so, "will_fit": false)
       1  bad input: a one-line error
       2  usage error, or an internal error
       3  vLLM would refuse to start (the plan says why)
@@ -67,9 +77,12 @@ def plan(model_config, device_text, release, non_allocator_memory, profile_file,
             from kvguard.vllm.eras import era_for
             device = resolve_device(device_text, "cuda" if era_for(chosen).allocator == "torch" else "ascend")
         result = make_plan(command, config, release=chosen, device=device, block_size_for=block_size_for,
-                           non_allocator_bytes=non_allocator_memory, measured_profile=measured)
+                           non_allocator_bytes=non_allocator_memory, measured_profile=measured,
+                           search=search, seeds=tuple(seeds) or (0,))
     except (CommandError, ConfigError, DeviceError, PlanError, ValueError) as exc:
         raise click.ClickException(one_line(exc)) from None
+    except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
+        raise click.ClickException(f"model config: {one_line(exc)}") from None
     result["plan"]["release_source"] = "--vllm-version" if release else "default"
     if as_json:
         emit_json(result)
@@ -146,10 +159,44 @@ def _print_plan(result: dict[str, Any]) -> None:
                 f"blocks with the allocator's reserved peak"
                 + (f"; recommended {'  or  '.join(result['recommended_flags'])}"
                    if result.get("recommended_flags") else ""))
+    at_budget = plan.get("at_budget")
+    if at_budget and at_budget.get("error"):
+        out(f"At budget    CRITICAL on {at_budget['allocator']}: {at_budget['error']}")
+    elif at_budget:
+        verdict = at_budget["verdict"]
+        fits = at_budget["largest_fitting_kv_cache_bytes"]
+        out(f"At budget    {verdict['state'].upper()} on {at_budget['allocator']}"
+            f"{' (VMM)' if at_budget['enable_vmm'] else ''}{' (expandable segments)' if at_budget['expandable_segments'] else ''}"
+            f": headroom {format_bytes(verdict['headroom_bytes'])}"
+            + "".join(f"; {reason['code']}" for reason in verdict["reasons"])
+            + ("" if verdict["state"] != "critical" else
+               f"; largest budget that fits {'none' if not fits else format_bytes(fits)}"))
+    serving = plan.get("serving")
+    if serving:
+        where = (f"OOM during {serving['where']} ({format_bytes(serving['oom_request_bytes'])} requested)"
+                 if serving["oom"] else (serving["error"] or f"no OOM, margin {format_bytes(serving['margin_bytes'])}"))
+        out(f"Serving      {serving['requests_finished']}/{serving['requests']} requests in {serving['steps']} steps "
+            f"(seed {serving['seed']}, a model): {where}")
+    found = plan.get("search")
+    if found:
+        if found["gpu_memory_utilization"] is None:
+            out("Safe         no utilization serves without an OOM")
+        else:
+            kv = found["kv_cache_memory_bytes"]
+            out(f"Safe         --gpu-memory-utilization {found['gpu_memory_utilization']:.2f} at most "
+                f"(margin {format_bytes(found['margin_bytes'])}; limited by {found['limited_by']})"
+                + (f", or {found['kv_cache_memory_flag']} {kv}" if kv is not None else ""))
     if plan["refusals"]:
         for refusal in plan["refusals"]:
             out(f"Refused      {refusal['message']} [{refusal['cite']}]")
+    elif plan["will_fit"]:
+        out("Outcome      vLLM starts and fits")
     else:
-        out("Outcome      vLLM starts")
+        why = []
+        if (at_budget or {}).get("verdict", {}).get("state") == "critical":
+            why.append("the budget-time verdict is CRITICAL")
+        if serving and serving["oom"]:
+            why.append(f"the simulated run runs out of memory during {serving['where']}")
+        out(f"Outcome      vLLM's checks pass, but it will not fit: {'; '.join(why)}")
     for note in plan["uncertainty"]:
         out(f"Uncertain    {note}")

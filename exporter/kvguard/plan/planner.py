@@ -181,11 +181,18 @@ def _dtype_name(config: Mapping[str, Any]) -> str:
 
 def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str, device: DeviceSpec | None,
               block_size_for: Callable[[Era, int | None, Any], int], non_allocator_bytes: int | None = None,
-              measured_profile: Mapping[str, Any] | None = None) -> dict[str, Any]:
+              measured_profile: Mapping[str, Any] | None = None, serve: bool = True, search: bool = False,
+              seeds: tuple[int, ...] = (0,)) -> dict[str, Any]:
     """The plan as one JSON-able dict: ``kvguard budget --json``'s keys, then ``plan``.
 
     ``block_size_for(era, given, config)``: the block size the release runs (``kvguard.cli.options.
     block_size_for``, the rule ``kvguard budget`` applies: the era's default, vLLM's MLA block size on CUDA).
+
+    Whether it fits (``plan["at_budget"]``, ``plan["serving"]``, ``plan["search"]``, ``plan["will_fit"]``):
+    the guard's budget-time verdict at the decided budget (``predict_at_budget``, ``kvguard budget
+    --allocator``'s call); with ``serve``, the serving run of the scenario the prediction started
+    (``kvguard simulate``'s run, ``seeds[0]``); with ``search``, ``search_gpu_memory_utilization`` over
+    ``seeds`` (``kvguard simulate --search-utilization``).
     """
     try:
         era = era_for(release)
@@ -206,7 +213,8 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
     uncertainty: list[str] = []
     refusals: list[dict[str, str]] = []
     plan: dict[str, Any] = {"command": command.to_dict(), "device": device.to_dict() if device else None,
-                            "settings": settings.to_dict(), "refusals": refusals, "uncertainty": uncertainty}
+                            "settings": settings.to_dict(), "refusals": refusals, "uncertainty": uncertainty,
+                            "at_budget": None, "serving": None, "search": None, "will_fit": False}
     result: dict[str, Any] = {"vllm_version": release, "era": era.to_dict(), "block_bytes": None,
                               "max_model_len": settings.max_model_len, "plan": plan}
     try:
@@ -234,13 +242,14 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
         "tensor_parallel_size": settings.tensor_parallel_size, "tie_word_embeddings": shape.tie_word_embeddings,
         "experts": shape.num_experts, "source": "config.json (kvguard.sim.workload.weight_tensors)"}
 
+    scenario = None
     if measured_profile is not None:
         fields = dict(measured_profile)
         plan["profile_source"] = "measured (--profile)"
         non_allocator = None
     else:
         scenario, fields = _predicted_profile(config, settings, era, version, release, device_bytes,
-                                              non_allocator_bytes, plan)
+                                              non_allocator_bytes, plan, seeds[0])
         if fields is None:
             plan["will_start"] = False
             return result
@@ -275,7 +284,112 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
                 f"Decrease GPU memory utilization or reduce GPU memory used by other processes.")})
     _kv_refusals(decided.kv_cache_bytes, layout, settings.max_model_len, refusals)
     plan["will_start"] = not refusals
+    plan["at_budget"] = _at_budget(profile, layout, decided.kv_cache_bytes, era, release, non_allocator_bytes)
+    if scenario is not None and serve:
+        plan["serving"] = _serving(scenario, decided.kv_cache_bytes)
+    if scenario is not None and search:
+        plan["search"] = _search(scenario, seeds, era, settings, profile, layout, release, non_allocator,
+                                 non_allocator_bytes)
+    serving = plan["serving"]
+    plan["will_fit"] = (plan["will_start"] and plan["at_budget"].get("verdict", {}).get("state") != "critical"
+                        and not (serving and serving["oom"]))
     return result
+
+
+def _at_budget(profile: Profile, layout: KVLayout, kv_cache_bytes: int, era: Era, release: str,
+               non_allocator_bytes: int | None) -> dict[str, Any]:
+    """The guard's budget-time verdict at the decided budget under the release's allocator, with its VMM and
+    expandable-segments defaults: the call ``kvguard budget --allocator`` makes (kvguard.cli.budget.
+    _budget_time_verdict), so both give the same verdict for the same profile."""
+    from kvguard.allocators.mindspore_releases import vmm_on
+    from kvguard.guard.at_budget import predict_at_budget
+
+    allocator = era.allocator
+    enable_vmm = allocator == "mindspore" and vmm_on(None, launcher_vmm=era.vmm_default)
+    try:
+        return predict_at_budget(profile, layout, kv_cache_bytes, allocator, enable_vmm=bool(enable_vmm),
+                                 expandable_segments=expandable_segments_default(release, allocator),
+                                 non_allocator_bytes=non_allocator_bytes)
+    except ValueError as exc:
+        return {"allocator": allocator, "error": str(exc),
+                "verdict": {"state": "critical", "reasons": [{"code": "no_free_memory", "state": "critical",
+                                                              "message": str(exc)}]}}
+
+
+def _serving(scenario, decided_kv_cache_bytes: int) -> dict[str, Any]:
+    """The serving run of the scenario the prediction started (``ServingScenario.run``, ``kvguard simulate``'s
+    run): whether it runs out of memory, and where."""
+    result = scenario.run()
+    cfg = scenario.config
+    where = None
+    if result.oom:
+        where = f"serving step {result.oom_at_step}" if result.oom_at_step is not None else result.oom_phase
+    return {"oom": result.oom, "oom_phase": result.oom_phase, "oom_at_step": result.oom_at_step,
+            "oom_request_bytes": result.oom_request_bytes, "where": where, "error": result.error,
+            "budget": cfg.budget, "kv_cache_bytes": result.kv_cache_bytes, "num_blocks": result.num_blocks,
+            "kv_cache_bytes_differs_from_decided": (result.kv_cache_bytes is not None
+                                                    and result.kv_cache_bytes != decided_kv_cache_bytes),
+            "steps": result.steps, "requests": cfg.requests, "requests_finished": result.requests_finished,
+            "preemptions": result.preemptions, "seed": cfg.seed, "long_request_fraction": cfg.long_request_fraction,
+            "device_peak_used_bytes": result.device_peak_used_bytes,
+            "margin_bytes": result.device_total_bytes - result.device_peak_used_bytes,
+            "source": "kvguard.sim.scenario.ServingScenario.run (kvguard simulate's serving run), a model"}
+
+
+def _search(scenario, seeds: tuple[int, ...], era: Era, settings: Settings, profile: Profile, layout: KVLayout,
+            release: str, non_allocator: int | None, non_allocator_bytes: int | None) -> dict[str, Any]:
+    """The highest --gpu-memory-utilization (0.01 steps) at which the plan says the deployment fits: every
+    seed serves without an OOM (``search_gpu_memory_utilization``, ``kvguard simulate --search-utilization``),
+    vLLM's startup checks pass, and the budget-time verdict is not critical; the budget there (the era's
+    formula on the same profile), and the margin it keeps: the device memory the serving runs at that
+    utilization never touched (the least over ``seeds``)."""
+    from kvguard.sim.scenario import run_scenario, search_gpu_memory_utilization
+
+    found = search_gpu_memory_utilization(scenario.config, seeds)
+    out: dict[str, Any] = {"seeds": list(seeds), "requested_gpu_memory_utilization": settings.gpu_memory_utilization,
+                           "serving_gpu_memory_utilization": found.gpu_memory_utilization,
+                           "recommended_gpu_memory_utilization": found.recommended_gpu_memory_utilization,
+                           "gpu_memory_utilization": None, "limited_by": None, "kv_cache_memory_bytes": None,
+                           "kv_cache_memory_flag": era.kv_cache_memory_flag, "margin_bytes": None}
+    if found.gpu_memory_utilization is not None:
+        top = round(found.gpu_memory_utilization * 100)
+        for hundredths in range(top, 0, -1):
+            why = _unfit_at(hundredths / 100, settings, profile, layout, era, release, non_allocator,
+                            non_allocator_bytes)
+            if isinstance(why, str):
+                out["limited_by"] = out["limited_by"] or why
+                continue
+            out["gpu_memory_utilization"] = hundredths / 100
+            out["limited_by"] = out["limited_by"] or "the serving simulation"
+            if era.kv_cache_memory_flag is not None:
+                out["kv_cache_memory_bytes"] = why
+            out["margin_bytes"] = min(
+                run.device_total_bytes - run.device_peak_used_bytes
+                for run in (run_scenario(scenario.config, gpu_memory_utilization=hundredths / 100, seed=seed)
+                            for seed in seeds))
+            break
+    out["source"] = ("kvguard.sim.scenario.search_gpu_memory_utilization (kvguard simulate --search-utilization), "
+                     "then vLLM's startup checks and the budget-time verdict at each step down")
+    return out
+
+
+def _unfit_at(utilization: float, settings: Settings, profile: Profile, layout: KVLayout, era: Era, release: str,
+              non_allocator: int | None, non_allocator_bytes: int | None) -> int | str:
+    """The KV cache the release decides at ``utilization`` from the same profile, or why the plan would not
+    fit there: a startup refusal (free memory below the request, no or too little KV cache memory) or a
+    critical budget-time verdict."""
+    at = dataclasses.replace(profile, gpu_memory_utilization=utilization, kv_cache_memory_bytes=None)
+    kv_cache_bytes = estimate(at, layout, settings.max_model_len).stock.kv_cache_bytes
+    refusals: list[dict[str, str]] = []
+    if non_allocator is not None and at.total_memory_bytes - non_allocator < requested_memory_bytes(at):
+        return "vLLM's startup checks"
+    _kv_refusals(kv_cache_bytes, layout, settings.max_model_len, refusals)
+    if refusals:
+        return "vLLM's startup checks"
+    verdict = _at_budget(at, layout, kv_cache_bytes, era, release, non_allocator_bytes)
+    if verdict.get("verdict", {}).get("state") == "critical":
+        return "the budget-time verdict"
+    return kv_cache_bytes
 
 
 def _gib(n_bytes: float) -> float:
@@ -304,18 +418,23 @@ def _kv_refusals(available: int, layout: KVLayout, max_model_len: int, refusals:
 
 
 def _predicted_profile(config, settings: Settings, era: Era, version, release: str, device_bytes: int,
-                       non_allocator_bytes: int | None, plan: dict[str, Any]):
+                       non_allocator_bytes: int | None, plan: dict[str, Any], seed: int = 0):
     """Startup on the simulated device (kvguard simulate's path): the profile vLLM's memory_profiling would
     read, as the era's profile fields; (scenario, None) after an out-of-memory error (in plan's refusals)."""
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 
+    from kvguard.budget.estimator import FORMULAS
+
     allocator = era.allocator
+    # The serving run's budget: the release's reserved-increase fix where its formula takes the reserved peak
+    # (vllm-mindspore 0.2.0), else vLLM's allocated-peak one. The workload: simulate's default request mix.
+    budget = "reserved" if FORMULAS[era.formula].peak == "reserved" else "stock"
     try:
         scenario_config = ScenarioConfig(
             model_config=config, device_memory_bytes=device_bytes,
-            gpu_memory_utilization=settings.gpu_memory_utilization, allocator=allocator, budget="stock",
+            gpu_memory_utilization=settings.gpu_memory_utilization, allocator=allocator, budget=budget,
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
-            max_num_seqs=settings.max_num_seqs, requests=1, block_size=settings.block_size,
+            max_num_seqs=settings.max_num_seqs, seed=seed, block_size=settings.block_size,
             kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel_size=settings.tensor_parallel_size,
             non_allocator_bytes=non_allocator_bytes,
             expandable_segments=expandable_segments_default(release, allocator),
