@@ -524,8 +524,11 @@ def _int(text: str) -> int:
 
 
 _CONVERT = {"gib": _gib, "int": _int, "float": _number}
-# Facts every worker states for itself: the engine keeps the smallest (its KV cache fits every rank).
-_SMALLEST = ("_available_profiled", "kv_cache_tokens")
+# Facts every worker states for itself: the engine keeps the smallest (its KV cache fits every rank; the rank
+# with the least free memory is the one that refuses: v1/worker/utils.py 0.14.0:253-273 request_memory, called by
+# each worker from gpu_worker.py 0.14.0:234 init_device, raises on its own rank's
+# free memory, so a log of several ranks, or several attempts, is judged by its worst).
+_SMALLEST = ("_available_profiled", "kv_cache_tokens", "init_free_memory_bytes")
 
 
 def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
