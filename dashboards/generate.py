@@ -454,8 +454,9 @@ def build(config: dict | None = None) -> model.Dashboard:
              .readonly()     # generated: change dashboards/generate.py, not the dashboard in Grafana
              .time("now-1h", "now").refresh("30s").timezone("browser")
              .tooltip(model.DashboardCursorSync.CROSSHAIR)
+             # The runbook every sidecar serves (kvguard/runbook.md at /runbook), on the instance selected.
              .link(dash.DashboardLink("Runbook").type(model.DashboardLinkType.LINK)
-                   .url("https://github.com/kvguard/kvguard/blob/main/docs/runbook.md").target_blank(True)
+                   .url("http://${instance}/runbook").target_blank(True)
                    .icon("doc"))
              .annotation(alerts_annotation())
              .variables(variables()))

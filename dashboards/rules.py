@@ -11,7 +11,8 @@
 The config, with DEFAULTS below as its defaults:
   jobSelector   label matchers added to every kvguard series the rules read, and to up{}
   runbookUrl    the runbook link of each alert; %s is the alert name in lower case
-                (kube-prometheus' runbookURLPattern)
+                (kube-prometheus' runbookURLPattern). Empty: the default, RUNBOOK_URL below: the
+                runbook every sidecar serves (/runbook/<alertname>), on the target the alert names
   thresholds    the numbers the alerts compare against, by name
   for           each alert's `for` duration, by alert name
   deviceJoins   label matchers on the other exporters' series the join rules read:
@@ -344,7 +345,9 @@ Names follow level:metric:operations.
               Group("kvguard.rules.namespace", NAMESPACE))),
     RuleFile("kvguard-alerts.yaml", """\
 kvguard alerting rules. Tested by dashboards/tests/kvguard-alerts.test.yaml (promtool test rules);
-every alert's runbook is a section of docs/runbook.md.
+every alert's runbook is a section of exporter/kvguard/runbook.md, which every sidecar serves at
+/runbook/<alertname>: runbook_url points there, on the instance the alert names (see RUNBOOK_URL in
+dashboards/rules.py; set runbookUrl for a host of your own).
 
 Per-rank alerts carry the rank labels of docs/metrics.md (device, rank, pid, pod, namespace,
 container) plus the scrape's job and instance; instance tells hosts apart outside Kubernetes,
@@ -376,9 +379,21 @@ many-to-many match that fails the whole rule: they drop out of the join instead.
              (Group("kvguard.rules.device-joins", DEVICE_JOINS),), chart=JOINS_CHART_TEMPLATE),
 )
 
+# The default runbook link: the runbook the sidecar serves (kvguard.sidecar.server, /runbook/<alertname>),
+# on the target the alert names ($labels.instance, host:port of the scrape). The per-engine alerts
+# (KVGuardOOMRiskCritical, KVGuardHeadroomLow) aggregate instance away: for them, the instance of the
+# engine's rank in the worst guard state (the pod whose /guard says why), asked of Prometheus with the
+# template functions query, first and label (prometheus/prometheus docs/configuration/template_reference.md,
+# "Queries"; every rank the guard judges exports kvguard_guard_severity). Annotations are templates in Prometheus and
+# promtool alike, so dashboards/tests checks the URLs it makes. No `|`, so it fits a markdown table cell.
+RUNBOOK_URL = ('http://{{ if $labels.instance }}{{ $labels.instance }}{{ else }}'
+               '{{ with query (print "topk(1, kvguard_guard_severity{job=\\"" $labels.job "\\",namespace=\\"" $labels.namespace '
+               '"\\",engine_id=\\"" $labels.engine_id "\\"})") }}{{ label "instance" (first .) }}{{ end }}{{ end }}'
+               '/runbook/%s')
+
 DEFAULTS = {
     "jobSelector": 'job=~".*kvguard.*"',
-    "runbookUrl": "https://github.com/kvguard/kvguard/blob/main/docs/runbook.md#%s",
+    "runbookUrl": RUNBOOK_URL,
     "thresholds": {
         # kvguard_kv_cache_overcommit_bytes above this: vLLM's KV cache is larger than the budget.
         "overcommitBytes": 0,
@@ -425,6 +440,8 @@ def merge(config: dict | None) -> dict:
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))} (known: {', '.join(DEFAULTS)})")
     for key, value in config.items():
+        if key == "runbookUrl" and value == "":     # the chart's default: its Service, else RUNBOOK_URL
+            continue
         if isinstance(DEFAULTS[key], dict):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: expected a map, got {type(value).__name__}")
@@ -568,9 +585,12 @@ def comment_lines(text: str, indent: int) -> list[str]:
     return [f"{pad}# {line}" for line in textwrap.wrap(text, width=100 - indent)]
 
 
-def render_file(rule_file: RuleFile, config: dict | None, header: str) -> str:
-    """The file's groups as YAML text, in a fixed layout with the table's comments."""
-    lines = [f"# {line}".rstrip() for line in header.split("\n")] + ["groups:"]
+def render_file(rule_file: RuleFile, config: dict | None, header: str, before: dict | None = None) -> str:
+    """The file's groups as YAML text, in a fixed layout with the table's comments; before: top-level
+    keys written ahead of groups (the chart template's default runbook URL)."""
+    before = before or {}
+    lines = [f"# {line}".rstrip() for line in header.split("\n")]
+    lines += [f"{key}: {scalar(value, 2)}" for key, value in before.items()] + ["groups:"]
     table = {g.name: g for g in rule_file.groups}
     for index, group in enumerate(groups(rule_file, config)):
         if index:
@@ -591,7 +611,7 @@ def render_file(rule_file: RuleFile, config: dict | None, header: str) -> str:
                 else:
                     lines.append(f"{lead}{key}: {scalar(value, 10)}")
     text = "\n".join(lines) + "\n"
-    if yaml.safe_load(text) != {"groups": groups(rule_file, config)}:       # the layout must not change meaning
+    if yaml.safe_load(text) != {**before, "groups": groups(rule_file, config)}:       # the layout must not change meaning
         raise AssertionError(f"{rule_file.name}: the YAML written does not read back as the rules")
     return text
 
@@ -611,7 +631,13 @@ def outputs(config: dict | None = None, output_dir: str = RULES_DIR, chart: bool
                       ".Values.prometheusRule. Generated by dashboards/rules.py; change the rules there, not here.")
             # One groups: list over the files that go into this template, in FILES order.
             groups_ = sum((f.groups for f in FILES if f.chart == template), ())
-            result[template] = render_file(RuleFile(os.path.basename(template), header, groups_), None, header)
+            before = {}
+            if any(isinstance(rule, Alert) for group in groups_ for rule in group.rules):
+                header += ("\nrunbookUrl: the default pattern (RUNBOOK_URL), which the chart uses where "
+                           "prometheusRule.runbookUrl\nis empty and the release has no Service of its own.")
+                before = {"runbookUrl": DEFAULTS["runbookUrl"]}
+            result[template] = render_file(RuleFile(os.path.basename(template), header, groups_), None, header,
+                                           before)
     return result
 
 

@@ -21,8 +21,8 @@ JOINS_FILE = os.path.join(RULES_DIR, "kvguard-joins.yaml")
 RULE_FILES = (ALERTS_FILE, RECORDING_FILE, JOINS_FILE)
 PROMTOOL_TESTS = os.path.join(DASHBOARDS, "tests")
 METRICS_DOC = os.path.join(ROOT, "docs", "metrics.md")
-RUNBOOK = os.path.join(ROOT, "docs", "runbook.md")
-RUNBOOK_BASE_URL = "https://github.com/kvguard/kvguard/blob/main/docs/runbook.md"
+# The runbook ships in the package; the sidecar serves it at /runbook (kvguard.sidecar.server).
+RUNBOOK = os.path.join(ROOT, "exporter", "kvguard", "runbook.md")
 
 # A kvguard metric name standing alone: not part of a recording rule's level:name:op.
 KVGUARD_METRIC = re.compile(r"(?<![\w:])(kvguard_[a-z0-9_]+)(?![\w:])")

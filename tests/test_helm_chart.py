@@ -25,7 +25,7 @@ import yaml
 from conftest import ROOT
 from monitoring import (
     ALERTS_FILE, CUSTOM_RULES_VALUES, DASHBOARD_JSON, DASHBOARDS, JOINS_FILE, KVGUARD_METRIC, RECORDING_FILE, RULE_FILES,
-    RULES_DIR, custom_rules_config, documented_serve_flags, documented_serve_port, rules_generator,
+    RULES_DIR, alerts, custom_rules_config, documented_serve_flags, documented_serve_port, rules_generator,
 )
 
 CHART = os.path.join(ROOT, "helm", "kvguard")
@@ -337,7 +337,8 @@ def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_
 
 def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
     # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
-    values = {"prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
+    # Mode cluster: no Service, so the runbook links are the generator's default too.
+    values = {"mode": "cluster", "prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
     (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
     written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
     docs = render(str(tmp_path / "empty.yaml"))
@@ -389,11 +390,48 @@ def test_one_threshold_set_on_the_command_line_moves_only_its_alert():
     "prometheusRule.for.KVGuardAllocatorOOMs=5m",
     "prometheusRule.for.KVGuardHeadroomLow=ten",
     "prometheusRule.runbookUrl=https://runbooks.example.com/kvguard",
+    "prometheusRule.runbookUrl=https://runbooks.example.com/%s/%s.html",
 ])
 def test_bad_prometheus_rule_values_are_refused_by_the_schema(setting):
     result = helm(*template_args(None, "--set", setting))
     assert result.returncode != 0
     assert SCHEMA_ERROR in result.stderr
+
+
+def _runbook_urls(docs: list[dict]) -> dict[str, str]:
+    return {rule["alert"]: rule["annotations"]["runbook_url"]
+            for rule in _rules_by_name(prometheus_rule(docs)["spec"]["groups"]).values() if "alert" in rule}
+
+
+@pytest.mark.parametrize("extra, scheme", [
+    ((), "http"),
+    (("--set", "fullnameOverride=guard", "--set", "kvguard.port=9400"), "http"),
+    (("--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=kvguard-tls"), "https"),
+], ids=["defaults", "renamed", "tls"])
+def test_runbook_urls_default_to_the_runbook_the_releases_own_service_serves(extra, scheme):
+    docs = render(None, "--set", "prometheusRule.enabled=true", *extra)
+    service = only(docs, "Service")
+    (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "metrics"]
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}"
+    urls = _runbook_urls(docs)
+    assert set(urls) == {a["alert"] for a in alerts()}
+    assert urls == {name: f"{scheme}://{host}/runbook/{name.lower()}" for name in urls}
+
+
+def test_a_runbook_url_value_overrides_the_service_default():
+    urls = _runbook_urls(render(None, "--set", "prometheusRule.enabled=true",
+                                "--set", "prometheusRule.runbookUrl=https://wiki.example.com/ops/%s#fix"))
+    assert urls == {name: f"https://wiki.example.com/ops/{name.lower()}#fix" for name in urls}
+
+
+@pytest.mark.parametrize("extra", [CLUSTER, ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false")],
+                         ids=["cluster", "no-service"])
+def test_without_a_service_runbook_urls_are_the_generators_default_on_the_alerts_instance(extra):
+    docs = render(None, *extra)
+    assert [d for d in docs if d["kind"] == "Service"] == []
+    urls = _runbook_urls(docs)
+    assert urls == {name: rules_generator().RUNBOOK_URL % name.lower() for name in urls}
+    assert all(url.startswith("http://{{ if $labels.instance }}{{ $labels.instance }}") for url in urls.values())
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():

@@ -73,7 +73,20 @@ def test_the_default_output_is_the_committed_files(tmp_path):
 def test_chart_values_defaults_are_the_generators_defaults():
     values = load_yaml(VALUES)["prometheusRule"]
     values["deviceJoins"].pop("enabled")
-    assert {k: v for k, v in values.items() if k not in GENERATOR.CHART_ONLY} == GENERATOR.DEFAULTS
+    # Except the runbook link: empty, the chart's own default (its Service; tests/test_helm_chart.py).
+    assert values.pop("runbookUrl") == ""
+    defaults = {k: v for k, v in GENERATOR.DEFAULTS.items() if k != "runbookUrl"}
+    assert {k: v for k, v in values.items() if k not in GENERATOR.CHART_ONLY} == defaults
+
+
+def test_an_empty_runbook_url_is_the_default(tmp_path):
+    assert generated(tmp_path / "empty", {"runbookUrl": ""}) == generated(tmp_path / "default")
+
+
+def test_the_chart_template_carries_the_default_runbook_url_for_releases_without_a_service():
+    assert load_yaml(GENERATOR.CHART_TEMPLATE)["runbookUrl"] == GENERATOR.RUNBOOK_URL == \
+        GENERATOR.DEFAULTS["runbookUrl"]
+    assert "runbookUrl" not in load_yaml(GENERATOR.JOINS_CHART_TEMPLATE)     # no alerts there
 
 
 def test_chart_schema_names_exactly_the_configs_thresholds_and_alerts():
@@ -197,7 +210,7 @@ def test_thresholds_are_written_as_promql_numbers():
     ("JOINS_CHART_TEMPLATE", {"jobSelector"} | {f"deviceJoins.{name}" for name in GENERATOR.DEFAULTS["deviceJoins"]}),
 ])
 def test_each_chart_template_keeps_its_placeholders_and_nothing_else_of_the_config(template, expected):
-    text = str(load_yaml(getattr(GENERATOR, template)))     # the rules, not the header's comments
+    text = str(load_yaml(getattr(GENERATOR, template))["groups"])   # the rules, not the header's comments
     assert set(re.findall(r"\$\{([^}]+)\}", text)) == expected
     assert "kvguard.*" not in text and "github.com" not in text
 
@@ -215,7 +228,7 @@ def alert_table(path: str) -> dict[str, tuple[str, str]]:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        match = re.fullmatch(r"\[?(KVGuard\w+)(?:\]\(runbook\.md#\w+\))?", cells[0]) if len(cells) >= 4 else None
+        match = re.fullmatch(r"\[?(KVGuard\w+)(?:\]\([\w./]*runbook\.md#\w+\))?", cells[0]) if len(cells) >= 4 else None
         if match:
             rows[match.group(1)] = (cells[2], cells[3])
     return rows
@@ -226,3 +239,8 @@ def test_the_docs_alert_tables_give_the_default_for_and_severity_of_every_alert(
     rules = load_yaml(ALERTS_FILE)["groups"][0]["rules"]
     expected = {a["alert"]: (GENERATOR.DEFAULTS["for"].get(a["alert"], "—"), a["labels"]["severity"]) for a in rules}
     assert alert_table(os.path.join(ROOT, doc)) == expected
+
+
+def test_the_docs_show_the_default_runbook_url_as_the_generator_writes_it():
+    with open(os.path.join(ROOT, "docs", "dashboards.md"), encoding="utf-8") as handle:
+        assert f"  {GENERATOR.RUNBOOK_URL}\n" in handle.read()

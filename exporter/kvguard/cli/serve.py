@@ -115,7 +115,7 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
               help="Address to bind: an IPv4 address, or an IPv6 one (\"::\" or \"[::]\": every address, IPv6 and IPv4 "
                    "where the host maps them, for dual-stack and IPv6-only clusters).")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
-              help="Port to serve /metrics, /healthz, /readyz and /guard on.")
+              help="Port to serve /metrics, /healthz, /readyz, /guard and /runbook on.")
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
               help="Where the probes write snapshots [env KVGUARD_SPOOL_DIR; default: no spool is read, "
                    "with --demo a new directory under /dev/shm or the temporary directory].")
@@ -222,7 +222,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
 def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo_ranks, interval,
               requested_interval) -> None:
     say = lambda text: click.echo(text, err=True)   # noqa: E731 - stdout stays free for pipes
-    say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz)")
+    say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz, /runbook)")
     say(f"  spool {spool_dir or 'none'}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
         + (f"; vLLM {vllm_metrics_url}" if vllm_metrics_url else "") + (f"; log {log_file}" if log_file else ""))
     if demo:

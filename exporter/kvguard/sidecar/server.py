@@ -1,4 +1,5 @@
-"""The sidecar's HTTP endpoints: /metrics, /healthz, /readyz, /guard, a landing page at /; 404 for anything else.
+"""The sidecar's HTTP endpoints: /metrics, /healthz, /readyz, /guard, the runbook at /runbook and
+/runbook/<alertname>, a landing page at /; 404 for anything else.
 
 The peer is untrusted (``/metrics`` listens on 0.0.0.0 in a pod with a 256 MiB limit), so memory
 and threads are bounded whatever it sends:
@@ -12,9 +13,9 @@ and threads are bounded whatever it sends:
 - a head must arrive within ``header_timeout`` seconds of its first byte, and an idle keep-alive
   connection is closed after ``idle_timeout``;
 - the same thread answers what is cheap (``/healthz``, ``/readyz`` and ``/metrics`` once made for
-  this refresh, errors, 401, 429, the landing page) and writes every answer without blocking: each
-  connection keeps its unsent output (the shared chunks, not copies) and is not read while that
-  is over ``output_limit``, until it drains; output unsent ``request_timeout`` seconds after it
+  this refresh, errors, 401, 429, the landing page, the runbook) and writes every answer without
+  blocking: each connection keeps its unsent output (the shared chunks, not copies) and is not read
+  while that is over ``output_limit``, until it drains; output unsent ``request_timeout`` seconds after it
   was queued closes the connection. A peer that never reads holds its own connection, nothing else;
 - what is not cheap (a /metrics or /guard build, /readyz after a refresh) goes to a pool of
   ``workers`` threads, /readyz first; pipelined requests are taken one at a time per connection,
@@ -50,8 +51,11 @@ kubelet can reach them without credentials.
 from __future__ import annotations
 
 import base64
+import functools
 import heapq
 import hmac
+import html
+import importlib.resources
 import itertools
 import queue
 import re
@@ -330,6 +334,8 @@ class Application:
             return BUILD
         if path == "/":
             return Response(200, landing_page(), "text/html; charset=utf-8")
+        if path == "/runbook" or path.startswith("/runbook/"):
+            return runbook_response(path[len("/runbook/"):] if path != "/runbook" else None)
         return _text(404, "not found\n")
 
     def build(self, request: Request) -> Response:
@@ -1079,6 +1085,7 @@ class KVGuardServer:
 
 
 _LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),
+                  ("runbook", "what each alert means and what to do, one section per alert"),
                   ("healthz", "liveness"), ("readyz", "readiness"))
 
 
@@ -1093,3 +1100,72 @@ def landing_page() -> bytes:
     return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head><meta charset=\"utf-8\"><title>kvguard</title></head>\n"
             f"<body>\n<h1>kvguard</h1>\n<p>Allocator memory exporter and KV-cache OOM guard for LLM serving. "
             f"Version {__version__}.</p>\n<ul>\n{items}\n</ul>\n</body>\n</html>\n").encode()
+
+
+# ------------------------------------------------------------------------------ the runbook
+
+RUNBOOK_RESOURCE = "runbook.md"     # package data of kvguard (pyproject.toml), one section per alert
+_HEADING = re.compile(r"^(#{1,2}) +(.+?) *$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RunbookPages:
+    whole: bytes
+    sections: Mapping[str, bytes]   # alert name in lower case -> its section's page
+
+
+@functools.cache
+def runbook_pages(resource: str = RUNBOOK_RESOURCE) -> RunbookPages | None:
+    """The packaged runbook as HTML pages, read once; None when the install lacks it."""
+    try:
+        text = importlib.resources.files("kvguard").joinpath(resource).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    # Split before each "## " heading: the preamble, then one part per alert.
+    starts = [m.start() for m in _HEADING.finditer(text) if m.group(1) == "##"]
+    parts = [text[a:b] for a, b in zip([0, *starts], [*starts, len(text)])]
+    sections = {}
+    for part in parts[1:]:
+        name = _HEADING.match(part).group(2)
+        sections[name.lower()] = _runbook_html(f"kvguard runbook: {name}", part,
+                                               '<p><a href="../runbook">The whole runbook</a></p>\n')
+    return RunbookPages(_runbook_html("kvguard runbook", text), sections)
+
+
+def _runbook_html(title: str, markdown: str, lead: str = "") -> bytes:
+    """markdown as a page: its headings as headings (with an id, so #anchors work; on the whole
+    runbook, each alert's linked to its own page), the text between them as it is, escaped, in <pre>.
+    Links are relative, so they work behind a path prefix."""
+    body, at = [], 0
+    for match in _HEADING.finditer(markdown):
+        body.append(_pre(markdown[at:match.start()]))
+        level, name = len(match.group(1)), html.escape(match.group(2))
+        if level == 2:
+            slug = html.escape(match.group(2).lower(), quote=True)
+            body.append(f'<h2 id="{slug}">{name}</h2>\n' if lead else
+                        f'<h2 id="{slug}"><a href="runbook/{slug}">{name}</a></h2>\n')
+        else:
+            body.append(f"<h1>{name}</h1>\n")
+        at = match.end()
+    body.append(_pre(markdown[at:]))
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
+            "<style>pre { white-space: pre-wrap; font-family: inherit; }</style></head>\n<body>\n"
+            f"{lead}{''.join(body)}</body>\n</html>\n").encode("utf-8")
+
+
+def _pre(text: str) -> str:
+    text = text.strip("\n")
+    return f"<pre>{html.escape(text)}</pre>\n" if text.strip() else ""
+
+
+def runbook_response(name: str | None) -> Response:
+    """GET /runbook (name None) or /runbook/<alertname>, the name in any case."""
+    pages = runbook_pages(RUNBOOK_RESOURCE)
+    if pages is None:
+        return _text(404, "the runbook is not installed with this kvguard\n")
+    if name is None:
+        return Response(200, pages.whole, "text/html; charset=utf-8")
+    page = pages.sections.get(name.lower())
+    if page is None:
+        return _text(404, f"no runbook section for {name[:100]!r}\n")
+    return Response(200, page, "text/html; charset=utf-8")

@@ -59,6 +59,13 @@ app.kubernetes.io/part-of: kvguard
 {{- end }}
 {{- end }}
 
+{{/*
+"true" where the release renders its Service (templates/service.yaml), else "".
+*/}}
+{{- define "kvguard.serviceEnabled" -}}
+{{- if and .Values.service.enabled (has .Values.mode (list "sidecar" "daemonset" "leaderworkerset" "servingruntime")) }}true{{ end }}
+{{- end }}
+
 {{- define "kvguard.scheme" -}}
 {{- if or .Values.kvguard.tls.enabled (and .Values.kvguard.webConfig.enabled .Values.kvguard.webConfig.tls) }}https{{ else }}http{{ end }}
 {{- end }}

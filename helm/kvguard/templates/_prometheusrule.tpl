@@ -7,7 +7,11 @@ fills them as the generator fills them from its DEFAULTS (which values.yaml mirr
   ${thresholds.NAME}       prometheusRule.thresholds.NAME, integral values written without a fraction
   ${deviceJoins.NAME}      prometheusRule.deviceJoins.NAME (the exporters' selectors)
   ${for}                   prometheusRule.for.<the alert's name>
-  ${runbookUrl}            printf prometheusRule.runbookUrl <the alert's name in lower case>
+  ${runbookUrl}            printf prometheusRule.runbookUrl <the alert's name in lower case>; empty (the
+                           default): the runbook the release's own Service serves,
+                           <scheme>://<fullname>.<namespace>.svc:<kvguard.port>/runbook/%s, or where the
+                           release has no Service (mode cluster, service.enabled false) the template
+                           file's runbookUrl (dashboards/rules.py's RUNBOOK_URL: the alert's instance)
 then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}` to `}`, `name{}` to
 `name`. Substitution happens in the parsed strings, so a value's quotes cannot break the YAML.
 Alerts named in prometheusRule.disabled (true) are left out; prometheusRule.customRules.<alert>.severity
@@ -24,6 +28,14 @@ as rules.py's kept() and filled() do.
 {{- $parsed := fromYaml $text }}
 {{- if hasKey $parsed "Error" }}
 {{- fail (printf "%s: %s" $path (get $parsed "Error")) }}
+{{- end }}
+{{- $runbookUrl := toString (default "" $config.runbookUrl) }}
+{{- if not $runbookUrl }}
+{{- if include "kvguard.serviceEnabled" .root }}
+{{- $runbookUrl = printf "%s://%s.%s.svc:%v/runbook/%%s" (include "kvguard.scheme" .root) (include "kvguard.fullname" .root) .root.Release.Namespace .root.Values.kvguard.port }}
+{{- else }}
+{{- $runbookUrl = toString (get $parsed "runbookUrl") }}
+{{- end }}
 {{- end }}
 {{- $common := dict "${jobSelector}" (toString $config.jobSelector) }}
 {{- range $name, $value := $config.thresholds }}
@@ -44,7 +56,7 @@ as rules.py's kept() and filled() do.
 {{- if not (and (hasKey $rule "alert") (index (default (dict) $config.disabled) $rule.alert)) }}
 {{- $values := deepCopy $common }}
 {{- if hasKey $rule "alert" }}
-{{- $_ := set $values "${runbookUrl}" (printf $config.runbookUrl (lower $rule.alert)) }}
+{{- $_ := set $values "${runbookUrl}" (printf $runbookUrl (lower $rule.alert)) }}
 {{- if hasKey $rule "for" }}
 {{- if not (hasKey $config.for $rule.alert) }}
 {{- fail (printf "prometheusRule.for.%s is missing" $rule.alert) }}
