@@ -62,6 +62,9 @@ setup_test() {
     step "kvguard and the test packages into $VENV ($TORCH CPU build, mindspore CPU; about 2 GB the first time)"
     "$VENV/bin/python" -m pip install -q --retries 1 --extra-index-url "$TORCH_INDEX" "$TORCH"
     "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "$TORCH"
+    # MindSpore's GPU and Ascend backends (2 of its 2.5 GB) load only on those devices: left out, as the
+    # vllm-mindspore environment leaves them out of its own copy.
+    python3 tests/mindspore_real/envs.py strip "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >&2
     # Real vLLM releases for tests/test_vllm_real.py: one small environment per pinned release
     # (pip install --no-deps vllm==X plus its pinned pure-Python imports), cached outside the clone
     # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
@@ -97,6 +100,11 @@ setup_test() {
         step "the Prometheus operator's CRD schemas from the npm registry into $TOOLS/node"
         npm install --silent --no-audit --no-fund --prefix "$TOOLS/node" "@kubernetes-models/prometheus-operator@6.0.0" >/dev/null
     fi
+    # Disk: the big wheels (vLLM's, MindSpore's) are dropped once unpacked, their names kept so nothing is
+    # rebuilt; files the environments and $VENV share byte for byte (torch, numpy, transformers, ...) become
+    # hard links to one copy.
+    step "disk: retiring unpacked wheels, linking duplicate files"
+    python3 oracles/cache.py slim "$VENV" >&2
     step "setup done; running pytest (about 2,500 tests)"
 }
 

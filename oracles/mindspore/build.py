@@ -34,7 +34,7 @@ import sys
 import time
 import zipfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
+from cache import cache_root, find_wheel, wheel_size  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
 HERE = pathlib.Path(__file__).resolve().parent
 HARNESS = HERE / "ms_pool_oracle.cc"
@@ -77,10 +77,12 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _wheel(version: str) -> pathlib.Path:
+def _wheel(version: str, fetch: bool = False) -> pathlib.Path:
+    """The release's wheel, downloaded once; once the oracle is built it may be retired (oracles/cache.py:
+    its name and size kept, its bytes dropped), and ``fetch`` downloads it again for a build."""
     wheels = cache_root() / "wheels"
     pattern = f"mindspore-{version}-cp311-cp311-*x86_64.whl"
-    found = sorted(wheels.glob(pattern))
+    found = [path] if (path := find_wheel(wheels, pattern)) is not None and (path.exists() or not fetch) else []
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
         proc = _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -250,7 +252,7 @@ def build(version: str) -> tuple[str, str]:
     """Build one release's oracle: ("built" | "ready" | "failed", detail)."""
     out = oracle_dir(version)
     wheel = _wheel(version)
-    digest = _digest(wheel.name, str(wheel.stat().st_size), HARNESS.read_text(), pathlib.Path(__file__).read_text())
+    digest = _digest(wheel.name, str(wheel_size(wheel)), HARNESS.read_text(), pathlib.Path(__file__).read_text())
     marker, failed = out / MARKER, out / FAILED
     if marker.is_file() and marker.read_text().strip() == digest and (out / "ms_pool_oracle").exists():
         return "ready", str(out / "ms_pool_oracle")
@@ -260,7 +262,7 @@ def build(version: str) -> tuple[str, str]:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     try:
-        libs, missing = _extract(wheel, out / "wheel")
+        libs, missing = _extract(_wheel(version, fetch=True), out / "wheel")
         stubs = _stand_ins(libs, missing, out / "stand-ins")
         _compile(out / "wheel", out / "stand-ins", out / "ms_pool_oracle", _linked(libs))
         _smoke(out / "ms_pool_oracle")

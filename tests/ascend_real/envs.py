@@ -100,6 +100,7 @@ def _vllm_base(version: str) -> pathlib.Path:
     vllm_envs._run([sys.executable, "-m", "venv", "--without-pip", env])
     (vllm_envs._site_packages(env) / "_kvguard_base.pth").write_text(f"{vllm_envs._site_packages(base)}\n")
     python = env / "bin" / "python"
+    wheel = vllm_envs._wheel("vllm", version, fetch=True)
     wheels = vllm_envs.wheels_dir()
     install = vllm_envs._pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel, *pinned)
     if subprocess.run([str(c) for c in install], capture_output=True).returncode != 0:

@@ -18,6 +18,7 @@ stands it in by CPU torch (standins/msadapter.py).
 
     python3 tests/mindspore_real/envs.py setup [vllm-mindspore:Y ...]   build (or check) the env
     python3 tests/mindspore_real/envs.py python vllm-mindspore:Y        print the env's python, if ready
+    python3 tests/mindspore_real/envs.py strip SITE_PACKAGES            the same backends out of an installed MindSpore
 """
 
 from __future__ import annotations
@@ -96,6 +97,24 @@ def _unpack_mindspore(wheel: pathlib.Path, env: pathlib.Path) -> None:
                 target.chmod(mode)
 
 
+def strip_installed(site: pathlib.Path) -> int:
+    """An installed MindSpore (kvguard's venv, pip-installed for tests/test_sources_mindspore.py) less what
+    _unpack_mindspore leaves out: 2.0 of MindSpore 2.10.0's 2.5 GB, which only an NPU or GPU loads; bytes freed."""
+    freed = 0
+    package = site / "mindspore"
+    if not package.is_dir():
+        return 0
+    for path in sorted(package.rglob("*"), reverse=True):
+        name = path.relative_to(site).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if name.startswith(_MINDSPORE_SKIP) and not any(path.iterdir()):
+                path.rmdir()
+        elif name.startswith(_MINDSPORE_SKIP) or name.endswith(".a"):
+            freed += path.lstat().st_size
+            path.unlink()
+    return freed
+
+
 def setup(release: str) -> tuple[pathlib.Path, bool]:
     """Build the release's env if its inputs changed; return (env, built)."""
     if release not in RELEASES:
@@ -122,7 +141,7 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
     if subprocess.run([str(c) for c in install], capture_output=True, check=False).returncode != 0:
         vllm_envs._run(vllm_envs._pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels, *pinned))
         vllm_envs._run(install)
-    _unpack_mindspore(mindspore, env)
+    _unpack_mindspore(vllm_envs._wheel("mindspore", MINDSPORE, fetch=True), env)
     (env / MARKER).write_text(want)
     return env, True
 
@@ -130,6 +149,10 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[1] == "python":
         return vllm_envs.print_python(env_python(argv[2]), argv[2])
+    if len(argv) == 3 and argv[1] == "strip":
+        freed = strip_installed(pathlib.Path(argv[2]))
+        print(f"MindSpore in {argv[2]}: {freed / 1e9:.1f} GB of GPU and Ascend backends removed", flush=True)
+        return 0
     if len(argv) >= 2 and argv[1] == "setup":
         return vllm_envs.setup_each(argv[2:] or list(RELEASES), setup, "{}", "vllm-mindspore environments")
     print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)

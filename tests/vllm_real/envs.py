@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "oracles"))
-from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
+from cache import cache_root, find_wheel  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
 HERE = pathlib.Path(__file__).resolve().parent
 REQUIREMENTS = HERE / "requirements"
@@ -103,19 +103,21 @@ def _base() -> pathlib.Path:
     return base
 
 
-def _wheel(name: str, version: str) -> pathlib.Path:
-    """The release's wheel from the wheel cache, downloaded (no dependencies) on first use."""
+def _wheel(name: str, version: str, fetch: bool = False) -> pathlib.Path:
+    """The release's wheel from the wheel cache, downloaded (no dependencies) on first use. Once its env is
+    built the wheel may be retired (oracles/cache.py: its name kept, its bytes dropped); ``fetch`` downloads
+    it again for a build that needs the file."""
     wheels = wheels_dir()
     pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(wheels.glob(pattern))
-    if not found:
+    found = find_wheel(wheels, pattern)
+    if found is None or (fetch and not found.exists()):
         wheels.mkdir(parents=True, exist_ok=True)
         _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
               "-d", wheels, f"{name}=={version}"])
-        found = sorted(wheels.glob(pattern))
-    if not found:
+        found = find_wheel(wheels, pattern)
+    if found is None or (fetch and not found.exists()):
         raise SystemExit(f"no wheel for {name}=={version} in {wheels}")
-    return found[-1]
+    return found
 
 
 # Releases whose env runs only the KV-allocation check (tests/test_vllm_real.py), not a whole worker: their
@@ -145,6 +147,7 @@ def setup(version: str) -> tuple[pathlib.Path, bool]:
     # torch (and pip, which runs in this env from there) from the base env.
     (_site_packages(env) / "_kvguard_base.pth").write_text(f"{_site_packages(base)}\n")
     python = env / "bin" / "python"
+    wheel = _wheel("vllm", version, fetch=True)
     # Dependency wheels are kept in the wheel cache, so a rebuild needs no index.
     wheels = wheels_dir()
     install = _pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel,
