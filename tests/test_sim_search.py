@@ -7,7 +7,9 @@ from click.testing import CliRunner
 
 from kvguard.cli import main
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
-from kvguard.sim.scenario import ScenarioConfig, run_scenario, search_gpu_memory_utilization
+from kvguard.sim.scenario import (ForwardMemo, ScenarioConfig, ServingScenario, run_scenario,
+                                  search_gpu_memory_utilization)
+from kvguard.sim.workload import forward_ops
 
 
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])
@@ -40,3 +42,83 @@ def test_search_json_fields():
 def test_several_seeds_without_search_is_refused():
     result = CliRunner().invoke(main, ["simulate", "--seed", "0", "--seed", "1"])
     assert result.exit_code == 1 and "with --search-utilization" in result.output
+
+
+# The forward memo (ServingScenario._forward): a steady forward replayed from the same allocator state, and
+# repeated decoder layers skipped, must leave every figure as executing each op does.
+
+def _plain_forward(self, num_tokens, num_seqs, gathered):
+    self._execute(list(forward_ops(self.shape, num_tokens, num_seqs, gathered)))
+
+
+def _everything(result):
+    return (result.to_dict(), result.timeline, result.memory_stats, result.device_peak_used_bytes)
+
+
+QWEN = load_model_config(bundled_model_config_path())
+# Llama-3.1-70B's architecture (its public config.json's fields), at TP 4: 80 identical decoder layers.
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+             "rope_theta": 500000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+MEMO_CASES = {
+    "torch": dict(model_config=QWEN, device_memory_bytes=32 << 30, allocator="torch"),
+    "torch near OOM": dict(model_config=QWEN, device_memory_bytes=32 << 30, allocator="torch",
+                           gpu_memory_utilization=0.97, long_request_fraction=1.0, requests=16),
+    "torch_npu expandable": dict(model_config=QWEN, device_memory_bytes=32 << 30, allocator="torch_npu",
+                                 expandable_segments=True),
+    "torch max_split_size": dict(model_config=QWEN, device_memory_bytes=24 << 30, allocator="torch",
+                                 alloc_conf="max_split_size_mb:64", tensor_parallel_size=2, seed=3),
+    "mindspore VMM": dict(model_config=QWEN, device_memory_bytes=32 << 30, allocator="mindspore"),
+    "mindspore no VMM": dict(model_config=QWEN, device_memory_bytes=32 << 30, allocator="mindspore",
+                             ms_alloc_conf="enable_vmm: false", seed=1),
+    "llama 70B TP4": dict(model_config=LLAMA_70B, device_memory_bytes=80 << 30, allocator="torch",
+                          tensor_parallel_size=4, requests=24),
+}
+
+
+@pytest.mark.parametrize("case", list(MEMO_CASES))
+def test_a_run_with_the_forward_memo_equals_one_that_runs_every_op(case, monkeypatch):
+    config = ScenarioConfig(**MEMO_CASES[case])
+    memo = ForwardMemo()
+    fast = ServingScenario(config, memo).run()
+    assert memo.steady, "no forward was recorded: the memo was not exercised"
+    monkeypatch.setattr(ServingScenario, "_forward", _plain_forward)
+    assert _everything(fast) == _everything(ServingScenario(config).run())
+
+
+@pytest.mark.parametrize("allocator, utilization", [("torch", 0.99), ("mindspore", 0.92)])
+def test_a_run_that_runs_out_of_memory_in_a_forward_is_the_same_with_the_memo(allocator, utilization, monkeypatch):
+    config = ScenarioConfig(**{**MEMO_CASES["torch near OOM"], "allocator": allocator,
+                               "gpu_memory_utilization": utilization})
+    fast = ServingScenario(config).run()
+    assert fast.oom and fast.oom_phase == "serving"
+    monkeypatch.setattr(ServingScenario, "_forward", _plain_forward)
+    assert _everything(fast) == _everything(ServingScenario(config).run())
+
+
+@pytest.mark.parametrize("allocator", ["torch", "mindspore"])
+def test_a_search_sharing_its_forwards_equals_one_that_runs_every_op(allocator, monkeypatch):
+    config = ScenarioConfig(model_config=QWEN, device_memory_bytes=32 << 30, allocator=allocator, requests=24)
+    fast = search_gpu_memory_utilization(config, (0, 1, 2))
+    monkeypatch.setattr(ServingScenario, "_forward", _plain_forward)
+    slow = search_gpu_memory_utilization(config, (0, 1, 2))
+    assert fast.to_dict() == slow.to_dict()
+    assert [_everything(r) for r in fast.results] == [_everything(r) for r in slow.results]
+
+
+def test_a_watched_allocator_sees_every_op_of_the_profile_forward():
+    # guarded.BudgetWatch records the allocator's calls up to the budget and rebuilds the allocator from them:
+    # no forward may be replayed or have its layers skipped while it watches.
+    from kvguard.sim.guarded import BudgetWatch
+    from kvguard.sim.workload import weight_tensors
+
+    config = ScenarioConfig(**MEMO_CASES["llama 70B TP4"])
+    scenario = ServingScenario(config)
+    watch = BudgetWatch(scenario)
+    scenario.startup()
+    assert watch.captured
+    profile_ops = forward_ops(scenario.shape, config.max_num_batched_tokens,
+                              min(config.max_num_seqs, config.max_num_batched_tokens))
+    expected = len(weight_tensors(scenario.shape)) + sum(1 for _, size in profile_ops if size is not None)
+    assert sum(1 for name, _, _ in watch.events if name == "malloc") == expected

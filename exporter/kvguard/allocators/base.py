@@ -78,3 +78,83 @@ class Allocator(Protocol):
     def take_window_peaks(self) -> tuple[int, int]:
         """(max allocated, max reserved) since the last call; does not touch ``memory_stats`` peaks."""
         ...
+
+
+# ----------------------------------------------------------------------------- steady forwards
+# A serving step allocates and frees its activations; once the allocator's cache has settled, the
+# step leaves it exactly as it found it, and only counters (freed totals) and peaks move. Such a
+# step is recorded once (``record_steady``) and replayed (``replay_steady``) whenever the allocator
+# is in the same state before the same op sequence: the models are deterministic, so the replay
+# leaves every counter, peak and address as executing the ops would.
+#
+# An allocator that supports it has ``steady_state_key()`` (everything the ops' outcome depends on,
+# hashable; None when it cannot say) and ``steady_cells()`` (its additive counters and its
+# high-water marks, as (container, index-or-attribute) pairs, the same order every call).
+
+_NO_PEAK = -(1 << 126)    # below any byte count: a mark left at it was not raised
+
+
+class FrozenKey:
+    """A hashable value with its hash computed once (a tuple of hundreds of segments, compared rarely)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, FrozenKey) and self._hash == other._hash
+                                 and self.value == other.value)
+
+
+def record_steady(allocator: Any, run: Any) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """Call ``run()`` and return what it did to ``allocator``'s counters and peaks: (counter index,
+    increase) and (peak index, highest value reached) for those that moved. The peaks end as
+    ``run()`` leaves them, also when it raises."""
+    counters, peaks = allocator.steady_cells()
+    # Cells read and written inline: a forward is recorded layer by layer.
+    before = [getattr(obj, key) if key.__class__ is str else obj[key] for obj, key in counters]
+    marks = [getattr(obj, key) if key.__class__ is str else obj[key] for obj, key in peaks]
+    for obj, key in peaks:
+        if key.__class__ is str:
+            setattr(obj, key, _NO_PEAK)
+        else:
+            obj[key] = _NO_PEAK
+    try:
+        run()
+    finally:
+        reached = [getattr(obj, key) if key.__class__ is str else obj[key] for obj, key in peaks]
+        for (obj, key), mark, high in zip(peaks, marks, reached):
+            if key.__class__ is str:
+                setattr(obj, key, mark if mark >= high else high)
+            else:
+                obj[key] = mark if mark >= high else high
+    after = [getattr(obj, key) if key.__class__ is str else obj[key] for obj, key in counters]
+    increases = tuple((i, new - old) for i, (new, old) in enumerate(zip(after, before)) if new != old)
+    return increases, tuple((i, high) for i, high in enumerate(reached) if high != _NO_PEAK)
+
+
+def replay_steady(allocator: Any, recorded: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]],
+                  times: int = 1) -> None:
+    """Apply a recorded steady run (``record_steady``) to ``allocator`` in the state it was recorded in,
+    ``times`` times over."""
+    counters, peaks = allocator.steady_cells()
+    increases, highs = recorded
+    for index, amount in increases:
+        amount *= times
+        obj, key = counters[index]
+        if isinstance(key, str):
+            setattr(obj, key, getattr(obj, key) + amount)
+        else:
+            obj[key] += amount
+    for index, high in highs:
+        obj, key = peaks[index]
+        if isinstance(key, str):
+            if high > getattr(obj, key):
+                setattr(obj, key, high)
+        elif high > obj[key]:
+            obj[key] = high

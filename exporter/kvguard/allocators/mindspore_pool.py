@@ -55,7 +55,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any
 
-from kvguard.allocators.base import SimOutOfMemory, absorb, link_after
+from kvguard.allocators.base import FrozenKey, SimOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
 
@@ -116,10 +116,25 @@ class _BufAllocator:
         into its eager-free neighbour, eager-free best fit."""
         if not self.blocks:
             return self.malloc_expand_block(size)
-        index = bisect_left(self.idle, (size, 0))
-        if index < len(self.idle):
-            _, addr = self.idle.pop(index)
-            return self._map_and_split(self.bufs.pop(addr), size)
+        idle = self.idle
+        index = bisect_left(idle, (size, 0))
+        if index < len(idle):
+            _, addr = idle.pop(index)
+            buf = self.bufs.pop(addr)
+            # _map_and_split of an idle buffer (nothing to map), link_after and _insert inlined: the hot path.
+            remaining = buf.size - size
+            if remaining >= K_ALIGN:
+                rest = MemBuf(addr + size, remaining, IDLE, buf.block)
+                nxt = rest.next = buf.next
+                if nxt is not None:
+                    nxt.prev = rest
+                rest.prev = buf
+                buf.next = rest
+                buf.size = size
+                insort(idle, (remaining, addr + size))
+                self.bufs[addr + size] = rest
+            buf.status = USED
+            return buf
         if self.pool.enable_vmm and self.pool.release.grows_idle_into_eager_free:
             buf = self._grow_into_eager_free(size)
             if buf is not None:
@@ -162,6 +177,7 @@ class _BufAllocator:
         if block is None:
             return None
         self.blocks.append(block)
+        self.pool._blocks_key = None
         status = EAGER_FREE if self.pool.enable_vmm else IDLE
         # block_alloc_size never returns less than the request (0, refused, when it cannot).
         return self._map_and_split(MemBuf(block.addr, block.size, status, block), size)
@@ -182,16 +198,29 @@ class _BufAllocator:
         return buf
 
     def free(self, buf: MemBuf, status: int = IDLE) -> None:
+        # _remove, absorb and _insert inlined: the hot path.
         buf.status = status
+        entries = self.idle if status == IDLE else self.eager
+        bufs = self.bufs
         prev = buf.prev
         if prev is not None and prev.status == status:
-            self._remove(prev)
-            absorb(buf, prev)
+            del entries[bisect_left(entries, (prev.size, prev.addr))]
+            del bufs[prev.addr]
+            buf.addr = prev.addr
+            before = buf.prev = prev.prev
+            if before is not None:
+                before.next = buf
+            buf.size += prev.size
         nxt = buf.next
         if nxt is not None and nxt.status == status:
-            self._remove(nxt)
-            absorb(buf, nxt)
-        self._insert(buf)
+            del entries[bisect_left(entries, (nxt.size, nxt.addr))]
+            del bufs[nxt.addr]
+            after = buf.next = nxt.next
+            if after is not None:
+                after.prev = buf
+            buf.size += nxt.size
+        insort(entries, (buf.size, buf.addr))
+        bufs[buf.addr] = buf
 
     def eager_free_idle(self) -> int:
         """Turn idle buffers eager-free and unmap their whole pages; bytes turned."""
@@ -215,6 +244,7 @@ class _BufAllocator:
             if buf is not None and buf.status == IDLE and buf.size == block.size:
                 self._remove(buf)
                 self.blocks.remove(block)
+                self.pool._blocks_key = None
                 self.pool._release_block(block)
 
 
@@ -242,6 +272,7 @@ class DynamicMemPool:
         if vmm_page_bytes <= 0 or vmm_page_bytes % VMM_PAGE_BYTES:
             raise ValueError("the VMM page size must be a positive multiple of 2 MiB")
         self.device = device
+        self._align_bytes = self.release.align_bytes
         self.graph_mode = graph_mode
         self.task_sink = task_sink
         self.mempool_block_size = mempool_block_size
@@ -256,6 +287,7 @@ class DynamicMemPool:
         self._units = {False: self.release.default_unit_bytes, True: self.release.default_unit_bytes}
         self._allocators = {True: _BufAllocator(self, True), False: _BufAllocator(self, False)}
         self._used: dict[int, tuple[MemBuf, _BufAllocator]] = {}
+        self._blocks_key: FrozenKey | None = None    # steady_state_key's, until a block or its pages change
         self._next_addr = 1 << 44
         self.alloc_size = 0           # MemStat::alloc_size_ (VMM: address space)
         self.used_size = 0            # total_allocated_memory
@@ -380,6 +412,7 @@ class DynamicMemPool:
         self.physical_pages += new
         self.cached_pages -= from_cache
         pages[first:last + 1] = b"\x01" * (last - first + 1)
+        self._blocks_key = None
         block.mapped_pages += missing
         if not refused_drop:
             self.eager_free_size -= size
@@ -398,6 +431,7 @@ class DynamicMemPool:
         if not mapped:
             return 0
         pages[first:end] = bytes(end - first)
+        self._blocks_key = None
         block.mapped_pages -= mapped
         self.cached_pages += mapped
         return mapped * page
@@ -405,7 +439,8 @@ class DynamicMemPool:
     # ----------------------------------------------------------------- alloc / free
     def malloc(self, size: int, persistent: bool = False) -> int:
         """``AllocMemBuf``: own pool, other pool, eager free, expand, (2.5+) persistent fallback."""
-        size = self.align(size)
+        step = self._align_bytes
+        size = -(-size // step) * step if size else step     # align(), inlined
         allocator = self._allocators[persistent]
         buf = allocator.malloc(size)
         if buf is None and persistent and not self.enable_vmm:
@@ -496,6 +531,29 @@ class DynamicMemPool:
         self._window_used = self.used_size
         self._window_reserved = self.reserved_bytes
         return peaks
+
+    # ----------------------------------------------------------------- steady forwards (base.record_steady)
+    def steady_state_key(self) -> tuple:
+        """Everything a malloc / free sequence's outcome depends on: each allocator's blocks and free
+        buffers, the mapped pages, the pool's sizes and modes, and the device's memory."""
+        blocks = self._blocks_key
+        if blocks is None:
+            blocks = self._blocks_key = FrozenKey(tuple(
+                tuple((block.addr, block.size, bytes(block.pages)) for block in allocator.blocks)
+                for allocator in (self._allocators[False], self._allocators[True])))
+        common, persistent = self._allocators[False], self._allocators[True]
+        device = self.device
+        return (tuple(common.idle), tuple(common.eager), tuple(persistent.idle), tuple(persistent.eager), blocks,
+                self._next_addr, self._static_bytes, self.alloc_size, self.used_size, self.eager_free_size,
+                self.physical_pages, self.cached_pages, self.total_mem_size, self._units[False], self._units[True],
+                self.task_sink, self._used_at_reset, device.allocator_bytes, device.non_allocator_bytes,
+                device.capacity_bytes)
+
+    def steady_cells(self) -> tuple[list, list]:
+        """(additive counters, high-water marks) as (object, attribute) pairs."""
+        return ([(self, "num_ooms")],
+                [(self, "_peak_used"), (self, "_peak_reserved"), (self, "_peak_increase"), (self, "_window_used"),
+                 (self, "_window_reserved"), (self.device, "peak_used_bytes")])
 
     def reset_peak_memory_stats(self) -> None:
         self._peak_used = self.used_size

@@ -57,7 +57,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any, Callable, Iterable, Iterator
 
-from kvguard.allocators.base import SimOutOfMemory, absorb, link_after
+from kvguard.allocators.base import FrozenKey, SimOutOfMemory, absorb, link_after
 from kvguard.allocators.device import Device
 
 K_MIN_BLOCK_SIZE = 512
@@ -248,6 +248,8 @@ class CachingAllocator:
         # Expandable mode: unmapped blocks per pool, sorted by (stream, address).
         self._unmapped: tuple[list[tuple[int, int, Block]], list[tuple[int, int, Block]]] = ([], [])
         self._segments: list[Segment] = []
+        self._segments_key: FrozenKey | None = None       # steady_state_key's, until the segments change
+        self._steady_cells: tuple[list, list] | None = None
         self._gc_calls = [0, 0]       # BlockPool::get_free_blocks_call_count, per pool
         # cudaGetDeviceProperties().totalGlobalMem, which sizes expandable segments; None: the device's capacity.
         self.address_space_total: int | None = None
@@ -340,6 +342,39 @@ class CachingAllocator:
         self._window_alloc = self.allocated_bytes
         self._window_reserved = self.reserved_bytes
         return peaks
+
+    # ----------------------------------------------------------------- steady forwards (base.record_steady)
+    def steady_state_key(self) -> tuple | None:
+        """Everything a malloc / free sequence's outcome depends on: the free and unmapped blocks, the
+        segments, the next segment address, the device's memory and the limits; None with garbage
+        collection (block ages) or trace-replay callbacks."""
+        if self._gc_enabled or self.segment_address is not None or self.on_map is not None:
+            return None
+        segments = self._segments_key     # None after any change to the segments
+        if segments is None:
+            segments = self._segments_key = FrozenKey(tuple(
+                (s.base, s.size, s.small, s.expandable, s.page_size, s.stream) for s in self._segments))
+        unmapped = (tuple((s, a, b.size) for s, a, _, b in self._unmapped[0]),
+                    tuple((s, a, b.size) for s, a, _, b in self._unmapped[1])) \
+            if self._unmapped[0] or self._unmapped[1] else None
+        device = self.device
+        return (tuple(self._free[0]), tuple(self._free[1]), unmapped, segments, self._next_addr,
+                device.allocator_bytes, device.non_allocator_bytes, device.capacity_bytes,
+                self.allowed_memory_maximum, self.set_fraction, self.address_space_total)
+
+    def steady_cells(self) -> tuple[list, list]:
+        """(additive counters, high-water marks) as (container, index or attribute) pairs."""
+        cells = self._steady_cells
+        if cells is None:
+            stats = [stat for name in STAT_ARRAYS for stat in self._stats[name]]
+            stats += [self._oversize_allocations, self._oversize_segments]
+            counters = [(stat, i) for stat in stats for i in (0, 2, 3)]
+            counters += [(self, name) for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                                   "num_device_alloc", "num_device_free")]
+            peaks = [(stat, 1) for stat in stats]
+            peaks += [(self, "_window_alloc"), (self, "_window_reserved"), (self.device, "peak_used_bytes")]
+            cells = self._steady_cells = (counters, peaks)
+        return cells
 
     # ----------------------------------------------------------------- free-list helpers
     def _insert_free(self, block: Block) -> None:
@@ -598,6 +633,7 @@ class CachingAllocator:
         self.num_device_alloc += 1
         segment = Segment(self._new_segment_base(alloc_size, small), alloc_size, small, stream=stream)
         self._segments.append(segment)
+        self._segments_key = None
         pool = _SMALL if small else _LARGE
         _inc(self._s_segment, pool, 1)
         _inc(self._s_reserved_bytes, pool, alloc_size)
@@ -730,6 +766,7 @@ class CachingAllocator:
         self._remove_free(block)
         segment = block.segment
         self._segments.remove(segment)
+        self._segments_key = None
         self.device.free(segment.size)
         self.num_device_free += 1
         pool = _SMALL if block.small else _LARGE
@@ -855,6 +892,7 @@ class CachingAllocator:
         segment = Segment(self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page,
                           stream=stream)
         self._segments.append(segment)
+        self._segments_key = None
         block = Block(segment.base, virtual, small, segment, stream)
         block.mapped = False
         self._insert_unmapped(block)
@@ -932,6 +970,7 @@ class CachingAllocator:
             return False
         self._remove_unmapped(block)
         self._segments.remove(segment)
+        self._segments_key = None
         return True
 
     # ----------------------------------------------------------------- trace replay
@@ -965,6 +1004,7 @@ class CachingAllocator:
             end = base + size
             segment = Segment(base, size, small, stream=stream)
             self._segments.append(segment)
+            self._segments_key = None
             if end > self._next_addr:
                 self._next_addr = end
             counts = sums[small]
@@ -1064,6 +1104,7 @@ class CachingAllocator:
             raise ValueError(f"seeded segments of {mapped_bytes} bytes do not fit the device")
         segment = Segment(base, size, small, expandable=True, page_size=page, stream=stream)
         self._segments.append(segment)
+        self._segments_key = None
         self._next_addr = max(self._next_addr, end)
         pieces: list[Block] = []
 

@@ -345,7 +345,9 @@ def _search(scenario, seeds: tuple[int, ...], era: Era, settings: Settings, prof
     utilization never touched (the least over ``seeds``)."""
     from kvguard.sim.scenario import run_scenario, search_gpu_memory_utilization
 
-    found = search_gpu_memory_utilization(scenario.config, seeds)
+    found = search_gpu_memory_utilization(scenario.config, seeds, scenario.memo)
+    # The search's own runs, by (utilization, seed): the margin below reads them instead of running again.
+    ran = {(result.config.gpu_memory_utilization, result.config.seed): result for result in found.results}
     out: dict[str, Any] = {"seeds": list(seeds), "requested_gpu_memory_utilization": settings.gpu_memory_utilization,
                            "serving_gpu_memory_utilization": found.gpu_memory_utilization,
                            "recommended_gpu_memory_utilization": found.recommended_gpu_memory_utilization,
@@ -365,8 +367,9 @@ def _search(scenario, seeds: tuple[int, ...], era: Era, settings: Settings, prof
                 out["kv_cache_memory_bytes"] = why
             out["margin_bytes"] = min(
                 run.device_total_bytes - run.device_peak_used_bytes
-                for run in (run_scenario(scenario.config, gpu_memory_utilization=hundredths / 100, seed=seed)
-                            for seed in seeds))
+                for run in (ran.get((hundredths / 100, seed)) or run_scenario(
+                    scenario.config, scenario.memo, gpu_memory_utilization=hundredths / 100, seed=seed)
+                    for seed in seeds))
             break
     out["source"] = ("kvguard.sim.scenario.search_gpu_memory_utilization (kvguard simulate --search-utilization), "
                      "then vLLM's startup checks and the budget-time verdict at each step down")
@@ -488,10 +491,52 @@ def _predicted_profile(config, settings: Settings, era: Era, version, release: s
 
 
 def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, out: list[str]) -> None:
-    out.append("activation peak: a model (the workload model's forward ops through the allocator model), not "
-               "measured; its error against real profiles is not yet published")
-    out.append("weights: counted from config.json tensor by tensor; quantization scales and other metadata are "
-               "not counted")
+    """The notes on what the prediction did not measure, each estimate with its measured error: the per-era
+    errors against real logs in ``accuracy.json`` (written by bench/plan_validation.py --write-accuracy)."""
+    import json
+    from importlib import resources
+
+    try:
+        eras = json.loads(resources.files("kvguard.plan").joinpath("accuracy.json").read_text(encoding="utf-8"))["eras"]
+    except (OSError, ValueError, KeyError, TypeError):
+        eras = {}
+
+    def measured(figures: dict[str, Any]) -> str:
+        return (f"median |error| {figures['median_abs_error_gib']:.2f} GiB ({figures['median_abs_error_pct']:.1f}%), "
+                f"worst {figures['worst_error_gib']:+.2f} GiB ({figures['worst_error_pct']:+.1f}%) over "
+                f"{figures['n']} real log(s) ({', '.join(figures['logs'])})")
+
+    model = "a model (the workload model's forward ops through the allocator model), not measured"
+    activation = (eras.get(era.name) or {}).get("activation")
+    if activation is not None:
+        where = f"its error for {era.name}"
+    else:
+        # The workload model does not depend on the era; the same allocator's logs are the nearest measurement.
+        nearest = next(((name, row["activation"]) for name, row in eras.items()
+                        if row.get("allocator") == era.allocator and row.get("activation")), None)
+        where = (f"its error is UNMEASURED for {era.name}; against {nearest[0]}'s logs (the same {era.allocator} "
+                 f"allocator, another profile run)" if nearest else None)
+        activation = nearest[1] if nearest else None
+    if activation is None:
+        out.append(f"activation peak: {model}; its error is UNMEASURED for {era.name} and its allocator (no real "
+                   f"log states it: bench/plan_validation.py)")
+    else:
+        large = ("; LARGE: the budget may be off by that much, check it against a measured --profile"
+                 if activation.get("large") else "")
+        out.append(f"activation peak: {model}; {where}: {measured(activation)}{large}")
+    weights = [row["weights"] for row in eras.values() if row.get("weights")]
+    own = (eras.get(era.name) or {}).get("weights")
+    note = ("weights: counted from config.json tensor by tensor (quantization scales, rotary caches and other "
+            "buffers not counted)")
+    if own is not None:
+        note += f"; against {era.name}'s logs: {measured(own)}"
+    elif weights:
+        worst = max(weights, key=lambda row: abs(row["worst_error_pct"]))
+        note += (f"; unmeasured for {era.name}; worst {worst['worst_error_pct']:+g}% over "
+                 f"{sum(row['n'] for row in weights)} real logs of other eras")
+    if any(row.get("large") for row in ([own] if own else weights)):
+        note += "; LARGE for some model: check the weights against the release's 'Model loading took' line"
+    out.append(note)
     out.append("non-torch memory: the platform default outside the allocator, not measured; growth after vLLM's "
                "init snapshot (NCCL / HCCL buffers, runtime workspaces) is counted as 0")
     from kvguard.budget.estimator import FORMULAS

@@ -44,6 +44,12 @@ MindSpore's pool follows one release (``mindspore_version``, default the one the
 defaults are what that vllm-mindspore launcher sets (``sim/mindspore_releases.py``).
 
 Everything is deterministic for a given config (the request mix comes from ``seed``).
+
+Speed: a forward that leaves the allocator as it found it is recorded once and replayed when it meets
+the same allocator state again, and decoder layers that bring the allocator back to an earlier state
+are not run again (``ServingScenario._forward``; ``kvguard.allocators.base.record_steady``). Both are
+exact: every counter, peak and address ends as running each op would leave it. Runs can share one
+:class:`ForwardMemo` (``ServingScenario(config, memo)``), as ``search_gpu_memory_utilization`` does.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from typing import Any, Callable, Mapping
 
 from kvguard.budget.estimator import (KVLayout, Profile, positive_int, text_config, estimate, kv_cache_tensor_bytes,
                                       kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes)
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
@@ -62,7 +68,7 @@ from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSP
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.allocators.torch_alloc import CachingAllocator
 from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
-from kvguard.sim.workload import ModelShape, forward_ops, model_shape, weight_tensors
+from kvguard.sim.workload import ModelShape, forward_chunks, forward_ops, model_shape, weight_tensors
 from kvguard.vllm.eras import era_for, kv_tensor_style
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
@@ -339,10 +345,44 @@ def make_allocator(config: ScenarioConfig, device: Device):
     return CachingAllocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
 
 
-class ServingScenario:
-    """Drives one rank of a vLLM server through startup and serving on a simulated device."""
+class ForwardMemo:
+    """Forward passes already run, for the runs of one search: op lists by (scope, step), and steady
+    forwards (``kvguard.allocators.base.record_steady``) by (scope, step, allocator state).
 
-    def __init__(self, config: ScenarioConfig) -> None:
+    A scope is everything besides the allocator's state that a forward's outcome depends on: the
+    model's per-rank shape and the allocator's and device's settings. Runs that differ only in their
+    utilization, seed or request mix share one; their forwards from the same state replay, exactly.
+    """
+
+    # A bound on memory in long-lived processes (cleared when reached); a 3-seed search records under 1,000.
+    MAX_ENTRIES = 4096
+
+    def __init__(self) -> None:
+        self.scopes: dict[tuple, int] = {}
+        self.ops: dict[tuple, list] = {}
+        self.chunks: dict[tuple, tuple[list, list, list]] = {}
+        self.steady: dict[tuple, Any] = {}
+
+    def scope(self, scenario: "ServingScenario") -> int:
+        cfg = scenario.config
+        if cfg.allocator == "mindspore":
+            settings: tuple = (cfg.mindspore_release.version, cfg.mindspore_mode, cfg.task_sink,
+                               cfg.mempool_block_size_bytes, cfg.enable_vmm, cfg.resolved_alloc_conf.vmm_page_bytes)
+        else:
+            settings = tuple(sorted(cfg.torch_alloc_kwargs.items()))
+        # make_allocator's arguments, with the model's shape (the ops) and the device.
+        key = (scenario.shape, cfg.allocator, settings, cfg.device_memory_bytes, cfg.resolved_non_allocator_bytes,
+               cfg.profile_non_allocator_growth_bytes)
+        return self.scopes.setdefault(key, len(self.scopes))
+
+
+class ServingScenario:
+    """Drives one rank of a vLLM server through startup and serving on a simulated device.
+
+    ``memo``: a :class:`ForwardMemo` shared with other runs (a search's); each run has its own otherwise.
+    """
+
+    def __init__(self, config: ScenarioConfig, memo: ForwardMemo | None = None) -> None:
         self.config = config
         # The estimator's layout first: its ConfigErrors are the ones `kvguard budget` gives for the same config.
         self.kv_layout: KVLayout = kv_layout_from_config(
@@ -356,7 +396,8 @@ class ServingScenario:
                                     (Sequence(r.prompt_tokens, r.output_tokens, r) for r in self.requests))
         self._timeline: list[StepRecord] = []
         self._started = False
-        self._ops_cache: dict[tuple, list] = {}
+        self.memo = memo if memo is not None else ForwardMemo()
+        self._scope = self.memo.scope(self)
         self.profile: Profile | None = None
         self.kv_cache_bytes: int | None = None
         self.num_blocks: int | None = None
@@ -447,7 +488,7 @@ class ServingScenario:
             if cfg.profile_non_allocator_growth_bytes and \
                     not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):
                 raise SimOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
-            self._execute(self._ops(num_tokens, num_seqs, ()))
+            self._forward(num_tokens, num_seqs, ())
         except SimOutOfMemory as exc:
             self._record("profile")
             self._fail("profile", exc)
@@ -494,14 +535,100 @@ class ServingScenario:
 
     # ----------------------------------------------------------------- execution
     def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> list:
-        key = (num_tokens, num_seqs, gathered)
-        ops = self._ops_cache.get(key)
+        key = (self._scope, num_tokens, num_seqs, gathered)
+        cache = self.memo.ops
+        ops = cache.get(key)
         if ops is None:
             ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered))
-            if len(self._ops_cache) > 256:
-                self._ops_cache.clear()
-            self._ops_cache[key] = ops
+            if len(cache) > 256:
+                cache.clear()
+            cache[key] = ops
         return ops
+
+    def _forward(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> None:
+        """One forward pass; a steady one (the allocator left as it was found) is recorded, and replayed
+        when the same forward meets the same allocator state again (``base.replay_steady``)."""
+        allocator = self.allocator
+        # Replays and skipped layers stand in for the allocator's calls: not while something watches them
+        # (guarded.BudgetWatch wraps malloc and free on the instance until the budget is fixed).
+        watched = "malloc" in vars(allocator) or "free" in vars(allocator)
+        state = None if watched or not hasattr(allocator, "steady_state_key") else allocator.steady_state_key()
+        if state is None:
+            self._execute(self._ops(num_tokens, num_seqs, gathered))
+            return
+        key = (self._scope, num_tokens, num_seqs, gathered, state)
+        steady = self.memo.steady
+        recorded = steady.get(key)
+        if recorded is not None:
+            replay_steady(allocator, recorded)
+            return
+        chunks = self._chunks(num_tokens, num_seqs, gathered)
+        recorded = record_steady(allocator, lambda: self._execute_layers(*chunks))
+        if allocator.steady_state_key() == state:
+            if len(steady) >= ForwardMemo.MAX_ENTRIES:
+                steady.clear()
+            steady[key] = recorded
+
+    def _chunks(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> tuple[list, list, list]:
+        """``workload.forward_chunks``: the ops before the layers, each layer's (a repeated layer is the same
+        list), the ops after."""
+        key = (self._scope, num_tokens, num_seqs, gathered)
+        cache = self.memo.chunks
+        chunks = cache.get(key)
+        if chunks is None:
+            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered)
+            if len(cache) > 256:
+                cache.clear()
+            cache[key] = chunks
+        return chunks
+
+    MAX_PERIOD = 4    # layers
+
+    def _execute_layers(self, head: list, layers: list[list], tail: list) -> None:
+        """``_execute`` of a forward by layers, skipping repeats: once the last ``p`` layers have brought the
+        allocator back to the state it had ``p`` layers before (and the same tensors live at the same
+        addresses), and the layers to come repeat those ``p`` layers, every further period would do the
+        same again. Those periods are not run: their counters and peaks are added (``base.replay_steady``),
+        and the state stays as it is, which is where they would leave it."""
+        allocator = self.allocator
+        malloc = allocator.malloc
+        free = allocator.free
+        state_key = allocator.steady_state_key
+        live: dict[Any, int] = {}
+
+        def run(ops: list) -> None:
+            for key, size in ops:
+                if size is None:
+                    free(live.pop(key))
+                else:
+                    live[key] = malloc(size)
+
+        try:
+            run(head)
+            history: list[tuple[Any, Any]] = []     # (state after the layer, its record), layer by layer
+            index, count = 0, len(layers)
+            while index < count:
+                recorded = record_steady(allocator, lambda: run(layers[index]))
+                index += 1
+                state = (state_key(), tuple(live.items()))
+                history.append((state, recorded))
+                for period in range(1, min(self.MAX_PERIOD, len(history) - 1) + 1):
+                    if history[-1 - period][0] != state:
+                        continue
+                    if any(layers[j] is not layers[j - period] for j in range(index, count)):
+                        continue
+                    repeats = (count - index) // period
+                    if repeats:
+                        for _, layer_record in history[-period:]:
+                            replay_steady(allocator, layer_record, repeats)
+                        index += repeats * period
+                    history.clear()
+                    break
+            run(tail)
+        except SimOutOfMemory:
+            for addr in live.values():
+                free(addr)
+            raise
 
     def _execute(self, ops: list) -> None:
         malloc = self.allocator.malloc
@@ -533,7 +660,7 @@ class ServingScenario:
                              if seq.in_prefill and seq.computed > 0)
         if num_tokens:
             try:
-                self._execute(self._ops(num_tokens, len(scheduled), gathered))
+                self._forward(num_tokens, len(scheduled), gathered)
             except SimOutOfMemory as exc:
                 self._fail("serving", exc)
                 return self._record_serving(num_tokens)
@@ -566,9 +693,9 @@ class ServingScenario:
         return self.result()
 
 
-def run_scenario(config: ScenarioConfig, **overrides: Any) -> ScenarioResult:
-    """Run ``config`` (with field overrides) start to finish."""
-    return ServingScenario(replace(config, **overrides) if overrides else config).run()
+def run_scenario(config: ScenarioConfig, memo: ForwardMemo | None = None, **overrides: Any) -> ScenarioResult:
+    """Run ``config`` (with field overrides) start to finish; ``memo``: a :class:`ForwardMemo` to share."""
+    return ServingScenario(replace(config, **overrides) if overrides else config, memo).run()
 
 
 @dataclass(frozen=True)
@@ -592,6 +719,7 @@ class UtilizationSearch:
     kv_cache_memory_bytes: int | None          # the budget at that utilization, as --kv-cache-memory-bytes
     recommended_gpu_memory_utilization: float | None   # the estimator's, from the profile at the config's value
     runs: tuple[SearchRun, ...]
+    results: tuple[ScenarioResult, ...] = field(default=(), repr=False, compare=False)   # the runs' own, in order
 
     def to_dict(self) -> dict[str, Any]:
         return {"gpu_memory_utilization": self.gpu_memory_utilization,
@@ -600,33 +728,41 @@ class UtilizationSearch:
                 "num_runs": len(self.runs), "runs": [run.to_dict() for run in self.runs]}
 
 
-def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...] = (0,)) -> UtilizationSearch:
+def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...] = (0,),
+                                  memo: ForwardMemo | None = None) -> UtilizationSearch:
     """Bisection over hundredths: ``ok(k)`` when no seed runs out of memory at k/100.
 
     Assumes that running out of memory is monotone in the utilization (more KV cache,
     less headroom), so at the answer the workload serves and one step above it does
     not (or the answer is 1.0). A run that ends in vLLM's startup error (too little KV
     cache) is not an OOM; its error is reported in ``runs``.
+
+    The runs share one :class:`ForwardMemo` (``memo``, else a new one): the startup and serving
+    forwards that recur across utilizations and seeds run once.
     """
     from kvguard.budget.estimator import recommended_gpu_memory_utilization
 
+    memo = memo if memo is not None else ForwardMemo()
     runs: list[SearchRun] = []
+    results: list[ScenarioResult] = []
     kv_at: dict[int, int | None] = {}
 
     def ok(hundredths: int) -> bool:
         utilization = hundredths / 100
         fine = True
         for seed in seeds:
-            result = run_scenario(config, gpu_memory_utilization=utilization, seed=seed)
+            result = run_scenario(config, memo, gpu_memory_utilization=utilization, seed=seed)
             runs.append(SearchRun(utilization, seed, result.oom, result.error, result.kv_cache_bytes))
+            results.append(result)
             kv_at[hundredths] = result.kv_cache_bytes
             if result.oom:
                 fine = False
                 break
         return fine
 
-    first = run_scenario(config, seed=seeds[0])
-    recommended = recommended_gpu_memory_utilization(first.profile) if first.profile else None
+    # The estimator's recommendation needs the profile only: startup, not serving.
+    profile = ServingScenario(replace(config, seed=seeds[0]), memo).startup()
+    recommended = recommended_gpu_memory_utilization(profile) if profile else None
     if ok(100):
         found: int | None = 100
     elif not ok(1):
@@ -642,4 +778,5 @@ def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...]
         found = low
     return UtilizationSearch(gpu_memory_utilization=None if found is None else found / 100,
                              kv_cache_memory_bytes=None if found is None else kv_at.get(found),
-                             recommended_gpu_memory_utilization=recommended, runs=tuple(runs))
+                             recommended_gpu_memory_utilization=recommended, runs=tuple(runs),
+                             results=tuple(results))

@@ -67,13 +67,16 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """This step's (sequence, new tokens), with their KV blocks taken."""
         budget = self.max_num_batched_tokens
+        block_size = self.block_size
         scheduled: list[tuple[Sequence, int]] = []
         running = self.running
         index = 0
+        # in_prefill and blocks_needed inlined: this runs for every sequence at every step.
         while index < len(running) and budget > 0:
             seq = running[index]
-            tokens = min(seq.prompt_tokens - seq.computed, budget) if seq.in_prefill else 1
-            need = self.blocks_needed(seq, tokens)
+            computed = seq.computed
+            tokens = min(seq.prompt_tokens - computed, budget) if computed < seq.prompt_tokens else 1
+            need = -(-(computed + seq.generated + tokens) // block_size) - seq.blocks
             while need > self.free_blocks and running[-1] is not seq:
                 self.preempt()
             if need > self.free_blocks:
@@ -87,8 +90,9 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
-            tokens = min(seq.prompt_tokens - seq.computed, budget)
-            need = self.blocks_needed(seq, tokens)
+            computed = seq.computed
+            tokens = min(seq.prompt_tokens - computed, budget)
+            need = -(-(computed + seq.generated + tokens) // block_size) - seq.blocks
             if need > self.free_blocks:
                 if self.reject_unfittable and not running:
                     waiting.popleft()
@@ -107,16 +111,16 @@ class Scheduler:
         """Count the step's tokens; the sequences that finished leave the batch with their blocks
         returned, and are returned."""
         for seq, tokens in scheduled:
-            if seq.in_prefill:
+            if seq.computed < seq.prompt_tokens:      # in prefill
                 seq.computed += tokens
-                if not seq.in_prefill:
+                if seq.computed >= seq.prompt_tokens:
                     seq.generated += 1  # the last prefill chunk samples the first token
             else:
                 seq.generated += 1
         finished: list[Sequence] = []
         still_running: list[Sequence] = []
         for seq in self.running:
-            if not seq.in_prefill and seq.generated >= seq.output_tokens:
+            if seq.computed >= seq.prompt_tokens and seq.generated >= seq.output_tokens:
                 self.free_blocks += seq.blocks
                 seq.blocks = 0
                 finished.append(seq)

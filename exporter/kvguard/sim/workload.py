@@ -104,8 +104,19 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
     quant = text.get("quantization_config") or config.get("quantization_config") or {}
     if not isinstance(quant, Mapping):
         quant = {}
-    weight_bytes = 1 if str(quant.get("quant_method", "")).lower() in ("fp8", "fbgemm_fp8", "compressed-tensors") \
-        and quant.get("quant_method") != "compressed-tensors" else dtype_bytes
+    # Linear weights in one byte: fp8 checkpoints, and compressed-tensors ones whose every config group stores
+    # 8-bit weights (int8 or fp8: vLLM creates them as torch.int8 / torch.float8_e4m3fn, vllm/model_executor/
+    # layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py 0.11.0:56-61,
+    # compressed_tensors_w8a8_fp8.py create_fp8_weight_parameter). Their per-channel fp32 scales (w8a8_int8.py
+    # 0.11.0:68-72, 4 bytes an output row) are not counted: under 0.1% of the weights. Other bit widths keep
+    # the model dtype (not modelled).
+    method = str(quant.get("quant_method", "")).lower()
+    groups = quant.get("config_groups") if method == "compressed-tensors" else None
+    group_bits = [group["weights"].get("num_bits") if isinstance(group, Mapping)
+                  and isinstance(group.get("weights"), Mapping) else None
+                  for group in (groups.values() if isinstance(groups, Mapping) else ())]
+    eight_bit = method in ("fp8", "fbgemm_fp8") or (bool(group_bits) and all(b == 8 for b in group_bits))
+    weight_bytes = 1 if eight_bit else dtype_bytes
     n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0, minimum=0)
     moe_inter = _int(text, "moe_intermediate_size", default=_int(text, "intermediate_size", default=0)) \
         if n_experts else 0
@@ -142,7 +153,10 @@ def weight_tensors(shape: ModelShape) -> list[int]:
     w = s.weight_bytes_per_element
     d = s.dtype_bytes
     h = s.hidden_size
-    vocab_shard = -(-s.vocab_size // s.tensor_parallel_size)
+    # VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of 64, then split it evenly
+    # (vllm/model_executor/layers/vocab_parallel_embedding.py 0.11.0:60-63 pad_vocab_size, 226-231, 263).
+    padded_vocab = -(-s.vocab_size // 64) * 64
+    vocab_shard = -(-padded_vocab // s.tensor_parallel_size)
     tensors = [vocab_shard * h * d]
     for layer in range(s.num_layers):
         tensors.append(h * d)  # input_layernorm
@@ -179,107 +193,119 @@ def weight_tensors(shape: ModelShape) -> list[int]:
 def forward_ops(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
                 sample: bool = True) -> Iterator[Op]:
     """Allocations and frees of one forward pass (and sampling) over ``num_tokens`` tokens."""
+    head, layers, tail = forward_chunks(shape, num_tokens, num_seqs, gathered_kv_lens, sample)
+    yield from head
+    for layer in layers:
+        yield from layer
+    yield from tail
+
+
+def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
+                   sample: bool = True) -> tuple[list[Op], list[list[Op]], list[Op]]:
+    """``forward_ops`` in three parts: the ops before the first decoder layer, each layer's ops, and the
+    ops after the last one. Layers with the same ops are the same list (the simulator skips repeats by it)."""
     s = shape
     t = num_tokens
     d = s.dtype_bytes
     h = t * s.hidden_size * d
-    yield ("input_ids", t * 4)
-    yield ("positions", t * 8)
-    yield ("slot_mapping", t * 8)
-    yield ("hidden", h)
+    head: list[Op] = [("input_ids", t * 4), ("positions", t * 8), ("slot_mapping", t * 8), ("hidden", h)]
+    made: dict[tuple[bool, str], list[Op]] = {}
+    layers: list[list[Op]] = []
     residual = "hidden"
     for layer in range(s.num_layers):
-        yield ("x", h)
-        if s.is_mla:
-            qk = s.qk_nope_head_dim + s.qk_rope_head_dim
-            yield ("q", t * s.num_heads * qk * d)
-            yield ("kv_a", t * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
-            yield ("x", None)
-            yield ("kv_b", t * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim) * d)
-            gathered = [(f"kv{i}", n * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
-                        for i, n in enumerate(gathered_kv_lens)]
-            yield from gathered
-            yield ("attn", t * s.num_heads * s.v_head_dim * d)
-            for key, _ in gathered:
-                yield (key, None)
-            yield ("q", None)
-            yield ("kv_a", None)
-            yield ("kv_b", None)
-        else:
-            yield ("qkv", t * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim * d)
-            yield ("x", None)
-            yield ("q_rot", t * s.num_heads * s.head_dim * d)
-            yield ("k_rot", t * s.num_kv_heads * s.head_dim * d)
-            gathered = []
-            for i, n in enumerate(gathered_kv_lens):
-                size = n * s.num_kv_heads * s.head_dim * d
-                gathered += [(f"k{i}", size), (f"v{i}", size)]
-            yield from gathered
-            yield ("attn", t * s.num_heads * s.head_dim * d)
-            for key, _ in gathered:
-                yield (key, None)
-            yield ("q_rot", None)
-            yield ("k_rot", None)
-            yield ("qkv", None)
-        yield ("o", h)
-        yield ("attn", None)
-        yield ("res_a", h)
-        yield ("o", None)
-        yield (residual, None)
-        yield ("x2", h)
-        if s.is_moe_layer(layer):
-            k = s.experts_per_token
-            yield ("router", t * s.num_experts * 4)
-            yield ("topk_w", t * k * 4)
-            yield ("topk_ids", t * k * 4)
-            yield ("router", None)
-            yield ("cache1", t * k * 2 * s.moe_intermediate_size * d)
-            yield ("cache2", t * k * s.moe_intermediate_size * d)
-            yield ("cache1", None)
-            yield ("cache3", t * k * s.hidden_size * d)
-            yield ("cache2", None)
-            yield ("moe_out", h)
-            yield ("cache3", None)
-            yield ("topk_w", None)
-            yield ("topk_ids", None)
-            if s.shared_intermediate_size:
-                yield ("gu", t * 2 * s.shared_intermediate_size * d)
-                yield ("act", t * s.shared_intermediate_size * d)
-                yield ("gu", None)
-                yield ("down", h)
-                yield ("act", None)
-                yield ("down", None)
-            yield ("x2", None)
-            yield ("res_b", h)
-            yield ("moe_out", None)
-        else:
-            yield ("gu", t * 2 * s.intermediate_size * d)
-            yield ("x2", None)
-            yield ("act", t * s.intermediate_size * d)
+        kind = (s.is_moe_layer(layer), residual)
+        ops = made.get(kind)
+        if ops is None:
+            ops = made[kind] = list(_layer_ops(s, t, gathered_kv_lens, *kind))
+        layers.append(ops)
+        residual = "res_b"
+    tail: list[Op] = [("norm", h), (residual, None)]
+    if sample:
+        v = s.vocab_size
+        tail += [("last_hidden", num_seqs * s.hidden_size * d), ("norm", None), ("logits", num_seqs * v * d),
+                 ("last_hidden", None), ("logits_fp32", num_seqs * v * 4), ("logits", None),
+                 ("probs", num_seqs * v * 4), ("sampled", num_seqs * 8), ("logits_fp32", None), ("probs", None),
+                 ("sampled", None)]
+    else:
+        tail.append(("norm", None))
+    tail += [("input_ids", None), ("positions", None), ("slot_mapping", None)]
+    return head, layers, tail
+
+
+def _layer_ops(s: ModelShape, t: int, gathered_kv_lens: tuple[int, ...], moe: bool, residual: str) -> Iterator[Op]:
+    """One decoder layer's ops over ``t`` tokens; it frees ``residual``, the previous layer's output."""
+    d = s.dtype_bytes
+    h = t * s.hidden_size * d
+    yield ("x", h)
+    if s.is_mla:
+        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
+        yield ("q", t * s.num_heads * qk * d)
+        yield ("kv_a", t * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
+        yield ("x", None)
+        yield ("kv_b", t * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim) * d)
+        gathered = [(f"kv{i}", n * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
+                    for i, n in enumerate(gathered_kv_lens)]
+        yield from gathered
+        yield ("attn", t * s.num_heads * s.v_head_dim * d)
+        for key, _ in gathered:
+            yield (key, None)
+        yield ("q", None)
+        yield ("kv_a", None)
+        yield ("kv_b", None)
+    else:
+        yield ("qkv", t * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim * d)
+        yield ("x", None)
+        yield ("q_rot", t * s.num_heads * s.head_dim * d)
+        yield ("k_rot", t * s.num_kv_heads * s.head_dim * d)
+        gathered = []
+        for i, n in enumerate(gathered_kv_lens):
+            size = n * s.num_kv_heads * s.head_dim * d
+            gathered += [(f"k{i}", size), (f"v{i}", size)]
+        yield from gathered
+        yield ("attn", t * s.num_heads * s.head_dim * d)
+        for key, _ in gathered:
+            yield (key, None)
+        yield ("q_rot", None)
+        yield ("k_rot", None)
+        yield ("qkv", None)
+    yield ("o", h)
+    yield ("attn", None)
+    yield ("res_a", h)
+    yield ("o", None)
+    yield (residual, None)
+    yield ("x2", h)
+    if moe:
+        k = s.experts_per_token
+        yield ("router", t * s.num_experts * 4)
+        yield ("topk_w", t * k * 4)
+        yield ("topk_ids", t * k * 4)
+        yield ("router", None)
+        yield ("cache1", t * k * 2 * s.moe_intermediate_size * d)
+        yield ("cache2", t * k * s.moe_intermediate_size * d)
+        yield ("cache1", None)
+        yield ("cache3", t * k * s.hidden_size * d)
+        yield ("cache2", None)
+        yield ("moe_out", h)
+        yield ("cache3", None)
+        yield ("topk_w", None)
+        yield ("topk_ids", None)
+        if s.shared_intermediate_size:
+            yield ("gu", t * 2 * s.shared_intermediate_size * d)
+            yield ("act", t * s.shared_intermediate_size * d)
             yield ("gu", None)
             yield ("down", h)
             yield ("act", None)
-            yield ("res_b", h)
             yield ("down", None)
-        yield ("res_a", None)
-        residual = "res_b"
-    yield ("norm", h)
-    yield (residual, None)
-    if sample:
-        v = s.vocab_size
-        yield ("last_hidden", num_seqs * s.hidden_size * d)
-        yield ("norm", None)
-        yield ("logits", num_seqs * v * d)
-        yield ("last_hidden", None)
-        yield ("logits_fp32", num_seqs * v * 4)
-        yield ("logits", None)
-        yield ("probs", num_seqs * v * 4)
-        yield ("sampled", num_seqs * 8)
-        yield ("logits_fp32", None)
-        yield ("probs", None)
-        yield ("sampled", None)
+        yield ("x2", None)
+        yield ("res_b", h)
+        yield ("moe_out", None)
     else:
-        yield ("norm", None)
-    yield ("input_ids", None)
-    yield ("positions", None)
-    yield ("slot_mapping", None)
+        yield ("gu", t * 2 * s.intermediate_size * d)
+        yield ("x2", None)
+        yield ("act", t * s.intermediate_size * d)
+        yield ("gu", None)
+        yield ("down", h)
+        yield ("act", None)
+        yield ("res_b", h)
+        yield ("down", None)
+    yield ("res_a", None)

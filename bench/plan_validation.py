@@ -1,0 +1,207 @@
+"""kvguard plan's predictions against the real logs that state them: weights and the activation peak, per log
+and per era, tuned and held-out apart (issue 20, deliverable 4).
+
+For every log in tests/data/plan_validation.json, runs ``kvguard plan --json`` (the CLI, as a user would) with the
+model's config.json fields, the serve settings the log's release ran and its device, and compares:
+
+- weights: plan["weights"]["bytes"] with the log's "model weights take" / "Loading model weights took" figure
+  (tests/data/logs/real/MANIFEST.json expect.weights_gib; the seed log's own line);
+- activation: plan["activation_peak"]["allocated_increase_bytes"] with the log's "PyTorch activation peak memory"
+  (expect.peak_activation_gib), or the difference of two figures it prints (derived_activation_gib, named there).
+
+Errors are (predicted - stated), in GiB and in percent of the stated figure. Prints the table and, with
+``--write-accuracy``, writes exporter/kvguard/plan/accuracy.json, the per-era errors plan's output cites.
+
+    .venv/bin/python bench/plan_validation.py [--write-accuracy]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from click.testing import CliRunner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(REPO, "tests", "data", "plan_validation.json")
+MANIFEST = os.path.join(REPO, "tests", "data", "logs", "real", "MANIFEST.json")
+ACCURACY = os.path.join(REPO, "exporter", "kvguard", "plan", "accuracy.json")
+GIB = 1 << 30
+# Errors above these are called large in plan's output (kvguard.plan.planner._predicted_uncertainty).
+LARGE_PCT = {"weights": 2.0, "activation": 25.0}
+
+
+def load_cases() -> list[dict]:
+    """One case per log: the plan arguments and the stated figures, from the data file and the manifest."""
+    with open(DATA, encoding="utf-8") as handle:
+        data = json.load(handle)
+    with open(MANIFEST, encoding="utf-8") as handle:
+        manifest = {entry["id"]: entry for entry in json.load(handle)["logs"]}
+    cases = []
+    for log_id, log in data["logs"].items():
+        model = data["models"][log["model"]]
+        entry = manifest.get(log_id)
+        if entry is not None:
+            stated = {"weights_gib": entry["expect"].get("weights_gib"),
+                      "activation_gib": entry["expect"].get("peak_activation_gib")}
+            # A release the era table does not place: its project, release unknown.
+            era = entry["era"] or f"{entry['release'].split(' ')[0]} (release unknown)"
+            held_out = entry["held_out"]
+        else:   # the seed log, outside the corpus
+            stated = {"weights_gib": log["stated"].get("weights_gib"), "activation_gib": None}
+            era, held_out = log["era"], False
+        derived = log.get("derived_activation_gib")
+        if stated["activation_gib"] is None and derived is not None:
+            stated["activation_gib"] = derived["value"]
+            stated["activation_derived"] = True
+        cases.append({"id": log_id, "model": log["model"], "model_entry": model, "serve": log["serve"],
+                      "device": log["device"], "release": log["plan_release"], "era": era, "held_out": held_out,
+                      "stated": stated})
+    return cases
+
+
+def config_path(case: dict, directory: str) -> str:
+    model = case["model_entry"]
+    if "config_dir" in model:
+        return os.path.join(REPO, model["config_dir"])
+    path = os.path.join(directory, case["id"] + ".json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(model["fields"], handle)
+    return path
+
+
+def run_plan(case: dict, directory: str) -> dict:
+    """``kvguard plan --json`` for one case; exit 3 (vLLM would refuse) still prints the plan."""
+    from kvguard.cli import main
+
+    args = ["plan", "--json", "--device", case["device"], "--vllm-version", case["release"], "--model-config",
+            config_path(case, directory), "--", *case["serve"]]
+    result = CliRunner().invoke(main, args)
+    if result.exit_code not in (0, 3):
+        raise RuntimeError(f"{case['id']}: kvguard plan exited {result.exit_code}: {result.output.strip()}")
+    return json.loads(result.output)
+
+
+def errors(case: dict, out: dict) -> dict:
+    plan = out["plan"]
+    row = {"id": case["id"], "model": case["model"], "era": case["era"], "held_out": case["held_out"],
+           "release": case["release"], "tp": plan["settings"]["tensor_parallel_size"]["value"]}
+    stated_w = case["stated"]["weights_gib"]
+    if stated_w is not None:
+        predicted = plan["weights"]["bytes"] / GIB
+        row["weights"] = {"stated_gib": stated_w, "predicted_gib": round(predicted, 4),
+                          "error_gib": round(predicted - stated_w, 4),
+                          "error_pct": round(100 * (predicted - stated_w) / stated_w, 2)}
+    stated_a = case["stated"]["activation_gib"]
+    peak = plan.get("activation_peak")
+    if stated_a is not None and peak is not None:
+        predicted = peak["allocated_increase_bytes"] / GIB
+        row["activation"] = {"stated_gib": stated_a, "predicted_gib": round(predicted, 4),
+                             "error_gib": round(predicted - stated_a, 4),
+                             "error_pct": round(100 * (predicted - stated_a) / stated_a, 2),
+                             "tokens": peak["max_num_batched_tokens"], "seqs": peak["num_seqs"],
+                             "derived": bool(case["stated"].get("activation_derived"))}
+    return row
+
+
+def summary(rows: list[dict], kind: str) -> dict | None:
+    got = [row[kind] for row in rows if kind in row]
+    if not got:
+        return None
+    worst = max(got, key=lambda e: abs(e["error_pct"]))
+    return {"n": len(got),
+            "median_abs_error_gib": round(statistics.median(abs(e["error_gib"]) for e in got), 3),
+            "median_abs_error_pct": round(statistics.median(abs(e["error_pct"]) for e in got), 1),
+            "worst_error_gib": round(max((e["error_gib"] for e in got), key=abs), 3),
+            "worst_error_pct": worst["error_pct"],
+            "logs": [row["id"] for row in rows if kind in row],
+            "large": abs(worst["error_pct"]) > LARGE_PCT[kind]}
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [f"{'log':<5} {'set':<8} {'era':<30} {'model':<48} {'TP':>2}  {'weights stated/pred GiB (err %)':<32} "
+             f"{'activation stated/pred GiB (err %) at tokens':<44}"]
+    for row in rows:
+        w = row.get("weights")
+        a = row.get("activation")
+        wt = f"{w['stated_gib']:.4g} / {w['predicted_gib']:.4g} ({w['error_pct']:+.2f}%)" if w else "-"
+        at = (f"{a['stated_gib']:.3g} / {a['predicted_gib']:.3g} ({a['error_pct']:+.0f}%) at {a['tokens']}"
+              + (" [derived]" if a["derived"] else "")) if a else "-"
+        lines.append(f"{row['id']:<5} {'held-out' if row['held_out'] else 'tuned':<8} {row['era']:<30} "
+                     f"{row['model']:<48} {row['tp']:>2}  {wt:<32} {at:<44}")
+    return lines
+
+
+def era_table(rows: list[dict]) -> tuple[list[str], dict]:
+    eras: dict[str, dict] = {}
+    lines = [f"{'era':<30} {'set':<9} {'what':<11} {'n':>2} {'median |err|':>20} {'worst err':>20}"]
+    for era in dict.fromkeys(row["era"] for row in rows):
+        in_era = [row for row in rows if row["era"] == era]
+        eras[era] = {}
+        for label, subset in (("tuned", [r for r in in_era if not r["held_out"]]),
+                              ("held-out", [r for r in in_era if r["held_out"]]), ("all", in_era)):
+            for kind in ("weights", "activation"):
+                s = summary(subset, kind)
+                if s is None:
+                    continue
+                if label == "all":
+                    eras[era][kind] = s
+                lines.append(f"{era:<30} {label:<9} {kind:<11} {s['n']:>2} "
+                             f"{s['median_abs_error_gib']:>8.3f} GiB {s['median_abs_error_pct']:>6.1f}% "
+                             f"{s['worst_error_gib']:>+8.3f} GiB {s['worst_error_pct']:>+6.1f}%")
+    return lines, eras
+
+
+def main(argv: list[str]) -> int:
+    cases = load_cases()
+    with tempfile.TemporaryDirectory() as directory:
+        rows = [errors(case, run_plan(case, directory)) for case in cases]
+    try:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    print(f"kvguard plan against the real logs that state weights or the activation peak (commit {commit}, "
+          f"working tree)")
+    print("error = predicted - stated; held-out: the manifest's rule (id % 4 == 0), written before tuning\n")
+    for line in table(rows):
+        print(line)
+    print()
+    lines, eras = era_table(rows)
+    for line in lines:
+        print(line)
+    if not any(row["held_out"] for row in rows):
+        print("\nheld-out: no figure. The held-out logs that state weights or the activation peak (r20, r36) do "
+              "not name their model;\nthey are listed as not used below, not dropped for their errors.")
+    print("\nnot used (tests/data/plan_validation.json 'not_used'):")
+    with open(DATA, encoding="utf-8") as handle:
+        for log_id, why in json.load(handle)["not_used"].items():
+            print(f"  {log_id}: {why}")
+    if "--write-accuracy" in argv:
+        from kvguard.vllm.eras import ERAS
+
+        # The allocator of each era's release (the era table's); an unknown release: its project's newest row's.
+        allocators = {era.name: era.allocator for era in ERAS}
+        for era in ERAS:
+            allocators[f"{era.project} (release unknown)"] = era.allocator
+        accuracy = {
+            "about": ("kvguard plan's prediction errors against the real logs that state them (predicted - stated), "
+                      "per era of the log's release; written by bench/plan_validation.py --write-accuracy from "
+                      "tests/data/plan_validation.json. Read by kvguard.plan.planner._predicted_uncertainty."),
+            "results": "bench/results/plan-validation-2026-12-03.txt", "commit": commit,
+            "large_pct": LARGE_PCT,
+            "eras": {era: {"allocator": allocators.get(era), **figures} for era, figures in eras.items()},
+        }
+        with open(ACCURACY, "w", encoding="utf-8") as handle:
+            json.dump(accuracy, handle, indent=1, ensure_ascii=False)
+            handle.write("\n")
+        print(f"\nwrote {os.path.relpath(ACCURACY, REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
