@@ -331,3 +331,58 @@ def test_scenario_suite(name, device_gib, tp, allocator, utilization, seed, allo
             assert record.peak_reserved_bytes >= record.peak_allocated_bytes
             assert record.device_used_bytes <= device_gib * GIB
     assert tuple(outcomes) == expected
+
+
+# The profile run's sampler (vLLM V1 on CUDA, vllm/v1/worker/gpu_model_runner.py 0.11.0:3393-3397
+# _dummy_sampler_run): top-k and top-p over min(max_num_seqs, max_num_batched_tokens) dummy requests.
+SMALL_BIG_VOCAB = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+                   "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 4,
+                   "num_key_value_heads": 4, "vocab_size": 128000, "max_position_embeddings": 4096,
+                   "torch_dtype": "bfloat16"}
+
+
+def test_the_v1_profile_peak_is_the_top_k_top_p_sort_when_the_vocabulary_dominates():
+    # A model whose layers are tiny next to 256 x 128000 logits: the peak is the sampler's live set at
+    # apply_top_k_top_p's scatter (vllm/v1/sample/ops/topk_topp_sampler.py 0.11.0:183-203): the bf16 logits
+    # (the caller's), their fp32 copy (sampler.py:86), sorted values fp32 + indices int64, the top-k and top-p
+    # masks (bool), the softmax of the sorted values, the scatter's output; with the final norm's output and
+    # the last tokens' hidden states held by profile_run, their torch.rand_like copy, the greedy ids (int64)
+    # and the forward's input ids, positions and slot mapping. Every size is a multiple of 512 (no rounding);
+    # PyTorch counts a whole cached block when it reuses one whose remainder is too small to split (at most
+    # 1 MiB in the large pool, c10/cuda/CUDACachingAllocator.cpp should_split, kSmallSize): up to 1 MiB more
+    # for each of the 15 live tensors.
+    tokens = seqs = 256
+    config = ScenarioConfig(model_config=SMALL_BIG_VOCAB, device_memory_bytes=80 * GIB, allocator="torch",
+                            max_num_batched_tokens=tokens, max_num_seqs=seqs, max_model_len=256)
+    profile = ServingScenario(config).startup()
+    nv = seqs * 128000
+    sampler = nv * (2 + 4 + 4 + 8 + 1 + 1 + 4 + 4)
+    held = tokens * 512 * 2 + 2 * seqs * 512 * 2 + seqs * 8 + tokens * (4 + 8 + 8)
+    assert sampler + held <= profile.peak_allocated_increase_bytes <= sampler + held + 15 * MIB
+
+
+def test_the_profile_sampler_does_not_shrink_with_tensor_parallelism():
+    # Real logs: Meta-Llama-3-8B at 8192 tokens and 256 sequences states the same activation peak, 1.26 GiB, at
+    # TP 1 and TP 2 (tests/data/logs/real/MANIFEST.json r01, r38): the logits are gathered to the full
+    # vocabulary on every rank (logits_processor.py 0.11.0:69-77) and the sampler sorts all of it.
+    llama = model("llama-3-8b-instruct")
+    peaks = [ServingScenario(ScenarioConfig(model_config=llama, device_memory_bytes=80 * GIB, allocator="torch",
+                                            max_model_len=8192, tensor_parallel_size=tp)).startup()
+             .peak_allocated_increase_bytes for tp in (1, 2)]
+    assert abs(peaks[1] - peaks[0]) < 0.05 * peaks[0]
+
+
+@pytest.mark.parametrize("allocator", ["torch_npu", "mindspore"])
+def test_profiles_without_a_sampler_run_do_not_get_one(allocator, monkeypatch):
+    # vllm-ascend's profile_run computes the logits but runs no sampler (vllm_ascend/worker/model_runner_v1.py
+    # 0.11.0:2596-2598); vllm-mindspore's keeps its plain sampling ops: neither may reach the V1 CUDA sampler.
+    import kvguard.sim.workload as workload
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profile_sampler_ops called")
+
+    monkeypatch.setattr(workload, "profile_sampler_ops", refuse)
+    assert ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB,
+                                          allocator=allocator)).startup() is not None
+    with pytest.raises(AssertionError, match="profile_sampler_ops"):
+        ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator="torch")).startup()

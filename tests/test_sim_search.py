@@ -47,8 +47,8 @@ def test_several_seeds_without_search_is_refused():
 # The forward memo (ServingScenario._forward): a steady forward replayed from the same allocator state, and
 # repeated decoder layers skipped, must leave every figure as executing each op does.
 
-def _plain_forward(self, num_tokens, num_seqs, gathered):
-    self._execute(list(forward_ops(self.shape, num_tokens, num_seqs, gathered)))
+def _plain_forward(self, num_tokens, num_seqs, gathered, profile_sampler=False):
+    self._execute(list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler)))
 
 
 def _everything(result):
@@ -119,6 +119,7 @@ def test_a_watched_allocator_sees_every_op_of_the_profile_forward():
     scenario.startup()
     assert watch.captured
     profile_ops = forward_ops(scenario.shape, config.max_num_batched_tokens,
-                              min(config.max_num_seqs, config.max_num_batched_tokens))
+                              min(config.max_num_seqs, config.max_num_batched_tokens),
+                              profile_sampler=config.profile_runs_sampler)
     expected = len(weight_tensors(scenario.shape)) + sum(1 for _, size in profile_ops if size is not None)
     assert sum(1 for name, _, _ in watch.events if name == "malloc") == expected

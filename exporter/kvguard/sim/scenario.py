@@ -188,6 +188,14 @@ class ScenarioConfig:
         return SIMULATED_VLLM
 
     @property
+    def profile_runs_sampler(self) -> bool:
+        """Whether the release's profile run ends with a top-k/top-p sampler run (``workload.profile_sampler_ops``):
+        vLLM V1's on CUDA does (vllm/v1/worker/gpu_model_runner.py 0.11.0:3393-3397, _dummy_sampler_run);
+        vllm-ascend's computes the logits only (vllm_ascend/worker/model_runner_v1.py 0.11.0:2596-2598, "need to
+        run a dummy sampler"); vllm-mindspore's is not modelled: both keep the plain sampling ops."""
+        return self.allocator == "torch"
+
+    @property
     def kv_tensor_style(self) -> str:
         """How that release allocates the KV cache (its era row's kv_tensor_style)."""
         return kv_tensor_style(self.vllm_release)
@@ -488,7 +496,7 @@ class ServingScenario:
             if cfg.profile_non_allocator_growth_bytes and \
                     not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):
                 raise SimOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
-            self._forward(num_tokens, num_seqs, ())
+            self._forward(num_tokens, num_seqs, (), profile_sampler=cfg.profile_runs_sampler)
         except SimOutOfMemory as exc:
             self._record("profile")
             self._fail("profile", exc)
@@ -534,18 +542,19 @@ class ServingScenario:
         return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)
 
     # ----------------------------------------------------------------- execution
-    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> list:
-        key = (self._scope, num_tokens, num_seqs, gathered)
+    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...], profile_sampler: bool = False) -> list:
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler)
         cache = self.memo.ops
         ops = cache.get(key)
         if ops is None:
-            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered))
+            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler))
             if len(cache) > 256:
                 cache.clear()
             cache[key] = ops
         return ops
 
-    def _forward(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> None:
+    def _forward(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
+                 profile_sampler: bool = False) -> None:
         """One forward pass; a steady one (the allocator left as it was found) is recorded, and replayed
         when the same forward meets the same allocator state again (``base.replay_steady``)."""
         allocator = self.allocator
@@ -554,29 +563,30 @@ class ServingScenario:
         watched = "malloc" in vars(allocator) or "free" in vars(allocator)
         state = None if watched or not hasattr(allocator, "steady_state_key") else allocator.steady_state_key()
         if state is None:
-            self._execute(self._ops(num_tokens, num_seqs, gathered))
+            self._execute(self._ops(num_tokens, num_seqs, gathered, profile_sampler))
             return
-        key = (self._scope, num_tokens, num_seqs, gathered, state)
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, state)
         steady = self.memo.steady
         recorded = steady.get(key)
         if recorded is not None:
             replay_steady(allocator, recorded)
             return
-        chunks = self._chunks(num_tokens, num_seqs, gathered)
+        chunks = self._chunks(num_tokens, num_seqs, gathered, profile_sampler)
         recorded = record_steady(allocator, lambda: self._execute_layers(*chunks))
         if allocator.steady_state_key() == state:
             if len(steady) >= ForwardMemo.MAX_ENTRIES:
                 steady.clear()
             steady[key] = recorded
 
-    def _chunks(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...]) -> tuple[list, list, list]:
+    def _chunks(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
+                profile_sampler: bool = False) -> tuple[list, list, list]:
         """``workload.forward_chunks``: the ops before the layers, each layer's (a repeated layer is the same
         list), the ops after."""
-        key = (self._scope, num_tokens, num_seqs, gathered)
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler)
         cache = self.memo.chunks
         chunks = cache.get(key)
         if chunks is None:
-            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered)
+            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler)
             if len(cache) > 256:
                 cache.clear()
             cache[key] = chunks

@@ -18,7 +18,8 @@ tensor right after its last use). Per decoder layer, for ``T`` scheduled tokens:
   tensors for that layer's attention;
 
 then the final norm, the last-token hidden states, logits in the model dtype and in
-fp32, probabilities, and sampled ids for ``S`` sequences. Tensor parallelism shards
+fp32, probabilities, and sampled ids for ``S`` sequences; or, for vLLM V1's profile run, its dummy
+sampler run with top-k and top-p (``profile_sampler_ops``). Tensor parallelism shards
 heads, intermediate sizes and the vocabulary of the weights (logits are gathered whole).
 Weights are listed tensor by tensor, as vLLM's fused modules hold them.
 """
@@ -147,16 +148,21 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
     )
 
 
+def _vocab_shard(shape: ModelShape) -> int:
+    """One rank's rows of the embedding and the LM head: VocabParallelEmbedding / ParallelLMHead pad the
+    vocabulary to a multiple of 64, then split it evenly (vllm/model_executor/layers/vocab_parallel_embedding.py
+    0.11.0:60-63 pad_vocab_size, 226-231, 263)."""
+    padded_vocab = -(-shape.vocab_size // 64) * 64
+    return -(-padded_vocab // shape.tensor_parallel_size)
+
+
 def weight_tensors(shape: ModelShape) -> list[int]:
     """Bytes of each weight tensor one rank loads, in load order."""
     s = shape
     w = s.weight_bytes_per_element
     d = s.dtype_bytes
     h = s.hidden_size
-    # VocabParallelEmbedding / ParallelLMHead pad the vocabulary to a multiple of 64, then split it evenly
-    # (vllm/model_executor/layers/vocab_parallel_embedding.py 0.11.0:60-63 pad_vocab_size, 226-231, 263).
-    padded_vocab = -(-s.vocab_size // 64) * 64
-    vocab_shard = -(-padded_vocab // s.tensor_parallel_size)
+    vocab_shard = _vocab_shard(s)
     tensors = [vocab_shard * h * d]
     for layer in range(s.num_layers):
         tensors.append(h * d)  # input_layernorm
@@ -191,9 +197,10 @@ def weight_tensors(shape: ModelShape) -> list[int]:
 
 
 def forward_ops(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
-                sample: bool = True) -> Iterator[Op]:
-    """Allocations and frees of one forward pass (and sampling) over ``num_tokens`` tokens."""
-    head, layers, tail = forward_chunks(shape, num_tokens, num_seqs, gathered_kv_lens, sample)
+                sample: bool = True, profile_sampler: bool = False) -> Iterator[Op]:
+    """Allocations and frees of one forward pass (and sampling) over ``num_tokens`` tokens; with
+    ``profile_sampler``, the sampling is vLLM V1's profile run's (:func:`profile_sampler_ops`)."""
+    head, layers, tail = forward_chunks(shape, num_tokens, num_seqs, gathered_kv_lens, sample, profile_sampler)
     yield from head
     for layer in layers:
         yield from layer
@@ -201,7 +208,7 @@ def forward_ops(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_l
 
 
 def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
-                   sample: bool = True) -> tuple[list[Op], list[list[Op]], list[Op]]:
+                   sample: bool = True, profile_sampler: bool = False) -> tuple[list[Op], list[list[Op]], list[Op]]:
     """``forward_ops`` in three parts: the ops before the first decoder layer, each layer's ops, and the
     ops after the last one. Layers with the same ops are the same list (the simulator skips repeats by it)."""
     s = shape
@@ -220,7 +227,13 @@ def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_k
         layers.append(ops)
         residual = "res_b"
     tail: list[Op] = [("norm", h), (residual, None)]
-    if sample:
+    if profile_sampler:
+        # profile_run holds the model's output (the final norm's) and the last tokens' hidden states
+        # (hidden_states[logit_indices], a copy) across the sampler run, and deletes them after it
+        # (vllm/v1/worker/gpu_model_runner.py 0.11.0:3180, 3387-3402).
+        tail += [("last_hidden", num_seqs * s.hidden_size * d), *profile_sampler_ops(s, num_seqs),
+                 ("last_hidden", None), ("norm", None)]
+    elif sample:
         v = s.vocab_size
         tail += [("last_hidden", num_seqs * s.hidden_size * d), ("norm", None), ("logits", num_seqs * v * d),
                  ("last_hidden", None), ("logits_fp32", num_seqs * v * 4), ("logits", None),
@@ -230,6 +243,56 @@ def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_k
         tail.append(("norm", None))
     tail += [("input_ids", None), ("positions", None), ("slot_mapping", None)]
     return head, layers, tail
+
+
+def profile_sampler_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
+    """vLLM V1's ``_dummy_sampler_run`` on CUDA (0.11.0), the end of its profile run: ``num_seqs`` dummy requests
+    (min(max_num_seqs, max_num_batched_tokens), gpu_model_runner.py 0.11.0:2977) sampled at temperature 0.5,
+    top-p 0.9 and top-k vocab - 1 (3198-3203), through the PyTorch-native top-k/top-p path (FlashInfer is an
+    optional extra, topk_topp_sampler.py 0.11.0:37-59). Each op cites the line that allocates or frees it. Its
+    per-request metadata tensors (a few bytes a request) are left out.
+
+    The sort of fp32 logits with int64 indices, and the gathered logits, scale with sequences x vocabulary on
+    every tensor-parallel rank: only the LM head's output is a shard."""
+    s = shape
+    n = num_seqs
+    d = s.dtype_bytes
+    vocab_shard = _vocab_shard(s)
+    nv = n * s.vocab_size   # after the gather, the padding is sliced off (logits_processor.py 0.11.0:97-99)
+    ops: list[Op] = [("rand_hidden", n * s.hidden_size * d)]   # torch.rand_like (gpu_model_runner.py 0.11.0:3189)
+    if s.tensor_parallel_size == 1:
+        # The LM head's output (logits_processor.py 0.11.0:90-92); one rank gathers nothing
+        # (distributed/parallel_state.py 0.11.0:372).
+        ops.append(("logits", n * vocab_shard * d))
+    else:
+        # V1 all-gathers the logits (logits_processor.py 0.11.0:69-77; platforms/interface.py 0.11.0:468-477):
+        # into a [tp x n, shard] buffer, then movedim + reshape to [n, tp x shard], a copy
+        # (distributed/device_communicators/base_device_communicator.py 0.11.0:137-153).
+        full = n * vocab_shard * s.tensor_parallel_size * d
+        ops += [("logits_shard", n * vocab_shard * d), ("gathered", full), ("logits", full),
+                ("gathered", None), ("logits_shard", None)]
+    ops += [
+        ("logits_fp32", nv * 4),     # Sampler.forward: logits.to(torch.float32) (sampler.py 0.11.0:86)
+        ("greedy", n * 8),           # greedy_sample's argmax, int64 (sampler.py 0.11.0:139-140, 158)
+        # apply_top_k_top_p (topk_topp_sampler.py 0.11.0:183-203): sort -> fp32 values + int64 indices,
+        ("logits_sort", nv * 4), ("logits_idx", nv * 8),
+        ("top_k_mask", nv),          # logits_sort < top_k_mask, bool (190)
+        ("probs_sort", nv * 4),      # softmax (195); the top-p cumsum writes into it (out=probs_sort, 196)
+        ("top_p_mask", nv),          # probs_sum <= 1 - p, bool (197)
+        ("top_k_top_p", nv * 4),     # logits_sort.scatter(...), a new tensor (203)
+        ("logits_sort", None), ("logits_idx", None), ("top_k_mask", None), ("probs_sort", None),
+        ("top_p_mask", None),        # the function's locals, freed at its return
+        ("probs", nv * 4),           # forward_native: softmax in fp32 (topk_topp_sampler.py 0.11.0:96)
+        ("q", nv * 4),               # random_sample: torch.empty_like(probs) (241)
+        ("random", n * 8),           # probs.div_(q).argmax(...) (253)
+        ("q", None), ("probs", None), ("top_k_top_p", None),
+        ("random", None),            # torch.where(..., out=greedy_sampled) (sampler.py 0.11.0:190-195)
+        ("sampled", n * 4),          # sampled.to(torch.int32) (sampler.py 0.11.0:115)
+        ("greedy", None), ("logits_fp32", None),               # Sampler.forward returns
+        ("logits", None), ("rand_hidden", None),               # _dummy_sampler_run returns
+        ("sampled", None),           # del output (gpu_model_runner.py 0.11.0:3401)
+    ]
+    return ops
 
 
 def _layer_ops(s: ModelShape, t: int, gathered_kv_lens: tuple[int, ...], moe: bool, residual: str) -> Iterator[Op]:
