@@ -274,15 +274,7 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
     decided = est.stock
     plan["decided"] = {"formula": era.formula, **decided.to_dict()}
 
-    if non_allocator is not None:
-        requested = requested_memory_bytes(profile)
-        free = profile.total_memory_bytes - non_allocator
-        if free < requested:
-            refusals.append({"code": "free_below_request", "cite": CITE_FREE, "message": (
-                f"Free memory on device ({_gib(free)}/{_gib(profile.total_memory_bytes)} GiB) on startup is less "
-                f"than desired GPU memory utilization ({profile.gpu_memory_utilization}, {_gib(requested)} GiB). "
-                f"Decrease GPU memory utilization or reduce GPU memory used by other processes.")})
-    _kv_refusals(decided.kv_cache_bytes, layout, settings.max_model_len, refusals)
+    refusals.extend(_startup_refusals(profile, non_allocator, decided.kv_cache_bytes, layout, settings.max_model_len))
     plan["will_start"] = not refusals
     plan["at_budget"] = _at_budget(profile, layout, decided.kv_cache_bytes, era, release, non_allocator_bytes)
     if scenario is not None and serve:
@@ -383,11 +375,7 @@ def _unfit_at(utilization: float, settings: Settings, profile: Profile, layout: 
     critical budget-time verdict."""
     at = dataclasses.replace(profile, gpu_memory_utilization=utilization, kv_cache_memory_bytes=None)
     kv_cache_bytes = estimate(at, layout, settings.max_model_len).stock.kv_cache_bytes
-    refusals: list[dict[str, str]] = []
-    if non_allocator is not None and at.total_memory_bytes - non_allocator < requested_memory_bytes(at):
-        return "vLLM's startup checks"
-    _kv_refusals(kv_cache_bytes, layout, settings.max_model_len, refusals)
-    if refusals:
+    if _startup_refusals(at, non_allocator, kv_cache_bytes, layout, settings.max_model_len):
         return "vLLM's startup checks"
     verdict = _at_budget(at, layout, kv_cache_bytes, era, release, non_allocator_bytes)
     if verdict.get("verdict", {}).get("state") == "critical":
@@ -397,6 +385,23 @@ def _unfit_at(utilization: float, settings: Settings, profile: Profile, layout: 
 
 def _gib(n_bytes: float) -> float:
     return round(n_bytes / GIB, 2)
+
+
+def _startup_refusals(profile: Profile, non_allocator: int | None, kv_cache_bytes: int, layout: KVLayout,
+                      max_model_len: int) -> list[dict[str, str]]:
+    """vLLM's startup refusals for this profile and decided KV cache: free memory below the request (when the
+    memory outside the allocator is known), then ``_kv_refusals``."""
+    refusals: list[dict[str, str]] = []
+    if non_allocator is not None:
+        requested = requested_memory_bytes(profile)
+        free = profile.total_memory_bytes - non_allocator
+        if free < requested:
+            refusals.append({"code": "free_below_request", "cite": CITE_FREE, "message": (
+                f"Free memory on device ({_gib(free)}/{_gib(profile.total_memory_bytes)} GiB) on startup is less "
+                f"than desired GPU memory utilization ({profile.gpu_memory_utilization}, {_gib(requested)} GiB). "
+                f"Decrease GPU memory utilization or reduce GPU memory used by other processes.")})
+    _kv_refusals(kv_cache_bytes, layout, max_model_len, refusals)
+    return refusals
 
 
 def _kv_refusals(available: int, layout: KVLayout, max_model_len: int, refusals: list[dict[str, str]]) -> None:
