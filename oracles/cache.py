@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -127,21 +128,34 @@ def _sha256(path: pathlib.Path) -> str:
     return digest.hexdigest()
 
 
-def disk_bytes(roots: list[pathlib.Path]) -> int:
-    """Bytes on disk under ``roots``, each hard-linked file counted once (as du counts)."""
+def disk_usage(roots: list[pathlib.Path]) -> tuple[int, list[int]]:
+    """Bytes on disk under ``roots`` in all and under each root, in one walk; a hard-linked file counted once
+    in each figure (as du counts)."""
     seen: set[tuple[int, int]] = set()
-    total = 0
+    total, per_root = 0, []
     for root in roots:
+        own: set[tuple[int, int]] = set()
+        size = 0
         for folder, _, names in os.walk(root):
             for name in names:
                 try:
                     st = os.lstat(os.path.join(folder, name))
                 except OSError:
                     continue
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-    return total
+                key = (st.st_dev, st.st_ino)
+                if key not in own:
+                    own.add(key)
+                    size += st.st_blocks * 512
+                    if key not in seen:
+                        seen.add(key)
+                        total += st.st_blocks * 512
+        per_root.append(size)
+    return total, per_root
+
+
+def disk_bytes(roots: list[pathlib.Path]) -> int:
+    """Bytes on disk under ``roots``, each hard-linked file counted once (as du counts)."""
+    return disk_usage(roots)[0]
 
 
 # The environments' folders: their bytecode is dropped once after each build (pip compiles every module; the
@@ -150,20 +164,20 @@ ENV_FOLDERS = ("vllm-envs", "ascend-envs", "mindspore-envs")
 STAMP = "slim-stamp"
 
 
-def _fingerprint(root: pathlib.Path, venv: pathlib.Path | None) -> str:
-    """What the environments and oracles are: each one's folder (a rebuild makes a new one), and the venv's
+def _identities(root: pathlib.Path, venv: pathlib.Path | None) -> dict[str, str]:
+    """What each environment and oracle is: its folder (a rebuild makes a new one); and the venv's
     site-packages folder (an install changes it)."""
-    parts = []
+    out = {}
     for kind in (*ENV_FOLDERS, "oracles"):
         folder = root / kind
         for child in sorted(folder.iterdir()) if folder.is_dir() else ():
             st = child.stat()
-            parts.append(f"{kind}/{child.name} {st.st_ino} {st.st_mtime_ns}")
+            out[f"{kind}/{child.name}"] = f"{st.st_ino} {st.st_mtime_ns}"
     if venv is not None:
         for site in sorted(venv.glob("lib/python*/site-packages")):
             st = site.stat()
-            parts.append(f"venv {site} {st.st_ino} {st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+            out[f"venv {site.resolve()}"] = f"{st.st_ino} {st.st_mtime_ns}"
+    return out
 
 
 def drop_bytecode(folders: list[pathlib.Path]) -> int:
@@ -177,22 +191,32 @@ def drop_bytecode(folders: list[pathlib.Path]) -> int:
 
 
 def slim(venv: pathlib.Path | None) -> str:
-    """Retire the unpacked wheels; after a build, drop the environments' bytecode and hard-link duplicate files
-    over the cache and kvguard's venv. One line. A second run with nothing rebuilt only retires wheels."""
+    """Retire the unpacked wheels; drop the bytecode of the environments built since the last pass, and, when
+    anything changed (a build, another venv), hard-link duplicate files over the cache and kvguard's venv.
+    One line. A second run with nothing changed only retires wheels."""
     root = cache_root()
     roots = [root] + ([venv] if venv is not None else [])
     freed = retire_wheels(root / "wheels")
     stamp = root / STAMP
-    if stamp.is_file() and stamp.read_text() == _fingerprint(root, venv):
+    try:
+        before = json.loads(stamp.read_text()) if stamp.is_file() else {}
+    except ValueError:
+        before = {}
+    now = _identities(root, venv)
+    if now == before:
         done = "nothing rebuilt since the last pass"
     else:
-        dropped = drop_bytecode([root / kind for kind in ENV_FOLDERS])
+        # Bytecode only in the environments built since the last pass (a new clone's venv rebuilds nothing).
+        built = [root / name for name, ident in now.items()
+                 if name.split("/")[0] in ENV_FOLDERS and before.get(name) != ident]
+        dropped = drop_bytecode(built)
         linked = link_duplicates(roots)
-        stamp.write_text(_fingerprint(root, venv))
+        stamp.write_text(json.dumps(_identities(root, venv)))
         done = f"dropped {dropped / 1e9:.1f} GB of bytecode, linked {linked} duplicate files"
-    sizes = ", ".join(f"{path} {disk_bytes([path]) / 1e9:.1f} GB" for path in roots)
+    total, per_root = disk_usage(roots)
+    sizes = ", ".join(f"{path} {size / 1e9:.1f} GB" for path, size in zip(roots, per_root))
     return (f"retired {freed / 1e9:.1f} GB of unpacked wheels; {done}; on disk: "
-            f"{disk_bytes(roots) / 1e9:.1f} GB in all ({sizes}; a file linked in both counted once)")
+            f"{total / 1e9:.1f} GB in all ({sizes}; a file linked in both counted once)")
 
 
 if __name__ == "__main__":

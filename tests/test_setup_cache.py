@@ -61,13 +61,19 @@ def test_identical_files_become_one_copy_and_others_stay_apart(root, tmp_path):
 def test_slim_drops_bytecode_once_per_build(root):
     env = root / "vllm-envs" / "vllm-0.11.0"
     pyc = write(env / "lib" / "site" / "__pycache__" / "m.cpython-311.pyc", b"c" * 5000)
+    other = write(root / "vllm-envs" / "vllm-0.14.0" / "lib" / "__pycache__" / "n.cpython-311.pyc", b"d" * 5000)
     write(root / "wheels" / "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl", b"w" * (cache.RETIRE_FROM_BYTES + 1))
     line = cache.slim(None)
-    assert not pyc.exists() and "retired 0.0 GB" in line and "dropped" in line
+    assert not pyc.exists() and not other.exists() and "retired 0.0 GB" in line and "dropped" in line
     # Bytecode the tests write back is kept while nothing is rebuilt.
     write(pyc, b"c" * 5000)
+    write(other, b"d" * 5000)
     assert "nothing rebuilt" in cache.slim(None) and pyc.exists()
-    # A rebuilt environment is a new folder: its bytecode goes again.
+    # Another venv (a fresh clone's) is linked, but rebuilds no environment: the bytecode stays.
+    venv = root.parent / "clone" / ".venv"
+    write(venv / "lib" / "python3.11" / "site-packages" / "numpy.so", b"n" * 5000)
+    assert "linked" in cache.slim(venv) and pyc.exists() and other.exists()
+    # A rebuilt environment is a new folder: its bytecode goes again, the other environment's stays.
     os.rename(env, root / "old")
-    write(env / "lib" / "site" / "__pycache__" / "m.cpython-311.pyc", b"c" * 5000)
-    assert "dropped" in cache.slim(None) and not pyc.exists()
+    write(pyc, b"c" * 5000)
+    assert "dropped" in cache.slim(venv) and not pyc.exists() and other.exists()
