@@ -72,16 +72,11 @@ def env_dir(release: str) -> pathlib.Path:
 
 
 def env_python(release: str) -> pathlib.Path | None:
-    env = env_dir(release)
-    python = env / "bin" / "python"
-    return python if (env / MARKER).is_file() and python.exists() else None
+    return vllm_envs.ready_python(env_dir(release))
 
 
 def _pinned(path: pathlib.Path) -> list[str]:
-    if not path.is_file():
-        return []
-    lines = path.read_text().splitlines()
-    return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
+    return vllm_envs.pinned_list(path) if path.is_file() else []
 
 
 def _vllm_base(version: str) -> pathlib.Path:

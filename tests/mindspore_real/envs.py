@@ -64,14 +64,11 @@ def env_dir(release: str) -> pathlib.Path:
 
 
 def env_python(release: str) -> pathlib.Path | None:
-    env = env_dir(release)
-    python = env / "bin" / "python"
-    return python if (env / MARKER).is_file() and python.exists() else None
+    return vllm_envs.ready_python(env_dir(release))
 
 
 def _pinned(release: str) -> list[str]:
-    lines = (REQUIREMENTS / f"{_name(release)}.txt").read_text().splitlines()
-    return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
+    return vllm_envs.pinned_list(REQUIREMENTS / f"{_name(release)}.txt")
 
 
 def _any_wheel(project: str, version: str) -> pathlib.Path:

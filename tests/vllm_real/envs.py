@@ -59,7 +59,11 @@ def env_dir(version: str) -> pathlib.Path:
 
 def env_python(version: str) -> pathlib.Path | None:
     """The release env's python, or None when that env has not been set up."""
-    env = env_dir(version)
+    return ready_python(env_dir(version))
+
+
+def ready_python(env: pathlib.Path) -> pathlib.Path | None:
+    """An env's python once its marker says it is built (this file's, tests/ascend_real's, tests/mindspore_real's)."""
     python = env / "bin" / "python"
     return python if (env / MARKER).is_file() and python.exists() else None
 
@@ -129,6 +133,11 @@ def _pinned(version: str) -> list[str]:
     path = REQUIREMENTS / f"vllm-{version}.txt"
     if not path.is_file():
         path = REQUIREMENTS / "layout" / f"vllm-{version}.txt"
+    return pinned_list(path)
+
+
+def pinned_list(path: pathlib.Path) -> list[str]:
+    """A pinned requirements file's requirements, comments and blank lines left out."""
     lines = path.read_text().splitlines()
     return [ln.split("#", 1)[0].strip() for ln in lines if ln.split("#", 1)[0].strip()]
 
