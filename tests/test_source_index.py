@@ -75,3 +75,39 @@ def test_a_flood_of_distinct_tags_is_bounded():
     log = parse_lines(lines)
     assert log.lines_matched == 20000
     assert "64 file:line tags" in log.era_reason
+
+
+NPU_OOM = ("(Worker_TP0 pid=1) ERROR 02-07 18:18:59 [v1/executor/multiproc_executor.py:{line}] RuntimeError: NPU out "
+           "of memory. Tried to allocate 2.57 GiB (NPU 0; 60.96 GiB total capacity; 57.49 GiB already allocated; "
+           "57.49 GiB current active; 1.96 GiB free; 57.62 GiB reserved in total by PyTorch)")
+
+
+def _only_in(path: str, wanted) -> int:
+    """A line at which the index has a logger call of ``path`` in some releases, all of them ``wanted``."""
+    for line in range(1, 3000):
+        fits = [r for r in INDEX.releases if INDEX.tag_fits(r, path, line)]
+        if fits and all(wanted(eras.parse_version(r)) for r in fits):
+            return line
+    raise AssertionError(f"no such line in {path}")
+
+
+def test_a_vllm_ascend_log_takes_its_row_from_the_vllm_release_of_its_number():
+    # vllm-ascend vX.Y.Z runs on vLLM vX.Y.Z (its versioning policy): an NPU OOM with no memory line, whose vLLM
+    # tag fits only releases inside vllm-ascend's 0.9.1-0.14.0 row, is that row (the posted r47 is one).
+    path = "v1/executor/multiproc_executor.py"
+    line = _only_in(path, lambda r: (0, 9, 1) <= r < (0, 15, 0))
+    log = parse_lines([NPU_OOM.format(line=line)])
+    assert log.project == "vllm-ascend" and log.ooms
+    assert log.era == "vllm-ascend 0.9.1–0.14.0", log.era_reason
+    assert "runs on the vLLM release of its own number" in log.era_reason
+
+
+def test_a_vllm_release_newer_than_every_vllm_ascend_row_names_none():
+    # vllm-ascend's newest row is closed (0.20.0-0.23.0): a vLLM release after it has no plugin release yet.
+    newest = max(e.last for e in eras.ERAS if e.project == "vllm-ascend")
+    path = "v1/executor/multiproc_executor.py"
+    line = _only_in(path, lambda r: r[:2] > newest[:2])
+    log = parse_lines([NPU_OOM.format(line=line)])
+    assert log.project == "vllm-ascend" and log.era is None and log.era_candidates == ()
+    # Without the tag nothing names a row either.
+    assert parse_lines([NPU_OOM.replace(" [v1/executor/multiproc_executor.py:{line}]", "")]).era_candidates == ()

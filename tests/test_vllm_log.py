@@ -427,12 +427,12 @@ def test_a_real_vllm_ascend_0_7_3_v0_log_gets_its_row_its_blocks_and_128_token_b
 
 # tests/data/logs/ascend-real/vllm-ascend-310p-*: the same releases on a fake 310P, where vllm-ascend runs
 # NPUWorker310 (tests/test_ascend_310p_real.py; the README's second table): the rows every log fits, what
-# NPUWorker310 returned, the tokens of its blocks.
+# NPUWorker310 returned, the tokens of its blocks. NPUWorker310's lines fit several rows from 0.17 on; vLLM's
+# own file:line tags in the same log name the vLLM release, and vllm-ascend runs on the one of its number.
 ASCEND_310P_REAL = {
     "0.14.0rc1": (("vllm-ascend-310p 0.14.0",), 41_131_861_606, 717_184),
-    "0.17.0rc1": (("vllm-ascend-310p 0.15.0–0.17.0", "vllm-ascend-310p 0.18.0–0.19.1", "vllm-ascend-310p 0.20.0+"),
-                  41_131_861_606, 717_184),
-    "0.18.0": (("vllm-ascend-310p 0.18.0–0.19.1", "vllm-ascend-310p 0.20.0+"), 20_565_930_803, 358_528),
+    "0.17.0rc1": (("vllm-ascend-310p 0.15.0–0.17.0",), 41_131_861_606, 717_184),
+    "0.18.0": (("vllm-ascend-310p 0.18.0–0.19.1",), 20_565_930_803, 358_528),
     "0.23.0.post1": (("vllm-ascend-310p 0.20.0+",), 21_253_125_570, 370_560),
 }
 

@@ -750,6 +750,31 @@ def _text(version: tuple[int, ...] | None) -> str:
     return "the newest" if version is None else eras.version_text(version)
 
 
+# Plugins released under the vLLM release they run on: vllm-ascend vX.Y.Z[rcN][.postN] runs on vLLM vX.Y.Z
+# (vllm-ascend docs/source/community/versioning_policy.md, "follows PEP 440 to release versions matching
+# with vLLM", and its compatibility matrix: v0.9.1 - v0.9.1, v0.17.0rc1 - v0.17.0, v0.23.0 - v0.23.0), so
+# the vLLM releases its vLLM lines fit name its rows. vllm-mindspore's numbers are its own.
+_SAME_NUMBERED = ("vllm-ascend", "vllm-ascend-310p")
+
+
+def _rows_of_releases(rows: list[eras.Era], releases: tuple[str, ...]) -> list[str]:
+    """The rows (of one project, oldest first) that hold one of ``releases``: a row runs from its first
+    release up to the next row's first; the newest row, where it is closed, up to its last minor release
+    (a vLLM release with no plugin release of its number yet is none of them)."""
+    found = [V(r) for r in releases]
+    kept = []
+    for index, era in enumerate(rows):
+        end = rows[index + 1].first if index + 1 < len(rows) else None
+        if any(era.first <= r and (r < end if end is not None else era.last is None or r[:2] <= era.last[:2])
+               for r in found):
+            kept.append(era.name)
+    return kept
+
+
+def _releases_text(project: str, fitted: source_index.Fit, kept: list[str]) -> str:
+    return f"{fitted.reason}, and {project} runs on the vLLM release of its own number: {', '.join(kept)}"
+
+
 def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
                 hints: dict[str, Any]) -> tuple[list[str], str]:
     """The era rows of ``project`` consistent with every hint (vLLM release ranges), and why."""
@@ -782,9 +807,14 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     for name, first, last in bounds:
         lo = max(lo, first)
         hi = last if hi is None else (hi if last is None else min(hi, last))
-    if not seen:
-        return [], "no startup memory line"
     rows = [e for e in eras.ERAS if e.project == project]
+    if not seen:
+        # No memory line, but vLLM's own file:line tags or frames may still name releases (an OOM's traceback).
+        fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+        kept = _rows_of_releases(rows, fitted.releases) if fitted is not None and project in _SAME_NUMBERED else []
+        if kept:
+            return kept, f"no startup memory line; {_releases_text(project, fitted, kept)}"
+        return [], "no startup memory line"
     if project != "vllm":
         # Platform releases differ in which lines they write (their rows' log_lines); DEBUG lines of vLLM's
         # memory_profiling count for the rows that call it.
@@ -804,7 +834,13 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
                         f"(an older or newer release)")
         if len(names) == 1:
             return names, f"{before_0_5}only {names[0]} writes {', '.join(sorted(kinds))}"
-        return names, f"{before_0_5}{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
+        why = f"{before_0_5}{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
+        fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+        kept = _rows_of_releases([e for e in rows if e.name in names], fitted.releases) \
+            if fitted is not None and project in _SAME_NUMBERED else []
+        if kept:
+            return kept, f"{why}; {_releases_text(project, fitted, kept)}"
+        return names, why
     if hi is not None and hi < lo:
         return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
             f"{n} {_text(f)}–{_text(l)}" for n, f, l in bounds)) + ")"
