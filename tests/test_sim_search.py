@@ -1,4 +1,5 @@
-"""``simulate --search-utilization``: bisection to the highest utilization that serves without an OOM."""
+"""``simulate --search-utilization``: a gallop from a guess and bisection to the highest utilization that serves
+without an OOM."""
 
 import json
 
@@ -27,6 +28,30 @@ def test_search_lands_on_the_last_utilization_that_serves(allocator):
     # A search, not a sweep: about log2(100) probes per seed.
     assert len(search.runs) <= 2 * 9
     assert search.kv_cache_memory_bytes == run_scenario(config, gpu_memory_utilization=found).kv_cache_bytes
+
+
+@pytest.mark.parametrize("guess", [None, 0.01, 0.5, 0.99])
+def test_the_answer_does_not_depend_on_the_guess_the_gallop_starts_from(guess, monkeypatch):
+    # The search starts from the estimator's recommendation; from any start it lands where bisection does.
+    import kvguard.budget.estimator as estimator
+    config = ScenarioConfig(model_config=load_model_config(bundled_model_config_path()), device_memory_bytes=32 << 30,
+                            allocator="torch", requests=8, long_request_fraction=1.0)
+    unguided = search_gpu_memory_utilization(config, (0, 1)).gpu_memory_utilization
+    monkeypatch.setattr(estimator, "recommended_gpu_memory_utilization", lambda profile: guess)
+    search = search_gpu_memory_utilization(config, (0, 1))
+    assert search.gpu_memory_utilization == unguided
+    assert not run_scenario(config, gpu_memory_utilization=unguided, seed=0).oom
+    # Galloping from a guess d hundredths off: about 2 log2(d) + 2 probes, each up to two seeds.
+    assert len(search.runs) <= 2 * 16
+
+
+def test_a_search_where_nothing_serves_finds_none():
+    # Qwen2.5-7B's 15 GiB of weights on an 8 GiB device: every utilization runs out of memory loading them.
+    config = ScenarioConfig(model_config=load_model_config(bundled_model_config_path()), device_memory_bytes=8 << 30,
+                            allocator="torch", requests=8, long_request_fraction=1.0)
+    search = search_gpu_memory_utilization(config, (0,))
+    assert search.gpu_memory_utilization is None and search.kv_cache_memory_bytes is None
+    assert [run.gpu_memory_utilization for run in search.runs][-1] == 0.01 and all(run.oom for run in search.runs)
 
 
 def test_search_json_fields():

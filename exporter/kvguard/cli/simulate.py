@@ -406,8 +406,8 @@ def _replay_snapshot_exactly(trace_file: str, data: bytes, device_memory: int, r
 
 
 def _search_utilization(config, seeds: tuple[int, ...], as_json: bool) -> float | None:
-    """``simulate --search-utilization``: bisection over 0.01 steps, every seed at each probe; the
-    utilization found (None: every one runs out of memory)."""
+    """``simulate --search-utilization``: a gallop from the estimator's recommendation, then bisection, over 0.01
+    steps, every seed at each probe; the utilization found (None: every one runs out of memory)."""
     from kvguard.sim.scenario import search_gpu_memory_utilization
 
     try:

@@ -740,12 +740,19 @@ class UtilizationSearch:
 
 def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...] = (0,),
                                   memo: ForwardMemo | None = None) -> UtilizationSearch:
-    """Bisection over hundredths: ``ok(k)`` when no seed runs out of memory at k/100.
+    """The highest k/100 at which no seed runs out of memory (``ok(k)``), by galloping from a guess, then
+    bisection over hundredths.
 
     Assumes that running out of memory is monotone in the utilization (more KV cache,
     less headroom), so at the answer the workload serves and one step above it does
     not (or the answer is 1.0). A run that ends in vLLM's startup error (too little KV
     cache) is not an OOM; its error is reported in ``runs``.
+
+    The guess is the estimator's recommendation from the startup profile (else the configured
+    utilization): from there steps of 1, 2, 4, ... hundredths go up while the workload serves, or
+    down until it does, and bisection settles the last bracket. A guess d hundredths off costs about
+    2 log2(d) + 2 probes, where bisection from the middle costs log2(100) whatever the answer; runs
+    that serve every seed are the dear ones, and the gallop spends them next to the answer.
 
     The runs share one :class:`ForwardMemo` (``memo``, else a new one): the startup and serving
     forwards that recur across utilizations and seeds run once.
@@ -773,19 +780,38 @@ def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...]
     # The estimator's recommendation needs the profile only: startup, not serving.
     profile = ServingScenario(replace(config, seed=seeds[0]), memo).startup()
     recommended = recommended_gpu_memory_utilization(profile) if profile else None
+    found: int | None
     if ok(100):
-        found: int | None = 100
-    elif not ok(1):
-        found = None
+        found = 100
     else:
-        low, high = 1, 100
+        guess = recommended if recommended is not None else config.gpu_memory_utilization
+        start = min(99, max(1, round(100 * guess)))
+        low, high = 0, 100          # ok(low) (0: nothing served yet), not ok(high)
+        step = 1
+        if ok(start):
+            low = start
+            while low + step < high:
+                if ok(low + step):
+                    low += step
+                    step *= 2
+                else:
+                    high = low + step
+        else:
+            high = start
+            while low == 0 and high > 1:
+                probe = max(1, high - step)
+                if ok(probe):
+                    low = probe
+                else:
+                    high = probe
+                    step *= 2
         while high - low > 1:
             middle = (low + high) // 2
             if ok(middle):
                 low = middle
             else:
                 high = middle
-        found = low
+        found = low or None
     return UtilizationSearch(gpu_memory_utilization=None if found is None else found / 100,
                              kv_cache_memory_bytes=None if found is None else kv_at.get(found),
                              recommended_gpu_memory_utilization=recommended, runs=tuple(runs),
