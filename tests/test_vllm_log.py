@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvguard.vllm.log import parse_log
+from kvguard.vllm.log import parse_lines, parse_log
 
 GIB = 1 << 30
 
@@ -456,3 +456,44 @@ def test_the_bundled_example_log_budgets_its_own_16_token_blocks():
                         "--model-config", os.path.join(EXAMPLES, "qwen2.5-7b-instruct"))
     assert data["layout"]["block_size"] == 16
     assert (data["budgets"]["stock"]["num_blocks"], data["budgets"]["stock"]["num_tokens"]) == (44_292, 708_672)
+
+
+# vLLM's version banners (kvguard.vllm.log._BANNER, format strings cited there) state the release itself.
+@pytest.mark.parametrize("line, row", [
+    ("INFO 07-14 10:00:00 [api_server.py:1839] vLLM API server version 0.9.2", "vllm 0.9.1–0.11.2"),
+    ("(EngineCore_DP0 pid=1) INFO 10-01 00:00:00 [core.py:77] Initializing a V1 LLM engine "
+     "(v0.11.1rc2.dev40+g1234abc) with config: model='Qwen/Qwen3-8B'", "vllm 0.9.1–0.11.2"),
+    ("INFO 03-02 00:00:00 [utils.py:299] vLLM server version 0.21.0, serving model Qwen/Qwen3-8B", "vllm 0.20.0–0.26.0"),
+    ("(APIServer pid=1) INFO 03-02 00:00:00 [utils.py:299]  \x1b[93m\u2584\u2584\x1b[0m \x1b[94m\u2584\u2588\x1b[0m "
+     "\x1b[97;1m\u2588     \u2588     \u2588 \u2580\u2584\u2580 \u2588\x1b[0m  version \x1b[97;1m0.27.1\x1b[0m",
+     "vllm 0.27.0–0.33.0"),
+    ("INFO 12-01 00:00:00 llm_engine.py:234] Initializing an LLM engine (v0.6.4.post1) with config: model='x'",
+     "vllm 0.6.4–0.8.4"),
+])
+def test_a_version_banner_pins_the_row_of_the_release_it_states(line, row):
+    log = parse_lines([line, "INFO 12-01 00:00:00 [gpu_worker.py:298] Available KV cache memory: 8.11 GiB"])
+    assert log.era == row, log.era_reason
+    assert "its version banner" in log.era_reason
+
+
+def test_a_banner_older_than_the_table_names_no_row_and_a_plugin_banner_its_own():
+    old = parse_lines(["INFO 04-01 00:00:00 llm_engine.py:234] Initializing an LLM engine (v0.4.2) with config: x",
+                       "INFO 04-01 00:00:00 llm_engine.py:300] # GPU blocks: 100, # CPU blocks: 200"])
+    assert old.era is None and old.era_candidates == () and "no vllm row" in old.era_reason
+    assert old.num_gpu_blocks == 100
+    # vllm-ascend vX.Y.Z runs on vLLM vX.Y.Z: vLLM's banner in an NPU log names the plugin's row.
+    npu = parse_lines(["INFO 02-07 18:00:00 [api_server.py:1272] vLLM API server version 0.13.0",
+                       "RuntimeError: NPU out of memory. Tried to allocate 2.57 GiB (NPU 0; 60.96 GiB total capacity; "
+                       "57.49 GiB already allocated; 57.49 GiB current active; 1.96 GiB free; 57.62 GiB reserved in "
+                       "total by PyTorch)"])
+    assert (npu.project, npu.era) == ("vllm-ascend", "vllm-ascend 0.9.1–0.14.0"), npu.era_reason
+
+
+def test_banners_are_bounded_and_a_version_in_other_words_is_not_one():
+    flood = [f"INFO 01-01 00:00:00 [api_server.py:1] vLLM API server version 0.{n}.0" for n in range(6, 40)]
+    log = parse_lines(flood)
+    assert len(log.era_reason) < 400
+    # Only vLLM's own banner wording counts: a package list or a model name saying "version" does not.
+    other = parse_lines(["torch version 2.5.1", "transformers version 4.57.0",
+                         "INFO 11-02 09:14:19 [gpu_worker.py:298] Available KV cache memory: 54.89 GiB"])
+    assert "banner" not in other.era_reason and other.era == "vllm 0.9.1–0.11.2"

@@ -64,6 +64,15 @@ _TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15}
 
 # A timestamp with its year ("[2026-02-24T20:21:58Z]", journald's and docker's prefixes): the log was written
 # on or after that day, so by a release published by then (vLLM's own records carry no year).
+# vLLM's version banners state the release itself: "vLLM API server version %s" (entrypoints/openai/
+# api_server.py 0.7.3:912, 0.11.0:1839, 0.14.0:1272), "vLLM server version %s, serving model %s" and the
+# logo's "version %s" (entrypoints/utils.py 0.20.0:277-299 log_version_and_model; common/startup.py in
+# 0.34.0:16), "Initializing a V1 LLM engine (v%s) with config" (v1/engine/core.py 0.7.3:50, 0.11.0:77,
+# 0.34.0:153-157), V0's "Initializing an LLM engine (v%s)" (engine/llm_engine.py). A dev, rc or post build
+# counts as the release it is numbered after (0.29.1rc1.dev17: 0.29.1).
+_BANNER = re.compile(r"(?:vLLM (?:API |gRPC )?server version |LLM engine \(v)v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
+_LOGO_VERSION = re.compile(r"\bversion\s{1,4}(?:(?:\x1b|\^\[|\\033|\\x1b|\\e)\[[0-9;]{1,8}m)?v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
+MAX_BANNERS = 4
 _DATED = re.compile(r"(?<![0-9])(20[2-9][0-9]-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01]))[T ][0-9]{2}:[0-9]{2}:[0-9]{2}")
 
 
@@ -562,7 +571,8 @@ class _Reader:
         self.matched = 0
         self.seen: list[LineKind] = []
         self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False,
-                                      "source_tags": set(), "frames": set(), "logged_on": None}
+                                      "source_tags": set(), "frames": set(), "logged_on": None,
+                                      "versions": set()}
         self.ooms: list[OomFact] = []
         self.pending: list[tuple[int, list[str], list[LineKind]]] = []   # templates begun but not finished
         self.previous_tail = ""
@@ -669,6 +679,10 @@ class _Reader:
             hints["mindspore"] = True
         if not hints["engine_core"] and "(EngineCore pid=" in line:
             hints["engine_core"] = True
+        if len(hints["versions"]) < MAX_BANNERS and ("version" in line or "engine (v" in line):
+            banner = _BANNER.search(line) or (_LOGO_VERSION.search(line) if "\u2580\u2584\u2580" in line else None)
+            if banner:
+                hints["versions"].add(V(banner.group(1)))
 
     def finish(self) -> StartupLog:
         return _finish(self.facts, self.matched, self.seen, self.hints, tuple(self.ooms))
@@ -757,11 +771,11 @@ def _text(version: tuple[int, ...] | None) -> str:
 _SAME_NUMBERED = ("vllm-ascend", "vllm-ascend-310p")
 
 
-def _rows_of_releases(rows: list[eras.Era], releases: tuple[str, ...]) -> list[str]:
+def _rows_of_releases(rows: list[eras.Era], releases: Iterable[str | tuple[int, ...]]) -> list[str]:
     """The rows (of one project, oldest first) that hold one of ``releases``: a row runs from its first
     release up to the next row's first; the newest row, where it is closed, up to its last minor release
     (a vLLM release with no plugin release of its number yet is none of them)."""
-    found = [V(r) for r in releases]
+    found = [V(r) if isinstance(r, str) else r for r in releases]
     kept = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
@@ -773,6 +787,19 @@ def _rows_of_releases(rows: list[eras.Era], releases: tuple[str, ...]) -> list[s
 
 def _releases_text(project: str, fitted: source_index.Fit, kept: list[str]) -> str:
     return f"{fitted.reason}, and {project} runs on the vLLM release of its own number: {', '.join(kept)}"
+
+
+def _stated(project: str, rows: list[eras.Era], versions: set[tuple[int, ...]]) -> tuple[list[str], str] | None:
+    """The rows the log's own version banners name, and why; None without a banner (or for a plugin whose
+    numbers are not vLLM's)."""
+    if not versions or (project != "vllm" and project not in _SAME_NUMBERED):
+        return None
+    text = " and ".join(eras.version_text(v) for v in sorted(versions))
+    kept = _rows_of_releases(rows, versions)
+    plugin = f", and {project} runs on the vLLM release of its own number" if project != "vllm" else ""
+    if not kept:
+        return [], f"it states vLLM {text} (its version banner){plugin}: no {project} row of the table holds it"
+    return kept, f"it states vLLM {text} (its version banner){plugin}"
 
 
 def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
@@ -808,6 +835,10 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
         lo = max(lo, first)
         hi = last if hi is None else (hi if last is None else min(hi, last))
     rows = [e for e in eras.ERAS if e.project == project]
+    # The release the log states outranks every other hint: the rows it names, where it names any.
+    stated = _stated(project, rows, hints["versions"])
+    if stated is not None:
+        return stated
     if not seen:
         # No memory line, but vLLM's own file:line tags or frames may still name releases (an OOM's traceback).
         fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
