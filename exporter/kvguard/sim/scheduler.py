@@ -54,9 +54,6 @@ class Scheduler:
         self.preemptions = 0
         self.rejected = 0
 
-    def blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
-        return -(-(seq.context + new_tokens) // self.block_size) - seq.blocks
-
     def preempt(self) -> None:
         victim = self.running.pop()
         self.free_blocks += victim.blocks
@@ -71,7 +68,8 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         running = self.running
         index = 0
-        # in_prefill and blocks_needed inlined: this runs for every sequence at every step.
+        # Sequence.in_prefill inlined, and the blocks a step needs: cdiv(context + new tokens, block_size)
+        # minus the blocks held. This runs for every sequence at every step.
         while index < len(running) and budget > 0:
             seq = running[index]
             computed = seq.computed
