@@ -785,8 +785,21 @@ def _rows_of_releases(rows: list[eras.Era], releases: Iterable[str | tuple[int, 
     return kept
 
 
-def _releases_text(project: str, fitted: source_index.Fit, kept: list[str]) -> str:
-    return f"{fitted.reason}, and {project} runs on the vLLM release of its own number: {', '.join(kept)}"
+def _same_numbered_rows(project: str, rows: list[eras.Era], hints: dict[str, Any],
+                        among: list[str] | None = None) -> tuple[list[str], str] | None:
+    """For a plugin numbered as vLLM (``_SAME_NUMBERED``): its rows (``among`` them, where given) holding the
+    vLLM releases that the log's own vLLM tags and frames fit (``source_index.fit``), and why; None when that
+    names none."""
+    if project not in _SAME_NUMBERED:
+        return None
+    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+    if fitted is None:
+        return None
+    # Spans over every row of the project, so that a row left out of ``among`` does not widen its neighbour.
+    kept = [name for name in _rows_of_releases(rows, fitted.releases) if among is None or name in among]
+    if not kept:
+        return None
+    return kept, f"{fitted.reason}, and {project} runs on the vLLM release of its own number: {', '.join(kept)}"
 
 
 def _stated(project: str, rows: list[eras.Era], versions: set[tuple[int, ...]]) -> tuple[list[str], str] | None:
@@ -805,6 +818,17 @@ def _stated(project: str, rows: list[eras.Era], versions: set[tuple[int, ...]]) 
 def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
                 hints: dict[str, Any]) -> tuple[list[str], str]:
     """The era rows of ``project`` consistent with every hint (vLLM release ranges), and why."""
+    rows = [e for e in eras.ERAS if e.project == project]
+    # The release the log states outranks every other hint: the rows it names, where it names any.
+    stated = _stated(project, rows, hints["versions"])
+    if stated is not None:
+        return stated
+    if not seen:
+        # No memory line, but vLLM's own file:line tags or frames may still name releases (an OOM's traceback).
+        plugin = _same_numbered_rows(project, rows, hints)
+        if plugin is not None:
+            return plugin[0], f"no startup memory line; {plugin[1]}"
+        return [], "no startup memory line"
     lo, hi = V("0.0.0"), None
     bounds: list[tuple[str, tuple[int, ...], tuple[int, ...] | None]] = []
     for kind in seen:
@@ -834,18 +858,6 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     for name, first, last in bounds:
         lo = max(lo, first)
         hi = last if hi is None else (hi if last is None else min(hi, last))
-    rows = [e for e in eras.ERAS if e.project == project]
-    # The release the log states outranks every other hint: the rows it names, where it names any.
-    stated = _stated(project, rows, hints["versions"])
-    if stated is not None:
-        return stated
-    if not seen:
-        # No memory line, but vLLM's own file:line tags or frames may still name releases (an OOM's traceback).
-        fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
-        kept = _rows_of_releases(rows, fitted.releases) if fitted is not None and project in _SAME_NUMBERED else []
-        if kept:
-            return kept, f"no startup memory line; {_releases_text(project, fitted, kept)}"
-        return [], "no startup memory line"
     if project != "vllm":
         # Platform releases differ in which lines they write (their rows' log_lines); DEBUG lines of vLLM's
         # memory_profiling count for the rows that call it.
@@ -866,11 +878,9 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
         if len(names) == 1:
             return names, f"{before_0_5}only {names[0]} writes {', '.join(sorted(kinds))}"
         why = f"{before_0_5}{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
-        fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
-        kept = _rows_of_releases([e for e in rows if e.name in names], fitted.releases) \
-            if fitted is not None and project in _SAME_NUMBERED else []
-        if kept:
-            return kept, f"{why}; {_releases_text(project, fitted, kept)}"
+        plugin = _same_numbered_rows(project, rows, hints, among=names)
+        if plugin is not None:
+            return plugin[0], f"{why}; {plugin[1]}"
         return names, why
     if hi is not None and hi < lo:
         return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
