@@ -37,13 +37,18 @@ def parse(body: bytes) -> Links:
     return links
 
 
+def html_page(server, path: str) -> tuple[Links, list[str]]:
+    """GET an HTML page of the server: the page, and the paths its links resolve to from its own URL."""
+    status, headers, body = get(server, path)
+    assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8", path
+    page = parse(body)
+    base = f"http://127.0.0.1:{server.port}{path}"
+    return page, [urlsplit(urljoin(base, href)).path for href in page.hrefs]
+
+
 def test_the_landing_page_links_every_endpoint_and_says_the_version(serve):
     server = serve(snapshot())
-    status, headers, body = get(server, "/")
-    assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
-    page = parse(body)
-    base = f"http://127.0.0.1:{server.port}/"
-    targets = [urlsplit(urljoin(base, href)).path for href in page.hrefs]
+    page, targets = html_page(server, "/")
     assert sorted(targets) == ["/guard", "/healthz", "/metrics", "/readyz", "/runbook"]
     assert f"Version {kvguard.__version__}." in "".join(page.text)
     for path in targets:                    # every link answers
@@ -105,12 +110,8 @@ def test_runbook_slash_alert_serves_that_alerts_section_in_any_case(serve, name)
 
 def test_runbook_serves_the_whole_runbook_with_a_link_to_each_section(serve):
     server = serve(snapshot())
-    status, headers, body = get(server, "/runbook")
-    assert status == 200 and headers["Content-Type"] == "text/html; charset=utf-8"
-    page = parse(body)
-    base = f"http://127.0.0.1:{server.port}/runbook"
-    targets = {urlsplit(urljoin(base, href)).path for href in page.hrefs}
-    assert targets == {f"/runbook/{name.lower()}" for name in runbook_sections()}
+    page, targets = html_page(server, "/runbook")
+    assert set(targets) == {f"/runbook/{name.lower()}" for name in runbook_sections()}
     for name in ALERT_NAMES:
         assert name in "".join(page.text)
         assert get(server, f"/runbook/{name.lower()}")[0] == 200
