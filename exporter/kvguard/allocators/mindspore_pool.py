@@ -310,12 +310,6 @@ class DynamicMemPool:
         self.task_sink = False
 
     # ----------------------------------------------------------------- sizes
-    def align(self, size: int) -> int:
-        step = self.release.align_bytes
-        if size == 0:
-            return step
-        return -(-size // step) * step
-
     @property
     def free_mem_size(self) -> int:
         """``FreeDevMemSize`` (ascend_dynamic_mem_adapter.cc:103 @ r2.7.rc1): the budget less the blocks
@@ -440,7 +434,8 @@ class DynamicMemPool:
     def malloc(self, size: int, persistent: bool = False) -> int:
         """``AllocMemBuf``: own pool, other pool, eager free, expand, (2.5+) persistent fallback."""
         step = self._align_bytes
-        size = -(-size // step) * step if size else step     # align(), inlined
+        # The request rounded up to the release's alignment (512 B), a zero-byte one to one step.
+        size = -(-size // step) * step if size else step
         allocator = self._allocators[persistent]
         buf = allocator.malloc(size)
         if buf is None and persistent and not self.enable_vmm:
