@@ -280,3 +280,37 @@ def test_kvguard_budget_guard_keeps_a_budget_that_fits(release, tmp_path_factory
     expected = ("changes nothing here: vLLM's extensible KV cache is sized after warm-up"
                 if era_for(release).extensible_kv_cache_default else "keeps vLLM's KV cache budget")
     assert expected in line
+
+
+@pytest.mark.parametrize("logo", ["logo", "no logo"])
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_release_s_own_version_banners_name_its_row(release, logo):
+    # tests/vllm_real/banner_main.py logs, through the release's own logger, the banners its own code writes:
+    # the V1 engine's, the API server's where it is inline, and log_version_and_model's (0.20+; its plain
+    # "vLLM server version X, serving model M" with VLLM_DISABLE_LOG_LOGO=1, else the logo, also coloured).
+    python = envs.env_python(release)
+    if python is None:
+        pytest.skip(f"vLLM {release}: its environment is not set up (./dev.sh test builds it)")
+    env = {"VLLM_LOGGING_LEVEL": "INFO", "PATH": "/usr/bin:/bin"}
+    if logo == "no logo":
+        env["VLLM_DISABLE_LOG_LOGO"] = "1"
+    proc = subprocess.run([str(python), str(envs.HERE / "banner_main.py")], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    banners = [line for line in lines if f"(v{release})" in line or f"version {release}" in line
+               or f"version \x1b[97;1m{release}" in line or f"version \x1b[1m{release}" in line]
+    assert banners, lines[-20:]
+    log = parse_lines(lines)
+    assert log.era == era_for(release).name, log.era_reason
+    assert f"it states vLLM {release} (its version banner)" == log.era_reason
+    # Each kind of banner alone: the engine's, the API server's, the logo's (plain and coloured).
+    kinds = {"engine": [line for line in lines if "LLM engine (v" in line],
+             "server": [line for line in lines if "server version" in line],
+             "logo": [line for line in lines if "\u2580\u2584\u2580" in line]}
+    assert kinds["engine"]
+    if era_for(release).first >= (0, 20, 0):       # log_version_and_model, from 0.20
+        assert kinds["logo" if logo == "logo" else "server"]
+    for kind, only in kinds.items():
+        if only:
+            assert parse_lines(only).era == era_for(release).name, (kind, only)

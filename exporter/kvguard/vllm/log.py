@@ -66,10 +66,12 @@ _TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15}
 # on or after that day, so by a release published by then (vLLM's own records carry no year).
 # vLLM's version banners state the release itself: "vLLM API server version %s" (entrypoints/openai/
 # api_server.py 0.7.3:912, 0.11.0:1839, 0.14.0:1272), "vLLM server version %s, serving model %s" and the
-# logo's "version %s" (entrypoints/utils.py 0.20.0:277-299 log_version_and_model; common/startup.py in
-# 0.34.0:16), "Initializing a V1 LLM engine (v%s) with config" (v1/engine/core.py 0.7.3:50, 0.11.0:77,
-# 0.34.0:153-157), V0's "Initializing an LLM engine (v%s)" (engine/llm_engine.py). A dev, rc or post build
-# counts as the release it is numbered after (0.29.1rc1.dev17: 0.29.1).
+# logo's "version %s" (log_version_and_model: entrypoints/utils.py 0.20.0:277-299, serve/utils/api_utils.py
+# 0.27.0:323-345, common/startup.py 0.34.0:16-38), "Initializing a V1 LLM engine (v%s) with config"
+# (v1/engine/core.py 0.7.3:50, 0.11.0:77, 0.34.0:153-157), V0's "Initializing an LLM engine (v%s)"
+# (engine/llm_engine.py 0.6.4:249-250, read from the wheel). tests/test_vllm_real.py logs each through the
+# real release's own code and logger.
+# A dev, rc or post build counts as the release it is numbered after (0.29.1rc1.dev17: 0.29.1).
 _BANNER = re.compile(r"(?:vLLM (?:API |gRPC )?server version |LLM engine \(v)v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
 _LOGO_VERSION = re.compile(r"\bversion\s{1,4}(?:(?:\x1b|\^\[|\\033|\\x1b|\\e)\[[0-9;]{1,8}m)?v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
 MAX_BANNERS = 4
