@@ -111,3 +111,96 @@ def test_a_vllm_release_newer_than_every_vllm_ascend_row_names_none():
     assert log.project == "vllm-ascend" and log.era is None and log.era_candidates == ()
     # Without the tag nothing names a row either.
     assert parse_lines([NPU_OOM.replace(" [v1/executor/multiproc_executor.py:{line}]", "")]).era_candidates == ()
+
+
+# ------------------------------------------------------------------------------------------------ wordings
+
+
+def _writers(line: str) -> list[str]:
+    key = source_index.line_wording(line)
+    mask = INDEX.wordings.get(key, 0)
+    return [r for r in sorted(INDEX.releases, key=eras.parse_version) if mask & INDEX.bit[r]]
+
+
+def test_a_line_s_wording_names_the_releases_that_write_it():
+    # "GPU KV cache size: %s tokens" alone (v1/core/kv_cache_utils.py 0.27.0:2235); 0.28 on joins the
+    # concurrency to that line (0.28.0:1870).
+    writers = _writers("(EngineCore pid=1) INFO 05-01 10:00:00 [kv_cache_utils.py:2235] GPU KV cache size: 90,841 tokens")
+    assert "0.27.1" in writers and "0.28.0" not in writers and "0.34.0" not in writers
+    # "… took %.2f seconds" (v1/engine/core.py 0.14.0:274), "… took %.2f s" (0.20.0:307); the same key with or
+    # without vLLM's record prefix, whatever the figures.
+    seconds = _writers("init engine (profile, create kv cache, warmup model) took 9.38 seconds")
+    short = _writers("INFO 05-01 10:00:00 [core.py:307] init engine (profile, create kv cache, warmup model) took 123.4 s")
+    assert "0.14.0" in seconds and "0.20.0" not in seconds
+    assert "0.20.0" in short and "0.34.0" in short and "0.14.0" not in short
+    # A line every release writes, or none does, is no hint.
+    assert _writers("kvguard: KV cache budget 12.00 GiB instead of vLLM's 13.00 GiB") == []
+
+
+def test_a_paste_of_bare_messages_is_dated_by_their_wording():
+    # Prefixes stripped (as notes and READMEs quote them): the wordings alone bound the release.
+    log = parse_log("Model loading took 74.08 GiB memory and 36.573577 seconds\nAvailable KV cache memory: 32.08 GiB\n"
+                    "GPU KV cache size: 90,841 tokens\n"
+                    "init engine (profile, create kv cache, warmup model) took 9.38 s\n")
+    assert log.era_candidates == ("vllm 0.20.0–0.26.0", "vllm 0.27.0–0.33.0"), log.era_reason
+    assert "wording" in log.era_reason
+
+
+def test_many_wordings_every_release_writes_do_not_make_a_stray_tag_a_fit():
+    # A development build's two tags, one of which lands on a logger call in a few releases by chance, and two
+    # wordings 0.10+ all write: the tags fit no release (1 of 2), and the wordings alone bound it.
+    lines = ["INFO 03-30 07:05:40 [config.py:228] Setting attention block size to 528 tokens to ensure that "
+             "attention page size is >= mamba page size.",
+             "INFO 03-30 07:05:40 [config.py:259] Padding mamba page size by 0.76% to ensure that mamba page size "
+             "and attention page size are exactly equal.",
+             "INFO 03-30 07:05:41 [gpu_worker.py:99999] Available KV cache memory: 8.11 GiB"]
+    log = parse_lines(lines)
+    assert log.era is None and "fit no vLLM release" in log.era_reason, log.era_reason
+
+
+def test_a_plugin_s_copies_of_vllm_messages_do_not_date_it():
+    # vllm-ascend writes vLLM's messages from its own patched copies (vllm_ascend/patch/platform/
+    # patch_message_queue.py 0.11.0:128-134): an NPU OOM beside vLLM's shared-memory notice, whose wording
+    # the vLLM wheels write from 0.18 only, is not moved to vllm-ascend 0.18+.
+    log = parse_log("NPU out of memory. NPUWorkspaceAllocator tried to allocate 180.00 MiB(NPU 1; 60.96 GiB total "
+                    "capacity; 86.81 MiB free).\nNo available shared memory broadcast block found in 60 seconds. This "
+                    "typically happens when some processes are hanging or doing some time-consuming work (e.g. "
+                    "compilation, weight/kv cache quantization).\n")
+    assert log.project == "vllm-ascend" and log.oom.tried_bytes == 180 << 20
+    assert "wording" not in log.era_reason and not log.era_candidates, log.era_reason
+
+
+def test_the_indexer_reads_each_form_of_a_logger_message():
+    import ast
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "vllm_sources_index", pathlib.Path(__file__).resolve().parents[1] / "oracles" / "vllm_sources" / "index.py")
+    indexer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(indexer)
+    source = '''
+logger.info("Available KV cache memory: %.2f GiB", x)
+logger.info(f"GPU KV cache size: {n:,} tokens")
+logger.warning("Padding {} by {}".format(a, b))
+logger.debug("literal 100%% sure")
+msg = (f"Free memory on device ({a}/{b} GiB) on startup. " f"Desired GPU memory utilization is ({c}, {d} GiB).")
+logger.info(msg)
+logger.info(build_message())
+'''
+    tree = ast.parse(source)
+    assigned = indexer._assigned(tree)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") in ("info", "warning", "debug")]
+    found = [indexer.message_templates(c, assigned) for c in sorted(calls, key=lambda c: c.lineno)]
+    mark = source_index.MARK
+    assert found[0] == {f"Available KV cache memory: {mark} GiB"}
+    assert found[1] == {f"GPU KV cache size: {mark} tokens"}
+    assert found[2] == {f"Padding {mark} by {mark}"}
+    assert found[3] == {"literal 100%% sure"}          # no args: logging leaves "%%" as it is
+    assert found[4] == {f"Free memory on device ({mark}/{mark} GiB) on startup. Desired GPU memory utilization is "
+                        f"({mark}, {mark} GiB)."}
+    assert found[5] == set()                           # built at run time: no wording
+    # The key is the same for the template and for a line vLLM wrote from it.
+    assert source_index.wording_key(next(iter(found[4]))) == source_index.line_wording(
+        "INFO 11-02 09:14:19 [gpu_worker.py:372] Free memory on device (22.76/24.0 GiB) on startup. Desired GPU "
+        "memory utilization is (0.97, 23.28 GiB).")

@@ -11,9 +11,13 @@ requests, so a release costs a few MB, not the 250-500 MB wheel.
     python3 oracles/vllm_sources/index.py [--releases 0.6.4,0.34.0] [--jobs 4]
         writes exporter/kvguard/vllm/source_index.json.gz
 
-Standard library only. It needs the network (PyPI) and is run by hand when a release is added to the
-era table; nothing runs it at test time. The index holds line numbers and function names only, no
-source text.
+It also records each logger call's wording where its message is a literal (a %-format string, an
+f-string, a str.format template), as the hash ``kvguard.vllm.source_index.wording_key`` makes of it, and
+which releases write it.
+
+Standard library and kvguard only. It needs the network (PyPI) and is run by hand when a release is added
+to the era table; nothing runs it at test time. The index holds line numbers, function names and wording
+hashes only, no source text.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import urllib.request
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "exporter"))
+from kvguard.vllm.source_index import MARK, braces_template, percent_template, wording_key  # noqa: E402
 OUT = ROOT / "exporter" / "kvguard" / "vllm" / "source_index.json.gz"
 SIMPLE = "https://pypi.org/simple/vllm/"
 FIRST, LAST = (0, 6, 4), (0, 34, 0)
@@ -122,22 +128,79 @@ def _size(url: str) -> int:
         return int(response.headers["Content-Length"])
 
 
+def _literal(node: ast.AST) -> str | None:
+    """A message expression's text with its values as the mark: a string, an f-string, their concatenation;
+    None for anything built otherwise (its wording is not known before run time)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        parts = [_literal(v) if isinstance(v, ast.Constant) else MARK for v in node.values]
+        return None if None in parts else "".join(parts)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _literal(node.left), _literal(node.right)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _message(node: ast.AST) -> str | None:
+    """A message expression, placeholders as the mark: a literal, ``"…" % x`` or ``"…".format(x)``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+        text = _literal(node.left)
+        return None if text is None else percent_template(text)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format":
+        text = _literal(node.func.value)
+        return None if text is None else braces_template(text)
+    return _literal(node)
+
+
+def message_templates(call: ast.Call, assigned: dict[str, set[str]]) -> set[str]:
+    """The messages a logger call may write, placeholders as the mark: its literal, or (``logger.info(msg)``)
+    each literal the file assigns to that name; none where it is built otherwise. logging applies
+    ``msg % args`` only when there are args."""
+    if not call.args:
+        return set()
+    first = call.args[0]
+    if isinstance(first, ast.Name):
+        texts = assigned.get(first.id, set())
+    else:
+        text = _message(first)
+        texts = set() if text is None else {text}
+    return {percent_template(t) for t in texts} if len(call.args) > 1 else texts
+
+
+def _assigned(tree: ast.AST) -> dict[str, set[str]]:
+    """Each name the file assigns a message literal to (``msg = (f"…" "…")``), with every such literal."""
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            text = _message(node.value)
+            if text is not None:
+                found.setdefault(node.targets[0].id, set()).add(text)
+    return found
+
+
 def index_source(text: str, with_defs: bool) -> dict:
-    """One file's logger-call spans and, ``with_defs``, its function spans (first, last line)."""
+    """One file's logger-call spans, the wording keys of its literal messages and, ``with_defs``, its function
+    spans (first, last line)."""
     try:
         tree = ast.parse(text)
     except SyntaxError:
-        return {"log": [], "defs": []}
-    logs, defs = [], []
+        return {"log": [], "defs": [], "wordings": []}
+    logs, defs, wordings = [], [], set()
+    assigned = _assigned(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LOG_METHODS:
             target = node.func.value
             name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
             if "log" in name.lower():
                 logs.append([node.lineno, node.end_lineno])
+                for template in message_templates(node, assigned):
+                    key = wording_key(template)
+                    if key is not None:
+                        wordings.add(key)
         elif with_defs and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append([node.name, node.lineno, node.end_lineno])
-    return {"log": sorted(logs), "defs": sorted(defs, key=lambda d: (d[1], d[0]))}
+    return {"log": sorted(logs), "defs": sorted(defs, key=lambda d: (d[1], d[0])), "wordings": sorted(wordings)}
 
 
 def index_release(version: tuple[int, ...], url: str) -> tuple[dict[str, str], dict[str, dict], int]:
@@ -176,11 +239,20 @@ def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: 
             previous = start
         stored.append([log, defs])
     releases = sorted(trees, key=lambda s: tuple(map(int, s.split("."))))
+    # Per wording, the releases writing it (bit i: releases[i]); those every release writes tell nothing.
+    masks: dict[str, int] = {}
+    for bit, version in enumerate(releases):
+        for key in set().union(*(files[d]["wordings"] for d in set(trees[version].values()))):
+            masks[key] = masks.get(key, 0) | (1 << bit)
+    everyone = (1 << len(releases)) - 1
+    wordings = {key: mask for key, mask in sorted(masks.items()) if mask != everyone}
     return {
         "about": "Per vLLM release (its PyPI wheel and upload date), the line spans of each vllm/ source file's "
                  "logger calls and functions; written by oracles/vllm_sources/index.py. Line numbers and names "
                  "only. files[n] = [logger calls as (start - previous start, end - start) pairs, functions as "
-                 "(names index, start - previous start, end - start) triples].",
+                 "(names index, start - previous start, end - start) triples]. wordings: a logger message's "
+                 "wording_key -> the releases writing it, bit i for the i-th release oldest first (only those "
+                 "some releases do not write).",
         "built": datetime.date.today().isoformat(),
         "releases": {v: {"uploaded": uploaded[v],
                          "files": {path: number[d] for path, d in sorted(trees[v].items()) if d in number}}
@@ -188,6 +260,7 @@ def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: 
         "def_paths": DEF_PATHS.pattern,
         "names": list(names),
         "files": stored,
+        "wordings": wordings,
     }
 
 

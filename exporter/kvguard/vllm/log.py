@@ -584,7 +584,7 @@ class _Reader:
         self.matched = 0
         self.seen: list[LineKind] = []
         self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False,
-                                      "source_tags": set(), "frames": set(), "logged_on": None,
+                                      "source_tags": set(), "frames": set(), "wordings": set(), "logged_on": None,
                                       "versions": set()}
         self.ooms: list[OomFact] = []
         self.pending: list[tuple[int, list[str], list[LineKind]]] = []   # templates begun but not finished
@@ -678,6 +678,10 @@ class _Reader:
             hints["tags"].add(bool(match.group(1) or match.group(2)))
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
                 hints["source_tags"].add((match.group(3), int(match.group(4))))
+        if len(hints["wordings"]) < source_index.MAX_HINTS:
+            key = source_index.line_wording(line)
+            if key is not None and key in source_index.known_wordings():
+                hints["wordings"].add(key)
         if "20" in line:
             dated = _DATED.search(line)
             if dated and (hints["logged_on"] is None or dated.group(1) < hints["logged_on"]):
@@ -805,6 +809,8 @@ def _same_numbered_rows(project: str, rows: list[eras.Era], hints: dict[str, Any
     names none."""
     if project not in _SAME_NUMBERED:
         return None
+    # Not the wordings: the plugin patches vLLM's modules and writes their messages from its own copies
+    # (vllm_ascend/patch/platform/patch_message_queue.py 0.11.0:128-134, the shared-memory broadcast notice).
     fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
     if fitted is None:
         return None
@@ -908,7 +914,7 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
     # Where the lines came from in vLLM's source (file:line tags, traceback frames, the date logged) names
     # releases, not a range: rows none of them is in are left out, unless that leaves none (the lines' own
     # wording outranks a development build's line numbers).
-    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"], hints["wordings"])
     if fitted is not None:
         inside = [V(r) for r in fitted.releases if lo <= V(r) and (hi is None or V(r) <= hi)]
         kept = [era.name for era, end in spans if any(era.first <= r and (end is None or r < end) for r in inside)]

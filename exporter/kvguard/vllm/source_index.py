@@ -8,6 +8,12 @@ loader files) its functions, read from the release's PyPI wheel by ``oracles/vll
 A release fits a log when every tag falls on one of its logger calls in a file of that name, and every
 frame inside a function of that name in that file.
 
+A line's wording is a hint too, tagged or not: the index holds, for every logger call whose message is a
+literal (a %-format string, an f-string, a str.format template), the releases that write it, keyed by a
+hash of its words with every number and placeholder made one mark (``wording_key``; no source text is
+stored). Only wordings that some releases write and others do not are kept. A line matching none (a
+plugin's own, a message built at run time, a placeholder that printed words) says nothing.
+
 Tags of files no release has (a plugin's own, such as vllm-ascend's or kvguard's) are left out. A fork,
 a patched or a development build fits no release; its hints are then left unused, and the reason says so.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -28,6 +35,55 @@ INDEX_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "source_in
 MAX_HINTS = 64
 # A traceback frame inside vLLM's package: '  File ".../vllm/v1/worker/gpu_worker.py", line 283, in init_device'.
 FRAME = re.compile(r'File "[^"]{0,300}?/vllm/([\w/]{1,120}\.py)", line ([0-9]{1,6}), in (\w{1,80})')
+
+
+# Placeholders of a logger call's message: %-style (with %(name)s), str.format's {…}, an f-string's values.
+_PERCENT = re.compile(r"%(?:\([^)]{0,40}\))?[-#0 +]{0,4}(?:\*|[0-9]{1,3})?(?:\.(?:\*|[0-9]{1,3}))?[hlL]?[diouxXeEfFgGcrsa%]")
+_BRACES = re.compile(r"\{\{|\}\}|\{[^{}]{0,40}\}")
+MARK = "\x00"
+# A number as vLLM prints one: "8,192", "207.73", "-1", "1e-05".
+_FIGURE = re.compile(r"[-+]?[0-9]+(?:[.,][0-9]+)*(?:[eE][-+]?[0-9]+)?")
+_MARKS = re.compile(MARK + "+")
+# Fewer letters than this say too little to tell releases apart ("%s: %s", "Done %d").
+MIN_WORDING_LETTERS = 12
+# A record's own prefix, up to its message: "(EngineCore pid=1) INFO 04-12 08:21:19 [core.py:94] ", and
+# "INFO 12-13 19:54:18 worker.py:243] " (0.6-0.7), also with the time stripped ("INFO [core.py:94] ").
+_MESSAGE = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} )?"
+                      r"\[?[\w./-]{1,80}\.py:[0-9]{1,6}\] ?")
+MAX_LINE_CHARS = 2048
+
+
+def percent_template(text: str) -> str:
+    """A %-format message (logging's ``msg % args``) with each placeholder made the mark ("%%" is "%")."""
+    return _PERCENT.sub(lambda m: "%" if m.group() == "%%" else MARK, text)
+
+
+def braces_template(text: str) -> str:
+    """A str.format template with each field made the mark ("{{" is "{")."""
+    return _BRACES.sub(lambda m: m.group()[0] if m.group() in ("{{", "}}") else MARK, text)
+
+
+def wording_key(message: str) -> str | None:
+    """The key of a message's wording: its first line, every number and placeholder one mark, blanks one
+    space; None where it has too few letters to say anything. The same for a template and for a line vLLM
+    wrote from it."""
+    first = message.split("\n", 1)[0]
+    if len(first) > MAX_LINE_CHARS:
+        return None
+    text = " ".join(_MARKS.sub(MARK, _FIGURE.sub(MARK, first)).split())
+    if sum(c.isalpha() for c in text) < MIN_WORDING_LETTERS:
+        return None
+    return hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=6).hexdigest()
+
+
+def line_wording(line: str) -> str | None:
+    """The wording key of a log line's message: after vLLM's record prefix where it has one, else the whole
+    line (a paste that kept the messages only)."""
+    if len(line) > MAX_LINE_CHARS:
+        return None
+    found = _MESSAGE.search(line)
+    message = line[found.end():] if found else line.strip().lstrip(">▎|` ").rstrip("` ")
+    return wording_key(message)
 
 
 @dataclass(frozen=True)
@@ -69,6 +125,12 @@ class _Index:
             self.by_suffix[release] = suffixes
         # Names no release has: a plugin's or the launcher's own files (vllm-ascend's, kvguard's), not vLLM's.
         self.known = set().union(*self.by_suffix.values())
+        # Wording key -> the releases writing it (bit i: the i-th release, oldest first).
+        self.wordings: dict[str, int] = data.get("wordings", {})
+        self.bit = {release: 1 << i for i, release in enumerate(sorted(self.releases, key=eras.parse_version))}
+
+    def wording_fits(self, release: str, key: str) -> bool:
+        return bool(self.wordings[key] & self.bit[release])
 
     def tag_fits(self, release: str, name: str, line: int) -> bool:
         return any(start <= line <= end for number in self.by_suffix[release].get(name, ())
@@ -89,49 +151,86 @@ def _load() -> _Index | None:
         return None
 
 
-def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None = None) -> Fit | None:
-    """The releases whose source every tag (file name, line) and frame (path under vllm/, line, function)
-    fits, and (``logged_on``, a "YYYY-MM-DD" the log states) that were published by then; None when there is
-    no hint (or no index).
+def known_wordings() -> dict[str, int]:
+    """The index's wording keys (empty without an index)."""
+    index = _load()
+    return index.wordings if index is not None else {}
 
-    A development build between two releases fits neither whole: where no release fits every hint, the
-    releases that fit the most are taken, if that is most of them (at least two, and 60 %)."""
+
+def _best(scores: dict[str, int], count: int, published: list[str]) -> tuple[tuple[str, ...], str] | None:
+    """The releases that fit every one of ``count`` hints, or (a development build between two releases fits
+    neither whole) those that fit the most, if that is most of them (at least two, and 60 %); None when
+    neither holds."""
+    best = max(scores.values(), default=0)
+    fitting = tuple(r for r in published if scores[r] == best)
+    if best == count:
+        return fitting, "fit"
+    if best >= 2 and best >= 0.6 * count:
+        return fitting, f"best fit ({best} of {count}: a development or patched build)"
+    return None
+
+
+def _span(releases: tuple[str, ...]) -> str:
+    return releases[0] if len(releases) == 1 else f"{releases[0]}–{releases[-1]}"
+
+
+def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None = None,
+        wordings: set[str] = frozenset()) -> Fit | None:
+    """The releases whose source every tag (file name, line), frame (path under vllm/, line, function) and
+    wording (``line_wording``) fits, and (``logged_on``, a "YYYY-MM-DD" the log states) that were published by
+    then; None when there is no hint (or no index).
+
+    Where the lines come from (tags, frames) and what they say (wordings) are weighed apart, each by
+    ``_best``, so that many wordings every release writes cannot make a coincidental tag look like a fit;
+    then the releases both name, or where they name none in common, those the lines' places name."""
     index = _load()
     if index is None:
         return None
     tags = {tag for tag in tags if tag[0] in index.known}
     frames = {frame for frame in frames if index.def_paths.match(frame[0])}
+    wordings = {key for key in wordings if key in index.wordings}
     published = [r for r in index.releases if logged_on is None or index.uploaded[r] <= logged_on]
     dated = f", published by {logged_on}" if logged_on else ""
-    if not tags and not frames:
+    if not tags and not frames and not wordings:
         if logged_on is None or len(published) == len(index.releases):
             return None
         if not published:
             return Fit((), 0, f"logged on {logged_on}, before any release in the table")
         return Fit(tuple(published), 0, f"logged on {logged_on}: vLLM {published[-1]} or older")
-    scores = {r: sum(index.tag_fits(r, name, line) for name, line in tags)
-              + sum(index.frame_fits(r, path, line, function) for path, line, function in frames)
-              for r in published}
-    count = len(tags) + len(frames)
-    what = " and ".join(part for part in (
+    count = len(tags) + len(frames) + len(wordings)
+    where = ", ".join(part for part in (
         f"{len(tags)} file:line tag{'s' if len(tags) != 1 else ''}" if tags else "",
         f"{len(frames)} traceback frame{'s' if len(frames) != 1 else ''}" if frames else "") if part)
-    best = max(scores.values(), default=0)
-    fitting = tuple(r for r in published if scores[r] == best)
-    if best == count:
-        how = "fit"
-    elif best >= 2 and best >= 0.6 * count:
-        how = f"best fit ({best} of {count}: a development or patched build)"
-    else:
+    said = f"{len(wordings)} wording{'s' if len(wordings) != 1 else ''}" if wordings else ""
+    placed = _best({r: sum(index.tag_fits(r, name, line) for name, line in tags)
+                    + sum(index.frame_fits(r, path, line, function) for path, line, function in frames)
+                    for r in published}, len(tags) + len(frames), published) if where else None
+    worded = _best({r: sum(index.wording_fits(r, key) for key in wordings) for r in published},
+                   len(wordings), published) if said else None
+    parts = []
+    if placed is not None:
+        parts.append(f"its {where}{dated} {placed[1]} vLLM {_span(placed[0])}")
+    if worded is not None:
+        parts.append(f"its {said}{dated} {worded[1]} vLLM {_span(worded[0])}")
+    if placed is None and worded is None:
+        what = " and ".join(part for part in (where, said) if part)
         unfit = f"its {what} fit no vLLM release's source (a fork, a patched or a development build)"
         if logged_on is None or len(published) == len(index.releases):
             return Fit((), count, unfit)
         # The date still holds: such a build was made from a published release's code or later.
         return Fit(tuple(published), count, f"{unfit}; logged on {logged_on}: vLLM {published[-1]} or older"
                    if published else f"{unfit}; logged on {logged_on}, before any release in the table")
-    span = fitting[0] if len(fitting) == 1 else f"{fitting[0]}–{fitting[-1]}"
-    return Fit(fitting, count, f"its {what}{dated} {how} vLLM {span} ({len(fitting)} of {len(index.releases)} "
-                               f"releases)")
+    if placed is not None and worded is not None:
+        both = tuple(r for r in placed[0] if r in worded[0])
+        fitting = both or placed[0]
+        joined = "; ".join(parts) + ("" if both else ": they share none, the places are taken")
+    else:
+        fitting = (placed or worded)[0]
+        joined = parts[0]
+        if where and placed is None:
+            joined = (f"its {where} fit no vLLM release's source (a fork, a patched or a development build): left "
+                      f"out; {joined}")
+    return Fit(fitting, count, f"{joined} ({len(fitting)} of {len(index.releases)} releases: vLLM {_span(fitting)})")
 
 
 def version(text: str) -> tuple[int, ...]:
