@@ -158,7 +158,7 @@ def test_the_manifest_names_every_log_and_the_held_out_rule():
     files = sorted(name[:-4] for name in os.listdir(REAL) if name.endswith(".log"))
     assert ids == files and len(ids) >= 40
     assert "held out" in MANIFEST["held_out_rule"]
-    assert all(e["held_out"] == (int(e["id"][1:]) % 4 == 0 or e.get("batch") == 2) for e in LOGS)
+    assert all(e["held_out"] == (int(e["id"][1:]) % 4 == 0 or e.get("batch") in (2, 3, 4)) for e in LOGS)
     assert all(e["source"].startswith("https://github.com/") for e in LOGS)
 
 
@@ -190,8 +190,9 @@ def test_the_era_is_never_wrong(entry):
     assert era_outcome(entry, parse_log(read(entry))) in ("pinned", "range")
 
 
-# r18's two lines name no engine: the thread says vllm-ascend, the text cannot.
-PROJECT_NOT_IN_TEXT = {"r18"}
+# r18's two lines name no engine: the thread says vllm-ascend, the text cannot. r56 (held out, batch 4) is
+# the same: a traceback through vLLM's files under /vllm-workspace, which vLLM's own image uses too.
+PROJECT_NOT_IN_TEXT = {"r18", "r56"}
 TOLD = [e for e in LOGS if e.get("project") and e["id"] not in PROJECT_NOT_IN_TEXT]
 
 
