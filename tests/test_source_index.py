@@ -82,11 +82,13 @@ NPU_OOM = ("(Worker_TP0 pid=1) ERROR 02-07 18:18:59 [v1/executor/multiproc_execu
            "57.49 GiB current active; 1.96 GiB free; 57.62 GiB reserved in total by PyTorch)")
 
 
-def _only_in(path: str, wanted) -> int:
-    """A line at which the index has a logger call of ``path`` in some releases, all of them ``wanted``."""
+def _only_in(path: str, wanted, numbered_as=None) -> int:
+    """A line at which the index has a logger call of ``path`` in some releases, all of them ``wanted`` (and, with
+    ``numbered_as``, one of them among those release numbers)."""
     for line in range(1, 3000):
         fits = [r for r in INDEX.releases if INDEX.tag_fits(r, path, line)]
-        if fits and all(wanted(eras.parse_version(r)) for r in fits):
+        if fits and all(wanted(eras.parse_version(r)) for r in fits) and (
+                numbered_as is None or any(r in numbered_as for r in fits)):
             return line
     raise AssertionError(f"no such line in {path}")
 
@@ -95,7 +97,9 @@ def test_a_vllm_ascend_log_takes_its_row_from_the_vllm_release_of_its_number():
     # vllm-ascend vX.Y.Z runs on vLLM vX.Y.Z (its versioning policy): an NPU OOM with no memory line, whose vLLM
     # tag fits only releases inside vllm-ascend's 0.9.1-0.14.0 row, is that row (the posted r47 is one).
     path = "v1/executor/multiproc_executor.py"
-    line = _only_in(path, lambda r: (0, 9, 1) <= r < (0, 15, 0))
+    # A vLLM release some vllm-ascend release is numbered as (there is none of 0.14.1, for one).
+    plugin = source_index._load(source_index.PLUGIN_INDEX_PATHS["vllm-ascend"])
+    line = _only_in(path, lambda r: (0, 9, 1) <= r < (0, 15, 0), {source_index.numbered(r) for r in plugin.releases})
     log = parse_lines([NPU_OOM.format(line=line)])
     assert log.project == "vllm-ascend" and log.ooms
     assert log.era == "vllm-ascend 0.9.1–0.14.0", log.era_reason
@@ -204,3 +208,36 @@ logger.info(build_message())
     assert source_index.wording_key(next(iter(found[4]))) == source_index.line_wording(
         "INFO 11-02 09:14:19 [gpu_worker.py:372] Free memory on device (22.76/24.0 GiB) on startup. Desired GPU "
         "memory utilization is (0.97, 23.28 GiB).")
+
+
+# ------------------------------------------------------------------------------------------------ vllm-ascend's own
+
+
+def test_the_vllm_ascend_index_covers_every_row_of_the_table():
+    plugin = source_index._load(source_index.PLUGIN_INDEX_PATHS["vllm-ascend"])
+    assert plugin is not None
+    numbers = {eras.parse_version(source_index.numbered(r)) for r in plugin.releases}
+    for era in eras.ERAS:
+        if era.project == "vllm-ascend":
+            assert any(n >= era.first and (era.last is None or n[:2] <= era.last[:2]) for n in numbers), era.name
+    # Its own files, read from its own releases: vllm_ascend/worker/worker.py 0.23.0.post1:593-595 logs the KV
+    # cache memory (info_once over three lines), 0.18.0:356-358 at other lines.
+    assert plugin.tag_fits("0.23.0.post1", "worker.py", 593)
+    assert not plugin.tag_fits("0.18.0", "worker.py", 593)
+
+
+def test_a_vllm_ascend_log_is_pinned_by_the_plugin_s_own_tags():
+    # vllm_ascend/utils.py 0.23.0.post1:1404 ("Block size is set to 128 if prefix cache or chunked prefill is
+    # enabled.") and worker/worker.py 0.23.0.post1:593 (the KV cache line), times cut off as in the held-out r49:
+    # the plugin's own source places both in vllm-ascend 0.23.0 (with vLLM 0.23.0's kv_cache_utils.py).
+    log = parse_lines(["(APIServer pid=1) INFO [utils.py:1404] Block size is set to 128 if prefix cache or chunked "
+                       "prefill is enabled.",
+                       "(Worker_PP0_TP0 pid=2) INFO [worker.py:593] Available KV cache memory: 51.98 GiB"])
+    assert log.project == "vllm-ascend" and log.block_size == 128
+    assert log.era == "vllm-ascend 0.20.0–0.23.0", log.era_reason
+    assert "vllm-ascend 0.23.0" in log.era_reason
+    # The same lines at line numbers neither the plugin nor its vLLM has: nothing narrows.
+    forked = parse_lines(["(APIServer pid=1) INFO [utils.py:99998] Block size is set to 128 if prefix cache or chunked "
+                          "prefill is enabled.",
+                          "(Worker_PP0_TP0 pid=2) INFO [worker.py:99999] Available KV cache memory: 51.98 GiB"])
+    assert forked.era is None and len(forked.era_candidates) > 1

@@ -346,9 +346,11 @@ def test_vllm_ascend_at_debug_gets_its_rows_and_their_128_token_blocks():
     ]))
     from kvguard.vllm import eras
     assert log.project == "vllm-ascend"
-    # Every vllm-ascend row that runs vLLM's memory_profiling (0.15+), and only those.
-    assert log.era_candidates == tuple(e.name for e in eras.ERAS if e.project == "vllm-ascend"
-                                       and e.first >= (0, 15, 0))
+    # vllm-ascend rows that run vLLM's memory_profiling (0.15+), and of those the ones whose worker.py has its
+    # logger calls at 356 and 358 (the plugin's own source index: 0.18.0 on, not 0.15.0rc1-0.17.0rc1).
+    runs_profiling = [e.name for e in eras.ERAS if e.project == "vllm-ascend" and e.first >= (0, 15, 0)]
+    assert "vllm-ascend 0.18.0" in log.era_candidates and set(log.era_candidates) <= set(runs_profiling)
+    assert "vllm-ascend 0.15.0–0.17.0" not in log.era_candidates, log.era_reason
     assert log.effective_block_size() == (128, "every candidate era's default")
 
 

@@ -10,6 +10,9 @@ requests, so a release costs a few MB, not the 250-500 MB wheel.
 
     python3 oracles/vllm_sources/index.py [--releases 0.6.4,0.34.0] [--jobs 4]
         writes exporter/kvguard/vllm/source_index.json.gz
+    python3 oracles/vllm_sources/index.py --package vllm-ascend
+        writes exporter/kvguard/vllm/source_index_vllm_ascend.json.gz: every vllm-ascend release on PyPI (finals,
+        rcs, posts; a cp311 x86_64 wheel, else the sdist, read whole), its ``vllm_ascend/`` files
 
 It also records each logger call's wording where its message is a literal (a %-format string, an
 f-string, a str.format template), as the hash ``kvguard.vllm.source_index.wording_key`` makes of it, and
@@ -33,8 +36,10 @@ import json
 import pathlib
 import re
 import sys
+import tarfile
 import urllib.request
 import zipfile
+from typing import Callable, Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "exporter"))
@@ -103,6 +108,35 @@ class RangeFile(io.RawIOBase):
         data = self.read(len(buffer))
         buffer[:len(data)] = data
         return len(data)
+
+
+# Platform plugins indexed like vLLM: PyPI name -> (its package folder, where the index goes).
+PLUGINS = {"vllm-ascend": ("vllm_ascend/", ROOT / "exporter" / "kvguard" / "vllm" / "source_index_vllm_ascend.json.gz")}
+_PLUGIN_FILE = re.compile(r"[a-z_]+-([0-9]+\.[0-9]+\.[0-9]+(?:rc[0-9]+)?(?:\.post[0-9]+)?)"
+                          r"(?:-cp311-cp311-manylinux\w*x86_64\.whl|\.tar\.gz)")
+
+
+def release_key(text: str) -> tuple[int, ...]:
+    """"0.11.0rc1" before "0.11.0" before "0.11.0.post1"."""
+    match = re.fullmatch(r"([0-9]+)\.([0-9]+)\.([0-9]+)(?:rc([0-9]+))?(?:\.post([0-9]+))?", text)
+    if match is None:
+        raise ValueError(f"not a release number: {text}")
+    x, y, z, rc, post = match.groups()
+    return int(x), int(y), int(z), int(rc) if rc else 1 << 30, int(post) if post else 0
+
+
+def plugin_urls(package: str) -> dict[str, tuple[str, str]]:
+    """Every release of a plugin on PyPI -> (a cp311 x86_64 wheel's URL, else its sdist's; upload date)."""
+    request = urllib.request.Request(f"https://pypi.org/simple/{package}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        page = json.loads(response.read())
+    urls: dict[str, tuple[str, str]] = {}
+    for entry in page["files"]:
+        match = _PLUGIN_FILE.fullmatch(entry["filename"])
+        if match and (match[1] not in urls or entry["filename"].endswith(".whl")):
+            urls[match[1]] = (entry["url"], entry["upload-time"][:10])
+    return urls
 
 
 def wheel_urls() -> dict[tuple[int, ...], tuple[str, str]]:
@@ -203,22 +237,42 @@ def index_source(text: str, with_defs: bool) -> dict:
     return {"log": sorted(logs), "defs": sorted(defs, key=lambda d: (d[1], d[0])), "wordings": sorted(wordings)}
 
 
-def index_release(version: tuple[int, ...], url: str) -> tuple[dict[str, str], dict[str, dict], int]:
+def _sources(url: str, prefix: str) -> tuple[Iterator[tuple[str, str]], Callable[[], int]]:
+    """The ``.py`` files under ``prefix`` of a wheel (read by ranges) or an sdist (read whole), as (path under
+    the prefix, text), and how many bytes were fetched."""
+    if url.endswith(".tar.gz"):
+        with urllib.request.urlopen(url, timeout=300) as response:
+            data = response.read()
+
+        def from_sdist() -> Iterator[tuple[str, str]]:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as sdist:
+                for member in sdist.getmembers():
+                    top, _, rest = member.name.partition("/")
+                    if member.isfile() and rest.startswith(prefix) and rest.endswith(".py"):
+                        yield rest[len(prefix):], sdist.extractfile(member).read().decode("utf-8", errors="replace")
+        return from_sdist(), lambda: len(data)
     remote = RangeFile(url, _size(url))
+
+    def from_wheel() -> Iterator[tuple[str, str]]:
+        with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as wheel:
+            members = sorted((i for i in wheel.infolist() if i.filename.startswith(prefix) and i.filename.endswith(".py")),
+                             key=lambda i: i.header_offset)
+            for info in members:
+                yield info.filename[len(prefix):], wheel.read(info).decode("utf-8", errors="replace")
+    return from_wheel(), lambda: remote.fetched
+
+
+def index_release(version, url: str, prefix: str = "vllm/") -> tuple[dict[str, str], dict[str, dict], int]:
     tree: dict[str, str] = {}
     files: dict[str, dict] = {}
-    with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as wheel:
-        members = sorted((i for i in wheel.infolist() if i.filename.startswith("vllm/") and i.filename.endswith(".py")),
-                         key=lambda i: i.header_offset)
-        for info in members:
-            text = wheel.read(info).decode("utf-8", errors="replace")
-            path = info.filename[len("vllm/"):]
-            with_defs = bool(DEF_PATHS.match(path))
-            digest = hashlib.sha1(text.encode() + bytes([with_defs])).hexdigest()[:16]
-            tree[path] = digest
-            if digest not in files:
-                files[digest] = index_source(text, with_defs)
-    return tree, files, remote.fetched
+    sources, fetched = _sources(url, prefix)
+    for path, text in sources:
+        with_defs = bool(DEF_PATHS.match(path))
+        digest = hashlib.sha1(text.encode() + bytes([with_defs])).hexdigest()[:16]
+        tree[path] = digest
+        if digest not in files:
+            files[digest] = index_source(text, with_defs)
+    return tree, files, fetched()
 
 
 def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: dict[str, str]) -> dict:
@@ -238,7 +292,7 @@ def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: 
             defs += [names.setdefault(name, len(names)), start - previous, end - start]
             previous = start
         stored.append([log, defs])
-    releases = sorted(trees, key=lambda s: tuple(map(int, s.split("."))))
+    releases = sorted(trees, key=release_key)
     # Per wording, the releases writing it (bit i: releases[i]); those every release writes tell nothing.
     masks: dict[str, int] = {}
     for bit, version in enumerate(releases):
@@ -268,26 +322,33 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--releases", help="first,last (default 0.6.4,0.34.0)")
     parser.add_argument("--jobs", type=int, default=4)
-    parser.add_argument("--out", default=str(OUT), help=f"where to write it (default {OUT.relative_to(ROOT)})")
+    parser.add_argument("--package", default="vllm", choices=["vllm", *PLUGINS],
+                        help="vLLM (default) or a platform plugin (every release of it on PyPI)")
+    parser.add_argument("--out", help=f"where to write it (default {OUT.relative_to(ROOT)}, or the plugin's)")
     args = parser.parse_args(argv)
-    out = pathlib.Path(args.out)
     global FIRST, LAST
     if args.releases:
         FIRST, LAST = (tuple(int(p) for p in v.split(".")) for v in args.releases.split(","))
-    urls = wheel_urls()
-    print(f"{len(urls)} releases: {', '.join('.'.join(map(str, v)) for v in sorted(urls))}", file=sys.stderr)
+    if args.package == "vllm":
+        prefix, out = "vllm/", pathlib.Path(args.out or OUT)
+        urls = {".".join(map(str, v)): found for v, found in wheel_urls().items()}
+    else:
+        prefix, default = PLUGINS[args.package]
+        out = pathlib.Path(args.out or default)
+        urls = plugin_urls(args.package)
+    print(f"{len(urls)} releases: {', '.join(sorted(urls, key=release_key))}", file=sys.stderr)
     trees: dict[str, dict[str, str]] = {}
     files: dict[str, dict] = {}
     # Processes, not threads: reading the sources (ast) is the work, and the GIL would serialise it.
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(index_release, v, u): v for v, (u, _) in urls.items()}
+        futures = {pool.submit(index_release, v, u, prefix): v for v, (u, _) in urls.items()}
         for future in concurrent.futures.as_completed(futures):
-            version = ".".join(map(str, futures[future]))
+            version = futures[future]
             tree, found, fetched = future.result()
             trees[version] = tree
             files.update(found)
             print(f"  {version}: {len(tree)} files, {fetched / 2**20:.1f} MiB fetched", file=sys.stderr)
-    uploaded = {".".join(map(str, v)): date for v, (_, date) in urls.items()}
+    uploaded = {v: date for v, (_, date) in urls.items()}
     data = json.dumps(compact(trees, files, uploaded), separators=(",", ":")).encode()
     out.write_bytes(gzip.compress(data, mtime=0))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB, {len(files)} file versions)", file=sys.stderr)

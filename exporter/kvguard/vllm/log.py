@@ -809,9 +809,10 @@ def _same_numbered_rows(project: str, rows: list[eras.Era], hints: dict[str, Any
     names none."""
     if project not in _SAME_NUMBERED:
         return None
-    # Not the wordings: the plugin patches vLLM's modules and writes their messages from its own copies
+    # Its tags against its own source and its vLLM's (source_index._Paired). Not the wordings: the plugin
+    # patches vLLM's modules and writes their messages from its own copies
     # (vllm_ascend/patch/platform/patch_message_queue.py 0.11.0:128-134, the shared-memory broadcast notice).
-    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"])
+    fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"], plugin="vllm-ascend")
     if fitted is None:
         return None
     # Spans over every row of the project, so that a row left out of ``among`` does not widen its neighbour.

@@ -14,7 +14,9 @@ hash of its words with every number and placeholder made one mark (``wording_key
 stored). Only wordings that some releases write and others do not are kept. A line matching none (a
 plugin's own, a message built at run time, a placeholder that printed words) says nothing.
 
-Tags of files no release has (a plugin's own, such as vllm-ascend's or kvguard's) are left out. A fork,
+Tags of files no release has (a plugin's own, such as vllm-ascend's or kvguard's) are left out. A
+vllm-ascend log is weighed against ``source_index_vllm_ascend.json.gz`` too, the same index over every
+vllm-ascend release on PyPI (``_Paired``: each with the vLLM release of its number). A fork,
 a patched or a development build fits no release; its hints are then left unused, and the reason says so.
 """
 
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 from kvguard.vllm import eras
 
 INDEX_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "source_index.json.gz")
+# A platform plugin's own index, the same form, over every release of it on PyPI (rcs and posts too).
+PLUGIN_INDEX_PATHS = {"vllm-ascend": os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "source_index_vllm_ascend.json.gz")}
 # Hints kept per log: enough to pin a release, a bound on the work a hostile log causes.
 MAX_HINTS = 64
 # A traceback frame inside vLLM's package: '  File ".../vllm/v1/worker/gpu_worker.py", line 283, in init_device'.
@@ -127,7 +132,7 @@ class _Index:
         self.known = set().union(*self.by_suffix.values())
         # Wording key -> the releases writing it (bit i: the i-th release, oldest first).
         self.wordings: dict[str, int] = data.get("wordings", {})
-        self.bit = {release: 1 << i for i, release in enumerate(sorted(self.releases, key=eras.parse_version))}
+        self.bit = {release: 1 << i for i, release in enumerate(self.releases)}   # the file's order: oldest first
 
     def wording_fits(self, release: str, key: str) -> bool:
         return bool(self.wordings[key] & self.bit[release])
@@ -142,13 +147,54 @@ class _Index:
                                           for name, start, end in self.defs[number])
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> _Index | None:
+@functools.lru_cache(maxsize=2)
+def _load(path: str = INDEX_PATH) -> _Index | None:
     try:
-        with gzip.open(INDEX_PATH, "rb") as handle:
+        with gzip.open(path, "rb") as handle:
             return _Index(json.loads(handle.read()))
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
+
+
+def numbered(release: str) -> str:
+    """A plugin release as the vLLM release it is numbered after: "0.23.0rc1", "0.23.0.post1" -> "0.23.0"."""
+    match = re.match(r"[0-9]+\.[0-9]+\.[0-9]+", release)
+    return match.group() if match else release
+
+
+class _Paired:
+    """A platform plugin's releases, each with the vLLM release of its number (vllm-ascend vX.Y.Z runs on vLLM
+    vX.Y.Z): a line of its log comes from the plugin's source or from that vLLM's, so a tag fits a plugin
+    release where it falls on a logger call in either (their files share names: worker.py, utils.py), and a
+    frame (vLLM's files only) where vLLM's has it. No wordings: the plugin writes vLLM's messages from its own
+    patched copies (vllm_ascend/patch/platform/patch_message_queue.py 0.11.0:128-134)."""
+
+    def __init__(self, plugin: _Index, vllm: _Index):
+        self.plugin, self.vllm = plugin, vllm
+        self.releases = plugin.releases
+        self.uploaded = plugin.uploaded
+        self.base = {r: numbered(r) if numbered(r) in vllm.trees else None for r in plugin.releases}
+        self.known = plugin.known | vllm.known
+        self.def_paths = vllm.def_paths
+        self.wordings: dict[str, int] = {}
+
+    def tag_fits(self, release: str, name: str, line: int) -> bool:
+        base = self.base[release]
+        return self.plugin.tag_fits(release, name, line) or (base is not None and self.vllm.tag_fits(base, name, line))
+
+    def frame_fits(self, release: str, path: str, line: int, function: str) -> bool:
+        base = self.base[release]
+        return base is not None and self.vllm.frame_fits(base, path, line, function)
+
+    def wording_fits(self, release: str, key: str) -> bool:
+        return False
+
+
+@functools.lru_cache(maxsize=2)
+def _paired(plugin: str) -> _Paired | None:
+    path = PLUGIN_INDEX_PATHS.get(plugin)
+    own, vllm = (_load(path) if path else None), _load()
+    return _Paired(own, vllm) if own is not None and vllm is not None else None
 
 
 def known_wordings() -> dict[str, int]:
@@ -175,17 +221,30 @@ def _span(releases: tuple[str, ...]) -> str:
 
 
 def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None = None,
-        wordings: set[str] = frozenset()) -> Fit | None:
+        wordings: set[str] = frozenset(), plugin: str | None = None) -> Fit | None:
     """The releases whose source every tag (file name, line), frame (path under vllm/, line, function) and
     wording (``line_wording``) fits, and (``logged_on``, a "YYYY-MM-DD" the log states) that were published by
     then; None when there is no hint (or no index).
 
     Where the lines come from (tags, frames) and what they say (wordings) are weighed apart, each by
     ``_best``, so that many wordings every release writes cannot make a coincidental tag look like a fit;
-    then the releases both name, or where they name none in common, those the lines' places name."""
-    index = _load()
+    then the releases both name, or where they name none in common, those the lines' places name.
+
+    ``plugin`` (a platform plugin numbered as vLLM, with an index of its own): the plugin's releases, each
+    with its vLLM's source (``_Paired``), named as the vLLM releases of their numbers; without its index,
+    vLLM's alone, as before."""
+    index = (_paired(plugin) if plugin else None) or _load()
     if index is None:
         return None
+    found = _fit(index, tags, frames, logged_on, wordings)
+    if found is None or not isinstance(index, _Paired):
+        return found
+    releases = tuple(dict.fromkeys(numbered(r) for r in found.releases))
+    return Fit(releases, found.hints, found.reason.replace("vLLM ", f"{plugin} "))
+
+
+def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None,
+         wordings: set[str]) -> Fit | None:
     tags = {tag for tag in tags if tag[0] in index.known}
     frames = {frame for frame in frames if index.def_paths.match(frame[0])}
     wordings = {key for key in wordings if key in index.wordings}
