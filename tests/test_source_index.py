@@ -241,3 +241,33 @@ def test_a_vllm_ascend_log_is_pinned_by_the_plugin_s_own_tags():
                           "prefill is enabled.",
                           "(Worker_PP0_TP0 pid=2) INFO [worker.py:99999] Available KV cache memory: 51.98 GiB"])
     assert forked.era is None and len(forked.era_candidates) > 1
+
+
+def test_a_placeholder_that_printed_words_does_not_rule_its_release_out():
+    # "Using TRTLLM prefill attention (auto-detected)." is a literal in utils/flashinfer.py 0.20.0:405 and the
+    # template "Using TRTLLM %s attention (auto-detected)." from 0.27.0:504: 0.27+ writes the same line.
+    log = parse_log("Using TRTLLM prefill attention (auto-detected).\nAvailable KV cache memory: 32.08 GiB\n")
+    assert "vllm 0.20.0–0.26.0" in log.era_candidates
+    assert "vllm 0.27.0–0.33.0" in log.era_candidates and "vllm 0.34.0+" in log.era_candidates, log.era_reason
+
+
+def test_figures_printed_side_by_side_hash_as_the_template():
+    # "%d.%d" prints "12.4", "%d-%d" "10-20", "+%d" "+3": one figure each to the reader, one mark each here.
+    for template, line in (("nvcc found %d.%d for the kernels of this build", "nvcc found 12.4 for the kernels of "
+                            "this build"),
+                           ("Free locks of tokens %d-%d for the request", "Free locks of tokens 10-20 for the request"),
+                           ("weight cache daemon ready (+%d aliases)", "weight cache daemon ready (+3 aliases)")):
+        assert source_index.wording_key(source_index.percent_template(template)) == source_index.line_wording(line)
+
+
+def test_another_logger_s_tag_is_not_taken_for_vllm_s():
+    # A launcher's own "%(asctime)s %(levelname)s [%(filename)s:%(lineno)d]" line before vLLM's bare lines: its
+    # [utils.py:238] is not a vLLM record's tag, so it narrows nothing.
+    bare = ("Model loading took 74.08 GiB memory and 36.573577 seconds\nAvailable KV cache memory: 32.08 GiB\n"
+            "GPU KV cache size: 90,841 tokens\ninit engine (profile, create kv cache, warmup model) took 9.38 s\n")
+    alone = parse_log(bare)
+    launcher = parse_log("2026-12-20 10:00:00,123 INFO [utils.py:238] launching vllm serve with the sweep config\n" + bare)
+    assert launcher.era_candidates == alone.era_candidates, launcher.era_reason
+    # vLLM's own record with its time cut off still is one.
+    assert parse_lines(["(EngineCore pid=7) INFO [kv_cache_utils.py:1087] GPU KV cache size: 1,024 tokens"]).era_reason \
+        .find("file:line tag") >= 0

@@ -300,6 +300,10 @@ def test_the_model_length_the_engine_settled_on_is_read():
     # config/model.py 0.34.0:2214 logger.info("Using max model len %s", max_model_len); a longer line is not it.
     assert parse_log(_prefix("Using max model len 4096", "model.py:2214")).max_model_len == 4096
     assert parse_log(_prefix("Using max model len 4096 for the draft", "model.py:2214")).max_model_len is None
+    # The served model's comes first; a speculative draft's config logs its own after it
+    # (v1/worker/gpu/spec_decode/speculator_config.py 0.34.0:191).
+    both = _prefix("Using max model len 32768", "model.py:2214") + "\n" + _prefix("Using max model len 2048", "model.py:2214")
+    assert parse_log(both).max_model_len == 32768
 
 
 def test_the_disabled_cuda_graph_estimate_states_the_utilization_and_subtracts_nothing():

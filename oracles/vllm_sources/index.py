@@ -15,8 +15,10 @@ requests, so a release costs a few MB, not the 250-500 MB wheel.
         rcs, posts; a cp311 x86_64 wheel, else the sdist, read whole), its ``vllm_ascend/`` files
 
 It also records each logger call's wording where its message is a literal (a %-format string, an
-f-string, a str.format template), as the hash ``kvguard.vllm.source_index.wording_key`` makes of it, and
-which releases write it.
+f-string, a str.format template), as ``kvguard.vllm.source_index.wording_text`` normalises it, and which
+releases write it; a release whose template can print another release's wording (a placeholder that
+prints words: "Using TRTLLM %s attention" and "Using TRTLLM prefill attention") writes that one too.
+Only the hashes are stored.
 
 Standard library and kvguard only. It needs the network (PyPI) and is run by hand when a release is added
 to the era table; nothing runs it at test time. The index holds line numbers, function names and wording
@@ -43,7 +45,7 @@ from typing import Callable, Iterator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "exporter"))
-from kvguard.vllm.source_index import MARK, braces_template, percent_template, wording_key  # noqa: E402
+from kvguard.vllm.source_index import MARK, braces_template, hash_wording, percent_template, wording_text  # noqa: E402
 OUT = ROOT / "exporter" / "kvguard" / "vllm" / "source_index.json.gz"
 SIMPLE = "https://pypi.org/simple/vllm/"
 FIRST, LAST = (0, 6, 4), (0, 34, 0)
@@ -229,9 +231,9 @@ def index_source(text: str, with_defs: bool) -> dict:
             if "log" in name.lower():
                 logs.append([node.lineno, node.end_lineno])
                 for template in message_templates(node, assigned):
-                    key = wording_key(template)
-                    if key is not None:
-                        wordings.add(key)
+                    text = wording_text(template)
+                    if text is not None:
+                        wordings.add(text)
         elif with_defs and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             defs.append([node.name, node.lineno, node.end_lineno])
     return {"log": sorted(logs), "defs": sorted(defs, key=lambda d: (d[1], d[0])), "wordings": sorted(wordings)}
@@ -275,6 +277,53 @@ def index_release(version, url: str, prefix: str = "vllm/") -> tuple[dict[str, s
     return tree, files, fetched()
 
 
+ENDS = 6   # how much of a template's first or last literal picks the wordings it is tried against
+
+
+def printable(template: str, text: str) -> bool:
+    """Whether ``template`` (its marks any text, empty too) can print ``text``."""
+    pieces = template.split(MARK)
+    first, last = pieces[0], pieces[-1]
+    if len(text) < len(first) + len(last) or not text.startswith(first) or not text.endswith(last):
+        return False
+    at, end = len(first), len(text) - len(last)
+    for piece in pieces[1:-1]:
+        at = text.find(piece, at, end)
+        if at < 0:
+            return False
+        at += len(piece)
+    return True
+
+
+def credit_printable(masks: dict[str, int]) -> None:
+    """Credit each wording with the releases whose templates can print it: a placeholder that prints words
+    ("Using TRTLLM %s attention (auto-detected).", 0.27+) makes the line another release writes literally
+    ("Using TRTLLM prefill attention (auto-detected).", 0.20-0.24), which hashes to the literal's key. A
+    template whose first and last literal are both shorter than ``ENDS`` is not tried (it could print almost
+    anything); the wordings it prints then name too few releases."""
+    by_start: dict[str, list[str]] = {}
+    by_end: dict[str, list[str]] = {}
+    for text in masks:
+        by_start.setdefault(text[:ENDS], []).append(text)
+        by_end.setdefault(text[-ENDS:], []).append(text)
+    extra: dict[str, int] = {}
+    for template, mask in masks.items():
+        if MARK not in template:
+            continue
+        pieces = template.split(MARK)
+        if len(pieces[0]) >= ENDS:
+            candidates = by_start.get(pieces[0][:ENDS], ())
+        elif len(pieces[-1]) >= ENDS:
+            candidates = by_end.get(pieces[-1][-ENDS:], ())
+        else:
+            continue
+        for text in candidates:
+            if text != template and masks[text] | mask != masks[text] and printable(template, text):
+                extra[text] = extra.get(text, 0) | mask
+    for text, mask in extra.items():
+        masks[text] |= mask
+
+
 def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: dict[str, str]) -> dict:
     """The index as stored: each file version once (files with neither logger calls nor indexed functions left
     out), spans as (start delta, length) pairs, function names interned."""
@@ -296,10 +345,11 @@ def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: 
     # Per wording, the releases writing it (bit i: releases[i]); those every release writes tell nothing.
     masks: dict[str, int] = {}
     for bit, version in enumerate(releases):
-        for key in set().union(*(files[d]["wordings"] for d in set(trees[version].values()))):
-            masks[key] = masks.get(key, 0) | (1 << bit)
+        for text in set().union(*(files[d]["wordings"] for d in set(trees[version].values()))):
+            masks[text] = masks.get(text, 0) | (1 << bit)
+    credit_printable(masks)
     everyone = (1 << len(releases)) - 1
-    wordings = {key: mask for key, mask in sorted(masks.items()) if mask != everyone}
+    wordings = dict(sorted((hash_wording(text), mask) for text, mask in masks.items() if mask != everyone))
     return {
         "about": "Per vLLM release (its PyPI wheel and upload date), the line spans of each vllm/ source file's "
                  "logger calls and functions; written by oracles/vllm_sources/index.py. Line numbers and names "

@@ -59,9 +59,12 @@ _RECORD_PREFIX = re.compile(r"^.{0,160}?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0
                             r"[0-9:.]{8,15} \[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
 # vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
 # "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
-# A paste that dropped the time keeps the tag: "(EngineCore pid=4600) INFO [kv_cache_utils.py:1777] …".
-_TAG = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)|(\[))"
-                  r"([\w./-]{1,80}\.py):([0-9]{1,6})\]")
+# A paste that dropped the time keeps the tag: "(EngineCore pid=4600) INFO [kv_cache_utils.py:1777] …". Without
+# the time the level must open the line or follow vLLM's process prefix, so that other loggers' "%(asctime)s
+# %(levelname)s [%(filename)s:%(lineno)d]" lines (a launcher's, a sweep script's) are not taken for vLLM's.
+_TAG = re.compile(r"(?:(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)|"
+                  r"(?:^[ >|`\u258e]{0,8}|\(\w[\w.-]{0,40} pid=[0-9]{1,9}(?:, ip=[0-9.]{1,40})?\) {1,2})"
+                  r"(?:DEBUG|INFO|WARNING|ERROR) (\[))([\w./-]{1,80}\.py):([0-9]{1,6})\]")
 
 
 # A timestamp with its year ("[2026-02-24T20:21:58Z]", journald's and docker's prefixes): the log was written
@@ -185,6 +188,10 @@ def _decimals(slot: str, key: str) -> Callable[[dict[str, str], dict[str, Any]],
 
 def _kv_cache_memory_decided(found: dict[str, str], f: dict[str, Any]) -> None:
     f.setdefault("available_kv_cache_bytes", f["kv_cache_memory_bytes"])
+
+
+def _first_settled_len(found: dict[str, str], f: dict[str, Any]) -> None:
+    f.setdefault("max_model_len", int(found["_settled_len"]))
 
 
 def _cudagraph_utilization(found: dict[str, str], f: dict[str, Any]) -> None:
@@ -346,7 +353,9 @@ KINDS: tuple[LineKind, ...] = (
              releases=(V("0.8.0"), None), also=_refusal("max_seq_len"),
              cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)"),
     # The maximum model length the engine settled on (config/model.py 0.11.0:1510, 0.34.0:2214).
-    LineKind("max_model_len", "Using max model len {max_model_len:int}$",
+    # The first one is the served model's: a speculative draft's config logs its own after it
+    # (v1/worker/gpu/spec_decode/speculator_config.py 0.34.0:191).
+    LineKind("max_model_len", "Using max model len {_settled_len:int}$", also=_first_settled_len,
              cite="config/model.py 0.11.0:1510 'Using max model len %s', 0.34.0:2214"),
     # vllm-ascend's platform sets 128-token blocks: "Block size is set to 128 if prefix cache or chunked
     # prefill is enabled." (vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404; not in 0.11.0); vLLM has
@@ -747,6 +756,7 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
     if snapshot_free is not None:
         facts.setdefault("init_free_memory_bytes", snapshot_free)
     facts.pop("_v0_util", None)
+    facts.pop("_settled_len", None)
     facts.pop("_free_after_profile", None)
     util, equiv = facts.pop("_cudagraph_util", None), facts.pop("_cudagraph_equiv", None)
     delta = util - equiv if util is not None and equiv is not None else None

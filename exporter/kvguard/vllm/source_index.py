@@ -48,7 +48,10 @@ _BRACES = re.compile(r"\{\{|\}\}|\{[^{}]{0,40}\}")
 MARK = "\x00"
 # A number as vLLM prints one: "8,192", "207.73", "-1", "1e-05".
 _FIGURE = re.compile(r"[-+]?[0-9]+(?:[.,][0-9]+)*(?:[eE][-+]?[0-9]+)?")
-_MARKS = re.compile(MARK + "+")
+# Marks with only a separator or a sign between them are one: "%d.%d" prints "12.4", "%d-%d" "10-20" (one
+# figure, or a signed one, to _FIGURE).
+_MARKS = re.compile("[-+]?" + MARK + "(?:[-+.,]?" + MARK + ")*")
+_NOT_LETTERS = re.compile(r"[\W\d_]+")
 # Fewer letters than this say too little to tell releases apart ("%s: %s", "Done %d").
 MIN_WORDING_LETTERS = 12
 # A record's own prefix, up to its message: "(EngineCore pid=1) INFO 04-12 08:21:19 [core.py:94] ", and
@@ -56,6 +59,8 @@ MIN_WORDING_LETTERS = 12
 _MESSAGE = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} )?"
                       r"\[?[\w./-]{1,80}\.py:[0-9]{1,6}\] ?")
 MAX_LINE_CHARS = 2048
+# A longer line (a config dump, a paste of many records as one) is not hashed: vLLM's messages are shorter.
+MAX_WORDING_CHARS = 1024
 
 
 def percent_template(text: str) -> str:
@@ -68,23 +73,34 @@ def braces_template(text: str) -> str:
     return _BRACES.sub(lambda m: m.group()[0] if m.group() in ("{{", "}}") else MARK, text)
 
 
-def wording_key(message: str) -> str | None:
-    """The key of a message's wording: its first line, every number and placeholder one mark, blanks one
-    space; None where it has too few letters to say anything. The same for a template and for a line vLLM
-    wrote from it."""
+def wording_text(message: str) -> str | None:
+    """A message's wording: its first line, every number and placeholder one mark, blanks one space; None where
+    it has too few letters to say anything. The same for a template and for a line vLLM wrote from it where
+    its placeholders printed numbers (a placeholder that printed words: ``oracles/vllm_sources/index.py``
+    credits its release with the wordings it can print)."""
     first = message.split("\n", 1)[0]
     if len(first) > MAX_LINE_CHARS:
         return None
     text = " ".join(_MARKS.sub(MARK, _FIGURE.sub(MARK, first)).split())
-    if sum(c.isalpha() for c in text) < MIN_WORDING_LETTERS:
+    if len(_NOT_LETTERS.sub("", text)) < MIN_WORDING_LETTERS:
         return None
+    return text
+
+
+def hash_wording(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=6).hexdigest()
+
+
+def wording_key(message: str) -> str | None:
+    """The index's key of a message's wording (``wording_text``, hashed: the index keeps no source text)."""
+    text = wording_text(message)
+    return None if text is None else hash_wording(text)
 
 
 def line_wording(line: str) -> str | None:
     """The wording key of a log line's message: after vLLM's record prefix where it has one, else the whole
     line (a paste that kept the messages only)."""
-    if len(line) > MAX_LINE_CHARS:
+    if len(line) > MAX_WORDING_CHARS:
         return None
     found = _MESSAGE.search(line)
     message = line[found.end():] if found else line.strip().lstrip(">▎|` ").rstrip("` ")
@@ -228,7 +244,7 @@ def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on
 
     Where the lines come from (tags, frames) and what they say (wordings) are weighed apart, each by
     ``_best``, so that many wordings every release writes cannot make a coincidental tag look like a fit;
-    then the releases both name, or where they name none in common, those the lines' places name.
+    then the releases both name, or where they name none in common, those either names.
 
     ``plugin`` (a platform plugin numbered as vLLM, with an index of its own): the plugin's releases, each
     with its vLLM's source (``_Paired``), named as the vLLM releases of their numbers; without its index,
@@ -280,9 +296,10 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
         return Fit(tuple(published), count, f"{unfit}; logged on {logged_on}: vLLM {published[-1]} or older"
                    if published else f"{unfit}; logged on {logged_on}, before any release in the table")
     if placed is not None and worded is not None:
+        # Where they share none, one of them misleads (a stray tag, a patched message): either may be right.
         both = tuple(r for r in placed[0] if r in worded[0])
-        fitting = both or placed[0]
-        joined = "; ".join(parts) + ("" if both else ": they share none, the places are taken")
+        fitting = both or tuple(r for r in published if r in placed[0] or r in worded[0])
+        joined = "; ".join(parts) + ("" if both else ": they share none, so either")
     else:
         fitting = (placed or worded)[0]
         joined = parts[0]
