@@ -688,7 +688,7 @@ class _Reader:
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
                 hints["source_tags"].add((match.group(3), int(match.group(4))))
         if len(hints["wordings"]) < source_index.MAX_HINTS:
-            key = source_index.line_wording(line)
+            key = source_index.line_wording(line, match.end() if match else None)
             if key is not None and key in source_index.known_wordings():
                 hints["wordings"].add(key)
         if "20" in line:

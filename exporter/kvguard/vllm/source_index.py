@@ -97,13 +97,16 @@ def wording_key(message: str) -> str | None:
     return None if text is None else hash_wording(text)
 
 
-def line_wording(line: str) -> str | None:
-    """The wording key of a log line's message: after vLLM's record prefix where it has one, else the whole
-    line (a paste that kept the messages only)."""
+def line_wording(line: str, message_at: int | None = None) -> str | None:
+    """The wording key of a log line's message: from ``message_at`` where the caller already found the end of
+    vLLM's record tag, else after the record prefix where it has one, else the whole line (a paste that kept
+    the messages only)."""
     if len(line) > MAX_WORDING_CHARS:
         return None
-    found = _MESSAGE.search(line)
-    message = line[found.end():] if found else line.strip().lstrip(">▎|` ").rstrip("` ")
+    if message_at is None:
+        found = _MESSAGE.search(line)
+        message_at = found.end() if found else None
+    message = line[message_at:] if message_at is not None else line.strip().lstrip(">▎|` ").rstrip("` ")
     return wording_key(message)
 
 
@@ -174,8 +177,7 @@ def _load(path: str = INDEX_PATH) -> _Index | None:
 
 def numbered(release: str) -> str:
     """A plugin release as the vLLM release it is numbered after: "0.23.0rc1", "0.23.0.post1" -> "0.23.0"."""
-    match = re.match(r"[0-9]+\.[0-9]+\.[0-9]+", release)
-    return match.group() if match else release
+    return eras.version_text(eras.parse_release(release)[1])
 
 
 class _Paired:
@@ -252,15 +254,14 @@ def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on
     index = (_paired(plugin) if plugin else None) or _load()
     if index is None:
         return None
-    found = _fit(index, tags, frames, logged_on, wordings)
-    if found is None or not isinstance(index, _Paired):
-        return found
-    releases = tuple(dict.fromkeys(numbered(r) for r in found.releases))
-    return Fit(releases, found.hints, found.reason.replace("vLLM ", f"{plugin} "))
+    if not isinstance(index, _Paired):
+        return _fit(index, tags, frames, logged_on, wordings, "vLLM")
+    found = _fit(index, tags, frames, logged_on, wordings, plugin)
+    return found and Fit(tuple(dict.fromkeys(numbered(r) for r in found.releases)), found.hints, found.reason)
 
 
 def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None,
-         wordings: set[str]) -> Fit | None:
+         wordings: set[str], family: str) -> Fit | None:
     tags = {tag for tag in tags if tag[0] in index.known}
     frames = {frame for frame in frames if index.def_paths.match(frame[0])}
     wordings = {key for key in wordings if key in index.wordings}
@@ -271,7 +272,7 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
             return None
         if not published:
             return Fit((), 0, f"logged on {logged_on}, before any release in the table")
-        return Fit(tuple(published), 0, f"logged on {logged_on}: vLLM {published[-1]} or older")
+        return Fit(tuple(published), 0, f"logged on {logged_on}: {family} {published[-1]} or older")
     count = len(tags) + len(frames) + len(wordings)
     where = ", ".join(part for part in (
         f"{len(tags)} file:line tag{'s' if len(tags) != 1 else ''}" if tags else "",
@@ -284,16 +285,16 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
                    len(wordings), published) if said else None
     parts = []
     if placed is not None:
-        parts.append(f"its {where}{dated} {placed[1]} vLLM {_span(placed[0])}")
+        parts.append(f"its {where}{dated} {placed[1]} {family} {_span(placed[0])}")
     if worded is not None:
-        parts.append(f"its {said}{dated} {worded[1]} vLLM {_span(worded[0])}")
+        parts.append(f"its {said}{dated} {worded[1]} {family} {_span(worded[0])}")
     if placed is None and worded is None:
         what = " and ".join(part for part in (where, said) if part)
-        unfit = f"its {what} fit no vLLM release's source (a fork, a patched or a development build)"
+        unfit = f"its {what} fit no {family} release's source (a fork, a patched or a development build)"
         if logged_on is None or len(published) == len(index.releases):
             return Fit((), count, unfit)
         # The date still holds: such a build was made from a published release's code or later.
-        return Fit(tuple(published), count, f"{unfit}; logged on {logged_on}: vLLM {published[-1]} or older"
+        return Fit(tuple(published), count, f"{unfit}; logged on {logged_on}: {family} {published[-1]} or older"
                    if published else f"{unfit}; logged on {logged_on}, before any release in the table")
     if placed is not None and worded is not None:
         # Where they share none, one of them misleads (a stray tag, a patched message): either may be right.
@@ -304,9 +305,9 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
         fitting = (placed or worded)[0]
         joined = parts[0]
         if where and placed is None:
-            joined = (f"its {where} fit no vLLM release's source (a fork, a patched or a development build): left "
+            joined = (f"its {where} fit no {family} release's source (a fork, a patched or a development build): left "
                       f"out; {joined}")
-    return Fit(fitting, count, f"{joined} ({len(fitting)} of {len(index.releases)} releases: vLLM {_span(fitting)})")
+    return Fit(fitting, count, f"{joined} ({len(fitting)} of {len(index.releases)} releases: {family} {_span(fitting)})")
 
 
 def version(text: str) -> tuple[int, ...]:
