@@ -60,6 +60,21 @@ def test_a_date_rules_out_releases_published_after_it():
     assert parse_log(line.replace("2026-01-20", "2026-11-30")).era is None
 
 
+def test_a_dated_development_build_may_be_the_next_release_in_the_making():
+    # vLLM's CI on main, 2025-03-10 (vllm-project/vllm#14574, tests/data/logs/real r58): of its five tags and
+    # frames, 0.7.3 (uploaded 2025-02-20) has three (v1/engine/core.py 0.7.3:249, :294 and :59), 0.8.0
+    # (2025-03-18) one (:59). Built from main, its code is 0.8.0's in the making, so both stay.
+    tags = {("gpu_model_runner.py", 1067), ("core.py", 302)}
+    frames = {("v1/engine/core.py", 294, "run_engine_core"), ("v1/engine/core.py", 249, "__init__"),
+              ("v1/engine/core.py", 59, "__init__")}
+    assert source_index.fit(tags, frames).releases == ("0.7.3",)
+    dated = source_index.fit(tags, frames, "2025-03-10")
+    assert dated.releases == ("0.7.3", "0.8.0") and "next release" in dated.reason
+    # A release's own log fits it whole: the date adds nothing.
+    whole = source_index.fit({("gpu_worker.py", 298)}, set(), "2025-10-20")
+    assert "0.12.0" not in whole.releases and "next release" not in whole.reason
+
+
 def test_foreign_tags_are_left_out_and_unfitting_ones_pin_nothing():
     base = "INFO 11-02 09:14:19 [gpu_worker.py:298] Available KV cache memory: 54.89 GiB"
     # A plugin's own file (no vLLM release has it) says nothing about vLLM's release.

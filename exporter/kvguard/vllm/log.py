@@ -937,7 +937,7 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
             narrowing.append(fitted.reason.replace(" fit ", " fit only releases its lines rule out: left out; ", 1))
         else:
             narrowing.append(fitted.reason + ": left out")
-    span = f"vLLM {_text(lo)}–{_text(hi)}"
+    span = f"vLLM {_text(lo)}" if lo == hi else f"vLLM {_text(lo)}–{_text(hi)}"
     if len(names) == 1:
         return names, f"{span} from " + ", ".join(narrowing)
     if not narrowing:

@@ -234,6 +234,14 @@ def _best(scores: dict[str, int], count: int, published: list[str]) -> tuple[tup
     return None
 
 
+def _with_upcoming(found: tuple[tuple[str, ...], str] | None, upcoming: str
+                   ) -> tuple[tuple[str, ...], str] | None:
+    """A best fit (``_best``'s development build) with the first release published after the log's date."""
+    if found is None or not found[1].startswith("best fit") or upcoming in found[0]:
+        return found
+    return found[0] + (upcoming,), f"{found[1][:-1]}, or the next release's in the making)"
+
+
 def _span(releases: tuple[str, ...]) -> str:
     return releases[0] if len(releases) == 1 else f"{releases[0]}–{releases[-1]}"
 
@@ -283,6 +291,11 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
                     for r in published}, len(tags) + len(frames), published) if where else None
     worded = _best({r: sum(index.wording_fits(r, key) for key in wordings) for r in published},
                    len(wordings), published) if said else None
+    if logged_on is not None and len(published) < len(index.releases):
+        # A development build fits no release whole; made on main by that date, its code is the next
+        # release's in the making, so that release is as likely as the last one published.
+        upcoming = min((r for r in index.releases if index.uploaded[r] > logged_on), key=index.uploaded.__getitem__)
+        placed, worded = (_with_upcoming(found, upcoming) for found in (placed, worded))
     parts = []
     if placed is not None:
         parts.append(f"its {where}{dated} {placed[1]} {family} {_span(placed[0])}")
