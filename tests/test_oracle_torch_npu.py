@@ -4,7 +4,8 @@ The oracle is the PyPI wheel torch-npu==2.13.0 running on kvguard's CPU torch 2.
 CANN libraries (oracles/torch_npu/, built by ``./dev.sh test``): every placement rule is
 torch_npu's compiled code, only the device is fake. Each case replays seeded random op streams
 (kvguard.allocators.ops format) through the real allocator (oracles/torch_npu/worker.py, a subprocess)
-and through ``CachingAllocator(variant="torch_npu", **parse_alloc_conf(conf))``, and asserts that
+and through ``CachingAllocator(variant="torch_npu", **parse_alloc_conf(conf))`` (and the same on the
+C engine, ``torch_native.NativeCachingAllocator``, where it is built), and asserts that
 reserved, allocated and peak allocated bytes, out-of-memory, the returned address and the
 device's used bytes agree after every op. The model takes its segments' base addresses from the
 fake device's own rule, so that addresses compare as they are.
@@ -30,6 +31,7 @@ import pytest
 from kvguard.allocators.device import Device
 from kvguard.allocators.ops import Op, replay_ops, write_ops
 from kvguard.allocators.torch_alloc import CachingAllocator, parse_alloc_conf
+from kvguard.allocators.torch_native import NativeCachingAllocator, unsupported
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORACLE = os.path.join(REPO, "oracles", "torch_npu")
@@ -128,10 +130,10 @@ def model_options(case: Case) -> dict:
     return dict(parse_alloc_conf(case.conf, "torch_npu"), **dict(case.model))
 
 
-def model_steps(case: Case, ops: list[Op], without: str | None = None) -> list[dict]:
+def model_steps(case: Case, ops: list[Op], without: str | None = None, model: type = CachingAllocator) -> list[dict]:
     kwargs = model_options(case)
     kwargs.pop(without, None)
-    allocator = CachingAllocator(Device(case.total), variant="torch_npu", **kwargs)
+    allocator = model(Device(case.total), variant="torch_npu", **kwargs)
     allocator.segment_address = fake_address_rule(case.expandable)
     steps = []
     for record in replay_ops(allocator, ops):
@@ -225,10 +227,18 @@ def first_difference(real: list[dict], model: list[dict]) -> str | None:
     return None
 
 
+# The Python model, and the C engine that implements it (skipped where it is not built).
+MODELS = [pytest.param(CachingAllocator, id="python"),
+          pytest.param(NativeCachingAllocator, id="native",
+                       marks=pytest.mark.skipif(unsupported() is not None, reason=str(unsupported())))]
+
+
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_the_model_equals_torch_npu_at_every_step(case, real_runs):
+def test_the_model_equals_torch_npu_at_every_step(case, model, real_runs):
     for seed in case.seeds:
-        difference = first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed)))
+        difference = first_difference(built(real_runs)[case.id][seed],
+                                      model_steps(case, random_ops(seed), model=model))
         assert difference is None, f"{case.id} seed {seed}: {difference}"
 
 

@@ -91,7 +91,7 @@ class Allocator(Protocol):
 # hashable; None when it cannot say) and ``steady_cells()`` (its additive counters and its
 # high-water marks, as (container, index-or-attribute) pairs, the same order every call).
 
-_NO_PEAK = -(1 << 126)    # below any byte count: a mark left at it was not raised
+_NO_PEAK = -(1 << 62)     # below any byte count, and within a C engine's int64 cell: a mark left at it was not raised
 
 
 class FrozenKey:
