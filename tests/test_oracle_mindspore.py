@@ -8,7 +8,8 @@ through ``DynamicMemPool`` on a ``Device`` of the same free memory, and asserts 
 allocated and peak allocated bytes, out-of-memory, the returned address, the eager-free and idle
 counters, the pool's budget and every block's size agree after every op. The fake device hands out
 addresses the way the model places blocks (upwards from 1 << 44, a 2 MiB gap after each), so
-addresses compare as they are.
+addresses compare as they are. Each model comparison runs twice: on the Python model and on its C
+engine (``mindspore_native.NativeDynamicMemPool``, when built), against the same oracle records.
 
 Streams: seeded random ones near the limit (16 GiB free) and far from it (64 GiB), VMM on and off,
 task sink on (MindSpore's default) and off (after a jit_level O0 compile), and the serving
@@ -20,6 +21,7 @@ them skips instead.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import json
@@ -44,6 +46,14 @@ oracle_client = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle_client)
 oracle_build = oracle_client.oracle_build
 PINNED = "2.7.1"         # what vllm-mindspore 0.5.x runs: every seed; the other releases one seed each
+
+try:
+    from kvguard.allocators.mindspore_native import NativeDynamicMemPool
+except ImportError:      # the C engine is optional (setup.py): without it the Python model runs alone
+    NativeDynamicMemPool = None
+MODELS = [pytest.param(DynamicMemPool, id="python"),
+          pytest.param(NativeDynamicMemPool, id="c", marks=pytest.mark.skipif(
+              NativeDynamicMemPool is None, reason="the C engine is not built: python setup.py build_ext --inplace"))]
 
 
 def oracle(version: str) -> Path:
@@ -111,7 +121,7 @@ def run_oracle_once(version: str, ops: list[Op], free: int, vmm: bool, task_sink
     return proc.stdout.splitlines()
 
 
-def run_model(model: DynamicMemPool, ops: list[Op], compile_at: int | None = None):
+def run_model(model: DynamicMemPool | NativeDynamicMemPool, ops: list[Op], compile_at: int | None = None):
     def feed():
         for position, op in enumerate(ops):
             if position == compile_at:
@@ -148,15 +158,23 @@ CASES = [(version, free_gib, vmm, task_sink, seed)
          for free_gib in (16, 64) for vmm in (False, True) for task_sink in (True, False)]
 
 
+@functools.cache
+def random_case(version: str, free: int, vmm: bool, task_sink: bool, seed: int) -> tuple[list[Op], dict, list[dict]]:
+    """One random stream and the real pool's records of it, run once for both models."""
+    ops = random_ops(seed)
+    init, real = run_oracle(version, ops, free, vmm, task_sink)
+    return ops, init, real
+
+
+@pytest.mark.parametrize("model_class", MODELS)
 @pytest.mark.parametrize("version,free_gib,vmm,task_sink,seed", CASES,
                          ids=[f"{v}-{f}GiB-{'vmm' if m else 'novmm'}-{'sink' if t else 'nosink'}-seed{s}"
                               for v, f, m, t, s in CASES])
-def test_model_equals_the_real_pool_at_every_step(version, free_gib, vmm, task_sink, seed):
-    ops = random_ops(seed)
+def test_model_equals_the_real_pool_at_every_step(version, free_gib, vmm, task_sink, seed, model_class):
     free = free_gib * GIB
-    init, real = run_oracle(version, ops, free, vmm, task_sink)
+    ops, init, real = random_case(version, free, vmm, task_sink, seed)
     assert (init["vmm"], init["task_sink"]) == (int(vmm), int(task_sink))
-    model = DynamicMemPool(Device(free), version=version, task_sink=task_sink, enable_vmm=vmm)
+    model = model_class(Device(free), version=version, task_sink=task_sink, enable_vmm=vmm)
     difference = first_difference(real, run_model(model, ops), ops)
     assert difference is None, difference
 
@@ -170,19 +188,21 @@ def test_near_the_limit_the_streams_run_out_of_memory_and_far_from_it_seldom():
 
 
 # ----------------------------------------------------------------- what MindSpore itself starts with
-def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
+@pytest.mark.parametrize("model_class", MODELS)
+def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib(model_class):
     init, _ = run_oracle(PINNED, [], 64 * GIB, True, False)
     assert init["total_mem_size"] == 64 * GIB * 15 // 16 - 10 * MIB == 64_414_023_680
-    assert DynamicMemPool(Device(64 * GIB), enable_vmm=True).total_mem_size == init["total_mem_size"]
+    assert model_class(Device(64 * GIB), enable_vmm=True).total_mem_size == init["total_mem_size"]
 
 
-def test_task_sink_is_on_unless_a_compile_turns_it_off():
+@pytest.mark.parametrize("model_class", MODELS)
+def test_task_sink_is_on_unless_a_compile_turns_it_off(model_class):
     init, _ = run_oracle(PINNED, [], 16 * GIB, True, None)
     assert init["task_sink"] == 1
-    assert DynamicMemPool(Device(16 * GIB)).task_sink is True
+    assert model_class(Device(16 * GIB)).task_sink is True
     ops = random_ops(4, steps=40)
     _, real = run_oracle(PINNED, ops, 16 * GIB, False, None, compile_at=20)
-    model = DynamicMemPool(Device(16 * GIB), version=PINNED, enable_vmm=False)
+    model = model_class(Device(16 * GIB), version=PINNED, enable_vmm=False)
     difference = first_difference(real, run_model(model, ops, 20), ops)
     assert difference is None, difference
 
@@ -202,8 +222,9 @@ def test_streams_served_from_one_process_equal_a_process_each(vmm):
 SMALL = json.loads((REPO / "tests" / "data" / "configs" / "qwen3-0.6b" / "config.json").read_text())
 
 
+@pytest.mark.parametrize("model_class", MODELS)
 @pytest.mark.parametrize("ms_alloc_conf", ["enable_vmm:true", "enable_vmm:false"])
-def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(ms_alloc_conf):
+def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(ms_alloc_conf, model_class):
     # Qwen3-0.6B on 8 GiB: weights in the persistent pool with task sink on, then the profile forward
     # (vllm-mindspore's first jit_level O0 compile: task sink off), the KV cache and serving steps.
     config = ScenarioConfig(model_config=SMALL, device_memory_bytes=8 * GIB, gpu_memory_utilization=0.9,
@@ -220,8 +241,8 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
 
     vmm = ms_alloc_conf == "enable_vmm:true"
     init, real = run_oracle(config.mindspore_release.version, ops, free_at_start, vmm, True, compiled_at[0])
-    model = DynamicMemPool(Device(free_at_start), version=config.mindspore_release.version, task_sink=True,
-                           enable_vmm=vmm)
+    model = model_class(Device(free_at_start), version=config.mindspore_release.version, task_sink=True,
+                        enable_vmm=vmm)
     # The scenario resets peaks where vLLM does; the oracle never does, so peaks are left out here.
     keys = tuple(key for key in COMPARED if key != "peak_allocated_bytes")
     difference = first_difference(real, run_model(model, ops, compiled_at[0]), ops, keys)

@@ -53,6 +53,7 @@ multiple streams and events.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from operator import index
 from typing import Any
 
 from kvguard.allocators.base import FrozenKey, SimOutOfMemory, link_after
@@ -433,6 +434,10 @@ class DynamicMemPool:
     # ----------------------------------------------------------------- alloc / free
     def malloc(self, size: int, persistent: bool = False) -> int:
         """``AllocMemBuf``: own pool, other pool, eager free, expand, (2.5+) persistent fallback."""
+        if size.__class__ is not int:
+            size = index(size)      # a size_t: a float or None is refused, not rounded into the pool's books
+        if size < 0:
+            raise ValueError(f"{self.name}: cannot allocate a negative size ({size} bytes)")
         step = self._align_bytes
         # The request rounded up to the release's alignment (512 B), a zero-byte one to one step.
         size = -(-size // step) * step if size else step
