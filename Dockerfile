@@ -9,6 +9,8 @@ FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
+# setup.py is left out: the allocator models' optional C engines speed up `simulate` and `plan`, not the
+# sidecar, and the slim image has no compiler; the Python models give the same results.
 # nvml: NVIDIA's NVML bindings (pure Python) for the DaemonSet's device source. npu-smi comes
 # from the host; torch and MindSpore live in the serving image, never here.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[nvml]"

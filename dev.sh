@@ -62,6 +62,10 @@ setup_test() {
     step "kvguard and the test packages into $VENV ($TORCH CPU build, mindspore CPU; about 2 GB the first time)"
     "$VENV/bin/python" -m pip install -q --retries 1 --extra-index-url "$TORCH_INDEX" "$TORCH"
     "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "$TORCH"
+    # The allocator models' C engines (setup.py) are optional for users, not for the tests that hold them
+    # equal to the Python models: with the compiler and headers installed above, a failed build is an error.
+    "$VENV/bin/python" -c 'import kvguard.allocators._ctorch, kvguard.allocators._cmspool' \
+        || { say "the allocator models' C engines did not build (pip install -e . shows why)"; exit 1; }
     # MindSpore's GPU and Ascend backends (2 of its 2.5 GB) load only on those devices: left out, as the
     # vllm-mindspore environment leaves them out of its own copy.
     python3 tests/mindspore_real/envs.py strip "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >&2

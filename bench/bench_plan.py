@@ -10,7 +10,7 @@ system, interpreter start and imports included), best of ``--repeats``. The base
 the package as it was at ``--baseline`` (``git archive`` of ``exporter/`` into a temporary folder, on
 ``PYTHONPATH``), run in turn with the current one, so both see the same load. The allocator models are timed
 in a child process per tree and repeat, in turn, on ``bench_sim.py``'s 400,000 events (CPU time, best of
-``--repeats``).
+``--repeats``), each tree's as its simulator runs them (the C engines where built, ``allocators.native``).
 
 The 70B model is Llama-3.1-70B's architecture, written below from its public config.json's fields.
 """
@@ -90,8 +90,12 @@ def allocators_worker(repeats: int) -> None:
     bench_sim's own path to this checkout does not replace it)."""
     import kvguard  # noqa: F401 - from PYTHONPATH
     from kvguard.allocators.device import Device
-    from kvguard.allocators.mindspore_pool import DynamicMemPool
-    from kvguard.allocators.torch_alloc import CachingAllocator
+    try:    # the engine the simulator runs (the C engine where built); a tree before it has the models alone
+        from kvguard.allocators.native import caching_allocator as CachingAllocator
+        from kvguard.allocators.native import mindspore_pool as DynamicMemPool
+    except ImportError:
+        from kvguard.allocators.mindspore_pool import DynamicMemPool
+        from kvguard.allocators.torch_alloc import CachingAllocator
 
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_sim

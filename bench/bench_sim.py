@@ -1,12 +1,13 @@
 """Allocator-simulator speed, on demand: ``python3 bench/bench_sim.py``.
 
-Prints alloc/free events per second on one core for each allocator model, as a ratio
+Prints alloc/free events per second on one core for each allocator model (the Python model, and
+its C engine where it is built, ``kvguard.allocators.native``), as a ratio
 against two baselines measured in the same run (a plain dict insert/delete loop and a
 naive first-fit allocator that scans a Python list), the speed of exact snapshot replay
 (``kvguard simulate --trace SNAPSHOT.pickle``: seed, replay, end-state check) on a
 snapshot recorded from the torch model on the same events, and on each real snapshot in
 ``$KVGUARD_TORCH_SNAPSHOTS`` when set, and the wall time of the default ``kvguard
-simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9).
+simulate`` scenario (Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9) with either engine.
 
 Events a second are timed in this process's CPU time (``time.process_time``): the code is
 single-threaded, so that is one core's time, and other load on a shared machine (which
@@ -23,6 +24,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "exporter"))
@@ -149,6 +151,25 @@ def time_replay(snapshot: dict) -> tuple[float, int, int, int]:
             sum(d.allocs_matched for d in devices))
 
 
+def native_models() -> dict[str, Any]:
+    """The C engines (kvguard.allocators.native) on the same configurations; None where one is not built."""
+    try:
+        from kvguard.allocators.torch_native import NativeCachingAllocator
+    except ImportError:
+        NativeCachingAllocator = None
+    try:
+        from kvguard.allocators.mindspore_native import NativeDynamicMemPool
+    except ImportError:
+        NativeDynamicMemPool = None
+    torch_c, ms_c = NativeCachingAllocator, NativeDynamicMemPool
+    return {
+        "torch caching allocator, C": torch_c and (lambda: torch_c(Device(1 << 40))),
+        "torch_npu caching allocator, C": torch_c and (lambda: torch_c(Device(1 << 40), variant="torch_npu")),
+        "torch, expandable_segments, C": torch_c and (lambda: torch_c(Device(1 << 40), expandable_segments=True)),
+        "mindspore pool, C": ms_c and (lambda: ms_c(Device(1 << 40))),
+    }
+
+
 def spread(times: list[float]) -> str:
     """How much slower the slowest repeat was than the best, in percent."""
     return f"{100 * (max(times) / min(times) - 1):5.0f}%"
@@ -167,13 +188,17 @@ def main() -> None:
         "torch, expandable_segments": lambda: CachingAllocator(Device(1 << 40), expandable_segments=True),
         "mindspore pool": lambda: DynamicMemPool(Device(1 << 40)),
     }
-    for name, make in models.items():
+    native = native_models()
+    missing = [name for name, make in native.items() if make is None]
+    for name, make in list(models.items()) + [(n, m) for n, m in native.items() if m is not None]:
         rows.append((name, [run_allocator(make(), events) for _ in range(3)]))
     print(f"{n} alloc/free events, {LIVE} live at most, one core (CPU time), best of 3")
     print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12} {'spread':>7}")
     for name, times in rows:
         seconds = min(times)
         print(f"{name:34} {n / seconds:12,.0f} {dict_s / seconds:8.3f} {scan_s / seconds:12.2f} {spread(times)}")
+    for name in missing:
+        print(f"{name:34} {'not built':>12}")
 
     recorded = recorded_snapshot(events)
     replay_times = [time_replay(recorded)[0] for _ in range(3)]
@@ -211,14 +236,18 @@ def main() -> None:
     config = json.loads((ROOT / "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json").read_text())
     print()
     print("default scenario: Qwen2.5-7B-Instruct, 32 GiB, utilization 0.9, 64 requests, seed 0")
-    for allocator in ("torch", "torch_npu", "mindspore"):
-        for budget in ("stock", "reserved"):
-            scenario = ServingScenario(ScenarioConfig(model_config=config, device_memory_bytes=32 * GIB,
-                                                      allocator=allocator, budget=budget))
-            start = time.perf_counter()
-            result = scenario.run()
-            seconds = time.perf_counter() - start
-            print(f"  {allocator:9} {budget:8} {seconds:6.2f} s  steps={result.steps:4}  oom={result.oom}")
+    for engine in ("python", "auto"):
+        os.environ["KVGUARD_ALLOCATOR_ENGINE"] = engine
+        for allocator in ("torch", "torch_npu", "mindspore"):
+            for budget in ("stock", "reserved"):
+                scenario = ServingScenario(ScenarioConfig(model_config=config, device_memory_bytes=32 * GIB,
+                                                          allocator=allocator, budget=budget))
+                start = time.perf_counter()
+                result = scenario.run()
+                seconds = time.perf_counter() - start
+                print(f"  {allocator:9} {budget:8} {result.engine:6} {seconds:6.2f} s  steps={result.steps:4}  "
+                      f"oom={result.oom}")
+    os.environ.pop("KVGUARD_ALLOCATOR_ENGINE")
 
 
 if __name__ == "__main__":

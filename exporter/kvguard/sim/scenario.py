@@ -62,11 +62,10 @@ from kvguard.budget.estimator import (KVLayout, Profile, positive_int, text_conf
                                       kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes)
 from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
-from kvguard.allocators.mindspore_pool import DynamicMemPool
+from kvguard.allocators import native
 from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
                                  vmm_on)
 from kvguard.sim.scheduler import Scheduler, Sequence
-from kvguard.allocators.torch_alloc import CachingAllocator
 from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
 from kvguard.sim.workload import ModelShape, forward_chunks, forward_ops, model_shape, weight_tensors
 from kvguard.vllm.eras import era_for, kv_tensor_style
@@ -285,6 +284,7 @@ class ScenarioResult:
     device_peak_used_bytes: int
     timeline: tuple[StepRecord, ...] = field(repr=False, default=())
     kv_layout: KVLayout | None = None
+    engine: str = "python"      # which implementation of the allocator model ran (allocators.native)
 
     def to_dict(self) -> dict[str, Any]:
         est = estimate(self.profile, self.kv_layout, self.config.resolved_max_model_len) if self.profile else None
@@ -296,6 +296,7 @@ class ScenarioResult:
             "error": self.error,
             "budget": self.config.budget,
             "allocator": self.config.allocator,
+            "allocator_engine": self.engine,
             "kv_cache_bytes": self.kv_cache_bytes,
             "num_blocks": self.num_blocks,
             "profile": self.profile.to_dict() if self.profile else None,
@@ -346,11 +347,11 @@ def make_allocator(config: ScenarioConfig, device: Device):
     if config.allocator == "mindspore":
         # Task sink is MindSpore's default (ms_context.cc:621 @ r2.7.rc1) until the first jit compile, which
         # vllm-mindspore runs after loading the weights: startup() switches to config.task_sink there.
-        return DynamicMemPool(device, version=config.mindspore_release, graph_mode=config.mindspore_mode == "graph",
-                              task_sink=True, mempool_block_size=config.mempool_block_size_bytes,
-                              enable_vmm=config.enable_vmm,
-                              vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
-    return CachingAllocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
+        return native.mindspore_pool(device, version=config.mindspore_release,
+                                     graph_mode=config.mindspore_mode == "graph", task_sink=True,
+                                     mempool_block_size=config.mempool_block_size_bytes, enable_vmm=config.enable_vmm,
+                                     vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
+    return native.caching_allocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
 
 
 class ForwardMemo:
@@ -689,6 +690,7 @@ class ServingScenario:
             oom_request_bytes=self.oom_request_bytes, error=self.error, profile=self.profile,
             kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, steps=self.step_index,
             requests_finished=self.requests_finished, preemptions=self._scheduler.preemptions,
+            engine=native.engine(self.allocator),
             memory_stats=self.allocator.memory_stats(), device_free_bytes=free, device_total_bytes=total,
             device_peak_used_bytes=self.device.peak_used_bytes, timeline=tuple(self._timeline),
             kv_layout=self.kv_layout)
