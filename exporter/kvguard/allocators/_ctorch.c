@@ -1603,6 +1603,16 @@ static PyObject *cell_pair(PyObject *container, Py_ssize_t index) {
     return pair;
 }
 
+/* Append (container, index) to list; -1 with an exception set on failure. */
+static int append_cell(PyObject *list, PyObject *container, Py_ssize_t index) {
+    PyObject *pair = cell_pair(container, index);
+    if (pair == NULL)
+        return -1;
+    int failed = PyList_Append(list, pair);
+    Py_DECREF(pair);
+    return failed;
+}
+
 /* steady_cells: (counters, peaks) as (container, index) pairs, the model's order */
 static PyObject *Engine_steady_cells(Engine *e, PyObject *unused) {
     (void)unused;
@@ -1617,35 +1627,19 @@ static PyObject *Engine_steady_cells(Engine *e, PyObject *unused) {
     for (int stat_index = 0; stat_index < N_STAT_ARRAYS * 3 + 2; stat_index++) {
         Py_ssize_t base = stat_index * 4;     /* the oversize stats follow the arrays, 4 cells each */
         for (int f = 0; f < 3; f++) {
-            PyObject *pair = cell_pair(cells, base + fields[f]);
-            if (pair == NULL || PyList_Append(counters, pair) < 0) {
-                Py_XDECREF(pair);
+            if (append_cell(counters, cells, base + fields[f]) < 0)
                 goto error;
-            }
-            Py_DECREF(pair);
         }
-        PyObject *pair = cell_pair(cells, base + 1);
-        if (pair == NULL || PyList_Append(peaks, pair) < 0) {
-            Py_XDECREF(pair);
+        if (append_cell(peaks, cells, base + 1) < 0)
             goto error;
-        }
-        Py_DECREF(pair);
     }
     for (Py_ssize_t i = C_NUM_ALLOC_RETRIES; i <= C_NUM_DEVICE_FREE; i++) {
-        PyObject *pair = cell_pair(cells, i);
-        if (pair == NULL || PyList_Append(counters, pair) < 0) {
-            Py_XDECREF(pair);
+        if (append_cell(counters, cells, i) < 0)
             goto error;
-        }
-        Py_DECREF(pair);
     }
     for (Py_ssize_t i = C_WINDOW_ALLOC; i <= C_WINDOW_RESERVED; i++) {
-        PyObject *pair = cell_pair(cells, i);
-        if (pair == NULL || PyList_Append(peaks, pair) < 0) {
-            Py_XDECREF(pair);
+        if (append_cell(peaks, cells, i) < 0)
             goto error;
-        }
-        Py_DECREF(pair);
     }
     PyObject *device_peak = Py_BuildValue("(Os)", e->device, "peak_used_bytes");
     if (device_peak == NULL || PyList_Append(peaks, device_peak) < 0) {
