@@ -151,23 +151,33 @@ def time_replay(snapshot: dict) -> tuple[float, int, int, int]:
             sum(d.allocs_matched for d in devices))
 
 
-def native_models() -> dict[str, Any]:
-    """The C engines (kvguard.allocators.native) on the same configurations; None where one is not built."""
-    try:
-        from kvguard.allocators.torch_native import NativeCachingAllocator
-    except ImportError:
-        NativeCachingAllocator = None
-    try:
-        from kvguard.allocators.mindspore_native import NativeDynamicMemPool
-    except ImportError:
-        NativeDynamicMemPool = None
-    torch_c, ms_c = NativeCachingAllocator, NativeDynamicMemPool
-    return {
-        "torch caching allocator, C": torch_c and (lambda: torch_c(Device(1 << 40))),
-        "torch_npu caching allocator, C": torch_c and (lambda: torch_c(Device(1 << 40), variant="torch_npu")),
-        "torch, expandable_segments, C": torch_c and (lambda: torch_c(Device(1 << 40), expandable_segments=True)),
-        "mindspore pool, C": ms_c and (lambda: ms_c(Device(1 << 40))),
-    }
+# The configurations timed, each on the Python model and on its C engine: (name, model family, arguments).
+CONFIGS = (("torch caching allocator", "torch", {}),
+           ("torch_npu caching allocator", "torch", {"variant": "torch_npu"}),
+           ("torch, expandable_segments", "torch", {"expandable_segments": True}),
+           ("mindspore pool", "mindspore", {}))
+
+
+def models() -> tuple[dict[str, Any], list[str]]:
+    """Makers of each configuration's Python model and, where built (kvguard.allocators.native), its C
+    engine ("..., C"); and the names of the C rows that cannot run."""
+    from kvguard.allocators import native as engines_module
+    python = {"torch": CachingAllocator, "mindspore": DynamicMemPool}
+    native = {}
+    for family, attribute in (("torch", "NativeCachingAllocator"), ("mindspore", "NativeDynamicMemPool")):
+        wrapper = engines_module._native(family)      # None where the engine's module does not import
+        native[family] = (wrapper, getattr(wrapper, attribute, None))
+    makers: dict[str, Any] = {}
+    engines: dict[str, Any] = {}
+    missing = []
+    for name, family, kwargs in CONFIGS:
+        makers[name] = lambda cls=python[family], kw=kwargs: cls(Device(1 << 40), **kw)
+        wrapper, cls = native[family]
+        if wrapper is not None and wrapper.unsupported(device=Device(1 << 40), **kwargs) is None:
+            engines[f"{name}, C"] = lambda cls=cls, kw=kwargs: cls(Device(1 << 40), **kw)
+        else:
+            missing.append(f"{name}, C")
+    return {**makers, **engines}, missing
 
 
 def spread(times: list[float]) -> str:
@@ -182,15 +192,8 @@ def main() -> None:
     scan_times = [run_allocator(ListScanAllocator(1 << 40), events) for _ in range(3)]
     dict_s, scan_s = min(dict_times), min(scan_times)
     rows = [("dict insert/delete (baseline)", dict_times), ("list-scan first fit (baseline)", scan_times)]
-    models = {
-        "torch caching allocator": lambda: CachingAllocator(Device(1 << 40)),
-        "torch_npu caching allocator": lambda: CachingAllocator(Device(1 << 40), variant="torch_npu"),
-        "torch, expandable_segments": lambda: CachingAllocator(Device(1 << 40), expandable_segments=True),
-        "mindspore pool": lambda: DynamicMemPool(Device(1 << 40)),
-    }
-    native = native_models()
-    missing = [name for name, make in native.items() if make is None]
-    for name, make in list(models.items()) + [(n, m) for n, m in native.items() if m is not None]:
+    makers, missing = models()
+    for name, make in makers.items():
         rows.append((name, [run_allocator(make(), events) for _ in range(3)]))
     print(f"{n} alloc/free events, {LIVE} live at most, one core (CPU time), best of 3")
     print(f"{'model':34} {'events/s':>12} {'x dict':>8} {'x list-scan':>12} {'spread':>7}")
