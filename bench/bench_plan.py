@@ -101,12 +101,9 @@ def allocators_worker(repeats: int) -> None:
     import bench_sim
 
     events = bench_sim.trace()
-    models = {
-        "torch caching allocator": lambda: CachingAllocator(Device(1 << 40)),
-        "torch_npu caching allocator": lambda: CachingAllocator(Device(1 << 40), variant="torch_npu"),
-        "torch, expandable_segments": lambda: CachingAllocator(Device(1 << 40), expandable_segments=True),
-        "mindspore pool": lambda: DynamicMemPool(Device(1 << 40)),
-    }
+    makers = {"torch": CachingAllocator, "mindspore": DynamicMemPool}
+    models = {name: (lambda make=makers[family], kw=kwargs: make(Device(1 << 40), **kw))
+              for name, family, kwargs in bench_sim.CONFIGS}
     rates = {name: len(events) / min(bench_sim.run_allocator(make(), events) for _ in range(repeats))
              for name, make in models.items()}
     recorded = bench_sim.recorded_snapshot(events)
