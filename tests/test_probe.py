@@ -339,7 +339,8 @@ def test_snapshot_json_carries_the_documented_keys(spool):
         data = json.load(handle)
     assert set(data) >= {"kind", "schema", "written_at", "started_at", "sequence", "host", "pid", "rank", "device",
                          "pod", "memory", "profile", "kv_cache", "probe"}
-    assert set(data["probe"]) == {"samples_total", "errors_total", "write_errors_total", "last_error",
+    assert set(data["probe"]) == {"samples_total", "errors_total", "write_errors_total", "last_error", "sampling",
+                                  "sampled_at", "engine_thread_seconds_total",
                                   "interval_seconds", "overruns_total"}
 
 

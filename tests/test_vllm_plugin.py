@@ -11,6 +11,8 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import time
+import threading
 import sys
 
 import pytest
@@ -267,3 +269,51 @@ def test_a_worker_without_memory_profiling_says_once_why_nothing_is_recorded(fak
         assert worker.determine_available_memory() == 40 * GIB
     [line] = [r.getMessage() for r in caplog.records if "no startup profile recorded" in r.getMessage()]
     assert "runs no memory_profiling" in line and "KVGUARD_BUDGET=reserved keeps vLLM's budget" in line
+
+
+# ---------------------------------------------------------------------------- the step boundary
+
+class EngineOnlyFakeSource(FakeDeviceSource):
+    """The fake device read as MindSpore's pool must be: on the engine's thread only (kvguard.sources.mindspore)."""
+
+    name = "fake-engine-only"
+    engine_thread_only = True
+    threads: list = []
+    fail_with = None
+
+    def sample(self):
+        from kvguard.sources import EngineError
+        type(self).threads.append(threading.current_thread().name)
+        if type(self).fail_with is not None:
+            raise EngineError(type(self).fail_with, self.name)
+        return super().sample()
+
+
+def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(fake_vllm, monkeypatch):
+    register_source("fake-engine-only", EngineOnlyFakeSource, replace=True)
+    EngineOnlyFakeSource.threads, EngineOnlyFakeSource.fail_with = [], None
+    monkeypatch.setenv("KVGUARD_SOURCE", "fake-engine-only")
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_INTERVAL", "0.05")
+    vllm_plugin.register()
+    worker = start_worker()
+    [snapshot] = snapshots(fake_vllm)
+    assert snapshot.probe.sampling == "engine-step"
+    for step in range(5):
+        assert worker.execute_model(step) == step
+        time.sleep(0.06)
+    assert len(EngineOnlyFakeSource.threads) >= 5
+    assert set(EngineOnlyFakeSource.threads) == {threading.current_thread().name}
+    # The engine's own pending error, taken by the read, reaches vLLM's caller unchanged.
+    error = RuntimeError("For 'Gather', the 'input_indices' should be in the range [0, 4), but got 99")
+    EngineOnlyFakeSource.fail_with = error
+    with pytest.raises(RuntimeError) as raised:
+        worker.execute_model("next step")
+    assert raised.value is error
+    # vLLM's own error inside the step passes through too, and the probe goes on.
+    EngineOnlyFakeSource.fail_with = None
+    own = ValueError("the engine's own failure")
+    with pytest.raises(ValueError) as raised:
+        worker.execute_model(own)
+    assert raised.value is own
+    unregister("fake-engine-only")

@@ -28,12 +28,25 @@ The probe never raises into the host process and never blocks it:
   and logged once per kind;
 - when the probe stops or its process dies, the snapshots stay and age.
 
+Sources whose reads synchronise the engine (MindSpore's ``memory_stats()`` drains the runtime pipeline and
+takes the engine's pending asynchronous error: kvguard.sources.mindspore) are never read from the probe's
+threads. The worker thread builds the source, sees ``engine_thread_only`` and hands sampling to the engine:
+the vLLM plugin calls :func:`step_begin` / :func:`step_end` around each step of the worker's
+``execute_model``, and at the first step boundary after ``interval`` the engine's thread reads the source
+(there, between steps, the pipeline is drained by the engine's own sync); the probe's thread writes the
+record. An error the read rethrows is the engine's own and is raised again, unchanged, on the engine's
+thread; every other failure is counted. While the engine is between steps its allocator does not change,
+so the probe's thread rewrites the last record each interval (``probe.sampled_at`` says when it was read);
+inside a step that outlasts the sample timeout it writes nothing, and the snapshot ages. The seconds the
+engine's thread spent sampling are counted (``engine_thread_seconds_total``).
+
 Pod identity comes from the downward API through the environment: ``POD_NAME``,
 ``POD_NAMESPACE``, ``CONTAINER_NAME``, ``NODE_NAME`` (see docs/reference/probe.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import math
@@ -47,7 +60,8 @@ from typing import Any, Mapping
 
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.sources import RankContext, Source, close_source, get_source, rank_contexts, source_names
+from kvguard.sources import (EngineError, RankContext, Source, close_source, engine_thread_only, get_source,
+                             rank_contexts, source_names)
 from kvguard.text import one_line
 from kvguard.spool.io import write_snapshot
 from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
@@ -82,6 +96,7 @@ class _Job:
     started: float = field(default_factory=time.monotonic)
     records: list[DeviceMemory] | None = None
     error: str | None = None
+    deferred: bool = False     # the source is read on the engine's thread only: nothing sampled here
 
 
 class Probe:
@@ -137,6 +152,16 @@ class Probe:
         self._engine = ("", "")       # (served model name, engine index) of the serving engine
         self._budget_verdicts: dict[str | None, Any] = {}
         self._reserved_peaks: dict[str | None, ReservedPeak | None] = {}
+        # Engine-step sampling (module docstring): set once the worker thread has built a source that must
+        # be read on the engine's thread.
+        self._engine_mode = False
+        self._wake = threading.Event()                     # the engine handed over a sample to write
+        self._engine_sampled = float("-inf")               # monotonic time of the engine's last sample
+        self._in_step_since: float | None = None           # monotonic start of the step in progress
+        self._pending: tuple[list[DeviceMemory], float] | None = None   # (records, sampled at): to write
+        self._last: tuple[list[DeviceMemory], float, float] | None = None   # (records, monotonic, unix)
+        self._engine_seconds = 0.0
+        self._engine_reads_ok = False                       # a read on the engine's thread has succeeded
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -157,6 +182,7 @@ class Probe:
     def stop(self, timeout: float = 2.0) -> None:
         """Stop sampling; waits at most ``timeout`` seconds for the probe thread. The snapshots stay."""
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -167,8 +193,73 @@ class Probe:
     def run_once(self, timeout: float | None = None) -> int:
         """One sample taken after this call began, and its write, on the caller's thread; returns the
         snapshots written. (A sample the loop started earlier is waited out, not reused: it may predate
-        what the caller just did, such as loading the weights.)"""
-        return self._tick(self.sample_timeout if timeout is None else timeout, not_before=time.monotonic())
+        what the caller just did, such as loading the weights.) A source read on the engine's thread only
+        is read here, on the caller's thread, which must then be the engine's (the vLLM plugin's hooks are)."""
+        written = self._tick(self.sample_timeout if timeout is None else timeout, not_before=time.monotonic())
+        if not self._engine_mode:
+            return written
+        taken = self._engine_sample_guarded()
+        return self._write(*taken) if taken is not None else 0
+
+    # ------------------------------------------------------------------ the engine's thread
+    def step_begin(self) -> None:
+        """The engine is about to run a step. Reads the source here when it is engine-thread-only and the
+        interval has passed; raises only the engine's own pending error (:class:`EngineError`'s original)."""
+        if not self._engine_mode:
+            return
+        now = time.monotonic()
+        self._in_step_since = now
+        if now - self._engine_sampled < self.interval:
+            return
+        taken = self._engine_sample_guarded()
+        if taken is not None:
+            with self._lock:
+                self._pending = taken
+            self._wake.set()
+
+    def step_end(self) -> None:
+        """The engine's step returned (or raised)."""
+        self._in_step_since = None
+
+    def _engine_sample_guarded(self) -> tuple[list[DeviceMemory], float] | None:
+        """:meth:`_engine_sample`; the engine's own error raised again unchanged, any other counted."""
+        try:
+            return self._engine_sample()
+        except EngineError as exc:
+            raise exc.original from None
+        except Exception as exc:  # noqa: BLE001 - the probe's own bug: never the engine's problem
+            self._count("internal", f"probe: {one_line(exc)}")
+            return None
+
+    def _engine_sample(self) -> tuple[list[DeviceMemory], float] | None:
+        """One read of the source on the calling (engine) thread: (records, monotonic start) or None."""
+        started = time.monotonic()
+        self._engine_sampled = started
+        try:
+            records = self._source.sample() if self._source is not None else None
+            if not isinstance(records, list) or not all(isinstance(r, DeviceMemory) for r in records):
+                raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
+                                "not a list of DeviceMemory")
+        except EngineError as exc:
+            if not self._engine_reads_ok:
+                # No read has succeeded yet (the first is taken before the engine queues anything): this is the
+                # source failing (a device not set up), not an error of the engine's to hand back.
+                self._count("sample", one_line(exc))
+                return None
+            self._count("engine", f"{one_line(exc)} (raised again on the engine's thread)")
+            raise
+        except Exception as exc:  # noqa: BLE001 - the source's own failure: counted, never raised
+            self._count("sample", f"{self.source_name}: {one_line(exc)}")
+            return None
+        finally:
+            spent = time.monotonic() - started
+            with self._lock:
+                self._engine_seconds += spent
+        with self._lock:
+            self._samples += 1
+            self._last = (records, started, time.time())
+        self._engine_reads_ok = True
+        return records, started
 
     # ------------------------------------------------------------------ engine facts
     def set_profile(self, profile: Profile | None, device: str | None = _ALL) -> None:
@@ -217,18 +308,45 @@ class Probe:
     def _status(self) -> ProbeStatus:
         return ProbeStatus(samples_total=self._samples, errors_total=self._errors,
                            write_errors_total=self._write_errors, last_error=self._last_error,
-                           interval_seconds=self.interval, overruns_total=self._overruns)
+                           interval_seconds=self.interval, overruns_total=self._overruns,
+                           sampling="engine-step" if self._engine_mode else "thread",
+                           engine_thread_seconds_total=self._engine_seconds)
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
         next_tick = time.monotonic()
         while not self._stop.is_set():
             try:
-                self._tick(self.sample_timeout)
+                if self._engine_mode:
+                    self._engine_tick()
+                else:
+                    self._tick(self.sample_timeout)
             except Exception as exc:  # noqa: BLE001 - the probe thread must outlive its own bugs
                 self._count("internal", f"probe: {one_line(exc)}")
             next_tick = max(next_tick + self.interval, time.monotonic())
-            self._stop.wait(max(0.0, next_tick - time.monotonic()))
+            while not self._stop.is_set() and self._wake.wait(max(0.0, next_tick - time.monotonic())):
+                self._wake.clear()
+                try:
+                    self._write_pending()
+                except Exception as exc:  # noqa: BLE001
+                    self._count("internal", f"probe: {one_line(exc)}")
+
+    def _write_pending(self) -> int:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return self._write(*pending) if pending is not None else 0
+
+    def _engine_tick(self) -> int:
+        """The probe thread's tick in engine-step mode: write what the engine sampled; while the engine is
+        between steps (its allocator idle), rewrite the last record so that the snapshot stays fresh."""
+        if self._write_pending():
+            return 1
+        in_step = self._in_step_since
+        if in_step is not None and time.monotonic() - in_step > self.sample_timeout:
+            return 0          # a step that long may have changed everything: let the snapshot age
+        with self._lock:
+            last = self._last
+        return self._write(last[0], last[1]) if last is not None else 0
 
     def _tick(self, timeout: float, not_before: float | None = None) -> int:
         job = self._sample(timeout, not_before)
@@ -266,6 +384,9 @@ class Probe:
         with self._lock:
             if self._job is job:     # a caller may have started a fresh job after this one ended
                 self._job = None
+        if job.deferred:
+            self._engine_mode = True
+            return None
         if job.error is None and job.records is None:    # the job ended without an answer or an error
             job.error = f"{self.source_name}: the sample ended without a result"
         if job.error is not None:
@@ -279,6 +400,9 @@ class Probe:
         try:
             if self._source is None:
                 self._source = get_source(self.source_name, **self._source_options)
+            if self._engine_mode or engine_thread_only(self._source):
+                job.deferred = True      # never read here: the engine's thread reads it between steps
+                return
             records = self._source.sample()
             if not isinstance(records, list) or not all(isinstance(r, DeviceMemory) for r in records):
                 raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
@@ -298,6 +422,7 @@ class Probe:
 
     def _write_locked(self, records: list[DeviceMemory], sampled_at: float) -> int:
         contexts = rank_contexts(self._source)
+        read_at = time.time() - max(0.0, time.monotonic() - sampled_at)    # the sample's start, unix seconds
         written = 0
         for record in records:
             # The loop and run_once can finish samples together: one that began before the sample
@@ -312,7 +437,7 @@ class Probe:
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
                 budget_verdict = _pick(self._budget_verdicts, record.device, None)
                 reserved_peak = _pick(self._reserved_peaks, record.device, None)
-                status = self._status()
+                status = dataclasses.replace(self._status(), sampled_at=read_at)
                 model_name, engine = self._engine
             snapshot = Snapshot(
                 written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
@@ -452,6 +577,24 @@ def set_reserved_peak(reserved_peak: ReservedPeak | None, device: str | None = _
     """Attach the profile run's reserved peak (vllm-mindspore) to the snapshots. Never raises; False when
     not applied."""
     return _apply("set_reserved_peak", reserved_peak, device)
+
+
+def step_begin() -> None:
+    """The engine's thread is about to run a step (the vLLM plugin calls this from ``execute_model``).
+
+    Where this process's probe reads an engine-thread-only source (MindSpore), the read happens here once
+    per interval. Raises nothing of kvguard's: only the engine's own pending error, which the read took
+    from the runtime and hands back unchanged."""
+    probe = _PROBE
+    if probe is not None:
+        probe.step_begin()
+
+
+def step_end() -> None:
+    """The engine's step returned or raised. Never raises."""
+    probe = _PROBE
+    if probe is not None:
+        probe.step_end()
 
 
 def set_engine(model_name: str | None, engine: str | int | None = None) -> bool:

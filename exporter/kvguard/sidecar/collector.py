@@ -200,6 +200,14 @@ _RANK_FAMILIES = (
     ("counter", "kvguard_probe_errors_total", "Samples the in-process probe failed to take or write.", (),
      lambda v: (((), v.snapshot.probe.errors_total + v.snapshot.probe.write_errors_total),)
      if v.snapshot is not None else ()),
+    ("counter", "kvguard_probe_engine_thread_seconds_total", "Seconds the serving engine's own thread spent in the "
+     "probe's samples (sources read between the engine's steps, MindSpore's; 0 where the probe samples on a thread "
+     "of its own).", (),
+     lambda v: (((), v.snapshot.probe.engine_thread_seconds_total),) if v.snapshot is not None else ()),
+    ("gauge", "kvguard_probe_sample_age_seconds", "Seconds between the reading of the rank's memory counters and the "
+     "probe's write of the snapshot (between an idle engine's steps the probe rewrites its last reading).", (),
+     lambda v: (((), max(0.0, v.snapshot.written_at - v.snapshot.probe.sampled_at)),)
+     if v.snapshot is not None and v.snapshot.probe.sampled_at is not None else ()),
 )
 
 

@@ -32,6 +32,20 @@ class SourceUnavailable(SourceError):
     """The backend is not present here (library not installed, no driver, no binary)."""
 
 
+class EngineError(SourceError):
+    """The framework's call raised an error that belongs to the engine, not to the source.
+
+    MindSpore's ``memory_stats()`` drains the runtime pipeline and then rethrows, and clears,
+    the pending asynchronous error of the engine's ops (kvguard.sources.mindspore). Once
+    cleared, only a re-raise on the engine's thread hands it back: the probe, which samples
+    such a source on the engine's thread, raises :attr:`original` there unchanged.
+    """
+
+    def __init__(self, original: BaseException, source: str):
+        super().__init__(f"{source}: {one_line(original)}")
+        self.original = original
+
+
 @runtime_checkable
 class Source(Protocol):
     """What every source provides. ``close()`` is optional."""
@@ -107,6 +121,19 @@ def get_source(name: str, **options: Any) -> Source:
         raise
     except TypeError as exc:
         raise SourceError(f"source {name!r}: {one_line(exc)}") from None
+
+
+def engine_thread_only(source: Any) -> bool:
+    """Whether ``source`` may be sampled only on the engine's own thread, between its steps.
+
+    A source whose read synchronises the framework's runtime (it waits for the engine's queued
+    work and takes its pending errors) says so with a true ``engine_thread_only`` attribute or
+    property; every other source is read from any thread. Never raises.
+    """
+    try:
+        return bool(getattr(source, "engine_thread_only", False))
+    except Exception:  # noqa: BLE001 - a property that fails: assume the careful answer
+        return True
 
 
 def close_source(source: Any) -> None:

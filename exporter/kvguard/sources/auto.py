@@ -16,7 +16,7 @@ import sys
 import threading
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import Source, SourceError, SourceUnavailable, close_source
+from kvguard.sources import Source, SourceError, SourceUnavailable, close_source, engine_thread_only
 from kvguard.sources.host import HostSource
 from kvguard.sources.mindspore import MindSporeSource
 from kvguard.sources.npu_smi import NpuSmiSource
@@ -48,7 +48,14 @@ def framework_in_process() -> str | None:
 class AutoSource:
     name = "auto"
 
-    def __init__(self, npu_smi_timeout: float = 10.0, nvml_mig: bool = False):
+    def __init__(self, npu_smi_timeout: float = 10.0, nvml_mig: bool = False, device: int | None = None):
+        """``device``: the framework device index to read (the vLLM plugin passes its worker's). Unset, torch's
+        current device *of the sampling thread* is read, which on a thread of the probe's own is device 0:
+        CUDA's and torch_npu's current device is per thread (cudaGetDevice; torch_npu NPUFunctions.cpp:196-221
+        @ v26.2.0-beta.1 turns a thread with no context into device 0)."""
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+            raise SourceError(f"device must be an index or unset, got {device!r}")
+        self._device = device
         self._lock = threading.Lock()
         self._framework: Source | None = None
         # None until the first device-level sample has shown which backends are present.
@@ -60,6 +67,12 @@ class AutoSource:
     def timeout_seconds(self) -> float:
         """The longest a read can take by this source's own limits (npu-smi's), for the poller."""
         return self._npu_smi_timeout
+
+    @property
+    def engine_thread_only(self) -> bool:
+        """True once the framework in this process is one whose reads must run on the engine's thread
+        (MindSpore: kvguard.sources.mindspore); the probe then samples at the engine's step boundaries."""
+        return engine_thread_only(self._framework_source())
 
     def sample(self) -> list[DeviceMemory]:
         framework = self._framework_source()
@@ -96,7 +109,8 @@ class AutoSource:
                 if kind == "mindspore":
                     self._framework = MindSporeSource(sys.modules["mindspore"])
                 elif kind == "torch":
-                    self._framework = TorchSource(initialize=False, torch_module=sys.modules["torch"])
+                    self._framework = TorchSource(initialize=False, torch_module=sys.modules["torch"],
+                                                  device=self._device)
             return self._framework
 
     def resolved(self) -> list[str]:

@@ -36,8 +36,16 @@ reading its ``PCIe Bus Info`` line (runtime/thread_bind_core.py ``_get_pcie_info
 ``device_uuid`` and ``pci_bus_id`` stay empty on MindSpore ranks; the npu-smi device source carries
 the chip's Bus-Id.
 
-Every stats call synchronises MindSpore's runtime pipeline (``WaitAll``) in newer builds,
-so keep the probe interval coarse.
+Threads. ``_memory_stats`` (pybind_api/hal/memory_py.cc:64-106 @ r2.7.rc1; the same at v2.4.0) first runs
+``runtime::Pipeline::Get().WaitAll()`` (:65), which releases the GIL and busy-waits until the runtime
+pipeline's queues are empty (``while (!tasks_queue_->IsEmpty()) {}``, async_rqueue.cc:201-202), then
+``MsException::CheckException()`` (:203), which clears and rethrows the pending asynchronous error of the
+ops already queued (ms_exception.h:55-62; the same in the 2.8.0 and 2.10.0 headers). Called from any thread
+but the engine's, it stalls that thread for the whole in-flight pipeline and *takes the engine's error*:
+the engine's own next sync then returns data. So this source is ``engine_thread_only``: the probe samples
+it on the engine's thread at a step boundary (kvguard.probe), and an error the call rethrows is handed
+back to the engine unchanged (:class:`kvguard.sources.EngineError`). No Python API of 2.4-2.10 reads the
+pool's counters without that wait.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
+from kvguard.sources import EngineError, SourceError, SourceUnavailable, count, free_total_used
 from kvguard.text import one_line
 
 # DeviceMemory field <- memory_stats keys, preferred spelling first.
@@ -147,6 +155,8 @@ class MindSporeSource:
     """The memory pool of this process's MindSpore device (``device_target``/``device_id`` context)."""
 
     name = "mindspore"
+    # memory_stats() drains the runtime pipeline and rethrows the engine's pending error (module docstring).
+    engine_thread_only = True
 
     def __init__(self, mindspore_module: Any = None):
         self._ms = mindspore_module
@@ -180,14 +190,19 @@ class MindSporeSource:
     def _stats(ms: Any, device_target: str) -> Mapping[str, Any]:
         runtime = getattr(ms, "runtime", None)
         reader = getattr(runtime, "memory_stats", None)
-        if callable(reader):
-            return reader()
-        hal = getattr(ms, "hal", None)
-        reader = getattr(hal, "memory_stats", None)
-        if callable(reader):
-            # hal.memory_stats returns {} until the backend has run something.
-            return reader(device_target)
-        raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats (need 2.3+)")
+        args: tuple[Any, ...] = ()
+        if not callable(reader):
+            # hal.memory_stats (2.4+, deprecated) calls the same _memory_stats; it returns {} until the
+            # backend has run something.
+            reader = getattr(getattr(ms, "hal", None), "memory_stats", None)
+            args = (device_target,)
+        if not callable(reader):
+            raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats "
+                                    "(need 2.3+)")
+        try:
+            return reader(*args)
+        except Exception as exc:  # noqa: BLE001 - whatever the pipeline rethrows is the engine's
+            raise EngineError(exc, "mindspore") from None
 
     @staticmethod
     def _device_memory(ms: Any, device_target: str, device_id: int) -> tuple[int | None, int | None]:

@@ -41,6 +41,16 @@ class ProbeStatus:
     last_error: str | None = None
     interval_seconds: float | None = None
     overruns_total: int = 0           # ticks at which the previous sample had not finished (schema 1 extension)
+    # Schema 1 extensions (absent in older snapshots): where the samples are taken ("thread": the probe's own
+    # worker thread; "engine-step": the engine's thread between its steps, for sources whose reads synchronise
+    # the engine, kvguard.probe), when the written memory record was read (unix seconds; None: at the write),
+    # and the seconds the engine's thread has spent in the probe's samples.
+    sampling: str = "thread"
+    sampled_at: float | None = None
+    engine_thread_seconds_total: float = 0.0
+
+
+SAMPLING_MODES = ("thread", "engine-step")
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,9 @@ class Snapshot:
                 last_error=str(last_error)[:512] if last_error is not None else None,
                 interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
+                sampling=probe_raw.get("sampling") if probe_raw.get("sampling") in SAMPLING_MODES else "thread",
+                sampled_at=_number(probe_raw, "sampled_at") if probe_raw.get("sampled_at") is not None else None,
+                engine_thread_seconds_total=_seconds_total(probe_raw, "engine_thread_seconds_total"),
             )
             model_name, engine, pid_namespace = (_text(data, key) for key in ("model_name", "engine", "pid_namespace"))
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
@@ -183,6 +196,14 @@ def _number(data: Mapping[str, Any], key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
             or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
         raise ValueError(f"{key} is not a number in range")
+    return float(value)
+
+
+def _seconds_total(data: Mapping[str, Any], key: str) -> float:
+    """A non-negative, finite count of seconds; 0 where absent."""
+    value = data.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= _MAX_SECONDS:
+        raise ValueError(f"{key} is not a non-negative number of seconds")
     return float(value)
 
 

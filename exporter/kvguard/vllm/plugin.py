@@ -128,9 +128,15 @@ def _failed(hook: str, message: str) -> None:
 
 
 def _guard(hook: str, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)``; its failure counted and logged, never raised, but for the engine's own pending
+    error that a MindSpore read took from the runtime (kvguard.sources.EngineError): that one is raised again,
+    unchanged, on this (the engine's) thread, where the engine's next sync would have raised it."""
     try:
         return function(*args)
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
+        from kvguard.sources import EngineError
+        if isinstance(exc, EngineError):
+            raise exc.original from None
         from kvguard.text import one_line
         _failed(hook, one_line(exc))
         return None
@@ -250,7 +256,8 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
                           ("determine_available_memory", _wrap_determine_available_memory),
                           ("initialize_from_config", _wrap_initialize_from_config),
                           ("compile_or_warm_up_model", _wrap_compile_or_warm_up_model),
-                          ("extend_kv_cache", _wrap_extend_kv_cache)):
+                          ("extend_kv_cache", _wrap_extend_kv_cache),
+                          ("execute_model", _wrap_execute_model)):
         original = worker.__dict__.get(name)
         if original is None or getattr(original, _MARK, False):
             continue
@@ -268,8 +275,14 @@ def _ensure_probe(worker: Any) -> None:
     rank = getattr(worker, "rank", None)
     # The strict start (returns the running probe, if any): a bad setting raises here and is
     # counted and logged once by _guard.
+    # The worker's device, read by the probe's own thread: torch's current device is per thread, so a thread of
+    # the probe's would read (and, through mem_get_info, open a context on) device 0 in every rank.
+    index = getattr(getattr(worker, "device", None), "index", None)
+    options = {"device": index} if _settings.source in ("auto", "torch") and isinstance(index, int) \
+        and not isinstance(index, bool) and index >= 0 else {}
     probe.start_strict(_settings.spool_dir, _settings.interval, _settings.source,
-                       rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None)
+                       rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None,
+                       source_options=options)
     model_name, engine = engine_identity(worker)
     probe.set_engine(model_name, engine)
 
@@ -294,9 +307,40 @@ def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     def init_device(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         _guard("init_device", _ensure_probe, self)
+        _guard("init_device", _first_engine_sample, self)
         _guard("init_device", _say_no_budget_hook, self)
         return result
     return init_device
+
+
+def _first_engine_sample(worker: Any) -> None:
+    """On MindSpore the probe reads the pool on this (the engine's) thread only (kvguard.probe): take the
+    first reading now, with the device set and no op queued yet, so that the rank has a snapshot before its
+    first step."""
+    running = probe_module().current() if _settings.spool_dir is not None else None
+    if running is not None and _runs_mindspore(worker):
+        running.run_once()
+
+
+def probe_module() -> Any:
+    from kvguard import probe
+    return probe
+
+
+def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The step boundary (``Worker.execute_model``, vllm/v1/worker/gpu_worker.py; the engine core calls it once
+    per scheduled step on the worker's own thread): where the probe reads a source that must not be read
+    from another thread (MindSpore's, kvguard.probe). ``step_begin`` raises only the engine's own pending error,
+    which the read took from the runtime: it passes to vLLM unchanged. Anything else of kvguard's is counted."""
+    probe = probe_module()
+
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe.step_begin()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            probe.step_end()
+    return execute_model
 
 
 def _say_no_budget_hook(worker: Any) -> None:
@@ -359,13 +403,13 @@ def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> C
             capture.reserved_peak_before = _guard("memory_profiling", _reserved_peak)
             if capture.mindspore:
                 _mindspore_peak(capture, _mindspore_peak_start)
-            try:
-                yield result
-            finally:
-                if capture.mindspore:
-                    _mindspore_peak(capture, _mindspore_peak_end)
-                # Read before vLLM's exit runs empty_cache(): the peak the profile run reached.
-                capture.reserved_peak_after = _guard("memory_profiling", _reserved_peak)
+            # A profile run that raised is not read after: its error goes to vLLM as it is (and a MindSpore
+            # read now would take the runtime's pending error in its place).
+            yield result
+            if capture.mindspore:
+                _mindspore_peak(capture, _mindspore_peak_end)
+            # Read before vLLM's exit runs empty_cache(): the peak the profile run reached.
+            capture.reserved_peak_after = _guard("memory_profiling", _reserved_peak)
         # After vLLM's exit (empty_cache, after_profile measured): what stays reserved.
         capture.reserved_after_exit = _guard("memory_profiling", _reserved_now)
     setattr(memory_profiling, _MARK, True)
@@ -402,24 +446,38 @@ def _mindspore_runtime() -> Any:
     return importlib.import_module("mindspore.runtime")
 
 
+def _ms_read(function: Callable[[], Any]) -> Any:
+    """One MindSpore memory call: each goes through ``_memory_stats`` or its siblings, which drain the runtime
+    pipeline and rethrow the engine's pending error (kvguard.sources.mindspore): that error is the engine's."""
+    from kvguard.sources import EngineError
+    try:
+        return function()
+    except Exception as exc:  # noqa: BLE001 - whatever the runtime rethrows belongs to the engine
+        raise EngineError(exc, "mindspore") from None
+
+
 def _mindspore_peak_start(capture: _Capture) -> None:
     runtime = _mindspore_runtime()
-    runtime.reset_peak_memory_stats()
-    capture.ms_reserved_start = _byte_count(runtime.memory_reserved(), "memory_reserved")
+    _ms_read(runtime.reset_peak_memory_stats)
+    capture.ms_reserved_start = _byte_count(_ms_read(runtime.memory_reserved), "memory_reserved")
 
 
 def _mindspore_peak_end(capture: _Capture) -> None:
     if capture.ms_reserved_start is None:
         return      # the start was not read: nothing to measure from
     runtime = _mindspore_runtime()
-    capture.ms_reserved_max = _byte_count(runtime.max_memory_reserved(), "max_memory_reserved")
-    capture.ms_reserved_end = _byte_count(runtime.memory_reserved(), "memory_reserved")
+    capture.ms_reserved_max = _byte_count(_ms_read(runtime.max_memory_reserved), "max_memory_reserved")
+    capture.ms_reserved_end = _byte_count(_ms_read(runtime.memory_reserved), "memory_reserved")
 
 
 def _mindspore_peak(capture: _Capture, read: Callable[[_Capture], None]) -> None:
-    """One of the two reads; a failure is kept as the capture's error, counted and logged once (never raised)."""
+    """One of the two reads; a failure is kept as the capture's error, counted and logged once (never raised),
+    but for the engine's own pending error, which is raised again unchanged (:func:`_guard`)."""
+    from kvguard.sources import EngineError
     try:
         read(capture)
+    except EngineError as exc:
+        raise exc.original from None
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
         from kvguard.text import one_line
         message = one_line(exc)[:400]

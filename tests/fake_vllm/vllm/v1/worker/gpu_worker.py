@@ -72,3 +72,10 @@ class Worker:
     def initialize_from_config(self, kv_cache_config):
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        """One step (vllm/v1/worker/gpu_worker.py execute_model): here it returns what it was given, or raises it
+        when that is an exception (an engine's own error)."""
+        if isinstance(scheduler_output, BaseException):
+            raise scheduler_output
+        return scheduler_output

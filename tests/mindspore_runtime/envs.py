@@ -1,0 +1,112 @@
+"""MindSpore's real runtime, one release per environment, for tests/test_probe_mindspore_runtime.py.
+
+Standard library only: dev.sh runs it with the system python3 once kvguard's venv exists. It builds on
+tests/vllm_real/envs.py and tests/mindspore_real/envs.py (imported, not copied): the same cache root, wheel
+cache, marker rule and MindSpore unpacking (the CPU backend kept; the GPU and Ascend backends left out).
+
+The releases are those of MindSpore's compiled-pool oracle (oracles/mindspore/build.py RELEASES). Layout, under
+the cache root (KVGUARD_CACHE, default ~/.cache/kvguard):
+  mindspore-runtime-envs/mindspore-X   a venv (no pip) holding MindSpore X unpacked from its wheel, in front of
+                                       kvguard's own venv's site-packages (numpy<2, protobuf, scipy, ... :
+                                       MindSpore's pure dependencies), reached through a .pth file.
+The release kvguard's venv itself holds (pip's newest MindSpore, `.[mindspore]`) is run from that venv.
+
+    python3 tests/mindspore_runtime/envs.py setup VENV [X ...]   build (or check) the envs
+    python3 tests/mindspore_runtime/envs.py python VENV X        print the python that runs X, if ready
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import shutil
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from mindspore_real import envs as mindspore_envs  # noqa: E402
+from vllm_real import envs as vllm_envs  # noqa: E402
+
+MARKER = vllm_envs.MARKER
+
+
+def _oracle_releases() -> tuple[str, ...]:
+    spec = importlib.util.spec_from_file_location("_ms_oracle_build", HERE.parent.parent / "oracles" / "mindspore"
+                                                  / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.RELEASES)
+
+
+RELEASES = _oracle_releases()
+
+
+def envs_dir() -> pathlib.Path:
+    return vllm_envs.cache_root() / "mindspore-runtime-envs"
+
+
+def env_dir(release: str) -> pathlib.Path:
+    return envs_dir() / f"mindspore-{release}"
+
+
+def venv_release(venv: pathlib.Path) -> str | None:
+    """The MindSpore release kvguard's venv holds, read from its dist-info (no import)."""
+    site = vllm_envs._site_packages(venv)
+    found = sorted(site.glob("mindspore-*.dist-info"))
+    return found[-1].name[len("mindspore-"):-len(".dist-info")] if found else None
+
+
+def python_for(venv: pathlib.Path, release: str) -> pathlib.Path | None:
+    """The python that runs MindSpore ``release``: kvguard's venv where it holds that release, else the
+    release's env once built; None when neither is ready."""
+    if venv_release(venv) == release and (venv / "bin" / "python").exists():
+        return venv / "bin" / "python"
+    return vllm_envs.ready_python(env_dir(release))
+
+
+def setup(venv: pathlib.Path, release: str) -> tuple[pathlib.Path, bool]:
+    """Build the release's env if its inputs changed; return (python, built)."""
+    if release not in RELEASES:
+        raise SystemExit(f"unknown MindSpore release {release!r} (known: {', '.join(RELEASES)})")
+    if venv_release(venv) == release:
+        return venv / "bin" / "python", False
+    wheel = vllm_envs._wheel("mindspore", release)
+    env = env_dir(release)
+    base_site = vllm_envs._site_packages(venv.resolve())
+    want = vllm_envs._digest(wheel.name, str(base_site), repr(mindspore_envs._MINDSPORE_SKIP))
+    if (env / MARKER).is_file() and (env / MARKER).read_text() == want:
+        return env / "bin" / "python", False
+    wheel = vllm_envs._wheel("mindspore", release, fetch=True)
+    shutil.rmtree(env, ignore_errors=True)
+    vllm_envs._run([sys.executable, "-m", "venv", "--without-pip", env])
+    (vllm_envs._site_packages(env) / "_kvguard_base.pth").write_text(f"{base_site}\n")
+    mindspore_envs._unpack_mindspore(wheel, env)
+    python = env / "bin" / "python"
+    check = subprocess.run([str(python), "-c", "import mindspore; print(mindspore.__version__)"],
+                           capture_output=True, text=True, check=False)
+    if check.returncode != 0 or check.stdout.strip() != release:
+        raise SystemExit(f"MindSpore {release} in {env} does not import: {(check.stderr or check.stdout).strip()[-300:]}")
+    (env / MARKER).write_text(want)
+    return python, True
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "setup":
+        venv = pathlib.Path(argv[1])
+        for release in argv[2:] or RELEASES:
+            python, built = setup(venv, release)
+            print(f"mindspore {release}: {'built' if built else 'ready'} ({python})", flush=True)
+        return 0
+    if len(argv) == 3 and argv[0] == "python":
+        python = python_for(pathlib.Path(argv[1]), argv[2])
+        if python is None:
+            return 1
+        print(python)
+        return 0
+    print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
