@@ -19,6 +19,7 @@ vLLM budget alone (no guard: every OOM is a surprise):
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -58,6 +59,11 @@ class Outcome:
     exact: bool | None = None  # real_pool: the model agreed with the real pool at every op
 
 
+# MindSpore's exact mode (KVGUARD_MINDSPORE_DUMP: the pool's own lists beside its counters) for every run of the
+# grid, or the counters alone (the default). Set by --exact-mode before the worker processes fork.
+EXACT_MODE = [False]
+
+
 def run_one(scenario: tuple) -> Outcome:
     from kvguard.guard.judge import CRITICAL
     from kvguard.sim.scenario import ScenarioConfig
@@ -81,7 +87,8 @@ def guarded_with_truth(config):
     from kvguard.sim.scenario import ServingScenario
     from kvguard.sim.guarded import run_guarded
 
-    run, truth = real_pool.run_with_truth(ServingScenario(config), run_guarded)
+    run, truth = real_pool.run_with_truth(ServingScenario(config),
+                                          functools.partial(run_guarded, pool_figures=EXACT_MODE[0]))
     if truth is None:
         return run, outcome_kind(run.result), run.caught_before_oom, None
     if truth.kind == "serving_oom":
@@ -192,7 +199,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the smaller grid the test suite runs")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--exact-mode", action="store_true",
+                        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone")
     args = parser.parse_args()
+    EXACT_MODE[0] = args.exact_mode
     started = time.monotonic()
     figures = measure(QUICK if args.quick else FULL, args.jobs)
     print(report(figures))

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 import types
+from pathlib import Path
 
 import pytest
 
 mindspore = pytest.importorskip("mindspore")
 
+from kvguard.records import PoolFigures  # noqa: E402
 from kvguard.sources import SourceError, SourceUnavailable, get_source  # noqa: E402
 from kvguard.sources.mindspore import (  # noqa: E402
     MindSporeSource, PoolBlocks, device_label, device_memory_from_stats, is_mindspore_stats, pool_blocks,
 )
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def load(data_path, name):
@@ -213,16 +217,14 @@ def test_a_dict_with_only_pool_stats_is_recognised_as_mindspores():
     assert is_mindspore_stats({"commom_mem_pool_stats": {"block_counts": 0, "block_unit_size": 0}})
 
 
-# ---------------------------------------------------------------------------- VMM: no split slivers
-
-def test_under_vmm_with_physical_accounting_the_inactive_split_is_zero():
-    # 2.6+ under VMM: reserved (3 GiB of 2 MiB handles) fits the device; eager-free address space > 0.
-    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB}
-    record = device_memory_from_stats(stats, "npu:0", free_bytes=28 * GIB, total_bytes=32 * GIB)
-    assert record.inactive_split_bytes == 0
-
+# ---------------------------------------------------------------------------- idle memory: no credit from counters
 
 @pytest.mark.parametrize("stats, total", [
+    # 2.6+ under VMM: reserved (3 GiB of 2 MiB handles) fits the device; eager-free address space > 0. The
+    # compiled pool gives this dict byte for byte for a state where a 30 MiB request is served and one where
+    # it is refused (40 idle 1 MiB pieces between used ones): the counters cannot say how much a miss reclaims.
+    ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB},
+     32 * GIB),
     ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 0},
      32 * GIB),                                                                  # VMM off: block tails
     ({"total_reserved_memory": 64 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 61 * GIB},
@@ -230,5 +232,52 @@ def test_under_vmm_with_physical_accounting_the_inactive_split_is_zero():
     ({"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB},
      None),                                                                      # device size unknown
 ])
-def test_otherwise_the_inactive_split_stays_unknown(stats, total):
-    assert device_memory_from_stats(stats, "npu:0", total_bytes=total).inactive_split_bytes is None
+def test_the_inactive_split_stays_unknown_with_vmm_or_without(stats, total):
+    record = device_memory_from_stats(stats, "npu:0", total_bytes=total)
+    assert (record.inactive_split_bytes, record.reclaimable_bytes, record.largest_idle_bytes) == (None, None, None)
+
+
+def test_exact_figures_under_vmm_give_reserved_less_the_pages_used_buffers_touch():
+    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 28 * GIB}
+    figures = PoolFigures(vmm=True, used_bytes=2 * GIB, pages_touched_by_used=1100, largest_idle_common_bytes=0,
+                          written_at=1.7e9)
+    record = device_memory_from_stats(stats, "npu:0", free_bytes=28 * GIB, total_bytes=32 * GIB, figures=figures)
+    assert (record.reclaimable_bytes, record.largest_idle_bytes) == (3 * GIB - 1100 * 2 * MIB, None)
+    assert (record.pool_figures_allocated_bytes, record.pool_figures_at) == (2 * GIB, 1.7e9)
+
+
+def test_exact_figures_without_vmm_give_the_common_pools_largest_idle_buffer():
+    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": 0}
+    figures = PoolFigures(vmm=False, used_bytes=2 * GIB, pages_touched_by_used=1100,
+                          largest_idle_common_bytes=96 * MIB)
+    record = device_memory_from_stats(stats, "npu:0", figures=figures)
+    assert (record.reclaimable_bytes, record.largest_idle_bytes) == (None, 96 * MIB)
+
+
+def test_with_the_dump_setting_the_source_reads_the_newest_dump_of_its_working_directory(
+        data_path, tmp_path, monkeypatch):
+    dump = Path(data_path("mindspore_dump", "2.7.1-vmm-MemoryDebugInfo0.txt"))
+    truth = json.loads(Path(data_path("mindspore_dump", "2.7.1-vmm-pool-lists.json")).read_text())
+    shutil.copy(dump, tmp_path / "MemoryDebugInfo3.txt")
+    monkeypatch.chdir(tmp_path)
+    stats = {"total_reserved_memory": truth["reserved_bytes"], "total_allocated_memory": truth["allocated_bytes"],
+             "total_eager_free_memory": 10 * GIB}
+    fake = types.SimpleNamespace(
+        get_context=lambda key: {"device_target": "Ascend", "device_id": 0}[key],
+        runtime=types.SimpleNamespace(memory_stats=lambda: stats), hal=types.SimpleNamespace())
+    source = MindSporeSource(fake)
+
+    def read():
+        # The counters on the engine's thread (sample), the file on the probe's (complete): kvguard.probe.
+        return source.complete(source.sample())
+
+    monkeypatch.delenv("KVGUARD_MINDSPORE_DUMP", raising=False)
+    assert read()[0].reclaimable_bytes is None
+    monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "1")
+    assert source.sample()[0].reclaimable_bytes is None     # the engine's part reads no file
+    [record] = read()
+    assert record.reclaimable_bytes == truth["reserved_bytes"] - truth["pages_touched_by_used"] * 2 * MIB
+    assert record.pool_figures_allocated_bytes == truth["used_bytes"] == record.allocated_bytes
+    (tmp_path / "MemoryDebugInfo4.txt").write_text("cut sh")
+    assert read()[0].reclaimable_bytes == record.reclaimable_bytes
+    assert source.dump_skipped == {"truncated": 1}

@@ -317,3 +317,28 @@ def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(
         worker.execute_model(own)
     assert raised.value is own
     unregister("fake-engine-only")
+
+
+# ---------------------------------------------------------------------------- exact mode on MindSpore
+
+def test_exact_mode_merges_the_pools_dump_into_the_users_ms_alloc_conf(fake_vllm, monkeypatch):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "1")
+    monkeypatch.setenv("MS_ALLOC_CONF", "enable_vmm:True,memory_tracker:False")
+    vllm_plugin.register()
+    assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True,memory_tracker:False,defrag_memory_step_freq:100dump"
+    assert not vllm_plugin.hook_errors
+    # vLLM's next process (its workers inherit the environment) registers again: the value stays as it is.
+    vllm_plugin._reset_for_tests()
+    vllm_plugin.register()
+    assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True,memory_tracker:False,defrag_memory_step_freq:100dump"
+
+
+def test_a_bad_exact_mode_setting_is_counted_and_leaves_ms_alloc_conf_alone(fake_vllm, monkeypatch, caplog):
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "often")
+    monkeypatch.setenv("MS_ALLOC_CONF", "enable_vmm:True")
+    vllm_plugin.register()
+    assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True"
+    assert vllm_plugin.hook_errors == {"mindspore_dump": 1}
+    assert "KVGUARD_MINDSPORE_DUMP='often'" in caplog.text

@@ -60,8 +60,8 @@ from typing import Any, Mapping
 
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
-from kvguard.sources import (EngineError, RankContext, Source, close_source, engine_thread_only, get_source,
-                             rank_contexts, source_names)
+from kvguard.sources import (EngineError, RankContext, Source, close_source, complete_records, engine_thread_only,
+                             get_source, rank_contexts, source_names)
 from kvguard.text import one_line
 from kvguard.spool.io import write_snapshot
 from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
@@ -421,6 +421,10 @@ class Probe:
             return self._write_locked(records, sampled_at)
 
     def _write_locked(self, records: list[DeviceMemory], sampled_at: float) -> int:
+        try:
+            records = complete_records(self._source, records)
+        except Exception as exc:  # noqa: BLE001 - the records are written without what could not be added
+            self._count("complete", f"{self.source_name}: {one_line(exc)}")
         contexts = rank_contexts(self._source)
         read_at = time.time() - max(0.0, time.monotonic() - sampled_at)    # the sample's start, unix seconds
         written = 0

@@ -22,8 +22,10 @@ _INT_FIELDS = (
     "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
     "active_bytes", "inactive_split_bytes", "idle_bytes", "eager_free_bytes",
     "alloc_retries", "ooms", "total_bytes", "free_bytes", "used_bytes", "device_reserved_bytes",
-    "process_used_bytes",
+    "process_used_bytes", "reclaimable_bytes", "largest_idle_bytes", "pool_figures_allocated_bytes",
 )
+# Unix seconds beyond year ~5000 are garbage (as the spool's own timestamps).
+_MAX_UNIX_SECONDS = 1e11
 
 # Device identity (label values that join kvguard's series to dcgm-exporter's and npu-exporter's):
 # at most this many characters, and only what UUIDs and PCI addresses are written with
@@ -83,6 +85,18 @@ class DeviceMemory:
     # Which physical (or MIG) device this is, where the source can tell; "" when it cannot.
     device_uuid: str = ""
     pci_bus_id: str = ""
+    # Exact figures of MindSpore's pool, where its buffer lists were read (kvguard.sources.mindspore_dump:
+    # the pool's MemoryDebugInfo dump; the simulator's pool model). None: the counters alone, which cannot
+    # tell them (docs/explanation/guard.md). ``reclaimable_bytes`` (VMM): reserved less the 2 MiB pages that
+    # used buffers touch, what a miss can unmap and map again; ``largest_idle_bytes`` (no VMM): the common
+    # pool's largest idle buffer, the largest request served without a new block.
+    # ``pool_figures_allocated_bytes``: the used bytes the lists held, and ``pool_figures_at`` (unix
+    # seconds): when the pool wrote them; the guard uses them only while the pool still holds exactly those
+    # bytes (kvguard.guard.judge.pool_figures_fresh).
+    reclaimable_bytes: int | None = None
+    largest_idle_bytes: int | None = None
+    pool_figures_allocated_bytes: int | None = None
+    pool_figures_at: float | None = None
 
     @property
     def fragmentation_bytes(self) -> int | None:
@@ -142,12 +156,47 @@ class DeviceMemory:
             parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
                                         name=process_name(str(entry.get("name", "")))))
         values["processes"] = tuple(parsed)
+        at = data.get("pool_figures_at")
+        if at is not None:
+            if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at <= _MAX_UNIX_SECONDS:
+                raise ValueError("memory field pool_figures_at is not a time in unix seconds")
+            values["pool_figures_at"] = float(at)
         for name in IDENTITY_FIELDS:   # absent from older snapshots: "" then
             value = data.get(name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"memory field {name} is not a string")
             values[name] = identity_text(value or "")
         return cls(**values)
+
+
+def physical_reserved_bytes(memory: DeviceMemory) -> int:
+    """The allocator's reservation in device memory. MindSpore's VMM pool counts reserved address
+    space in ``total_reserved_memory`` on some releases (2.4-2.5: ``MemStat::alloc_size_``) and
+    mapped pages on later ones, and the unmapped address space in ``total_eager_free_memory``
+    (kvguard.allocators.mindspore_pool). A reservation larger than the memory the device has in use cannot
+    be memory: then only reserved − eager-free is."""
+    reserved = memory.reserved_bytes
+    used = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
+    if not memory.eager_free_bytes or used is None or reserved <= used:
+        return reserved
+    return max(0, min(used, reserved - memory.eager_free_bytes))
+
+
+@dataclass(frozen=True)
+class PoolFigures:
+    """MindSpore's pool as its own buffer lists show it (its ``MemoryDebugInfo`` dump, or the simulator's
+    pool model): what ``memory_stats()`` cannot tell (docs/explanation/guard.md).
+
+    ``used_bytes``: the used buffers' bytes, both pools; ``pages_touched_by_used``: the distinct 2 MiB pages
+    those buffers touch (VMM: what stays mapped when the pool eager-frees everything idle);
+    ``largest_idle_common_bytes``: the largest idle buffer of the common pool's stream 0 (activations and
+    the KV cache); ``vmm``: the pool runs on VMM; ``written_at``: unix seconds the pool wrote them."""
+
+    vmm: bool
+    used_bytes: int
+    pages_touched_by_used: int
+    largest_idle_common_bytes: int
+    written_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ For each release in RELEASES it
      call a few of them (GE registration), so each returns 0; the pool path reaches none;
   4. compiles the harness and runs it once on a two-op stream;
 and leaves $CACHE/oracles/mindspore-X/ms_pool_oracle. A marker holds the digest of the wheel's name and
-size, the harness source and this script: a second run does nothing. A release that does not build or
-load leaves a FAILED file with the reason (one line), also digest-keyed, and is reported, not retried.
+size, the harness source and this script: a second run does nothing. A second marker holds the digest of
+what steps 2 and 3 depend on (the wheel's name and size, the extraction and stand-in code): when only the
+harness changed, it is recompiled against the extracted tree, without the wheel (which the setup retires
+once unpacked, oracles/cache.py). A release that does not build or load leaves a FAILED file with the
+reason (one line), also digest-keyed, and is reported, not retried.
 
     python3 oracles/mindspore/build.py [X ...]     build (or check) the oracles; print timings
     python3 oracles/mindspore/build.py --path X    print the oracle's path, if it is built
@@ -25,6 +28,7 @@ CACHE is ${KVGUARD_CACHE:-${XDG_CACHE_HOME:-~/.cache}/kvguard}, as for tests/vll
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import pathlib
 import re
@@ -41,6 +45,7 @@ HARNESS = HERE / "ms_pool_oracle.cc"
 # The releases on PyPI whose wheels carry the 2.6+ pool layout (plugin/ascend/libmindspore_ascend_res_manager.so).
 RELEASES = ("2.7.0", "2.7.1", "2.7.2", "2.8.0", "2.9.0", "2.10.0")
 MARKER = ".kvguard-ready"
+EXTRACTED = ".kvguard-extracted"   # the extracted wheel and the stand-ins, by _extraction_digest
 FAILED = "FAILED"
 # The libraries the harness links: the pool, its Ascend support and the context it reads (REQUIRED), and
 # those that hold parts of them in some releases (2.7.0 has no hardware_abstract library).
@@ -248,22 +253,48 @@ def _smoke(binary: pathlib.Path) -> None:
         raise BuildError(f"does not load: {tail[0][:300]}")
 
 
+def _extraction_digest(wheel: pathlib.Path) -> str:
+    """What the extracted tree and the stand-ins depend on: the wheel, and the code that extracts and stubs."""
+    code = "".join(inspect.getsource(f) for f in (_extract, _needed, _system_has, _stand_ins, _symbols, _system_libs))
+    return _digest(wheel.name, str(wheel_size(wheel)), code, repr(LINKED), STUBS_SONAME)
+
+
+def _extracted_libs(root: pathlib.Path) -> list[pathlib.Path]:
+    """The libraries an earlier build extracted (the ones the harness links, as _extract found them)."""
+    lib = root / "mindspore" / "lib"
+    return [path for path in lib.rglob("*.so*") if path.is_file()]
+
+
 def build(version: str) -> tuple[str, str]:
-    """Build one release's oracle: ("built" | "ready" | "failed", detail)."""
+    """Build one release's oracle: ("built" | "recompiled" | "ready" | "failed", detail)."""
     out = oracle_dir(version)
     wheel = _wheel(version)
     digest = _digest(wheel.name, str(wheel_size(wheel)), HARNESS.read_text(), pathlib.Path(__file__).read_text())
-    marker, failed = out / MARKER, out / FAILED
+    marker, failed, extracted = out / MARKER, out / FAILED, out / EXTRACTED
     if marker.is_file() and marker.read_text().strip() == digest and (out / "ms_pool_oracle").exists():
         return "ready", str(out / "ms_pool_oracle")
     if failed.is_file() and failed.read_text().split("\n", 1)[0] == digest:
         return "failed", failure(version) or ""
+    extraction = _extraction_digest(wheel)
+    if extracted.is_file() and extracted.read_text().strip() == extraction and (out / "stand-ins").is_dir():
+        # Only the harness (or the compile step) changed: recompile against the tree already extracted.
+        for stale in (marker, failed, out / "ms_pool_oracle"):
+            stale.unlink(missing_ok=True)
+        try:
+            _compile(out / "wheel", out / "stand-ins", out / "ms_pool_oracle", _linked(_extracted_libs(out / "wheel")))
+            _smoke(out / "ms_pool_oracle")
+        except BuildError as error:
+            failed.write_text(f"{digest}\n{error}\n")
+            return "failed", str(error)
+        marker.write_text(digest + "\n")
+        return "recompiled", str(out / "ms_pool_oracle")
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     try:
         libs, missing = _extract(_wheel(version, fetch=True), out / "wheel")
         stubs = _stand_ins(libs, missing, out / "stand-ins")
+        extracted.write_text(extraction + "\n")
         _compile(out / "wheel", out / "stand-ins", out / "ms_pool_oracle", _linked(libs))
         _smoke(out / "ms_pool_oracle")
     except BuildError as error:

@@ -12,6 +12,12 @@
 //   {"op": "malloc", "size": N, "persistent": false}
 //   {"op": "free", "index": K}      K: 0-based line of the malloc whose buffer is freed (an OOM'd one: no-op)
 //   {"op": "empty_cache"}
+//   {"op": "dump"}       DumpDynamicMemPoolDebugInfo(): MemoryDebugInfo<k>.txt in the working directory
+//                        (KVGUARD_ORACLE_CWD)
+//   {"op": "defrag"}     DefragMemory(), as DataPrepareActor calls it every defrag_memory_step_freq graph runs: a
+//                        file when that value holds "dump", and (VMM) the eager free of idle memory
+//   Both answer with the pool's own lists (pool_lists(): per allocator, and the 2 MiB pages used buffers touch),
+//   read from its members, to hold the file against.
 // One line that is not an op, for streams recorded across a compile (the serving scenario's):
 //   {"op": "jit_o0_compile"}       clears MS_CTX_ENABLE_TASK_SINK, as a jit_level O0 compile does; no output
 // stdout: one JSON object first ({"init": ...}: what the pool started with), then one per op.
@@ -21,18 +27,21 @@
 //      KVGUARD_ORACLE_TASK_SINK=0|1 (MsContext enable_task_sink; unset keeps MindSpore's default, on);
 //      KVGUARD_ORACLE_MEMPOOL_BLOCK_GB (context mempool_block_size); MS_ALLOC_CONF, read by MindSpore itself;
 //      KVGUARD_ORACLE_OUTPUT=compact: after the init line, "oom reserved allocated address" per op instead;
+//      KVGUARD_ORACLE_CWD: the working directory, where the dump ops' files go;
 //      KVGUARD_ORACLE_SERVE=1: many streams from one process, each in a forked child (serve() below;
 //      oracles/mindspore/client.py speaks it).
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -43,6 +52,11 @@
 #include "include/runtime/memory/mem_pool/dynamic_mem_pool.h"
 #else
 #include "include/backend/mem_reuse/dynamic_mem_pool.h"
+#endif
+#if __has_include("include/runtime/memory/mem_pool/abstract_dynamic_mem_pool.h")
+#include "include/runtime/memory/mem_pool/abstract_dynamic_mem_pool.h"
+#else
+#include "include/backend/mem_reuse/abstract_dynamic_mem_pool.h"
 #endif
 #if __has_include("plugin/ascend/res_manager/mem_manager/abstract_ascend_memory_pool_support.h")
 #include "plugin/ascend/res_manager/mem_manager/abstract_ascend_memory_pool_support.h"
@@ -159,6 +173,73 @@ void install_fake_acl() {
   aclrtSynchronizeDeviceWithTimeout_ = [](int32_t) { return 0; };
 }
 
+// ------------------------------------------------------------------------------------------ the pool's lists
+// The members that hold the buffers are protected. A pointer to a member named through a derived class is
+// ordinary C++ (no layout assumption beyond the release's own header, which the harness is compiled against).
+using mindspore::device::AbstractDynamicMemPool;
+using mindspore::device::MemBufAllocator;
+struct PoolMembers : AbstractDynamicMemPool {
+  static constexpr auto allocators = &PoolMembers::stream_id_allocators_;
+  static constexpr auto used = &PoolMembers::addr_mem_buf_allocators_;
+};
+struct AllocatorMembers : MemBufAllocator {
+  static constexpr auto idle = &AllocatorMembers::free_mem_bufs_;
+  static constexpr auto eager = &AllocatorMembers::eager_free_mem_bufs_;
+  static constexpr auto blocks = &AllocatorMembers::mem_blocks_;
+};
+
+std::string json_text(std::string text) {
+  for (auto &c : text) {
+    if (c == '"' || c == '\\' || c < ' ') c = ' ';
+  }
+  return text;
+}
+
+// ,"pool_lists":{...}: per allocator (its BriefInfo, as the file heads its sections) the idle buffers (count,
+// bytes, largest), the eager-free ones, the blocks and the used buffers; and over all used buffers their bytes
+// and the distinct 2 MiB pages they touch (VMM: what stays mapped after an eager free).
+std::string pool_lists(mindspore::device::DynamicMemPool &pool) {
+  auto *abstract = dynamic_cast<AbstractDynamicMemPool *>(&pool);
+  if (abstract == nullptr) return ",\"pool_lists\":null";
+  std::map<MemBufAllocator *, std::pair<size_t, size_t>> used_by;  // allocator -> (count, bytes)
+  std::set<uintptr_t> pages;
+  size_t used_bytes = 0;
+  for (const auto &[address, buf_allocator] : abstract->*PoolMembers::used) {
+    auto *buf = buf_allocator.first;
+    auto &entry = used_by[buf_allocator.second];
+    entry.first += 1;
+    entry.second += buf->size_;
+    used_bytes += buf->size_;
+    const auto start = reinterpret_cast<uintptr_t>(buf->addr_);
+    for (uintptr_t page = start / kPage; page <= (start + buf->size_ - 1) / kPage; ++page) pages.insert(page);
+  }
+  std::ostringstream out;
+  out << ",\"pool_lists\":{\"used_bytes\":" << used_bytes << ",\"pages_touched_by_used\":" << pages.size()
+      << ",\"allocators\":[";
+  bool first = true;
+  for (auto &entry : abstract->*PoolMembers::allocators) {
+    MemBufAllocator *allocator = &*entry.second;
+    size_t idle_bytes = 0, largest = 0, eager_bytes = 0;
+    const auto &idle = allocator->*AllocatorMembers::idle;
+    for (const auto *buf : idle) {
+      idle_bytes += buf->size_;
+      largest = std::max(largest, buf->size_);
+    }
+    const auto &eager = allocator->*AllocatorMembers::eager;
+    for (const auto *buf : eager) eager_bytes += buf->size_;
+    const auto used = used_by[allocator];
+    out << (first ? "" : ",") << "{\"brief\":\"" << json_text(allocator->BriefInfo()) << "\",\"persistent\":"
+        << (allocator->is_persistent() ? 1 : 0) << ",\"stream\":" << allocator->stream_id()
+        << ",\"idle_count\":" << idle.size() << ",\"idle_bytes\":" << idle_bytes << ",\"largest_idle\":" << largest
+        << ",\"eager_free_count\":" << eager.size() << ",\"eager_free_bytes\":" << eager_bytes
+        << ",\"blocks\":" << (allocator->*AllocatorMembers::blocks).size() << ",\"used_count\":" << used.first
+        << ",\"used_bytes\":" << used.second << "}";
+    first = false;
+  }
+  out << "]}";
+  return out.str();
+}
+
 // ------------------------------------------------------------------------------------------ input
 // The op stream is flat JSON objects with string, integer and boolean values: a small scanner suffices.
 bool find_value(const std::string &line, const std::string &key, std::string *value) {
@@ -194,6 +275,15 @@ std::string blocks_json(const std::unordered_map<void *, std::unordered_map<std:
 }
 // One stream: the pool created fresh for the device and context the environment names, then every op of `in`.
 int run_stream(std::istream &in, FILE *json) {
+  // The pool writes its MemoryDebugInfo files into the working directory unless MS_ALLOC_CONF names a
+  // memory_tracker_path, and naming one switches MindSpore to its enhanced pool (ascend_memory_pool.cc:616-630
+  // @ r2.7.rc1), whose lists pool_lists() cannot reach: a stream that dumps names its folder here instead.
+  if (const char *v = getenv("KVGUARD_ORACLE_CWD")) {
+    if (chdir(v) != 0) {
+      fprintf(json, "{\"error\":\"cannot enter KVGUARD_ORACLE_CWD\"}\n");
+      return 2;
+    }
+  }
   if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_FREE")) device.free_at_start = strtoull(v, nullptr, 10);
   device.total = device.free_at_start;
   if (const char *v = getenv("KVGUARD_ORACLE_DEVICE_TOTAL")) device.total = strtoull(v, nullptr, 10);
@@ -257,6 +347,24 @@ int run_stream(std::istream &in, FILE *json) {
         extra << ",\"oom\":false";
       } else if (op == "empty_cache") {
         extra << ",\"released_bytes\":" << pool.EmptyCache() << ",\"oom\":false";
+      } else if (op == "dump" || op == "defrag") {
+        const auto start = std::chrono::steady_clock::now();
+        if (op == "dump") {
+          pool.DumpDynamicMemPoolDebugInfo();
+        } else {
+          pool.DefragMemory();
+        }
+        const long long call_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+        // One JSON line whatever the output mode: the file's figures are held against these; call_ns is the
+        // pool call's own time (the dump's cost on the thread that runs it).
+        fprintf(json,
+                "{\"step\":%zu,\"op\":\"%s\",\"oom\":false,\"call_ns\":%lld,\"reserved_bytes\":%zu,"
+                "\"allocated_bytes\":%zu%s}\n",
+                step, op.c_str(), call_ns, static_cast<size_t>(pool.TotalMemStatistics()),
+                static_cast<size_t>(pool.TotalUsedMemStatistics()), pool_lists(pool).c_str());
+        fflush(json);
+        continue;
       } else {
         extra << ",\"error\":\"unknown op\"";
       }
@@ -306,7 +414,7 @@ int run_stream(std::istream &in, FILE *json) {
 // stdout, per stream: what a one-stream run prints, then {"end": STATUS} (the child's wait status; 0: clean).
 const char *const kStreamVariables[] = {"KVGUARD_ORACLE_DEVICE_FREE", "KVGUARD_ORACLE_DEVICE_TOTAL",
                                         "KVGUARD_ORACLE_TASK_SINK", "KVGUARD_ORACLE_MEMPOOL_BLOCK_GB",
-                                        "KVGUARD_ORACLE_OUTPUT", "MS_ALLOC_CONF"};
+                                        "KVGUARD_ORACLE_OUTPUT", "MS_ALLOC_CONF", "KVGUARD_ORACLE_CWD"};
 
 int serve(FILE *json) {
   std::string header;

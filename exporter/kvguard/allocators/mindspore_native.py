@@ -124,6 +124,7 @@ class NativeDynamicMemPool(Pool):
     memory_stats = DynamicMemPool.memory_stats
     block_sizes = DynamicMemPool.block_sizes
     idle_buffer_sizes = DynamicMemPool.idle_buffer_sizes
+    pool_figures = DynamicMemPool.pool_figures
 
     @property
     def _allocators(self) -> dict[bool, _AllocatorView]:

@@ -59,6 +59,7 @@ from typing import Any
 from kvguard.allocators.base import FrozenKey, SimOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
+from kvguard.records import PoolFigures
 
 K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30
@@ -593,6 +594,34 @@ class DynamicMemPool:
             rel.common_pool_key: pool_stats(False),
             "persistent_mem_pool_stats": pool_stats(True),
         }
+
+    # ----------------------------------------------------------------- the pool's own lists
+    def pool_figures(self, written_at: float | None = None) -> PoolFigures:
+        """What MindSpore's ``MemoryDebugInfo`` dump of this pool would give (kvguard.sources.mindspore_dump
+        reads the real one): the used bytes, the 2 MiB pages used buffers touch (absolute addresses, as the
+        dump lists them) and the common pool's largest idle buffer. Read from the blocks and free lists (the
+        used buffers are the gaps between the free ones), so the C engine answers it through the same views."""
+        page = VMM_PAGE_SIZE
+        touched = 0
+        for allocator in self._allocators.values():
+            free = sorted((addr, size) for size, addr in (*allocator.idle, *allocator.eager))
+            at = 0
+            for block in sorted(allocator.blocks, key=lambda b: b.addr):
+                cursor, end, last_page = block.addr, block.addr + block.size, -1
+                while at < len(free) and free[at][0] < end:
+                    addr, size = free[at]
+                    if addr > cursor:
+                        first = max(cursor // page, last_page + 1)
+                        last_page = (addr - 1) // page
+                        touched += max(0, last_page - first + 1)
+                    cursor = max(cursor, addr + size)
+                    at += 1
+                if cursor < end:
+                    first = max(cursor // page, last_page + 1)
+                    touched += max(0, (end - 1) // page - first + 1)
+        idle = self._allocators[False].idle
+        return PoolFigures(vmm=bool(self.enable_vmm), used_bytes=self.used_size, pages_touched_by_used=touched,
+                           largest_idle_common_bytes=idle[-1][0] if idle else 0, written_at=written_at)
 
     # ----------------------------------------------------------------- introspection for tests
     def block_sizes(self, persistent: bool) -> list[int]:

@@ -21,12 +21,18 @@ from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
 
 
-def counters_of(model: Allocator, device: str = "sim:0", source: str = "sim") -> DeviceMemory:
+def counters_of(model: Allocator, device: str = "sim:0", source: str = "sim", *,
+                pool_figures: bool = False) -> DeviceMemory:
     """A sim allocator model's counters as the rank's own source reads them (MindSpore's reader for
-    the pool, torch's for the caching allocator), with its device's free and total."""
+    the pool, torch's for the caching allocator), with its device's free and total. ``pool_figures``:
+    MindSpore's exact mode, the pool's own lists beside them (``DynamicMemPool.pool_figures``)."""
     free, total = model.device.mem_get_info()
-    reader = mindspore_source if model.name == "mindspore" else torch_source
-    return reader.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free, total_bytes=total)
+    if model.name == "mindspore":
+        figures = model.pool_figures() if pool_figures else None
+        return mindspore_source.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free,
+                                                         total_bytes=total, figures=figures)
+    return torch_source.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free,
+                                                 total_bytes=total)
 
 
 def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
 from kvguard.allocators.base import Allocator, SimOutOfMemory
-from kvguard.allocators.mindspore_releases import pool_budget_bytes
+from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES, pool_budget_bytes
 from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
-from kvguard.records import DeviceMemory, ReservedPeak
+from kvguard.records import DeviceMemory, ReservedPeak, physical_reserved_bytes
 from kvguard.units import format_gib
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
@@ -241,7 +241,7 @@ def judge(inp: GuardInput) -> Verdict:
         # rounding and packing loss; the next activation peak must fit on top of it, less
         # only the cached blocks it can reuse whole (not the slivers of split segments).
         held = physical_reserved_bytes(memory)
-        live = held + non_torch + kv_outside + max(0, activation - _reusable_bytes(memory))
+        live = held + non_torch + kv_outside + activation_growth_bytes(memory, activation, inp.snapshot_stale)
         if memory.peak_reserved_bytes is not None and held == memory.reserved_bytes:
             # (With MindSpore's VMM the reserved peak counts address space, not memory.)
             live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
@@ -251,7 +251,8 @@ def judge(inp: GuardInput) -> Verdict:
                                                          f"({format_gib(memory.reserved_bytes)} now, peak "
                                                          f"{format_gib(peak)}) projects a peak "
                                                          f"{format_gib(live - projected)} above the "
-                                                         f"startup profile's"))
+                                                         f"startup profile's"
+                                                         + pool_credit_note(memory, inp.snapshot_stale)))
         projected = max(projected, live)
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
@@ -276,11 +277,13 @@ def judge(inp: GuardInput) -> Verdict:
                                                      f" (weights + KV cache + reserved activation peak) exceeds "
                                                      f"MindSpore's pool budget {format_gib(pool_budget)} (15/16 of "
                                                      f"the memory free when the pool started, less 10 MiB) by "
-                                                     f"{format_gib(-pool_headroom)}"))
+                                                     f"{format_gib(-pool_headroom)}"
+                                                     + pool_credit_note(memory, inp.snapshot_stale)))
     elif headroom < 0:
         reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {format_gib(projected)} (weights + KV cache "
                                                      f"+ reserved activation peak + non-torch) exceeds the device's "
-                                                     f"{format_gib(capacity)} by {format_gib(-headroom)}"))
+                                                     f"{format_gib(capacity)} by {format_gib(-headroom)}"
+                                                     + pool_credit_note(memory, inp.snapshot_stale)))
     return Verdict(
         state=_state(reasons),
         reasons=tuple(sorted(reasons, key=lambda r: -SEVERITY[r.state])),
@@ -450,31 +453,87 @@ def _live_non_torch(memory: DeviceMemory | None) -> int | None:
     return held - reserved
 
 
-def physical_reserved_bytes(memory: DeviceMemory) -> int:
-    """The allocator's reservation in device memory. MindSpore's VMM pool counts reserved address
-    space in ``total_reserved_memory`` on some releases (2.4-2.5: ``MemStat::alloc_size_``) and
-    mapped pages on later ones, and the unmapped address space in ``total_eager_free_memory``
-    (kvguard.allocators.mindspore_pool). A reservation larger than the memory the device has in use cannot
-    be memory: then only reserved − eager-free is."""
-    reserved = memory.reserved_bytes
-    used = memory.process_used_bytes if memory.process_used_bytes is not None else memory.used_bytes
-    if not memory.eager_free_bytes or used is None or reserved <= used:
-        return reserved
-    return max(0, min(used, reserved - memory.eager_free_bytes))
-
-
 def _reusable_bytes(memory: DeviceMemory) -> int:
-    """Cached memory the next activation peak can take whole.
+    """Cached memory the next activation peak can take whole (torch's caching allocator).
 
     The PyTorch caching allocator reports the free slivers of split segments as
     ``inactive_split``; only the rest of reserved − allocated is whole cached blocks. A source
-    that does not report the split (MindSpore, device-level) gets no credit: the guard errs
-    towards calling an OOM.
+    that does not report the split (MindSpore, device-level) gets no credit here: the guard errs
+    towards calling an OOM (MindSpore's exact figures: :func:`activation_growth_bytes`).
     """
     fragmentation = memory.fragmentation_bytes
     if fragmentation is None or memory.inactive_split_bytes is None:
         return 0
     return max(0, fragmentation - memory.inactive_split_bytes)
+
+
+def pool_figures_fresh(memory: DeviceMemory | None, snapshot_stale: bool = False) -> bool:
+    """Whether MindSpore's exact pool figures (``DeviceMemory.reclaimable_bytes`` / ``largest_idle_bytes``)
+    still describe the pool the counters describe.
+
+    The pool writes its lists at ``DefragMemory`` (``DataPrepareActor::PreprocessBeforePrepareData``, before a
+    graph run allocates anything: data_prepare_actor.cc:595, 1602-1613 @ r2.7.rc1), every
+    ``defrag_memory_step_freq`` runs of a graph, so a dump is up to N runs old; the probe reads the counters
+    between steps. Fresh means: the pool holds exactly the used bytes the lists held
+    (``pool_figures_allocated_bytes == allocated_bytes``; between serving steps that is the weights, the KV
+    cache and the graphs' persistent buffers, which a step does not change), and the snapshot is not stale.
+    Not a wall-clock age: an idle engine runs no graph and writes no dump, and its pool does not change
+    either, so its last figures stay true. The reader (kvguard.sources.mindspore_dump) takes only files
+    this process wrote. What the rule cannot see: buffers freed and others allocated to the same total
+    between the dump and the sample (docs/explanation/guard.md)."""
+    if memory is None or snapshot_stale or memory.pool_figures_allocated_bytes is None:
+        return False
+    if memory.reclaimable_bytes is None and memory.largest_idle_bytes is None:
+        return False
+    return memory.allocated_bytes is not None and memory.pool_figures_allocated_bytes == memory.allocated_bytes
+
+
+def activation_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stale: bool = False) -> int:
+    """What the next activation peak of ``activation`` bytes adds to what the allocator holds now.
+
+    - torch: the peak less the whole cached blocks (:func:`_reusable_bytes`).
+    - MindSpore with VMM and fresh exact figures: the peak in whole 2 MiB pages less ``reclaimable_bytes``.
+      A miss eager-frees every idle buffer, unmapping only the pages no used buffer touches, and maps the
+      request from that handle cache first (``AllocMemBuf`` abstract_dynamic_mem_pool.cc:515-524,
+      ``MmapDeviceMem`` ascend_vmm_adapter.cc:107-189 @ r2.7.rc1); a page shared with a used buffer stays
+      mapped and is no help to a request elsewhere.
+    - MindSpore without VMM and fresh exact figures: nothing when the whole peak fits in the common
+      pool's largest idle buffer (best fit serves it there, ``MemBufAllocator::Malloc``
+      abstract_dynamic_mem_pool.cc:88-117), else the whole peak: a request larger than every idle
+      buffer takes a new block (``CalMemBlockAllocSize``) and uses none of them.
+    - MindSpore otherwise: the whole peak. ``memory_stats()`` is the same byte for byte for pool states
+      where the next request fits and where it does not, with VMM on and off (docs/explanation/guard.md),
+      so no credit is the only sound one.
+    """
+    activation = max(0, activation)
+    if memory.reclaimable_bytes is not None or memory.largest_idle_bytes is not None:
+        if not pool_figures_fresh(memory, snapshot_stale):
+            return activation
+        if memory.reclaimable_bytes is not None:
+            pages = -(-activation // VMM_PAGE_BYTES) * VMM_PAGE_BYTES
+            return max(0, pages - memory.reclaimable_bytes)
+        return 0 if activation <= memory.largest_idle_bytes else activation
+    return max(0, activation - _reusable_bytes(memory))
+
+
+def pool_credit_note(memory: DeviceMemory | None, snapshot_stale: bool = False) -> str:
+    """The reason text's word on idle memory, for a MindSpore pool (empty for other allocators): which
+    credit the projection took, or that it took none and why."""
+    if memory is None or memory.idle_bytes is None or memory.inactive_split_bytes is not None:
+        return ""
+    idle = memory.fragmentation_bytes or 0
+    if pool_figures_fresh(memory, snapshot_stale):
+        if memory.reclaimable_bytes is not None:
+            return (f"; credited {format_gib(memory.reclaimable_bytes)} the pool can unmap and reuse (whole 2 MiB "
+                    f"pages no used buffer touches, from MindSpore's memory dump)")
+        return (f"; the pool's largest idle buffer is {format_gib(memory.largest_idle_bytes)} (MindSpore's "
+                f"memory dump): the peak is credited it only when it fits there whole")
+    if not idle:
+        return ""
+    why = ("the pool's exact figures are older than its counters" if memory.pool_figures_allocated_bytes is not None
+           else "memory_stats() cannot tell which of it the next peak can reuse")
+    return (f"; no credit for the pool's {format_gib(idle)} of idle memory ({why}; exact figures: "
+            f"KVGUARD_MINDSPORE_DUMP=1)")
 
 
 def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -> tuple[Profile | None, bool]:

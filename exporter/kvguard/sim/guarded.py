@@ -78,15 +78,17 @@ class BudgetWatch:
                 getattr(model, name)(*args, **kwargs)
         return model
 
-    def verdict(self) -> Verdict | None:
+    def verdict(self, pool_figures: bool = False) -> Verdict | None:
         """The budget-time verdict; None when startup never reached the budget (weights or the
-        profile run failed) or vLLM refused to start (no room for one request's blocks)."""
+        profile run failed) or vLLM refused to start (no room for one request's blocks).
+        ``pool_figures``: MindSpore's exact mode (``record_from_scenario``)."""
         scenario = self.scenario
         if not self.captured or scenario.profile is None or not scenario.num_blocks or \
                 (scenario.error and not scenario.oom):
             return None
         tensors = scenario.kv_tensor_sizes(scenario.num_blocks)
-        return judge_at_budget(BudgetInput(scenario.profile, tensors, self.build, counters_of))
+        return judge_at_budget(BudgetInput(scenario.profile, tensors, self.build,
+                                           lambda model: counters_of(model, pool_figures=pool_figures)))
 
 
 def planned_kv_cache_bytes(scenario: ServingScenario) -> int | None:
@@ -107,20 +109,20 @@ def _judge(scenario: ServingScenario, memory: DeviceMemory, base: DeviceMemory |
                             alloc_retries_increase=retries, ooms_increase=ooms))
 
 
-def _startup(scenario: ServingScenario) -> tuple[Verdict | None, DeviceMemory | None]:
+def _startup(scenario: ServingScenario, pool_figures: bool = False) -> tuple[Verdict | None, DeviceMemory | None]:
     """``startup_verdict`` and the counters it judged (None, None when there is no profile)."""
     scenario.startup()
     if scenario.profile is None:
         return None, None
-    memory = record_from_scenario(scenario, "sim:0", "sim")
+    memory = record_from_scenario(scenario, "sim:0", "sim", pool_figures=pool_figures)
     # Counters since the process started: at the end of startup that is the whole history.
     return _judge(scenario, memory), memory
 
 
-def startup_verdict(scenario: ServingScenario) -> Verdict | None:
+def startup_verdict(scenario: ServingScenario, pool_figures: bool = False) -> Verdict | None:
     """The guard at the end of startup (runs ``startup()`` if needed); None when no profile exists
     (the run failed loading weights or in the profile forward, before vLLM sized anything)."""
-    return _startup(scenario)[0]
+    return _startup(scenario, pool_figures)[0]
 
 
 @dataclass(frozen=True)
@@ -165,15 +167,16 @@ def startup_guard_dict(verdict: Verdict | None, at_budget: bool = False) -> dict
     return verdict.to_dict()
 
 
-def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> GuardedRun:
+def run_guarded(scenario: ServingScenario, max_steps: int | None = None, *, pool_figures: bool = False) -> GuardedRun:
     """Run the scenario to the end, judging at startup and after every serving step.
 
     Retries and OOMs are counted from the end of startup, as a sidecar that started with the
-    server would see them climb.
+    server would see them climb. ``pool_figures``: MindSpore's exact mode (the pool's own lists beside
+    its counters, as ``KVGUARD_MINDSPORE_DUMP`` gives them; ``record_from_scenario``); off, the counters alone.
     """
     watch = BudgetWatch(scenario)
-    startup, base = _startup(scenario)
-    at_budget = watch.verdict()
+    startup, base = _startup(scenario, pool_figures)
+    at_budget = watch.verdict(pool_figures)
     first_step: int | None = None
     first_reasons: tuple[str, ...] = ()
     if startup is not None and startup.state == CRITICAL:
@@ -185,7 +188,7 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None) -> Guar
         steps += 1
         if first_step is not None or startup is None or scenario.oom:
             continue
-        verdict = _judge(scenario, record_from_scenario(scenario, "sim:0", "sim"), base)
+        verdict = _judge(scenario, record_from_scenario(scenario, "sim:0", "sim", pool_figures=pool_figures), base)
         if verdict.state == CRITICAL:
             first_step, first_reasons = step_index, verdict.reason_codes
     return GuardedRun(scenario.result(), startup, first_step, first_reasons, at_budget)

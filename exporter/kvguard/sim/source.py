@@ -38,12 +38,18 @@ _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64
 
 
-def record_from_scenario(scenario: Any, device: str, source: str) -> DeviceMemory:
+def record_from_scenario(scenario: Any, device: str, source: str, *, pool_figures: bool = False) -> DeviceMemory:
     """A scenario's allocator and device counters through the real sources' reader: MindSpore's
-    for the ``mindspore`` allocator, torch's for ``torch`` and ``torch_npu``."""
+    for the ``mindspore`` allocator, torch's for ``torch`` and ``torch_npu``. ``pool_figures``: MindSpore's
+    exact mode, the pool's own lists beside the counters, as its dump gives them
+    (``kvguard.sources.mindspore_dump``; the model knows its buffers: ``DynamicMemPool.pool_figures``)."""
     free, total = scenario.device_memory()
-    reader = mindspore_source if scenario.config.allocator == "mindspore" else torch_source
-    return reader.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total)
+    if scenario.config.allocator == "mindspore":
+        figures = scenario.allocator.pool_figures() if pool_figures else None
+        return mindspore_source.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free,
+                                                         total_bytes=total, figures=figures)
+    return torch_source.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free,
+                                                 total_bytes=total)
 
 
 def sim_identity(prefix: str, rank: int) -> tuple[str, str]:

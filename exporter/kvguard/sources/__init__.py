@@ -136,6 +136,20 @@ def engine_thread_only(source: Any) -> bool:
         return True
 
 
+def complete_records(source: Any, records: list[DeviceMemory]) -> list[DeviceMemory]:
+    """``source.complete(records)`` where the source has one: the part of a sample that reads files beside the
+    counters (MindSpore's pool dump), which the probe runs on its own thread even when the counters were read on
+    the engine's. Raises what the source raises; the records unchanged where it has none."""
+    complete = getattr(source, "complete", None)
+    if not callable(complete):
+        return records
+    done = complete(records)
+    if not isinstance(done, list) or not all(isinstance(r, DeviceMemory) for r in done):
+        raise SourceError(f"{getattr(source, 'name', 'source')}.complete() returned {type(done).__name__}, "
+                          "not a list of DeviceMemory")
+    return done
+
+
 def close_source(source: Any) -> None:
     """Call ``source.close()`` if it has one; never raises."""
     close = getattr(source, "close", None)

@@ -16,7 +16,8 @@ import sys
 import threading
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import Source, SourceError, SourceUnavailable, close_source, engine_thread_only
+from kvguard.sources import (Source, SourceError, SourceUnavailable, close_source, complete_records,
+                             engine_thread_only)
 from kvguard.sources.host import HostSource
 from kvguard.sources.mindspore import MindSporeSource
 from kvguard.sources.npu_smi import NpuSmiSource
@@ -73,6 +74,12 @@ class AutoSource:
         """True once the framework in this process is one whose reads must run on the engine's thread
         (MindSpore: kvguard.sources.mindspore); the probe then samples at the engine's step boundaries."""
         return engine_thread_only(self._framework_source())
+
+    def complete(self, records: list[DeviceMemory]) -> list[DeviceMemory]:
+        """The framework source's file reads beside its counters (MindSpore's pool dump), if it has any."""
+        with self._lock:
+            framework = self._framework
+        return complete_records(framework, records) if framework is not None else records
 
     def sample(self) -> list[DeviceMemory]:
         framework = self._framework_source()

@@ -6,10 +6,14 @@ both spellings are read. :func:`device_memory_from_stats` is the one reader of t
 keys: the simulator's counters go through it too.
 
 MindSpore has no allocation-retry or OOM counter and no inactive-split figure; those
-fields stay None, except the inactive split under VMM with 2.6+'s physical accounting
-(reserved = 2 MiB handles, at most the device), where idle memory is pages the pool remaps
-on a miss: 0 there. It does report idle memory (held by the pool, free for reuse) and
-eager-free memory (idle buffers whose physical pages were unmapped under VMM).
+fields stay None. It does report idle memory (held by the pool, free for reuse) and
+eager-free memory (idle buffers whose physical pages were unmapped under VMM). How much of the
+idle memory the next request can reuse it cannot tell, with VMM or without (docs/explanation/guard.md):
+under VMM a miss reclaims only the 2 MiB pages no used buffer touches, without VMM a request
+larger than every idle buffer takes a new block. So the inactive split stays None under VMM
+too (the guard then credits no idle memory), and the exact figures come only from the pool's
+own lists (:class:`kvguard.records.PoolFigures`: kvguard.sources.mindspore_dump reads them from
+MindSpore's dump, the simulator from its pool model), passed as ``figures``.
 
 Release by release (kvguard.allocators.mindspore_releases): 2.4.x spell ``total_allocatd_memory``;
 2.4 to 2.7 spell ``commom_mem_pool_stats``; 2.8+ ``common_mem_pool_stats``.
@@ -50,10 +54,12 @@ pool's counters without that wait.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from kvguard.records import DeviceMemory
+from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES
+from kvguard.records import DeviceMemory, PoolFigures, physical_reserved_bytes
 from kvguard.sources import EngineError, SourceError, SourceUnavailable, count, free_total_used
 from kvguard.text import one_line
 
@@ -123,8 +129,10 @@ def device_memory_from_stats(
     *,
     free_bytes: int | None = None,
     total_bytes: int | None = None,
+    figures: PoolFigures | None = None,
 ) -> DeviceMemory:
-    """A ``memory_stats()`` dict as a DeviceMemory; a key the dict lacks stays None."""
+    """A ``memory_stats()`` dict as a DeviceMemory; a key the dict lacks stays None. ``figures``: the
+    pool's own lists read beside it (:func:`with_pool_figures`)."""
     if not isinstance(stats, Mapping):
         raise SourceError(f"memory_stats() returned {type(stats).__name__}, not a dict")
     values = {field: count(_first(stats, keys)) for field, keys in STATS_KEYS.items()}
@@ -133,17 +141,26 @@ def device_memory_from_stats(
     for peak, current in (("peak_allocated_bytes", "allocated_bytes"), ("peak_reserved_bytes", "reserved_bytes")):
         if values[peak] is not None and values[current] is not None:
             values[peak] = max(values[peak], values[current])
-    # VMM with physical accounting (2.6+: total_reserved_memory is the mapped-or-cached 2 MiB handles,
-    # so it cannot exceed the device): idle memory is pages the pool eager-frees and remaps on a miss
-    # (AllocMemBuf, abstract_dynamic_mem_pool.cc:514 @ v2.6.0), reusable by any request but for a
-    # partial page at a buffer's edge. There is no split-block sliver: the inactive split is 0.
-    # Without VMM (eager free 0), or with 2.4/2.5's address-space accounting, it stays unknown.
-    inactive_split = None
-    if values["eager_free_bytes"] and values["reserved_bytes"] is not None and total_bytes is not None \
-            and values["reserved_bytes"] <= total_bytes:
-        inactive_split = 0
-    return DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values,
-                        inactive_split_bytes=inactive_split)
+    # No inactive split, with VMM or without (module docstring): what a miss can reuse is in the pool's
+    # lists, not in these counters.
+    memory = DeviceMemory(device=device, source=source, **free_total_used(free_bytes, total_bytes), **values)
+    return memory if figures is None else with_pool_figures(memory, figures)
+
+
+def with_pool_figures(memory: DeviceMemory, figures: PoolFigures) -> DeviceMemory:
+    """``memory`` with the exact figures of its pool: under VMM ``reclaimable_bytes``, the pool's physical
+    reservation less the 2 MiB pages used buffers touch (eager free unmaps the rest into the handle cache,
+    and a miss maps from that cache first: ``MmapDeviceMem``, ascend_vmm_adapter.cc:107-189 @ r2.7.rc1);
+    without VMM ``largest_idle_bytes``. The reservation is the counters' (read with the figures or after).
+    """
+    if figures.vmm:
+        held = physical_reserved_bytes(memory) if memory.reserved_bytes is not None else None
+        values = {"reclaimable_bytes": None if held is None else
+                  max(0, held - figures.pages_touched_by_used * VMM_PAGE_BYTES)}
+    else:
+        values = {"largest_idle_bytes": figures.largest_idle_common_bytes}
+    return replace(memory, **values, pool_figures_allocated_bytes=figures.used_bytes,
+                   pool_figures_at=figures.written_at)
 
 
 def device_label(device_target: str, device_id: int) -> str:
@@ -186,6 +203,17 @@ class MindSporeSource:
         return [device_memory_from_stats(stats, device_label(device_target, device_id), self.name,
                                          free_bytes=free, total_bytes=total)]
 
+    def complete(self, records: list[DeviceMemory]) -> list[DeviceMemory]:
+        """The records with the pool's exact figures from its newest dump, where exact mode is on: file reading,
+        which the probe runs on its own thread, never the engine's (kvguard.sources.complete_records)."""
+        if self._ms is None:
+            return records
+        done = []
+        for record in records:
+            figures = self._dump_figures(self._ms, record.eager_free_bytes)
+            done.append(record if figures is None else with_pool_figures(record, figures))
+        return done
+
     @staticmethod
     def _stats(ms: Any, device_target: str) -> Mapping[str, Any]:
         runtime = getattr(ms, "runtime", None)
@@ -220,3 +248,45 @@ class MindSporeSource:
         free = count(getattr(properties, "free_memory", None))
         # Before the device is initialised both read 0: unknown, not an empty device.
         return (free, total) if total else (None, None)
+
+    # ------------------------------------------------------------------ exact mode (KVGUARD_MINDSPORE_DUMP)
+    _dump_reader: Any = None
+
+    def _dump_figures(self, ms: Any, eager_free: int | None) -> PoolFigures | None:
+        """The pool's own lists from its newest MemoryDebugInfo dump (kvguard.sources.mindspore_dump), when
+        ``KVGUARD_MINDSPORE_DUMP`` turned the dump on (the vLLM plugin merges it into ``MS_ALLOC_CONF`` at
+        launch); None otherwise, or before the first dump. A file it cannot read is a counted skip
+        (``dump_skipped``), never an error of the sample."""
+        from kvguard.sources import mindspore_dump  # noqa: PLC0415 - only when exact mode is on
+
+        try:
+            if mindspore_dump.dump_every(os.environ.get(mindspore_dump.DUMP_ENV)) is None:
+                return None
+        except ValueError:
+            return None
+        reader = self._dump_reader
+        if reader is None or reader.rank is None:
+            rank = _distributed_rank(ms)
+            if reader is None or rank is not None:
+                folder = mindspore_dump.dump_directory(os.environ.get(mindspore_dump.ALLOC_CONF_ENV), os.getcwd(), rank)
+                previous = reader
+                reader = self._dump_reader = mindspore_dump.DumpReader(folder, rank=rank)
+                if previous is not None:
+                    reader.skipped.update(previous.skipped)
+        reader.vmm = bool(eager_free)      # 2.7.0's file does not say; under VMM the unmapped space is eager-free
+        return reader.read()
+
+    @property
+    def dump_skipped(self) -> dict[str, int]:
+        """Dump files skipped so far, by reason (kvguard.sources.mindspore_dump.SKIP_REASONS)."""
+        return dict(self._dump_reader.skipped) if self._dump_reader is not None else {}
+
+
+def _distributed_rank(ms: Any) -> int | None:
+    """The job's global rank once MindSpore's communication is initialised (the pool then writes its dumps
+    under ``rank_<id>/``), else None."""
+    try:
+        rank = ms.communication.get_rank()
+    except Exception:  # noqa: BLE001 - not initialised (RuntimeError), or no communication module
+        return None
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None

@@ -8,6 +8,8 @@ environment:
 ``KVGUARD_SPOOL_DIR``   start the probe in each worker, writing snapshots here.
 ``KVGUARD_INTERVAL``    seconds between samples (default 5).
 ``KVGUARD_SOURCE``      the probe's source (default ``auto``: the worker's own allocator).
+``KVGUARD_MINDSPORE_DUMP``  ``1`` (every 100 graph runs) or N: exact mode on MindSpore, the pool's own dump of its
+                        buffers merged into ``MS_ALLOC_CONF`` (:func:`_turn_on_mindspore_dump`), read by the probe.
 ``KVGUARD_BUDGET``      ``stock`` (default, vLLM's own budget) or ``reserved``: size the KV
                         cache with :func:`kvguard.budget.estimator.reserved_kv_cache_bytes`, the
                         formula of ``kvguard budget`` (never more than vLLM's own figure);
@@ -156,6 +158,7 @@ def register() -> None:
         if not _settings.enabled:
             return
         _guard("logging", _join_vllm_logging)
+        _guard("mindspore_dump", _turn_on_mindspore_dump)
         for module_name, class_name in WORKER_CLASSES:
             module = sys.modules.get(module_name)
             if module is not None:
@@ -165,6 +168,20 @@ def register() -> None:
     except Exception as exc:  # noqa: BLE001
         from kvguard.text import one_line
         _failed("register", one_line(exc))
+
+
+def _turn_on_mindspore_dump() -> None:
+    """``KVGUARD_MINDSPORE_DUMP``: exact mode on MindSpore. The pool's periodic dump of its own lists
+    (``MemoryDebugInfo<k>.txt``, written by ``DefragMemory`` every N graph runs when ``MS_ALLOC_CONF``'s
+    ``defrag_memory_step_freq`` holds ``dump``: abstract_dynamic_mem_pool.cc:423-427, 930-937 @ r2.7.rc1) is merged
+    into the user's ``MS_ALLOC_CONF`` here, in every process vLLM starts and before its worker creates the pool,
+    which reads the setting once (ascend_memory_pool.cc:519-525). The probe then reads the newest file
+    (kvguard.sources.mindspore_dump). Idempotent: a value that already holds ``dump`` is left as it is."""
+    from kvguard.sources.mindspore_dump import ALLOC_CONF_ENV, dump_alloc_conf
+    value = dump_alloc_conf(os.environ)
+    if value is not None and value != os.environ.get(ALLOC_CONF_ENV):
+        os.environ[ALLOC_CONF_ENV] = value
+        log.info("kvguard: MindSpore's pool dump turned on for exact mode: %s=%s", ALLOC_CONF_ENV, value)
 
 
 def _join_vllm_logging() -> None:
