@@ -98,13 +98,14 @@ def random_ops(seed: int, steps: int = STEPS) -> list[Op]:
 
 # ----------------------------------------------------------------- both sides
 def run_oracle(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool | None,
-               compile_at: int | None = None) -> tuple[dict, list[dict]]:
+               compile_at: int | None = None, mempool_block_gb: float | None = None) -> tuple[dict, list[dict]]:
     """The real pool's init record and one record per op (oracles/mindspore/client.py). ``compile_at``:
     the op before which a jit_level O0 compile clears task sink (a harness line, not an op)."""
     oracle(version)
     try:
         return oracle_client.replay(version, ops, free=free, vmm=vmm, task_sink=task_sink,
-                                    compiled_at=() if compile_at is None else (compile_at,), timeout=300)
+                                    compiled_at=() if compile_at is None else (compile_at,),
+                                    mempool_block_gb=mempool_block_gb, timeout=300)
     except oracle_client.OracleError as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -246,4 +247,67 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
     # The scenario resets peaks where vLLM does; the oracle never does, so peaks are left out here.
     keys = tuple(key for key in COMPARED if key != "peak_allocated_bytes")
     difference = first_difference(real, run_model(model, ops, compiled_at[0]), ops, keys)
+    assert difference is None, difference
+
+
+# ----------------------------------------------------------------- `kvguard simulate --ops`, every pool knob
+def simulate_ops(tmp_path, ops: list[Op], free: int, *args: str) -> tuple[dict, list[dict]]:
+    """``kvguard simulate --ops`` as a user runs it: its JSON summary and its --replay-log, one record per op."""
+    from click.testing import CliRunner
+    from kvguard.cli import main
+
+    stream, log = tmp_path / "ops.jsonl", tmp_path / "replay.jsonl"
+    with open(stream, "w", encoding="utf-8") as handle:
+        write_ops(ops, handle)
+    result = CliRunner().invoke(main, ["simulate", "--ops", str(stream), "--allocator", "mindspore",
+                                       "--mindspore-version", PINNED, "--device-memory", str(free),
+                                       "--replay-log", str(log), "--json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output), [json.loads(line) for line in log.read_text().splitlines()]
+
+
+OPS_COMPARED = ("oom", "address", "reserved_bytes", "allocated_bytes", "peak_allocated_bytes")
+
+
+def test_simulate_ops_with_task_sink_off_reserves_what_the_real_pool_does(tmp_path):
+    # Issue 32, finding 6: a small malloc, then a persistent 2.76 GiB one, 16 GiB free, VMM off. The persistent
+    # block grows from the 1 GiB unit by adding units under task sink (3 GiB) and by doubling without (4 GiB).
+    ops = [Op("malloc", size=MIB), Op("malloc", size=int(2.76 * GIB), persistent=True)]
+    reserved = {}
+    for sink in (True, False):
+        _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink)
+        summary, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false",
+                                         "--task-sink" if sink else "--no-task-sink")
+        assert summary["pool"]["task_sink"] is sink and summary["pool"]["enable_vmm"] is False
+        assert first_difference(real, replayed, ops, OPS_COMPARED) is None
+        reserved[sink] = replayed[-1]["reserved_bytes"]
+    assert reserved == {True: 4 * GIB, False: 5 * GIB}
+
+
+@pytest.mark.parametrize("vmm", [False, True], ids=["novmm", "vmm"])
+@pytest.mark.parametrize("sink", [True, False, None], ids=["sink", "nosink", "default"])
+def test_simulate_ops_equals_the_real_pool_at_every_op(tmp_path, sink, vmm):
+    # A random stream near the limit; no --task-sink flag is MindSpore's default (the oracle's unset context).
+    ops = random_ops(7, steps=300)
+    _, real = run_oracle(PINNED, ops, 16 * GIB, vmm, sink)
+    flags = [] if sink is None else ["--task-sink" if sink else "--no-task-sink"]
+    summary, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", f"enable_vmm:{str(vmm).lower()}",
+                                     *flags)
+    assert summary["pool"]["task_sink"] is (sink is not False)
+    assert any(record["oom"] for record in real)
+    difference = first_difference(real, replayed, ops, OPS_COMPARED)
+    assert difference is None, difference
+
+
+@pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
+def test_simulate_ops_mempool_block_size_reaches_the_pool(tmp_path, sink):
+    # set_context(mempool_block_size="2GB") on the real pool, --mempool-block-size 2GiB on the model: the
+    # common pool's unit (SUPPORT:52-57 @ r2.7.rc1); the persistent one keeps 1 GiB.
+    ops = [Op("malloc", size=100 * MIB), Op("malloc", size=3 * GIB), Op("malloc", size=1536 * MIB, persistent=True),
+           Op("free", index=0), Op("malloc", size=5 * GIB)]
+    _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink, mempool_block_gb=2)
+    _, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false",
+                               "--mempool-block-size", "2GiB", "--task-sink" if sink else "--no-task-sink")
+    assert real[0]["reserved_bytes"] == 2 * GIB
+    difference = first_difference(real, replayed, ops, OPS_COMPARED)
     assert difference is None, difference

@@ -10,7 +10,7 @@ from kvguard.cli import main
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sim.scenario import (ForwardMemo, ScenarioConfig, ServingScenario, run_scenario,
                                   search_gpu_memory_utilization)
-from kvguard.sim.workload import forward_ops
+from kvguard.sim.workload import SamplingBatch, forward_ops
 
 
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])
@@ -72,8 +72,9 @@ def test_several_seeds_without_search_is_refused():
 # The forward memo (ServingScenario._forward): a steady forward replayed from the same allocator state, and
 # repeated decoder layers skipped, must leave every figure as executing each op does.
 
-def _plain_forward(self, num_tokens, num_seqs, gathered, profile_sampler=False):
-    self._execute(list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler)))
+def _plain_forward(self, num_tokens, num_seqs, gathered, profile_sampler=False, sampling=SamplingBatch()):
+    self._execute(list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler,
+                                   sampling=sampling)))
 
 
 def _everything(result):

@@ -134,8 +134,9 @@ def stream_lines(ops: list, compiled_at: Iterable[int] = ()) -> list[str]:
 
 def replay(version: str, ops: list, *, free: int, vmm: bool, task_sink: bool | None = None,
            compiled_at: Iterable[int] = (), compact: bool = False, total: int | None = None,
-           timeout: float = 600) -> tuple[dict, list[dict]]:
-    """The real pool's init record and one record per op. ``task_sink`` None keeps MindSpore's default.
+           mempool_block_gb: float | None = None, timeout: float = 600) -> tuple[dict, list[dict]]:
+    """The real pool's init record and one record per op. ``task_sink`` None keeps MindSpore's default;
+    ``mempool_block_gb``: ``set_context(mempool_block_size=)`` in GB (None: MindSpore's default, 1.0).
     ``compact``: per op only oom, reserved_bytes, allocated_bytes and address (long streams); else every
     field the harness prints."""
     env = {"KVGUARD_ORACLE_DEVICE_FREE": free, "MS_ALLOC_CONF": f"enable_vmm:{'true' if vmm else 'false'}"}
@@ -143,6 +144,8 @@ def replay(version: str, ops: list, *, free: int, vmm: bool, task_sink: bool | N
         env["KVGUARD_ORACLE_TASK_SINK"] = int(task_sink)
     if total is not None:
         env["KVGUARD_ORACLE_DEVICE_TOTAL"] = total
+    if mempool_block_gb is not None:
+        env["KVGUARD_ORACLE_MEMPOOL_BLOCK_GB"] = mempool_block_gb
     if compact:
         env["KVGUARD_ORACLE_OUTPUT"] = "compact"
     lines = server(version).run(stream_lines(ops, compiled_at), env, timeout)

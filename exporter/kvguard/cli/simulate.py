@@ -43,6 +43,11 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--requests", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--long-fraction", type=click.FloatRange(0, 1), default=0.25, show_default=True,
               help="Share of requests with prompts of max_model_len/2 or more.")
+@click.option("--sampling-mix", metavar="KIND:SHARE,...",
+              help="How the requests sample: shares of greedy, random, top_k, top_p and top_k_top_p, e.g. "
+                   "greedy:0.5,top_k_top_p:0.5; vLLM's sampler runs per batch. Default: top_k_top_p:1, every "
+                   "request taking the model's generation_config.json top-k and top-p, as vLLM 0.8+'s "
+                   "--generation-config auto applies them.")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--non-allocator-memory", type=SIZE,
               help="Device memory held outside the allocator (default: 512MiB CUDA, 1GiB Ascend).")
@@ -74,17 +79,23 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
                    "release's, else 0.5.1.")
 @click.option("--mindspore-mode", type=click.Choice(["pynative", "graph"]), default="pynative", show_default=True,
               help="MindSpore execution mode (vllm-mindspore: PyNative with jit_level O0 graphs).")
-@click.option("--task-sink/--no-task-sink", default=False, show_default=True,
-              help="Task sink (graph mode, jit_level O2): 8 MiB units, blocks grown by adding units.")
+@click.option("--task-sink/--no-task-sink", default=None,
+              help="MindSpore's task sink (MS_CTX_ENABLE_TASK_SINK): blocks grown by adding units, not doubling "
+                   "(8 MiB units in graph mode). Default: MindSpore's, on (MsContext::InitBoolTypeDefaultValue, "
+                   "core/utils/ms_context.cc:621 @ r2.7.rc1), which an --ops stream keeps; a serving run turns it "
+                   "off at vllm-mindspore's first jit_level O0 compile, unless --task-sink (graph mode, jit_level "
+                   "O2) keeps it on.")
 @click.option("--ms-alloc-conf", metavar="CONF",
-              help='MS_ALLOC_CONF, e.g. "enable_vmm: true, vmm_align_size: 2MB" (default: the launcher\'s).')
+              help='MS_ALLOC_CONF, e.g. "enable_vmm: true, vmm_align_size: 2MB" (default: the launcher\'s; with --ops, '
+                   'none: MindSpore\'s own defaults).')
 @click.option("--mempool-block-size", type=SIZE, metavar="SIZE",
               help="Pool block unit: MS_MEMPOOL_BLOCK_SIZE=2 is 2GiB; set_memory(increase_size=...).")
 @click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
 def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vllm_version, budget, max_num_batched_tokens,
-             max_model_len, requests, long_fraction, tensor_parallel_size, non_allocator_memory, seeds, trace_file,
-             ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, alloc_conf, mindspore_version,
-             vllm_mindspore_version, mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size, no_vmm_soc) -> None:
+             max_model_len, requests, long_fraction, sampling_mix, tensor_parallel_size, non_allocator_memory, seeds,
+             trace_file, ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, alloc_conf,
+             mindspore_version, vllm_mindspore_version, mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size,
+             no_vmm_soc) -> None:
     """Simulate vLLM startup and serving on a device, with a real allocator's rules.
 
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
@@ -100,7 +111,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
          an --ops stream ran out of memory, or the search found no utilization without one
     """
     from kvguard.allocators.device import Device
-    from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator
+    from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator, parse_sampling_mix
     from kvguard.allocators.traces import TraceError, is_snapshot_pickle, load_trace, read_trace_bytes, replay
 
     seeds = seeds or (0,)
@@ -134,18 +145,19 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
             raise ValueError("--alloc-conf is for --allocator torch and torch_npu; MindSpore's pool takes "
                              "--ms-alloc-conf")
         config_dict = load_model_config(model_config or bundled_model_config_path())
+        mix = {} if sampling_mix is None else {"sampling_mix": parse_sampling_mix(sampling_mix)}
         config = ScenarioConfig(
             model_config=config_dict, device_memory_bytes=device_memory,
             gpu_memory_utilization=gpu_memory_utilization, allocator=allocator, budget=budget,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, requests=requests,
             long_request_fraction=long_fraction, tensor_parallel_size=tensor_parallel_size,
             non_allocator_bytes=non_allocator_memory, seed=seed, mindspore_version=mindspore_version,
-            vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=task_sink,
+            vllm_mindspore_version=vllm_mindspore_version, mindspore_mode=mindspore_mode, task_sink=bool(task_sink),
             ms_alloc_conf=ms_alloc_conf, mempool_block_size_bytes=mempool_block_size,
             soc_supports_vmm=not no_vmm_soc, alloc_conf=alloc_conf, expandable_segments=expandable,
-            block_size=block_size)
-        if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size or task_sink
-                                         or no_vmm_soc or mindspore_mode != "pynative"):
+            block_size=block_size, **mix)
+        if allocator != "mindspore" and (mindspore_version or ms_alloc_conf or mempool_block_size
+                                         or task_sink is not None or no_vmm_soc or mindspore_mode != "pynative"):
             raise ValueError("the MindSpore pool options need --allocator mindspore")
         if non_allocator_memory is not None and non_allocator_memory >= device_memory:
             raise ValueError("--non-allocator-memory must be smaller than --device-memory")
@@ -153,7 +165,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
         raise click.ClickException(str(exc)) from None
 
     if ops_file:
-        _exit_on_oom(fail_on_oom, _replay_ops_file(ops_file, config, device_memory, replay_log, as_json))
+        # No launcher runs an op stream: MindSpore's own defaults, task sink on and MS_ALLOC_CONF unset.
+        _exit_on_oom(fail_on_oom, _replay_ops_file(ops_file, config, device_memory, replay_log, as_json,
+                                                   task_sink=task_sink is not False))
         return
     if trace_file and allocator == "torch":
         try:
@@ -280,8 +294,12 @@ def _exit_on_oom(fail_on_oom: bool, oom: bool) -> None:
         click.get_current_context().exit(EXIT_OOM)
 
 
-def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str | None, as_json: bool) -> bool:
-    """``simulate --ops FILE``: the stream through the chosen allocator model; True when an op ran out of memory."""
+def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str | None, as_json: bool, *,
+                     task_sink: bool) -> bool:
+    """``simulate --ops FILE``: the stream through the chosen allocator model; True when an op ran out of memory.
+    MindSpore's pool takes every knob of the command; ``task_sink`` holds from the first op."""
+    from dataclasses import replace
+
     from kvguard.allocators.device import Device
     from kvguard.allocators.ops import OpsError, read_ops, replay_ops
     from kvguard.sim.scenario import make_allocator
@@ -291,7 +309,9 @@ def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str 
         # The device's free memory, all of it the allocator's to ask for: the models apply their own ceilings
         # (MindSpore's pool takes 15/16 of it) as the real allocators do.
         device = Device(device_memory)
-        target = make_allocator(config, device)
+        if config.allocator == "mindspore" and config.ms_alloc_conf is None:
+            config = replace(config, ms_alloc_conf="")    # unset: MindSpore reads "" as it reads no variable
+        target = make_allocator(config, device, task_sink=task_sink)
     except (OpsError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     counts = {"malloc": 0, "free": 0, "empty_cache": 0}
@@ -329,18 +349,34 @@ def _replay_ops_file(ops_file: str, config, device_memory: int, replay_log: str 
         "peak_reserved_bytes": max(peak_reserved, target.peak_reserved_bytes),
         "memory_stats": {str(k): v for k, v in target.memory_stats().items()},
     }
+    if config.allocator == "mindspore":
+        data["pool"] = _pool_settings(config, task_sink)
     if as_json:
         emit_json(data)
         return ooms > 0
     click.echo(f"Ops          {ops_file}: {len(ops)} ops ({counts['malloc']} malloc, {counts['free']} free, "
                f"{counts['empty_cache']} empty_cache)")
     click.echo(f"Allocator    {config.allocator} with {format_bytes(device_memory)} free")
+    if config.allocator == "mindspore":
+        pool = data["pool"]
+        click.echo(f"Pool         MindSpore {pool['mindspore_version']} ({pool['mode']}"
+                   f"{', task sink' if task_sink else ', no task sink'}), VMM {'on' if pool['enable_vmm'] else 'off'}"
+                   + (f", block unit {format_bytes(pool['mempool_block_size_bytes'])}"
+                      if pool["mempool_block_size_bytes"] else ""))
     click.echo(f"Peaks        allocated {format_bytes(target.peak_allocated_bytes)}, "
                f"reserved {format_bytes(data['peak_reserved_bytes'])}")
     click.echo(f"End          allocated {format_bytes(target.allocated_bytes)}, "
                f"reserved {format_bytes(target.reserved_bytes)}")
     click.echo("Outcome      " + (f"{ooms} out-of-memory op(s), the first at op {first_oom}" if ooms else "no OOM"))
     return ooms > 0
+
+
+def _pool_settings(config, task_sink: bool) -> dict:
+    """The MindSpore pool knobs a run took, as its report shows them."""
+    return {"mindspore_version": config.mindspore_release.version, "mode": config.mindspore_mode,
+            "task_sink": task_sink, "enable_vmm": config.enable_vmm,
+            "vmm_page_bytes": config.resolved_alloc_conf.vmm_page_bytes,
+            "mempool_block_size_bytes": config.mempool_block_size_bytes}
 
 
 SNAPSHOT_ADDRESS_SPACE_BYTES = 1 << 44   # 16 TiB: larger than any GPU's memory, so it never decides a replay

@@ -67,7 +67,8 @@ from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSP
                                  vmm_on)
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
-from kvguard.sim.workload import ModelShape, forward_chunks, forward_ops, model_shape, weight_tensors
+from kvguard.sim.workload import (SAMPLING_KINDS, ModelShape, SamplingBatch, forward_chunks, forward_ops, model_shape,
+                                  weight_tensors)
 from kvguard.vllm.eras import era_for, kv_tensor_style
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
@@ -102,6 +103,15 @@ class ScenarioConfig:
     short_prompt_tokens: tuple[int, int] = (32, 1024)
     short_output_tokens: tuple[int, int] = (16, 256)
     long_output_tokens: tuple[int, int] = (16, 128)
+    # How the requests sample, as (kind, share) pairs over workload.SAMPLING_KINDS; each request draws its kind
+    # (from a stream of its own: the prompts and outputs stay as they were), and vLLM's sampler runs per batch
+    # (workload.SamplingBatch). Default, every request top-k and top-p: since vLLM 0.8.0 --generation-config is
+    # "auto" (vllm-project/vllm#12622; vllm/config/model.py 0.11.0:237), so the model's generation_config.json
+    # sets the top_k, top_p and temperature of every request that does not set its own
+    # (get_diff_sampling_param, :1344-1393), and chat models ship both (Qwen's, as vLLM logs it in
+    # vllm-project/vllm#15281: top_k, top_p, temperature, repetition_penalty). sampling_mix=(("greedy", 1.0),)
+    # is a server started with --generation-config vllm whose clients send temperature 0.
+    sampling_mix: tuple[tuple[str, float], ...] = (("top_k_top_p", 1.0),)
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -136,6 +146,7 @@ class ScenarioConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.long_request_fraction <= 1:
             raise ValueError("long_request_fraction must be in [0, 1]")
+        check_sampling_mix(self.sampling_mix)
         if self.vllm_mindspore_version not in VLLM_MINDSPORE_LAUNCHERS:
             raise ValueError(f"unknown vllm-mindspore launcher {self.vllm_mindspore_version!r} "
                              f"(known: {', '.join(VLLM_MINDSPORE_LAUNCHERS)})")
@@ -239,12 +250,44 @@ class ScenarioConfig:
         return out
 
 
+def check_sampling_mix(mix: tuple[tuple[str, float], ...]) -> None:
+    """ValueError (one line) unless ``mix`` is (kind, share) pairs of known kinds, shares >= 0, some > 0."""
+    try:
+        kinds = [kind for kind, _ in mix]
+        shares = [float(share) for _, share in mix]
+    except (TypeError, ValueError):
+        raise ValueError("sampling_mix must be (kind, share) pairs") from None
+    unknown = [kind for kind in kinds if kind not in SAMPLING_KINDS]
+    if unknown:
+        raise ValueError(f"unknown sampling kind {unknown[0]!r} (known: {', '.join(SAMPLING_KINDS)})")
+    if len(set(kinds)) != len(kinds):
+        raise ValueError("sampling_mix names a kind twice")
+    if not all(0 <= share < float("inf") for share in shares) or not sum(shares) > 0:
+        raise ValueError("sampling_mix shares must be finite, at least 0, and not all 0")
+
+
+def parse_sampling_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """``greedy:0.5,top_k_top_p:0.5`` (shares need not add up to 1) as ScenarioConfig.sampling_mix."""
+    mix = []
+    for item in text.split(","):
+        kind, colon, share = item.strip().partition(":")
+        try:
+            if not colon:
+                raise ValueError
+            mix.append((kind.strip(), float(share)))
+        except ValueError:
+            raise ValueError(f"sampling mix: expected KIND:SHARE, got {item.strip()[:40]!r}") from None
+    check_sampling_mix(tuple(mix))
+    return tuple(mix)
+
+
 @dataclass(frozen=True)
 class Request:
     request_id: int
     prompt_tokens: int
     output_tokens: int
     is_long: bool
+    sampling: str = "greedy"      # workload.SAMPLING_KINDS
 
 
 @dataclass(frozen=True)
@@ -340,15 +383,27 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
         output = max(1, min(output, max_len - 1))
         prompt = max(1, min(prompt, max_len - output))
         requests.append(Request(request_id, prompt, output, is_long))
-    return requests
+    # The sampling kinds from a stream of their own, so a mix changes no prompt or output length.
+    kinds = [kind for kind, _ in config.sampling_mix]
+    weights = [float(share) for _, share in config.sampling_mix]
+    sampling_rng = random.Random(f"sampling-{config.seed}")
+    return [replace(request, sampling=sampling_rng.choices(kinds, weights)[0]) for request in requests]
 
 
-def make_allocator(config: ScenarioConfig, device: Device):
+def sampling_batch(scheduled: list) -> SamplingBatch:
+    """The sampler's batch for a step's scheduled sequences: every one gets a row of logits, a partial prefill
+    chunk's too (its token is discarded after sampling, vllm/v1/worker/gpu_model_runner.py 0.11.0:2151-2153)."""
+    return SamplingBatch.of(seq.request.sampling for seq, _ in scheduled)
+
+
+def make_allocator(config: ScenarioConfig, device: Device, *, task_sink: bool = True):
+    """The allocator model a run takes. ``task_sink``: MindSpore's pool starts with it on, MindSpore's default
+    (ms_context.cc:621 @ r2.7.rc1), until the first jit compile, which vllm-mindspore runs after loading the
+    weights: startup() switches to config.task_sink there. An op stream replayed with task sink off from its
+    first op (``simulate --ops --no-task-sink``) passes False."""
     if config.allocator == "mindspore":
-        # Task sink is MindSpore's default (ms_context.cc:621 @ r2.7.rc1) until the first jit compile, which
-        # vllm-mindspore runs after loading the weights: startup() switches to config.task_sink there.
         return native.mindspore_pool(device, version=config.mindspore_release,
-                                     graph_mode=config.mindspore_mode == "graph", task_sink=True,
+                                     graph_mode=config.mindspore_mode == "graph", task_sink=task_sink,
                                      mempool_block_size=config.mempool_block_size_bytes, enable_vmm=config.enable_vmm,
                                      vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
     return native.caching_allocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
@@ -543,19 +598,21 @@ class ServingScenario:
         return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)
 
     # ----------------------------------------------------------------- execution
-    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...], profile_sampler: bool = False) -> list:
-        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler)
+    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...], profile_sampler: bool = False,
+             sampling: SamplingBatch = SamplingBatch()) -> list:
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, sampling)
         cache = self.memo.ops
         ops = cache.get(key)
         if ops is None:
-            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler))
+            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler,
+                                   sampling=sampling))
             if len(cache) > 256:
                 cache.clear()
             cache[key] = ops
         return ops
 
     def _forward(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
-                 profile_sampler: bool = False) -> None:
+                 profile_sampler: bool = False, sampling: SamplingBatch = SamplingBatch()) -> None:
         """One forward pass; a steady one (the allocator left as it was found) is recorded, and replayed
         when the same forward meets the same allocator state again (``base.replay_steady``)."""
         allocator = self.allocator
@@ -564,15 +621,15 @@ class ServingScenario:
         watched = "malloc" in vars(allocator) or "free" in vars(allocator)
         state = None if watched or not hasattr(allocator, "steady_state_key") else allocator.steady_state_key()
         if state is None:
-            self._execute(self._ops(num_tokens, num_seqs, gathered, profile_sampler))
+            self._execute(self._ops(num_tokens, num_seqs, gathered, profile_sampler, sampling))
             return
-        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, state)
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, sampling, state)
         steady = self.memo.steady
         recorded = steady.get(key)
         if recorded is not None:
             replay_steady(allocator, recorded)
             return
-        chunks = self._chunks(num_tokens, num_seqs, gathered, profile_sampler)
+        chunks = self._chunks(num_tokens, num_seqs, gathered, profile_sampler, sampling)
         recorded = record_steady(allocator, lambda: self._execute_layers(*chunks))
         if allocator.steady_state_key() == state:
             if len(steady) >= ForwardMemo.MAX_ENTRIES:
@@ -580,14 +637,15 @@ class ServingScenario:
             steady[key] = recorded
 
     def _chunks(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
-                profile_sampler: bool = False) -> tuple[list, list, list]:
+                profile_sampler: bool = False, sampling: SamplingBatch = SamplingBatch()) -> tuple[list, list, list]:
         """``workload.forward_chunks``: the ops before the layers, each layer's (a repeated layer is the same
         list), the ops after."""
-        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler)
+        key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, sampling)
         cache = self.memo.chunks
         chunks = cache.get(key)
         if chunks is None:
-            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler)
+            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler,
+                                    sampling=sampling)
             if len(cache) > 256:
                 cache.clear()
             cache[key] = chunks
@@ -671,7 +729,7 @@ class ServingScenario:
                              if seq.in_prefill and seq.computed > 0)
         if num_tokens:
             try:
-                self._forward(num_tokens, len(scheduled), gathered)
+                self._forward(num_tokens, len(scheduled), gathered, sampling=sampling_batch(scheduled))
             except SimOutOfMemory as exc:
                 self._fail("serving", exc)
                 return self._record_serving(num_tokens)

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvguard.budget.estimator import Profile
 from kvguard.allocators.base import SimOutOfMemory
-from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+from kvguard.sim.scenario import Request, ScenarioConfig, ServingScenario, sampling_batch
 from kvguard.sim.scheduler import Scheduler, Sequence
 
 
@@ -81,6 +81,7 @@ class LiveServing:
         self._scenario = ServingScenario(replace(config, requests=1))
         self.kv_layout = self._scenario.kv_layout
         self._rng = random.Random(config.seed)
+        self._sampling_rng = random.Random(f"sampling-{config.seed}")    # as make_requests draws the kinds
         self._max_len = config.resolved_max_model_len
         self._clock = 0.0
         self._next_arrival = self._rng.expovariate(self.traffic.arrival_rate)
@@ -167,7 +168,8 @@ class LiveServing:
             if scheduled:
                 gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
                                  if self.config.gathers_kv and seq.in_prefill and seq.computed > 0)
-                ops = self._scenario._ops(num_tokens, len(scheduled), gathered)   # noqa: SLF001 - its cache
+                ops = self._scenario._ops(num_tokens, len(scheduled), gathered,   # noqa: SLF001 - its cache
+                                          sampling=sampling_batch(scheduled))
                 self._pending = [ops, 0, {}]
                 self._run_pending(self._rng.randrange(len(ops)))
             self._advance(scheduled)
@@ -193,7 +195,9 @@ class LiveServing:
                 continue
             if len(self.arrivals) < 1024:
                 self.arrivals.append(self.step_index)
-            self._scheduler.waiting.append(Sequence(prompt, output))
+            kind = self._sampling_rng.choices([k for k, _ in self.config.sampling_mix],
+                                              [float(share) for _, share in self.config.sampling_mix])[0]
+            self._scheduler.waiting.append(Sequence(prompt, output, Request(0, prompt, output, False, kind)))
 
     def _advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
         leak = self.traffic.leak_bytes_per_request
