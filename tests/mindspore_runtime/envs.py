@@ -1,18 +1,18 @@
 """MindSpore's real runtime, one release per environment, for tests/test_probe_mindspore_runtime.py.
 
-Standard library only: dev.sh runs it with the system python3 once kvguard's venv exists. It builds on
-tests/vllm_real/envs.py and tests/mindspore_real/envs.py (imported, not copied): the same cache root, wheel
-cache, marker rule and MindSpore unpacking (the CPU backend kept; the GPU and Ascend backends left out).
+Standard library only: dev.sh runs it with the system python3. It builds on tests/vllm_real/envs.py and
+tests/mindspore_real/envs.py (imported, not copied): the same cache root, wheel cache, marker rule and MindSpore
+unpacking (the CPU backend kept; the GPU and Ascend backends left out).
 
 The releases are those of MindSpore's compiled-pool oracle (oracles/mindspore/build.py RELEASES). Layout, under
-the cache root (KVGUARD_CACHE, default ~/.cache/kvguard):
+the cache root (KVGUARD_CACHE, default ~/.cache/kvguard), independent of any kvguard venv:
+  mindspore-runtime-envs/base          a venv holding MindSpore's own dependencies, pinned (requirements.txt)
   mindspore-runtime-envs/mindspore-X   a venv (no pip) holding MindSpore X unpacked from its wheel, in front of
-                                       kvguard's own venv's site-packages (numpy<2, protobuf, scipy, ... :
-                                       MindSpore's pure dependencies), reached through a .pth file.
-The release kvguard's venv itself holds (pip's newest MindSpore, `.[mindspore]`) is run from that venv.
+                                       the base's site-packages, reached through a .pth file.
+kvguard itself comes from the checkout (the test puts exporter/ on PYTHONPATH).
 
-    python3 tests/mindspore_runtime/envs.py setup VENV [X ...]   build (or check) the envs
-    python3 tests/mindspore_runtime/envs.py python VENV X        print the python that runs X, if ready
+    python3 tests/mindspore_runtime/envs.py setup [X ...]   build (or check) the envs
+    python3 tests/mindspore_runtime/envs.py python X        print the python that runs X, if ready
 """
 
 from __future__ import annotations
@@ -50,31 +50,34 @@ def env_dir(release: str) -> pathlib.Path:
     return envs_dir() / f"mindspore-{release}"
 
 
-def venv_release(venv: pathlib.Path) -> str | None:
-    """The MindSpore release kvguard's venv holds, read from its dist-info (no import)."""
-    site = vllm_envs._site_packages(venv)
-    found = sorted(site.glob("mindspore-*.dist-info"))
-    return found[-1].name[len("mindspore-"):-len(".dist-info")] if found else None
+def _base() -> pathlib.Path:
+    """The venv with MindSpore's pinned dependencies, built once."""
+    base = envs_dir() / "base"
+    pinned = vllm_envs.pinned_list(HERE / "requirements.txt")
+    want = vllm_envs._digest(*pinned, sys.version)
+    if (base / MARKER).is_file() and (base / MARKER).read_text() == want:
+        return base
+    shutil.rmtree(base, ignore_errors=True)
+    vllm_envs._run([sys.executable, "-m", "venv", base])
+    vllm_envs._run(vllm_envs._pip(base / "bin" / "python", "install", "--only-binary", ":all:", *pinned))
+    (base / MARKER).write_text(want)
+    return base
 
 
-def python_for(venv: pathlib.Path, release: str) -> pathlib.Path | None:
-    """The python that runs MindSpore ``release``: kvguard's venv where it holds that release, else the
-    release's env once built; None when neither is ready."""
-    if venv_release(venv) == release and (venv / "bin" / "python").exists():
-        return venv / "bin" / "python"
+def python_for(release: str) -> pathlib.Path | None:
+    """The python that runs MindSpore ``release`` once its env is built; None before."""
     return vllm_envs.ready_python(env_dir(release))
 
 
-def setup(venv: pathlib.Path, release: str) -> tuple[pathlib.Path, bool]:
+def setup(release: str) -> tuple[pathlib.Path, bool]:
     """Build the release's env if its inputs changed; return (python, built)."""
     if release not in RELEASES:
         raise SystemExit(f"unknown MindSpore release {release!r} (known: {', '.join(RELEASES)})")
-    if venv_release(venv) == release:
-        return venv / "bin" / "python", False
+    base_site = vllm_envs._site_packages(_base())
     wheel = vllm_envs._wheel("mindspore", release)
     env = env_dir(release)
-    base_site = vllm_envs._site_packages(venv.resolve())
-    want = vllm_envs._digest(wheel.name, str(base_site), repr(mindspore_envs._MINDSPORE_SKIP))
+    want = vllm_envs._digest(wheel.name, str(base_site), (envs_dir() / "base" / MARKER).read_text(),
+                             repr(mindspore_envs._MINDSPORE_SKIP))
     if (env / MARKER).is_file() and (env / MARKER).read_text() == want:
         return env / "bin" / "python", False
     wheel = vllm_envs._wheel("mindspore", release, fetch=True)
@@ -92,19 +95,18 @@ def setup(venv: pathlib.Path, release: str) -> tuple[pathlib.Path, bool]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "setup":
-        venv = pathlib.Path(argv[1])
-        for release in argv[2:] or RELEASES:
-            python, built = setup(venv, release)
+    if argv and argv[0] == "setup":
+        for release in argv[1:] or RELEASES:
+            python, built = setup(release)
             print(f"mindspore {release}: {'built' if built else 'ready'} ({python})", flush=True)
         return 0
-    if len(argv) == 3 and argv[0] == "python":
-        python = python_for(pathlib.Path(argv[1]), argv[2])
+    if len(argv) == 2 and argv[0] == "python":
+        python = python_for(argv[1])
         if python is None:
             return 1
         print(python)
         return 0
-    print(__doc__.strip().splitlines()[-2:], file=sys.stderr)
+    print("usage: envs.py setup [X ...] | envs.py python X", file=sys.stderr)
     return 2
 
 
