@@ -165,7 +165,27 @@ def test_the_reader_skips_a_bad_newest_file_counts_it_and_keeps_the_last_good_fi
     assert reader.read() is good
     assert reader.read() is good                              # skipped once, not re-read
     assert reader.skipped == {"truncated": 1} and "MemoryDebugInfo1.txt" in reader.last_error
-    assert (tmp_path / "MemoryDebugInfo0.txt").exists()       # nothing deleted for a file that failed
+    # The older file goes all the same (its figures stay in memory): files that never parse must not pile up.
+    assert not (tmp_path / "MemoryDebugInfo0.txt").exists() and (tmp_path / "MemoryDebugInfo1.txt").exists()
+    write(tmp_path, 1, text, now + 1)                         # the same file, now whole: read again
+    assert reader.read() is not good and reader.read().used_bytes == truth["used_bytes"]
+
+
+def test_files_that_never_parse_do_not_pile_up(tmp_path):
+    now = time.time()
+    reader = DumpReader(tmp_path, not_before=now - 60)
+    for k in range(5):
+        write(tmp_path, k, "not MindSpore's dump\n", now + k)
+        assert reader.read() is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["MemoryDebugInfo4.txt"]
+    assert sum(reader.skipped.values()) == 5
+
+
+def test_a_fifo_in_place_of_a_dump_is_a_counted_skip_not_a_hang(tmp_path):
+    os.mkfifo(tmp_path / "MemoryDebugInfo0.txt")
+    reader = DumpReader(tmp_path, not_before=time.time() - 60)
+    assert reader.read() is None
+    assert reader.skipped == {}                               # not a regular file: never opened
 
 
 def test_a_previous_runs_files_are_neither_read_nor_deleted(tmp_path):

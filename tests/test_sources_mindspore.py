@@ -281,3 +281,31 @@ def test_with_the_dump_setting_the_source_reads_the_newest_dump_of_its_working_d
     (tmp_path / "MemoryDebugInfo4.txt").write_text("cut sh")
     assert read()[0].reclaimable_bytes == record.reclaimable_bytes
     assert source.dump_skipped == {"truncated": 1}
+
+
+# ---------------------------------------------------------------------------- the engine's error or the call's own
+
+def test_a_read_that_fails_once_hands_back_the_engines_error_and_one_that_fails_again_is_the_sources():
+    """MindSpore's memory calls rethrow the pipeline's pending error once and clear it (ms_exception.h:55-62
+    @ r2.7.rc1): a second call tells the engine's error (it then succeeds) from the call's own failure."""
+    from kvguard.sources import EngineError
+    from kvguard.sources.mindspore import read_telling_engine_errors
+
+    pending = [RuntimeError("For 'Gather', the 'input_indices' should be in the range [0, 4), but got 99")]
+
+    def memory_stats():
+        if pending:
+            raise pending.pop()
+        return {"total_reserved_memory": GIB}
+
+    with pytest.raises(EngineError) as raised:
+        read_telling_engine_errors(memory_stats)
+    assert "Gather" in str(raised.value.original)
+    assert read_telling_engine_errors(memory_stats) == {"total_reserved_memory": GIB}
+
+    def broken():
+        raise RuntimeError("The pointer[device_context] is null.")
+
+    with pytest.raises(SourceError) as raised:
+        read_telling_engine_errors(broken)
+    assert not isinstance(raised.value, EngineError)

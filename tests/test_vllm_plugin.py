@@ -310,6 +310,11 @@ def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(
     with pytest.raises(RuntimeError) as raised:
         worker.execute_model("next step")
     assert raised.value is error
+    # A startup hook's reading (after initialize_from_config) that takes the engine's error hands it back too.
+    with pytest.raises(RuntimeError) as raised:
+        worker.initialize_from_config(kv_cache_config(GIB))
+    assert raised.value is error
+    assert "initialize_from_config" not in vllm_plugin.hook_errors and "engine_reading" not in vllm_plugin.hook_errors
     # vLLM's own error inside the step passes through too, and the probe goes on.
     EngineOnlyFakeSource.fail_with = None
     own = ValueError("the engine's own failure")

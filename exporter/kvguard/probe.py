@@ -32,12 +32,14 @@ Sources whose reads synchronise the engine (MindSpore's ``memory_stats()`` drain
 takes the engine's pending asynchronous error: kvguard.sources.mindspore) are never read from the probe's
 threads. The worker thread builds the source, sees ``engine_thread_only`` and hands sampling to the engine:
 the vLLM plugin calls :func:`step_begin` / :func:`step_end` around each step of the worker's
-``execute_model``, and at the first step boundary after ``interval`` the engine's thread reads the source
-(there, between steps, the pipeline is drained by the engine's own sync); the probe's thread writes the
-record. An error the read rethrows is the engine's own and is raised again, unchanged, on the engine's
-thread; every other failure is counted. While the engine is between steps its allocator does not change,
-so the probe's thread rewrites the last record each interval (``probe.sampled_at`` says when it was read);
-inside a step that outlasts the sample timeout it writes nothing, and the snapshot ages. The seconds the
+``execute_model`` and :meth:`Probe.run_once` after its startup hooks, and at the first step boundary after
+``interval`` the engine's thread reads the source (there, between steps, the pipeline is drained by the
+engine's own sync); the probe's thread completes (files beside the counters) and writes the record. An
+error the read rethrows that the source tells is the engine's own (a second read succeeds) is raised again,
+unchanged, on the engine's thread; every other failure is counted. Once the engine serves, its allocator
+does not change between steps, so the probe's thread rewrites the last record each interval
+(``probe.sampled_at`` says when it was read); before the first step, and inside a step that outlasts the
+sample timeout, it writes nothing, and the snapshot ages. The seconds the
 engine's thread spent sampling are counted (``engine_thread_seconds_total``).
 
 Pod identity comes from the downward API through the environment: ``POD_NAME``,
@@ -55,6 +57,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -161,7 +164,9 @@ class Probe:
         self._pending: tuple[list[DeviceMemory], float] | None = None   # (records, sampled at): to write
         self._last: tuple[list[DeviceMemory], float, float] | None = None   # (records, monotonic, unix)
         self._engine_seconds = 0.0
-        self._engine_reads_ok = False                       # a read on the engine's thread has succeeded
+        # Once the engine steps, its allocator changes only inside steps; before (loading, profiling, the KV
+        # cache, warm-up) it changes without one, and a rewritten reading would be an old one called fresh.
+        self._serving = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Probe":
@@ -195,9 +200,10 @@ class Probe:
         snapshots written. (A sample the loop started earlier is waited out, not reused: it may predate
         what the caller just did, such as loading the weights.) A source read on the engine's thread only
         is read here, on the caller's thread, which must then be the engine's (the vLLM plugin's hooks are)."""
-        written = self._tick(self.sample_timeout if timeout is None else timeout, not_before=time.monotonic())
         if not self._engine_mode:
-            return written
+            written = self._tick(self.sample_timeout if timeout is None else timeout, not_before=time.monotonic())
+            if not self._engine_mode:
+                return written
         taken = self._engine_sample_guarded()
         return self._write(*taken) if taken is not None else 0
 
@@ -209,6 +215,7 @@ class Probe:
             return
         now = time.monotonic()
         self._in_step_since = now
+        self._serving = True
         if now - self._engine_sampled < self.interval:
             return
         taken = self._engine_sample_guarded()
@@ -222,14 +229,17 @@ class Probe:
         self._in_step_since = None
 
     def _engine_sample_guarded(self) -> tuple[list[DeviceMemory], float] | None:
-        """:meth:`_engine_sample`; the engine's own error raised again unchanged, any other counted."""
+        """:meth:`_engine_sample`; the engine's own error raised again unchanged (its cause and context as they
+        were: raised outside the handler), any other counted."""
         try:
             return self._engine_sample()
         except EngineError as exc:
-            raise exc.original from None
+            original = exc.original
         except Exception as exc:  # noqa: BLE001 - the probe's own bug: never the engine's problem
             self._count("internal", f"probe: {one_line(exc)}")
             return None
+        _passed_through(original)
+        raise original
 
     def _engine_sample(self) -> tuple[list[DeviceMemory], float] | None:
         """One read of the source on the calling (engine) thread: (records, monotonic start) or None."""
@@ -241,11 +251,7 @@ class Probe:
                 raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
                                 "not a list of DeviceMemory")
         except EngineError as exc:
-            if not self._engine_reads_ok:
-                # No read has succeeded yet (the first is taken before the engine queues anything): this is the
-                # source failing (a device not set up), not an error of the engine's to hand back.
-                self._count("sample", one_line(exc))
-                return None
+            # The source told it from its own failure (kvguard.sources.mindspore.read_telling_engine_errors).
             self._count("engine", f"{one_line(exc)} (raised again on the engine's thread)")
             raise
         except Exception as exc:  # noqa: BLE001 - the source's own failure: counted, never raised
@@ -258,7 +264,6 @@ class Probe:
         with self._lock:
             self._samples += 1
             self._last = (records, started, time.time())
-        self._engine_reads_ok = True
         return records, started
 
     # ------------------------------------------------------------------ engine facts
@@ -341,6 +346,8 @@ class Probe:
         between steps (its allocator idle), rewrite the last record so that the snapshot stays fresh."""
         if self._write_pending():
             return 1
+        if not self._serving:
+            return 0          # not serving yet: the pool changes without steps (loading, profiling), let it age
         in_step = self._in_step_since
         if in_step is not None and time.monotonic() - in_step > self.sample_timeout:
             return 0          # a step that long may have changed everything: let the snapshot age
@@ -483,6 +490,21 @@ class Probe:
             log.warning("kvguard probe: %s (counted; further %s errors are logged at debug level)", message, kind)
         else:
             log.debug("kvguard probe: %s", message)
+
+
+# The engine's own errors the probe raised again on the engine's thread (the last few): a caller that counts
+# its own failures (the vLLM plugin's hooks) asks is_engine_error() and lets them pass. Exceptions take no
+# weak references, hence a short queue.
+_PASSED: deque[BaseException] = deque(maxlen=8)
+
+
+def _passed_through(error: BaseException) -> None:
+    _PASSED.append(error)
+
+
+def is_engine_error(error: BaseException) -> bool:
+    """Whether ``error`` is the engine's own pending error that a read of the probe took and raised again."""
+    return any(error is passed for passed in list(_PASSED))
 
 
 def _pick(explicit: Mapping[str | None, Any], device: str, from_source: Any) -> Any:

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES
 from kvguard.records import DeviceMemory, PoolFigures, physical_reserved_bytes
@@ -163,6 +163,25 @@ def with_pool_figures(memory: DeviceMemory, figures: PoolFigures) -> DeviceMemor
                    pool_figures_at=figures.written_at)
 
 
+def read_telling_engine_errors(read: Callable[[], Any], source: str = "mindspore") -> Any:
+    """``read()``, a MindSpore memory call made on the engine's thread, telling the engine's error from the
+    call's own failure.
+
+    The call rethrows the pipeline's pending error once and clears it (``CheckException``, ms_exception.h:55-62
+    @ r2.7.rc1), and on the engine's thread nothing new is queued while it runs: so a second call right after a
+    failure succeeds when the first failure was the engine's pending error, and fails again when the call
+    itself fails (a device not set up, an unsupported backend). The first: :class:`EngineError` (the original
+    error, for the engine); the second: :class:`SourceError`, one line."""
+    try:
+        return read()
+    except Exception as first:  # noqa: BLE001 - MindSpore raises RuntimeError/ValueError/IndexError alike
+        try:
+            read()
+        except Exception as again:  # noqa: BLE001
+            raise SourceError(f"{source}: {one_line(again)}") from None
+        raise EngineError(first, source) from None
+
+
 def device_label(device_target: str, device_id: int) -> str:
     prefix = _DEVICE_PREFIX.get(device_target, str(device_target).lower())
     return "cpu" if prefix == "cpu" else f"{prefix}:{device_id}"
@@ -227,10 +246,7 @@ class MindSporeSource:
         if not callable(reader):
             raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats "
                                     "(need 2.3+)")
-        try:
-            return reader(*args)
-        except Exception as exc:  # noqa: BLE001 - whatever the pipeline rethrows is the engine's
-            raise EngineError(exc, "mindspore") from None
+        return read_telling_engine_errors(lambda: reader(*args), "mindspore")
 
     @staticmethod
     def _device_memory(ms: Any, device_target: str, device_id: int) -> tuple[int | None, int | None]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -294,9 +295,14 @@ def parse_dump(lines: list[str], vmm: bool | None = None) -> PoolFigures:
 def read_dump_file(path: Path, vmm: bool | None = None) -> PoolFigures:
     """One file, read with bounds: DumpError (one line) when it is too large, not text, or malformed."""
     try:
-        with open(path, "rb") as handle:
+        # No symlink followed, no FIFO or device waited on: only a regular file this process can read.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise DumpError("unreadable", f"{path.name} is not a regular file")
             data = handle.read(MAX_FILE_BYTES + 1)
-            written_at = os.fstat(handle.fileno()).st_mtime
+            written_at = info.st_mtime
     except OSError as exc:
         raise DumpError("unreadable", f"cannot read {path.name}: {exc.strerror or exc}") from None
     if len(data) > MAX_FILE_BYTES:
@@ -334,8 +340,8 @@ class DumpReader:
     directory) is never read nor deleted. ``read()`` returns the newest good figures, or None before the
     first; a file that fails to parse is skipped once, counted in ``skipped`` by reason, with the reason
     in ``last_error``, and the last good figures stand (the guard's freshness rule decides whether they
-    still describe the pool). Older files of this process are deleted once a newer one has been read,
-    so the folder holds one dump (MindSpore never rotates them)."""
+    still describe the pool). Older files of this process are deleted once a newer one is there, read or
+    skipped, so the folder holds one dump (MindSpore never rotates them)."""
 
     def __init__(self, directory: str | Path, *, not_before: float | None = None, vmm: bool | None = None,
                  rank: int | None = None, delete_older: bool = True) -> None:
@@ -392,7 +398,8 @@ class DumpReader:
             except DumpError as exc:
                 self.skipped[exc.reason] += 1
                 self.last_error = f"{path.name}: {exc}"
-                return self._figures
+            # Older files go whether the newest parsed or not: files that never parse (another MindSpore's
+            # format) must not pile up, 0.8 MB every N graph runs.
             if self.delete_older:
                 for _, older_k, older in files[:-1]:
                     if older_k < k:

@@ -138,10 +138,14 @@ def _guard(hook: str, function: Callable[..., Any], *args: Any) -> Any:
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
         from kvguard.sources import EngineError
         if isinstance(exc, EngineError):
-            raise exc.original from None
-        from kvguard.text import one_line
-        _failed(hook, one_line(exc))
-        return None
+            original = exc.original
+        elif probe_module().is_engine_error(exc):
+            original = exc
+        else:
+            from kvguard.text import one_line
+            _failed(hook, one_line(exc))
+            return None
+    raise original    # outside the handler: its cause and context stay as the engine made them
 
 
 # ---------------------------------------------------------------------------- register
@@ -177,7 +181,12 @@ def _turn_on_mindspore_dump() -> None:
     into the user's ``MS_ALLOC_CONF`` here, in every process vLLM starts and before its worker creates the pool,
     which reads the setting once (ascend_memory_pool.cc:519-525). The probe then reads the newest file
     (kvguard.sources.mindspore_dump). Idempotent: a value that already holds ``dump`` is left as it is."""
-    from kvguard.sources.mindspore_dump import ALLOC_CONF_ENV, dump_alloc_conf
+    from kvguard.sources.mindspore_dump import ALLOC_CONF_ENV, DUMP_ENV, dump_alloc_conf
+    if _settings.spool_dir is None:
+        if os.environ.get(DUMP_ENV, "").strip():
+            _failed("mindspore_dump", f"{DUMP_ENV} is set but KVGUARD_SPOOL_DIR is not: no probe would read or "
+                                      f"delete the dumps; MindSpore's dump not turned on")
+        return
     value = dump_alloc_conf(os.environ)
     if value is not None and value != os.environ.get(ALLOC_CONF_ENV):
         os.environ[ALLOC_CONF_ENV] = value
@@ -279,6 +288,8 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
         if original is None or getattr(original, _MARK, False):
             continue
         wrapped = functools.wraps(original)(wrapper(original))
+        if name in READING_AFTER:
+            wrapped = functools.wraps(original)(_then_engine_reading(wrapped))
         setattr(wrapped, _MARK, True)
         setattr(worker, name, wrapped)
 
@@ -330,6 +341,26 @@ def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
     return init_device
 
 
+# Startup steps after which a probe that reads on the engine's thread takes a reading there: the pool changes
+# in them without a step (the KV cache allocated; warm-up and graph compilation), and the probe rewrites no
+# reading before the engine serves (kvguard.probe).
+READING_AFTER = ("initialize_from_config", "compile_or_warm_up_model")
+
+
+def _then_engine_reading(function: Callable[..., Any]) -> Callable[..., Any]:
+    def with_reading(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = function(self, *args, **kwargs)
+        _guard("engine_reading", _engine_reading)
+        return result
+    return with_reading
+
+
+def _engine_reading() -> None:
+    running = probe_module().current() if _settings.spool_dir is not None else None
+    if running is not None and running.status.sampling == "engine-step":
+        running.run_once()
+
+
 def _first_engine_sample(worker: Any) -> None:
     """On MindSpore the probe reads the pool on this (the engine's) thread only (kvguard.probe): take the
     first reading now, with the device set and no op queued yet, so that the rank has a snapshot before its
@@ -352,8 +383,8 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     probe = probe_module()
 
     def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        probe.step_begin()
         try:
+            probe.step_begin()
             return original(self, *args, **kwargs)
         finally:
             probe.step_end()
@@ -465,12 +496,10 @@ def _mindspore_runtime() -> Any:
 
 def _ms_read(function: Callable[[], Any]) -> Any:
     """One MindSpore memory call: each goes through ``_memory_stats`` or its siblings, which drain the runtime
-    pipeline and rethrow the engine's pending error (kvguard.sources.mindspore): that error is the engine's."""
-    from kvguard.sources import EngineError
-    try:
-        return function()
-    except Exception as exc:  # noqa: BLE001 - whatever the runtime rethrows belongs to the engine
-        raise EngineError(exc, "mindspore") from None
+    pipeline and rethrow the engine's pending error; that error is told from the call's own failure by a second
+    call (kvguard.sources.mindspore.read_telling_engine_errors) and raised as EngineError, the other counted."""
+    from kvguard.sources.mindspore import read_telling_engine_errors
+    return read_telling_engine_errors(function)
 
 
 def _mindspore_peak_start(capture: _Capture) -> None:
@@ -494,12 +523,16 @@ def _mindspore_peak(capture: _Capture, read: Callable[[_Capture], None]) -> None
     try:
         read(capture)
     except EngineError as exc:
-        raise exc.original from None
+        original = exc.original
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
         from kvguard.text import one_line
         message = one_line(exc)[:400]
         capture.ms_error = capture.ms_error or message
         _failed("reserved_peak", f"MindSpore's reserved peak of the profile run not read: {message}")
+        return
+    else:
+        return
+    raise original    # outside the handler: its cause and context stay as the engine made them
 
 
 def reserved_peak_from(profile: Any, capture: _Capture) -> Any:
