@@ -2,7 +2,7 @@
 
 An engine loop as vLLM's worker runs it: per step the probe's step hooks (kvguard.vllm.plugin wraps
 ``execute_model`` with them), a chain of ops queued on the runtime pipeline, and a sync of the step's output.
-Three ways, timed in turn in one run (ABC ABC ...), each for ``--seconds``:
+Three ways, timed in turn in one run (ABC CBA ABC ...), each for ``--seconds``:
   none       no probe;
   probe      kvguard.probe.start(spool, interval, source="mindspore") and the step hooks: the reads happen on the
              engine's thread at step boundaries (the probe's way since issue 32);
@@ -68,14 +68,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--ops-per-step", type=int, default=20)
     parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--modes", default="none,probe,thread", help="which ways to time, none first")
     args = parser.parse_args()
     import mindspore as ms
     ms.set_device("CPU")
-    modes = ("none", "probe", "thread")
+    modes = tuple(args.modes.split(","))
+    if modes[0] != "none" or not set(modes) <= {"none", "probe", "thread"}:
+        parser.error("--modes: none first, then probe and/or thread")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     run("none", args.hz, 1.0, args.ops_per_step, args.size)      # warm-up: kernels compiled, pool grown
-    for _ in range(args.rounds):
-        for mode in modes:
+    for round_index in range(args.rounds):
+        # ABBA: every other round runs the ways in reverse, so a drift within a round (a warming cache, the last
+        # way's threads winding down) does not favour one way.
+        for mode in (modes if round_index % 2 == 0 else tuple(reversed(modes))):
             results[mode].append(run(mode, args.hz, args.seconds, args.ops_per_step, args.size))
     base = statistics.median(r["ops_per_s"] for r in results["none"])
     # Each round's rate over the same round's `none`, run just before it: a load that comes and goes on the
@@ -89,8 +94,8 @@ def main() -> None:
         rates = [r["ops_per_s"] for r in results[mode]]
         print(f"{mode:8} {statistics.median(rates):15.1f} {statistics.median(rates) / base:17.4f} "
               f"{paired[mode]:20.4f}")
-    samples = sum(r["samples"] for r in results["probe"])
-    seconds = sum(r["engine_seconds"] for r in results["probe"])
+    samples = sum(r["samples"] for r in results.get("probe", []))
+    seconds = sum(r["engine_seconds"] for r in results.get("probe", []))
     if samples:
         print(f"probe: {samples} readings on the engine's thread, {seconds / samples * 1e6:.1f} us each "
               f"(engine_thread_seconds_total / samples_total), {seconds / (args.rounds * args.seconds) * 100:.4f} % "
