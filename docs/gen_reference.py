@@ -263,7 +263,8 @@ def example_snapshot(rank: int, written_at: float):
                     device=memory.device, memory=memory, rank=rank, pod=dict(POD), profile=profile,
                     kv_cache=KVCacheAllocation(num_blocks=blocks, block_bytes=BLOCK_BYTES, block_size=128),
                     probe=ProbeStatus(samples_total=120, errors_total=1, interval_seconds=5.0, sampling="engine-step",
-                                      sampled_at=written_at - 2.5, engine_thread_seconds_total=0.06),
+                                      sampled_at=written_at - 2.5, engine_thread_seconds_total=0.06,
+                                      skipped_total=0),
                     model_name=MODEL_NAME, engine="0", budget_verdict=at_budget)
 
 

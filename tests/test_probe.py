@@ -340,7 +340,7 @@ def test_snapshot_json_carries_the_documented_keys(spool):
     assert set(data) >= {"kind", "schema", "written_at", "started_at", "sequence", "host", "pid", "rank", "device",
                          "pod", "memory", "profile", "kv_cache", "probe"}
     assert set(data["probe"]) == {"samples_total", "errors_total", "write_errors_total", "last_error", "sampling",
-                                  "sampled_at", "engine_thread_seconds_total",
+                                  "sampled_at", "engine_thread_seconds_total", "skipped_total",
                                   "interval_seconds", "overruns_total"}
 
 

@@ -309,3 +309,29 @@ def test_a_read_that_fails_once_hands_back_the_engines_error_and_one_that_fails_
     with pytest.raises(SourceError) as raised:
         read_telling_engine_errors(broken)
     assert not isinstance(raised.value, EngineError)
+
+
+def test_a_dump_the_probe_cannot_read_is_a_visible_counted_skip(data_path, tmp_path, monkeypatch, caplog):
+    """Exact mode through the probe: a cut-short dump leaves no figures and no error of the sample, but a
+    skipped_total in the snapshot, logged once."""
+    from kvguard.probe import Probe
+    from kvguard.spool.io import read_spool
+
+    folder = tmp_path / "cwd"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "1")
+    dump = Path(data_path("mindspore_dump", "2.7.1-vmm-MemoryDebugInfo0.txt")).read_text()
+    (folder / "MemoryDebugInfo0.txt").write_text(dump[: len(dump) // 3])
+    stats = {"total_reserved_memory": 3 * GIB, "total_allocated_memory": 2 * GIB, "total_eager_free_memory": GIB}
+    fake = types.SimpleNamespace(get_context=lambda key: {"device_target": "Ascend", "device_id": 0}[key],
+                                 runtime=types.SimpleNamespace(memory_stats=lambda: stats), hal=types.SimpleNamespace())
+    probe = Probe(str(tmp_path / "spool"), MindSporeSource(fake), interval=60)
+    try:
+        assert probe.run_once() == 1      # read on this (the engine's) thread; the dump on the writer's
+        [snapshot] = read_spool(str(tmp_path / "spool")).snapshots
+    finally:
+        probe.stop()
+    assert snapshot.memory.reclaimable_bytes is None and snapshot.probe.errors_total == 0
+    assert snapshot.probe.skipped_total == 1
+    assert "truncated" in caplog.text and "MemoryDebugInfo0.txt" in caplog.text

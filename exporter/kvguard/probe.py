@@ -64,7 +64,7 @@ from typing import Any, Mapping
 from kvguard.budget.estimator import Profile
 from kvguard.records import DeviceMemory
 from kvguard.sources import (EngineError, RankContext, Source, close_source, complete_records, engine_thread_only,
-                             get_source, rank_contexts, source_names)
+                             get_source, rank_contexts, source_names, source_skips)
 from kvguard.text import one_line
 from kvguard.spool.io import write_snapshot
 from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
@@ -315,7 +315,8 @@ class Probe:
                            write_errors_total=self._write_errors, last_error=self._last_error,
                            interval_seconds=self.interval, overruns_total=self._overruns,
                            sampling="engine-step" if self._engine_mode else "thread",
-                           engine_thread_seconds_total=self._engine_seconds)
+                           engine_thread_seconds_total=self._engine_seconds,
+                           skipped_total=source_skips(self._source))
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:

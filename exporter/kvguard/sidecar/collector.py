@@ -204,6 +204,9 @@ _RANK_FAMILIES = (
      "probe's samples (sources read between the engine's steps, MindSpore's; 0 where the probe samples on a thread "
      "of its own).", (),
      lambda v: (((), v.snapshot.probe.engine_thread_seconds_total),) if v.snapshot is not None else ()),
+    ("counter", "kvguard_probe_skipped_total", "Inputs beside the counters the probe skipped (MindSpore's pool dump "
+     "in exact mode: too large, not text, cut short or malformed); the first of each kind is logged.", (),
+     lambda v: (((), v.snapshot.probe.skipped_total),) if v.snapshot is not None else ()),
     ("gauge", "kvguard_probe_sample_age_seconds", "Seconds between the reading of the rank's memory counters and the "
      "probe's write of the snapshot (between an idle engine's steps the probe rewrites its last reading).", (),
      lambda v: (((), max(0.0, v.snapshot.written_at - v.snapshot.probe.sampled_at)),)

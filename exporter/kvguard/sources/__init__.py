@@ -150,6 +150,16 @@ def complete_records(source: Any, records: list[DeviceMemory]) -> list[DeviceMem
     return done
 
 
+def source_skips(source: Any) -> int:
+    """The source's ``skipped_total`` (inputs beside the counters it skipped, counted: a hostile or cut file), 0
+    where it has none or it cannot be read. Never raises."""
+    try:
+        value = getattr(source, "skipped_total", 0)
+    except Exception:  # noqa: BLE001 - an optional extra
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
 def close_source(source: Any) -> None:
     """Call ``source.close()`` if it has one; never raises."""
     close = getattr(source, "close", None)

@@ -17,7 +17,7 @@ import threading
 
 from kvguard.records import DeviceMemory
 from kvguard.sources import (Source, SourceError, SourceUnavailable, close_source, complete_records,
-                             engine_thread_only)
+                             engine_thread_only, source_skips)
 from kvguard.sources.host import HostSource
 from kvguard.sources.mindspore import MindSporeSource
 from kvguard.sources.npu_smi import NpuSmiSource
@@ -80,6 +80,13 @@ class AutoSource:
         with self._lock:
             framework = self._framework
         return complete_records(framework, records) if framework is not None else records
+
+    @property
+    def skipped_total(self) -> int:
+        """The framework source's skipped files (MindSpore's pool dumps), 0 where it has none."""
+        with self._lock:
+            framework = self._framework
+        return source_skips(framework)
 
     def sample(self) -> list[DeviceMemory]:
         framework = self._framework_source()

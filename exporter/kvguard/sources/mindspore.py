@@ -54,6 +54,7 @@ pool's counters without that wait.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -62,6 +63,8 @@ from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES
 from kvguard.records import DeviceMemory, PoolFigures, physical_reserved_bytes
 from kvguard.sources import EngineError, SourceError, SourceUnavailable, count, free_total_used
 from kvguard.text import one_line
+
+log = logging.getLogger("kvguard.sources.mindspore")
 
 # DeviceMemory field <- memory_stats keys, preferred spelling first.
 STATS_KEYS: dict[str, tuple[str, ...]] = {
@@ -196,6 +199,7 @@ class MindSporeSource:
 
     def __init__(self, mindspore_module: Any = None):
         self._ms = mindspore_module
+        self._skips_logged: set[str] = set()
 
     def _module(self) -> Any:
         if self._ms is None:
@@ -290,7 +294,17 @@ class MindSporeSource:
                 if previous is not None:
                     reader.skipped.update(previous.skipped)
         reader.vmm = bool(eager_free)      # 2.7.0's file does not say; under VMM the unmapped space is eager-free
-        return reader.read()
+        figures = reader.read()
+        for reason in set(reader.skipped) - self._skips_logged:
+            self._skips_logged.add(reason)
+            log.warning("kvguard: MindSpore's pool dump skipped (%s): %s (counted in kvguard_probe_skipped_total; "
+                        "further %s skips are not logged)", reason, reader.last_error or reason, reason)
+        return figures
+
+    @property
+    def skipped_total(self) -> int:
+        """Files beside the counters skipped so far (the pool's dumps that could not be read): the probe exports it."""
+        return sum(self.dump_skipped.values())
 
     @property
     def dump_skipped(self) -> dict[str, int]:

@@ -48,6 +48,7 @@ class ProbeStatus:
     sampling: str = "thread"
     sampled_at: float | None = None
     engine_thread_seconds_total: float = 0.0
+    skipped_total: int = 0            # inputs beside the counters the source skipped (MindSpore's pool dumps)
 
 
 SAMPLING_MODES = ("thread", "engine-step")
@@ -169,6 +170,7 @@ class Snapshot:
                 sampling=probe_raw.get("sampling") if probe_raw.get("sampling") in SAMPLING_MODES else "thread",
                 sampled_at=_number(probe_raw, "sampled_at") if probe_raw.get("sampled_at") is not None else None,
                 engine_thread_seconds_total=_seconds_total(probe_raw, "engine_thread_seconds_total"),
+                skipped_total=_int(probe_raw, "skipped_total", 0),
             )
             model_name, engine, pid_namespace = (_text(data, key) for key in ("model_name", "engine", "pid_namespace"))
         except (ValueError, TypeError, OverflowError, ProfileError) as exc:
