@@ -69,6 +69,17 @@ def test_the_row_names_the_wheel_the_tests_run():
     assert era_for(RELEASE).checked_against == "0.5.1"
 
 
+def test_the_probe_reads_mindspore_on_the_workers_thread_at_its_step_boundary(tmp_path_factory):
+    """On vllm-mindspore the probe reads MindSpore's pool only on the engine's thread (kvguard.probe): the
+    plugin has wrapped vLLM's Worker.execute_model, the step boundary, which vllm-mindspore 0.5.1 leaves as
+    vLLM's (it patches GPUModelRunner.execute_model and Worker.init_device, vllm_mindspore/__init__.py:327-328,
+    434), and the rank's snapshot was read there, in engine-step mode."""
+    result, snap = run(tmp_path_factory)
+    assert result["execute_model_wrapped"] is True
+    assert snap.probe.sampling == "engine-step"
+    assert snap.probe.samples_total >= 1 and snap.probe.engine_thread_seconds_total > 0
+
+
 def test_it_runs_the_releases_own_platform_and_memory_profiling(tmp_path_factory):
     """vllm-mindspore 0.5.1 on vLLM 0.11.0 and MindSpore 2.7.1: its AscendPlatform (128-token blocks,
     platforms/ascend.py:92-94) and its ms_memory_profiling in place of vLLM's (__init__.py:120), whose torch peak

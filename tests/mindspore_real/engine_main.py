@@ -147,6 +147,10 @@ def _startup(scenario, device, result):
 
     outcome = EngineCore._initialize_kv_caches(core, vllm_config)
     result["engine_outcome"] = repr(outcome)
+    # The step boundary kvguard's plugin wraps: vLLM's own Worker.execute_model (vllm_mindspore/__init__.py
+    # replaces GPUModelRunner.execute_model and Worker.init_device at import, :327-328 and :434, not this one).
+    result["execute_model_wrapped"] = bool(getattr(gpu_worker.Worker.__dict__.get("execute_model"),
+                                                   "_kvguard_wrapped", False))
     result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
     result["figures"] = {
         "requested_memory": getattr(worker, "requested_memory", None),
