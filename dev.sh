@@ -114,7 +114,7 @@ setup_test() {
     # hard links to one copy.
     step "disk: retiring unpacked wheels, linking duplicate files"
     python3 oracles/cache.py slim "$VENV" >&2
-    step "setup done; running pytest (about 2,600 tests)"
+    step "setup done; running pytest (about 3,300 tests)"
 }
 
 case "${1:-}" in
