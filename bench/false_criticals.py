@@ -7,7 +7,9 @@ memory. The guard projects the worst case vLLM itself budgets for: a batch of
 ``max_num_batched_tokens``, the profile run's own forward, on top of weights and KV cache. The grids'
 32 requests seldom schedule such a batch. So each false critical is run again to its end, and then one
 profile-size forward is added (``ServingScenario._ops(max_num_batched_tokens, ...)``, what vLLM's
-profile run executes), and the whole stream is replayed on the allocator that decides it: MindSpore's
+profile run executes), its sampler as a batch of greedy and top-k/top-p requests runs it
+(``workload.PROFILE_SAMPLING``: the profile run's own sampler, and what any mixed batch of the default
+sampling mix reaches), and the whole stream is replayed on the allocator that decides it: MindSpore's
 compiled pool where its oracle is built (bench/real_pool.py), else the model.
 
 - ``risk real``: that batch runs out of memory. The call named a real risk the workload did not hit.
@@ -38,6 +40,7 @@ def worst_batch(scenario: tuple) -> dict:
     much room."""
     from kvguard.allocators.base import SimOutOfMemory
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+    from kvguard.sim.workload import PROFILE_SAMPLING
 
     model, gib, util, (_, allocator, overrides), budget, seed = scenario
     path, tp = guard_holdout.MODELS[model]
@@ -56,7 +59,8 @@ def worst_batch(scenario: tuple) -> dict:
     pool = scenario_run.allocator
     tokens = config.max_num_batched_tokens
     try:
-        scenario_run._execute(scenario_run._ops(tokens, min(config.max_num_seqs, tokens), ()))
+        scenario_run._execute(scenario_run._ops(tokens, min(config.max_num_seqs, tokens), (),
+                                                sampling=PROFILE_SAMPLING))
         model_oom = False
     except SimOutOfMemory:
         model_oom = True
