@@ -5,7 +5,7 @@ For every log in tests/data/plan_validation.json, runs ``kvguard plan --json`` (
 model's config.json fields, the serve settings the log's release ran and its device, and compares:
 
 - weights: plan["weights"]["bytes"] with the log's "model weights take" / "Loading model weights took" figure
-  (tests/data/logs/real/MANIFEST.json expect.weights_gib; the seed log's own line);
+  (tests/data/logs/real/MANIFEST.json expect.weights_gib);
 - activation: plan["activation_peak"]["allocated_increase_bytes"] with the log's "PyTorch activation peak memory"
   (expect.peak_activation_gib), or the difference of two figures it prints (derived_activation_gib, named there).
 
@@ -44,16 +44,13 @@ def load_cases() -> list[dict]:
     cases = []
     for log_id, log in data["logs"].items():
         model = data["models"][log["model"]]
-        entry = manifest.get(log_id)
-        if entry is not None:
-            stated = {"weights_gib": entry["expect"].get("weights_gib"),
-                      "activation_gib": entry["expect"].get("peak_activation_gib")}
-            # A release the era table does not place: its project, release unknown.
-            era = entry["era"] or f"{entry['release'].split(' ')[0]} (release unknown)"
-            held_out = entry["held_out"]
-        else:   # the seed log, outside the corpus
-            stated = {"weights_gib": log["stated"].get("weights_gib"), "activation_gib": None}
-            era, held_out = log["era"], False
+        # Real logs only: every case is a corpus log (a constructed log is never evidence, issue 33).
+        entry = manifest[log_id]
+        stated = {"weights_gib": entry["expect"].get("weights_gib"),
+                  "activation_gib": entry["expect"].get("peak_activation_gib")}
+        # A release the era table does not place: its project, release unknown.
+        era = entry["era"] or f"{entry['release'].split(' ')[0]} (release unknown)"
+        held_out = entry["held_out"]
         derived = log.get("derived_activation_gib")
         if stated["activation_gib"] is None and derived is not None:
             stated["activation_gib"] = derived["value"]
@@ -156,6 +153,51 @@ def era_table(rows: list[dict]) -> tuple[list[str], dict]:
     return lines, eras
 
 
+# The seed's two published runs (vllm-mindspore 0.2.0, 64 GB 910B): (GiB, blocks) per formula. Its commands:
+# tests/test_plan_seed.py (SEED_QWEN; test_plan.py's SEED_DSV3 and DEEPSEEK_V3).
+SEED_PUBLISHED = {"Qwen2.5-7B-Instruct TP1": {"stock": (37.85, 44292), "reserved": (36.40, 42593)},
+                  "DeepSeek-V3 TP16": {"stock": (9.13, 8719), "reserved": (8.54, 8150)}}
+
+
+def seed_lines(directory: str) -> list[str]:
+    """plan against the seed's published budgets, both formulas: vLLM's stock (allocated peak) and
+    vllm-mindspore 0.2.0's reserved fix, from plan's one predicted profile."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from test_plan import DEEPSEEK_V3, SEED_DSV3
+    from test_plan_seed import SEED_QWEN
+
+    from kvguard.budget.estimator import Profile, estimate
+    from kvguard.cli import main as cli
+
+    path = os.path.join(directory, "deepseek-v3.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(DEEPSEEK_V3, handle)
+    qwen = os.path.join(REPO, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")
+    lines = [f"{'seed run':<26} {'formula':<9} {'published GiB / blocks':>24} {'plan GiB / blocks':>20} "
+             f"{'error GiB':>9} {'error %':>8}"]
+    for name, (config, command) in {"Qwen2.5-7B-Instruct TP1": (qwen, SEED_QWEN),
+                                    "DeepSeek-V3 TP16": (path, SEED_DSV3)}.items():
+        result = CliRunner().invoke(cli, ["plan", "--json", "--device", "910B", "--vllm-version",
+                                          "vllm-mindspore:0.2.0", "--model-config", config, "--", *command])
+        out = json.loads(result.output)
+        profile = Profile.from_dict(out["profile"])
+        for formula, era_formula in (("stock", "peak"), ("reserved", "mindspore_reserved")):
+            kv = estimate(dataclasses.replace(profile, formula=era_formula)).stock.kv_cache_bytes
+            gib, blocks = kv / GIB, kv // out["block_bytes"]
+            published_gib, published_blocks = SEED_PUBLISHED[name][formula]
+            lines.append(f"{name:<26} {formula:<9} {published_gib:>13.2f} / {published_blocks:>7,} "
+                         f"{gib:>9.2f} / {blocks:>7,} {gib - published_gib:>+9.2f} "
+                         f"{100 * (gib - published_gib) / published_gib:>+7.1f}%")
+        non_torch = out["plan"]["non_torch"]
+        lines.append(f"{'':<26} per rank: weights {out['plan']['weights']['bytes'] / GIB:.2f} GiB, activation "
+                     f"+{profile.peak_allocated_increase_bytes / GIB:.2f} allocated / "
+                     f"+{profile.peak_reserved_increase_bytes / GIB:.2f} reserved, non-torch increase "
+                     f"{non_torch['increase_bytes'] / GIB:.2f} GiB, device {profile.total_memory_bytes:,} B")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     cases = load_cases()
     with tempfile.TemporaryDirectory() as directory:
@@ -170,6 +212,11 @@ def main(argv: list[str]) -> int:
     print("error = predicted - stated; held-out: the manifest's rule (id % 4 == 0), written before tuning\n")
     for line in table(rows):
         print(line)
+    print()
+    print("the seed's published runs (vllm-mindspore 0.2.0 on 910B; targets: Qwen within 2%, DeepSeek-V3 within 10%)")
+    with tempfile.TemporaryDirectory() as directory:
+        for line in seed_lines(directory):
+            print(line)
     print()
     lines, eras = era_table(rows)
     for line in lines:
@@ -192,7 +239,7 @@ def main(argv: list[str]) -> int:
             "about": ("kvguard plan's prediction errors against the real logs that state them (predicted - stated), "
                       "per era of the log's release; written by bench/plan_validation.py --write-accuracy from "
                       "tests/data/plan_validation.json. Read by kvguard.plan.planner._predicted_uncertainty."),
-            "results": "bench/results/plan-validation-2026-12-03.txt", "commit": commit,
+            "results": "bench/results/plan-validation-2026-12-07.txt", "commit": commit,
             "large_pct": LARGE_PCT,
             "eras": {era: {"allocator": allocators.get(era), **figures} for era, figures in eras.items()},
         }

@@ -1,6 +1,6 @@
 """`kvguard plan` against the real logs that state weights or the activation peak (issue 20, deliverable 4).
 
-For every log of the real-log corpus (tests/data/logs/real) and the seed log that names its model, `kvguard plan
+For every log of the real-log corpus (tests/data/logs/real) that names its model, `kvguard plan
 --json` runs with that model's config.json fields and the serve settings its release ran
 (tests/data/plan_validation.json); the figures it is checked against are the logs' own (MANIFEST.json). Weights
 must agree within 2%. The activation peak is a model: its error is measured, not asserted, and published per era
@@ -57,7 +57,21 @@ def test_every_log_that_states_weights_or_the_activation_peak_is_validated_or_sa
                or entry["expect"].get("peak_activation_gib") is not None}
     assert stating <= set(data["logs"]) | set(data["not_used"])
     assert not set(data["logs"]) & set(data["not_used"])
-    assert "seed" in data["logs"]
+
+
+def test_a_constructed_log_is_never_accuracy_evidence():
+    """The bundled vllm-mindspore example log is constructed (its first line says so): not validated against, and
+    no era's published error counts it (issue 33)."""
+    data = read_json(VALIDATION)
+    with open(os.path.join(REPO, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log"),
+              encoding="utf-8") as handle:
+        assert handle.readline().startswith("# CONSTRUCTED, NOT A REAL LOG")
+    assert "seed" in data["not_used"] and "seed" not in data["logs"]
+    for log in data["logs"].values():
+        assert "examples/" not in log.get("log", "")
+    for era in read_json(ACCURACY)["eras"].values():
+        for kind in ("weights", "activation"):
+            assert "seed" not in (era.get(kind) or {}).get("logs", [])
 
 
 def test_the_model_is_named_by_the_log_itself_where_the_data_says_so():

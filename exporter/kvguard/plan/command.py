@@ -3,7 +3,8 @@
 Entry points: ``vllm serve MODEL ...``; ``python -m vllm.entrypoints.openai.api_server --model MODEL ...``;
 vllm-mindspore's ``vllm-mindspore serve MODEL ...`` (its console script) and ``python -m
 vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...``. Leading ``VAR=value`` words
-(environment assignments) are skipped.
+(environment assignments) are kept in ``env``: plan reads the ones that size memory (``HCCL_BUFFSIZE``,
+``VLLM_ALLOW_LONG_MAX_MODEL_LEN``).
 
 Flags: vLLM's spellings, dashes or underscores (vLLM's FlexibleArgumentParser takes both), ``--flag=value``
 or ``--flag value``; the last of a repeated flag wins, as argparse does. ``--max-model-len``,
@@ -114,13 +115,14 @@ class ServeCommand:
     model: str | None
     flags: dict[str, Any] = field(default_factory=dict)     # canonical name -> parsed value
     ignored: tuple[str, ...] = ()          # flags plan does not use, as typed
+    env: dict[str, str] = field(default_factory=dict)       # leading VAR=value words (HCCL_BUFFSIZE=100, ...)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.flags.get(name, default)
 
     def to_dict(self) -> dict[str, Any]:
         return {"entry_point": self.entry_point, "project": self.project, "model": self.model,
-                "flags": dict(self.flags), "ignored": list(self.ignored)}
+                "flags": dict(self.flags), "ignored": list(self.ignored), "env": dict(self.env)}
 
 
 def _entry(words: list[str]) -> tuple[str, str | None, list[str], bool]:
@@ -147,7 +149,14 @@ def _entry(words: list[str]) -> tuple[str, str | None, list[str], bool]:
 
 def parse_serve_command(words: list[str] | tuple[str, ...]) -> ServeCommand:
     """Read a serve command (the words after ``kvguard plan ... --``); CommandError (one line) otherwise."""
-    entry, project, rest, positional = _entry(list(words))
+    words = list(words)
+    env: dict[str, str] = {}
+    for word in words:
+        if not _ENV.match(word):
+            break
+        name, value = word.split("=", 1)
+        env[name] = value
+    entry, project, rest, positional = _entry(words)
     model = None
     if positional and rest and not rest[0].startswith("-"):
         model, rest = rest[0], rest[1:]
@@ -188,7 +197,7 @@ def parse_serve_command(words: list[str] | tuple[str, ...]) -> ServeCommand:
         if model is not None and flags["model"] != model:
             raise CommandError(f"two models: {model[:60]!r} and --model {flags['model'][:60]!r}")
         model = flags.pop("model")
-    return ServeCommand(entry, project, model, flags, tuple(ignored))
+    return ServeCommand(entry, project, model, flags, tuple(ignored), env)
 
 
 def _number(text: str) -> bool:

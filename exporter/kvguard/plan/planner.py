@@ -29,12 +29,14 @@ from kvguard.budget.estimator import (
     ProfileError,
     estimate,
     kv_layout_from_config,
-    positive_int,
     requested_memory_bytes,
     text_config,
 )
+from kvguard.plan.block_size import block_size_refusal
 from kvguard.plan.command import ServeCommand
 from kvguard.plan.devices import DeviceSpec
+from kvguard.plan.max_len import derived_max_model_len, max_len_refusal
+from kvguard.plan.outside import collective_buffers
 from kvguard.sim.workload import model_shape, weight_tensors
 from kvguard.vllm.eras import (
     ERAS,
@@ -91,6 +93,21 @@ def _platform(era: Era) -> str:
     return "cuda" if era.allocator == "torch" else "ascend"
 
 
+def _baseline_before_distributed(era: Era, version: tuple[int, ...]) -> bool:
+    """Whether the release's worker takes its baseline snapshot before the distributed init: vLLM V0's
+    worker (vllm/worker/worker.py 0.7.3:161,166), which vllm-mindspore before 0.5 runs (0.2.0 pairs with vLLM
+    0.7.3 and refuses V1). V1 workers snapshot after it (vllm/v1/worker/gpu_worker.py 0.11.0 init_device)."""
+    return era.project == "vllm-mindspore" and version < (0, 5, 0)
+
+
+def _vllm_version(era: Era, version: tuple[int, ...]) -> tuple[int, ...]:
+    """The vLLM release whose config checks the release runs: vllm-mindspore 0.2.0 pairs with vLLM 0.7.3 and
+    0.5.x with 0.11.0; vllm-ascend X.Y.Z with vLLM X.Y.Z."""
+    if era.project == "vllm-mindspore":
+        return (0, 7, 3) if version < (0, 5, 0) else (0, 11, 0)
+    return version
+
+
 def _launcher(version: tuple[int, ...]) -> str:
     """The vllm-mindspore launcher whose defaults the simulator takes (kvguard.allocators.mindspore_releases)."""
     from kvguard.allocators.mindspore_releases import DEFAULT_LAUNCHER, SEED_LAUNCHER
@@ -136,10 +153,14 @@ def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, device
     dtype = take("dtype", "auto", "vLLM's default")
     if dtype in ("float", "float32"):
         raise PlanError("--dtype float32 is not planned: the workload model runs 16-bit activations")
-    max_position = positive_int(text_config(config), "max_position_embeddings")
-    if "max-model-len" not in flags and max_position is None:
-        raise PlanError("give --max-model-len: the model config has no max_position_embeddings")
-    max_model_len = take("max-model-len", max_position, "the model's max_position_embeddings")
+    try:
+        length_key, derived = derived_max_model_len(text_config(config))
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    if "max-model-len" not in flags and derived is None:
+        raise PlanError("give --max-model-len: the model config has none of vLLM's length keys")
+    max_model_len = take("max-model-len", None if derived is None else int(derived),
+                         f"vLLM's derived max_model_len (config.json {length_key}, RoPE scaling applied)")
     # vLLM's serve defaults: 8192 tokens / 1024 sequences on a device of 70 GiB or more that is not an A100,
     # else 2048 / 256.
     large = device_bytes is not None and device_bytes >= 70 * GIB and "A100" not in device_name.upper()
@@ -217,6 +238,17 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
                             "at_budget": None, "serving": None, "search": None, "will_fit": False}
     result: dict[str, Any] = {"vllm_version": release, "era": era.to_dict(), "block_bytes": None,
                               "max_model_len": settings.max_model_len, "plan": plan}
+    # Refused before any memory is touched: the argument parser's --block-size choices, then ModelConfig's
+    # max_model_len check.
+    vllm_version = _vllm_version(era, version)
+    given_block = command.flags.get("block-size")
+    bad_block = None if given_block is None else block_size_refusal(
+        given_block, vllm_version, "vllm serve" if command.entry_point.endswith("serve") else "api_server.py")
+    too_long = max_len_refusal(text_config(config), settings.max_model_len, command.env, vllm_version)
+    if bad_block is not None or too_long is not None:
+        refusals.extend(r for r in (bad_block, too_long) if r is not None)
+        plan["will_start"] = False
+        return result
     try:
         layout = kv_layout_from_config(config, block_size=settings.block_size,
                                        kv_cache_dtype=settings.kv_cache_dtype,
@@ -255,7 +287,7 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
             return result
         non_allocator = scenario.config.resolved_non_allocator_bytes
         plan["profile_source"] = "predicted (kvguard.sim workload model through the allocator model)"
-        _predicted_uncertainty(era, settings, command, uncertainty)
+        _predicted_uncertainty(era, settings, command, uncertainty, plan["non_torch"].get("collective_buffers"))
     fields["formula"] = era.formula
     fields["vllm_version"] = release
     if "gpu-memory-utilization" in command.flags or fields.get("gpu_memory_utilization") is None:
@@ -437,6 +469,15 @@ def _predicted_profile(config, settings: Settings, era: Era, version, release: s
     # The serving run's budget: the release's reserved-increase fix where its formula takes the reserved peak
     # (vllm-mindspore 0.2.0), else vLLM's allocated-peak one. The workload: simulate's default request mix.
     budget = "reserved" if FORMULAS[era.formula].peak == "reserved" else "stock"
+    # Collective buffers (kvguard.plan.outside): vllm-mindspore 0.2.0 runs vLLM 0.7.3's V0 worker, whose
+    # baseline snapshot precedes the distributed init, so HCCL's buffers grow the memory outside the allocator
+    # after it: the simulated device holds them from the profile run on, and they are its non-torch increase.
+    try:
+        buffers = collective_buffers(_platform(era), _baseline_before_distributed(era, version),
+                                     settings.tensor_parallel_size, plan["command"].get("env") or {})
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    growth = buffers.total_bytes if buffers is not None and buffers.counted_in_budget else 0
     try:
         scenario_config = ScenarioConfig(
             model_config=config, device_memory_bytes=device_bytes,
@@ -444,7 +485,7 @@ def _predicted_profile(config, settings: Settings, era: Era, version, release: s
             max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
             max_num_seqs=settings.max_num_seqs, seed=seed, block_size=settings.block_size,
             kv_cache_dtype=settings.kv_cache_dtype, tensor_parallel_size=settings.tensor_parallel_size,
-            non_allocator_bytes=non_allocator_bytes,
+            non_allocator_bytes=non_allocator_bytes, profile_non_allocator_growth_bytes=growth,
             expandable_segments=expandable_segments_default(release, allocator),
             vllm_mindspore_version=_launcher(version) if allocator == "mindspore" else ScenarioConfig.vllm_mindspore_version)
         if scenario_config.resolved_non_allocator_bytes >= device_bytes:
@@ -460,7 +501,8 @@ def _predicted_profile(config, settings: Settings, era: Era, version, release: s
     non_allocator = scenario_config.resolved_non_allocator_bytes
     plan["non_torch"] = {"at_startup_bytes": non_allocator, "increase_bytes": None,
                          "source": f"the platform's memory outside the allocator ({allocator}: the simulator's "
-                                   f"default, --non-allocator-memory), not measured"}
+                                   f"default, --non-allocator-memory), not measured",
+                         "collective_buffers": buffers.to_dict() if buffers else None}
     if sim_profile is None:
         phase = "loading the weights" if scenario.oom_phase == "weights" else "the profile run"
         plan["refusals"].append({"code": f"oom_{scenario.oom_phase}", "cite": "kvguard.sim (the allocator model)",
@@ -495,7 +537,8 @@ def _predicted_profile(config, settings: Settings, era: Era, version, release: s
     return scenario, fields
 
 
-def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, out: list[str]) -> None:
+def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, out: list[str],
+                           buffers: Mapping[str, Any] | None = None) -> None:
     """The notes on what the prediction did not measure, each estimate with its measured error: the per-era
     errors against real logs in ``accuracy.json`` (written by bench/plan_validation.py --write-accuracy)."""
     import json
@@ -542,8 +585,16 @@ def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, 
     if any(row.get("large") for row in ([own] if own else weights)):
         note += "; LARGE for some model: check the weights against the release's 'Model loading took' line"
     out.append(note)
-    out.append("non-torch memory: the platform default outside the allocator, not measured; growth after vLLM's "
-               "init snapshot (NCCL / HCCL buffers, runtime workspaces) is counted as 0")
+    if buffers and buffers["counted_in_budget"] and buffers["total_bytes"]:
+        grown = (f"growth after vLLM's baseline snapshot: HCCL's buffers, {buffers['total_bytes'] / GIB:.2f} GiB "
+                 f"({buffers['communicators']} communicators x 2 x HCCL_BUFFSIZE); other communicators (the "
+                 f"framework's own groups) and runtime workspaces are counted as 0")
+    elif buffers and buffers["counted_in_budget"]:
+        grown = "growth after vLLM's baseline snapshot: no communicator at this parallel size; workspaces counted as 0"
+    else:
+        grown = ("growth after vLLM's init snapshot (runtime workspaces; NCCL / HCCL buffers are created before it) "
+                 "is counted as 0")
+    out.append(f"non-torch memory: the platform default outside the allocator, not measured; {grown}")
     from kvguard.budget.estimator import FORMULAS
     if FORMULAS[era.formula].cudagraph and era.cudagraph_estimate_default:
         out.append(f"CUDA-graph memory: not modelled, counted as 0; {era.name} subtracts its estimate by default, "
