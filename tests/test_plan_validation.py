@@ -95,13 +95,15 @@ def test_weights_within_2_percent_of_what_the_log_states(rows, case):
 
 def test_compressed_tensors_8_bit_weights_are_one_byte():
     """neuralmagic's w8a8 Llama-3.1-70B (r19): int8 linear weights (compressed_tensors_w8a8_int8.py 0.11.0:56-61),
-    embeddings and the ignored lm_head in bf16; a 4-bit group keeps the model dtype (not modelled)."""
+    embeddings and the ignored lm_head in bf16; a 4-bit group is packed eight to an int32 instead
+    (compressed_tensors_wNa16.py 0.11.0:113-121; tests/test_quantized_weights.py)."""
     fields = read_json(VALIDATION)["models"]["neuralmagic/Meta-Llama-3.1-70B-Instruct-quantized.w8a8"]["fields"]
     shape = model_shape(fields)
     assert (shape.weight_bytes_per_element, shape.dtype_bytes) == (1, 2)
     four_bit = json.loads(json.dumps(fields))
     four_bit["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
     assert model_shape(four_bit).weight_bytes_per_element == 2
+    assert sum(weight_tensors(model_shape(four_bit))) < 0.6 * sum(weight_tensors(shape))
 
 
 def test_vocab_is_padded_to_a_multiple_of_64_before_the_tensor_parallel_split():

@@ -91,8 +91,9 @@ VALUE_FLAGS: dict[str, Any] = {
     "block-size": _positive_int,
     "dtype": _choice(DTYPES),
     "kv-cache-dtype": _choice(KV_CACHE_DTYPES),
+    "quantization": str,
 }
-SHORT = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size"}
+SHORT = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "q": "quantization"}
 # vLLM flags without a value (store_true / BooleanOptionalAction): never take the next word as theirs.
 BOOLEAN_FLAGS = frozenset({
     "trust-remote-code", "enforce-eager", "enable-prefix-caching", "enable-chunked-prefill",

@@ -2,8 +2,8 @@
 
 Per rank, from the serve command and ``config.json``:
 
-- weights: ``kvguard.sim.workload.weight_tensors`` (tensor by tensor, tensor-parallel sharded, fp8 weights
-  at one byte), loaded through the platform's allocator model;
+- weights: ``kvguard.sim.workload.weight_tensors`` (tensor by tensor, tensor-parallel sharded, each linear as
+  the checkpoint stores it: ``kvguard.sim.quantization``), loaded through the platform's allocator model;
 - the profile run's activation peak at ``max_num_batched_tokens``: ``forward_ops`` through the same
   allocator model, read as vLLM's ``memory_profiling`` reads it (``kvguard.sim.scenario.ServingScenario.
   startup``, the path ``kvguard simulate`` takes);
@@ -37,6 +37,7 @@ from kvguard.plan.command import ServeCommand
 from kvguard.plan.devices import DeviceSpec
 from kvguard.plan.max_len import derived_max_model_len, max_len_refusal
 from kvguard.plan.outside import collective_buffers
+from kvguard.sim.quantization import gguf_file_type, with_quantization_flag
 from kvguard.sim.workload import model_shape, weight_tensors
 from kvguard.vllm.eras import (
     ERAS,
@@ -263,14 +264,15 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
     result["layout"] = {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
     try:
-        shape = model_shape(config, settings.tensor_parallel_size, layout)
+        shape = model_shape(with_quantization_flag(config, command.flags.get("quantization")),
+                            settings.tensor_parallel_size, layout, gguf_file_type(command.model))
         tensors = weight_tensors(shape)
     except (ConfigError, ArithmeticError) as exc:
         raise PlanError(f"model config: {exc}") from None
     dtype = _dtype_name(config)
     plan["weights"] = {
         "bytes": sum(tensors), "tensors": len(tensors), "dtype": dtype,
-        "weight_dtype": "fp8" if shape.weight_bytes_per_element == 1 and shape.dtype_bytes > 1 else dtype,
+        "weight_dtype": shape.weight_format.name or dtype, "quantization_cite": shape.weight_format.cite,
         "tensor_parallel_size": settings.tensor_parallel_size, "tie_word_embeddings": shape.tie_word_embeddings,
         "experts": shape.num_experts, "source": "config.json (kvguard.sim.workload.weight_tensors)"}
 
@@ -574,7 +576,8 @@ def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, 
         out.append(f"activation peak: {model}; {where}: {measured(activation)}{large}")
     weights = [row["weights"] for row in eras.values() if row.get("weights")]
     own = (eras.get(era.name) or {}).get("weights")
-    note = ("weights: counted from config.json tensor by tensor (quantization scales, rotary caches and other "
+    note = ("weights: counted from config.json tensor by tensor (quantized linears as vLLM 0.11.0's "
+            "create_weights makes them: kvguard.sim.quantization; rotary caches, kernel workspaces and other "
             "buffers not counted)")
     if own is not None:
         note += f"; against {era.name}'s logs: {measured(own)}"

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 from kvguard.budget.estimator import ConfigError, KVLayout, positive_int, text_config, kv_layout_from_config, model_dtype_bytes
+from kvguard.sim.quantization import Linear, WeightFormat, weight_format
 
 Op = tuple[Any, "int | None"]
 
@@ -81,7 +82,7 @@ class ModelShape:
     intermediate_size: int    # per rank
     vocab_size: int
     dtype_bytes: int
-    weight_bytes_per_element: int
+    weight_bytes_per_element: int   # 1 for 8-bit linear weights (int8, fp8), else the model dtype's
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     tensor_parallel_size: int = 1
@@ -97,6 +98,7 @@ class ModelShape:
     moe_intermediate_size: int = 0      # per rank
     shared_intermediate_size: int = 0   # per rank, all shared experts together
     first_dense_layers: int = 0
+    weight_format: WeightFormat = WeightFormat()
 
     @property
     def is_mla(self) -> bool:
@@ -117,7 +119,7 @@ def _int(text: Mapping[str, Any], *names: str, default: int | None = None, minim
 
 
 def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
-                layout: KVLayout | None = None) -> ModelShape:
+                layout: KVLayout | None = None, gguf_file_type: str | None = None) -> ModelShape:
     """The per-rank shape of a model from its ``config.json`` (already parsed).
 
     Layers, KV heads and head size are the estimator's :class:`KVLayout` for the same config and
@@ -137,22 +139,8 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
     hidden = _int(text, "hidden_size", "n_embd", "d_model")
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")
     dtype_bytes = model_dtype_bytes(config)
-    quant = text.get("quantization_config") or config.get("quantization_config") or {}
-    if not isinstance(quant, Mapping):
-        quant = {}
-    # Linear weights in one byte: fp8 checkpoints, and compressed-tensors ones whose every config group stores
-    # 8-bit weights (int8 or fp8: vLLM creates them as torch.int8 / torch.float8_e4m3fn, vllm/model_executor/
-    # layers/quantization/compressed_tensors/schemes/compressed_tensors_w8a8_int8.py 0.11.0:56-61,
-    # compressed_tensors_w8a8_fp8.py create_fp8_weight_parameter). Their per-channel fp32 scales (w8a8_int8.py
-    # 0.11.0:68-72, 4 bytes an output row) are not counted: under 0.1% of the weights. Other bit widths keep
-    # the model dtype (not modelled).
-    method = str(quant.get("quant_method", "")).lower()
-    groups = quant.get("config_groups") if method == "compressed-tensors" else None
-    group_bits = [group["weights"].get("num_bits") if isinstance(group, Mapping)
-                  and isinstance(group.get("weights"), Mapping) else None
-                  for group in (groups.values() if isinstance(groups, Mapping) else ())]
-    eight_bit = method in ("fp8", "fbgemm_fp8") or (bool(group_bits) and all(b == 8 for b in group_bits))
-    weight_bytes = 1 if eight_bit else dtype_bytes
+    weights = weight_format(config, gguf_file_type)
+    weight_bytes = 1 if weights.quantized and weights.bits == 8 and weights.method != "gguf" else dtype_bytes
     n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0, minimum=0)
     moe_inter = _int(text, "moe_intermediate_size", default=_int(text, "intermediate_size", default=0)) \
         if n_experts else 0
@@ -167,6 +155,7 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
         vocab_size=_int(text, "vocab_size"),
         dtype_bytes=dtype_bytes,
         weight_bytes_per_element=weight_bytes,
+        weight_format=weights,
         qkv_bias=bool(text.get("attention_bias")) or text.get("model_type") == "qwen2",
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         tensor_parallel_size=tp,
@@ -192,42 +181,71 @@ def _vocab_shard(shape: ModelShape) -> int:
 
 
 def weight_tensors(shape: ModelShape) -> list[int]:
-    """Bytes of each weight tensor one rank loads, in load order."""
+    """Bytes of each weight module one rank loads, in load order: norms, routers and biases in the model
+    dtype, each linear as the checkpoint stores it (``shape.weight_format``: packed weights with their
+    scales, zero points and ``g_idx``, or the model dtype for the modules left unquantized)."""
     s = shape
-    w = s.weight_bytes_per_element
     d = s.dtype_bytes
     h = s.hidden_size
+    fmt = s.weight_format
+    tp = s.tensor_parallel_size
     vocab_shard = _vocab_shard(s)
-    tensors = [vocab_shard * h * d]
+
+    def linear(name: str, k: int, n: int, layer: int = -1, partitions: int = 1, row: bool = False,
+               count: int = 1) -> int:
+        # Row-parallel layers split their input over the ranks (RowParallelLinear), column-parallel and
+        # replicated ones keep it whole (vllm/model_executor/layers/linear.py 0.11.0).
+        module = Linear(name, k, n, partitions, k * tp if row else k, row and tp > 1, layer, s.num_layers,
+                        max(1, s.num_heads // max(1, s.num_kv_heads)))
+        return count * fmt.linear_bytes(module, d)
+
+    # GGUF quantizes the embedding too (gguf.py 0.11.0:60-70), a tied one as llama.cpp quantizes the output.
+    embedding = "lm_head" if s.tie_word_embeddings else "model.embed_tokens"
+    tensors = [linear(embedding, h, vocab_shard) if fmt.method == "gguf" else vocab_shard * h * d]
     for layer in range(s.num_layers):
+        p = f"model.layers.{layer}."
         tensors.append(h * d)  # input_layernorm
         if s.is_mla:
             qk = s.qk_nope_head_dim + s.qk_rope_head_dim
             if s.q_lora_rank:
-                tensors += [s.q_lora_rank * h * w, s.q_lora_rank * d, s.num_heads * qk * s.q_lora_rank * w]
+                tensors += [linear(p + "self_attn.q_a_proj", h, s.q_lora_rank, layer), s.q_lora_rank * d,
+                            linear(p + "self_attn.q_b_proj", s.q_lora_rank, s.num_heads * qk, layer)]
             else:
-                tensors.append(s.num_heads * qk * h * w)
-            tensors += [(s.kv_lora_rank + s.qk_rope_head_dim) * h * w, s.kv_lora_rank * d,
-                        s.num_heads * (s.qk_nope_head_dim + s.v_head_dim) * s.kv_lora_rank * w,
-                        h * s.num_heads * s.v_head_dim * w]
+                tensors.append(linear(p + "self_attn.q_proj", h, s.num_heads * qk, layer))
+            tensors += [linear(p + "self_attn.kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, layer),
+                        s.kv_lora_rank * d,
+                        linear(p + "self_attn.kv_b_proj", s.kv_lora_rank,
+                               s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), layer),
+                        linear(p + "self_attn.o_proj", s.num_heads * s.v_head_dim, h, layer, row=True)]
         else:
             qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-            tensors.append(qkv_out * h * w)
+            if fmt.method == "gguf":  # GGUF keeps q, k and v apart, each its own ggml type
+                tensors.append(linear(p + "self_attn.q_proj", h, s.num_heads * s.head_dim, layer)
+                               + linear(p + "self_attn.k_proj", h, s.num_kv_heads * s.head_dim, layer)
+                               + linear(p + "self_attn.v_proj", h, s.num_kv_heads * s.head_dim, layer))
+            else:
+                tensors.append(linear(p + "self_attn.qkv_proj", h, qkv_out, layer, partitions=3))
             if s.qkv_bias:
                 tensors.append(qkv_out * d)
-            tensors.append(h * s.num_heads * s.head_dim * w)
+            tensors.append(linear(p + "self_attn.o_proj", s.num_heads * s.head_dim, h, layer, row=True))
         tensors.append(h * d)  # post_attention_layernorm
         if s.is_moe_layer(layer):
-            tensors.append(s.num_experts * h * d)  # router
-            tensors.append(s.num_experts * 2 * s.moe_intermediate_size * h * w)
-            tensors.append(s.num_experts * h * s.moe_intermediate_size * w)
+            tensors.append(s.num_experts * h * d)  # router (a ReplicatedLinear without quant_config)
+            tensors.append(linear(p + "mlp.experts.gate_up_proj", h, 2 * s.moe_intermediate_size, layer,
+                                  partitions=2, count=s.num_experts))
+            tensors.append(linear(p + "mlp.experts.down_proj", s.moe_intermediate_size, h, layer, row=True,
+                                  count=s.num_experts))
             if s.shared_intermediate_size:
-                tensors += [2 * s.shared_intermediate_size * h * w, h * s.shared_intermediate_size * w]
+                tensors += [linear(p + "mlp.shared_experts.gate_up_proj", h, 2 * s.shared_intermediate_size, layer,
+                                   partitions=2),
+                            linear(p + "mlp.shared_experts.down_proj", s.shared_intermediate_size, h, layer,
+                                   row=True)]
         else:
-            tensors += [2 * s.intermediate_size * h * w, h * s.intermediate_size * w]
+            tensors += [linear(p + "mlp.gate_up_proj", h, 2 * s.intermediate_size, layer, partitions=2),
+                        linear(p + "mlp.down_proj", s.intermediate_size, h, layer, row=True)]
     tensors.append(h * d)  # final norm
     if not s.tie_word_embeddings:
-        tensors.append(vocab_shard * h * d)
+        tensors.append(linear("lm_head", h, vocab_shard))
     return tensors
 
 
