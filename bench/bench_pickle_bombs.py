@@ -8,12 +8,14 @@ the first line of what it said, beside the same figures for a real snapshot read
 run (the baseline: the largest real snapshot found, as ``simulate --trace`` reads it, best
 of ``--repeats``).
 
-The bombs are issue 23's: ``bytearray(2 GiB)`` from the allow-listed constructor,
+The bombs are issue 23's and issue 37's: ``bytearray(2 GiB)`` from the allow-listed constructor,
 ``frozenset(bytearray(512 MiB))``, a 9-byte file storing memo index 200,000,000 (CPython's
 C unpickler resizes its memo to twice the index), 5,000,000 references to one trace entry
 (10 MB; the reading is quick, the replay of five million entries is not), and three more of
 the same kind: references that double at each level (a 300-byte DAG of 2**64 leaves),
-8,000,000 empty lists (8 MB), and a string that claims 2 GiB.
+8,000,000 empty lists (8 MB), and a string that claims 2 GiB; then integer keys that all hash
+alike (``k x (2**61 - 1)``: dict and set inserts quadratic), 2,000,000 empty sets (2 MB) and
+sets filled through memo references (32 MB).
 
 Then the speed of reading real snapshots: ``load_snapshot_pickle`` on every real snapshot
 found (``$KVGUARD_TORCH_SNAPSHOTS``, by default ``../shared/torch-snapshots*`` beside the
@@ -122,7 +124,37 @@ def bombs() -> dict[str, bytes]:
         "DAG of 2**64 references": pickle.dumps({"device_traces": [doubling]}, protocol=4),
         "8,000,000 empty lists": b"\x80\x04" + b"]" * 8_000_000 + b".",
         "string claiming 2 GiB": b"\x80\x04X\xff\xff\xff\x7f" + b"a" * 16 + b".",
+        # issue 37: keys whose hashes collide (k x (2**61 - 1) all hash to 0), and memory that
+        # objects cost beyond their count (empty sets; sets filled through memo references)
+        "40,000 colliding dict keys": _in_snapshot(b"}(" + b"".join(k + b"K\x00" for k in _colliding(40_000)) + b"u"),
+        "100,000 colliding dict keys": _in_snapshot(b"}(" + b"".join(k + b"K\x00" for k in _colliding(100_000))
+                                                    + b"u"),
+        "100,000 colliding set items": _in_snapshot(b"\x8f(" + b"".join(_colliding(100_000)) + b"\x90"),
+        "2,000,000 empty sets": b"\x80\x04" + b"\x8f" * 2_000_000 + b".",
+        "sets of memo references, 32 MB": _memo_sets(32_000_000),
     }
+
+
+def _colliding(count: int) -> list[bytes]:
+    """LONG1 opcodes of ``count`` distinct integers that all hash to 0."""
+    out = []
+    for k in range(1, count + 1):
+        value = k * ((1 << 61) - 1)
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        out.append(b"\x8a" + bytes([len(raw)]) + raw)
+    return out
+
+
+def _in_snapshot(opcodes: bytes) -> bytes:
+    """A snapshot dict whose "x" is what ``opcodes`` push."""
+    return b"\x80\x04}(\x8c\x0ddevice_traces](e\x8c\x01x" + opcodes + b"u."
+
+
+def _memo_sets(size: int) -> bytes:
+    """256 integers stored in the memo once, then sets of all 256 by BINGET, to ``size`` bytes."""
+    stored = b"".join(b"M" + i.to_bytes(2, "little") + b"\x94" for i in range(256))
+    one_set = b"\x8f(" + b"".join(b"h" + bytes([i]) for i in range(256)) + b"\x90"
+    return b"\x80\x04" + stored + one_set * ((size - len(stored)) // len(one_set) - 1) + b"N."
 
 
 def real_snapshots() -> list[str]:

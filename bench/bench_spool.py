@@ -10,6 +10,11 @@ no gzip), so every refresh is rendered in both formats. Each scraper scrapes bac
 scrape <= 5 s.
 
     python bench/bench_spool.py [--repeats 2] [--seconds 11]   (about 80 s)
+
+``--junk`` measures instead what junk does to the spool read itself (issue 37, item 5): 4,096 files
+``junk-<i>-cuda_0.json`` holding ``{}``, dated now + 9 s (inside the clock tolerance, so read first),
+beside one live rank; three reads in a row by one SpoolReader, for this tree and for the last
+commit's package (``git archive HEAD exporter``) in the same run: ranks found and milliseconds.
 """
 
 from __future__ import annotations
@@ -85,12 +90,53 @@ def run_one(spool: str, seconds: float, interval: float) -> dict:
         served.stop()
 
 
+JUNK_CHILD = r"""
+import os, sys, tempfile, time
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[2])
+from kvguard.spool.io import SpoolReader, write_snapshot
+from sidecar_fixtures import snapshot
+spool = tempfile.mkdtemp()
+write_snapshot(spool, snapshot())
+soon = time.time() + 9
+for index in range(4096):
+    path = os.path.join(spool, f"junk-{index}-cuda_0.json")
+    with open(path, "w") as handle:
+        handle.write("{}")
+    os.utime(path, (soon, soon))
+reader = SpoolReader(spool)
+for _ in range(3):
+    start = time.perf_counter()
+    read = reader.read()
+    print(f"{len(read.snapshots)} {1000 * (time.perf_counter() - start):.0f}")
+"""
+
+
+def junk_reads() -> None:
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", root, "archive", "HEAD", "exporter"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        for target, exporter in (("head", os.path.join(tmp, "exporter")), ("new", os.path.join(root, "exporter"))):
+            out = subprocess.run([sys.executable, "-c", JUNK_CHILD, exporter, os.path.join(root, "tests")],
+                                 check=True, capture_output=True, text=True).stdout.split("\n")
+            reads = [line.split() for line in out if line]
+            print(f"{target:5} 4,096 junk files + 1 live rank, 3 reads: "
+                  + "; ".join(f"{ranks} rank(s) in {ms} ms" for ranks, ms in reads))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=11.0, help="seconds the 8 scrapers run per server")
     parser.add_argument("--interval", type=float, default=5.0, help="the sidecar's --interval")
+    parser.add_argument("--junk", action="store_true", help="time the spool read under junk instead (issue 37)")
     args = parser.parse_args()
+    if args.junk:
+        junk_reads()
+        return
     root = tempfile.mkdtemp(prefix="kvguard-bench-spool-")
     try:
         processes = processes_to_fill(MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES)

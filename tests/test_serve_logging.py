@@ -98,6 +98,8 @@ def test_json_logs_name_a_failing_source_and_each_ranks_state_once(tmp_path, spo
     critical = next(e for e in events if e["msg"] == "guard state" and e["rank"] == "1")
     assert "projected_peak_exceeds_capacity" in critical["reasons"].split(",")
     assert critical["pod"] == "vllm-0" and critical["engine_id"] == "vllm-0"     # the snapshot's pod
+    # ranks of different processes print different lines: each names its pid
+    assert {(e["rank"], e["pid"]) for e in events if e["msg"] == "guard state"} == {("0", "41"), ("1", "42")}
 
 
 def test_a_rank_that_changes_state_is_logged_again_in_logfmt(tmp_path, spool):
@@ -185,3 +187,32 @@ def test_logfmt_quotes_what_logfmt_must_and_json_is_one_object_a_line():
     (only,) = stream.getvalue().splitlines()
     assert json.loads(only) | {"ts": None} == {"ts": None, "level": "error", "msg": "guard state", "rank": "1",
                                                "headroom_bytes": -5}
+
+
+# C0/C1 controls, DEL, line and paragraph separators, bidi marks, overrides and isolates (CVE-2021-42574).
+HOSTILE = "vllm\x1b[2J\x07-0\u202egnp.exe\u2066x\u2069\u2028level=info\x85\u200f\u061c\x7f"
+UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+@pytest.mark.parametrize("fmt", ["logfmt", "json"])
+def test_a_spool_writers_control_and_bidi_characters_are_escaped_in_log_lines(tmp_path, fmt):
+    """A pod name from the spool (any container of the pod writes it) reaches the guard-state line:
+    the line holds none of the characters a terminal acts on, and what it carries reads back unchanged
+    (the spool's reader already replaces C0 controls; bidi overrides and isolates pass it)."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    write(str(spool), snapshot(1, "npu:1", 42, reserved=70 * GIB,
+                               pod={"pod": HOSTILE, "namespace": "llm", "container": "vllm"}))
+    serve = Serve(tmp_path, "--spool-dir", str(spool), "--log.format", fmt)
+    try:
+        serve.get("/metrics")
+        time.sleep(0.3)
+        serve.err.seek(0)
+        raw = serve.err.read().decode()
+    finally:
+        serve.stop()
+    lines = [line for line in raw.split("\n") if "guard state" in line]
+    assert len(lines) == 1, raw
+    assert not UNSAFE.search(lines[0]), repr(lines[0])
+    event = json.loads(lines[0]) if fmt == "json" else parse_logfmt(lines[0])
+    assert event["level"] == "error" and "\u202egnp.exe\u2066x\u2069" in event["pod"]

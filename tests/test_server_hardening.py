@@ -132,6 +132,16 @@ def test_a_head_that_never_finishes_is_closed_after_the_header_timeout(serve):
         assert read_all(sock).startswith(b"HTTP/1.1 408 ")
 
 
+@pytest.mark.parametrize("line", [b"GET /\r\n", b"GET /metrics\n", b"\r\nGET /healthz\r\n", b"GET / FTP/1.0\r\n"])
+def test_an_http_0_9_request_line_is_answered_400_at_once(serve, line):
+    """Round three: "GET /" waited the header timeout for a 408; Go answers 400 at once. The head
+    timeout here is 60 s and the client gives up after 10, so only an answer at once passes."""
+    server = serve(header_timeout=60)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(line)
+        assert read_all(sock).startswith(b"HTTP/1.1 400 ")
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(serve):
     server = serve(request_timeout=0.5)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import base64
 import http.client
+import os
 import secrets
 import socket
+import threading
 import time
 
 import bcrypt
@@ -187,10 +189,84 @@ def test_unverified_credentials_past_the_per_source_limit_get_429(serve, tmp_pat
 def test_the_per_source_limit_does_not_touch_verified_credentials(serve, tmp_path):
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
     server = serve_users(serve, tmp_path, hashed, auth_rate=0.001, auth_burst=2.0)
-    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200   # one token spent
-    assert http_get(server, "/metrics", basic("prometheus", "guess"))[0] == 401    # the last token
-    assert http_get(server, "/metrics", basic("prometheus", "guess-2"))[0] == 429
+    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200   # right: no token spent
+    assert http_get(server, "/metrics", basic("prometheus", "guess"))[0] == 401
+    assert http_get(server, "/metrics", basic("prometheus", "guess-2"))[0] == 401    # the last token
+    assert http_get(server, "/metrics", basic("prometheus", "guess-3"))[0] == 429
     assert [http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] for _ in range(5)] == [200] * 5
+
+
+def test_right_first_logins_from_one_address_are_never_turned_away_for_their_number(serve, tmp_path):
+    """Round three: 10 concurrent first logins from one address got 6 x 429. Only wrong passwords
+    use up an address's guesses now."""
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    server = serve_users(serve, tmp_path, hashed, auth_rate=0.001, auth_burst=2.0)
+    statuses: list[int] = []
+    threads = [threading.Thread(target=lambda: statuses.append(
+        http_get(server, "/metrics", basic("prometheus", "s3cret"))[0])) for _ in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert statuses == [200] * 10
+
+
+def rotate(server, tmp_path, password: bytes, rounds: int = 4) -> None:
+    """Write a new password hash into the server's web config and wait for its reload."""
+    hashed = bcrypt.hashpw(password, bcrypt.gensalt(rounds=rounds)).decode()
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
+    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)
+    server.web_config.check_interval = 0.0
+    server.web_config.current()
+    server.web_config.wait()
+    assert server.web_config.reloads_total == 1
+
+
+def keep_alive_get(conn: http.client.HTTPConnection, password: str) -> int:
+    conn.request("GET", "/metrics", headers=basic("prometheus", password))
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+def test_a_rotated_password_on_an_accepted_connection_is_not_refused_for_others_guesses(serve, tmp_path):
+    """Round three: during a flood from the same address (a mesh proxy, SNAT), a Prometheus whose
+    password was just rotated was refused (429): the address's guesses were used up by others."""
+    hashed = bcrypt.hashpw(b"old", bcrypt.gensalt(rounds=4)).decode()
+    server = serve_users(serve, tmp_path, hashed, auth_rate=0.001, auth_burst=2.0)
+    prometheus = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        assert keep_alive_get(prometheus, "old") == 200
+        guesses = [http_get(server, "/metrics", basic("prometheus", f"guess-{i}"))[0] for i in range(4)]
+        assert guesses == [401, 401, 429, 429]                    # the address has no guesses left
+        rotate(server, tmp_path, b"new")
+        assert keep_alive_get(prometheus, "new") == 200
+        assert http_get(server, "/metrics", basic("prometheus", "guess-5"))[0] == 429
+    finally:
+        prometheus.close()
+
+
+def test_a_rotated_password_on_an_accepted_connection_is_checked_ahead_of_waiting_guesses(
+        serve, tmp_path, slow_hash):
+    server = serve_users(serve, tmp_path, slow_hash, auth_workers=1, auth_rate=1000.0, auth_burst=1000.0)
+    prometheus = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    guesses = []
+    try:
+        assert keep_alive_get(prometheus, "s3cret") == 200
+        rotate(server, tmp_path, b"rotated", rounds=10)
+        for _ in range(32):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+            token = base64.b64encode(f"prometheus:{secrets.token_hex(8)}".encode()).decode()
+            sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n\r\n".encode())
+            guesses.append(sock)
+        assert wait_for(lambda: server.pending_verifications >= 16)
+        assert keep_alive_get(prometheus, "rotated") == 200
+        assert server.pending_verifications > 8     # answered ahead of the guesses still waiting
+    finally:
+        prometheus.close()
+        for sock in guesses:
+            sock.close()
 
 
 def test_a_wrong_password_refused_once_is_refused_again_without_a_token(serve, tmp_path):

@@ -126,7 +126,7 @@ def test_junk_that_sorts_first_never_hides_a_live_rank(tmp_path):
     write_snapshot(str(tmp_path), live)
     result = read_spool(str(tmp_path), max_files=100)
     assert [s.device for s in result.snapshots] == ["npu:0"]
-    assert result.skipped["too_many_files"] == 201
+    assert result.skipped["invalid_snapshot"] == 300 and result.skipped["too_many_files"] == 0
 
 
 def test_newer_files_are_read_first_when_the_budget_runs_out(tmp_path):
@@ -197,4 +197,43 @@ def test_junk_dated_in_the_future_never_hides_a_live_rank(tmp_path):
         os.utime(junk, (next_year, next_year))
     result = read_spool(str(tmp_path), max_files=8)
     assert [s.pid for s in result.snapshots] == [snapshot().pid]
-    assert result.skipped["too_many_files"] == 13
+    assert result.skipped["invalid_snapshot"] == 20 and result.skipped["too_many_files"] == 0
+
+
+def test_junk_inside_the_clock_tolerance_never_hides_a_live_rank(tmp_path):
+    """Round three: 4,096 files ``junk-<i>-cuda_0.json`` holding ``{}``, re-touched to now + 9 s
+    (inside the 10 s tolerance, so believed and read first), left 0 ranks: files that are not
+    snapshots no longer count toward the read's cap on files."""
+    write_snapshot(str(tmp_path), snapshot())
+    soon = time.time() + 9
+    for index in range(4096):
+        junk = tmp_path / f"junk-{index}-cuda_0.json"
+        junk.write_text("{}")
+        os.utime(junk, (soon, soon))
+    result = read_spool(str(tmp_path))
+    assert [s.pid for s in result.snapshots] == [snapshot().pid]
+    assert result.skipped["invalid_snapshot"] == 4096 and result.skipped["too_many_files"] == 0
+
+
+def test_junk_past_the_reads_byte_budget_never_hides_a_live_rank(tmp_path):
+    """Junk large enough to use up the read's bytes for junk is left for later reads; the live
+    rank still gets its read. Junk is remembered by inode and size, not by its times (which any
+    writer sets), and counted without being read again until it is replaced."""
+    from kvguard.spool.io import SpoolReader
+
+    write_snapshot(str(tmp_path), snapshot())
+    soon = time.time() + 9
+    for index in range(12):
+        junk = tmp_path / snapshot_filename("node-7", 100000 + index, "npu:0")
+        junk.write_bytes(b"[" + b" " * 100_000 + b"]")
+        os.utime(junk, (soon, soon))
+    reader = SpoolReader(str(tmp_path), max_total_bytes=500_000)
+    first = reader.read()
+    assert [s.pid for s in first.snapshots] == [snapshot().pid]
+    assert first.skipped["invalid_snapshot"] == 4 and first.skipped["too_many_files"] == 8
+    for junk in tmp_path.glob("*-1000*.json"):   # re-touched: still known
+        os.utime(junk, (soon + 1, soon + 1))
+    for _ in range(3):
+        later = reader.read()
+        assert [s.pid for s in later.snapshots] == [snapshot().pid]
+    assert later.skipped["invalid_snapshot"] == 12 and later.skipped["too_many_files"] == 0

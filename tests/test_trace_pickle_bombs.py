@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvguard.cli import main
 from kvguard.allocators.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_DEPTH,
-                                SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
+                                SNAPSHOT_MAX_MEMORY_BYTES, SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_SAME_HASH, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
                                 load_snapshot_pickle, parse_torch_snapshot, read_trace_bytes)
 
 from real_snapshots import REAL_DIRS  # tests/real_snapshots.py
@@ -129,6 +129,66 @@ def test_a_shared_segment_list_is_counted_for_every_reference():
 def test_millions_of_empty_lists_are_refused_by_the_object_budget():
     data = b"\x80\x04" + b"]" * (SNAPSHOT_MAX_OBJECTS + 1) + b"."
     with pytest.raises(TraceError, match=r"2,000,001 objects, " + budget(SNAPSHOT_MAX_OBJECTS)):
+        load_snapshot_pickle(data)
+
+
+# ----------------------------------------------------------------------------- round three
+HASH_MODULUS = (1 << 61) - 1     # k x this hashes to 0 for every k (sys.hash_info.modulus)
+
+
+def long1(value: int) -> bytes:
+    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(raw)]) + raw
+
+
+def colliding(count: int) -> list[bytes]:
+    """LONG1 opcodes of ``count`` distinct integers that all hash alike."""
+    return [long1(k * HASH_MODULUS) for k in range(1, count + 1)]
+
+
+def in_snapshot(opcodes: bytes) -> bytes:
+    """A snapshot dict whose "x" is what ``opcodes`` push."""
+    return b"\x80\x04}(\x8c\x0ddevice_traces](e\x8c\x01x" + opcodes + b"u."
+
+
+COLLIDING = {
+    # 40,000 such keys (559 kB) took 25.6 s, 100,000 (1.4 MB) over 120 s: each insert walks the others.
+    # 2,000 keep this test quick either way (bench/bench_pickle_bombs.py times the large ones).
+    "dict keys, SETITEMS": b"}(" + b"".join(key + b"K\x00" for key in colliding(2_000)) + b"u",
+    "dict keys, SETITEM": b"}" + b"".join(key + b"K\x00s" for key in colliding(2_000)),
+    "set items, ADDITEMS": b"\x8f(" + b"".join(colliding(2_000)) + b"\x90",
+    "frozenset items, FROZENSET": b"(" + b"".join(colliding(2_000)) + b"\x91",
+    "set([...]), REDUCE": stack_global("builtins", "set") + b"](" + b"".join(colliding(2_000)) + b"e\x85R",
+}
+
+
+@pytest.mark.parametrize("name", COLLIDING)
+def test_keys_whose_hashes_collide_are_refused_before_they_are_inserted(name):
+    with pytest.raises(TraceError, match=rf"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one"):
+        load_snapshot_pickle(in_snapshot(COLLIDING[name]))
+
+
+def test_integer_keys_below_two_to_the_64_read_as_cpythons_unpickler_reads_them():
+    # Below 2**64 at most 8 integers share a hash: a dict of all of them is a snapshot's, not a bomb.
+    keys = {k * HASH_MODULUS + 7: k for k in range(8)} | {k: -k for k in range(-3, 300)}
+    data = pickle.dumps({"device_traces": [], "x": keys, "y": set(keys)}, protocol=4)
+    assert load_snapshot_pickle(data) == pickle.loads(data)
+
+
+def test_two_million_empty_sets_are_refused_by_the_memory_budget():
+    # 2 MB of EMPTY_SET: 2,000,000 objects (within that budget) made 467 MiB.
+    data = b"\x80\x04" + b"\x8f" * SNAPSHOT_MAX_OBJECTS + b"."
+    with pytest.raises(TraceError, match=r"bytes of memory, " + budget(SNAPSHOT_MAX_MEMORY_BYTES)):
+        load_snapshot_pickle(data)
+
+
+def test_sets_filled_through_memo_references_are_refused_by_the_memory_budget():
+    # 256 integers stored once, then sets of all 256 by BINGET: 2 bytes of file per 64 bytes of set.
+    stored = b"".join(b"M" + i.to_bytes(2, "little") + b"\x94" for i in range(256))
+    one_set = b"\x8f(" + b"".join(b"h" + bytes([i]) for i in range(256)) + b"\x90"
+    data = b"\x80\x04" + stored + one_set * (SNAPSHOT_MAX_BYTES // len(one_set) - 3) + b"N."
+    assert len(data) <= SNAPSHOT_MAX_BYTES
+    with pytest.raises(TraceError, match=r"bytes of memory, " + budget(SNAPSHOT_MAX_MEMORY_BYTES)):
         load_snapshot_pickle(data)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import http.client
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -158,6 +159,7 @@ def test_a_new_password_in_the_web_config_applies_without_a_restart(serve_web, t
     path = tmp_path / "web.yml"
     path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
     os.utime(path, ns=(time.time_ns() + 10**9,) * 2)   # a new mtime even on a coarse clock
+    reload(server)
     assert get(server, auth=("prometheus", "new"))[0] == 200
     assert get(server, auth=("prometheus", "old"))[0] == 401
 
@@ -172,22 +174,33 @@ def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(se
     for suffix in ("crt", "key"):   # rotate to a certificate from the second CA, as cert-manager would
         shutil.copy(pki / f"server2.{suffix}", live / f"tls.{suffix}.new")
         os.replace(live / f"tls.{suffix}.new", live / f"tls.{suffix}")
+    reload(server)
     assert get(server, "/healthz", context=client_context(pki, "ca2"))[0] == 200
     with pytest.raises(ssl.SSLError):
         get(server, "/healthz", context=client_context(pki, "ca"))
 
 
-def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve_web, tmp_path, capfd):
+def reload(server) -> None:
+    """Have the server notice the web config's change and wait for its reload (which runs off the event loop)."""
+    server.web_config.current()
+    server.web_config.wait()
+
+
+def reload_errors(caplog) -> list[str]:
+    return [record.kvguard_fields["error"] for record in caplog.records
+            if record.getMessage() == "web config not reloaded" and record.levelname == "ERROR"]
+
+
+def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve_web, tmp_path, caplog):
     server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
     path = tmp_path / "web.yml"
     path.write_text("basic_auth_users: [not, a, mapping\n")
-    capfd.readouterr()
+    reload(server)
     assert get(server, auth=("prometheus", "s3cret"))[0] == 200
-    err = capfd.readouterr().err
-    assert "Traceback" not in err
-    (line,) = err.splitlines()
-    assert line.startswith("kvguard serve: web config not reloaded, keeping the previous one: ")
-    assert server.web_config.reload_errors_total == 1
+    (line,) = reload_errors(caplog)
+    assert line.startswith("keeping the previous one: ") and "\n" not in line
+    assert server.web_config.reload_errors_total == 1 and server.web_config.status() == \
+        (False, {"success": 0, "failure": 1, "refused_weaker": 0})
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -206,7 +219,7 @@ def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve
     ("basic_auth_users:\n  prometheus: ''\n", "empty password hash"),
     ("basic_auth_users:\n  '': $2y$10$X0h1gDsPszWURQaxFh.zoubFi6DXncSjhoQNJgRrnGs7EsimhC7zG\n", "user name is empty"),
     ("tls_server_confg: {{}}\n", "unknown field 'tls_server_confg'"),
-    ("[" * 100000, "not valid YAML"),
+    ("[" * 60000, "not valid YAML"),
 ])
 def test_a_bad_web_config_is_one_line_at_startup(tmp_path, pki, text, message):
     path = tmp_path / "web.yml"
@@ -220,15 +233,90 @@ def test_a_bad_web_config_is_one_line_at_startup(tmp_path, pki, text, message):
         load_web_config(str(path))
 
 
-def test_a_web_config_truncated_to_empty_is_refused_on_reload(serve_web, tmp_path, capfd):
+def test_a_web_config_truncated_to_empty_is_refused_on_reload(serve_web, tmp_path, caplog):
     """An empty file is a valid config at startup (no TLS, no users), but on reload it is what a
     truncate-then-write leaves for a moment: it must not switch authentication off."""
     server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
     path = tmp_path / "web.yml"
     path.write_text("")
-    capfd.readouterr()
+    reload(server)
     assert get(server)[0] == 401
     assert get(server, auth=("prometheus", "s3cret"))[0] == 200
-    (line,) = capfd.readouterr().err.splitlines()
-    assert line.startswith("kvguard serve: web config not reloaded, keeping the previous one: ") and "empty" in line
+    (line,) = reload_errors(caplog)
+    assert line.startswith("keeping the previous one: ") and "empty" in line
     assert server.web_config.reload_errors_total == 1
+
+
+@pytest.mark.parametrize("text", ["{}\n", "null\n", "~\n", "basic_auth_users: {}\n", "basic_auth_users:\n",
+                                  "\ufeff# rotated\n", "http_server_config:\n  headers: {X-Frame-Options: deny}\n"])
+def test_a_reload_that_would_switch_basic_auth_off_keeps_the_old_config_says_so_and_counts_it(
+        serve_web, tmp_path, caplog, text):
+    """Round three: each of these switched basic auth off at the next reload, without a word."""
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    (tmp_path / "web.yml").write_text(text, encoding="utf-8")
+    reload(server)
+    assert get(server)[0] == 401
+    assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    assert len(reload_errors(caplog)) == 1
+    server.sidecar.refresh_background(wait=2.0)
+    time.sleep(0.05)
+    body = server.exposition.body("", False)[0].decode()
+    assert "kvguard_web_config_last_reload_successful 0.0" in body
+    assert re.search(r'kvguard_web_config_reloads_total\{result="(failure|refused_weaker)"\} 1\.0', body)
+
+
+def test_with_allow_auth_off_a_reload_may_switch_basic_auth_off(serve, tmp_path):
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    server = serve(snapshot(), web_config=WebConfigWatcher(str(path), check_interval=0.0, allow_auth_off=True))
+    assert get(server)[0] == 401
+    path.write_text("basic_auth_users: {}\n")
+    reload(server)
+    assert get(server)[0] == 200 and server.web_config.status()[0] is True
+
+
+def test_a_fifo_in_place_of_the_web_config_is_refused_without_stalling_any_endpoint(serve_web, tmp_path, caplog):
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    path = tmp_path / "web.yml"
+    path.unlink()
+    os.mkfifo(path)
+    reload(server)
+    assert get(server, "/healthz")[0] == 200
+    assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    (line,) = reload_errors(caplog)
+    assert "not a regular file" in line
+
+
+def test_a_fifo_in_place_of_the_key_file_is_refused(serve_web, pki, tmp_path, caplog):
+    live = tmp_path / "live"
+    live.mkdir()
+    for suffix in ("crt", "key"):
+        shutil.copy(pki / f"server.{suffix}", live / f"tls.{suffix}")
+    server = serve_web(f"tls_server_config:\n  cert_file: {live / 'tls.crt'}\n  key_file: {live / 'tls.key'}\n")
+    (live / "tls.key").unlink()
+    os.mkfifo(live / "tls.key")
+    reload(server)
+    assert get(server, "/healthz", context=client_context(pki, "ca"))[0] == 200
+    (line,) = reload_errors(caplog)
+    assert "key_file" in line and "not a regular file" in line
+
+
+def test_a_reload_runs_off_the_event_loop(serve_web, tmp_path, monkeypatch):
+    """A 1 MiB YAML stalled every endpoint 3-5 s: the load now runs on a thread of its own."""
+    import threading
+
+    from kvguard.sidecar import webconfig
+
+    server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    release = threading.Event()
+    real_load = webconfig.load_web_config
+    monkeypatch.setattr(webconfig, "load_web_config", lambda *a, **k: release.wait(30) and real_load(*a, **k))
+    (tmp_path / "web.yml").write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
+    try:
+        server.web_config.current()                 # the reload starts, and blocks until released
+        assert get(server, "/healthz")[0] == 200
+        assert get(server, auth=("prometheus", "s3cret"))[0] == 200
+    finally:
+        release.set()
+    server.web_config.wait()
+    assert get(server, auth=("prometheus", "new"))[0] == 200

@@ -29,6 +29,17 @@ LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "w
 FORMATS = ("logfmt", "json")
 # A logfmt value is written bare when it has none of these; otherwise quoted, as go-logfmt does.
 _NEEDS_QUOTES = re.compile(r'[\s"=\\]|^$')
+# Characters a terminal or a log viewer acts on instead of showing: C0 and C1 controls and DEL (escape
+# sequences), the line and paragraph separators (a second line in viewers that split on them), and the
+# bidirectional marks, embeddings, overrides and isolates (text that reads other than it is, the
+# "Trojan Source" class, CVE-2021-42574). Written as \uXXXX, in logfmt and in JSON alike.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_unsafe(encoded: str) -> str:
+    """``encoded`` (JSON text, where such characters can only stand inside strings) with each unsafe
+    character written as a \\uXXXX escape, which JSON reads back as the same character."""
+    return _UNSAFE.sub(lambda match: f"\\u{ord(match.group()):04x}", encoded)
 
 
 def event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
@@ -53,7 +64,9 @@ def _fields(record: logging.LogRecord) -> dict[str, Any]:
 def _logfmt_value(value: Any) -> str:
     text = "" if value is None else str(value)
     text = text.replace("\n", " ")
-    return json.dumps(text, ensure_ascii=False) if _NEEDS_QUOTES.search(text) else text
+    if _NEEDS_QUOTES.search(text) or _UNSAFE.search(text):
+        return _escape_unsafe(json.dumps(text, ensure_ascii=False))
+    return text
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -63,7 +76,7 @@ class LogfmtFormatter(logging.Formatter):
 
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(_fields(record), ensure_ascii=False, default=str)
+        return _escape_unsafe(json.dumps(_fields(record), ensure_ascii=False, default=str))
 
 
 def setup(level: str = "info", fmt: str = "logfmt", stream: TextIO | None = None) -> logging.Logger:

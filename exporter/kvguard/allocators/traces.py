@@ -37,6 +37,7 @@ out of memory, if it did.
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import math
 import struct
@@ -169,6 +170,19 @@ SNAPSHOT_MAX_CONTAINER_ITEMS = 1_000_000      # items in one list, dict, tuple o
 SNAPSHOT_MAX_MEMO = 1_000_000                 # memo entries stored: 15x
 SNAPSHOT_MAX_STRING_BYTES = 1 << 20           # one str, bytes or bytearray: 300x
 SNAPSHOT_MAX_DEPTH = 100                      # containers within containers: 11x
+# Memory as CPython 3.11 on 64 bits spends it, per object built and per reference a container holds
+# (memo references included: a set filled by BINGETs costs its table, not one object): the budget
+# is 256 MiB, 9.5x the largest real snapshot's estimate (27 MiB). An empty set costs 216 bytes
+# (2,000,000 of them from a 2 MB file were 467 MiB).
+SNAPSHOT_MAX_MEMORY_BYTES = 256 << 20
+_OBJECT_BYTES = 64                            # an int, float, str header, list or dict, rounded up
+_EMPTY_SET_BYTES = 216 - _OBJECT_BYTES        # the rest of an empty set (or frozenset) beyond that
+_ITEM_BYTES = {list: 9, dict: 48, set: 64, frozenset: 64, tuple: 8, OrderedDict: 104}
+# Keys (or set items) of one container that share a hash: each insert walks all of them, so
+# k x (2**61 - 1) integer keys, which all hash to 0, made dict and set building quadratic (40,000
+# keys, 559 kB, took 25.6 s). Integers below 2**64 share a hash at most 8 at a time; strings and
+# bytes hash with a per-process key, so only other keys are counted.
+SNAPSHOT_MAX_SAME_HASH = 16
 
 _CONTAINER_TYPES = frozenset({dict, list, tuple, set, frozenset, OrderedDict})
 _HASHABLE_CONTAINERS = (tuple, frozenset)
@@ -248,6 +262,33 @@ def _over_budget(what: str, count: int, limit: int) -> _Refused:
     return _Refused(f"{count:,} {what}, over the budget of {limit:,}")
 
 
+_HASH_LIMIT = (1 << 61) - 1                    # CPython's modulus for numeric hashes (sys.hash_info.modulus)
+_HASH_ENTRY_BYTES = 128                        # one (container, hash) count in _check_hashes
+
+
+def _check_hashes(target: Any, keys: Any, hashes: dict[tuple[int, int], int]) -> int:
+    """Refuse more than SNAPSHOT_MAX_SAME_HASH keys with one hash in one container, before they go in;
+    the bytes of memory the counts took.
+
+    Only keys whose hashes a writer can make collide are counted: strings and bytes hash with a
+    per-process key, and distinct integers below the modulus have distinct hashes (but -1 and -2)."""
+    target_id = id(target)
+    added = 0
+    for key in keys:
+        kind = type(key)
+        if kind is str or kind is bytes or kind is int and -_HASH_LIMIT < key < _HASH_LIMIT or key is None:
+            continue
+        slot = (target_id, hash(key))
+        count = hashes.get(slot, 0) + 1
+        if count > SNAPSHOT_MAX_SAME_HASH:
+            raise _Refused(f"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one {type(target).__name__} "
+                           f"(building it would take time quadratic in its size)")
+        if count == 1:
+            added += _HASH_ENTRY_BYTES
+        hashes[slot] = count
+    return added
+
+
 def _load_bounded(data: bytes) -> Any:
     """Run the pickle in ``data`` within the budgets. Raises _Refused, or what a corrupt pickle gives."""
     n = len(data)
@@ -261,6 +302,11 @@ def _load_bounded(data: bytes) -> Any:
     unpack = struct.unpack_from
     max_items, max_objects = SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_OBJECTS
     objects = 0
+    hashes: dict[tuple[int, int], int] = {}     # (container id, hash) -> keys of that hash in it
+    # Bytes beyond _OBJECT_BYTES per object: what containers hold, and what empty sets cost more.
+    memory = 0
+    max_memory = SNAPSHOT_MAX_MEMORY_BYTES
+    item_bytes = _ITEM_BYTES
     pos = 0
     op = -1
     try:
@@ -313,6 +359,10 @@ def _load_bounded(data: bytes) -> Any:
                 target = stack[mark - 1]
                 if mark == 0 or not isinstance(target, dict):
                     raise _Unreadable(f"SETITEMS on {'nothing' if mark == 0 else _kind(target)}")
+                memory += _check_hashes(target, stack[mark::2], hashes)
+                memory += (len(stack) - mark) // 2 * item_bytes[type(target)]
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 items = iter(stack[mark:])
                 del stack[mark:]
                 target.update(zip(items, items))
@@ -338,6 +388,9 @@ def _load_bounded(data: bytes) -> Any:
                 target = stack[mark - 1]
                 if mark == 0 or type(target) is not list:
                     raise _Unreadable(f"APPENDS on {'nothing' if mark == 0 else _kind(target)}")
+                memory += (len(stack) - mark) * 9
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 target += stack[mark:]
                 del stack[mark:]
                 if len(target) > max_items:
@@ -382,6 +435,7 @@ def _load_bounded(data: bytes) -> Any:
                         raise _Unreadable(f"{_opcode_name(op)} with too little on the stack")
                 if len(stack) - mark > max_items:
                     raise _over_budget("items in one tuple", len(stack) - mark, max_items)
+                memory += (len(stack) - mark) * 8
                 value = tuple(stack[mark:])
                 del stack[mark:]
                 _note_depth(value, tuple_depth)
@@ -404,14 +458,19 @@ def _load_bounded(data: bytes) -> Any:
                     target = stack[-1]
                     if not isinstance(target, dict):
                         raise _Unreadable(f"SETITEM on {_kind(target)}")
+                    memory += _check_hashes(target, (key,), hashes)
+                    memory += item_bytes[type(target)]
                     target[key] = value
                 else:
                     target = stack[-1]
                     if type(target) is not list:
                         raise _Unreadable(f"APPEND on {_kind(target)}")
+                    memory += 9
                     target.append(value)
                 if len(target) > max_items:
                     raise _over_budget("items in one container", len(target), max_items)
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 pos += 1
             elif op == 0x2E:                                        # STOP
                 if not stack:
@@ -468,18 +527,26 @@ def _load_bounded(data: bytes) -> Any:
                 push(set())
                 pos += 1
                 objects += 1
+                memory += _EMPTY_SET_BYTES
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
             elif op == 0x90 or op == 0x91:                          # ADDITEMS, FROZENSET (from a mark)
                 mark = marks.pop()
                 items = stack[mark:]
                 del stack[mark:]
+                memory += len(items) * item_bytes[set] + (_EMPTY_SET_BYTES if op == 0x91 else 0)
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 if op == 0x90:
                     target = stack[-1] if stack else None
                     if type(target) is not set:
                         raise _Unreadable(f"ADDITEMS on {_kind(target)}")
+                    memory += _check_hashes(target, items, hashes)
                     target.update(items)
                 else:
+                    memory += _check_hashes(items, items, hashes)
                     target = frozenset(items)
                     _note_depth(target, tuple_depth)
                     push(target)
@@ -525,6 +592,11 @@ def _load_bounded(data: bytes) -> Any:
                 constructor = stack[-1]
                 if constructor not in _CONSTRUCTOR_FUNCTIONS or type(args) is not tuple:
                     raise _Refused(f"REDUCE of {_kind(constructor)}")
+                if (constructor is _set or constructor is _frozenset) and args and type(args[0]) in (list, tuple):
+                    memory += _check_hashes(args[0], args[0], hashes)
+                    memory += len(args[0]) * item_bytes[set] + _EMPTY_SET_BYTES
+                    if memory + objects * _OBJECT_BYTES > max_memory:
+                        raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 value = constructor(*args)
                 if len(value) > max_items:
                     raise _over_budget("items in one container", len(value), max_items)
@@ -629,6 +701,11 @@ def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     """Read a ``_dump_snapshot`` pickle within the budgets above; anything else is a one-line TraceError."""
     if len(data) > SNAPSHOT_MAX_BYTES:
         raise TraceError(f"snapshot pickle of {len(data):,} bytes, over the budget of {SNAPSHOT_MAX_BYTES:,}")
+    # The cyclic collector walks every container built so far each time it runs: with millions
+    # of containers that is most of the time spent (2,000,000 empty sets: 5 s). What is built here
+    # holds no cycles that are kept (a container that holds itself is refused).
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         snapshot = _load_bounded(data)
     except _Unreadable as exc:
@@ -638,6 +715,9 @@ def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     except Exception as exc:  # a corrupt file: unhashable keys, bad UTF-8
         raise TraceError(f"cannot read snapshot pickle: {one_line(exc, first_line=True, with_type=True)}"[:300]) \
             from None
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(snapshot, dict):
         raise TraceError("snapshot pickle does not hold a dict")
     return snapshot

@@ -19,7 +19,8 @@ from prometheus_client.registry import Collector
 from kvguard import __version__
 from kvguard.guard.judge import REASON_CODES, SEVERITY, STATES
 from kvguard.sidecar.core import Sidecar
-from kvguard.sidecar.observation import AGED_OUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, RankView
+from kvguard.sidecar.observation import AGED_OUT_REASONS, CUT_REASONS, DUPLICATE, RANK_LABELS, SPOOL, Observation, \
+    RankView
 from kvguard.spool.io import SKIP_REASONS
 from kvguard.text import safe_text
 
@@ -214,29 +215,63 @@ _RANK_FAMILIES = (
 )
 
 
+def _samples_per_rank() -> int:
+    """The most samples one rank can have across _RANK_FAMILIES."""
+    wider = {"kvguard_kv_cache_budget_bytes": 2, "kvguard_profile_activation_peak_bytes": 2,
+             "kvguard_guard_state": len(STATES), "kvguard_guard_reason": len(REASON_CODES),
+             "kvguard_guard_budget_reason": len(REASON_CODES)}
+    return sum(wider.get(name, 1) for _, name, _, _, _ in _RANK_FAMILIES)
+
+
+SAMPLES_PER_RANK = _samples_per_rank()
+# A sample line's bytes beside its rank's label text: the longest name with _total, the widest
+# extra label (reason="..."), braces, commas and quotes, a value as floatToGoString writes it, and
+# "escaping=values" writing a name as U__ with its dots.
+SAMPLE_OVERHEAD_BYTES = 2 * max(len(name) for _, name, _, _, _ in _RANK_FAMILIES) + 20 + \
+    max(len(code) for code in REASON_CODES) + 40
+
+
+def _rank_bytes(labels: list[str]) -> int:
+    """An upper bound on the bytes of one rank's sample lines in either format."""
+    text = sum(len(name) + 4 for name in RANK_LABELS + RANK_IDENTITY_LABELS) + \
+        sum(2 * len(value.encode("utf-8")) for value in labels)    # escaping at most doubles a value
+    return SAMPLES_PER_RANK * (SAMPLE_OVERHEAD_BYTES + text)
+
+
 def families(obs: Observation) -> Iterator[Metric]:
-    """Every non-empty family, in exposition order, one at a time."""
+    """Every non-empty family, in exposition order, one at a time. Ranks whose series would take
+    the exposition past ``obs.max_metrics_bytes`` are left out (counted as max_bytes)."""
     cached = (f" Cached: read in the background every {obs.interval_seconds:g}s, "
               "see kvguard_source_cache_age_seconds.")
     spool_cached = (f" The spool is read in the background every {obs.interval_seconds:g}s, "
                     "see kvguard_source_cache_age_seconds{source=\"spool\"}.")
     rank_labels = []
+    ranks = []
+    used = 0
+    over_bytes = 0
     for view in obs.ranks:
         identity = view.identity()
-        rank_labels.append([view.labels[k] for k in RANK_LABELS] + [identity[k] for k in RANK_IDENTITY_LABELS])
+        labels = [view.labels[k] for k in RANK_LABELS] + [identity[k] for k in RANK_IDENTITY_LABELS]
+        cost = _rank_bytes(labels)
+        if obs.max_metrics_bytes is not None and used + cost > obs.max_metrics_bytes:
+            over_bytes += 1
+            continue
+        used += cost
+        ranks.append(view)
+        rank_labels.append(labels)
     for kind, name, doc, extra, samples in _RANK_FAMILIES:
         doc = doc.replace("{cached}", cached).replace("{spool_cached}", spool_cached)
         family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
             name, doc, labels=list(RANK_LABELS + RANK_IDENTITY_LABELS + extra))
-        for view, labels in zip(obs.ranks, rank_labels):
+        for view, labels in zip(ranks, rank_labels):
             for extra_values, value in samples(view):
                 _add(family, labels + list(extra_values), value)
         if family.samples:
             yield family
-    yield from _other_families(obs, cached)
+    yield from _other_families(obs, cached, over_bytes)
 
 
-def _other_families(obs: Observation, cached: str) -> _Families:
+def _other_families(obs: Observation, cached: str, over_bytes: int = 0) -> _Families:
     fam = _Families()
     dev_labels = list(DEVICE_LABELS + IDENTITY_LABELS)
     dev_total = fam.gauge("kvguard_device_total_bytes", "Device memory capacity as the device-level source reports "
@@ -292,6 +327,28 @@ def _other_families(obs: Observation, cached: str) -> _Families:
             _add(skipped, [reason], obs.skipped.get(reason, 0))
         for reason in AGED_OUT_REASONS:
             _add(aged_out, [reason], obs.aged_out.get(reason, 0))
+
+    cut = fam.gauge("kvguard_ranks_cut", "Ranks left out at the last refresh by a cap that bounds what the sidecar "
+                    "exports, by reason: max_ranks, max_engines (distinct engine_id and engine), max_models, max_pods "
+                    "(serve --max-ranks, --max-engines, --max-models, --max-pods), max_bytes (their series would "
+                    "take /metrics past --max-metrics-bytes; still in /guard).", ["reason"])
+    truncated = fam.gauge("kvguard_label_values_truncated", "Rank label values cut to --max-label-length characters "
+                          "at the last refresh.")
+    for reason in CUT_REASONS:
+        _add(cut, [reason], obs.cut.get(reason, 0) + (over_bytes if reason == "max_bytes" else 0))
+    _add(truncated, [], obs.labels_truncated)
+
+    reload_ok = fam.gauge("kvguard_web_config_last_reload_successful", "1 when the last reload of --web.config.file "
+                          "was applied, 0 when it failed or was refused (it would have switched basic auth or TLS "
+                          "off) and the previous config stays in force.")
+    reloads = fam.counter("kvguard_web_config_reloads_total", "Reloads of --web.config.file since the exporter "
+                          "started, by result: success, failure (it did not load), refused_weaker (it would have "
+                          "switched basic auth or TLS off).", ["result"])
+    if obs.web_config is not None:
+        applied, results = obs.web_config
+        _add(reload_ok, [], 1 if applied else 0)
+        for result, count in results.items():
+            _add(reloads, [result], count)
 
     build = fam.gauge("kvguard_build_info", "Always 1; the kvguard build that serves these metrics.",
                       ["version", "python_version"])

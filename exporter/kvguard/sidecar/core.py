@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import logging
 
 from kvguard.guard.judge import CounterWindow, GuardInput, judge
+from kvguard.sidecar.limits import MAX_ENGINES, MAX_LABEL_CHARS, MAX_METRICS_BYTES, MAX_MODELS, MAX_PODS, MAX_RANKS
 from kvguard.sidecar.poller import Poller, PollState
 from kvguard.spool.io import SpoolRead, SpoolReader, own_pid_namespace
 from kvguard.spool.schema import Snapshot
@@ -61,6 +62,12 @@ class SidecarConfig:
     # The engine these ranks belong to, the same on every pod of a multi-node engine (serve --engine-id,
     # KVGUARD_ENGINE_ID: an LWS group, a Ray cluster); "": each rank's pod, else its host (engine_of()).
     engine_id: str = field(default_factory=lambda: safe_text(os.environ.get(ENGINE_ID_ENV, ""), 253))
+    max_ranks: int = MAX_RANKS
+    max_engines: int = MAX_ENGINES                 # distinct (engine_id, engine) label pairs
+    max_models: int = MAX_MODELS                   # distinct model_name labels
+    max_pods: int = MAX_PODS                       # distinct (namespace, pod) label pairs
+    max_label_chars: int = MAX_LABEL_CHARS
+    max_metrics_bytes: int = MAX_METRICS_BYTES
 
     def engine_of(self, pod: str, host: str) -> str:
         """The engine a rank on ``pod`` / ``host`` belongs to: the configured one, else its pod, else its host."""
@@ -103,6 +110,8 @@ class Sidecar:
         self._logged_sources: dict[str, bool] = {}
         self._logged_ranks: dict[tuple, tuple] = {}
         self._logged_no_ranks: str | None = None
+        # The web config's reload status, for the metrics (set by the server that has one).
+        self.web_config_status: Callable[[], tuple] | None = None
 
     # -------------------------------------------------------------------- background reads
 
@@ -191,7 +200,8 @@ class Sidecar:
         if vllm_state:
             sources.append(vllm_state)
         with self._lock:
-            ranks, skipped, aged_out = self._ranks(spool_read, vllm_state.value if vllm_state else None)
+            ranks, skipped, aged_out, cut, truncated = self._ranks(spool_read,
+                                                                   vllm_state.value if vllm_state else None)
         devices = []
         for state in device_states:
             for memory in state.value or []:
@@ -201,7 +211,9 @@ class Sidecar:
                                   spool_snapshots=len(spool_read.snapshots), skipped=skipped,
                                   interval_seconds=config.interval, spool_clamped=spool_read.clamped,
                                   no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
-                                  aged_out=aged_out)
+                                  aged_out=aged_out, cut=cut, labels_truncated=truncated,
+                                  max_metrics_bytes=config.max_metrics_bytes,
+                                  web_config=self.web_config_status() if self.web_config_status else None)
         return observation
 
     def log_changes(self, observation: Observation) -> None:
@@ -236,7 +248,7 @@ class Sidecar:
                 level = {"ok": logging.INFO, "warning": logging.WARNING}.get(now[0], logging.ERROR)
                 event(logger, level, "guard state", pod=view.labels.get("pod", ""),
                       namespace=view.labels.get("namespace", ""), rank=view.labels.get("rank", ""),
-                      device=view.labels.get("device", ""), engine_id=view.labels.get("engine_id", ""),
+                      pid=view.labels.get("pid", ""), device=view.labels.get("device", ""), engine_id=view.labels.get("engine_id", ""),
                       state=now[0], previous=before[0] if before else "", reasons=",".join(now[1]),
                       headroom_bytes=view.verdict.headroom_bytes)
             self._logged_ranks = seen
@@ -272,7 +284,48 @@ class Sidecar:
                 living[key] = snap
         return living, aged_out
 
-    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter, Counter]:
+    def _within_caps(self, newest: dict[tuple, Snapshot], vllm) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
+        """The ranks within max_ranks and the distinct engine, model and pod caps, in label-key order
+        (believably dated snapshots first, so that a flood dated in the future cannot push live ranks
+        out), and how many were cut, by the first cap each met."""
+        config = self.config
+        kept: list[tuple[tuple, Snapshot]] = []
+        cut: Counter = Counter()
+        engines: set = set()
+        models: set = set()
+        pods: set = set()
+        for key, snap in sorted(newest.items(), key=lambda item: (item[1].clamped_from is not None, item[0])):
+            pod = (key[4], key[3])
+            engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
+            engine_label = (config.engine_of(key[3], snap.host), snap.engine or (engine.engine if engine else ""))
+            model = snap.model_name or (engine.model_name if engine else "")
+            if len(kept) >= config.max_ranks:
+                cut["max_ranks"] += 1
+            elif engine_label not in engines and len(engines) >= config.max_engines:
+                cut["max_engines"] += 1
+            elif model not in models and len(models) >= config.max_models:
+                cut["max_models"] += 1
+            elif pod not in pods and len(pods) >= config.max_pods:
+                cut["max_pods"] += 1
+            else:
+                kept.append((key, snap))
+                engines.add(engine_label)
+                models.add(model)
+                pods.add(pod)
+        kept.sort(key=lambda item: item[0])
+        return kept, cut
+
+    def _truncate(self, labels: dict[str, str]) -> int:
+        """Cut each label value to max_label_chars; how many were cut."""
+        limit = self.config.max_label_chars
+        cut = 0
+        for name, value in labels.items():
+            if len(value) > limit:
+                labels[name] = value[:limit]
+                cut += 1
+        return cut
+
+    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter, Counter, Counter, int]:
         config = self.config
         skipped = Counter(spool_read.skipped)
         log, log_profile = config.startup_log, self._log_profile
@@ -282,10 +335,13 @@ class Sidecar:
         if duplicates:
             skipped[DUPLICATE] += duplicates
         newest, aged_out = self._living(newest, now_wall)
+        admitted, cut = self._within_caps(newest, vllm)
+        newest = dict(admitted)
         increases = {} if config.one_shot else self._counter_increases(newest, now)
 
         views = []
-        for key, snap in sorted(newest.items()):
+        truncated = 0
+        for key, snap in admitted:
             labels = dict(zip(RANK_LABELS, key))
             age = max(0.0, now_wall - snap.written_at)
             stale = age > config.stale_after
@@ -296,6 +352,7 @@ class Sidecar:
             labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
                           engine=snap.engine or (engine.engine if engine else ""),
                           engine_id=config.engine_of(labels["pod"], snap.host))
+            truncated += self._truncate(labels)
             missing = self._log_missing if profile is None else None
             blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
@@ -323,9 +380,10 @@ class Sidecar:
                           "engine_id": config.engine_of(config.pod_labels.get("pod", ""), self._host)}
                 blocks, kv_bytes = self._engine_kv_cache(engine)
                 verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
+                truncated += self._truncate(labels)
                 views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
                                       engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
-        return views, skipped, aged_out
+        return views, skipped, aged_out, cut, truncated
 
     def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
         """Feed each rank's alloc retries and OOMs to the counter window (ranks in label-key

@@ -191,7 +191,11 @@ class Exposition:
     A new observation is taken when the sidecar's background reads have moved on (its
     ``generation``) or the cached one is older than ``max_age`` seconds. Its families are
     collected once, their sample lines written once for both formats, each format assembled
-    once and gzipped once; concurrent callers share them.
+    once and gzipped once; concurrent callers share them. Every Accept header the fast encoder
+    answers shares one body per format (text or OpenMetrics, plain or gzipped); of the library's
+    encodings (other escapings) one is kept at a time, so 14 content types no longer keep 14
+    copies of a refresh. The collector keeps the ranks' series under the sidecar's
+    max_metrics_bytes, so each body is bounded too.
     """
 
     def __init__(self, sidecar: Sidecar, registry: CollectorRegistry | None = None, max_age: float | None = None,
@@ -210,7 +214,7 @@ class Exposition:
         self._made_at = 0.0
         self._observation: Observation | None = None
         self._blocks: list | None = None
-        self._bodies: dict[tuple[str, bool], bytes] = {}
+        self._bodies: dict[tuple, tuple[bytes, ...]] = {}
         self._guard: bytes | None = None
         self.observations_total = 0     # observations taken (one per refresh)
         self.renders_total = 0          # collections of the registry (one per observation, as a rule)
@@ -257,10 +261,11 @@ class Exposition:
     def parts_now(self, accept: str, gzipped: bool) -> tuple[tuple[bytes, ...], str] | None:
         """parts() when its answer is already made, or None (never builds, never waits)."""
         _, content_type = choose_encoder(accept)
+        key = self._body_key(accept, content_type, gzipped)
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            body = self._bodies.get((content_type, gzipped)) if self._current() else None
+            body = self._bodies.get(key) if self._current() else None
             return (body, content_type) if body is not None else None
         finally:
             self._lock.release()
@@ -295,9 +300,10 @@ class Exposition:
         both formats, never joined into a second copy."""
         encoder, content_type = choose_encoder(accept)
         om = fast_format(accept)
+        key = self._body_key(accept, content_type, gzipped)
         with self._lock:
             self._fresh()
-            body = self._bodies.get((content_type, gzipped))
+            body = self._bodies.get(key)
             if body is not None:
                 return body, content_type
             if om is not None and self._blocks is None:
@@ -305,10 +311,22 @@ class Exposition:
             if om is not None and self._blocks:
                 body = (assemble_gzip(self._blocks, om),) if gzipped else tuple(_chunks(self._blocks, om))
             else:   # a format the fast encoder does not write: the library's encoder
+                # One such body at a time: each Accept type and escaping would otherwise keep its own
+                # copy of the exposition for the refresh (14 of them went past the memory limit).
+                for other in [k for k in self._bodies if k[0] == "library"]:
+                    del self._bodies[other]
                 plain = encoder(_Pinned(list(self._collect())))
                 body = (gzip.compress(plain, compresslevel=GZIP_LEVEL) if gzipped else plain,)
-            self._bodies[(content_type, gzipped)] = body
+            self._bodies[key] = body
             return body, content_type
+
+    @staticmethod
+    def _body_key(accept: str, content_type: str, gzipped: bool) -> tuple:
+        """What a cached body is kept under: the fast formats by format (every Accept header that
+        gets the text format, whatever its content type's parameters, shares one body; the
+        OpenMetrics ones another), the library's encodings by content type."""
+        om = fast_format(accept)
+        return ("fast", om, gzipped) if om is not None else ("library", content_type, gzipped)
 
     def body(self, accept: str, gzipped: bool) -> tuple[bytes, str]:
         """parts(), joined."""

@@ -30,6 +30,9 @@ DUPLICATE = "duplicate"
 PROCESS_EXITED = "process_exited"
 NOT_WRITTEN = "not_written"
 AGED_OUT_REASONS = (PROCESS_EXITED, NOT_WRITTEN)
+# Why a rank was cut from what the sidecar exports (a label value, so the set is fixed): the caps that
+# keep /metrics and the sidecar's memory bounded whatever the spool holds (SidecarConfig).
+CUT_REASONS = ("max_ranks", "max_engines", "max_models", "max_pods", "max_bytes")
 
 
 def pod_labels_from_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -89,6 +92,11 @@ class Observation:
     spool_clamped: int = 0              # snapshots dated in the future at the last spool read
     no_ranks_why: str = "nothing to read"   # what was looked at, when no rank was judged
     aged_out: Counter = field(default_factory=Counter)   # AGED_OUT_REASONS -> ranks left out as dead
+    cut: Counter = field(default_factory=Counter)        # CUT_REASONS -> ranks left out by a cap
+    labels_truncated: int = 0                            # label values cut to max_label_chars
+    max_metrics_bytes: int | None = None                 # the /metrics rank series stay within this
+    # --web.config.file's reloads: (the last one applied, reloads by result); None without a web config
+    web_config: tuple[bool, Mapping[str, int]] | None = None
 
     @property
     def state(self) -> str:
@@ -120,7 +128,8 @@ class Observation:
             "sources": {s.name: {"up": s.up, "errors_total": s.errors_total, "last_error": s.last_error}
                         for s in self.sources},
             "spool": {"snapshots": self.spool_snapshots, "skipped": dict(self.skipped),
-                      "clamped_timestamps": self.spool_clamped, "aged_out": dict(self.aged_out)},
+                      "clamped_timestamps": self.spool_clamped, "aged_out": dict(self.aged_out),
+                      "cut": dict(self.cut), "labels_truncated": self.labels_truncated},
         }
 
 

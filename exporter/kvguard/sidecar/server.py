@@ -21,9 +21,14 @@ and threads are bounded whatever it sends:
   ``workers`` threads, /readyz first; pipelined requests are taken one at a time per connection,
   so at most one request per connection is queued and nothing is refused for being busy (no 503);
 - basic-auth credentials already verified are checked in the loop in constant time; others go to
-  a pool of ``auth_workers`` bcrypt threads of their own (``auth_queue`` deep), at most
-  ``auth_rate`` a second per source address (``auth_burst`` at once), 429 beyond
-  (kvguard.sidecar.webconfig.BasicAuth);
+  a pool of ``auth_workers`` bcrypt threads of their own (kvguard.sidecar.webconfig.BasicAuth).
+  The cost of wrong guesses falls on the guessers: only a password bcrypt refuses uses up its
+  source address's guesses (``auth_rate`` a second, ``auth_burst`` at once; 429 for unverified
+  credentials from an address with none left), so right first logins are never turned away for
+  their number; a connection that has had a credential accepted (Prometheus' keep-alive
+  connection, its password just rotated) has its new credentials checked before anyone else's
+  and never turned away, whatever others behind the same address (a mesh proxy, SNAT) guess;
+  others wait in order, ``auth_queue`` at most (429 beyond);
   a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
   read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
 - new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
@@ -103,6 +108,7 @@ class ServerOptions:
     listen: str = "0.0.0.0"
     port: int = 10240
     fail_readiness_on_critical: bool = False
+    runbook_public: bool = False        # /runbook and /runbook/<alert> answer without basic auth
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     basic_auth_user: str | None = None
@@ -115,9 +121,11 @@ class ServerOptions:
     max_connections: int = 1024
     workers: int = 4                    # build /metrics and /guard; the event loop sends
     output_limit: int = 256 * 1024      # unsent bytes past which a connection is not read until it drains
-    auth_workers: int = 1               # bcrypt runs for credentials not verified yet (~70 ms each)
-    auth_queue: int = 64                # credentials waiting for those; beyond, 429
-    auth_rate: float = 1.0              # unverified credentials per second and source address (429 beyond)
+    # bcrypt runs for credentials not verified yet (~70 ms each); of two or more, one is kept for new
+    # credentials on connections that have had one accepted (a rotated password)
+    auth_workers: int = 2
+    auth_queue: int = 64                # credentials waiting for the others; beyond, 429
+    auth_rate: float = 1.0              # refused guesses per second and source address (429 beyond)
     auth_burst: float = 4.0
     auth_failure_delay: float = 1.0     # a wrong password or a 429 answered this late (the connection not read)
 
@@ -160,6 +168,19 @@ _SINGLE = ("host", "authorization", "content-length")
 _VERSION = re.compile(r"HTTP/([0-9])\.([0-9])\Z")
 _DIGITS = re.compile(r"[0-9]{1,18}\Z")
 MAX_TARGET = 8 * 1024
+
+
+def _request_line_ok(buffer: bytes | bytearray) -> bool:
+    """False when the buffer's first complete line (after empty ones) is not METHOD SP TARGET SP VERSION."""
+    start = 0
+    while True:
+        newline = buffer.find(b"\n", start)
+        if newline < 0:
+            return True
+        line = bytes(buffer[start:newline]).rstrip(b"\r")
+        if line:
+            return line.count(b" ") == 2 and line.rsplit(b" ", 1)[1].startswith(b"HTTP/")
+        start = newline + 1
 
 
 def find_head_end(buffer: bytes | bytearray) -> int:
@@ -309,9 +330,13 @@ class Application:
         self.web_config = web_config or (lambda: WebConfig())
         self.basic_auth = BasicAuth()
         self.guesses = GuessLimiter(options.auth_rate, options.auth_burst)
+        self.authenticated = False      # the last routed request's credential was accepted
         self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
 
-    def route(self, request: Request, source: str = "") -> Response | str | Verify:
+    def route(self, request: Request, source: str = "", trusted: bool = False) -> Response | str | Verify:
+        """``trusted``: the connection has had a credential accepted (kvguard.sidecar.server's docstring).
+        After the call, ``authenticated`` says whether this request's credential was accepted."""
+        self.authenticated = False
         if request.method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
         path = request.path
@@ -320,7 +345,12 @@ class Application:
         if path == OPEN_PATHS[1]:
             ready = self.exposition.readiness_now(self.options.fail_readiness_on_critical)
             return _text(*ready) if ready is not None else BUILD
-        verdict = self._authorize(request, self.web_config(), source)
+        runbook = path == "/runbook" or path.startswith("/runbook/")
+        if runbook and self.options.runbook_public:
+            # The alerts link here for a person with a browser, not Prometheus' credentials; the text is
+            # the packaged runbook, the same in every install (--web.runbook-public).
+            return runbook_response(path[len("/runbook/"):] if path != "/runbook" else None)
+        verdict = self._authorize(request, self.web_config(), source, trusted)
         if verdict is not True:
             return verdict
         if path == "/metrics":
@@ -334,7 +364,7 @@ class Application:
             return BUILD
         if path == "/":
             return Response(200, landing_page(), "text/html; charset=utf-8")
-        if path == "/runbook" or path.startswith("/runbook/"):
+        if runbook:
             return runbook_response(path[len("/runbook/"):] if path != "/runbook" else None)
         return _text(404, "not found\n")
 
@@ -359,8 +389,15 @@ class Application:
         body, content_type = made
         return Response(200, body, content_type, {"Content-Encoding": "gzip"} if gzipped else {})
 
-    def _authorize(self, request: Request, config: WebConfig, source: str) -> bool | Response | Verify:
-        """True, a 401 / 429 answer, or the bcrypt check still to run."""
+    def _authorize(self, request: Request, config: WebConfig, source: str,
+                   trusted: bool = False) -> bool | Response | Verify:
+        """True, a 401 / 429 answer, or the bcrypt check still to run.
+
+        Only wrong passwords use up an address's guesses (GuessLimiter.charge, after bcrypt says
+        no): first logins that are right are never turned away for their number, and a
+        connection that has had a credential accepted (Prometheus' keep-alive connection, its
+        password just rotated) is never turned away for the guesses of others behind the same
+        address (a mesh proxy, SNAT)."""
         users = config.basic_auth_users
         user, password = self.options.basic_auth_user, self.options.basic_auth_password
         if not users and user is None:
@@ -379,10 +416,11 @@ class Application:
             return refused
         if users:
             if self.basic_auth.verified(users, given_user, given_password):
+                self.authenticated = True
                 return True
             if self.basic_auth.refused(users, given_user, given_password):
                 return wrong
-            if not self.guesses.allow(source):
+            if not trusted and not self.guesses.available(source):
                 return _text(429, "too many unverified credentials from this address; retry later\n",
                              headers={"Retry-After": "1"}, delay=self.options.auth_failure_delay)
             return Verify(users, given_user, given_password)
@@ -391,15 +429,71 @@ class Application:
         # Compare both, always, in constant time.
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
         ok_password = hmac.compare_digest(given_password.encode(), password.encode())
+        self.authenticated = ok_user and ok_password
         return True if ok_user and ok_password else wrong
 
 
 # ------------------------------------------------------------------------------ connections
 
+class _VerifyQueue:
+    """Credentials waiting for bcrypt: those of connections that have had a credential accepted
+    first, then the others in order of arrival, at most ``limit`` of those (put() is False
+    beyond). The first kind is bounded by the connections, each with one request out at most."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._ready = threading.Condition()
+        self._first: deque[Any] = deque()
+        self._rest: deque[Any] = deque()
+        self._first_running = 0
+
+    def put(self, item: Any, first: bool = False) -> bool:
+        with self._ready:
+            if not first and len(self._rest) >= self.limit:
+                return False
+            (self._first if first else self._rest).append(item)
+            self._ready.notify_all()     # the verifier kept for the first kind may be the one idle
+            return True
+
+    def get(self, first_only: bool = False) -> Any:
+        """The next item; with ``first_only``, the next of the first kind (a verifier kept for them).
+        No item of the other kind is handed out while one of the first is being checked: its bcrypt
+        run has the CPU to itself, not shared with a guess's (call done() after each item)."""
+        with self._ready:
+            while not self._first and (first_only or not self._rest or self._first_running):
+                self._ready.wait()
+            if self._first:
+                item = self._first.popleft()
+                if item is not None:
+                    self._first_running += 1
+                return item
+            return self._rest.popleft()
+
+    def done(self, first: bool) -> None:
+        if first:
+            with self._ready:
+                self._first_running -= 1
+                self._ready.notify_all()
+
+    def stop_one(self) -> None:
+        """Wake one verifier with None, its signal to end."""
+        with self._ready:
+            self._first.appendleft(None)
+            self._ready.notify_all()
+
+    def clear(self) -> None:
+        with self._ready:
+            self._first.clear()
+            self._rest.clear()
+
+    def qsize(self) -> int:
+        return len(self._first) + len(self._rest)
+
+
 class _Conn:
     __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
                  "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
-                 "close_after", "closed", "hold_until", "key")
+                 "close_after", "closed", "hold_until", "key", "trusted")
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
@@ -422,6 +516,7 @@ class _Conn:
         self.close_after = False             # the last answer is queued: close (lingering) once it is sent
         self.closed = False
         self.hold_until: float | None = None  # its output is held back until then (a wrong password)
+        self.trusted = False                 # basic auth accepted a credential on it: its new ones go first
 
 
 class KVGuardServer:
@@ -434,6 +529,8 @@ class KVGuardServer:
         if web_config is None and options.web_config_file:
             web_config = WebConfigWatcher(options.web_config_file)
         self.web_config = web_config
+        if web_config is not None:
+            sidecar.web_config_status = web_config.status
         self._static_tls = tls_context or make_tls_context(options)
         self.tls = self._static_tls is not None or (web_config is not None and
                                                     web_config.config.tls_context is not None)
@@ -464,7 +561,7 @@ class KVGuardServer:
         # At most one request per connection is out of the loop, so the queues are bounded by
         # max_connections without a cap of their own: a busy server queues, it does not refuse.
         self._work: queue.PriorityQueue[tuple[int, int, _Conn | None, Any]] = queue.PriorityQueue()
-        self._verify: queue.Queue[tuple[_Conn, Request, Verify] | None] = queue.Queue(maxsize=options.auth_queue)
+        self._verify = _VerifyQueue(options.auth_queue)
         self._sequence = itertools.count()
         self._verifying = 0
         self._swept_at = 0.0
@@ -534,17 +631,10 @@ class KVGuardServer:
             return
         self._closed = True
         self._stop.set()
-        while True:   # guesses still waiting for bcrypt are dropped, not checked
-            try:
-                self._verify.get_nowait()
-            except queue.Empty:
-                break
+        self._verify.clear()   # guesses still waiting for bcrypt are dropped, not checked
         for worker in self._workers:
             if worker.name.startswith("kvguard-bcrypt"):
-                try:
-                    self._verify.put_nowait(None)
-                except queue.Full:
-                    pass
+                self._verify.stop_one()
             else:
                 self._work.put((-1, 0, None, None))
         for conn in list(self._conns.values()):
@@ -568,7 +658,11 @@ class KVGuardServer:
             worker.start()
             self._workers.append(worker)
         for index in range(max(1, self.options.auth_workers)):
-            worker = threading.Thread(target=self._verifier, name=f"kvguard-bcrypt-{index}", daemon=True)
+            # With two or more, the first is kept for connections that have had a credential accepted:
+            # a rotated password waits for its own bcrypt run only, never for others' guesses.
+            kept = index == 0 and self.options.auth_workers > 1
+            worker = threading.Thread(target=self._verifier, args=(kept,), name=f"kvguard-bcrypt-{index}",
+                                      daemon=True)
             worker.start()
             self._workers.append(worker)
 
@@ -796,6 +890,9 @@ class KVGuardServer:
         if end < 0:
             if len(conn.buffer) > self.options.max_header_bytes:
                 self._reject(conn, 431, f"request head over {self.options.max_header_bytes} bytes\n")
+            elif not _request_line_ok(conn.buffer):
+                # An HTTP/0.9 request ("GET /") has no header block to wait for: answered at once, as Go does.
+                self._reject(conn, 400, "malformed request line\n")
             elif not conn.buffer:
                 conn.started = None
             elif conn.started is None:
@@ -810,21 +907,24 @@ class KVGuardServer:
         except BadRequest as exc:
             self._respond(conn, None, _text(exc.status, f"{exc}\n"))
             return False
-        outcome = self.app.route(request, conn.source)
+        outcome = self.app.route(request, conn.source, conn.trusted)
         if isinstance(outcome, Response):
             if outcome.status == 429:
                 self.rejected_total += 1
+            elif self.app.authenticated:
+                conn.trusted = True
             self._respond(conn, request, outcome)
         elif isinstance(outcome, Verify):
-            try:
-                self._verify.put_nowait((conn, request, outcome))
+            if self._verify.put((conn, request, outcome, conn.trusted), first=conn.trusted):
                 conn.in_worker = True
-            except queue.Full:   # more guesses waiting than the bcrypt pool will get through soon
+            else:   # more guesses waiting than the bcrypt pool will get through soon
                 self.rejected_total += 1
                 self._respond(conn, request, _text(429, "too many credentials waiting; retry later\n",
                                                    headers={"Retry-After": "1"},
                                                    delay=self.options.auth_failure_delay))
         else:
+            if self.app.authenticated:
+                conn.trusted = True
             conn.in_worker = True
             self._work.put((_PROBE if request.path == "/readyz" else _SCRAPE, next(self._sequence), conn, request))
         return True
@@ -1060,14 +1160,15 @@ class KVGuardServer:
                 response = _text(500, f"error: {type(exc).__name__}\n")
             self._hand_back(conn, request, response)
 
-    def _verifier(self) -> None:
+    def _verifier(self, first_only: bool = False) -> None:
         """Runs bcrypt for credentials not verified yet, apart from the workers: a flood of guesses
-        waits here, never in front of a scrape whose credentials are already verified."""
+        waits here, never in front of a scrape whose credentials are already verified (nor, with
+        ``first_only``, in front of a new credential on a connection that has had one accepted)."""
         while True:
-            item = self._verify.get()
+            item = self._verify.get(first_only)
             if item is None:
                 return
-            conn, request, check = item
+            conn, request, check, first = item
             with self._verifying_lock:
                 self._verifying += 1
             try:
@@ -1075,11 +1176,14 @@ class KVGuardServer:
             except Exception:   # noqa: BLE001
                 ok = False
             finally:
+                self._verify.done(first)
                 with self._verifying_lock:
                     self._verifying -= 1
             if ok:
+                conn.trusted = True
                 self._work.put((_SCRAPE, next(self._sequence), conn, request))
             else:
+                self.app.guesses.charge(conn.source)   # the guesser's address pays, not those who get it right
                 self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
                                                      delay=self.options.auth_failure_delay))
 

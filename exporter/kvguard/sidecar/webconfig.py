@@ -18,9 +18,12 @@ dcgm-exporter read)::
 Like exporter-toolkit (web/tls_config.go, ``getConfig`` per request), the file and the files it
 names are watched: :class:`WebConfigWatcher` re-reads them when their size, mtime or inode
 changes, so a rotated certificate or a new password takes effect on the next connection without a
-restart. A change that does not load is one line on stderr and the previous configuration stays; so is a
-file emptied (an empty file at startup is a valid config, no TLS and no users; on a reload it is
-what a truncate-then-write leaves for a moment, and would switch authentication off).
+restart. Reloads run off the server's event loop, read at most MAX_WEB_CONFIG_BYTES and never open a
+FIFO or another non-regular file. A change that does not load is logged at error level, counted
+(kvguard_web_config_reloads_total) and the previous configuration stays; so is a file emptied (an
+empty file at startup is a valid config, no TLS and no users; on a reload it is what a
+truncate-then-write leaves for a moment) and any config that would switch basic auth off (``{}``,
+``null``, ``basic_auth_users: {}``...) unless ``--web.config.allow-auth-off``.
 Whether TLS is on at all is fixed at startup (exporter-toolkit fixes it too).
 
 What Python's ssl module cannot do is refused with one line, never silently weakened:
@@ -35,6 +38,7 @@ import hashlib
 import hmac
 import os
 import ssl
+import stat
 import sys
 import threading
 import time
@@ -43,9 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from kvguard.text import one_line
-from kvguard.textfile import read_text
 
-MAX_WEB_CONFIG_BYTES = 1 << 20
+# A web config is a few users and file names: 1 MiB of YAML took 3-5 s to parse.
+MAX_WEB_CONFIG_BYTES = 64 * 1024
 
 
 class WebConfigError(ValueError):
@@ -180,6 +184,8 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
         raise WebConfigError("tls_server_config: missing key_file")
     cert, key = _resolve(base, tls["cert_file"], "cert_file"), _resolve(base, tls["key_file"], "key_file")
     files += [cert, key]
+    _regular_file(cert, "cert_file")
+    _regular_file(key, "key_file")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(cert, key)
@@ -243,6 +249,7 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
             if tls.get("client_ca_file"):
                 ca = _resolve(base, tls["client_ca_file"], "client_ca_file")
                 files.append(ca)
+                _regular_file(ca, "client_ca_file")
                 context.load_verify_locations(cafile=ca)
             else:
                 if not isinstance(tls["client_ca"], str):
@@ -268,10 +275,44 @@ def _users(users: Mapping[str, Any]) -> dict[str, bytes]:
     return parsed
 
 
+def _regular_file(path: str, what: str) -> None:
+    """Refuse what is not a regular file (a FIFO's open waits for a writer, a device's read may never end)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return      # the load that follows says why, in its own words
+    if not stat.S_ISREG(info.st_mode):
+        raise WebConfigError(f"{what} {path} is not a regular file")
+
+
+def _read_config_text(path: str) -> str:
+    """The UTF-8 text of the web config (at most MAX_WEB_CONFIG_BYTES, a BOM dropped), opened without
+    waiting: a FIFO or other non-regular file is refused, never read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise WebConfigError(f"web config not found: {path}") from None
+    except OSError as exc:
+        raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise WebConfigError(f"web config {path} is not a regular file")
+        try:
+            raw = handle.read(MAX_WEB_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_WEB_CONFIG_BYTES:
+        raise WebConfigError(f"web config {path} is larger than {MAX_WEB_CONFIG_BYTES} bytes")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise WebConfigError(f"web config {path} is not UTF-8") from None
+
+
 def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
     """Read and load ``path``. Raises WebConfigError with one line. An empty file (nothing but
     blanks and comments) is no TLS and no users; with ``allow_empty`` False it is refused."""
-    text = read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError)
+    text = _read_config_text(path)
     try:
         if not allow_empty and _empty(text):
             raise WebConfigError("the file is empty (truncated, or being rewritten?): it would switch "
@@ -382,8 +423,9 @@ _NO_USER_HASH = b"$2b$10$" + b"." * 53
 
 
 class GuessLimiter:
-    """A token bucket per source address for credentials that are not verified yet: ``rate`` a
-    second, bursts of ``burst``. At most ``max_sources`` addresses are tracked (the least recently
+    """A token bucket per source address for guesses: ``rate`` a second, bursts of ``burst``. The
+    server takes a token for each password bcrypt refuses (charge) and turns away unverified
+    credentials from an address with none left (available). At most ``max_sources`` addresses are tracked (the least recently
     seen forgotten first), so a spray of addresses cannot grow it."""
 
     def __init__(self, rate: float = 4.0, burst: float = 8.0, max_sources: int = 4096,
@@ -391,6 +433,32 @@ class GuessLimiter:
         self.rate, self.burst, self.max_sources, self._clock = rate, burst, max_sources, clock
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()   # source -> [tokens, updated]
         self.refused_total = 0
+
+    def available(self, source: str) -> bool:
+        """Whether ``source`` has a token left, without taking it; False is counted as refused."""
+        bucket = self._refill(source)
+        if bucket[0] < 1.0:
+            self.refused_total += 1
+            return False
+        return True
+
+    def charge(self, source: str) -> None:
+        """Take one token for a guess that failed (down to one guess's worth below empty)."""
+        bucket = self._refill(source)
+        bucket[0] = max(-1.0, bucket[0] - 1.0)
+
+    def _refill(self, source: str) -> list[float]:
+        now = self._clock()
+        bucket = self._buckets.get(source)
+        if bucket is None:
+            bucket = self._buckets[source] = [self.burst, now]
+            while len(self._buckets) > self.max_sources:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(source)
+            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        return bucket
 
     def allow(self, source: str) -> bool:
         """Take one token for ``source``; False (refused) when it has none left."""
@@ -411,24 +479,51 @@ class GuessLimiter:
         return True
 
 
+# Why a reload was not applied (kvguard_web_config_reloads_total's result label, beside "success").
+RELOAD_FAILED = "failure"               # the file or a file it names did not load
+RELOAD_REFUSED = "refused_weaker"       # it would switch basic auth or TLS off
+RELOAD_RESULTS = ("success", RELOAD_FAILED, RELOAD_REFUSED)
+RELOAD_TIMEOUT_SECONDS = 10.0
+
+
+def _log_error(message: str, **fields: Any) -> None:
+    import logging
+
+    from kvguard.logs import LOGGER, event
+
+    event(logging.getLogger(LOGGER), logging.ERROR, message, **fields)
+
+
 class WebConfigWatcher:
     """The current web config; re-read when the file or a file it names changes.
 
-    ``current()`` checks at most once per ``check_interval`` seconds (a stat of each file).
+    ``current()`` never waits: at most once per ``check_interval`` seconds it stats the files, and
+    when one changed it starts a reload on a thread of its own (one at a time; the YAML parse and
+    the certificate loads stay off the server's event loop) and answers with the config in force.
+    A reload that fails, or that would switch basic auth off (unless ``allow_auth_off``) or TLS
+    on or off, keeps the config in force, is logged at error level and counted by result
+    (kvguard_web_config_reloads_total); exporter-toolkit's operators expect a config that does not
+    load to change nothing. A reload still running after RELOAD_TIMEOUT_SECONDS is logged once.
     """
 
     def __init__(self, path: str, check_interval: float = 1.0,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str], None] | None = None, allow_auth_off: bool = False):
         self.path = path
         self.check_interval = check_interval
-        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.allow_auth_off = allow_auth_off
+        self._warn = warn or (lambda line: _log_error("web config not reloaded", path=path, error=line))
         self._lock = threading.Lock()
         self.config = load_web_config(path)     # the first load raises: startup refuses a bad file
         self._stamp = _stamp(self.config.files)
         self._checked_at = time.monotonic()
         self.reloads_total = 0
-        self.reload_errors_total = 0
+        self.reload_errors_total = 0            # failed or refused
+        self.results: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
+        self.last_reload_successful = True
         self._tls = self.config.tls_context is not None
+        self._reloading: threading.Thread | None = None
+        self._reload_started = 0.0
+        self._slow_logged = False
 
     def current(self) -> WebConfig:
         now = time.monotonic()
@@ -436,21 +531,59 @@ class WebConfigWatcher:
             if now - self._checked_at < self.check_interval:
                 return self.config
             self._checked_at = now
+            if self._reloading is not None:
+                if now - self._reload_started > RELOAD_TIMEOUT_SECONDS and not self._slow_logged:
+                    self._slow_logged = True
+                    self._warn(f"the reload started {now - self._reload_started:.0f}s ago has not finished")
+                return self.config
             stamp = _stamp(self.config.files)
             if stamp == self._stamp:
                 return self.config
             self._stamp = stamp
+            self._reload_started, self._slow_logged = now, False
+            self._reloading = threading.Thread(target=self._reload, name="kvguard-web-config", daemon=True)
+            self._reloading.start()
+            return self.config
+
+    def wait(self, timeout: float = 10.0) -> None:
+        """Wait for a reload in progress (tests, and callers that want it applied now)."""
+        thread = self._reloading
+        if thread is not None:
+            thread.join(timeout)
+
+    def _weaker(self, config: WebConfig) -> str | None:
+        if (config.tls_context is not None) != self._tls:
+            return "turning TLS on or off needs a restart"
+        if self.config.basic_auth_users and not config.basic_auth_users and not self.allow_auth_off:
+            return ("it lists no basic_auth_users and would switch basic auth off "
+                    "(serve --web.config.allow-auth-off allows that)")
+        return None
+
+    def _reload(self) -> None:
+        result, error = "success", None
         try:
             config = load_web_config(self.path, allow_empty=False)
-            if (config.tls_context is not None) != self._tls:
-                raise WebConfigError("turning TLS on or off needs a restart")
+            error = self._weaker(config)
+            if error is not None:
+                result = RELOAD_REFUSED
         except WebConfigError as exc:
-            with self._lock:
-                self.reload_errors_total += 1
-            self._warn(f"kvguard serve: web config not reloaded, keeping the previous one: {exc}")
-            return self.config
+            result, error = RELOAD_FAILED, str(exc)
+        except Exception as exc:   # noqa: BLE001 - a reload thread must say why, never die silently
+            result, error = RELOAD_FAILED, one_line(exc, with_type=True)
         with self._lock:
-            self.config = config
-            self._stamp = _stamp(config.files)
-            self.reloads_total += 1
-        return config
+            self.results[result] += 1
+            self.last_reload_successful = error is None
+            if error is None:
+                self.config = config
+                self._stamp = _stamp(config.files)
+                self.reloads_total += 1
+            else:
+                self.reload_errors_total += 1
+            self._reloading = None
+        if error is not None:
+            self._warn(f"keeping the previous one: {error}")
+
+    def status(self) -> tuple[bool, dict[str, int]]:
+        """(last reload applied, reloads by result) for the metrics."""
+        with self._lock:
+            return self.last_reload_successful, dict(self.results)

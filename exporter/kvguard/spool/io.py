@@ -91,16 +91,23 @@ class SpoolRead:
 
 def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
                max_total_bytes: int = MAX_SPOOL_READ_BYTES, max_entries: int = MAX_SPOOL_ENTRIES,
-               now: float | None = None, first_seen: dict | None = None) -> SpoolRead:
+               now: float | None = None, first_seen: dict | None = None,
+               known_junk: dict | None = None) -> SpoolRead:
     """Read the ``*.json`` snapshots, newest first; never raises, only counts.
 
     Junk must not hide live ranks, so files are read by validity and recency, not by name: files
     named as the probe names them first, each group newest (mtime) first. An mtime more than
     FUTURE_TOLERANCE_SECONDS past ``now`` is not believed (the probe writes with the node's
     clock): such files are read after every believably dated one, so a year-ahead junk flood
-    never fills a read before a live rank. ``max_bytes`` caps one
-    file; ``max_files`` files and ``max_total_bytes`` bytes cap the read (the rest is counted as
-    ``too_many_files``); at most ``max_entries`` directory entries are looked at.
+    never fills a read before a live rank. ``max_bytes`` caps one file; ``max_files`` snapshots
+    and ``max_total_bytes`` bytes of them cap the read (the rest is counted as ``too_many_files``);
+    at most ``max_entries`` directory entries are looked at.
+
+    Files that are not snapshots never hide snapshots, whatever their names and times: they count
+    toward neither ``max_files`` nor the snapshots' bytes, only toward a budget of their own (as
+    many bytes again, so that the read's time stays bounded), and a file found to be junk is
+    remembered (``known_junk``, kept by the caller: name -> (inode, size, reason), not its times, which
+    any writer can set) and counted again without being read until it is replaced.
 
     A ``written_at`` more than FUTURE_TOLERANCE_SECONDS past ``now`` is clamped to the time the
     reader first saw that snapshot (``first_seen``, kept by the caller across reads: then it ages
@@ -110,6 +117,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     now = time.time() if now is None else now
     latest_ns = int((now + FUTURE_TOLERANCE_SECONDS) * 1e9)
     candidates = []
+    junk: dict = {}
     try:
         with os.scandir(spool_dir) as entries:
             for seen, entry in enumerate(entries):
@@ -135,32 +143,48 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
                     result.error(f"{name}: too_large: {info.st_size} bytes exceeds {max_bytes}")
                     continue
                 believable = info.st_mtime_ns <= latest_ns
+                known = known_junk.get(name) if known_junk is not None else None
+                if known is not None and known[:2] == (info.st_ino, info.st_size):
+                    # Junk at the last read, and not replaced since (the probe renames a new file
+                    # over the old one): counted as it was, not read again.
+                    result.skipped[known[2]] += 1
+                    junk[name] = known
+                    continue
                 candidates.append((_PROBE_NAME.match(name) is not None, believable,
-                                   info.st_mtime_ns if believable else 0, name))
+                                   info.st_mtime_ns if believable else 0, name, info.st_ino, info.st_size))
     except OSError as exc:
         result.listing_error = str(exc.strerror or exc)
         result.errors.append(f"{spool_dir}: {result.listing_error}")
         return result
     candidates.sort(reverse=True)
-    if len(candidates) > max_files:
-        result.skipped["too_many_files"] += len(candidates) - max_files
-        result.error(f"{spool_dir}: too_many_files: {len(candidates)} files, {max_files} are read")
-        del candidates[max_files:]
-    used = 0
+    used = junk_used = 0
     clamped_keys: set = set()
-    for index, (_, _, _, name) in enumerate(candidates):
+    for index, (_, _, _, name, inode, size) in enumerate(candidates):
+        if len(result.snapshots) >= max_files:
+            result.skipped["too_many_files"] += len(candidates) - index
+            result.error(f"{spool_dir}: too_many_files: {len(candidates)} files, {max_files} snapshots are read")
+            break
+        # The smaller of what is left of the two budgets (a file is known to be junk only once
+        # read); a file longer than that waits for the next read, and smaller ones still get theirs.
+        left = min(max_total_bytes - used, max_total_bytes - junk_used)
+        if size > left:
+            result.skipped["too_many_files"] += 1
+            result.error(f"{name}: too_many_files: {size} bytes, {left} are left of this read's budget")
+            continue
         try:
-            raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, max_total_bytes - used), max_bytes)
-            if raw is None:   # longer than what is left of this read's budget, not than one snapshot
-                result.skipped["too_many_files"] += len(candidates) - index
+            raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, left), max_bytes)
+            if raw is None:   # grew past what is left since it was listed
+                result.skipped["too_many_files"] += 1
                 result.error(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
-                break
-            used += len(raw)
+                continue
             snapshot = decode_snapshot(raw)
         except SnapshotError as exc:
             result.skipped[exc.reason] += 1
             result.error(f"{name}: {exc.reason}: {exc}")
+            junk[name] = (inode, size, exc.reason)
+            junk_used += size
             continue
+        used += len(raw)
         if snapshot.written_at > now + FUTURE_TOLERANCE_SECONDS:
             key = (name, snapshot.written_at, snapshot.sequence)
             clamped_keys.add(key)
@@ -171,6 +195,9 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     if first_seen is not None:   # forget what is gone, so the memo stays as small as the spool
         for key in set(first_seen) - clamped_keys:
             del first_seen[key]
+    if known_junk is not None:   # junk seen now; what is gone or was replaced is forgotten
+        known_junk.clear()
+        known_junk.update(junk)
     return result
 
 
@@ -181,9 +208,10 @@ class SpoolReader:
         self.spool_dir = spool_dir
         self.limits = limits
         self._first_seen: dict = {}
+        self._known_junk: dict = {}
 
     def read(self) -> SpoolRead:
-        return read_spool(self.spool_dir, first_seen=self._first_seen, **self.limits)
+        return read_spool(self.spool_dir, first_seen=self._first_seen, known_junk=self._known_junk, **self.limits)
 def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
     """A regular file's bytes, opened without following links. None when it is longer than
     ``limit`` < ``max_bytes`` (the read's budget ran out, not the file's own cap)."""
