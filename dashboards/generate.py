@@ -43,7 +43,7 @@ DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # cluster: a target label many multi-cluster setups add (absent, ".*" still matches).
 SIDECAR = 'cluster=~"$cluster", job=~"$job", instance=~"$instance", namespace=~"$namespace", pod=~"$pod"'
 DEVICE = SIDECAR + ', device=~"$device"'
-RANK = DEVICE + ', model_name=~"$model_name", rank=~"$rank"'
+RANK = DEVICE + ', model_name=~"$model_name", engine_id=~"$engine_id", rank=~"$rank"'
 # One engine across its pods, grouped as the namespace_engine:… recording rules group it. The panels
 # aggregate the rank series themselves, so the pod, instance and rank variables still select.
 PER_ENGINE = "namespace, model_name, engine_id, engine"
@@ -88,6 +88,11 @@ def variables() -> list:
                        'label_values(kvguard_snapshot_age_seconds{cluster=~"$cluster", job=~"$job", '
                        'namespace=~"$namespace"}, model_name)', ".*",
                        "Served model name, as vLLM labels its own series (empty where unknown)."),
+        query_variable("engine_id", "Engine",
+                       'label_values(kvguard_snapshot_age_seconds{cluster=~"$cluster", job=~"$job", '
+                       'namespace=~"$namespace", model_name=~"$model_name"}, engine_id)', ".*",
+                       "Engine across its pods (engine_id: the LeaderWorkerSet group, else the pod); the "
+                       "per-engine panels group by it."),
         query_variable("pod", "Pod",
                        "label_values(%s, pod)" % (any_family % 'job=~"$job", namespace=~"$namespace"'), ".*",
                        "Serving pod with its kvguard sidecar (a multi-node engine spans several)."),
@@ -96,7 +101,8 @@ def variables() -> list:
                        "Scrape target: one kvguard sidecar (the only host identity outside Kubernetes)."),
         query_variable("rank", "Rank",
                        'label_values(kvguard_snapshot_age_seconds{job=~"$job", instance=~"$instance", '
-                       'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name"}, rank)', ".*",
+                       'namespace=~"$namespace", pod=~"$pod", model_name=~"$model_name", engine_id=~"$engine_id"}, rank)',
+                       ".*",
                        "Serving rank (tensor / pipeline parallel worker)."),
         query_variable("device", "Device",
                        "label_values(%s, device)"

@@ -379,14 +379,19 @@ many-to-many match that fails the whole rule: they drop out of the join instead.
              (Group("kvguard.rules.device-joins", DEVICE_JOINS),), chart=JOINS_CHART_TEMPLATE),
 )
 
-# The default runbook link: the runbook the sidecar serves (kvguard.sidecar.server, /runbook/<alertname>),
-# on the target the alert names ($labels.instance, host:port of the scrape). The per-engine alerts
-# (KVGuardOOMRiskCritical, KVGuardHeadroomLow) aggregate instance away: for them, the instance of the
-# engine's rank in the worst guard state (the pod whose /guard says why), asked of Prometheus with the
-# template functions query, first and label (prometheus/prometheus docs/configuration/template_reference.md,
-# "Queries"; every rank the guard judges exports kvguard_guard_severity). Annotations are templates in Prometheus and
-# promtool alike, so dashboards/tests checks the URLs it makes. No `|`, so it fits a markdown table cell.
-RUNBOOK_URL = ('http://{{ if $labels.instance }}{{ $labels.instance }}{{ else }}'
+# The default runbook link of the plain rule files (the Helm chart links to its own runbook pages instead):
+# the runbook the sidecar serves (kvguard.sidecar.server, /runbook/<alertname>), on the target the alert names
+# ($labels.instance, host:port of the scrape), unless that target is down (up == 0: KVGuardExporterDown's own
+# target), then on a kvguard target of the same job that is up. The per-engine alerts (KVGuardOOMRiskCritical,
+# KVGuardHeadroomLow) aggregate instance away: for them, the instance of the engine's rank in the worst guard
+# state (the pod whose /guard says why). Prometheus' template functions query, first and label
+# (prometheus/prometheus docs/configuration/template_reference.md, "Queries"; every rank the guard judges
+# exports kvguard_guard_severity). Annotations are templates in Prometheus and promtool alike, so
+# dashboards/tests checks the URLs it makes. No `|`, so it fits a markdown table cell.
+RUNBOOK_URL = ('http://{{ if $labels.instance }}'
+               '{{ with query (print "up{job=\\"" $labels.job "\\",instance=\\"" $labels.instance "\\"} == 0") }}'
+               '{{ with query (print "topk(1, up{job=\\"" $labels.job "\\"} == 1)") }}{{ label "instance" (first .) }}{{ end }}'
+               '{{ else }}{{ $labels.instance }}{{ end }}{{ else }}'
                '{{ with query (print "topk(1, kvguard_guard_severity{job=\\"" $labels.job "\\",namespace=\\"" $labels.namespace '
                '"\\",engine_id=\\"" $labels.engine_id "\\"})") }}{{ label "instance" (first .) }}{{ end }}{{ end }}'
                '/runbook/%s')

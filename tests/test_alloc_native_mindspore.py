@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("kvguard.allocators._cmspool",
-                    reason="the C engine is not built: python setup.py build_ext --inplace")
+                    reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace")
 
 from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady  # noqa: E402
 from kvguard.allocators.device import Device  # noqa: E402

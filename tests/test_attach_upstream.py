@@ -138,7 +138,7 @@ def test_kserve_container_writes_the_spool_kvguard_reads_and_kvguard_reads_vllm_
 def test_the_pods_kserve_makes_carry_the_labels_the_podmonitor_selects(runtime):
     monitor = only(render(None, "--set", "mode=servingruntime"), "PodMonitor")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= runtime["spec"]["labels"].items()
-    relabel = [r for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] if r["targetLabel"] == "container"]
+    relabel = [r for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] if r.get("targetLabel") == "container"]
     assert relabel == [{"action": "replace", "targetLabel": "container", "replacement": "kserve-container"}]
 
 

@@ -55,14 +55,23 @@ def test_panels_are_timeseries_and_stat_only():
     assert {p["type"] for p in PANELS} == {"timeseries", "stat"}
 
 
-def test_variables_are_datasource_cluster_job_instance_namespace_model_pod_rank_device():
+def test_variables_are_datasource_cluster_job_instance_namespace_model_engine_pod_rank_device():
     names = [v["name"] for v in lint.variables(DASHBOARD)]
     assert names[0] == "datasource"
-    assert set(names) == {"datasource", "cluster", "job", "instance", "namespace", "model_name", "pod", "rank",
-                          "device"}
+    assert set(names) == {"datasource", "cluster", "job", "instance", "namespace", "model_name", "engine_id", "pod",
+                          "rank", "device"}
 
 
-@pytest.mark.parametrize("name", ["cluster", "namespace", "model_name", "pod", "rank", "device"])
+def test_every_panel_that_groups_by_engine_id_selects_by_it():
+    """The per-engine panels group by engine_id (as the namespace_engine rules do): the engine_id variable
+    narrows them to one engine, like the pod and rank variables narrow the per-rank panels."""
+    grouped = [t["expr"] for p in PANELS for t in p.get("targets", []) if "engine_id" in t["expr"]]
+    assert grouped
+    for expr in grouped:
+        assert 'engine_id=~"$engine_id"' in expr, expr
+
+
+@pytest.mark.parametrize("name", ["cluster", "namespace", "model_name", "engine_id", "pod", "rank", "device"])
 def test_kvguard_label_variables_match_empty_values_when_all(name):
     # Outside Kubernetes pod and namespace are "", and rank is "" when the probe does not know
     # it: "All" must not hide those series, so these variables use .* rather than .+.

@@ -76,6 +76,9 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 IMAGE = ("--set", "image.repository=registry.example.com/kvguard")
 # What is cluster-wide (dashboard, rules) renders by default only in mode cluster.
 CLUSTER = ("--set", "mode=cluster")
+# The same without the runbook pages (templates/runbook.yaml), whose Service the alerts link to by default:
+# the rules then carry the generator's own default runbook_url, as the committed rule files do.
+CLUSTER_WITHOUT_PAGES = (*CLUSTER, "--set", "runbook.enabled=false")
 
 
 def template_args(values: str | None = None, *extra: str) -> list[str]:
@@ -307,12 +310,12 @@ def committed(paths) -> list[str]:
 
 
 def test_prometheus_rule_groups_equal_the_rule_files():
-    assert prometheus_rule(render(None, *CLUSTER))["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
+    assert prometheus_rule(render(None, *CLUSTER_WITHOUT_PAGES))["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
 
 
 def test_chart_renders_the_join_rules_only_when_asked():
     assert [d for d in render(None, *CLUSTER) if d["metadata"]["name"].endswith("-joins")] == []
-    docs = render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true")
+    docs = render(None, *CLUSTER_WITHOUT_PAGES, "--set", "prometheusRule.deviceJoins.enabled=true")
     assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(committed(JOIN_RULE_FILES))
     assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
     off = render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true",
@@ -338,7 +341,8 @@ def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_
 def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
     # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
     # Mode cluster: no Service, so the runbook links are the generator's default too.
-    values = {"mode": "cluster", "prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
+    values = {"mode": "cluster", "runbook": {"enabled": False},
+              "prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
     (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
     written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
     docs = render(str(tmp_path / "empty.yaml"))
@@ -424,14 +428,15 @@ def test_a_runbook_url_value_overrides_the_service_default():
     assert urls == {name: f"https://wiki.example.com/ops/{name.lower()}#fix" for name in urls}
 
 
-@pytest.mark.parametrize("extra", [CLUSTER, ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false")],
-                         ids=["cluster", "no-service"])
-def test_without_a_service_runbook_urls_are_the_generators_default_on_the_alerts_instance(extra):
+@pytest.mark.parametrize("extra", [CLUSTER_WITHOUT_PAGES,
+                                   ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false")],
+                         ids=["cluster-without-pages", "no-service"])
+def test_without_pages_or_a_service_runbook_urls_are_the_generators_default_on_the_alerts_instance(extra):
     docs = render(None, *extra)
     assert [d for d in docs if d["kind"] == "Service"] == []
     urls = _runbook_urls(docs)
     assert urls == {name: rules_generator().RUNBOOK_URL % name.lower() for name in urls}
-    assert all(url.startswith("http://{{ if $labels.instance }}{{ $labels.instance }}") for url in urls.values())
+    assert all(url.startswith("http://{{ if $labels.instance }}") for url in urls.values())
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
@@ -443,7 +448,7 @@ def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
 
 
 def test_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar():
-    configmap = only(render(None, *CLUSTER), "ConfigMap")
+    configmap = only(render(None, *CLUSTER_WITHOUT_PAGES), "ConfigMap")     # with the pages: test_runbook_pages
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     with open(DASHBOARD_JSON) as handle:
         assert json.loads(configmap["data"]["kvguard.json"]) == json.load(handle)
@@ -546,7 +551,9 @@ def test_sidecar_labels_its_metrics_with_the_serving_container(values):
 
 def test_ascend_sidecar_requests_npus_for_the_serving_container_only():
     docs = render("ci/sidecar-ascend-vllm-mindspore-values.yaml")
-    assert serving_container(docs)["resources"]["limits"]["huawei.com/Ascend910"] == 4
+    limits = serving_container(docs)["resources"]["limits"]
+    assert limits["huawei.com/Ascend910"] == 4
+    assert [name for name in limits if "/" in name] == ["huawei.com/Ascend910"]     # no default GPU merged in
     assert not [name for name in kvguard_container(docs)["resources"].get("limits", {}) if "/" in name]
 
 
@@ -651,6 +658,24 @@ def test_kvguard_args_use_only_documented_serve_flags(values):
     assert args[0] == "serve"
     used = {arg.split("=", 1)[0] for arg in args[1:]}
     assert used <= documented_serve_flags()
+
+
+def test_limits_and_allow_auth_off_reach_kvguard_serve_as_its_parser_reads_them():
+    """The chart's kvguard.limits, webConfig.allowAuthOff and runbookPublic, rendered, then parsed by the real
+    `kvguard serve`."""
+    from kvguard.cli import main
+    args = kvguard_container(render("ci/sidecar-web-config-values.yaml", "--set", "kvguard.limits.maxRanks=7",
+                                    "--set", "kvguard.limits.maxMetricsBytes=5000000000",
+                                    "--set", "kvguard.webConfig.allowAuthOff=true",
+                                    "--set", "kvguard.runbookPublic=true"))["args"]
+    params = main.commands["serve"].make_context("serve", list(args[1:])).params
+    assert params["web_runbook_public"] is True
+    assert (params["max_ranks"], params["max_engines"], params["max_models"], params["max_pods"]) == (7, 64, 32, 64)
+    assert params["max_label_length"] == 128 and params["max_metrics_bytes"] == 5_000_000_000
+    assert params["web_config_allow_auth_off"] is True
+    default = kvguard_container(render("ci/sidecar-web-config-values.yaml"))["args"]
+    default_params = main.commands["serve"].make_context("serve", list(default[1:])).params
+    assert not default_params["web_config_allow_auth_off"] and not default_params["web_runbook_public"]
 
 
 def test_default_port_is_the_documented_serve_port():
@@ -789,9 +814,10 @@ def test_basic_auth_reads_one_secret_in_kvguard_and_in_prometheus():
     (("--set", "mode=statefulset"), "mode: mode must be one of the following"),
     (("--set", "monitor.kind=ServiceMonitors"), "monitor.kind: monitor.kind must be one of the following"),
     (("--set-string", "monitor.interval=15"), "monitor.interval: Does not match pattern"),
+    (("--set", "kvguard.limits.maxRanks=0"), "kvguard.limits.maxRanks: Must be greater than or equal to 1"),
 ], ids=["unknown-top-level-key", "unknown-nested-key", "unknown-key-in-kubernetes-object",
         "unknown-key-deep-in-affinity", "port-not-integer", "native-not-boolean", "args-not-list",
-        "unknown-mode", "unknown-monitor-kind", "interval-without-unit"])
+        "unknown-mode", "unknown-monitor-kind", "interval-without-unit", "max-ranks-zero"])
 def test_schema_refuses_bad_values(args, message):
     result = schema_failure(*args)
     assert result.returncode != 0

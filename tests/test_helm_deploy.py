@@ -13,7 +13,7 @@ import yaml
 from conftest import ROOT
 from monitoring import DASHBOARD_JSON, RULES_DIR, rules_generator
 from test_helm_chart import (
-    CHART, CLUSTER, IMAGE, SCHEMA_ERROR, env_of, flag_values, helm, kvguard_container, only, pod_spec, prometheus_rule,
+    CHART, CLUSTER, CLUSTER_WITHOUT_PAGES, IMAGE, SCHEMA_ERROR, env_of, flag_values, helm, kvguard_container, only, pod_spec, prometheus_rule,
     render, rule_groups, serving_container,
 )
 
@@ -44,19 +44,31 @@ def test_a_default_install_fails_only_for_the_image_the_readme_explains():
 
 
 def test_the_cluster_release_needs_no_image():
-    kinds = sorted(d["kind"] for d in release("kvguard", "monitoring", *CLUSTER))
-    assert kinds == ["ConfigMap", "PodMonitor", "PrometheusRule"]     # the PodMonitor: attached workloads
+    docs = release("kvguard", "monitoring", *CLUSTER)
+    kinds = sorted(d["kind"] for d in docs)
+    # the PodMonitor: attached workloads; the ConfigMap, Deployment and Service beside the dashboard's
+    # ConfigMap: the runbook pages (templates/runbook.yaml), served from a public Python image
+    assert kinds == ["ConfigMap", "ConfigMap", "Deployment", "PodMonitor", "PrometheusRule", "Service"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert [c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]] == ["python:3.11-slim"]
+    assert sorted(d["kind"] for d in release("kvguard", "monitoring", *CLUSTER_WITHOUT_PAGES)) == \
+        ["ConfigMap", "PodMonitor", "PrometheusRule"]
 
 
 # ------------------------------------------------- one copy of what is cluster-wide (item 3)
 
 def test_two_releases_beside_the_cluster_one_yield_one_dashboard_and_one_rule_set():
-    docs = (release("kvguard", "monitoring", *CLUSTER) + release("qwen", "serving", *IMAGE)
-            + release("llama", "serving", *IMAGE) + release("gpus", "monitoring", *IMAGE, "--set", "mode=daemonset"))
+    beside = (release("qwen", "serving", *IMAGE) + release("llama", "serving", *IMAGE)
+              + release("gpus", "monitoring", *IMAGE, "--set", "mode=daemonset"))
+    docs = release("kvguard", "monitoring", *CLUSTER_WITHOUT_PAGES) + beside
     assert [(key, board["uid"]) for key, board in dashboards(docs)] == [("kvguard.json", "kvguard")]
     rules = [d for d in docs if d["kind"] == "PrometheusRule"]
     assert [r["metadata"]["name"] for r in rules] == ["kvguard"]
     assert rules[0]["spec"]["groups"] == rule_groups(open(p).read() for p in OWN_RULE_FILES)
+    # and one copy of the runbook pages, the cluster release's
+    pages = [d["metadata"]["name"] for d in release("kvguard", "monitoring", *CLUSTER) + beside
+             if d["metadata"]["name"].endswith("-runbook")]
+    assert sorted(pages) == ["kvguard-runbook"] * 3            # its ConfigMap, Deployment and Service
 
 
 def test_per_release_copies_have_their_own_key_uid_and_title_and_the_same_panels():
@@ -93,7 +105,7 @@ OVERRIDES = {"additionalRuleLabels": {"team": "llm-serving", "cluster": "eu-1"},
 def test_alert_overrides_render_as_the_generator_writes_them(tmp_path):
     path = tmp_path / "overrides.yaml"
     path.write_text(yaml.safe_dump({"prometheusRule": OVERRIDES}))
-    docs = render(None, *CLUSTER, "-f", str(path))
+    docs = render(None, *CLUSTER_WITHOUT_PAGES, "-f", str(path))
     written = rules_generator().outputs(OVERRIDES, output_dir=RULES_DIR, chart=False)
     assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(written[p] for p in OWN_RULE_FILES)
 

@@ -5,8 +5,9 @@ The Python models (``torch_alloc.CachingAllocator``, ``mindspore_pool.DynamicMem
 specification: each rule cites its upstream source there. The C engines (``_ctorch``, ``_cmspool``,
 wrapped by ``torch_native`` and ``mindspore_native``) are second implementations of the same rules for
 speed, held equal to the Python models by differential tests and checked against the compiled upstream
-allocators by the oracle tests. ``pip install`` builds them where a C compiler and Python's headers are
-found (``setup.py``, optional); elsewhere kvguard runs the Python models alone, with the same results.
+allocators by the oracle tests. The default wheel is pure Python (py3-none-any); ``KVGUARD_BUILD_EXT=1`` builds them
+(``KVGUARD_BUILD_EXT=1 pip install -e .``, ``./dev.sh``'s setup; ``setup.py``), needing a C compiler and
+Python's headers. Without them kvguard runs the Python models alone, with the same results.
 
 ``KVGUARD_ALLOCATOR_ENGINE=python`` forces the Python models (``auto``, the default, prefers C).
 """

@@ -31,6 +31,27 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: {{ include "kvguard.component" . }}
 {{- end }}
 
+{{- define "kvguard.runbookSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvguard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: runbook
+{{- end }}
+
+{{/*
+The runbook pages (templates/runbook.yaml): "true" where the rules render and runbook.enabled is true, or
+null (the default) in mode cluster: one copy per cluster, beside the one copy of the rules.
+kvguard.runbookUrl: their URL pattern for each alert's runbook_url (%s: the alert's name in lower case).
+*/}}
+{{- define "kvguard.runbookEnabled" -}}
+{{- $on := .Values.runbook.enabled }}
+{{- if kindIs "invalid" $on }}{{ $on = eq .Values.mode "cluster" }}{{ end }}
+{{- if and $on (include "kvguard.rulesEnabled" .) }}true{{ end }}
+{{- end }}
+
+{{- define "kvguard.runbookUrl" -}}
+{{- printf "http://%s-runbook.%s.svc/%%s.html" (include "kvguard.fullname" .) .Release.Namespace }}
+{{- end }}
+
 {{- define "kvguard.labels" -}}
 helm.sh/chart: {{ include "kvguard.chart" . }}
 {{ include "kvguard.selectorLabels" . }}
@@ -63,7 +84,19 @@ app.kubernetes.io/part-of: kvguard
 "true" where the release renders its Service (templates/service.yaml), else "".
 */}}
 {{- define "kvguard.serviceEnabled" -}}
-{{- if and .Values.service.enabled (has .Values.mode (list "sidecar" "daemonset" "leaderworkerset" "servingruntime")) }}true{{ end }}
+{{- if and .Values.service.enabled (has .Values.mode (list "sidecar" "daemonset" "leaderworkerset" "servingruntime")) (not (include "kvguard.knative" .)) }}true{{ end }}
+{{- end }}
+
+{{/*
+"true" where mode servingruntime serves through Knative (KServe's Serverless / Knative deployment mode):
+Knative admits one container port across all containers (the serving one) and no probes on the others
+unless its multi-container-probing feature is on (knative/serving pkg/apis/serving/k8s_validation.go
+98e5ef90:512-545 validateContainersPorts, :548-572 validateSidecarContainer). kvguard then declares no
+port and no probe, and the PodMonitor scrapes its port by relabeling the address. servingruntime.yaml sets
+__knative around the kvguard container, which it renders in mode sidecar.
+*/}}
+{{- define "kvguard.knative" -}}
+{{- if or (index .Values "__knative") (and (eq .Values.mode "servingruntime") (has .Values.servingRuntime.deploymentMode (list "Serverless" "Knative"))) }}true{{ end }}
 {{- end }}
 
 {{- define "kvguard.scheme" -}}
@@ -111,6 +144,9 @@ copies never overwrite each other in Grafana's sidecar folder or under one uid.
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and (eq .Values.monitor.kind "ServiceMonitor") (include "kvguard.knative" .) }}
+{{- fail (printf "servingRuntime.deploymentMode=%s: Knative admits no second container port, so no Service reaches kvguard; use monitor.kind=PodMonitor (it scrapes the undeclared port) or deploymentMode=RawDeployment" .Values.servingRuntime.deploymentMode) }}
+{{- end }}
 {{- if and (eq .Values.monitor.kind "ServiceMonitor") (not .Values.service.enabled) }}
 {{- fail "monitor.kind=ServiceMonitor needs service.enabled=true (or use monitor.kind=PodMonitor)" }}
 {{- end }}
@@ -129,8 +165,47 @@ copies never overwrite each other in Grafana's sidecar folder or under one uid.
 {{- if and (has .Values.mode (list "sidecar" "leaderworkerset")) (eq .Values.serving.name .Values.kvguard.name) }}
 {{- fail (printf "serving.name and kvguard.name are both %q: two containers in one pod cannot share a name; rename one" .Values.serving.name) }}
 {{- end }}
+{{- if has .Values.mode (list "sidecar" "leaderworkerset" "servingruntime") }}
+{{- range $kind := list "limits" "requests" }}
+{{- range $name, $_ := (index ($.Values.serving.resources | default dict) $kind | default dict) }}
+{{- if regexMatch (include "kvguard.acceleratorPattern" $) $name }}
+{{- fail (printf "serving.resources.%s names the accelerator %s: set serving.accelerator.resource and .count instead (one vendor's resource, never merged with the default's)" $kind $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if eq .Values.mode "leaderworkerset" }}
+{{- $l := .Values.leaderWorkerSet }}
+{{- if ne (mul $l.tensorParallelSize $l.pipelineParallelSize) (mul $l.acceleratorsPerPod $l.size) }}
+{{- fail (printf "leaderWorkerSet: tensorParallelSize x pipelineParallelSize = %d ranks, but acceleratorsPerPod x size = %d accelerators: vLLM needs one accelerator per rank" (mul $l.tensorParallelSize $l.pipelineParallelSize) (mul $l.acceleratorsPerPod $l.size)) }}
+{{- end }}
+{{- end }}
 {{- if and (has .Values.mode (list "sidecar" "leaderworkerset")) .Values.sidecar.native (semverCompare "<1.29.0-0" .Capabilities.KubeVersion.Version) }}
 {{- fail (printf "sidecar.native=true needs Kubernetes >= 1.29 (native sidecar containers); this cluster is %s: set sidecar.native=false" .Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- end }}
+
+{{/* Extended resources that are accelerators (device plugins' names): serving.accelerator sets them, never
+serving.resources, so that no default of one vendor merges into another vendor's pod. */}}
+{{- define "kvguard.acceleratorPattern" -}}
+^(nvidia\.com/(gpu|mig-.+)|huawei\.com/Ascend.+|amd\.com/gpu|habana\.ai/gaudi|intel\.com/gpu)$
+{{- end }}
+
+{{/*
+The serving container's resources: serving.resources plus one accelerator in limits (the device plugin's
+extended resource; its request defaults to the limit). Called with (dict "root" $ "count" N).
+*/}}
+{{- define "kvguard.servingResources" -}}
+{{- $s := .root.Values.serving }}
+{{- $resources := deepCopy ($s.resources | default dict) }}
+{{- if gt (int .count) 0 }}
+{{- $limits := index $resources "limits" | default dict }}
+{{- $_ := set $limits $s.accelerator.resource (int .count) }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+{{- with $resources }}
+resources:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
 
@@ -189,6 +264,20 @@ copies never overwrite each other in Grafana's sidecar folder or under one uid.
 {{- end }}
 {{- if $k.webConfig.enabled }}
 - --web.config.file=/etc/kvguard/web-config/{{ $k.webConfig.key }}
+{{- if $k.webConfig.allowAuthOff }}
+- --web.config.allow-auth-off
+{{- end }}
+{{- end }}
+{{- if $k.runbookPublic }}
+- --web.runbook-public
+{{- end }}
+{{- with $k.limits }}
+- --max-ranks={{ int .maxRanks }}
+- --max-engines={{ int .maxEngines }}
+- --max-models={{ int .maxModels }}
+- --max-pods={{ int .maxPods }}
+- --max-label-length={{ int .maxLabelLength }}
+- --max-metrics-bytes={{ int64 .maxMetricsBytes }}
 {{- end }}
 {{- range $k.extraArgs }}
 - {{ . | quote }}
@@ -273,6 +362,7 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
     {{- with $k.extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+  {{- if not (include "kvguard.knative" .) }}
   ports:
     - name: metrics
       containerPort: {{ $k.port }}
@@ -288,6 +378,7 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
   {{- if $k.readinessProbe.enabled }}
   readinessProbe:
     {{- include "kvguard.httpProbe" (list $k.readinessProbe "/readyz" $scheme) | nindent 4 }}
+  {{- end }}
   {{- end }}
   resources:
     {{- toYaml $k.resources | nindent 4 }}
@@ -450,8 +541,9 @@ affinity:
 {{- define "kvguard.scrapeEndpoint" -}}
 {{- $k := .Values.kvguard -}}
 {{- $m := .Values.monitor -}}
-- port: metrics
-  path: /metrics
+{{- $knative := include "kvguard.knative" . -}}
+- {{ if not $knative }}port: metrics
+  {{ end }}path: /metrics
   scheme: {{ include "kvguard.scheme" . }}
   interval: {{ $m.interval }}
   scrapeTimeout: {{ $m.scrapeTimeout }}
@@ -479,6 +571,27 @@ affinity:
       key: {{ $k.basicAuth.passwordKey }}
   {{- end }}
   relabelings:
+    {{- if $knative }}
+    # Knative: kvguard declares no port, so Prometheus makes one port-free target for its container: the pod
+    # IP alone, an IPv6 one bracketed by newer Prometheus releases and bare by older ones
+    # (discovery/kubernetes/pod.go, "We don't have a port"); keep that one and add kvguard's port.
+    - action: keep
+      sourceLabels:
+        - __meta_kubernetes_pod_container_name
+      regex: {{ $k.name }}
+    - action: replace
+      sourceLabels:
+        - __address__
+      regex: \[?([^\[\]]*:[^\[\]]*)\]?
+      targetLabel: __address__
+      replacement: "[$1]:{{ $k.port }}"
+    - action: replace
+      sourceLabels:
+        - __address__
+      regex: ([^:\[\]]+)
+      targetLabel: __address__
+      replacement: "$1:{{ $k.port }}"
+    {{- end }}
     # One job name whatever the release is called: the KVGuardExporterDown rule selects it.
     - action: replace
       targetLabel: job

@@ -8,7 +8,9 @@ fills them as the generator fills them from its DEFAULTS (which values.yaml mirr
   ${deviceJoins.NAME}      prometheusRule.deviceJoins.NAME (the exporters' selectors)
   ${for}                   prometheusRule.for.<the alert's name>
   ${runbookUrl}            printf prometheusRule.runbookUrl <the alert's name in lower case>; empty (the
-                           default): the runbook the release's own Service serves,
+                           default): the release's runbook pages (templates/runbook.yaml,
+                           http://<fullname>-runbook.<namespace>.svc/<alert>.html); with runbook.enabled
+                           false, the runbook the release's own Service serves,
                            <scheme>://<fullname>.<namespace>.svc:<kvguard.port>/runbook/%s, or where the
                            release has no Service (mode cluster, service.enabled false) the template
                            file's runbookUrl (dashboards/rules.py's RUNBOOK_URL: the alert's instance)
@@ -31,20 +33,17 @@ as rules.py's kept() and filled() do.
 {{- end }}
 {{- $runbookUrl := toString (default "" $config.runbookUrl) }}
 {{- if not $runbookUrl }}
-{{- if include "kvguard.serviceEnabled" .root }}
+{{- if include "kvguard.runbookEnabled" .root }}
+{{- $runbookUrl = include "kvguard.runbookUrl" .root }}
+{{- else if include "kvguard.serviceEnabled" .root }}
 {{- $runbookUrl = printf "%s://%s.%s.svc:%v/runbook/%%s" (include "kvguard.scheme" .root) (include "kvguard.fullname" .root) .root.Release.Namespace .root.Values.kvguard.port }}
 {{- else }}
 {{- $runbookUrl = toString (get $parsed "runbookUrl") }}
 {{- end }}
 {{- end }}
 {{- $common := dict "${jobSelector}" (toString $config.jobSelector) }}
-{{- range $name, $value := $config.thresholds }}
-{{- $number := float64 $value }}
-{{- $written := toString $number }}
-{{- if and (lt $number 1e15) (gt $number -1e15) (eq $number (float64 (int64 $number))) }}
-{{- $written = toString (int64 $number) }}
-{{- end }}
-{{- $_ := set $common (printf "${thresholds.%s}" $name) $written }}
+{{- range $token, $written := fromYaml (include "kvguard.thresholdTokens" .root) }}
+{{- $_ := set $common $token (toString $written) }}
 {{- end }}
 {{- range $name, $value := omit $config.deviceJoins "enabled" }}
 {{- $_ := set $common (printf "${deviceJoins.%s}" $name) (toString $value) }}
@@ -121,4 +120,21 @@ metadata:
 spec:
   groups:
     {{- include "kvguard.ruleGroups" (dict "root" .root "path" .path) | nindent 4 }}
+{{- end }}
+
+{{- /*
+kvguard.thresholdTokens: "${thresholds.NAME}" -> the number as the rules write it (integral values without a
+fraction, as dashboards/rules.py's number()), as YAML; the rules and the runbook pages fill the same way.
+*/}}
+{{- define "kvguard.thresholdTokens" -}}
+{{- $tokens := dict }}
+{{- range $name, $value := .Values.prometheusRule.thresholds }}
+{{- $number := float64 $value }}
+{{- $written := toString $number }}
+{{- if and (lt $number 1e15) (gt $number -1e15) (eq $number (float64 (int64 $number))) }}
+{{- $written = toString (int64 $number) }}
+{{- end }}
+{{- $_ := set $tokens (printf "${thresholds.%s}" $name) $written }}
+{{- end }}
+{{- toYaml $tokens }}
 {{- end }}

@@ -49,6 +49,13 @@ both roles name their engine by the LWS group (kvguard.lwsEngineEnv).
         - name: PYTHONPATH
           value: {{ .Values.sidecar.plugin.mountPath }}
         {{- end }}
+        {{- if $role }}
+        # The engine's parallel sizes, for $(TENSOR_PARALLEL_SIZE) and $(PIPELINE_PARALLEL_SIZE) in the commands.
+        - name: TENSOR_PARALLEL_SIZE
+          value: {{ .Values.leaderWorkerSet.tensorParallelSize | quote }}
+        - name: PIPELINE_PARALLEL_SIZE
+          value: {{ .Values.leaderWorkerSet.pipelineParallelSize | quote }}
+        {{- end }}
         {{- with $s.env }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -74,10 +81,11 @@ both roles name their engine by the LWS group (kvguard.lwsEngineEnv).
         {{- toYaml . | nindent 8 }}
       {{- end }}
       {{- end }}
-      {{- with $s.resources }}
-      resources:
-        {{- toYaml . | nindent 8 }}
+      {{- $count := $s.accelerator.count }}
+      {{- if $role }}
+      {{- $count = .Values.leaderWorkerSet.acceleratorsPerPod }}
       {{- end }}
+      {{- include "kvguard.servingResources" (dict "root" . "count" $count) | nindent 6 }}
       {{- with $s.securityContext }}
       securityContext:
         {{- toYaml . | nindent 8 }}
