@@ -46,9 +46,22 @@ venv() {
     fi
 }
 
+# `run` installs once: the editable install follows the source, so only a change to what pip reads
+# (setup.py, pyproject.toml) or a missing entry point installs again. The stamp holds their digest.
+RUN_STAMP=$VENV/.kvguard-run-installed
+
+run_digest() { cat setup.py pyproject.toml 2>/dev/null | cksum | cut -d' ' -f1; }
+
 setup_run() {
+    if [ -x "$VENV/bin/kvguard" ] && [ "$(cat "$RUN_STAMP" 2>/dev/null)" = "$(run_digest)" ]; then
+        return 0
+    fi
+    step "setting up kvguard once: virtualenv $VENV (later runs start at once)"
     venv
+    step "pip install -e '.[plot]' into $VENV (kvguard and matplotlib; about a minute the first time)"
     "$VENV/bin/python" -m pip install -q -e ".[plot]"
+    run_digest > "$RUN_STAMP"
+    step "installed: $VENV/bin/kvguard (./dev.sh run CMD runs it; so does $VENV/bin/kvguard CMD)"
 }
 
 setup_test() {
@@ -61,9 +74,9 @@ setup_test() {
     command -v npm >/dev/null || apt_install npm
     step "kvguard and the test packages into $VENV ($TORCH CPU build, mindspore CPU; about 2 GB the first time)"
     "$VENV/bin/python" -m pip install -q --retries 1 --extra-index-url "$TORCH_INDEX" "$TORCH"
-    "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "$TORCH"
     # The allocator models' C engines (setup.py) are optional for users, not for the tests that hold them
-    # equal to the Python models: with the compiler and headers installed above, a failed build is an error.
+    # equal to the Python models: KVGUARD_BUILD_EXT=1 builds them in place, and a failed build is an error.
+    KVGUARD_BUILD_EXT=1 "$VENV/bin/python" -m pip install -q -e ".[test,plot,nvml,mindspore]" "$TORCH"
     "$VENV/bin/python" -c 'import kvguard.allocators._ctorch, kvguard.allocators._cmspool' \
         || { say "the allocator models' C engines did not build (pip install -e . shows why)"; exit 1; }
     # MindSpore's GPU and Ascend backends (2 of its 2.5 GB) load only on those devices: left out, as the

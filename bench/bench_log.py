@@ -52,6 +52,33 @@ def main() -> None:
         print(f"{name:<16} {parsed:>9.3f} {base:>11.4f} {parsed / base:>11.1f}")
     print(f"bait / ordinary time ratio: {best_of(parse_log, bait) / best_of(parse_log, ordinary):.2f}")
     print(f"join bait / ordinary time ratio: {best_of(parse_log, join_bait) / best_of(parse_log, ordinary):.2f}")
+    file_throughput(ordinary, bait)
+
+
+def file_throughput(ordinary: str, bait: str) -> None:
+    """MB/s through read_log_file (the one reader of the CLI, the sidecar and the tests), per kind of input,
+    beside reading the same file line by line (the baseline)."""
+    import tempfile
+
+    from kvguard.vllm.log import read_log_file
+
+    inputs = {
+        "ordinary lines": ordinary.encode(),
+        "regex bait": bait.encode(),
+        "plain max-length lines": (("a" * (MAX_LINE_CHARS - 1) + "\n") * ((2 << 20) // MAX_LINE_CHARS)).encode(),
+        "one 16 MB line": b"x" * (16 << 20),
+        "100 kB lines": (b"GiB " * 25_000 + b"\n") * 160,
+        "short plain lines": (b"y" * 79 + b"\n") * 26_000,
+    }
+    print(f"\n{'read_log_file':<24} {'MB/s':>8} {'baseline MB/s':>14}")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "input.log")
+        for name, data in inputs.items():
+            with open(path, "wb") as handle:
+                handle.write(data)
+            reader = best_of(lambda p: read_log_file(p), path, runs=3)
+            baseline = best_of(lambda p: sum(1 for _ in open(p, "rb")), path, runs=3)
+            print(f"{name:<24} {len(data) / reader / 1e6:>8.1f} {len(data) / baseline / 1e6:>14.1f}")
 
 
 if __name__ == "__main__":

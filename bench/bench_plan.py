@@ -54,7 +54,7 @@ def cases(llama_dir: str) -> list[tuple[str, list[str], float, float]]:
          ["plan", "--device", "910B", "--search", *SEEDS, "--json", "--", "vllm-mindspore", "serve", str(QWEN_7B),
           "--max-model-len", "32768"], GOAL_7B_S, THEN_7B_S),
         ("simulate --search-utilization, Llama-3.1-70B, TP 4, 80 GiB, 3 seeds",
-         ["simulate", "--model-config", llama_dir, "-tp", "4", "--device-memory", "80GiB", "--search-utilization",
+         ["simulate", "--model-config", llama_dir, "-tp", "4", "--total-memory", "80GiB", "--search-utilization",
           *SEEDS, "--json"], GOAL_70B_S, THEN_70B_S),
         ("plan --search, Llama-3.1-70B, TP 4, H100 80 GiB, 3 seeds",
          ["plan", "--device", "H100", "--model-config", llama_dir, "--search", *SEEDS, "--json", "--", "vllm", "serve",
@@ -70,6 +70,9 @@ def child_cpu_seconds(args: list[str], pythonpath: str) -> float:
     done = subprocess.run([sys.executable, "-m", "kvguard", *args], env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode == 2 and "No such option '--total-memory'" in done.stderr:
+        # A tree from before simulate's --device-memory became --total-memory: the same option, its old name.
+        return child_cpu_seconds(["--device-memory" if arg == "--total-memory" else arg for arg in args], pythonpath)
     if done.returncode not in (0, 3):
         raise SystemExit(f"kvguard {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()[-300:]}")
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

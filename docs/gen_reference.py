@@ -128,7 +128,8 @@ def _type_text(param) -> str:
     if isinstance(kind, (click.IntRange, click.FloatRange)):
         bounds = str(kind).strip("<>").split(" ", 1)[-1]
         text = ("INTEGER " if isinstance(kind, click.IntRange) else "FLOAT ") + bounds
-    return text.upper() if text in ("text", "integer", "float", "path", "filename", "boolean", "string") else text
+    return text.upper() if text in ("text", "integer", "float", "path", "filename", "boolean", "string") \
+        else text.replace("|", "\\|")
 
 
 def _default_text(param) -> str:
@@ -165,8 +166,16 @@ def cli_page() -> str:
     out = [GENERATED, "# The `kvguard` command", ""]
     doc = (main.help or "").strip().splitlines()
     out += [" ".join(line.strip() for line in doc if line.strip()), ""]
-    out += ["Sizes (SIZE) are bytes or a number with a unit: `37.85GiB`, `512MiB`, `64GB`. Exit codes:",
-            "[exit-codes.md](exit-codes.md). Input and output formats: [json-output.md](json-output.md).", ""]
+    from kvguard.cli.options import CLICK_CODES, EXIT_CODES
+    from kvguard.units import SIZE_HELP
+
+    out += [SIZE_HELP.replace("64GB", "`64GB`").replace("64GiB", "`64GiB`").replace("64G:", "`64G`:"),
+            "",
+            "BYTES|SIZE (a flag named in bytes, as vLLM's `--kv-cache-memory-bytes`) also takes a bare integer "
+            "of bytes. TOKENS (`--max-model-len`) is a count, or `32k` (32,000) or `32K` (32,768) as vLLM reads it.",
+            "", "Exit codes: each command's below; [exit-codes.md](exit-codes.md) explains them. Input and output "
+            "formats: [json-output.md](json-output.md).", ""]
+    out += _quantities_table(main)
     for name, command in main.commands.items():
         out += [f"## `kvguard {name}`", ""]
         help_text = (command.help or "").strip()
@@ -189,7 +198,31 @@ def cli_page() -> str:
                 out.append(f"| {flags} | {_type_text(option)} | {_default_text(option)} | "
                            f"{cell(_help_text(option))} |")
             out.append("")
+        codes = EXIT_CODES.get(name, CLICK_CODES)
+        out += ["Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in codes) + ".", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _quantities_table(main) -> list[str]:
+    """Every option that takes a unit (SIZE, BYTES|SIZE, TOKENS, a ratio), by flag: its unit and the commands
+    that take it. One quantity has one flag (tests/test_cli_conventions.py checks it)."""
+    import click
+
+    by_flag: dict[str, tuple[str, list[str]]] = {}
+    for name, command in main.commands.items():
+        for option in command.params:
+            if not isinstance(option, click.Option) or option.hidden or getattr(option, "is_flag", False):
+                continue
+            unit = _type_text(option)
+            if not any(word in unit for word in ("SIZE", "TOKENS", "FLOAT", "NAME|SIZE")):
+                continue
+            for flag in option.opts:
+                if flag.startswith("--"):
+                    by_flag.setdefault(flag, (unit, []))[1].append(f"`{name}`")
+    rows = ["## Quantities across commands", "", "| Option | Unit | Commands |", "|---|---|---|"]
+    rows += [f"| `{flag}` | {unit} | {', '.join(commands)} |"
+             for flag, (unit, commands) in sorted(by_flag.items())]
+    return rows + [""]
 
 
 def log_lines_page() -> str:
@@ -295,7 +328,10 @@ def example_observation():
     now = time.monotonic()
     sources = [PollState(name, up=True, success_at=now, duration_seconds=0.01) for name in (SPOOL, "npu-smi",
                                                                                               VLLM_METRICS)]
-    return Observation([rank], [device], sources, spool_snapshots=1, skipped=Counter(), interval_seconds=5.0)
+    from kvguard.sidecar.webconfig import RELOAD_RESULTS
+
+    return Observation([rank], [device], sources, spool_snapshots=1, skipped=Counter(), interval_seconds=5.0,
+                       web_config=(True, dict.fromkeys(RELOAD_RESULTS, 0)))
 
 
 # ----------------------------------------------------------------- sections inside hand-written pages
@@ -336,6 +372,8 @@ METRIC_GROUPS = (
     (("kvguard_snapshot_", "kvguard_probe_"), "Snapshots and probes (per rank)"),
     (("kvguard_device_",), "Devices (per device, from `--source`)"),
     (("kvguard_source_", "kvguard_spool_", "kvguard_build_"), "Sources, spool, exporter"),
+    (("kvguard_ranks_cut", "kvguard_label_values_"), "Caps on what one sidecar exports"),
+    (("kvguard_web_config_",), "Web config reloads (with `--web.config.file`)"),
 )
 # Labels whose values name things of the world (a process, a source, a build), not a fixed set of the code.
 OPEN_LABELS = ("pid", "source", "version", "python_version")
@@ -508,7 +546,7 @@ def budget_json_section() -> str:
     runs = [
         ("profile", ["budget", "--profile", profile, "--json"]),
         ("with model, release, allocator", ["budget", "--profile", profile, "--model-config", model, "--vllm-version",
-                                            "0.11.0", "--kv-cache-memory", "16GiB", "--max-model-len", "8192",
+                                            "0.11.0", "--kv-cache-memory-bytes", "16GiB", "--max-model-len", "8192",
                                             "--allocator", "torch", "--json"]),
         ("log and model", ["budget", "--from-log", log, "--model-config", model, "--json"]),
     ]

@@ -15,6 +15,25 @@ if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != EXPORTER:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared_data(path, source): the test reads a file of ../shared (fetched "
+                                       "public data, never committed): skipped where it is missing, failed with CI=true")
+
+
+def pytest_runtest_setup(item):
+    # One skip per missing file of ../shared, naming the file and where it comes from: never a silent gap.
+    # In CI (CI=true), where the folder must be laid out, a missing file is a failure.
+    for marker in item.iter_markers("shared_data"):
+        path = marker.kwargs["path"]
+        if os.path.isfile(path):
+            continue
+        message = (f"{os.path.relpath(path, os.path.dirname(ROOT))} is missing: ../shared beside the checkout holds "
+                   f"{marker.kwargs['source']} (tests/data/shared/MANIFEST.json lists the files)")
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message + "; CI=true: the data must be there", pytrace=False)
+        pytest.skip(message)
+
+
 @pytest.fixture
 def data_path():
     def path(*parts: str) -> str:

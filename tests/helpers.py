@@ -117,3 +117,20 @@ class LoopbackHTTP:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def cli_args(command: str, *args) -> list[str]:
+    """``args`` as a command line of ``kvguard COMMAND``, a figure in bytes after a SIZE option written with its
+    unit (``1234B``): a SIZE refuses a bare number."""
+    import click
+
+    from kvguard.cli import main
+    from kvguard.cli.options import SizeType
+
+    sizes = {flag for p in main.commands[command].params if isinstance(p, click.Option)
+             and isinstance(p.type, SizeType) for flag in p.opts}
+    out: list[str] = []
+    for arg in args:
+        after_size = bool(out) and out[-1] in sizes
+        out.append(f"{arg}B" if after_size and isinstance(arg, int) and not isinstance(arg, bool) else str(arg))
+    return out

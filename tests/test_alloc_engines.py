@@ -50,7 +50,7 @@ def invoke(monkeypatch, engine, *args):
 
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])
 def test_simulate_answers_the_same_from_either_engine(monkeypatch, allocator):
-    args = ("simulate", "--json", "--model-config", QWEN, "--allocator", allocator, "--device-memory", "24GiB",
+    args = ("simulate", "--json", "--model-config", QWEN, "--allocator", allocator, "--total-memory", "24GiB",
             "--requests", "24", "--long-fraction", "0.5")
     c, python = invoke(monkeypatch, "auto", *args), invoke(monkeypatch, "python", *args)
     assert (c.pop("allocator_engine"), python.pop("allocator_engine")) == ("c", "python")

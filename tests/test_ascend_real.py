@@ -18,6 +18,7 @@ import pytest
 
 from ascend_real import envs
 from ascend_real.harness import ASCEND_SCENARIO, run_engine
+from helpers import cli_args
 from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
@@ -41,7 +42,7 @@ def run(release: str, tmp_path_factory, budget: str = "stock", **scenario):
 
 
 def kvguard_budget(*args) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", *map(str, args), "--json"],
+    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)

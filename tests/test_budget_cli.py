@@ -24,12 +24,12 @@ def test_block_bytes_from_model_config():
 
 
 def test_kv_cache_memory_gives_block_and_token_counts():
-    out = budget_json("--model-config", QWEN, "--kv-cache-memory", str(44292 * 917_504))
+    out = budget_json("--model-config", QWEN, "--kv-cache-memory-bytes", str(44292 * 917_504))
     assert (out["num_blocks"], out["num_tokens"]) == (44292, 44292 * 16)
 
 
 def test_kv_cache_memory_accepts_units():
-    out = budget_json("--model-config", QWEN, "--kv-cache-memory", "37.85GiB")
+    out = budget_json("--model-config", QWEN, "--kv-cache-memory-bytes", "37.85GiB")
     assert out["num_blocks"] == int(37.85 * GIB) // 917_504
 
 
@@ -47,11 +47,11 @@ def test_flags_build_the_same_profile_as_the_file():
     with open(SEED_PROFILE) as handle:
         p = json.load(handle)
     from_flags = budget_json(
-        "--model-config", QWEN, "--total-memory", str(p["total_memory_bytes"]),
-        "--gpu-memory-utilization", str(p["gpu_memory_utilization"]), "--weights", str(p["weights_bytes"]),
-        "--peak-allocated-increase", str(p["peak_allocated_increase_bytes"]),
-        "--peak-reserved-increase", str(p["peak_reserved_increase_bytes"]),
-        "--non-torch-increase", str(p["non_torch_increase_bytes"]))
+        "--model-config", QWEN, "--total-memory", f"{p['total_memory_bytes']}B",
+        "--gpu-memory-utilization", str(p["gpu_memory_utilization"]), "--weights", f"{p['weights_bytes']}B",
+        "--peak-allocated-increase", f"{p['peak_allocated_increase_bytes']}B",
+        "--peak-reserved-increase", f"{p['peak_reserved_increase_bytes']}B",
+        "--non-torch-increase", f"{p['non_torch_increase_bytes']}B")
     assert from_flags["budgets"] == budget_json("--model-config", QWEN, "--profile", SEED_PROFILE)["budgets"]
 
 
@@ -101,15 +101,15 @@ def test_human_output_is_a_table():
     (["--model-config", "/nonexistent/model"], "model config not found"),
     (["--model-config", "{bad}"], "not found"),
     (["--profile", "/nonexistent.json"], "profile file not found"),
-    (["--model-config", QWEN, "--kv-cache-memory", "-5GiB"], "negative"),
-    (["--model-config", QWEN, "--kv-cache-memory", "lots"], "not a size"),
-    (["--model-config", QWEN, "--kv-cache-memory", "3 parsecs"], "unknown size unit"),
+    (["--model-config", QWEN, "--kv-cache-memory-bytes", "-5GiB"], "negative"),
+    (["--model-config", QWEN, "--kv-cache-memory-bytes", "lots"], "not a size"),
+    (["--model-config", QWEN, "--kv-cache-memory-bytes", "3 parsecs"], "unknown size unit"),
     (["--model-config", QWEN, "--kv-cache-dtype", "int3"], "int3"),
-    (["--total-memory", "64GiB", "--gpu-memory-utilization", "1.5", "--weights", "1", "--peak-allocated-increase",
-      "1", "--non-torch-increase", "1"], "must be in (0, 1]"),
+    (["--total-memory", "64GiB", "--gpu-memory-utilization", "1.5", "--weights", "1GiB", "--peak-allocated-increase",
+      "1GiB", "--non-torch-increase", "1GiB"], "must be in (0, 1]"),
     (["--total-memory", "64GiB", "--gpu-memory-utilization", "0.9"], "incomplete profile: missing --weights"),
     ([], "nothing to compute"),
-    (["--kv-cache-memory", "1GiB"], "needs --model-config"),
+    (["--kv-cache-memory-bytes", "1GiB"], "needs --model-config"),
 ])
 def test_bad_input_is_one_line_error_without_traceback(args, message):
     result = kvguard("budget", *args)
@@ -288,7 +288,7 @@ def test_an_increase_from_a_profile_file_is_not_taken_for_the_absolute_non_torch
     assert "give it as --non-torch-memory" in one_line_usage_error(result)
     with open(SEED_PROFILE) as handle:
         absolute = json.load(handle)["non_torch_increase_bytes"] + GIB
-    out = budget_json("--profile", SEED_PROFILE, "--vllm-version", release, "--non-torch-memory", str(absolute))
+    out = budget_json("--profile", SEED_PROFILE, "--vllm-version", release, "--non-torch-memory", f"{absolute}B")
     assert out["profile"]["non_torch_increase_bytes"] == absolute
 
 
@@ -354,3 +354,13 @@ def test_the_absolute_non_torch_memory_is_printed_as_what_it_is():
 def test_an_allocator_option_the_verdict_would_not_use_is_refused(args, message):
     result = kvguard("budget", "--model-config", QWEN, "--profile", SEED_PROFILE, *args)
     assert message in one_line_usage_error(result)
+
+
+def test_a_vllm_version_the_log_s_lines_rule_out_is_said_not_taken_silently():
+    # r02 states V0's "can use total_gpu_memory (…) x gpu_memory_utilization" lines: vLLM 0.6.4-0.8.4.
+    log = os.path.join(os.path.dirname(__file__), "data", "logs", "real", "r02.log")
+    contradicted = kvguard("budget", "--from-log", log, "--vllm-version", "0.14.0")
+    assert "--vllm-version 0.14.0 is the row vllm 0.14.0–0.17.1, but the log's lines fit only vllm 0.6.4–0.8.4" \
+        in contradicted.stderr
+    agreed = kvguard("budget", "--from-log", log, "--vllm-version", "0.8.0")
+    assert agreed.returncode == 0 and "fit only" not in agreed.stderr

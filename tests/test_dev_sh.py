@@ -97,3 +97,39 @@ def test_the_torch_install_resolves_to_the_cpu_build_here(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (torch,) = json.loads(report.read_text())["install"]
     assert torch["metadata"]["version"] == "2.13.0+cpu", torch["download_info"]["url"]
+
+
+def test_dev_sh_run_installs_once_with_progress_lines_then_runs_without_pip(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.fail("bash not found")
+    import time
+
+    venv = stand_in_venv(tmp_path)
+    env = {**os.environ, "KVGUARD_VENV": venv}
+    first = subprocess.run(["bash", os.path.join(REPO, "dev.sh"), "run", "--version"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "kvguard, version" in first.stdout
+    assert "==> [  0s] setting up kvguard once" in first.stderr and "pip install -e '.[plot]'" in first.stderr
+    installs = (tmp_path / "pip.log").read_text()
+    start = time.monotonic()
+    second = subprocess.run(["bash", os.path.join(REPO, "dev.sh"), "run", "--version"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    assert second.returncode == 0 and "kvguard, version" in second.stdout
+    assert second.stderr == ""                                   # nothing set up, nothing said
+    assert (tmp_path / "pip.log").read_text() == installs        # no pip on the second call
+    # dev.sh's own part is a few shell lines; the rest is `kvguard --version` itself.
+    assert elapsed < 5, elapsed
+
+
+def test_a_changed_setup_installs_again(tmp_path):
+    venv = stand_in_venv(tmp_path)
+    env = {**os.environ, "KVGUARD_VENV": venv}
+    subprocess.run(["bash", os.path.join(REPO, "dev.sh"), "run", "--version"], cwd=tmp_path, env=env,
+                   capture_output=True, text=True, timeout=300, check=True)
+    with open(os.path.join(venv, ".kvguard-run-installed"), "w", encoding="ascii") as handle:
+        handle.write("0\n")                                       # as if setup.py had changed since
+    subprocess.run(["bash", os.path.join(REPO, "dev.sh"), "run", "--version"], cwd=tmp_path, env=env,
+                   capture_output=True, text=True, timeout=300, check=True)
+    assert (tmp_path / "pip.log").read_text().count("-e .[plot]") == 2

@@ -121,7 +121,7 @@ def test_from_a_real_ranks_counters_the_verdict_errs_only_to_the_safe_side():
 
 def test_simulate_json_reports_guard_at_budget_beside_guard():
     result = CliRunner().invoke(main, ["simulate", "--json", "--requests", "4", "--model-config", QWEN3,
-                                       "--device-memory", "12GiB", "--allocator", "torch_npu",
+                                       "--total-memory", "12GiB", "--allocator", "torch_npu",
                                        "--gpu-memory-utilization", "0.95"])
     data = json.loads(result.output)
     assert data["oom_phase"] == "kv_cache"

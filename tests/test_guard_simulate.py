@@ -35,6 +35,6 @@ def test_the_reserved_budget_is_ok():
 
 
 def test_a_run_that_never_profiled_has_no_verdict_and_says_why():
-    data = simulate("--device-memory", "12GiB")
+    data = simulate("--total-memory", "12GiB")
     assert data["guard"]["state"] is None
     assert data["guard"]["reasons"][0]["code"] == "no_profile"

@@ -53,7 +53,7 @@ except ImportError:      # the C engine is optional (setup.py): without it the P
     NativeDynamicMemPool = None
 MODELS = [pytest.param(DynamicMemPool, id="python"),
           pytest.param(NativeDynamicMemPool, id="c", marks=pytest.mark.skipif(
-              NativeDynamicMemPool is None, reason="the C engine is not built: python setup.py build_ext --inplace"))]
+              NativeDynamicMemPool is None, reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace"))]
 
 
 def oracle(version: str) -> Path:
@@ -260,7 +260,7 @@ def simulate_ops(tmp_path, ops: list[Op], free: int, *args: str) -> tuple[dict, 
     with open(stream, "w", encoding="utf-8") as handle:
         write_ops(ops, handle)
     result = CliRunner().invoke(main, ["simulate", "--ops", str(stream), "--allocator", "mindspore",
-                                       "--mindspore-version", PINNED, "--device-memory", str(free),
+                                       "--mindspore-version", PINNED, "--total-memory", f"{free}B",
                                        "--replay-log", str(log), "--json", *args])
     assert result.exit_code == 0, result.output
     return json.loads(result.output), [json.loads(line) for line in log.read_text().splitlines()]

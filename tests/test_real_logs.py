@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REAL = os.path.join(HERE, "data", "logs", "real")
 sys.path.insert(0, os.path.join(HERE, "..", "exporter"))
 
-from kvguard.vllm.log import parse_log  # noqa: E402
+from kvguard.vllm.log import read_log_file  # noqa: E402
 
 GIB = 1 << 30
 GIB_TOLERANCE = 0.006 * GIB   # the log prints 0.01 GiB; a figure derived from two printed ones rounds twice
@@ -34,9 +34,13 @@ with open(os.path.join(REAL, "MANIFEST.json"), encoding="utf-8") as _handle:
 LOGS = MANIFEST["logs"]
 
 
-def read(entry) -> str:
-    with open(os.path.join(REAL, entry["id"] + ".log"), encoding="utf-8") as handle:
-        return handle.read()
+def path_of(entry) -> str:
+    return os.path.join(REAL, entry["id"] + ".log")
+
+
+def read(entry):
+    """The log through the one file reader the CLI and the sidecar use (kvguard.vllm.log.read_log_file)."""
+    return read_log_file(path_of(entry))
 
 
 # expected key -> (StartupLog attributes that may state it, unit)
@@ -136,18 +140,47 @@ def era_outcome(entry, log) -> str | None:
     return "range" if expected in log.era_candidates and log.era is None else "wrong"
 
 
-def check_exit(entry) -> int:
+def check_run(entry, *flags: str) -> tuple[int, dict]:
+    """``kvguard check --from-log LOG --json`` through the CLI itself: its exit code and its JSON."""
     from click.testing import CliRunner
 
     from kvguard.cli import main
-    import kvguard.cli.serve  # noqa: F401  (registers check)
 
-    result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, entry["id"] + ".log"), "--json"])
-    return result.exit_code
+    result = CliRunner().invoke(main, ["check", "--from-log", path_of(entry), "--json", *flags])
+    assert "{" in result.output, (entry["id"], result.exit_code, result.output)
+    return result.exit_code, json.loads(result.output[result.output.index("{"):])
 
 
-def verdict_right(entry, code: int) -> bool:
-    return code == 2 if entry["verdict"] == "critical" else code in (0, 1, 3)
+def check_exit(entry) -> int:
+    return check_run(entry)[0]
+
+
+class CheckRead:
+    """The figures ``kvguard check --json`` printed for a log (its ``log.figures``), scored as a StartupLog is."""
+
+    def __init__(self, data: dict):
+        self.figures = data["log"]["figures"]
+        self.ooms = data["log"]["ooms"]
+
+    def __getattr__(self, name: str):
+        return self.figures.get(name)
+
+    @property
+    def oom(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**self.ooms[0]) if self.ooms else None
+
+    def effective_block_size(self):
+        return self.figures.get("block_size"), self.figures.get("block_size_source")
+
+
+def verdict_right(entry, code: int, state: str | None = None) -> bool:
+    """A refusal, a KV cache <= 0 or an OOM exits 2; a healthy startup exits 0 or 1, or 3 (UNKNOWN) when the
+    log lacks the figures to judge by, and then its JSON says ``unknown``, never a verdict."""
+    if entry["verdict"] == "critical":
+        return code == 2
+    return code in (0, 1) or (code == 3 and state in (None, "unknown"))
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -164,13 +197,13 @@ def test_the_manifest_names_every_log_and_the_held_out_rule():
 
 @pytest.mark.parametrize("entry", LOGS, ids=[e["id"] for e in LOGS])
 def test_every_posted_log_is_read(entry):
-    log = parse_log(read(entry))
+    log = read(entry)
     assert log.lines_matched > 0 or log.ooms, entry["id"]
 
 
 @pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]])
 def test_no_stated_figure_is_misread(entry):
-    result = score(entry, parse_log(read(entry)))
+    result = score(entry, read(entry))
     assert result.wrong == []
 
 
@@ -179,7 +212,7 @@ def test_at_most_two_percent_of_the_tuned_figures_are_missed():
     for entry in LOGS:
         if entry["held_out"]:
             continue
-        result = score(entry, parse_log(read(entry)))
+        result = score(entry, read(entry))
         right, missed = right + len(result.right), missed + len(result.missed)
     assert missed <= 0.02 * (right + missed), (right, missed)
 
@@ -187,7 +220,7 @@ def test_at_most_two_percent_of_the_tuned_figures_are_missed():
 @pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"] and e["era"]],
                          ids=[e["id"] for e in LOGS if not e["held_out"] and e["era"]])
 def test_the_era_is_never_wrong(entry):
-    assert era_outcome(entry, parse_log(read(entry))) in ("pinned", "range")
+    assert era_outcome(entry, read(entry)) in ("pinned", "range")
 
 
 # r18's two lines name no engine: the thread says vllm-ascend, the text cannot. r56 (held out, batch 4) is
@@ -198,12 +231,35 @@ TOLD = [e for e in LOGS if e.get("project") and e["id"] not in PROJECT_NOT_IN_TE
 
 @pytest.mark.parametrize("entry", TOLD, ids=[e["id"] for e in TOLD])
 def test_the_engine_is_told_from_its_own_lines(entry):
-    assert parse_log(read(entry)).project == entry["project"]
+    assert read(entry).project == entry["project"]
 
 
 @pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]])
 def test_check_calls_refusals_and_ooms_critical_and_healthy_startups_not(entry):
-    assert verdict_right(entry, check_exit(entry)), entry["outcome"]
+    code, data = check_run(entry)
+    assert verdict_right(entry, code, data["state"]), entry["outcome"]
+
+
+@pytest.mark.parametrize("entry", LOGS, ids=[e["id"] for e in LOGS])
+def test_check_from_log_reads_every_log_to_the_manifest_figures(entry):
+    # The CLI itself, on every log (held out too): each stated figure it prints is the one written by hand.
+    # Held-out logs may miss a figure (their rate is reported apart); none may misread one.
+    code, data = check_run(entry)
+    result = score(entry, CheckRead(data))
+    assert result.wrong == [], (code, result.wrong)
+    if not entry["held_out"]:
+        assert result.missed == [], (code, result.missed)
+
+
+def test_the_two_line_0_6_4_profile_matches_two_lines_through_the_file_reader(tmp_path):
+    # 0.6.5's "total_gpu_memory" and "gpu_memory_utilization" figures end at the line's end: a reader that
+    # kept each line's newline matched neither.
+    path = tmp_path / "two.log"
+    path.write_text("INFO 12-13 19:54:18 worker.py:243] total_gpu_memory     79.22GiB\n"
+                    "INFO 12-13 19:54:18 worker.py:243] gpu_memory_utilization       0.90\r\n")
+    log = read_log_file(str(path))
+    assert log.lines_matched == 2
+    assert (round(log.total_memory_bytes / GIB, 2), log.gpu_memory_utilization) == (79.22, 0.9)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -213,7 +269,7 @@ def rates(held_out: bool) -> dict[str, str]:
     chosen = [e for e in LOGS if e["held_out"] == held_out]
     read_ok = right = missed = wrong = pinned = in_range = era_known = verdicts = 0
     for entry in chosen:
-        log = parse_log(read(entry))
+        log = read(entry)
         read_ok += bool(log.lines_matched or log.ooms)
         result = score(entry, log)
         right, missed, wrong = right + len(result.right), missed + len(result.missed), wrong + len(result.wrong)
@@ -222,7 +278,8 @@ def rates(held_out: bool) -> dict[str, str]:
             era_known += 1
             pinned += outcome == "pinned"
             in_range += outcome in ("pinned", "range")
-        verdicts += verdict_right(entry, check_exit(entry))
+        code, data = check_run(entry)
+        verdicts += verdict_right(entry, code, data["state"])
     figures = right + missed + wrong
     return {"logs": str(len(chosen)), "read": f"{read_ok}/{len(chosen)}",
             "figures right": f"{right}/{figures}", "missed": str(missed), "wrong": str(wrong),
@@ -283,7 +340,7 @@ def test_a_refusal_says_what_utilization_would_have_fit():
 
 def test_a_log_without_the_profile_exits_3_and_names_the_flags_that_supply_it():
     code, data = check_json("r04")   # two bare lines: the KV cache and its tokens
-    assert (code, data["state"]) == (3, "warning")
+    assert (code, data["state"], data["ranks"][0]["state"]) == (3, "unknown", "unknown")
     assert "--total-memory / --gpu-memory-utilization" in data["ranks"][0]["reasons"][0]["message"]
 
 
@@ -294,5 +351,8 @@ def test_a_total_memory_without_its_unit_is_refused_as_budget_refuses_it():
     import kvguard.cli.serve  # noqa: F401
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, "r02.log"), "--total-memory", "64"])
+    assert result.exit_code == 3
+    assert "Invalid value for '--total-memory': '64' has no unit: write 64GiB, 64GB or 64B" in result.output
+    result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, "r02.log"), "--total-memory", "64B"])
     assert result.exit_code == 3
     assert result.output == "Error: --total-memory 64 B is less than the log's weights (21.21 GiB): check its unit\n"

@@ -75,13 +75,13 @@ def test_check_exits_3_with_nothing_to_check():
     assert result.output.strip() == "Error: nothing to check: give --spool-dir, --from-log or --vllm-metrics-url"
 
 
-def test_check_on_an_empty_spool_is_the_no_ranks_warning_guard_gives(tmp_path):
+def test_check_on_an_empty_spool_is_unknown_with_the_no_ranks_reason_guard_gives(tmp_path):
     result = check("--spool-dir", str(tmp_path))
     assert result.exit_code == 3   # UNKNOWN: no verdict, never ok
-    assert result.output == f"WARNING  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot " \
+    assert result.output == f"UNKNOWN  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot " \
                             f"say the KV cache fits\n"
     data = json.loads(check("--spool-dir", str(tmp_path), "--json").output)
-    assert data["state"] == "warning" and data["ranks"] == []
+    assert data["state"] == "unknown" and data["ranks"] == []   # the JSON says what exit 3 says
     assert [r["code"] for r in data["reasons"]] == ["no_ranks"]
 
 
@@ -90,7 +90,7 @@ def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
                                               "vllm-mindspore-qwen2.5-7b.log"), "--json")
     assert result.exit_code == 3, result.output   # could not judge
     rank = json.loads(result.output)["ranks"][0]
-    assert rank["state"] == "warning" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
+    assert rank["state"] == "unknown" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
     message = rank["reasons"][0]["message"]
     assert "no --from-log" not in message
     assert "(vllm-mindspore 0.2.0)" in message and "states the weights, the KV cache vLLM decided" in message
@@ -137,7 +137,7 @@ def test_check_says_why_there_is_nothing_to_judge():
     url = f"http://127.0.0.1:{free_port()}/metrics"   # nothing listens there
     result = check("--vllm-metrics-url", url, "--read-timeout", "5")
     assert result.exit_code == 3
-    assert result.output.startswith(f"WARNING  no_ranks: no rank judged (vllm_metrics down: {url}: ")
+    assert result.output.startswith(f"UNKNOWN  no_ranks: no rank judged (vllm_metrics down: {url}: ")
     assert len(result.output.splitlines()) == 1
 
 
@@ -428,3 +428,40 @@ def test_check_post_mortem_judges_the_ranks_of_a_finished_run_however_old(tmp_pa
 def test_check_post_mortem_does_not_take_forget_after(tmp_path):
     result = check("--spool-dir", str(tmp_path), "--post-mortem", "--forget-after", "5")
     assert result.exit_code == 3 and "does not take --forget-after" in result.output
+
+
+def _listening_addresses(pid: int, port: int) -> set[str]:
+    """The local IPv4 addresses the process's sockets listen on at ``port`` (/proc/net/tcp, state 0A)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    with open("/proc/net/tcp", encoding="ascii") as handle:
+        for line in handle.readlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].split(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port and fields[9] in inodes:
+                found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from /proc/net/tcp")
+def test_serve_demo_binds_the_loopback_address_its_banner_prints():
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter")}
+    env.pop("KVGUARD_SPOOL_DIR", None)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--demo", "--port", str(port)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = process.stderr.readline()
+        assert banner.startswith(f"kvguard serve: http://127.0.0.1:{port}/metrics"), banner
+        assert _listening_addresses(process.pid, port) == {"127.0.0.1"}
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        process.stderr.close()

@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 from helpers import invoke, one_line_error
 
-STORY = ["simulate", "--device-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.9",
+STORY = ["simulate", "--total-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.9",
          "--requests", "4", "--long-fraction", "1"]
 
 
@@ -103,7 +103,9 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     result = invoke(*STORY, "--plot", "x.png")
     assert result.exit_code == 1
-    assert result.output.strip().splitlines() == ["Error: --plot needs matplotlib: pip install 'kvguard[plot]'"]
+    assert result.output.strip().splitlines() == [
+        "Error: --plot needs matplotlib: from the clone: .venv/bin/pip install -e '.[plot]' (a built wheel: "
+        "pip install 'kvguard-*.whl[plot]')"]
 
 
 def test_trace_replay_json(tmp_path):
@@ -112,7 +114,7 @@ def test_trace_replay_json(tmp_path):
         {"action": "alloc", "addr": 1, "size": 12 << 20}, {"action": "alloc", "addr": 2, "size": 12 << 20},
     ]]}))
     # Another allocator than the snapshot's own: a what-if replay on the given device.
-    result = invoke("simulate", "--trace", str(path), "--device-memory", "20MiB", "--non-allocator-memory", "0",
+    result = invoke("simulate", "--trace", str(path), "--total-memory", "20MiB", "--non-allocator-memory", "0",
                     "--allocator", "torch_npu", "--json")
     data = json.loads(result.output)
     assert (data["oom"], data["oom_at_step"]) == (True, 1)
@@ -251,7 +253,7 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(tmp_path):
 
 
 # --vllm-version: the release's own defaults (kvguard.vllm.eras), the expandable segments its platform sets.
-RELEASE_RUN = ("simulate", "--device-memory", "64GiB", "--requests", "8", "--json")
+RELEASE_RUN = ("simulate", "--total-memory", "64GiB", "--requests", "8", "--json")
 
 
 def _sim(*args):

@@ -17,7 +17,7 @@ from kvguard.cli.simulate import EXIT_OOM
 # MindSpore's pool with VMM off (MS_ALLOC_CONF=enable_vmm:False) and vLLM's stock budget runs out of
 # memory at the first serving step of Mistral-Nemo at 0.9 on a 32 GiB device: the pool may use only
 # 15/16 of the memory free at its start, less 10 MiB, and the 1 GiB blocks' tails take the rest.
-STORY = ["simulate", "--device-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.9",
+STORY = ["simulate", "--total-memory", "32GiB", "--allocator", "mindspore", "--gpu-memory-utilization", "0.9",
          "--requests", "4", "--long-fraction", "1", "--ms-alloc-conf", "enable_vmm:False",
          "--model-config", os.path.join(ROOT, "tests", "data", "configs", "mistral-nemo-instruct-2407")]
 
@@ -61,13 +61,13 @@ def snapshot(tmp_path, entries):
 def test_a_what_if_trace_replay_that_runs_out_exits_3(tmp_path, as_json):
     trace = snapshot(tmp_path, [{"action": "alloc", "addr": 1, "size": 12 << 20},
                                 {"action": "alloc", "addr": 2, "size": 12 << 20}])
-    args = ["simulate", "--trace", trace, "--device-memory", "20MiB", "--non-allocator-memory", "0",
+    args = ["simulate", "--trace", trace, "--total-memory", "20MiB", "--non-allocator-memory", "0",
             "--allocator", "torch_npu", *(["--json"] if as_json else [])]
     assert run(*args).exit_code == 0
     result = run(*args, "--fail-on-oom")
     assert result.exit_code == EXIT_OOM
     assert (json.loads(result.output)["oom"] is True) if as_json else "Outcome      OOM at event 1" in result.output
-    roomy = run("simulate", "--trace", trace, "--device-memory", "64MiB", "--non-allocator-memory", "0",
+    roomy = run("simulate", "--trace", trace, "--total-memory", "64MiB", "--non-allocator-memory", "0",
                 "--allocator", "torch_npu", "--fail-on-oom")
     assert roomy.exit_code == 0 and "no OOM" in roomy.output
 
@@ -85,7 +85,7 @@ def test_an_exact_snapshot_replay_with_a_recorded_oom_exits_3(tmp_path):
 
 def test_a_search_that_finds_no_utilization_exits_3():
     # 15 GiB holds the weights but not the profile forward: every utilization runs out of memory.
-    args = ["simulate", "--device-memory", "15GiB", "--requests", "2", "--search-utilization"]
+    args = ["simulate", "--total-memory", "15GiB", "--requests", "2", "--search-utilization"]
     assert run(*args).exit_code == 0
     result = run(*args, "--fail-on-oom")
     assert result.exit_code == EXIT_OOM and "no utilization serves without an OOM" in result.output

@@ -136,7 +136,7 @@ def test_simulate_ops_writes_one_line_per_op_and_fails_on_oom_when_asked(tmp_pat
     ops = write(tmp_path, {"op": "malloc", "size": 64 * MIB}, {"op": "malloc", "size": 64 * GIB},
                 {"op": "free", "index": 0}, {"op": "empty_cache"})
     log = tmp_path / "replay.jsonl"
-    result = CliRunner().invoke(main, ["simulate", "--ops", ops, "--allocator", allocator, "--device-memory",
+    result = CliRunner().invoke(main, ["simulate", "--ops", ops, "--allocator", allocator, "--total-memory",
                                        "16GiB", "--replay-log", str(log), "--json", "--fail-on-oom"])
     assert result.exit_code == EXIT_OOM, result.output
     summary = json.loads(result.output)

@@ -128,7 +128,7 @@ def test_serving_steps_with_top_k_top_p_requests_peak_above_greedy_ones():
 def test_simulate_takes_the_sampling_mix_and_reports_it():
     result = CliRunner().invoke(main, ["simulate", "--model-config",
                                        str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"),
-                                       "--device-memory", "8GiB", "--requests", "2", "--max-model-len", "2048",
+                                       "--total-memory", "8GiB", "--requests", "2", "--max-model-len", "2048",
                                        "--sampling-mix", "greedy:3,top_p:1", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["sampling_mix"] == [["greedy", 3.0], ["top_p", 1.0]]

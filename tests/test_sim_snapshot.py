@@ -7,10 +7,10 @@ Two kinds of input:
 - real public snapshots, every ``*.pickle`` under each folder (subfolders too) of
   ``KVGUARD_TORCH_SNAPSHOTS`` (paths separated by ``os.pathsep``), by default
   ``../shared/torch-snapshots`` and ``../shared/torch-snapshots-2`` beside the checkout (see
-  their PROVENANCE files). A folder that is missing or holds none is one visible skip.
+  their PROVENANCE files). Each file tests/data/shared/MANIFEST.json names is one test; a missing one is
+  its own skip, naming it and its source (a failure with CI=true).
 """
 
-import glob
 import json
 import os
 import pickle
@@ -26,20 +26,13 @@ MIB = 1 << 20
 BASE = 0x7F0000000000
 SETTINGS = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
             "expandable_segments": False, "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}
-from real_snapshots import REAL_DIRS  # tests/real_snapshots.py
+from real_snapshots import snapshot_params  # tests/real_snapshots.py
 
 
 def real_snapshots():
-    """One param per pickle under each folder; one skipped param per folder that has none."""
-    params = []
-    for folder in REAL_DIRS:
-        found = sorted(glob.glob(os.path.join(folder, "**", "*.pickle"), recursive=True))
-        name = os.path.basename(os.path.normpath(folder))
-        if not found:
-            params.append(pytest.param(None, id=f"{name}:none", marks=pytest.mark.skip(
-                reason=f"no real snapshots in {folder} (set KVGUARD_TORCH_SNAPSHOTS)")))
-        params += [pytest.param(path, id=f"{name}/{os.path.relpath(path, folder)}") for path in found]
-    return params
+    """One param per real snapshot: each file tests/data/shared/MANIFEST.json names, a missing one its own skip
+    (or every pickle under KVGUARD_TORCH_SNAPSHOTS' folders)."""
+    return snapshot_params()
 
 
 def segment(address, total, blocks, small=False, expandable=False, device=0):
@@ -325,7 +318,7 @@ def test_real_snapshot_replays_at_every_recorded_address(path):
 def test_without_device_memory_a_replay_does_not_guess_the_gpus_size(tmp_path):
     # An expandable segment grown to 40 GiB, as on an 80 GB GPU. The CLI's 32 GiB default would bound its
     # address space at 36 GiB and refuse the growth; a snapshot does not record its GPU's size, so an exact
-    # replay takes --device-memory only when it is given.
+    # replay takes --total-memory only when it is given.
     gib = 1 << 30
     settings = {**SETTINGS, "expandable_segments": True}
     snap = snapshot([segment(BASE, 40 * gib, [(BASE, 40 * gib, 40 * gib, "active_allocated")], expandable=True)],
@@ -340,7 +333,7 @@ def test_without_device_memory_a_replay_does_not_guess_the_gpus_size(tmp_path):
         return device["allocs_matched"], device["end_state_matches"]
 
     assert matched() == (1, True)
-    assert matched("--device-memory", "80GiB") == (1, True)
-    smaller = CliRunner().invoke(main, ["simulate", "--trace", str(path), "--device-memory", "32GiB"])
+    assert matched("--total-memory", "80GiB") == (1, True)
+    smaller = CliRunner().invoke(main, ["simulate", "--trace", str(path), "--total-memory", "32GiB"])
     assert (smaller.exit_code, smaller.output) == (1, "Error: snapshot device_traces[0][1] (alloc): 42949672960 "
                                                       "bytes cannot be served on any device\n")   # asked for

@@ -59,14 +59,20 @@ def test_v0_negative_values_parse(data_path):
     assert log.num_gpu_blocks == 0
 
 
-def test_v06_results_line_keeps_weights_and_activations_together(data_path):
+def test_v06_results_line_keeps_weights_and_activations_together_and_gives_a_profile(data_path):
     log = read(data_path, "v0.6.4.log")
     assert log.era == "vllm 0.6.4–0.8.4"
     assert log.peak_torch_memory_bytes == round(16.23 * GIB)
     assert log.peak_allocated_increase_bytes is None  # the log does not separate it
     assert log.available_kv_cache_bytes == round(54.87 * GIB)
     assert log.num_gpu_blocks == 28_093
-    assert log.profile() is None
+    # Its formula subtracts the allocated peak (weights and activations together) and the non-torch memory:
+    # the profile read from the line reproduces vLLM's own KV cache figure (79.15 x 0.90 - 16.23 - 0.14).
+    from kvguard.budget.estimator import stock_kv_cache_bytes
+
+    profile = log.profile()
+    assert profile is not None
+    assert abs(stock_kv_cache_bytes(profile) - 54.87 * GIB) <= 0.01 * GIB
 
 
 def test_vllm_ascend_byte_exact_available_memory(data_path):

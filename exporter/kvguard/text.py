@@ -36,3 +36,10 @@ _UNSAFE_TEXT = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 def safe_text(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, with what cannot be exported replaced by U+FFFD."""
     return _UNSAFE_TEXT.sub("\ufffd", text[:limit])
+
+
+def install_hint(extra: str) -> str:
+    """How to add an optional extra (pyproject.toml's [project.optional-dependencies]) where kvguard came from a
+    checkout, as it does today (no kvguard is published on a registry): ``.venv/bin/pip install -e '.[plot]'``
+    in the clone, or ``pip install 'kvguard-X.whl[plot]'`` for a built wheel."""
+    return f"from the clone: .venv/bin/pip install -e '.[{extra}]' (a built wheel: pip install 'kvguard-*.whl[{extra}]')"

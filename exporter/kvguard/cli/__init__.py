@@ -11,7 +11,8 @@ import click
 
 from kvguard import __version__
 from kvguard.cli import budget, check, plan, probe, serve, simulate   # the command modules
-from kvguard.cli.options import KVGuardGroup
+from kvguard.cli.options import KVGuardGroup, SizeType
+from kvguard.units import SIZE_HELP
 
 
 @click.group(cls=KVGuardGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -25,6 +26,8 @@ def main() -> None:
 
 
 for command in (budget.budget, plan.plan, simulate.simulate, probe.sample, probe.probe, serve.serve, check.check):
+    if any(isinstance(p.type, SizeType) for p in command.params) and not command.epilog:
+        command.epilog = SIZE_HELP   # one statement of what a SIZE is, under every command that takes one
     main.add_command(command)
 
 

@@ -15,7 +15,8 @@ from kvguard.budget.fields import FLAGGED, PROFILE_FIELDS, field
 from kvguard.budget.model_config import load_model_config
 from kvguard.text import one_line
 from kvguard.units import format_bytes, format_gib
-from kvguard.cli.options import SIGNED_SIZE, SIZE, block_size_for, emit_json, era_for_release, read_log
+from kvguard.cli.options import (BYTES_OR_SIZE, SIGNED_SIZE, SIZE, TOKENS, block_size_for, emit_json,
+                                  era_for_release, read_log, renamed_option)
 from kvguard.cli.options import format_count
 from kvguard.vllm.log_profile import LOG_FILLS, log_profile
 
@@ -78,8 +79,11 @@ def _profile_field_options(function):
               help="KV cache dtype; auto follows the model's torch_dtype.")
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--pipeline-parallel-size", "-pp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--max-model-len", type=click.IntRange(min=1), help="Tokens per request, for max concurrency.")
-@click.option("--kv-cache-memory", type=SIZE, help="Block count for this much KV cache memory.")
+@click.option("--max-model-len", type=TOKENS, help="Tokens per request, for max concurrency (32768, 32k, 32K "
+                                                    "as vLLM reads them).")
+@click.option("--kv-cache-memory-bytes", "kv_cache_memory", type=BYTES_OR_SIZE,
+              help="Block count for this much KV cache memory (vLLM's flag: bytes, or a SIZE).")
+@renamed_option("--kv-cache-memory", "kv_cache_memory", "--kv-cache-memory-bytes", type=BYTES_OR_SIZE)
 @_profile_field_options
 @click.option("--extensible-kv-cache/--no-extensible-kv-cache", default=None,
               help="0.34: whether the extensible KV cache sized the cache (default: on where the "
@@ -127,6 +131,12 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
     era = era_for_release(release or fields.get("vllm_version"))
     if era is None and startup is not None:
         era = startup.era_row
+    elif release and era is not None and startup is not None and startup.era_candidates \
+            and era.name not in startup.era_candidates:
+        # Said, not refused: the caller may know better than the lines (a fork, a backport), but never silently.
+        rows = ", ".join(startup.era_candidates)
+        click.echo(f"kvguard budget: --vllm-version {release} is the row {era.name}, but the log's lines fit only "
+                   f"{rows}; the formula of {era.name} is used", err=True)
     if extensible_kv_cache is not None and not (era and era.extensible_kv_cache_default):
         raise click.UsageError(f"--{'' if extensible_kv_cache else 'no-'}extensible-kv-cache is vLLM 0.34+'s "
                                f"(--vllm-version 0.34.0); {era.name if era else 'without --vllm-version, the formula'} "
@@ -185,7 +195,7 @@ def budget(model_config, release, block_size, kv_cache_dtype, tensor_parallel_si
         raise click.UsageError(f"incomplete profile{era_text}: missing {', '.join(missing)}{extensible}")
 
     if kv_cache_memory is not None and layout is None:
-        raise click.UsageError("--kv-cache-memory needs --model-config to count blocks")
+        raise click.UsageError("--kv-cache-memory-bytes needs --model-config to count blocks")
     if layout is None and profile is None and startup is None:
         raise click.UsageError("nothing to compute: give --model-config, a profile (--profile, --from-log, "
                                "or --total-memory ... flags), or both")

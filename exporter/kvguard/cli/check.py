@@ -113,10 +113,16 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
         click.echo(f"kvguard check: spool: {failed[SPOOL]}", err=True)
 
     state = "critical" if findings else observation.state
+    code = _exit_code(state, observation)
+    if code == EXIT_UNKNOWN:
+        state = "unknown"   # the JSON says what the exit code says: no verdict, not a warning
     if as_json:
         data = observation.guard_dict()
+        data["state"] = state
+        for rank in data.get("ranks", []):
+            if rank.get("reasons") and all(r.get("code") in UNJUDGED_REASONS for r in rank["reasons"]):
+                rank["state"] = "unknown"
         if startup is not None:
-            data["state"] = state
             data["log"] = _log_dict(startup, findings)
         click.echo(json.dumps(data, indent=2))
     else:
@@ -126,13 +132,13 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
             click.echo(f"{finding.state.upper():<8} log {finding.code}: {finding.message}")
         for reason in observation.reasons:
             # No rank judged: the same overall warning /guard and /readyz give (no false all-clear).
-            click.echo(f"{observation.state.upper():<8} {reason.code}: {reason.message}")
+            click.echo(f"{_state_word(observation.state, [reason]):<8} {reason.code}: {reason.message}")
         for view in observation.ranks:
             verdict = view.verdict
             who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
             headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
             phase = "  (budget-time verdict: the KV cache is not allocated yet)" if verdict.phase == "budget" else ""
-            click.echo(f"{verdict.state.upper():<8} {who}{headroom}{phase}")
+            click.echo(f"{_state_word(verdict.state, verdict.reasons):<8} {who}{headroom}{phase}")
             for reason in verdict.reasons:
                 click.echo(f"         - {reason.code}: {reason.message}")
             if verdict.reserved_peak_note:
@@ -143,7 +149,14 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
         if skipped:
             click.echo(f"({skipped} spool file(s) skipped: "
                        f"{', '.join(f'{k} {v}' for k, v in sorted(observation.skipped.items()) if v)})")
-    sys.exit(_exit_code(state, observation))
+    sys.exit(code)
+
+
+def _state_word(state: str, reasons) -> str:
+    """WARNING, or UNKNOWN where every reason says the guard could not judge (as the exit code 3 says)."""
+    if state == "warning" and reasons and all(r.code in UNJUDGED_REASONS for r in reasons):
+        return "UNKNOWN"
+    return state.upper()
 
 
 def _exit_code(state: str, observation) -> int:
@@ -164,7 +177,15 @@ def _log_dict(startup, findings) -> dict[str, Any]:
     return {"project": startup.project, "era": startup.era, "era_candidates": list(startup.era_candidates),
             "era_reason": startup.era_reason, "block_size": block_size, "block_size_source": block_source,
             "refusal": startup.refusal, "kv_cache_bytes": startup.available_kv_cache_bytes,
-            "ooms": [o.to_dict() for o in startup.ooms], "findings": [f.to_dict() for f in findings]}
+            "ooms": [o.to_dict() for o in startup.ooms], "findings": [f.to_dict() for f in findings],
+            "figures": _figures(startup)}
+
+
+def _figures(startup) -> dict[str, Any]:
+    """Every figure the log states, as the reader read it (bytes, tokens, ratios): what the corpus tests score."""
+    read = startup.to_dict()
+    return {name: value for name, value in read.items()
+            if name not in ("era", "era_candidates", "era_reason", "project", "ooms") and value is not None}
 
 
 def _refuse_a_device_smaller_than_the_log(startup, total_memory: int) -> None:

@@ -11,7 +11,7 @@ from kvguard.units import parse_size
 
 
 class SizeType(click.ParamType):
-    """SIZE: bytes, or a number with a unit (37.85GiB, 512MiB, 64GB)."""
+    """SIZE: a number with a unit (37.85GiB, 512MiB, 64GB); kvguard.units.SIZE_HELP says which."""
 
     name = "SIZE"
 
@@ -37,6 +37,76 @@ SIZE = SizeType()
 
 
 SIGNED_SIZE = SignedSizeType()
+
+
+class BytesOrSizeType(SizeType):
+    """A flag named in bytes, as vLLM's --kv-cache-memory-bytes: a bare integer is bytes (the name says so),
+    and a SIZE is taken too. What kvguard recommends as ``--kv-cache-memory-bytes N`` it takes back."""
+
+    name = "BYTES|SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value.strip())
+        return super().convert(value, param, ctx)
+
+
+BYTES_OR_SIZE = BytesOrSizeType()
+
+
+class TokensType(click.ParamType):
+    """A token count as vLLM's --max-model-len takes it: 32768, 32k (32,000) or 32K (32,768)."""
+
+    name = "TOKENS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip().replace("_", "").replace(",", "")
+            factor = 1000 if text.endswith("k") else 1024 if text.endswith("K") else 1
+            digits = text[:-1] if factor > 1 else text
+            try:
+                number = int(float(digits) * factor) if factor > 1 else int(digits)
+            except ValueError:
+                self.fail(f"{value!r} is not a token count (32768, 32k = 32,000 or 32K = 32,768, as vLLM reads "
+                          f"--max-model-len)", param, ctx)
+        if number < 1:
+            self.fail(f"{value!r} must be at least 1 token", param, ctx)
+        return number
+
+
+TOKENS = TokensType()
+
+
+def renamed_option(old: str, dest: str, new: str, **attrs: Any):
+    """An old flag name kept as a hidden alias of ``new``: its value fills ``dest`` (as typed on the command
+    line), and using it warns on stderr."""
+
+    def take(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is None:
+            return
+        click.echo(f"kvguard: {old} is now {new}; {old} will go in a later release", err=True)
+        if ctx.get_parameter_source(dest) == click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"{old} is {new}'s old name: give one of them")
+        ctx.params[dest] = value
+        ctx.set_parameter_source(dest, click.core.ParameterSource.COMMANDLINE)
+
+    return click.option(old, "renamed_" + old.strip("-").replace("-", "_"), hidden=True, expose_value=False,
+                        callback=take, **attrs)
+
+
+# Every command's exit codes, as the commands give them today (docs/reference/cli.md shows this table). click's
+# own: 1 a one-line error (input the command cannot use), 2 a usage error. A judge's 1 and 2 are its verdicts, so
+# check says 3 for every error; simulate and plan say 3 for the outcome they were asked to flag.
+CLICK_CODES = ((0, "ok"), (1, "bad input: a file, log or figure the command cannot use (one line)"),
+               (2, "usage: an unknown option, a missing or malformed value (or an internal error, in one line)"))
+EXIT_CODES = {
+    "check": ((0, "ok"), (1, "warning"), (2, "critical"),
+              (3, "unknown: no verdict (no rank, no profile), a bad option or input, or a crash")),
+    "plan": CLICK_CODES + ((3, "vLLM would refuse to start"),),
+    "simulate": CLICK_CODES + ((3, "--fail-on-oom: the run ended in an out-of-memory error"),),
+}
 
 
 class FiniteFloatRange(click.FloatRange):

@@ -147,7 +147,9 @@ def _print_plan(result: dict[str, Any]) -> None:
     if plan.get("non_torch"):
         nt = plan["non_torch"]
         out(f"Non-torch    {format_bytes(nt['at_startup_bytes'])} outside the allocator at startup (platform "
-            f"default, not measured)")
+            f"default, not measured)"
+            + (f"; +{format_bytes(nt['increase_bytes'])} after the baseline (collective buffers)"
+               if nt.get("increase_bytes") else ""))
     decided = plan.get("decided")
     if decided:
         conc = "-" if decided["max_concurrency"] is None else f"{decided['max_concurrency']:.2f}x"

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from kvguard.cli.options import read_startup_log_or_fail
+from kvguard.sidecar import limits
 
 
 DEFAULT_PORT = 10240
@@ -94,13 +95,14 @@ def _check_basic_auth(user: str | None, password_file: str | None) -> str | None
     return password
 
 
-def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_user: str | None):
+def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_user: str | None,
+                     allow_auth_off: bool = False):
     if path is None:
         return None
     from kvguard.sidecar.webconfig import WebConfigError, WebConfigWatcher
 
     try:
-        watcher = WebConfigWatcher(path)
+        watcher = WebConfigWatcher(path, allow_auth_off=allow_auth_off)
     except WebConfigError as exc:
         raise click.ClickException(str(exc)) from None
     if tls_cert_file and watcher.config.tls_context is not None:
@@ -111,9 +113,10 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 
 
 @click.command()
-@click.option("--listen", default="0.0.0.0", show_default=True, metavar="ADDR",
+@click.option("--listen", metavar="ADDR",
               help="Address to bind: an IPv4 address, or an IPv6 one (\"::\" or \"[::]\": every address, IPv6 and IPv4 "
-                   "where the host maps them, for dual-stack and IPv6-only clusters).")
+                   "where the host maps them, for dual-stack and IPv6-only clusters) [default: 0.0.0.0; with --demo: "
+                   "127.0.0.1, this host only].")
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to serve /metrics, /healthz, /readyz, /guard and /runbook on.")
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
@@ -144,10 +147,27 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
 @click.option("--web.config.file", "web_config_file", metavar="FILE",
               help="Prometheus exporter-toolkit web config (tls_server_config, basic_auth_users with bcrypt "
                    "hashes); re-read on change. The --tls-* and --basic-auth-* flags are shorthands for it.")
+@click.option("--web.config.allow-auth-off", "web_config_allow_auth_off", is_flag=True,
+              help="Apply a reload of --web.config.file that lists no basic_auth_users (switching basic auth "
+                   "off); without it such a reload keeps the previous config and is logged at error level.")
 @click.option("--engine-id", envvar="KVGUARD_ENGINE_ID", default="", metavar="ID",
               help="The engine the spool's ranks belong to, the same on every pod of a multi-node engine "
                    "(an LWS group, a Ray cluster): the engine_id label [env KVGUARD_ENGINE_ID; default: the "
                    "rank's pod, else its host].")
+@click.option("--max-ranks", type=click.IntRange(1), default=limits.MAX_RANKS, show_default=True,
+              help="Ranks exported at most; past it a rank is left out and counted (kvguard_ranks_cut).")
+@click.option("--max-engines", type=click.IntRange(1), default=limits.MAX_ENGINES, show_default=True,
+              help="Distinct engines (engine_id, engine) exported at most; past it their ranks are left out and counted.")
+@click.option("--max-models", type=click.IntRange(1), default=limits.MAX_MODELS, show_default=True,
+              help="Distinct model names exported at most; past it their ranks are left out and counted.")
+@click.option("--max-pods", type=click.IntRange(1), default=limits.MAX_PODS, show_default=True,
+              help="Distinct pods exported at most; past it their ranks are left out and counted.")
+@click.option("--max-label-length", type=click.IntRange(16), default=limits.MAX_LABEL_CHARS, show_default=True,
+              help="Characters of a rank label value at most; a longer one is cut and counted "
+                   "(kvguard_label_values_truncated).")
+@click.option("--max-metrics-bytes", type=click.IntRange(64 * 1024), default=limits.MAX_METRICS_BYTES, show_default=True,
+              help="Bytes of the ranks' series in one /metrics answer at most; ranks past it are left out of "
+                   "/metrics (not /guard) and counted.")
 @click.option("--log.level", "log_level", type=click.Choice(["debug", "info", "warn", "error"]), default="info",
               show_default=True, help="Log lines on stderr at this level and above: source failures and guard "
                                       "state changes, once per change.")
@@ -155,12 +175,16 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
               show_default=True, help="Log line format.")
 @click.option("--demo", is_flag=True, help="Serve simulated ranks through probe -> spool -> collector "
               f"(--interval is capped at {DEMO_MAX_INTERVAL:g}s).")
+@click.option("--web.runbook-public", "web_runbook_public", is_flag=True,
+              help="Answer /runbook and /runbook/<alert> without basic auth: the alerts' links open in a "
+                   "browser that has no scrape credentials (the rest stays behind auth).")
 @click.option("--demo-ranks", type=click.IntRange(1, 16), default=2, show_default=True,
               help="Simulated ranks with --demo (the last one is set up to trip the guard).")
 def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file, interval, stale_after, forget_after,
           read_timeout,
           fail_readiness_on_critical, tls_cert_file, tls_key_file, basic_auth_user, basic_auth_password_file,
-          web_config_file, engine_id, log_level, log_format, demo, demo_ranks):
+          web_config_file, web_config_allow_auth_off, engine_id, max_ranks, max_engines, max_models, max_pods, max_label_length,
+          max_metrics_bytes, log_level, log_format, demo, demo_ranks, web_runbook_public):
     """Run the sidecar: allocator memory, fragmentation and the OOM guard for every rank, over HTTP."""
     from kvguard.sidecar.server import KVGuardServer, ServerOptions, make_tls_context
     from kvguard.sidecar.core import Sidecar, SidecarConfig
@@ -168,12 +192,15 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
     from kvguard.text import safe_text
 
     setup_logging(log_level, log_format)
+    if listen is None:
+        # The demo serves simulated ranks to whoever runs it: this host only, unless --listen says otherwise.
+        listen = "127.0.0.1" if demo else "0.0.0.0"
     if listen.startswith("[") and listen.endswith("]"):   # "[::]", as URLs and Kubernetes values write IPv6
         listen = listen[1:-1]
     if bool(tls_cert_file) != bool(tls_key_file):
         raise click.UsageError("--tls-cert-file and --tls-key-file go together")
     password = _check_basic_auth(basic_auth_user, basic_auth_password_file)
-    watcher = _load_web_config(web_config_file, tls_cert_file, basic_auth_user)
+    watcher = _load_web_config(web_config_file, tls_cert_file, basic_auth_user, web_config_allow_auth_off)
     startup = read_startup_log_or_fail(log_file) if log_file else None
     requested_interval = interval
     if demo:
@@ -183,7 +210,7 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
     options = ServerOptions(listen=listen, port=port, fail_readiness_on_critical=fail_readiness_on_critical,
                             tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
                             basic_auth_user=basic_auth_user, basic_auth_password=password,
-                            web_config_file=web_config_file)
+                            web_config_file=web_config_file, runbook_public=web_runbook_public)
     try:
         tls_context = make_tls_context(options)
     except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError
@@ -199,7 +226,9 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
         sidecar = Sidecar(SidecarConfig(
             spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
             startup_log=startup, interval=interval, stale_after=stale_after, forget_after=forget_after,
-            read_timeout=read_timeout, engine_id=safe_text(engine_id, 253)))
+            read_timeout=read_timeout, engine_id=safe_text(engine_id, 253), max_ranks=max_ranks,
+            max_engines=max_engines, max_models=max_models, max_pods=max_pods, max_label_chars=max_label_length,
+            max_metrics_bytes=max_metrics_bytes))
         try:
             server = KVGuardServer(sidecar, options, tls_context=tls_context, web_config=watcher)
         except OSError as exc:
@@ -222,7 +251,9 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
 def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo_ranks, interval,
               requested_interval) -> None:
     say = lambda text: click.echo(text, err=True)   # noqa: E731 - stdout stays free for pipes
-    say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz, /runbook)")
+    bound = server.options.listen
+    where = f"; bound to {bound or 'every address'}: every address" if bound in ("0.0.0.0", "::", "") else ""
+    say(f"kvguard serve: {server.url('/metrics')}  (also /guard, /healthz, /readyz, /runbook{where})")
     say(f"  spool {spool_dir or 'none'}; sources: {', '.join(n for n, _ in sidecar.config.sources) or 'none'}"
         + (f"; vLLM {vllm_metrics_url}" if vllm_metrics_url else "") + (f"; log {log_file}" if log_file else ""))
     if demo:

@@ -13,7 +13,7 @@ from kvguard.budget.estimator import (
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.text import one_line
 from kvguard.units import format_bytes
-from kvguard.cli.options import SIZE, emit_json
+from kvguard.cli.options import SIZE, TOKENS, emit_json, renamed_option
 from kvguard.cli.options import format_count
 
 
@@ -23,9 +23,10 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.command()
 @click.option("--model-config", "model_config", metavar="PATH",
               help="HF config.json (or its directory). Default: the bundled Qwen2.5-7B-Instruct config.")
-@click.option("--device-memory", type=SIZE, default="32GiB", show_default=True,
-              help="Device capacity (32GiB: an Atlas 910B4). An exact snapshot replay (--trace SNAPSHOT.pickle) "
-                   "takes it only when given: a snapshot does not record its GPU's size.")
+@click.option("--total-memory", "device_memory", type=SIZE, default="32GiB", show_default=True,
+              help="The device's total memory (32GiB: an Atlas 910B4). An exact snapshot replay (--trace "
+                   "SNAPSHOT.pickle) takes it only when given: a snapshot does not record its GPU's size.")
+@renamed_option("--device-memory", "device_memory", "--total-memory", type=SIZE)
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               help="Default: the --vllm-version release's default, else 0.9.")
 @click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]),
@@ -38,8 +39,9 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
 @click.option("--budget", type=click.Choice(["stock", "reserved"]), default="stock", show_default=True,
               help="stock: vLLM's allocated-peak formula; reserved: vllm-mindspore's reserved-increase fix.")
 @click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True)
-@click.option("--max-model-len", type=click.IntRange(min=1),
-              help="Default: the model's max_position_embeddings, at most 32768.")
+@click.option("--max-model-len", type=TOKENS,
+              help="Tokens per request (32768, 32k, 32K as vLLM reads them). Default: the model's "
+                   "max_position_embeddings, at most 32768.")
 @click.option("--requests", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--long-fraction", type=click.FloatRange(0, 1), default=0.25, show_default=True,
               help="Share of requests with prompts of max_model_len/2 or more.")
@@ -58,7 +60,7 @@ EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (u
                    "(a snapshot with --allocator torch is replayed exactly, every device).")
 @click.option("--ops", "ops_file", metavar="FILE",
               help="Replay a plain allocator op stream (JSON lines: malloc / free / empty_cache) through the "
-                   "--allocator model; --device-memory is then the device's free memory.")
+                   "--allocator model; --total-memory is then the device's free memory.")
 @click.option("--replay-log", "replay_log", metavar="FILE",
               help="With a snapshot --trace: one JSON line per replayed allocation; with --ops: one per op.")
 @click.option("--search-utilization", is_flag=True,
@@ -125,7 +127,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
     if search_utilization and (trace_file or ops_file):
         raise click.ClickException("--search-utilization simulates a workload; it does not take --trace or --ops")
     if ops_file and non_allocator_memory is not None:
-        raise click.ClickException("--ops takes --device-memory as the device's free memory; "
+        raise click.ClickException("--ops takes --total-memory as the device's free memory; "
                                    "--non-allocator-memory does not apply")
 
     try:
@@ -139,7 +141,9 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise click.ClickException("--plot needs matplotlib: pip install 'kvguard[plot]'") from None
+            from kvguard.text import install_hint
+
+            raise click.ClickException(f"--plot needs matplotlib: {install_hint('plot')}") from None
     try:
         if allocator == "mindspore" and alloc_conf:
             raise ValueError("--alloc-conf is for --allocator torch and torch_npu; MindSpore's pool takes "
@@ -160,7 +164,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
                                          or task_sink is not None or no_vmm_soc or mindspore_mode != "pynative"):
             raise ValueError("the MindSpore pool options need --allocator mindspore")
         if non_allocator_memory is not None and non_allocator_memory >= device_memory:
-            raise ValueError("--non-allocator-memory must be smaller than --device-memory")
+            raise ValueError("--non-allocator-memory must be smaller than --total-memory")
     except (ConfigError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 

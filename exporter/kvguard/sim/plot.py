@@ -17,7 +17,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise PlotUnavailable("--plot needs matplotlib: pip install 'kvguard[plot]'") from None
+        from kvguard.text import install_hint
+
+        raise PlotUnavailable(f"--plot needs matplotlib: {install_hint('plot')}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

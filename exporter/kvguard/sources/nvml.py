@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from kvguard.records import DeviceMemory, ProcessMemory, identity_text
 from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
-from kvguard.text import one_line
+from kvguard.text import install_hint, one_line
 
 # NVML return codes that mean "no NVIDIA driver here" rather than "a read failed".
 _ABSENT_CODES = {9, 12}   # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
@@ -69,7 +69,7 @@ class NvmlSource:
             try:
                 import pynvml  # noqa: PLC0415 - imported only when this source is used
             except ImportError:
-                raise SourceUnavailable("nvidia-ml-py is not installed (pip install 'kvguard[nvml]')") from None
+                raise SourceUnavailable(f"nvidia-ml-py is not installed ({install_hint('nvml')})") from None
             self._nvml = pynvml
         if not self._initialized:
             try:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from kvguard.records import DeviceMemory, identity_text
 from kvguard.sources import SourceError, SourceUnavailable, count, free_total_used
-from kvguard.text import one_line
+from kvguard.text import install_hint, one_line
 
 # DeviceMemory field <- memory_stats key (PyTorch's names, torch/csrc/cuda/Module.cpp).
 STATS_KEYS = {
@@ -89,7 +89,7 @@ class TorchSource:
             try:
                 import torch  # noqa: PLC0415 - imported only when this source is used
             except ImportError:
-                raise SourceUnavailable("torch is not installed") from None
+                raise SourceUnavailable(f"torch is not installed ({install_hint('torch')})") from None
             except Exception as exc:  # noqa: BLE001 - a broken install must not raise its own type
                 raise SourceUnavailable(f"torch failed to import: {one_line(exc)}") from None
             self._torch = torch

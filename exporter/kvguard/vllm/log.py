@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.budget.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras, source_index
-from kvguard.vllm.oom import OomFact, is_oom_line, read_oom, step_in
+from kvguard.vllm.oom import ERROR_IN_METHOD, OomFact, is_oom_line, read_oom, step_in
 
 GIB = 1 << 30
 MAX_NUMBER_CHARS = 40
@@ -55,8 +55,10 @@ _BLANKS = re.compile(r"[ \t\r\f\v]{2,}|[\t\r\f\v]")
 _NUMBER = re.compile(r"[-+]?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 # A log record's own prefix on a continuation line: "(Worker pid=1) INFO 04-12 08:21:19 [worker.py:267] ",
 # "INFO 12-13 19:54:18 worker.py:243] ". Bounded repetition only.
-_RECORD_PREFIX = re.compile(r"^.{0,160}?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0-9]{2}-[0-9]{2} "
-                            r"[0-9:.]{8,15} \[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
+# A host's logger may write the time first ("08:21:19  INFO [worker.py:267] "), one prefix per wrapped line.
+_RECORD_PREFIX = re.compile(r"^.{0,160}?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} "
+                            r"|[0-9]{2}:[0-9]{2}:[0-9]{2}(?:[.,][0-9]{1,6})? {1,4}(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                            r"{1,4})\[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
 # vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
 # "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
 # A paste that dropped the time keeps the tag: "(EngineCore pid=4600) INFO [kv_cache_utils.py:1777] …". Without
@@ -258,6 +260,11 @@ KINDS: tuple[LineKind, ...] = (
              "{_cudagraph_equiv:float} without",
              releases=(V("0.20.0"), None), cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820",
              also=_cudagraph_utilization),
+    # vllm-ascend words the same line for its ACL graphs.
+    LineKind("acl_graph", "ACL graph memory profiling is enabled (default since v0.22.1). The current "
+             "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
+             "{_cudagraph_equiv:float} without", also=_cudagraph_utilization,
+             cite="vllm-ascend's NPU worker (issue 35's quote of a vllm-ascend log; no era row names it yet)"),
     LineKind("cudagraph", "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
              "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
              "--gpu-memory-utilization={_cudagraph_equiv:float} without", releases=(V("0.18.0"), V("0.19.1")),
@@ -357,6 +364,12 @@ KINDS: tuple[LineKind, ...] = (
     # (v1/worker/gpu/spec_decode/speculator_config.py 0.34.0:191).
     LineKind("max_model_len", "Using max model len {_settled_len:int}$", also=_first_settled_len,
              cite="config/model.py 0.11.0:1510 'Using max model len %s', 0.34.0:2214"),
+    # The engine's arguments as given ("non-default args: {'model': …, 'max_model_len': 4096, …}"): what was
+    # asked, taken only where no line states what the engine settled on.
+    LineKind("non_default_args", "non-default args: {…'max_model_len': {_args_len:int}",
+             cite="entrypoints/utils.py log_non_default_args 0.10.0+"),
+    LineKind("non_default_args", "non-default args: {…'gpu_memory_utilization': {_args_util:float}",
+             cite="entrypoints/utils.py log_non_default_args 0.10.0+"),
     # vllm-ascend's platform sets 128-token blocks: "Block size is set to 128 if prefix cache or chunked
     # prefill is enabled." (vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404; not in 0.11.0); vLLM has
     # no such line (0.34.0).
@@ -426,6 +439,10 @@ KINDS: tuple[LineKind, ...] = (
 # The kinds by their first literal: a line holding none of these cannot match any template.
 _BY_ANCHOR: tuple[tuple[str, tuple[LineKind, ...]], ...] = tuple(
     (anchor, tuple(k for k in KINDS if k.anchor == anchor)) for anchor in dict.fromkeys(k.anchor for k in KINDS))
+# Whether a line holds any template's first words, in one scan: most lines of a log hold none, and a line of
+# MAX_LINE_CHARS then costs one pass, not one per anchor. Longest first, so a longer anchor is not hidden.
+_ANY_ANCHOR = re.compile("|".join(re.escape(a) for a, _ in sorted(_BY_ANCHOR, key=lambda item: -len(item[0]))))
+_LONGEST_ANCHOR = max(len(a) for a, _ in _BY_ANCHOR)
 # Words that only an Ascend engine's log holds (its device, its worker files, its package).
 _ASCEND_WORDS = ("vllm_ascend", "vllm-ascend", "NPU out of memory", "npu blocks", "NPU graph memory", "NPUWorker",
                  "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF",
@@ -519,6 +536,13 @@ class StartupLog:
                      "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        if self.peak_torch_memory_bytes is not None and self.peak_allocated_increase_bytes is None:
+            # 0.6.4's one-line results state the weights and the activation peak as one figure, the allocated
+            # peak, and its formula subtracts only that sum (worker/worker.py 0.6.4:209-232): the peak is what
+            # the sum holds above the weights, or, where no line states the weights, the sum stands as them.
+            weights = self.weights_bytes if self.weights_bytes is not None else self.peak_torch_memory_bytes
+            fields["weights_bytes"] = weights
+            fields["peak_allocated_increase_bytes"] = max(0, self.peak_torch_memory_bytes - weights)
         if self.total_consumed_bytes is not None and self.non_kv_cache_bytes is not None:
             fields["transient_peak_headroom_bytes"] = max(0, self.non_kv_cache_bytes - self.total_consumed_bytes)
         elif self.total_consumed_bytes is not None and self.peak_activation_bytes is not None:
@@ -566,6 +590,12 @@ def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
     """What a line states, into the facts dict: each slot is a fact in its unit."""
     for fact, text in found.items():
         value = _CONVERT[kind.units[fact]](text)
+        if fact == "kv_cache_tokens":
+            # Each rank writes its token count, then its concurrency: keep the concurrency of the rank whose
+            # count is kept (the smallest), not the last rank's.
+            f["_tokens_last_smallest"] = fact not in f or value <= f[fact]
+        if fact == "max_concurrency" and "max_concurrency" in f and not f.get("_tokens_last_smallest", True):
+            continue
         if fact in _SMALLEST and fact in f:
             value = min(value, f[fact])
         f[fact] = value
@@ -620,24 +650,44 @@ class _Reader:
             oom = read_oom(line, number)
             if oom is not None:
                 self.ooms.append(_with_step(oom, self._step()))
+        if self.ooms and self.ooms[-1].step is None and ERROR_IN_METHOD in line \
+                and number - self.ooms[-1].line <= STEP_WINDOW_LINES:
+            # The step no line before the OOM showed, named after its traceback by the method it failed in.
+            method = line[line.index(ERROR_IN_METHOD) + len(ERROR_IN_METHOD):].partition("'")[0]
+            self.ooms[-1] = _with_step(self.ooms[-1], step_in(method))
+        if "--" in line:
+            self._command_line(line)
         self._retry_pending(number, line)
         if self.previous_tail and not _RECORD_PREFIX.match(line):
             self._straddled(number, line)
         self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
         hit, started = False, []
-        for anchor, kinds in _BY_ANCHOR:
+        for anchor, kinds in (_BY_ANCHOR if _ANY_ANCHOR.search(line) else ()):
             if anchor not in line:
                 continue
             # A line may state several facts (0.30+ joins the KV size and the concurrency). Kinds sharing
-            # an anchor are one message's variants: when one matched, the others did not break off.
+            # an anchor are one message's variants: a shorter one (a refusal's first words) may match where
+            # a longer one broke off at a wrap ("(4.26 GiB KV cach" / "e is needed"), so those that failed
+            # wait for the next lines all the same.
             failed = [kind for kind in kinds if not self._take(kind, line, number)]
-            if len(failed) < len(kinds):
-                hit = True
-            else:
-                started.extend(failed)
+            hit = hit or len(failed) < len(kinds)
+            started.extend(failed)
         self.matched += hit
         if started and len(line) <= MAX_JOIN_CHARS:
             self.pending.append((number, [line], started[:MAX_JOIN_KINDS]))
+
+    def _command_line(self, line: str) -> None:
+        """--gpu-memory-utilization / --max-model-len as a pasted ``vllm serve`` command states them: taken
+        only where no log line states the figure (vLLM's own wording names these flags too, followed by
+        "to", or by "=" and "is equivalent to", which this pattern leaves)."""
+        if "equivalent to" in line:
+            return
+        for match in _COMMAND_FLAG.finditer(line):
+            flag, value = match.group(1), match.group(2)
+            if flag == "max-model-len":
+                self.facts.setdefault("_cli_len", _model_len(value))
+            else:
+                self.facts.setdefault("_cli_util", float(value))
 
     def _retry_pending(self, number: int, line: str) -> None:
         """Join the lines whose template began but broke off to this one (and, once, the next): with a space
@@ -658,6 +708,10 @@ class _Reader:
     def _straddled(self, number: int, line: str) -> None:
         """A template whose first words a hard wrap cut in two: this continuation line joined, without a
         space, to the end of the line before it."""
+        # Only an anchor across the join is new: it lies within the longest anchor's length of the join.
+        edge = _LONGEST_ANCHOR - 1
+        if not _ANY_ANCHOR.search(self.previous_tail[-edge:] + line[:edge]):
+            return
         joined = self.previous_tail + line
         for anchor, kinds in _BY_ANCHOR:
             if anchor in joined and anchor not in line and anchor not in self.previous_tail:
@@ -714,6 +768,20 @@ class _Reader:
         return _finish(self.facts, self.matched, self.seen, self.hints, tuple(self.ooms))
 
 
+# A flag and its value on a command line: "--max-model-len 32k", "--gpu-memory-utilization=0.95".
+_COMMAND_FLAG = re.compile(r"(?:^|[\s'\"])--(max-model-len|gpu-memory-utilization)[ =]([0-9]{1,9}(?:\.[0-9]{1,6})?[kK]?)"
+                           r"(?=$|[\s'\"\\,])")
+
+
+def _model_len(text: str) -> int:
+    """vLLM's human-readable --max-model-len: 32k is 32,000, 32K is 32,768 (vllm/engine/arg_utils.py)."""
+    if text.endswith("k"):
+        return int(float(text[:-1]) * 1000)
+    if text.endswith("K"):
+        return int(float(text[:-1]) * 1024)
+    return int(float(text))
+
+
 def _with_step(oom: OomFact, step: str | None) -> OomFact:
     return replace(oom, step=step) if step and oom.step is None else oom
 
@@ -752,6 +820,14 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
     facts["era_candidates"] = tuple(candidates)
     facts["era_reason"] = reason
     facts["project"] = project
+    # What the engine was asked for, where no line states what it used: the non-default args line, then a
+    # pasted command line.
+    for fact, asked in (("max_model_len", ("_args_len", "_cli_len")),
+                        ("gpu_memory_utilization", ("_args_util", "_cli_util"))):
+        values = [facts.pop(name) for name in asked if name in facts]
+        if values and facts.get(fact) is None:
+            facts[fact] = values[0]
+    facts.pop("_tokens_last_smallest", None)
     snapshot_free = facts.pop("_snapshot_free", None)
     if snapshot_free is not None:
         facts.setdefault("init_free_memory_bytes", snapshot_free)
@@ -1001,7 +1077,8 @@ def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
                     return
                 left -= len(line)
             continue
-        yield line.decode("utf-8", errors="replace")
+        # A line without its ending, as str.splitlines() gives it: templates that end at the line's end match.
+        yield line.decode("utf-8", errors="replace").rstrip("\r\n")
 
 
 def kinds_markdown() -> str:

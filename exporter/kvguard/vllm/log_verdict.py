@@ -27,7 +27,7 @@ from kvguard.vllm.oom import OomFact
 
 CRITICAL = "critical"
 MIB = 1 << 20
-STEP_WORDS = {"kv_allocation": "while allocating the KV cache", "graph_capture": "while capturing CUDA graphs",
+STEP_WORDS = {"model_loading": "while loading the model", "kv_allocation": "while allocating the KV cache", "graph_capture": "while capturing CUDA graphs",
               "profile_run": "during the profile run", "warmup": "during warm-up", "serving": "while serving"}
 ALLOC_CONF = {"npu": "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
               "hip": "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True"}

@@ -46,7 +46,11 @@ _PATTERNS = (
     ("reserved_bytes", re.compile(_SIZE + r" reserved in total by PyTorch")),
 )
 _DEVICES = (("CUDA out of memory", "cuda"), ("HIP out of memory", "hip"), ("NPU out of memory", "npu"),
-            ("XPU out of memory", "xpu"), ("OutOfMemoryError", None))
+            ("XPU out of memory", "xpu"),
+            # The runtime's own error, not the caching allocator's: cudaErrorMemoryAllocation as
+            # "CUDA error: out of memory" (vLLM relays it as "Worker failed with error '…'"); no sizes.
+            ("CUDA error: out of memory", "cuda"), ("HIP error: out of memory", "hip"),
+            ("OutOfMemoryError", None))
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -120,8 +124,16 @@ STEP_WORDS = (
     ("profile_run", "profile_run"), ("determine_available_memory", "profile_run"),
     ("determine_num_available_blocks", "profile_run"), ("_dummy_run", "profile_run"),
     ("compile_or_warm_up_model", "warmup"), ("_warm_up_model", "warmup"), ("warming up", "warmup"),
-    ("Application startup complete", "serving"), ("POST /v1/", "serving"),
+    ("load_model", "model_loading"),
+    # V1's engine core logs this once its startup (profile, KV cache, warm-up and graph capture) is done:
+    # an OOM after it is not in any of those steps.
+    ("init engine (profile, create kv cache, warmup model) took", "serving"),
+    ("Application startup complete", "serving"), ("POST /v1/", "serving"), ("Added request", "serving"),
+    ("Received request", "serving"),
 )
+# vLLM's executor names the worker method an error came from after the traceback:
+# "Error executing method 'load_model'. This might cause deadlock in distributed execution."
+ERROR_IN_METHOD = "Error executing method '"
 
 
 def step_in(line: str) -> str | None:
