@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -119,3 +120,33 @@ def test_every_text_format_shares_one_cached_body_and_the_librarys_encodings_kee
         exposition.parts(f"application/openmetrics-text; version=1.0.0; escaping={escaping}", False)
         exposition.parts(f"text/plain; version=1.0.0; escaping={escaping}", False)
     assert sum(key[0] == "library" for key in exposition._bodies) == 1
+
+
+@pytest.mark.parametrize("field", ["pod", "namespace"])
+def test_label_values_that_differ_only_past_the_cut_make_one_series_not_two(tmp_path, field):
+    """Issue 37, round four: label values were cut after ranks were told apart, so two ranks whose
+    pod (or namespace) differs only past character 128 became two series with one label set (40
+    duplicated samples: Prometheus drops them; this promtool does not flag them, the parser check
+    below does) and log_changes keyed both as one. Values are now cut before ranks are told apart:
+    the newest is kept, the other counted as a duplicate (kvguard_spool_skipped_files)."""
+    now = time.time()
+    for index, host in enumerate(("node-a", "node-b")):   # two writers, same pid, device and rank
+        value = ("x" * 128 + f"-{host}").ljust(253, "y")
+        pod = {"pod": "vllm-0", "namespace": "llm", "container": "vllm", field: value}
+        write(str(tmp_path), snapshot(host=host, pod=pod, written_at=now - 10 + index))
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD))
+    observation = sidecar.observe()
+    [rank] = observation.ranks
+    assert rank.snapshot.host == "node-b" and len(rank.labels[field]) == 128
+    assert observation.skipped["duplicate"] == 1 and observation.labels_truncated == 1
+    body = _metrics(sidecar)
+    for family in text_string_to_metric_families(body.decode()):
+        label_sets = [(sample.name, tuple(sorted(sample.labels.items()))) for sample in family.samples]
+        assert len(label_sets) == len(set(label_sets)), family.name
+    assert len(re.findall(rb"^kvguard_guard_severity\{", body, re.M)) == 1
+    skipped = {f.name: f for f in text_string_to_metric_families(body.decode())}["kvguard_spool_skipped_files"]
+    assert {s.labels["reason"]: s.value for s in skipped.samples}["duplicate"] == 1
+    checked = subprocess.run([promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr[:300]
+    sidecar.log_changes(observation)
+    assert len(sidecar._logged_ranks) == 1

@@ -237,3 +237,65 @@ def test_junk_past_the_reads_byte_budget_never_hides_a_live_rank(tmp_path):
         later = reader.read()
         assert [s.pid for s in later.snapshots] == [snapshot().pid]
     assert later.skipped["invalid_snapshot"] == 12 and later.skipped["too_many_files"] == 0
+
+
+def _flood(spool, names, size, when):
+    """Junk rewritten as an attacker would each interval: a new file (a new inode) renamed over
+    each name, exactly ``size`` bytes, with an mtime inside the clock tolerance."""
+    for name in names:
+        temporary = spool / f".{name}.tmp"
+        temporary.write_bytes(b"[" + b" " * (size - 2) + b"]")
+        os.utime(temporary, (when, when))
+        os.replace(temporary, spool / name)
+
+
+@pytest.mark.parametrize("renamed", ["over the same names", "to new names"])
+def test_junk_renamed_between_reads_never_hides_a_live_rank(tmp_path, renamed):
+    """Issue 37, round four: junk that has spent its own budget left no budget for the
+    snapshots (the smaller of the two was taken), and junk renamed over its names every interval
+    is never known by inode. With probe-style names and mtimes now + 9 s it sorted first and
+    filled the budget: 0 snapshots on every read. A live rank is now read on every read, and a
+    new one within a read or two."""
+    from kvguard.spool.io import SpoolReader
+
+    budget, size = 64 * 1024, 4 * 1024
+    write_snapshot(str(tmp_path), snapshot())
+    reader = SpoolReader(str(tmp_path), max_total_bytes=budget)
+    assert [s.pid for s in reader.read().snapshots] == [snapshot().pid]
+    found_new = None
+    for round_ in range(6):
+        base = 100000 + (0 if renamed == "over the same names" else 1000 * round_)
+        names = [snapshot_filename("node-7", base + index, "npu:0") for index in range(2 * budget // size)]
+        if renamed == "to new names":
+            for old in tmp_path.glob("node-7-1*.json"):
+                old.unlink()
+        _flood(tmp_path, names, size, time.time() + 9)
+        if round_ == 1:
+            write_snapshot(str(tmp_path), snapshot(pid=555))   # a rank that starts during the flood
+        result = reader.read()
+        pids = {s.pid for s in result.snapshots}
+        assert snapshot().pid in pids, (round_, result.skipped)
+        assert result.skipped["invalid_snapshot"] >= budget // size
+        if 555 in pids and found_new is None:
+            found_new = round_
+    assert found_new is not None and found_new <= 3
+
+
+def test_a_live_rank_past_the_directory_entry_cap_is_still_read(tmp_path):
+    """Entries past max_entries are not looked at, except the names that were snapshots at the
+    last read: junk that fills the directory first does not hide them."""
+    from kvguard.spool.io import SpoolReader
+
+    name = write_snapshot(str(tmp_path), snapshot())
+    reader = SpoolReader(str(tmp_path))
+    assert len(reader.read().snapshots) == 1
+    for index in range(200):
+        (tmp_path / f"junk-{index}-cuda_0.json").write_text("{}")
+    cap = [entry.name for entry in os.scandir(tmp_path)].index(name)   # the entries scandir gives first
+    if cap == 0:
+        pytest.skip("scandir lists the live rank first here")
+    reader.limits["max_entries"] = cap
+    for _ in range(2):
+        result = reader.read()
+        assert [s.pid for s in result.snapshots] == [snapshot().pid]
+        assert result.skipped["too_many_files"] == 200 - cap

@@ -342,7 +342,8 @@ class Sidecar:
         views = []
         truncated = 0
         for key, snap in admitted:
-            labels = dict(zip(RANK_LABELS, key))
+            labels = dict(zip(RANK_LABELS, key))   # already cut (_label_key); counted here
+            truncated += sum(len(value) > config.max_label_chars for value in self._full_label_key(snap))
             age = max(0.0, now_wall - snap.written_at)
             stale = age > config.stale_after
             profile, origin = (snap.profile, "snapshot") if snap.profile else \
@@ -398,10 +399,18 @@ class Sidecar:
         self._window.forget_except(live)
         return increases
 
-    def _label_key(self, snap: Snapshot) -> tuple:
+    def _full_label_key(self, snap: Snapshot) -> tuple:
+        """The rank's label values (RANK_LABELS) as the snapshot and the pod's environment give them."""
         pod = {k: snap.pod.get(k) or self.config.pod_labels.get(k, "") for k in POD_KEYS}
         return (snap.device, "" if snap.rank is None else str(snap.rank), str(snap.pid),
                 pod["pod"], pod["namespace"], pod["container"])
+
+    def _label_key(self, snap: Snapshot) -> tuple:
+        """The rank's label values as exported: each cut to max_label_chars before ranks are told
+        apart, so that two ranks whose values differ only past the cut are one series (the newest
+        snapshot is kept, the other counted as a duplicate), never two series with one label set."""
+        limit = self.config.max_label_chars
+        return tuple(value[:limit] for value in self._full_label_key(snap))
 
     def _engine_kv_cache(self, vllm) -> tuple[int | None, int | None]:
         """(blocks, bytes) the engine allocated as vLLM's metrics (``vllm``: that engine's

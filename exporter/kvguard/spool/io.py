@@ -92,22 +92,30 @@ class SpoolRead:
 def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
                max_total_bytes: int = MAX_SPOOL_READ_BYTES, max_entries: int = MAX_SPOOL_ENTRIES,
                now: float | None = None, first_seen: dict | None = None,
-               known_junk: dict | None = None) -> SpoolRead:
+               known_junk: dict | None = None, known_good: set | None = None,
+               waiting: dict | None = None) -> SpoolRead:
     """Read the ``*.json`` snapshots, newest first; never raises, only counts.
 
-    Junk must not hide live ranks, so files are read by validity and recency, not by name: files
-    named as the probe names them first, each group newest (mtime) first. An mtime more than
-    FUTURE_TOLERANCE_SECONDS past ``now`` is not believed (the probe writes with the node's
-    clock): such files are read after every believably dated one, so a year-ahead junk flood
-    never fills a read before a live rank. ``max_bytes`` caps one file; ``max_files`` snapshots
-    and ``max_total_bytes`` bytes of them cap the read (the rest is counted as ``too_many_files``);
-    at most ``max_entries`` directory entries are looked at.
+    Files that are not snapshots never hide snapshots, whatever their names and times. A file
+    is known to be junk only once read, so the memo a caller keeps across reads decides the order:
 
-    Files that are not snapshots never hide snapshots, whatever their names and times: they count
-    toward neither ``max_files`` nor the snapshots' bytes, only toward a budget of their own (as
-    many bytes again, so that the read's time stays bounded), and a file found to be junk is
-    remembered (``known_junk``, kept by the caller: name -> (inode, size, reason), not its times, which
-    any writer can set) and counted again without being read until it is replaced.
+    1. the names that were snapshots at the last read (``known_good``), even past ``max_entries``
+       directory entries: they are charged to the snapshots' budget only (``max_files`` snapshots,
+       ``max_total_bytes`` bytes), never to junk's;
+    2. the names that waited at the last read because a budget ran out (``waiting``: name -> when
+       it first waited), longest waiting first, so that no writer can starve a new rank;
+    3. the names never seen;
+    4. the names that were junk at the last read and have been replaced since.
+
+    Within each group, files named as the probe names them first, then newest (mtime) first; an
+    mtime more than FUTURE_TOLERANCE_SECONDS past ``now`` is not believed (the probe writes with
+    the node's clock) and sorts after every believably dated one. Files that are not snapshots
+    count toward neither ``max_files`` nor the snapshots' bytes, only toward a budget of their own
+    (as many bytes again, so that the read's time stays bounded); once it is spent, only files
+    not known to be snapshots wait (counted as ``too_many_files``) for a later read. A file
+    found to be junk is remembered (``known_junk``: name -> (inode, size, reason), not its
+    times, which any writer can set) and counted again without being read until it is replaced.
+    ``max_bytes`` caps one file; at most ``max_entries`` directory entries are looked at.
 
     A ``written_at`` more than FUTURE_TOLERANCE_SECONDS past ``now`` is clamped to the time the
     reader first saw that snapshot (``first_seen``, kept by the caller across reads: then it ages
@@ -116,16 +124,19 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     result = SpoolRead()
     now = time.time() if now is None else now
     latest_ns = int((now + FUTURE_TOLERANCE_SECONDS) * 1e9)
+    good_before = known_good if known_good is not None else set()
+    waited = waiting if waiting is not None else {}
+    junk_before = known_junk if known_junk is not None else {}
     candidates = []
     junk: dict = {}
+    over_entries = 0
     try:
         with os.scandir(spool_dir) as entries:
             for seen, entry in enumerate(entries):
-                if seen >= max_entries:
-                    result.skipped["too_many_files"] += 1 + sum(1 for _ in entries)
-                    result.error(f"{spool_dir}: too_many_files: more than {max_entries} directory entries")
-                    break
                 name = entry.name
+                if seen >= max_entries and name not in good_before:
+                    over_entries += 1
+                    continue
                 if not name.endswith(".json") or name.startswith("."):
                     continue
                 try:
@@ -143,39 +154,60 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
                     result.error(f"{name}: too_large: {info.st_size} bytes exceeds {max_bytes}")
                     continue
                 believable = info.st_mtime_ns <= latest_ns
-                known = known_junk.get(name) if known_junk is not None else None
+                known = junk_before.get(name)
                 if known is not None and known[:2] == (info.st_ino, info.st_size):
                     # Junk at the last read, and not replaced since (the probe renames a new file
                     # over the old one): counted as it was, not read again.
                     result.skipped[known[2]] += 1
                     junk[name] = known
                     continue
-                candidates.append((_PROBE_NAME.match(name) is not None, believable,
-                                   info.st_mtime_ns if believable else 0, name, info.st_ino, info.st_size))
+                if name in good_before:
+                    order = (3, 0.0)
+                elif name in waited:
+                    order = (2, -waited[name])
+                else:
+                    order = (0 if known is not None else 1, 0.0)
+                candidates.append(order + (_PROBE_NAME.match(name) is not None, believable,
+                                           info.st_mtime_ns if believable else 0, name, info.st_ino, info.st_size))
     except OSError as exc:
         result.listing_error = str(exc.strerror or exc)
         result.errors.append(f"{spool_dir}: {result.listing_error}")
         return result
+    if over_entries:
+        result.skipped["too_many_files"] += over_entries
+        result.error(f"{spool_dir}: too_many_files: more than {max_entries} directory entries")
     candidates.sort(reverse=True)
     used = junk_used = 0
     clamped_keys: set = set()
-    for index, (_, _, _, name, inode, size) in enumerate(candidates):
+    good: set = set()
+    still_waiting: dict = {}
+    over_files = False
+    for tier, _, _, _, _, name, inode, size in candidates:
+        was_good = tier == 3
         if len(result.snapshots) >= max_files:
-            result.skipped["too_many_files"] += len(candidates) - index
-            result.error(f"{spool_dir}: too_many_files: {len(candidates)} files, {max_files} snapshots are read")
-            break
-        # The smaller of what is left of the two budgets (a file is known to be junk only once
-        # read); a file longer than that waits for the next read, and smaller ones still get theirs.
-        left = min(max_total_bytes - used, max_total_bytes - junk_used)
+            result.skipped["too_many_files"] += 1
+            if not over_files:
+                over_files = True
+                result.error(f"{spool_dir}: too_many_files: {len(candidates)} files, {max_files} snapshots are read")
+            _wait(name, was_good, good, still_waiting, waited, now)
+            continue
+        # A snapshot at the last read is charged to the snapshots' bytes only (the read as a whole
+        # stays within twice the budget). Any other file may be junk (known only once read): the
+        # smaller of what is left of the two budgets. A file longer than that waits for a later
+        # read, and smaller ones still get theirs.
+        left = max_total_bytes - used
+        left = min(left, 2 * max_total_bytes - used - junk_used) if was_good else min(left, max_total_bytes - junk_used)
         if size > left:
             result.skipped["too_many_files"] += 1
-            result.error(f"{name}: too_many_files: {size} bytes, {left} are left of this read's budget")
+            result.error(f"{name}: too_many_files: {max(0, left)} bytes are left of this read's budget for its {size}")
+            _wait(name, was_good, good, still_waiting, waited, now)
             continue
         try:
             raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, left), max_bytes)
             if raw is None:   # grew past what is left since it was listed
                 result.skipped["too_many_files"] += 1
                 result.error(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
+                _wait(name, was_good, good, still_waiting, waited, now)
                 continue
             snapshot = decode_snapshot(raw)
         except SnapshotError as exc:
@@ -185,6 +217,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
             junk_used += size
             continue
         used += len(raw)
+        good.add(name)
         if snapshot.written_at > now + FUTURE_TOLERANCE_SECONDS:
             key = (name, snapshot.written_at, snapshot.sequence)
             clamped_keys.add(key)
@@ -195,23 +228,45 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
     if first_seen is not None:   # forget what is gone, so the memo stays as small as the spool
         for key in set(first_seen) - clamped_keys:
             del first_seen[key]
-    if known_junk is not None:   # junk seen now; what is gone or was replaced is forgotten
+    # The memos hold what this read saw: what is gone, was replaced or changed group is forgotten.
+    if known_junk is not None:
         known_junk.clear()
         known_junk.update(junk)
+    if known_good is not None:
+        known_good.clear()
+        known_good.update(good)
+    if waiting is not None:
+        waiting.clear()
+        waiting.update(still_waiting)
     return result
 
 
+def _wait(name: str, was_good: bool, good: set, still_waiting: dict, waited: dict, now: float) -> None:
+    """A file left for a later read: a snapshot at the last read stays known as one (it is read
+    first again); any other waits, and keeps the time it first waited."""
+    if was_good:
+        good.add(name)
+    else:
+        still_waiting[name] = waited.get(name, now)
+
+
 class SpoolReader:
-    """Reads one spool again and again, remembering when it first saw each future-dated snapshot."""
+    """Reads one spool again and again, remembering when it first saw each future-dated snapshot,
+    which files were snapshots, which were junk, and which wait for a budget (read_spool)."""
 
     def __init__(self, spool_dir: str, **limits: Any):
         self.spool_dir = spool_dir
         self.limits = limits
         self._first_seen: dict = {}
         self._known_junk: dict = {}
+        self._known_good: set = set()
+        self._waiting: dict = {}
 
     def read(self) -> SpoolRead:
-        return read_spool(self.spool_dir, first_seen=self._first_seen, known_junk=self._known_junk, **self.limits)
+        return read_spool(self.spool_dir, first_seen=self._first_seen, known_junk=self._known_junk,
+                          known_good=self._known_good, waiting=self._waiting, **self.limits)
+
+
 def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
     """A regular file's bytes, opened without following links. None when it is longer than
     ``limit`` < ``max_bytes`` (the read's budget ran out, not the file's own cap)."""
