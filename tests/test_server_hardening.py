@@ -4,6 +4,7 @@ a normal scrape still gets through, and nothing a peer sends takes /metrics down
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import threading
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from kvguard.sidecar.server import BadRequest, KVGuardServer, parse_request
 from helpers import wait_for
-from sidecar_fixtures import snapshot, write
+from sidecar_fixtures import http_get, snapshot, write
 
 
 def scrape(server: KVGuardServer, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, bytes]:
@@ -294,3 +295,165 @@ def test_a_431_is_followed_by_a_lingering_close_not_a_reset(serve):
         sender.join()
     assert b"".join(chunks).startswith(b"HTTP/1.1 431 ")
     assert sender_error == []
+
+
+# ------------------------------------------------------------------ issue 37 item 3: guesses by address
+
+def users_server(serve, tmp_path, **options) -> KVGuardServer:
+    """A server whose one user, prometheus, has the password s3cret (bcrypt cost 4)."""
+    import bcrypt
+
+    from kvguard.sidecar.webconfig import WebConfigWatcher
+
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b's3cret', bcrypt.gensalt(rounds=4)).decode()}\n")
+    options.setdefault("auth_failure_delay", 0.05)
+    return serve(snapshot(), pod_labels={"pod": "", "namespace": "", "container": ""},
+                 web_config=WebConfigWatcher(str(path)), **options)
+
+
+def hold_guesses(server: KVGuardServer) -> threading.Event:
+    """bcrypt runs for passwords starting with "guess" wait until the returned event is set, so
+    that every guess sent is in the server's hands before any is refused."""
+    release = threading.Event()
+    real = server.app.basic_auth.verify
+
+    def verify(users, user, password):
+        if password.startswith("guess"):
+            release.wait(30)
+        return real(users, user, password)
+    server.app.basic_auth.verify = verify
+    return release
+
+
+def auth_request(password: str) -> bytes:
+    import base64
+
+    token = base64.b64encode(f"prometheus:{password}".encode()).decode()
+    return f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n\r\n".encode()
+
+
+def open_from(server: KVGuardServer, source: str) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30, source_address=(source, 0))
+
+
+def status_of(sock: socket.socket) -> int:
+    """The status of the next answer on a keep-alive connection, its body read (Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before an answer: {data[:100]!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"\r\nContent-Length: *([0-9]+)", head, re.IGNORECASE).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    assert len(body) == length      # nothing of a next answer: one request out at a time
+    return int(head.split(b" ", 2)[1])
+
+
+def test_one_address_with_many_connections_cannot_lock_out_another_addresss_new_login(serve, tmp_path):
+    """Review of issue 37: the limiter was only looked at, not taken from, until bcrypt refused; one
+    address with many connections filled the 64-place bcrypt queue (8 here) and every other
+    address's new valid credential got 429. Now an address holds at most auth_queue_per_source
+    places (and its tokens); the rest of its credentials wait outside the queue."""
+    server = users_server(serve, tmp_path, auth_workers=1, auth_queue=8, auth_rate=0.001, auth_burst=4.0)
+    release = hold_guesses(server)
+    guessers = [open_from(server, "127.0.0.2") for _ in range(16)]
+    statuses: list[int] = []
+    try:
+        for i, sock in enumerate(guessers):
+            sock.sendall(auth_request(f"guess-{i}"))
+        assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 16)
+        login = threading.Thread(target=lambda: statuses.append(
+            http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0]))
+        login.start()
+        assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 17)
+        release.set()
+        login.join(30)
+        assert statuses == [200]      # was 429: the guesses had every place in the queue
+        guesses = sorted(status_of(sock) for sock in guessers)
+        assert guesses == [401] * 4 + [429] * 12   # the guesser's 4 tokens, whatever its connections
+    finally:
+        release.set()
+        for sock in guessers:
+            sock.close()
+
+
+def test_an_addresss_concurrent_guesses_are_bounded_by_its_tokens_not_by_bcrypt(serve, tmp_path):
+    """Review of issue 37: every guess on another connection passed the limiter until the first
+    bcrypt refusal was charged: 16 connections got 16 bcrypt runs from a burst of 4."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=4.0)
+    release = hold_guesses(server)
+    guessers = [open_from(server, "127.0.0.1") for _ in range(16)]
+    try:
+        for i, sock in enumerate(guessers):
+            sock.sendall(auth_request(f"guess-{i}"))
+        assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 16)
+        release.set()
+        assert sorted(status_of(sock) for sock in guessers) == [401] * 4 + [429] * 12
+        # a right first login from that address, its tokens gone: refused, as any unverified credential
+        assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 429
+    finally:
+        release.set()
+        for sock in guessers:
+            sock.close()
+
+
+def base64_token(password: str) -> str:
+    import base64
+
+    return base64.b64encode(f"prometheus:{password}".encode()).decode()
+
+
+def test_a_401_ends_a_connections_trust(serve, tmp_path):
+    """Review of issue 37: a connection that had one credential accepted skipped the limiter with
+    any later credential, for ever: a keep-alive connection could guess without limit."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=2.0)
+    prometheus = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+
+    def keep_alive_get(password: str) -> int:
+        prometheus.request("GET", "/metrics", headers={"Authorization": "Basic " + base64_token(password)})
+        response = prometheus.getresponse()
+        response.read()
+        return response.status
+    try:
+        assert keep_alive_get("s3cret") == 200                     # trusted from now
+        basic = {"Authorization": "Basic " + base64_token("guess-0")}
+        assert [http_get(server, "/metrics", basic)[0],
+                http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("guess-1")})[0],
+                http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("guess-2")})[0]] \
+            == [401, 401, 429]                                     # the address has no guesses left
+        assert keep_alive_get("wrong-1") == 401                    # trusted: checked all the same
+        assert keep_alive_get("wrong-2") == 429                    # was 401: trust ended by the 401
+        assert keep_alive_get("s3cret") == 200                     # the right one, cached, always
+    finally:
+        prometheus.close()
+
+
+def test_trusted_connections_of_one_address_have_one_place_at_the_front_and_pay_for_their_guesses(
+        serve, tmp_path):
+    """Review of issue 37: every connection that had had a credential accepted went to the front of
+    the bcrypt queue with any later one: many of them starved everyone else, unlimited. Now one
+    place at the front per address, the others admitted as any unverified credential."""
+    server = users_server(serve, tmp_path, auth_workers=2, auth_rate=0.001, auth_burst=2.0)
+    conns = [open_from(server, "127.0.0.1") for _ in range(6)]
+    try:
+        for sock in conns:
+            sock.sendall(auth_request("s3cret"))
+            assert status_of(sock) == 200
+        assert all(conn.trusted for conn in server._conns.values())
+        release = hold_guesses(server)
+        for i, sock in enumerate(conns):
+            sock.sendall(auth_request(f"guess-{i}"))
+        assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 6)
+        release.set()
+        # one at the front (its own budget), two on the address's tokens; the rest refused
+        assert sorted(status_of(sock) for sock in conns) == [401] * 3 + [429] * 3
+    finally:
+        for sock in conns:
+            sock.close()

@@ -320,3 +320,29 @@ def test_a_reload_runs_off_the_event_loop(serve_web, tmp_path, monkeypatch):
         release.set()
     server.web_config.wait()
     assert get(server, auth=("prometheus", "new"))[0] == 200
+
+
+def test_server_options_allow_auth_off_reaches_the_watcher_the_server_builds(serve, tmp_path):
+    """Review of issue 37: a KVGuardServer given web_config_file (not a watcher) built its watcher
+    without allow_auth_off; ServerOptions had no way to say it."""
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    server = serve(snapshot(), web_config_file=str(path), web_config_allow_auth_off=True)
+    assert server.web_config.allow_auth_off is True
+    assert get(server)[0] == 401
+    path.write_text("basic_auth_users: {}\n")
+    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)
+    server.web_config.check_interval = 0.0
+    reload(server)
+    assert get(server)[0] == 200 and server.web_config.status()[0] is True
+
+
+def test_server_options_without_allow_auth_off_keep_auth_on_a_reload_to_no_users(serve, tmp_path):
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
+    server = serve(snapshot(), web_config_file=str(path))
+    path.write_text("basic_auth_users: {}\n")
+    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)
+    server.web_config.check_interval = 0.0
+    reload(server)
+    assert get(server)[0] == 401 and server.web_config.status()[0] is False

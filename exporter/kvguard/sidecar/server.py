@@ -22,13 +22,18 @@ and threads are bounded whatever it sends:
   so at most one request per connection is queued and nothing is refused for being busy (no 503);
 - basic-auth credentials already verified are checked in the loop in constant time; others go to
   a pool of ``auth_workers`` bcrypt threads of their own (kvguard.sidecar.webconfig.BasicAuth).
-  The cost of wrong guesses falls on the guessers: only a password bcrypt refuses uses up its
-  source address's guesses (``auth_rate`` a second, ``auth_burst`` at once; 429 for unverified
-  credentials from an address with none left), so right first logins are never turned away for
-  their number; a connection that has had a credential accepted (Prometheus' keep-alive
-  connection, its password just rotated) has its new credentials checked before anyone else's
-  and never turned away, whatever others behind the same address (a mesh proxy, SNAT) guess;
-  others wait in order, ``auth_queue`` at most (429 beyond);
+  The cost of wrong guesses falls on the guessers: each credential handed to bcrypt takes one of
+  its source address's tokens (``auth_rate`` a second, ``auth_burst`` at once), given back when
+  bcrypt accepts it, so only refused passwords use them up and an address never has more
+  credentials in bcrypt's hands than tokens, whatever its number of connections. At most
+  ``auth_queue_per_source`` of an address's credentials are in the queue (``auth_queue`` in all,
+  429 beyond); the rest wait outside it for their address's turn, not refused for their number
+  (right first logins), and are refused (429) once the address has neither tokens nor credentials
+  out. So one address cannot fill the queue and lock out others' new logins (_AuthGate). A
+  connection that has had a credential accepted (Prometheus' keep-alive connection, its password
+  just rotated) has its new credential checked before the others, on a budget of its own that
+  others' guesses do not use up, one such credential per address at a time (more are admitted as
+  any other); a 401 ends the connection's trust;
   a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
   read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
 - new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
@@ -114,6 +119,7 @@ class ServerOptions:
     basic_auth_user: str | None = None
     basic_auth_password: str | None = None
     web_config_file: str | None = None
+    web_config_allow_auth_off: bool = False   # a reload of web_config_file may switch basic auth off
     request_timeout: float = 30.0       # writing a response; also the idle keep-alive limit
     header_timeout: float = 10.0        # from a request's first byte to the end of its head
     max_header_bytes: int = 32 * 1024   # request line and headers together
@@ -127,6 +133,9 @@ class ServerOptions:
     auth_queue: int = 64                # credentials waiting for the others; beyond, 429
     auth_rate: float = 1.0              # refused guesses per second and source address (429 beyond)
     auth_burst: float = 4.0
+    # credentials of one source address queued for or in bcrypt at once (the rest of its wait apart,
+    # outside the queue), so that one address cannot fill ``auth_queue``; at most its tokens, too
+    auth_queue_per_source: int = 4
     auth_failure_delay: float = 1.0     # a wrong password or a 429 answered this late (the connection not read)
 
 
@@ -330,6 +339,9 @@ class Application:
         self.web_config = web_config or (lambda: WebConfig())
         self.basic_auth = BasicAuth()
         self.guesses = GuessLimiter(options.auth_rate, options.auth_burst)
+        # the same budget again, for new credentials on connections that have had one accepted: others'
+        # guesses do not use it up, and their own wrong ones do (a 401 also ends the connection's trust)
+        self.trusted_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
         self.authenticated = False      # the last routed request's credential was accepted
         self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
 
@@ -393,11 +405,8 @@ class Application:
                    trusted: bool = False) -> bool | Response | Verify:
         """True, a 401 / 429 answer, or the bcrypt check still to run.
 
-        Only wrong passwords use up an address's guesses (GuessLimiter.charge, after bcrypt says
-        no): first logins that are right are never turned away for their number, and a
-        connection that has had a credential accepted (Prometheus' keep-alive connection, its
-        password just rotated) is never turned away for the guesses of others behind the same
-        address (a mesh proxy, SNAT)."""
+        Credentials bcrypt has to check are admitted by the server per source address (_AuthGate:
+        a token each, given back when right; a few places in the queue per address), not here."""
         users = config.basic_auth_users
         user, password = self.options.basic_auth_user, self.options.basic_auth_password
         if not users and user is None:
@@ -420,10 +429,7 @@ class Application:
                 return True
             if self.basic_auth.refused(users, given_user, given_password):
                 return wrong
-            if not trusted and not self.guesses.available(source):
-                return _text(429, "too many unverified credentials from this address; retry later\n",
-                             headers={"Retry-After": "1"}, delay=self.options.auth_failure_delay)
-            return Verify(users, given_user, given_password)
+            return Verify(users, given_user, given_password)   # admitted (or 429) by the server's _AuthGate
         if not user or not password:   # refused at startup; never an open door here either
             return refused
         # Compare both, always, in constant time.
@@ -438,7 +444,7 @@ class Application:
 class _VerifyQueue:
     """Credentials waiting for bcrypt: those of connections that have had a credential accepted
     first, then the others in order of arrival, at most ``limit`` of those (put() is False
-    beyond). The first kind is bounded by the connections, each with one request out at most."""
+    beyond). The first kind is bounded by the source addresses (_AuthGate: one each)."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -490,6 +496,91 @@ class _VerifyQueue:
         return len(self._first) + len(self._rest)
 
 
+class _AuthGate:
+    """Who of one kind of credentials may go to bcrypt now, per source address: a credential takes a
+    token from ``limiter`` (given back when bcrypt accepts it) and a place among at most
+    ``per_source`` of its address's credentials queued for or in bcrypt. Without a place, or without
+    a token while others of its address are still out (each may give one back), it waits, in order,
+    behind them; with no token and none out, it is refused (429). So one address with many
+    connections holds a few places in bcrypt's queue, never all of them, and guesses at the
+    limiter's rate, not at bcrypt's. Thread-safe (the event loop admits, the bcrypt threads finish)."""
+
+    START, WAIT, REFUSE = "start", "wait", "refuse"
+    MAX_WAITING = 4096        # per address; past it, closed connections are pruned, then refused
+
+    def __init__(self, limiter: GuessLimiter, per_source: int):
+        self.limiter = limiter
+        self.per_source = max(1, per_source)
+        self._lock = threading.Lock()
+        self._out: dict[str, int] = {}                  # source -> credentials queued for or in bcrypt
+        self._waiting: dict[str, deque[Any]] = {}       # source -> items waiting for one of those
+
+    def try_start(self, source: str) -> bool:
+        """Take a place and a token if both are there now (nothing waits)."""
+        with self._lock:
+            return self._start_locked(source)
+
+    def admit(self, source: str, item: Any) -> str:
+        """START (a place and a token taken: queue it), WAIT (kept here) or REFUSE."""
+        with self._lock:
+            waiting = self._waiting.get(source)
+            if not waiting and self._start_locked(source):
+                return self.START
+            if not self._out.get(source):
+                return self.REFUSE
+            if waiting is None:
+                waiting = self._waiting[source] = deque()
+            if len(waiting) >= self.MAX_WAITING:
+                waiting = self._waiting[source] = deque(i for i in waiting if not i[0].closed)
+                if len(waiting) >= self.MAX_WAITING:
+                    return self.REFUSE
+            waiting.append(item)
+            return self.WAIT
+
+    def finish(self, source: str, accepted: bool) -> tuple[list[Any], list[Any]]:
+        """One of ``source``'s credentials is done (``accepted``: its token comes back). Returns the
+        waiting items that may start now (places and tokens taken) and those refused."""
+        with self._lock:
+            out = self._out.get(source, 0) - 1
+            if out > 0:
+                self._out[source] = out
+            else:
+                self._out.pop(source, None)
+            if accepted:
+                self.limiter.refund(source)
+            start: list[Any] = []
+            waiting = self._waiting.get(source)
+            while waiting:
+                if waiting[0][0].closed:
+                    waiting.popleft()
+                    continue
+                if not self._start_locked(source):
+                    break
+                start.append(waiting.popleft())
+            refuse: list[Any] = []
+            if waiting and not self._out.get(source):   # no token and nothing out that could give one back
+                refuse = [item for item in waiting if not item[0].closed]
+                waiting.clear()
+            if not waiting:
+                self._waiting.pop(source, None)
+            return start, refuse
+
+    def _start_locked(self, source: str) -> bool:
+        out = self._out.get(source, 0)
+        if out >= self.per_source or not self.limiter.take(source):
+            return False
+        self._out[source] = out + 1
+        return True
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(len(w) for w in self._waiting.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._waiting.clear()
+
+
 class _Conn:
     __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
                  "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
@@ -527,7 +618,8 @@ class KVGuardServer:
         self.options = options
         self.sidecar = sidecar
         if web_config is None and options.web_config_file:
-            web_config = WebConfigWatcher(options.web_config_file)
+            web_config = WebConfigWatcher(options.web_config_file,
+                                          allow_auth_off=options.web_config_allow_auth_off)
         self.web_config = web_config
         if web_config is not None:
             sidecar.web_config_status = web_config.status
@@ -562,6 +654,10 @@ class KVGuardServer:
         # max_connections without a cap of their own: a busy server queues, it does not refuse.
         self._work: queue.PriorityQueue[tuple[int, int, _Conn | None, Any]] = queue.PriorityQueue()
         self._verify = _VerifyQueue(options.auth_queue)
+        # Per source address: at most auth_queue_per_source of its credentials in the queue (the
+        # rest wait outside it) and one in the front of it; tokens from the app's limiters.
+        self._gate = _AuthGate(self.app.guesses, min(options.auth_queue_per_source, options.auth_queue))
+        self._front_gate = _AuthGate(self.app.trusted_guesses, 1)
         self._sequence = itertools.count()
         self._verifying = 0
         self._swept_at = 0.0
@@ -598,8 +694,8 @@ class KVGuardServer:
 
     @property
     def pending_verifications(self) -> int:
-        """Credentials waiting for (or in) a bcrypt run."""
-        return self._verify.qsize() + self._verifying
+        """Credentials waiting for (or in) a bcrypt run, those waiting for their address's turn included."""
+        return self._verify.qsize() + self._verifying + self._gate.waiting()
 
     def url(self, path: str = "/", host: str | None = None) -> str:
         host = host or self.options.listen
@@ -632,6 +728,7 @@ class KVGuardServer:
         self._closed = True
         self._stop.set()
         self._verify.clear()   # guesses still waiting for bcrypt are dropped, not checked
+        self._gate.clear()
         for worker in self._workers:
             if worker.name.startswith("kvguard-bcrypt"):
                 self._verify.stop_one()
@@ -911,23 +1008,66 @@ class KVGuardServer:
         if isinstance(outcome, Response):
             if outcome.status == 429:
                 self.rejected_total += 1
+            elif outcome.status == 401:
+                conn.trusted = False     # a wrong credential ends the connection's trust
             elif self.app.authenticated:
                 conn.trusted = True
             self._respond(conn, request, outcome)
         elif isinstance(outcome, Verify):
-            if self._verify.put((conn, request, outcome, conn.trusted), first=conn.trusted):
-                conn.in_worker = True
-            else:   # more guesses waiting than the bcrypt pool will get through soon
-                self.rejected_total += 1
-                self._respond(conn, request, _text(429, "too many credentials waiting; retry later\n",
-                                                   headers={"Retry-After": "1"},
-                                                   delay=self.options.auth_failure_delay))
+            self._admit(conn, request, outcome)
         else:
             if self.app.authenticated:
                 conn.trusted = True
             conn.in_worker = True
             self._work.put((_PROBE if request.path == "/readyz" else _SCRAPE, next(self._sequence), conn, request))
         return True
+
+    def _too_many(self, text: str) -> Response:
+        return _text(429, text, headers={"Retry-After": "1"}, delay=self.options.auth_failure_delay)
+
+    def _admit(self, conn: _Conn, request: Request, check: Verify) -> None:
+        """Hand credentials to bcrypt, keep them waiting for their address's turn, or answer 429
+        (_AuthGate). A connection that has had a credential accepted goes to the front of the queue
+        while its address has no other there and trusted tokens left; else it is admitted as any other."""
+        conn.in_worker = True
+        if conn.trusted and self._front_gate.try_start(conn.source):
+            self._enqueue((conn, request, check, True))
+            return
+        verdict = self._gate.admit(conn.source, (conn, request, check, False))
+        if verdict == _AuthGate.START:
+            self._enqueue((conn, request, check, False))
+        elif verdict == _AuthGate.REFUSE:
+            conn.in_worker = False
+            self.rejected_total += 1
+            self._respond(conn, request, self._too_many(
+                "too many unverified credentials from this address; retry later\n"))
+
+    def _enqueue(self, item: tuple) -> None:
+        """Queue an admitted credential for bcrypt; if the queue is full, 429 and its place given back.
+        Any thread (the event loop, or a bcrypt thread starting the next of an address)."""
+        if not self._verify.put(item, first=item[3]):
+            self._finished(item[0].source, item[3], True, item)
+
+    def _finished(self, source: str, front: bool, accepted: bool, unqueued: tuple | None = None) -> None:
+        """One credential of ``source`` is done with bcrypt (or, ``unqueued``, found the queue full:
+        429, its token given back): start those of its address next in line, or refuse them once it
+        has neither tokens nor credentials out."""
+        gate = self._front_gate if front else self._gate
+        refused = [(unqueued, "too many credentials waiting; retry later\n")] if unqueued else []
+        done = 1
+        while done:
+            done -= 1
+            start, refuse = gate.finish(source, accepted)
+            accepted = True                  # the rest of the loop: places of credentials never checked
+            refused += [(item, "too many unverified credentials from this address; retry later\n")
+                        for item in refuse]
+            for item in start:
+                if not self._verify.put(item, first=item[3]):
+                    refused.append((item, "too many credentials waiting; retry later\n"))
+                    done += 1            # its place and token back, in this loop rather than recursing
+        for (conn, request, _, _), text in refused:
+            self.rejected_total += 1
+            self._hand_back(conn, request, self._too_many(text))
 
     def _respond(self, conn: _Conn, request: Request | None, response: Response) -> None:
         """Queue one answer on the connection (sent by _flush, never blocking)."""
@@ -1183,9 +1323,11 @@ class KVGuardServer:
                 conn.trusted = True
                 self._work.put((_SCRAPE, next(self._sequence), conn, request))
             else:
-                self.app.guesses.charge(conn.source)   # the guesser's address pays, not those who get it right
+                conn.trusted = False   # a wrong credential ends the connection's trust
                 self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
                                                      delay=self.options.auth_failure_delay))
+            # the guesser's address pays (its token is not given back), not those who get it right
+            self._finished(conn.source, first, ok)
 
 
 _LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),

@@ -424,28 +424,33 @@ _NO_USER_HASH = b"$2b$10$" + b"." * 53
 
 class GuessLimiter:
     """A token bucket per source address for guesses: ``rate`` a second, bursts of ``burst``. The
-    server takes a token for each password bcrypt refuses (charge) and turns away unverified
-    credentials from an address with none left (available). At most ``max_sources`` addresses are tracked (the least recently
-    seen forgotten first), so a spray of addresses cannot grow it."""
+    server takes a token for each credential it hands to bcrypt (take) and gives it back when bcrypt
+    accepts it (refund): only refused passwords use tokens up, and no more credentials from one
+    address are in bcrypt's hands at once than it has tokens, so its guesses never outrun ``rate``
+    whatever the number of its connections. At most ``max_sources`` addresses are tracked (the
+    least recently seen forgotten first), so a spray of addresses cannot grow it. Thread-safe."""
 
     def __init__(self, rate: float = 4.0, burst: float = 8.0, max_sources: int = 4096,
                  clock: Callable[[], float] = time.monotonic):
         self.rate, self.burst, self.max_sources, self._clock = rate, burst, max_sources, clock
         self._buckets: OrderedDict[str, list[float]] = OrderedDict()   # source -> [tokens, updated]
+        self._lock = threading.Lock()
         self.refused_total = 0
 
-    def available(self, source: str) -> bool:
-        """Whether ``source`` has a token left, without taking it; False is counted as refused."""
-        bucket = self._refill(source)
-        if bucket[0] < 1.0:
-            self.refused_total += 1
-            return False
-        return True
+    def take(self, source: str) -> bool:
+        """Reserve one token for a credential about to be checked; False (nothing taken) when none is left."""
+        with self._lock:
+            bucket = self._refill(source)
+            if bucket[0] < 1.0:
+                return False
+            bucket[0] -= 1.0
+            return True
 
-    def charge(self, source: str) -> None:
-        """Take one token for a guess that failed (down to one guess's worth below empty)."""
-        bucket = self._refill(source)
-        bucket[0] = max(-1.0, bucket[0] - 1.0)
+    def refund(self, source: str) -> None:
+        """Give back the token of a credential bcrypt accepted (or that was never checked)."""
+        with self._lock:
+            bucket = self._refill(source)
+            bucket[0] = min(self.burst, bucket[0] + 1.0)
 
     def _refill(self, source: str) -> list[float]:
         now = self._clock()
@@ -461,22 +466,12 @@ class GuessLimiter:
         return bucket
 
     def allow(self, source: str) -> bool:
-        """Take one token for ``source``; False (refused) when it has none left."""
-        now = self._clock()
-        bucket = self._buckets.get(source)
-        if bucket is None:
-            bucket = self._buckets[source] = [self.burst, now]
-            while len(self._buckets) > self.max_sources:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(source)
-            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-            bucket[1] = now
-        if bucket[0] < 1.0:
+        """Take one token for ``source``; False (refused, counted) when it has none left."""
+        if self.take(source):
+            return True
+        with self._lock:
             self.refused_total += 1
-            return False
-        bucket[0] -= 1.0
-        return True
+        return False
 
 
 # Why a reload was not applied (kvguard_web_config_reloads_total's result label, beside "success").
