@@ -216,3 +216,14 @@ def test_a_spool_writers_control_and_bidi_characters_are_escaped_in_log_lines(tm
     assert not UNSAFE.search(lines[0]), repr(lines[0])
     event = json.loads(lines[0]) if fmt == "json" else parse_logfmt(lines[0])
     assert event["level"] == "error" and "\u202egnp.exe\u2066x\u2069" in event["pod"]
+
+
+@pytest.mark.parametrize("fmt", ["logfmt", "json"])
+def test_a_lone_surrogate_is_escaped_so_a_strict_utf8_stream_can_write_the_line(fmt):
+    stream = io.StringIO()
+    logger = logs.setup("info", fmt, stream)
+    logs.event(logger, logging.WARNING, "guard state", pod="vllm-\udcff-0")
+    line = stream.getvalue().strip()
+    line.encode("utf-8")                                  # raises on a raw lone surrogate
+    event = json.loads(line) if fmt == "json" else parse_logfmt(line)
+    assert event["pod"] == "vllm-\udcff-0"

@@ -32,8 +32,9 @@ _NEEDS_QUOTES = re.compile(r'[\s"=\\]|^$')
 # Characters a terminal or a log viewer acts on instead of showing: C0 and C1 controls and DEL (escape
 # sequences), the line and paragraph separators (a second line in viewers that split on them), and the
 # bidirectional marks, embeddings, overrides and isolates (text that reads other than it is, the
-# "Trojan Source" class, CVE-2021-42574). Written as \uXXXX, in logfmt and in JSON alike.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# "Trojan Source" class, CVE-2021-42574), and lone surrogates (no UTF-8 stream can write them). Written as
+# \uXXXX, in logfmt and in JSON alike.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _escape_unsafe(encoded: str) -> str:
