@@ -217,6 +217,23 @@ def test_under_knative_one_container_port_and_no_probe_on_kvguard(mode):
     assert "initContainers" not in runtime(mode)["spec"]             # a ServingRuntime has none
 
 
+# The container securityContext fields Knative's webhook lets through (knative/serving
+# pkg/apis/serving/fieldmask.go, SecurityContextMask at ec4128ad): any other field set, even to false
+# (privileged: false), fails the Revision's validation.
+KNATIVE_SECURITY_CONTEXT = {"capabilities", "readOnlyRootFilesystem", "runAsUser", "runAsGroup", "runAsNonRoot"}
+
+
+@pytest.mark.parametrize("mode", SERVERLESS)
+def test_under_knative_kvguards_security_context_sets_only_fields_knative_admits(mode):
+    (kvguard,) = [c for c in runtime(mode)["spec"]["containers"] if c["name"] == "kvguard"]
+    assert set(kvguard["securityContext"]) <= KNATIVE_SECURITY_CONTEXT, kvguard["securityContext"]
+    assert kvguard["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert kvguard["securityContext"]["runAsNonRoot"] is True
+    raw = runtime("RawDeployment")["spec"]["containers"]
+    (kept,) = [c for c in raw if c["name"] == "kvguard"]
+    assert kept["securityContext"]["allowPrivilegeEscalation"] is False      # outside Knative it stays
+
+
 @pytest.mark.parametrize("mode", SERVERLESS)
 def test_under_knative_the_podmonitor_scrapes_kvguards_undeclared_port(mode):
     docs = render(None, *KSERVE, "--set", f"servingRuntime.deploymentMode={mode}")

@@ -106,7 +106,10 @@ def only(docs: list[dict], kind: str) -> dict:
 
 
 def workload(docs: list[dict]) -> dict:
-    found = [doc for doc in docs if doc["kind"] in ("Deployment", "DaemonSet")]
+    """The release's workload: not the runbook pages' Deployment (templates/runbook.yaml), which a release
+    with rules renders beside it."""
+    found = [doc for doc in docs if doc["kind"] in ("Deployment", "DaemonSet")
+             and doc["spec"]["template"]["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "runbook"]
     assert len(found) == 1, [d["kind"] for d in docs]
     return found[0]
 
@@ -412,14 +415,27 @@ def _runbook_urls(docs: list[dict]) -> dict[str, str]:
     (("--set", "fullnameOverride=guard", "--set", "kvguard.port=9400"), "http"),
     (("--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=kvguard-tls"), "https"),
 ], ids=["defaults", "renamed", "tls"])
-def test_runbook_urls_default_to_the_runbook_the_releases_own_service_serves(extra, scheme):
-    docs = render(None, "--set", "prometheusRule.enabled=true", *extra)
+def test_without_pages_runbook_urls_go_to_the_runbook_the_releases_own_service_serves(extra, scheme):
+    docs = render(None, "--set", "prometheusRule.enabled=true", "--set", "runbook.enabled=false", *extra)
     service = only(docs, "Service")
     (port,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "metrics"]
     host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}"
     urls = _runbook_urls(docs)
     assert set(urls) == {a["alert"] for a in alerts()}
     assert urls == {name: f"{scheme}://{host}/runbook/{name.lower()}" for name in urls}
+
+
+def test_a_sidecar_release_with_rules_links_each_alert_to_its_own_runbook_pages():
+    """Not to the sidecar (behind the scrape's credentials, and for KVGuardExporterDown the exporter that is
+    down): the release renders the pages its rules link to (templates/runbook.yaml)."""
+    docs = render(None, "--set", "prometheusRule.enabled=true")
+    pages = [d for d in docs if d["kind"] == "Service"
+             and d["metadata"]["name"].endswith("-runbook")]
+    (service,) = pages
+    urls = _runbook_urls(docs)
+    assert set(urls) == {a["alert"] for a in alerts()}
+    host = f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    assert urls == {name: f"http://{host}/{name.lower()}.html" for name in urls}
 
 
 def test_a_runbook_url_value_overrides_the_service_default():
@@ -429,7 +445,8 @@ def test_a_runbook_url_value_overrides_the_service_default():
 
 
 @pytest.mark.parametrize("extra", [CLUSTER_WITHOUT_PAGES,
-                                   ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false")],
+                                   ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false",
+                                    "--set", "runbook.enabled=false")],
                          ids=["cluster-without-pages", "no-service"])
 def test_without_pages_or_a_service_runbook_urls_are_the_generators_default_on_the_alerts_instance(extra):
     docs = render(None, *extra)
@@ -730,12 +747,20 @@ def _exporter_down_job_regex(docs: list[dict]) -> str:
     return value if op == "=~" else re.escape(value)
 
 
+def _selected_service(docs: list[dict], monitor: dict) -> dict:
+    """The one Service a ServiceMonitor's selector matches (the runbook pages' Service is not it)."""
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [d for d in docs if d["kind"] == "Service"
+                  and wanted.items() <= d["metadata"].get("labels", {}).items()]
+    return service
+
+
 def _scrape_job(docs: list[dict], kind: str) -> str:
     """The job label the Prometheus operator gives the targets: its default, then the relabelings."""
     monitor = only(docs, kind)
     endpoints = monitor["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
     job = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}" if kind == "PodMonitor" \
-        else only(docs, "Service")["metadata"]["name"]
+        else _selected_service(docs, monitor)["metadata"]["name"]
     for step in endpoints[0].get("relabelings", []):
         if step.get("targetLabel") == "job" and step.get("action", "replace") == "replace" \
                 and not step.get("sourceLabels"):

@@ -44,12 +44,23 @@ kvguard.runbookUrl: their URL pattern for each alert's runbook_url (%s: the aler
 */}}
 {{- define "kvguard.runbookEnabled" -}}
 {{- $on := .Values.runbook.enabled }}
-{{- if kindIs "invalid" $on }}{{ $on = eq .Values.mode "cluster" }}{{ end }}
+{{- if kindIs "invalid" $on }}{{ $on = true }}{{ end }}
 {{- if and $on (include "kvguard.rulesEnabled" .) }}true{{ end }}
 {{- end }}
 
 {{- define "kvguard.runbookUrl" -}}
 {{- printf "http://%s-runbook.%s.svc/%%s.html" (include "kvguard.fullname" .) .Release.Namespace }}
+{{- end }}
+
+{{- define "kvguard.runbookLabels" -}}
+helm.sh/chart: {{ include "kvguard.chart" . }}
+{{ include "kvguard.runbookSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvguard
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{- define "kvguard.labels" -}}
@@ -383,7 +394,14 @@ kvguard reports belongs to it, and Prometheus keeps kvguard's labels with honorL
   resources:
     {{- toYaml $k.resources | nindent 4 }}
   securityContext:
-    {{- toYaml $k.securityContext | nindent 4 }}
+    {{- $securityContext := $k.securityContext }}
+    {{- if include "kvguard.knative" . }}
+    {{- /* Knative's webhook refuses a container securityContext field its SecurityContextMask does not copy,
+    set even to false: privileged, allowPrivilegeEscalation, seLinuxOptions, procMount
+    (knative/serving pkg/apis/serving/fieldmask.go, SecurityContextMask, at ec4128ad). */}}
+    {{- $securityContext = pick $securityContext "capabilities" "readOnlyRootFilesystem" "runAsUser" "runAsGroup" "runAsNonRoot" }}
+    {{- end }}
+    {{- toYaml $securityContext | nindent 4 }}
   volumeMounts:
     - name: kvguard-tmp
       mountPath: /tmp
