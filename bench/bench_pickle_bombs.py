@@ -15,7 +15,11 @@ C unpickler resizes its memo to twice the index), 5,000,000 references to one tr
 the same kind: references that double at each level (a 300-byte DAG of 2**64 leaves),
 8,000,000 empty lists (8 MB), and a string that claims 2 GiB; then integer keys that all hash
 alike (``k x (2**61 - 1)``: dict and set inserts quadratic), 2,000,000 empty sets (2 MB) and
-sets filled through memo references (32 MB).
+sets filled through memo references (32 MB); then the review's: 600 copies of one stored
+1,000,000-byte string by ``_codecs.encode`` (995 kB, each copy 8 bytes of file), a dict key
+t = (u, u), u = (v, v), ... 28 levels deep (hashing walks 2**28 paths), one tuple of
+1,000,000 items as the key of 1,000 dicts, and two equal 1,000,000-byte strings as the keys
+of 1,600,000 dicts (each insert compares them).
 
 Then the speed of reading real snapshots: ``load_snapshot_pickle`` on every real snapshot
 found (``$KVGUARD_TORCH_SNAPSHOTS``, by default ``../shared/torch-snapshots*`` beside the
@@ -132,7 +136,28 @@ def bombs() -> dict[str, bytes]:
         "100,000 colliding set items": _in_snapshot(b"\x8f(" + b"".join(_colliding(100_000)) + b"\x90"),
         "2,000,000 empty sets": b"\x80\x04" + b"\x8f" * 2_000_000 + b".",
         "sets of memo references, 32 MB": _memo_sets(32_000_000),
+        # the review: copies the memory budget counted as objects, keys that cost more than their count
+        "600 _codecs.encode copies of 1 MB": _in_snapshot(
+            _stored(_binunicode(b"a" * 1_000_000)) + _stored(b"\x8c\x06latin1")
+            + _stored(b"\x8c\x07_codecs\x8c\x06encode\x93") + b"](" + b"h\x02h\x00h\x01\x86R" * 600 + b"e"),
+        "tuple key 28 levels deep": _in_snapshot(
+            _stored(b"N") + b"".join(_stored(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86") for i in range(28))
+            + b"}h\x1cNs"),
+        "1,000,000-item tuple key x 1,000": _in_snapshot(
+            _stored(b"N") + _stored(b"(" + b"h\x00" * 1_000_000 + b"t") + b"](" + b"}h\x01Ns" * 1_000 + b"e"),
+        "equal 1 MB string keys x 1,600,000": _in_snapshot(
+            _stored(_binunicode(b"a" * 1_000_000)) + _stored(_binunicode(b"a" * 1_000_000)) + _stored(b"N")
+            + b"](" + b"}h\x00h\x02sh\x01h\x02s" * 1_600_000 + b"e"),
     }
+
+
+def _stored(opcodes: bytes) -> bytes:
+    """``opcodes`` push one value, MEMOIZE keeps it, POP takes it off the stack."""
+    return opcodes + b"\x94" + b"0"
+
+
+def _binunicode(text: bytes) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text
 
 
 def _colliding(count: int) -> list[bytes]:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvguard.cli import main
 from kvguard.allocators.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_DEPTH,
+                                SNAPSHOT_MAX_KEY_WORK,
                                 SNAPSHOT_MAX_MEMORY_BYTES, SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_SAME_HASH, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
                                 load_snapshot_pickle, parse_torch_snapshot, read_trace_bytes)
 
@@ -232,6 +233,95 @@ def test_a_truncated_snapshot_says_where_its_data_ends():
     cut = data[:len(data) // 2]
     with pytest.raises(TraceError, match=rf"the data ends at byte {len(cut):,}"):
         load_snapshot_pickle(cut)
+
+
+# ----------------------------------------------------------------------------- round four
+def stored(opcodes: bytes) -> bytes:
+    """``opcodes`` push one value, MEMOIZE keeps it, POP takes it off the stack."""
+    return opcodes + b"\x94" + b"0"
+
+
+def binunicode(text: bytes) -> bytes:
+    return b"X" + len(text).to_bytes(4, "little") + text
+
+
+def binbytes(raw: bytes) -> bytes:
+    return b"B" + len(raw).to_bytes(4, "little") + raw
+
+
+COPIES = {
+    # (memo 0, 1, 2 stored first; then one copy, REDUCE of what they hold)
+    "_codecs.encode(str, 'latin1')": (stored(binunicode(b"a" * 1_000_000)) + stored(b"\x8c\x06latin1")
+                                      + stored(stack_global("_codecs", "encode")), b"h\x02h\x00h\x01\x86R"),
+    "bytearray(bytes)": (stored(binbytes(b"a" * 1_000_000)) + stored(stack_global("builtins", "bytearray")),
+                         b"h\x01h\x00\x85R"),
+    "bytearray(str, 'latin-1')": (stored(binunicode(b"a" * 1_000_000)) + stored(b"\x8c\x07latin-1")
+                                  + stored(stack_global("builtins", "bytearray")), b"h\x02h\x00h\x01\x86R"),
+}
+
+
+@pytest.mark.parametrize("name", COPIES)
+def test_copies_of_a_stored_string_are_counted_by_their_bytes(name):
+    # Each REDUCE copies 1,000,000 bytes from 8 or 6 bytes of file: 600 copies (a 995 kB file) made 565 MiB,
+    # counted as 600 objects of 64 bytes. 300 copies are over the memory budget by their bytes alone.
+    setup, copy = COPIES[name]
+    data = in_snapshot(setup + b"](" + copy * 300 + b"e")
+    assert len(data) < 1_003_000
+    with pytest.raises(TraceError, match=r"bytes of memory, " + budget(SNAPSHOT_MAX_MEMORY_BYTES)) as caught:
+        load_snapshot_pickle(data)
+    assert "\n" not in str(caught.value)
+
+
+def doubling_tuple(depth: int) -> bytes:
+    """Stored as memo ``depth``: t = (u, u), u = (v, v), ... ``depth`` levels over None, each level stored
+    once and referred to twice. Hashing it walks all 2**depth paths (CPython keeps no tuple's hash)."""
+    return stored(b"N") + b"".join(stored(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86") for i in range(depth))
+
+
+DEEP_KEYS = {
+    # 24 levels: 0.9 s to hash before; 28 levels (a 135-byte file) took 19 s.
+    "dict key, SETITEM": b"}h\x18Ns",
+    "dict key, SETITEMS": b"}(h\x18Nu",
+    "set item, ADDITEMS": b"\x8f(h\x18\x90",
+    "frozenset item, FROZENSET": b"(h\x18\x91",
+    "set([...]) item, REDUCE": stack_global("builtins", "set") + b"](h\x18e\x85R",
+}
+
+
+@pytest.mark.parametrize("name", DEEP_KEYS)
+def test_a_key_that_holds_tuples_is_refused_before_it_is_hashed(name):
+    data = in_snapshot(doubling_tuple(24) + DEEP_KEYS[name])
+    with pytest.raises(TraceError, match=r"key that holds a tuple or frozenset \(hashing it walks every path"):
+        load_snapshot_pickle(data)
+
+
+def test_a_long_tuple_key_used_again_and_again_is_refused_by_the_key_work_budget():
+    # One tuple of 200,000 items (400 kB of BINGET) as the key of 200 dicts: 80,000,000 items hashed.
+    long_tuple = stored(b"N") + stored(b"(" + b"h\x00" * 200_000 + b"t")
+    data = in_snapshot(long_tuple + b"](" + b"}h\x01Ns" * 200 + b"e")
+    with pytest.raises(TraceError, match=r"steps hashing and comparing keys, " + budget(SNAPSHOT_MAX_KEY_WORK)):
+        load_snapshot_pickle(data)
+
+
+def test_equal_long_strings_as_keys_are_refused_by_the_key_work_budget():
+    # Two equal strings of 1,000,000 bytes, distinct objects: each insert of the second compares them (47 us);
+    # an 18 MB file of 1,600,000 such dicts would compare for 75 s.
+    two = stored(binunicode(b"a" * 1_000_000)) + stored(binunicode(b"a" * 1_000_000))
+    data = in_snapshot(two + b"](" + b"}h\x00Nsh\x01Ns" * 1_000 + b"e")
+    with pytest.raises(TraceError, match=r"steps hashing and comparing keys, " + budget(SNAPSHOT_MAX_KEY_WORK)):
+        load_snapshot_pickle(data)
+
+
+def test_hash_counts_are_kept_per_container_not_per_reused_id():
+    # Each frozenset's items were counted under the id of a list gone right after: the next list, at the same
+    # address, went on from its count, and the 17th frozenset({1.5}) was refused.
+    value = {"device_traces": [], "x": [frozenset({1.5}) for _ in range(40)],
+             "y": [{(1, "a"): 0, (2, "b"): 1}, {(3,), (4, 5)}]}
+    data = pickle.dumps(value, protocol=4)
+    assert load_snapshot_pickle(data) == pickle.loads(data)
+    # dicts dropped as soon as built (POP): the next dict may have the same id
+    dropped = b"".join(b"}G?\xf8\x00\x00\x00\x00\x00\x00Ns0" for _ in range(40))
+    assert load_snapshot_pickle(in_snapshot(dropped + b"N")) == {"device_traces": [], "x": None}
 
 
 def test_simulate_refuses_a_bomb_in_one_line(tmp_path):

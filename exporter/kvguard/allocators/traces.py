@@ -24,9 +24,10 @@ Two formats are read:
   ``segment_*``, ``snapshot`` and ``oom`` entries are the recording allocator's own
   decisions and are not replayed. Pickles are read by a reader of their opcodes that
   builds only builtin containers and scalars: anything else in the file is refused,
-  nothing in it is executed, and bytes, objects, memo entries, items in a container and
-  values reached through shared references are each held to a budget
-  (``SNAPSHOT_MAX_*``). Entries must have the types ``_dump_snapshot`` writes (dicts with a
+  nothing in it is executed, and bytes, objects, memory (a copy counted by its bytes), memo
+  entries, items in a container, values reached through shared references and the work of
+  hashing and comparing keys are each held to a budget (``SNAPSHOT_MAX_*``); a key that holds
+  a tuple or frozenset is refused. Entries must have the types ``_dump_snapshot`` writes (dicts with a
   string ``action``; integer ``addr``, ``size`` >= 0 and ``stream`` on the replayed
   actions): anything else is a :class:`TraceError`, not a guess.
 
@@ -183,6 +184,12 @@ _ITEM_BYTES = {list: 9, dict: 48, set: 64, frozenset: 64, tuple: 8, OrderedDict:
 # keys, 559 kB, took 25.6 s). Integers below 2**64 share a hash at most 8 at a time; strings and
 # bytes hash with a per-process key, so only other keys are counted.
 SNAPSHOT_MAX_SAME_HASH = 16
+# Steps of hashing and comparing keys (tuple and frozenset keys, and strings over 64 bytes): an item
+# each, a string's 16 bytes as one, once to hash a key and once per key of its hash it is compared
+# with. One tuple of 1,000,000 items as the key of 1,000 dicts (2 MB) took 20 s; two equal strings of
+# 1,000,000 bytes as the keys of 1,600,000 dicts (20 MB) compared them for over 60 s. The real
+# snapshots' keys are strings of at most 64 bytes and integers, which cost no step.
+SNAPSHOT_MAX_KEY_WORK = 16_000_000
 
 _CONTAINER_TYPES = frozenset({dict, list, tuple, set, frozenset, OrderedDict})
 _HASHABLE_CONTAINERS = (tuple, frozenset)
@@ -263,30 +270,92 @@ def _over_budget(what: str, count: int, limit: int) -> _Refused:
 
 
 _HASH_LIMIT = (1 << 61) - 1                    # CPython's modulus for numeric hashes (sys.hash_info.modulus)
-_HASH_ENTRY_BYTES = 128                        # one (container, hash) count in _check_hashes
+_HASH_ENTRY_BYTES = 128                        # one (container, hash) count in _Keys, or one tuple's note
+_SHORT_TEXT = 64                               # str or bytes keys this long or shorter cost next to nothing
 
 
-def _check_hashes(target: Any, keys: Any, hashes: dict[tuple[int, int], int]) -> int:
-    """Refuse more than SNAPSHOT_MAX_SAME_HASH keys with one hash in one container, before they go in;
-    the bytes of memory the counts took.
+class _Keys:
+    """What putting keys into dicts and sets costs: refused before the keys go in.
 
-    Only keys whose hashes a writer can make collide are counted: strings and bytes hash with a
-    per-process key, and distinct integers below the modulus have distinct hashes (but -1 and -2)."""
-    target_id = id(target)
-    added = 0
-    for key in keys:
-        kind = type(key)
-        if kind is str or kind is bytes or kind is int and -_HASH_LIMIT < key < _HASH_LIMIT or key is None:
-            continue
-        slot = (target_id, hash(key))
-        count = hashes.get(slot, 0) + 1
-        if count > SNAPSHOT_MAX_SAME_HASH:
-            raise _Refused(f"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one {type(target).__name__} "
-                           f"(building it would take time quadratic in its size)")
-        if count == 1:
-            added += _HASH_ENTRY_BYTES
-        hashes[slot] = count
-    return added
+    - More than SNAPSHOT_MAX_SAME_HASH keys with one hash in one container (each insert walks
+      all of them). Only keys whose hashes a writer can make collide are counted, and long
+      strings (two equal strings share a hash, and are compared byte by byte): short strings
+      and bytes hash with a per-process key, and distinct integers below the modulus have
+      distinct hashes (but -1 and -2).
+    - A key that holds a tuple or frozenset: CPython does not keep a tuple's hash, so hashing
+      t = (u, u), u = (v, v), ... walks every path through it, 2**depth. Snapshot keys are
+      strings and integers.
+    - SNAPSHOT_MAX_KEY_WORK steps of hashing and comparing, all keys together: a key costs its
+      items (a string's 16 bytes as one), once to hash it and once per key of the same hash
+      it is compared with.
+
+    The counts are kept per container, with the container (held, so its id is never another's);
+    a container built whole (a frozenset) is counted on its own."""
+
+    __slots__ = ("containers", "tuples", "work")
+
+    def __init__(self, tuples: dict[int, tuple[int, int]]) -> None:
+        self.containers: dict[int, tuple[Any, dict[int, int]]] = {}   # id -> (container, hash -> keys)
+        self.tuples = tuples            # _note_tuple's (depth, cost) of tuples and frozensets, by id
+        self.work = 0
+
+    def check(self, what: str, keys: Any, target: Any = None, counts: dict[int, int] | None = None) -> int:
+        """Refuse ``keys`` going into ``target`` (or into a container counted in ``counts``); the bytes
+        of memory the counts took."""
+        added = 0
+        for key in keys:
+            kind = type(key)
+            if kind is str or kind is bytes:
+                if len(key) <= _SHORT_TEXT:
+                    continue
+                cost = (len(key) >> 4) + 1
+            elif kind is int and -_HASH_LIMIT < key < _HASH_LIMIT or key is None:
+                continue
+            elif kind is tuple or kind is frozenset:
+                noted = self.tuples.get(id(key))
+                if noted is None:
+                    cost = len(key) + 1
+                elif noted[0] > 1:
+                    raise _Refused(f"a {what} key that holds a tuple or frozenset (hashing it walks every path "
+                                   f"through it; a snapshot's keys are strings and integers)")
+                else:
+                    cost = noted[1]
+            else:
+                cost = 1
+            self.work += cost
+            if self.work > SNAPSHOT_MAX_KEY_WORK:
+                raise _over_budget("steps hashing and comparing keys", self.work, SNAPSHOT_MAX_KEY_WORK)
+            if counts is None:
+                if target is None:
+                    counts = {}
+                else:
+                    held = self.containers.get(id(target))
+                    if held is None:
+                        counts = {}
+                        self.containers[id(target)] = (target, counts)
+                        added += _HASH_ENTRY_BYTES
+                    else:
+                        counts = held[1]
+            slot = hash(key)
+            count = counts.get(slot, 0) + 1
+            if count > SNAPSHOT_MAX_SAME_HASH:
+                raise _Refused(f"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one {what} "
+                               f"(building it would take time quadratic in its size)")
+            if count == 1:
+                added += _HASH_ENTRY_BYTES
+            else:       # compared with each key of that hash already in
+                self.work += cost * (count - 1)
+                if self.work > SNAPSHOT_MAX_KEY_WORK:
+                    raise _over_budget("steps hashing and comparing keys", self.work, SNAPSHOT_MAX_KEY_WORK)
+            counts[slot] = count
+        return added
+
+    def adopt(self, target: Any, counts: dict[int, int]) -> int:
+        """Go on counting ``counts`` (taken by check for a container still to be built) as ``target``'s."""
+        if not counts:
+            return 0
+        self.containers[id(target)] = (target, counts)
+        return _HASH_ENTRY_BYTES
 
 
 def _load_bounded(data: bytes) -> Any:
@@ -298,11 +367,11 @@ def _load_bounded(data: bytes) -> Any:
     memo: list[Any] = []
     memo_references: list[int] = []     # memo references to each entry
     memoize = memo.append
-    tuple_depth: dict[int, int] = {}    # tuples and frozensets that hold some: hashing them recurses in C
+    tuples: dict[int, tuple[int, int]] = {}     # _note_tuple's notes: (depth, cost as a key) by id
     unpack = struct.unpack_from
     max_items, max_objects = SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_OBJECTS
     objects = 0
-    hashes: dict[tuple[int, int], int] = {}     # (container id, hash) -> keys of that hash in it
+    keys = _Keys(tuples)
     # Bytes beyond _OBJECT_BYTES per object: what containers hold, and what empty sets cost more.
     memory = 0
     max_memory = SNAPSHOT_MAX_MEMORY_BYTES
@@ -359,7 +428,7 @@ def _load_bounded(data: bytes) -> Any:
                 target = stack[mark - 1]
                 if mark == 0 or not isinstance(target, dict):
                     raise _Unreadable(f"SETITEMS on {'nothing' if mark == 0 else _kind(target)}")
-                memory += _check_hashes(target, stack[mark::2], hashes)
+                memory += keys.check("dict", stack[mark::2], target)
                 memory += (len(stack) - mark) // 2 * item_bytes[type(target)]
                 if memory + objects * _OBJECT_BYTES > max_memory:
                     raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
@@ -438,7 +507,7 @@ def _load_bounded(data: bytes) -> Any:
                 memory += (len(stack) - mark) * 8
                 value = tuple(stack[mark:])
                 del stack[mark:]
-                _note_depth(value, tuple_depth)
+                memory += _note_tuple(value, tuples)
                 push(value)
                 pos += 1
                 objects += 1
@@ -458,7 +527,7 @@ def _load_bounded(data: bytes) -> Any:
                     target = stack[-1]
                     if not isinstance(target, dict):
                         raise _Unreadable(f"SETITEM on {_kind(target)}")
-                    memory += _check_hashes(target, (key,), hashes)
+                    memory += keys.check("dict", (key,), target)
                     memory += item_bytes[type(target)]
                     target[key] = value
                 else:
@@ -543,12 +612,12 @@ def _load_bounded(data: bytes) -> Any:
                     target = stack[-1] if stack else None
                     if type(target) is not set:
                         raise _Unreadable(f"ADDITEMS on {_kind(target)}")
-                    memory += _check_hashes(target, items, hashes)
+                    memory += keys.check("set", items, target)
                     target.update(items)
                 else:
-                    memory += _check_hashes(items, items, hashes)
+                    memory += keys.check("frozenset", items)
                     target = frozenset(items)
-                    _note_depth(target, tuple_depth)
+                    memory += _note_tuple(target, tuples)
                     push(target)
                     objects += 1
                     if objects > max_objects:
@@ -592,16 +661,28 @@ def _load_bounded(data: bytes) -> Any:
                 constructor = stack[-1]
                 if constructor not in _CONSTRUCTOR_FUNCTIONS or type(args) is not tuple:
                     raise _Refused(f"REDUCE of {_kind(constructor)}")
+                counts: dict[int, int] = {}
+                text = 0        # bytes of the str, bytes or bytearray built: a copy, however few bytes asked for it
                 if (constructor is _set or constructor is _frozenset) and args and type(args[0]) in (list, tuple):
-                    memory += _check_hashes(args[0], args[0], hashes)
+                    memory += keys.check("set" if constructor is _set else "frozenset", args[0], counts=counts)
                     memory += len(args[0]) * item_bytes[set] + _EMPTY_SET_BYTES
-                    if memory + objects * _OBJECT_BYTES > max_memory:
-                        raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
+                elif (constructor is _encode or constructor is _bytearray) and args and type(args[0]) in (str, bytes):
+                    text = len(args[0])         # latin-1: a byte a character
+                    memory += text
+                if memory + objects * _OBJECT_BYTES > max_memory:
+                    raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 value = constructor(*args)
                 if len(value) > max_items:
                     raise _over_budget("items in one container", len(value), max_items)
-                if type(value) is frozenset:
-                    _note_depth(value, tuple_depth)
+                kind = type(value)
+                if kind is frozenset:
+                    memory += _note_tuple(value, tuples)
+                elif kind is set:
+                    memory += keys.adopt(value, counts)
+                elif (kind is bytes or kind is bytearray or kind is str) and len(value) > text:
+                    memory += len(value) - text
+                    if memory + objects * _OBJECT_BYTES > max_memory:
+                        raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 stack[-1] = value
                 pos += 1
                 objects += 1
@@ -624,18 +705,32 @@ def _load_bounded(data: bytes) -> Any:
         raise _Unreadable(f"{_opcode_name(op)} with nothing to take from the stack at byte {pos:,}") from None
 
 
-def _note_depth(value: Any, tuple_depth: dict[int, int]) -> None:
-    """Refuse tuples and frozensets nested deeper than the budget: hashing them recurses in C."""
+def _note_tuple(value: Any, tuples: dict[int, tuple[int, int]]) -> int:
+    """Note a new tuple or frozenset's depth and its cost as a key (see _Keys), where they are not
+    what a tuple of scalars has (1, and its length + 1); refuse it nested deeper than the budget:
+    hashing it recurses in C. Returns the bytes of memory the note took.
+
+    Every tuple and frozenset built is noted here (or its id cleared), so a note found by the id
+    of a live one is its own, never one of a tuple gone since."""
     deepest = 0
+    cost = len(value) + 1
     for item in value:
-        if type(item) in _HASHABLE_CONTAINERS:
-            deepest = max(deepest, tuple_depth.get(id(item), 1))
-    if not deepest:
-        tuple_depth.pop(id(value), None)    # the id of a tuple gone since
-    elif deepest >= SNAPSHOT_MAX_DEPTH:
+        kind = type(item)
+        if kind is str or kind is bytes:
+            if len(item) > _SHORT_TEXT:
+                cost += len(item) >> 4          # compared byte by byte with an equal string
+        elif kind in _HASHABLE_CONTAINERS:
+            deepest = max(deepest, tuples.get(id(item), (1,))[0])
+    if type(value) is frozenset and cost > 1:
+        # comparing two frozensets looks each item up in the other: up to that many keys of its hash
+        cost = 1 + (cost - 1) * SNAPSHOT_MAX_SAME_HASH
+    if deepest >= SNAPSHOT_MAX_DEPTH:
         raise _Refused(f"tuples nested over {SNAPSHOT_MAX_DEPTH} deep")
-    else:
-        tuple_depth[id(value)] = deepest + 1
+    if not deepest and cost == len(value) + 1:
+        tuples.pop(id(value), None)     # the id of a tuple gone since
+        return 0
+    tuples[id(value)] = (deepest + 1, cost)
+    return _HASH_ENTRY_BYTES
 
 
 def _count_values(objects: int, memo: list[Any], memo_references: list[int]) -> None:
