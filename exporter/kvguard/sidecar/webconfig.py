@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from kvguard.text import one_line
+from kvguard.textfile import read_text
 
 # A web config is a few users and file names: 1 MiB of YAML took 3-5 s to parse.
 MAX_WEB_CONFIG_BYTES = 64 * 1024
@@ -288,25 +289,8 @@ def _regular_file(path: str, what: str) -> None:
 def _read_config_text(path: str) -> str:
     """The UTF-8 text of the web config (at most MAX_WEB_CONFIG_BYTES, a BOM dropped), opened without
     waiting: a FIFO or other non-regular file is refused, never read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise WebConfigError(f"web config not found: {path}") from None
-    except OSError as exc:
-        raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise WebConfigError(f"web config {path} is not a regular file")
-        try:
-            raw = handle.read(MAX_WEB_CONFIG_BYTES + 1)
-        except OSError as exc:
-            raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_WEB_CONFIG_BYTES:
-        raise WebConfigError(f"web config {path} is larger than {MAX_WEB_CONFIG_BYTES} bytes")
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise WebConfigError(f"web config {path} is not UTF-8") from None
+    return read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError, encoding="utf-8-sig",
+                     regular_only=True)
 
 
 def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
