@@ -158,16 +158,21 @@ def serve_users(serve, tmp_path, hashed: str, **options):
                  web_config=WebConfigWatcher(str(path)), **options)
 
 
+def open_guesses(server, guesses: list, count: int = 32) -> None:
+    """``count`` connections, each sending one random password for prometheus, appended to ``guesses``."""
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        token = base64.b64encode(f"prometheus:{secrets.token_hex(8)}".encode()).decode()
+        sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n\r\n".encode())
+        guesses.append(sock)
+
+
 def test_a_verified_user_is_answered_while_many_guesses_wait_for_bcrypt(serve, tmp_path, slow_hash):
     server = serve_users(serve, tmp_path, slow_hash, auth_workers=1, auth_rate=1000.0, auth_burst=1000.0)
     assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200   # verified once
     guesses = []
     try:
-        for _ in range(32):
-            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-            token = base64.b64encode(f"prometheus:{secrets.token_hex(8)}".encode()).decode()
-            sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n\r\n".encode())
-            guesses.append(sock)
+        open_guesses(server, guesses)
         assert wait_for(lambda: server.pending_verifications >= 16)
         status, _, body = http_get(server, "/metrics", basic("prometheus", "s3cret"), timeout=10)
         assert status == 200 and b"kvguard_guard_state" in body
@@ -255,11 +260,7 @@ def test_a_rotated_password_on_an_accepted_connection_is_checked_ahead_of_waitin
     try:
         assert keep_alive_get(prometheus, "s3cret") == 200
         rotate(server, tmp_path, b"rotated", rounds=10)
-        for _ in range(32):
-            sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-            token = base64.b64encode(f"prometheus:{secrets.token_hex(8)}".encode()).decode()
-            sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n\r\n".encode())
-            guesses.append(sock)
+        open_guesses(server, guesses)
         assert wait_for(lambda: server.pending_verifications >= 16)
         assert keep_alive_get(prometheus, "rotated") == 200
         assert server.pending_verifications > 8     # answered ahead of the guesses still waiting
