@@ -2,8 +2,11 @@
 
 The baseline is the cheapest pass any reader makes: splitting the text into lines and looking for
 one substring in each. A parser that backtracks shows up as a bait/ordinary ratio far above 1.
+Then the file reader (read_log_file, which read_startup_log, ``kvguard check --from-log`` and the
+sidecar use) on each kind of input, in MB/s beside ``for line in file: pass`` over the same file;
+``--before OLD_LOG_PY`` times another copy of kvguard/vllm/log.py beside it.
 
-    python bench/bench_log.py
+    python bench/bench_log.py [--mib 8] [--before /tmp/log.py] [--reader-only]
 """
 
 from __future__ import annotations
@@ -52,34 +55,94 @@ def main() -> None:
         print(f"{name:<16} {parsed:>9.3f} {base:>11.4f} {parsed / base:>11.1f}")
     print(f"bait / ordinary time ratio: {best_of(parse_log, bait) / best_of(parse_log, ordinary):.2f}")
     print(f"join bait / ordinary time ratio: {best_of(parse_log, join_bait) / best_of(parse_log, ordinary):.2f}")
-    file_throughput(ordinary, bait)
 
 
-def file_throughput(ordinary: str, bait: str) -> None:
-    """MB/s through read_log_file (the one reader of the CLI, the sidecar and the tests), per kind of input,
-    beside reading the same file line by line (the baseline)."""
+def file_inputs(size: int) -> dict[str, bytes]:
+    """The reader's inputs, each ``size`` bytes: what a log is made of, and what a hostile or broken file holds."""
+    import random
+
+    logs = os.path.join(HERE, "..", "tests", "data", "logs")
+    with open(os.path.join(logs, "eras", "v0.27-debug.log"), "rb") as handle:
+        memory_lines = handle.read()
+    real = b""
+    for folder, _, names in sorted(os.walk(logs)):
+        for name in sorted(names):
+            if name.endswith(".log"):
+                with open(os.path.join(folder, name), "rb") as handle:
+                    real += handle.read().rstrip(b"\n") + b"\n"
+    rnd = random.Random(7)
+    junk = b"abcdefghijklmnopqrstuvwxyz0123456789 :.[]"
+    short = b"".join(bytes(rnd.choice(junk) for _ in range(rnd.randint(1, 10))) + b"\n" for _ in range(100_000))
+    unit = ("Model loading took 1" * 40 + "Total non KV cache memory: 1GiB; " * 40
+            + "KV cache size: 9," * 40 + "Memory after warmup: " * 40)
+    bait = ((unit * (MAX_LINE_CHARS // len(unit) + 1))[:MAX_LINE_CHARS - 1] + "\n").encode()
+    units = {
+        "blank lines": b"\n",
+        "short junk lines (1-10)": short,
+        "real logs (tests/data/logs)": real,
+        "memory lines (v0.27-debug)": memory_lines,
+        "lines of MAX_LINE_CHARS-1": b"a" * (MAX_LINE_CHARS - 1) + b"\n",
+        "lines over MAX_LINE_CHARS": b"a" * (MAX_LINE_CHARS + 100) + b"\n",
+        "regex bait lines": bait,
+        "binary junk": bytes(rnd.getrandbits(8) for _ in range(1 << 20)),
+        "real logs, \\r only": real.replace(b"\n", b"\r"),
+    }
+    return {name: (unit * (size // len(unit) + 1))[:size] for name, unit in units.items()}
+
+
+def file_throughput(size: int, before: str | None) -> None:
+    """MB/s through read_startup_log's reader (read_log_file: the CLI's, the sidecar's), per kind of input, beside
+    reading the same file line by line (the baseline), in CPU seconds, best of three. With ``before``, the same for
+    another copy of kvguard/vllm/log.py (the reader before a change), loaded as a module of its own."""
+    import importlib.util
     import tempfile
 
+    from kvguard.vllm import source_index
     from kvguard.vllm.log import read_log_file
 
-    inputs = {
-        "ordinary lines": ordinary.encode(),
-        "regex bait": bait.encode(),
-        "plain max-length lines": (("a" * (MAX_LINE_CHARS - 1) + "\n") * ((2 << 20) // MAX_LINE_CHARS)).encode(),
-        "one 16 MB line": b"x" * (16 << 20),
-        "100 kB lines": (b"GiB " * 25_000 + b"\n") * 160,
-        "short plain lines": (b"y" * 79 + b"\n") * 26_000,
-    }
-    print(f"\n{'read_log_file':<24} {'MB/s':>8} {'baseline MB/s':>14}")
+    readers = {"now": read_log_file}
+    if before:
+        spec = importlib.util.spec_from_file_location("kvguard.vllm.log_before", before)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        readers = {"before": module.read_log_file, **readers}
+    source_index.known_wordings()    # the index loads once per process (not per log): not timed
+
+    def cpu(function, path: str) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.process_time()
+            function(path)
+            best = min(best, time.process_time() - start)
+        return best
+
+    def lines(path: str) -> None:
+        with open(path, "rb") as handle:
+            for _ in handle:
+                pass
+
+    print(f"\nread_log_file, {size / (1 << 20):.0f} MiB each, CPU MB/s (x baseline time: for line in file: pass)")
+    print(f"{'input':<30} " + " ".join(f"{name + ' MB/s':>12} {'x base':>7}" for name in readers) + f" {'base MB/s':>10}")
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "input.log")
-        for name, data in inputs.items():
+        for name, data in file_inputs(size).items():
             with open(path, "wb") as handle:
                 handle.write(data)
-            reader = best_of(lambda p: read_log_file(p), path, runs=3)
-            baseline = best_of(lambda p: sum(1 for _ in open(p, "rb")), path, runs=3)
-            print(f"{name:<24} {len(data) / reader / 1e6:>8.1f} {len(data) / baseline / 1e6:>14.1f}")
+            base = cpu(lines, path)
+            row = [(len(data) / cpu(reader, path) / 1e6) for reader in readers.values()]
+            print(f"{name:<30} " + " ".join(f"{mbs:>12.1f} {len(data) / mbs / 1e6 / base:>7.1f}" for mbs in row)
+                  + f" {len(data) / base / 1e6:>10.0f}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=8, help="size of each reader input (default 8 MiB)")
+    parser.add_argument("--before", help="another copy of kvguard/vllm/log.py to time beside this one")
+    parser.add_argument("--reader-only", action="store_true", help="only the file reader's MB/s")
+    args = parser.parse_args()
+    if not args.reader_only:
+        main()
+    file_throughput(args.mib << 20, args.before)

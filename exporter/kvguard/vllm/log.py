@@ -14,6 +14,11 @@ their own log prefix): terminal and markdown wrapping, backslash continuations a
 message split at a full stop all come back together. The window is three lines, so parsing stays
 linear.
 
+A file is read in blocks of whole lines, and a stretch of lines that holds none of the words any of this
+could use (the templates', the hints', an OOM's; :meth:`_Reader._quiet`) is counted, not read line by
+line: blank lines, junk and a tool's own chatter cost a few substring scans of the stretch. A template
+that failed within its line is joined to the next ones only where they bring its first words again.
+
 The templates follow each release's format strings (file:line per release in
 ``kvguard/vllm/eras.py`` and docs/reference/eras.md, generated from it); each carries the vLLM releases that
 write it, so the lines a log holds narrow down its era. OOM messages and refusals are read as
@@ -25,13 +30,15 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from collections import deque
+from itertools import repeat
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.budget.estimator import FORMULAS, Profile, required_fields
 from kvguard.vllm import eras, source_index
-from kvguard.vllm.oom import ERROR_IN_METHOD, OomFact, is_oom_line, read_oom, step_in
+from kvguard.vllm.oom import ERROR_IN_METHOD, STEP_WORDS, OomFact, is_oom_line, read_oom, step_in
 
 GIB = 1 << 30
 MAX_NUMBER_CHARS = 40
@@ -44,6 +51,13 @@ MAX_JOIN_KINDS = 6
 # An OOM's step is looked for in this many lines up to it; the record tag style in the first this many tags.
 STEP_WINDOW_LINES = 400
 MAX_TAGGED_LINES = 1000
+# Lines (not blank) with no wording the index knows (source_index.line_wording), after which no more are looked
+# up: a log with this many lines that are not vLLM's words before it shows MAX_HINTS of them is not read for
+# wordings (hashing each line costs more than all else the reader does). Each different message is hashed once
+# (up to MAX_CACHED_WORDINGS of them at a time).
+MAX_WORDING_MISSES = 5000
+MAX_CACHED_WORDINGS = 4096
+_WORDINGS: dict[tuple[bool, str], str | None] = {}
 # OOM messages kept (the first stopped the engine; the rest are its echoes from other ranks).
 MAX_OOMS = 16
 # The end of a line kept to rejoin an anchor a hard wrap cut in two (longer than any template's first literal).
@@ -120,16 +134,24 @@ class LineKind:
         object.__setattr__(self, "anchor", self.pieces[0][1])
 
     def match(self, line: str) -> dict[str, str] | None:
+        return self.match_reach(line)[0]
+
+    def match_reach(self, line: str) -> tuple[dict[str, str] | None, int]:
+        """The facts, or None; and how much of the line decided that (``UNDECIDED`` where what follows it
+        might): no text appended to a line that failed within its reach makes it match, unless the reach is
+        negative (``-1 - reach``) and the text appended holds the anchor (a later occurrence is tried too)."""
         anchor = self.anchor
         start = line.find(anchor)
-        tries = 0
-        while start >= 0 and tries < 4:
-            found = _match_from(self.pieces, line, start)
+        tries = reach = 0
+        while start >= 0 and tries < MAX_ANCHOR_TRIES:
+            found, looked = _match_from(self.pieces, line, start)
             if found is not None:
-                return found
+                return found, looked
+            reach = max(reach, looked)
             tries += 1
             start = line.find(anchor, start + 1)
-        return None
+        # Fewer tries than the most: an occurrence of the anchor in appended text would be tried too.
+        return None, reach if tries == MAX_ANCHOR_TRIES else -1 - reach
 
 
 def _compile(template: str) -> Iterator[tuple[str, str]]:
@@ -149,37 +171,48 @@ def _compile(template: str) -> Iterator[tuple[str, str]]:
         yield ("end", "")
 
 
-def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> dict[str, str] | None:
+# A number token's end depends on up to this many characters after it (",ddd" of a thousands group).
+_NUMBER_LOOKAHEAD = 5
+UNDECIDED = sys.maxsize
+MAX_ANCHOR_TRIES = 4
+
+
+def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tuple[dict[str, str] | None, int]:
+    """The facts a template states from ``pos``, or None; and the reach that decided it (see LineKind.match_reach)."""
     found: dict[str, str] = {}
     skipping = False
+    reach = pos
     for kind, value in pieces:
         if kind == "skip":
             skipping = True
             continue
         if kind == "end":
             if line[pos:].strip(" .,;"):
-                return None
+                return None, max(reach, len(line))    # what is left stays, whatever follows
+            reach = UNDECIDED
             continue
         if kind == "lit":
             if skipping:
                 at = line.find(value, pos)
                 if at < 0:
-                    return None
+                    return None, UNDECIDED
                 pos = at
                 skipping = False
             elif not line.startswith(value, pos):
-                return None
+                return None, max(reach, pos + len(value))
             pos += len(value)
+            reach = max(reach, pos)
             continue
         token = _NUMBER.match(line, pos)
         if token is None:
-            return None
+            return None, max(reach, pos + 2)      # a sign and the character after it
         text = token.group()
         if len(text) > MAX_NUMBER_CHARS:
             raise LogLineError(f"number {text[:12]}… ({len(text)} characters) is too long for a memory figure")
         found[value] = text
         pos = token.end()
-    return found
+        reach = max(reach, pos + _NUMBER_LOOKAHEAD)
+    return found, reach
 
 
 def _decimals(slot: str, key: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
@@ -443,11 +476,69 @@ _BY_ANCHOR: tuple[tuple[str, tuple[LineKind, ...]], ...] = tuple(
 # MAX_LINE_CHARS then costs one pass, not one per anchor. Longest first, so a longer anchor is not hidden.
 _ANY_ANCHOR = re.compile("|".join(re.escape(a) for a, _ in sorted(_BY_ANCHOR, key=lambda item: -len(item[0]))))
 _LONGEST_ANCHOR = max(len(a) for a, _ in _BY_ANCHOR)
+
+
+def _gate_words(words: tuple[str, ...], phrases: Iterable[str]) -> tuple[str, ...]:
+    """``words``, and the longest word of each phrase that holds none of them: a text holding none of these
+    holds none of the phrases. A text is scanned once per word, so few words are chosen (each held by many
+    phrases); none holds a blank, so cleaning a line (:func:`_clean`) cannot make one appear."""
+    kept = list(words)
+    for phrase in phrases:
+        if not any(word in phrase for word in kept):
+            kept.append(max(phrase.split(), key=len))
+    return tuple(kept)
+
+
+# The anchors' words, each anchor with the first word it holds: a line is searched for the anchors whose word
+# it holds, in _BY_ANCHOR's order, not for all of them.
+_ANCHOR_WORDS = _gate_words(("emory", "odel", "lock", "cache", "vllm", "Actual", "curren", "work", "-default",
+                             "finished", "warm-up"), (a for a, _ in _BY_ANCHOR))
+_GATED_ANCHORS = tuple((next(w for w in _ANCHOR_WORDS if w in anchor), anchor, kinds) for anchor, kinds in _BY_ANCHOR)
+_CANDIDATES: dict[tuple[str, ...], tuple[tuple[str, tuple["LineKind", ...]], ...]] = {}
+MAX_CANDIDATE_SETS = 4096
+# Two characters a hard wrap can split an anchor between: the last of one line and the first of the next.
+_ANCHOR_PAIRS = frozenset(a[i:i + 2] for a, _ in _BY_ANCHOR for i in range(len(a) - 1))
+
+
+def _anchors_in(line: str) -> tuple[tuple[str, tuple["LineKind", ...]], ...]:
+    """The anchors a line may hold, in _BY_ANCHOR's order (each still to be looked for)."""
+    present = tuple(filter(line.__contains__, _ANCHOR_WORDS))
+    if not present:
+        return ()
+    found = _CANDIDATES.get(present)
+    if found is None:
+        if len(_CANDIDATES) >= MAX_CANDIDATE_SETS:
+            _CANDIDATES.clear()
+        found = _CANDIDATES[present] = tuple((anchor, kinds) for word, anchor, kinds in _GATED_ANCHORS
+                                             if word in present)
+    return found
 # Words that only an Ascend engine's log holds (its device, its worker files, its package).
 _ASCEND_WORDS = ("vllm_ascend", "vllm-ascend", "NPU out of memory", "npu blocks", "NPU graph memory", "NPUWorker",
                  "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF",
                  "Block size is set to 128")
 _MINDSPORE_WORDS = ("vllm_mindspore", "vllm-mindspore", "mindspore")
+_ASCEND_GATE = ("NPU", "blocks", "scend", "ASCEND", "_v1.py", "Block")   # each of _ASCEND_WORDS holds one
+# A line's words that may change what the reader knows, beyond the anchors (its hints, an OOM and the step it
+# happened in, a pasted command line, a written-out escape sequence). A stretch of lines holding none of these
+# (nor a date, :data:`_DATE_START`) changes nothing but the line count, once the wordings are no longer looked up.
+_QUIET_WORDS = _gate_words(("emory", "odel", "cache", "lock", "aptur", "vllm", "request", "Actual", "curren", "warm",
+                            "_run", "work", "executin", "lize_fro", "plicatio", "-default", "POST", "\x1b[", "^[["),
+                           (*(a for a, _ in _BY_ANCHOR), *(w for w, _ in STEP_WORDS), "out of memory",
+                            "OutOfMemoryError", ERROR_IN_METHOD, "--max-model-len", "--gpu-memory-utilization"))
+_QUIET_WORDS_UNTIL = (
+    # (hint, the words that may change it, whether it is settled)
+    ("tags", (".py:",), lambda r: r.tagged >= MAX_TAGGED_LINES),
+    ("frames", ("File",), lambda r: len(r.hints["frames"]) >= source_index.MAX_HINTS),
+    ("ascend", _ASCEND_GATE, lambda r: r.hints["ascend"]),
+    ("mindspore", ("mindspore",), lambda r: r.hints["mindspore"]),
+    ("engine_core", ("(EngineCore",), lambda r: r.hints["engine_core"]),
+    ("versions", ("version", "engine"), lambda r: len(r.hints["versions"]) >= MAX_BANNERS),
+)
+_DATE_START = re.compile(r"20[2-9][0-9]-")
+# Lines are read a stretch of about this many characters at a time; a quiet stretch is counted, not read.
+STRETCH_CHARS = 4096
+MIN_STRETCH_CHARS = 64
+MIN_STRETCH_LINES = 16     # fewer lines than this are read one by one, not looked at in smaller stretches
 # The kinds some era row lists: the others (refusals, OOMs, block sizes) narrow nothing on a platform.
 _ROW_KINDS = frozenset(k for e in eras.ERAS for k in e.log_lines) | {k.name for k in KINDS if k.project}
 
@@ -626,10 +717,13 @@ class _Reader:
                                       "source_tags": set(), "frames": set(), "wordings": set(), "logged_on": None,
                                       "versions": set()}
         self.ooms: list[OomFact] = []
-        self.pending: list[tuple[int, list[str], list[LineKind]]] = []   # templates begun but not finished
+        # Templates begun but not finished: the line number, the line, the next lines joined to it so far, each
+        # kind with the reach of its failure (LineKind.match_reach), the line's length.
+        self.pending: list[tuple[int, str, tuple[str, ...], list[tuple[LineKind, int]], int]] = []
         self.previous_tail = ""
         self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)   # where an OOM's step is looked for
         self.tagged = 0
+        self.wording_misses = 0
 
     def _step(self) -> str | None:
         """The step an OOM happened at: the last step word in the lines up to it (its traceback's frames,
@@ -644,7 +738,7 @@ class _Reader:
         if len(raw) > MAX_LINE_CHARS:
             return
         line = _clean(raw)
-        self._hints(line)
+        self._hints(line, number)
         self.recent.append(line)
         if is_oom_line(line) and len(self.ooms) < MAX_OOMS:
             oom = read_oom(line, number)
@@ -657,24 +751,81 @@ class _Reader:
             self.ooms[-1] = _with_step(self.ooms[-1], step_in(method))
         if "--" in line:
             self._command_line(line)
-        self._retry_pending(number, line)
-        if self.previous_tail and not _RECORD_PREFIX.match(line):
+        if self.pending:
+            self._retry_pending(number, line)
+        # An anchor cut by a hard wrap has the last character of the line before and this one's first side by side.
+        if self.previous_tail and self.previous_tail[-1] + line[:1] in _ANCHOR_PAIRS \
+                and not _RECORD_PREFIX.match(line):
             self._straddled(number, line)
         self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
         hit, started = False, []
-        for anchor, kinds in (_BY_ANCHOR if _ANY_ANCHOR.search(line) else ()):
+        for anchor, kinds in _anchors_in(line):
             if anchor not in line:
                 continue
             # A line may state several facts (0.30+ joins the KV size and the concurrency). Kinds sharing
             # an anchor are one message's variants: a shorter one (a refusal's first words) may match where
             # a longer one broke off at a wrap ("(4.26 GiB KV cach" / "e is needed"), so those that failed
             # wait for the next lines all the same.
-            failed = [kind for kind in kinds if not self._take(kind, line, number)]
+            failed = [(kind, reach) for kind in kinds for reach in (self._attempt(kind, line, number),)
+                      if reach is not None]
             hit = hit or len(failed) < len(kinds)
             started.extend(failed)
         self.matched += hit
         if started and len(line) <= MAX_JOIN_CHARS:
-            self.pending.append((number, [line], started[:MAX_JOIN_KINDS]))
+            # Those that failed within the line fail joined to any next one (that holds not their anchor).
+            waiting = [(kind, reach) for kind, reach in started[:MAX_JOIN_KINDS] if reach < 0 or reach > len(line)]
+            if waiting:
+                self.pending.append((number, line, (), waiting, len(line)))
+
+    def feed_text(self, number: int, text: str) -> int:
+        """Feed the lines of ``text`` (separated by "\\n", each maybe ending in "\\r"), the first numbered
+        ``number``; returns the next line's number. A stretch of lines that holds no word that could change
+        what is known (:meth:`_quiet`) is counted, not read line by line: the reader's work per line is a few
+        substring scans of the stretch, whatever the lines hold."""
+        return self._feed_stretches(number, text, STRETCH_CHARS)
+
+    def _feed_stretches(self, number: int, text: str, size: int) -> int:
+        start, end = 0, len(text)
+        while start <= end:
+            stop = text.find("\n", start + size)
+            if stop < 0:
+                stop = end
+            stretch = text[start:stop]
+            count = stretch.count("\n") + 1
+            if self._quiet(number, stretch):
+                self._skip(count, stretch[stretch.rfind("\n") + 1:].rstrip("\r"))
+                number += count
+            elif count > MIN_STRETCH_LINES and size > MIN_STRETCH_CHARS:
+                # A word in a stretch of many lines: its quiet parts are still counted, not read.
+                number = self._feed_stretches(number, stretch, size // 8)
+            else:
+                for raw in stretch.split("\n"):
+                    self.feed(number, raw.rstrip("\r"))
+                    number += 1
+            start = stop + 1
+        return number
+
+    def _quiet(self, number: int, stretch: str) -> bool:
+        """Whether feeding these lines one by one would change nothing but the count: no template begun,
+        no line too long to read, the wordings no longer looked up, and no word of a template, a hint
+        still open, an OOM or a step in them (joined to the line before, so that a hard wrap hides none)."""
+        if self.pending or len(stretch) > MAX_LINE_CHARS:
+            return False
+        if self._wording_open() and stretch.strip("\r\n"):
+            return False
+        joined = self.previous_tail + stretch.replace("\r", "").replace("\n", "")
+        if any(map(joined.__contains__, _QUIET_WORDS)):
+            return False
+        for _, words, settled in _QUIET_WORDS_UNTIL:
+            if not settled(self) and any(map(joined.__contains__, words)):
+                return False
+        return not _DATE_START.search(joined)
+
+    def _skip(self, count: int, last: str) -> None:
+        """``count`` quiet lines, ``last`` the last of them: what feeding them would have done."""
+        self.recent.extend(repeat("", min(count, STEP_WINDOW_LINES)))   # no step word in them
+        line = _clean(last)
+        self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
 
     def _command_line(self, line: str) -> None:
         """--gpu-memory-utilization / --max-model-len as a pasted ``vllm serve`` command states them: taken
@@ -696,13 +847,24 @@ class _Reader:
             return
         tail = _continuation(line)
         still = []
-        for start, texts, kinds in self.pending:
-            joined = [text + sep + tail for text in texts for sep in (" ", "")]
-            left = [kind for kind in kinds if not any(self._take(kind, text, start) for text in joined)]
+        for start, first, tails, kinds, base in self.pending:
+            parts = (first, *tails, tail)
+            joined: list[str] | None = None
+            left = []
+            for kind, reach in kinds:
+                # One that failed within the first line fails joined, unless a later part brings its anchor again.
+                if 0 <= reach <= base or (reach < 0 and -1 - reach <= base
+                                          and not _anchor_after_first(kind.anchor, parts)):
+                    left.append((kind, reach))
+                    continue
+                if joined is None:
+                    joined = _joins(parts)
+                if not any(self._take(kind, text, start) for text in joined):
+                    left.append((kind, reach))
             if len(left) < len(kinds):
                 self.matched += 1
             if left and number - start < 2:
-                still.append((start, joined[:4], left))
+                still.append((start, first, parts[1:], left, base))
         self.pending = still
 
     def _straddled(self, number: int, line: str) -> None:
@@ -719,6 +881,20 @@ class _Reader:
                     if self._take(kind, joined, number - 1):
                         self.matched += 1
 
+    def _attempt(self, kind: LineKind, line: str, number: int) -> int | None:
+        """``_take``, saying on failure how much of the line decided it (LineKind.match_reach); None when taken."""
+        try:
+            found, reach = kind.match_reach(line)
+            if found is None:
+                return reach
+            _record(kind, found, self.facts)
+        except LogLineError as exc:
+            raise LogLineError(f"line {number}: {exc}") from None
+        except (ValueError, OverflowError):
+            return UNDECIDED
+        self.seen.append(kind)
+        return None
+
     def _take(self, kind: LineKind, line: str, number: int) -> bool:
         try:
             found = kind.match(line)
@@ -732,7 +908,7 @@ class _Reader:
         self.seen.append(kind)
         return True
 
-    def _hints(self, line: str) -> None:
+    def _hints(self, line: str, number: int) -> None:
         hints = self.hints
         # The first tagged lines tell the tag style; reading every line's tag would say nothing more.
         match = _TAG.search(line) if self.tagged < MAX_TAGGED_LINES and "] " in line else None
@@ -741,10 +917,15 @@ class _Reader:
             hints["tags"].add(bool(match.group(1) or match.group(2)))
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
                 hints["source_tags"].add((match.group(3), int(match.group(4))))
-        if len(hints["wordings"]) < source_index.MAX_HINTS:
-            key = source_index.line_wording(line, match.end() if match else None)
+        if line and self._wording_open():
+            # Fewer characters than a wording's letters, or bytes that were not UTF-8 (no vLLM message holds
+            # U+FFFD): no wording to look up.
+            key = _wording(line, match.end() if match else None) if "\ufffd" not in line and \
+                source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS else None
             if key is not None and key in source_index.known_wordings():
                 hints["wordings"].add(key)
+            else:
+                self.wording_misses += 1
         if "20" in line:
             dated = _DATED.search(line)
             if dated and (hints["logged_on"] is None or dated.group(1) < hints["logged_on"]):
@@ -753,9 +934,10 @@ class _Reader:
             frame = source_index.FRAME.search(line)
             if frame:
                 hints["frames"].add((frame.group(1), int(frame.group(2)), frame.group(3)))
-        if not hints["ascend"] and any(word in line for word in _ASCEND_WORDS):
+        if not hints["ascend"] and any(map(line.__contains__, _ASCEND_GATE)) \
+                and any(map(line.__contains__, _ASCEND_WORDS)):
             hints["ascend"] = True
-        if not hints["mindspore"] and any(word in line for word in _MINDSPORE_WORDS):
+        if not hints["mindspore"] and "mindspore" in line:    # each of _MINDSPORE_WORDS holds it
             hints["mindspore"] = True
         if not hints["engine_core"] and "(EngineCore pid=" in line:
             hints["engine_core"] = True
@@ -764,8 +946,40 @@ class _Reader:
             if banner:
                 hints["versions"].add(V(banner.group(1)))
 
+    def _wording_open(self) -> bool:
+        return len(self.hints["wordings"]) < source_index.MAX_HINTS and self.wording_misses < MAX_WORDING_MISSES
+
     def finish(self) -> StartupLog:
         return _finish(self.facts, self.matched, self.seen, self.hints, tuple(self.ooms))
+
+
+def _joins(parts: tuple[str, ...]) -> list[str]:
+    """A line joined to the next ones, each join with a space and without, in that order."""
+    texts = [parts[0]]
+    for part in parts[1:]:
+        texts = [text + sep + part for text in texts for sep in (" ", "")]
+    return texts
+
+
+def _anchor_after_first(anchor: str, parts: tuple[str, ...]) -> bool:
+    """Whether ``anchor`` may occur in a join of ``parts`` (_joins) other than inside the first part."""
+    edge = len(anchor) - 1
+    if any(anchor in part for part in parts[1:]) or any(len(part) < edge for part in parts[1:-1]):
+        return True
+    return any(anchor in before[-edge:] + sep + after[:edge]
+               for before, after in zip(parts, parts[1:]) for sep in (" ", ""))
+
+
+def _wording(line: str, message_at: int | None) -> str | None:
+    """source_index.line_wording, once per message: a log repeats its messages (each rank, each restart)."""
+    # Keyed by the message after the tag where the tag was found, else by the whole line.
+    cached = (message_at is None, line if message_at is None else line[message_at:])
+    key = _WORDINGS.get(cached, "")
+    if key == "":
+        if len(_WORDINGS) >= MAX_CACHED_WORDINGS:
+            _WORDINGS.clear()
+        key = _WORDINGS[cached] = source_index.line_wording(line, message_at)
+    return key
 
 
 # A flag and its value on a command line: "--max-model-len 32k", "--gpu-memory-utilization=0.95".
@@ -1032,15 +1246,18 @@ MAX_LINE_BYTES = 4 * MAX_LINE_CHARS
 
 def read_log_file(path: str, max_bytes: int = MAX_LOG_BYTES) -> StartupLog:
     """Parse a startup log file, bounded: regular files only, at most ``max_bytes`` read, lines
-    longer than MAX_LINE_BYTES skipped. Raises LogFileError or LogLineError (one line each), or
-    OSError when it cannot be opened."""
+    longer than MAX_LINE_BYTES skipped (lines end at "\\n" only, as ``parse_lines`` of the file's lines
+    gives). Raises LogFileError or LogLineError (one line each), or OSError when it cannot be opened."""
     # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below anyway.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             raise LogFileError(f"cannot read log file {path}: not a regular file")
         try:
-            return parse_lines(_bounded_lines(handle, max_bytes))
+            reader, number = _Reader(), 1
+            for text in _text_blocks(handle, max_bytes):
+                number = reader.feed_text(number, text)
+            return reader.finish()
         except LogLineError as exc:
             raise LogLineError(f"log file {path}: {exc}") from None
 
@@ -1062,23 +1279,49 @@ def read_startup_log(path: str, oom_is_enough: bool = False) -> StartupLog:
     return startup
 
 
-def _bounded_lines(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
+# The file is read this many bytes at a time, and decoded a block of whole lines at once.
+BLOCK_BYTES = 1 << 20
+_HALF_LINE = MAX_LINE_BYTES // 2
+
+
+def _text_blocks(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
+    """The file's first ``max_bytes`` as blocks of whole lines, each block its lines decoded and joined by "\\n"
+    (their own endings gone, a "\\r" before them kept). A line longer than MAX_LINE_BYTES with its ending is left
+    out whole (and not numbered); the last line may lack its ending (the file's end, or ``max_bytes``'s)."""
     left = max_bytes
+    carry = b""          # the start of a line the last read cut
+    dropping = False     # inside a line already too long, left out up to its end
     while left > 0:
-        line = handle.readline(min(MAX_LINE_BYTES + 1, left))
-        if not line:
-            return
-        left -= len(line)
-        if len(line) > MAX_LINE_BYTES:
-            # Overlong: drop it and the rest of it, still counting what is read.
-            while left > 0 and not line.endswith(b"\n"):
-                line = handle.readline(min(MAX_LINE_BYTES + 1, left))
-                if not line:
-                    return
-                left -= len(line)
-            continue
-        # A line without its ending, as str.splitlines() gives it: templates that end at the line's end match.
-        yield line.decode("utf-8", errors="replace").rstrip("\r\n")
+        chunk = handle.read(min(BLOCK_BYTES, left))
+        if not chunk:
+            break
+        left -= len(chunk)
+        if dropping:
+            cut = chunk.find(b"\n")
+            if cut < 0:
+                continue
+            chunk, dropping = chunk[cut + 1:], False
+        data = carry + chunk if carry else chunk
+        end = data.rfind(b"\n")
+        carry = data[end + 1:]
+        if len(carry) > MAX_LINE_BYTES:
+            carry, dropping = b"", True
+        if end >= 0:
+            block = _short_lines(data[:end])
+            if block is not None:
+                yield block.decode("utf-8", errors="replace")
+    if carry and not dropping:
+        yield carry.decode("utf-8", errors="replace")
+
+
+def _short_lines(block: bytes) -> bytes | None:
+    """``block`` (lines joined by "\\n") without its lines of MAX_LINE_BYTES or more (MAX_LINE_BYTES + 1 with their
+    ending); None when none is left."""
+    # A line that long fills one of these windows with no line ending in it; most blocks have none.
+    if not any(block.find(b"\n", at, at + _HALF_LINE) < 0 for at in range(0, len(block) - _HALF_LINE + 1, _HALF_LINE)):
+        return block
+    kept = [line for line in block.split(b"\n") if len(line) < MAX_LINE_BYTES]
+    return b"\n".join(kept) if kept else None
 
 
 def kinds_markdown() -> str:
