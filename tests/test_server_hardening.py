@@ -386,7 +386,9 @@ def test_one_address_with_many_connections_cannot_lock_out_another_addresss_new_
 
 def test_an_addresss_concurrent_guesses_are_bounded_by_its_tokens_not_by_bcrypt(serve, tmp_path):
     """Review of issue 37: every guess on another connection passed the limiter until the first
-    bcrypt refusal was charged: 16 connections got 16 bcrypt runs from a burst of 4."""
+    bcrypt refusal was charged: 16 connections got 16 bcrypt runs from a burst of 4. (16 new
+    connections, each with a first credential that is wrong, use up the first-login budget of
+    their address too: what cannot be told apart from a first login before bcrypt is paid as one.)"""
     server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=4.0)
     release = hold_guesses(server)
     guessers = [open_from(server, "127.0.0.1") for _ in range(16)]
@@ -457,3 +459,69 @@ def test_trusted_connections_of_one_address_have_one_place_at_the_front_and_pay_
     finally:
         for sock in conns:
             sock.close()
+
+
+_GUESS_NUMBER = iter(range(1 << 30))
+
+
+def keep_alive_guesses(sock: socket.socket, count: int) -> list[int]:
+    """``count`` wrong passwords never sent before, one after the other on ``sock``: their statuses."""
+    statuses = []
+    for _ in range(count):
+        sock.sendall(auth_request(f"wrong-{next(_GUESS_NUMBER)}"))
+        statuses.append(status_of(sock))
+    return statuses
+
+
+def test_a_first_login_from_the_address_of_a_keep_alive_flood_is_not_refused(serve, tmp_path):
+    """Issue 37, item 3: guesses repeated on keep-alive connections used up their address's tokens,
+    and a right first login from that address (Prometheus behind the attacker's SNAT or mesh proxy)
+    got 429. A connection's credentials after one is refused are GUESSes, on a budget of their own:
+    the first login's budget is used up only by first credentials of new connections."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=4.0)
+    guessers = [open_from(server, "127.0.0.1") for _ in range(2)]
+    try:
+        flood = [keep_alive_guesses(sock, 6) for sock in guessers]
+        # the address's 4 guess tokens; each connection's first credential is paid as a first
+        # login too (4 tokens of their own: 1 left after the second connection's), in debt to the guesses
+        assert flood == [[401] * 4 + [429] * 2, [401] + [429] * 5]
+        assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200  # was 429
+        assert keep_alive_guesses(guessers[0], 2) == [429, 429]        # and the flood still pays
+    finally:
+        for sock in guessers:
+            sock.close()
+
+
+def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
+    """The bound on a first login's wait: the bcrypt run in progress on the verifier kept for first
+    logins and rotated passwords (none here), then its own; never the guesses queued or running."""
+    server = users_server(serve, tmp_path, auth_workers=2, auth_rate=0.001, auth_burst=8.0)
+    guessers = [open_from(server, "127.0.0.1") for _ in range(4)]
+    release = hold_guesses(server)
+    try:
+        for sock in guessers:
+            assert keep_alive_guesses(sock, 1) == [401]     # refused: their next credentials are GUESSes
+            sock.sendall(auth_request("guess-held"))         # held in bcrypt until released
+        assert wait_for(lambda: server.pending_verifications >= 4)
+        start = time.monotonic()
+        assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200
+        assert time.monotonic() - start < 5.0 and not release.is_set()   # the guesses still held
+    finally:
+        release.set()
+        for sock in guessers:
+            sock.close()
+
+
+def test_a_repeated_wrong_password_is_answered_from_the_cache_and_uses_no_token(serve, tmp_path):
+    """A client repeating one wrong password (an old replica's) costs one bcrypt run and one token,
+    not one per request: the address's guesses and first logins stay for others."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=2.0)
+    calls = []
+    real = server.app.basic_auth.verify
+    server.app.basic_auth.verify = lambda *args: calls.append(args) or real(*args)
+    with open_from(server, "127.0.0.1") as sock:
+        for _ in range(10):
+            sock.sendall(auth_request("old-password"))
+            assert status_of(sock) == 401
+    assert len(calls) == 1
+    assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200

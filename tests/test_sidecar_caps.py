@@ -21,9 +21,11 @@ TEXT = "text/plain; version=0.0.4"
 
 
 def _spool(tmp_path, count, **fields):
-    """``count`` ranks, one per pid; ``fields`` maps a Snapshot field to a function of the index."""
+    """``count`` ranks, one per pid, written at one time (so the caps keep them in label order);
+    ``fields`` maps a Snapshot field to a function of the index."""
+    now = time.time()
     for index in range(count):
-        write(tmp_path, snapshot(rank=index, pid=1000 + index,
+        write(tmp_path, snapshot(rank=index, pid=1000 + index, written_at=now,
                                  **{name: make(index) for name, make in fields.items()}))
     return str(tmp_path)
 
@@ -150,3 +152,30 @@ def test_label_values_that_differ_only_past_the_cut_make_one_series_not_two(tmp_
     assert checked.returncode == 0, checked.stderr[:300]
     sidecar.log_changes(observation)
     assert len(sidecar._logged_ranks) == 1
+
+
+def test_junk_ranks_that_sort_first_cannot_push_a_live_rank_out(tmp_path):
+    """Issue 37, item 1: ranks were admitted in label order, so max_ranks junk files whose labels
+    sort first pushed out the one live rank. Now a writer /proc shows alive here goes first (the
+    junk here is even dated later than the live rank), then the most recently written."""
+    import os
+    import socket
+
+    now = time.time()
+    for index in range(6):        # device "a..." sorts before "npu:7"; pids no /proc here can check
+        write(str(tmp_path), snapshot(rank=index, device=f"a{index}", pid=1000 + index, host="elsewhere",
+                                      written_at=now))
+    live = snapshot(rank=7, device="npu:7", pid=os.getpid(), written_at=now - 2)
+    write(str(tmp_path), live.__class__(**{**live.__dict__, "host": socket.gethostname(), "started_at": now - 1}))
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=4)).observe()
+    assert str(os.getpid()) in {view.labels["pid"] for view in observation.ranks}
+    assert len(observation.ranks) == 4 and observation.cut == {"max_ranks": 3}
+
+
+def test_past_a_cap_the_most_recently_written_ranks_are_kept(tmp_path):
+    now = time.time()
+    for index in range(6):
+        write(str(tmp_path), snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere",
+                                      written_at=now - 60 + index))
+    observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=2)).observe()
+    assert sorted(view.labels["rank"] for view in observation.ranks) == ["4", "5"]

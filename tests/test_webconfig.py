@@ -199,8 +199,9 @@ def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve
     assert get(server, auth=("prometheus", "s3cret"))[0] == 200
     (line,) = reload_errors(caplog)
     assert line.startswith("keeping the previous one: ") and "\n" not in line
-    assert server.web_config.reload_errors_total == 1 and server.web_config.status() == \
-        (False, {"success": 0, "failure": 1, "refused_weaker": 0})
+    applied, results = server.web_config.status()
+    assert server.web_config.reload_errors_total == 1 and not applied
+    assert {outcome: n for outcome, n in results.items() if n} == {("failure", ""): 1}
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -262,7 +263,8 @@ def test_a_reload_that_would_switch_basic_auth_off_keeps_the_old_config_says_so_
     time.sleep(0.05)
     body = server.exposition.body("", False)[0].decode()
     assert "kvguard_web_config_last_reload_successful 0.0" in body
-    assert re.search(r'kvguard_web_config_reloads_total\{result="(failure|refused_weaker)"\} 1\.0', body)
+    assert re.search(r'kvguard_web_config_reloads_total\{reason="(|auth_off)",result="(failure|refused_weaker)"\} 1\.0',
+                     body)
 
 
 def test_with_allow_auth_off_a_reload_may_switch_basic_auth_off(serve, tmp_path):
@@ -346,3 +348,76 @@ def test_server_options_without_allow_auth_off_keep_auth_on_a_reload_to_no_users
     server.web_config.check_interval = 0.0
     reload(server)
     assert get(server)[0] == 401 and server.web_config.status()[0] is False
+
+
+# ------------------------------------------------------------------ issue 37 item 4: mTLS downgrades
+
+MTLS = {"client_auth_type": "RequireAndVerifyClientCert", "client_ca_file": "{pki}/ca.crt", "min_version": "TLS13"}
+
+
+def mtls_config(pki, **changes) -> str:
+    settings = {key: str(value).format(pki=pki) for key, value in {**MTLS, **changes}.items() if value is not None}
+    return tls_config(pki, **settings)
+
+
+def tls12_context(pki, cert: str | None = "client") -> ssl.SSLContext:
+    context = client_context(pki, cert=cert)
+    context.maximum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def reloads_by_reason(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server.sidecar.refresh_background(wait=2.0)
+    time.sleep(0.05)
+    body = server.exposition.body("", False)[0].decode()
+    family = {f.name: f for f in text_string_to_metric_families(body)}["kvguard_web_config_reloads"]
+    return {s.labels["reason"]: s.value for s in family.samples
+            if s.name.endswith("_total") and s.labels["result"] == "refused_weaker" and s.value}
+
+
+@pytest.mark.parametrize(("changes", "reason", "still_refused"), [
+    ({"client_auth_type": "NoClientCert", "client_ca_file": None}, "client_auth", {"cert": None}),
+    ({"client_auth_type": "VerifyClientCertIfGiven"}, "client_auth", {"cert": None}),
+    ({"min_version": "TLS12"}, "min_version", {"tls12": True}),
+])
+def test_a_reload_that_would_downgrade_mtls_keeps_the_old_config_logs_an_error_and_counts_it(
+        serve_web, pki, tmp_path, caplog, changes, reason, still_refused):
+    """Issue 37, item 4: lowering client_auth_type (the client CA removed with it) or min_version
+    was applied on reload without a word; now it is kept out as switching basic auth off is."""
+    server = serve_web(mtls_config(pki))
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200
+    (tmp_path / "web.yml").write_text(mtls_config(pki, **changes))
+    reload(server)
+    weaker = tls12_context(pki) if still_refused.get("tls12") else client_context(pki, cert=still_refused["cert"])
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):   # the old config still in force
+        get(server, context=weaker)
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200
+    (line,) = reload_errors(caplog)
+    assert line.startswith("keeping the previous one: ") and "allow-auth-off" in line
+    assert server.web_config.status()[0] is False
+    assert reloads_by_reason(server) == {reason: 1.0}
+
+
+def test_with_allow_auth_off_a_reload_may_downgrade_mtls(serve, pki, tmp_path):
+    path = tmp_path / "web.yml"
+    path.write_text(mtls_config(pki))
+    server = serve(snapshot(), web_config=WebConfigWatcher(str(path), check_interval=0.0, allow_auth_off=True))
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        get(server, context=client_context(pki))
+    path.write_text(mtls_config(pki, client_auth_type="NoClientCert", client_ca_file=None, min_version="TLS12"))
+    reload(server)
+    assert get(server, context=tls12_context(pki, cert=None))[0] == 200
+    assert server.web_config.status()[0] is True
+
+
+def test_a_reload_that_strengthens_mtls_applies(serve_web, pki, tmp_path):
+    server = serve_web(mtls_config(pki, client_auth_type="VerifyClientCertIfGiven", min_version="TLS12"))
+    assert get(server, context=tls12_context(pki, cert=None))[0] == 200
+    (tmp_path / "web.yml").write_text(mtls_config(pki))
+    reload(server)
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        get(server, context=client_context(pki))
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200
+    assert server.web_config.status()[0] is True

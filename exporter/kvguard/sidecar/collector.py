@@ -339,16 +339,18 @@ def _other_families(obs: Observation, cached: str, over_bytes: int = 0) -> _Fami
     _add(truncated, [], obs.labels_truncated)
 
     reload_ok = fam.gauge("kvguard_web_config_last_reload_successful", "1 when the last reload of --web.config.file "
-                          "was applied, 0 when it failed or was refused (it would have switched basic auth or TLS "
-                          "off) and the previous config stays in force.")
+                          "was applied, 0 when it failed or was refused (it would have weakened authentication or "
+                          "TLS) and the previous config stays in force.")
     reloads = fam.counter("kvguard_web_config_reloads_total", "Reloads of --web.config.file since the exporter "
-                          "started, by result: success, failure (it did not load), refused_weaker (it would have "
-                          "switched basic auth or TLS off).", ["result"])
+                          "started, by result: success, failure (it did not load), refused_weaker (kept the old "
+                          "config: it would have weakened authentication or TLS), and for refused_weaker the "
+                          "reason: auth_off, tls_on_off, client_auth (lower client_auth_type), min_version.",
+                          ["result", "reason"])
     if obs.web_config is not None:
         applied, results = obs.web_config
         _add(reload_ok, [], 1 if applied else 0)
-        for result, count in results.items():
-            _add(reloads, [result], count)
+        for (result, reason), count in results.items():
+            _add(reloads, [result, reason], count)
 
     build = fam.gauge("kvguard_build_info", "Always 1; the kvguard build that serves these metrics.",
                       ["version", "python_version"])

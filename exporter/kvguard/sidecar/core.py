@@ -180,7 +180,7 @@ class Sidecar:
             return
         spool_read = self._spool.state.value if self._spool else None
         newest, _ = newest_per_rank((spool_read or SpoolRead()).snapshots, self._label_key)
-        newest, _ = self._living(newest, time.time())
+        newest, _, _ = self._living(newest, time.time())
         with self._lock:
             self._counter_increases(newest, time.monotonic())
 
@@ -269,32 +269,41 @@ class Sidecar:
             why.append("no spool, startup log or vLLM metrics configured")
         return "; ".join(why) or "nothing to read"
 
-    def _living(self, newest: dict[tuple, Snapshot], now_wall: float) -> tuple[dict[tuple, Snapshot], Counter]:
-        """The ranks that have not aged out (the module's docstring), and how many did, by reason."""
-        living, aged_out = {}, Counter()
+    def _living(self, newest: dict[tuple, Snapshot], now_wall: float
+                ) -> tuple[dict[tuple, Snapshot], Counter, set[tuple]]:
+        """The ranks that have not aged out (the module's docstring), how many did, by reason, and
+        the keys of those whose writer /proc shows alive here (a probe of this host and pid namespace)."""
+        living, aged_out, alive = {}, Counter(), set()
         if self.config.post_mortem:
-            return dict(newest), aged_out
+            return dict(newest), aged_out, alive
         for key, snap in newest.items():
+            local = snap.host == self._host and snap.pid_namespace and snap.pid_namespace == self._pid_namespace
             if now_wall - snap.written_at > self.forget_after:
                 aged_out[NOT_WRITTEN] += 1
-            elif snap.host == self._host and snap.pid_namespace and snap.pid_namespace == self._pid_namespace \
-                    and process_gone(snap.pid, snap.written_at):
+            elif local and process_gone(snap.pid, snap.written_at):
                 aged_out[PROCESS_EXITED] += 1
             else:
                 living[key] = snap
-        return living, aged_out
+                if local and snap.pid > 0:
+                    alive.add(key)
+        return living, aged_out, alive
 
-    def _within_caps(self, newest: dict[tuple, Snapshot], vllm) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
-        """The ranks within max_ranks and the distinct engine, model and pod caps, in label-key order
-        (believably dated snapshots first, so that a flood dated in the future cannot push live ranks
-        out), and how many were cut, by the first cap each met."""
+    def _within_caps(self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset()
+                     ) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
+        """The ranks within max_ranks and the distinct engine, model and pod caps, and how many were
+        cut, by the first cap each met. Admitted liveliest first, never in label order (names that
+        sort first would push live ranks out): believably dated before dated in the future, a
+        writer /proc shows alive here (``alive``) before one it cannot, then the most recently
+        written, then label order."""
         config = self.config
         kept: list[tuple[tuple, Snapshot]] = []
         cut: Counter = Counter()
         engines: set = set()
         models: set = set()
         pods: set = set()
-        for key, snap in sorted(newest.items(), key=lambda item: (item[1].clamped_from is not None, item[0])):
+        order = sorted(newest.items(), key=lambda item: (item[1].clamped_from is not None, item[0] not in alive,
+                                                         -item[1].written_at, item[0]))
+        for key, snap in order:
             pod = (key[4], key[3])
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
             engine_label = (config.engine_of(key[3], snap.host), snap.engine or (engine.engine if engine else ""))
@@ -334,8 +343,8 @@ class Sidecar:
         newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
         if duplicates:
             skipped[DUPLICATE] += duplicates
-        newest, aged_out = self._living(newest, now_wall)
-        admitted, cut = self._within_caps(newest, vllm)
+        newest, aged_out, alive = self._living(newest, now_wall)
+        admitted, cut = self._within_caps(newest, vllm, alive)
         newest = dict(admitted)
         increases = {} if config.one_shot else self._counter_increases(newest, now)
 

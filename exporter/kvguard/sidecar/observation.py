@@ -96,7 +96,7 @@ class Observation:
     labels_truncated: int = 0                            # label values cut to max_label_chars
     max_metrics_bytes: int | None = None                 # the /metrics rank series stay within this
     # --web.config.file's reloads: (the last one applied, reloads by result); None without a web config
-    web_config: tuple[bool, Mapping[str, int]] | None = None
+    web_config: tuple[bool, Mapping[tuple[str, str], int]] | None = None
 
     @property
     def state(self) -> str:

@@ -20,20 +20,32 @@ and threads are bounded whatever it sends:
 - what is not cheap (a /metrics or /guard build, /readyz after a refresh) goes to a pool of
   ``workers`` threads, /readyz first; pipelined requests are taken one at a time per connection,
   so at most one request per connection is queued and nothing is refused for being busy (no 503);
-- basic-auth credentials already verified are checked in the loop in constant time; others go to
-  a pool of ``auth_workers`` bcrypt threads of their own (kvguard.sidecar.webconfig.BasicAuth).
+- basic-auth credentials already verified are checked in the loop in constant time, and those
+  bcrypt has already refused are answered 401 from a bounded cache (kvguard.sidecar.webconfig.BasicAuth),
+  using up no token; others go to a pool of ``auth_workers`` bcrypt threads of their own.
   The cost of wrong guesses falls on the guessers: each credential handed to bcrypt takes one of
   its source address's tokens (``auth_rate`` a second, ``auth_burst`` at once), given back when
   bcrypt accepts it, so only refused passwords use them up and an address never has more
   credentials in bcrypt's hands than tokens, whatever its number of connections. At most
-  ``auth_queue_per_source`` of an address's credentials are in the queue (``auth_queue`` in all,
-  429 beyond); the rest wait outside it for their address's turn, not refused for their number
-  (right first logins), and are refused (429) once the address has neither tokens nor credentials
-  out. So one address cannot fill the queue and lock out others' new logins (_AuthGate). A
-  connection that has had a credential accepted (Prometheus' keep-alive connection, its password
-  just rotated) has its new credential checked before the others, on a budget of its own that
-  others' guesses do not use up, one such credential per address at a time (more are admitted as
-  any other); a 401 ends the connection's trust;
+  ``auth_queue_per_source`` of an address's credentials are in the queue (``auth_queue`` of a kind in all,
+  429 beyond); the rest wait outside it for their address's turn, not refused for their number,
+  and are refused (429) once the address has neither tokens nor credentials out. So one address
+  cannot fill the queue and lock out others' new logins (_AuthGate).
+  Credentials come in three kinds, by what their connection has shown, each with tokens of its own
+  per address: FRONT, a connection that has had a credential accepted (Prometheus' keep-alive
+  connection, its password just rotated: one per address at the front of the queue); FRESH, one
+  that has had no credential refused (a first login); GUESS, one that has had a 401 or a 429.
+  bcrypt takes FRONT, then FRESH, then GUESS, and with two threads or more one is kept for the
+  first two. So guesses repeated on keep-alive connections, from any address (a mesh proxy or SNAT
+  puts Prometheus behind the attacker's), never refuse or delay a first login: it waits only for
+  the FRONT and FRESH credentials queued ahead of it (none under a keep-alive flood; at most one
+  and ``auth_queue_per_source`` per address, within their tokens) and for the bcrypt run in
+  progress on the kept thread (with one thread, on it), then for its own. A FRESH credential
+  refused is paid from both budgets (the GUESS one into debt), so an address's wrong guesses
+  still never outrun ``auth_rate`` beyond two bursts. What no server can tell apart before
+  bcrypt: an attacker opening a new connection for each guess (at ``auth_rate`` a second or
+  more) from the first login's address uses up the FRESH budget too, and the first login then
+  waits for it or gets 429, as on every other budget;
   a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
   read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
 - new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
@@ -127,11 +139,11 @@ class ServerOptions:
     max_connections: int = 1024
     workers: int = 4                    # build /metrics and /guard; the event loop sends
     output_limit: int = 256 * 1024      # unsent bytes past which a connection is not read until it drains
-    # bcrypt runs for credentials not verified yet (~70 ms each); of two or more, one is kept for new
-    # credentials on connections that have had one accepted (a rotated password)
+    # bcrypt runs for credentials not verified yet (~70 ms each at cost 10); of two or more, one is kept
+    # for rotated passwords and first logins, never a guess's (kvguard.sidecar.server's docstring)
     auth_workers: int = 2
-    auth_queue: int = 64                # credentials waiting for the others; beyond, 429
-    auth_rate: float = 1.0              # refused guesses per second and source address (429 beyond)
+    auth_queue: int = 64                # first logins, and guesses, waiting for bcrypt (each); beyond, 429
+    auth_rate: float = 1.0              # refused guesses per second, source address and kind (429 beyond)
     auth_burst: float = 4.0
     # credentials of one source address queued for or in bcrypt at once (the rest of its wait apart,
     # outside the queue), so that one address cannot fill ``auth_queue``; at most its tokens, too
@@ -342,13 +354,17 @@ class Application:
         # the same budget again, for new credentials on connections that have had one accepted: others'
         # guesses do not use it up, and their own wrong ones do (a 401 also ends the connection's trust)
         self.trusted_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
+        # and again for first logins (connections that have had no credential refused): guesses
+        # repeated on refused connections do not use it up (kvguard.sidecar.server's docstring)
+        self.fresh_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
         self.authenticated = False      # the last routed request's credential was accepted
+        self.credential_refused = False  # the last routed request's credential was wrong (not just missing)
         self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
 
     def route(self, request: Request, source: str = "", trusted: bool = False) -> Response | str | Verify:
         """``trusted``: the connection has had a credential accepted (kvguard.sidecar.server's docstring).
         After the call, ``authenticated`` says whether this request's credential was accepted."""
-        self.authenticated = False
+        self.authenticated = self.credential_refused = False
         if request.method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
         path = request.path
@@ -428,6 +444,7 @@ class Application:
                 self.authenticated = True
                 return True
             if self.basic_auth.refused(users, given_user, given_password):
+                self.credential_refused = True
                 return wrong
             return Verify(users, given_user, given_password)   # admitted (or 429) by the server's _AuthGate
         if not user or not password:   # refused at startup; never an open door here either
@@ -436,64 +453,73 @@ class Application:
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
         ok_password = hmac.compare_digest(given_password.encode(), password.encode())
         self.authenticated = ok_user and ok_password
+        self.credential_refused = not self.authenticated
         return True if ok_user and ok_password else wrong
 
 
 # ------------------------------------------------------------------------------ connections
 
+# The kinds of credentials bcrypt has to check, by what their connection has shown (_admit): FRONT,
+# a connection that has had a credential accepted (a rotated password); FRESH, one that has had
+# none refused (a first login); GUESS, one that has (who sent a wrong password before).
+FRONT, FRESH, GUESS = "front", "fresh", "guess"
+
+
 class _VerifyQueue:
-    """Credentials waiting for bcrypt: those of connections that have had a credential accepted
-    first, then the others in order of arrival, at most ``limit`` of those (put() is False
-    beyond). The first kind is bounded by the source addresses (_AuthGate: one each)."""
+    """Credentials waiting for bcrypt, served FRONT first, then FRESH, then GUESS, each kind in order
+    of arrival; at most ``limit`` each of FRESH and GUESS (put() is False beyond). FRONT is bounded
+    by the source addresses (_AuthGate: one each)."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self._ready = threading.Condition()
-        self._first: deque[Any] = deque()
-        self._rest: deque[Any] = deque()
-        self._first_running = 0
+        self._queues: dict[str, deque[Any]] = {FRONT: deque(), FRESH: deque(), GUESS: deque()}
+        self._privileged_running = 0
 
-    def put(self, item: Any, first: bool = False) -> bool:
+    def put(self, item: Any, kind: str = GUESS) -> bool:
         with self._ready:
-            if not first and len(self._rest) >= self.limit:
+            waiting = self._queues[kind]
+            if kind != FRONT and len(waiting) >= self.limit:
                 return False
-            (self._first if first else self._rest).append(item)
-            self._ready.notify_all()     # the verifier kept for the first kind may be the one idle
+            waiting.append(item)
+            self._ready.notify_all()     # the verifier kept for FRONT and FRESH may be the one idle
             return True
 
-    def get(self, first_only: bool = False) -> Any:
-        """The next item; with ``first_only``, the next of the first kind (a verifier kept for them).
-        No item of the other kind is handed out while one of the first is being checked: its bcrypt
-        run has the CPU to itself, not shared with a guess's (call done() after each item)."""
+    def get(self, kept: bool = False) -> Any:
+        """The next item; with ``kept``, the next FRONT or FRESH one (a verifier kept for them). No
+        GUESS is handed out while a FRONT or FRESH one is being checked: its bcrypt run has the CPU
+        to itself, not shared with a guess's (call done() after each item)."""
         with self._ready:
-            while not self._first and (first_only or not self._rest or self._first_running):
+            while True:
+                for kind in (FRONT, FRESH):
+                    if self._queues[kind]:
+                        item = self._queues[kind].popleft()
+                        if item is not None:
+                            self._privileged_running += 1
+                        return item
+                if not kept and self._queues[GUESS] and not self._privileged_running:
+                    return self._queues[GUESS].popleft()
                 self._ready.wait()
-            if self._first:
-                item = self._first.popleft()
-                if item is not None:
-                    self._first_running += 1
-                return item
-            return self._rest.popleft()
 
-    def done(self, first: bool) -> None:
-        if first:
+    def done(self, kind: str) -> None:
+        if kind != GUESS:
             with self._ready:
-                self._first_running -= 1
+                self._privileged_running -= 1
                 self._ready.notify_all()
 
     def stop_one(self) -> None:
         """Wake one verifier with None, its signal to end."""
         with self._ready:
-            self._first.appendleft(None)
+            self._queues[FRONT].appendleft(None)
             self._ready.notify_all()
 
     def clear(self) -> None:
         with self._ready:
-            self._first.clear()
-            self._rest.clear()
+            for waiting in self._queues.values():
+                waiting.clear()
 
     def qsize(self) -> int:
-        return len(self._first) + len(self._rest)
+        return sum(len(waiting) for waiting in self._queues.values())
 
 
 class _AuthGate:
@@ -584,7 +610,7 @@ class _AuthGate:
 class _Conn:
     __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
                  "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
-                 "close_after", "closed", "hold_until", "key", "trusted")
+                 "close_after", "closed", "hold_until", "key", "trusted", "refused")
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
@@ -608,6 +634,7 @@ class _Conn:
         self.closed = False
         self.hold_until: float | None = None  # its output is held back until then (a wrong password)
         self.trusted = False                 # basic auth accepted a credential on it: its new ones go first
+        self.refused = False                 # a credential on it was answered 401 or 429: its new ones go last
 
 
 class KVGuardServer:
@@ -654,10 +681,12 @@ class KVGuardServer:
         # max_connections without a cap of their own: a busy server queues, it does not refuse.
         self._work: queue.PriorityQueue[tuple[int, int, _Conn | None, Any]] = queue.PriorityQueue()
         self._verify = _VerifyQueue(options.auth_queue)
-        # Per source address: at most auth_queue_per_source of its credentials in the queue (the
-        # rest wait outside it) and one in the front of it; tokens from the app's limiters.
-        self._gate = _AuthGate(self.app.guesses, min(options.auth_queue_per_source, options.auth_queue))
-        self._front_gate = _AuthGate(self.app.trusted_guesses, 1)
+        # Per source address and kind: at most auth_queue_per_source of its credentials in the queue
+        # (the rest wait outside it), one at the front; tokens from the app's limiters.
+        per_source = min(options.auth_queue_per_source, options.auth_queue)
+        self._gates = {FRONT: _AuthGate(self.app.trusted_guesses, 1),
+                       FRESH: _AuthGate(self.app.fresh_guesses, per_source),
+                       GUESS: _AuthGate(self.app.guesses, per_source)}
         self._sequence = itertools.count()
         self._verifying = 0
         self._swept_at = 0.0
@@ -695,7 +724,7 @@ class KVGuardServer:
     @property
     def pending_verifications(self) -> int:
         """Credentials waiting for (or in) a bcrypt run, those waiting for their address's turn included."""
-        return self._verify.qsize() + self._verifying + self._gate.waiting()
+        return self._verify.qsize() + self._verifying + sum(gate.waiting() for gate in self._gates.values())
 
     def url(self, path: str = "/", host: str | None = None) -> str:
         host = host or self.options.listen
@@ -728,7 +757,8 @@ class KVGuardServer:
         self._closed = True
         self._stop.set()
         self._verify.clear()   # guesses still waiting for bcrypt are dropped, not checked
-        self._gate.clear()
+        for gate in self._gates.values():
+            gate.clear()
         for worker in self._workers:
             if worker.name.startswith("kvguard-bcrypt"):
                 self._verify.stop_one()
@@ -755,8 +785,8 @@ class KVGuardServer:
             worker.start()
             self._workers.append(worker)
         for index in range(max(1, self.options.auth_workers)):
-            # With two or more, the first is kept for connections that have had a credential accepted:
-            # a rotated password waits for its own bcrypt run only, never for others' guesses.
+            # With two or more, the first is kept for FRONT and FRESH credentials (a rotated password,
+            # a first login): they wait for one bcrypt run in progress at most, never for guesses.
             kept = index == 0 and self.options.auth_workers > 1
             worker = threading.Thread(target=self._verifier, args=(kept,), name=f"kvguard-bcrypt-{index}",
                                       daemon=True)
@@ -1006,10 +1036,10 @@ class KVGuardServer:
             return False
         outcome = self.app.route(request, conn.source, conn.trusted)
         if isinstance(outcome, Response):
-            if outcome.status == 429:
-                self.rejected_total += 1
-            elif outcome.status == 401:
-                conn.trusted = False     # a wrong credential ends the connection's trust
+            if outcome.status in (401, 429):
+                self.rejected_total += outcome.status == 429
+                # a wrong credential ends the connection's trust; its next ones are GUESSes
+                conn.trusted, conn.refused = False, conn.refused or self.app.credential_refused
             elif self.app.authenticated:
                 conn.trusted = True
             self._respond(conn, request, outcome)
@@ -1027,17 +1057,22 @@ class KVGuardServer:
 
     def _admit(self, conn: _Conn, request: Request, check: Verify) -> None:
         """Hand credentials to bcrypt, keep them waiting for their address's turn, or answer 429
-        (_AuthGate). A connection that has had a credential accepted goes to the front of the queue
-        while its address has no other there and trusted tokens left; else it is admitted as any other."""
+        (_AuthGate), by kind: a connection that has had a credential accepted goes to the front of
+        the queue while its address has no other there and trusted tokens left (FRONT); else one
+        that has had none refused is a first login (FRESH); else a GUESS. Each kind has tokens of
+        its own per address, so guesses repeated on connections already refused (a keep-alive
+        flood) never use up the tokens of a first login from the same address."""
         conn.in_worker = True
-        if conn.trusted and self._front_gate.try_start(conn.source):
-            self._enqueue((conn, request, check, True))
+        if conn.trusted and self._gates[FRONT].try_start(conn.source):
+            self._enqueue((conn, request, check, FRONT))
             return
-        verdict = self._gate.admit(conn.source, (conn, request, check, False))
+        kind = GUESS if conn.refused else FRESH
+        verdict = self._gates[kind].admit(conn.source, (conn, request, check, kind))
         if verdict == _AuthGate.START:
-            self._enqueue((conn, request, check, False))
+            self._enqueue((conn, request, check, kind))
         elif verdict == _AuthGate.REFUSE:
             conn.in_worker = False
+            conn.trusted, conn.refused = False, True
             self.rejected_total += 1
             self._respond(conn, request, self._too_many(
                 "too many unverified credentials from this address; retry later\n"))
@@ -1045,14 +1080,17 @@ class KVGuardServer:
     def _enqueue(self, item: tuple) -> None:
         """Queue an admitted credential for bcrypt; if the queue is full, 429 and its place given back.
         Any thread (the event loop, or a bcrypt thread starting the next of an address)."""
-        if not self._verify.put(item, first=item[3]):
+        if not self._verify.put(item, item[3]):
             self._finished(item[0].source, item[3], True, item)
 
-    def _finished(self, source: str, front: bool, accepted: bool, unqueued: tuple | None = None) -> None:
+    def _finished(self, source: str, kind: str, accepted: bool, unqueued: tuple | None = None) -> None:
         """One credential of ``source`` is done with bcrypt (or, ``unqueued``, found the queue full:
         429, its token given back): start those of its address next in line, or refuse them once it
-        has neither tokens nor credentials out."""
-        gate = self._front_gate if front else self._gate
+        has neither tokens nor credentials out. A FRESH one refused uses up a GUESS token of its
+        address too: what a connection guesses first is paid from both budgets."""
+        gate = self._gates[kind]
+        if kind == FRESH and not accepted and unqueued is None:
+            self.app.guesses.spend(source)
         refused = [(unqueued, "too many credentials waiting; retry later\n")] if unqueued else []
         done = 1
         while done:
@@ -1062,11 +1100,12 @@ class KVGuardServer:
             refused += [(item, "too many unverified credentials from this address; retry later\n")
                         for item in refuse]
             for item in start:
-                if not self._verify.put(item, first=item[3]):
+                if not self._verify.put(item, item[3]):
                     refused.append((item, "too many credentials waiting; retry later\n"))
                     done += 1            # its place and token back, in this loop rather than recursing
         for (conn, request, _, _), text in refused:
             self.rejected_total += 1
+            conn.trusted, conn.refused = False, True
             self._hand_back(conn, request, self._too_many(text))
 
     def _respond(self, conn: _Conn, request: Request | None, response: Response) -> None:
@@ -1300,15 +1339,15 @@ class KVGuardServer:
                 response = _text(500, f"error: {type(exc).__name__}\n")
             self._hand_back(conn, request, response)
 
-    def _verifier(self, first_only: bool = False) -> None:
+    def _verifier(self, kept: bool = False) -> None:
         """Runs bcrypt for credentials not verified yet, apart from the workers: a flood of guesses
         waits here, never in front of a scrape whose credentials are already verified (nor, with
-        ``first_only``, in front of a new credential on a connection that has had one accepted)."""
+        ``kept``, in front of a rotated password or a first login: _VerifyQueue)."""
         while True:
-            item = self._verify.get(first_only)
+            item = self._verify.get(kept)
             if item is None:
                 return
-            conn, request, check, first = item
+            conn, request, check, kind = item
             with self._verifying_lock:
                 self._verifying += 1
             try:
@@ -1316,18 +1355,18 @@ class KVGuardServer:
             except Exception:   # noqa: BLE001
                 ok = False
             finally:
-                self._verify.done(first)
+                self._verify.done(kind)
                 with self._verifying_lock:
                     self._verifying -= 1
             if ok:
                 conn.trusted = True
                 self._work.put((_SCRAPE, next(self._sequence), conn, request))
             else:
-                conn.trusted = False   # a wrong credential ends the connection's trust
+                conn.trusted, conn.refused = False, True   # a wrong credential ends the connection's trust
                 self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
                                                      delay=self.options.auth_failure_delay))
             # the guesser's address pays (its token is not given back), not those who get it right
-            self._finished(conn.source, first, ok)
+            self._finished(conn.source, kind, ok)
 
 
 _LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),

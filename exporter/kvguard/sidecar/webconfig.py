@@ -34,9 +34,9 @@ curve, and ``rate_limit``.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
+import secrets
 import ssl
 import stat
 import sys
@@ -332,25 +332,32 @@ class BasicAuth:
       (user, password, hash) compared in constant time with the few kept for that user; no bcrypt.
       Only successes are kept, so a flood of wrong passwords cannot push a valid one out (one
       cache for both, as before, could);
+    - :meth:`refused`: is it one that bcrypt has already refused? Those are answered 401 again
+      without bcrypt and without using up their address's budget of guesses (kvguard.sidecar.server),
+      so a client repeating a wrong password (an old Prometheus replica behind the same SNAT
+      address) costs a dictionary look-up, not the address's new logins. At most REFUSED_SIZE are
+      kept, the least recently presented forgotten first;
     - :meth:`verify`: the bcrypt run for anything else (kvguard.sidecar.server runs it in a small pool of
-      its own); a success joins the verified ones, a failure a bounded list of refusals that are
-      answered again without bcrypt.
+      its own); a success joins the verified ones, a failure the refused ones.
 
-    exporter-toolkit caches the same way (web/handler.go: bcrypt once per credential, then the
-    cached answer). A password change in the web config changes the hash, hence every digest."""
+    The digests are HMAC-SHA256 under a key drawn at random per process, so what is kept in memory
+    cannot be tested against guessed passwords without the key. exporter-toolkit caches the same
+    way (web/handler.go: bcrypt once per credential, then the cached answer). A password change in
+    the web config changes the hash, hence every digest."""
 
     VERIFIED_PER_USER = 4
-    REFUSED_SIZE = 256
+    REFUSED_SIZE = 4096       # about 0.5 MB
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._key = secrets.token_bytes(32)
         self._verified: dict[str, list[bytes]] = {}
         self._refused: OrderedDict[bytes, None] = OrderedDict()
 
-    @staticmethod
-    def _digest(user: str, password: str, hashed: bytes) -> bytes:
-        return hashlib.sha256(b"\0".join([user.encode("utf-8", "replace"), password.encode("utf-8", "replace"),
-                                          hashed])).digest()
+    def _digest(self, user: str, password: str, hashed: bytes) -> bytes:
+        # Each part's length first, so that no two (user, password, hash) make one message.
+        parts = [user.encode("utf-8", "replace"), password.encode("utf-8", "replace"), hashed]
+        return hmac.new(self._key, b"".join(len(p).to_bytes(4, "big") + p for p in parts), "sha256").digest()
 
     def verified(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
         """True when bcrypt has accepted these credentials before; constant time in the password."""
@@ -369,7 +376,10 @@ class BasicAuth:
         """True when bcrypt has refused exactly these credentials before (answered 401 without a run)."""
         key = self._digest(user, password, users.get(user) or _NO_USER_HASH)
         with self._lock:
-            return key in self._refused
+            if key not in self._refused:
+                return False
+            self._refused.move_to_end(key)
+            return True
 
     def verify(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
         """The bcrypt check (about 70 ms at cost 10); remembers the answer."""
@@ -436,6 +446,13 @@ class GuessLimiter:
             bucket = self._refill(source)
             bucket[0] = min(self.burst, bucket[0] + 1.0)
 
+    def spend(self, source: str) -> None:
+        """Use up one token for a wrong guess let through by another budget, into debt if none is
+        left: what it lets through is then paid back before this one lets any more through."""
+        with self._lock:
+            bucket = self._refill(source)
+            bucket[0] -= 1.0
+
     def _refill(self, source: str) -> list[float]:
         now = self._clock()
         bucket = self._buckets.get(source)
@@ -460,9 +477,25 @@ class GuessLimiter:
 
 # Why a reload was not applied (kvguard_web_config_reloads_total's result label, beside "success").
 RELOAD_FAILED = "failure"               # the file or a file it names did not load
-RELOAD_REFUSED = "refused_weaker"       # it would switch basic auth or TLS off
+RELOAD_REFUSED = "refused_weaker"       # it would weaken authentication or TLS (one of REFUSED_REASONS)
 RELOAD_RESULTS = ("success", RELOAD_FAILED, RELOAD_REFUSED)
+# What a refused_weaker reload would have done (the reason label): switch basic auth off; switch TLS
+# on or off (needs a restart, as in exporter-toolkit); lower client_auth_type (RequireAndVerifyClientCert
+# to VerifyClientCertIfGiven or NoClientCert, the client CA gone with it); lower min_version.
+# --web.config.allow-auth-off allows all but tls_on_off.
+REFUSED_AUTH_OFF, REFUSED_TLS_ON_OFF, REFUSED_CLIENT_AUTH, REFUSED_MIN_VERSION = \
+    "auth_off", "tls_on_off", "client_auth", "min_version"
+REFUSED_REASONS = (REFUSED_AUTH_OFF, REFUSED_TLS_ON_OFF, REFUSED_CLIENT_AUTH, REFUSED_MIN_VERSION)
+# Every (result, reason) pair the metric shows, zeros included.
+RELOAD_OUTCOMES = (("success", ""), (RELOAD_FAILED, "")) + tuple((RELOAD_REFUSED, r) for r in REFUSED_REASONS)
 RELOAD_TIMEOUT_SECONDS = 10.0
+_VERIFY_STRENGTH = {ssl.CERT_NONE: 0, ssl.CERT_OPTIONAL: 1, ssl.CERT_REQUIRED: 2}
+_VERIFY_NAMES = {ssl.CERT_NONE: "NoClientCert", ssl.CERT_OPTIONAL: "VerifyClientCertIfGiven",
+                 ssl.CERT_REQUIRED: "RequireAndVerifyClientCert"}
+
+
+def _tls_name(version: ssl.TLSVersion) -> str:
+    return next((name for name, value in TLS_VERSIONS.items() if value == version), str(version))
 
 
 def _log_error(message: str, **fields: Any) -> None:
@@ -479,8 +512,9 @@ class WebConfigWatcher:
     ``current()`` never waits: at most once per ``check_interval`` seconds it stats the files, and
     when one changed it starts a reload on a thread of its own (one at a time; the YAML parse and
     the certificate loads stay off the server's event loop) and answers with the config in force.
-    A reload that fails, or that would switch basic auth off (unless ``allow_auth_off``) or TLS
-    on or off, keeps the config in force, is logged at error level and counted by result
+    A reload that fails, or that would weaken authentication (switch basic auth off, lower
+    client_auth_type or min_version: unless ``allow_auth_off``) or switch TLS on or off, keeps the
+    config in force, is logged at error level and counted by result and reason
     (kvguard_web_config_reloads_total); exporter-toolkit's operators expect a config that does not
     load to change nothing. A reload still running after RELOAD_TIMEOUT_SECONDS is logged once.
     """
@@ -497,7 +531,7 @@ class WebConfigWatcher:
         self._checked_at = time.monotonic()
         self.reloads_total = 0
         self.reload_errors_total = 0            # failed or refused
-        self.results: dict[str, int] = dict.fromkeys(RELOAD_RESULTS, 0)
+        self.results: dict[tuple[str, str], int] = dict.fromkeys(RELOAD_OUTCOMES, 0)   # (result, reason)
         self.last_reload_successful = True
         self._tls = self.config.tls_context is not None
         self._reloading: threading.Thread | None = None
@@ -530,27 +564,38 @@ class WebConfigWatcher:
         if thread is not None:
             thread.join(timeout)
 
-    def _weaker(self, config: WebConfig) -> str | None:
+    def _weaker(self, config: WebConfig) -> tuple[str, str] | None:
+        """(reason, why) when ``config`` would weaken what is in force and may not; else None."""
         if (config.tls_context is not None) != self._tls:
-            return "turning TLS on or off needs a restart"
-        if self.config.basic_auth_users and not config.basic_auth_users and not self.allow_auth_off:
-            return ("it lists no basic_auth_users and would switch basic auth off "
-                    "(serve --web.config.allow-auth-off allows that)")
+            return REFUSED_TLS_ON_OFF, "turning TLS on or off needs a restart"
+        if self.allow_auth_off:
+            return None
+        allows = " (serve --web.config.allow-auth-off allows that)"
+        if self.config.basic_auth_users and not config.basic_auth_users:
+            return REFUSED_AUTH_OFF, "it lists no basic_auth_users and would switch basic auth off" + allows
+        old, new = self.config.tls_context, config.tls_context
+        if old is not None and new is not None:
+            if _VERIFY_STRENGTH[new.verify_mode] < _VERIFY_STRENGTH[old.verify_mode]:
+                return REFUSED_CLIENT_AUTH, (f"it lowers client_auth_type from {_VERIFY_NAMES[old.verify_mode]} "
+                                             f"to {_VERIFY_NAMES[new.verify_mode]}" + allows)
+            if new.minimum_version < old.minimum_version:
+                return REFUSED_MIN_VERSION, (f"it lowers min_version from {_tls_name(old.minimum_version)} "
+                                             f"to {_tls_name(new.minimum_version)}" + allows)
         return None
 
     def _reload(self) -> None:
-        result, error = "success", None
+        result, reason, error = "success", "", None
         try:
             config = load_web_config(self.path, allow_empty=False)
-            error = self._weaker(config)
-            if error is not None:
-                result = RELOAD_REFUSED
+            weaker = self._weaker(config)
+            if weaker is not None:
+                result, (reason, error) = RELOAD_REFUSED, weaker
         except WebConfigError as exc:
             result, error = RELOAD_FAILED, str(exc)
         except Exception as exc:   # noqa: BLE001 - a reload thread must say why, never die silently
             result, error = RELOAD_FAILED, one_line(exc, with_type=True)
         with self._lock:
-            self.results[result] += 1
+            self.results[(result, reason)] += 1
             self.last_reload_successful = error is None
             if error is None:
                 self.config = config
@@ -562,7 +607,7 @@ class WebConfigWatcher:
         if error is not None:
             self._warn(f"keeping the previous one: {error}")
 
-    def status(self) -> tuple[bool, dict[str, int]]:
-        """(last reload applied, reloads by result) for the metrics."""
+    def status(self) -> tuple[bool, dict[tuple[str, str], int]]:
+        """(last reload applied, reloads by (result, reason)) for the metrics."""
         with self._lock:
             return self.last_reload_successful, dict(self.results)
