@@ -92,6 +92,7 @@ VALUE_FLAGS: dict[str, Any] = {
     "dtype": _choice(DTYPES),
     "kv-cache-dtype": _choice(KV_CACHE_DTYPES),
     "quantization": str,
+    "performance-mode": _choice(("balanced", "interactivity", "throughput")),   # vLLM 0.17+
 }
 SHORT = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "q": "quantization"}
 # vLLM flags without a value (store_true / BooleanOptionalAction): never take the next word as theirs.

@@ -37,6 +37,7 @@ from kvguard.plan.command import ServeCommand
 from kvguard.plan.devices import DeviceSpec
 from kvguard.plan.max_len import derived_max_model_len, max_len_refusal
 from kvguard.plan.outside import collective_buffers
+from kvguard.plan.serve_defaults import serve_defaults
 from kvguard.sim.quantization import gguf_file_type, with_quantization_flag
 from kvguard.sim.workload import model_shape, weight_tensors
 from kvguard.vllm.eras import (
@@ -62,8 +63,6 @@ CITE_FREE = "vllm/v1/worker/gpu_worker.py 0.11.0:185-195 (init_device)"
 CITE_NO_MEMORY = "vllm/v1/core/kv_cache_utils.py 0.11.0:698-701 (check_enough_kv_cache_memory)"
 CITE_TOO_SMALL = "vllm/v1/core/kv_cache_utils.py 0.11.0:703-722 (check_enough_kv_cache_memory)"
 CITE_HEADS = "vllm/config/model.py 0.11.0:1045-1052 (verify_with_parallel_config)"
-# vLLM's serve defaults when --max-num-seqs / --max-num-batched-tokens are not given.
-CITE_SERVE_DEFAULTS = "vllm/engine/arg_utils.py 0.11.0:1605-1623 (_set_default_args, OPENAI_API_SERVER)"
 
 
 class PlanError(ValueError):
@@ -136,8 +135,9 @@ class Settings:
         return {name: {"value": value, "source": sources[name]} for name, value in data.items()}
 
 
-def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, device_bytes: int | None,
-              device_name: str, block_size_for: Callable[[Era, int | None, Any], int]) -> Settings:
+def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, release: str, version: tuple[int, ...],
+              device_bytes: int | None, device_name: str,
+              block_size_for: Callable[[Era, int | None, Any], int]) -> Settings:
     sources: dict[str, str] = {}
     flags = command.flags
 
@@ -162,12 +162,13 @@ def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, device
         raise PlanError("give --max-model-len: the model config has none of vLLM's length keys")
     max_model_len = take("max-model-len", None if derived is None else int(derived),
                          f"vLLM's derived max_model_len (config.json {length_key}, RoPE scaling applied)")
-    # vLLM's serve defaults: 8192 tokens / 1024 sequences on a device of 70 GiB or more that is not an A100,
-    # else 2048 / 256.
-    large = device_bytes is not None and device_bytes >= 70 * GIB and "A100" not in device_name.upper()
-    note = f"vLLM's serve default ({CITE_SERVE_DEFAULTS}; other releases not read)"
-    max_num_batched_tokens = take("max-num-batched-tokens", 8192 if large else 2048, note)
-    max_num_seqs = take("max-num-seqs", 1024 if large else 256, note)
+    # The release's own serve defaults (kvguard.plan.serve_defaults: the table, cited per row).
+    chosen = serve_defaults(release, vllm_version=_vllm_version(era, version), memory_bytes=device_bytes,
+                            device_name=device_name, max_model_len=max_model_len, platform=_platform(era),
+                            env=command.env, flags_typed=command.ignored,
+                            performance_mode=flags.get("performance-mode"))
+    max_num_batched_tokens = take("max-num-batched-tokens", chosen.max_num_batched_tokens, chosen.note)
+    max_num_seqs = take("max-num-seqs", chosen.max_num_seqs, chosen.note)
     utilization = take("gpu-memory-utilization", era.utilization_default(extensible=False),
                        f"the default of {era.name}")
     given_block = flags.get("block-size")
@@ -230,7 +231,8 @@ def make_plan(command: ServeCommand, config: Mapping[str, Any], *, release: str,
     if measured_profile is None and device is None:
         raise PlanError("give --device (a named device or a size), or a measured --profile")
     device_bytes = device.memory_bytes if device is not None else measured_profile.get("total_memory_bytes")
-    settings = _settings(command, config, era, device_bytes, device.name if device else "", block_size_for)
+    settings = _settings(command, config, era, release, version, device_bytes, device.name if device else "",
+                         block_size_for)
     config = _dtype_config(config, settings.dtype)
     uncertainty: list[str] = []
     refusals: list[dict[str, str]] = []
@@ -606,7 +608,7 @@ def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, 
         out.append(f"{era.name} sizes the KV cache after warm-up with its extensible KV cache by default: not "
                    f"modelled; the plan is its formula without it (utilization {settings.gpu_memory_utilization:g})")
     if "max-num-seqs" not in command.flags or "max-num-batched-tokens" not in command.flags:
-        out.append("--max-num-seqs / --max-num-batched-tokens not given: vLLM 0.11.0's serve defaults assumed")
+        out.append(f"--max-num-seqs / --max-num-batched-tokens not given: {settings.sources['max_num_seqs']}")
 
 
 def _recommended_flags(result: dict[str, Any], era: Era) -> list[str]:
