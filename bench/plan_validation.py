@@ -77,13 +77,13 @@ def config_path(case: dict, directory: str) -> str:
 
 
 def run_plan(case: dict, directory: str) -> dict:
-    """``kvguard plan --json`` for one case; exit 3 (vLLM would refuse) still prints the plan."""
-    from kvguard.cli import main
+    """``kvguard plan --json`` for one case; exit 2 (CRITICAL: vLLM would refuse) still prints the plan."""
+    from kvguard.cli import exits, main
 
     args = ["plan", "--json", "--device", case["device"], "--vllm-version", case["release"], "--model-config",
             config_path(case, directory), "--", *case["serve"]]
     result = CliRunner().invoke(main, args)
-    if result.exit_code not in (0, 3):
+    if result.exit_code not in (exits.OK, exits.CRITICAL):
         raise RuntimeError(f"{case['id']}: kvguard plan exited {result.exit_code}: {result.output.strip()}")
     return json.loads(result.output)
 

@@ -9,13 +9,14 @@ The kvguard package and what it depends on only. The era table is read from
 formulas from ``FORMULAS`` as the era module imports it, the CLI from the click group
 ``kvguard.cli.main``, and the startup-log line kinds from ``kvguard.vllm.log.kinds_markdown``.
 
-Two pages are hand-written prose around generated sections, each between
+Three pages are hand-written prose around generated sections, each between
 ``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the metric families of
 docs/metrics.md, collected from ``KVGuardCollector`` over a fixed observation in which every family has a
 sample (name, type, labels and HELP as client_python gives them), and the keys of docs/reference/json-output.md,
 from ``kvguard budget``, ``simulate`` and ``check --json`` run in-process through click's CliRunner and
-from ``Observation.guard_dict()`` (``/guard``). Only names and types are written, never values, so the
-sections do not change from run to run.
+from ``Observation.guard_dict()`` (``/guard``), and the exit codes of docs/reference/exit-codes.md, from
+``kvguard.cli.exits``. Only names and types are written, never values, so the sections do not change from
+run to run.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def _import_kvguard():
         import kvguard  # noqa: F401
     except ImportError:   # a checkout without the editable install
         sys.path.insert(0, EXPORTER)
+
+
+EMPTY_VALUE = '`""`'    # a label value that is the empty string, written so it shows
 
 
 def cell(value) -> str:
@@ -166,7 +170,7 @@ def cli_page() -> str:
     out = [GENERATED, "# The `kvguard` command", ""]
     doc = (main.help or "").strip().splitlines()
     out += [" ".join(line.strip() for line in doc if line.strip()), ""]
-    from kvguard.cli.options import CLICK_CODES, EXIT_CODES
+    from kvguard.cli import exits
     from kvguard.units import SIZE_HELP
 
     out += [SIZE_HELP.replace("64GB", "`64GB`").replace("64GiB", "`64GiB`").replace("64G:", "`64G`:"),
@@ -198,8 +202,7 @@ def cli_page() -> str:
                 out.append(f"| {flags} | {_type_text(option)} | {_default_text(option)} | "
                            f"{cell(_help_text(option))} |")
             out.append("")
-        codes = EXIT_CODES.get(name, CLICK_CODES)
-        out += ["Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in codes) + ".", ""]
+        out += [exits.summary(name).replace("(docs/reference/exit-codes.md)", "([exit-codes.md](exit-codes.md))"), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -235,6 +238,33 @@ def log_lines_page() -> str:
         "format string each (`kvguard.vllm.log.KINDS`). How the reader cleans a pasted log, finds the era and",
         "concludes: [explanation/log-reading.md](../explanation/log-reading.md).", "",
         kinds_markdown().rstrip("\n"), ""])
+
+
+def exit_codes_section() -> str:
+    """docs/reference/exit-codes.md: ``kvguard.cli.exits``' table, one row per code with the commands that give
+    it, then each command's codes in its own words."""
+    _import_kvguard()
+    from kvguard.cli import exits, main
+
+    commands = sorted(main.commands)
+    out = ["| Exit | Name | Meaning | Given by |", "|---|---|---|---|"]
+    for row in exits.TABLE:
+        given = [name for name in commands if row.code in dict(exits.codes_for(name))]
+        if given == commands:
+            by = "every command"
+        else:
+            by = ", ".join(f"`{name}`" for name in given)
+            if row.code in exits.ERRORS:
+                by = (f"every command but {', '.join(f'`{name}`' for name in exits.NAGIOS_PLUGINS)} "
+                      f"({exits.UNKNOWN} there)")
+        out.append(f"| {row.code} | {row.name} | {cell(row.meaning)} | {by} |")
+    out += ["", "Where a command gives a code for its own reason, in its words:", ""]
+    for name in commands:
+        own = exits.OWN.get(name, {})
+        if own:
+            out.append(f"- `kvguard {name}`: " + "; ".join(f"{code} {cell(meaning)}" for code, meaning
+                                                            in exits.codes_for(name) if code in own) + ".")
+    return "\n".join(out) + "\n"
 
 
 # ----------------------------------------------------------------- a fixed observation
@@ -328,10 +358,10 @@ def example_observation():
     now = time.monotonic()
     sources = [PollState(name, up=True, success_at=now, duration_seconds=0.01) for name in (SPOOL, "npu-smi",
                                                                                               VLLM_METRICS)]
-    from kvguard.sidecar.webconfig import RELOAD_RESULTS
+    from kvguard.sidecar.webconfig import RELOAD_OUTCOMES
 
     return Observation([rank], [device], sources, spool_snapshots=1, skipped=Counter(), interval_seconds=5.0,
-                       web_config=(True, dict.fromkeys(RELOAD_RESULTS, 0)))
+                       web_config=(True, dict.fromkeys(RELOAD_OUTCOMES, 0)))
 
 
 # ----------------------------------------------------------------- sections inside hand-written pages
@@ -446,7 +476,7 @@ def metrics_section() -> str:
                 "| Label | Families | Values |", "|---|---|---|"]
         for (label, values), names in fixed.items():
             out.append(f"| `{label}` | {', '.join(f'`{n}`' for n in names)} | "
-                       f"{', '.join(f'`{cell(v)}`' for v in values)} |")
+                       f"{', '.join(f'`{cell(v)}`' if v else EMPTY_VALUE for v in values)} |")
         out.append("")
     return "\n".join(out)
 
@@ -589,6 +619,7 @@ def guard_json_section() -> str:
 # (page under docs/, section name) -> its body.
 SECTIONS = {
     ("metrics.md", "metrics"): metrics_section,
+    ("reference/exit-codes.md", "exit-codes"): exit_codes_section,
     ("reference/json-output.md", "budget-json"): budget_json_section,
     ("reference/json-output.md", "simulate-json"): simulate_json_section,
     ("reference/json-output.md", "check-json"): check_json_section,

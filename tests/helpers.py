@@ -55,7 +55,7 @@ def kvguard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           env={**os.environ, "KVGUARD_DEBUG": ""})
 
 
-def one_line_error(result: Result | subprocess.CompletedProcess, code: int = 1) -> str:
+def one_line_error(result: Result | subprocess.CompletedProcess, code: int = 65) -> str:
     """The one line a failed command printed, after checking it exited ``code`` without a traceback.
 
     A click ``Result`` prints on its output, a ``CompletedProcess`` on stderr. Click's usage header for a

@@ -129,7 +129,7 @@ def test_the_increase_flag_is_refused_where_the_formula_takes_the_absolute_non_t
     out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.11.0",
                           "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
                           "--non-torch-increase", "300MiB"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--non-torch-memory" in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 64 and "--non-torch-memory" in out.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("release", ASCEND)
@@ -170,7 +170,7 @@ def test_the_absolute_flag_is_refused_where_the_formula_takes_the_increase():
     out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.18.0",
                           "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
                           "--non-torch-memory", "1.3GiB"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "--non-torch-increase" in out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 64 and "--non-torch-increase" in out.stderr.strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------ vllm-ascend 0.7.3: vLLM 0.7.3's V0 engine

@@ -122,10 +122,10 @@ def test_bad_input_is_one_line_error_without_traceback(args, message):
 def test_malformed_and_incomplete_config_files_are_one_line_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 4096,')
     result = kvguard("budget", "--model-config", str(tmp_path))
-    assert result.returncode == 1 and "not valid JSON" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 65 and "not valid JSON" in result.stderr and "Traceback" not in result.stderr
     (tmp_path / "config.json").write_text('{"hidden_size": 4096, "torch_dtype": "bfloat16"}')
     result = kvguard("budget", "--model-config", str(tmp_path))
-    assert result.returncode == 1 and "no layer count" in result.stderr
+    assert result.returncode == 65 and "no layer count" in result.stderr
 
 
 def test_profile_file_with_bad_values_is_one_line_error(tmp_path):
@@ -134,15 +134,15 @@ def test_profile_file_with_bad_values_is_one_line_error(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({**data, "gpu_memory_utilization": 0}))
     result = kvguard("budget", "--profile", str(path))
-    assert result.returncode == 1 and "gpu_memory_utilization must be in (0, 1]" in result.stderr
+    assert result.returncode == 65 and "gpu_memory_utilization must be in (0, 1]" in result.stderr
     path.write_text("[]")
     result = kvguard("budget", "--profile", str(path))
-    assert result.returncode == 1 and "must be a JSON object" in result.stderr
+    assert result.returncode == 65 and "must be a JSON object" in result.stderr
 
 
 def test_log_with_nothing_usable_is_one_line_error(data_path):
     result = kvguard("budget", "--from-log", data_path("logs", "garbage.log"))
-    assert result.returncode == 1
+    assert result.returncode == 65
     assert "no vLLM startup memory lines" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -150,7 +150,7 @@ def test_log_that_is_not_a_regular_file_is_one_line_error(tmp_path):
     fifo = tmp_path / "vllm.log"
     os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
     result = kvguard("budget", "--from-log", str(fifo))
-    assert result.returncode == 1
+    assert result.returncode == 65
     assert result.stderr == f"Error: cannot read log file {fifo}: not a regular file\n"
 
 
@@ -158,14 +158,14 @@ def test_overlong_number_in_a_log_is_one_line(tmp_path):
     log = tmp_path / "huge.log"
     log.write_text("INFO [gpu_worker.py:227] Available KV cache memory: " + "7" * 400 + " GiB\n")
     result = kvguard("budget", "--from-log", str(log))
-    assert result.returncode == 1
+    assert result.returncode == 65
     assert result.stderr == f"Error: log file {log}: line 1: number 777777777777… (400 characters) is too long " \
                             "for a memory figure\n"
 
 
 def test_tensor_parallel_size_vllm_refuses_is_vllms_one_line():
     result = kvguard("budget", "--model-config", QWEN, "-tp", "3")
-    assert result.returncode == 1
+    assert result.returncode == 65
     assert result.stderr == "Error: Total number of attention heads (28) must be divisible by tensor parallel " \
                             "size (3).\n"
 
@@ -203,13 +203,13 @@ def test_mla_block_size_follows_vllm_on_cuda(tmp_path):
 
 def test_an_older_release_than_the_table_is_a_usage_error():
     result = kvguard("budget", "--model-config", QWEN, "--vllm-version", "0.5.0")
-    assert result.returncode == 2 and "older than kvguard's era table" in result.stderr
+    assert result.returncode == 64 and "older than kvguard's era table" in result.stderr
 
 
 def test_consumed_era_profile_missing_an_input_names_its_flag():
     result = kvguard("budget", "--vllm-version", "0.27.0", "--total-memory", "80GiB", "--weights", "15GiB",
                      "--total-consumed", "17GiB")
-    assert result.returncode == 2 and "--transient-peak-headroom" in result.stderr
+    assert result.returncode == 64 and "--transient-peak-headroom" in result.stderr
 
 
 # ------------------------------------------------------------------ the budget-time verdict (--allocator)
@@ -250,7 +250,7 @@ def test_allocator_on_torch_counts_one_tensor_per_layer():
 
 def test_allocator_without_a_model_config_is_a_usage_error():
     result = kvguard("budget", "--profile", SEED_PROFILE, "--allocator", "torch")
-    assert result.returncode == 2 and "--allocator needs --model-config" in result.stderr
+    assert result.returncode == 64 and "--allocator needs --model-config" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -258,7 +258,7 @@ def test_allocator_without_a_model_config_is_a_usage_error():
 
 def one_line_usage_error(result):
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
+    assert result.returncode == 64 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
     return errors[0]
 
 

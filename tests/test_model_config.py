@@ -49,7 +49,7 @@ def test_budget_and_simulate_give_one_line_for_a_hostile_config(tmp_path, case):
     path = write_text(tmp_path, HOSTILE[case][0])
     for command in (["budget", "--model-config", path], ["simulate", "--model-config", path, "--requests", "1"]):
         result = CliRunner().invoke(main, command)
-        assert result.exit_code == 1, (command, result.output)
+        assert result.exit_code == 65, (command, result.output)   # bad input
         assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
         assert result.exception is None or isinstance(result.exception, SystemExit)
 

@@ -230,7 +230,7 @@ def test_devices_by_name_and_size():
 def test_heads_not_divisible_is_vllms_refusal():
     result = run("plan", "--json", "--device", "H100", "--vllm-version", "0.11.0", "--model-config", LLAMA3_8B,
                  "--", "vllm", "serve", "M", "-tp", "3")
-    assert result.exit_code == 3, result.output
+    assert result.exit_code == 2, result.output   # vLLM would refuse to start
     refusal = json.loads(result.output)["plan"]["refusals"][0]
     assert refusal["message"] == ("Total number of attention heads (32) must be divisible by tensor parallel "
                                   "size (3).")
@@ -240,7 +240,7 @@ def test_kv_cache_too_small_for_max_model_len_is_vllms_refusal():
     result = run("plan", "--json", "--device", "32GiB", "--vllm-version", "vllm-ascend:0.18.0", "--model-config",
                  LLAMA3_8B, "--", "vllm", "serve", "M", "--max-model-len", "8192",
                  "--gpu-memory-utilization", "0.5")
-    assert result.exit_code == 3, result.output
+    assert result.exit_code == 2, result.output   # vLLM would refuse to start
     out = json.loads(result.output)
     assert [r["code"] for r in out["plan"]["refusals"]] == ["kv_cache_too_small"]
     message = out["plan"]["refusals"][0]["message"]
@@ -256,7 +256,7 @@ def test_kv_cache_too_small_for_max_model_len_is_vllms_refusal():
 def test_free_memory_below_the_request_is_vllms_refusal():
     result = run("plan", "--json", "--device", "910B", "--vllm-version", "vllm-ascend:0.18.0", "--model-config",
                  LLAMA3_8B, "--", "vllm", "serve", "M", "--max-model-len", "8192", "--gpu-memory-utilization", "0.99")
-    assert result.exit_code == 3, result.output
+    assert result.exit_code == 2, result.output   # vLLM would refuse to start
     refusal = json.loads(result.output)["plan"]["refusals"][0]
     assert refusal["code"] == "free_below_request"
     # A 910B reports 65,452,113,920 B (60.96 GiB); 1 GiB outside the allocator leaves 59.96; 0.99 of it is 60.35.
@@ -276,26 +276,27 @@ def test_free_memory_below_the_request_is_vllms_refusal():
 ])
 def test_malformed_values_are_one_line(tail, words):
     result = run("plan", "--device", "H100", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M", *tail)
-    assert words in one_line_error(result)
+    assert words in one_line_error(result, code=64)   # a malformed vLLM flag: usage, as vLLM's argparse says
 
 
-@pytest.mark.parametrize("args,words", [
-    (["--device", "H100", "--model-config", LLAMA3_8B, "--", "vllm", "run", "M"], "not a vLLM serve command"),
-    (["--device", "H100", "--", "vllm", "serve", "/nowhere/model"], "give --model-config PATH"),
-    (["--device", "TPU", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"], "unknown --device"),
-    (["--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"], "give --device"),
+# 64: the command line (plan's flags, the serve command after --); 65: what plan cannot use or predict.
+@pytest.mark.parametrize("args,words,code", [
+    (["--device", "H100", "--model-config", LLAMA3_8B, "--", "vllm", "run", "M"], "not a vLLM serve command", 64),
+    (["--device", "H100", "--", "vllm", "serve", "/nowhere/model"], "give --model-config PATH", 65),
+    (["--device", "TPU", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"], "unknown --device", 64),
+    (["--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"], "give --device", 65),
     (["--device", "H100", "--vllm-version", "vllm-ascend:0.18.0", "--model-config", LLAMA3_8B, "--",
-      "vllm", "serve", "M"], "runs on Ascend devices, not on H100"),
+      "vllm", "serve", "M"], "runs on Ascend devices, not on H100", 65),
     (["--device", "H100", "--vllm-version", "0.6.4", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"],
-     "plan does not predict"),
+     "plan does not predict", 65),
     (["--device", "H100", "--vllm-version", "banana", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M"],
-     "not a release"),
+     "not a release", 64),
     (["--device", "H100", "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M", "-pp", "2"],
-     "--pipeline-parallel-size above 1"),
-    (["--device", "H100", "--model-config", LLAMA3_8B, "--"], "no serve command"),
+     "--pipeline-parallel-size above 1", 65),
+    (["--device", "H100", "--model-config", LLAMA3_8B, "--"], "no serve command", 64),
 ])
-def test_bad_input_is_one_line(args, words):
-    assert words in one_line_error(run("plan", *args))
+def test_bad_input_is_one_line(args, words, code):
+    assert words in one_line_error(run("plan", *args), code=code)
 
 
 def test_parser_errors_are_command_errors():

@@ -62,18 +62,18 @@ def test_probe_takes_the_spool_dir_from_the_environment(cli, tmp_path, monkeypat
 
 
 def test_probe_needs_a_spool_dir(cli):
-    assert "Missing option '--spool-dir'" in one_line_error(cli("probe", "--source", "host", "--once"), code=2)
+    assert "Missing option '--spool-dir'" in one_line_error(cli("probe", "--source", "host", "--once"), code=64)
 
 
 def test_ranks_apply_to_sim_only(cli, tmp_path):
     result = cli("probe", "--source", "host", "--ranks", "2", "--spool-dir", str(tmp_path), "--once")
-    assert one_line_error(result) == "Error: --ranks applies to --source sim only"
+    assert one_line_error(result, code=64) == "Error: --ranks applies to --source sim only"
 
 
 @pytest.mark.parametrize("interval", ["nan", "inf", "1e400"])
 def test_a_non_finite_interval_is_a_usage_error(cli, tmp_path, interval):
     result = cli("probe", "--source", "host", "--spool-dir", str(tmp_path), "--interval", interval, "--once")
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == 64, result.output
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert result.output.strip().splitlines()[-1].endswith("is not a finite number.")

@@ -139,7 +139,7 @@ def test_an_era_that_adds_the_absolute_non_torch_memory_asks_for_it_by_its_own_f
     # must name the flag it takes.
     result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
                     "--weights", "10GiB", "--peak-allocated-increase", "1GiB")
-    assert result.exit_code == 2
+    assert result.exit_code == 64
     assert "missing --non-torch-memory" in result.output and "--non-torch-increase" not in result.output
 
 
@@ -147,7 +147,7 @@ def test_an_era_that_adds_the_absolute_non_torch_memory_lists_it_among_what_it_t
     result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
                     "--weights", "10GiB", "--peak-allocated-increase", "1GiB",
                     "--non-torch-memory", "1GiB", "--total-consumed", "1GiB")
-    assert result.exit_code == 2
+    assert result.exit_code == 64
     assert "does not read --total-consumed" in result.output
     assert "--non-torch-memory" in result.output and "--non-torch-increase" not in result.output
 

@@ -167,7 +167,7 @@ def test_any_mutated_real_log_is_a_startup_log_or_one_line_in_budget_and_check(t
             log.profile()
         except ProfileError as exc:
             assert "\n" not in str(exc)
-    for command, codes in ((["budget", "--from-log", str(path)], (0, 1, 2)),
+    for command, codes in ((["budget", "--from-log", str(path)], (0, 64, 65, 70)),
                            (["check", "--from-log", str(path)], (0, 1, 2, 3))):
         result = CliRunner().invoke(main, command)
         assert result.exit_code in codes, (command, result.output)

@@ -63,13 +63,13 @@ def test_text_summary_names_the_pool():
 ])
 def test_bad_mindspore_options_are_one_line_errors(args, message):
     result = invoke(*STORY, *args)
-    assert result.exit_code == 1
+    assert result.exit_code == 64   # an option value the allocator would not take
     assert result.output.startswith(message) and result.output.count("\n") == 1
 
 
 def test_mindspore_options_with_another_allocator_are_refused():
     result = invoke("simulate", "--allocator", "torch", "--ms-alloc-conf", "enable_vmm:True")
-    assert result.exit_code == 1 and "need --allocator mindspore" in result.output
+    assert result.exit_code == 64 and "need --allocator mindspore" in result.output
 
 
 def test_json_same_seed_same_output():
@@ -102,7 +102,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     result = invoke(*STORY, "--plot", "x.png")
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.strip().splitlines() == [
         "Error: --plot needs matplotlib: from the clone: .venv/bin/pip install -e '.[plot]' (a built wheel: "
         "pip install 'kvguard-*.whl[plot]')"]
@@ -125,7 +125,7 @@ def test_unreadable_trace_is_a_one_line_error(tmp_path):
     path = tmp_path / "bad.pickle"
     path.write_bytes(b"\x80\x04garbage")
     result = invoke("simulate", "--trace", str(path))
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert len(result.output.strip().splitlines()) == 1
     assert result.output.startswith("Error: cannot read snapshot pickle")
 
@@ -180,7 +180,7 @@ def test_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path):
 
 def test_plot_to_a_name_that_is_not_png_is_refused(tmp_path):
     target = tmp_path / "run.jpg"
-    assert one_line_error(invoke(*STORY, "--plot", str(target))) == (
+    assert one_line_error(invoke(*STORY, "--plot", str(target)), code=64) == (
         f"Error: --plot writes a PNG: give a file name ending in .png, not {str(target)!r}")
 
 
@@ -188,7 +188,7 @@ def test_plot_that_cannot_be_saved_is_a_one_line_error(tmp_path):
     pytest.importorskip("matplotlib")
     target = tmp_path / ("x" * 300 + ".png")       # the directory exists; the name is too long to create
     result = invoke(*STORY, "--plot", str(target), "--json")
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.strip().splitlines()[-1] == f"Error: cannot write plot {target}: File name too long"
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
@@ -209,7 +209,7 @@ def test_odd_model_config_fields_are_one_line_errors(tmp_path, field, value, mes
 
 def test_missing_model_config_is_a_one_line_error(tmp_path):
     result = invoke("simulate", "--model-config", str(tmp_path / "nope.json"))
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.strip().startswith("Error: model config not found")
 
 
@@ -292,4 +292,4 @@ def test_torch_npus_expandable_segments_follow_the_releases_platform():
     (("--vllm-version", "vllm-mindspore:0.2.0", "--vllm-mindspore-version", "0.5.1"), "0.2.0's launcher"),
 ])
 def test_a_release_it_cannot_place_is_one_line(args, words):
-    assert words in one_line_error(invoke("simulate", *args))
+    assert words in one_line_error(invoke("simulate", *args), code=64)

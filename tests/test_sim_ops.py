@@ -151,7 +151,7 @@ def test_simulate_ops_writes_one_line_per_op_and_fails_on_oom_when_asked(tmp_pat
 def test_simulate_ops_refuses_a_bad_stream_in_one_line(tmp_path):
     ops = write(tmp_path, {"op": "free", "index": 3})
     result = CliRunner().invoke(main, ["simulate", "--ops", ops])
-    assert result.exit_code == 1
+    assert result.exit_code == 65   # bad input
     assert result.output.strip().splitlines() == ["Error: op 0: free index must name an earlier malloc, got 3"]
 
 
@@ -159,7 +159,7 @@ def test_simulate_ops_does_not_mix_with_a_trace_or_a_search(tmp_path):
     ops = write(tmp_path, {"op": "empty_cache"})
     for extra in (["--trace", ops], ["--search-utilization"], ["--non-allocator-memory", "1GiB"]):
         result = CliRunner().invoke(main, ["simulate", "--ops", ops, *extra])
-        assert result.exit_code == 1 and result.output.startswith("Error: "), (extra, result.output)
+        assert result.exit_code == 64 and result.output.startswith("Error: "), (extra, result.output)   # usage
 
 
 def test_simulate_alloc_conf_reaches_the_model_as_the_variant_parses_it(tmp_path):
@@ -184,4 +184,4 @@ def test_simulate_alloc_conf_reaches_the_model_as_the_variant_parses_it(tmp_path
 def test_simulate_alloc_conf_refuses_what_the_allocator_would_not_take(tmp_path, args, message):
     ops = write(tmp_path, {"op": "empty_cache"})
     result = CliRunner().invoke(main, ["simulate", "--ops", ops, *args])
-    assert result.exit_code == 1 and result.output.strip() == message, result.output
+    assert result.exit_code == 64 and result.output.strip() == message, result.output

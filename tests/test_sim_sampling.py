@@ -106,7 +106,7 @@ def test_a_bad_sampling_mix_is_refused_in_one_line(text, message):
     result = CliRunner().invoke(main, ["simulate", "--model-config",
                                        str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"),
                                        "--sampling-mix", text])
-    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert result.exit_code == 64 and len(result.output.strip().splitlines()) == 1, result.output
     assert message in result.output
 
 

@@ -66,7 +66,8 @@ def test_search_json_fields():
 
 def test_several_seeds_without_search_is_refused():
     result = CliRunner().invoke(main, ["simulate", "--seed", "0", "--seed", "1"])
-    assert result.exit_code == 1 and "with --search-utilization" in result.output
+    assert result.exit_code == 64 and "with --search-utilization" in result.output   # usage, in one line
+    assert len(result.output.strip().splitlines()) == 1
 
 
 # The forward memo (ServingScenario._forward): a steady forward replayed from the same allocator state, and

@@ -184,7 +184,7 @@ def test_a_malformed_entry_is_a_one_line_error(tmp_path):
     path = tmp_path / "bad.pickle"
     path.write_bytes(pickle.dumps(snap, protocol=4))
     result = CliRunner().invoke(main, ["simulate", "--trace", str(path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.startswith("Error: ") and result.output.count("\n") == 1
 
 
@@ -335,5 +335,5 @@ def test_without_device_memory_a_replay_does_not_guess_the_gpus_size(tmp_path):
     assert matched() == (1, True)
     assert matched("--total-memory", "80GiB") == (1, True)
     smaller = CliRunner().invoke(main, ["simulate", "--trace", str(path), "--total-memory", "32GiB"])
-    assert (smaller.exit_code, smaller.output) == (1, "Error: snapshot device_traces[0][1] (alloc): 42949672960 "
+    assert (smaller.exit_code, smaller.output) == (65, "Error: snapshot device_traces[0][1] (alloc): 42949672960 "
                                                       "bytes cannot be served on any device\n")   # asked for

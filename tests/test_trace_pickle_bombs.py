@@ -328,7 +328,7 @@ def test_simulate_refuses_a_bomb_in_one_line(tmp_path):
     path = tmp_path / "bomb.pickle"
     path.write_bytes(BOMBS["memo index 200,000,000"][0])
     result = CliRunner().invoke(main, ["simulate", "--trace", str(path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 65   # bad input
     assert result.output.strip().splitlines() == [
         "Error: not a plain snapshot pickle: memo index 200,000,000 stored where the next is 0 at byte 3"]
 

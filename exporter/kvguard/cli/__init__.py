@@ -10,7 +10,7 @@ import sys
 import click
 
 from kvguard import __version__
-from kvguard.cli import budget, check, plan, probe, serve, simulate   # the command modules
+from kvguard.cli import budget, check, exits, plan, probe, serve, simulate   # the command modules
 from kvguard.cli.options import KVGuardGroup, SizeType
 from kvguard.units import SIZE_HELP
 
@@ -26,8 +26,9 @@ def main() -> None:
 
 
 for command in (budget.budget, plan.plan, simulate.simulate, probe.sample, probe.probe, serve.serve, check.check):
-    if any(isinstance(p.type, SizeType) for p in command.params) and not command.epilog:
-        command.epilog = SIZE_HELP   # one statement of what a SIZE is, under every command that takes one
+    # Under every command: what a SIZE is where it takes one, and its exit codes (one statement of each).
+    epilog = [SIZE_HELP] if any(isinstance(p.type, SizeType) for p in command.params) else []
+    command.epilog = "\n\n".join(epilog + [exits.summary(command.name)])
     main.add_command(command)
 
 

@@ -7,6 +7,7 @@ import math
 import os
 from typing import Any
 import click
+from kvguard.cli import exits
 from kvguard.units import parse_size
 
 
@@ -96,19 +97,6 @@ def renamed_option(old: str, dest: str, new: str, **attrs: Any):
                         callback=take, **attrs)
 
 
-# Every command's exit codes, as the commands give them today (docs/reference/cli.md shows this table). click's
-# own: 1 a one-line error (input the command cannot use), 2 a usage error. A judge's 1 and 2 are its verdicts, so
-# check says 3 for every error; simulate and plan say 3 for the outcome they were asked to flag.
-CLICK_CODES = ((0, "ok"), (1, "bad input: a file, log or figure the command cannot use (one line)"),
-               (2, "usage: an unknown option, a missing or malformed value (or an internal error, in one line)"))
-EXIT_CODES = {
-    "check": ((0, "ok"), (1, "warning"), (2, "critical"),
-              (3, "unknown: no verdict (no rank, no profile), a bad option or input, or a crash")),
-    "plan": CLICK_CODES + ((3, "vLLM would refuse to start"),),
-    "simulate": CLICK_CODES + ((3, "--fail-on-oom: the run ended in an out-of-memory error"),),
-}
-
-
 class FiniteFloatRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf (which compare as in range or unbounded)."""
 
@@ -124,14 +112,28 @@ def emit_json(data: Any) -> None:
 
 
 class KVGuardGroup(click.Group):
-    """The kvguard group: an exception no command turned into a one-line error is still one line
-    (``KVGUARD_DEBUG=1`` re-raises it, traceback and all)."""
+    """The kvguard group: every error exits with the code of kvguard.cli.exits' table for its command, and an
+    exception no command turned into a one-line error is still one line (``KVGUARD_DEBUG=1`` re-raises it,
+    traceback and all)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.ClickException as error:   # kvguard's own options, a command it does not know
+            error.exit_code = exits.error_code(error, None)
+            raise
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit,
-                KeyboardInterrupt):
+        except click.exceptions.ClickException as error:
+            error.exit_code = exits.error_code(error, ctx.invoked_subcommand)
+            raise
+        except (click.exceptions.Abort, KeyboardInterrupt):   # Ctrl-C: click would say 1, a judge's WARNING
+            click.echo("Aborted!", err=True)
+            code = exits.UNKNOWN if ctx.invoked_subcommand in exits.NAGIOS_PLUGINS else exits.INTERRUPTED
+            raise click.exceptions.Exit(code) from None
+        except (click.exceptions.Exit, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001
             if os.environ.get("KVGUARD_DEBUG"):
@@ -140,7 +142,8 @@ class KVGuardGroup(click.Group):
 
             error = click.ClickException(f"internal error: {one_line(exc, with_type=True)}"
                                          " (KVGUARD_DEBUG=1 shows the traceback)")
-            error.exit_code = 2
+            error.exit_code = exits.SOFTWARE
+            error.exit_code = exits.error_code(error, ctx.invoked_subcommand)
             raise error from None
 
 

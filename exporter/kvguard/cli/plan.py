@@ -9,14 +9,17 @@ import click
 
 from kvguard.budget.estimator import ConfigError, Profile, ProfileError
 from kvguard.budget.model_config import load_model_config
+from kvguard.cli import exits
+from kvguard.cli.exits import FlagsError
 from kvguard.cli.options import SIZE, block_size_for, emit_json, format_count
 from kvguard.plan.command import CommandError, parse_serve_command
 from kvguard.plan.devices import DEVICES, DeviceError, resolve_device
 from kvguard.plan.planner import PlanError, default_release, make_plan
 from kvguard.text import one_line
+from kvguard.vllm.eras import EraError, era_for
 from kvguard.units import format_bytes
 
-EXIT_REFUSED = 3   # vLLM would refuse to start; click keeps 1 (ClickException) and 2 (usage)
+EXIT_REFUSED = exits.CRITICAL   # vLLM would refuse to start: the outcome plan flags (kvguard.cli.exits)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -57,29 +60,25 @@ def plan(model_config, device_text, release, non_allocator_memory, profile_file,
     Then whether it fits: the guard's budget-time verdict at that budget under the release's
     allocator (kvguard budget --allocator's), a serving simulation of the predicted run
     (kvguard simulate's), and with --search the highest safe utilization and its margin.
-
-    \b
-    Exit codes:
-      0  vLLM would start (also when the verdict is critical or serving runs out of
-         memory: the plan says so, "will_fit": false)
-      1  bad input: a one-line error
-      2  usage error, or an internal error
-      3  vLLM would refuse to start (the plan says why)
     """
-    try:
+    try:   # the command line: plan's own flags and the serve command after --
         command = parse_serve_command(serve_command)
+        device = resolve_device(device_text) if device_text else None
+        if release:
+            era_for(release)
+    except (CommandError, DeviceError, EraError) as exc:
+        raise FlagsError(one_line(exc)) from None
+    try:
         path = model_config or _model_dir(command.model)
         config = load_model_config(path)
         measured = _read_profile(profile_file) if profile_file else None
-        device = resolve_device(device_text) if device_text else None
         chosen = release or default_release(command, device)
         if device is not None and device.source == "given as a size":
-            from kvguard.vllm.eras import era_for
             device = resolve_device(device_text, "cuda" if era_for(chosen).allocator == "torch" else "ascend")
         result = make_plan(command, config, release=chosen, device=device, block_size_for=block_size_for,
                            non_allocator_bytes=non_allocator_memory, measured_profile=measured,
                            search=search, seeds=tuple(seeds) or (0,))
-    except (CommandError, ConfigError, DeviceError, PlanError, ValueError) as exc:
+    except (ConfigError, DeviceError, PlanError, ValueError) as exc:
         raise click.ClickException(one_line(exc)) from None
     except ArithmeticError as exc:   # a config field the readers did not refuse: one line, never a traceback
         raise click.ClickException(f"model config: {one_line(exc)}") from None

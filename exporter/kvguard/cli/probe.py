@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 import click
 from kvguard.units import format_bytes
+from kvguard.cli.exits import FlagsError
 from kvguard.cli.options import FiniteFloatRange, emit_json
 
 
@@ -64,7 +65,7 @@ def probe(source_name, spool_dir, interval, once, ranks, steps_per_sample):
                if value is not None}
     if options and source_name != "sim":
         flag = "--ranks" if "ranks" in options else "--steps-per-sample"
-        raise click.ClickException(f"{flag} applies to --source sim only")
+        raise FlagsError(f"{flag} applies to --source sim only")
     source = _build_source(source_name, options)
     try:
         runner = Probe(spool_dir, source, interval)

@@ -13,11 +13,13 @@ from kvguard.budget.estimator import (
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.text import one_line
 from kvguard.units import format_bytes
+from kvguard.cli import exits
+from kvguard.cli.exits import FlagsError
 from kvguard.cli.options import SIZE, TOKENS, emit_json, renamed_option
 from kvguard.cli.options import format_count
 
 
-EXIT_OOM = 3   # simulate --fail-on-oom; click keeps 1 (ClickException) and 2 (usage)
+EXIT_OOM = exits.CRITICAL   # simulate --fail-on-oom: the outcome it was asked to flag (kvguard.cli.exits)
 
 
 @click.command()
@@ -103,14 +105,6 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
     Loads the weights, runs the profile forward at --max-num-batched-tokens, sizes the KV
     cache with the chosen budget formula, then serves a seeded mix of short and long
     requests under chunked prefill until they finish or the allocator runs out of memory.
-
-    \b
-    Exit codes:
-      0  the run finished (an OOM too, unless --fail-on-oom)
-      1  bad input: a one-line error
-      2  usage error, or an internal error
-      3  --fail-on-oom and the run (scenario, trace replay) ended in an OOM, an op of
-         an --ops stream ran out of memory, or the search found no utilization without one
     """
     from kvguard.allocators.device import Device
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator, parse_sampling_mix
@@ -119,22 +113,22 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
     seeds = seeds or (0,)
     seed = seeds[0]
     if len(seeds) > 1 and not search_utilization:
-        raise click.ClickException("give one --seed, or several with --search-utilization")
+        raise FlagsError("give one --seed, or several with --search-utilization")
     if replay_log and not (trace_file or ops_file):
-        raise click.ClickException("--replay-log needs a snapshot --trace or --ops")
+        raise FlagsError("--replay-log needs a snapshot --trace or --ops")
     if ops_file and trace_file:
-        raise click.ClickException("give --ops or --trace, not both")
+        raise FlagsError("give --ops or --trace, not both")
     if search_utilization and (trace_file or ops_file):
-        raise click.ClickException("--search-utilization simulates a workload; it does not take --trace or --ops")
+        raise FlagsError("--search-utilization simulates a workload; it does not take --trace or --ops")
     if ops_file and non_allocator_memory is not None:
-        raise click.ClickException("--ops takes --total-memory as the device's free memory; "
-                                   "--non-allocator-memory does not apply")
+        raise FlagsError("--ops takes --total-memory as the device's free memory; "
+                         "--non-allocator-memory does not apply")
 
     try:
         allocator, gpu_memory_utilization, vllm_mindspore_version, expandable, block_size = _release_defaults(
             vllm_version, allocator, gpu_memory_utilization, vllm_mindspore_version)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    except ValueError as exc:   # a release older than the table, flags its launcher does not take
+        raise FlagsError(str(exc)) from None
 
     if plot_file:
         _check_plot_path(plot_file)
@@ -145,10 +139,13 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
 
             raise click.ClickException(f"--plot needs matplotlib: {install_hint('plot')}") from None
     try:
+        config_dict = load_model_config(model_config or bundled_model_config_path())
+    except (ConfigError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
         if allocator == "mindspore" and alloc_conf:
             raise ValueError("--alloc-conf is for --allocator torch and torch_npu; MindSpore's pool takes "
                              "--ms-alloc-conf")
-        config_dict = load_model_config(model_config or bundled_model_config_path())
         mix = {} if sampling_mix is None else {"sampling_mix": parse_sampling_mix(sampling_mix)}
         config = ScenarioConfig(
             model_config=config_dict, device_memory_bytes=device_memory,
@@ -165,8 +162,10 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
             raise ValueError("the MindSpore pool options need --allocator mindspore")
         if non_allocator_memory is not None and non_allocator_memory >= device_memory:
             raise ValueError("--non-allocator-memory must be smaller than --total-memory")
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:   # the model config's fields
         raise click.ClickException(str(exc)) from None
+    except ValueError as exc:    # option values the allocator or the launcher would not take
+        raise FlagsError(str(exc)) from None
 
     if ops_file:
         # No launcher runs an op stream: MindSpore's own defaults, task sink on and MS_ALLOC_CONF unset.
@@ -187,7 +186,7 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
             _exit_on_oom(fail_on_oom, _replay_snapshot_exactly(trace_file, data, device_memory, replay_log, as_json))
             return
     if replay_log:
-        raise click.ClickException("--replay-log needs a PyTorch snapshot --trace replayed with --allocator torch")
+        raise FlagsError("--replay-log needs a PyTorch snapshot --trace replayed with --allocator torch")
     if search_utilization:
         _exit_on_oom(fail_on_oom, _search_utilization(config, seeds, as_json) is None)
         return
@@ -500,7 +499,7 @@ def _release_defaults(release: str | None, allocator: str | None, utilization: f
 def _check_plot_path(path: str) -> None:
     """Refuse a --plot target that cannot be written before the run, not after it."""
     if not path.lower().endswith(".png"):
-        raise click.ClickException(f"--plot writes a PNG: give a file name ending in .png, not {path!r}")
+        raise FlagsError(f"--plot writes a PNG: give a file name ending in .png, not {path!r}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise click.ClickException(f"--plot: directory {parent} does not exist")
