@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 import click
+from kvguard.cli import exits
 from kvguard.cli.options import SIZE
 from kvguard.cli.options import read_startup_log_or_fail
 
 # kvguard check's exit codes, as Nagios plugins use them: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN (no verdict:
-# nothing to judge by, a bad option, an unreadable log, a crash).
-EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
+# nothing to judge by, and every error: a bad option, an unreadable log, a crash). kvguard.cli.exits holds the table.
+EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = exits.OK, exits.WARNING, exits.CRITICAL, exits.UNKNOWN
 
 
 # Reason codes that mean "could not judge", not "judged badly".
@@ -24,18 +26,7 @@ class CheckError(click.ClickException):
     exit_code = EXIT_UNKNOWN
 
 
-class _CheckCommand(click.Command):
-    """``kvguard check``: a bad option is UNKNOWN (3), not click's usage exit 2, which check gives CRITICAL."""
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as error:
-            error.exit_code = EXIT_UNKNOWN
-            raise
-
-
-@click.command(cls=_CheckCommand)
+@click.command()
 @click.option("--spool-dir", envvar="KVGUARD_SPOOL_DIR", metavar="DIR",
               help="Spool of probe snapshots to judge [env KVGUARD_SPOOL_DIR].")
 @click.option("--from-log", "log_file", metavar="FILE", help="vLLM startup log to take the profile from.")
@@ -97,13 +88,21 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
         from kvguard.vllm.log_verdict import judge_log
 
         findings = judge_log(startup, total_memory, gpu_memory_utilization)
-    sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
-                                    log_total_memory_bytes=total_memory,
-                                    log_gpu_memory_utilization=gpu_memory_utilization,
-                                    stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
-                                    one_shot=True, post_mortem=post_mortem,
-                                    pod_labels={"pod": "", "namespace": "", "container": ""}))
-    observation = sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
+
+    def observe(log):
+        sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=log,
+                                        log_total_memory_bytes=total_memory,
+                                        log_gpu_memory_utilization=gpu_memory_utilization,
+                                        stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
+                                        one_shot=True, post_mortem=post_mortem,
+                                        pod_labels={"pod": "", "namespace": "", "container": ""}))
+        return sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
+
+    observation = observe(startup)
+    rows = _judge_each_row(startup, observation, observe) if startup is not None else []
+    shown = _shown_row(rows)
+    if shown is not None:
+        observation = shown.observation   # where the rows differ, the worst: never a false all-clear
     failed = {s.name: s.last_error for s in observation.sources if not s.up and s.last_error}
     if not observation.ranks:
         failed = {}     # the no_ranks reason names every source that is down
@@ -123,19 +122,25 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
             if rank.get("reasons") and all(r.get("code") in UNJUDGED_REASONS for r in rank["reasons"]):
                 rank["state"] = "unknown"
         if startup is not None:
-            data["log"] = _log_dict(startup, findings)
+            data["log"] = {**_log_dict(startup, findings), **_rows_dict(rows, shown)}
         click.echo(json.dumps(data, indent=2))
     else:
         if startup is not None:
             click.echo(f"{'LOG':<8} {startup.era or startup.project}: {startup.era_reason}")
         for finding in findings:
             click.echo(f"{finding.state.upper():<8} log {finding.code}: {finding.message}")
+        if len(rows) > 1:
+            click.echo(f"{'ERAS':<8} {_rows_text(rows, shown)}")
+            for row in rows:
+                click.echo(f"         - {row.line()}")
         for reason in observation.reasons:
             # No rank judged: the same overall warning /guard and /readyz give (no false all-clear).
             click.echo(f"{_state_word(observation.state, [reason]):<8} {reason.code}: {reason.message}")
         for view in observation.ranks:
             verdict = view.verdict
             who = f"rank {view.labels['rank'] or '-'} {view.labels['device'] or '(from log)'}"
+            if len(rows) > 1 and shown is not None and view.profile_origin != "snapshot":
+                who += f" as {shown.era.name} budgets it"
             headroom = "" if verdict.headroom_bytes is None else f"  headroom {format_gib(verdict.headroom_bytes)}"
             phase = "  (budget-time verdict: the KV cache is not allocated yet)" if verdict.phase == "budget" else ""
             click.echo(f"{_state_word(verdict.state, verdict.reasons):<8} {who}{headroom}{phase}")
@@ -202,3 +207,111 @@ def _refuse_a_device_smaller_than_the_log(startup, total_memory: int) -> None:
         name, value = larger[0]
         raise CheckError(f"--total-memory {format_bytes(total_memory)} is less than the log's {name} "
                          f"({format_gib(value)}): check its unit")
+
+
+# ------------------------------------------------------------- --from-log: a verdict per era row the log leaves
+
+_STATE_ORDER = {"ok": 0, "unknown": 1, "warning": 2, "critical": 3}   # the worst wins; unknown is no all-clear
+_EXIT_STATE = {EXIT_OK: "ok", EXIT_WARNING: "warning", EXIT_CRITICAL: "critical", EXIT_UNKNOWN: "unknown"}
+
+
+@dataclass(frozen=True)
+class _RowVerdict:
+    """The guard's verdict on the log judged as one of the era rows its lines leave."""
+
+    era: Any                  # kvguard.vllm.eras.Era
+    observation: Any          # kvguard.sidecar.observation.Observation
+    state: str                # ok, warning, critical, unknown (as the exit code would say it)
+    view: Any                 # the rank the row's formula judged (the log's), or None
+
+    def figures(self) -> dict[str, Any]:
+        verdict = self.view.verdict if self.view is not None else None
+        profile = self.view.profile if self.view is not None else None
+        return {"era": self.era.name, "formula": self.era.formula, "state": self.state,
+                "kv_budget_bytes": verdict.stock_budget_bytes if verdict else None,
+                "kv_cache_bytes": verdict.kv_cache_bytes if verdict else None,
+                "headroom_bytes": verdict.headroom_bytes if verdict else None,
+                "reasons": [r.to_dict() for r in verdict.reasons] if verdict else
+                [r.to_dict() for r in self.observation.reasons],
+                "profile": profile.to_dict() if profile is not None else None}
+
+    def line(self) -> str:
+        from kvguard.units import format_gib
+
+        figures = self.figures()
+        parts = [f"{self.era.name} ({self.era.formula}): {self.state}"]
+        if figures["kv_budget_bytes"] is not None:
+            parts.append(f"KV budget {format_gib(figures['kv_budget_bytes'])}")
+        if figures["headroom_bytes"] is not None:
+            parts.append(f"headroom {format_gib(figures['headroom_bytes'])}")
+        codes = [r["code"] for r in figures["reasons"]]
+        return ", ".join(parts) + (f" ({', '.join(codes)})" if codes else "")
+
+
+def _judge_each_row(startup, observation, observe) -> list[_RowVerdict]:
+    """The guard's verdict under each era row the log leaves (one where its lines pin the row, none where they
+    leave none). The log is judged as each row in turn (kvguard.vllm.log_profile.as_row), never pinned to one.
+    The sidecar reads a log's row through its formula alone (log_profile), so rows that share a formula share
+    one observation (the first one's too, where its formula is a row's); ranks whose profile is their own
+    snapshot's do not depend on the log's row at all."""
+    from kvguard.vllm.log_profile import as_row, candidate_rows
+
+    candidates = candidate_rows(startup)
+    on_log = any(view.profile_origin != "snapshot" for view in observation.ranks)
+    by_formula: dict[str, Any] = {startup.profile_fields()["formula"]: observation}
+    rows = []
+    for row in candidates:
+        if len(candidates) > 1 and on_log:
+            if row.formula not in by_formula:
+                by_formula[row.formula] = observe(as_row(startup, row))
+            judged = by_formula[row.formula]
+        else:
+            judged = observation
+        state = _EXIT_STATE[_exit_code(judged.state, judged)]
+        view = next((v for v in judged.ranks if v.profile_origin != "snapshot"), None)
+        rows.append(_RowVerdict(row, judged, state, view))
+    return rows
+
+
+def _shown_row(rows: list[_RowVerdict]) -> _RowVerdict | None:
+    """The row whose verdict stands for the log: the worst state, and of those the least headroom."""
+    if not rows:
+        return None
+
+    def badness(row: _RowVerdict):
+        headroom = row.view.verdict.headroom_bytes if row.view is not None else None
+        return (_STATE_ORDER[row.state], 0 if headroom is None else -headroom)
+
+    return max(rows, key=badness)   # max keeps the first (in the table's order) of equals
+
+
+def _holds_on_all(rows: list[_RowVerdict]) -> bool:
+    return len({row.state for row in rows}) == 1
+
+
+def _rows_text(rows: list[_RowVerdict], shown: _RowVerdict) -> str:
+    """One line: the verdict holds on all the rows, or the rows it differs on and that the worst stands."""
+    names = ", ".join(row.era.name for row in rows)
+    if _holds_on_all(rows):
+        own = (" (every rank is judged on its own snapshot's profile, not the log's)"
+               if shown.observation.ranks and all(row.view is None for row in rows) else "")
+        return f"the verdict holds on all {len(rows)} rows the log's lines leave ({names}): {shown.state}{own}"
+    states = sorted({row.state for row in rows}, key=lambda s: -_STATE_ORDER[s])
+    groups = "; ".join(f"{state} on {', '.join(r.era.name for r in rows if r.state == state)}" for state in states)
+    return (f"the verdict differs between the {len(rows)} rows the log's lines leave: {groups}; the worst, "
+            f"{shown.state} ({shown.era.name}), stands: the lines cannot tell which row ran, and a better "
+            f"verdict on another row is no all-clear")
+
+
+def _rows_dict(rows: list[_RowVerdict], shown: _RowVerdict | None) -> dict[str, Any]:
+    """The JSON's per-row verdicts (docs/reference/json-output.md)."""
+    if not rows:
+        verdict = None
+    elif len(rows) == 1:
+        verdict = "pinned"
+    else:
+        verdict = "holds_on_all" if _holds_on_all(rows) else "differs"
+    return {"era_verdict": verdict,
+            "era_verdict_reason": _rows_text(rows, shown) if len(rows) > 1 and shown is not None else None,
+            "era_shown": shown.era.name if shown is not None else None,
+            "era_verdicts": [row.figures() for row in rows]}

@@ -2,6 +2,10 @@
 
 ``kvguard check`` / the sidecar (``kvguard.sidecar.core``) and ``kvguard budget --from-log
 --allocator`` both take a log's profile from here.
+
+Where the log's lines leave several era rows (docs/explanation/log-reading.md), no row is picked:
+``kvguard check`` judges the log under each of them (:func:`as_row`) and says whether the verdict
+holds on all, or which rows it differs on (the worst stands).
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from kvguard.budget.estimator import (
     solve_for_budget,
     solved_field,
 )
+from dataclasses import replace
+
 from kvguard.budget.fields import phrase
+from kvguard.vllm import eras
 from kvguard.vllm.log import StartupLog
 
 # What a log's decided budget still needs from outside the log (vllm-mindspore states neither at INFO).
@@ -65,3 +72,18 @@ def log_profile(log: StartupLog, total_memory_bytes: int | None = None, gpu_memo
                   + ": without them the peak cannot be projected (give them to kvguard check "
                   "as --total-memory / --gpu-memory-utilization, or run the probe: a KVGUARD_SPOOL_DIR snapshot "
                   "carries the whole profile)")
+
+
+def candidate_rows(log: StartupLog) -> tuple[eras.Era, ...]:
+    """The era rows the log's lines leave, in the table's order (one where they pin it; none for a log
+    that names no release and no project's line)."""
+    return tuple(e for e in eras.ERAS if e.name in log.era_candidates)
+
+
+def as_row(log: StartupLog, row: eras.Era) -> StartupLog:
+    """The log as if its lines had pinned ``row``, one of its candidates: what it says under that row's
+    formula. A hypothesis to judge beside the others, never the log's era (its reason says so)."""
+    if row.name not in log.era_candidates:
+        raise ValueError(f"{row.name} is not among the log's candidate rows ({', '.join(log.era_candidates)})")
+    return replace(log, era=row.name, era_candidates=(row.name,),
+                   era_reason=f"judged as {row.name}, one of the {len(log.era_candidates)} rows the lines leave")
