@@ -11,8 +11,9 @@
 The config, with DEFAULTS below as its defaults:
   jobSelector   label matchers added to every kvguard series the rules read, and to up{}
   runbookUrl    the runbook link of each alert; %s is the alert name in lower case
-                (kube-prometheus' runbookURLPattern). Empty: the default, RUNBOOK_URL below: the
-                runbook every sidecar serves (/runbook/<alertname>), on the target the alert names
+                (kube-prometheus' runbookURLPattern). Empty: the default, RUNBOOK_URL below: #<alertname>
+                on the page the external label kvguard_runbook_url names, else on the runbook every
+                sidecar serves (/runbook), on the target the alert names
   thresholds    the numbers the alerts compare against, by name
   for           each alert's `for` duration, by alert name
   deviceJoins   label matchers on the other exporters' series the join rules read:
@@ -345,9 +346,10 @@ Names follow level:metric:operations.
               Group("kvguard.rules.namespace", NAMESPACE))),
     RuleFile("kvguard-alerts.yaml", """\
 kvguard alerting rules. Tested by dashboards/tests/kvguard-alerts.test.yaml (promtool test rules);
-every alert's runbook is a section of exporter/kvguard/runbook.md, which every sidecar serves at
-/runbook/<alertname>: runbook_url points there, on the instance the alert names (see RUNBOOK_URL in
-dashboards/rules.py; set runbookUrl for a host of your own).
+every alert's runbook is a section of exporter/kvguard/runbook.md: runbook_url is #<alertname> on the page
+that Prometheus' external label kvguard_runbook_url names (pages that open without the scrape's
+credentials: python dashboards/runbook.py --pages DIR writes them), else on the /runbook every sidecar
+serves, on a target of the alert's job that is up (see RUNBOOK_URL in dashboards/rules.py).
 
 Per-rank alerts carry the rank labels of docs/metrics.md (device, rank, pid, pod, namespace,
 container) plus the scrape's job and instance; instance tells hosts apart outside Kubernetes,
@@ -380,21 +382,27 @@ many-to-many match that fails the whole rule: they drop out of the join instead.
 )
 
 # The default runbook link of the plain rule files (the Helm chart links to its own runbook pages instead):
-# the runbook the sidecar serves (kvguard.sidecar.server, /runbook/<alertname>), on the target the alert names
+# #<alertname> on the runbook page named by the Prometheus external label kvguard_runbook_url
+# ($externalLabels in alert templates: prometheus/prometheus docs/configuration/template_reference.md,
+# "Template type differences"), a page that opens without the scrape's credentials: the pages that
+# dashboards/runbook.py --pages writes, served anywhere; a wiki copy of docs/runbook.md; or a sidecar's
+# /runbook with --web.runbook-public. Without that label, the runbook the sidecar serves
+# (kvguard.sidecar.server, /runbook, whose headings carry those ids), on the target the alert names
 # ($labels.instance, host:port of the scrape), unless that target is down (up == 0: KVGuardExporterDown's own
 # target), then on a kvguard target of the same job that is up. The per-engine alerts (KVGuardOOMRiskCritical,
 # KVGuardHeadroomLow) aggregate instance away: for them, the instance of the engine's rank in the worst guard
 # state (the pod whose /guard says why). Prometheus' template functions query, first and label
-# (prometheus/prometheus docs/configuration/template_reference.md, "Queries"; every rank the guard judges
-# exports kvguard_guard_severity). Annotations are templates in Prometheus and promtool alike, so
-# dashboards/tests checks the URLs it makes. No `|`, so it fits a markdown table cell.
-RUNBOOK_URL = ('http://{{ if $labels.instance }}'
+# (template_reference.md, "Queries"; every rank the guard judges exports kvguard_guard_severity). Annotations
+# are templates in Prometheus and promtool alike, so dashboards/tests checks the URLs it makes, and
+# tests/test_runbook_links.py fetches them from a real Prometheus. No `|`, so it fits a markdown table cell.
+RUNBOOK_LABEL = "kvguard_runbook_url"
+RUNBOOK_URL = ('{{ with $externalLabels.' + RUNBOOK_LABEL + ' }}{{ . }}{{ else }}http://{{ if $labels.instance }}'
                '{{ with query (print "up{job=\\"" $labels.job "\\",instance=\\"" $labels.instance "\\"} == 0") }}'
                '{{ with query (print "topk(1, up{job=\\"" $labels.job "\\"} == 1)") }}{{ label "instance" (first .) }}{{ end }}'
                '{{ else }}{{ $labels.instance }}{{ end }}{{ else }}'
                '{{ with query (print "topk(1, kvguard_guard_severity{job=\\"" $labels.job "\\",namespace=\\"" $labels.namespace '
                '"\\",engine_id=\\"" $labels.engine_id "\\"})") }}{{ label "instance" (first .) }}{{ end }}{{ end }}'
-               '/runbook/%s')
+               '/runbook{{ end }}#%s')
 
 DEFAULTS = {
     "jobSelector": 'job=~".*kvguard.*"',

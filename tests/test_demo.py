@@ -148,3 +148,110 @@ def test_a_forward_is_in_flight_between_steps():
 def test_bad_traffic_is_a_value_error(field, value):
     with pytest.raises(ValueError, match=field):
         Traffic(**{field: value})
+
+
+# ---------------------------------------------------------------- what a real rank's vLLM gives beside the probe
+
+def test_each_rank_is_its_own_source_and_the_whole_demo_reads_them_in_rank_order():
+    source = DemoSource(ranks=3)
+    records = source.sample()
+    assert [r.device for r in records] == ["npu:0", "npu:1", "npu:2"]
+    assert [r.device for r in source.rank_source(2).sample()] == ["npu:2"]
+    assert source.rank_source(1).rank_contexts()["npu:1"].rank == 1
+    seeds = {source.serving(rank).config.seed for rank in range(3)}
+    assert len(seeds) == 3
+
+
+def test_the_budget_time_verdict_is_taken_once_per_life_after_startup_fixed_the_budget():
+    from kvguard.guard.judge import BUDGET
+
+    source = DemoSource(ranks=2)
+    assert source.budget_verdict(1) == (None, False)       # no startup yet
+    handed = []
+    rank = source.rank_source(1)
+    rank.on_budget_verdict = handed.append
+    first = source.serving(1)
+    while source.serving(1) is first:
+        rank.sample()
+    rank.sample()                                          # the new life's startup
+    assert len(handed) == 2 and all(v.phase == BUDGET for v in handed)
+    assert handed[1] is not handed[0]
+    assert handed[0].reason_codes == ("overcommitted",)    # vLLM's stock budget over the reserved-aware one
+
+
+def test_the_engines_metrics_are_vllms_series_from_the_simulated_scheduler():
+    from prometheus_client.parser import text_string_to_metric_families
+    from kvguard.sim.demo import MODEL_NAME
+    from kvguard.vllm import metrics
+
+    source = DemoSource(ranks=2)
+    for _ in range(20):
+        source.sample()
+    text = source.engine_metrics().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert all(f.documentation.startswith("kvguard demo's simulated engine: ") for f in families.values())
+    for rank in (0, 1):
+        serving = source.serving(rank)
+        usage = (serving.num_blocks - serving.free_blocks) / serving.num_blocks
+        values = {f.name: s for f in families.values() for s in f.samples if s.labels.get("engine") == str(rank)}
+        assert values["vllm:kv_cache_usage_perc"].value == pytest.approx(usage) and 0 < usage < 1
+        assert values["vllm:kv_cache_usage_perc"].labels == {"model_name": MODEL_NAME, "engine": str(rank)}
+        assert values["vllm:num_requests_running"].value == serving.num_running
+        assert values["vllm:num_requests_waiting"].value == serving.num_waiting
+        assert values["vllm:cache_config_info"].labels["num_gpu_blocks"] == str(serving.num_blocks)
+        # ...and the sidecar's own reader of vLLM's /metrics finds each engine by (model name, engine index).
+        engine = metrics.parse(text).engine_for(MODEL_NAME, str(rank))
+        assert engine.num_gpu_blocks == serving.num_blocks and engine.kv_cache_usage_ratio == pytest.approx(usage)
+
+
+def test_the_engines_series_have_the_names_and_help_of_vllm_0_14s_prometheus_logger():
+    import ast
+    import pathlib
+
+    from vllm_real import envs
+
+    python = envs.env_python("0.14.0")
+    if python is None:
+        pytest.skip("vLLM 0.14.0: its environment is not set up (./dev.sh test builds it)")
+    (loggers,) = pathlib.Path(python).parents[1].glob("lib/python*/site-packages/vllm/v1/metrics/loggers.py")
+    tree = ast.parse(loggers.read_text(encoding="utf-8"))
+    upstream = {}
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call):
+            keywords = {k.arg: k.value for k in call.keywords}
+            if isinstance(keywords.get("name"), ast.Constant) and isinstance(keywords.get("documentation"), ast.Constant):
+                upstream[keywords["name"].value] = keywords["documentation"].value
+    assert '"vllm:cache_config_info"' in loggers.read_text(encoding="utf-8")
+    assert 'labelnames = ["model_name", "engine"]' in loggers.read_text(encoding="utf-8")
+    source = DemoSource(ranks=1)
+    source.sample()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(source.engine_metrics().decode()):
+        if family.name != "vllm:cache_config_info":
+            assert family.documentation == "kvguard demo's simulated engine: " + upstream[family.name]
+
+
+def test_start_demo_runs_a_probe_per_rank_naming_its_engine_and_serves_the_engines_on_loopback(tmp_path):
+    import time
+    import urllib.request
+
+    from kvguard.sim.demo import MODEL_NAME, start_demo
+    from kvguard.spool.io import SpoolReader
+
+    demo = start_demo(str(tmp_path), 2, interval=0.2)
+    try:
+        assert demo.vllm_metrics_url.startswith("http://127.0.0.1:")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            snapshots = {s.device: s for s in SpoolReader(str(tmp_path)).read().snapshots}
+            if len(snapshots) == 2 and all(s.budget_verdict for s in snapshots.values()):
+                break
+            time.sleep(0.1)
+        assert {(d, s.model_name, s.engine, s.rank) for d, s in snapshots.items()} == \
+            {("npu:0", MODEL_NAME, "0", 0), ("npu:1", MODEL_NAME, "1", 1)}
+        assert all(s.budget_verdict.phase == "budget" for s in snapshots.values())
+        with urllib.request.urlopen(demo.vllm_metrics_url, timeout=5) as answer:
+            assert b'vllm:kv_cache_usage_perc{engine="1"' in answer.read()
+    finally:
+        demo.stop()

@@ -453,7 +453,8 @@ def test_without_pages_or_a_service_runbook_urls_are_the_generators_default_on_t
     assert [d for d in docs if d["kind"] == "Service"] == []
     urls = _runbook_urls(docs)
     assert urls == {name: rules_generator().RUNBOOK_URL % name.lower() for name in urls}
-    assert all(url.startswith("http://{{ if $labels.instance }}") for url in urls.values())
+    assert all(url.startswith("{{ with $externalLabels.kvguard_runbook_url }}{{ . }}{{ else }}http://{{ if $labels.instance }}")
+               for url in urls.values())
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():

@@ -59,11 +59,13 @@ def test_alert_has_severity_label_and_summary_description_runbook(alert):
 
 
 @pytest.mark.parametrize("alert", alerts(), ids=ALERT_NAMES)
-def test_runbook_url_is_the_sidecars_runbook_path_for_the_alert_on_a_templated_host(alert):
-    # http://<host>/runbook/<alert>, the host a Prometheus template (the alert's instance, or a query's);
-    # dashboards/tests/kvguard-alerts.test.yaml checks what promtool expands it to.
+def test_runbook_url_is_the_alerts_section_on_the_labelled_page_else_on_a_sidecars_runbook(alert):
+    # #<alert> on the page the external label kvguard_runbook_url names, else on http://<host>/runbook, the
+    # host a Prometheus template (the alert's instance, or a query's); dashboards/tests/kvguard-alerts.test.yaml
+    # checks what promtool expands it to without the label, tests/test_runbook_links.py what Prometheus does with it.
     url = alert["annotations"]["runbook_url"]
-    assert re.fullmatch(r"http://\{\{ .* \}\}/runbook/" + alert["alert"].lower(), url), url
+    assert re.fullmatch(r"\{\{ with \$externalLabels\.kvguard_runbook_url \}\}\{\{ \. \}\}\{\{ else \}\}"
+                        r"http://\{\{ .* \}\}/runbook\{\{ end \}\}#" + alert["alert"].lower(), url), url
     assert "github.com" not in url
 
 

@@ -286,7 +286,7 @@ def test_serve_refuses_a_log_that_is_not_a_regular_file(tmp_path):
     fifo = tmp_path / "vllm.log"
     os.mkfifo(fifo)
     result = invoke("serve", "--port", "0", "--source", "none", "--from-log", str(fifo), seconds=30)
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
 
 
@@ -295,7 +295,7 @@ def test_demo_with_an_unusable_spool_dir_is_one_line(tmp_path):
     spool = tmp_path / "afile" / "spool"
     result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0",
                     "--spool-dir", str(spool))
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output == f"Error: cannot create spool directory {spool}: Not a directory\n"
 
 
@@ -309,7 +309,7 @@ def test_demo_without_a_writable_tmp_makes_its_spool_in_dev_shm(tmp_path, monkey
         taken.listen()
         port = taken.getsockname()[1]
         result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", str(port))
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
 
 
@@ -318,7 +318,7 @@ def test_demo_with_nowhere_to_make_its_spool_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(cli_serve, "DEMO_SPOOL_PARENTS", (str(tmp_path / "afile"), None))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))
     result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0")
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.startswith("Error: cannot create a demo spool directory (")
     assert len(result.output.splitlines()) == 1
 
@@ -330,7 +330,7 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path):
         port = taken.getsockname()[1]
         result = invoke("serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir",
                         str(tmp_path), "--source", "none")
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in result.output
 
@@ -339,18 +339,18 @@ def test_serve_with_a_missing_certificate_says_tls(tmp_path):
     result = invoke("serve", "--listen", "127.0.0.1", "--port", "0", "--source", "none",
                     "--tls-cert-file", str(tmp_path / "tls.crt"),
                     "--tls-key-file", str(tmp_path / "tls.key"))
-    assert result.exit_code == 1
+    assert result.exit_code == 65
     assert result.output == "Error: cannot load TLS certificate or key: No such file or directory\n"
 
 
 def test_serve_refuses_a_certificate_without_a_key(tmp_path):
     result = invoke("serve", "--tls-cert-file", str(tmp_path / "c.pem"))
-    assert result.exit_code == 2 and "go together" in result.output
+    assert result.exit_code == 64 and "go together" in result.output
 
 
 def test_serve_refuses_an_unknown_source(tmp_path):
     result = invoke("serve", "--spool-dir", str(tmp_path), "--source", "abacus", "--port", "0")
-    assert result.exit_code == 1 and "unknown source 'abacus'" in result.output
+    assert result.exit_code == 65 and "unknown source 'abacus'" in result.output
 
 
 # ------------------------------------------------------------------ hostile inputs
@@ -361,7 +361,7 @@ def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
     password.write_text("s3cret")
     result = invoke("serve", "--port", "0", "--source", "none", f"--basic-auth-user={user}",
                     "--basic-auth-password-file", str(password))
-    assert result.exit_code == 2
+    assert result.exit_code == 64
     assert "--basic-auth-user is" in result.output.strip().splitlines()[-1]
 
 
@@ -370,7 +370,7 @@ def test_serve_refuses_an_empty_basic_auth_password(tmp_path):
     password.write_text("\n")
     result = invoke("serve", "--port", "0", "--source", "none", "--basic-auth-user=prometheus",
                     "--basic-auth-password-file", str(password))
-    assert result.exit_code == 2 and "password is empty" in result.output
+    assert result.exit_code == 64 and "password is empty" in result.output
 
 
 def test_check_with_a_lone_surrogate_in_a_snapshot_prints_no_traceback(tmp_path):

@@ -149,7 +149,8 @@ def _load_web_config(path: str | None, tls_cert_file: str | None, basic_auth_use
                    "hashes); re-read on change. The --tls-* and --basic-auth-* flags are shorthands for it.")
 @click.option("--web.config.allow-auth-off", "web_config_allow_auth_off", is_flag=True,
               help="Apply a reload of --web.config.file that lists no basic_auth_users (switching basic auth "
-                   "off); without it such a reload keeps the previous config and is logged at error level.")
+                   "off) or lowers client_auth_type or min_version; without it such a reload keeps the previous "
+                   "config and is logged at error level.")
 @click.option("--engine-id", envvar="KVGUARD_ENGINE_ID", default="", metavar="ID",
               help="The engine the spool's ranks belong to, the same on every pod of a multi-node engine "
                    "(an LWS group, a Ray cluster): the engine_id label [env KVGUARD_ENGINE_ID; default: the "
@@ -222,7 +223,15 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
         spool_dir = demo_spool = _make_demo_spool()
     elif demo:
         _make_spool_dir(spool_dir)
+    running_demo = None
     try:
+        if demo:
+            from kvguard.sim.demo import start_demo
+
+            # The demo's ranks, and their simulated engines' vLLM /metrics, which the sidecar reads as it
+            # reads a real vLLM's (unless --vllm-metrics-url names one).
+            running_demo = start_demo(spool_dir, demo_ranks, interval=interval)
+            vllm_metrics_url = vllm_metrics_url or running_demo.vllm_metrics_url
         sidecar = Sidecar(SidecarConfig(
             spool_dir=spool_dir or None, sources=built_sources, vllm_metrics_url=vllm_metrics_url,
             startup_log=startup, interval=interval, stale_after=stale_after, forget_after=forget_after,
@@ -233,17 +242,14 @@ def serve(listen, port, spool_dir, sources, nvml_mig, vllm_metrics_url, log_file
             server = KVGuardServer(sidecar, options, tls_context=tls_context, web_config=watcher)
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {listen}:{port}: {exc.strerror or exc}") from None
-        probe = None
-        if demo:
-            from kvguard.sim.demo import start_demo
-
-            probe = start_demo(spool_dir, demo_ranks, interval=interval)
         sidecar.start()
         # SIGTERM must stop the server cleanly from the moment the banner tells anyone it is up.
-        _serve_until_signalled(server, sidecar, probe,
+        _serve_until_signalled(server, sidecar, running_demo,
                                lambda: _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo,
                                                  demo_ranks, interval, requested_interval))
     finally:
+        if running_demo is not None:
+            running_demo.stop()
         if demo_spool:
             shutil.rmtree(demo_spool, ignore_errors=True)
 
@@ -259,7 +265,8 @@ def _announce(server, sidecar, spool_dir, vllm_metrics_url, log_file, demo, demo
     if demo:
         capped = f" (--interval {requested_interval:g} capped at {interval:g}s in the demo)" \
             if requested_interval > interval else ""
-        say(f"  demo: {demo_ranks} simulated rank(s) written by the real probe every {interval:g}s{capped}.")
+        say(f"  demo: {demo_ranks} simulated rank(s), each an engine of its own, written by the real probe every "
+            f"{interval:g}s{capped}; their simulated vLLM /metrics at {vllm_metrics_url}.")
         say(f"  look at:  curl -s {server.url('/guard')}   (the last rank turns critical)")
         say(f"            curl -s {server.url('/metrics')} | grep -E "
             f"'kvguard_(allocator_fragmentation_bytes|guard_state|guard_headroom_bytes)'")

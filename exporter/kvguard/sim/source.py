@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kvguard.budget.estimator import ConfigError
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
@@ -78,12 +78,14 @@ def _live_serving(traffic: Any) -> Any:
 class SimSource:
     """``ranks`` simulated serving ranks. ``scenario`` options go to ``ScenarioConfig``
     (``allocator``, ``budget``, ``device_memory_bytes``, ``gpu_memory_utilization``, ``requests``, …);
-    ``traffic`` serves an open request stream instead of ``requests`` queued at once (module docstring)."""
+    ``traffic`` serves an open request stream instead of ``requests`` queued at once (module docstring).
+    ``on_scenario`` is called with each new scenario before its first step (the demo watches its budget)."""
 
     name = "sim"
 
     def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
-                 model_config: Mapping[str, Any] | str | None = None, traffic: Any = None, **scenario: Any):
+                 model_config: Mapping[str, Any] | str | None = None, traffic: Any = None,
+                 on_scenario: Callable[[Any], None] | None = None, **scenario: Any):
         for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS),
                                        ("steps per sample", steps_per_sample, 1, 10**6)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -105,6 +107,7 @@ class SimSource:
         except (TypeError, ValueError) as exc:
             raise SourceError(f"sim scenario: {one_line(exc)}") from None
         self._ranks = ranks
+        self._on_scenario = on_scenario
         self._steps = steps_per_sample
         self._prefix = _DEVICE_PREFIX[self._base.allocator]
         self._lock = threading.Lock()
@@ -118,7 +121,10 @@ class SimSource:
 
         # Seeds never repeat across ranks and restarts: rank r, generation g -> seed + r + ranks * g.
         seed = self._base.seed + rank + self._ranks * self._generation[rank]
-        return self._scenario_class(replace(self._base, seed=seed))
+        scenario = self._scenario_class(replace(self._base, seed=seed))
+        if self._on_scenario is not None:
+            self._on_scenario(scenario)
+        return scenario
 
     def device(self, rank: int) -> str:
         return f"{self._prefix}:{rank}"

@@ -135,6 +135,16 @@ class LiveServing:
         return self._scenario.device_memory()
 
     @property
+    def startup_scenario(self) -> ServingScenario:
+        """The scenario whose startup this serving run keeps (weights, profile run, budget, KV cache)."""
+        return self._scenario
+
+    @property
+    def free_blocks(self) -> int:
+        """KV-cache blocks no request holds (0 before startup)."""
+        return self._scheduler.free_blocks
+
+    @property
     def num_running(self) -> int:
         return len(self._scheduler.running)
 

@@ -13,7 +13,8 @@ fills them as the generator fills them from its DEFAULTS (which values.yaml mirr
                            false, the runbook the release's own Service serves,
                            <scheme>://<fullname>.<namespace>.svc:<kvguard.port>/runbook/%s, or where the
                            release has no Service (mode cluster, service.enabled false) the template
-                           file's runbookUrl (dashboards/rules.py's RUNBOOK_URL: the alert's instance)
+                           file's runbookUrl (dashboards/rules.py's RUNBOOK_URL: #<alert> on the page the
+                           external label kvguard_runbook_url names, else the alert's instance's /runbook)
 then tidies what an empty selector leaves in an expr, as rules.py's tidy(): `,}` to `}`, `name{}` to
 `name`. Substitution happens in the parsed strings, so a value's quotes cannot break the YAML.
 Alerts named in prometheusRule.disabled (true) are left out; prometheusRule.customRules.<alert>.severity
