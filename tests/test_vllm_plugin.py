@@ -347,3 +347,81 @@ def test_a_bad_exact_mode_setting_is_counted_and_leaves_ms_alloc_conf_alone(fake
     assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True"
     assert vllm_plugin.hook_errors == {"mindspore_dump": 1}
     assert "KVGUARD_MINDSPORE_DUMP='often'" in caplog.text
+
+
+# ---------------------------------------------------------------------------- a worker that measures inline
+
+def inline_worker_method(body: str) -> tuple[dict, object]:
+    """A determine_available_memory in a module of its own that reaches the device through its global ``torch``
+    and has no ``memory_profiling``, as vLLM 0.8.5-0.9.0's gpu_worker.py (0.9.0:166-214)."""
+    import torch
+    namespace = {"torch": torch, "seen": []}
+    exec(f"def determine_available_memory(self):\n    seen.append(torch)\n{body}", namespace)
+    return namespace, namespace["determine_available_memory"]
+
+
+def test_an_inline_workers_own_error_passes_through_and_its_torch_is_put_back(fake_vllm, monkeypatch):
+    import torch
+    from kvguard.vllm.inline_readings import RecordingModule
+    error = RuntimeError("CUDA error: out of memory")
+    namespace, method = inline_worker_method("    raise ERROR\n")
+    namespace["ERROR"] = error
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    worker = start_worker()
+    with pytest.raises(RuntimeError) as raised:
+        worker.determine_available_memory()
+    assert raised.value is error
+    # While it ran, its torch recorded; afterwards it is torch again.
+    assert isinstance(namespace["seen"][0], RecordingModule) and namespace["torch"] is torch
+    assert not vllm_plugin.hook_errors
+
+
+def test_an_inline_worker_whose_reads_are_not_its_eras_keeps_its_figure_and_records_nothing(fake_vllm, monkeypatch):
+    # The fake vLLM's release is not an 0.8.5-0.9.0 row: whatever it read, its figure passes through untouched.
+    namespace, method = inline_worker_method("    torch.cuda.is_available()\n    return 40 * (1 << 30)\n")
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
+    vllm_plugin.register()
+    worker = start_worker()
+    assert worker.determine_available_memory() == 40 * GIB
+    [snapshot] = snapshots(fake_vllm)
+    assert snapshot.profile is None
+
+
+def test_profile_from_readings_needs_an_era_that_adds_the_absolute_non_torch_memory():
+    from kvguard.vllm.inline_readings import Readings, profile_from_readings
+    readings = Readings()
+    readings.stats = [{"allocated_bytes.all.peak": 20 * GIB, "reserved_bytes.all.peak": 22 * GIB},
+                      {"allocated_bytes.all.current": 16 * GIB}]
+    readings.mem_info = [(40 * GIB, 80 * GIB), (30 * GIB, 80 * GIB), (62 * GIB, 80 * GIB)]
+    profile = profile_from_readings(readings, formula="absolute_peak_signed", utilization=0.9, release="vllm:0.9.0")
+    assert (profile.weights_bytes, profile.peak_allocated_increase_bytes, profile.peak_reserved_increase_bytes,
+            profile.non_torch_increase_bytes) == (16 * GIB, 4 * GIB, 6 * GIB, 2 * GIB)
+    assert stock_kv_cache_bytes(profile) == int(80 * GIB * 0.9 - (20 * GIB + 2 * GIB))
+    assert profile_from_readings(readings, formula="peak", utilization=0.9, release="vllm:0.11.0") is None
+    assert profile_from_readings(Readings(), formula="absolute_peak", utilization=0.9, release=None) is None
+
+
+def test_a_device_read_kvguard_cannot_keep_leaves_the_workers_call_and_figure_alone(fake_vllm, monkeypatch):
+    # A memory_stats() that returns what is no mapping: the worker gets it as it is; kvguard counts one failure.
+    namespace, method = inline_worker_method("    stats = torch.cuda.memory_stats()\n    return stats\n")
+    odd = object()
+
+    class Cuda:
+        @staticmethod
+        def memory_stats():
+            return odd
+    namespace["torch"] = type("FakeTorch", (), {"cuda": Cuda})()
+    gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
+    monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
+    monkeypatch.setattr(vllm_plugin, "running_release", lambda worker=None: "vllm:0.9.0")
+    monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
+    vllm_plugin.register()
+    worker = start_worker()
+    assert worker.determine_available_memory() is odd
+    assert vllm_plugin.hook_errors == {"profile": 1}

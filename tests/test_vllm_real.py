@@ -158,6 +158,11 @@ def test_real_startup_lines_parse_to_the_decided_budget(release, tmp_path_factor
     log = parse_lines(result["log_lines"])
     # The release's own logger calls (file:line tags, kvguard.vllm.source_index) pin its row.
     assert log.era == era_for(release).name, log.era_reason
+    if "available_kv_cache" not in era_for(release).log_lines:
+        # 0.8.5-0.9.0 log neither the budget nor the profile: the KV cache's size in tokens is what they tell.
+        assert log.available_kv_cache_bytes is None
+        assert log.kv_cache_tokens == result["kv_cache_config"]["num_blocks"] * result["config"]["block_size"]
+        return
     decided = (committed(result) * snap.kv_cache.block_bytes if committed(result) is not None
                else result["returned_available_bytes"])
     # vLLM prints GiB to two decimals.
@@ -191,6 +196,43 @@ def test_0_34_utilization_none_is_resolved_never_none(tmp_path_factory):
     result, snap, _ = run("0.34.0", tmp_path_factory)
     assert result["config"]["gpu_memory_utilization"] is None
     assert snap.profile.gpu_memory_utilization == result["config"]["resolved_gpu_memory_utilization"] == 1.0
+
+
+# ---------------------------------------------------------------------------- 0.8.5-0.9.0: measured inline
+
+# The releases whose worker measures inline, without memory_profiling (kvguard.vllm.inline_readings): the era
+# rows whose formula adds the absolute non-torch memory.
+INLINE_RELEASES = [r for r in RELEASES if FORMULAS[era_for(r).formula].non_torch == "positive"]
+
+
+@pytest.mark.parametrize("release", INLINE_RELEASES)
+def test_a_worker_without_memory_profiling_gets_its_profile_from_its_own_device_reads(release, tmp_path_factory):
+    """0.9.0's determine_available_memory reads torch.cuda inline (gpu_worker.py 0.9.0:166-214) and the plugin
+    records those reads. Its allocated peak holds the weights: what stays allocated after its empty_cache is the
+    weights (the runner's own model_memory_usage), the rest the profile run's activation peak; its non-torch
+    memory is the absolute one (here the CUDA context the device held before the worker's init snapshot)."""
+    result, snap, _ = run(release, tmp_path_factory)
+    scenario, profile = result["scenario"], snap.profile
+    assert profile.formula == era_for(release).formula
+    assert profile.total_memory_bytes == scenario["total_memory_bytes"]
+    assert profile.weights_bytes == result["figures"]["model_memory_usage"] == scenario["weights_bytes"]
+    assert profile.peak_allocated_increase_bytes == scenario["profile_transient_bytes"]
+    # FRAGMENTED: the reserved peak outgrows the allocated one by the block the peak could not reuse.
+    assert profile.peak_reserved_increase_bytes == (scenario["profile_transient_bytes"]
+                                                    + scenario["profile_unreusable_bytes"])
+    assert profile.non_torch_increase_bytes == scenario["init_non_torch_bytes"]
+
+
+@pytest.mark.parametrize("release", INLINE_RELEASES)
+def test_the_plugin_leaves_the_inline_workers_figure_and_blocks_as_vllm_computes_them(release, tmp_path_factory):
+    with_plugin, _, _ = run(release, tmp_path_factory)
+    alone = run_worker(release, DEFAULT_RUN, plugins=False)
+    assert with_plugin["returned_available_bytes"] == alone["returned_available_bytes"]
+    assert with_plugin["kv_cache_config"]["num_blocks"] == alone["kv_cache_config"]["num_blocks"]
+    # No hook of kvguard's failed, and its formula gave vLLM's figure (else it says so once).
+    complaints = [line for line in with_plugin["log_lines"] if "kvguard" in line
+                  and ("vLLM continues" in line or "may be off" in line or "no startup profile" in line)]
+    assert not complaints
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -269,7 +311,7 @@ def test_kvguard_budget_guard_shrinks_a_budget_the_guard_predicts_does_not_fit(r
     assert not [text for text in kvguard_lines(stock) if "KVGUARD_BUDGET" in text]
 
 
-@pytest.mark.parametrize("release", ["0.11.0", "0.34.0"])
+@pytest.mark.parametrize("release", ["0.9.0", "0.11.0", "0.34.0"])
 def test_kvguard_budget_guard_keeps_a_budget_that_fits(release, tmp_path_factory):
     scenario = {} if release == "0.11.0" else {"gpu_memory_utilization": 0.9}
     stock, _, _ = run(release, tmp_path_factory, scenario=scenario)

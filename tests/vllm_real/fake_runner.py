@@ -27,6 +27,13 @@ def _spec_kwargs(cls, **wanted):
     return {k: v for k, v in wanted.items() if k in names}
 
 
+def kv_cache_tensors(kv_cache_config) -> list:
+    """A KVCacheConfig's KVCacheTensors: its list (0.10+), or through 0.9.x its layer -> tensor dict ``tensors``
+    (v1/kv_cache_interface.py 0.9.0:179-186)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
+    return list(tensors if tensors is not None else kv_cache_config.tensors.values())
+
+
 class FakeModelRunner:
     def __init__(self, vllm_config, device, *args, **kwargs):
         self.vllm_config = vllm_config
@@ -132,6 +139,7 @@ class FakeModelRunner:
             num_kv_heads=max(kv_heads // tp, 1),
             head_size=head_size,
             dtype=kv_dtype,
+            use_mla=False,   # a field without a default through 0.9.0 (kv_cache_interface.py)
         ))
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(hf.num_hidden_layers)}
 
@@ -142,14 +150,14 @@ class FakeModelRunner:
 
             layout = self.cache_config.get_resolved_kv_cache_layout()
             self.extensible_kv_cache = ExtensibleKVCache(kv_cache_config, self.device, layout)
-            for tensor in kv_cache_config.kv_cache_tensors:
+            for tensor in kv_cache_tensors(kv_cache_config):
                 self.extensible_kv_cache.allocate(tensor.size)
                 break  # one backing allocation shared by every tensor
         else:
-            for tensor in kv_cache_config.kv_cache_tensors:
+            for tensor in kv_cache_tensors(kv_cache_config):
                 DEVICE.alloc(tensor.size)
         self._event("initialize_kv_cache", num_blocks=kv_cache_config.num_blocks,
-                    tensor_bytes=sum(t.size for t in kv_cache_config.kv_cache_tensors))
+                    tensor_bytes=sum(t.size for t in kv_cache_tensors(kv_cache_config)))
 
 
 class FakeExtensibleTensor:

@@ -11,6 +11,7 @@ measure_kv_cache_blocks / extend_kv_cache. What is faked is listed in README.md.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import socket
@@ -51,11 +52,15 @@ def _stub_compiled_extensions():
     """vLLM's compiled CUDA extensions (vllm._C*, the bundled flash-attention) cannot load on a
     CPU-only torch. The startup path under test runs none of their kernels, so only their import
     is replaced; flash-attention reports itself unsupported, as on a machine without it."""
-    for name in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C", "vllm.cumem_allocator",
+    for name in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C",
                  "vllm._flashmla_C", "vllm._flashmla_extension_C",
                  # flash-attention's Triton rotary kernel (0.11), which imports triton itself
                  "vllm.vllm_flash_attn.ops.triton.rotary"):
         _stub_module(name)
+    # The sleep-mode allocator is absent, as in a build without it (ROCm's): device_allocator/cumem.py then
+    # takes its ModuleNotFoundError branch (0.9.0:47-60, 0.34.0 the same) instead of loading libcudart,
+    # which 0.9.0's gpu_worker.py reaches at import (:13; later releases import it in sleep mode only).
+    sys.modules.setdefault("vllm.cumem_allocator", None)
     try:  # older releases import it without the kernels, which then report unsupported
         import vllm.vllm_flash_attn  # noqa: F401
     except ImportError:
@@ -176,9 +181,11 @@ def last_probe_write() -> None:
 
 def kv_cache_config_dict(kv) -> dict:
     """The KVCacheConfig vLLM built: its block count, tensor count and groups."""
+    import fake_runner
+
     return {
         "num_blocks": kv.num_blocks,
-        "num_tensors": len(kv.kv_cache_tensors),
+        "num_tensors": len(fake_runner.kv_cache_tensors(kv)),
         "groups": [{"num_layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
                     "page_size_bytes": g.kv_cache_spec.page_size_bytes,
                     "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups],
@@ -258,6 +265,16 @@ def _startup(request, scenario, device, result):
     worker = executor.driver_worker.worker
     runner = worker.model_runner
 
+    # What the executor handed the engine core, per worker: through 0.9.x the core keeps no
+    # available_gpu_memory_for_kv_cache (v1/engine/core.py 0.9.0:137), so it is read here.
+    determined = []
+    determine = executor.determine_available_memory
+
+    def determine_available_memory(*args, **kwargs):
+        determined.append(determine(*args, **kwargs))
+        return determined[-1]
+
+    executor.determine_available_memory = determine_available_memory
     core = types.SimpleNamespace(model_executor=executor, vllm_config=vllm_config)
     core.collective_rpc = executor.collective_rpc
     from vllm.v1.engine.core import EngineCore
@@ -280,13 +297,15 @@ def _startup(request, scenario, device, result):
     }
     result["figures"] = figures
     result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
+    if result["returned_available_bytes"] is None and determined and isinstance(determined[-1], list):
+        [result["returned_available_bytes"]] = determined[-1]      # one rank
     kv = runner.kv_cache_config
     if kv is not None:
         result["kv_cache_config"] = {
             **kv_cache_config_dict(kv),
             "tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None)
                                                             or getattr(t, "layers", []))}
-                        for t in kv.kv_cache_tensors][:4],
+                        for t in fake_runner.kv_cache_tensors(kv)][:4],
         }
         result["kv_allocations"] = _real_kv_allocations(vllm_config, kv)
     ext = getattr(runner, "extensible_kv_cache", None)
@@ -312,10 +331,19 @@ def _real_kv_allocations(vllm_config, kv):
     """The byte size of each backing allocation the release's own KV allocator makes for the KVCacheConfig its
     kv_cache_utils built: v1/worker/utils.py allocate_kv_cache where the release has it (0.29+), else
     GPUModelRunner._allocate_kv_cache_tensors; run unchanged on the meta device (no memory), its int8
-    torch.zeros counted."""
+    torch.zeros counted. Through 0.9.x the runner has neither: its initialize_kv_cache allocates inline, per layer,
+    a tensor of the attention backend's shape for exactly that layer's KVCacheTensor.size (num_blocks = size //
+    page_size_bytes, gpu_model_runner.py 0.9.0:2002-2023); it needs the attention backends, so it is not run here,
+    and the sizes are those of the KVCacheConfig's tensors, which its kv_cache_utils built."""
     import torch
 
     from vllm.v1.worker import utils as worker_utils
+
+    real_runner = REAL_RUNNERS.get("vllm.v1.worker.gpu_model_runner")
+    if not hasattr(worker_utils, "allocate_kv_cache") and not hasattr(real_runner, "_allocate_kv_cache_tensors"):
+        import fake_runner
+
+        return [tensor.size for tensor in fake_runner.kv_cache_tensors(kv)]
 
     device = torch.device("meta")
     sizes = []
@@ -364,6 +392,7 @@ def _install_fake_runner(cls):
             REAL_RUNNERS.setdefault(name, module.GPUModelRunner)
             module.GPUModelRunner = cls
     _replace_kernel_warmups(gpu_worker)
+    _gloo_for_nccl(gpu_worker)
     try:
         ext = importlib.import_module("vllm.v1.worker.extensible_kv_cache")
         from fake_runner import FakeExtensibleTensor
@@ -376,6 +405,25 @@ def _install_fake_runner(cls):
             importlib.import_module(name).get_vmm_driver = lambda: driver
     except ImportError:
         pass
+
+
+def _gloo_for_nccl(gpu_worker):
+    """0.9.0's init_worker_distributed_environment passes no backend (gpu_worker.py 0.9.0:337-353), so
+    init_distributed_environment takes its default, NCCL (distributed/parallel_state.py 0.9.0:910-916), which
+    a CPU torch lacks; one rank on loopback needs only gloo (the platform's dist_backend on later releases)."""
+    import functools
+
+    original = getattr(gpu_worker, "init_distributed_environment", None)
+    if original is None or "backend" in inspect.signature(gpu_worker.init_worker_distributed_environment).parameters:
+        return
+
+    @functools.wraps(original)
+    def init_distributed_environment(*args, **kwargs):
+        if len(args) < 5:
+            kwargs.setdefault("backend", "gloo")
+        return original(*args, **kwargs)
+
+    gpu_worker.init_distributed_environment = init_distributed_environment
 
 
 PROFILES: list = []

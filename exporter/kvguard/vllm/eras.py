@@ -115,8 +115,8 @@ _TORCH_CITES = ("allocator torch: w 0.11.0:101,113,179,254-255 torch.cuda.mem_ge
                 "reset_peak_memory_stats: CUDA's caching allocator",)
 _V0_CITES = ("kv_tensor_style per_layer: worker/cache_engine.py 0.6.4 CacheEngine._allocate_kv_cache, one tensor "
              "(2, num_blocks, ...) per layer (not re-read; V0 has no worker hook the plugin wraps)",) + _TORCH_CITES
-_V1_EARLY_CITES = ("kv_tensor_style per_layer: mr initialize_kv_cache, one tensor per layer (0.8.5, 0.9.0 not "
-                   "re-read; 0.11.0:3758-3777 the same)",) + _TORCH_CITES
+_V1_EARLY_CITES = ("kv_tensor_style per_layer: mr 0.9.0:2002-2023 initialize_kv_cache, one torch.zeros per layer of "
+                   "its KVCacheTensor's size (0.8.5 not re-read; 0.11.0:3758-3777 the same)",) + _TORCH_CITES
 _ASCEND_CITES = ("allocator torch_npu: aw 0.11.0:207,226,231 NPUPlatform.mem_get_info (torch_npu's caching "
                  "allocator)",
                  "kv_tensor_style per_layer_k_v: a K and a V tensor per layer, half the page each: amr "
@@ -151,13 +151,23 @@ ERAS: tuple[Era, ...] = (
         cites=("worker/worker.py 0.6.4:174-250 determine_num_available_blocks: "
                "max(int((total * util - (peak + max(non_torch, 0))) // block_bytes), 0)",
                "executor/gpu_executor.py 0.6.4:113 '# GPU blocks'") + _V0_CITES),
-    # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped.
+    # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped. The plugin records
+    # the profile from the worker's own torch.cuda reads (kvguard.vllm.inline_readings): weights_bytes is what
+    # stays allocated after its empty_cache, the peak increase the allocated peak above it, the non-torch figure
+    # the absolute one; tests/test_vllm_real.py runs 0.9.0's worker through vLLM's plugin loader.
     Era("vllm", _v("0.8.5"), _v("0.9.0"), "absolute_peak_signed", kv_cache_memory_flag=None,
         # No "Available KV cache memory" line: 0.9.0's worker never writes it (issue 19, its real worker run;
         # the posted 0.8.5 log tests/data/logs/real/r05.log has none either).
         log_lines=("model_loading", "kv_cache_size", "max_concurrency"),
+        checked_against="0.9.0",
         cites=("w 0.8.5:165-212, 0.9.0:167-214 int(total * util - (allocated peak incl. weights + "
-               "max(absolute non-torch, 0)))",) + _V1_EARLY_CITES),
+               "max(absolute non-torch, 0)))",
+               "w 0.9.0:179-182 empty_cache, reset_peak_memory_stats, total from torch.cuda.mem_get_info() before "
+               "profile_run (:185); :197 memory_stats()['allocated_bytes.all.peak']; :202-206 after empty_cache, "
+               "memory_stats()['allocated_bytes.all.current'] and mem_get_info()[1] - mem_get_info()[0]: the reads "
+               "the plugin records (no memory_profiling in 0.9.0)",
+               "v1/engine/core.py 0.9.0:137 the returned bytes go to get_kv_cache_config unlogged (no "
+               "available_gpu_memory_for_kv_cache)") + _V1_EARLY_CITES),
     # memory_profiling: weights + Δ peak + Δ non-torch, total × util as a float, int(). 0.9.1-0.10.2 take
     # the init snapshot before NCCL starts (w 0.10.2:175 vs 192), so NCCL buffers are in Δ non-torch.
     Era("vllm", _v("0.9.1"), _v("0.11.2"), "peak", mla_block_size=64, mla_block_rule="equal",

@@ -30,9 +30,10 @@ module is imported, or at once if it already is:
   replacement included) is wrapped to read the allocator's reserved peak before and after
   the profile run; afterwards the result's named fields (``weights_memory``,
   ``torch_peak_increase``, ``non_torch_increase``, ``before_create.total_memory``) and
-  ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`; vllm-ascend <= 0.14's
-  NPUWorker runs no ``memory_profiling``, so its own ``torch_npu.npu`` reads make it instead
-  (:func:`profile_from_npu_readings`); on vllm-mindspore, which measures ``memory_reserved()`` at the
+  ``cache_config.gpu_memory_utilization`` make the estimator's :class:`Profile`; vLLM 0.8.5-0.9.0's Worker
+  and vllm-ascend <= 0.14's NPUWorker run no ``memory_profiling``, so their own ``torch.cuda`` /
+  ``torch_npu.npu`` reads make it instead (:func:`profile_from_device_readings`,
+  :mod:`kvguard.vllm.inline_readings`); on vllm-mindspore, which measures ``memory_reserved()`` at the
   profile run's end only, the run's reserved peak is read from MindSpore's own statistics too and recorded
   beside it (:func:`reserved_peak_from`; the guard counts it where it is higher);
 - ``initialize_from_config``: records the KV cache vLLM allocated (``KVCacheConfig``).
@@ -771,100 +772,48 @@ def _check_formula(profile: Any, available: Any) -> None:
                     profile.formula, expected)
 
 
-class _NpuReadings:
-    """What vllm-ascend <= 0.14's ``NPUWorker.determine_available_memory`` reads through ``torch_npu.npu``: it
-    never calls ``memory_profiling`` (aw 0.13.0:269-311, worker_v1.py 0.11.0:219-259). It reads
-    ``memory_stats()`` twice (the peak after the profile run, then the allocated bytes after ``empty_cache``)
-    and ``mem_get_info()`` twice (``total - free``), and budgets ``int(total * util - (peak + non-torch if > 0))``
-    with non-torch = total - free - torch allocated."""
-
-    def __init__(self) -> None:
-        self.stats: list[dict] = []
-        self.mem_info: list[tuple[int, int]] = []
-
-
-class _RecordingNpu:
-    def __init__(self, npu: Any, readings: _NpuReadings) -> None:
-        self._npu, self._readings = npu, readings
-
-    def memory_stats(self, *args: Any, **kwargs: Any) -> Any:
-        stats = self._npu.memory_stats(*args, **kwargs)
-        self._readings.stats.append(dict(stats))
-        return stats
-
-    def mem_get_info(self, *args: Any, **kwargs: Any) -> Any:
-        info = self._npu.mem_get_info(*args, **kwargs)
-        self._readings.mem_info.append((int(info[0]), int(info[1])))
-        return info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._npu, name)
-
-
-class _RecordingTorchNpu:
-    def __init__(self, module: Any, readings: _NpuReadings) -> None:
-        self._module = module
-        self.npu = _RecordingNpu(module.npu, readings)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-
 @contextlib.contextmanager
-def _npu_readings_captured(function: Callable[..., Any]) -> Iterator[_NpuReadings]:
-    """While ``function`` runs, the ``torch_npu`` global of its module reads through a recorder (a
-    worker without ``memory_profiling`` only: vllm-ascend <= 0.14)."""
-    readings = _NpuReadings()
+def _device_readings_captured(function: Callable[..., Any]) -> Iterator[Any]:
+    """While ``function`` runs, the global of its module that reaches the device (``torch_npu``, else ``torch``)
+    reads through a recorder, in a worker without ``memory_profiling`` only: vLLM 0.8.5-0.9.0 and vllm-ascend
+    <= 0.14 measure inline (kvguard.vllm.inline_readings)."""
+    from kvguard.vllm import inline_readings
 
-    def recorder(namespace: dict, current: Any) -> Any:
-        if "memory_profiling" not in namespace and current is not None and hasattr(current, "npu") \
-                and not isinstance(current, _RecordingTorchNpu):
-            return _RecordingTorchNpu(current, readings)
-        return None
-
-    with _global_replaced(function, "torch_npu", recorder):
+    readings = inline_readings.Readings()
+    with contextlib.ExitStack() as stack:
+        for name, _ in inline_readings.DEVICE_GLOBALS:
+            # A recorder that cannot be made leaves the global as it is (counted, logged once).
+            stack.enter_context(_global_replaced(function, name, functools.partial(
+                _guard, "profile", inline_readings.recorder, readings, name)))
         yield readings
 
 
-def profile_from_npu_readings(worker: Any, readings: _NpuReadings) -> Any:
-    """The ``absolute_peak`` profile of what NPUWorker computed: its allocated peak since
-    ``reset_peak_memory_stats`` holds the weights, so it is split into what stays allocated after
-    ``empty_cache`` (``weights_bytes``: the weights, as the guard counts them) and the increase above it (the
-    sum is NPUWorker's peak, to the byte); the reserved peak is split alike; the non-torch figure is the
-    absolute one NPUWorker adds. None when the worker did not read them so."""
-    from kvguard.budget.estimator import Profile
+def profile_from_device_readings(worker: Any, readings: Any) -> Any:
+    """The profile of what a worker that measures inline computed (its era's formula adds the absolute
+    non-torch memory: kvguard.vllm.inline_readings.profile_from_readings); None for another era."""
+    from kvguard.vllm.inline_readings import profile_from_readings
 
     release = running_release(worker)
     era = _era_of(release)
-    if era is None or era.formula != "absolute_peak" or len(readings.stats) < 2 or len(readings.mem_info) < 2:
+    if era is None:
         return None
-    peak = int(readings.stats[0]["allocated_bytes.all.peak"])
-    reserved_peak = readings.stats[0].get("reserved_bytes.all.peak")
-    allocated = int(readings.stats[-1]["allocated_bytes.all.current"])
-    total, free = readings.mem_info[-2][1], readings.mem_info[-1][0]
-    if not 0 <= allocated <= peak:
-        return None
-    return Profile(total_memory_bytes=int(total), gpu_memory_utilization=_utilization(worker.cache_config),
-                   weights_bytes=allocated, peak_allocated_increase_bytes=peak - allocated,
-                   peak_reserved_increase_bytes=(max(0, int(reserved_peak) - allocated)
-                                                 if reserved_peak is not None else None),
-                   non_torch_increase_bytes=int(total - free - allocated), formula="absolute_peak",
-                   vllm_version=release)
+    return profile_from_readings(readings, formula=era.formula, utilization=_utilization(worker.cache_config),
+                                 release=release)
 
 
 def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
     def determine_available_memory(self: Any, *args: Any, **kwargs: Any) -> Any:
         _guard("determine_available_memory", _ensure_probe, self)
         mindspore = _guard("reserved_peak", _runs_mindspore, self) is True
-        with _profiling_captured(original, mindspore) as capture, _npu_readings_captured(original) as readings:
+        with _profiling_captured(original, mindspore) as capture, _device_readings_captured(original) as readings:
             available = original(self, *args, **kwargs)
         profile = _guard("profile", profile_from, self, capture)
         if profile is None and capture.result is None:
-            profile = _guard("profile", profile_from_npu_readings, self, readings)
+            profile = _guard("profile", profile_from_device_readings, self, readings)
         if profile is None:
             if capture.result is None and "no_profile" not in _logged:
                 _logged.add("no_profile")
-                # vLLM 0.8.5-0.9.0 read torch.cuda inline (gpu_worker.py 0.9.0:167-214): no result to capture.
+                # Neither memory_profiling nor the inline reads of kvguard.vllm.inline_readings: nothing to read.
                 log.info("kvguard: no startup profile recorded: this worker's determine_available_memory runs no "
                          "memory_profiling, so its figures stay local to it; kvguard check reports no_profile"
                          + ("" if _settings.budget == "stock" else
