@@ -64,8 +64,10 @@ DEVICES: tuple[DeviceSpec, ...] = (
                "capacity of 79.11 GiB'; r01/r38 (PR #10511, an 80 GB GPU): 79.22 GiB; nvidia-smi states "
                "81559MiB (79.65 GiB) for 'NVIDIA H100 80GB HBM3' (wilicc/gpu-burn#114), more than the runtime's",
                "80 GB HBM3", "NVIDIA H100 Tensor Core GPU datasheet: H100 SXM 80GB HBM3"),
-    DeviceSpec("H200", 141 * GIB, "cuda",
-               "NOT CITED: no real log of an H200's runtime total found yet; the spec size, which overstates it",
+    DeviceSpec("H200", _gib(139.80), "cuda",
+               "PrimeIntellect-ai/prime-rl benchmarks/results/BENCHMARKS.md, the version updated 2026-01-13 06:08 "
+               "UTC (torch OOMs of its 8xH200 runs): 'GPU 5 has a total capacity of 139.80 GiB', the same on "
+               "ranks 0, 1 and 7; its 8xH100 HBM3 runs state 79.21 GiB",
                "141 GB HBM3e", "NVIDIA H200 Tensor Core GPU datasheet: H200 SXM 141GB HBM3e"),
 )
 # Other spellings of a named device.
