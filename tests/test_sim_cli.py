@@ -293,3 +293,29 @@ def test_torch_npus_expandable_segments_follow_the_releases_platform():
 ])
 def test_a_release_it_cannot_place_is_one_line(args, words):
     assert words in one_line_error(invoke("simulate", *args), code=64)
+
+
+# A named device is simulated with the total its runtime reports, as plan takes it (kvguard.plan.devices):
+# a "64 GB" 910B prints "total memory: 65452113920" (tests/data/logs/real/r39.log, vllm-ascend PR #2139), an
+# H100 "total capacity of 79.11 GiB" (vllm-project/vllm#27508).
+@pytest.mark.parametrize(("device", "total"), [("910B", 65_452_113_920), ("h100", round(79.11 * (1 << 30))),
+                                               ("48GiB", 48 << 30)])
+def test_a_named_device_is_simulated_with_its_runtime_total(device, total):
+    result = invoke("simulate", "--device", device, "--requests", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["device"]["total_bytes"] == total
+
+
+def test_a_named_device_with_its_runtime_total_in_the_text_report():
+    result = invoke("simulate", "--device", "910B", "--requests", "2")
+    assert result.exit_code == 0, result.output
+    assert "Device       60.96 GiB" in result.output
+
+
+def test_device_and_total_memory_together_are_a_usage_error():
+    assert "--device or --total-memory" in one_line_error(
+        invoke("simulate", "--device", "H100", "--total-memory", "80GiB"), code=64)
+
+
+def test_an_unknown_device_is_a_usage_error_naming_the_known_ones():
+    assert "910B4, 910B" in one_line_error(invoke("simulate", "--device", "TPU-v9"), code=64)

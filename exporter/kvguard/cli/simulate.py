@@ -17,6 +17,7 @@ from kvguard.cli import exits
 from kvguard.cli.exits import FlagsError
 from kvguard.cli.options import SIZE, TOKENS, emit_json, renamed_option
 from kvguard.cli.options import format_count
+from kvguard.plan.devices import DEVICES, DeviceError, resolve_device
 
 
 EXIT_OOM = exits.CRITICAL   # simulate --fail-on-oom: the outcome it was asked to flag (kvguard.cli.exits)
@@ -29,6 +30,9 @@ EXIT_OOM = exits.CRITICAL   # simulate --fail-on-oom: the outcome it was asked t
               help="The device's total memory (32GiB: an Atlas 910B4). An exact snapshot replay (--trace "
                    "SNAPSHOT.pickle) takes it only when given: a snapshot does not record its GPU's size.")
 @renamed_option("--device-memory", "device_memory", "--total-memory", type=SIZE)
+@click.option("--device", "device_text", metavar="NAME|SIZE",
+              help="A named device, its total as its runtime reports it (as kvguard plan takes it: "
+                   + ", ".join(d.name for d in DEVICES) + "), or a size; instead of --total-memory.")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
               help="Default: the --vllm-version release's default, else 0.9.")
 @click.option("--allocator", type=click.Choice(["torch", "torch_npu", "mindspore"]),
@@ -95,7 +99,7 @@ EXIT_OOM = exits.CRITICAL   # simulate --fail-on-oom: the outcome it was asked t
 @click.option("--mempool-block-size", type=SIZE, metavar="SIZE",
               help="Pool block unit: MS_MEMPOOL_BLOCK_SIZE=2 is 2GiB; set_memory(increase_size=...).")
 @click.option("--no-vmm-soc", is_flag=True, help="A SoC without VMM (not 910B / 910_93): VMM off unless asked.")
-def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vllm_version, budget, max_num_batched_tokens,
+def simulate(model_config, device_memory, device_text, gpu_memory_utilization, allocator, vllm_version, budget, max_num_batched_tokens,
              max_model_len, requests, long_fraction, sampling_mix, tensor_parallel_size, non_allocator_memory, seeds,
              trace_file, ops_file, replay_log, search_utilization, as_json, plot_file, fail_on_oom, alloc_conf,
              mindspore_version, vllm_mindspore_version, mindspore_mode, task_sink, ms_alloc_conf, mempool_block_size,
@@ -110,6 +114,13 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_allocator, parse_sampling_mix
     from kvguard.allocators.traces import TraceError, is_snapshot_pickle, load_trace, read_trace_bytes, replay
 
+    if device_text is not None:
+        if click.get_current_context().get_parameter_source("device_memory") is not ParameterSource.DEFAULT:
+            raise FlagsError("give --device or --total-memory, not both")
+        try:
+            device_memory = resolve_device(device_text).memory_bytes   # kvguard.plan.devices cites each total
+        except DeviceError as exc:
+            raise FlagsError(str(exc)) from None
     seeds = seeds or (0,)
     seed = seeds[0]
     if len(seeds) > 1 and not search_utilization:
@@ -178,7 +189,8 @@ def simulate(model_config, device_memory, gpu_memory_utilization, allocator, vll
         except TraceError as exc:
             raise click.ClickException(str(exc)) from None
         if is_snapshot_pickle(data):
-            if click.get_current_context().get_parameter_source("device_memory") is ParameterSource.DEFAULT:
+            if click.get_current_context().get_parameter_source("device_memory") is ParameterSource.DEFAULT \
+                    and device_text is None:
                 # The GPU's size bounds only expandable segments' address space (1 1/8 x total); the trace's
                 # own oom entries say where the real device ran out. A guessed 32 GiB would refuse growth
                 # that an 80 GiB GPU served: 170 of 199 allocations matched on a real trace, 199 unguessed.
