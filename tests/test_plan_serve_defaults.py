@@ -66,6 +66,20 @@ DEVICES = {
     "160GiB-1": ("NVIDIA device a byte short of 160 GiB", 160 * GIB - 1, (10, 0)),
 }
 # A straddling sample for the exhaustive grids: one release each side of every change in the table.
+# A command's --max-num-batched-tokens / --max-num-seqs (EngineArgs' fields): each alone, below and past the defaults
+# and the other's clamp, and both.
+GIVEN = [{"max_num_batched_tokens": 1}, {"max_num_batched_tokens": 128}, {"max_num_batched_tokens": 100000},
+         {"max_num_seqs": 1}, {"max_num_seqs": 4}, {"max_num_seqs": 5000},
+         {"max_num_batched_tokens": 128, "max_num_seqs": 4}]
+# The reviewer's examples and their 0.10 / 0.11.0 neighbours: (release, given, max_model_len, (tokens, seqs)) as
+# the release runs them on an H100 (the excerpt tests below run its code to the same numbers).
+GIVEN_EXAMPLES = [
+    ("0.34.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),     # sequences at most the given tokens
+    ("0.34.0", {"max_num_seqs": 4}, 1024, (4096, 4)),                  # tokens at most 4 x 1024
+    ("0.11.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),     # 0.10.1+: sequences at most tokens
+    ("0.11.0", {"max_num_seqs": 4}, 1024, (8192, 4)),                  # before 0.11.1: tokens not clamped
+    ("0.10.0", {"max_num_batched_tokens": 128}, 8192, (128, 1024)),    # before 0.10.1: no clamp
+]
 STRADDLE = ["0.8.0", "0.8.3", "0.8.4", "0.8.5", "0.9.0", "0.9.2", "0.10.0", "0.10.1", "0.10.2", "0.11.0", "0.11.1",
             "0.12.0", "0.16.0", "0.17.0", "0.20.0", "0.22.0", "0.27.1", "0.28.0", "0.32.0", "0.33.0", "0.34.0"]
 
@@ -219,8 +233,9 @@ def _engine_args(methods: dict, **fields):
 
 
 def run_v1(release: str, platform: Platform, max_model_len: int, performance_mode: str = "balanced",
-           functions: dict[str, str] | None = None) -> tuple[int, int]:
-    """What ``release``'s V1 default-setting code sets for `vllm serve` (OPENAI_API_SERVER)."""
+           functions: dict[str, str] | None = None, given: dict[str, int] | None = None) -> tuple[int, int]:
+    """What ``release``'s V1 default-setting code sets for `vllm serve` (OPENAI_API_SERVER); ``given``: the
+    EngineArgs fields the command's flags set (max_num_batched_tokens, max_num_seqs)."""
     pieces = oracle()["releases"][release]
     namespace = _namespace(platform, use_v1=True)
     names = ("get_batch_defaults", "_set_default_args", "_set_default_args_v1",
@@ -229,7 +244,7 @@ def run_v1(release: str, platform: Platform, max_model_len: int, performance_mod
     for name, text in texts.items():
         _exec(text, f"<vllm {release} {name}>", namespace)
     methods = {name: namespace[name] for name in texts}
-    args = _engine_args(methods, performance_mode=performance_mode)
+    args = _engine_args(methods, performance_mode=performance_mode, **(given or {}))
     model_config = _model_config(max_model_len)
     entry = next(n for n in ("_set_default_max_num_seqs_and_batched_tokens_args", "_set_default_args",
                              "_set_default_args_v1") if n in methods)
@@ -244,16 +259,17 @@ def run_v1(release: str, platform: Platform, max_model_len: int, performance_mod
 
 
 def run_v0(release: str, platform: Platform, max_model_len: int, device_type: str = "cuda",
-           typed_chunked: bool | None = None) -> tuple[int, int]:
+           typed_chunked: bool | None = None, given: dict[str, int] | None = None) -> tuple[int, int]:
     """What ``release``'s V0 engine sets: EngineArgs' max_num_seqs default, create_engine_config's chunked-prefill
-    default, then SchedulerConfig's max_num_batched_tokens default."""
+    default, then SchedulerConfig's max_num_batched_tokens default (``given``: as run_v1's)."""
+    given = given or {}
     pieces = oracle()["releases"][release]
     namespace = _namespace(platform, use_v1=False)
     args = _engine_args({}, enable_chunked_prefill=typed_chunked)
     fields: dict = {**namespace, "Optional": object}
     body = "".join("    " + line + "\n" for line in _text(pieces["field_max_num_seqs"]).splitlines())
     _exec("class Fields:\n" + body, f"<vllm {release} EngineArgs>", fields)
-    args.max_num_seqs = getattr(fields["Fields"], "max_num_seqs", None)
+    args.max_num_seqs = given.get("max_num_seqs", getattr(fields["Fields"], "max_num_seqs", None))
     if "post_init_max_num_seqs" in pieces:
         _exec(_text(pieces["post_init_max_num_seqs"]), f"<vllm {release} __post_init__>", {**namespace, "self": args})
     _exec(_text(pieces["chunked_prefill_default"]), f"<vllm {release} create_engine_config>",
@@ -262,22 +278,26 @@ def run_v0(release: str, platform: Platform, max_model_len: int, device_type: st
     scheduler_ns = {**namespace}
     _exec(_text(pieces["constants"]), f"<vllm {release} config.py>", scheduler_ns)
     piece = pieces["scheduler_max_num_batched_tokens"]
-    scheduler = types.SimpleNamespace(max_num_batched_tokens=None, enable_chunked_prefill=args.enable_chunked_prefill,
-                                      num_scheduler_steps=1, max_model_len=max_model_len, runner_type="generate",
-                                      task="generate", is_multimodal_model=False)
-    scheduler_ns.update(self=scheduler, max_num_batched_tokens=None, enable_chunked_prefill=args.enable_chunked_prefill,
-                        num_scheduler_steps=1, max_model_len=max_model_len, task="generate", is_multimodal_model=False)
+    tokens_given = given.get("max_num_batched_tokens")
+    scheduler = types.SimpleNamespace(max_num_batched_tokens=tokens_given,
+                                      enable_chunked_prefill=args.enable_chunked_prefill, num_scheduler_steps=1,
+                                      max_model_len=max_model_len, runner_type="generate", task="generate",
+                                      is_multimodal_model=False)
+    scheduler_ns.update(self=scheduler, max_num_batched_tokens=tokens_given,
+                        enable_chunked_prefill=args.enable_chunked_prefill, num_scheduler_steps=1,
+                        max_model_len=max_model_len, task="generate", is_multimodal_model=False)
     _exec(_text(piece), f"<vllm {release} SchedulerConfig.{piece['in']}>", scheduler_ns)
     tokens = scheduler_ns["max_num_batched_tokens"] if piece["in"] == "__init__" else scheduler.max_num_batched_tokens
     return tokens, args.max_num_seqs
 
 
 def table(release: str, device: str | None, max_model_len: int, *, performance_mode: str | None = None,
-          vllm_version: str | None = None, platform: str = "cuda", env=None, typed=()) -> tuple[int, int]:
+          vllm_version: str | None = None, platform: str = "cuda", env=None, typed=(),
+          given: dict[str, int] | None = None) -> tuple[int, int]:
     name, memory, _ = DEVICES[device] if device else ("Ascend910B", 65_452_113_920, None)
     chosen = serve_defaults(release, vllm_version=parse_version(vllm_version or release.split(":")[-1]),
                             memory_bytes=memory, device_name=name, max_model_len=max_model_len, platform=platform,
-                            env=env, flags_typed=tuple(typed), performance_mode=performance_mode)
+                            env=env, flags_typed=tuple(typed), performance_mode=performance_mode, **(given or {}))
     return chosen.max_num_batched_tokens, chosen.max_num_seqs
 
 
@@ -313,6 +333,54 @@ def test_performance_mode_throughput_doubles_from_0_17(release, excerpts, upstre
         got = run_v1(release, cuda(device), 4096, performance_mode="throughput")
         assert got == table(release, device, 4096, performance_mode="throughput"), device
     assert (got != table(release, "B200", 4096)) == (parse_version(release) >= (0, 17, 0))
+
+
+@pytest.mark.parametrize("release", STRADDLE)
+def test_a_given_flag_clamps_only_the_defaulted_one_as_the_release_does(release, excerpts, upstream_modules):
+    # 0.10.1+: a defaulted max_num_seqs is at most max_num_batched_tokens as set, a given one included; 0.11.1+:
+    # a defaulted max_num_batched_tokens is at most max_num_seqs (given, or defaulted and doubled) x max_model_len.
+    # A given value is never clamped, nor doubled.
+    modes = ("balanced", "throughput") if parse_version(release) >= (0, 17, 0) else ("balanced",)
+    for device in ("H100", "L40S", "B200"):
+        upstream_modules.install(cuda(device))
+        for max_model_len in (3, 1024, 65536):
+            for mode in modes:
+                for given in GIVEN:
+                    got = run_v1(release, cuda(device), max_model_len, performance_mode=mode, given=given)
+                    want = table(release, device, max_model_len, performance_mode=mode, given=given)
+                    assert got == want, (device, max_model_len, mode, given)
+                    for name, value in given.items():
+                        assert {"max_num_batched_tokens": got[0], "max_num_seqs": got[1]}[name] == value
+
+
+@pytest.mark.parametrize("release, given, max_model_len, expected", GIVEN_EXAMPLES)
+def test_the_examples_given_one_flag_are_what_the_release_runs(release, given, max_model_len, expected, excerpts,
+                                                                upstream_modules):
+    upstream_modules.install(cuda("H100"))
+    assert run_v1(release, cuda("H100"), max_model_len, given=given) == expected
+    assert table(release, "H100", max_model_len, given=given) == expected
+
+
+@pytest.mark.parametrize("release", ["vllm-ascend:0.11.0", "vllm-ascend:0.19.1", "vllm-mindspore:0.5.1"])
+def test_plugins_clamp_a_defaulted_value_against_a_given_one(release, excerpts, upstream_modules):
+    npu = Platform("Ascend910B3", None, None, cuda=False)
+    upstream_modules.install(npu)
+    vllm = "0.11.0" if release.startswith("vllm-mindspore") else release.split(":")[1]
+    functions = ({"_set_default_args": _text(excerpts["plugins"]["vllm-mindspore:0.5.1"]["_set_default_args"])}
+                 if release.startswith("vllm-mindspore") else None)
+    for max_model_len in (3, 1024):
+        for given in GIVEN:
+            got = run_v1(vllm, npu, max_model_len, functions=functions, given=given)
+            assert got == table(release, None, max_model_len, vllm_version=vllm, platform="ascend", given=given), given
+
+
+@pytest.mark.parametrize("release", ["0.6.4", "0.7.3"])
+def test_v0_keeps_a_given_flag_and_defaults_the_other_alone(release, excerpts, upstream_modules):
+    upstream_modules.install(cuda("H100"))
+    for max_model_len in (1024, 65536):
+        for given in GIVEN:
+            assert run_v0(release, cuda("H100"), max_model_len, given=given) == table(
+                release, "H100", max_model_len, given=given), (max_model_len, given)
 
 
 @pytest.mark.parametrize("release", V0_RELEASES)
@@ -473,7 +541,8 @@ for case in json.loads(sys.argv[1]):
         def is_rocm(self):
             return False
     fields = au.EngineArgs.__dataclass_fields__
-    args = au.EngineArgs(model="m", **({"performance_mode": case["mode"]} if "performance_mode" in fields else {}))
+    args = au.EngineArgs(model="m", **({"performance_mode": case["mode"]} if "performance_mode" in fields else {}),
+                         **case.get("given", {}))
     vllm.platforms.current_platform = au.current_platform = Platform()
     model_config = types.SimpleNamespace(
         max_model_len=case["max_model_len"], runner_type="generate", is_multimodal_model=False, is_mm_prefix_lm=False,
@@ -511,10 +580,25 @@ def test_the_installed_release_sets_the_tables_defaults(release):
                 cases.append({"name": name, "memory": memory, "capability": capability, "mode": mode,
                               "max_model_len": max_model_len})
                 expected.append(list(table(release, device, max_model_len, performance_mode=mode)))
+        for given in GIVEN:   # one flag given (or both): the defaulted one clamped against it
+            for mode in ("balanced", "throughput"):
+                cases.append({"name": name, "memory": memory, "capability": capability, "mode": mode,
+                              "max_model_len": 1024, "given": given})
+                expected.append(list(table(release, device, 1024, performance_mode=mode, given=given)))
+    for release_, given, max_model_len, want in GIVEN_EXAMPLES:
+        if release_ == release:
+            name, memory, capability = DEVICES["H100"]
+            cases.append({"name": name, "memory": memory, "capability": capability, "mode": "balanced",
+                          "max_model_len": max_model_len, "given": given})
+            expected.append(list(want))
     if parse_version(release) >= (0, 9, 1):   # vllm-ascend's V1 rows: NPUPlatform reports no total memory
         cases.append({"name": "Ascend910B3", "memory": None, "capability": None, "mode": "balanced",
                       "max_model_len": 4096})
         expected.append(list(table(f"vllm-ascend:{release}", None, 4096, platform="ascend")))
+        for given in GIVEN:
+            cases.append({"name": "Ascend910B3", "memory": None, "capability": None, "mode": "balanced",
+                          "max_model_len": 1024, "given": given})
+            expected.append(list(table(f"vllm-ascend:{release}", None, 1024, platform="ascend", given=given)))
     proc = subprocess.run([str(python), "-c", RUN_INSTALLED, json.dumps(cases)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -556,6 +640,23 @@ def test_plan_without_the_flags_shows_each_releases_defaults(release, device, ex
     assert got == expected
     source = settings["max_num_seqs"]["source"]
     assert release.split(":")[-1] in source and "other releases not read" not in source
+
+
+@pytest.mark.parametrize("release, given, max_model_len, expected", GIVEN_EXAMPLES)
+def test_plan_with_one_flag_given_clamps_the_other_as_the_release_does(release, given, max_model_len, expected):
+    # `expected` is what the release's own code runs (the excerpt and installed-release tests above).
+    flags = [f for name, value in given.items() for f in (f"--{name.replace('_', '-')}", str(value))]
+    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", release,
+                                       "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M",
+                                       "--max-model-len", str(max_model_len), *flags])
+    assert result.exit_code in (0, 1), result.output
+    settings = json.loads(result.output)["plan"]["settings"]
+    got = (settings["max_num_batched_tokens"]["value"], settings["max_num_seqs"]["value"])
+    assert got == expected == table(release, "H100", max_model_len, given=given)
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        assert (settings[name]["source"] == "command") == (name in given)
+        if name not in given:
+            assert release in settings[name]["source"]
 
 
 def test_the_how_to_lists_every_row():

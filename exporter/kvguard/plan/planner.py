@@ -162,11 +162,14 @@ def _settings(command: ServeCommand, config: Mapping[str, Any], era: Era, releas
         raise PlanError("give --max-model-len: the model config has none of vLLM's length keys")
     max_model_len = take("max-model-len", None if derived is None else int(derived),
                          f"vLLM's derived max_model_len (config.json {length_key}, RoPE scaling applied)")
-    # The release's own serve defaults (kvguard.plan.serve_defaults: the table, cited per row).
+    # The release's own serve defaults (kvguard.plan.serve_defaults: the table, cited per row), the defaulted one
+    # clamped against a given --max-num-batched-tokens / --max-num-seqs as the release does.
     chosen = serve_defaults(release, vllm_version=_vllm_version(era, version), memory_bytes=device_bytes,
                             device_name=device_name, max_model_len=max_model_len, platform=_platform(era),
                             env=command.env, flags_typed=command.ignored,
-                            performance_mode=flags.get("performance-mode"))
+                            performance_mode=flags.get("performance-mode"),
+                            max_num_batched_tokens=flags.get("max-num-batched-tokens"),
+                            max_num_seqs=flags.get("max-num-seqs"))
     max_num_batched_tokens = take("max-num-batched-tokens", chosen.max_num_batched_tokens, chosen.note)
     max_num_seqs = take("max-num-seqs", chosen.max_num_seqs, chosen.note)
     utilization = take("gpu-memory-utilization", era.utilization_default(extensible=False),
@@ -607,8 +610,10 @@ def _predicted_uncertainty(era: Era, settings: Settings, command: ServeCommand, 
     if era.extensible_kv_cache_default:
         out.append(f"{era.name} sizes the KV cache after warm-up with its extensible KV cache by default: not "
                    f"modelled; the plan is its formula without it (utilization {settings.gpu_memory_utilization:g})")
-    if "max-num-seqs" not in command.flags or "max-num-batched-tokens" not in command.flags:
-        out.append(f"--max-num-seqs / --max-num-batched-tokens not given: {settings.sources['max_num_seqs']}")
+    defaulted = [flag for flag in ("max-num-seqs", "max-num-batched-tokens") if flag not in command.flags]
+    if defaulted:
+        out.append(f"{' / '.join('--' + flag for flag in defaulted)} not given: "
+                   f"{settings.sources[defaulted[0].replace('-', '_')]}")
 
 
 def _recommended_flags(result: dict[str, Any], era: Era) -> list[str]:

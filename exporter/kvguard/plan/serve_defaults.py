@@ -1,8 +1,9 @@
 """The ``vllm serve`` defaults of max_num_batched_tokens and max_num_seqs, release by release.
 
-When a serve command gives neither ``--max-num-batched-tokens`` nor ``--max-num-seqs``, vLLM chooses them
+When a serve command leaves ``--max-num-batched-tokens`` or ``--max-num-seqs`` out, vLLM chooses it
 from the usage context (``vllm serve`` is ``OPENAI_API_SERVER``), the engine (V0 / V1), the device's total
-memory and name, and ``max_model_len``. Each row of :data:`SERVE_DEFAULTS` is the rule from its ``first``
+memory and name, ``max_model_len``, and (from 0.10.1) the other one as finally set, a given one included: a
+defaulted value is clamped, a given one never. Each row of :data:`SERVE_DEFAULTS` is the rule from its ``first``
 release until the next row, with the upstream file:line it follows (the first and last release it was read
 in). Paths are inside the release's wheel; "a" is ``vllm/engine/arg_utils.py``, "c" ``vllm/config.py``.
 Every vLLM release from 0.6.4 to 0.34.0 was read; tests/test_plan_serve_defaults.py runs the releases' own
@@ -60,9 +61,10 @@ class ServeDefaults:
     tiers: tuple[Tier, ...]                 # the last holds always
     cites: tuple[str, ...]
     v0_chunked_tokens: int | None = None    # V0 with chunked prefill on; off: max(max_model_len, tiers' tokens)
+    # The clamps apply to a defaulted value only, against the other as set (given or defaulted): tokens first.
     seqs_at_most_tokens: bool = False       # max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
     tokens_at_most_seqs_x_len: bool = False  # max_num_batched_tokens = min(max_num_seqs * max_model_len, ...)
-    throughput_doubles: bool = False        # --performance-mode throughput doubles both
+    throughput_doubles: bool = False        # --performance-mode throughput doubles each defaulted one
     device_unread: bool = False             # the platform does not report its memory: vLLM sees 0 bytes
     base: str | None = None                 # a platform plugin's: the vLLM rule it inherits ("vllm": same number)
     engine_env: bool = False                # VLLM_USE_V1=0 selects V0 (0.8.0-0.10.2)
@@ -183,10 +185,13 @@ def _v0_chunked(flags_typed: tuple[str, ...], max_model_len: int, platform: str)
 
 def serve_defaults(release: str, *, vllm_version: tuple[int, ...], memory_bytes: int | None, device_name: str,
                    max_model_len: int, platform: str, env: Mapping[str, str] | None = None,
-                   flags_typed: tuple[str, ...] = (), performance_mode: str | None = None) -> Chosen:
-    """The max_num_batched_tokens and max_num_seqs ``release``'s ``vllm serve`` runs with when neither flag is
-    given. ``vllm_version``: the vLLM release underneath (a plugin's pair); ``flags_typed``: the boolean flags
-    as typed (``--enable-chunked-prefill``); ``env``: the command's environment (``VLLM_USE_V1``)."""
+                   flags_typed: tuple[str, ...] = (), performance_mode: str | None = None,
+                   max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None) -> Chosen:
+    """The max_num_batched_tokens and max_num_seqs ``release``'s ``vllm serve`` runs with. ``max_num_batched_tokens``
+    / ``max_num_seqs``: the command's flags where given (kept as given; the defaulted one is clamped against
+    them as the release does); ``vllm_version``: the vLLM release underneath (a plugin's pair); ``flags_typed``:
+    the boolean flags as typed (``--enable-chunked-prefill``); ``env``: the command's environment
+    (``VLLM_USE_V1``)."""
     project, version = parse_release(release)
     row = row_for(project, version)
     rule = row
@@ -202,22 +207,29 @@ def serve_defaults(release: str, *, vllm_version: tuple[int, ...], memory_bytes:
         # A plugin's V0 is its vLLM's; V1's fallback (VLLM_USE_V1=0) is V0's last rule.
         v0 = row if row.engine == "V0" and row.base is None else row_for(
             "vllm", vllm_version if row.engine == "V0" else (0, 7, 3))
-        seqs = v0.tiers[-1].max_num_seqs
+        # V0 sets each on its own (EngineArgs' field, SchedulerConfig's default): no clamp against the other.
+        seqs = v0.tiers[-1].max_num_seqs if max_num_seqs is None else max_num_seqs
         chunked = _v0_chunked(flags_typed, max_model_len, platform)
-        tokens = (v0.v0_chunked_tokens or 0) if chunked else max(max_model_len, v0.tiers[-1].max_num_batched_tokens)
+        tokens = max_num_batched_tokens if max_num_batched_tokens is not None else (
+            (v0.v0_chunked_tokens or 0) if chunked else max(max_model_len, v0.tiers[-1].max_num_batched_tokens))
         how = f"V0, chunked prefill {'on' if chunked else 'off'}"
     else:
         tier = next(t for t in rule.tiers if t.holds(memory, name))
-        tokens, seqs = tier.max_num_batched_tokens, tier.max_num_seqs
-        if rule.throughput_doubles and performance_mode == "throughput":
-            tokens, seqs = tokens * 2, seqs * 2
-        if rule.tokens_at_most_seqs_x_len:
-            tokens = min(seqs * max_model_len, tokens)
-        if rule.seqs_at_most_tokens or row.seqs_at_most_tokens:
-            seqs = min(seqs, tokens)
+        doubles = 2 if rule.throughput_doubles and performance_mode == "throughput" else 1
+        tokens = tier.max_num_batched_tokens * doubles if max_num_batched_tokens is None else max_num_batched_tokens
+        seqs = tier.max_num_seqs * doubles if max_num_seqs is None else max_num_seqs
+        clamps = []
+        # As upstream orders them: the defaulted tokens against the sequences as set, then the defaulted
+        # sequences against the tokens as set (a 0.17+ doubled default before either).
+        if rule.tokens_at_most_seqs_x_len and max_num_batched_tokens is None and seqs * max_model_len < tokens:
+            tokens = seqs * max_model_len
+            clamps.append(f"max_num_batched_tokens at most max_num_seqs x max_model_len ({tokens})")
+        if (rule.seqs_at_most_tokens or row.seqs_at_most_tokens) and max_num_seqs is None and tokens < seqs:
+            seqs = tokens
+            clamps.append(f"max_num_seqs at most max_num_batched_tokens ({seqs})")
         how = "V1, " + ("the platform reports no memory: " if row.device_unread else "") + (
             f"{tier.describe() or ('every device' if len(rule.tiers) == 1 else 'the small tier')}: "
-            f"{tier.max_num_batched_tokens} / {tier.max_num_seqs}")
+            f"{tier.max_num_batched_tokens} / {tier.max_num_seqs}") + "".join(f", {c}" for c in clamps)
     cite = _expand(row.cites[0]) + ("" if rule is row else f"; {_expand(rule.cites[0])}")
     note = f"the serve default of {project} {version_text(version)} ({how}; the {row.name}+ rule: {cite})"
     return Chosen(tokens, seqs, row, engine, note)
