@@ -255,3 +255,29 @@ def test_start_demo_runs_a_probe_per_rank_naming_its_engine_and_serves_the_engin
             assert b'vllm:kv_cache_usage_perc{engine="1"' in answer.read()
     finally:
         demo.stop()
+
+
+def test_a_failure_in_the_engines_metrics_is_a_500_with_one_line_and_one_log_line_not_a_traceback(capfd, caplog):
+    """Review: an exception in the simulated engines' /metrics reached socketserver's handle_error,
+    which printed a traceback to serve's stderr, and the scraper got no answer."""
+    import logging
+    import urllib.error
+    import urllib.request
+
+    from kvguard.sim.demo import EngineMetricsServer
+
+    class Failing(DemoSource):
+        def engine_metrics(self) -> bytes:
+            raise RuntimeError("scheduler state torn\nsecond line")
+
+    server = EngineMetricsServer(Failing(ranks=1)).start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvguard"):
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(server.url, timeout=5)
+    finally:
+        server.stop()
+    assert answer.value.code == 500
+    assert answer.value.read() == b"error: RuntimeError: scheduler state torn second line\n"
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.ERROR, "demo engine metrics failed")]
+    assert "Traceback" not in capfd.readouterr().err

@@ -8,6 +8,7 @@ import re
 import socket
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -412,28 +413,72 @@ def base64_token(password: str) -> str:
     return base64.b64encode(f"prometheus:{password}".encode()).decode()
 
 
-def test_a_401_ends_a_connections_trust(serve, tmp_path):
-    """Review of issue 37: a connection that had one credential accepted skipped the limiter with
-    any later credential, for ever: a keep-alive connection could guess without limit."""
-    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=2.0)
-    prometheus = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+def keep_alive(server: KVGuardServer) -> tuple[http.client.HTTPConnection, Callable[[str], int]]:
+    """One keep-alive connection (Prometheus') and a function that scrapes /metrics on it with a password."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
 
-    def keep_alive_get(password: str) -> int:
-        prometheus.request("GET", "/metrics", headers={"Authorization": "Basic " + base64_token(password)})
-        response = prometheus.getresponse()
+    def get(password: str) -> int:
+        conn.request("GET", "/metrics", headers={"Authorization": "Basic " + base64_token(password)})
+        response = conn.getresponse()
         response.read()
         return response.status
+    return conn, get
+
+
+def test_two_different_wrong_passwords_end_a_connections_trust(serve, tmp_path):
+    """Review of issue 37: a connection that had one credential accepted skipped the limiter with
+    any later credential, for ever: a keep-alive connection could guess without limit. One
+    refusal keeps its kind (a rotation always costs one); after a second different one, its
+    credentials are GUESSes, paid from its address's guess tokens."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=3.0)
+    prometheus, keep_alive_get = keep_alive(server)
     try:
         assert keep_alive_get("s3cret") == 200                     # trusted from now
-        basic = {"Authorization": "Basic " + base64_token("guess-0")}
-        assert [http_get(server, "/metrics", basic)[0],
-                http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("guess-1")})[0],
-                http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("guess-2")})[0]] \
-            == [401, 401, 429]                                     # the address has no guesses left
-        assert keep_alive_get("wrong-1") == 401                    # trusted: checked all the same
-        assert keep_alive_get("wrong-2") == 429                    # was 401: trust ended by the 401
+        with open_from(server, "127.0.0.1") as guesser:
+            # first logins 3 - 2 = 1 left; guesses 3 - 2 (paid by the first logins) - 1 = 0 left
+            assert keep_alive_guesses(guesser, 3) == [401, 401, 401]
+        assert keep_alive_get("wrong-1") == 401                    # trusted: FRONT, checked all the same
+        assert keep_alive_get("wrong-2") == 401                    # one refusal demotes nothing: FRONT
+        assert keep_alive_get("wrong-3") == 429                    # a GUESS now, none left (FRONT, FRESH: 1 each)
         assert keep_alive_get("s3cret") == 200                     # the right one, cached, always
     finally:
+        prometheus.close()
+
+
+def test_a_rotated_password_on_a_keep_alive_connection_is_accepted_beside_a_flood_of_guesses(serve, tmp_path):
+    """Review: a rotation always costs the old password one 401 on Prometheus' keep-alive
+    connection; that 401 made the new password a GUESS, served last and paid from the guess
+    tokens that another client behind the same address (SNAT) had used up: 429, 429, while a new
+    connection got 200. One refusal now demotes nothing: the new password goes to the front."""
+    import bcrypt
+
+    server = users_server(serve, tmp_path, auth_workers=2, auth_rate=0.001, auth_burst=2.0)
+    prometheus, keep_alive_get = keep_alive(server)
+    stop = threading.Event()
+    flooded: list[int] = []
+
+    def flood() -> None:
+        with open_from(server, "127.0.0.1") as sock:
+            while not stop.is_set():
+                flooded.extend(keep_alive_guesses(sock, 1))
+    flooder = threading.Thread(target=flood)
+    try:
+        assert keep_alive_get("s3cret") == 200
+        flooder.start()
+        assert wait_for(lambda: 429 in flooded)                    # the address's guesses are used up
+        before = server.web_config.current().basic_auth_users
+        (tmp_path / "web.yml").write_text(
+            f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b'n3w', bcrypt.gensalt(rounds=4)).decode()}\n")
+        assert wait_for(lambda: server.web_config.current().basic_auth_users != before)
+        assert keep_alive_get("s3cret") == 401                     # Prometheus has not re-read its file yet
+        assert keep_alive_get("s3cret") == 401                     # nor now (from the cache of refusals)
+        start = time.monotonic()
+        assert keep_alive_get("n3w") == 200                        # was 429
+        assert time.monotonic() - start < 5.0
+        assert keep_alive_get("n3w") == 200
+    finally:
+        stop.set()
+        flooder.join(30)
         prometheus.close()
 
 
@@ -476,15 +521,16 @@ def keep_alive_guesses(sock: socket.socket, count: int) -> list[int]:
 def test_a_first_login_from_the_address_of_a_keep_alive_flood_is_not_refused(serve, tmp_path):
     """Issue 37, item 3: guesses repeated on keep-alive connections used up their address's tokens,
     and a right first login from that address (Prometheus behind the attacker's SNAT or mesh proxy)
-    got 429. A connection's credentials after one is refused are GUESSes, on a budget of their own:
-    the first login's budget is used up only by first credentials of new connections."""
-    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=4.0)
+    got 429. A connection's credentials after two different ones are refused are GUESSes, on a
+    budget of their own: the first login's budget is used up only by the first two credentials of
+    each connection."""
+    server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=6.0)
     guessers = [open_from(server, "127.0.0.1") for _ in range(2)]
     try:
-        flood = [keep_alive_guesses(sock, 6) for sock in guessers]
-        # the address's 4 guess tokens; each connection's first credential is paid as a first
-        # login too (4 tokens of their own: 1 left after the second connection's), in debt to the guesses
-        assert flood == [[401] * 4 + [429] * 2, [401] + [429] * 5]
+        flood = [keep_alive_guesses(sock, 8) for sock in guessers]
+        # the address's 6 guess tokens; each connection's first two credentials are paid as first
+        # logins too (6 tokens of their own: 2 left after the second connection's), in debt to the guesses
+        assert flood == [[401] * 6 + [429] * 2, [401] * 2 + [429] * 6]
         assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200  # was 429
         assert keep_alive_guesses(guessers[0], 2) == [429, 429]        # and the flood still pays
     finally:
@@ -495,12 +541,12 @@ def test_a_first_login_from_the_address_of_a_keep_alive_flood_is_not_refused(ser
 def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
     """The bound on a first login's wait: the bcrypt run in progress on the verifier kept for first
     logins and rotated passwords (none here), then its own; never the guesses queued or running."""
-    server = users_server(serve, tmp_path, auth_workers=2, auth_rate=0.001, auth_burst=8.0)
+    server = users_server(serve, tmp_path, auth_workers=2, auth_rate=0.001, auth_burst=16.0)
     guessers = [open_from(server, "127.0.0.1") for _ in range(4)]
     release = hold_guesses(server)
     try:
         for sock in guessers:
-            assert keep_alive_guesses(sock, 1) == [401]     # refused: their next credentials are GUESSes
+            assert keep_alive_guesses(sock, 2) == [401, 401]   # two refused: their next credentials are GUESSes
             sock.sendall(auth_request("guess-held"))         # held in bcrypt until released
         assert wait_for(lambda: server.pending_verifications >= 4)
         start = time.monotonic()

@@ -157,7 +157,7 @@ def test_label_values_that_differ_only_past_the_cut_make_one_series_not_two(tmp_
 def test_junk_ranks_that_sort_first_cannot_push_a_live_rank_out(tmp_path):
     """Issue 37, item 1: ranks were admitted in label order, so max_ranks junk files whose labels
     sort first pushed out the one live rank. Now a writer /proc shows alive here goes first (the
-    junk here is even dated later than the live rank), then the most recently written."""
+    junk here is even dated later than the live rank), then a fresh one before a stale one."""
     import os
     import socket
 
@@ -172,10 +172,28 @@ def test_junk_ranks_that_sort_first_cannot_push_a_live_rank_out(tmp_path):
     assert len(observation.ranks) == 4 and observation.cut == {"max_ranks": 3}
 
 
-def test_past_a_cap_the_most_recently_written_ranks_are_kept(tmp_path):
+def test_past_a_cap_fresh_ranks_are_kept_over_stale_ones(tmp_path):
+    """Ranks written within stale_after go before those written longer ago, whose labels sort first."""
     now = time.time()
-    for index in range(6):
+    for index in range(6):        # ranks 0-3 a minute old (stale_after is 30 s), 4 and 5 fresh
         write(str(tmp_path), snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere",
-                                      written_at=now - 60 + index))
+                                      written_at=now - 60 if index < 4 else now - 5))
     observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=2)).observe()
     assert sorted(view.labels["rank"] for view in observation.ranks) == ["4", "5"]
+
+
+def test_past_a_cap_the_admitted_ranks_stay_the_same_while_the_probes_rewrite_at_their_own_moments(tmp_path):
+    """Review: ranks were admitted most recently written first, so each refresh kept whichever
+    probes had just rewritten their snapshots, and the series past the cap came and went."""
+    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=3))
+    admitted = []
+    now = time.time()
+    for newest_first in (False, True):   # the high ranks written last, then the low ones
+        for index in range(6):
+            written_at = now - 10 + (5 - index if newest_first else index)
+            write(str(tmp_path), snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere",
+                                          written_at=written_at))
+        observation = sidecar.observe()
+        assert observation.cut == {"max_ranks": 3}
+        admitted.append(sorted(view.labels["rank"] for view in observation.ranks))
+    assert admitted[0] == admitted[1] == ["0", "1", "2"]

@@ -381,6 +381,8 @@ def reloads_by_reason(server) -> dict[str, float]:
     ({"client_auth_type": "NoClientCert", "client_ca_file": None}, "client_auth", {"cert": None}),
     ({"client_auth_type": "VerifyClientCertIfGiven"}, "client_auth", {"cert": None}),
     ({"min_version": "TLS12"}, "min_version", {"tls12": True}),
+    # a max_version below the old min_version needs a min_version as low (min above max does not load)
+    ({"min_version": "TLS12", "max_version": "TLS12"}, "min_version", {"tls12": True}),
 ])
 def test_a_reload_that_would_downgrade_mtls_keeps_the_old_config_logs_an_error_and_counts_it(
         serve_web, pki, tmp_path, caplog, changes, reason, still_refused):

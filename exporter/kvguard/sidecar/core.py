@@ -185,6 +185,19 @@ class Sidecar:
             self._counter_increases(newest, time.monotonic())
 
     def observe(self) -> Observation:
+        return self._observe([(self._log_profile, self._log_missing)])[0]
+
+    def observe_as(self, logs: Sequence[StartupLog]) -> list[Observation]:
+        """One observation per log in ``logs``, each the configured startup log judged as another era row
+        (kvguard.vllm.log_profile.as_row: only its profile differs), all from the same reads of every source
+        judged at the same moment: ``kvguard check --from-log`` judges a log whose lines leave several rows so."""
+        config = self.config
+        return self._observe([log_profile(log, config.log_total_memory_bytes, config.log_gpu_memory_utilization)
+                              for log in logs])
+
+    def _observe(self, log_profiles: Sequence[tuple[Any, str | None]]) -> list[Observation]:
+        """An observation per (log profile, why none) pair: the sources' latest reads, the ranks judged once
+        per pair (a rank whose profile is its snapshot's the same in each)."""
         config = self.config
         self._first_reads()
         sources: list[PollState] = []
@@ -200,21 +213,21 @@ class Sidecar:
         if vllm_state:
             sources.append(vllm_state)
         with self._lock:
-            ranks, skipped, aged_out, cut, truncated = self._ranks(spool_read,
-                                                                   vllm_state.value if vllm_state else None)
+            judged, skipped, aged_out, cut, truncated = self._ranks(
+                spool_read, vllm_state.value if vllm_state else None, log_profiles)
         devices = []
         for state in device_states:
             for memory in state.value or []:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
                 devices.append(DeviceView(labels, memory))
-        observation = Observation(ranks=ranks, devices=devices, sources=sources,
-                                  spool_snapshots=len(spool_read.snapshots), skipped=skipped,
-                                  interval_seconds=config.interval, spool_clamped=spool_read.clamped,
-                                  no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
-                                  aged_out=aged_out, cut=cut, labels_truncated=truncated,
-                                  max_metrics_bytes=config.max_metrics_bytes,
-                                  web_config=self.web_config_status() if self.web_config_status else None)
-        return observation
+        web_config = self.web_config_status() if self.web_config_status else None
+        return [Observation(ranks=ranks, devices=devices, sources=sources,
+                            spool_snapshots=len(spool_read.snapshots), skipped=skipped,
+                            interval_seconds=config.interval, spool_clamped=spool_read.clamped,
+                            no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
+                            aged_out=aged_out, cut=cut, labels_truncated=truncated,
+                            max_metrics_bytes=config.max_metrics_bytes, web_config=web_config)
+                for ranks in judged]
 
     def log_changes(self, observation: Observation) -> None:
         """Log what changed since the last observation, once per change: a source going down (with
@@ -288,21 +301,23 @@ class Sidecar:
                     alive.add(key)
         return living, aged_out, alive
 
-    def _within_caps(self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset()
-                     ) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
+    def _within_caps(self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset(),
+                     now_wall: float | None = None) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
         """The ranks within max_ranks and the distinct engine, model and pod caps, and how many were
-        cut, by the first cap each met. Admitted liveliest first, never in label order (names that
-        sort first would push live ranks out): believably dated before dated in the future, a
-        writer /proc shows alive here (``alive``) before one it cannot, then the most recently
-        written, then label order."""
+        cut, by the first cap each met. Admitted liveliest first, never in label order alone (names
+        that sort first would push live ranks out): believably dated before dated in the future, a
+        writer /proc shows alive here (``alive``) before one it cannot, fresh before stale (written
+        within stale_after of ``now_wall``), then label order. Not by the moment of writing: each
+        probe rewrites at its own, and the admitted set would change from one refresh to the next."""
         config = self.config
         kept: list[tuple[tuple, Snapshot]] = []
         cut: Counter = Counter()
         engines: set = set()
         models: set = set()
         pods: set = set()
+        now = time.time() if now_wall is None else now_wall
         order = sorted(newest.items(), key=lambda item: (item[1].clamped_from is not None, item[0] not in alive,
-                                                         -item[1].written_at, item[0]))
+                                                         now - item[1].written_at > config.stale_after, item[0]))
         for key, snap in order:
             pod = (key[4], key[3])
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
@@ -334,66 +349,73 @@ class Sidecar:
                 cut += 1
         return cut
 
-    def _ranks(self, spool_read: SpoolRead, vllm) -> tuple[list[RankView], Counter, Counter, Counter, int]:
+    def _ranks(self, spool_read: SpoolRead, vllm, log_profiles: Sequence[tuple[Any, str | None]]
+               ) -> tuple[list[list[RankView]], Counter, Counter, Counter, int]:
+        """The ranks judged once per (log profile, why none) pair in ``log_profiles`` (a list of views each),
+        and what was skipped, aged out, cut and truncated (the same for each)."""
         config = self.config
         skipped = Counter(spool_read.skipped)
-        log, log_profile = config.startup_log, self._log_profile
+        log = config.startup_log
         now_wall, now = time.time(), time.monotonic()
 
         newest, duplicates = newest_per_rank(spool_read.snapshots, self._label_key)
         if duplicates:
             skipped[DUPLICATE] += duplicates
         newest, aged_out, alive = self._living(newest, now_wall)
-        admitted, cut = self._within_caps(newest, vllm, alive)
+        admitted, cut = self._within_caps(newest, vllm, alive, now_wall)
         newest = dict(admitted)
         increases = {} if config.one_shot else self._counter_increases(newest, now)
 
-        views = []
+        judged: list[list[RankView]] = [[] for _ in log_profiles]
         truncated = 0
         for key, snap in admitted:
             labels = dict(zip(RANK_LABELS, key))   # already cut (_label_key); counted here
             truncated += sum(len(value) > config.max_label_chars for value in self._full_label_key(snap))
             age = max(0.0, now_wall - snap.written_at)
             stale = age > config.stale_after
-            profile, origin = (snap.profile, "snapshot") if snap.profile else \
-                (log_profile, "log" if log_profile else None)
             # The vLLM engine this rank belongs to (its snapshot names it, or vLLM has only one).
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
             labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
                           engine=snap.engine or (engine.engine if engine else ""),
                           engine_id=config.engine_of(labels["pod"], snap.host))
             truncated += self._truncate(labels)
-            missing = self._log_missing if profile is None else None
             blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
                 (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
-            verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
-                                       kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
-                                       alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
-                                       no_profile_detail=missing,
-                                       # MindSpore's reserved peak belongs with the snapshot's own profile.
-                                       reserved_peak=snap.reserved_peak if origin == "snapshot" else None))
-            at_budget = snap.budget_verdict
-            if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
-                # Between the budget and the KV cache's allocation the budget-time verdict is the one
-                # that knows where the cache will go: it stands for the rank until the cache exists.
-                verdict = at_budget
-            views.append(RankView(labels, snap, profile, origin, blocks,
-                                  engine.kv_cache_usage_ratio if engine else None, age, stale, verdict, at_budget))
+            for views, (log_profile, log_missing) in zip(judged, log_profiles):
+                profile, origin = (snap.profile, "snapshot") if snap.profile else \
+                    (log_profile, "log" if log_profile else None)
+                missing = log_missing if profile is None else None
+                verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
+                                           kv_cache_outside_allocator=bool(snap.kv_cache and
+                                                                           snap.kv_cache.outside_allocator),
+                                           alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
+                                           no_profile_detail=missing,
+                                           # MindSpore's reserved peak belongs with the snapshot's own profile.
+                                           reserved_peak=snap.reserved_peak if origin == "snapshot" else None))
+                at_budget = snap.budget_verdict
+                if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
+                    # Between the budget and the KV cache's allocation the budget-time verdict is the one
+                    # that knows where the cache will go: it stands for the rank until the cache exists.
+                    verdict = at_budget
+                views.append(RankView(dict(labels), snap, profile, origin, blocks,
+                                      engine.kv_cache_usage_ratio if engine else None, age, stale, verdict,
+                                      at_budget))
 
-        if not views and (log is not None or vllm is not None):
+        if not admitted and (log is not None or vllm is not None):
             # No probe: judge each engine vLLM's metrics describe (or the one the log does).
             for engine in (vllm.engines if vllm and vllm.engines else (None,)):
                 labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
                           "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else "",
                           "engine_id": config.engine_of(config.pod_labels.get("pod", ""), self._host)}
                 blocks, kv_bytes = self._engine_kv_cache(engine)
-                verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=self._log_missing))
                 truncated += self._truncate(labels)
-                views.append(RankView(labels, None, log_profile, "log" if log_profile else None, blocks,
-                                      engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
-        return views, skipped, aged_out, cut, truncated
+                for views, (log_profile, log_missing) in zip(judged, log_profiles):
+                    verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=log_missing))
+                    views.append(RankView(dict(labels), None, log_profile, "log" if log_profile else None, blocks,
+                                          engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
+        return judged, skipped, aged_out, cut, truncated
 
     def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
         """Feed each rank's alloc retries and OOMs to the counter window (ranks in label-key

@@ -32,20 +32,25 @@ and threads are bounded whatever it sends:
   and are refused (429) once the address has neither tokens nor credentials out. So one address
   cannot fill the queue and lock out others' new logins (_AuthGate).
   Credentials come in three kinds, by what their connection has shown, each with tokens of its own
-  per address: FRONT, a connection that has had a credential accepted (Prometheus' keep-alive
-  connection, its password just rotated: one per address at the front of the queue); FRESH, one
-  that has had no credential refused (a first login); GUESS, one that has had a 401 or a 429.
-  bcrypt takes FRONT, then FRESH, then GUESS, and with two threads or more one is kept for the
-  first two. So guesses repeated on keep-alive connections, from any address (a mesh proxy or SNAT
-  puts Prometheus behind the attacker's), never refuse or delay a first login: it waits only for
-  the FRONT and FRESH credentials queued ahead of it (none under a keep-alive flood; at most one
-  and ``auth_queue_per_source`` per address, within their tokens) and for the bcrypt run in
-  progress on the kept thread (with one thread, on it), then for its own. A FRESH credential
-  refused is paid from both budgets (the GUESS one into debt), so an address's wrong guesses
-  still never outrun ``auth_rate`` beyond two bursts. What no server can tell apart before
-  bcrypt: an attacker opening a new connection for each guess (at ``auth_rate`` a second or
-  more) from the first login's address uses up the FRESH budget too, and the first login then
-  waits for it or gets 429, as on every other budget;
+  per address: GUESS, one that has had two different credentials refused (401) since one was
+  accepted, or that presents the refused one again; else FRONT, one that has had a credential
+  accepted (Prometheus' keep-alive connection, its password just rotated: one per address at the
+  front of the queue); else FRESH (a first login). One refusal demotes nothing, because a rotation
+  always costs one: the old password is refused (as often as it is repeated, from the cache) on
+  the connection that then sends the new one, which keeps the kind its connection had; a 429
+  checks no credential and changes no kind. bcrypt takes FRONT, then FRESH, then GUESS, and with
+  two threads or more one is kept for the first two. So guesses repeated on keep-alive
+  connections, from any address (a mesh proxy or SNAT puts Prometheus behind the attacker's),
+  never refuse or delay a first login beyond the first two of each connection: it waits only for
+  the FRONT and FRESH credentials queued ahead of it (none from a connection past its second
+  refused guess; at most one and ``auth_queue_per_source`` per address, within their tokens) and
+  for the bcrypt run in progress on the kept thread (with one thread, on it), then for its own.
+  A FRESH credential refused is paid from both budgets (the GUESS one into debt), so an
+  address's wrong guesses still never outrun ``auth_rate`` beyond two bursts (a connection that
+  has had a credential accepted pays its first two from the FRONT tokens while it has them). What no server can
+  tell apart before bcrypt: an attacker opening a new connection for every two guesses (at
+  ``auth_rate`` a second or more) from the first login's address uses up the FRESH budget too,
+  and the first login then waits for it or gets 429, as on every other budget;
   a wrong password and a 429 are answered ``auth_failure_delay`` seconds late, the connection not
   read meanwhile, so a flood of guesses on keep-alive connections makes one a second on each;
 - new connections are accepted (and their first request answered) between every ``ACCEPT_EVERY``
@@ -352,19 +357,21 @@ class Application:
         self.basic_auth = BasicAuth()
         self.guesses = GuessLimiter(options.auth_rate, options.auth_burst)
         # the same budget again, for new credentials on connections that have had one accepted: others'
-        # guesses do not use it up, and their own wrong ones do (a 401 also ends the connection's trust)
+        # guesses do not use it up, and their own wrong ones do (a second different one refused also
+        # ends the connection's trust)
         self.trusted_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
-        # and again for first logins (connections that have had no credential refused): guesses
-        # repeated on refused connections do not use it up (kvguard.sidecar.server's docstring)
+        # and again for first logins (connections that have had fewer than two credentials refused):
+        # guesses repeated on refused connections do not use it up (kvguard.sidecar.server's docstring)
         self.fresh_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
         self.authenticated = False      # the last routed request's credential was accepted
-        self.credential_refused = False  # the last routed request's credential was wrong (not just missing)
+        self.refused_key: bytes | None = None   # the last routed request's credential was wrong (not just
+                                                # missing): its keyed digest (BasicAuth.credential_key)
         self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
 
     def route(self, request: Request, source: str = "", trusted: bool = False) -> Response | str | Verify:
         """``trusted``: the connection has had a credential accepted (kvguard.sidecar.server's docstring).
         After the call, ``authenticated`` says whether this request's credential was accepted."""
-        self.authenticated = self.credential_refused = False
+        self.authenticated, self.refused_key = False, None
         if request.method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
         path = request.path
@@ -444,7 +451,7 @@ class Application:
                 self.authenticated = True
                 return True
             if self.basic_auth.refused(users, given_user, given_password):
-                self.credential_refused = True
+                self.refused_key = self.basic_auth.credential_key(users, given_user, given_password)
                 return wrong
             return Verify(users, given_user, given_password)   # admitted (or 429) by the server's _AuthGate
         if not user or not password:   # refused at startup; never an open door here either
@@ -453,15 +460,16 @@ class Application:
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
         ok_password = hmac.compare_digest(given_password.encode(), password.encode())
         self.authenticated = ok_user and ok_password
-        self.credential_refused = not self.authenticated
+        if not self.authenticated:
+            self.refused_key = self.basic_auth.credential_key({}, given_user, given_password)
         return True if ok_user and ok_password else wrong
 
 
 # ------------------------------------------------------------------------------ connections
 
-# The kinds of credentials bcrypt has to check, by what their connection has shown (_admit): FRONT,
-# a connection that has had a credential accepted (a rotated password); FRESH, one that has had
-# none refused (a first login); GUESS, one that has (who sent a wrong password before).
+# The kinds of credentials bcrypt has to check, by what their connection has shown (_admit): GUESS,
+# one that has had two different credentials refused (who sent wrong passwords before); else FRONT,
+# one that has had a credential accepted (a rotated password); else FRESH (a first login).
 FRONT, FRESH, GUESS = "front", "fresh", "guess"
 
 
@@ -610,7 +618,7 @@ class _AuthGate:
 class _Conn:
     __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
                  "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
-                 "close_after", "closed", "hold_until", "key", "trusted", "refused")
+                 "close_after", "closed", "hold_until", "key", "trusted", "refused_key", "refusals")
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
@@ -634,7 +642,27 @@ class _Conn:
         self.closed = False
         self.hold_until: float | None = None  # its output is held back until then (a wrong password)
         self.trusted = False                 # basic auth accepted a credential on it: its new ones go first
-        self.refused = False                 # a credential on it was answered 401 or 429: its new ones go last
+        self.refused_key: bytes | None = None   # the keyed digest of the last credential refused on it
+        self.refusals = 0                    # different credentials refused on it since one was accepted
+
+    def accepted(self) -> None:
+        """A credential on it was accepted: trusted, and its refusals forgotten, so that the next
+        rotation starts again from one refusal."""
+        self.trusted, self.refused_key, self.refusals = True, None, 0
+
+    def refused(self, key: bytes) -> None:
+        """A credential on it was answered 401 (``key``: BasicAuth.credential_key). The same one
+        presented again is not counted again (an old password repeated until the client re-reads
+        its file); a second different one ends its trust, and its credentials are GUESSes from then."""
+        if self.refused_key is None or not hmac.compare_digest(key, self.refused_key):
+            self.refused_key, self.refusals = key, self.refusals + 1
+        if self.refusals >= 2:
+            self.trusted = False
+
+    def guessing(self, key: bytes) -> bool:
+        """Whether a credential (``key``) on it is a GUESS: two different ones have been refused on
+        it, or it is the one refused (bcrypt's cache of refusals has forgotten it)."""
+        return self.refusals >= 2 or (self.refused_key is not None and hmac.compare_digest(key, self.refused_key))
 
 
 class KVGuardServer:
@@ -1038,16 +1066,16 @@ class KVGuardServer:
         if isinstance(outcome, Response):
             if outcome.status in (401, 429):
                 self.rejected_total += outcome.status == 429
-                # a wrong credential ends the connection's trust; its next ones are GUESSes
-                conn.trusted, conn.refused = False, conn.refused or self.app.credential_refused
+                if self.app.refused_key is not None:   # a wrong credential, not a missing one
+                    conn.refused(self.app.refused_key)
             elif self.app.authenticated:
-                conn.trusted = True
+                conn.accepted()
             self._respond(conn, request, outcome)
         elif isinstance(outcome, Verify):
             self._admit(conn, request, outcome)
         else:
             if self.app.authenticated:
-                conn.trusted = True
+                conn.accepted()
             conn.in_worker = True
             self._work.put((_PROBE if request.path == "/readyz" else _SCRAPE, next(self._sequence), conn, request))
         return True
@@ -1057,22 +1085,25 @@ class KVGuardServer:
 
     def _admit(self, conn: _Conn, request: Request, check: Verify) -> None:
         """Hand credentials to bcrypt, keep them waiting for their address's turn, or answer 429
-        (_AuthGate), by kind: a connection that has had a credential accepted goes to the front of
-        the queue while its address has no other there and trusted tokens left (FRONT); else one
-        that has had none refused is a first login (FRESH); else a GUESS. Each kind has tokens of
-        its own per address, so guesses repeated on connections already refused (a keep-alive
-        flood) never use up the tokens of a first login from the same address."""
+        (_AuthGate), by kind: on a connection that has had two different credentials refused, or
+        the one refused again, a GUESS; else, on a connection that has had a credential accepted,
+        at the front of the queue while its address has no other there and trusted tokens left
+        (FRONT); else a first login (FRESH). One refusal demotes nothing: a password rotation
+        always costs the old one a 401 on the connection that then sends the new one. Each kind
+        has tokens of its own per address, so guesses repeated on connections already refused (a
+        keep-alive flood) never use up the tokens of a first login from the same address. A 429
+        checks no credential and changes no kind."""
         conn.in_worker = True
-        if conn.trusted and self._gates[FRONT].try_start(conn.source):
+        guessing = conn.guessing(self.app.basic_auth.credential_key(check.users, check.user, check.password))
+        if not guessing and conn.trusted and self._gates[FRONT].try_start(conn.source):
             self._enqueue((conn, request, check, FRONT))
             return
-        kind = GUESS if conn.refused else FRESH
+        kind = GUESS if guessing else FRESH
         verdict = self._gates[kind].admit(conn.source, (conn, request, check, kind))
         if verdict == _AuthGate.START:
             self._enqueue((conn, request, check, kind))
         elif verdict == _AuthGate.REFUSE:
             conn.in_worker = False
-            conn.trusted, conn.refused = False, True
             self.rejected_total += 1
             self._respond(conn, request, self._too_many(
                 "too many unverified credentials from this address; retry later\n"))
@@ -1105,7 +1136,6 @@ class KVGuardServer:
                     done += 1            # its place and token back, in this loop rather than recursing
         for (conn, request, _, _), text in refused:
             self.rejected_total += 1
-            conn.trusted, conn.refused = False, True
             self._hand_back(conn, request, self._too_many(text))
 
     def _respond(self, conn: _Conn, request: Request | None, response: Response) -> None:
@@ -1359,10 +1389,10 @@ class KVGuardServer:
                 with self._verifying_lock:
                     self._verifying -= 1
             if ok:
-                conn.trusted = True
+                conn.accepted()
                 self._work.put((_SCRAPE, next(self._sequence), conn, request))
             else:
-                conn.trusted, conn.refused = False, True   # a wrong credential ends the connection's trust
+                conn.refused(self.app.basic_auth.credential_key(check.users, check.user, check.password))
                 self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
                                                      delay=self.options.auth_failure_delay))
             # the guesser's address pays (its token is not given back), not those who get it right

@@ -372,9 +372,14 @@ class BasicAuth:
             ok |= hmac.compare_digest(digest, key)
         return ok
 
+    def credential_key(self, users: Mapping[str, bytes], user: str, password: str) -> bytes:
+        """The keyed digest of (user, password) against ``users``: equal for the same credential
+        under the same hash, with no way back to the password (the server keeps one per connection)."""
+        return self._digest(user, password, users.get(user) or _NO_USER_HASH)
+
     def refused(self, users: Mapping[str, bytes], user: str, password: str) -> bool:
         """True when bcrypt has refused exactly these credentials before (answered 401 without a run)."""
-        key = self._digest(user, password, users.get(user) or _NO_USER_HASH)
+        key = self.credential_key(users, user, password)
         with self._lock:
             if key not in self._refused:
                 return False
@@ -565,7 +570,17 @@ class WebConfigWatcher:
             thread.join(timeout)
 
     def _weaker(self, config: WebConfig) -> tuple[str, str] | None:
-        """(reason, why) when ``config`` would weaken what is in force and may not; else None."""
+        """(reason, why) when ``config`` would weaken what is in force and may not; else None.
+
+        Checked: TLS switched on or off (tls_on_off, whatever ``allow_auth_off``); basic_auth_users
+        emptied (auth_off); client_auth_type lowered, RequireAndVerifyClientCert to
+        VerifyClientCertIfGiven or NoClientCert, or VerifyClientCertIfGiven to NoClientCert
+        (client_auth); min_version lowered (min_version). A max_version below the old min_version
+        is refused with it, since a config's min_version may not be above its max_version.
+        Not checked, so applied like any other change: cipher_suites (weak suites added),
+        curve_preferences, max_version lowered within the old range, client_ca_file or client_ca
+        changed to another CA with the same client_auth_type (a CA rotation looks the same),
+        cert_file / key_file, headers, and which users there are or their hashes (a rotation)."""
         if (config.tls_context is not None) != self._tls:
             return REFUSED_TLS_ON_OFF, "turning TLS on or off needs a restart"
         if self.allow_auth_off:

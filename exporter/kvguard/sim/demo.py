@@ -39,12 +39,16 @@ from __future__ import annotations
 
 import dataclasses
 import http.server
+import logging
+import sys
 import threading
 from typing import Any, Callable
 
+from kvguard.logs import LOGGER, event
 from kvguard.records import DeviceMemory
 from kvguard.sources import RankContext
 from kvguard.sim.source import renumbered
+from kvguard.text import one_line
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -234,9 +238,18 @@ class EngineMetricsServer:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404)
                     return
-                body = demo.engine_metrics()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                try:
+                    body = demo.engine_metrics()
+                except Exception as exc:  # noqa: BLE001 - one line to the scraper and the log, never a traceback
+                    message = one_line(exc, with_type=True)
+                    event(logging.getLogger(LOGGER), logging.ERROR, "demo engine metrics failed", error=message)
+                    self._answer(500, f"error: {message}\n".encode(), "text/plain; charset=utf-8")
+                    return
+                self._answer(200, body, "text/plain; version=0.0.4; charset=utf-8")
+
+            def _answer(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -244,8 +257,15 @@ class EngineMetricsServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        class Server(http.server.ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                # what escapes a handler (a scraper gone mid-answer): one log line, never a traceback
+                event(logging.getLogger(LOGGER), logging.ERROR, "demo engine request failed",
+                      error=one_line(sys.exc_info()[1], with_type=True))
+
+        self._server = Server((host, port), Handler)
         self.url = f"http://{host}:{self._server.server_address[1]}/metrics"
         self._thread = threading.Thread(target=self._server.serve_forever, name="kvguard-demo-engine", daemon=True)
 
