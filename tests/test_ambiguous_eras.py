@@ -270,3 +270,47 @@ def test_spool_ranks_are_judged_on_each_row_only_where_they_take_the_log_s_profi
     assert all((row["profile"] is None) == with_profile for row in rows)
     assert all(row["state"] == data["state"] for row in rows) and data["log"]["era_verdict"] == "holds_on_all"
     assert result.exit_code == STATE_EXIT[data["state"]]
+
+
+def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
+    # Each row is the log's profile judged again on the same reads: an unresponsive --vllm-metrics-url (a
+    # socket that accepts and never answers) is connected to once, and waited for once, not once per formula.
+    import socket
+    import threading
+    import time
+
+    path = os.path.join(REAL, "r04.log")
+    from kvguard.vllm.log_profile import candidate_rows
+
+    assert len({row.formula for row in candidate_rows(read_log_file(path))}) > 1   # several formulas to judge
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.1)
+    accepted, stop = [], threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])   # held open, never answered
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        code, data = check(path, "--vllm-metrics-url", f"http://127.0.0.1:{server.getsockname()[1]}/metrics",
+                           "--read-timeout", "0.5")
+        elapsed = time.monotonic() - started
+        time.sleep(0.3)   # a connection still in the backlog is accepted and counted
+    finally:
+        stop.set()
+        thread.join()
+        for connection in accepted:
+            connection.close()
+        server.close()
+    assert len(accepted) == 1
+    assert elapsed < 2 * 0.5 + 1.0, elapsed
+    assert data["log"]["era_verdict"] in ("holds_on_all", "differs")
+    assert data["sources"]["vllm_metrics"]["up"] is False

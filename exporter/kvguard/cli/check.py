@@ -89,17 +89,14 @@ def _check(spool_dir, log_file, vllm_metrics_url, stale_after, read_timeout, as_
 
         findings = judge_log(startup, total_memory, gpu_memory_utilization)
 
-    def observe(log):
-        sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=log,
-                                        log_total_memory_bytes=total_memory,
-                                        log_gpu_memory_utilization=gpu_memory_utilization,
-                                        stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
-                                        one_shot=True, post_mortem=post_mortem,
-                                        pod_labels={"pod": "", "namespace": "", "container": ""}))
-        return sidecar.observe()   # a new sidecar's first observe() waits for its reads (read_timeout)
-
-    observation = observe(startup)
-    rows = _judge_each_row(startup, observation, observe) if startup is not None else []
+    sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, vllm_metrics_url=vllm_metrics_url, startup_log=startup,
+                                    log_total_memory_bytes=total_memory,
+                                    log_gpu_memory_utilization=gpu_memory_utilization,
+                                    stale_after=stale_after, forget_after=forget_after, read_timeout=read_timeout,
+                                    one_shot=True, post_mortem=post_mortem,
+                                    pod_labels={"pod": "", "namespace": "", "container": ""}))
+    # A new sidecar's first observation waits for its reads (read_timeout); each source is read once.
+    observation, rows = _judge_each_row(startup, sidecar) if startup is not None else (sidecar.observe(), [])
     shown = _shown_row(rows)
     if shown is not None:
         observation = shown.observation   # where the rows differ, the worst: never a false all-clear
@@ -248,29 +245,32 @@ class _RowVerdict:
         return ", ".join(parts) + (f" ({', '.join(codes)})" if codes else "")
 
 
-def _judge_each_row(startup, observation, observe) -> list[_RowVerdict]:
-    """The guard's verdict under each era row the log leaves (one where its lines pin the row, none where they
-    leave none). The log is judged as each row in turn (kvguard.vllm.log_profile.as_row), never pinned to one.
-    The sidecar reads a log's row through its formula alone (log_profile), so rows that share a formula share
-    one observation (the first one's too, where its formula is a row's); ranks whose profile is their own
+def _judge_each_row(startup, sidecar) -> tuple[Any, list[_RowVerdict]]:
+    """The log's own observation, and the guard's verdict under each era row the log leaves (one where its lines
+    pin the row, none where they leave none). The log is judged as each row in turn (kvguard.vllm.log_profile.
+    as_row), never pinned to one. The sidecar reads a log's row through its formula alone (log_profile), so rows
+    that share a formula share one observation (the log's own too, where its formula is a row's), and the rows
+    are judged on one read of every source at one moment (Sidecar.observe_as); ranks whose profile is their own
     snapshot's do not depend on the log's row at all."""
     from kvguard.vllm.log_profile import as_row, candidate_rows
 
     candidates = candidate_rows(startup)
+    own_formula = startup.profile_fields()["formula"]
+    as_rows: dict[str, Any] = {}
+    if len(candidates) > 1:
+        for row in candidates:
+            if row.formula != own_formula:
+                as_rows.setdefault(row.formula, as_row(startup, row))
+    observation, *judged_as = sidecar.observe_as([startup, *as_rows.values()])
     on_log = any(view.profile_origin != "snapshot" for view in observation.ranks)
-    by_formula: dict[str, Any] = {startup.profile_fields()["formula"]: observation}
+    by_formula: dict[str, Any] = {own_formula: observation, **dict(zip(as_rows, judged_as))}
     rows = []
     for row in candidates:
-        if len(candidates) > 1 and on_log:
-            if row.formula not in by_formula:
-                by_formula[row.formula] = observe(as_row(startup, row))
-            judged = by_formula[row.formula]
-        else:
-            judged = observation
+        judged = by_formula[row.formula] if len(candidates) > 1 and on_log else observation
         state = _EXIT_STATE[_exit_code(judged.state, judged)]
         view = next((v for v in judged.ranks if v.profile_origin != "snapshot"), None)
         rows.append(_RowVerdict(row, judged, state, view))
-    return rows
+    return observation, rows
 
 
 def _shown_row(rows: list[_RowVerdict]) -> _RowVerdict | None:
