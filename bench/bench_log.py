@@ -81,6 +81,7 @@ def file_inputs(size: int) -> dict[str, bytes]:
         "short junk lines (1-10)": short,
         "real logs (tests/data/logs)": real,
         "memory lines (v0.27-debug)": memory_lines,
+        "memory lines, each its time": _each_its_time(memory_lines, size),
         "lines of MAX_LINE_CHARS-1": b"a" * (MAX_LINE_CHARS - 1) + b"\n",
         "lines over MAX_LINE_CHARS": b"a" * (MAX_LINE_CHARS + 100) + b"\n",
         "regex bait lines": bait,
@@ -88,6 +89,25 @@ def file_inputs(size: int) -> dict[str, bytes]:
         "real logs, \\r only": real.replace(b"\n", b"\r"),
     }
     return {name: (unit * (size // len(unit) + 1))[:size] for name, unit in units.items()}
+
+
+def _each_its_time(lines: bytes, size: int) -> bytes:
+    """``lines`` repeated to ``size`` bytes, each line with a time and a pid of its own: a flood as a log writes
+    one (no two lines alike), which no reading kept per line helps."""
+    import re
+
+    stamp = re.compile(rb"[0-9]{2}:[0-9]{2}:[0-9]{2}")
+    pid = re.compile(rb"pid=[0-9]+")
+    out, total, number = [], 0, 0
+    units = lines.rstrip(b"\n").split(b"\n")
+    while total < size:
+        line = units[number % len(units)]
+        line = stamp.sub(b"%02d:%02d:%02d" % (number // 3600 % 24, number // 60 % 60, number % 60), line, count=1)
+        line = pid.sub(b"pid=%d" % (1000 + number % 50_000), line, count=1)
+        out.append(line)
+        total += len(line) + 1
+        number += 1
+    return b"\n".join(out) + b"\n"
 
 
 def file_throughput(size: int, before: str | None) -> None:

@@ -124,3 +124,81 @@ def test_a_template_cut_by_a_wrap_still_joins_after_a_failed_variant():
     lines = ["INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 14.96 GiB mem",
              "ory and 5.374162 seconds"]
     assert parse_lines(lines).weights_bytes == round(14.96 * log.GIB)
+
+
+def _logs() -> bytes:
+    logs = b""
+    for path in REAL:
+        with open(path, "rb") as handle:
+            logs += handle.read().rstrip(b"\n") + b"\n"
+    return logs
+
+
+def test_a_line_read_again_gives_what_it_gave_read_afresh(monkeypatch):
+    # Each line's own reading is kept (log._LINES) and used again: every line of the logs, then the logs again,
+    # with lines whose figure does not convert and a flood of one memory line, read with and without it kept.
+    text = _logs().decode("utf-8", errors="replace")
+    memory = "(EngineCore_DP0 pid=2201) INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 54.89 GiB\n"
+    unconverted = ("INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 1e999 GiB memory\n"
+                   "INFO 11-02 09:14:20 [kv_cache_utils.py:2231] GPU KV cache size: 1e999 tokens\n"
+                   "INFO 11-02 09:14:20 [model.py:1510] Using max model len 4,096\n")
+    lines = (text + unconverted + memory * 500 + text + unconverted).splitlines()
+    log._LINES.clear()
+    kept = parse_lines(lines), parse_lines(lines)
+    monkeypatch.setattr(log, "_LINES", type("Forgetful", (dict,), {"__setitem__": lambda self, key, value: None})())
+    assert kept[0] == kept[1] == parse_lines(lines)
+
+
+def test_the_lines_kept_are_bounded():
+    log._LINES.clear()
+    log._AFTER_FIRST.clear()
+    lines = [f"Model loading took {n} GiB memory" for n in range(log.MAX_CACHED_LINES + 10)]
+    parse_lines(lines + ["Available KV cache memory: 1 GiB " + "x" * log.MAX_CACHED_LINE_CHARS])
+    assert 0 < len(log._LINES) <= log.MAX_CACHED_LINES
+    assert 0 < len(log._AFTER_FIRST) <= log.MAX_CACHED_JOINS
+    assert not any(len(line) > log.MAX_CACHED_LINE_CHARS for line in log._LINES)
+
+
+def test_a_number_too_long_is_named_by_its_own_line_each_time_it_comes():
+    line = "Available KV cache memory: " + "9" * (log.MAX_NUMBER_CHARS + 1) + " GiB"
+    for lines, number in (([line], 1), (["a", "b", line], 3)):
+        with pytest.raises(log.LogLineError, match=f"^line {number}: "):
+            parse_lines(lines)
+
+
+def test_a_wording_is_the_same_whatever_its_digits():
+    # The reader keeps each line's wording by the line with its digits made "0" (log._wording).
+    from kvguard.vllm import source_index
+
+    for line in _logs().decode("utf-8", errors="replace").splitlines():
+        zeroed = line.translate(str.maketrans("123456789", "000000000"))
+        assert source_index.line_wording(line) == source_index.line_wording(zeroed), line
+        tag = log._TAG.search(line)
+        if tag:
+            assert source_index.line_wording(line, tag.end()) == source_index.line_wording(zeroed, tag.end()), line
+
+
+# Other programs' output before or between vLLM's lines (NCCL_DEBUG=INFO at TP8, pip, download progress): more
+# lines of it than MAX_WORDING_MISSES, fewer than MAX_UNTAGGED_MISSES. Found in review: 5001 such lines before
+# a log changed the era of 10 corpus logs (the wordings were given up before vLLM's lines came).
+CHATTER = b"".join(b"node-3:%d:%d [%d] NCCL INFO Channel %02d/0 : %d[%d] -> %d[%d] via P2P/IPC\n"
+                   % (i, i, i % 8, i % 32, i % 8, i, (i + 1) % 8, i) for i in range(log.MAX_WORDING_MISSES + 1000))
+
+
+@pytest.mark.parametrize("path", [p for p in REAL if os.sep + "real" + os.sep in p], ids=os.path.basename)
+def test_other_programs_output_does_not_hide_the_wordings_of_vllms_lines(path, tmp_path):
+    with open(path, "rb") as handle:
+        data = handle.read()
+    alone = read_log_file(path)
+    lines = data.splitlines(keepends=True)
+    for cut in (0, 3):
+        variant = b"".join(lines[:cut]) + CHATTER + b"".join(lines[cut:])
+        mixed = read_log_file(_write(tmp_path, variant))
+        assert (mixed.era, mixed.era_candidates) == (alone.era, alone.era_candidates), cut
+
+
+def test_wordings_are_given_up_after_enough_of_other_programs_output(tmp_path, fed):
+    # The bound that keeps a flood cheap: past MAX_UNTAGGED_MISSES lines no wording is looked up.
+    flood = b"".join(b"junk line number %d of a flood\n" % n for n in range(log.MAX_UNTAGGED_MISSES + 200_000))
+    read_log_file(_write(tmp_path, flood))
+    assert fed["lines"] < log.MAX_UNTAGGED_MISSES + 10 * log.STRETCH_CHARS

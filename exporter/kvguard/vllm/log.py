@@ -17,7 +17,9 @@ linear.
 A file is read in blocks of whole lines, and a stretch of lines that holds none of the words any of this
 could use (the templates', the hints', an OOM's; :meth:`_Reader._quiet`) is counted, not read line by
 line: blank lines, junk and a tool's own chatter cost a few substring scans of the stretch. A template
-that failed within its line is joined to the next ones only where they bring its first words again.
+that failed within its line is joined to the next ones only where they bring its first words again. What a
+line says on its own (its templates' outcomes, its hints) is kept for the next time the same line comes
+(:class:`_Line`, a bounded number of them): a log repeats its lines, rank after rank and restart after restart.
 
 The templates follow each release's format strings (file:line per release in
 ``kvguard/vllm/eras.py`` and docs/reference/eras.md, generated from it); each carries the vLLM releases that
@@ -52,12 +54,18 @@ MAX_JOIN_KINDS = 6
 STEP_WINDOW_LINES = 400
 MAX_TAGGED_LINES = 1000
 # Lines (not blank) with no wording the index knows (source_index.line_wording), after which no more are looked
-# up: a log with this many lines that are not vLLM's words before it shows MAX_HINTS of them is not read for
-# wordings (hashing each line costs more than all else the reader does). Each different message is hashed once
-# (up to MAX_CACHED_WORDINGS of them at a time).
+# up (hashing each line costs more than all else the reader does): MAX_WORDING_MISSES of vLLM's own records (a
+# line with vLLM's tag) and of lines that cannot be a message (not UTF-8, too short or long), or
+# MAX_UNTAGGED_MISSES of other lines. Other programs' output (NCCL_DEBUG=INFO, pip,
+# download progress, an init container's chatter) before or between vLLM's lines counts against the larger
+# bound only, so that it does not hide the wordings of the lines vLLM writes after it (found in review: 5001
+# progress lines before a log changed the era of 10 corpus logs). Each different message is hashed once (up to
+# MAX_CACHED_WORDINGS of them at a time).
 MAX_WORDING_MISSES = 5000
+MAX_UNTAGGED_MISSES = 20_000
 MAX_CACHED_WORDINGS = 4096
-_WORDINGS: dict[tuple[bool, str], str | None] = {}
+_WORDINGS: dict[tuple[bool, bytes], str | None] = {}
+_ZEROED = bytes.maketrans(b"123456789", b"000000000")
 # OOM messages kept (the first stopped the engine; the rest are its echoes from other ranks).
 MAX_OOMS = 16
 # The end of a line kept to rejoin an anchor a hard wrap cut in two (longer than any template's first literal).
@@ -712,7 +720,8 @@ class _Reader:
     def __init__(self) -> None:
         self.facts: dict[str, Any] = {}
         self.matched = 0
-        self.seen: list[LineKind] = []
+        # The kinds matched, each once (in the order first matched): a flood of one line keeps one entry.
+        self.seen: dict[int, LineKind] = {}
         self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False,
                                       "source_tags": set(), "frames": set(), "wordings": set(), "logged_on": None,
                                       "versions": set()}
@@ -724,6 +733,9 @@ class _Reader:
         self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)   # where an OOM's step is looked for
         self.tagged = 0
         self.wording_misses = 0
+        self.untagged_misses = 0
+        # Tags or wordings still read (each line is looked at for them); else only lines with other hints are.
+        self.reading_hints = True
 
     def _step(self) -> str | None:
         """The step an OOM happened at: the last step word in the lines up to it (its traceback's frames,
@@ -737,45 +749,63 @@ class _Reader:
     def feed(self, number: int, raw: str) -> None:
         if len(raw) > MAX_LINE_CHARS:
             return
-        line = _clean(raw)
-        self._hints(line, number)
+        kept = len(raw) <= MAX_CACHED_LINE_CHARS       # a longer line is not hashed, nor kept
+        seen = _LINES.get(raw) if kept else None
+        if seen is None:
+            seen = _Line(raw, number)
+            if kept:
+                if len(_LINES) >= MAX_CACHED_LINES:
+                    _LINES.clear()
+                _LINES[raw] = seen
+        line = seen.line
+        if seen.hinted or self.reading_hints:
+            self._hints(seen, number)
         self.recent.append(line)
-        if is_oom_line(line) and len(self.ooms) < MAX_OOMS:
-            oom = read_oom(line, number)
-            if oom is not None:
-                self.ooms.append(_with_step(oom, self._step()))
-        if self.ooms and self.ooms[-1].step is None and ERROR_IN_METHOD in line \
-                and number - self.ooms[-1].line <= STEP_WINDOW_LINES:
-            # The step no line before the OOM showed, named after its traceback by the method it failed in.
-            method = line[line.index(ERROR_IN_METHOD) + len(ERROR_IN_METHOD):].partition("'")[0]
-            self.ooms[-1] = _with_step(self.ooms[-1], step_in(method))
-        if "--" in line:
-            self._command_line(line)
+        if seen.rare:
+            self._rare(seen, number)
         if self.pending:
-            self._retry_pending(number, line)
+            self._retry_pending(number, seen.continuation())
         # An anchor cut by a hard wrap has the last character of the line before and this one's first side by side.
         if self.previous_tail and self.previous_tail[-1] + line[:1] in _ANCHOR_PAIRS \
-                and not _RECORD_PREFIX.match(line):
+                and not seen.prefixed():
             self._straddled(number, line)
-        self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
+        self.previous_tail = seen.tail
+        if not seen.attempts:
+            return
         hit, started = False, []
-        for anchor, kinds in _anchors_in(line):
-            if anchor not in line:
-                continue
+        for kind, found, values, reach in seen.attempts:
             # A line may state several facts (0.30+ joins the KV size and the concurrency). Kinds sharing
             # an anchor are one message's variants: a shorter one (a refusal's first words) may match where
             # a longer one broke off at a wrap ("(4.26 GiB KV cach" / "e is needed"), so those that failed
             # wait for the next lines all the same.
-            failed = [(kind, reach) for kind in kinds for reach in (self._attempt(kind, line, number),)
-                      if reach is not None]
-            hit = hit or len(failed) < len(kinds)
-            started.extend(failed)
+            if found is not None:
+                if _record_values(kind, found, values, self.facts):
+                    self.seen[id(kind)] = kind
+                    hit = True
+                    continue
+                reach = UNDECIDED
+            started.append((kind, reach))
         self.matched += hit
         if started and len(line) <= MAX_JOIN_CHARS:
             # Those that failed within the line fail joined to any next one (that holds not their anchor).
             waiting = [(kind, reach) for kind, reach in started[:MAX_JOIN_KINDS] if reach < 0 or reach > len(line)]
             if waiting:
                 self.pending.append((number, line, (), waiting, len(line)))
+
+    def _rare(self, seen: "_Line", number: int) -> None:
+        """What few lines hold: an OOM, the method it failed in, a pasted command line."""
+        line = seen.line
+        if seen.oom and len(self.ooms) < MAX_OOMS:
+            oom = read_oom(line, number)
+            if oom is not None:
+                self.ooms.append(_with_step(oom, self._step()))
+        if self.ooms and self.ooms[-1].step is None and seen.error_in_method \
+                and number - self.ooms[-1].line <= STEP_WINDOW_LINES:
+            # The step no line before the OOM showed, named after its traceback by the method it failed in.
+            method = line[line.index(ERROR_IN_METHOD) + len(ERROR_IN_METHOD):].partition("'")[0]
+            self.ooms[-1] = _with_step(self.ooms[-1], step_in(method))
+        if seen.command:
+            self._command_line(line)
 
     def feed_text(self, number: int, text: str) -> int:
         """Feed the lines of ``text`` (separated by "\\n", each maybe ending in "\\r"), the first numbered
@@ -798,9 +828,14 @@ class _Reader:
             elif count > MIN_STRETCH_LINES and size > MIN_STRETCH_CHARS:
                 # A word in a stretch of many lines: its quiet parts are still counted, not read.
                 number = self._feed_stretches(number, stretch, size // 8)
-            else:
+            elif "\r" in stretch:
                 for raw in stretch.split("\n"):
                     self.feed(number, raw.rstrip("\r"))
+                    number += 1
+            else:
+                feed = self.feed
+                for raw in stretch.split("\n"):
+                    feed(number, raw)
                     number += 1
             start = stop + 1
         return number
@@ -840,23 +875,29 @@ class _Reader:
             else:
                 self.facts.setdefault("_cli_util", float(value))
 
-    def _retry_pending(self, number: int, line: str) -> None:
-        """Join the lines whose template began but broke off to this one (and, once, the next): with a space
-        (a message split at a full stop or a soft wrap) and without (a hard wrap inside a word or number)."""
-        if not self.pending:
-            return
-        tail = _continuation(line)
+    def _retry_pending(self, number: int, tail: str) -> None:
+        """Join the lines whose template began but broke off to this one (``tail``: the line without its own
+        log prefix, :func:`_continuation`), and, once, the next: with a space (a message split at a full stop
+        or a soft wrap) and without (a hard wrap inside a word or number)."""
         still = []
         for start, first, tails, kinds, base in self.pending:
             parts = (first, *tails, tail)
             joined: list[str] | None = None
             left = []
+            again: dict[str, bool] = {}     # by anchor: kinds sharing one ask once
             for kind, reach in kinds:
                 # One that failed within the first line fails joined, unless a later part brings its anchor again.
-                if 0 <= reach <= base or (reach < 0 and -1 - reach <= base
-                                          and not _anchor_after_first(kind.anchor, parts)):
+                if 0 <= reach <= base:
                     left.append((kind, reach))
                     continue
+                if reach < 0 and -1 - reach <= base:
+                    anchor = kind.anchor
+                    brought = again.get(anchor)
+                    if brought is None:
+                        brought = again[anchor] = _anchor_after_first_kept(anchor, parts)
+                    if not brought:
+                        left.append((kind, reach))
+                        continue
                 if joined is None:
                     joined = _joins(parts)
                 if not any(self._take(kind, text, start) for text in joined):
@@ -881,20 +922,6 @@ class _Reader:
                     if self._take(kind, joined, number - 1):
                         self.matched += 1
 
-    def _attempt(self, kind: LineKind, line: str, number: int) -> int | None:
-        """``_take``, saying on failure how much of the line decided it (LineKind.match_reach); None when taken."""
-        try:
-            found, reach = kind.match_reach(line)
-            if found is None:
-                return reach
-            _record(kind, found, self.facts)
-        except LogLineError as exc:
-            raise LogLineError(f"line {number}: {exc}") from None
-        except (ValueError, OverflowError):
-            return UNDECIDED
-        self.seen.append(kind)
-        return None
-
     def _take(self, kind: LineKind, line: str, number: int) -> bool:
         try:
             found = kind.match(line)
@@ -905,52 +932,204 @@ class _Reader:
             raise LogLineError(f"line {number}: {exc}") from None
         except (ValueError, OverflowError):
             return False
-        self.seen.append(kind)
+        self.seen[id(kind)] = kind
         return True
 
-    def _hints(self, line: str, number: int) -> None:
+    def _hints(self, seen: "_Line", number: int) -> None:
         hints = self.hints
         # The first tagged lines tell the tag style; reading every line's tag would say nothing more.
-        match = _TAG.search(line) if self.tagged < MAX_TAGGED_LINES and "] " in line else None
-        if match:
+        tag = seen.tag() if self.tagged < MAX_TAGGED_LINES and seen.tag_gap else None
+        if tag is not None:
             self.tagged += 1
-            hints["tags"].add(bool(match.group(1) or match.group(2)))
+            hints["tags"].add(tag[0])
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
-                hints["source_tags"].add((match.group(3), int(match.group(4))))
-        if line and self._wording_open():
-            # Fewer characters than a wording's letters, or bytes that were not UTF-8 (no vLLM message holds
-            # U+FFFD): no wording to look up.
-            key = _wording(line, match.end() if match else None) if "\ufffd" not in line and \
-                source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS else None
-            if key is not None and key in source_index.known_wordings():
+                hints["source_tags"].add(tag[1])
+        if seen.line and len(hints["wordings"]) < source_index.MAX_HINTS \
+                and self.wording_misses < MAX_WORDING_MISSES and self.untagged_misses < MAX_UNTAGGED_MISSES:
+            key = seen.wording(tag is not None)     # (_wording_open)
+            if key is not None:
                 hints["wordings"].add(key)
-            else:
+            elif tag is not None or not seen.may_be_words:
                 self.wording_misses += 1
-        if "20" in line:
-            dated = _DATED.search(line)
-            if dated and (hints["logged_on"] is None or dated.group(1) < hints["logged_on"]):
-                hints["logged_on"] = dated.group(1)
-        if 'File "' in line and len(hints["frames"]) < source_index.MAX_HINTS:
-            frame = source_index.FRAME.search(line)
-            if frame:
-                hints["frames"].add((frame.group(1), int(frame.group(2)), frame.group(3)))
-        if not hints["ascend"] and any(map(line.__contains__, _ASCEND_GATE)) \
-                and any(map(line.__contains__, _ASCEND_WORDS)):
+            else:
+                self.untagged_misses += 1
+        self.reading_hints = self.tagged < MAX_TAGGED_LINES or self._wording_open()
+        if not seen.hinted:
+            return
+        if seen.dated is not None and (hints["logged_on"] is None or seen.dated < hints["logged_on"]):
+            hints["logged_on"] = seen.dated
+        if seen.frame_gap and len(hints["frames"]) < source_index.MAX_HINTS:
+            frame = seen.frame()
+            if frame is not None:
+                hints["frames"].add(frame)
+        if seen.ascend:
             hints["ascend"] = True
-        if not hints["mindspore"] and "mindspore" in line:    # each of _MINDSPORE_WORDS holds it
+        if seen.mindspore:
             hints["mindspore"] = True
-        if not hints["engine_core"] and "(EngineCore pid=" in line:
+        if seen.engine_core:
             hints["engine_core"] = True
-        if len(hints["versions"]) < MAX_BANNERS and ("version" in line or "engine (v" in line):
-            banner = _BANNER.search(line) or (_LOGO_VERSION.search(line) if "\u2580\u2584\u2580" in line else None)
-            if banner:
-                hints["versions"].add(V(banner.group(1)))
+        if seen.banner_gap and len(hints["versions"]) < MAX_BANNERS:
+            banner = seen.banner()
+            if banner is not None:
+                hints["versions"].add(banner)
 
     def _wording_open(self) -> bool:
-        return len(self.hints["wordings"]) < source_index.MAX_HINTS and self.wording_misses < MAX_WORDING_MISSES
+        return len(self.hints["wordings"]) < source_index.MAX_HINTS and self.wording_misses < MAX_WORDING_MISSES \
+            and self.untagged_misses < MAX_UNTAGGED_MISSES
 
     def finish(self) -> StartupLog:
-        return _finish(self.facts, self.matched, self.seen, self.hints, tuple(self.ooms))
+        return _finish(self.facts, self.matched, list(self.seen.values()), self.hints, tuple(self.ooms))
+
+
+# What a line says whatever came before it, kept for the next time the same line comes (a log repeats its lines:
+# each rank, each restart, a flood of one message): feeding it again costs a dict lookup and the facts it records.
+# Lines of MAX_CACHED_LINE_CHARS or fewer (vLLM's are), up to MAX_CACHED_LINES of them at a time.
+MAX_CACHED_LINES = 2048
+MAX_CACHED_LINE_CHARS = 1024
+_LINES: dict[str, "_Line"] = {}
+_UNSEEN: Any = object()
+
+
+class _Line:
+    """One line's own reading (its cleaned text, the templates it matches or how far it got in each, the hints
+    it holds): each part the reader may skip (a tag after MAX_TAGGED_LINES, a frame after MAX_HINTS) is read
+    the first time it is asked for."""
+
+    __slots__ = ("line", "tag_gap", "_tag", "_wordings", "dated", "frame_gap", "_frame", "ascend", "mindspore",
+                 "engine_core", "banner_gap", "_banner", "oom", "error_in_method", "command", "rare", "hinted",
+                 "_prefixed", "_continuation", "tail", "attempts")
+
+    def __init__(self, raw: str, number: int) -> None:
+        line = self.line = _clean(raw)
+        self.tag_gap = "] " in line
+        self._tag = self._prefixed = self._continuation = self._frame = self._banner = _UNSEEN
+        self._wordings: list[Any] = [_UNSEEN, _UNSEEN]
+        self.dated = None
+        if "20" in line:
+            dated = _DATED.search(line)
+            self.dated = dated.group(1) if dated else None
+        self.frame_gap = 'File "' in line
+        self.ascend = any(map(line.__contains__, _ASCEND_GATE)) and any(map(line.__contains__, _ASCEND_WORDS))
+        self.mindspore = "mindspore" in line      # each of _MINDSPORE_WORDS holds it
+        self.engine_core = "(EngineCore pid=" in line
+        self.banner_gap = "version" in line or "engine (v" in line
+        self.oom = is_oom_line(line)
+        self.error_in_method = ERROR_IN_METHOD in line
+        self.command = "--" in line
+        self.rare = self.oom or self.error_in_method or self.command
+        self.hinted = self.dated is not None or self.frame_gap or self.ascend or self.mindspore or self.engine_core \
+            or self.banner_gap
+        self.tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
+        # Each kind whose anchor the line holds: the facts it states (and their values, :func:`_values`), or
+        # None and the reach of its failure (LineKind.match_reach).
+        attempts = []
+        for anchor, kinds in _anchors_in(line):
+            if anchor not in line:
+                continue
+            for kind in kinds:
+                try:
+                    found, reach = kind.match_reach(line)
+                except LogLineError as exc:
+                    raise LogLineError(f"line {number}: {exc}") from None
+                attempts.append((kind, found, None if found is None else _values(kind, found), reach))
+        self.attempts = tuple(attempts)
+
+    def tag(self) -> tuple[bool, tuple[str, int], int] | None:
+        """vLLM's record tag (_TAG): whether it is bracketed, its (file, line), and where the message starts."""
+        if self._tag is _UNSEEN:
+            match = _TAG.search(self.line)
+            self._tag = None if match is None else (bool(match.group(1) or match.group(2)),
+                                                    (match.group(3), int(match.group(4))), match.end())
+        return self._tag
+
+    def wording(self, tagged: bool) -> str | None:
+        """The wording the index knows this line by (source_index.line_wording), or None; after its tag where
+        ``tagged`` (the reader still reads tags), else from the line's start."""
+        key = self._wordings[tagged]
+        if key is _UNSEEN:
+            line = self.line
+            # Fewer characters than a wording's letters, or bytes that were not UTF-8 (no vLLM message holds
+            # U+FFFD): no wording to look up.
+            key = _wording(line, self._tag[2] if tagged else None) if "\ufffd" not in line and \
+                source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS else None
+            if key is not None and key not in source_index.known_wordings():
+                key = None
+            self._wordings[tagged] = key
+        return key
+
+    @property
+    def may_be_words(self) -> bool:
+        """Whether the line could be a message at all (UTF-8, of a message's length): other programs' output
+        counts against the larger bound (MAX_UNTAGGED_MISSES), binary junk and scraps against the smaller."""
+        line = self.line
+        return "\ufffd" not in line and source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS
+
+    def frame(self) -> tuple[str, int, str] | None:
+        if self._frame is _UNSEEN:
+            match = source_index.FRAME.search(self.line)
+            self._frame = (match.group(1), int(match.group(2)), match.group(3)) if match else None
+        return self._frame
+
+    def banner(self) -> tuple[int, ...] | None:
+        if self._banner is _UNSEEN:
+            line = self.line
+            match = _BANNER.search(line) or (_LOGO_VERSION.search(line) if "\u2580\u2584\u2580" in line else None)
+            self._banner = V(match.group(1)) if match else None
+        return self._banner
+
+    def prefixed(self) -> bool:
+        """Whether the line opens with a log record's own prefix (a new record, not a wrapped line's rest)."""
+        if self._prefixed is _UNSEEN:
+            self._prefixed = _RECORD_PREFIX.match(self.line) is not None
+        return self._prefixed
+
+    def continuation(self) -> str:
+        if self._continuation is _UNSEEN:
+            self._continuation = _continuation(self.line)
+        return self._continuation
+
+
+# Facts _record does more with than store.
+_KEPT_BY_RULE = frozenset(("kv_cache_tokens", "max_concurrency", *_SMALLEST))
+
+
+def _values(kind: LineKind, found: dict[str, str]) -> tuple[list[tuple[str, Any]], bool, bool]:
+    """Each fact a match states in its unit, in the template's order; whether all converted (a figure such as
+    "1e999" that does not convert ends the list); and whether recording them is storing them (no fact that
+    _record keeps by a rule, nothing else to do)."""
+    values = []
+    try:
+        for fact, text in found.items():
+            values.append((fact, _CONVERT[kind.units[fact]](text)))
+    except (ValueError, OverflowError):
+        return values, False, False
+    return values, True, kind.also is None and _KEPT_BY_RULE.isdisjoint(found)
+
+
+def _record_values(kind: LineKind, found: dict[str, str], values: tuple[list[tuple[str, Any]], bool, bool],
+                   f: dict[str, Any]) -> bool:
+    """:func:`_record` of facts already converted (:func:`_values`); False where one did not convert (the facts
+    before it recorded, as _record leaves them)."""
+    converted, whole, stored = values
+    if stored:
+        f.update(converted)
+        return True
+    for fact, value in converted:
+        if fact == "kv_cache_tokens":
+            f["_tokens_last_smallest"] = fact not in f or value <= f[fact]
+        if fact == "max_concurrency" and "max_concurrency" in f and not f.get("_tokens_last_smallest", True):
+            continue
+        if fact in _SMALLEST and fact in f:
+            value = min(value, f[fact])
+        f[fact] = value
+    if not whole:
+        return False
+    if kind.also is not None:
+        try:
+            kind.also(found, f)
+        except (ValueError, OverflowError):
+            return False
+    return True
 
 
 def _joins(parts: tuple[str, ...]) -> list[str]:
@@ -964,16 +1143,40 @@ def _joins(parts: tuple[str, ...]) -> list[str]:
 def _anchor_after_first(anchor: str, parts: tuple[str, ...]) -> bool:
     """Whether ``anchor`` may occur in a join of ``parts`` (_joins) other than inside the first part."""
     edge = len(anchor) - 1
-    if any(anchor in part for part in parts[1:]) or any(len(part) < edge for part in parts[1:-1]):
-        return True
-    return any(anchor in before[-edge:] + sep + after[:edge]
-               for before, after in zip(parts, parts[1:]) for sep in (" ", ""))
+    last = len(parts) - 1
+    for index in range(1, last + 1):
+        part = parts[index]
+        if anchor in part or (index < last and len(part) < edge):
+            return True
+    for index in range(last):
+        before, after = parts[index][-edge:], parts[index + 1][:edge]
+        if anchor in before + " " + after or anchor in before + after:
+            return True
+    return False
+
+
+# _anchor_after_first's answers, for lines that come again after the same lines (MAX_CACHED_JOINS at a time).
+MAX_CACHED_JOINS = 1024
+_AFTER_FIRST: dict[tuple[str, tuple[str, ...]], bool] = {}
+
+
+def _anchor_after_first_kept(anchor: str, parts: tuple[str, ...]) -> bool:
+    key = (anchor, parts)
+    brought = _AFTER_FIRST.get(key)
+    if brought is None:
+        if len(_AFTER_FIRST) >= MAX_CACHED_JOINS:
+            _AFTER_FIRST.clear()
+        brought = _AFTER_FIRST[key] = _anchor_after_first(anchor, parts)
+    return brought
 
 
 def _wording(line: str, message_at: int | None) -> str | None:
     """source_index.line_wording, once per message: a log repeats its messages (each rank, each restart)."""
-    # Keyed by the message after the tag where the tag was found, else by the whole line.
-    cached = (message_at is None, line if message_at is None else line[message_at:])
+    # Keyed by the message after the tag where the tag was found, else by the whole line; each digit made "0"
+    # (a wording makes every figure one mark, so the lines of one message with other figures or times share it).
+    # (UTF-8 keeps the text apart: no other character's bytes hold an ASCII digit; bytes translate fastest).
+    cached = (message_at is None,
+              (line if message_at is None else line[message_at:]).encode("utf-8", "surrogatepass").translate(_ZEROED))
     key = _WORDINGS.get(cached, "")
     if key == "":
         if len(_WORDINGS) >= MAX_CACHED_WORDINGS:
