@@ -685,19 +685,23 @@ _CONVERT = {"gib": _gib, "int": _int, "float": _number}
 _SMALLEST = ("_available_profiled", "kv_cache_tokens", "init_free_memory_bytes")
 
 
+def _store(fact: str, value: Any, f: dict[str, Any]) -> None:
+    """One fact, in its unit, into the facts dict."""
+    if fact == "kv_cache_tokens":
+        # Each rank writes its token count, then its concurrency: keep the concurrency of the rank whose
+        # count is kept (the smallest), not the last rank's.
+        f["_tokens_last_smallest"] = fact not in f or value <= f[fact]
+    if fact == "max_concurrency" and "max_concurrency" in f and not f.get("_tokens_last_smallest", True):
+        return
+    if fact in _SMALLEST and fact in f:
+        value = min(value, f[fact])
+    f[fact] = value
+
+
 def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
     """What a line states, into the facts dict: each slot is a fact in its unit."""
     for fact, text in found.items():
-        value = _CONVERT[kind.units[fact]](text)
-        if fact == "kv_cache_tokens":
-            # Each rank writes its token count, then its concurrency: keep the concurrency of the rank whose
-            # count is kept (the smallest), not the last rank's.
-            f["_tokens_last_smallest"] = fact not in f or value <= f[fact]
-        if fact == "max_concurrency" and "max_concurrency" in f and not f.get("_tokens_last_smallest", True):
-            continue
-        if fact in _SMALLEST and fact in f:
-            value = min(value, f[fact])
-        f[fact] = value
+        _store(fact, _CONVERT[kind.units[fact]](text), f)
     if kind.also is not None:
         kind.also(found, f)
 
@@ -1115,13 +1119,7 @@ def _record_values(kind: LineKind, found: dict[str, str], values: tuple[list[tup
         f.update(converted)
         return True
     for fact, value in converted:
-        if fact == "kv_cache_tokens":
-            f["_tokens_last_smallest"] = fact not in f or value <= f[fact]
-        if fact == "max_concurrency" and "max_concurrency" in f and not f.get("_tokens_last_smallest", True):
-            continue
-        if fact in _SMALLEST and fact in f:
-            value = min(value, f[fact])
-        f[fact] = value
+        _store(fact, value, f)
     if not whole:
         return False
     if kind.also is not None:
