@@ -38,7 +38,7 @@ GIB = 1 << 30
 def worst_batch(scenario: tuple) -> dict:
     """The run to its end, then one profile-size forward: did it run out, on which allocator, with how
     much room."""
-    from kvguard.allocators.base import SimOutOfMemory
+    from kvguard.allocators.base import AllocatorOutOfMemory
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
     from kvguard.sim.workload import PROFILE_SAMPLING
 
@@ -62,7 +62,7 @@ def worst_batch(scenario: tuple) -> dict:
         scenario_run._execute(scenario_run._ops(tokens, min(config.max_num_seqs, tokens), (),
                                                 sampling=PROFILE_SAMPLING))
         model_oom = False
-    except SimOutOfMemory:
+    except AllocatorOutOfMemory:
         model_oom = True
     states = recording.recorder.states[served:]
     truth = "model"

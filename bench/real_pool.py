@@ -122,7 +122,7 @@ def truth(recording: Recording, result, enable_vmm: bool, oracle: str) -> Truth:
 def _truth_recorder(pool):
     """A Recorder that also keeps the model's COMPARED fields after each op (``.states``). Its methods
     are the class's, so a wrapper that patches and later unpatches the instance (BudgetWatch) keeps them."""
-    from kvguard.allocators.base import SimOutOfMemory
+    from kvguard.allocators.base import AllocatorOutOfMemory
     from kvguard.allocators.ops import Recorder
 
     class TruthRecorder(Recorder):
@@ -138,7 +138,7 @@ def _truth_recorder(pool):
         def malloc(self, size: int, persistent: bool = False) -> int:
             try:
                 address = super().malloc(size, persistent)
-            except SimOutOfMemory:
+            except AllocatorOutOfMemory:
                 self._note(True, None)
                 raise
             self._note(False, address)

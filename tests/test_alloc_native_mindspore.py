@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("kvguard.allocators._cmspool",
                     reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace")
 
-from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady  # noqa: E402
+from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady  # noqa: E402
 from kvguard.allocators.device import Device  # noqa: E402
 from kvguard.allocators.mindspore_native import NativeDynamicMemPool, unsupported  # noqa: E402
 from kvguard.allocators.mindspore_pool import DynamicMemPool  # noqa: E402
@@ -93,7 +93,7 @@ def observed(pool, device: Device) -> dict:
 def outcome(call):
     try:
         return ("ok", call())
-    except SimOutOfMemory as exc:
+    except AllocatorOutOfMemory as exc:
         return ("oom", str(exc), exc.requested_bytes, exc.free_bytes, exc.allocator)
     except (TypeError, ValueError, KeyError) as exc:
         return (type(exc).__name__, str(exc))
@@ -166,7 +166,7 @@ def steady_round(pool, state) -> tuple:
 
     try:
         recorded = record_steady(pool, run)
-    except SimOutOfMemory as exc:
+    except AllocatorOutOfMemory as exc:
         return ("oom", str(exc))
     replay_steady(pool, recorded, 2)
     counters, peaks = pool.steady_cells()
@@ -537,11 +537,11 @@ def test_vmm_counters_past_2_63_raise_instead_of_wrapping(version, size):
     overflowed = False
     for _ in range(12):
         before = cells(native)
-        with pytest.raises(SimOutOfMemory):
+        with pytest.raises(AllocatorOutOfMemory):
             python.malloc(request)
         try:
             native.malloc(request)
-        except SimOutOfMemory:
+        except AllocatorOutOfMemory:
             assert cells(native) == cells(python)
         except OverflowError:
             overflowed = True
@@ -569,7 +569,7 @@ def test_a_device_reporting_negative_free_bytes_does_not_wrap_the_page_counts():
         pool = NativeDynamicMemPool(device, enable_vmm=True)
         device.report = report
         for _ in range(4):
-            with pytest.raises((SimOutOfMemory, OverflowError)):
+            with pytest.raises((AllocatorOutOfMemory, OverflowError)):
                 pool.malloc(MIB)
             assert pool.reserved_bytes == pool.physical_pages * pool.page
             assert pool.physical_pages - pool.cached_pages == 0

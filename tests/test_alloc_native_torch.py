@@ -18,7 +18,7 @@ import random
 import tracemalloc
 
 import pytest
-from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady
+from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import STAT_ARRAYS, CachingAllocator, parse_alloc_conf
 from kvguard.allocators.torch_native import NativeCachingAllocator, unsupported
@@ -136,7 +136,7 @@ def op_stream(seed: int, device_bytes: int) -> list[tuple]:
 def outcome(call) -> tuple:
     try:
         return ("ok", call())
-    except SimOutOfMemory as error:
+    except AllocatorOutOfMemory as error:
         return ("oom", str(error), error.requested_bytes, error.free_bytes, error.allocator)
     except Exception as error:  # noqa: BLE001 - the class and message are what is compared
         return (type(error).__name__, str(error))
@@ -325,7 +325,7 @@ def test_a_request_past_64_bits_on_another_stream_is_out_of_memory():
     native = NativeCachingAllocator(Device(16 * GIB))
     native.free(native.malloc(5 * MIB, stream=1))
     for stream in (0, 1):
-        with pytest.raises(SimOutOfMemory, match=f"allocating {1 << 64} bytes"):
+        with pytest.raises(AllocatorOutOfMemory, match=f"allocating {1 << 64} bytes"):
             native.malloc(1 << 64, stream=stream)
     assert native.allocated_bytes == 0
 
@@ -780,7 +780,7 @@ def test_many_engines_leave_no_memory_behind():
                 else:
                     try:
                         live.append(native.malloc(request_size(rng, 256 * MIB)))
-                    except (SimOutOfMemory, OverflowError):
+                    except (AllocatorOutOfMemory, OverflowError):
                         pass
             native.empty_cache()
 

@@ -1,11 +1,11 @@
 """MindSpore's dynamic memory pool model, per release: each rule on a small hand-worked case.
 
-The rules and their sources are in kvguard/sim/mindspore_releases.py; each test names the rule.
+The rules and their sources are in kvguard/allocators/mindspore_releases.py; each test names the rule.
 """
 
 import pytest
 
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.mindspore_releases import (RELEASES, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, pool_budget_bytes,
@@ -38,7 +38,7 @@ def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
 
 def test_without_vmm_blocks_stop_at_the_pool_budget_not_at_the_device():
     p = pool(budget=2 * GIB)
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         p.malloc(2 * GIB + 512)                    # the device has 2.14 GiB free, the pool 2 GiB
     assert p.device.allocator_bytes == 0
 
@@ -131,7 +131,7 @@ def test_a_block_is_capped_by_what_is_left_of_the_pool_budget():
 def test_a_request_larger_than_free_device_memory_is_out_of_memory():
     p = pool(budget=3 * GIB)
     p.malloc(2 * GIB)
-    with pytest.raises(SimOutOfMemory) as caught:
+    with pytest.raises(AllocatorOutOfMemory) as caught:
         p.malloc(int(1.5 * GIB))
     assert caught.value.requested_bytes == int(1.5 * GIB)
     assert p.num_ooms == 1
@@ -194,7 +194,7 @@ def test_persistent_miss_with_an_empty_common_pool_expands_the_common_pool():
 def test_in_2_4_a_common_request_never_uses_persistent_idle_memory():
     p = pool(budget=int(1.5 * GIB), version="2.4.0")
     p.free(p.malloc(100 * MIB, persistent=True))   # 1 GiB persistent block, all idle
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         p.malloc(600 * MIB)                         # 0.5 GiB free on the device: no block
 
 
@@ -282,7 +282,7 @@ def test_vmm_refuses_a_page_the_device_cannot_hold():
     p = DynamicMemPool(device, version="2.6.0", enable_vmm=True)
     p.malloc(4 * MIB)
     assert device.grow_non_allocator(device.free_bytes - 2 * MIB)   # runtime memory taken after the pool started
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         p.malloc(4 * MIB)                              # needs two new pages, one fits
     assert device.free_bytes == 0                       # the page got before the refusal is kept, cached
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import CachingAllocator
 
@@ -150,7 +150,7 @@ def test_failed_segment_allocation_frees_cached_segments_and_retries():
 def test_out_of_memory_after_the_retry_counts_num_ooms():
     a = alloc(capacity=40 * MIB)
     a.malloc(30 * MIB)
-    with pytest.raises(SimOutOfMemory) as caught:
+    with pytest.raises(AllocatorOutOfMemory) as caught:
         a.malloc(12 * MIB)
     assert caught.value.requested_bytes == 12 * MIB
     stats = a.memory_stats()
@@ -160,7 +160,7 @@ def test_out_of_memory_after_the_retry_counts_num_ooms():
 def test_split_segments_survive_the_flush():
     a = alloc(capacity=44 * MIB)
     keep = a.malloc(4 * MIB)             # 20 MiB segment, split: 4 MiB used + 16 MiB cached
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         a.malloc(30 * MIB)               # the split segment cannot be released
     assert a.reserved_bytes == 20 * MIB
     assert a.memory_stats()["inactive_split_bytes.all.current"] == 16 * MIB
@@ -332,7 +332,7 @@ def test_memory_fraction_caps_reserved_memory():
     a = alloc(capacity=1 << 30)
     a.set_memory_fraction(0.5)
     a.malloc(400 * MIB)
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         a.malloc(200 * MIB)
 
 
@@ -452,7 +452,7 @@ def test_max_non_split_rounding_size_lets_an_oversize_request_take_a_larger_cach
 def test_a_memory_fraction_given_at_construction_caps_reserved_memory():
     a = alloc(1 << 30, variant="torch_npu", memory_fraction=0.5)
     a.malloc(500 * MIB)
-    with pytest.raises(SimOutOfMemory):
+    with pytest.raises(AllocatorOutOfMemory):
         a.malloc(100 * MIB)
 
 
@@ -461,7 +461,7 @@ def test_throw_on_npumalloc_oom_refuses_a_segment_past_the_device_without_emptyi
         a = alloc(1 << 30, variant="torch_npu", add_pad_size=False, throw_on_npumalloc_oom=throw)
         a.free(a.malloc(600 * MIB))                     # cached
         if throw:                                       # 600 + 700 MiB > 1 GiB: refused, cache kept
-            with pytest.raises(SimOutOfMemory):
+            with pytest.raises(AllocatorOutOfMemory):
                 a.malloc(700 * MIB)
         else:                                           # the device refuses; the cache is emptied, then it fits
             a.malloc(700 * MIB)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvguard.allocators.base import SimOutOfMemory, link_after
+from kvguard.allocators.base import AllocatorOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import (
     _LARGE,
@@ -72,7 +72,7 @@ class GeneralPath(CachingAllocator):
         if block is None:
             if not self._rejected:
                 self.num_ooms += 1
-            raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
+            raise AllocatorOutOfMemory(requested, self.name, self.device.free_bytes,
                                  f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
         return block
 
@@ -217,7 +217,7 @@ def apply(allocator: CachingAllocator, op: tuple, addresses: dict[int, int], ind
     if op[0] == "malloc":
         try:
             addresses[index] = allocator.malloc(op[1], stream=op[2])
-        except SimOutOfMemory as error:
+        except AllocatorOutOfMemory as error:
             return ("oom", str(error))
         return addresses[index]
     if op[0] == "free":

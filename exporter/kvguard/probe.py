@@ -6,7 +6,7 @@ small probe there and a sidecar outside it::
     import kvguard.probe
     kvguard.probe.start("/dev/shm/kvguard", interval=5.0, source="auto")
     kvguard.probe.set_profile(profile)          # kvguard.budget.estimator.Profile, after vLLM profiled
-    kvguard.probe.set_kv_cache(allocation)      # kvguard.spool.io.KVCacheAllocation
+    kvguard.probe.set_kv_cache(allocation)      # kvguard.records.KVCacheAllocation
     kvguard.probe.set_engine("qwen-7b", 0)      # served model name, engine (data-parallel) index
     kvguard.probe.stop()
 
@@ -275,7 +275,7 @@ class Probe:
 
     def set_kv_cache(self, kv_cache: KVCacheAllocation | None, device: str | None = _ALL) -> None:
         if kv_cache is not None and not isinstance(kv_cache, KVCacheAllocation):
-            raise TypeError(f"kv_cache must be a kvguard.spool.io.KVCacheAllocation, got {type(kv_cache).__name__}")
+            raise TypeError(f"kv_cache must be a kvguard.records.KVCacheAllocation, got {type(kv_cache).__name__}")
         with self._lock:
             self._kv_caches[device] = kv_cache
 

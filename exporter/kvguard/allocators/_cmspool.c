@@ -65,7 +65,7 @@ typedef struct {
     long long window_used, window_reserved, num_ooms;
 } Pool;
 
-static PyObject *sim_oom_class;               /* kvguard.allocators.base.SimOutOfMemory, on first use */
+static PyObject *oom_class;               /* kvguard.allocators.base.AllocatorOutOfMemory, on first use */
 static PyObject *persistent_keys;             /* {True: 1, False: 0}: the model's allocator dict lookup */
 static PyObject *s_malloc, *s_free, *s_free_bytes, *s_block_alloc_size, *s_name;
 
@@ -799,13 +799,13 @@ static int check_idle(Pool *p)                                   /* ready, and n
 
 static PyObject *raise_out_of_memory(Pool *p, int64_t size, PyObject *size_beyond)
 {
-    if (sim_oom_class == NULL) {
+    if (oom_class == NULL) {
         PyObject *base = PyImport_ImportModule("kvguard.allocators.base");
         if (base == NULL)
             return NULL;
-        sim_oom_class = PyObject_GetAttrString(base, "SimOutOfMemory");
+        oom_class = PyObject_GetAttrString(base, "AllocatorOutOfMemory");
         Py_DECREF(base);
-        if (sim_oom_class == NULL)
+        if (oom_class == NULL)
             return NULL;
     }
     PyObject *requested = size_beyond ? Py_NewRef(size_beyond) : PyLong_FromLongLong(size);
@@ -813,9 +813,9 @@ static PyObject *raise_out_of_memory(Pool *p, int64_t size, PyObject *size_beyon
     PyObject *free_bytes = PyObject_GetAttr(p->device, s_free_bytes);
     PyObject *detail = PyUnicode_FromFormat("%lld allocated, %lld reserved", p->used_size, reserved_bytes(p));
     if (requested && name && free_bytes && detail) {
-        PyObject *exc = PyObject_CallFunctionObjArgs(sim_oom_class, requested, name, free_bytes, detail, NULL);
+        PyObject *exc = PyObject_CallFunctionObjArgs(oom_class, requested, name, free_bytes, detail, NULL);
         if (exc != NULL) {
-            PyErr_SetObject(sim_oom_class, exc);
+            PyErr_SetObject(oom_class, exc);
             Py_DECREF(exc);
         }
     }
@@ -1379,7 +1379,7 @@ static PyGetSetDef Pool_getset[] = {
 
 static PyMethodDef Pool_methods[] = {
     {"malloc", (PyCFunction)(void (*)(void))Pool_malloc, METH_FASTCALL | METH_KEYWORDS,
-     "malloc(size, persistent=False) -> address; SimOutOfMemory when the pool cannot serve it"},
+     "malloc(size, persistent=False) -> address; AllocatorOutOfMemory when the pool cannot serve it"},
     {"free", (PyCFunction)Pool_free, METH_O, "free(address)"},
     {"empty_cache", (PyCFunction)Pool_empty_cache, METH_NOARGS, "mindspore.runtime.empty_cache() of the release"},
     {"_eager_free_idle", (PyCFunction)Pool_eager_free_idle, METH_NOARGS, "eager-free every idle buffer"},

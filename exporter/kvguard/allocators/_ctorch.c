@@ -229,7 +229,7 @@ typedef struct {
     uint32_t rng;
 } Engine;
 
-static PyObject *SimOutOfMemory;       /* kvguard.allocators.base.SimOutOfMemory */
+static PyObject *AllocatorOutOfMemory;       /* kvguard.allocators.base.AllocatorOutOfMemory */
 
 static inline i128 *cell_stat(Engine *e, int array, int pool) { return e->st + (array * 3 + pool) * 4; }
 
@@ -1107,7 +1107,7 @@ static int garbage_collect_cached_blocks(Engine *e) {
     return 0;
 }
 
-/* SimOutOfMemory(requested, name, device.free_bytes, "... allocated, ... reserved") */
+/* AllocatorOutOfMemory(requested, name, device.free_bytes, "... allocated, ... reserved") */
 static void raise_out_of_memory(Engine *e, PyObject *requested) {
     PyObject *free_bytes = PyObject_GetAttrString(e->device, "free_bytes");
     if (free_bytes == NULL)
@@ -1121,7 +1121,7 @@ static void raise_out_of_memory(Engine *e, PyObject *requested) {
         Py_DECREF(free_bytes);
         return;
     }
-    PyObject *error = PyObject_CallFunctionObjArgs(SimOutOfMemory, requested, e->name, free_bytes, detail, NULL);
+    PyObject *error = PyObject_CallFunctionObjArgs(AllocatorOutOfMemory, requested, e->name, free_bytes, detail, NULL);
     Py_DECREF(free_bytes);
     Py_DECREF(detail);
     if (error == NULL)
@@ -2309,9 +2309,9 @@ PyMODINIT_FUNC PyInit__ctorch(void) {
     PyObject *base = PyImport_ImportModule("kvguard.allocators.base");
     if (base == NULL)
         return NULL;
-    SimOutOfMemory = PyObject_GetAttrString(base, "SimOutOfMemory");
+    AllocatorOutOfMemory = PyObject_GetAttrString(base, "AllocatorOutOfMemory");
     Py_DECREF(base);
-    if (SimOutOfMemory == NULL)
+    if (AllocatorOutOfMemory == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&ctorch_module);
     if (m == NULL)

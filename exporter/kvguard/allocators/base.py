@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 
-class SimOutOfMemory(MemoryError):
+class AllocatorOutOfMemory(MemoryError):
     """The allocator could not serve a request, after its own retries.
 
     Mirrors ``torch.OutOfMemoryError`` / MindSpore's "Out of Memory" device error.

@@ -56,7 +56,7 @@ from bisect import bisect_left, insort
 from operator import index
 from typing import Any
 
-from kvguard.allocators.base import FrozenKey, SimOutOfMemory, link_after
+from kvguard.allocators.base import FrozenKey, AllocatorOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
 from kvguard.records import PoolFigures
@@ -464,7 +464,7 @@ class DynamicMemPool:
             buf = allocator.malloc(size)
         if buf is None:
             self.num_ooms += 1
-            raise SimOutOfMemory(size, self.name, self.device.free_bytes,
+            raise AllocatorOutOfMemory(size, self.name, self.device.free_bytes,
                                  f"{self.used_size} allocated, {self.reserved_bytes} reserved")
         self._used[buf.addr] = (buf, allocator)
         self.used_size += buf.size

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.text import one_line
 
 MAX_OPS = 5_000_000               # about 0.5 GiB of parsed ops; a longer stream is refused, not swapped
@@ -150,7 +150,7 @@ def replay_ops(allocator: Any, ops: Iterable[Op]) -> Iterator[dict[str, Any]]:
         if op.kind == "malloc":
             try:
                 address = allocator.malloc(op.size, op.persistent)
-            except SimOutOfMemory:
+            except AllocatorOutOfMemory:
                 oom = True
             else:
                 if address:

@@ -50,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, CachingAllocator
 from kvguard.text import one_line
@@ -309,7 +309,7 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         if code == _ALLOC:
             try:
                 got = malloc(size, False, stream)
-            except SimOutOfMemory:
+            except AllocatorOutOfMemory:
                 # The model's device is effectively unlimited (2**56 bytes): only a request no
                 # real device could have served gets here.
                 raise SnapshotError(f"snapshot device_traces[{device}][{position}] (alloc): {size} bytes "

@@ -57,7 +57,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any, Callable, Iterable, Iterator
 
-from kvguard.allocators.base import FrozenKey, SimOutOfMemory, absorb, link_after
+from kvguard.allocators.base import FrozenKey, AllocatorOutOfMemory, absorb, link_after
 from kvguard.allocators.device import Device
 
 K_MIN_BLOCK_SIZE = 512
@@ -442,7 +442,7 @@ class CachingAllocator:
             if block is None:
                 if not self._rejected:
                     self.num_ooms += 1
-                raise SimOutOfMemory(requested, self.name, self.device.free_bytes,
+                raise AllocatorOutOfMemory(requested, self.name, self.device.free_bytes,
                                      f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
         if self._aligns_base and size >= K_ROUND_LARGE and block.addr % self.base_addr_aligned:
             block = self._align_base(block, size)

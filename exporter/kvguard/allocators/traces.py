@@ -48,7 +48,7 @@ from operator import is_
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.text import one_line
 
 PERSISTENT_TYPES = frozenset({"Weight", "ConstantValue", "GeConst"})
@@ -940,7 +940,7 @@ def replay(events: Iterable[TraceEvent], allocator, sample_every: int = 1) -> Re
             if index % sample_every == 0:
                 samples.append((index, allocator.allocated_bytes, allocator.reserved_bytes,
                                 device.used_bytes if device is not None else 0))
-    except SimOutOfMemory as exc:
+    except AllocatorOutOfMemory as exc:
         return ReplayResult(index, True, index, exc.requested_bytes, allocator.peak_allocated_bytes,
                             allocator.peak_reserved_bytes, allocator.memory_stats(), tuple(samples))
     return ReplayResult(index + 1, False, None, None, allocator.peak_allocated_bytes, allocator.peak_reserved_bytes,

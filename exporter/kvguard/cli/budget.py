@@ -323,7 +323,7 @@ def _refuse_growth_past_the_device(profile: Profile) -> None:
 def _budget_time_verdict(result: dict[str, Any], profile, layout, allocator: str, era, enable_vmm,
                          expandable_segments: bool | None, non_allocator_memory) -> dict[str, Any]:
     """``--allocator``: the guard's budget-time verdict on vLLM's budget (the log's decided figure, or the
-    stock formula), and the largest budget it predicts fits (kvguard.sim.guarded.predict_at_budget)."""
+    stock formula), and the largest budget it predicts fits (kvguard.guard.at_budget.predict_at_budget)."""
     if layout is None:
         raise click.UsageError("--allocator needs --model-config: the KV tensors are counted per layer")
     if profile is None:

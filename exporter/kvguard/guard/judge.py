@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable
 
-from kvguard.allocators.base import Allocator, SimOutOfMemory
+from kvguard.allocators.base import Allocator, AllocatorOutOfMemory
 from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES, pool_budget_bytes
 from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
                                stock_kv_cache_bytes)
@@ -347,7 +347,7 @@ class BudgetInput:
     allocator model (``CachingAllocator``, ``DynamicMemPool``) on its simulated device, holding
     what the rank has reserved now (``kvguard.sim.guarded``: a replay of the simulated rank's
     history, or ``allocator_from_counters`` for a real one). ``read``: the counters of a model, as
-    the rank's source would report them (``kvguard.sim.guarded.counters_of``).
+    the rank's source would report them (``kvguard.guard.at_budget.counters_of``).
     """
 
     profile: Profile
@@ -370,7 +370,7 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
         for size in tensors:
             try:
                 model.malloc(size)
-            except SimOutOfMemory as exc:
+            except AllocatorOutOfMemory as exc:
                 failure = exc
                 break
             placed += 1

@@ -60,7 +60,7 @@ from typing import Any, Callable, Mapping
 
 from kvguard.budget.estimator import (KVLayout, Profile, positive_int, text_config, estimate, kv_cache_tensor_bytes,
                                       kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes)
-from kvguard.allocators.base import SimOutOfMemory, record_steady, replay_steady
+from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators import native
 from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
@@ -512,7 +512,7 @@ class ServingScenario:
                             num_waiting=len(scheduler.waiting), num_tokens=num_tokens,
                             kv_blocks_used=(self.num_blocks or 0) - scheduler.free_blocks)
 
-    def _fail(self, phase: str, exc: SimOutOfMemory) -> None:
+    def _fail(self, phase: str, exc: AllocatorOutOfMemory) -> None:
         self.oom = True
         self.oom_phase = phase
         self.oom_request_bytes = exc.requested_bytes
@@ -533,7 +533,7 @@ class ServingScenario:
         try:
             for size in weight_tensors(self.shape):
                 alloc.malloc(size, persistent)
-        except SimOutOfMemory as exc:
+        except AllocatorOutOfMemory as exc:
             self._record("weights")
             self._fail("weights", exc)
             return None
@@ -551,9 +551,9 @@ class ServingScenario:
         try:
             if cfg.profile_non_allocator_growth_bytes and \
                     not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):
-                raise SimOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
+                raise AllocatorOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
             self._forward(num_tokens, num_seqs, (), profile_sampler=cfg.profile_runs_sampler)
-        except SimOutOfMemory as exc:
+        except AllocatorOutOfMemory as exc:
             self._record("profile")
             self._fail("profile", exc)
             return None
@@ -586,7 +586,7 @@ class ServingScenario:
         try:
             for size in self.kv_tensor_sizes(self.num_blocks):
                 self._kv_addrs.append(alloc.malloc(size))
-        except SimOutOfMemory as exc:
+        except AllocatorOutOfMemory as exc:
             self._record("kv_cache")
             self._fail("kv_cache", exc)
             return self.profile
@@ -694,7 +694,7 @@ class ServingScenario:
                     history.clear()
                     break
             run(tail)
-        except SimOutOfMemory:
+        except AllocatorOutOfMemory:
             for addr in live.values():
                 free(addr)
             raise
@@ -709,7 +709,7 @@ class ServingScenario:
                     free(live.pop(key))
                 else:
                     live[key] = malloc(size)
-        except SimOutOfMemory:
+        except AllocatorOutOfMemory:
             for addr in live.values():
                 free(addr)
             raise
@@ -730,7 +730,7 @@ class ServingScenario:
         if num_tokens:
             try:
                 self._forward(num_tokens, len(scheduled), gathered, sampling=sampling_batch(scheduled))
-            except SimOutOfMemory as exc:
+            except AllocatorOutOfMemory as exc:
                 self._fail("serving", exc)
                 return self._record_serving(num_tokens)
         self.requests_finished += len(scheduler.advance(scheduled))

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvguard.budget.estimator import Profile
-from kvguard.allocators.base import SimOutOfMemory
+from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.sim.scenario import Request, ScenarioConfig, ServingScenario, sampling_batch
 from kvguard.sim.scheduler import Scheduler, Sequence
 
@@ -183,7 +183,7 @@ class LiveServing:
                 self._pending = [ops, 0, {}]
                 self._run_pending(self._rng.randrange(len(ops)))
             self._advance(scheduled)
-        except SimOutOfMemory as exc:
+        except AllocatorOutOfMemory as exc:
             self._release_pending()
             self._oom = True
             self.oom_at_step = self.step_index

@@ -58,7 +58,7 @@ class Era:
     log_lines: tuple[str, ...] = ()    # kvguard.vllm.log line kinds this era writes
     hooks: tuple[str, ...] = HOOKS_V1
     base: str | None = None            # the vLLM release a platform plugin runs on
-    checked_against: str | None = None # the wheel the tests run (tests/test_vllm_eras_real.py)
+    checked_against: str | None = None # the wheel the tests run (tests/test_ascend_real.py, test_mindspore_real.py)
     cites: tuple[str, ...] = field(default=(), compare=False)
 
     @property

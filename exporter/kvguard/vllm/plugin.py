@@ -41,7 +41,7 @@ module is imported, or at once if it already is:
 Once the budget is fixed (``determine_available_memory`` returned, the KV cache not allocated yet)
 the plugin also judges it: the era's KV tensors for that budget (the worker's ``get_kv_cache_spec``)
 placed into a model of this rank's allocator built from its counters now
-(``kvguard.sim.guarded.allocator_from_counters``), and the serving peak beside them. The verdict goes
+(``kvguard.guard.at_budget.allocator_from_counters``), and the serving peak beside them. The verdict goes
 into the rank's snapshot at once (``budget_verdict``; ``/guard``'s ``at_budget``).
 
 Every hook is wrapped: a failure is logged once, counted (:data:`hook_errors`), and the
