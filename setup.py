@@ -18,9 +18,16 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 HERE = Path(__file__).resolve().parent
-ENGINES = [("kvguard.allocators._ctorch", "exporter/kvguard/allocators/_ctorch.c"),
-           ("kvguard.allocators._cmspool", "exporter/kvguard/allocators/_cmspool.c")]
+ENGINES = [
+    ("kvguard.allocators._ctorch", "exporter/kvguard/allocators/_ctorch.c"),
+    ("kvguard.allocators._cmspool", "exporter/kvguard/allocators/_cmspool.c"),
+]
 BUILD_EXT = os.environ.get("KVGUARD_BUILD_EXT", "").strip() == "1"
 
-setup(ext_modules=[Extension(name, [source], extra_compile_args=["-O2", "-std=c11"])
-                   for name, source in ENGINES if BUILD_EXT and (HERE / source).is_file()])
+setup(
+    ext_modules=[
+        Extension(name, [source], extra_compile_args=["-O2", "-std=c11"])
+        for name, source in ENGINES
+        if BUILD_EXT and (HERE / source).is_file()
+    ]
+)

@@ -13,7 +13,8 @@ limited per source address, 429 beyond). Only the HTTP layer differs:
   hand-written server's ``workers``), bcrypt in a pool of 1 (its ``auth_workers``; the waiting
   line is the executor's, unbounded but one request per connection at most, where the
   hand-written server answers 429 past ``auth_queue``); a wrong password or a 429 is answered
-  ``auth_failure_delay`` late with ``asyncio.sleep`` (the connection not read meanwhile, as there). A request head must arrive within 10 s of the wait
+  ``auth_failure_delay`` late with ``asyncio.sleep`` (the connection not read meanwhile, as there). A request head
+  must arrive within 10 s of the wait
   for it (the hand-written server's ``header_timeout``), an answer must drain within 30 s
   (its ``request_timeout``); the body is handed to the transport as the shared chunks.
 - ``cheroot``: cheroot 11.1.2's WSGI server (CherryPy's), with its defaults (10 worker
@@ -47,8 +48,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from kvguard.sidecar.core import Sidecar, SidecarConfig  # noqa: E402
 from kvguard.sidecar.exposition import Exposition  # noqa: E402
-from kvguard.sidecar.server import (BUILD, _REASONS, _UNAUTHORIZED, Application, Request, Response,  # noqa: E402
-                                   ServerOptions, Verify, _text)
+from kvguard.sidecar.server import (
+    _REASONS,
+    _UNAUTHORIZED,
+    BUILD,
+    Application,
+    Request,
+    Response,  # noqa: E402
+    ServerOptions,
+    Verify,
+    _text,
+)
 from kvguard.sidecar.webconfig import WebConfigWatcher  # noqa: E402
 
 OPTIONS = ServerOptions(listen="127.0.0.1")
@@ -58,8 +68,9 @@ MAX_HEAD = OPTIONS.max_header_bytes
 LISTEN_BACKLOG = 1024
 
 
-def application(spool_dir: str, interval: float, web_config_file: str | None) \
-        -> tuple[Application, WebConfigWatcher | None]:
+def application(
+    spool_dir: str, interval: float, web_config_file: str | None
+) -> tuple[Application, WebConfigWatcher | None]:
     """The hand-written server's application over a started sidecar (kvguard.cli.serve's setup,
     --source none)."""
     sidecar = Sidecar(SidecarConfig(spool_dir=spool_dir, sources=(), interval=interval))
@@ -71,8 +82,11 @@ def application(spool_dir: str, interval: float, web_config_file: str | None) \
 
 
 def response_headers(app_response: Response, extra: dict[str, str], server: str) -> list[tuple[str, str]]:
-    headers = [("Server", server), ("Content-Type", app_response.content_type),
-               ("Content-Length", str(app_response.length))]
+    headers = [
+        ("Server", server),
+        ("Content-Type", app_response.content_type),
+        ("Content-Length", str(app_response.length)),
+    ]
     headers += list({**extra, **app_response.headers}.items())
     if app_response.close:
         headers.append(("Connection", "close"))
@@ -84,6 +98,7 @@ def unauthorized(options: ServerOptions, delay: bool) -> Response:
 
 
 # ------------------------------------------------------------------------------ asyncio + h11
+
 
 def serve_h11(port: int, app: Application, watcher: WebConfigWatcher | None) -> None:
     import h11
@@ -102,8 +117,9 @@ def serve_h11(port: int, app: Application, watcher: WebConfigWatcher | None) -> 
         loop = asyncio.get_running_loop()
         outcome = app.route(request, source)
         if isinstance(outcome, Verify):
-            ok = await loop.run_in_executor(bcrypt_pool, app.basic_auth.verify, outcome.users, outcome.user,
-                                            outcome.password)
+            ok = await loop.run_in_executor(
+                bcrypt_pool, app.basic_auth.verify, outcome.users, outcome.user, outcome.password
+            )
             outcome = BUILD if ok else unauthorized(OPTIONS, delay=True)
         if outcome == BUILD:
             outcome = await loop.run_in_executor(builders, app.build, request)
@@ -123,12 +139,18 @@ def serve_h11(port: int, app: Application, watcher: WebConfigWatcher | None) -> 
                     if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                         status = exc.error_status_hint
                         body = f"{exc}\n".encode()
-                        writer.write(conn.send(h11.Response(status_code=status, headers=[
-                            ("Content-Length", str(len(body))), ("Connection", "close")])))
+                        writer.write(
+                            conn.send(
+                                h11.Response(
+                                    status_code=status,
+                                    headers=[("Content-Length", str(len(body))), ("Connection", "close")],
+                                )
+                            )
+                        )
                         writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
                         await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
                     return
-                if not isinstance(event, h11.Request):   # ConnectionClosed, or a peer gone mid-head
+                if not isinstance(event, h11.Request):  # ConnectionClosed, or a peer gone mid-head
                     return
                 headers: dict[str, str] = {}
                 for name, value in event.headers:
@@ -136,24 +158,37 @@ def serve_h11(port: int, app: Application, watcher: WebConfigWatcher | None) -> 
                     text = value.decode("latin-1")
                     headers[key] = headers[key] + ", " + text if key in headers else text
                 version = "HTTP/1.0" if event.http_version == b"1.0" else "HTTP/1.1"
-                request = Request(event.method.decode("latin-1"), event.target.decode("latin-1"), version,
-                                  headers, True, "content-length" in headers or "transfer-encoding" in headers)
+                request = Request(
+                    event.method.decode("latin-1"),
+                    event.target.decode("latin-1"),
+                    version,
+                    headers,
+                    True,
+                    "content-length" in headers or "transfer-encoding" in headers,
+                )
                 response = await answer(request, source)
                 extra = watcher.current().headers if watcher is not None else {}
-                writer.writelines(conn.send_with_data_passthrough(h11.Response(
-                    status_code=response.status, reason=_REASONS.get(response.status, "Error").encode(),
-                    headers=response_headers(response, extra, "kvguard-h11"))))
+                writer.writelines(
+                    conn.send_with_data_passthrough(
+                        h11.Response(
+                            status_code=response.status,
+                            reason=_REASONS.get(response.status, "Error").encode(),
+                            headers=response_headers(response, extra, "kvguard-h11"),
+                        )
+                    )
+                )
                 if request.method != "HEAD":
-                    for chunk in response.chunks:   # the shared chunks, not joined per scrape
+                    for chunk in response.chunks:  # the shared chunks, not joined per scrape
                         if chunk:
                             writer.writelines(conn.send_with_data_passthrough(h11.Data(data=chunk)))
                 writer.writelines(conn.send_with_data_passthrough(h11.EndOfMessage()))
                 await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT)
                 if conn.our_state is h11.MUST_CLOSE or request.has_body:
                     return
-                while conn.their_state is not h11.DONE:   # the request's EndOfMessage, there already
-                    if isinstance(await asyncio.wait_for(next_event(conn, reader), HEADER_TIMEOUT),
-                                  h11.ConnectionClosed):
+                while conn.their_state is not h11.DONE:  # the request's EndOfMessage, there already
+                    if isinstance(
+                        await asyncio.wait_for(next_event(conn, reader), HEADER_TIMEOUT), h11.ConnectionClosed
+                    ):
                         return
                 conn.start_next_cycle()
         except (asyncio.TimeoutError, OSError, h11.LocalProtocolError, h11.RemoteProtocolError):
@@ -171,29 +206,34 @@ def serve_h11(port: int, app: Application, watcher: WebConfigWatcher | None) -> 
 
 # ------------------------------------------------------------------------------ cheroot (WSGI)
 
+
 def serve_cheroot(port: int, app: Application, watcher: WebConfigWatcher | None) -> None:
     from cheroot import wsgi
 
-    route_lock = threading.Lock()   # Application.route runs in one thread in the hand-written server
+    route_lock = threading.Lock()  # Application.route runs in one thread in the hand-written server
 
     def wsgi_app(environ, start_response):
-        headers = {key[5:].lower().replace("_", "-"): value for key, value in environ.items()
-                   if key.startswith("HTTP_")}
+        headers = {
+            key[5:].lower().replace("_", "-"): value for key, value in environ.items() if key.startswith("HTTP_")
+        }
         for key in ("CONTENT_LENGTH", "CONTENT_TYPE"):
             if environ.get(key):
                 headers[key.lower().replace("_", "-")] = environ[key]
         target = environ.get("PATH_INFO", "/") + ("?" + environ["QUERY_STRING"] if environ.get("QUERY_STRING") else "")
-        request = Request(environ["REQUEST_METHOD"], target, environ.get("SERVER_PROTOCOL", "HTTP/1.1"), headers,
-                          True, False)
+        request = Request(
+            environ["REQUEST_METHOD"], target, environ.get("SERVER_PROTOCOL", "HTTP/1.1"), headers, True, False
+        )
         with route_lock:
             outcome = app.route(request, environ.get("REMOTE_ADDR", ""))
         if isinstance(outcome, Verify):
             ok = app.basic_auth.verify(outcome.users, outcome.user, outcome.password)
             outcome = BUILD if ok else unauthorized(OPTIONS, delay=False)
-        response = app.build(request) if outcome == BUILD else outcome   # a delay is not held: see the docstring
+        response = app.build(request) if outcome == BUILD else outcome  # a delay is not held: see the docstring
         extra = watcher.current().headers if watcher is not None else {}
-        start_response(f"{response.status} {_REASONS.get(response.status, 'Error')}",
-                       [(k, v) for k, v in response_headers(response, extra, "kvguard-cheroot") if k != "Server"])
+        start_response(
+            f"{response.status} {_REASONS.get(response.status, 'Error')}",
+            [(k, v) for k, v in response_headers(response, extra, "kvguard-cheroot") if k != "Server"],
+        )
         return [chunk for chunk in response.chunks if chunk]
 
     server = wsgi.Server(("127.0.0.1", port), wsgi_app, request_queue_size=LISTEN_BACKLOG, timeout=HEADER_TIMEOUT)

@@ -55,9 +55,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sidecar_bench import EXPORTER, MIB, ROOT, ServerProcess, median, slowloris as slowloris_connections, percentile, raise_fd_limit, write_spool  # noqa: E402
+from sidecar_bench import (
+    EXPORTER,
+    MIB,
+    ROOT,
+    ServerProcess,
+    median,
+    percentile,
+    raise_fd_limit,
+    write_spool,
+)  # noqa: E402
+from sidecar_bench import (
+    slowloris as slowloris_connections,
+)
 from sidecar_fixtures import free_port  # noqa: E402
-
 
 RANKS = 64
 USER, PASSWORD = "prometheus", "bench-password"
@@ -66,7 +77,7 @@ SLOWLORIS = 400
 FLOOD = 32
 ORDINARY = 256
 PROBE_PERIOD, SCRAPE_PERIOD = 0.1, 0.25
-ATTACK_GRACE = 30.0   # an attacker ends itself this long after its planned end, whatever happens
+ATTACK_GRACE = 30.0  # an attacker ends itself this long after its planned end, whatever happens
 GOALS = {"healthz_max": 0.100, "scrape_p99": 1.0, "flood_scrape_p99": 0.100, "rss": 128 * MIB}
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
 # The modules that make the server, taken from the last commit for the ``head`` target.
@@ -76,8 +87,10 @@ LIBRARY_SERVERS = ("h11", "cheroot")
 HERE = os.path.dirname(os.path.abspath(__file__))
 # What Prometheus 2.x/3.x sends with a scrape (scrape/scrape.go, acceptHeader and Accept-Encoding);
 # --plain drops it, as wrk does: the uncompressed text then (461 kB for 64 ranks, against 17 kB).
-SCRAPER_HEADERS = "Accept: application/openmetrics-text;version=1.0.0;q=0.75,text/plain;version=0.0.4;q=0.5," \
-                  "*/*;q=0.1\r\nAccept-Encoding: gzip\r\n"
+SCRAPER_HEADERS = (
+    "Accept: application/openmetrics-text;version=1.0.0;q=0.75,text/plain;version=0.0.4;q=0.5,"
+    "*/*;q=0.1\r\nAccept-Encoding: gzip\r\n"
+)
 
 
 def _auth(password: str) -> str:
@@ -86,14 +99,17 @@ def _auth(password: str) -> str:
 
 # ------------------------------------------------------------------------------ targets
 
+
 class Target(ServerProcess):
     """One server process on 127.0.0.1, with the paths the attacks probe and scrape."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, probe_path: str,
-                 scrape_path: str):
+    def __init__(
+        self, name: str, command: list[str], env: dict[str, str], port: int, probe_path: str, scrape_path: str
+    ):
         self.name, self.port, self.probe_path, self.scrape_path = name, port, probe_path, scrape_path
-        super().__init__(name, command, env, lambda: request(self.port, self.probe_path, _auth(PASSWORD),
-                                                              timeout=2)[0] == 200)
+        super().__init__(
+            name, command, env, lambda: request(self.port, self.probe_path, _auth(PASSWORD), timeout=2)[0] == 200
+        )
 
 
 def web_config(directory: str) -> str:
@@ -109,13 +125,15 @@ def web_config(directory: str) -> str:
 def head_package(directory: str) -> str:
     """This tree's package with the last commit's server, web config and exposition modules."""
     root = os.path.join(directory, "head")
-    if os.path.isdir(root):   # made by an earlier repeat
+    if os.path.isdir(root):  # made by an earlier repeat
         return root
-    shutil.copytree(os.path.join(EXPORTER, "kvguard"), os.path.join(root, "kvguard"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(EXPORTER, "kvguard"), os.path.join(root, "kvguard"), ignore=shutil.ignore_patterns("__pycache__")
+    )
     for module in SERVER_MODULES:
-        text = subprocess.run(["git", "-C", ROOT, "show", f"HEAD:exporter/kvguard/{module}"], check=True,
-                              capture_output=True).stdout
+        text = subprocess.run(
+            ["git", "-C", ROOT, "show", f"HEAD:exporter/kvguard/{module}"], check=True, capture_output=True
+        ).stdout
         with open(os.path.join(root, "kvguard", module), "wb") as handle:
             handle.write(text)
     return root
@@ -132,8 +150,18 @@ def start_target(name: str, directory: str, spool: str, config: str, cpus: str |
     if name in LIBRARY_SERVERS:
         command = [sys.executable, os.path.join(HERE, "alt_servers.py"), name, "--port", str(port)]
     else:
-        command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-                   "--source", "none"]
+        command = [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "serve",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--source",
+            "none",
+        ]
     command += ["--interval", "5", "--spool-dir", spool, "--web.config.file", config]
     return Target(name, pin + command, env, port, "/healthz", "/metrics")
 
@@ -149,8 +177,10 @@ def available(name: str) -> bool:
 
 # ------------------------------------------------------------------------------ one request, timed
 
-def request(port: int, path: str, authorization: str | None, timeout: float = 10.0, extra: str = "") \
-        -> tuple[int, float]:
+
+def request(
+    port: int, path: str, authorization: str | None, timeout: float = 10.0, extra: str = ""
+) -> tuple[int, float]:
     """(status, seconds) of one GET on a new connection, the body read to its end."""
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
@@ -174,6 +204,7 @@ def timed_request(port: int, path: str, authorization: str | None, **kwargs) -> 
 
 # ------------------------------------------------------------------------------ attackers
 
+
 def _answer(state: dict, buffer: bytearray) -> int | None:
     """The status of the first complete answer in ``buffer`` (Content-Length or chunked), removed
     from it; None while it is incomplete."""
@@ -186,7 +217,7 @@ def _answer(state: dict, buffer: bytearray) -> int | None:
         state["chunked"] = "transfer-encoding: chunked" in head
         length = int(head.split("content-length:")[1].split()[0]) if "content-length:" in head else 0
         state["need"] = end + 4 + (0 if state["chunked"] else length)
-    if state["chunked"]:   # walk the chunks from where the head ends; the last one has size 0
+    if state["chunked"]:  # walk the chunks from where the head ends; the last one has size 0
         at = state["need"]
         while True:
             line_end = buffer.find(b"\r\n", at)
@@ -204,7 +235,7 @@ def _answer(state: dict, buffer: bytearray) -> int | None:
             at = line_end + 2 + size + 2
     if len(buffer) < state["need"]:
         return None
-    del buffer[:state["need"]]
+    del buffer[: state["need"]]
     state["need"] = None
     return state["status"]
 
@@ -233,7 +264,7 @@ def _clients(port: int, count: int, make_request, stop, counts, deadline: float,
             sock, state = key.fileobj, key.data
             try:
                 if events & selectors.EVENT_WRITE:
-                    sock.send(make_request())   # a short request: all of it fits
+                    sock.send(make_request())  # a short request: all of it fits
                     selector.modify(sock, selectors.EVENT_READ, state)
                     continue
                 chunk = sock.recv(1 << 20)
@@ -248,7 +279,7 @@ def _clients(port: int, count: int, make_request, stop, counts, deadline: float,
                     sock.send(make_request())
             except (BlockingIOError, InterruptedError):
                 pass
-            except (OSError, ValueError):   # closed, reset, or an answer it cannot frame: a new one
+            except (OSError, ValueError):  # closed, reset, or an answer it cannot frame: a new one
                 selector.unregister(sock)
                 sock.close()
                 local[3] += 1
@@ -270,24 +301,29 @@ def ordinary(port: int, stop, counts, deadline: float, extra: str) -> None:
 
 def password_flood(port: int, stop, counts, deadline: float, extra: str) -> None:
     def guess() -> bytes:
-        return f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}" \
-               "\r\n\r\n".encode()
+        return (
+            f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}\r\n\r\n".encode()
+        )
+
     _clients(port, FLOOD, guess, stop, counts, deadline)
 
 
 def password_flood_sources(port: int, stop, counts, deadline: float, extra: str) -> None:
     """The same flood from FLOOD addresses, one per connection: the per-source limit lets each
     through once a second, so the server's bcrypt pool is busy all the time."""
+
     def guess() -> bytes:
-        return f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}" \
-               "\r\n\r\n".encode()
+        return (
+            f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(secrets.token_hex(8))}\r\n\r\n".encode()
+        )
+
     _clients(port, FLOOD, guess, stop, counts, deadline, sources=FLOOD)
 
 
 def slow_readers(port: int, stop, counts, deadline: float, extra: str) -> None:
     """SLOW_READERS connections pipelining SLOW_PIPELINE GETs with a 1 KiB window, never reading."""
     line = f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {_auth(PASSWORD)}\r\n\r\n".encode()
-    del extra   # the issue's slow readers ask for the uncompressed text: the most to leave unread
+    del extra  # the issue's slow readers ask for the uncompressed text: the most to leave unread
 
     def open_one() -> socket.socket:
         sock = socket.socket()
@@ -305,7 +341,7 @@ def slow_readers(port: int, stop, counts, deadline: float, extra: str) -> None:
     reopened = 0
     while not stop.is_set() and time.monotonic() < deadline:
         for index, sock in enumerate(socks):
-            try:   # never reads an answer: only asks the kernel whether the server closed it
+            try:  # never reads an answer: only asks the kernel whether the server closed it
                 closed = sock.recv(1, socket.MSG_PEEK) == b""
             except (BlockingIOError, InterruptedError):
                 closed = False
@@ -335,9 +371,10 @@ SCENARIOS = {
 
 # ------------------------------------------------------------------------------ one run
 
+
 def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
     authorization = _auth(PASSWORD)
-    for _ in range(3):   # the valid credentials verified (and the body made) before anything starts
+    for _ in range(3):  # the valid credentials verified (and the body made) before anything starts
         request(target.port, target.scrape_path, authorization, extra=extra)
     stop = multiprocessing.Event()
     attackers = []
@@ -348,20 +385,24 @@ def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
     peak = target.rss()
     for attack in SCENARIOS[scenario]:
         counts[attack.__name__] = multiprocessing.Array("q", 4)
-        attackers.append(multiprocessing.Process(target=attack, args=(target.port, stop, counts[attack.__name__],
-                                                                      deadline, extra), daemon=True))
+        attackers.append(
+            multiprocessing.Process(
+                target=attack, args=(target.port, stop, counts[attack.__name__], deadline, extra), daemon=True
+            )
+        )
     for attacker in attackers:
         attacker.start()
     if attackers:
-        time.sleep(1.5)   # the attack's connections open and fill their windows
+        time.sleep(1.5)  # the attack's connections open and fill their windows
     probes, scrapes, probe_fail, scrape_fail = [], [], 0, 0
     end = time.monotonic() + seconds
     next_probe = next_scrape = time.monotonic()
     while time.monotonic() < end:
         now = time.monotonic()
         if now >= next_probe:
-            took, failed = timed_request(target.port, target.probe_path,
-                                         authorization if target.name == "node_exporter" else None)
+            took, failed = timed_request(
+                target.port, target.probe_path, authorization if target.name == "node_exporter" else None
+            )
             probes.append(took)
             probe_fail += failed
             next_probe = time.monotonic() + PROBE_PERIOD
@@ -378,9 +419,16 @@ def run_one(target: Target, scenario: str, seconds: float, extra: str) -> dict:
         if attacker.is_alive():
             attacker.kill()
     peak = max(peak, target.peak_rss() or 0)
-    result = {"healthz_p50": median(probes), "healthz_max": max(probes), "probe_failures": probe_fail,
-              "scrape_p50": median(scrapes), "scrape_p99": percentile(scrapes, 0.99), "scrape_max": max(scrapes),
-              "scrape_failures": scrape_fail, "rss": peak}
+    result = {
+        "healthz_p50": median(probes),
+        "healthz_max": max(probes),
+        "probe_failures": probe_fail,
+        "scrape_p50": median(scrapes),
+        "scrape_p99": percentile(scrapes, 0.99),
+        "scrape_max": max(scrapes),
+        "scrape_failures": scrape_fail,
+        "rss": peak,
+    }
     if "ordinary" in counts:
         ok, busy, other, reopened = counts["ordinary"][:]
         result.update(ordinary_200=ok, ordinary_503=busy, ordinary_other=other, ordinary_reopened=reopened)
@@ -402,11 +450,13 @@ def spread(values: list[float], unit: str = "ms") -> str:
 
 
 def report(results: dict[tuple[str, str], list[dict]], repeats: int, seconds: float) -> list[str]:
-    lines = [f"{repeats} run(s) of {seconds:.0f} s per cell; median (min-max) over runs; times in ms, RSS in MiB; "
-             "10000 ms is the client's 10 s timeout (no answer); 'failed': probes and scrapes not answered 200; "
-             "'503' and 'ordinary 200': the 256 ordinary clients' answers, summed over runs",
-             f"{'target':<14} {'scenario':<21} {'healthz p50':>12} {'healthz max':>14} {'scrape p50':>12} "
-             f"{'scrape p99':>14} {'failed':>7} {'503':>6} {'ordinary 200':>13} {'peak RSS':>10}"]
+    lines = [
+        f"{repeats} run(s) of {seconds:.0f} s per cell; median (min-max) over runs; times in ms, RSS in MiB; "
+        "10000 ms is the client's 10 s timeout (no answer); 'failed': probes and scrapes not answered 200; "
+        "'503' and 'ordinary 200': the 256 ordinary clients' answers, summed over runs",
+        f"{'target':<14} {'scenario':<21} {'healthz p50':>12} {'healthz max':>14} {'scrape p50':>12} "
+        f"{'scrape p99':>14} {'failed':>7} {'503':>6} {'ordinary 200':>13} {'peak RSS':>10}",
+    ]
     for (target, scenario), runs in results.items():
         lines.append(
             f"{target:<14} {scenario:<21} {spread([r['healthz_p50'] for r in runs]):>12} "
@@ -414,7 +464,8 @@ def report(results: dict[tuple[str, str], list[dict]], repeats: int, seconds: fl
             f"{spread([r['scrape_p99'] for r in runs]):>14} "
             f"{sum(r['probe_failures'] + r['scrape_failures'] for r in runs):>7} "
             f"{sum(r.get('ordinary_503', 0) for r in runs):>6} "
-            f"{sum(r.get('ordinary_200', 0) for r in runs):>13} {spread([r['rss'] for r in runs], 'MiB'):>10}")
+            f"{sum(r.get('ordinary_200', 0) for r in runs):>13} {spread([r['rss'] for r in runs], 'MiB'):>10}"
+        )
     return lines
 
 
@@ -430,13 +481,20 @@ def verdicts(results: dict[tuple[str, str], list[dict]]) -> list[str]:
             ("scrape p99 <= 1 s under everything", all(r["scrape_p99"] <= GOALS["scrape_p99"] for r in every)),
             ("no 503 for 256 ordinary clients", all(r.get("ordinary_503", 0) == 0 for r in every)),
             ("peak RSS <= 128 MiB", all(r["rss"] <= GOALS["rss"] for r in every + flood)),
-            ("scrape p99 <= 100 ms under the password flood",
-             all(r["scrape_p99"] <= GOALS["flood_scrape_p99"] for r in flood)),
+            (
+                "scrape p99 <= 100 ms under the password flood",
+                all(r["scrape_p99"] <= GOALS["flood_scrape_p99"] for r in flood),
+            ),
         ]
         if (target, "flood from 32 sources") in results:
-            checks.append(("... and under the flood from 32 sources",
-                           all(r["scrape_p99"] <= GOALS["flood_scrape_p99"]
-                               for r in results[(target, "flood from 32 sources")])))
+            checks.append(
+                (
+                    "... and under the flood from 32 sources",
+                    all(
+                        r["scrape_p99"] <= GOALS["flood_scrape_p99"] for r in results[(target, "flood from 32 sources")]
+                    ),
+                )
+            )
         lines.append(f"{target}: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
     return lines
 
@@ -446,8 +504,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--targets", default="new,head,h11,cheroot,node_exporter")
-    parser.add_argument("--scenarios", default="idle,password flood,everything at once",
-                        help=f"comma-separated, of: {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--scenarios",
+        default="idle,password flood,everything at once",
+        help=f"comma-separated, of: {', '.join(SCENARIOS)}",
+    )
     parser.add_argument("--plain", action="store_true", help="scrape as wrk does: no Accept, no gzip")
     parser.add_argument("--cpus", help="run each server under taskset -c CPUS")
     parser.add_argument("--write", help="append the report to this file")
@@ -458,9 +519,11 @@ def main() -> None:
         if name not in known:
             parser.error(f"unknown target {name!r}; known: {', '.join(known)}")
         if not available(name):
-            print(f"bench_attacks: target {name} left out: "
-                  f"{NODE_EXPORTER if name == 'node_exporter' else 'the Python package ' + name} is not installed",
-                  file=sys.stderr)
+            print(
+                f"bench_attacks: target {name} left out: "
+                f"{NODE_EXPORTER if name == 'node_exporter' else 'the Python package ' + name} is not installed",
+                file=sys.stderr,
+            )
     targets = [t for t in args.targets.split(",") if available(t)]
     scenarios = args.scenarios.split(",")
     for scenario in scenarios:
@@ -468,38 +531,54 @@ def main() -> None:
             parser.error(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     results: dict[tuple[str, str], list[dict]] = {}
     load_before = os.getloadavg()[0]
-    loads: list[float] = []   # the 1-min load after each cell: the other jobs on the shared machine
+    loads: list[float] = []  # the 1-min load after each cell: the other jobs on the shared machine
     with tempfile.TemporaryDirectory(prefix="kvguard-attacks-") as directory:
         spool = os.path.join(directory, "spool")
         write_spool(spool, RANKS)
         config = web_config(directory)
         for repeat in range(args.repeats):
-            for name in targets:   # interleaved, so a busy moment of the shared machine hits each
+            for name in targets:  # interleaved, so a busy moment of the shared machine hits each
                 target = start_target(name, directory, spool, config, args.cpus)
                 try:
                     for scenario in scenarios:
                         result = run_one(target, scenario, args.seconds, "" if args.plain else SCRAPER_HEADERS)
                         results.setdefault((name, scenario), []).append(result)
                         loads.append(os.getloadavg()[0])
-                        print(f"run {repeat + 1} {name:<14} {scenario:<21} " +
-                              " ".join(f"{k}={v * 1000:.0f}ms" if isinstance(v, float) else
-                                       f"{k}={v / MIB:.0f}MiB" if k == "rss" else f"{k}={v}"
-                                       for k, v in result.items()), flush=True)
+                        print(
+                            f"run {repeat + 1} {name:<14} {scenario:<21} "
+                            + " ".join(
+                                f"{k}={v * 1000:.0f}ms"
+                                if isinstance(v, float)
+                                else f"{k}={v / MIB:.0f}MiB"
+                                if k == "rss"
+                                else f"{k}={v}"
+                                for k, v in result.items()
+                            ),
+                            flush=True,
+                        )
                 finally:
                     target.stop()
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"] +
-                           [f"exporter/kvguard/{module}" for module in SERVER_MODULES],
-                           capture_output=True, text=True).stdout.strip()
-    header = [f"bench_attacks.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-              f"commit {commit}{' + working tree (new server)' if dirty else ''}; {RANKS} ranks; "
-              f"{os.cpu_count()} CPUs shared with other jobs (1-min load {load_before:.1f} before, "
-              f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} after the cells, "
-              f"{os.getloadavg()[0]:.1f} after){'; servers pinned to CPU ' + args.cpus if args.cpus else ''}; scrapes "
-              f"{'as wrk (no Accept, no gzip)' if args.plain else 'as Prometheus (OpenMetrics, gzip)'}",
-              *(["head = the server of commit " + commit + " (its server.py, webconfig.py, exposition.py)"]
-                if "head" in targets else [])]
+    commit = subprocess.run(
+        ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", ROOT, "status", "--porcelain"] + [f"exporter/kvguard/{module}" for module in SERVER_MODULES],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    header = [
+        f"bench_attacks.py, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"commit {commit}{' + working tree (new server)' if dirty else ''}; {RANKS} ranks; "
+        f"{os.cpu_count()} CPUs shared with other jobs (1-min load {load_before:.1f} before, "
+        f"{min(loads, default=0):.1f}-{max(loads, default=0):.1f} after the cells, "
+        f"{os.getloadavg()[0]:.1f} after){'; servers pinned to CPU ' + args.cpus if args.cpus else ''}; scrapes "
+        f"{'as wrk (no Accept, no gzip)' if args.plain else 'as Prometheus (OpenMetrics, gzip)'}",
+        *(
+            ["head = the server of commit " + commit + " (its server.py, webconfig.py, exposition.py)"]
+            if "head" in targets
+            else []
+        ),
+    ]
     lines = header + report(results, args.repeats, args.seconds) + verdicts(results)
     print("\n".join(lines))
     if args.write:

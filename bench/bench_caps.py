@@ -37,10 +37,17 @@ from dataclasses import replace
 
 from sidecar_bench import EXPORTER, MIB, ROOT, ServerProcess, free_port, scrape, snapshot, write_snapshot
 
-ACCEPTS = [""] + ["*/*"] + [f"text/plain; version={v}" for v in ("0.0.4", "1.0.0")] + \
-    [f"application/openmetrics-text; version={v}" for v in ("0.0.1", "1.0.0")] + \
-    [f"{kind}; version=1.0.0; escaping={e}" for kind in ("text/plain", "application/openmetrics-text")
-     for e in ("underscores", "dots", "values", "allow-utf-8")]
+ACCEPTS = (
+    [""]
+    + ["*/*"]
+    + [f"text/plain; version={v}" for v in ("0.0.4", "1.0.0")]
+    + [f"application/openmetrics-text; version={v}" for v in ("0.0.1", "1.0.0")]
+    + [
+        f"{kind}; version=1.0.0; escaping={e}"
+        for kind in ("text/plain", "application/openmetrics-text")
+        for e in ("underscores", "dots", "values", "allow-utf-8")
+    ]
+)
 
 
 def write_hostile_spool(spool_dir: str, files: int, shared_names: bool = False) -> int:
@@ -49,11 +56,19 @@ def write_hostile_spool(spool_dir: str, files: int, shared_names: bool = False) 
     os.makedirs(spool_dir, exist_ok=True)
     for index in range(files):
         tag = "0-" if shared_names else f"{index}-"
-        snap = snapshot(rank=index, device=f"cuda:{index % 16}", pid=10_000 + index,
-                        pod={"pod": (tag + "p" * 253)[:253], "namespace": (tag + "n" * 253)[:253],
-                             "container": (tag + "c" * 253)[:253]})
-        snap = replace(snap, model_name=(tag + "\\" * 253)[:253],
-                       engine=("0" if shared_names else str(index))[-16:].rjust(16, "9"))
+        snap = snapshot(
+            rank=index,
+            device=f"cuda:{index % 16}",
+            pid=10_000 + index,
+            pod={
+                "pod": (tag + "p" * 253)[:253],
+                "namespace": (tag + "n" * 253)[:253],
+                "container": (tag + "c" * 253)[:253],
+            },
+        )
+        snap = replace(
+            snap, model_name=(tag + "\\" * 253)[:253], engine=("0" if shared_names else str(index))[-16:].rjust(16, "9")
+        )
         write_snapshot(spool_dir, snap)
     return sum(entry.stat().st_size for entry in os.scandir(spool_dir))
 
@@ -69,11 +84,24 @@ def head_package(tmp: str) -> str:
 
 def serve(exporter: str, spool_dir: str) -> tuple[ServerProcess, int]:
     port = free_port()
-    command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-               "--source", "none", "--interval", "1", "--spool-dir", spool_dir]
+    command = [
+        sys.executable,
+        "-m",
+        "kvguard",
+        "serve",
+        "--listen",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--source",
+        "none",
+        "--interval",
+        "1",
+        "--spool-dir",
+        spool_dir,
+    ]
     env = {**os.environ, "PYTHONPATH": exporter}
-    return ServerProcess("kvguard serve", command, env,
-                         lambda: scrape(port, "/healthz", timeout=2)[0] == 200), port
+    return ServerProcess("kvguard serve", command, env, lambda: scrape(port, "/healthz", timeout=2)[0] == 200), port
 
 
 def slow_reader(port: int, stop: threading.Event) -> None:
@@ -130,7 +158,7 @@ def attack(port: int, seconds: float) -> tuple[int, int, int]:
     stop.set()
     for thread in threads:
         thread.join(150)
-    if not largest[0]:   # no text answer in time: one more, waited for
+    if not largest[0]:  # no text answer in time: one more, waited for
         status, body, _ = scrape(port, "/metrics", {"Accept": "text/plain; version=0.0.4"}, timeout=300)
         largest[:] = [len(body), sum(1 for line in body.splitlines() if line and line[:1] != b"#")]
     return largest[0], largest[1], answered[0]
@@ -138,10 +166,17 @@ def attack(port: int, seconds: float) -> tuple[int, int, int]:
 
 def cut_ranks(port: int) -> str:
     status, body, _ = scrape(port, "/metrics", {"Accept": "text/plain; version=0.0.4"}, timeout=300)
-    lines = [line.decode() for line in body.splitlines() if line.startswith((b"kvguard_ranks_cut{",
-                                                                            b"kvguard_label_values_truncated "))]
-    return ", ".join(line.split("{")[-1].replace('reason="', "").replace('"}', "") if "{" in line else line
-                     for line in lines) or "(not exported)"
+    lines = [
+        line.decode()
+        for line in body.splitlines()
+        if line.startswith((b"kvguard_ranks_cut{", b"kvguard_label_values_truncated "))
+    ]
+    return (
+        ", ".join(
+            line.split("{")[-1].replace('reason="', "").replace('"}', "") if "{" in line else line for line in lines
+        )
+        or "(not exported)"
+    )
 
 
 def main() -> int:
@@ -150,8 +185,11 @@ def main() -> int:
     parser.add_argument("--head-files", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--targets", default="new,head")
-    parser.add_argument("--shared-names", action="store_true",
-                        help="one model, pod and engine for all files (the rank and byte caps cut, not the others)")
+    parser.add_argument(
+        "--shared-names",
+        action="store_true",
+        help="one model, pod and engine for all files (the rank and byte caps cut, not the others)",
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +200,7 @@ def main() -> int:
             exporter = EXPORTER if target == "new" else head_package(tmp)
             server, port = serve(exporter, spool)
             try:
-                scrape(port, "/metrics", timeout=300)     # the first read and render
+                scrape(port, "/metrics", timeout=300)  # the first read and render
                 server.reset_peak()
                 body_bytes, series, answered = attack(port, args.seconds)
                 peak = server.peak_rss() or server.rss()
@@ -170,18 +208,24 @@ def main() -> int:
             finally:
                 server.stop()
             rows.append((target, files, size, body_bytes, series, answered, peak, cut))
-            print(f"{target:5} {files:>6,} files ({size / MIB:5.1f} MiB): largest /metrics {body_bytes / 1e6:8.2f} MB, "
-                  f"{series:>8,} series, {answered:>5,} scrapes answered, peak RSS {peak / MIB:7.1f} MiB; cut: {cut}",
-                  flush=True)
+            print(
+                f"{target:5} {files:>6,} files ({size / MIB:5.1f} MiB): largest /metrics {body_bytes / 1e6:8.2f} MB, "
+                f"{series:>8,} series, {answered:>5,} scrapes answered, peak RSS {peak / MIB:7.1f} MiB; cut: {cut}",
+                flush=True,
+            )
     by_target = {row[0]: row for row in rows}
     if "new" in by_target and "head" in by_target:
         new, head = by_target["new"], by_target["head"]
-        print(f"\nnew / head: /metrics bytes {new[3] / head[3]:.3f}x, peak RSS {new[6] / head[6]:.2f}x "
-              f"(new over {new[1]:,} files, head over {head[1]:,})")
+        print(
+            f"\nnew / head: /metrics bytes {new[3] / head[3]:.3f}x, peak RSS {new[6] / head[6]:.2f}x "
+            f"(new over {new[1]:,} files, head over {head[1]:,})"
+        )
     goals = [row for row in rows if row[0] == "new"]
     for row in goals:
-        print(f"goals (new): /metrics < 5 MB: {'yes' if row[3] < 5e6 else 'NO'}; "
-              f"peak RSS < 128 MiB: {'yes' if row[6] < 128 * MIB else 'NO'}")
+        print(
+            f"goals (new): /metrics < 5 MB: {'yes' if row[3] < 5e6 else 'NO'}; "
+            f"peak RSS < 128 MiB: {'yes' if row[6] < 128 * MIB else 'NO'}"
+        )
     return 0
 
 

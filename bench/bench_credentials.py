@@ -42,7 +42,6 @@ import tempfile
 import time
 
 import bcrypt
-
 from sidecar_bench import EXPORTER, ROOT, ServerProcess, free_port, percentile, scrape, write_spool
 
 
@@ -77,7 +76,7 @@ def _guesser(port: int, connections: int, stop, churn: bool = False) -> None:
                 continue
             except OSError:
                 data = b""
-            if not data or (churn and b"\r\n\r\n" in data):   # --churn: a new connection per guess
+            if not data or (churn and b"\r\n\r\n" in data):  # --churn: a new connection per guess
                 selector.unregister(sock)
                 sock.close()
                 open_one()
@@ -103,18 +102,38 @@ def summary(results: list[tuple[int, float]]) -> str:
     for status, _ in results:
         statuses[status] = statuses.get(status, 0) + 1
     times = [seconds * 1000 for _, seconds in results] or [0.0]
-    return (f"{len(results):>4} answers {dict(sorted(statuses.items()))}, p50 {percentile(times, 0.5):7.1f} ms, "
-            f"p99 {percentile(times, 0.99):7.1f} ms, max {max(times):7.1f} ms")
+    return (
+        f"{len(results):>4} answers {dict(sorted(statuses.items()))}, p50 {percentile(times, 0.5):7.1f} ms, "
+        f"p99 {percentile(times, 0.99):7.1f} ms, max {max(times):7.1f} ms"
+    )
 
 
 def run(target: str, exporter: str, tmp: str, passwords: dict[str, str], config: str, args) -> dict[str, str]:
     spool = os.path.join(tmp, f"spool-{target}")
     write_spool(spool, 2)
     port = free_port()
-    command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-               "--source", "none", "--spool-dir", spool, "--web.config.file", config]
-    server = ServerProcess("kvguard serve", command, {**os.environ, "PYTHONPATH": exporter},
-                           lambda: scrape(port, "/healthz", timeout=2)[0] == 200)
+    command = [
+        sys.executable,
+        "-m",
+        "kvguard",
+        "serve",
+        "--listen",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--source",
+        "none",
+        "--spool-dir",
+        spool,
+        "--web.config.file",
+        config,
+    ]
+    server = ServerProcess(
+        "kvguard serve",
+        command,
+        {**os.environ, "PYTHONPATH": exporter},
+        lambda: scrape(port, "/healthz", timeout=2)[0] == 200,
+    )
     stop = multiprocessing.Event()
     attacker = None
     try:
@@ -127,11 +146,10 @@ def run(target: str, exporter: str, tmp: str, passwords: dict[str, str], config:
             response.read()
             return response.status, time.perf_counter() - start
 
-        assert keep_alive("user0")[0] == 200          # verified before the flood
-        attacker = multiprocessing.Process(target=_guesser, args=(port, args.guessers, stop, args.churn),
-                                           daemon=True)
+        assert keep_alive("user0")[0] == 200  # verified before the flood
+        attacker = multiprocessing.Process(target=_guesser, args=(port, args.guessers, stop, args.churn), daemon=True)
         attacker.start()
-        time.sleep(2)                                # the flood under way
+        time.sleep(2)  # the flood under way
         cached, rotated, fresh, other = [], [], [], []
         others = [user for user in passwords if user != "user0"]
         deadline = time.monotonic() + args.seconds
@@ -159,8 +177,12 @@ def run(target: str, exporter: str, tmp: str, passwords: dict[str, str], config:
             step += 1
             time.sleep(0.25)
         prometheus.close()
-        return {"cached": summary(cached), "rotated": summary(rotated), "new connection": summary(fresh),
-                "other address": summary(other)}
+        return {
+            "cached": summary(cached),
+            "rotated": summary(rotated),
+            "new connection": summary(fresh),
+            "other address": summary(other),
+        }
     finally:
         stop.set()
         if attacker is not None:
@@ -176,17 +198,22 @@ def main() -> int:
     parser.add_argument("--guessers", type=int, default=32)
     parser.add_argument("--users", type=int, default=96)
     parser.add_argument("--cost", type=int, default=10)
-    parser.add_argument("--churn", action="store_true",
-                        help="the attacker opens a new connection for each guess (what no server can tell from "
-                             "a first login before bcrypt)")
+    parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="the attacker opens a new connection for each guess (what no server can tell from "
+        "a first login before bcrypt)",
+    )
     parser.add_argument("--targets", default="new,head")
     parser.add_argument("--head-exporter", help="the exporter folder to run as head (default: git archive HEAD)")
     args = parser.parse_args()
     passwords = {f"user{i}": secrets.token_hex(12) for i in range(args.users)}
     with tempfile.TemporaryDirectory() as tmp:
         config = os.path.join(tmp, "web.yml")
-        hashes = {user: bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=args.cost)).decode()
-                  for user, password in passwords.items()}
+        hashes = {
+            user: bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=args.cost)).decode()
+            for user, password in passwords.items()
+        }
         with open(config, "w") as handle:
             handle.write("basic_auth_users:\n")
             for user, hashed in hashes.items():
@@ -196,9 +223,12 @@ def main() -> int:
             start = time.perf_counter()
             bcrypt.checkpw(passwords["user0"].encode(), hashes["user0"].encode())
             checks.append((time.perf_counter() - start) * 1000)
-        print(f"bcrypt cost {args.cost}: one check {percentile(checks, 0.5):.1f} ms median, "
-              f"{min(checks):.1f}-{max(checks):.1f} ms (20, idle server); load average "
-              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs", flush=True)
+        print(
+            f"bcrypt cost {args.cost}: one check {percentile(checks, 0.5):.1f} ms median, "
+            f"{min(checks):.1f}-{max(checks):.1f} ms (20, idle server); load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs",
+            flush=True,
+        )
         for target in args.targets.split(","):
             exporter = EXPORTER if target == "new" else head_package(tmp, args.head_exporter)
             rows = run(target, exporter, tmp, passwords, config, args)

@@ -31,9 +31,12 @@ def free_port() -> int:
 
 def start(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": EXPORTER + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1",
-                             "--port", str(free_port()), *args],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(free_port()), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:
@@ -57,8 +60,10 @@ def main() -> None:
         for process in (demo, idle):
             process.terminate()
             process.wait(10)
-    print(f"over {options.seconds:g} s: demo {demo_cpu:.1f}% of one core, idle server {idle_cpu:.1f}%, "
-          f"demo - idle {demo_cpu - idle_cpu:.1f} points")
+    print(
+        f"over {options.seconds:g} s: demo {demo_cpu:.1f}% of one core, idle server {idle_cpu:.1f}%, "
+        f"demo - idle {demo_cpu - idle_cpu:.1f} points"
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sidecar_bench import MIB, Served, PeakSampler, median, raise_fd_limit, scrape, slowloris, spread, write_spool  # noqa: E402
+from sidecar_bench import MIB, PeakSampler, Served, median, raise_fd_limit, scrape, slowloris, spread, write_spool  # noqa: E402
 
 FLOOD_CONNECTIONS, FLOOD_HEADERS, FLOOD_HEADER_BYTES = 40, 98, 65_000
 SLOWLORIS_CONNECTIONS = 2_000
@@ -48,7 +48,7 @@ def _header_flood(port: int, stop, counter) -> None:
         sock = socket.socket()
         sock.setblocking(False)
         sock.connect_ex(("127.0.0.1", port))
-        state[sock] = [line + header * FLOOD_HEADERS, 0]   # what is left to send, sent
+        state[sock] = [line + header * FLOOD_HEADERS, 0]  # what is left to send, sent
         selector.register(sock, selectors.EVENT_WRITE | selectors.EVENT_READ)
         counter.value += 1
 
@@ -63,8 +63,8 @@ def _header_flood(port: int, stop, counter) -> None:
                 if events & selectors.EVENT_READ and not sock.recv(65536):
                     dead = True
                 elif events & selectors.EVENT_WRITE and sent < len(data):
-                    state[sock][1] += sock.send(data[sent:sent + 262144])
-                    if state[sock][1] >= len(data):   # all sent: stall, only watch for the close
+                    state[sock][1] += sock.send(data[sent : sent + 262144])
+                    if state[sock][1] >= len(data):  # all sent: stall, only watch for the close
                         selector.modify(sock, selectors.EVENT_READ)
             except (BlockingIOError, InterruptedError):
                 pass
@@ -110,7 +110,7 @@ def run_one(spool: str, attack: str, auth: bool, seconds: float) -> dict:
         flood_latencies, failures, threads = [], 0, idle_threads
         with PeakSampler(served) as sampler:
             attacker.start()
-            time.sleep(0.5)   # let the attack open its connections
+            time.sleep(0.5)  # let the attack open its connections
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 try:
@@ -128,10 +128,18 @@ def run_one(spool: str, attack: str, auth: bool, seconds: float) -> dict:
             if attacker.is_alive():
                 attacker.terminate()
         peak = max(filter(None, [served.peak_rss(), sampler.peak]))
-        return {"idle_rss": idle_rss, "peak_rss": peak, "idle_threads": idle_threads, "threads": threads,
-                "idle_scrape": median(idle_latencies), "flood_median": median(flood_latencies),
-                "flood_max": max(flood_latencies), "failures": failures, "scrapes": len(flood_latencies),
-                "connections": counter.value}
+        return {
+            "idle_rss": idle_rss,
+            "peak_rss": peak,
+            "idle_threads": idle_threads,
+            "threads": threads,
+            "idle_scrape": median(idle_latencies),
+            "flood_median": median(flood_latencies),
+            "flood_max": max(flood_latencies),
+            "failures": failures,
+            "scrapes": len(flood_latencies),
+            "connections": counter.value,
+        }
     finally:
         served.stop()
 
@@ -148,15 +156,16 @@ def main() -> None:
     try:
         write_spool(spool, 2)
         for _ in range(args.repeats):
-            for attack, auth in scenarios:   # interleaved: every scenario once per round
+            for attack, auth in scenarios:  # interleaved: every scenario once per round
                 results[(attack, auth)].append(run_one(spool, attack, auth, args.seconds))
     finally:
         shutil.rmtree(spool, ignore_errors=True)
 
-    print(f"kvguard serve under attack, {args.repeats} run(s) of {args.seconds:g} s each; "
-          "median (min-max) over runs")
-    print(f"{'attack':<22} {'idle RSS':>9} {'peak RSS MiB':>18} {'x idle':>16} {'threads':>9} "
-          f"{'idle ms':>7} {'scrape ms, median':>19} {'max ms':>18} {'max x idle':>18} {'failed':>6} {'conns':>7}")
+    print(f"kvguard serve under attack, {args.repeats} run(s) of {args.seconds:g} s each; median (min-max) over runs")
+    print(
+        f"{'attack':<22} {'idle RSS':>9} {'peak RSS MiB':>18} {'x idle':>16} {'threads':>9} "
+        f"{'idle ms':>7} {'scrape ms, median':>19} {'max ms':>18} {'max x idle':>18} {'failed':>6} {'conns':>7}"
+    )
     ok = True
     for (attack, auth), runs in results.items():
         name = attack + (" + auth" if auth else "")
@@ -165,14 +174,18 @@ def main() -> None:
         flood_max = [r["flood_max"] * 1000 for r in runs]
         max_ratio = [r["flood_max"] / r["idle_scrape"] for r in runs]
         failures = sum(r["failures"] for r in runs)
-        print(f"{name:<22} {median([r['idle_rss'] / MIB for r in runs]):>9.1f} {spread(peak, '{:.1f}'):>18} "
-              f"{spread(ratio):>16} {max(r['threads'] for r in runs):>4}/{runs[0]['idle_threads']:<4} "
-              f"{median([r['idle_scrape'] * 1000 for r in runs]):>7.1f} "
-              f"{spread([r['flood_median'] * 1000 for r in runs], '{:.1f}'):>19} {spread(flood_max, '{:.0f}'):>18} "
-              f"{spread(max_ratio, '{:.1f}'):>18} {failures:>6} {median([r['connections'] for r in runs]):>7.0f}")
+        print(
+            f"{name:<22} {median([r['idle_rss'] / MIB for r in runs]):>9.1f} {spread(peak, '{:.1f}'):>18} "
+            f"{spread(ratio):>16} {max(r['threads'] for r in runs):>4}/{runs[0]['idle_threads']:<4} "
+            f"{median([r['idle_scrape'] * 1000 for r in runs]):>7.1f} "
+            f"{spread([r['flood_median'] * 1000 for r in runs], '{:.1f}'):>19} {spread(flood_max, '{:.0f}'):>18} "
+            f"{spread(max_ratio, '{:.1f}'):>18} {failures:>6} {median([r['connections'] for r in runs]):>7.0f}"
+        )
         ok &= max(peak) * MIB < GOAL_RSS and max(flood_max) / 1000 <= GOAL_SCRAPE_SECONDS and failures == 0
-    print(f"goals: peak RSS < {GOAL_RSS // MIB} MiB and every normal scrape within {GOAL_SCRAPE_SECONDS:g} s: "
-          + ("met" if ok else "MISSED"))
+    print(
+        f"goals: peak RSS < {GOAL_RSS // MIB} MiB and every normal scrape within {GOAL_SCRAPE_SECONDS:g} s: "
+        + ("met" if ok else "MISSED")
+    )
     print("(threads: most seen during the attack / idle; conns: connections the attacker opened in one run)")
 
 

@@ -38,13 +38,19 @@ def baseline(text: str) -> int:
 def main() -> None:
     with open(os.path.join(HERE, "..", "tests", "data", "logs", "eras", "v0.27-debug.log")) as handle:
         ordinary_line = handle.read()
-    unit = ("Model loading took 1" * 40 + "Total non KV cache memory: 1GiB; " * 40
-            + "KV cache size: 9," * 40 + "Memory after warmup: " * 40)
-    bait_line = (unit * (MAX_LINE_CHARS // len(unit) + 1))[:MAX_LINE_CHARS - 1]
+    unit = (
+        "Model loading took 1" * 40
+        + "Total non KV cache memory: 1GiB; " * 40
+        + "KV cache size: 9," * 40
+        + "Memory after warmup: " * 40
+    )
+    bait_line = (unit * (MAX_LINE_CHARS // len(unit) + 1))[: MAX_LINE_CHARS - 1]
     # Lines that begin templates and never finish them, short enough to be joined to the next two.
-    begun = ("Free memory on device (" + "Actual usage is " + "Model loading took " + "To serve at least one "
-             "request with the model's max seq len (") * 20
-    join_line = begun[:MAX_JOIN_CHARS - 1]
+    begun = (
+        "Free memory on device (" + "Actual usage is " + "Model loading took " + "To serve at least one "
+        "request with the model's max seq len ("
+    ) * 20
+    join_line = begun[: MAX_JOIN_CHARS - 1]
     size = 2 << 20
     ordinary = (ordinary_line * (size // len(ordinary_line) + 1))[:size]
     bait = ((bait_line + "\n") * (size // len(bait_line) + 1))[:size]
@@ -73,9 +79,13 @@ def file_inputs(size: int) -> dict[str, bytes]:
     rnd = random.Random(7)
     junk = b"abcdefghijklmnopqrstuvwxyz0123456789 :.[]"
     short = b"".join(bytes(rnd.choice(junk) for _ in range(rnd.randint(1, 10))) + b"\n" for _ in range(100_000))
-    unit = ("Model loading took 1" * 40 + "Total non KV cache memory: 1GiB; " * 40
-            + "KV cache size: 9," * 40 + "Memory after warmup: " * 40)
-    bait = ((unit * (MAX_LINE_CHARS // len(unit) + 1))[:MAX_LINE_CHARS - 1] + "\n").encode()
+    unit = (
+        "Model loading took 1" * 40
+        + "Total non KV cache memory: 1GiB; " * 40
+        + "KV cache size: 9," * 40
+        + "Memory after warmup: " * 40
+    )
+    bait = ((unit * (MAX_LINE_CHARS // len(unit) + 1))[: MAX_LINE_CHARS - 1] + "\n").encode()
     units = {
         "blank lines": b"\n",
         "short junk lines (1-10)": short,
@@ -127,7 +137,7 @@ def file_throughput(size: int, before: str | None) -> None:
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
         readers = {"before": module.read_log_file, **readers}
-    source_index.known_wordings()    # the index loads once per process (not per log): not timed
+    source_index.known_wordings()  # the index loads once per process (not per log): not timed
 
     def cpu(function, path: str) -> float:
         best = float("inf")
@@ -143,7 +153,9 @@ def file_throughput(size: int, before: str | None) -> None:
                 pass
 
     print(f"\nread_log_file, {size / (1 << 20):.0f} MiB each, CPU MB/s (x baseline time: for line in file: pass)")
-    print(f"{'input':<30} " + " ".join(f"{name + ' MB/s':>12} {'x base':>7}" for name in readers) + f" {'base MB/s':>10}")
+    print(
+        f"{'input':<30} " + " ".join(f"{name + ' MB/s':>12} {'x base':>7}" for name in readers) + f" {'base MB/s':>10}"
+    )
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "input.log")
         for name, data in file_inputs(size).items():
@@ -151,8 +163,12 @@ def file_throughput(size: int, before: str | None) -> None:
                 handle.write(data)
             base = cpu(lines, path)
             row = [(len(data) / cpu(reader, path) / 1e6) for reader in readers.values()]
-            print(f"{name:<30} " + " ".join(f"{mbs:>12.1f} {len(data) / mbs / 1e6 / base:>7.1f}" for mbs in row)
-                  + f" {len(data) / base / 1e6:>10.0f}", flush=True)
+            print(
+                f"{name:<30} "
+                + " ".join(f"{mbs:>12.1f} {len(data) / mbs / 1e6 / base:>7.1f}" for mbs in row)
+                + f" {len(data) / base / 1e6:>10.0f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -78,8 +78,12 @@ def same_series(a: bytes, b: bytes) -> bool:
     from prometheus_client.parser import text_string_to_metric_families
 
     def series(text: bytes) -> set:
-        return {(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(text.decode())
-                for s in f.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items())))
+            for f in text_string_to_metric_families(text.decode())
+            for s in f.samples
+        }
+
     return series(a) == series(b)
 
 
@@ -89,8 +93,8 @@ def render_costs(spool: str, runs: int = 30) -> tuple[float, float, float]:
     from prometheus_client.exposition import generate_latest
 
     from kvguard.sidecar.collector import families
-    from kvguard.sidecar.exposition import Exposition, _Pinned, encode
     from kvguard.sidecar.core import Sidecar, SidecarConfig
+    from kvguard.sidecar.exposition import Exposition, _Pinned, encode
 
     sidecar = Sidecar(SidecarConfig(spool_dir=spool, pod_labels={}))
     exposition = Exposition(sidecar)
@@ -98,8 +102,13 @@ def render_costs(spool: str, runs: int = 30) -> tuple[float, float, float]:
     metrics = list(exposition._collect())
     best = [float("inf")] * 3
     for _ in range(runs):
-        for index, work in enumerate((lambda: encode(metrics, ""), lambda: generate_latest(_Pinned(metrics)),
-                                      lambda: list(families(sidecar.observe())))):
+        for index, work in enumerate(
+            (
+                lambda: encode(metrics, ""),
+                lambda: generate_latest(_Pinned(metrics)),
+                lambda: list(families(sidecar.observe())),
+            )
+        ):
             start = time.perf_counter()
             work()
             best[index] = min(best[index], time.perf_counter() - start)
@@ -131,8 +140,11 @@ def main() -> None:
             for variant, headers in VARIANTS.items():
                 ours, theirs = [], []
                 for i in range(args.scrapes):
-                    order = ((served.port, ours), (bare_port, theirs)) if i % 2 else \
-                        ((bare_port, theirs), (served.port, ours))
+                    order = (
+                        ((served.port, ours), (bare_port, theirs))
+                        if i % 2
+                        else ((bare_port, theirs), (served.port, ours))
+                    )
                     for port, into in order:
                         status, _, took = scrape(port, headers=headers)
                         assert status == 200
@@ -154,23 +166,35 @@ def main() -> None:
             bare.wait()
         shutil.rmtree(spool, ignore_errors=True)
 
-    print(f"/metrics for {RANKS} ranks ({len(text) / 1000:.0f} kB of text), {args.rounds} round(s) of "
-          f"{args.scrapes} interleaved scrapes per server and variant; median (min-max) over rounds")
-    print(f"{'variant':<22} {'kvguard median ms':>20} {'p99 ms':>18} {'bare median ms':>18} {'p99 ms':>18} "
-          f"{'median ratio':>18} {'p99 ratio':>18}")
+    print(
+        f"/metrics for {RANKS} ranks ({len(text) / 1000:.0f} kB of text), {args.rounds} round(s) of "
+        f"{args.scrapes} interleaved scrapes per server and variant; median (min-max) over rounds"
+    )
+    print(
+        f"{'variant':<22} {'kvguard median ms':>20} {'p99 ms':>18} {'bare median ms':>18} {'p99 ms':>18} "
+        f"{'median ratio':>18} {'p99 ratio':>18}"
+    )
     ok = True
     for variant in VARIANTS:
         rows = figures[variant]
-        print(f"{variant + ', new connection':<22} "
-              + " ".join(f"{spread([row[i] * 1000 for row in rows], '{:.2f}'):>{w}}"
-                         for i, w in ((0, 20), (1, 18), (2, 18), (3, 18)))
-              + f" {spread([r[0] for r in ratios[variant]]):>18} {spread([r[1] for r in ratios[variant]]):>18}")
+        print(
+            f"{variant + ', new connection':<22} "
+            + " ".join(
+                f"{spread([row[i] * 1000 for row in rows], '{:.2f}'):>{w}}"
+                for i, w in ((0, 20), (1, 18), (2, 18), (3, 18))
+            )
+            + f" {spread([r[0] for r in ratios[variant]]):>18} {spread([r[1] for r in ratios[variant]]):>18}"
+        )
         ok &= all(m <= GOAL_RATIO and p <= GOAL_RATIO for m, p in ratios[variant])
-    print(f"{'gzip, keep-alive':<22} {spread([k[0] * 1000 for k in keep_alive], '{:.2f}'):>20} "
-          f"{spread([k[1] * 1000 for k in keep_alive], '{:.2f}'):>18}   (kvguard only: Prometheus keeps the connection)")
-    print(f"one render after a refresh, in-process, best of 30: observation + families {observe * 1000:.2f} ms; "
-          f"encoding them {ours * 1000:.2f} ms against the library's generate_latest {library * 1000:.2f} ms "
-          f"({ours / library:.2f}x)")
+    print(
+        f"{'gzip, keep-alive':<22} {spread([k[0] * 1000 for k in keep_alive], '{:.2f}'):>20} "
+        f"{spread([k[1] * 1000 for k in keep_alive], '{:.2f}'):>18}   (kvguard only: Prometheus keeps the connection)"
+    )
+    print(
+        f"one render after a refresh, in-process, best of 30: observation + families {observe * 1000:.2f} ms; "
+        f"encoding them {ours * 1000:.2f} ms against the library's generate_latest {library * 1000:.2f} ms "
+        f"({ours / library:.2f}x)"
+    )
     print(f"goal: median and p99 each <= {GOAL_RATIO:g}x the bare client's: " + ("met" if ok else "MISSED"))
 
 

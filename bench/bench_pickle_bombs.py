@@ -119,10 +119,14 @@ def bombs() -> dict[str, bytes]:
     for _ in range(64):
         doubling = [doubling, doubling]
     return {
-        "bytearray(2 GiB)": (b"\x80\x04" + builtins_global("bytearray")
-                             + b"\x8a\x05\x00\x00\x00\x80\x00" + b"\x85R."),
-        "frozenset(bytearray(512 MiB))": (b"\x80\x04" + builtins_global("frozenset") + builtins_global("bytearray")
-                                          + b"J\x00\x00\x00\x20" + b"\x85R\x85R."),
+        "bytearray(2 GiB)": (b"\x80\x04" + builtins_global("bytearray") + b"\x8a\x05\x00\x00\x00\x80\x00" + b"\x85R."),
+        "frozenset(bytearray(512 MiB))": (
+            b"\x80\x04"
+            + builtins_global("frozenset")
+            + builtins_global("bytearray")
+            + b"J\x00\x00\x00\x20"
+            + b"\x85R\x85R."
+        ),
         "memo index 200,000,000": b"\x80\x04N" + b"r" + (200_000_000).to_bytes(4, "little") + b".",
         "5,000,000 shared references": pickle.dumps({"device_traces": [[entry] * 5_000_000]}, protocol=4),
         "DAG of 2**64 references": pickle.dumps({"device_traces": [doubling]}, protocol=4),
@@ -131,23 +135,35 @@ def bombs() -> dict[str, bytes]:
         # issue 37: keys whose hashes collide (k x (2**61 - 1) all hash to 0), and memory that
         # objects cost beyond their count (empty sets; sets filled through memo references)
         "40,000 colliding dict keys": _in_snapshot(b"}(" + b"".join(k + b"K\x00" for k in _colliding(40_000)) + b"u"),
-        "100,000 colliding dict keys": _in_snapshot(b"}(" + b"".join(k + b"K\x00" for k in _colliding(100_000))
-                                                    + b"u"),
+        "100,000 colliding dict keys": _in_snapshot(b"}(" + b"".join(k + b"K\x00" for k in _colliding(100_000)) + b"u"),
         "100,000 colliding set items": _in_snapshot(b"\x8f(" + b"".join(_colliding(100_000)) + b"\x90"),
         "2,000,000 empty sets": b"\x80\x04" + b"\x8f" * 2_000_000 + b".",
         "sets of memo references, 32 MB": _memo_sets(32_000_000),
         # the review: copies the memory budget counted as objects, keys that cost more than their count
         "600 _codecs.encode copies of 1 MB": _in_snapshot(
-            _stored(_binunicode(b"a" * 1_000_000)) + _stored(b"\x8c\x06latin1")
-            + _stored(b"\x8c\x07_codecs\x8c\x06encode\x93") + b"](" + b"h\x02h\x00h\x01\x86R" * 600 + b"e"),
+            _stored(_binunicode(b"a" * 1_000_000))
+            + _stored(b"\x8c\x06latin1")
+            + _stored(b"\x8c\x07_codecs\x8c\x06encode\x93")
+            + b"]("
+            + b"h\x02h\x00h\x01\x86R" * 600
+            + b"e"
+        ),
         "tuple key 28 levels deep": _in_snapshot(
-            _stored(b"N") + b"".join(_stored(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86") for i in range(28))
-            + b"}h\x1cNs"),
+            _stored(b"N")
+            + b"".join(_stored(b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86") for i in range(28))
+            + b"}h\x1cNs"
+        ),
         "1,000,000-item tuple key x 1,000": _in_snapshot(
-            _stored(b"N") + _stored(b"(" + b"h\x00" * 1_000_000 + b"t") + b"](" + b"}h\x01Ns" * 1_000 + b"e"),
+            _stored(b"N") + _stored(b"(" + b"h\x00" * 1_000_000 + b"t") + b"](" + b"}h\x01Ns" * 1_000 + b"e"
+        ),
         "equal 1 MB string keys x 1,600,000": _in_snapshot(
-            _stored(_binunicode(b"a" * 1_000_000)) + _stored(_binunicode(b"a" * 1_000_000)) + _stored(b"N")
-            + b"](" + b"}h\x00h\x02sh\x01h\x02s" * 1_600_000 + b"e"),
+            _stored(_binunicode(b"a" * 1_000_000))
+            + _stored(_binunicode(b"a" * 1_000_000))
+            + _stored(b"N")
+            + b"]("
+            + b"}h\x00h\x02sh\x01h\x02s" * 1_600_000
+            + b"e"
+        ),
     }
 
 
@@ -183,8 +199,9 @@ def _memo_sets(size: int) -> bytes:
 
 
 def real_snapshots() -> list[str]:
-    folders = os.environ.get("KVGUARD_TORCH_SNAPSHOTS",
-                             os.pathsep.join([str(SHARED / "torch-snapshots"), str(SHARED / "torch-snapshots-2")]))
+    folders = os.environ.get(
+        "KVGUARD_TORCH_SNAPSHOTS", os.pathsep.join([str(SHARED / "torch-snapshots"), str(SHARED / "torch-snapshots-2")])
+    )
     found: list[str] = []
     for folder in filter(None, folders.split(os.pathsep)):
         found += glob.glob(os.path.join(folder, "**", "*.pickle"), recursive=True)
@@ -193,6 +210,7 @@ def real_snapshots() -> list[str]:
 
 def run_child(argv: list[str], limit_bytes: int, timeout_s: float) -> tuple[float, float, str]:
     """(wall seconds, peak RSS MiB, first line of output) of one child under the limits."""
+
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
@@ -230,8 +248,11 @@ def main() -> int:
     parser.add_argument("--mutations", type=int, default=200, help="zzuf-like mutations of a real snapshot (0: none)")
     parser.add_argument("--ratio", type=float, default=0.004, help="bits flipped per bit, as zzuf's -r")
     parser.add_argument("--skip-load", action="store_true", help="leave out the speed of reading real snapshots")
-    parser.add_argument("--exporter", default=str(ROOT / "exporter"),
-                        help="the kvguard package's parent folder to measure (another checkout's, for a before/after)")
+    parser.add_argument(
+        "--exporter",
+        default=str(ROOT / "exporter"),
+        help="the kvguard package's parent folder to measure (another checkout's, for a before/after)",
+    )
     args = parser.parse_args()
     limit = args.limit_mib * MIB
     exporter = args.exporter
@@ -251,8 +272,10 @@ def main() -> int:
             cases.append((name, path, len(data)))
         for number, (name, path, size) in enumerate(cases):
             # The real snapshot is the baseline: best of --repeats, as the machine may be busy.
-            runs = [run_child([sys.executable, "-c", CHILD_CLI, exporter, path], limit, args.timeout)
-                    for _ in range(args.repeats if reals and number == 0 else 1)]
+            runs = [
+                run_child([sys.executable, "-c", CHILD_CLI, exporter, path], limit, args.timeout)
+                for _ in range(args.repeats if reals and number == 0 else 1)
+            ]
             wall, rss, said = min(runs)
             rows.append((name, size, wall, rss, said))
             print(f"{name:34} {size:>11,} B {wall:8.2f} s {rss:9.1f} MiB  {said[:110]}", flush=True)
@@ -264,17 +287,20 @@ def main() -> int:
             print(f"  {name:34} time {wall / base_wall:6.2f}x  peak RSS {rss / base_rss:6.2f}x")
 
     if reals and not args.skip_load:
-        wall, rss, said = run_child([sys.executable, "-c", CHILD_LOAD, exporter, str(args.repeats), *reals],
-                                    limit, args.timeout * 20)
+        wall, rss, said = run_child(
+            [sys.executable, "-c", CHILD_LOAD, exporter, str(args.repeats), *reals], limit, args.timeout * 20
+        )
         try:
             ours, cpython, slowest, slowest_cpython, size = (float(x) for x in said.split())
         except ValueError:
             print(f"\nload_snapshot_pickle on the real snapshots: {said}")
         else:
-            print(f"\nload_snapshot_pickle on {len(reals)} real snapshots ({size / MIB:.1f} MiB), CPU seconds, best of "
-                  f"{args.repeats}: {ours:.3f} s in all, {ours / cpython:.2f}x CPython's unbounded C unpickler "
-                  f"(pickle.loads, {cpython:.3f} s); slowest file {slowest * 1000:.0f} ms "
-                  f"({slowest / slowest_cpython:.2f}x); child peak RSS {rss:.1f} MiB")
+            print(
+                f"\nload_snapshot_pickle on {len(reals)} real snapshots ({size / MIB:.1f} MiB), CPU seconds, best of "
+                f"{args.repeats}: {ours:.3f} s in all, {ours / cpython:.2f}x CPython's unbounded C unpickler "
+                f"(pickle.loads, {cpython:.3f} s); slowest file {slowest * 1000:.0f} ms "
+                f"({slowest / slowest_cpython:.2f}x); child peak RSS {rss:.1f} MiB"
+            )
 
     if reals and args.mutations:
         # issue 23: zzuf found the bomb class in 8 of 800 mutated real snapshots.
@@ -293,9 +319,11 @@ def main() -> int:
                 slow += wall > 2.0
                 heavy += rss > 256
                 worst_wall, worst_rss = max(worst_wall, wall), max(worst_rss, rss)
-        print(f"\n{args.mutations} zzuf-like mutations (ratio {args.ratio}) of {os.path.relpath(source, SHARED)}, "
-              f"each read and parsed in a child: {outcomes}; over 2 s: {slow}, over 256 MiB: {heavy}; "
-              f"slowest {worst_wall:.2f} s, largest {worst_rss:.1f} MiB")
+        print(
+            f"\n{args.mutations} zzuf-like mutations (ratio {args.ratio}) of {os.path.relpath(source, SHARED)}, "
+            f"each read and parsed in a child: {outcomes}; over 2 s: {slow}, over 256 MiB: {heavy}; "
+            f"slowest {worst_wall:.2f} s, largest {worst_rss:.1f} MiB"
+        )
     return 0
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 def run(mode: str, hz: float, seconds: float, ops_per_step: int, size: int) -> dict:
     import mindspore as ms
+
     from kvguard import probe
 
     x0 = ms.Tensor(np.ones((size, size), np.float32))
@@ -34,9 +35,11 @@ def run(mode: str, hz: float, seconds: float, ops_per_step: int, size: int) -> d
     if mode == "probe":
         probe.start(spool, interval=1.0 / hz, source="mindspore").run_once()
     elif mode == "thread":
+
         def sampler() -> None:
             while not stop.wait(1.0 / hz):
                 ms.runtime.memory_stats()
+
         threading.Thread(target=sampler, daemon=True).start()
     ops = steps = 0
     started = time.perf_counter()
@@ -47,7 +50,7 @@ def run(mode: str, hz: float, seconds: float, ops_per_step: int, size: int) -> d
             y = x0
             for _ in range(ops_per_step):
                 y = ms.ops.matmul(y, x0) * 1e-3
-            y.asnumpy()                      # the step's output to the host, as vLLM's sampled tokens
+            y.asnumpy()  # the step's output to the host, as vLLM's sampled tokens
         finally:
             probe.step_end()
         ops += ops_per_step
@@ -56,9 +59,13 @@ def run(mode: str, hz: float, seconds: float, ops_per_step: int, size: int) -> d
     stop.set()
     status = probe.current().status if probe.current() is not None else None
     probe.stop()
-    return {"ops_per_s": ops / elapsed, "steps": steps, "cpu_s": time.process_time() - cpu_started,
-            "samples": status.samples_total if status else 0,
-            "engine_seconds": status.engine_thread_seconds_total if status else 0.0}
+    return {
+        "ops_per_s": ops / elapsed,
+        "steps": steps,
+        "cpu_s": time.process_time() - cpu_started,
+        "samples": status.samples_total if status else 0,
+        "engine_seconds": status.engine_thread_seconds_total if status else 0.0,
+    }
 
 
 def main() -> None:
@@ -71,35 +78,41 @@ def main() -> None:
     parser.add_argument("--modes", default="none,probe,thread", help="which ways to time, none first")
     args = parser.parse_args()
     import mindspore as ms
+
     ms.set_device("CPU")
     modes = tuple(args.modes.split(","))
     if modes[0] != "none" or not set(modes) <= {"none", "probe", "thread"}:
         parser.error("--modes: none first, then probe and/or thread")
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
-    run("none", args.hz, 1.0, args.ops_per_step, args.size)      # warm-up: kernels compiled, pool grown
+    run("none", args.hz, 1.0, args.ops_per_step, args.size)  # warm-up: kernels compiled, pool grown
     for round_index in range(args.rounds):
         # ABBA: every other round runs the ways in reverse, so a drift within a round (a warming cache, the last
         # way's threads winding down) does not favour one way.
-        for mode in (modes if round_index % 2 == 0 else tuple(reversed(modes))):
+        for mode in modes if round_index % 2 == 0 else tuple(reversed(modes)):
             results[mode].append(run(mode, args.hz, args.seconds, args.ops_per_step, args.size))
     base = statistics.median(r["ops_per_s"] for r in results["none"])
     # Each round's rate over the same round's `none`, run just before it: a load that comes and goes on the
     # machine moves both, so the median of these paired ratios is the steadier figure.
-    paired = {mode: statistics.median(r["ops_per_s"] / n["ops_per_s"] for r, n in zip(results[mode], results["none"]))
-              for mode in modes}
-    print(f"MindSpore {ms.__version__}, CPU backend; {args.ops_per_step} matmuls {args.size}x{args.size} and one sync "
-          f"per step; sampling at {args.hz:g} Hz; {args.rounds} rounds of {args.seconds:g} s each, interleaved")
+    paired = {
+        mode: statistics.median(r["ops_per_s"] / n["ops_per_s"] for r, n in zip(results[mode], results["none"]))
+        for mode in modes
+    }
+    print(
+        f"MindSpore {ms.__version__}, CPU backend; {args.ops_per_step} matmuls {args.size}x{args.size} and one sync "
+        f"per step; sampling at {args.hz:g} Hz; {args.rounds} rounds of {args.seconds:g} s each, interleaved"
+    )
     print(f"{'mode':8} {'ops/s (median)':>15} {'ratio of medians':>17} {'median paired ratio':>20}")
     for mode in modes:
         rates = [r["ops_per_s"] for r in results[mode]]
-        print(f"{mode:8} {statistics.median(rates):15.1f} {statistics.median(rates) / base:17.4f} "
-              f"{paired[mode]:20.4f}")
+        print(f"{mode:8} {statistics.median(rates):15.1f} {statistics.median(rates) / base:17.4f} {paired[mode]:20.4f}")
     samples = sum(r["samples"] for r in results.get("probe", []))
     seconds = sum(r["engine_seconds"] for r in results.get("probe", []))
     if samples:
-        print(f"probe: {samples} readings on the engine's thread, {seconds / samples * 1e6:.1f} us each "
-              f"(engine_thread_seconds_total / samples_total), {seconds / (args.rounds * args.seconds) * 100:.4f} % "
-              f"of the engine's time")
+        print(
+            f"probe: {samples} readings on the engine's thread, {seconds / samples * 1e6:.1f} us each "
+            f"(engine_thread_seconds_total / samples_total), {seconds / (args.rounds * args.seconds) * 100:.4f} % "
+            f"of the engine's time"
+        )
 
 
 if __name__ == "__main__":

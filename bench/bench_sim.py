@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT / "exporter"))
 
 from kvguard.allocators.device import Device  # noqa: E402
 from kvguard.allocators.mindspore_pool import DynamicMemPool  # noqa: E402
-from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: E402
 from kvguard.allocators.snapshot import replay_snapshot  # noqa: E402
-from kvguard.allocators.traces import load_snapshot_pickle  # noqa: E402
 from kvguard.allocators.torch_alloc import CachingAllocator  # noqa: E402
+from kvguard.allocators.traces import load_snapshot_pickle  # noqa: E402
+from kvguard.sim.scenario import ScenarioConfig, ServingScenario  # noqa: E402
 
 GIB = 1 << 30
 EVENTS = 400_000
@@ -44,8 +44,10 @@ LIVE = 256
 def trace(seed: int = 0, events: int = EVENTS) -> list[tuple[int, int]]:
     """(slot, size) pairs: size > 0 allocates into slot, 0 frees it. Activation-like sizes."""
     rng = random.Random(seed)
-    sizes = [rng.choice((4096, 65536, 512 * 1024, 3 << 20, 14 << 20, 58 << 20, 300 << 20)) + rng.randrange(0, 4096)
-             for _ in range(4096)]
+    sizes = [
+        rng.choice((4096, 65536, 512 * 1024, 3 << 20, 14 << 20, 58 << 20, 300 << 20)) + rng.randrange(0, 4096)
+        for _ in range(4096)
+    ]
     live: list[int] = []
     out: list[tuple[int, int]] = []
     slot = 0
@@ -135,11 +137,26 @@ def recorded_snapshot(events: list[tuple[int, int]]) -> dict:
             requested = model.block_at(addr).requested
             model.free(addr)
             entries.append({"action": "free_completed", "addr": addr, "size": requested, "stream": 0})
-    segments = [{"device": 0, "address": s["address"], "total_size": s["total_size"], "stream": 0,
-                 "segment_type": "small" if s["small"] else "large", "is_expandable": False,
-                 "blocks": [{"address": b["address"], "size": b["size"], "requested_size": 0,
-                             "state": "active_allocated" if b["allocated"] else "inactive"} for b in s["blocks"]]}
-                for s in model.snapshot_segments()]
+    segments = [
+        {
+            "device": 0,
+            "address": s["address"],
+            "total_size": s["total_size"],
+            "stream": 0,
+            "segment_type": "small" if s["small"] else "large",
+            "is_expandable": False,
+            "blocks": [
+                {
+                    "address": b["address"],
+                    "size": b["size"],
+                    "requested_size": 0,
+                    "state": "active_allocated" if b["allocated"] else "inactive",
+                }
+                for b in s["blocks"]
+            ],
+        }
+        for s in model.snapshot_segments()
+    ]
     return {"segments": segments, "device_traces": [entries], "allocator_settings": {}}
 
 
@@ -147,25 +164,32 @@ def time_replay(snapshot: dict) -> tuple[float, int, int, int]:
     start = time.process_time()
     devices = replay_snapshot(snapshot, address_space_bytes=80 * GIB)
     seconds = time.process_time() - start
-    return (seconds, sum(d.events for d in devices), sum(d.allocs for d in devices),
-            sum(d.allocs_matched for d in devices))
+    return (
+        seconds,
+        sum(d.events for d in devices),
+        sum(d.allocs for d in devices),
+        sum(d.allocs_matched for d in devices),
+    )
 
 
 # The configurations timed, each on the Python model and on its C engine: (name, model family, arguments).
-CONFIGS = (("torch caching allocator", "torch", {}),
-           ("torch_npu caching allocator", "torch", {"variant": "torch_npu"}),
-           ("torch, expandable_segments", "torch", {"expandable_segments": True}),
-           ("mindspore pool", "mindspore", {}))
+CONFIGS = (
+    ("torch caching allocator", "torch", {}),
+    ("torch_npu caching allocator", "torch", {"variant": "torch_npu"}),
+    ("torch, expandable_segments", "torch", {"expandable_segments": True}),
+    ("mindspore pool", "mindspore", {}),
+)
 
 
 def models() -> tuple[dict[str, Any], list[str]]:
     """Makers of each configuration's Python model and, where built (kvguard.allocators.native), its C
     engine ("..., C"); and the names of the C rows that cannot run."""
     from kvguard.allocators import native as engines_module
+
     python = {"torch": CachingAllocator, "mindspore": DynamicMemPool}
     native = {}
     for family, attribute in (("torch", "NativeCachingAllocator"), ("mindspore", "NativeDynamicMemPool")):
-        wrapper = engines_module._native(family)      # None where the engine's module does not import
+        wrapper = engines_module._native(family)  # None where the engine's module does not import
         native[family] = (wrapper, getattr(wrapper, attribute, None))
     makers: dict[str, Any] = {}
     engines: dict[str, Any] = {}
@@ -207,20 +231,21 @@ def main() -> None:
     replay_times = [time_replay(recorded)[0] for _ in range(3)]
     replay_s = min(replay_times)
     replayed = sum(1 for e in recorded["device_traces"][0])
-    print(f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} "
-          f"{dict_s * replayed / n / replay_s:8.3f}"
-          f" {scan_s * replayed / n / replay_s:12.2f} {spread(replay_times)}")
+    print(
+        f"{'snapshot replay (recorded above)':34} {replayed / replay_s:12,.0f} "
+        f"{dict_s * replayed / n / replay_s:8.3f}"
+        f" {scan_s * replayed / n / replay_s:12.2f} {spread(replay_times)}"
+    )
     folder = os.environ.get("KVGUARD_TORCH_SNAPSHOTS")
     if folder:
         print()
-        print(f"real snapshots in {folder} (whole replay: seed, every device, end-state check; "
-              f"CPU time, best of 3)")
+        print(f"real snapshots in {folder} (whole replay: seed, every device, end-state check; CPU time, best of 3)")
         total_events = total_seconds = worst_seconds = 0.0
         total_allocs = total_matched = 0
         paths = sorted(path for part in folder.split(os.pathsep) if part for path in Path(part).rglob("*.pickle"))
         for path in paths:
             snapshot = load_snapshot_pickle(path.read_bytes())
-            gc.collect()     # the loaded pickle's objects are collected here, not inside the first replay
+            gc.collect()  # the loaded pickle's objects are collected here, not inside the first replay
             runs = [time_replay(snapshot) for _ in range(3)]
             seconds, count, allocs, matched = min(runs)
             total_events += count
@@ -230,11 +255,13 @@ def main() -> None:
             total_matched += matched
             rate = f"{count / seconds:10,.0f}" if seconds else f"{'-':>10}"
             print(f"  {path.name[:60]:60} {matched:6}/{allocs:<6} {rate} events/s")
-        print(f"  all: {total_matched}/{total_allocs} allocations matched, "
-              f"{total_events / total_seconds:,.0f} events/s "
-              f"(x dict {dict_s * total_events / n / total_seconds:.3f}, "
-              f"x list-scan {scan_s * total_events / n / total_seconds:.2f}; "
-              f"spread {spread([total_seconds, worst_seconds]).strip()})")
+        print(
+            f"  all: {total_matched}/{total_allocs} allocations matched, "
+            f"{total_events / total_seconds:,.0f} events/s "
+            f"(x dict {dict_s * total_events / n / total_seconds:.3f}, "
+            f"x list-scan {scan_s * total_events / n / total_seconds:.2f}; "
+            f"spread {spread([total_seconds, worst_seconds]).strip()})"
+        )
 
     config = json.loads((ROOT / "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json").read_text())
     print()
@@ -243,13 +270,18 @@ def main() -> None:
         os.environ["KVGUARD_ALLOCATOR_ENGINE"] = engine
         for allocator in ("torch", "torch_npu", "mindspore"):
             for budget in ("stock", "reserved"):
-                scenario = ServingScenario(ScenarioConfig(model_config=config, device_memory_bytes=32 * GIB,
-                                                          allocator=allocator, budget=budget))
+                scenario = ServingScenario(
+                    ScenarioConfig(
+                        model_config=config, device_memory_bytes=32 * GIB, allocator=allocator, budget=budget
+                    )
+                )
                 start = time.perf_counter()
                 result = scenario.run()
                 seconds = time.perf_counter() - start
-                print(f"  {allocator:9} {budget:8} {result.engine:6} {seconds:6.2f} s  steps={result.steps:4}  "
-                      f"oom={result.oom}")
+                print(
+                    f"  {allocator:9} {budget:8} {result.engine:6} {seconds:6.2f} s  steps={result.steps:4}  "
+                    f"oom={result.oom}"
+                )
     os.environ.pop("KVGUARD_ALLOCATOR_ENGINE")
 
 

@@ -34,9 +34,11 @@ from sidecar_bench import MIB, PeakSampler, Served, median, scrape, spread, writ
 from kvguard.spool.io import MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES  # noqa: E402
 
 SCRAPERS = 8
-PROMETHEUS = {"Accept": "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;"
-                        "version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
-              "Accept-Encoding": "gzip"}
+PROMETHEUS = {
+    "Accept": "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;"
+    "version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    "Accept-Encoding": "gzip",
+}
 CURL = {"Accept": "*/*"}
 GOAL_RSS = 200 * MIB
 GOAL_SCRAPE_SECONDS = 5.0
@@ -76,16 +78,25 @@ def run_one(spool: str, seconds: float, interval: float) -> dict:
                 sizes[kind] = len(body)
                 latencies.append(took)
 
-        threads = [threading.Thread(target=scraper, args=(PROMETHEUS, "gzip") if i % 2 else (CURL, "text"))
-                   for i in range(SCRAPERS)]
+        threads = [
+            threading.Thread(target=scraper, args=(PROMETHEUS, "gzip") if i % 2 else (CURL, "text"))
+            for i in range(SCRAPERS)
+        ]
         with PeakSampler(served) as sampler:
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
         peak = max(filter(None, [served.peak_rss(), sampler.peak]))
-        return {"idle_rss": idle_rss, "peak_rss": peak, "slowest": max(latencies), "median": median(latencies),
-                "scrapes": len(latencies), "failures": failures[0], "sizes": sizes}
+        return {
+            "idle_rss": idle_rss,
+            "peak_rss": peak,
+            "slowest": max(latencies),
+            "median": median(latencies),
+            "scrapes": len(latencies),
+            "failures": failures[0],
+            "sizes": sizes,
+        }
     finally:
         served.stop()
 
@@ -120,11 +131,17 @@ def junk_reads() -> None:
         archive = subprocess.run(["git", "-C", root, "archive", "HEAD", "exporter"], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         for target, exporter in (("head", os.path.join(tmp, "exporter")), ("new", os.path.join(root, "exporter"))):
-            out = subprocess.run([sys.executable, "-c", JUNK_CHILD, exporter, os.path.join(root, "tests")],
-                                 check=True, capture_output=True, text=True).stdout.split("\n")
+            out = subprocess.run(
+                [sys.executable, "-c", JUNK_CHILD, exporter, os.path.join(root, "tests")],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.split("\n")
             reads = [line.split() for line in out if line]
-            print(f"{target:5} 4,096 junk files + 1 live rank, 3 reads: "
-                  + "; ".join(f"{ranks} rank(s) in {ms} ms" for ranks, ms in reads))
+            print(
+                f"{target:5} 4,096 junk files + 1 live rank, 3 reads: "
+                + "; ".join(f"{ranks} rank(s) in {ms} ms" for ranks, ms in reads)
+            )
 
 
 def main() -> None:
@@ -140,41 +157,54 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="kvguard-bench-spool-")
     try:
         processes = processes_to_fill(MAX_SPOOL_FILES, MAX_SPOOL_READ_BYTES)
-        spools = {"1 rank": (1, processes), "4096 small": (MAX_SPOOL_FILES, 1), "4096 full": (MAX_SPOOL_FILES, processes)}
+        spools = {
+            "1 rank": (1, processes),
+            "4096 small": (MAX_SPOOL_FILES, 1),
+            "4096 full": (MAX_SPOOL_FILES, processes),
+        }
         paths, sizes = {}, {}
         for name, (ranks, per_snapshot) in spools.items():
             paths[name] = os.path.join(root, name.replace(" ", "-"))
             sizes[name] = write_spool(paths[name], ranks, processes=per_snapshot)
         results: dict[str, list[dict]] = {name: [] for name in spools}
-        for _ in range(args.repeats):   # interleaved: every spool once per round
+        for _ in range(args.repeats):  # interleaved: every spool once per round
             for name in spools:
                 results[name].append(run_one(paths[name], args.seconds, args.interval))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"{SCRAPERS} parallel scrapers for {args.seconds:g} s, --interval {args.interval:g}; "
-          f"{args.repeats} run(s), median (min-max); read budget {MAX_SPOOL_FILES} files, "
-          f"{MAX_SPOOL_READ_BYTES / MIB:.0f} MiB; full: {processes} device processes per snapshot")
-    print(f"{'spool':<11} {'MiB':>5} {'idle RSS':>9} {'peak RSS MiB':>20} {'slowest scrape s':>20} "
-          f"{'median scrape s':>20} {'scrapes':>8} {'failed':>6} {'body text/gzip MB':>18}")
+    print(
+        f"{SCRAPERS} parallel scrapers for {args.seconds:g} s, --interval {args.interval:g}; "
+        f"{args.repeats} run(s), median (min-max); read budget {MAX_SPOOL_FILES} files, "
+        f"{MAX_SPOOL_READ_BYTES / MIB:.0f} MiB; full: {processes} device processes per snapshot"
+    )
+    print(
+        f"{'spool':<11} {'MiB':>5} {'idle RSS':>9} {'peak RSS MiB':>20} {'slowest scrape s':>20} "
+        f"{'median scrape s':>20} {'scrapes':>8} {'failed':>6} {'body text/gzip MB':>18}"
+    )
     for name, runs in results.items():
         body = runs[0]["sizes"]
-        print(f"{name:<11} {sizes[name] / MIB:>5.1f} {median([r['idle_rss'] / MIB for r in runs]):>9.1f} "
-              f"{spread([r['peak_rss'] / MIB for r in runs], '{:.1f}'):>20} "
-              f"{spread([r['slowest'] for r in runs], '{:.3f}'):>20} {spread([r['median'] for r in runs], '{:.3f}'):>20} "
-              f"{median([r['scrapes'] for r in runs]):>8.0f} {sum(r['failures'] for r in runs):>6} "
-              f"{body.get('text', 0) / 1e6:>9.2f}/{body.get('gzip', 0) / 1e6:.2f}")
+        print(
+            f"{name:<11} {sizes[name] / MIB:>5.1f} {median([r['idle_rss'] / MIB for r in runs]):>9.1f} "
+            f"{spread([r['peak_rss'] / MIB for r in runs], '{:.1f}'):>20} "
+            f"{spread([r['slowest'] for r in runs], '{:.3f}'):>20} {spread([r['median'] for r in runs], '{:.3f}'):>20} "
+            f"{median([r['scrapes'] for r in runs]):>8.0f} {sum(r['failures'] for r in runs):>6} "
+            f"{body.get('text', 0) / 1e6:>9.2f}/{body.get('gzip', 0) / 1e6:.2f}"
+        )
     ok = True
     one_runs = results["1 rank"]
     for name in ("4096 small", "4096 full"):
         runs = results[name]
-        print(f"{name} / 1 rank: peak RSS "
-              f"{spread([f['peak_rss'] / o['peak_rss'] for f, o in zip(runs, one_runs)])}x, slowest scrape "
-              f"{spread([f['slowest'] / o['slowest'] for f, o in zip(runs, one_runs)], '{:.0f}')}x")
-        ok &= all(r["peak_rss"] <= GOAL_RSS and r["slowest"] <= GOAL_SCRAPE_SECONDS and not r["failures"]
-                  for r in runs)
-    print(f"goals: peak RSS <= {GOAL_RSS // MIB} MiB and every scrape <= {GOAL_SCRAPE_SECONDS:g} s at the limits: "
-          + ("met" if ok else "MISSED"))
+        print(
+            f"{name} / 1 rank: peak RSS "
+            f"{spread([f['peak_rss'] / o['peak_rss'] for f, o in zip(runs, one_runs)])}x, slowest scrape "
+            f"{spread([f['slowest'] / o['slowest'] for f, o in zip(runs, one_runs)], '{:.0f}')}x"
+        )
+        ok &= all(r["peak_rss"] <= GOAL_RSS and r["slowest"] <= GOAL_SCRAPE_SECONDS and not r["failures"] for r in runs)
+    print(
+        f"goals: peak RSS <= {GOAL_RSS // MIB} MiB and every scrape <= {GOAL_SCRAPE_SECONDS:g} s at the limits: "
+        + ("met" if ok else "MISSED")
+    )
 
 
 if __name__ == "__main__":

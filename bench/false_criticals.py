@@ -46,9 +46,17 @@ def worst_batch(scenario: tuple) -> dict:
     path, tp = guard_holdout.MODELS[model]
     with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
         model_config = json.load(handle)
-    config = ScenarioConfig(model_config=model_config, device_memory_bytes=gib * GIB, gpu_memory_utilization=util,
-                            allocator=allocator, budget=budget, seed=seed, requests=guard_holdout.REQUESTS,
-                            tensor_parallel_size=tp, **dict(overrides))
+    config = ScenarioConfig(
+        model_config=model_config,
+        device_memory_bytes=gib * GIB,
+        gpu_memory_utilization=util,
+        allocator=allocator,
+        budget=budget,
+        seed=seed,
+        requests=guard_holdout.REQUESTS,
+        tensor_parallel_size=tp,
+        **dict(overrides),
+    )
     scenario_run = ServingScenario(config)
     oracle = real_pool.oracle_for(config)
     recording = real_pool.record(scenario_run)
@@ -59,8 +67,9 @@ def worst_batch(scenario: tuple) -> dict:
     pool = scenario_run.allocator
     tokens = config.max_num_batched_tokens
     try:
-        scenario_run._execute(scenario_run._ops(tokens, min(config.max_num_seqs, tokens), (),
-                                                sampling=PROFILE_SAMPLING))
+        scenario_run._execute(
+            scenario_run._ops(tokens, min(config.max_num_seqs, tokens), (), sampling=PROFILE_SAMPLING)
+        )
         model_oom = False
     except AllocatorOutOfMemory:
         model_oom = True
@@ -69,15 +78,23 @@ def worst_batch(scenario: tuple) -> dict:
     if oracle is not None:
         real = real_pool.replay(oracle, recording, config.enable_vmm)
         if any(r["oom"] for r in real[:served]):
-            return {"run": guard_holdout._name(scenario), "verdict": "the real pool ran out while serving",
-                    "truth": "real_pool"}
+            return {
+                "run": guard_holdout._name(scenario),
+                "verdict": "the real pool ran out while serving",
+                "truth": "real_pool",
+            }
         states, truth = real[served:], "real_pool"
     oom = any(state["oom"] for state in states)
     peak = max((state["reserved_bytes"] for state in states), default=0)
     limit = getattr(pool.allocator, "total_mem_size", None) or config.device_memory_bytes
-    return {"run": guard_holdout._name(scenario), "verdict": "risk real" if oom else "too strict", "truth": truth,
-            "model_agrees": model_oom == oom, "batch_tokens": tokens,
-            "room_gib": None if oom else round((limit - peak) / GIB, 3)}
+    return {
+        "run": guard_holdout._name(scenario),
+        "verdict": "risk real" if oom else "too strict",
+        "truth": truth,
+        "model_agrees": model_oom == oom,
+        "batch_tokens": tokens,
+        "room_gib": None if oom else round((limit - peak) / GIB, 3),
+    }
 
 
 def main() -> None:
@@ -97,8 +114,10 @@ def main() -> None:
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
         room = f", {row['room_gib']} GiB left" if row.get("room_gib") is not None else ""
         print(f"  {row['verdict']}: {row['run']} ({row['truth']}{room})")
-    print(f"{len(rows)} false criticals with a profile-size batch added after serving: "
-          + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items())))
+    print(
+        f"{len(rows)} false criticals with a profile-size batch added after serving: "
+        + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
+    )
 
 
 if __name__ == "__main__":

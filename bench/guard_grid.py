@@ -39,23 +39,35 @@ MODELS = {
     "mistral-nemo-12b": "tests/data/configs/mistral-nemo-instruct-2407/config.json",
     "deepseek-v2-lite": "tests/data/configs/deepseek-v2-lite-chat/config.json",
 }
-FULL = dict(models=tuple(MODELS), devices_gib=(32, 64, 80), utilizations=(0.85, 0.9, 0.95, 0.98),
-            allocators=("torch", "torch_npu", "mindspore"), budgets=("stock", "reserved"), seeds=(0, 1),
-            requests=32)
-QUICK = dict(models=("qwen2.5-7b", "llama-3-8b", "deepseek-v2-lite"), devices_gib=(32, 64),
-             utilizations=(0.9, 0.95, 0.98), allocators=("torch", "torch_npu", "mindspore"),
-             budgets=("stock", "reserved"), seeds=(0, 1), requests=12)
+FULL = dict(
+    models=tuple(MODELS),
+    devices_gib=(32, 64, 80),
+    utilizations=(0.85, 0.9, 0.95, 0.98),
+    allocators=("torch", "torch_npu", "mindspore"),
+    budgets=("stock", "reserved"),
+    seeds=(0, 1),
+    requests=32,
+)
+QUICK = dict(
+    models=("qwen2.5-7b", "llama-3-8b", "deepseek-v2-lite"),
+    devices_gib=(32, 64),
+    utilizations=(0.9, 0.95, 0.98),
+    allocators=("torch", "torch_npu", "mindspore"),
+    budgets=("stock", "reserved"),
+    seeds=(0, 1),
+    requests=12,
+)
 
 
 @dataclass(frozen=True)
 class Outcome:
     scenario: tuple
-    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started", "diverged" (real_pool.py)
+    kind: str  # "serving_oom", "startup_oom", "no_oom", "not_started", "diverged" (real_pool.py)
     critical_at_startup: bool
     critical_before_oom: bool
     critical_ever: bool
     critical_at_budget: bool = False
-    truth: str = "model"      # "real_pool": a MindSpore run's outcome from the compiled pool (bench/real_pool.py)
+    truth: str = "model"  # "real_pool": a MindSpore run's outcome from the compiled pool (bench/real_pool.py)
     exact: bool | None = None  # real_pool: the model agreed with the real pool at every op
 
 
@@ -71,12 +83,28 @@ def run_one(scenario: tuple) -> Outcome:
     model, device_gib, utilization, allocator, budget, seed, requests = scenario
     with open(os.path.join(ROOT, MODELS[model]), encoding="utf-8") as handle:
         model_config = json.load(handle)
-    run, kind, caught, truth = guarded_with_truth(ScenarioConfig(
-        model_config=model_config, device_memory_bytes=device_gib * GIB, gpu_memory_utilization=utilization,
-        allocator=allocator, budget=budget, seed=seed, requests=requests))
+    run, kind, caught, truth = guarded_with_truth(
+        ScenarioConfig(
+            model_config=model_config,
+            device_memory_bytes=device_gib * GIB,
+            gpu_memory_utilization=utilization,
+            allocator=allocator,
+            budget=budget,
+            seed=seed,
+            requests=requests,
+        )
+    )
     at_startup = run.startup is not None and run.startup.state == CRITICAL
-    return Outcome(scenario, kind, at_startup, caught, run.critical_ever, run.caught_at_budget,
-                   "real_pool" if truth else "model", truth.exact if truth else None)
+    return Outcome(
+        scenario,
+        kind,
+        at_startup,
+        caught,
+        run.critical_ever,
+        run.caught_at_budget,
+        "real_pool" if truth else "model",
+        truth.exact if truth else None,
+    )
 
 
 def guarded_with_truth(config):
@@ -84,16 +112,19 @@ def guarded_with_truth(config):
     MindSpore run's outcome taken from the real pool where its oracle is built (bench/real_pool.py).
     Returns (GuardedRun, kind, caught_before_oom, Truth or None)."""
     import real_pool
-    from kvguard.sim.scenario import ServingScenario
-    from kvguard.sim.guarded import run_guarded
 
-    run, truth = real_pool.run_with_truth(ServingScenario(config),
-                                          functools.partial(run_guarded, pool_figures=EXACT_MODE[0]))
+    from kvguard.sim.guarded import run_guarded
+    from kvguard.sim.scenario import ServingScenario
+
+    run, truth = real_pool.run_with_truth(
+        ServingScenario(config), functools.partial(run_guarded, pool_figures=EXACT_MODE[0])
+    )
     if truth is None:
         return run, outcome_kind(run.result), run.caught_before_oom, None
     if truth.kind == "serving_oom":
-        caught = run.caught_at_budget or (run.first_critical_step is not None
-                                          and run.first_critical_step < truth.oom_at_step)
+        caught = run.caught_at_budget or (
+            run.first_critical_step is not None and run.first_critical_step < truth.oom_at_step
+        )
     elif truth.kind == "startup_oom":
         caught = run.caught_at_budget
     else:
@@ -134,8 +165,17 @@ def _progress(done: int, total: int, started: float) -> None:
 
 
 def grid(spec: dict) -> list[tuple]:
-    return list(itertools.product(spec["models"], spec["devices_gib"], spec["utilizations"], spec["allocators"],
-                                  spec["budgets"], spec["seeds"], (spec["requests"],)))
+    return list(
+        itertools.product(
+            spec["models"],
+            spec["devices_gib"],
+            spec["utilizations"],
+            spec["allocators"],
+            spec["budgets"],
+            spec["seeds"],
+            (spec["requests"],),
+        )
+    )
 
 
 def measure(spec: dict, jobs: int = 1) -> dict:
@@ -165,27 +205,37 @@ def measure(spec: dict, jobs: int = 1) -> dict:
 def truth_figures(outcomes: list) -> dict:
     """How many runs took their outcome from the real pool, and whether the model agreed at every op."""
     real = [o for o in outcomes if o.truth == "real_pool"]
-    return {"real_pool_truth": len(real), "real_pool_exact": sum(bool(o.exact) for o in real),
-            "diverged": [o.scenario for o in outcomes if o.kind == "diverged" or o.exact is False]}
+    return {
+        "real_pool_truth": len(real),
+        "real_pool_exact": sum(bool(o.exact) for o in real),
+        "diverged": [o.scenario for o in outcomes if o.kind == "diverged" or o.exact is False],
+    }
 
 
 def truth_line(figures: dict) -> str:
-    return (f"outcomes from MindSpore's compiled pool: {figures['real_pool_truth']} runs, the model exact at every "
-            f"op in {figures['real_pool_exact']}; diverged: {len(figures['diverged'])}")
+    return (
+        f"outcomes from MindSpore's compiled pool: {figures['real_pool_truth']} runs, the model exact at every "
+        f"op in {figures['real_pool_exact']}; diverged: {len(figures['diverged'])}"
+    )
 
 
 def report(figures: dict) -> str:
     def rate(n: int, d: int) -> str:
         return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "0/0"
+
     lines = [
         f"grid: {figures['scenarios']} scenarios ({figures['not_started']} never started: weights or one request "
         f"do not fit)",
         f"serving OOMs: {figures['serving_ooms']}; baseline without the guard: 0 called",
-        f"  critical at the end of startup:      {rate(figures['serving_ooms_critical_at_startup'], figures['serving_ooms'])}",
-        f"  critical before the OOM (caught):    {rate(figures['serving_ooms_critical_before_oom'], figures['serving_ooms'])}",
+        f"  critical at the end of startup:      "
+        f"{rate(figures['serving_ooms_critical_at_startup'], figures['serving_ooms'])}",
+        f"  critical before the OOM (caught):    "
+        f"{rate(figures['serving_ooms_critical_before_oom'], figures['serving_ooms'])}",
         f"startup OOMs (KV cache allocation): {figures['startup_ooms']}",
-        f"  critical at budget time (before):    {rate(figures['startup_ooms_critical_at_budget'], figures['startup_ooms'])}",
-        f"  critical at the end of startup:      {rate(figures['startup_ooms_critical_at_startup'], figures['startup_ooms'])}",
+        f"  critical at budget time (before):    "
+        f"{rate(figures['startup_ooms_critical_at_budget'], figures['startup_ooms'])}",
+        f"  critical at the end of startup:      "
+        f"{rate(figures['startup_ooms_critical_at_startup'], figures['startup_ooms'])}",
         f"runs that never OOM: {figures['no_oom']}",
         f"  false critical at startup:           {rate(figures['no_oom_critical_at_startup'], figures['no_oom'])}",
         f"  false critical at budget time:       {rate(figures['no_oom_critical_at_budget'], figures['no_oom'])}",
@@ -199,8 +249,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the smaller grid the test suite runs")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--exact-mode", action="store_true",
-                        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone")
+    parser.add_argument(
+        "--exact-mode",
+        action="store_true",
+        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
+    )
     args = parser.parse_args()
     EXACT_MODE[0] = args.exact_mode
     started = time.monotonic()

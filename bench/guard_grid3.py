@@ -41,21 +41,21 @@ import guard_grid  # noqa: E402
 import guard_holdout  # noqa: E402
 
 GIB = 1 << 30
-MODELS = {   # name: config path
+MODELS = {  # name: config path
     "qwen3-0.6b": "tests/data/configs/qwen3-0.6b/config.json",
     "qwen2.5-7b": "exporter/kvguard/examples/qwen2.5-7b-instruct/config.json",
     "deepseek-v2-lite": "tests/data/configs/deepseek-v2-lite-chat/config.json",
 }
 DEVICES_GIB = (28, 44)
 UTILIZATIONS = (0.82, 0.87, 0.91, 0.93)
-ALLOCATORS = {   # name: (allocator, config overrides)
+ALLOCATORS = {  # name: (allocator, config overrides)
     "mindspore-2.7.1": ("mindspore", (("mindspore_version", "2.7.1"),)),
     "mindspore-2.8.0": ("mindspore", (("mindspore_version", "2.8.0"),)),
     "mindspore-2.10.0": ("mindspore", (("mindspore_version", "2.10.0"),)),
     "mindspore-2.7.1-novmm": ("mindspore", (("mindspore_version", "2.7.1"), ("ms_alloc_conf", "enable_vmm:False"))),
     "torch": ("torch", ()),
 }
-SHAPES = {   # name: (long_request_fraction, max_num_batched_tokens, requests)
+SHAPES = {  # name: (long_request_fraction, max_num_batched_tokens, requests)
     "long-chunked-2k": (0.5, 2048, 48),
     "long-chunked-8k": (0.5, 8192, 48),
 }
@@ -69,8 +69,9 @@ SEEDS = (6,)
 
 
 def grid() -> list[tuple]:
-    return list(itertools.product(MODELS, DEVICES_GIB, UTILIZATIONS, ALLOCATORS, BUDGETS, SEEDS, SHAPES,
-                                  SAMPLING_MIXES))
+    return list(
+        itertools.product(MODELS, DEVICES_GIB, UTILIZATIONS, ALLOCATORS, BUDGETS, SEEDS, SHAPES, SAMPLING_MIXES)
+    )
 
 
 def shares_with_earlier_grids() -> dict[str, set]:
@@ -79,8 +80,11 @@ def shares_with_earlier_grids() -> dict[str, set]:
     earlier_devices = set(full["devices_gib"]) | set(guard_holdout.DEVICES_GIB) | set(guard_holdout.FRESH_DEVICES_GIB)
     earlier_utils = set(full["utilizations"]) | set(guard_holdout.UTILIZATIONS) | set(guard_holdout.FRESH_UTILIZATIONS)
     earlier_seeds = set(full["seeds"]) | set(guard_holdout.SEEDS) | set(guard_holdout.FRESH_SEEDS)
-    return {"devices_gib": set(DEVICES_GIB) & earlier_devices, "utilizations": set(UTILIZATIONS) & earlier_utils,
-            "seeds": set(SEEDS) & earlier_seeds}
+    return {
+        "devices_gib": set(DEVICES_GIB) & earlier_devices,
+        "utilizations": set(UTILIZATIONS) & earlier_utils,
+        "seeds": set(SEEDS) & earlier_seeds,
+    }
 
 
 def run_one(scenario: tuple) -> guard_holdout.Outcome:
@@ -92,15 +96,33 @@ def run_one(scenario: tuple) -> guard_holdout.Outcome:
     long_fraction, batched_tokens, requests = SHAPES[shape]
     with open(os.path.join(ROOT, MODELS[model]), encoding="utf-8") as handle:
         model_config = json.load(handle)
-    run, kind, caught, truth = guard_grid.guarded_with_truth(ScenarioConfig(
-        model_config=model_config, device_memory_bytes=gib * GIB, gpu_memory_utilization=util,
-        allocator=allocator, budget=budget, seed=seed, requests=requests, long_request_fraction=long_fraction,
-        max_num_batched_tokens=batched_tokens, sampling_mix=SAMPLING_MIXES[mix], **dict(overrides)))
+    run, kind, caught, truth = guard_grid.guarded_with_truth(
+        ScenarioConfig(
+            model_config=model_config,
+            device_memory_bytes=gib * GIB,
+            gpu_memory_utilization=util,
+            allocator=allocator,
+            budget=budget,
+            seed=seed,
+            requests=requests,
+            long_request_fraction=long_fraction,
+            max_num_batched_tokens=batched_tokens,
+            sampling_mix=SAMPLING_MIXES[mix],
+            **dict(overrides),
+        )
+    )
     reasons = (run.at_budget.reason_codes if run.at_budget else ()) + run.first_critical_reasons
-    return guard_holdout.Outcome(scenario, kind, run.caught_at_budget,
-                                 run.startup is not None and run.startup.state == CRITICAL, caught,
-                                 run.critical_ever, reasons, "real_pool" if truth else "model",
-                                 truth.exact if truth else None)
+    return guard_holdout.Outcome(
+        scenario,
+        kind,
+        run.caught_at_budget,
+        run.startup is not None and run.startup.state == CRITICAL,
+        caught,
+        run.critical_ever,
+        reasons,
+        "real_pool" if truth else "model",
+        truth.exact if truth else None,
+    )
 
 
 def name(scenario: tuple) -> str:
@@ -112,8 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
-    parser.add_argument("--exact-mode", action="store_true",
-                        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone")
+    parser.add_argument(
+        "--exact-mode",
+        action="store_true",
+        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
+    )
     args = parser.parse_args()
     guard_grid.EXACT_MODE[0] = args.exact_mode
     shared = {k: sorted(v) for k, v in shares_with_earlier_grids().items() if v}
@@ -126,8 +151,9 @@ def main() -> None:
     clean = [o for o in outcomes if o.kind == "no_oom"]
     ooms = [o for o in outcomes if o.kind in ("serving_oom", "startup_oom")]
     figures["missed"] = [name(o.scenario) for o in ooms if not o.critical_before_oom]
-    figures["false_critical"] = [f"{name(o.scenario)}: {','.join(dict.fromkeys(o.reasons))}" for o in clean
-                                 if o.critical_ever]
+    figures["false_critical"] = [
+        f"{name(o.scenario)}: {','.join(dict.fromkeys(o.reasons))}" for o in clean if o.critical_ever
+    ]
     print(guard_holdout.report(figures, "third grid (VMM-fragmented MindSpore serving, sampling mixes)"))
     for line in figures["missed"]:
         print(f"  missed: {line}")

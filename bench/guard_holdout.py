@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import guard_grid  # noqa: E402
 
 GIB = 1 << 30
-MODELS = {   # name: (config path, tensor-parallel size)
+MODELS = {  # name: (config path, tensor-parallel size)
     "qwen3-0.6b": ("tests/data/configs/qwen3-0.6b/config.json", 1),
     "qwen2.5-7b-fp8": ("tests/data/configs/qwen2.5-7b-instruct-fp8/config.json", 1),
     "mistral-small-24b": ("tests/data/configs/mistral-small-3.1-24b-instruct-2503/config.json", 1),
@@ -64,13 +64,22 @@ REQUESTS = 32
 
 def allocators() -> list[tuple[str, str, tuple]]:
     """(name, allocator, config overrides) per the rule: MindSpore per release where the simulator has them."""
-    axis = [("torch", "torch", ()), ("torch+expandable", "torch", (("expandable_segments", True),)),
-            ("torch_npu", "torch_npu", ())]
+    axis = [
+        ("torch", "torch", ()),
+        ("torch+expandable", "torch", (("expandable_segments", True),)),
+        ("torch_npu", "torch_npu", ()),
+    ]
     from kvguard.allocators.mindspore_releases import RELEASES
+
     for rel in RELEASES:
         axis.append((f"mindspore-{rel.version}", "mindspore", (("mindspore_version", rel.version),)))
-        axis.append((f"mindspore-{rel.version}-novmm", "mindspore",
-                     (("mindspore_version", rel.version), ("ms_alloc_conf", "enable_vmm:False"))))
+        axis.append(
+            (
+                f"mindspore-{rel.version}-novmm",
+                "mindspore",
+                (("mindspore_version", rel.version), ("ms_alloc_conf", "enable_vmm:False")),
+            )
+        )
     return axis
 
 
@@ -80,40 +89,49 @@ FRESH_SEEDS = (4, 5)
 
 
 def grid(fresh: bool = False) -> list[tuple]:
-    devices, utilizations, seeds = (FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS) if fresh \
-        else (DEVICES_GIB, UTILIZATIONS, SEEDS)
-    return [(model, gib, util, alloc, budget, seed) for model, gib, util, alloc, budget, seed in itertools.product(
-        MODELS, devices, utilizations, allocators(), BUDGETS, seeds)]
+    devices, utilizations, seeds = (
+        (FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS) if fresh else (DEVICES_GIB, UTILIZATIONS, SEEDS)
+    )
+    return [
+        (model, gib, util, alloc, budget, seed)
+        for model, gib, util, alloc, budget, seed in itertools.product(
+            MODELS, devices, utilizations, allocators(), BUDGETS, seeds
+        )
+    ]
 
 
 def disjoint_from_tuning() -> dict[str, set]:
     """Axis values the held-out grid shares with the tuning grid (all empty by the rule)."""
     full = guard_grid.FULL
     tuned_paths = set(guard_grid.MODELS.values())
-    return {"models": {m for m, (path, _) in MODELS.items() if path in tuned_paths},
-            "devices_gib": set(DEVICES_GIB) & set(full["devices_gib"]),
-            "utilizations": set(UTILIZATIONS) & set(full["utilizations"]),
-            "seeds": set(SEEDS) & set(full["seeds"])}
+    return {
+        "models": {m for m, (path, _) in MODELS.items() if path in tuned_paths},
+        "devices_gib": set(DEVICES_GIB) & set(full["devices_gib"]),
+        "utilizations": set(UTILIZATIONS) & set(full["utilizations"]),
+        "seeds": set(SEEDS) & set(full["seeds"]),
+    }
 
 
 def fresh_shares() -> dict[str, set]:
     """Axis values the fresh grid shares with the tuning grid or the first held-out grid (all empty)."""
     full = guard_grid.FULL
-    return {"devices_gib": set(FRESH_DEVICES_GIB) & (set(full["devices_gib"]) | set(DEVICES_GIB)),
-            "utilizations": set(FRESH_UTILIZATIONS) & (set(full["utilizations"]) | set(UTILIZATIONS)),
-            "seeds": set(FRESH_SEEDS) & (set(full["seeds"]) | set(SEEDS))}
+    return {
+        "devices_gib": set(FRESH_DEVICES_GIB) & (set(full["devices_gib"]) | set(DEVICES_GIB)),
+        "utilizations": set(FRESH_UTILIZATIONS) & (set(full["utilizations"]) | set(UTILIZATIONS)),
+        "seeds": set(FRESH_SEEDS) & (set(full["seeds"]) | set(SEEDS)),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     scenario: tuple
-    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started", "diverged"
+    kind: str  # "serving_oom", "startup_oom", "no_oom", "not_started", "diverged"
     critical_at_budget: bool
     critical_at_startup: bool
     critical_before_oom: bool
     critical_ever: bool
     reasons: tuple[str, ...] = ()
-    truth: str = "model"      # "real_pool": from MindSpore's compiled pool (bench/real_pool.py)
+    truth: str = "model"  # "real_pool": from MindSpore's compiled pool (bench/real_pool.py)
     exact: bool | None = None
 
 
@@ -125,14 +143,31 @@ def run_one(scenario: tuple) -> Outcome:
     path, tp = MODELS[model]
     with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
         model_config = json.load(handle)
-    run, kind, caught, truth = guard_grid.guarded_with_truth(ScenarioConfig(
-        model_config=model_config, device_memory_bytes=gib * GIB, gpu_memory_utilization=util,
-        allocator=allocator, budget=budget, seed=seed, requests=REQUESTS, tensor_parallel_size=tp,
-        **dict(overrides)))
+    run, kind, caught, truth = guard_grid.guarded_with_truth(
+        ScenarioConfig(
+            model_config=model_config,
+            device_memory_bytes=gib * GIB,
+            gpu_memory_utilization=util,
+            allocator=allocator,
+            budget=budget,
+            seed=seed,
+            requests=REQUESTS,
+            tensor_parallel_size=tp,
+            **dict(overrides),
+        )
+    )
     reasons = (run.at_budget.reason_codes if run.at_budget else ()) + run.first_critical_reasons
-    return Outcome(scenario, kind, run.caught_at_budget,
-                   run.startup is not None and run.startup.state == CRITICAL, caught,
-                   run.critical_ever, reasons, "real_pool" if truth else "model", truth.exact if truth else None)
+    return Outcome(
+        scenario,
+        kind,
+        run.caught_at_budget,
+        run.startup is not None and run.startup.state == CRITICAL,
+        caught,
+        run.critical_ever,
+        reasons,
+        "real_pool" if truth else "model",
+        truth.exact if truth else None,
+    )
 
 
 def measure(scenarios: list[tuple], jobs: int = 1) -> dict:
@@ -164,8 +199,9 @@ def summarize(outcomes: list) -> dict:
         "no_oom_critical_ever": sum(o.critical_ever for o in clean),
         "no_oom_critical_at_budget": sum(o.critical_at_budget for o in clean),
         "missed": [_name(o.scenario) for o in ooms if not o.critical_before_oom],
-        "false_critical": [f"{_name(o.scenario)}: {','.join(dict.fromkeys(o.reasons))}" for o in clean
-                           if o.critical_ever],
+        "false_critical": [
+            f"{_name(o.scenario)}: {','.join(dict.fromkeys(o.reasons))}" for o in clean if o.critical_ever
+        ],
         **guard_grid.truth_figures(outcomes),
     }
 
@@ -173,20 +209,24 @@ def summarize(outcomes: list) -> dict:
 def report(figures: dict, title: str) -> str:
     def rate(n: int, d: int) -> str:
         return f"{n}/{d} ({100 * n / d:.1f}%)" if d else "0/0"
-    return "\n".join([
-        f"{title}: {figures['scenarios']} runs ({figures['not_started']} never started: weights or one request "
-        f"do not fit)",
-        f"  recall, OOMs called critical before they happen: {rate(figures['ooms_called_before'], figures['ooms'])}",
-        f"    KV-placement OOMs, by the budget-time verdict:  "
-        f"{rate(figures['kv_placement_ooms_called_at_budget'], figures['kv_placement_ooms'])}",
-        f"    serving OOMs, before the failing step:          "
-        f"{rate(figures['serving_ooms_called_before'], figures['serving_ooms'])}"
-        f" ({figures['serving_ooms_called_at_budget']} already at budget time)",
-        f"  false criticals, runs that never OOM:             "
-        f"{rate(figures['no_oom_critical_ever'], figures['no_oom'])}"
-        f" ({figures['no_oom_critical_at_budget']} at budget time)",
-        "  " + guard_grid.truth_line(figures),
-    ])
+
+    return "\n".join(
+        [
+            f"{title}: {figures['scenarios']} runs ({figures['not_started']} never started: weights or one request "
+            f"do not fit)",
+            f"  recall, OOMs called critical before they happen: "
+            f"{rate(figures['ooms_called_before'], figures['ooms'])}",
+            f"    KV-placement OOMs, by the budget-time verdict:  "
+            f"{rate(figures['kv_placement_ooms_called_at_budget'], figures['kv_placement_ooms'])}",
+            f"    serving OOMs, before the failing step:          "
+            f"{rate(figures['serving_ooms_called_before'], figures['serving_ooms'])}"
+            f" ({figures['serving_ooms_called_at_budget']} already at budget time)",
+            f"  false criticals, runs that never OOM:             "
+            f"{rate(figures['no_oom_critical_ever'], figures['no_oom'])}"
+            f" ({figures['no_oom_critical_at_budget']} at budget time)",
+            "  " + guard_grid.truth_line(figures),
+        ]
+    )
 
 
 def tuning_outcomes(jobs: int) -> dict:
@@ -209,13 +249,17 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also score the tuning grid the same way")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--fresh", action="store_true", help="the second held-out grid (module doc), not the first")
-    parser.add_argument("--exact-mode", action="store_true",
-                        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone")
+    parser.add_argument(
+        "--exact-mode",
+        action="store_true",
+        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
+    )
     args = parser.parse_args()
     guard_grid.EXACT_MODE[0] = args.exact_mode
     started = time.monotonic()
-    shared = {k: sorted(v) for k, v in {**disjoint_from_tuning(), **(fresh_shares() if args.fresh else {})}.items()
-              if v}
+    shared = {
+        k: sorted(v) for k, v in {**disjoint_from_tuning(), **(fresh_shares() if args.fresh else {})}.items() if v
+    }
     if shared:
         sys.exit(f"the held-out grid shares axis values with the tuning grid: {shared}")
     figures = {"held_out": measure(grid(fresh=args.fresh), args.jobs)}

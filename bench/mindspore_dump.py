@@ -44,7 +44,7 @@ def timed_run(version: str, ops: list[dict], vmm: bool, cwd: Path) -> tuple[floa
     return time.perf_counter() - start, init, out
 
 
-RESOLUTION = 512     # the pool's alignment: bisection to one aligned step
+RESOLUTION = 512  # the pool's alignment: bisection to one aligned step
 
 
 def largest_served(version: str, state: list[dict], vmm: bool, cwd: Path, high: int) -> int:
@@ -53,8 +53,9 @@ def largest_served(version: str, state: list[dict], vmm: bool, cwd: Path, high: 
     low, high = 0, -(-high // RESOLUTION)
     while high - low > 1:
         mid = (low + high) // 2
-        _, out = dump_tests.run(version, state + [{"op": "malloc", "size": mid * RESOLUTION, "persistent": False}],
-                                vmm=vmm, cwd=cwd)
+        _, out = dump_tests.run(
+            version, state + [{"op": "malloc", "size": mid * RESOLUTION, "persistent": False}], vmm=vmm, cwd=cwd
+        )
         low, high = (mid, high) if not out[-1][0] else (low, mid)
     return low * RESOLUTION
 
@@ -102,15 +103,19 @@ def main(argv: list[str]) -> int:
                     return size
 
                 old_credit = room + record["reserved_bytes"] - record["allocated_bytes"]
-                print(f"  vmm={'on ' if vmm else 'off'} {shape:8s} buffers={len(state):5d} file={size / 1e6:.2f} MB "
-                      f"dump={dump_s * 1e3:6.1f} ms read={read_s * 1e3:6.1f} ms "
-                      f"per step at N={args.every}: {(dump_s + read_s) / args.every * 1e3:.3f} ms "
-                      f"(= {(dump_s + read_s) / args.every / per_op:.0f} x one pool op of this stream, replayed "
-                      f"with its process: {per_op * 1e6:.0f} us)")
-                print(f"      largest request: real pool {truth / MIB:8.0f} MiB | guard: counters "
-                      f"{admitted(counters) / MIB:8.0f} MiB, exact {admitted(exact) / MIB:8.0f} MiB | "
-                      f"old R-A credit {old_credit / MIB:8.0f} MiB"
-                      f"{'  (over the truth: unsound)' if old_credit > truth else ''}")
+                print(
+                    f"  vmm={'on ' if vmm else 'off'} {shape:8s} buffers={len(state):5d} file={size / 1e6:.2f} MB "
+                    f"dump={dump_s * 1e3:6.1f} ms read={read_s * 1e3:6.1f} ms "
+                    f"per step at N={args.every}: {(dump_s + read_s) / args.every * 1e3:.3f} ms "
+                    f"(= {(dump_s + read_s) / args.every / per_op:.0f} x one pool op of this stream, replayed "
+                    f"with its process: {per_op * 1e6:.0f} us)"
+                )
+                print(
+                    f"      largest request: real pool {truth / MIB:8.0f} MiB | guard: counters "
+                    f"{admitted(counters) / MIB:8.0f} MiB, exact {admitted(exact) / MIB:8.0f} MiB | "
+                    f"old R-A credit {old_credit / MIB:8.0f} MiB"
+                    f"{'  (over the truth: unsound)' if old_credit > truth else ''}"
+                )
                 assert admitted(counters) <= truth and admitted(exact) <= truth, "a credit above the truth"
     return 0
 

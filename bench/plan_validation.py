@@ -51,8 +51,10 @@ def load_cases() -> list[dict]:
         model = data["models"][log["model"]]
         # Real logs only: every case is a corpus log (a constructed log is never evidence, issue 33).
         entry = manifest[log_id]
-        stated = {"weights_gib": entry["expect"].get("weights_gib"),
-                  "activation_gib": entry["expect"].get("peak_activation_gib")}
+        stated = {
+            "weights_gib": entry["expect"].get("weights_gib"),
+            "activation_gib": entry["expect"].get("peak_activation_gib"),
+        }
         # A release the era table does not place: its project, release unknown.
         era = entry["era"] or f"{entry['release'].split(' ')[0]} (release unknown)"
         held_out = entry["held_out"]
@@ -60,9 +62,19 @@ def load_cases() -> list[dict]:
         if stated["activation_gib"] is None and derived is not None:
             stated["activation_gib"] = derived["value"]
             stated["activation_derived"] = True
-        cases.append({"id": log_id, "model": log["model"], "model_entry": model, "serve": log["serve"],
-                      "device": log["device"], "release": log["plan_release"], "era": era, "held_out": held_out,
-                      "stated": stated})
+        cases.append(
+            {
+                "id": log_id,
+                "model": log["model"],
+                "model_entry": model,
+                "serve": log["serve"],
+                "device": log["device"],
+                "release": log["plan_release"],
+                "era": era,
+                "held_out": held_out,
+                "stated": stated,
+            }
+        )
     return cases
 
 
@@ -80,8 +92,18 @@ def run_plan(case: dict, directory: str) -> dict:
     """``kvguard plan --json`` for one case; exit 2 (CRITICAL: vLLM would refuse) still prints the plan."""
     from kvguard.cli import exits, main
 
-    args = ["plan", "--json", "--device", case["device"], "--vllm-version", case["release"], "--model-config",
-            config_path(case, directory), "--", *case["serve"]]
+    args = [
+        "plan",
+        "--json",
+        "--device",
+        case["device"],
+        "--vllm-version",
+        case["release"],
+        "--model-config",
+        config_path(case, directory),
+        "--",
+        *case["serve"],
+    ]
     result = CliRunner().invoke(main, args)
     if result.exit_code not in (exits.OK, exits.CRITICAL):
         raise RuntimeError(f"{case['id']}: kvguard plan exited {result.exit_code}: {result.output.strip()}")
@@ -90,23 +112,36 @@ def run_plan(case: dict, directory: str) -> dict:
 
 def errors(case: dict, out: dict) -> dict:
     plan = out["plan"]
-    row = {"id": case["id"], "model": case["model"], "era": case["era"], "held_out": case["held_out"],
-           "release": case["release"], "tp": plan["settings"]["tensor_parallel_size"]["value"]}
+    row = {
+        "id": case["id"],
+        "model": case["model"],
+        "era": case["era"],
+        "held_out": case["held_out"],
+        "release": case["release"],
+        "tp": plan["settings"]["tensor_parallel_size"]["value"],
+    }
     stated_w = case["stated"]["weights_gib"]
     if stated_w is not None:
         predicted = plan["weights"]["bytes"] / GIB
-        row["weights"] = {"stated_gib": stated_w, "predicted_gib": round(predicted, 4),
-                          "error_gib": round(predicted - stated_w, 4),
-                          "error_pct": round(100 * (predicted - stated_w) / stated_w, 2)}
+        row["weights"] = {
+            "stated_gib": stated_w,
+            "predicted_gib": round(predicted, 4),
+            "error_gib": round(predicted - stated_w, 4),
+            "error_pct": round(100 * (predicted - stated_w) / stated_w, 2),
+        }
     stated_a = case["stated"]["activation_gib"]
     peak = plan.get("activation_peak")
     if stated_a is not None and peak is not None:
         predicted = peak["allocated_increase_bytes"] / GIB
-        row["activation"] = {"stated_gib": stated_a, "predicted_gib": round(predicted, 4),
-                             "error_gib": round(predicted - stated_a, 4),
-                             "error_pct": round(100 * (predicted - stated_a) / stated_a, 2),
-                             "tokens": peak["max_num_batched_tokens"], "seqs": peak["num_seqs"],
-                             "derived": bool(case["stated"].get("activation_derived"))}
+        row["activation"] = {
+            "stated_gib": stated_a,
+            "predicted_gib": round(predicted, 4),
+            "error_gib": round(predicted - stated_a, 4),
+            "error_pct": round(100 * (predicted - stated_a) / stated_a, 2),
+            "tokens": peak["max_num_batched_tokens"],
+            "seqs": peak["num_seqs"],
+            "derived": bool(case["stated"].get("activation_derived")),
+        }
     return row
 
 
@@ -115,26 +150,38 @@ def summary(rows: list[dict], kind: str) -> dict | None:
     if not got:
         return None
     worst = max(got, key=lambda e: abs(e["error_pct"]))
-    return {"n": len(got),
-            "median_abs_error_gib": round(statistics.median(abs(e["error_gib"]) for e in got), 3),
-            "median_abs_error_pct": round(statistics.median(abs(e["error_pct"]) for e in got), 1),
-            "worst_error_gib": round(max((e["error_gib"] for e in got), key=abs), 3),
-            "worst_error_pct": worst["error_pct"],
-            "logs": [row["id"] for row in rows if kind in row],
-            "large": abs(worst["error_pct"]) > LARGE_PCT[kind]}
+    return {
+        "n": len(got),
+        "median_abs_error_gib": round(statistics.median(abs(e["error_gib"]) for e in got), 3),
+        "median_abs_error_pct": round(statistics.median(abs(e["error_pct"]) for e in got), 1),
+        "worst_error_gib": round(max((e["error_gib"] for e in got), key=abs), 3),
+        "worst_error_pct": worst["error_pct"],
+        "logs": [row["id"] for row in rows if kind in row],
+        "large": abs(worst["error_pct"]) > LARGE_PCT[kind],
+    }
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [f"{'log':<5} {'set':<8} {'era':<30} {'model':<48} {'TP':>2}  {'weights stated/pred GiB (err %)':<32} "
-             f"{'activation stated/pred GiB (err %) at tokens':<44}"]
+    lines = [
+        f"{'log':<5} {'set':<8} {'era':<30} {'model':<48} {'TP':>2}  {'weights stated/pred GiB (err %)':<32} "
+        f"{'activation stated/pred GiB (err %) at tokens':<44}"
+    ]
     for row in rows:
         w = row.get("weights")
         a = row.get("activation")
         wt = f"{w['stated_gib']:.4g} / {w['predicted_gib']:.4g} ({w['error_pct']:+.2f}%)" if w else "-"
-        at = (f"{a['stated_gib']:.3g} / {a['predicted_gib']:.3g} ({a['error_pct']:+.0f}%) at {a['tokens']}"
-              + (" [derived]" if a["derived"] else "")) if a else "-"
-        lines.append(f"{row['id']:<5} {'held-out' if row['held_out'] else 'tuned':<8} {row['era']:<30} "
-                     f"{row['model']:<48} {row['tp']:>2}  {wt:<32} {at:<44}")
+        at = (
+            (
+                f"{a['stated_gib']:.3g} / {a['predicted_gib']:.3g} ({a['error_pct']:+.0f}%) at {a['tokens']}"
+                + (" [derived]" if a["derived"] else "")
+            )
+            if a
+            else "-"
+        )
+        lines.append(
+            f"{row['id']:<5} {'held-out' if row['held_out'] else 'tuned':<8} {row['era']:<30} "
+            f"{row['model']:<48} {row['tp']:>2}  {wt:<32} {at:<44}"
+        )
     return lines
 
 
@@ -144,17 +191,22 @@ def era_table(rows: list[dict]) -> tuple[list[str], dict]:
     for era in dict.fromkeys(row["era"] for row in rows):
         in_era = [row for row in rows if row["era"] == era]
         eras[era] = {}
-        for label, subset in (("tuned", [r for r in in_era if not r["held_out"]]),
-                              ("held-out", [r for r in in_era if r["held_out"]]), ("all", in_era)):
+        for label, subset in (
+            ("tuned", [r for r in in_era if not r["held_out"]]),
+            ("held-out", [r for r in in_era if r["held_out"]]),
+            ("all", in_era),
+        ):
             for kind in ("weights", "activation"):
                 s = summary(subset, kind)
                 if s is None:
                     continue
                 if label == "all":
                     eras[era][kind] = s
-                lines.append(f"{era:<30} {label:<9} {kind:<11} {s['n']:>2} "
-                             f"{s['median_abs_error_gib']:>8.3f} GiB {s['median_abs_error_pct']:>6.1f}% "
-                             f"{s['worst_error_gib']:>+8.3f} GiB {s['worst_error_pct']:>+6.1f}%")
+                lines.append(
+                    f"{era:<30} {label:<9} {kind:<11} {s['n']:>2} "
+                    f"{s['median_abs_error_gib']:>8.3f} GiB {s['median_abs_error_pct']:>6.1f}% "
+                    f"{s['worst_error_gib']:>+8.3f} GiB {s['worst_error_pct']:>+6.1f}%"
+                )
     return lines, eras
 
 
@@ -170,7 +222,8 @@ HELD_OUT_RULE = (
     "figures plan was checked and tuned against). Such a log is measured when it states a KV figure, its "
     "model is named by the log or its thread (never guessed from a figure) with its config.json fields at hand, "
     "and its device is a named device; the others are listed with why (plan_validation.json 'kv_not_measured'). "
-    "The tuned logs are measured too and reported apart, as context: not the goal's figure.")
+    "The tuned logs are measured too and reported apart, as context: not the goal's figure."
+)
 # The goal (issue 33): each named device's median |error| within this, on the held-out logs.
 KV_GOAL_PCT = 10.0
 
@@ -189,14 +242,24 @@ def kv_cases() -> list[dict]:
             stated = {key: expect.get(key) for key in ("available_kv_gib", "kv_cache_tokens", "num_gpu_blocks")}
             if all(value is None for value in stated.values()):
                 continue
-            cases.append({"id": log_id, "model": log["model"], "model_entry": data["models"][log["model"]],
-                          "serve": log["serve"], "device": log["device"], "release": log["plan_release"],
-                          "held_out": held_out, "manifest_held_out": entry["held_out"],
-                          "device_text": entry["device"], "stated": stated,
-                          # vLLM did not start: a refusal, or a KV budget <= 0 (the manifest's critical verdict).
-                          "vllm_refused": expect.get("refusal") or (entry["outcome"].split(":")[0]
-                                                                    if entry["verdict"] == "critical" else None),
-                          "outcome": entry["outcome"]})
+            cases.append(
+                {
+                    "id": log_id,
+                    "model": log["model"],
+                    "model_entry": data["models"][log["model"]],
+                    "serve": log["serve"],
+                    "device": log["device"],
+                    "release": log["plan_release"],
+                    "held_out": held_out,
+                    "manifest_held_out": entry["held_out"],
+                    "device_text": entry["device"],
+                    "stated": stated,
+                    # vLLM did not start: a refusal, or a KV budget <= 0 (the manifest's critical verdict).
+                    "vllm_refused": expect.get("refusal")
+                    or (entry["outcome"].split(":")[0] if entry["verdict"] == "critical" else None),
+                    "outcome": entry["outcome"],
+                }
+            )
     return cases
 
 
@@ -217,16 +280,25 @@ def kv_row(case: dict, out: dict) -> dict:
     predicted = out["budgets"]["stock"]["kv_cache_bytes"]
     plan_starts = bool(out["plan"]["will_start"])
     started = case["vllm_refused"] is None
-    return {"id": case["id"], "held_out": case["held_out"], "device": case["device"],
-            "device_text": case["device_text"], "model": case["model"], "release": case["release"],
-            "tp": out["plan"]["settings"]["tensor_parallel_size"]["value"],
-            "stated_gib": round(stated_bytes / GIB, 3), "stated_from": stated_from,
-            "predicted_gib": round(predicted / GIB, 3), "error_gib": round((predicted - stated_bytes) / GIB, 3),
-            "error_pct": round(100 * (predicted - stated_bytes) / abs(stated_bytes), 1),
-            "vllm": "started" if started else f"refused ({case['vllm_refused']})",
-            "plan_starts": plan_starts,
-            "false_refusal": started and not plan_starts, "missed_refusal": not started and plan_starts,
-            "refusals": [r.get("reason", r) if isinstance(r, dict) else r for r in out["plan"]["refusals"]]}
+    return {
+        "id": case["id"],
+        "held_out": case["held_out"],
+        "device": case["device"],
+        "device_text": case["device_text"],
+        "model": case["model"],
+        "release": case["release"],
+        "tp": out["plan"]["settings"]["tensor_parallel_size"]["value"],
+        "stated_gib": round(stated_bytes / GIB, 3),
+        "stated_from": stated_from,
+        "predicted_gib": round(predicted / GIB, 3),
+        "error_gib": round((predicted - stated_bytes) / GIB, 3),
+        "error_pct": round(100 * (predicted - stated_bytes) / abs(stated_bytes), 1),
+        "vllm": "started" if started else f"refused ({case['vllm_refused']})",
+        "plan_starts": plan_starts,
+        "false_refusal": started and not plan_starts,
+        "missed_refusal": not started and plan_starts,
+        "refusals": [r.get("reason", r) if isinstance(r, dict) else r for r in out["plan"]["refusals"]],
+    }
 
 
 def kv_rows(directory: str) -> list[dict]:
@@ -240,45 +312,63 @@ def kv_devices(rows: list[dict]) -> dict:
         got = [row for row in rows if row["device"] == device]
         worst = max(got, key=lambda row: abs(row["error_pct"]))
         median = statistics.median(abs(row["error_pct"]) for row in got)
-        devices[device] = {"n": len(got), "logs": [row["id"] for row in got],
-                           "median_abs_error_pct": round(median, 1),
-                           "median_abs_error_gib": round(statistics.median(abs(row["error_gib"]) for row in got), 3),
-                           "worst_error_pct": worst["error_pct"], "worst_error_gib": worst["error_gib"],
-                           "within_goal": median <= KV_GOAL_PCT}
+        devices[device] = {
+            "n": len(got),
+            "logs": [row["id"] for row in got],
+            "median_abs_error_pct": round(median, 1),
+            "median_abs_error_gib": round(statistics.median(abs(row["error_gib"]) for row in got), 3),
+            "worst_error_pct": worst["error_pct"],
+            "worst_error_gib": worst["error_gib"],
+            "within_goal": median <= KV_GOAL_PCT,
+        }
     return devices
 
 
 def kv_lines(rows: list[dict]) -> list[str]:
-    lines = [f"{'log':<5} {'set':<8} {'device':<10} {'model':<40} {'TP':>2} {'release':<8} {'stated GiB':>10} "
-             f"{'plan GiB':>9} {'err GiB':>8} {'err %':>7}  {'vLLM':<22} {'plan':<8} stated from"]
+    lines = [
+        f"{'log':<5} {'set':<8} {'device':<10} {'model':<40} {'TP':>2} {'release':<8} {'stated GiB':>10} "
+        f"{'plan GiB':>9} {'err GiB':>8} {'err %':>7}  {'vLLM':<22} {'plan':<8} stated from"
+    ]
     for row in rows:
-        lines.append(f"{row['id']:<5} {'held-out' if row['held_out'] else 'tuned':<8} {row['device']:<10} "
-                     f"{row['model'][:40]:<40} {row['tp']:>2} {row['release']:<8} {row['stated_gib']:>10.2f} "
-                     f"{row['predicted_gib']:>9.2f} {row['error_gib']:>+8.2f} {row['error_pct']:>+6.1f}%  "
-                     f"{row['vllm']:<22} {'starts' if row['plan_starts'] else 'refuses':<8} {row['stated_from']}")
-    for label, subset in (("held-out", [r for r in rows if r["held_out"]]),
-                          ("tuned (context)", [r for r in rows if not r["held_out"]])):
+        lines.append(
+            f"{row['id']:<5} {'held-out' if row['held_out'] else 'tuned':<8} {row['device']:<10} "
+            f"{row['model'][:40]:<40} {row['tp']:>2} {row['release']:<8} {row['stated_gib']:>10.2f} "
+            f"{row['predicted_gib']:>9.2f} {row['error_gib']:>+8.2f} {row['error_pct']:>+6.1f}%  "
+            f"{row['vllm']:<22} {'starts' if row['plan_starts'] else 'refuses':<8} {row['stated_from']}"
+        )
+    for label, subset in (
+        ("held-out", [r for r in rows if r["held_out"]]),
+        ("tuned (context)", [r for r in rows if not r["held_out"]]),
+    ):
         lines.append("")
-        lines.append(f"per device, {label}: {'device':<10} {'n':>2} {'median |err|':>20} {'worst err':>20}  goal "
-                     f"(median within {KV_GOAL_PCT:g}%)")
+        lines.append(
+            f"per device, {label}: {'device':<10} {'n':>2} {'median |err|':>20} {'worst err':>20}  goal "
+            f"(median within {KV_GOAL_PCT:g}%)"
+        )
         for device, s in kv_devices(subset).items():
-            lines.append(f"{'':<{len(label) + 12}} {device:<10} {s['n']:>2} {s['median_abs_error_gib']:>8.2f} GiB "
-                         f"{s['median_abs_error_pct']:>7.1f}% {s['worst_error_gib']:>+8.2f} GiB "
-                         f"{s['worst_error_pct']:>+7.1f}%  {'holds' if s['within_goal'] else 'MISSED'}  "
-                         f"({', '.join(s['logs'])})")
+            lines.append(
+                f"{'':<{len(label) + 12}} {device:<10} {s['n']:>2} {s['median_abs_error_gib']:>8.2f} GiB "
+                f"{s['median_abs_error_pct']:>7.1f}% {s['worst_error_gib']:>+8.2f} GiB "
+                f"{s['worst_error_pct']:>+7.1f}%  {'holds' if s['within_goal'] else 'MISSED'}  "
+                f"({', '.join(s['logs'])})"
+            )
         false = [r["id"] for r in subset if r["false_refusal"]]
         missed = [r["id"] for r in subset if r["missed_refusal"]]
-        lines.append(f"{'':<{len(label) + 12}} false refusals (vLLM started, plan says it does not): "
-                     f"{', '.join(false) or 'none'} of {sum(r['vllm'] == 'started' for r in subset)} started; "
-                     f"refusals plan missed: {', '.join(missed) or 'none'} of "
-                     f"{sum(r['vllm'] != 'started' for r in subset)} refused")
+        lines.append(
+            f"{'':<{len(label) + 12}} false refusals (vLLM started, plan says it does not): "
+            f"{', '.join(false) or 'none'} of {sum(r['vllm'] == 'started' for r in subset)} started; "
+            f"refusals plan missed: {', '.join(missed) or 'none'} of "
+            f"{sum(r['vllm'] != 'started' for r in subset)} refused"
+        )
     return lines
 
 
 # The seed's two published runs (vllm-mindspore 0.2.0, 64 GB 910B): (GiB, blocks) per formula. Its commands:
 # tests/test_plan_seed.py (SEED_QWEN; test_plan.py's SEED_DSV3 and DEEPSEEK_V3).
-SEED_PUBLISHED = {"Qwen2.5-7B-Instruct TP1": {"stock": (37.85, 44292), "reserved": (36.40, 42593)},
-                  "DeepSeek-V3 TP16": {"stock": (9.13, 8719), "reserved": (8.54, 8150)}}
+SEED_PUBLISHED = {
+    "Qwen2.5-7B-Instruct TP1": {"stock": (37.85, 44292), "reserved": (36.40, 42593)},
+    "DeepSeek-V3 TP16": {"stock": (9.13, 8719), "reserved": (8.54, 8150)},
+}
 
 
 def seed_lines(directory: str) -> list[str]:
@@ -297,26 +387,47 @@ def seed_lines(directory: str) -> list[str]:
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(DEEPSEEK_V3, handle)
     qwen = os.path.join(REPO, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")
-    lines = [f"{'seed run':<26} {'formula':<9} {'published GiB / blocks':>24} {'plan GiB / blocks':>20} "
-             f"{'error GiB':>9} {'error %':>8}"]
-    for name, (config, command) in {"Qwen2.5-7B-Instruct TP1": (qwen, SEED_QWEN),
-                                    "DeepSeek-V3 TP16": (path, SEED_DSV3)}.items():
-        result = CliRunner().invoke(cli, ["plan", "--json", "--device", "910B", "--vllm-version",
-                                          "vllm-mindspore:0.2.0", "--model-config", config, "--", *command])
+    lines = [
+        f"{'seed run':<26} {'formula':<9} {'published GiB / blocks':>24} {'plan GiB / blocks':>20} "
+        f"{'error GiB':>9} {'error %':>8}"
+    ]
+    for name, (config, command) in {
+        "Qwen2.5-7B-Instruct TP1": (qwen, SEED_QWEN),
+        "DeepSeek-V3 TP16": (path, SEED_DSV3),
+    }.items():
+        result = CliRunner().invoke(
+            cli,
+            [
+                "plan",
+                "--json",
+                "--device",
+                "910B",
+                "--vllm-version",
+                "vllm-mindspore:0.2.0",
+                "--model-config",
+                config,
+                "--",
+                *command,
+            ],
+        )
         out = json.loads(result.output)
         profile = Profile.from_dict(out["profile"])
         for formula, era_formula in (("stock", "peak"), ("reserved", "mindspore_reserved")):
             kv = estimate(dataclasses.replace(profile, formula=era_formula)).stock.kv_cache_bytes
             gib, blocks = kv / GIB, kv // out["block_bytes"]
             published_gib, published_blocks = SEED_PUBLISHED[name][formula]
-            lines.append(f"{name:<26} {formula:<9} {published_gib:>13.2f} / {published_blocks:>7,} "
-                         f"{gib:>9.2f} / {blocks:>7,} {gib - published_gib:>+9.2f} "
-                         f"{100 * (gib - published_gib) / published_gib:>+7.1f}%")
+            lines.append(
+                f"{name:<26} {formula:<9} {published_gib:>13.2f} / {published_blocks:>7,} "
+                f"{gib:>9.2f} / {blocks:>7,} {gib - published_gib:>+9.2f} "
+                f"{100 * (gib - published_gib) / published_gib:>+7.1f}%"
+            )
         non_torch = out["plan"]["non_torch"]
-        lines.append(f"{'':<26} per rank: weights {out['plan']['weights']['bytes'] / GIB:.2f} GiB, activation "
-                     f"+{profile.peak_allocated_increase_bytes / GIB:.2f} allocated / "
-                     f"+{profile.peak_reserved_increase_bytes / GIB:.2f} reserved, non-torch increase "
-                     f"{non_torch['increase_bytes'] / GIB:.2f} GiB, device {profile.total_memory_bytes:,} B")
+        lines.append(
+            f"{'':<26} per rank: weights {out['plan']['weights']['bytes'] / GIB:.2f} GiB, activation "
+            f"+{profile.peak_allocated_increase_bytes / GIB:.2f} allocated / "
+            f"+{profile.peak_reserved_increase_bytes / GIB:.2f} reserved, non-torch increase "
+            f"{non_torch['increase_bytes'] / GIB:.2f} GiB, device {profile.total_memory_bytes:,} B"
+        )
     return lines
 
 
@@ -325,12 +436,14 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as directory:
         rows = [errors(case, run_plan(case, directory)) for case in cases]
     try:
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    print(f"kvguard plan against the real logs that state weights or the activation peak (commit {commit}, "
-          f"working tree)")
+    print(
+        f"kvguard plan against the real logs that state weights or the activation peak (commit {commit}, working tree)"
+    )
     print("error = predicted - stated; held-out: the manifest's rule (id % 4 == 0), written before tuning\n")
     for line in table(rows):
         print(line)
@@ -354,8 +467,10 @@ def main(argv: list[str]) -> int:
     for line in lines:
         print(line)
     if not any(row["held_out"] for row in rows):
-        print("\nheld-out: no figure. The held-out logs that state weights or the activation peak (r20, r36) do "
-              "not name their model;\nthey are listed as not used below, not dropped for their errors.")
+        print(
+            "\nheld-out: no figure. The held-out logs that state weights or the activation peak (r20, r36) do "
+            "not name their model;\nthey are listed as not used below, not dropped for their errors."
+        )
     print("\nnot used (tests/data/plan_validation.json 'not_used'):")
     with open(DATA, encoding="utf-8") as handle:
         for log_id, why in json.load(handle)["not_used"].items():
@@ -368,10 +483,13 @@ def main(argv: list[str]) -> int:
         for era in ERAS:
             allocators[f"{era.project} (release unknown)"] = era.allocator
         accuracy = {
-            "about": ("kvguard plan's prediction errors against the real logs that state them (predicted - stated), "
-                      "per era of the log's release; written by bench/plan_validation.py --write-accuracy from "
-                      "tests/data/plan_validation.json. Read by kvguard.plan.planner._predicted_uncertainty."),
-            "results": "bench/results/plan-validation-2026-12-07.txt", "commit": commit,
+            "about": (
+                "kvguard plan's prediction errors against the real logs that state them (predicted - stated), "
+                "per era of the log's release; written by bench/plan_validation.py --write-accuracy from "
+                "tests/data/plan_validation.json. Read by kvguard.plan.planner._predicted_uncertainty."
+            ),
+            "results": "bench/results/plan-validation-2026-12-07.txt",
+            "commit": commit,
             "large_pct": LARGE_PCT,
             "eras": {era: {"allocator": allocators.get(era), **figures} for era, figures in eras.items()},
         }

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("mindspore_oracle_client",
-                                               os.path.join(ROOT, "oracles", "mindspore", "client.py"))
+_spec = importlib.util.spec_from_file_location(
+    "mindspore_oracle_client", os.path.join(ROOT, "oracles", "mindspore", "client.py")
+)
 oracle_client = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle_client)
 
@@ -38,9 +39,10 @@ COMPARED = ("oom", "reserved_bytes", "allocated_bytes", "address")
 @dataclass
 class Recording:
     """What a scenario asked of its pool: the recorder and the op count at each phase's end."""
+
     recorder: Any
     free_at_start: int
-    marks: list[tuple[int, str, int]]        # (ops so far, phase, serving step or -1), in order
+    marks: list[tuple[int, str, int]]  # (ops so far, phase, serving step or -1), in order
 
     def where(self, position: int) -> tuple[str, int]:
         """The phase (and serving step) that op ``position`` belonged to."""
@@ -52,10 +54,10 @@ class Recording:
 
 @dataclass(frozen=True)
 class Truth:
-    kind: str                 # "serving_oom", "startup_oom", "no_oom", "not_started"; "diverged": the model
-                              # ran out where the real pool served, so the rest of the run is unknown
-    oom_at_step: int | None   # serving step of the real OOM
-    exact: bool               # the model agreed with the real pool at every op
+    kind: str  # "serving_oom", "startup_oom", "no_oom", "not_started"; "diverged": the model
+    # ran out where the real pool served, so the rest of the run is unknown
+    oom_at_step: int | None  # serving step of the real OOM
+    exact: bool  # the model agreed with the real pool at every op
     first_difference: str | None
     ops: int
 
@@ -77,8 +79,12 @@ def record(scenario) -> Recording:
 
 def oracle_for(config) -> str | None:
     """The release whose built oracle replays the run, or None where there is none (see the module doc)."""
-    if config.allocator != "mindspore" or config.mindspore_mode != "pynative" or \
-            config.profile_non_allocator_growth_bytes or config.mempool_block_size_bytes:
+    if (
+        config.allocator != "mindspore"
+        or config.mindspore_mode != "pynative"
+        or config.profile_non_allocator_growth_bytes
+        or config.mempool_block_size_bytes
+    ):
         return None
     version = config.mindspore_release.version
     return version if oracle_client.oracle_build.oracle_path(version) else None
@@ -86,8 +92,15 @@ def oracle_for(config) -> str | None:
 
 def replay(oracle: str, recording: Recording, enable_vmm: bool) -> list[dict]:
     """The real pool's record after each op of the recorded stream (``oracle``: the release)."""
-    return oracle_client.replay(oracle, recording.recorder.ops, free=recording.free_at_start, vmm=enable_vmm,
-                                task_sink=True, compiled_at=recording.recorder.compiled_at, compact=True)[1]
+    return oracle_client.replay(
+        oracle,
+        recording.recorder.ops,
+        free=recording.free_at_start,
+        vmm=enable_vmm,
+        task_sink=True,
+        compiled_at=recording.recorder.compiled_at,
+        compact=True,
+    )[1]
 
 
 def truth(recording: Recording, result, enable_vmm: bool, oracle: str) -> Truth:
@@ -105,7 +118,7 @@ def truth(recording: Recording, result, enable_vmm: bool, oracle: str) -> Truth:
     ops = len(real)
     first_oom = next((position for position, r in enumerate(real) if r["oom"]), None)
     if first_oom is None:
-        if result.oom:   # the model ran out where the real pool served: what followed is unknown
+        if result.oom:  # the model ran out where the real pool served: what followed is unknown
             return Truth("diverged", None, False, difference or "the model ran out, the real pool did not", ops)
         kind = "not_started" if result.profile is None or result.error else "no_oom"
         return Truth(kind, None, difference is None, difference, ops)
@@ -132,8 +145,14 @@ def _truth_recorder(pool):
 
         def _note(self, oom: bool, address: int | None) -> None:
             pool = self.allocator
-            self.states.append({"oom": oom, "reserved_bytes": pool.reserved_bytes,
-                                "allocated_bytes": pool.allocated_bytes, "address": address})
+            self.states.append(
+                {
+                    "oom": oom,
+                    "reserved_bytes": pool.reserved_bytes,
+                    "allocated_bytes": pool.allocated_bytes,
+                    "address": address,
+                }
+            )
 
         def malloc(self, size: int, persistent: bool = False) -> int:
             try:

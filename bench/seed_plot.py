@@ -29,13 +29,22 @@ def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "docs", "sim-seed.png")
     config = ScenarioConfig(
         model_config=load_model_config(os.path.join(ROOT, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")),
-        device_memory_bytes=32 * GIB, gpu_memory_utilization=0.9, allocator="mindspore",
-        long_request_fraction=1.0, requests=16, seed=0, vllm_mindspore_version="0.2.0", mindspore_version="2.7.0")
+        device_memory_bytes=32 * GIB,
+        gpu_memory_utilization=0.9,
+        allocator="mindspore",
+        long_request_fraction=1.0,
+        requests=16,
+        seed=0,
+        vllm_mindspore_version="0.2.0",
+        mindspore_version="2.7.0",
+    )
     results = [run_scenario(config, budget=budget) for budget in ("stock", "reserved")]
     for result in results:
         data = result.to_dict()
-        print(f"{data['budget']:>8}: oom={data['oom']} at step {data['oom_at_step']}, "
-              f"{data['num_blocks']} blocks, {data['requests_finished']} requests finished")
+        print(
+            f"{data['budget']:>8}: oom={data['oom']} at step {data['oom_at_step']}, "
+            f"{data['num_blocks']} blocks, {data['requests_finished']} requests finished"
+        )
     plot_scenario(results, out)
     print(f"wrote {out}")
 

@@ -44,9 +44,17 @@ def config(release: str, gib: int, conf: str | None, budget: str, seed: int):
 
     return ScenarioConfig(
         model_config=load_model_config(os.path.join(ROOT, "exporter", "kvguard", "examples", "qwen2.5-7b-instruct")),
-        device_memory_bytes=gib * GIB, gpu_memory_utilization=0.9, allocator="mindspore", budget=budget,
-        long_request_fraction=1.0, requests=16, seed=seed, vllm_mindspore_version="0.2.0",
-        mindspore_version=release, ms_alloc_conf=conf)
+        device_memory_bytes=gib * GIB,
+        gpu_memory_utilization=0.9,
+        allocator="mindspore",
+        budget=budget,
+        long_request_fraction=1.0,
+        requests=16,
+        seed=seed,
+        vllm_mindspore_version="0.2.0",
+        mindspore_version=release,
+        ms_alloc_conf=conf,
+    )
 
 
 def run_one(args: tuple) -> dict:
@@ -58,17 +66,29 @@ def run_one(args: tuple) -> dict:
     if oracle is None:
         raise SystemExit(f"no MindSpore {release} pool oracle: run ./dev.sh test first")
     result, truth = real_pool.run_with_truth(scenario, lambda s: s.run())
-    return {"release": release, "device_gib": gib, "vmm": vmm_name, "budget": budget, "seed": seed,
-            "kv_cache_bytes": result.kv_cache_bytes, "num_blocks": result.num_blocks,
-            "model_outcome": _outcome(result.oom, result.oom_phase, result.oom_at_step, result.error),
-            "real_outcome": truth.kind + (f" at step {truth.oom_at_step}" if truth.oom_at_step is not None else ""),
-            "exact": truth.exact, "first_difference": truth.first_difference, "ops": truth.ops}
+    return {
+        "release": release,
+        "device_gib": gib,
+        "vmm": vmm_name,
+        "budget": budget,
+        "seed": seed,
+        "kv_cache_bytes": result.kv_cache_bytes,
+        "num_blocks": result.num_blocks,
+        "model_outcome": _outcome(result.oom, result.oom_phase, result.oom_at_step, result.error),
+        "real_outcome": truth.kind + (f" at step {truth.oom_at_step}" if truth.oom_at_step is not None else ""),
+        "exact": truth.exact,
+        "first_difference": truth.first_difference,
+        "ops": truth.ops,
+    }
 
 
 def _outcome(oom: bool, phase: str | None, step: int | None, error: str | None) -> str:
     if oom:
-        return "serving_oom" + (f" at step {step}" if step is not None else "") if phase == "serving" \
+        return (
+            "serving_oom" + (f" at step {step}" if step is not None else "")
+            if phase == "serving"
             else ("startup_oom" if phase == "kv_cache" else "not_started")
+        )
     return "not_started" if error else "no_oom"
 
 
@@ -81,6 +101,7 @@ def main() -> None:
     started = time.monotonic()
     grid = list(itertools.product(RELEASES, DEVICES_GIB, VMM, BUDGETS, range(args.seeds)))
     from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(run_one, grid))
     print(f"{'release':8} {'device':6} {'pool':22} {'budget':8} {'blocks':>7}  real pool outcome per seed (exact?)")
@@ -93,8 +114,10 @@ def main() -> None:
     print(f"model exact against the real pool at every op: {exact}/{len(rows)} runs")
     for r in rows:
         if not r["exact"]:
-            print(f"  diverged: {r['release']} {r['device_gib']}GiB {r['vmm']} {r['budget']} s{r['seed']}: "
-                  f"{r['first_difference']}")
+            print(
+                f"  diverged: {r['release']} {r['device_gib']}GiB {r['vmm']} {r['budget']} s{r['seed']}: "
+                f"{r['first_difference']}"
+            )
     print(f"({time.monotonic() - started:.0f}s)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import base64
 import http.client
 import os
-import statistics
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,13 +22,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXPORTER = os.path.join(ROOT, "exporter")
 sys.path.insert(0, EXPORTER)
-sys.path.insert(0, os.path.join(ROOT, "tests"))   # sidecar_fixtures: the tests' real-shaped snapshots
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # sidecar_fixtures: the tests' real-shaped snapshots
 
 import psutil  # noqa: E402
+from sidecar_fixtures import free_port, snapshot  # noqa: E402
 
 from kvguard.records import ProcessMemory  # noqa: E402
 from kvguard.spool.io import write_snapshot  # noqa: E402
-from sidecar_fixtures import free_port, snapshot  # noqa: E402
 
 MIB = 1 << 20
 AUTH_USER, AUTH_PASSWORD = "bench", "bench-password"
@@ -40,8 +40,10 @@ def write_spool(spool_dir: str, ranks: int, processes: int = 1) -> int:
     for rank in range(ranks):
         snap = snapshot(rank=rank, device=f"npu:{rank % 16}", pid=10_000 + rank)
         if processes > 1:
-            procs = tuple(ProcessMemory(pid=20_000 + i, used_bytes=(1 + i) << 30, name=f"python3-worker-{i}")
-                          for i in range(processes))
+            procs = tuple(
+                ProcessMemory(pid=20_000 + i, used_bytes=(1 + i) << 30, name=f"python3-worker-{i}")
+                for i in range(processes)
+            )
             snap = replace(snap, memory=replace(snap.memory, processes=procs))
         write_snapshot(spool_dir, snap)
     return sum(entry.stat().st_size for entry in os.scandir(spool_dir))
@@ -108,8 +110,21 @@ class Served(ServerProcess):
     def __init__(self, spool_dir: str | None, *args: str, auth: bool = False, interval: float = 5.0):
         self.port = free_port()
         self.auth = auth
-        command = [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(self.port),
-                   "--source", "none", "--interval", str(interval), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "serve",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--source",
+            "none",
+            "--interval",
+            str(interval),
+            *args,
+        ]
         if spool_dir:
             command += ["--spool-dir", spool_dir]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))}
@@ -183,8 +198,13 @@ class PeakSampler:
         self._thread.join()
 
 
-def scrape(port: int, path: str = "/metrics", headers: dict[str, str] | None = None,
-           timeout: float = 60.0, connection: http.client.HTTPConnection | None = None) -> tuple[int, bytes, float]:
+def scrape(
+    port: int,
+    path: str = "/metrics",
+    headers: dict[str, str] | None = None,
+    timeout: float = 60.0,
+    connection: http.client.HTTPConnection | None = None,
+) -> tuple[int, bytes, float]:
     """(status, body, seconds) of one GET, on a new connection unless ``connection`` is given."""
     own = connection is None
     conn = connection or http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

@@ -38,7 +38,7 @@ RECORDING = os.path.join(HERE, "rules", "kvguard-recording.yaml")
 OUTPUT = os.path.join(ROOT, "docs", "dashboard-demo.png")
 RATE_INTERVAL = "4s"
 DPI = 60
-ROW_INCHES = 0.42        # per grid row (Grafana's rows are 30 px; a column is 1/24 of the 24-inch width)
+ROW_INCHES = 0.42  # per grid row (Grafana's rows are 30 px; a column is 1/24 of the 24-inch width)
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 
 
@@ -46,7 +46,7 @@ def panels(dashboard: dict) -> list[dict]:
     found = []
     for panel in dashboard["panels"]:
         found.append(panel)
-        found += panel.get("panels", [])         # a collapsed row keeps its panels inside
+        found += panel.get("panels", [])  # a collapsed row keeps its panels inside
     return [p for p in found if p["type"] != "row"]
 
 
@@ -90,25 +90,63 @@ def demo_and_prometheus(work: str):
     """`kvguard serve --demo` and Prometheus scraping it every second; yields Prometheus' URL once ready."""
     prometheus_binary = shutil.which("prometheus") or "/usr/bin/prometheus"
     kvguard_port, prometheus_port = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "exporter"),
-                                                                     os.environ.get("PYTHONPATH")])),
-           "POD_NAME": "vllm-demo-0", "POD_NAMESPACE": "demo", "CONTAINER_NAME": "vllm"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "exporter"), os.environ.get("PYTHONPATH")])),
+        "POD_NAME": "vllm-demo-0",
+        "POD_NAMESPACE": "demo",
+        "CONTAINER_NAME": "vllm",
+    }
     log = open(os.path.join(work, "processes.log"), "wb")
     kvguard = subprocess.Popen(
-        [sys.executable, "-m", "kvguard", "serve", "--demo", "--listen", "127.0.0.1", "--port", str(kvguard_port),
-         "--spool-dir", os.path.join(work, "spool"), "--source", "host", "--interval", "1"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-              "rule_files": [RECORDING],
-              "scrape_configs": [{"job_name": "kvguard",
-                                  "static_configs": [{"targets": [f"127.0.0.1:{kvguard_port}"],
-                                                      "labels": {"namespace": "demo", "pod": "vllm-demo-0"}}]}]}
+        [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "serve",
+            "--demo",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(kvguard_port),
+            "--spool-dir",
+            os.path.join(work, "spool"),
+            "--source",
+            "host",
+            "--interval",
+            "1",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [RECORDING],
+        "scrape_configs": [
+            {
+                "job_name": "kvguard",
+                "static_configs": [
+                    {"targets": [f"127.0.0.1:{kvguard_port}"], "labels": {"namespace": "demo", "pod": "vllm-demo-0"}}
+                ],
+            }
+        ],
+    }
     with open(os.path.join(work, "prometheus.yml"), "w", encoding="utf-8") as handle:
         yaml.safe_dump(config, handle)
     prometheus = subprocess.Popen(
-        [prometheus_binary, f"--config.file={os.path.join(work, 'prometheus.yml')}",
-         f"--storage.tsdb.path={os.path.join(work, 'data')}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-         "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            prometheus_binary,
+            f"--config.file={os.path.join(work, 'prometheus.yml')}",
+            f"--storage.tsdb.path={os.path.join(work, 'data')}",
+            f"--web.listen-address=127.0.0.1:{prometheus_port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{prometheus_port}"
     try:
         deadline = time.monotonic() + 60
@@ -135,14 +173,18 @@ def series_of(url: str, dashboard: dict, start: float, end: float) -> dict[int, 
     for panel in panels(dashboard):
         lines = []
         for target in panel.get("targets", []):
-            query = urllib.parse.urlencode({"query": expand(target["expr"], dashboard), "start": start, "end": end,
-                                            "step": "1"})
+            query = urllib.parse.urlencode(
+                {"query": expand(target["expr"], dashboard), "start": start, "end": end, "step": "1"}
+            )
             answer = _get(f"{url}/api/v1/query_range?{query}")
             if answer.get("status") != "success":
                 raise SystemExit(f"{panel['title']}: {answer.get('error')}")
             for result in answer["data"]["result"]:
-                legend = re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: result["metric"].get(m.group(1), ""),
-                                target.get("legendFormat") or str(result["metric"]))
+                legend = re.sub(
+                    r"\{\{\s*(\w+)\s*\}\}",
+                    lambda m: result["metric"].get(m.group(1), ""),
+                    target.get("legendFormat") or str(result["metric"]),
+                )
                 times = [float(t) - start for t, _ in result["values"]]
                 values = [float(v) for _, v in result["values"]]
                 lines.append((legend, times, values))
@@ -168,12 +210,22 @@ def draw(dashboard: dict, drawn: dict, seconds: float, output: str) -> None:
     shown = panels(dashboard)
     bottom = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dashboard["panels"] + shown)
     figure = plt.figure(figsize=(24, bottom * ROW_INCHES))
-    figure.suptitle(f"{dashboard['title']}: kvguard serve --demo, {seconds:.0f} s scraped every second by "
-                    "Prometheus (every variable at All)", fontsize=14, y=0.999)
+    figure.suptitle(
+        f"{dashboard['title']}: kvguard serve --demo, {seconds:.0f} s scraped every second by "
+        "Prometheus (every variable at All)",
+        fontsize=14,
+        y=0.999,
+    )
     for panel in shown:
         grid = panel["gridPos"]
-        axes = figure.add_axes([grid["x"] / 24 + 0.004, 1 - (grid["y"] + grid["h"]) / bottom + 0.004,
-                                grid["w"] / 24 - 0.008, grid["h"] / bottom - 0.012])
+        axes = figure.add_axes(
+            [
+                grid["x"] / 24 + 0.004,
+                1 - (grid["y"] + grid["h"]) / bottom + 0.004,
+                grid["w"] / 24 - 0.008,
+                grid["h"] / bottom - 0.012,
+            ]
+        )
         axes.set_title(panel["title"], fontsize=9, loc="left")
         lines = drawn.get(panel["id"], [])
         if not lines:
@@ -214,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         drawn = series_of(url, dashboard, start, time.time())
     draw(dashboard, drawn, args.seconds, args.output)
     empty = [p["title"] for p in panels(dashboard) if not drawn[p["id"]]]
-    print(f"wrote {args.output}: {len(drawn) - len(empty)} of {len(drawn)} panels with data"
-          + (f"; no data: {', '.join(empty)}" if empty else ""))
+    print(
+        f"wrote {args.output}: {len(drawn) - len(empty)} of {len(drawn)} panels with data"
+        + (f"; no data: {', '.join(empty)}" if empty else "")
+    )
     return 0
 
 

@@ -72,6 +72,7 @@ EMPTY_MATCHERS = re.compile(r"([A-Za-z0-9_:])\{\}")
 
 # ----------------------------------------------------------------------------- the table
 
+
 def series(name: str, *matchers: str, selector: str = "jobSelector") -> str:
     """A series with its own matchers, then the config's selector (a kvguard series: the job selector)."""
     return f"{name}{{{''.join(m + ',' for m in matchers)}${{{selector}}}}}"
@@ -88,7 +89,7 @@ class Alert:
     severity: str
     summary: str
     description: str
-    for_: str | None            # the default `for`; None: fires on the first evaluation, no `for`
+    for_: str | None  # the default `for`; None: fires on the first evaluation, no `for`
     comment: str = ""
 
 
@@ -107,82 +108,128 @@ class Group:
 
 @dataclass(frozen=True)
 class RuleFile:
-    name: str                   # under dashboards/rules/
+    name: str  # under dashboards/rules/
     header: str
     groups: tuple
-    chart: str = CHART_TEMPLATE     # the chart template (one PrometheusRule) its groups go into
+    chart: str = CHART_TEMPLATE  # the chart template (one PrometheusRule) its groups go into
 
 
 # Where a rank's alert names it: the rank labels of docs/metrics.md plus the scrape's instance.
-RANK = ('rank "{{ $labels.rank }}" on device {{ $labels.device }} ({{ $labels.namespace }}/{{ $labels.pod }}, '
-        '{{ $labels.instance }})')
-RANK_PAREN = ('rank "{{ $labels.rank }}" ({{ $labels.device }}, {{ $labels.namespace }}/{{ $labels.pod }}, '
-              '{{ $labels.instance }})')
+RANK = (
+    'rank "{{ $labels.rank }}" on device {{ $labels.device }} ({{ $labels.namespace }}/{{ $labels.pod }}, '
+    "{{ $labels.instance }})"
+)
+RANK_PAREN = (
+    'rank "{{ $labels.rank }}" ({{ $labels.device }}, {{ $labels.namespace }}/{{ $labels.pod }}, '
+    "{{ $labels.instance }})"
+)
 POD = "job, instance, namespace, pod"
 # One serving engine, across all its pods: engine_id is the same on every pod of a multi-node engine (an
 # LWS group, a Ray cluster) and defaults to the pod; engine is vLLM's data-parallel index inside it.
 ENGINE = "job, namespace, model_name, engine_id, engine"
 # Where an engine's alert names it.
-ENGINE_TEXT = ('engine "{{ $labels.engine_id }}" (model "{{ $labels.model_name }}", data-parallel engine '
-               '"{{ $labels.engine }}", namespace {{ $labels.namespace }})')
+ENGINE_TEXT = (
+    'engine "{{ $labels.engine_id }}" (model "{{ $labels.model_name }}", data-parallel engine '
+    '"{{ $labels.engine }}", namespace {{ $labels.namespace }})'
+)
 
 ALERTS = (
-    Alert("KVGuardOOMRiskCritical", "namespace_engine:kvguard_guard_severity:max >= 2", "critical",
-          "A serving engine is about to run out of device memory.",
-          f"kvguard's guard has judged a rank of {ENGINE_TEXT} critical for ${{for}}: its projected peak exceeds "
-          "the device's capacity, or the allocator's retries or out-of-memory errors are climbing. "
-          "kvguard_guard_reason and /guard on the engine's pods name the rank and the reason.", "2m",
-          comment="One alert per engine (recording rule namespace_engine:…), not one per rank: an engine fails "
-                  "as a whole when any of its ranks does."),
-    Alert("KVGuardAllocatorOOMs", f"increase({series('kvguard_allocator_ooms_total')}[10m]) > 0", "critical",
-          "The framework allocator raised out-of-memory errors.",
-          f"R{RANK[1:]} raised {{{{ printf \"%.0f\" $value }}}} out-of-memory error(s) in the last 10 minutes: "
-          "requests on it are failing.", None),
-    Alert("KVGuardKVCacheOvercommitted",
-          f"{series('kvguard_kv_cache_overcommit_bytes')} > {threshold('overcommitBytes')}", "warning",
-          "The KV cache vLLM sized is larger than the reserved-aware budget.",
-          f"On {RANK_PAREN} vLLM's stock KV-cache budget exceeds the reserved-aware budget by "
-          "{{ $value | humanize1024 }}B: the allocator's fragmentation is paid out of the slack that "
-          "gpu_memory_utilization leaves.", "15m"),
-    Alert("KVGuardFragmentationHigh",
-          f"{series('kvguard_allocator_fragmentation_ratio')} > {threshold('fragmentationRatio')} and "
-          f"{series('kvguard_allocator_fragmentation_bytes')} > {threshold('fragmentationBytes')}", "warning",
-          "The allocator holds much device memory that tensors cannot use.",
-          f"On {RANK_PAREN} {{{{ $value | humanizePercentage }}}} of the allocator's reserved memory (more than "
-          f"{{{{ {threshold('fragmentationBytes')} | humanize1024 }}}}B) has been fragmentation (reserved minus "
-          "allocated) for ${for}.", "15m",
-          comment="Both conditions: a high ratio on a small pool is harmless, many bytes on a huge pool may be too."),
-    Alert("KVGuardHeadroomLow",
-          f"namespace_engine:kvguard_guard_headroom_ratio:min < {threshold('headroomRatio')}", "warning",
-          f"The projected memory peak leaves less than {{{{ {threshold('headroomRatio')} | humanizePercentage }}}} "
-          "of a device free.",
-          f"On the weakest rank of {ENGINE_TEXT} the headroom between the projected peak and the device's "
-          "capacity is {{ $value | humanizePercentage }} of capacity (negative: the peak does not fit); "
-          "kvguard_guard_headroom_bytes names the rank.", "10m",
-          comment="vLLM sizes every rank's KV cache alike, so the engine is as close to its OOM as its "
-                  "weakest rank: the minimum over the engine's ranks, on every pod."),
-    Alert("KVGuardAllocRetriesClimbing",
-          f"rate({series('kvguard_allocator_alloc_retries_total')}[5m]) > {threshold('allocRetriesPerSecond')}",
-          "warning", "The allocator keeps flushing its cache and retrying allocations.",
-          f"R{RANK_PAREN[1:]} has retried allocations after a cache flush for ${{for}} "
-          "({{ printf \"%.2g\" $value }}/s): it is at the device's limit and slows down before it runs out.",
-          "10m"),
-    Alert("KVGuardSnapshotStale", f"{series('kvguard_snapshot_stale')} == 1", "warning",
-          "A serving rank's probe stopped writing snapshots.",
-          'The latest snapshot of rank "{{ $labels.rank }}" ({{ $labels.device }}, pid {{ $labels.pid }}, '
-          "{{ $labels.namespace }}/{{ $labels.pod }}, {{ $labels.instance }}) has been older than --stale-after "
-          "for ${for}: the guard judges it on old counters.", "5m"),
-    Alert("KVGuardSourceDown", f"{series('kvguard_source_up')} == 0", "warning",
-          "A kvguard device-level source keeps failing.",
-          'Source "{{ $labels.source }}" of kvguard at {{ $labels.instance }} ({{ $labels.job }}) has failed or '
-          "run past its time limit for ${for}; its series are missing or old.", "10m"),
-    Alert("KVGuardExporterDown", f"{series('up')} == 0", "warning",
-          "Prometheus cannot scrape a kvguard sidecar.",
-          "Prometheus has failed to scrape {{ $labels.instance }} (job {{ $labels.job }}) for ${for}: no "
-          "allocator, KV-cache or guard metrics come from it, and no kvguard alert can fire for its ranks.", "5m",
-          comment='The default jobSelector, job=~".*kvguard.*", matches the Helm chart\'s monitors (they set '
-                  'job="kvguard" whatever the release is called); name a hand-written scrape job likewise, or '
-                  "set jobSelector."),
+    Alert(
+        "KVGuardOOMRiskCritical",
+        "namespace_engine:kvguard_guard_severity:max >= 2",
+        "critical",
+        "A serving engine is about to run out of device memory.",
+        f"kvguard's guard has judged a rank of {ENGINE_TEXT} critical for ${{for}}: its projected peak exceeds "
+        "the device's capacity, or the allocator's retries or out-of-memory errors are climbing. "
+        "kvguard_guard_reason and /guard on the engine's pods name the rank and the reason.",
+        "2m",
+        comment="One alert per engine (recording rule namespace_engine:…), not one per rank: an engine fails "
+        "as a whole when any of its ranks does.",
+    ),
+    Alert(
+        "KVGuardAllocatorOOMs",
+        f"increase({series('kvguard_allocator_ooms_total')}[10m]) > 0",
+        "critical",
+        "The framework allocator raised out-of-memory errors.",
+        f'R{RANK[1:]} raised {{{{ printf "%.0f" $value }}}} out-of-memory error(s) in the last 10 minutes: '
+        "requests on it are failing.",
+        None,
+    ),
+    Alert(
+        "KVGuardKVCacheOvercommitted",
+        f"{series('kvguard_kv_cache_overcommit_bytes')} > {threshold('overcommitBytes')}",
+        "warning",
+        "The KV cache vLLM sized is larger than the reserved-aware budget.",
+        f"On {RANK_PAREN} vLLM's stock KV-cache budget exceeds the reserved-aware budget by "
+        "{{ $value | humanize1024 }}B: the allocator's fragmentation is paid out of the slack that "
+        "gpu_memory_utilization leaves.",
+        "15m",
+    ),
+    Alert(
+        "KVGuardFragmentationHigh",
+        f"{series('kvguard_allocator_fragmentation_ratio')} > {threshold('fragmentationRatio')} and "
+        f"{series('kvguard_allocator_fragmentation_bytes')} > {threshold('fragmentationBytes')}",
+        "warning",
+        "The allocator holds much device memory that tensors cannot use.",
+        f"On {RANK_PAREN} {{{{ $value | humanizePercentage }}}} of the allocator's reserved memory (more than "
+        f"{{{{ {threshold('fragmentationBytes')} | humanize1024 }}}}B) has been fragmentation (reserved minus "
+        "allocated) for ${for}.",
+        "15m",
+        comment="Both conditions: a high ratio on a small pool is harmless, many bytes on a huge pool may be too.",
+    ),
+    Alert(
+        "KVGuardHeadroomLow",
+        f"namespace_engine:kvguard_guard_headroom_ratio:min < {threshold('headroomRatio')}",
+        "warning",
+        f"The projected memory peak leaves less than {{{{ {threshold('headroomRatio')} | humanizePercentage }}}} "
+        "of a device free.",
+        f"On the weakest rank of {ENGINE_TEXT} the headroom between the projected peak and the device's "
+        "capacity is {{ $value | humanizePercentage }} of capacity (negative: the peak does not fit); "
+        "kvguard_guard_headroom_bytes names the rank.",
+        "10m",
+        comment="vLLM sizes every rank's KV cache alike, so the engine is as close to its OOM as its "
+        "weakest rank: the minimum over the engine's ranks, on every pod.",
+    ),
+    Alert(
+        "KVGuardAllocRetriesClimbing",
+        f"rate({series('kvguard_allocator_alloc_retries_total')}[5m]) > {threshold('allocRetriesPerSecond')}",
+        "warning",
+        "The allocator keeps flushing its cache and retrying allocations.",
+        f"R{RANK_PAREN[1:]} has retried allocations after a cache flush for ${{for}} "
+        '({{ printf "%.2g" $value }}/s): it is at the device\'s limit and slows down before it runs out.',
+        "10m",
+    ),
+    Alert(
+        "KVGuardSnapshotStale",
+        f"{series('kvguard_snapshot_stale')} == 1",
+        "warning",
+        "A serving rank's probe stopped writing snapshots.",
+        'The latest snapshot of rank "{{ $labels.rank }}" ({{ $labels.device }}, pid {{ $labels.pid }}, '
+        "{{ $labels.namespace }}/{{ $labels.pod }}, {{ $labels.instance }}) has been older than --stale-after "
+        "for ${for}: the guard judges it on old counters.",
+        "5m",
+    ),
+    Alert(
+        "KVGuardSourceDown",
+        f"{series('kvguard_source_up')} == 0",
+        "warning",
+        "A kvguard device-level source keeps failing.",
+        'Source "{{ $labels.source }}" of kvguard at {{ $labels.instance }} ({{ $labels.job }}) has failed or '
+        "run past its time limit for ${for}; its series are missing or old.",
+        "10m",
+    ),
+    Alert(
+        "KVGuardExporterDown",
+        f"{series('up')} == 0",
+        "warning",
+        "Prometheus cannot scrape a kvguard sidecar.",
+        "Prometheus has failed to scrape {{ $labels.instance }} (job {{ $labels.job }}) for ${for}: no "
+        "allocator, KV-cache or guard metrics come from it, and no kvguard alert can fire for its ranks.",
+        "5m",
+        comment='The default jobSelector, job=~".*kvguard.*", matches the Helm chart\'s monitors (they set '
+        'job="kvguard" whatever the release is called); name a hand-written scrape job likewise, or '
+        "set jobSelector.",
+    ),
 )
 
 
@@ -195,53 +242,80 @@ def by_engine(op: str, metric: str, extra: str = "") -> str:
 
 
 ENGINES = (
-    Record("namespace_engine:kvguard_kv_cache_allocated_blocks:min",
-           by_engine("min", "kvguard_kv_cache_allocated_blocks"),
-           comment="vLLM sizes every worker's KV cache to the minimum block count over its workers "
-                   "(get_kv_cache_configs, vllm/v1/core/kv_cache_utils.py 0.11.0:1283-1289), and every rank of the engine holds "
-                   "that many: the engine's blocks, counted once however many pods and ranks it spans."),
-    Record("namespace_engine:kvguard_kv_cache_budget_bytes:min",
-           by_engine("min", "kvguard_kv_cache_budget_bytes", ", budget")),
-    Record("namespace_engine:kvguard_kv_cache_overcommit_bytes:max",
-           by_engine("max", "kvguard_kv_cache_overcommit_bytes")),
-    Record("namespace_engine:kvguard_guard_headroom_bytes:min", by_engine("min", "kvguard_guard_headroom_bytes"),
-           comment="The engine fails with its weakest rank: least headroom, worst guard state."),
-    Record("namespace_engine:kvguard_guard_headroom_ratio:min",
-           f"min by ({ENGINE}) (\n"
-           f"  {series('kvguard_guard_headroom_bytes')}\n"
-           f"  / {series('kvguard_guard_capacity_bytes')}\n"
-           ")\n",
-           comment="The least headroom as a share of its own device's capacity (KVGuardHeadroomLow)."),
+    Record(
+        "namespace_engine:kvguard_kv_cache_allocated_blocks:min",
+        by_engine("min", "kvguard_kv_cache_allocated_blocks"),
+        comment="vLLM sizes every worker's KV cache to the minimum block count over its workers "
+        "(get_kv_cache_configs, vllm/v1/core/kv_cache_utils.py 0.11.0:1283-1289), and every rank of the engine holds "
+        "that many: the engine's blocks, counted once however many pods and ranks it spans.",
+    ),
+    Record(
+        "namespace_engine:kvguard_kv_cache_budget_bytes:min",
+        by_engine("min", "kvguard_kv_cache_budget_bytes", ", budget"),
+    ),
+    Record(
+        "namespace_engine:kvguard_kv_cache_overcommit_bytes:max", by_engine("max", "kvguard_kv_cache_overcommit_bytes")
+    ),
+    Record(
+        "namespace_engine:kvguard_guard_headroom_bytes:min",
+        by_engine("min", "kvguard_guard_headroom_bytes"),
+        comment="The engine fails with its weakest rank: least headroom, worst guard state.",
+    ),
+    Record(
+        "namespace_engine:kvguard_guard_headroom_ratio:min",
+        f"min by ({ENGINE}) (\n"
+        f"  {series('kvguard_guard_headroom_bytes')}\n"
+        f"  / {series('kvguard_guard_capacity_bytes')}\n"
+        ")\n",
+        comment="The least headroom as a share of its own device's capacity (KVGuardHeadroomLow).",
+    ),
     Record("namespace_engine:kvguard_guard_severity:max", by_engine("max", "kvguard_guard_severity")),
-    Record("namespace_engine:kvguard_ranks:count", f"count by ({ENGINE}) ({series('kvguard_guard_severity')})",
-           comment="Ranks reporting, over all the engine's pods: a TP16 engine on two pods reports 16."),
-    Record("namespace_engine:kvguard_allocator_allocated_bytes:sum",
-           by_engine("sum", "kvguard_allocator_allocated_bytes")),
-    Record("namespace_engine:kvguard_allocator_reserved_bytes:sum",
-           by_engine("sum", "kvguard_allocator_reserved_bytes")),
+    Record(
+        "namespace_engine:kvguard_ranks:count",
+        f"count by ({ENGINE}) ({series('kvguard_guard_severity')})",
+        comment="Ranks reporting, over all the engine's pods: a TP16 engine on two pods reports 16.",
+    ),
+    Record(
+        "namespace_engine:kvguard_allocator_allocated_bytes:sum", by_engine("sum", "kvguard_allocator_allocated_bytes")
+    ),
+    Record(
+        "namespace_engine:kvguard_allocator_reserved_bytes:sum", by_engine("sum", "kvguard_allocator_reserved_bytes")
+    ),
 )
 
 DEPLOYMENT = (
-    Record("namespace_pod:kvguard_kv_cache_allocated_blocks:min", by_pod("min", "kvguard_kv_cache_allocated_blocks"),
-           comment="The pod's ranks' smallest block count (an engine that spans pods: "
-                   "namespace_engine:kvguard_kv_cache_allocated_blocks:min counts it once)."),
-    Record("namespace_pod:kvguard_kv_cache_budget_bytes:min",
-           by_pod("min", "kvguard_kv_cache_budget_bytes", ", budget")),
+    Record(
+        "namespace_pod:kvguard_kv_cache_allocated_blocks:min",
+        by_pod("min", "kvguard_kv_cache_allocated_blocks"),
+        comment="The pod's ranks' smallest block count (an engine that spans pods: "
+        "namespace_engine:kvguard_kv_cache_allocated_blocks:min counts it once).",
+    ),
+    Record(
+        "namespace_pod:kvguard_kv_cache_budget_bytes:min", by_pod("min", "kvguard_kv_cache_budget_bytes", ", budget")
+    ),
     Record("namespace_pod:kvguard_kv_cache_overcommit_bytes:max", by_pod("max", "kvguard_kv_cache_overcommit_bytes")),
     Record("namespace_pod:kvguard_guard_headroom_bytes:min", by_pod("min", "kvguard_guard_headroom_bytes")),
     Record("namespace_pod:kvguard_guard_severity:max", by_pod("max", "kvguard_guard_severity")),
     Record("namespace_pod:kvguard_allocator_allocated_bytes:sum", by_pod("sum", "kvguard_allocator_allocated_bytes")),
     Record("namespace_pod:kvguard_allocator_reserved_bytes:sum", by_pod("sum", "kvguard_allocator_reserved_bytes")),
-    Record("namespace_pod:kvguard_allocator_fragmentation_bytes:sum",
-           by_pod("sum", "kvguard_allocator_fragmentation_bytes")),
-    Record("namespace_pod:kvguard_allocator_fragmentation:ratio",
-           "namespace_pod:kvguard_allocator_fragmentation_bytes:sum\n"
-           "  / (namespace_pod:kvguard_allocator_reserved_bytes:sum > 0)\n",
-           comment="Weighted by reserved bytes, not an average of the ranks' ratios."),
-    Record("namespace_pod:kvguard_allocator_alloc_retries:rate5m",
-           f"sum by ({POD}) (rate({series('kvguard_allocator_alloc_retries_total')}[5m]))"),
-    Record("namespace_pod:kvguard_allocator_ooms:rate5m",
-           f"sum by ({POD}) (rate({series('kvguard_allocator_ooms_total')}[5m]))"),
+    Record(
+        "namespace_pod:kvguard_allocator_fragmentation_bytes:sum",
+        by_pod("sum", "kvguard_allocator_fragmentation_bytes"),
+    ),
+    Record(
+        "namespace_pod:kvguard_allocator_fragmentation:ratio",
+        "namespace_pod:kvguard_allocator_fragmentation_bytes:sum\n"
+        "  / (namespace_pod:kvguard_allocator_reserved_bytes:sum > 0)\n",
+        comment="Weighted by reserved bytes, not an average of the ranks' ratios.",
+    ),
+    Record(
+        "namespace_pod:kvguard_allocator_alloc_retries:rate5m",
+        f"sum by ({POD}) (rate({series('kvguard_allocator_alloc_retries_total')}[5m]))",
+    ),
+    Record(
+        "namespace_pod:kvguard_allocator_ooms:rate5m",
+        f"sum by ({POD}) (rate({series('kvguard_allocator_ooms_total')}[5m]))",
+    ),
     Record("namespace_pod:kvguard_snapshot_age_seconds:max", by_pod("max", "kvguard_snapshot_age_seconds")),
 )
 
@@ -252,26 +326,38 @@ def by_namespace(op: str, metric: str, pod_op: str | None = None) -> Record:
 
 
 NAMESPACE = (
-    Record("namespace:kvguard_kv_cache_allocated_blocks:sum",
-           "sum by (job, namespace) (namespace_engine:kvguard_kv_cache_allocated_blocks:min)",
-           comment="KV-cache blocks the namespace can serve: each engine's, once, summed over engines."),
-    Record("namespace:kvguard_guard_severity:max",
-           "max by (job, namespace) (namespace_engine:kvguard_guard_severity:max)"),
-    Record("namespace:kvguard_guard_headroom_bytes:min",
-           "min by (job, namespace) (namespace_engine:kvguard_guard_headroom_bytes:min)"),
-    Record("namespace:kvguard_kv_cache_overcommit_bytes:max",
-           "max by (job, namespace) (namespace_engine:kvguard_kv_cache_overcommit_bytes:max)"),
+    Record(
+        "namespace:kvguard_kv_cache_allocated_blocks:sum",
+        "sum by (job, namespace) (namespace_engine:kvguard_kv_cache_allocated_blocks:min)",
+        comment="KV-cache blocks the namespace can serve: each engine's, once, summed over engines.",
+    ),
+    Record(
+        "namespace:kvguard_guard_severity:max", "max by (job, namespace) (namespace_engine:kvguard_guard_severity:max)"
+    ),
+    Record(
+        "namespace:kvguard_guard_headroom_bytes:min",
+        "min by (job, namespace) (namespace_engine:kvguard_guard_headroom_bytes:min)",
+    ),
+    Record(
+        "namespace:kvguard_kv_cache_overcommit_bytes:max",
+        "max by (job, namespace) (namespace_engine:kvguard_kv_cache_overcommit_bytes:max)",
+    ),
     by_namespace("sum", "kvguard_allocator_allocated_bytes"),
     by_namespace("sum", "kvguard_allocator_reserved_bytes"),
     by_namespace("sum", "kvguard_allocator_fragmentation_bytes"),
-    Record("namespace:kvguard_allocator_alloc_retries:rate5m",
-           "sum by (job, namespace) (namespace_pod:kvguard_allocator_alloc_retries:rate5m)"),
-    Record("namespace:kvguard_allocator_ooms:rate5m",
-           "sum by (job, namespace) (namespace_pod:kvguard_allocator_ooms:rate5m)"),
+    Record(
+        "namespace:kvguard_allocator_alloc_retries:rate5m",
+        "sum by (job, namespace) (namespace_pod:kvguard_allocator_alloc_retries:rate5m)",
+    ),
+    Record(
+        "namespace:kvguard_allocator_ooms:rate5m",
+        "sum by (job, namespace) (namespace_pod:kvguard_allocator_ooms:rate5m)",
+    ),
 )
 
 # ----------------------------------------------------------------------------- device joins
 # The exporters' labels and units, with their upstream sources: the kvguard-joins.yaml header in FILES.
+
 
 def dcgm(name: str, *matchers: str) -> str:
     return series(name, *matchers, selector="deviceJoins.dcgmExporterSelector")
@@ -281,59 +367,72 @@ def npu_exporter(name: str) -> str:
     return series(name, selector="deviceJoins.npuExporterSelector")
 
 
-DCGM_WHOLE_GPU = dcgm("DCGM_FI_DEV_FB_USED", 'GPU_I_ID=""')      # a MIG instance's rows have GPU_I_ID
+DCGM_WHOLE_GPU = dcgm("DCGM_FI_DEV_FB_USED", 'GPU_I_ID=""')  # a MIG instance's rows have GPU_I_ID
 RESERVED_WITH_UUID = series("kvguard_allocator_reserved_bytes", 'device_uuid!=""')
 DEVICE_WITH_BUS = series("kvguard_device_used_bytes", 'pci_bus_id!=""')
-NPU_HBM_BY_BUS = f'label_replace({npu_exporter("npu_chip_info_hbm_used_memory")}, "pci_bus_id", "$1", "pcie_bus_info", "(.+)")'
+NPU_HBM_BY_BUS = (
+    f'label_replace({npu_exporter("npu_chip_info_hbm_used_memory")}, "pci_bus_id", "$1", "pcie_bus_info", "(.+)")'
+)
 
 DEVICE_JOINS = (
-    Record("kvguard:dcgm_fb_used_bytes",
-           "max by (device_uuid, pci_bus_id, gpu, modelName, hostname, Hostname) (\n"
-           f'  label_replace({DCGM_WHOLE_GPU}, "device_uuid", "$1", "UUID", "(.+)")\n'
-           ") * 1048576\n",
-           comment="dcgm-exporter's framebuffer used in bytes, one row per whole GPU, keyed by device_uuid."),
-    Record("kvguard:allocator_reserved_bytes:dcgm",
-           f"{RESERVED_WITH_UUID}\n"
-           "  * on (device_uuid) group_left (gpu, modelName)\n"
-           "  (0 * kvguard:dcgm_fb_used_bytes + 1)\n",
-           comment="Each rank's allocator reserved bytes, with the GPU index and model dcgm-exporter names: "
-                   "one row per rank on a GPU that dcgm-exporter reports."),
-    Record("kvguard:gpu_outside_allocator_bytes:dcgm",
-           "kvguard:dcgm_fb_used_bytes\n"
-           "  - on (device_uuid) group_left ()\n"
-           f"  sum by (device_uuid) ({RESERVED_WITH_UUID})\n",
-           comment="What a GPU holds beyond the allocators kvguard watches on it (CUDA contexts, NCCL buffers, "
-                   "other processes): dcgm-exporter's framebuffer used minus its ranks' reserved bytes. One row "
-                   "per GPU that has kvguard ranks."),
-    Record("kvguard:npu_hbm_used_bytes:npu_exporter",
-           "(\n"
-           "  max by (pci_bus_id, id, vdie_id, model_name) (\n"
-           f"    {NPU_HBM_BY_BUS}\n"
-           "  ) * 1048576\n"
-           ")\n"
-           "and on (pci_bus_id)\n"
-           "(\n"
-           "  count by (pci_bus_id) (\n"
-           "    max by (pci_bus_id, id) (\n"
-           f"      {NPU_HBM_BY_BUS}\n"
-           "    )\n"
-           "  ) == 1\n"
-           ")\n",
-           comment="npu-exporter's HBM used in bytes, one row per chip whose PCIe address is its own, keyed by "
-                   "pci_bus_id (an Atlas 300I Duo's two chips print one address: they are left out)."),
-    Record("kvguard:device_used_bytes:npu_exporter",
-           f"{DEVICE_WITH_BUS}\n"
-           "  * on (pci_bus_id) group_left (id, vdie_id, model_name)\n"
-           "  (0 * kvguard:npu_hbm_used_bytes:npu_exporter + 1)\n",
-           comment="kvguard's npu-smi device series with npu-exporter's chip id, die id and model: one row per "
-                   "chip."),
+    Record(
+        "kvguard:dcgm_fb_used_bytes",
+        "max by (device_uuid, pci_bus_id, gpu, modelName, hostname, Hostname) (\n"
+        f'  label_replace({DCGM_WHOLE_GPU}, "device_uuid", "$1", "UUID", "(.+)")\n'
+        ") * 1048576\n",
+        comment="dcgm-exporter's framebuffer used in bytes, one row per whole GPU, keyed by device_uuid.",
+    ),
+    Record(
+        "kvguard:allocator_reserved_bytes:dcgm",
+        f"{RESERVED_WITH_UUID}\n"
+        "  * on (device_uuid) group_left (gpu, modelName)\n"
+        "  (0 * kvguard:dcgm_fb_used_bytes + 1)\n",
+        comment="Each rank's allocator reserved bytes, with the GPU index and model dcgm-exporter names: "
+        "one row per rank on a GPU that dcgm-exporter reports.",
+    ),
+    Record(
+        "kvguard:gpu_outside_allocator_bytes:dcgm",
+        "kvguard:dcgm_fb_used_bytes\n"
+        "  - on (device_uuid) group_left ()\n"
+        f"  sum by (device_uuid) ({RESERVED_WITH_UUID})\n",
+        comment="What a GPU holds beyond the allocators kvguard watches on it (CUDA contexts, NCCL buffers, "
+        "other processes): dcgm-exporter's framebuffer used minus its ranks' reserved bytes. One row "
+        "per GPU that has kvguard ranks.",
+    ),
+    Record(
+        "kvguard:npu_hbm_used_bytes:npu_exporter",
+        "(\n"
+        "  max by (pci_bus_id, id, vdie_id, model_name) (\n"
+        f"    {NPU_HBM_BY_BUS}\n"
+        "  ) * 1048576\n"
+        ")\n"
+        "and on (pci_bus_id)\n"
+        "(\n"
+        "  count by (pci_bus_id) (\n"
+        "    max by (pci_bus_id, id) (\n"
+        f"      {NPU_HBM_BY_BUS}\n"
+        "    )\n"
+        "  ) == 1\n"
+        ")\n",
+        comment="npu-exporter's HBM used in bytes, one row per chip whose PCIe address is its own, keyed by "
+        "pci_bus_id (an Atlas 300I Duo's two chips print one address: they are left out).",
+    ),
+    Record(
+        "kvguard:device_used_bytes:npu_exporter",
+        f"{DEVICE_WITH_BUS}\n"
+        "  * on (pci_bus_id) group_left (id, vdie_id, model_name)\n"
+        "  (0 * kvguard:npu_hbm_used_bytes:npu_exporter + 1)\n",
+        comment="kvguard's npu-smi device series with npu-exporter's chip id, die id and model: one row per chip.",
+    ),
 )
 
 
 # The chart renders each chart template's groups, in this order, as one PrometheusRule: the recording
 # rules and alerts as the release's own, the device joins as "<release>-joins" (off by default).
 FILES = (
-    RuleFile("kvguard-recording.yaml", """\
+    RuleFile(
+        "kvguard-recording.yaml",
+        """\
 kvguard recording rules. Tested by dashboards/tests/kvguard-recording.test.yaml (promtool test rules).
 
 Names follow level:metric:operations.
@@ -342,9 +441,15 @@ Names follow level:metric:operations.
   namespace_pod:  one pod's ranks. job and instance are kept: a sidecar's instance is its pod, and
                   outside Kubernetes (namespace and pod empty) instance is what keeps hosts apart.
   namespace:      all engines of a namespace and scrape job.""",
-             (Group("kvguard.rules.engine", ENGINES), Group("kvguard.rules.deployment", DEPLOYMENT),
-              Group("kvguard.rules.namespace", NAMESPACE))),
-    RuleFile("kvguard-alerts.yaml", """\
+        (
+            Group("kvguard.rules.engine", ENGINES),
+            Group("kvguard.rules.deployment", DEPLOYMENT),
+            Group("kvguard.rules.namespace", NAMESPACE),
+        ),
+    ),
+    RuleFile(
+        "kvguard-alerts.yaml",
+        """\
 kvguard alerting rules. Tested by dashboards/tests/kvguard-alerts.test.yaml (promtool test rules);
 every alert's runbook is a section of exporter/kvguard/runbook.md: runbook_url is #<alertname> on the page
 that Prometheus' external label kvguard_runbook_url names (pages that open without the scrape's
@@ -356,8 +461,11 @@ container) plus the scrape's job and instance; instance tells hosts apart outsid
 where pod and namespace are empty. KVGuardOOMRiskCritical and KVGuardHeadroomLow are per engine
 (job, namespace, model_name, engine_id, engine): they read kvguard-recording.yaml's
 namespace_engine rules, which must be loaded too.""",
-             (Group("kvguard.alerts", ALERTS),)),
-    RuleFile("kvguard-joins.yaml", """\
+        (Group("kvguard.alerts", ALERTS),),
+    ),
+    RuleFile(
+        "kvguard-joins.yaml",
+        """\
 kvguard's series joined to dcgm-exporter's and Huawei npu-exporter's on the device identity labels
 (device_uuid, pci_bus_id; docs/metrics.md "Joining other exporters"). Off in the chart unless
 prometheusRule.deviceJoins.enabled; tested by dashboards/tests/kvguard-joins.test.yaml and, against a
@@ -378,7 +486,9 @@ npu-exporter (v5, collector/npu_collector.go) labels every chip series
 Each join's right-hand side is made unique per key first (max by the key and the labels taken
 over), so two scrapes of one exporter, or two chips behind one PCIe address, can never make a
 many-to-many match that fails the whole rule: they drop out of the join instead.""",
-             (Group("kvguard.rules.device-joins", DEVICE_JOINS),), chart=JOINS_CHART_TEMPLATE),
+        (Group("kvguard.rules.device-joins", DEVICE_JOINS),),
+        chart=JOINS_CHART_TEMPLATE,
+    ),
 )
 
 # The default runbook link of the plain rule files (the Helm chart links to its own runbook pages instead):
@@ -396,13 +506,15 @@ many-to-many match that fails the whole rule: they drop out of the join instead.
 # are templates in Prometheus and promtool alike, so dashboards/tests checks the URLs it makes, and
 # tests/test_runbook_links.py fetches them from a real Prometheus. No `|`, so it fits a markdown table cell.
 RUNBOOK_LABEL = "kvguard_runbook_url"
-RUNBOOK_URL = ('{{ with $externalLabels.' + RUNBOOK_LABEL + ' }}{{ . }}{{ else }}http://{{ if $labels.instance }}'
-               '{{ with query (print "up{job=\\"" $labels.job "\\",instance=\\"" $labels.instance "\\"} == 0") }}'
-               '{{ with query (print "topk(1, up{job=\\"" $labels.job "\\"} == 1)") }}{{ label "instance" (first .) }}{{ end }}'
-               '{{ else }}{{ $labels.instance }}{{ end }}{{ else }}'
-               '{{ with query (print "topk(1, kvguard_guard_severity{job=\\"" $labels.job "\\",namespace=\\"" $labels.namespace '
-               '"\\",engine_id=\\"" $labels.engine_id "\\"})") }}{{ label "instance" (first .) }}{{ end }}{{ end }}'
-               '/runbook{{ end }}#%s')
+RUNBOOK_URL = (
+    "{{ with $externalLabels." + RUNBOOK_LABEL + " }}{{ . }}{{ else }}http://{{ if $labels.instance }}"
+    '{{ with query (print "up{job=\\"" $labels.job "\\",instance=\\"" $labels.instance "\\"} == 0") }}'
+    '{{ with query (print "topk(1, up{job=\\"" $labels.job "\\"} == 1)") }}{{ label "instance" (first .) }}{{ end }}'
+    "{{ else }}{{ $labels.instance }}{{ end }}{{ else }}"
+    '{{ with query (print "topk(1, kvguard_guard_severity{job=\\"" $labels.job "\\",namespace=\\"" $labels.namespace '
+    '"\\",engine_id=\\"" $labels.engine_id "\\"})") }}{{ label "instance" (first .) }}{{ end }}{{ end }}'
+    "/runbook{{ end }}#%s"
+)
 
 DEFAULTS = {
     "jobSelector": 'job=~".*kvguard.*"',
@@ -439,6 +551,7 @@ CHART_ONLY = {"enabled", "labels"}
 
 # ----------------------------------------------------------------------------- config
 
+
 class ConfigError(ValueError):
     """A config the rules cannot be made from; the message is one line."""
 
@@ -446,14 +559,14 @@ class ConfigError(ValueError):
 def merge(config: dict | None) -> dict:
     """DEFAULTS overlaid with config (nested maps key by key, as Helm merges values)."""
     merged = copy.deepcopy(DEFAULTS)
-    config = {k: v for k, v in (config or {}).items() if k not in CHART_ONLY}   # a chart's block, passed whole
+    config = {k: v for k, v in (config or {}).items() if k not in CHART_ONLY}  # a chart's block, passed whole
     if isinstance(config.get("deviceJoins"), dict):
         config["deviceJoins"] = {k: v for k, v in config["deviceJoins"].items() if k != "enabled"}
     unknown = set(config) - set(DEFAULTS)
     if unknown:
         raise ConfigError(f"unknown config key(s): {', '.join(sorted(unknown))} (known: {', '.join(DEFAULTS)})")
     for key, value in config.items():
-        if key == "runbookUrl" and value == "":     # the chart's default: its Service, else RUNBOOK_URL
+        if key == "runbookUrl" and value == "":  # the chart's default: its Service, else RUNBOOK_URL
             continue
         if isinstance(DEFAULTS[key], dict):
             if not isinstance(value, dict):
@@ -461,8 +574,9 @@ def merge(config: dict | None) -> dict:
             known = {a.name for a in ALERTS} if key in ("disabled", "customRules") else set(DEFAULTS[key])
             unknown = set() if key == "additionalRuleLabels" else set(value) - known
             if unknown:
-                raise ConfigError(f"{key}: unknown key(s): {', '.join(sorted(unknown))} "
-                                  f"(known: {', '.join(sorted(known))})")
+                raise ConfigError(
+                    f"{key}: unknown key(s): {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
+                )
             merged[key].update(value)
         else:
             merged[key] = value
@@ -477,8 +591,9 @@ def validate(config: dict) -> None:
         if not isinstance(value, str):
             raise ConfigError(f"deviceJoins.{name}: expected label matchers as a string, e.g. 'job=\"dcgm-exporter\"'")
     if not isinstance(config["runbookUrl"], str) or not RUNBOOK_PATTERN.fullmatch(config["runbookUrl"]):
-        raise ConfigError(f"runbookUrl: expected a URL with exactly one %s (the alert name), "
-                          f"got {config['runbookUrl']!r}")
+        raise ConfigError(
+            f"runbookUrl: expected a URL with exactly one %s (the alert name), got {config['runbookUrl']!r}"
+        )
     for name, value in config["thresholds"].items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ConfigError(f"thresholds.{name}: expected a number, got {value!r}")
@@ -487,8 +602,9 @@ def validate(config: dict) -> None:
             raise ConfigError(f"for.{name}: expected a Prometheus duration such as 5m, got {value!r}")
     for name, value in config["additionalRuleLabels"].items():
         if not isinstance(name, str) or not LABEL_NAME.fullmatch(name) or name == "severity":
-            raise ConfigError(f"additionalRuleLabels: {name!r} is not a label name one may add (severity: use "
-                              "customRules)")
+            raise ConfigError(
+                f"additionalRuleLabels: {name!r} is not a label name one may add (severity: use customRules)"
+            )
         if not isinstance(value, str):
             raise ConfigError(f"additionalRuleLabels.{name}: expected a string, got {value!r}")
     for name, value in config["disabled"].items():
@@ -497,9 +613,12 @@ def validate(config: dict) -> None:
     for name, value in config["customRules"].items():
         if not isinstance(value, dict) or set(value) - {"severity"}:
             raise ConfigError(f"customRules.{name}: expected {{severity: NAME}}, got {value!r}")
-        if "severity" in value and (not isinstance(value["severity"], str) or not SEVERITY.fullmatch(value["severity"])):
-            raise ConfigError(f"customRules.{name}.severity: expected a lower-case word such as critical, "
-                              f"got {value['severity']!r}")
+        if "severity" in value and (
+            not isinstance(value["severity"], str) or not SEVERITY.fullmatch(value["severity"])
+        ):
+            raise ConfigError(
+                f"customRules.{name}.severity: expected a lower-case word such as critical, got {value['severity']!r}"
+            )
 
 
 def number(value: int | float) -> str:
@@ -510,6 +629,7 @@ def number(value: int | float) -> str:
 
 
 # ----------------------------------------------------------------------------- rendering
+
 
 def rule_data(rule: Alert | Record) -> dict:
     """One rule as a Prometheus rule mapping, placeholders kept."""
@@ -528,6 +648,7 @@ def fill(text: str, values: dict[str, str]) -> str:
         if match.group(1) not in values:
             raise ConfigError(f"no value for placeholder ${{{match.group(1)}}} in {text!r}")
         return values[match.group(1)]
+
     return PLACEHOLDER.sub(one, text)
 
 
@@ -547,12 +668,16 @@ def filled(data: dict, config: dict | None) -> dict:
         if isinstance(value, dict):
             return {k: walk(v) for k, v in value.items()}
         return fill(value, values)
+
     result = walk(data)
     result["expr"] = tidy(result["expr"])
     if "alert" in data:
         severity = config["customRules"].get(data["alert"], {}).get("severity")
-        result["labels"] = {**result["labels"], **({"severity": severity} if severity else {}),
-                            **config["additionalRuleLabels"]}
+        result["labels"] = {
+            **result["labels"],
+            **({"severity": severity} if severity else {}),
+            **config["additionalRuleLabels"],
+        }
     return result
 
 
@@ -568,11 +693,14 @@ def kept(rules: tuple, config: dict | None) -> list:
 
 
 def groups(rule_file: RuleFile, config: dict | None) -> list[dict]:
-    return [{"name": g.name, "rules": [filled(rule_data(r), config) for r in kept(g.rules, config)]}
-            for g in rule_file.groups]
+    return [
+        {"name": g.name, "rules": [filled(rule_data(r), config) for r in kept(g.rules, config)]}
+        for g in rule_file.groups
+    ]
 
 
 # ----------------------------------------------------------------------------- YAML text
+
 
 def scalar(value: str, indent: int, folded: bool = False) -> str:
     """value as YAML after 'key:', readable: plain where it reads back equal, a block where multi-line."""
@@ -582,8 +710,12 @@ def scalar(value: str, indent: int, folded: bool = False) -> str:
     if folded:
         # Never break inside a Prometheus template action: {{ $labels.pod }} stays on one line.
         glued = re.sub(r"\{\{.*?\}\}", lambda m: m.group(0).replace(" ", "\0"), value)
-        lines = [line.replace("\0", " ") for line in
-                 textwrap.wrap(glued, width=max(40, 110 - indent), break_long_words=False, break_on_hyphens=False)]
+        lines = [
+            line.replace("\0", " ")
+            for line in textwrap.wrap(
+                glued, width=max(40, 110 - indent), break_long_words=False, break_on_hyphens=False
+            )
+        ]
         if " ".join(lines) == value and len(lines) > 1:
             return ">-\n" + "\n".join(pad + line for line in lines)
     try:
@@ -624,7 +756,7 @@ def render_file(rule_file: RuleFile, config: dict | None, header: str, before: d
                 else:
                     lines.append(f"{lead}{key}: {scalar(value, 10)}")
     text = "\n".join(lines) + "\n"
-    if yaml.safe_load(text) != {**before, "groups": groups(rule_file, config)}:       # the layout must not change meaning
+    if yaml.safe_load(text) != {**before, "groups": groups(rule_file, config)}:  # the layout must not change meaning
         raise AssertionError(f"{rule_file.name}: the YAML written does not read back as the rules")
     return text
 
@@ -634,23 +766,27 @@ def outputs(config: dict | None = None, output_dir: str = RULES_DIR, chart: bool
     merged = merge(config)
     result = {}
     for rule_file in FILES:
-        header = (f"{rule_file.header}\n\nGenerated by dashboards/rules.py; change the rules there (or its config), "
-                  "not here.")
+        header = (
+            f"{rule_file.header}\n\nGenerated by dashboards/rules.py; change the rules there (or its config), not here."
+        )
         result[os.path.join(output_dir, rule_file.name)] = render_file(rule_file, merged, header)
     if chart:
         for template in dict.fromkeys(f.chart for f in FILES):
-            header = (f"kvguard's rules with their placeholders kept, for the Helm chart: {CHART_FILLER}\n"
-                      "fills ${jobSelector}, ${thresholds.NAME}, ${deviceJoins.NAME}, ${for} and ${runbookUrl} from\n"
-                      ".Values.prometheusRule. Generated by dashboards/rules.py; change the rules there, not here.")
+            header = (
+                f"kvguard's rules with their placeholders kept, for the Helm chart: {CHART_FILLER}\n"
+                "fills ${jobSelector}, ${thresholds.NAME}, ${deviceJoins.NAME}, ${for} and ${runbookUrl} from\n"
+                ".Values.prometheusRule. Generated by dashboards/rules.py; change the rules there, not here."
+            )
             # One groups: list over the files that go into this template, in FILES order.
             groups_ = sum((f.groups for f in FILES if f.chart == template), ())
             before = {}
             if any(isinstance(rule, Alert) for group in groups_ for rule in group.rules):
-                header += ("\nrunbookUrl: the default pattern (RUNBOOK_URL), which the chart uses where "
-                           "prometheusRule.runbookUrl\nis empty and the release has no Service of its own.")
+                header += (
+                    "\nrunbookUrl: the default pattern (RUNBOOK_URL), which the chart uses where "
+                    "prometheusRule.runbookUrl\nis empty and the release has no Service of its own."
+                )
                 before = {"runbookUrl": DEFAULTS["runbookUrl"]}
-            result[template] = render_file(RuleFile(os.path.basename(template), header, groups_), None, header,
-                                           before)
+            result[template] = render_file(RuleFile(os.path.basename(template), header, groups_), None, header, before)
     return result
 
 
@@ -668,7 +804,7 @@ def load_config(path: str) -> dict:
     if data is None:
         return {}
     if isinstance(data, dict) and isinstance(data.get("prometheusRule"), dict):
-        data = data["prometheusRule"]          # a chart values file: its prometheusRule block
+        data = data["prometheusRule"]  # a chart values file: its prometheusRule block
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a map like the chart's prometheusRule values")
     return data

@@ -42,7 +42,7 @@ DOCS = os.path.join(ROOT, "docs", "runbook.md")
 CHART = os.path.join(ROOT, "helm", "kvguard", "files", "runbook.template.md")
 PLACEHOLDER = re.compile(r"\$\{(thresholds|for)\.([A-Za-z0-9]+)\}")
 SECTION = re.compile(r"^## (\S+)$", flags=re.M)
-DOCS_LEAD = ("<!-- Written by dashboards/runbook.py from dashboards/runbook.template.md: edit that. -->\n")
+DOCS_LEAD = "<!-- Written by dashboards/runbook.py from dashboards/runbook.template.md: edit that. -->\n"
 
 
 def fill(text: str, config: dict | None = None) -> str:
@@ -73,14 +73,16 @@ def page(title: str, markdown: str, lead: str = "") -> str:
     """markdown as one HTML page: `## NAME` headings as <h2 id="name">, the text between them escaped in <pre>."""
     body, at = [], 0
     for match in SECTION.finditer(markdown):
-        body.append(_pre(markdown[at:match.start()]))
+        body.append(_pre(markdown[at : match.start()]))
         name = match.group(1)
         body.append(f'<h2 id="{html.escape(name.lower(), quote=True)}">{html.escape(name)}</h2>\n')
         at = match.end()
     body.append(_pre(markdown[at:]))
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
-            "<style>pre { white-space: pre-wrap; font-family: inherit; }</style></head>\n<body>\n"
-            f"{lead}{''.join(body)}</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
+        "<style>pre { white-space: pre-wrap; font-family: inherit; }</style></head>\n<body>\n"
+        f"{lead}{''.join(body)}</body>\n</html>\n"
+    )
 
 
 def _pre(text: str) -> str:
@@ -96,8 +98,9 @@ def pages(config: dict | None = None) -> dict[str, str]:
     starts = [m.start() for m in SECTION.finditer(text)] + [len(text)]
     for start, end in zip(starts, starts[1:]):
         name = SECTION.match(text, start).group(1)
-        result[f"{name.lower()}.html"] = page(f"kvguard runbook: {name}", text[start:end],
-                                               '<p><a href="index.html">The whole runbook</a></p>\n')
+        result[f"{name.lower()}.html"] = page(
+            f"kvguard runbook: {name}", text[start:end], '<p><a href="index.html">The whole runbook</a></p>\n'
+        )
     return result
 
 

@@ -182,8 +182,13 @@ def _identities(root: pathlib.Path, venv: pathlib.Path | None) -> dict[str, str]
 
 def drop_bytecode(folders: list[pathlib.Path]) -> int:
     """Remove the __pycache__ folders under ``folders``; bytes freed (hard links counted once)."""
-    caches = [pathlib.Path(d) / "__pycache__" for folder in folders if folder.is_dir()
-              for d, subdirs, _ in os.walk(folder) if "__pycache__" in subdirs]
+    caches = [
+        pathlib.Path(d) / "__pycache__"
+        for folder in folders
+        if folder.is_dir()
+        for d, subdirs, _ in os.walk(folder)
+        if "__pycache__" in subdirs
+    ]
     freed = disk_bytes(caches)
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
@@ -207,16 +212,21 @@ def slim(venv: pathlib.Path | None) -> str:
         done = "nothing rebuilt since the last pass"
     else:
         # Bytecode only in the environments built since the last pass (a new clone's venv rebuilds nothing).
-        built = [root / name for name, ident in now.items()
-                 if name.split("/")[0] in ENV_FOLDERS and before.get(name) != ident]
+        built = [
+            root / name
+            for name, ident in now.items()
+            if name.split("/")[0] in ENV_FOLDERS and before.get(name) != ident
+        ]
         dropped = drop_bytecode(built)
         linked = link_duplicates(roots)
         stamp.write_text(json.dumps(_identities(root, venv)))
         done = f"dropped {dropped / 1e9:.1f} GB of bytecode, linked {linked} duplicate files"
     total, per_root = disk_usage(roots)
     sizes = ", ".join(f"{path} {size / 1e9:.1f} GB" for path, size in zip(roots, per_root))
-    return (f"retired {freed / 1e9:.1f} GB of unpacked wheels; {done}; on disk: "
-            f"{total / 1e9:.1f} GB in all ({sizes}; a file linked in both counted once)")
+    return (
+        f"retired {freed / 1e9:.1f} GB of unpacked wheels; {done}; on disk: "
+        f"{total / 1e9:.1f} GB in all ({sizes}; a file linked in both counted once)"
+    )
 
 
 if __name__ == "__main__":

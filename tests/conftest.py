@@ -16,8 +16,11 @@ if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != EXPORTER:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "shared_data(path, source): the test reads a file of ../shared (fetched "
-                                       "public data, never committed): skipped where it is missing, failed with CI=true")
+    config.addinivalue_line(
+        "markers",
+        "shared_data(path, source): the test reads a file of ../shared (fetched "
+        "public data, never committed): skipped where it is missing, failed with CI=true",
+    )
 
 
 def pytest_runtest_setup(item):
@@ -27,8 +30,10 @@ def pytest_runtest_setup(item):
         path = marker.kwargs["path"]
         if os.path.isfile(path):
             continue
-        message = (f"{os.path.relpath(path, os.path.dirname(ROOT))} is missing: ../shared beside the checkout holds "
-                   f"{marker.kwargs['source']} (tests/data/shared/MANIFEST.json lists the files)")
+        message = (
+            f"{os.path.relpath(path, os.path.dirname(ROOT))} is missing: ../shared beside the checkout holds "
+            f"{marker.kwargs['source']} (tests/data/shared/MANIFEST.json lists the files)"
+        )
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(message + "; CI=true: the data must be there", pytrace=False)
         pytest.skip(message)
@@ -38,6 +43,7 @@ def pytest_runtest_setup(item):
 def data_path():
     def path(*parts: str) -> str:
         return os.path.join(DATA, *parts)
+
     return path
 
 
@@ -52,6 +58,7 @@ def serve(tmp_path):
         server = start_server(tmp_path / "spool", *snapshots, **options)
         servers.append(server)
         return server
+
     yield start
     for server in servers:
         server.stop()

@@ -24,16 +24,58 @@ PANELS_WITH_DATASOURCE = {"singlestat", "graph", "table-old", "timeseries"}
 # lint/rule_panel_units.go: the units Grafana knows (valueFormats/categories.ts), the subset a
 # kvguard dashboard could want plus the common ones; anything else is reported.
 VALID_UNITS = {
-    "none", "string", "short", "percent", "percentunit", "bytes", "decbytes", "bits", "decbits", "kbytes",
-    "deckbytes", "mbytes", "decmbytes", "gbytes", "decgbytes", "tbytes", "dectbytes", "binBps", "Bps",
-    "hertz", "ns", "µs", "ms", "s", "m", "h", "d", "dtdurationms", "dtdurations", "cps", "ops", "reqps", "rps",
-    "wps", "iops", "cpm", "opm", "bool", "bool_yes_no", "bool_on_off", "celsius", "watt",
+    "none",
+    "string",
+    "short",
+    "percent",
+    "percentunit",
+    "bytes",
+    "decbytes",
+    "bits",
+    "decbits",
+    "kbytes",
+    "deckbytes",
+    "mbytes",
+    "decmbytes",
+    "gbytes",
+    "decgbytes",
+    "tbytes",
+    "dectbytes",
+    "binBps",
+    "Bps",
+    "hertz",
+    "ns",
+    "µs",
+    "ms",
+    "s",
+    "m",
+    "h",
+    "d",
+    "dtdurationms",
+    "dtdurations",
+    "cps",
+    "ops",
+    "reqps",
+    "rps",
+    "wps",
+    "iops",
+    "cpm",
+    "opm",
+    "bool",
+    "bool_yes_no",
+    "bool_on_off",
+    "celsius",
+    "watt",
 }
 
 # lint/variables.go: Grafana's global variables, with the values the linter substitutes.
 RATE_INTERVAL_SAMPLE = "8869990787ms"
-GLOBAL_SAMPLES = {"__rate_interval": RATE_INTERVAL_SAMPLE, "__interval": "4867856611ms",
-                  "__range": "6069770749ms", "__auto": "12345ms"}
+GLOBAL_SAMPLES = {
+    "__rate_interval": RATE_INTERVAL_SAMPLE,
+    "__interval": "4867856611ms",
+    "__range": "6069770749ms",
+    "__auto": "12345ms",
+}
 DATASOURCE_UIDS = {"$datasource", "${datasource}"}
 LABEL_FUNCTIONS = {"label_names", "label_values", "metrics", "query_result"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
@@ -42,7 +84,7 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 def all_panels(dashboard: dict) -> Iterator[dict]:
     for panel in dashboard.get("panels", []):
         yield panel
-        yield from panel.get("panels", [])      # a collapsed row keeps its panels inside
+        yield from panel.get("panels", [])  # a collapsed row keeps its panels inside
 
 
 def variables(dashboard: dict) -> list[dict]:
@@ -54,8 +96,9 @@ def all_value(variable: dict) -> str:
     return variable.get("allValue") or ".*"
 
 
-def expand(expr: str, dashboard: dict, rate_interval: str = RATE_INTERVAL_SAMPLE,
-           value: Callable[[dict], str] | None = None) -> str:
+def expand(
+    expr: str, dashboard: dict, rate_interval: str = RATE_INTERVAL_SAMPLE, value: Callable[[dict], str] | None = None
+) -> str:
     """expr with Grafana's variables replaced: globals by sample durations, dashboard variables by
     value(variable) (default: the variable's name, as the linter does)."""
     by_name = {v["name"]: v for v in variables(dashboard)}
@@ -89,6 +132,7 @@ def targets(dashboard: dict) -> Iterator[tuple[dict, dict]]:
 
 
 # ----------------------------------------------------------------------------- dashboard rules
+
 
 def template_datasource(dashboard: dict) -> list[str]:
     """template-datasource-rule: a templated data source, named 'datasource', labelled 'Data source'."""
@@ -177,8 +221,11 @@ def template_label_promql(dashboard: dict) -> list[str]:
 
 def template_on_time_change_reload(dashboard: dict) -> list[str]:
     """template-on-time-change-reload-rule: query variables refresh on time range change (2)."""
-    return [f"template {v['name']!r} refresh is {v.get('refresh')!r}, should be 2"
-            for v in variables(dashboard) if v.get("type") == "query" and v.get("refresh") != 2]
+    return [
+        f"template {v['name']!r} refresh is {v.get('refresh')!r}, should be 2"
+        for v in variables(dashboard)
+        if v.get("type") == "query" and v.get("refresh") != 2
+    ]
 
 
 def uneditable_dashboard(dashboard: dict) -> list[str]:
@@ -188,6 +235,7 @@ def uneditable_dashboard(dashboard: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------- panel rules
 
+
 def panel_datasource(dashboard: dict) -> list[str]:
     """panel-datasource-rule: panels use the templated data source.
 
@@ -195,15 +243,20 @@ def panel_datasource(dashboard: dict) -> list[str]:
     """
     allowed = {f"${v['name']}" for v in variables(dashboard) if v.get("type") == "datasource"}
     allowed |= {f"${{{v['name']}}}" for v in variables(dashboard) if v.get("type") == "datasource"}
-    return [f"panel {p.get('title')!r} uses data source {_uid(p.get('datasource'))!r}"
-            for p in all_panels(dashboard)
-            if p.get("type") in PANELS_WITH_DATASOURCE | {"stat"} and _uid(p.get("datasource")) not in allowed]
+    return [
+        f"panel {p.get('title')!r} uses data source {_uid(p.get('datasource'))!r}"
+        for p in all_panels(dashboard)
+        if p.get("type") in PANELS_WITH_DATASOURCE | {"stat"} and _uid(p.get("datasource")) not in allowed
+    ]
 
 
 def panel_title_description(dashboard: dict) -> list[str]:
     """panel-title-description-rule: every panel has a title and a description."""
-    return [f"panel {p.get('title')!r} has no title or description" for p in all_panels(dashboard)
-            if p.get("type") in PANELS_WITH_UNITS and not (p.get("title") and p.get("description"))]
+    return [
+        f"panel {p.get('title')!r} has no title or description"
+        for p in all_panels(dashboard)
+        if p.get("type") in PANELS_WITH_UNITS and not (p.get("title") and p.get("description"))
+    ]
 
 
 def _unit(panel: dict) -> str:
@@ -219,7 +272,8 @@ def _has_value_mappings(panel: dict) -> bool:
     config = panel.get("fieldConfig") or {}
     overrides = [prop for o in config.get("overrides", []) for prop in o.get("properties", [])]
     return bool(config.get("defaults", {}).get("mappings")) or any(
-        prop.get("id") == "mappings" and prop.get("value") for prop in overrides)
+        prop.get("id") == "mappings" and prop.get("value") for prop in overrides
+    )
 
 
 def panel_units(dashboard: dict, strict: bool = False) -> list[str]:
@@ -242,11 +296,15 @@ def panel_units(dashboard: dict, strict: bool = False) -> list[str]:
 
 def panel_no_targets(dashboard: dict) -> list[str]:
     """panel-no-targets-rule."""
-    return [f"panel {p.get('title')!r} has no targets" for p in all_panels(dashboard)
-            if p.get("type") in PANELS_WITH_UNITS and not p.get("targets")]
+    return [
+        f"panel {p.get('title')!r} has no targets"
+        for p in all_panels(dashboard)
+        if p.get("type") in PANELS_WITH_UNITS and not p.get("targets")
+    ]
 
 
 # ----------------------------------------------------------------------------- target rules
+
 
 def target_promql(dashboard: dict) -> list[str]:
     """target-promql-rule, the part that needs no Prometheus: every target has a query that reads
@@ -261,7 +319,7 @@ def target_promql(dashboard: dict) -> list[str]:
             problems.append(f"panel {panel.get('title')!r} target {target.get('refId')} has an empty query")
             continue
         try:
-            selectors(expand(expr, dashboard))   # tokenizes first: a query it cannot read raises there
+            selectors(expand(expr, dashboard))  # tokenizes first: a query it cannot read raises there
         except ValueError as exc:
             problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: {exc}")
     return problems
@@ -276,8 +334,10 @@ def target_rate_interval(dashboard: dict) -> list[str]:
     for panel, target in targets(dashboard):
         for selector in selectors(expand(target.get("expr", ""), dashboard)):
             if selector.range is not None and selector.range != RATE_INTERVAL_SAMPLE:
-                problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: "
-                                f"{selector.metric}[{selector.range}] should use $__rate_interval")
+                problems.append(
+                    f"panel {panel.get('title')!r} target {target.get('refId')}: "
+                    f"{selector.metric}[{selector.range}] should use $__rate_interval"
+                )
     return problems
 
 
@@ -291,8 +351,10 @@ def _required_matcher(dashboard: dict, label: str) -> list[str]:
         for selector in selectors(target.get("expr", "").replace("$__rate_interval", "5m")):
             matcher = selector.matcher(label)
             if matcher is None or matcher.op != "=~" or matcher.value != f"${label}":
-                problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: "
-                                f"{selector.metric} lacks {label}=~\"${label}\"")
+                problems.append(
+                    f"panel {panel.get('title')!r} target {target.get('refId')}: "
+                    f'{selector.metric} lacks {label}=~"${label}"'
+                )
     return problems
 
 
@@ -302,9 +364,12 @@ def target_counter_agg(dashboard: dict) -> list[str]:
     for panel, target in targets(dashboard):
         for selector in selectors(expand(target.get("expr", ""), dashboard)):
             if (selector.metric or "").endswith("_total") and not (
-                    selector.range is not None and selector.function in ("rate", "irate", "increase")):
-                problems.append(f"panel {panel.get('title')!r} target {target.get('refId')}: "
-                                f"counter {selector.metric} is not aggregated with rate, irate or increase")
+                selector.range is not None and selector.function in ("rate", "irate", "increase")
+            ):
+                problems.append(
+                    f"panel {panel.get('title')!r} target {target.get('refId')}: "
+                    f"counter {selector.metric} is not aggregated with rate, irate or increase"
+                )
     return problems
 
 

@@ -26,8 +26,9 @@ def within(seconds: float, call: Callable[[], T], what: str) -> T:
     def run():
         try:
             outcome["value"] = call()
-        except BaseException as exc:   # handed to the test's thread as it is
+        except BaseException as exc:  # handed to the test's thread as it is
             outcome["error"] = exc
+
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
     runner.join(timeout=seconds)
@@ -51,8 +52,13 @@ def invoke(*args: str, seconds: float | None = None) -> Result:
 
 def kvguard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """``python -m kvguard ARGS`` as its own process, as a user runs it (no KVGUARD_DEBUG tracebacks)."""
-    return subprocess.run([sys.executable, "-m", "kvguard", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "KVGUARD_DEBUG": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "KVGUARD_DEBUG": ""},
+    )
 
 
 def one_line_error(result: Result | subprocess.CompletedProcess, code: int = 65) -> str:
@@ -68,8 +74,7 @@ def one_line_error(result: Result | subprocess.CompletedProcess, code: int = 65)
     assert exit_code == code, output
     assert exception is None or isinstance(exception, SystemExit), repr(exception)
     assert "Traceback" not in output, output
-    lines = [line for line in output.splitlines()
-             if line.strip() and not line.startswith(("Usage: ", "Try '"))]
+    lines = [line for line in output.splitlines() if line.strip() and not line.startswith(("Usage: ", "Try '"))]
     assert len(lines) == 1, output
     return lines[0]
 
@@ -127,8 +132,12 @@ def cli_args(command: str, *args) -> list[str]:
     from kvguard.cli import main
     from kvguard.cli.options import SizeType
 
-    sizes = {flag for p in main.commands[command].params if isinstance(p, click.Option)
-             and isinstance(p.type, SizeType) for flag in p.opts}
+    sizes = {
+        flag
+        for p in main.commands[command].params
+        if isinstance(p, click.Option) and isinstance(p.type, SizeType)
+        for flag in p.opts
+    }
     out: list[str] = []
     for arg in args:
         after_size = bool(out) and out[-1] in sizes

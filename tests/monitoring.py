@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 DASHBOARDS = os.path.join(ROOT, "dashboards")
@@ -64,7 +63,7 @@ def documented_serve_flags() -> set[str]:
     """The flags docs/metrics.md's "`kvguard serve` flags" section names."""
     with open(METRICS_DOC) as handle:
         section = handle.read().split("## `kvguard serve` flags", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(--[a-z][a-z.-]*[a-z])", section))   # dots too: --web.config.file
+    return set(re.findall(r"`(--[a-z][a-z.-]*[a-z])", section))  # dots too: --web.config.file
 
 
 def documented_serve_port() -> str:
@@ -96,7 +95,7 @@ def rules_generator():
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, RULES_GENERATOR)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module          # dataclasses look their module up while the class is made
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
         spec.loader.exec_module(module)
     return sys.modules[name]
 

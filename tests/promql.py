@@ -16,17 +16,34 @@ from dataclasses import dataclass, field
 LABEL_LIST_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 WORD_OPERATORS = {"and", "or", "unless", "bool", "atan2"}
 # Aggregations may put their label list first: sum by (pod) (x).
-AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
-                "topk", "quantile", "limitk", "limit_ratio"}
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+}
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<space>\s+)
   | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
   | (?P<range>\[[^\]]*\])
   | (?P<number>(?:0[xX][0-9a-fA-F]+|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)(?:[a-zA-Z]+[0-9a-zA-Z]*)*)
   | (?P<ident>[a-zA-Z_:][a-zA-Z0-9_:]*)
   | (?P<op>=~|!~|!=|==|>=|<=|[-+*/%^<>=,(){}@])
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 @dataclass(frozen=True)
@@ -40,8 +57,8 @@ class Matcher:
 class Selector:
     metric: str | None
     matchers: list[Matcher] = field(default_factory=list)
-    range: str | None = None          # the text between [ and ] when the selector is ranged
-    function: str | None = None       # the function whose argument the selector is, if any
+    range: str | None = None  # the text between [ and ] when the selector is ranged
+    function: str | None = None  # the function whose argument the selector is, if any
 
     def matcher(self, label: str) -> Matcher | None:
         return next((m for m in self.matchers if m.label == label), None)
@@ -52,7 +69,7 @@ def tokenize(expr: str) -> list[tuple[str, str]]:
     while position < len(expr):
         match = _TOKEN.match(expr, position)
         if not match:
-            raise ValueError(f"cannot read PromQL at {position}: {expr[position:position + 20]!r}")
+            raise ValueError(f"cannot read PromQL at {position}: {expr[position : position + 20]!r}")
         kind = match.lastgroup
         if kind != "space":
             tokens.append((kind, match.group()))
@@ -70,8 +87,8 @@ def selectors(expr: str) -> list[Selector]:
     """Every vector selector of expr, with its matchers, its range and its enclosing function."""
     tokens = tokenize(expr)
     found: list[Selector] = []
-    calls: list[str | None] = []     # for each open parenthesis: the function it belongs to
-    pending: str | None = None       # an aggregation whose label list comes before its "("
+    calls: list[str | None] = []  # for each open parenthesis: the function it belongs to
+    pending: str | None = None  # an aggregation whose label list comes before its "("
     index = 0
 
     def matchers_at(start: int) -> tuple[list[Matcher], int]:

@@ -14,10 +14,14 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(REPO), "shared")
-REAL_DIRS = [path for path in os.environ.get(
-    "KVGUARD_TORCH_SNAPSHOTS",
-    os.pathsep.join([os.path.join(SHARED, "torch-snapshots"), os.path.join(SHARED, "torch-snapshots-2")]),
-).split(os.pathsep) if path]
+REAL_DIRS = [
+    path
+    for path in os.environ.get(
+        "KVGUARD_TORCH_SNAPSHOTS",
+        os.pathsep.join([os.path.join(SHARED, "torch-snapshots"), os.path.join(SHARED, "torch-snapshots-2")]),
+    ).split(os.pathsep)
+    if path
+]
 
 # The files ../shared should hold (tests/data/shared/MANIFEST.json): with the default folders, each expected
 # snapshot is one test, run where its file is, skipped one by one where it is not (failed with CI=true).
@@ -35,13 +39,21 @@ def snapshot_params(custom_id=None):
             found = sorted(glob.glob(os.path.join(folder, "**", "*.pickle"), recursive=True))
             name = os.path.basename(os.path.normpath(folder))
             if not found:
-                params.append(pytest.param(None, id=f"{name}:none", marks=pytest.mark.skip(
-                    reason=f"no real snapshots in {folder} (KVGUARD_TORCH_SNAPSHOTS)")))
+                params.append(
+                    pytest.param(
+                        None,
+                        id=f"{name}:none",
+                        marks=pytest.mark.skip(reason=f"no real snapshots in {folder} (KVGUARD_TORCH_SNAPSHOTS)"),
+                    )
+                )
             params += [pytest.param(path, id=f"{name}/{os.path.relpath(path, folder)}") for path in found]
         return params
     for name, entry in SHARED_MANIFEST.items():
         for item in entry["files"]:
             path = os.path.join(SHARED, name, item["path"])
-            params.append(pytest.param(path, id=f"{name}/{item['path']}",
-                                       marks=pytest.mark.shared_data(path=path, source=entry["source"])))
+            params.append(
+                pytest.param(
+                    path, id=f"{name}/{item['path']}", marks=pytest.mark.shared_data(path=path, source=entry["source"])
+                )
+            )
     return params

@@ -11,6 +11,7 @@ import os
 import pytest
 from click.testing import CliRunner
 from conftest import EXAMPLES
+
 from kvguard.allocators import native
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
@@ -50,14 +51,37 @@ def invoke(monkeypatch, engine, *args):
 
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])
 def test_simulate_answers_the_same_from_either_engine(monkeypatch, allocator):
-    args = ("simulate", "--json", "--model-config", QWEN, "--allocator", allocator, "--total-memory", "24GiB",
-            "--requests", "24", "--long-fraction", "0.5")
+    args = (
+        "simulate",
+        "--json",
+        "--model-config",
+        QWEN,
+        "--allocator",
+        allocator,
+        "--total-memory",
+        "24GiB",
+        "--requests",
+        "24",
+        "--long-fraction",
+        "0.5",
+    )
     c, python = invoke(monkeypatch, "auto", *args), invoke(monkeypatch, "python", *args)
     assert (c.pop("allocator_engine"), python.pop("allocator_engine")) == ("c", "python")
     assert c == python
 
 
 def test_plan_search_answers_the_same_from_either_engine(monkeypatch):
-    args = ("plan", "--json", "--search", "--device", "910B4", "--", "vllm-mindspore", "serve", QWEN,
-            "--max-model-len", "32768")
+    args = (
+        "plan",
+        "--json",
+        "--search",
+        "--device",
+        "910B4",
+        "--",
+        "vllm-mindspore",
+        "serve",
+        QWEN,
+        "--max-model-len",
+        "32768",
+    )
     assert invoke(monkeypatch, "auto", *args) == invoke(monkeypatch, "python", *args)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kvguard.allocators._cmspool",
-                    reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace")
+pytest.importorskip(
+    "kvguard.allocators._cmspool",
+    reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace",
+)
 
 from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady  # noqa: E402
 from kvguard.allocators.device import Device  # noqa: E402
@@ -39,16 +41,18 @@ def configurations() -> list[dict]:
     configs = []
     for row in RELEASES:
         for _ in range(5):
-            configs.append({
-                "version": row if rng.random() < 0.2 else row.version,     # a row is accepted too
-                "graph_mode": rng.random() < 0.4,
-                "task_sink": rng.random() < 0.5,
-                "mempool_block_size": rng.choice([None, None, 1 * GIB, 8 * MIB, 24 * MIB, 10_000_000, 3 * GIB]),
-                "enable_vmm": rng.random() < 0.5,
-                "vmm_page_bytes": rng.choice([None, None, 2 * MIB, 4 * MIB]),
-                "budget": rng.choice([40 * MIB, 200 * MIB, 900 * MIB, 1536 * MIB, 3 * GIB]),
-                "non_allocator": rng.choice([0, 0, 64 * MIB]),
-            })
+            configs.append(
+                {
+                    "version": row if rng.random() < 0.2 else row.version,  # a row is accepted too
+                    "graph_mode": rng.random() < 0.4,
+                    "task_sink": rng.random() < 0.5,
+                    "mempool_block_size": rng.choice([None, None, 1 * GIB, 8 * MIB, 24 * MIB, 10_000_000, 3 * GIB]),
+                    "enable_vmm": rng.random() < 0.5,
+                    "vmm_page_bytes": rng.choice([None, None, 2 * MIB, 4 * MIB]),
+                    "budget": rng.choice([40 * MIB, 200 * MIB, 900 * MIB, 1536 * MIB, 3 * GIB]),
+                    "non_allocator": rng.choice([0, 0, 64 * MIB]),
+                }
+            )
     return configs
 
 
@@ -79,10 +83,27 @@ def observed(pool, device: Device) -> dict:
     return {
         "stats": pool.memory_stats(),
         "bytes": (pool.allocated_bytes, pool.reserved_bytes, pool.peak_allocated_bytes, pool.peak_reserved_bytes),
-        "counters": (pool.alloc_size, pool.used_size, pool.eager_free_size, pool.physical_pages, pool.cached_pages,
-                     pool.num_ooms, pool._static_bytes, pool._next_addr, pool.total_mem_size, pool.free_mem_size,
-                     pool._peak_increase, pool._used_at_reset, pool._alloc_at_reset, pool._window_used,
-                     pool._window_reserved, dict(pool._units), pool.task_sink, pool.page, pool._max_pages),
+        "counters": (
+            pool.alloc_size,
+            pool.used_size,
+            pool.eager_free_size,
+            pool.physical_pages,
+            pool.cached_pages,
+            pool.num_ooms,
+            pool._static_bytes,
+            pool._next_addr,
+            pool.total_mem_size,
+            pool.free_mem_size,
+            pool._peak_increase,
+            pool._used_at_reset,
+            pool._alloc_at_reset,
+            pool._window_used,
+            pool._window_reserved,
+            dict(pool._units),
+            pool.task_sink,
+            pool.page,
+            pool._max_pages,
+        ),
         "blocks": (pool.block_sizes(False), pool.block_sizes(True)),
         "idle": (pool.idle_buffer_sizes(False), pool.idle_buffer_sizes(True)),
         "eager": (list(pool._allocators[False].eager), list(pool._allocators[True].eager)),
@@ -121,7 +142,7 @@ def run_side_by_side(config: dict, seed: int, steps: int = STEPS) -> tuple[int, 
             results = [outcome(pool.take_window_peaks) for pool in (python, native)]
         elif r < 0.46:
             results = [outcome(pool.jit_o0_compile) for pool in (python, native)]
-        elif r < 0.47 and config["enable_vmm"]:      # what a miss does first (private: VMM only)
+        elif r < 0.47 and config["enable_vmm"]:  # what a miss does first (private: VMM only)
             results = [outcome(pool._eager_free_idle) for pool in (python, native)]
         elif r < 0.48:
             grow = rng.randint(0, budget // 4)
@@ -146,8 +167,12 @@ def run_side_by_side(config: dict, seed: int, steps: int = STEPS) -> tuple[int, 
         assert results[0] == results[1], f"config {config}, seed {seed}, step {step}: {results}"
         seen = observed(python, python.device)
         assert seen == observed(native, native.device), f"config {config}, seed {seed}, step {step}"
-        key_classes.append((python_keys.setdefault(python.steady_state_key(), step),
-                            native_keys.setdefault(native.steady_state_key(), step)))
+        key_classes.append(
+            (
+                python_keys.setdefault(python.steady_state_key(), step),
+                native_keys.setdefault(native.steady_state_key(), step),
+            )
+        )
     # Steady keys partition the states alike: equal for the native engine exactly when equal for the model.
     assert [p for p, _ in key_classes] == [n for _, n in key_classes]
     return steps, ooms
@@ -173,10 +198,14 @@ def steady_round(pool, state) -> tuple:
     return recorded, [getattr(obj, key) for obj, key in counters + peaks]
 
 
-@pytest.mark.parametrize("index", range(len(CONFIGS)),
-                         ids=[f"{getattr(c['version'], 'version', c['version'])}-"
-                              f"{'vmm' if c['enable_vmm'] else 'novmm'}-{i}"
-                              for i, c in enumerate(CONFIGS)])
+@pytest.mark.parametrize(
+    "index",
+    range(len(CONFIGS)),
+    ids=[
+        f"{getattr(c['version'], 'version', c['version'])}-{'vmm' if c['enable_vmm'] else 'novmm'}-{i}"
+        for i, c in enumerate(CONFIGS)
+    ],
+)
 def test_the_c_engine_equals_the_python_model_at_every_op(index):
     run_side_by_side(CONFIGS[index], seed=index)
 
@@ -212,7 +241,7 @@ def test_an_idle_buffer_grows_into_the_whole_of_its_eager_free_neighbour():
         pool = cls(Device(16 * GIB), enable_vmm=True)
         a, b, _ = pool.malloc(4 * MIB), pool.malloc(2 * MIB), pool.malloc(2 * MIB)
         pool.free(b)
-        pool._eager_free_idle()               # [4, 6) MiB eager-free between two used buffers
+        pool._eager_free_idle()  # [4, 6) MiB eager-free between two used buffers
         pool.free(a)
         grown = pool.malloc(6 * MIB)
         pool.free(grown)
@@ -232,8 +261,9 @@ def test_malloc_takes_its_arguments_by_keyword_too():
 
 
 # ----------------------------------------------------------------- bad input
-@pytest.mark.parametrize("size", [-1, -512, -(1 << 70), 1.5, 512.0, None, "512", [512], True, 1 << 64, 1 << 70,
-                                  (1 << 63) - 1, 1 << 62])
+@pytest.mark.parametrize(
+    "size", [-1, -512, -(1 << 70), 1.5, 512.0, None, "512", [512], True, 1 << 64, 1 << 70, (1 << 63) - 1, 1 << 62]
+)
 def test_a_bad_size_is_refused_alike_and_changes_nothing(size):
     python, native = DynamicMemPool(Device(16 * GIB)), NativeDynamicMemPool(Device(16 * GIB))
     for pool in (python, native):
@@ -288,8 +318,10 @@ def test_a_float_equal_to_an_address_frees_it_as_the_dict_finds_it():
 
 @pytest.mark.parametrize("persistent", [None, 2, "yes"])
 def test_an_unknown_persistent_flag_raises_the_same_key_error(persistent):
-    errors = [outcome(lambda cls=cls: cls(Device(16 * GIB)).malloc(1000, persistent))
-              for cls in (DynamicMemPool, NativeDynamicMemPool)]
+    errors = [
+        outcome(lambda cls=cls: cls(Device(16 * GIB)).malloc(1000, persistent))
+        for cls in (DynamicMemPool, NativeDynamicMemPool)
+    ]
     assert errors[0] == errors[1] and errors[0][0] == "KeyError"
 
 
@@ -340,9 +372,15 @@ def test_the_serving_scenario_runs_the_same_on_both_engines(monkeypatch):
     for engine in ("python", "auto"):
         monkeypatch.setenv(native.ENV, engine)
         for conf in ("enable_vmm:true", "enable_vmm:false"):
-            config = ScenarioConfig(model_config=small, device_memory_bytes=8 * GIB,
-                                    gpu_memory_utilization=0.9, allocator="mindspore", requests=8, seed=1,
-                                    ms_alloc_conf=conf)
+            config = ScenarioConfig(
+                model_config=small,
+                device_memory_bytes=8 * GIB,
+                gpu_memory_utilization=0.9,
+                allocator="mindspore",
+                requests=8,
+                seed=1,
+                ms_alloc_conf=conf,
+            )
             scenario = ServingScenario(config)
             result = scenario.run()
             results.append((native.engine(scenario.allocator), result))
@@ -365,7 +403,7 @@ def test_pools_free_their_memory_when_dropped():
 
     churn()
     gc.collect()
-    gc.disable()          # reference counting alone frees a pool: it is in no cycle
+    gc.disable()  # reference counting alone frees a pool: it is in no cycle
     try:
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
@@ -396,12 +434,12 @@ def test_a_malloc_from_inside_block_alloc_size_is_refused():
     # It used to append an eighth block past the block array's end (a heap overflow) and corrupt the pool.
     pool = _ReentrantBlocks(Device(64 * GIB))
     for _ in range(7):
-        pool.malloc(900 * MIB)            # the block array (room for 8) keeps one free slot
+        pool.malloc(900 * MIB)  # the block array (room for 8) keeps one free slot
     pool.armed = True
     with pytest.raises(RuntimeError, match="inside one of its own calls"):
         pool.malloc(900 * MIB)
     assert pool.block_sizes(False) == [GIB] * 7 and pool.allocated_bytes == 7 * 900 * MIB
-    pool.free(pool.malloc(900 * MIB))     # the pool goes on as before
+    pool.free(pool.malloc(900 * MIB))  # the pool goes on as before
 
 
 class _ReentrantDevice(Device):
@@ -428,18 +466,22 @@ def _reinit(pool):
     pool.__init__(pool.device, enable_vmm=pool.enable_vmm)
 
 
-@pytest.mark.parametrize("vmm, hook", [
-    (False, _reinit),                                     # used to free the blocks under the expansion (NULL store)
-    (True, lambda pool: pool.empty_cache()),              # used to empty the idle list under the grow loop
-    (True, lambda pool: pool.free(pool.held)),
-    (True, lambda pool: pool._eager_free_idle()),
-    (False, lambda pool: pool.malloc(1000)),
-], ids=["init", "empty_cache", "free", "eager_free_idle", "malloc"])
+@pytest.mark.parametrize(
+    "vmm, hook",
+    [
+        (False, _reinit),  # used to free the blocks under the expansion (NULL store)
+        (True, lambda pool: pool.empty_cache()),  # used to empty the idle list under the grow loop
+        (True, lambda pool: pool.free(pool.held)),
+        (True, lambda pool: pool._eager_free_idle()),
+        (False, lambda pool: pool.malloc(1000)),
+    ],
+    ids=["init", "empty_cache", "free", "eager_free_idle", "malloc"],
+)
 def test_a_pool_change_from_inside_a_device_callback_is_refused(vmm, hook):
     device = _ReentrantDevice(16 * GIB)
     pool = NativeDynamicMemPool(device, enable_vmm=vmm)
     pool.held, grown = pool.malloc(4 * MIB), pool.malloc(4 * MIB)
-    pool.free(grown)                      # VMM: an idle buffer before the block's eager-free rest
+    pool.free(grown)  # VMM: an idle buffer before the block's eager-free rest
     before = observed(pool, device)
     device.hook = lambda: hook(pool)
     with pytest.raises(RuntimeError, match="inside one of its own calls"):
@@ -578,10 +620,10 @@ def test_a_device_reporting_negative_free_bytes_does_not_wrap_the_page_counts():
 def test_the_writable_cells_refuse_values_whose_arithmetic_would_wrap():
     pool = NativeDynamicMemPool(Device(16 * GIB))
     pool.num_ooms = (1 << 63) - 1
-    with pytest.raises(OverflowError):    # the model's num_ooms becomes 2**63; the cell cannot hold it
+    with pytest.raises(OverflowError):  # the model's num_ooms becomes 2**63; the cell cannot hold it
         pool.malloc(1 << 40)
     assert pool.num_ooms == (1 << 63) - 1
-    with pytest.raises(ValueError):       # used_size - _used_at_reset would pass 2**63
+    with pytest.raises(ValueError):  # used_size - _used_at_reset would pass 2**63
         pool._used_at_reset = -(1 << 63)
     pool.reset_peak_memory_stats()
     assert pool._used_at_reset == 0
@@ -595,6 +637,7 @@ def test_a_block_alloc_size_override_outside_0_to_2_62_is_refused(value, vmm):
     # size reserves the budget, in the model and the engine alike.
     results = []
     for base in (DynamicMemPool, NativeDynamicMemPool):
+
         class Odd(base):
             def block_alloc_size(self, size, persistent):
                 return value
@@ -604,8 +647,12 @@ def test_a_block_alloc_size_override_outside_0_to_2_62_is_refused(value, vmm):
         if base is NativeDynamicMemPool and (value > 1 << 62 or not vmm):
             with pytest.raises(ValueError, match="block_alloc_size"):
                 pool.malloc(1000)
-            assert (device.allocator_bytes, pool.alloc_size, pool._next_addr, pool.block_sizes(False)) == \
-                (0, 0, 1 << 44, [])
+            assert (device.allocator_bytes, pool.alloc_size, pool._next_addr, pool.block_sizes(False)) == (
+                0,
+                0,
+                1 << 44,
+                [],
+            )
         elif vmm and value < 0:
             results.append((outcome(lambda pool=pool: pool.malloc(1000)), observed(pool, device)))
     assert len(results) in (0, 2) and (not results or results[0] == results[1])

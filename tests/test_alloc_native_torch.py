@@ -18,6 +18,7 @@ import random
 import tracemalloc
 
 import pytest
+
 from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import STAT_ARRAYS, CachingAllocator, parse_alloc_conf
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(unsupported() is not None, reason=str(unsupporte
 MIB, GIB = 1 << 20, 1 << 30
 OPS = 700
 SEEDS = (1, 2)
-FULL_EVERY = 25       # ops between memory_stats() / layout comparisons
+FULL_EVERY = 25  # ops between memory_stats() / layout comparisons
 
 
 def fake_segment_address():
@@ -37,11 +38,12 @@ def fake_segment_address():
     cursors = {False: 1 << 40, True: 1 << 44}
 
     def base(size: int, small: bool) -> int | None:
-        expandable = size > 8 * GIB        # an expandable reservation (1 1/8 x the device)
+        expandable = size > 8 * GIB  # an expandable reservation (1 1/8 x the device)
         step = GIB if expandable else 2 * MIB
         address = cursors[expandable]
         cursors[expandable] += -(-size // step) * step
         return address
+
     return base
 
 
@@ -49,30 +51,66 @@ def fake_segment_address():
 CONFIGS = [
     ("torch", 256 * MIB, "torch", "", {}, None),
     ("torch-split32m", 256 * MIB, "torch", "max_split_size_mb:32", {}, None),
-    ("torch-large24m-split32m-nonsplit60m", 256 * MIB, "torch",
-     "large_segment_size_mb:24,max_split_size_mb:32,max_non_split_rounding_mb:60", {}, None),
+    (
+        "torch-large24m-split32m-nonsplit60m",
+        256 * MIB,
+        "torch",
+        "large_segment_size_mb:24,max_split_size_mb:32,max_non_split_rounding_mb:60",
+        {},
+        None,
+    ),
     ("torch-roundup4", 256 * MIB, "torch", "roundup_power2_divisions:4", {}, None),
     ("torch-roundup-table", 256 * MIB, "torch", "roundup_power2_divisions:[1:2,4:8,16:1,>:4]", {}, None),
     ("torch-gc-fraction", 256 * MIB, "torch", "garbage_collection_threshold:0.5", {}, 0.75),
     ("torch-fraction-split32m", 256 * MIB, "torch", "max_split_size_mb:32", {}, 0.5),
     ("torch-expandable", 256 * MIB, "torch", "expandable_segments:True", {}, None),
     ("torch-expandable-split32m", 256 * MIB, "torch", "expandable_segments:True,max_split_size_mb:32", {}, None),
-    ("torch-expandable-gc-fraction", 256 * MIB, "torch",
-     "expandable_segments:True,garbage_collection_threshold:0.6", {}, 0.8),
+    (
+        "torch-expandable-gc-fraction",
+        256 * MIB,
+        "torch",
+        "expandable_segments:True,garbage_collection_threshold:0.6",
+        {},
+        0.8,
+    ),
     ("npu", 256 * MIB, "torch_npu", "", {}, None),
     ("npu-split32m", 256 * MIB, "torch_npu", "max_split_size_mb:32", {}, None),
     ("npu-no-pad-1g", 3 * GIB, "torch_npu", "page_size:1g", {"add_pad_size": False}, None),
     ("npu-expandable", 256 * MIB, "torch_npu", "expandable_segments:True", {}, None),
-    ("npu-expandable-align5k-segment64m", 512 * MIB, "torch_npu",
-     "expandable_segments:True,base_addr_aligned_kb:5,segment_size_mb:64", {}, None),
-    ("npu-expandable-align0-large32m", 256 * MIB, "torch_npu",
-     "expandable_segments:True,base_addr_aligned_kb:0,large_segment_size_mb:32", {}, None),
+    (
+        "npu-expandable-align5k-segment64m",
+        512 * MIB,
+        "torch_npu",
+        "expandable_segments:True,base_addr_aligned_kb:5,segment_size_mb:64",
+        {},
+        None,
+    ),
+    (
+        "npu-expandable-align0-large32m",
+        256 * MIB,
+        "torch_npu",
+        "expandable_segments:True,base_addr_aligned_kb:0,large_segment_size_mb:32",
+        {},
+        None,
+    ),
     ("npu-expandable-1g", 3 * GIB, "torch_npu", "expandable_segments:True,page_size:1g", {}, None),
-    ("npu-fraction-gc", 256 * MIB, "torch_npu", "per_process_memory_fraction:0.75,garbage_collection_threshold:0.5",
-     {}, None),
+    (
+        "npu-fraction-gc",
+        256 * MIB,
+        "torch_npu",
+        "per_process_memory_fraction:0.75,garbage_collection_threshold:0.5",
+        {},
+        None,
+    ),
     ("npu-throw-on-oom", 256 * MIB, "torch_npu", "throw_on_npumalloc_oom:True", {}, None),
-    ("npu-throw-on-oom-fraction", 256 * MIB, "torch_npu",
-     "throw_on_npumalloc_oom:True,per_process_memory_fraction:0.5", {}, None),
+    (
+        "npu-throw-on-oom-fraction",
+        256 * MIB,
+        "torch_npu",
+        "throw_on_npumalloc_oom:True,per_process_memory_fraction:0.5",
+        {},
+        None,
+    ),
 ]
 IDS = [config[0] for config in CONFIGS]
 
@@ -95,8 +133,25 @@ def request_size(rng: random.Random, device_bytes: int) -> int:
     if kind < 0.04:
         return rng.choice((device_bytes + 1, (1 << 64) - 511, (1 << 64) + 3, 1 << 80))
     if kind < 0.1:
-        return rng.choice((1, 480, 481, 512, 513, MIB - 32, MIB, MIB + 1, 2 * MIB, 10 * MIB - 1, 10 * MIB,
-                           20 * MIB, 32 * MIB, 52 * MIB, 100 * MIB))
+        return rng.choice(
+            (
+                1,
+                480,
+                481,
+                512,
+                513,
+                MIB - 32,
+                MIB,
+                MIB + 1,
+                2 * MIB,
+                10 * MIB - 1,
+                10 * MIB,
+                20 * MIB,
+                32 * MIB,
+                52 * MIB,
+                100 * MIB,
+            )
+        )
     whole = rng.random() < 0.5
     if kind < 0.5:
         return rng.randint(1, 8) * (MIB // 8) if whole else rng.randint(1, MIB)
@@ -150,7 +205,7 @@ def apply(allocator, op: tuple, addresses: dict[int, int], index: int) -> tuple:
             addresses[index] = result[1]
         return result
     if kind == "free":
-        if op[1] not in addresses:         # its malloc ran out of memory
+        if op[1] not in addresses:  # its malloc ran out of memory
             return ("skipped",)
         return outcome(lambda: allocator.free(addresses.pop(op[1])))
     if kind == "free_unknown":
@@ -164,8 +219,15 @@ def python_cells(model: CachingAllocator) -> list[int]:
     """The model's statistics in the engine's cell order (torch_native / _ctorch.c)."""
     cells = [value for name in STAT_ARRAYS for stat in model._stats[name] for value in stat]
     cells += model._oversize_allocations + model._oversize_segments
-    cells += [model.num_alloc_retries, model.num_ooms, model.num_sync_all_streams, model.num_device_alloc,
-              model.num_device_free, model._window_alloc, model._window_reserved]
+    cells += [
+        model.num_alloc_retries,
+        model.num_ooms,
+        model.num_sync_all_streams,
+        model.num_device_alloc,
+        model.num_device_free,
+        model._window_alloc,
+        model._window_reserved,
+    ]
     return cells
 
 
@@ -175,15 +237,22 @@ def device_state(allocator) -> tuple:
 
 
 def layout(allocator) -> tuple:
-    return (allocator.free_block_sizes(True), allocator.free_block_sizes(False), allocator.segments(),
-            allocator.segment_layout(), allocator.snapshot_segments())
+    return (
+        allocator.free_block_sizes(True),
+        allocator.free_block_sizes(False),
+        allocator.segments(),
+        allocator.segment_layout(),
+        allocator.snapshot_segments(),
+    )
 
 
 def same_partition(keys_a: list, keys_b: list) -> bool:
     """Whether two key sequences tell the same positions apart (a[i] == a[j] exactly when b[i] == b[j])."""
+
     def classes(keys: list) -> list:
         seen: dict = {}
         return [None if key is None else seen.setdefault(key, len(seen)) for key in keys]
+
     return classes(keys_a) == classes(keys_b)
 
 
@@ -239,19 +308,29 @@ def model_run(config: tuple, seed: int, without: str | None = None) -> list:
     if fraction is not None and without != "set_memory_fraction":
         model.set_memory_fraction(fraction)
     addresses: dict[int, int] = {}
-    return [(apply(model, op, addresses, index), python_cells(model))
-            for index, op in enumerate(op_stream(seed, device_bytes))]
+    return [
+        (apply(model, op, addresses, index), python_cells(model))
+        for index, op in enumerate(op_stream(seed, device_bytes))
+    ]
 
 
 # Options that change nothing in their config, as the model has it: garbage collection never
 # releases expandable blocks (_garbage_collect_cached_blocks), and below a memory fraction of 1 the
 # allowed-maximum check refuses a segment before throw_on_npumalloc_oom would (_alloc_block).
-NO_EFFECT = {("torch-expandable-gc-fraction", "garbage_collection_threshold"),
-             ("npu-throw-on-oom-fraction", "throw_on_npumalloc_oom")}
-OPTION_CASES = [(config, option) for config in CONFIGS
-                for option in [*set(parse_alloc_conf(config[3], config[2])) - {"expandable_segments"}, *config[4],
-                               *(["set_memory_fraction"] if config[5] is not None else [])]
-                if (config[0], option) not in NO_EFFECT]
+NO_EFFECT = {
+    ("torch-expandable-gc-fraction", "garbage_collection_threshold"),
+    ("npu-throw-on-oom-fraction", "throw_on_npumalloc_oom"),
+}
+OPTION_CASES = [
+    (config, option)
+    for config in CONFIGS
+    for option in [
+        *set(parse_alloc_conf(config[3], config[2])) - {"expandable_segments"},
+        *config[4],
+        *(["set_memory_fraction"] if config[5] is not None else []),
+    ]
+    if (config[0], option) not in NO_EFFECT
+]
 
 
 @pytest.mark.parametrize("config, option", OPTION_CASES, ids=[f"{c[0]}-without-{o}" for c, o in OPTION_CASES])
@@ -269,6 +348,7 @@ def test_trace_replay_callbacks_are_followed():
         allocator.segment_address = fake_segment_address()
         key = "native" if isinstance(allocator, NativeCachingAllocator) else "model"
         allocator.on_map = lambda addr, size: maps[key].append((addr, size))
+
     model, native, _ = run_both(("expandable", 256 * MIB, "torch", "expandable_segments:True", {}, None), 3, setup)
     assert maps["native"] == maps["model"] and maps["model"]
     assert native.steady_state_key() is None and model.steady_state_key() is None
@@ -277,22 +357,49 @@ def test_trace_replay_callbacks_are_followed():
 def test_a_smaller_address_space_total_sizes_expandable_reservations():
     def setup(allocator):
         allocator.address_space_total = 64 * MIB
+
     model, native, _ = run_both(("expandable", 256 * MIB, "torch", "expandable_segments:True", {}, None), 4, setup)
     assert native.expandable_reservation(False) == model.expandable_reservation(False) == (20 * MIB, 80 * MIB)
 
 
 # ----------------------------------------------------------------- bad input
-ODD_SIZES = [-5, -(1 << 63), 0, True, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, (1 << 64) - 511, 1 << 64, 1 << 100,
-             1000.0, 1e30, float("nan"), "x", "", None, [1], b"\x01"]
+ODD_SIZES = [
+    -5,
+    -(1 << 63),
+    0,
+    True,
+    (1 << 63) - 1,
+    1 << 63,
+    (1 << 64) - 1,
+    (1 << 64) - 511,
+    1 << 64,
+    1 << 100,
+    1000.0,
+    1e30,
+    float("nan"),
+    "x",
+    "",
+    None,
+    [1],
+    b"\x01",
+]
 
 
-@pytest.mark.parametrize("variant, conf", [("torch", ""), ("torch_npu", ""), ("torch", "roundup_power2_divisions:4"),
-                                           ("torch", "expandable_segments:True,max_split_size_mb:32")])
+@pytest.mark.parametrize(
+    "variant, conf",
+    [
+        ("torch", ""),
+        ("torch_npu", ""),
+        ("torch", "roundup_power2_divisions:4"),
+        ("torch", "expandable_segments:True,max_split_size_mb:32"),
+    ],
+)
 @pytest.mark.parametrize("size", ODD_SIZES, ids=repr)
 def test_an_odd_size_does_what_the_model_does(variant, conf, size):
-    model, native = (build(cls, 256 * MIB, variant, conf, {}, None)
-                     for cls in (CachingAllocator, NativeCachingAllocator))
-    for allocator in (model, native):      # something cached, so that a release path has work
+    model, native = (
+        build(cls, 256 * MIB, variant, conf, {}, None) for cls in (CachingAllocator, NativeCachingAllocator)
+    )
+    for allocator in (model, native):  # something cached, so that a release path has work
         allocator.free(allocator.malloc(3 * MIB))
         allocator.free(allocator.malloc(40 * MIB))
     expected = outcome(lambda: model.malloc(size))
@@ -406,7 +513,7 @@ def test_a_stream_that_is_not_an_int64_is_refused(stream):
     assert native.allocated_bytes == 0 and native.segments() == []
 
 
-ODD_ADDRESSES = [0, None, "", 0.0, False, 12345, -1, 1 << 70, 2.0 ** 40, float(1 << 40) + 0.5, "x", (1 << 40,), [1]]
+ODD_ADDRESSES = [0, None, "", 0.0, False, 12345, -1, 1 << 70, 2.0**40, float(1 << 40) + 0.5, "x", (1 << 40,), [1]]
 
 
 @pytest.mark.parametrize("variant", ["torch", "torch_npu"])
@@ -427,8 +534,13 @@ def test_freeing_twice_is_a_key_error_as_in_the_model():
 
 
 def test_a_constructor_option_the_model_refuses_is_refused_with_its_message():
-    for kwargs in ({"variant": "cuda"}, {"max_split_size": 10 * MIB}, {"add_pad_size": False},
-                   {"garbage_collection_threshold": 1.5}, {"variant": "torch_npu", "segment_size": MIB}):
+    for kwargs in (
+        {"variant": "cuda"},
+        {"max_split_size": 10 * MIB},
+        {"add_pad_size": False},
+        {"garbage_collection_threshold": 1.5},
+        {"variant": "torch_npu", "segment_size": MIB},
+    ):
         expected = outcome(lambda: CachingAllocator(Device(GIB), **kwargs))
         assert expected[0] == "ValueError"
         assert outcome(lambda: NativeCachingAllocator(Device(GIB), **kwargs)) == expected
@@ -445,9 +557,13 @@ def test_what_the_engine_does_not_take_is_named_and_refused():
     with pytest.raises(NotImplementedError, match="max_split_size"):
         NativeCachingAllocator(Device(GIB), max_split_size=1 << 64)
     native = NativeCachingAllocator(Device(GIB))
-    for call in (lambda: native.seed_segment(1 << 40, 2 * MIB, True, []), lambda: native.seed_segments([]),
-                 lambda: native.release_segment_at(1 << 40), lambda: native.unmap_range(1 << 40, 2 * MIB),
-                 lambda: native.seed_expandable_segment(1 << 40, 2 * MIB, True, [], [])):
+    for call in (
+        lambda: native.seed_segment(1 << 40, 2 * MIB, True, []),
+        lambda: native.seed_segments([]),
+        lambda: native.release_segment_at(1 << 40),
+        lambda: native.unmap_range(1 << 40, 2 * MIB),
+        lambda: native.seed_expandable_segment(1 << 40, 2 * MIB, True, [], []),
+    ):
         with pytest.raises(NotImplementedError, match="Python model"):
             call()
 
@@ -469,6 +585,7 @@ def test_a_call_from_inside_a_call_is_refused():
             native.malloc(4096)
         except RuntimeError as error:
             errors.append(str(error))
+
     native.on_map = on_map
     native.malloc(4096)
     assert errors and "inside one of its own calls" in errors[0]
@@ -489,6 +606,7 @@ def test_a_key_whose_eq_frees_the_block_it_is_compared_with_cannot_free_it_twice
         def __eq__(self, other: object) -> bool:
             native.free(addr)
             return True
+
     with pytest.raises(RuntimeError, match="inside one of its own calls"):
         native.free(Key())
     native._check()
@@ -504,16 +622,17 @@ def test_a_key_with_a_hash_no_int_address_has_is_not_found():
     in the model even when it compares equal to an address."""
     model, native = CachingAllocator(Device(GIB)), NativeCachingAllocator(Device(GIB))
     for allocator in (model, native):
-        allocator._next_addr = 1 << 62          # hash(1 << 62) == 2
+        allocator._next_addr = 1 << 62  # hash(1 << 62) == 2
     addr = model.malloc(4096)
     assert native.malloc(4096) == addr
 
     class Key:
         def __hash__(self) -> int:
-            return (1 << 61) + 1              # 2 + the modulus
+            return (1 << 61) + 1  # 2 + the modulus
 
         def __eq__(self, other: object) -> bool:
             return other == addr
+
     key = Key()
     assert outcome(lambda: native.free(key)) == outcome(lambda: model.free(key)) == ("KeyError", str(key))
     assert native.allocated_bytes == model.allocated_bytes == 4096
@@ -528,9 +647,11 @@ def test_segment_address_may_move_the_next_address_before_returning_none():
         def base(size: int, small: bool, allocator=allocator) -> None:
             allocator._next_addr += 1 << 30
             return None
+
         allocator.segment_address = base
-        results.append(([allocator.malloc(size) for size in (4096, 3 * MIB, 50 * MIB)], allocator.segments(),
-                        allocator._next_addr))
+        results.append(
+            ([allocator.malloc(size) for size in (4096, 3 * MIB, 50 * MIB)], allocator.segments(), allocator._next_addr)
+        )
     assert results[0] == results[1]
     assert results[0][0][0] == (1 << 40) + (1 << 30)
 
@@ -564,8 +685,25 @@ def test_the_engine_s_own_constructor_refuses_ints_it_would_wrap():
     """Engine(...) (what NativeCachingAllocator passes the model's settings to) and _set_fraction take
     unsigned 64-bit ints; PyArg's "K" wrapped -1 to 2**64 - 1."""
     from kvguard.allocators._ctorch import Engine
-    args = [Device(GIB), "torch", lambda size: 0, 0, False, 0, 20 * MIB, 20 * MIB, False, 20 * MIB, (1 << 64) - 1,
-            False, (0,) * 16, 0.0, False, GIB]
+
+    args = [
+        Device(GIB),
+        "torch",
+        lambda size: 0,
+        0,
+        False,
+        0,
+        20 * MIB,
+        20 * MIB,
+        False,
+        20 * MIB,
+        (1 << 64) - 1,
+        False,
+        (0,) * 16,
+        0.0,
+        False,
+        GIB,
+    ]
     for index in (3, 5, 6, 7, 9, 10, 15):
         for bad in (-1, 1 << 64):
             wrong = list(args)
@@ -582,16 +720,34 @@ def test_the_engine_is_initialised_once_even_from_inside_its_constructor():
     """The divisions table is iterated (Python code) before the settings are stored: an __init__ from
     there makes the outer one fail, not overwrite (and leak) what the inner one stored."""
     from kvguard.allocators._ctorch import Engine
+
     engine = Engine.__new__(Engine)
 
     def args(name: str, divisions) -> list:
-        return [Device(GIB), name, lambda size: 0, 0, False, 0, 20 * MIB, 20 * MIB, False, 20 * MIB,
-                (1 << 64) - 1, False, divisions, 0.0, False, GIB]
+        return [
+            Device(GIB),
+            name,
+            lambda size: 0,
+            0,
+            False,
+            0,
+            20 * MIB,
+            20 * MIB,
+            False,
+            20 * MIB,
+            (1 << 64) - 1,
+            False,
+            divisions,
+            0.0,
+            False,
+            GIB,
+        ]
 
     class Divisions:
         def __iter__(self):
             Engine.__init__(engine, *args("inner", (0,) * 16))
             return iter((0,) * 16)
+
     with pytest.raises(RuntimeError, match="initialised once"):
         Engine.__init__(engine, *args("outer", Divisions()))
     assert engine.name == "inner"
@@ -621,11 +777,12 @@ def test_introspection_survives_a_finalizer_that_releases_segments_under_it(call
 
     def arm() -> None:
         finalizer = Finalizer()
-        finalizer.cycle = finalizer          # only a collection frees it
+        finalizer.cycle = finalizer  # only a collection frees it
+
     thresholds = gc.get_threshold()
     gc.collect()
     arm()
-    gc.set_threshold(6)        # a collection a few tuples into the answer
+    gc.set_threshold(6)  # a collection a few tuples into the answer
     try:
         got = answer()
     finally:
@@ -653,6 +810,7 @@ def test_steady_state_key_survives_a_device_that_allocates_while_it_is_read():
         @capacity_bytes.setter
         def capacity_bytes(self, value: int) -> None:
             capacity.__set__(self, value)
+
     keys = {}
     for cls in (CachingAllocator, NativeCachingAllocator):
         device = Sneaky(GIB)
@@ -693,8 +851,9 @@ def test_steady_forwards_record_and_replay_as_on_the_model():
         addresses = [allocator.malloc(size) for size in sizes]
         for addr in reversed(addresses):
             allocator.free(addr)
+
     for allocator in (model, native):
-        forward(allocator)                 # warm: the cache now holds what a forward needs
+        forward(allocator)  # warm: the cache now holds what a forward needs
         allocator.reset_peak_memory_stats()
         allocator.take_window_peaks()
     assert [len(cells) for cells in native.steady_cells()] == [len(cells) for cells in model.steady_cells()]
@@ -720,8 +879,14 @@ def test_steady_state_key_tells_apart_states_that_differ_only_in_unmapped_pages(
             blocks = [allocator.malloc(20 * MIB) for _ in range(3)]
             allocator.free(blocks[freed])
             allocator.empty_cache()
-            states.append((allocator.steady_state_key(), allocator.device.allocator_bytes,
-                           allocator.free_block_sizes(False), allocator.segments()))
+            states.append(
+                (
+                    allocator.steady_state_key(),
+                    allocator.device.allocator_bytes,
+                    allocator.free_block_sizes(False),
+                    allocator.segments(),
+                )
+            )
         assert states[0][1:] == states[1][1:]
         keys[cls] = states[0][0] == states[1][0]
     assert keys == {CachingAllocator: False, NativeCachingAllocator: False}
@@ -735,13 +900,31 @@ def test_steady_state_key_is_none_with_garbage_collection():
 
 
 def test_the_public_settings_read_as_the_model_s():
-    for kwargs in ({}, {"variant": "torch_npu", "expandable_segments": True, "segment_size": 64 * MIB},
-                   {"roundup_power2_divisions": {"2": 4}, "memory_fraction": 0.5}):
+    for kwargs in (
+        {},
+        {"variant": "torch_npu", "expandable_segments": True, "segment_size": 64 * MIB},
+        {"roundup_power2_divisions": {"2": 4}, "memory_fraction": 0.5},
+    ):
         model, native = CachingAllocator(Device(GIB), **kwargs), NativeCachingAllocator(Device(GIB), **kwargs)
-        for name in ("name", "pad", "base_addr_aligned", "large_segment_size", "max_non_split_rounding_size",
-                     "page_size_1g", "large_page_size", "max_split_size", "expandable_segments",
-                     "roundup_power2_divisions", "garbage_collection_threshold", "throw_on_npumalloc_oom",
-                     "allowed_memory_maximum", "set_fraction", "address_space_total", "segment_address", "on_map"):
+        for name in (
+            "name",
+            "pad",
+            "base_addr_aligned",
+            "large_segment_size",
+            "max_non_split_rounding_size",
+            "page_size_1g",
+            "large_page_size",
+            "max_split_size",
+            "expandable_segments",
+            "roundup_power2_divisions",
+            "garbage_collection_threshold",
+            "throw_on_npumalloc_oom",
+            "allowed_memory_maximum",
+            "set_fraction",
+            "address_space_total",
+            "segment_address",
+            "on_map",
+        ):
             assert getattr(native, name) == getattr(model, name), name
         for size in (0, 1, 480, 513, MIB, 3 * MIB + 7, 10 * MIB, 123456789, (1 << 64) - 1):
             assert native.round_size(size) == model.round_size(size)
@@ -784,7 +967,7 @@ def test_many_engines_leave_no_memory_behind():
                         pass
             native.empty_cache()
 
-    churn()                                # warm caches (types, interned ints, the allocator's slabs)
+    churn()  # warm caches (types, interned ints, the allocator's slabs)
     gc.collect()
     tracemalloc.start()
     try:
@@ -814,8 +997,15 @@ def test_the_serving_scenario_runs_the_same_on_both_engines(monkeypatch):
     for engine in ("python", "auto"):
         monkeypatch.setenv(native.ENV, engine)
         for allocator, conf in (("torch", ""), ("torch_npu", "expandable_segments:True")):
-            config = ScenarioConfig(model_config=small, device_memory_bytes=8 * GIB, gpu_memory_utilization=0.9,
-                                    allocator=allocator, requests=8, seed=1, alloc_conf=conf)
+            config = ScenarioConfig(
+                model_config=small,
+                device_memory_bytes=8 * GIB,
+                gpu_memory_utilization=0.9,
+                allocator=allocator,
+                requests=8,
+                seed=1,
+                alloc_conf=conf,
+            )
             scenario = ServingScenario(config)
             result = scenario.run()
             runs[engine, allocator] = (native.engine(scenario.allocator), result)

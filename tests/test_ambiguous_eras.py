@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LOGS = os.path.join(HERE, "data", "logs")
 REAL = os.path.join(LOGS, "real")
 GIB = 1 << 30
-GIB_TOLERANCE = 0.006 * GIB   # the log prints 0.01 GiB
+GIB_TOLERANCE = 0.006 * GIB  # the log prints 0.01 GiB
 
 with open(os.path.join(REAL, "MANIFEST.json"), encoding="utf-8") as _handle:
     MANIFEST = {entry["id"]: entry for entry in json.load(_handle)["logs"]}
@@ -79,7 +79,7 @@ def test_an_ambiguous_corpus_log_is_judged_on_each_of_its_rows_and_the_worst_sta
     code, data = check(path)
     log = data["log"]
     rows = log["era_verdicts"]
-    assert log["era"] is None                                    # never pinned for it
+    assert log["era"] is None  # never pinned for it
     assert [row["era"] for row in rows] == log["era_candidates"]
     states = [row["state"] for row in rows]
     assert log["era_verdict"] == ("holds_on_all" if len(set(states)) == 1 else "differs")
@@ -99,7 +99,7 @@ def test_an_ambiguous_corpus_log_s_text_says_the_verdict_holds_on_all_its_rows()
     assert len(rows) > 1
     eras_line = next(line for line in text.splitlines() if line.startswith("ERAS"))
     assert f"holds on all {len(rows)} rows" in eras_line and all(row in eras_line for row in rows)
-    assert code == 2           # the refusal the log states is critical whatever the rows
+    assert code == 2  # the refusal the log states is critical whatever the rows
 
 
 # r48: 8x RTX PRO 6000 Blackwell (96 GB); r54: H200 NVL at --gpu-memory-utilization 0.78 (its command line).
@@ -110,7 +110,7 @@ def test_each_row_s_kv_budget_is_what_kvguard_budget_gives_for_a_release_of_that
     code, data = check(path, "--total-memory", total, "--gpu-memory-utilization", utilization)
     rows = data["log"]["era_verdicts"]
     assert len(rows) > 1, "the premise: the log's lines leave several rows"
-    decided = MANIFEST[log_id]["expect"]["available_kv_gib"] * GIB      # written by hand from the log
+    decided = MANIFEST[log_id]["expect"]["available_kv_gib"] * GIB  # written by hand from the log
     judged = [row for row in rows if row["profile"] is not None]
     assert judged, "some row's formula reads the log's figures backwards"
     for row in judged:
@@ -159,7 +159,7 @@ def test_a_row_that_cannot_be_judged_outweighs_an_ok_on_another_row(tmp_path):
     for row in peak:
         assert row["state"] == "ok"
         assert abs(row["kv_budget_bytes"] - KV_GIB * GIB) <= 1
-        assert row["headroom_bytes"] >= 80 * GIB * (1 - 0.9) - 1    # at least the slack 1 - util leaves
+        assert row["headroom_bytes"] >= 80 * GIB * (1 - 0.9) - 1  # at least the slack 1 - util leaves
     assert all(row["state"] == "unknown" and row["kv_budget_bytes"] is None for row in consumed)
     assert (data["state"], code) == ("unknown", 3)
     assert data["log"]["era_verdict"] == "differs" and data["log"]["era_shown"] == consumed[0]["era"]
@@ -186,7 +186,7 @@ def test_a_critical_row_outweighs_the_rows_that_cannot_be_judged(tmp_path):
     assert all(row["state"] == "unknown" for row in consumed)
     assert (data["state"], code) == ("critical", 2)
     assert data["log"]["era_shown"] == peak[0]["era"]
-    assert data["ranks"][0]["state"] == "critical"     # the ranks shown are the worst row's
+    assert data["ranks"][0]["state"] == "critical"  # the ranks shown are the worst row's
 
     code, text = check_text(path, "--total-memory", "60GiB")
     assert f"critical on {', '.join(row['era'] for row in peak)}" in text
@@ -198,8 +198,11 @@ def test_a_critical_row_outweighs_the_rows_that_cannot_be_judged(tmp_path):
 def test_rows_whose_formulas_give_one_verdict_hold_on_all(tmp_path):
     # "Model loading took %.4f GiB and" is 0.8.5-0.11.2's wording: the signed absolute peak of 0.8.5-0.9.0 and
     # the peak of 0.9.1-0.11.2 both read the decided 45.30 GiB back into a profile that fits 80 GiB at 0.9.
-    path = write(tmp_path, f"INFO 11-20 10:00:01 Model loading took {WEIGHTS_GIB:.4f} GiB and 8.123456 seconds",
-                 "INFO 11-20 10:00:09 Available KV cache memory: 45.30 GiB")
+    path = write(
+        tmp_path,
+        f"INFO 11-20 10:00:01 Model loading took {WEIGHTS_GIB:.4f} GiB and 8.123456 seconds",
+        "INFO 11-20 10:00:09 Available KV cache memory: 45.30 GiB",
+    )
     code, data = check(path, "--total-memory", "80GiB", "--gpu-memory-utilization", "0.9")
     rows = data["log"]["era_verdicts"]
     assert len({row["formula"] for row in rows}) > 1, "the premise: rows of different formulas remain"
@@ -229,8 +232,11 @@ def test_a_log_whose_lines_pin_one_row_is_judged_on_that_row_alone():
 
 def test_a_log_that_leaves_no_row_has_no_era_verdict(tmp_path):
     # An out-of-memory error alone (v1/engine/core.py's message) names no release: no row, none judged.
-    path = write(tmp_path, "ERROR 11-20 10:00:09 RuntimeError: Worker failed with error 'CUDA error: out of memory', "
-                           "please check the stack trace above for the root cause")
+    path = write(
+        tmp_path,
+        "ERROR 11-20 10:00:09 RuntimeError: Worker failed with error 'CUDA error: out of memory', "
+        "please check the stack trace above for the root cause",
+    )
     code, data = check(path)
     assert data["log"]["era_candidates"] == [] and (data["state"], code) == ("critical", 2)
     assert (data["log"]["era_verdict"], data["log"]["era_shown"], data["log"]["era_verdicts"]) == (None, None, [])
@@ -258,10 +264,26 @@ def test_spool_ranks_are_judged_on_each_row_only_where_they_take_the_log_s_profi
     spool = str(tmp_path / "spool")
     os.makedirs(spool)
     _example_snapshots(spool, with_profile)
-    path = write(tmp_path, f"INFO 11-20 10:00:01 Model loading took {WEIGHTS_GIB:.4f} GiB and 8.123456 seconds",
-                 "INFO 11-20 10:00:09 Available KV cache memory: 30.00 GiB")
-    result = CliRunner().invoke(main, ["check", "--spool-dir", spool, "--from-log", path, "--total-memory", "64GiB",
-                                       "--gpu-memory-utilization", "0.9", "--json"])
+    path = write(
+        tmp_path,
+        f"INFO 11-20 10:00:01 Model loading took {WEIGHTS_GIB:.4f} GiB and 8.123456 seconds",
+        "INFO 11-20 10:00:09 Available KV cache memory: 30.00 GiB",
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            "check",
+            "--spool-dir",
+            spool,
+            "--from-log",
+            path,
+            "--total-memory",
+            "64GiB",
+            "--gpu-memory-utilization",
+            "0.9",
+            "--json",
+        ],
+    )
     data = json.loads(result.stdout)
     rows = data["log"]["era_verdicts"]
     assert len(rows) > 1
@@ -282,7 +304,7 @@ def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
     path = os.path.join(REAL, "r04.log")
     from kvguard.vllm.log_profile import candidate_rows
 
-    assert len({row.formula for row in candidate_rows(read_log_file(path))}) > 1   # several formulas to judge
+    assert len({row.formula for row in candidate_rows(read_log_file(path))}) > 1  # several formulas to judge
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
@@ -292,7 +314,7 @@ def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
     def accept() -> None:
         while not stop.is_set():
             try:
-                accepted.append(server.accept()[0])   # held open, never answered
+                accepted.append(server.accept()[0])  # held open, never answered
             except TimeoutError:
                 continue
 
@@ -300,10 +322,11 @@ def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
     thread.start()
     try:
         started = time.monotonic()
-        code, data = check(path, "--vllm-metrics-url", f"http://127.0.0.1:{server.getsockname()[1]}/metrics",
-                           "--read-timeout", "0.5")
+        code, data = check(
+            path, "--vllm-metrics-url", f"http://127.0.0.1:{server.getsockname()[1]}/metrics", "--read-timeout", "0.5"
+        )
         elapsed = time.monotonic() - started
-        time.sleep(0.3)   # a connection still in the backlog is accepted and counted
+        time.sleep(0.3)  # a connection still in the backlog is accepted and counted
     finally:
         stop.set()
         thread.join()

@@ -22,10 +22,10 @@ import subprocess
 import sys
 
 import pytest
-
 from ascend_real import envs
 from ascend_real.harness import ASCEND_SCENARIO, run_engine
 from helpers import cli_args
+
 from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for, expandable_segments_default
@@ -67,8 +67,12 @@ def run(release: str, tmp_path_factory, budget: str = "stock"):
 
 
 def kvguard_budget(*args) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -129,15 +133,25 @@ def _flags(release: str, result: dict) -> list:
     """The budget flags, as their help describes them, from what the engine measured: the scenario's
     device figures, and vLLM's MemoryProfilingResult where the release runs one (0.15+)."""
     s = ASCEND_SCENARIO
-    flags = ["--vllm-version", as_310p(release), "--total-memory", s["total_memory_bytes"],
-             "--weights", s["weights_bytes"], "--peak-allocated-increase", s["profile_transient_bytes"]]
+    flags = [
+        "--vllm-version",
+        as_310p(release),
+        "--total-memory",
+        s["total_memory_bytes"],
+        "--weights",
+        s["weights_bytes"],
+        "--peak-allocated-increase",
+        s["profile_transient_bytes"],
+    ]
     formula = FORMULAS[era_for(as_310p(release)).formula]
     if formula.non_torch == "positive":
         # 0.14: total - free - torch allocated, after empty_cache: every non-torch byte in the process.
         return flags + ["--non-torch-memory", s["init_non_torch_bytes"] + s["profile_non_torch_bytes"]]
     profile = result["profile"]
-    assert (profile["weights_memory"], profile["torch_peak_increase"]) == (s["weights_bytes"],
-                                                                           s["profile_transient_bytes"])
+    assert (profile["weights_memory"], profile["torch_peak_increase"]) == (
+        s["weights_bytes"],
+        s["profile_transient_bytes"],
+    )
     flags += ["--non-torch-increase", profile["non_torch_increase"]]
     if formula.cleared:
         # The non-torch memory read inside the profile, before empty_cache, less the increase: in effect the
@@ -166,6 +180,7 @@ def test_kvguard_budget_reserved_changes_what_npuworker310_returns(release, tmp_
 
 
 # ------------------------------------------------------------------ the real 310P startup logs
+
 
 @pytest.mark.parametrize("debug", ["", "-debug"])
 @pytest.mark.parametrize("release", sorted(RELEASES))
@@ -205,9 +220,9 @@ def save_logs() -> int:
     """Write the 310P startup logs (INFO and DEBUG, without kvguard's plugin), unedited."""
     from vllm_real import harness as vllm_harness
 
-    vllm_harness.save_logs(run_engine, [(r, log_name(r)[:-len(".log")]) for r in sorted(RELEASES)], LOGS, SOC)
+    vllm_harness.save_logs(run_engine, [(r, log_name(r)[: -len(".log")]) for r in sorted(RELEASES)], LOGS, SOC)
     return 0
 
 
-if __name__ == "__main__":   # run from the repository root: tests/ is the script's directory, on sys.path
+if __name__ == "__main__":  # run from the repository root: tests/ is the script's directory, on sys.path
     sys.exit(save_logs() if sys.argv[1:] == ["save-logs"] else "use: python tests/test_ascend_310p_real.py save-logs")

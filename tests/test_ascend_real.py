@@ -15,10 +15,10 @@ import subprocess
 import sys
 
 import pytest
-
 from ascend_real import envs
 from ascend_real.harness import ASCEND_SCENARIO, run_engine
 from helpers import cli_args
+
 from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
@@ -42,8 +42,12 @@ def run(release: str, tmp_path_factory, budget: str = "stock", **scenario):
 
 
 def kvguard_budget(*args) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -87,8 +91,11 @@ def test_on_0_11_the_profile_is_what_npuworker_read(tmp_path_factory):
     non-torch memory is all of it, 1 GiB + 300 MiB."""
     _, snap = run("vllm-ascend:0.11.0", tmp_path_factory)
     p = snap.profile
-    assert (p.weights_bytes, p.peak_allocated_increase_bytes, p.peak_reserved_increase_bytes) == \
-        (14 * GIB, 4 * GIB, 5 * GIB + 512 * MIB)
+    assert (p.weights_bytes, p.peak_allocated_increase_bytes, p.peak_reserved_increase_bytes) == (
+        14 * GIB,
+        4 * GIB,
+        5 * GIB + 512 * MIB,
+    )
     assert p.non_torch_increase_bytes == GIB + 300 * MIB
 
 
@@ -103,8 +110,16 @@ def _flags(release: str, result: dict) -> list:
     """The budget flags, as their help describes them, from what the engine measured: the scenario's device
     figures (the fake device's state), and vLLM's MemoryProfilingResult where the release runs one."""
     s = ASCEND_SCENARIO
-    flags = ["--vllm-version", release, "--total-memory", s["total_memory_bytes"], "--weights", s["weights_bytes"],
-             "--peak-allocated-increase", s["profile_transient_bytes"]]
+    flags = [
+        "--vllm-version",
+        release,
+        "--total-memory",
+        s["total_memory_bytes"],
+        "--weights",
+        s["weights_bytes"],
+        "--peak-allocated-increase",
+        s["profile_transient_bytes"],
+    ]
     formula = FORMULAS[era_for(release).formula]
     if formula.non_torch == "positive":
         # total - free - torch allocated, after empty_cache: every non-torch byte in the process.
@@ -126,9 +141,27 @@ def test_kvguard_budget_from_the_flags_gives_the_engines_figure(release, tmp_pat
 
 
 def test_the_increase_flag_is_refused_where_the_formula_takes_the_absolute_non_torch_memory():
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.11.0",
-                          "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
-                          "--non-torch-increase", "300MiB"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "budget",
+            "--vllm-version",
+            "vllm-ascend:0.11.0",
+            "--total-memory",
+            "64GiB",
+            "--weights",
+            "14GiB",
+            "--peak-allocated-increase",
+            "4GiB",
+            "--non-torch-increase",
+            "300MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 64 and "--non-torch-memory" in out.stderr.strip().splitlines()[-1]
 
 
@@ -161,15 +194,34 @@ def test_budget_allocator_torch_npu_follows_the_releases_expandable_segments(rel
     conf = result["config"]["npu_alloc_conf"] or ""
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
     profile.write_text(json.dumps(snap.profile.to_dict()))
-    out = kvguard_budget("--profile", profile, "--model-config", ASCEND_SCENARIO["model_dir"],
-                         "--allocator", "torch_npu")
+    out = kvguard_budget(
+        "--profile", profile, "--model-config", ASCEND_SCENARIO["model_dir"], "--allocator", "torch_npu"
+    )
     assert out["at_budget"]["expandable_segments"] == ("expandable_segments:True" in conf)
 
 
 def test_the_absolute_flag_is_refused_where_the_formula_takes_the_increase():
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--vllm-version", "vllm-ascend:0.18.0",
-                          "--total-memory", "64GiB", "--weights", "14GiB", "--peak-allocated-increase", "4GiB",
-                          "--non-torch-memory", "1.3GiB"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "budget",
+            "--vllm-version",
+            "vllm-ascend:0.18.0",
+            "--total-memory",
+            "64GiB",
+            "--weights",
+            "14GiB",
+            "--peak-allocated-increase",
+            "4GiB",
+            "--non-torch-memory",
+            "1.3GiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 64 and "--non-torch-increase" in out.stderr.strip().splitlines()[-1]
 
 
@@ -207,24 +259,45 @@ def test_v0_kvguard_budget_from_the_flags_gives_the_engines_block_count(release,
     empty_cache before the read) and the 300 MiB of non-torch memory the run left."""
     result, _ = run_v0(release, tmp_path_factory)
     s = ASCEND_SCENARIO
-    consumed = s["weights_bytes"] + s["profile_transient_bytes"] + s["profile_unreusable_bytes"] \
-        + s["profile_non_torch_bytes"]
+    consumed = (
+        s["weights_bytes"] + s["profile_transient_bytes"] + s["profile_unreusable_bytes"] + s["profile_non_torch_bytes"]
+    )
     figures = result["figures"]
     # The fake device agrees: the worker's init snapshot, less what is free after the profile run.
     after_profile = next(e for e in result["runner_events"] if e["event"] == "profile_run")["device"]
     assert figures["init_npu_memory"] - after_profile["free"] == consumed
-    out = kvguard_budget("--vllm-version", release, "--total-memory", s["total_memory_bytes"],
-                         "--weights", s["weights_bytes"], "--total-consumed", consumed,
-                         "--model-config", s["model_dir"], "--max-model-len", s["max_model_len"])
+    out = kvguard_budget(
+        "--vllm-version",
+        release,
+        "--total-memory",
+        s["total_memory_bytes"],
+        "--weights",
+        s["weights_bytes"],
+        "--total-consumed",
+        consumed,
+        "--model-config",
+        s["model_dir"],
+        "--max-model-len",
+        s["max_model_len"],
+    )
     assert out["era"]["formula"] == "ascend_free_drop"
     assert out["block_bytes"] == figures["block_bytes"]
     assert out["budgets"]["stock"]["num_blocks"] == figures["num_gpu_blocks"] == result["kv_cache_config"]["num_blocks"]
     # One (2, blocks, 128, heads, head size) tensor per layer (vLLM 0.7.3 worker/cache_engine.py:99-106).
     assert figures["kv_cache_tensors"] == [[2, figures["num_gpu_blocks"], 128, 4, 128]] * 28
     # A pool that kept its blocks: the drop already holds the reserved peak, so the reserved-aware budget is the same.
-    reserved = kvguard_budget("--vllm-version", release, "--total-memory", s["total_memory_bytes"],
-                              "--weights", s["weights_bytes"], "--total-consumed", consumed,
-                              "--reserved-transient-peak", 0)
+    reserved = kvguard_budget(
+        "--vllm-version",
+        release,
+        "--total-memory",
+        s["total_memory_bytes"],
+        "--weights",
+        s["weights_bytes"],
+        "--total-consumed",
+        consumed,
+        "--reserved-transient-peak",
+        0,
+    )
     assert reserved["budgets"]["reserved"]["kv_cache_bytes"] == reserved["budgets"]["stock"]["kv_cache_bytes"]
     assert reserved["overcommit_bytes"] == 0
 
@@ -239,6 +312,9 @@ def test_v0_the_plugin_records_no_profile_and_the_reserved_budget_cannot_act(rel
     assert reserved["figures"]["num_gpu_blocks"] == stock["figures"]["num_gpu_blocks"]
     assert era_for(release).hooks == ("init_device",)
     # ... and says so, once, in vLLM's own log (formatted by vLLM's handler: "plugin.py:N] kvguard: ...").
-    said = [line for line in reserved["log_lines"]
-            if "plugin.py:" in line and "kvguard: no startup profile on vllm-ascend 0.7.3" in line]
+    said = [
+        line
+        for line in reserved["log_lines"]
+        if "plugin.py:" in line and "kvguard: no startup profile on vllm-ascend 0.7.3" in line
+    ]
     assert len(said) == 1 and "KVGUARD_BUDGET=reserved cannot act" in said[0], reserved["log_lines"][-20:]

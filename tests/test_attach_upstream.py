@@ -16,9 +16,8 @@ import os
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
-
 import upstream_schemas
+import yaml
 from conftest import ROOT
 from test_helm_chart import KUBERNETES_VERSION, env_of, flag_values, only, pod_spec, render
 
@@ -34,8 +33,11 @@ def strict(schema):
     declared properties refuse others (x-kubernetes-preserve-unknown-fields keeps a subtree open)."""
     if isinstance(schema, dict):
         schema = {k: strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema \
-                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     if isinstance(schema, list):
@@ -56,6 +58,7 @@ def containers_of(spec: dict) -> dict[str, dict]:
 
 
 # ----------------------------------------------------------------- LeaderWorkerSet
+
 
 @pytest.fixture(scope="module")
 def lws() -> dict:
@@ -78,12 +81,16 @@ def test_every_pod_of_the_group_names_one_engine_from_the_lws_labels(lws, role):
     kvguard = containers_of(lws["spec"]["leaderWorkerTemplate"][role]["spec"])["kvguard"]
     env = env_of(kvguard)
     # kubernetes-sigs/lws site/content/en/docs/reference/labels-annotations-and-environment-variables.md
-    assert env["LWS_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['leaderworkerset.sigs.k8s.io/name']"
-    assert env["LWS_GROUP_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+    assert (
+        env["LWS_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['leaderworkerset.sigs.k8s.io/name']"
+    )
+    assert (
+        env["LWS_GROUP_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"
+    )
     assert env[ENGINE_ID_ENV]["value"] == "$(LWS_NAME)-$(LWS_GROUP_INDEX)"
     names = list(env)
-    assert names.index("LWS_NAME") < names.index(ENGINE_ID_ENV)       # $(VAR) expands only earlier vars
+    assert names.index("LWS_NAME") < names.index(ENGINE_ID_ENV)  # $(VAR) expands only earlier vars
 
 
 def test_the_leader_serves_and_the_workers_join_its_ray_cluster(lws):
@@ -94,9 +101,10 @@ def test_the_leader_serves_and_the_workers_join_its_ray_cluster(lws):
     assert "vllm serve" in leader["vllm"]["command"][-1]
     assert "multi-node-serving.sh worker --ray_address=$(LWS_LEADER_ADDRESS)" in worker["vllm"]["command"][-1]
     assert "readinessProbe" in leader["vllm"] and "readinessProbe" not in worker["vllm"]
-    assert flag_values(leader["kvguard"], "--vllm-metrics-url") and not flag_values(worker["kvguard"],
-                                                                                    "--vllm-metrics-url")
-    for pods in (leader, worker):      # each pod's ranks write its own spool, which its kvguard reads
+    assert flag_values(leader["kvguard"], "--vllm-metrics-url") and not flag_values(
+        worker["kvguard"], "--vllm-metrics-url"
+    )
+    for pods in (leader, worker):  # each pod's ranks write its own spool, which its kvguard reads
         assert env_of(pods["vllm"])["KVGUARD_SPOOL_DIR"]["value"] == flag_values(pods["kvguard"], "--spool-dir")[0]
         assert pods["kvguard"]["restartPolicy"] == "Always"
 
@@ -110,6 +118,7 @@ def test_the_podmonitor_scrapes_leader_and_workers(lws):
 
 
 # ----------------------------------------------------------------------- KServe
+
 
 @pytest.fixture(scope="module")
 def runtime() -> dict:
@@ -131,18 +140,21 @@ def test_kserve_container_writes_the_spool_kvguard_reads_and_kvguard_reads_vllm_
     assert env_of(vllm)["KVGUARD_SPOOL_DIR"]["value"] == flag_values(kvguard, "--spool-dir")[0]
     assert flag_values(kvguard, "--vllm-metrics-url") == ["http://127.0.0.1:8080/metrics"]
     assert env_of(kvguard)["CONTAINER_NAME"]["value"] == "kserve-container"
-    assert "restartPolicy" not in kvguard             # a ServingRuntime has no init containers
-    assert vllm["args"][0] == "/mnt/models"           # where KServe's storage initializer puts the model
+    assert "restartPolicy" not in kvguard  # a ServingRuntime has no init containers
+    assert vllm["args"][0] == "/mnt/models"  # where KServe's storage initializer puts the model
 
 
 def test_the_pods_kserve_makes_carry_the_labels_the_podmonitor_selects(runtime):
     monitor = only(render(None, "--set", "mode=servingruntime"), "PodMonitor")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= runtime["spec"]["labels"].items()
-    relabel = [r for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] if r.get("targetLabel") == "container"]
+    relabel = [
+        r for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] if r.get("targetLabel") == "container"
+    ]
     assert relabel == [{"action": "replace", "targetLabel": "container", "replacement": "kserve-container"}]
 
 
 # --------------------------------------------------------- vLLM production-stack
+
 
 @pytest.fixture(scope="module")
 def stack_values() -> dict:
@@ -175,12 +187,30 @@ def test_the_values_pass_production_stacks_own_schema_and_name_only_its_keys(sta
 def test_the_stacks_engine_pod_parts_are_valid_kubernetes_ones(stack_values):
     (model,) = stack_values["servingEngineSpec"]["modelSpec"]
     init = model["initContainer"]
-    validate_core("Pod", {"spec": {
-        "initContainers": [{"name": init["name"], "image": init["image"], "command": init["command"],
-                            "volumeMounts": init["extraVolumeMounts"]}],
-        "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0", "env": model["env"],
-                        "volumeMounts": model["extraVolumeMounts"]}],
-        "volumes": model["extraVolumes"]}})
+    validate_core(
+        "Pod",
+        {
+            "spec": {
+                "initContainers": [
+                    {
+                        "name": init["name"],
+                        "image": init["image"],
+                        "command": init["command"],
+                        "volumeMounts": init["extraVolumeMounts"],
+                    }
+                ],
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": "vllm/vllm-openai:v0.11.0",
+                        "env": model["env"],
+                        "volumeMounts": model["extraVolumeMounts"],
+                    }
+                ],
+                "volumes": model["extraVolumes"],
+            }
+        },
+    )
 
 
 def test_the_stacks_plugin_copy_is_the_charts_own(stack_values):
@@ -201,18 +231,35 @@ def test_the_node_kvguard_reads_the_host_spool_the_engines_write(stack_values):
     assert volume["hostPath"]["path"] == host
     mount = next(m for m in kvguard["volumeMounts"] if m["name"] == "kvguard-spool")
     assert mount["readOnly"] is True and flag_values(kvguard, "--spool-dir") == [mount["mountPath"]]
-    validate_core("DaemonSet", copy.deepcopy({k: v for k, v in only(docs, "DaemonSet").items()
-                                              if k not in ("apiVersion", "kind", "metadata")}), "apps/v1")
+    validate_core(
+        "DaemonSet",
+        copy.deepcopy(
+            {k: v for k, v in only(docs, "DaemonSet").items() if k not in ("apiVersion", "kind", "metadata")}
+        ),
+        "apps/v1",
+    )
 
 
-@pytest.mark.parametrize("schema, kind, mutate", [
-    ("leaderworkerset.x-k8s.io_v1.json", "LeaderWorkerSet",
-     lambda d: d["spec"]["leaderWorkerTemplate"].update(sizee=2)),
-    ("leaderworkerset.x-k8s.io_v1.json", "LeaderWorkerSet",
-     lambda d: d["spec"]["leaderWorkerTemplate"].update(restartPolicy="Always")),
-    ("serving.kserve.io_v1alpha1_servingruntime.json", "ServingRuntime",
-     lambda d: d["spec"].update(initContainers=[])),
-])
+@pytest.mark.parametrize(
+    "schema, kind, mutate",
+    [
+        (
+            "leaderworkerset.x-k8s.io_v1.json",
+            "LeaderWorkerSet",
+            lambda d: d["spec"]["leaderWorkerTemplate"].update(sizee=2),
+        ),
+        (
+            "leaderworkerset.x-k8s.io_v1.json",
+            "LeaderWorkerSet",
+            lambda d: d["spec"]["leaderWorkerTemplate"].update(restartPolicy="Always"),
+        ),
+        (
+            "serving.kserve.io_v1alpha1_servingruntime.json",
+            "ServingRuntime",
+            lambda d: d["spec"].update(initContainers=[]),
+        ),
+    ],
+)
 def test_the_crd_schemas_refuse_what_the_upstream_api_refuses(schema, kind, mutate):
     mode = "leaderworkerset" if kind == "LeaderWorkerSet" else "servingruntime"
     doc = copy.deepcopy(only(render(None, "--set", f"mode={mode}"), kind))

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from conftest import EXAMPLES
 from helpers import kvguard
 
@@ -47,11 +46,21 @@ def test_flags_build_the_same_profile_as_the_file():
     with open(SEED_PROFILE) as handle:
         p = json.load(handle)
     from_flags = budget_json(
-        "--model-config", QWEN, "--total-memory", f"{p['total_memory_bytes']}B",
-        "--gpu-memory-utilization", str(p["gpu_memory_utilization"]), "--weights", f"{p['weights_bytes']}B",
-        "--peak-allocated-increase", f"{p['peak_allocated_increase_bytes']}B",
-        "--peak-reserved-increase", f"{p['peak_reserved_increase_bytes']}B",
-        "--non-torch-increase", f"{p['non_torch_increase_bytes']}B")
+        "--model-config",
+        QWEN,
+        "--total-memory",
+        f"{p['total_memory_bytes']}B",
+        "--gpu-memory-utilization",
+        str(p["gpu_memory_utilization"]),
+        "--weights",
+        f"{p['weights_bytes']}B",
+        "--peak-allocated-increase",
+        f"{p['peak_allocated_increase_bytes']}B",
+        "--peak-reserved-increase",
+        f"{p['peak_reserved_increase_bytes']}B",
+        "--non-torch-increase",
+        f"{p['non_torch_increase_bytes']}B",
+    )
     assert from_flags["budgets"] == budget_json("--model-config", QWEN, "--profile", SEED_PROFILE)["budgets"]
 
 
@@ -70,8 +79,14 @@ def test_from_log_stock_is_what_vllm_decided(data_path):
 
 
 def test_from_log_plus_reserved_increase_gives_the_reserved_budget(data_path):
-    out = budget_json("--model-config", QWEN, "--from-log", data_path("logs", "v1-tp2-debug.log"),
-                      "--peak-reserved-increase", "5.72GiB")
+    out = budget_json(
+        "--model-config",
+        QWEN,
+        "--from-log",
+        data_path("logs", "v1-tp2-debug.log"),
+        "--peak-reserved-increase",
+        "5.72GiB",
+    )
     reserved = out["budgets"]["reserved"]
     assert reserved is not None
     assert out["overcommit_bytes"] == out["budgets"]["stock"]["kv_cache_bytes"] - reserved["kv_cache_bytes"]
@@ -97,20 +112,36 @@ def test_human_output_is_a_table():
     assert any("--gpu-memory-utilization 0.87" in line for line in lines)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model-config", "/nonexistent/model"], "model config not found"),
-    (["--model-config", "{bad}"], "not found"),
-    (["--profile", "/nonexistent.json"], "profile file not found"),
-    (["--model-config", QWEN, "--kv-cache-memory-bytes", "-5GiB"], "negative"),
-    (["--model-config", QWEN, "--kv-cache-memory-bytes", "lots"], "not a size"),
-    (["--model-config", QWEN, "--kv-cache-memory-bytes", "3 parsecs"], "unknown size unit"),
-    (["--model-config", QWEN, "--kv-cache-dtype", "int3"], "int3"),
-    (["--total-memory", "64GiB", "--gpu-memory-utilization", "1.5", "--weights", "1GiB", "--peak-allocated-increase",
-      "1GiB", "--non-torch-increase", "1GiB"], "must be in (0, 1]"),
-    (["--total-memory", "64GiB", "--gpu-memory-utilization", "0.9"], "incomplete profile: missing --weights"),
-    ([], "nothing to compute"),
-    (["--kv-cache-memory-bytes", "1GiB"], "needs --model-config"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model-config", "/nonexistent/model"], "model config not found"),
+        (["--model-config", "{bad}"], "not found"),
+        (["--profile", "/nonexistent.json"], "profile file not found"),
+        (["--model-config", QWEN, "--kv-cache-memory-bytes", "-5GiB"], "negative"),
+        (["--model-config", QWEN, "--kv-cache-memory-bytes", "lots"], "not a size"),
+        (["--model-config", QWEN, "--kv-cache-memory-bytes", "3 parsecs"], "unknown size unit"),
+        (["--model-config", QWEN, "--kv-cache-dtype", "int3"], "int3"),
+        (
+            [
+                "--total-memory",
+                "64GiB",
+                "--gpu-memory-utilization",
+                "1.5",
+                "--weights",
+                "1GiB",
+                "--peak-allocated-increase",
+                "1GiB",
+                "--non-torch-increase",
+                "1GiB",
+            ],
+            "must be in (0, 1]",
+        ),
+        (["--total-memory", "64GiB", "--gpu-memory-utilization", "0.9"], "incomplete profile: missing --weights"),
+        ([], "nothing to compute"),
+        (["--kv-cache-memory-bytes", "1GiB"], "needs --model-config"),
+    ],
+)
 def test_bad_input_is_one_line_error_without_traceback(args, message):
     result = kvguard("budget", *args)
     assert result.returncode != 0
@@ -148,7 +179,7 @@ def test_log_with_nothing_usable_is_one_line_error(data_path):
 
 def test_log_that_is_not_a_regular_file_is_one_line_error(tmp_path):
     fifo = tmp_path / "vllm.log"
-    os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
+    os.mkfifo(fifo)  # no writer: opening it the ordinary way would wait forever
     result = kvguard("budget", "--from-log", str(fifo))
     assert result.returncode == 65
     assert result.stderr == f"Error: cannot read log file {fifo}: not a regular file\n"
@@ -159,21 +190,37 @@ def test_overlong_number_in_a_log_is_one_line(tmp_path):
     log.write_text("INFO [gpu_worker.py:227] Available KV cache memory: " + "7" * 400 + " GiB\n")
     result = kvguard("budget", "--from-log", str(log))
     assert result.returncode == 65
-    assert result.stderr == f"Error: log file {log}: line 1: number 777777777777… (400 characters) is too long " \
-                            "for a memory figure\n"
+    assert (
+        result.stderr == f"Error: log file {log}: line 1: number 777777777777… (400 characters) is too long "
+        "for a memory figure\n"
+    )
 
 
 def test_tensor_parallel_size_vllm_refuses_is_vllms_one_line():
     result = kvguard("budget", "--model-config", QWEN, "-tp", "3")
     assert result.returncode == 65
-    assert result.stderr == "Error: Total number of attention heads (28) must be divisible by tensor parallel " \
-                            "size (3).\n"
+    assert (
+        result.stderr == "Error: Total number of attention heads (28) must be divisible by tensor parallel size (3).\n"
+    )
 
 
 def test_era_picks_the_formula_and_the_flag_names():
-    common = ("--model-config", QWEN, "--total-memory", "64GiB", "--weights", "14.19GiB",
-              "--peak-allocated-increase", "4.27GiB", "--peak-reserved-increase", "5.72GiB",
-              "--non-torch-increase", "1.3GiB", "--gpu-memory-utilization", "0.9")
+    common = (
+        "--model-config",
+        QWEN,
+        "--total-memory",
+        "64GiB",
+        "--weights",
+        "14.19GiB",
+        "--peak-allocated-increase",
+        "4.27GiB",
+        "--peak-reserved-increase",
+        "5.72GiB",
+        "--non-torch-increase",
+        "1.3GiB",
+        "--gpu-memory-utilization",
+        "0.9",
+    )
     old, new = budget_json(*common, "--vllm-version", "0.13.0"), budget_json(*common, "--vllm-version", "0.14.0")
     assert (old["era"]["formula"], new["era"]["formula"]) == ("peak", "peak_ceil")
     assert new["budgets"]["stock"]["kv_cache_bytes"] - old["budgets"]["stock"]["kv_cache_bytes"] in (0, 1)
@@ -182,9 +229,26 @@ def test_era_picks_the_formula_and_the_flag_names():
 
 
 def test_0_34_defaults_block_size_64_and_the_extensible_utilization():
-    out = budget_json("--model-config", QWEN, "--vllm-version", "0.34.0", "--total-memory", "80GiB",
-                      "--weights", "15GiB", "--init-free-memory", "79GiB", "--free-after-warmup", "60GiB",
-                      "--kv-committed", "1GiB", "--kv-transient-peak", "2GiB", "--torch-reserve-growth", "3GiB")
+    out = budget_json(
+        "--model-config",
+        QWEN,
+        "--vllm-version",
+        "0.34.0",
+        "--total-memory",
+        "80GiB",
+        "--weights",
+        "15GiB",
+        "--init-free-memory",
+        "79GiB",
+        "--free-after-warmup",
+        "60GiB",
+        "--kv-committed",
+        "1GiB",
+        "--kv-transient-peak",
+        "2GiB",
+        "--torch-reserve-growth",
+        "3GiB",
+    )
     assert out["layout"]["block_size"] == 64
     assert out["profile"]["formula"] == "extensible" and out["profile"]["gpu_memory_utilization"] == 1.0
     assert out["overcommit_bytes"] == 0 and out["reserved_counts"].startswith("nothing")
@@ -192,13 +256,18 @@ def test_0_34_defaults_block_size_64_and_the_extensible_utilization():
 
 def test_mla_block_size_follows_vllm_on_cuda(tmp_path):
     config = tmp_path / "config.json"
-    config.write_text('{"num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512, '
-                      '"qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}')
+    config.write_text(
+        '{"num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512, '
+        '"qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}'
+    )
     forced = budget_json("--model-config", str(config), "--vllm-version", "0.11.0", "--block-size", "16")
     kept = budget_json("--model-config", str(config), "--vllm-version", "0.20.0", "--block-size", "16")
     default = budget_json("--model-config", str(config), "--vllm-version", "0.20.0")
-    assert (forced["layout"]["block_size"], kept["layout"]["block_size"], default["layout"]["block_size"]) == \
-        (64, 16, 64)
+    assert (forced["layout"]["block_size"], kept["layout"]["block_size"], default["layout"]["block_size"]) == (
+        64,
+        16,
+        64,
+    )
 
 
 def test_an_older_release_than_the_table_is_a_usage_error():
@@ -207,16 +276,25 @@ def test_an_older_release_than_the_table_is_a_usage_error():
 
 
 def test_consumed_era_profile_missing_an_input_names_its_flag():
-    result = kvguard("budget", "--vllm-version", "0.27.0", "--total-memory", "80GiB", "--weights", "15GiB",
-                     "--total-consumed", "17GiB")
+    result = kvguard(
+        "budget",
+        "--vllm-version",
+        "0.27.0",
+        "--total-memory",
+        "80GiB",
+        "--weights",
+        "15GiB",
+        "--total-consumed",
+        "17GiB",
+    )
     assert result.returncode == 64 and "--transient-peak-headroom" in result.stderr
 
 
 # ------------------------------------------------------------------ the budget-time verdict (--allocator)
 
+
 def test_allocator_predicts_the_kv_placement_on_mindspores_pool_without_vmm():
-    data = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "mindspore",
-                       "--no-enable-vmm")
+    data = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "mindspore", "--no-enable-vmm")
     at = data["at_budget"]
     verdict = at["verdict"]
     assert (at["allocator"], at["enable_vmm"], at["tensor_style"]) == ("mindspore", False, "per_layer_k_v")
@@ -227,24 +305,44 @@ def test_allocator_predicts_the_kv_placement_on_mindspores_pool_without_vmm():
     # The largest budget that fits is smaller than vLLM's, and judged on its own it is not critical.
     fits = at["largest_fitting_kv_cache_bytes"]
     assert 0 < fits < at["kv_cache_bytes"]
-    again = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "mindspore",
-                        "--no-enable-vmm", "--gpu-memory-utilization", "0.5")
+    again = budget_json(
+        "--model-config",
+        QWEN,
+        "--profile",
+        SEED_PROFILE,
+        "--allocator",
+        "mindspore",
+        "--no-enable-vmm",
+        "--gpu-memory-utilization",
+        "0.5",
+    )
     assert again["at_budget"]["verdict"]["state"] != "critical"
 
 
 def test_allocator_with_vmm_places_pages_and_the_log_needs_only_what_it_lacks():
     log = os.path.join(EXAMPLES, "vllm-mindspore-qwen2.5-7b.log")
-    data = budget_json("--model-config", QWEN, "--from-log", log, "--total-memory", "64GiB",
-                       "--gpu-memory-utilization", "0.9", "--allocator", "mindspore")
+    data = budget_json(
+        "--model-config",
+        QWEN,
+        "--from-log",
+        log,
+        "--total-memory",
+        "64GiB",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--allocator",
+        "mindspore",
+    )
     at = data["at_budget"]
-    assert at["enable_vmm"] is True      # vllm-mindspore's env_setup turns VMM on
+    assert at["enable_vmm"] is True  # vllm-mindspore's env_setup turns VMM on
     assert at["verdict"]["state"] != "critical" and at["verdict"]["kv_placement_loss_bytes"] < 2 * GIB
     assert at["kv_cache_bytes"] == data["budgets"]["stock"]["kv_cache_bytes"]
 
 
 def test_allocator_on_torch_counts_one_tensor_per_layer():
-    data = budget_json("--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "torch",
-                       "--vllm-version", "0.11.0")
+    data = budget_json(
+        "--model-config", QWEN, "--profile", SEED_PROFILE, "--allocator", "torch", "--vllm-version", "0.11.0"
+    )
     assert data["at_budget"]["tensor_style"] == "per_layer" and data["at_budget"]["verdict"]["kv_tensors"] == 28
 
 
@@ -256,21 +354,25 @@ def test_allocator_without_a_model_config_is_a_usage_error():
 
 # ------------------------------------------------------------------ an era input is refused, never dropped (issue 19)
 
+
 def one_line_usage_error(result):
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
     assert result.returncode == 64 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
     return errors[0]
 
 
-@pytest.mark.parametrize("release, missing", [
-    # 0.27+ budget from total consumed and the transient peak (mu 0.27.0:317-326), which a peak profile lacks.
-    ("0.34.0", "missing --total-consumed, --transient-peak-headroom"),
-    ("0.27.0", "missing --total-consumed, --transient-peak-headroom"),
-    # 0.20+ subtract the CUDA-graph estimate by default (envs.py 0.20.0:1725).
-    ("0.20.0", "missing --cudagraph-memory"),
-    # vllm-ascend 0.15-0.17 also subtract the non-torch memory present at startup (worker.py 0.17.0rc1:339-366).
-    ("vllm-ascend:0.17.0", "missing --non-torch-cleared"),
-])
+@pytest.mark.parametrize(
+    "release, missing",
+    [
+        # 0.27+ budget from total consumed and the transient peak (mu 0.27.0:317-326), which a peak profile lacks.
+        ("0.34.0", "missing --total-consumed, --transient-peak-headroom"),
+        ("0.27.0", "missing --total-consumed, --transient-peak-headroom"),
+        # 0.20+ subtract the CUDA-graph estimate by default (envs.py 0.20.0:1725).
+        ("0.20.0", "missing --cudagraph-memory"),
+        # vllm-ascend 0.15-0.17 also subtract the non-torch memory present at startup (worker.py 0.17.0rc1:339-366).
+        ("vllm-ascend:0.17.0", "missing --non-torch-cleared"),
+    ],
+)
 def test_a_profile_file_the_era_cannot_budget_is_refused_not_dropped(release, missing):
     result = kvguard("budget", "--profile", SEED_PROFILE, "--model-config", QWEN, "--vllm-version", release)
     assert missing in one_line_usage_error(result)
@@ -292,12 +394,15 @@ def test_an_increase_from_a_profile_file_is_not_taken_for_the_absolute_non_torch
     assert out["profile"]["non_torch_increase_bytes"] == absolute
 
 
-@pytest.mark.parametrize("args, unread", [
-    (["--vllm-version", "0.11.0", "--cudagraph-memory", "1GiB"], "does not read --cudagraph-memory"),
-    (["--vllm-version", "0.13.0", "--non-torch-cleared", "1GiB"], "does not read --non-torch-cleared"),
-    (["--vllm-version", "0.11.0", "--total-consumed", "1GiB"], "does not read --total-consumed"),
-    (["--vllm-version", "vllm-ascend:0.18.0", "--init-free-memory", "60GiB"], "does not read --init-free-memory"),
-])
+@pytest.mark.parametrize(
+    "args, unread",
+    [
+        (["--vllm-version", "0.11.0", "--cudagraph-memory", "1GiB"], "does not read --cudagraph-memory"),
+        (["--vllm-version", "0.13.0", "--non-torch-cleared", "1GiB"], "does not read --non-torch-cleared"),
+        (["--vllm-version", "0.11.0", "--total-consumed", "1GiB"], "does not read --total-consumed"),
+        (["--vllm-version", "vllm-ascend:0.18.0", "--init-free-memory", "60GiB"], "does not read --init-free-memory"),
+    ],
+)
 def test_a_flag_the_era_does_not_read_is_refused(args, unread):
     result = kvguard("budget", "--profile", SEED_PROFILE, *args)
     assert unread in one_line_usage_error(result)
@@ -327,30 +432,46 @@ def test_a_flag_beside_a_log_without_its_profile_is_refused_not_dropped():
 
 # ------------------------------------------------------------------ the seed's release
 
+
 def test_budget_accepts_the_seed_release_simulate_takes_and_gives_the_seeds_figure():
     """vllm-mindspore 0.2.0 (PR !428): the seed reported Qwen2.5-7B's 37.85 GiB / 44292 blocks becoming
     36.40 GiB / 42593 with 16-token blocks."""
     out = budget_json("--profile", SEED_PROFILE, "--model-config", QWEN, "--vllm-version", "vllm-mindspore:0.2.0")
     assert (out["layout"]["block_size"], out["budgets"]["stock"]["num_blocks"]) == (16, 42593)
     assert round(out["budgets"]["stock"]["kv_cache_bytes"] / GIB, 2) == 36.40
-    sim = kvguard("simulate", "--vllm-mindspore-version", "0.2.0", "--allocator", "mindspore", "--requests", "1",
-                  "--json")
+    sim = kvguard(
+        "simulate", "--vllm-mindspore-version", "0.2.0", "--allocator", "mindspore", "--requests", "1", "--json"
+    )
     assert sim.returncode == 0, sim.stderr
 
 
 def test_the_absolute_non_torch_memory_is_printed_as_what_it_is():
-    result = kvguard("budget", "--vllm-version", "0.9.0", "--total-memory", "80GiB", "--weights", "15GiB",
-                     "--peak-allocated-increase", "2GiB", "--non-torch-memory", "1GiB")
+    result = kvguard(
+        "budget",
+        "--vllm-version",
+        "0.9.0",
+        "--total-memory",
+        "80GiB",
+        "--weights",
+        "15GiB",
+        "--peak-allocated-increase",
+        "2GiB",
+        "--non-torch-memory",
+        "1GiB",
+    )
     assert result.returncode == 0 and "non-torch memory 1.00 GiB" in result.stdout
     assert "non-torch increase" not in result.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--no-enable-vmm"], "give --allocator too"),
-    (["--non-allocator-memory", "1GiB"], "give --allocator too"),
-    (["--allocator", "torch", "--enable-vmm"], "--allocator mindspore, not torch"),
-    (["--allocator", "mindspore", "--expandable-segments"], "--allocator torch or torch_npu"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--no-enable-vmm"], "give --allocator too"),
+        (["--non-allocator-memory", "1GiB"], "give --allocator too"),
+        (["--allocator", "torch", "--enable-vmm"], "--allocator mindspore, not torch"),
+        (["--allocator", "mindspore", "--expandable-segments"], "--allocator torch or torch_npu"),
+    ],
+)
 def test_an_allocator_option_the_verdict_would_not_use_is_refused(args, message):
     result = kvguard("budget", "--model-config", QWEN, "--profile", SEED_PROFILE, *args)
     assert message in one_line_usage_error(result)
@@ -360,7 +481,9 @@ def test_a_vllm_version_the_log_s_lines_rule_out_is_said_not_taken_silently():
     # r02 states V0's "can use total_gpu_memory (…) x gpu_memory_utilization" lines: vLLM 0.6.4-0.8.4.
     log = os.path.join(os.path.dirname(__file__), "data", "logs", "real", "r02.log")
     contradicted = kvguard("budget", "--from-log", log, "--vllm-version", "0.14.0")
-    assert "--vllm-version 0.14.0 is the row vllm 0.14.0–0.17.1, but the log's lines fit only vllm 0.6.4–0.8.4" \
+    assert (
+        "--vllm-version 0.14.0 is the row vllm 0.14.0–0.17.1, but the log's lines fit only vllm 0.6.4–0.8.4"
         in contradicted.stderr
+    )
     agreed = kvguard("budget", "--from-log", log, "--vllm-version", "0.8.0")
     assert agreed.returncode == 0 and "fit only" not in agreed.stderr

@@ -7,15 +7,15 @@ import threading
 import time
 
 import pytest
+from helpers import within
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from sidecar_fixtures import GIB, snapshot, write
 
-from kvguard.sidecar.collector import KVGuardCollector
 from kvguard.records import DeviceMemory, ProcessMemory
+from kvguard.sidecar.collector import KVGuardCollector
 from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.vllm.log import parse_lines
-from helpers import within
-from sidecar_fixtures import GIB, snapshot, write
 
 POD = {"pod": "", "namespace": "", "container": ""}
 
@@ -37,7 +37,7 @@ def scrape_within(sidecar: Sidecar, seconds: float = 30) -> dict[str, list]:
 
 
 def value(samples, name, **labels):
-    matches = [v for l, v in samples.get(name, []) if all(l.get(k) == str(x) for k, x in labels.items())]
+    matches = [v for got, v in samples.get(name, []) if all(got.get(k) == str(x) for k, x in labels.items())]
     assert len(matches) == 1, f"{name} {labels}: {matches}"
     return matches[0]
 
@@ -69,8 +69,11 @@ class FailingSource:
 
 
 def test_every_rank_gets_allocator_series_with_rank_labels(tmp_path):
-    write(tmp_path, snapshot(rank=0, device="npu:0", pid=100, allocated=52 * GIB, reserved=54 * GIB),
-          snapshot(rank=1, device="npu:1", pid=101, allocated=52 * GIB, reserved=54 * GIB))
+    write(
+        tmp_path,
+        snapshot(rank=0, device="npu:0", pid=100, allocated=52 * GIB, reserved=54 * GIB),
+        snapshot(rank=1, device="npu:1", pid=101, allocated=52 * GIB, reserved=54 * GIB),
+    )
     samples = scrape(sidecar_for(tmp_path))
     for rank, device, pid in ((0, "npu:0", 100), (1, "npu:1", 101)):
         labels = dict(rank=rank, device=device, pid=pid, pod="vllm-0", namespace="llm", container="vllm")
@@ -117,7 +120,7 @@ def test_a_rank_that_disappears_leaves_no_series(tmp_path):
     sidecar = sidecar_for(tmp_path)
     assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 2
     os.unlink(next(p for p in tmp_path.iterdir() if "-101-" in p.name))
-    sidecar.refresh_background(wait=5)   # the next background spool read
+    sidecar.refresh_background(wait=5)  # the next background spool read
     assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1
 
 
@@ -161,16 +164,27 @@ def test_snapshot_age_and_staleness(tmp_path):
 
 def test_pod_labels_come_from_the_downward_api_when_the_snapshot_has_none(tmp_path):
     write(tmp_path, snapshot(pod={}, allocated=52 * GIB))
-    sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels={
-        "pod": "vllm-7", "namespace": "serving", "container": "kvguard"}))
+    sidecar = Sidecar(
+        SidecarConfig(
+            spool_dir=str(tmp_path), pod_labels={"pod": "vllm-7", "namespace": "serving", "container": "kvguard"}
+        )
+    )
     samples = scrape(sidecar)
-    assert value(samples, "kvguard_allocator_allocated_bytes", pod="vllm-7", namespace="serving",
-                 container="kvguard") == 52 * GIB
+    assert (
+        value(samples, "kvguard_allocator_allocated_bytes", pod="vllm-7", namespace="serving", container="kvguard")
+        == 52 * GIB
+    )
 
 
 def test_device_sources_export_total_used_free_and_processes_as_cached(tmp_path):
-    record = DeviceMemory(device="0", source="nvml", total_bytes=80 * GIB, used_bytes=70 * GIB, free_bytes=10 * GIB,
-                          processes=(ProcessMemory(pid=2171, used_bytes=69 * GIB, name="python3"),))
+    record = DeviceMemory(
+        device="0",
+        source="nvml",
+        total_bytes=80 * GIB,
+        used_bytes=70 * GIB,
+        free_bytes=10 * GIB,
+        processes=(ProcessMemory(pid=2171, used_bytes=69 * GIB, name="python3"),),
+    )
     sidecar = Sidecar(SidecarConfig(sources=[("nvml", StaticSource([record]))], pod_labels=dict(POD)))
     sidecar.refresh_background(wait=5)
     registry = CollectorRegistry(auto_describe=False)
@@ -181,8 +195,9 @@ def test_device_sources_export_total_used_free_and_processes_as_cached(tmp_path)
     assert value(samples, "kvguard_device_free_bytes", device="0", source="nvml") == 10 * GIB
     assert value(samples, "kvguard_device_process_used_bytes", pid=2171) == 69 * GIB
     assert value(samples, "kvguard_source_up", source="nvml") == 1
-    assert "# HELP kvguard_device_total_bytes Device memory capacity as the device-level source reports it. Cached" \
-        in text
+    assert (
+        "# HELP kvguard_device_total_bytes Device memory capacity as the device-level source reports it. Cached" in text
+    )
 
 
 def test_a_hanging_source_never_holds_up_a_scrape(tmp_path):
@@ -224,8 +239,10 @@ def test_a_failing_source_is_down_and_says_why_in_the_guard(tmp_path):
     sidecar.refresh_background(wait=5)
     samples = scrape(sidecar)
     assert value(samples, "kvguard_source_up", source="nvml") == 0
-    assert sidecar.observe().guard_dict()["sources"]["nvml"]["last_error"] == \
-        "nvmlInit failed: NVML_ERROR_DRIVER_NOT_LOADED"
+    assert (
+        sidecar.observe().guard_dict()["sources"]["nvml"]["last_error"]
+        == "nvmlInit failed: NVML_ERROR_DRIVER_NOT_LOADED"
+    )
 
 
 def test_retries_climbing_between_scrapes_turn_the_rank_critical(tmp_path):
@@ -258,7 +275,7 @@ def test_from_log_alone_judges_the_engine_the_log_describes(data_path):
     samples = scrape(Sidecar(SidecarConfig(startup_log=startup, pod_labels=dict(POD))))
     assert value(samples, "kvguard_kv_cache_budget_bytes", budget="stock") > 37 * GIB
     assert value(samples, "kvguard_kv_cache_allocated_bytes") == startup.available_kv_cache_bytes
-    assert value(samples, "kvguard_guard_state", state="ok") == 1   # no reserved peak known: nothing to flag
+    assert value(samples, "kvguard_guard_state", state="ok") == 1  # no reserved peak known: nothing to flag
 
 
 def test_the_log_profile_fills_in_for_a_snapshot_without_one(tmp_path, data_path):
@@ -268,18 +285,20 @@ def test_the_log_profile_fills_in_for_a_snapshot_without_one(tmp_path, data_path
     samples = scrape(sidecar_for(tmp_path, startup_log=startup))
     assert value(samples, "kvguard_profile_weights_bytes") == startup.weights_bytes
     # reserved activation peak inferred: allocated peak + live fragmentation
-    assert value(samples, "kvguard_profile_activation_peak_bytes", measure="reserved") == \
-        startup.peak_allocated_increase_bytes + 2 * GIB
+    assert (
+        value(samples, "kvguard_profile_activation_peak_bytes", measure="reserved")
+        == startup.peak_allocated_increase_bytes + 2 * GIB
+    )
 
 
 def test_build_info_is_always_there(tmp_path):
     samples = scrape(Sidecar(SidecarConfig(pod_labels=dict(POD))))
-    (labels, one), = samples["kvguard_build_info"]
+    ((labels, one),) = samples["kvguard_build_info"]
     assert one == 1 and labels["version"]
 
 
 def test_a_device_number_no_float_can_hold_is_left_out_not_a_failed_scrape():
-    record = DeviceMemory(device="0", source="npu-smi", total_bytes=10 ** 400, used_bytes=70 * GIB)
+    record = DeviceMemory(device="0", source="npu-smi", total_bytes=10**400, used_bytes=70 * GIB)
     sidecar = Sidecar(SidecarConfig(sources=[("npu-smi", StaticSource([record]))], pod_labels=dict(POD)))
     sidecar.refresh_background(wait=5)
     samples = scrape(sidecar)
@@ -290,9 +309,9 @@ def test_a_device_number_no_float_can_hold_is_left_out_not_a_failed_scrape():
 def test_a_scrape_serves_the_last_background_spool_read(tmp_path):
     write(tmp_path, snapshot(rank=0, pid=100))
     sidecar = sidecar_for(tmp_path)
-    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1   # the first read
+    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1  # the first read
     write(tmp_path, snapshot(rank=1, device="npu:1", pid=101))
-    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1   # no read at scrape time
+    assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 1  # no read at scrape time
     sidecar.refresh_background(wait=5)
     assert len(scrape(sidecar)["kvguard_allocator_allocated_bytes"]) == 2
 
@@ -303,20 +322,23 @@ def test_spool_families_say_they_are_read_in_the_background(tmp_path):
     registry.register(KVGuardCollector(sidecar_for(tmp_path)))
     text = generate_latest(registry).decode()
     assert "# HELP kvguard_spool_snapshots Snapshots read from the spool at its last read. Cached" in text
-    assert 'as of the last spool read. The spool is read in the background every 5s, see ' \
-           'kvguard_source_cache_age_seconds{source="spool"}' in text
+    assert (
+        "as of the last spool read. The spool is read in the background every 5s, see "
+        'kvguard_source_cache_age_seconds{source="spool"}' in text
+    )
 
 
 def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
+    import os
+
     from kvguard.spool.io import read_spool
 
-    import os
     write(tmp_path, *(snapshot(rank=r, device=f"npu:{r}", pid=100 + r) for r in range(3)))
     # The reader takes the newest files first: give them distinct ages so which two fit is defined.
     files = sorted(tmp_path.iterdir())
     for age, path in enumerate(files):
         os.utime(path, (1_700_000_000 - age, 1_700_000_000 - age))
-    sizes = [p.stat().st_size for p in files]   # newest first
+    sizes = [p.stat().st_size for p in files]  # newest first
     result = read_spool(str(tmp_path), max_total_bytes=sizes[0] + sizes[1])
     assert len(result.snapshots) == 2
     assert result.skipped == {"too_many_files": 1}
@@ -325,8 +347,10 @@ def test_a_spool_read_stops_at_its_byte_budget(tmp_path):
 def test_a_spool_that_cannot_be_listed_says_so_once(tmp_path):
     missing = tmp_path / "missing"
     sidecar = sidecar_for(missing)
-    assert sidecar.observe().guard_dict()["sources"]["spool"]["last_error"] == \
-        f"cannot list spool directory {missing}: No such file or directory"
+    assert (
+        sidecar.observe().guard_dict()["sources"]["spool"]["last_error"]
+        == f"cannot list spool directory {missing}: No such file or directory"
+    )
 
 
 def test_ranks_aged_out_are_counted_by_reason_and_export_no_series(tmp_path):

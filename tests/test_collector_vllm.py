@@ -7,13 +7,13 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 
 import pytest
-
-from kvguard.vllm import metrics as vllm_metrics
-from kvguard.sidecar.core import Sidecar, SidecarConfig
-from kvguard.vllm.log import parse_lines
 from helpers import LoopbackHTTP, reply, wait_for, within
 from sidecar_fixtures import snapshot, write
 from test_collector import POD, scrape, scrape_within, value
+
+from kvguard.sidecar.core import Sidecar, SidecarConfig
+from kvguard.vllm import metrics as vllm_metrics
+from kvguard.vllm.log import parse_lines
 
 # As vLLM V1 exposes it (vllm/v1/metrics/loggers.py): CacheConfig fields as labels, usage 0-1.
 VLLM_TEXT = """\
@@ -68,7 +68,7 @@ class FakeVllm(LoopbackHTTP):
         if self.mode == "hang":
             self.release.wait()
             return
-        if self.mode == "drip":   # headers, then one byte at a time, never the end
+        if self.mode == "drip":  # headers, then one byte at a time, never the end
             request.send_response(200)
             request.end_headers()
             while not self.release.wait(0.02):
@@ -78,10 +78,16 @@ class FakeVllm(LoopbackHTTP):
                 except OSError:
                     return
             return
-        reply(request, *{"ok": (200, VLLM_TEXT.encode()), "dp2": (200, DP2_TEXT.encode()),
-                         "huge": (200, HUGE_BLOCKS_TEXT.encode()),
-                         "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
-                         "error": (500, b"internal error")}[self.mode])
+        reply(
+            request,
+            *{
+                "ok": (200, VLLM_TEXT.encode()),
+                "dp2": (200, DP2_TEXT.encode()),
+                "huge": (200, HUGE_BLOCKS_TEXT.encode()),
+                "garbage": (200, b"\x00\xffthis is {not} metrics\n}}}{{\n"),
+                "error": (500, b"internal error"),
+            }[self.mode],
+        )
 
     def close(self):
         self.release.set()
@@ -96,6 +102,7 @@ def fake_vllm():
         server = FakeVllm(mode)
         servers.append(server)
         return server
+
     yield start
     for server in servers:
         server.close()
@@ -146,9 +153,11 @@ def test_vllm_usage_is_attached_to_every_spool_rank(fake_vllm, tmp_path):
 def test_parse_keeps_one_state_per_engine():
     state = vllm_metrics.parse(DP2_TEXT)
     assert [(e.engine, e.model_name, e.num_gpu_blocks, e.kv_cache_usage_ratio) for e in state.engines] == [
-        ("0", "qwen-7b", 44292, pytest.approx(0.4213)), ("1", "qwen-7b", 43960, pytest.approx(0.0871))]
+        ("0", "qwen-7b", 44292, pytest.approx(0.4213)),
+        ("1", "qwen-7b", 43960, pytest.approx(0.0871)),
+    ]
     assert state.engine_for("qwen-7b", "1").num_gpu_blocks == 43960
-    assert state.engine_for() is None                       # two engines, nothing to tell them apart
+    assert state.engine_for() is None  # two engines, nothing to tell them apart
     assert state.engine_for("other-model", "1") is None
 
 
@@ -161,14 +170,19 @@ def test_an_engine_label_flood_is_cut_at_max_engines():
 
 def test_data_parallel_ranks_each_get_their_own_engines_facts(fake_vllm, tmp_path):
     server = fake_vllm("dp2")
-    write(tmp_path, replace(snapshot(rank=0, pid=1, device="cuda:0"), model_name="qwen-7b", engine="0", kv_cache=None),
-          replace(snapshot(rank=1, pid=2, device="cuda:1"), model_name="qwen-7b", engine="1", kv_cache=None))
+    write(
+        tmp_path,
+        replace(snapshot(rank=0, pid=1, device="cuda:0"), model_name="qwen-7b", engine="0", kv_cache=None),
+        replace(snapshot(rank=1, pid=2, device="cuda:1"), model_name="qwen-7b", engine="1", kv_cache=None),
+    )
     sidecar = polled(server, spool_dir=str(tmp_path))
     samples = scrape(sidecar)
-    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=0, engine="0", model_name="qwen-7b") == \
-        pytest.approx(0.4213)
-    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=1, engine="1", model_name="qwen-7b") == \
-        pytest.approx(0.0871)
+    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=0, engine="0", model_name="qwen-7b") == pytest.approx(
+        0.4213
+    )
+    assert value(samples, "kvguard_kv_cache_usage_ratio", rank=1, engine="1", model_name="qwen-7b") == pytest.approx(
+        0.0871
+    )
     assert value(samples, "kvguard_kv_cache_allocated_blocks", rank=1, engine="1") == 43960
 
 
@@ -176,8 +190,9 @@ def test_without_a_probe_each_engine_is_judged_apart(fake_vllm):
     server = fake_vllm("dp2")
     sidecar = polled(server)
     samples = scrape(sidecar)
-    assert [(labels["engine"], labels["model_name"], v) for labels, v in samples["kvguard_kv_cache_allocated_blocks"]] \
-        == [("0", "qwen-7b", 44292), ("1", "qwen-7b", 43960)]
+    assert [
+        (labels["engine"], labels["model_name"], v) for labels, v in samples["kvguard_kv_cache_allocated_blocks"]
+    ] == [("0", "qwen-7b", 44292), ("1", "qwen-7b", 43960)]
     assert len(samples["kvguard_guard_severity"]) == 2
 
 
@@ -226,7 +241,7 @@ def test_after_a_trickling_read_is_cut_off_the_next_poll_runs(fake_vllm):
     server = fake_vllm("drip")
     sidecar = Sidecar(SidecarConfig(vllm_metrics_url=server.url, read_timeout=0.3, pod_labels=dict(POD)))
     errors = 0
-    for _ in range(600):   # a new read starts only once the one before it has ended
+    for _ in range(600):  # a new read starts only once the one before it has ended
         sidecar.refresh_background(wait=30)
         errors = sidecar.observe().guard_dict()["sources"]["vllm_metrics"]["errors_total"]
         if errors >= 2:

@@ -9,9 +9,8 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import dashboard_lint as lint
+import pytest
 from monitoring import DASHBOARD, DASHBOARDS, KVGUARD_METRIC, RUNBOOK, documented_metrics
 
 GENERATOR = os.path.join(DASHBOARDS, "generate.py")
@@ -58,8 +57,18 @@ def test_panels_are_timeseries_and_stat_only():
 def test_variables_are_datasource_cluster_job_instance_namespace_model_engine_pod_rank_device():
     names = [v["name"] for v in lint.variables(DASHBOARD)]
     assert names[0] == "datasource"
-    assert set(names) == {"datasource", "cluster", "job", "instance", "namespace", "model_name", "engine_id", "pod",
-                          "rank", "device"}
+    assert set(names) == {
+        "datasource",
+        "cluster",
+        "job",
+        "instance",
+        "namespace",
+        "model_name",
+        "engine_id",
+        "pod",
+        "rank",
+        "device",
+    }
 
 
 def test_every_panel_that_groups_by_engine_id_selects_by_it():
@@ -79,14 +88,27 @@ def test_kvguard_label_variables_match_empty_values_when_all(name):
     assert variable["includeAll"] and variable["allValue"] == ".*"
 
 
-@pytest.mark.parametrize("metric", [
-    "kvguard_allocator_allocated_bytes", "kvguard_allocator_reserved_bytes", "kvguard_guard_capacity_bytes",
-    "kvguard_device_total_bytes", "kvguard_allocator_fragmentation_bytes", "kvguard_allocator_fragmentation_ratio",
-    "kvguard_kv_cache_allocated_bytes", "kvguard_kv_cache_budget_bytes", "kvguard_kv_cache_overcommit_bytes",
-    "kvguard_guard_headroom_bytes", "kvguard_guard_severity", "kvguard_allocator_alloc_retries_total",
-    "kvguard_allocator_ooms_total", "kvguard_snapshot_age_seconds", "kvguard_source_up",
-    "kvguard_kv_cache_usage_ratio",
-])
+@pytest.mark.parametrize(
+    "metric",
+    [
+        "kvguard_allocator_allocated_bytes",
+        "kvguard_allocator_reserved_bytes",
+        "kvguard_guard_capacity_bytes",
+        "kvguard_device_total_bytes",
+        "kvguard_allocator_fragmentation_bytes",
+        "kvguard_allocator_fragmentation_ratio",
+        "kvguard_kv_cache_allocated_bytes",
+        "kvguard_kv_cache_budget_bytes",
+        "kvguard_kv_cache_overcommit_bytes",
+        "kvguard_guard_headroom_bytes",
+        "kvguard_guard_severity",
+        "kvguard_allocator_alloc_retries_total",
+        "kvguard_allocator_ooms_total",
+        "kvguard_snapshot_age_seconds",
+        "kvguard_source_up",
+        "kvguard_kv_cache_usage_ratio",
+    ],
+)
 def test_a_panel_shows_the_metric_the_issue_asks_for(metric):
     assert any(metric in metrics_of(p) for p in PANELS)
 
@@ -114,8 +136,13 @@ def test_guard_state_per_rank_maps_severity_to_state_names():
 def test_panels_of_one_base_unit_use_the_grafana_unit(suffix, unit):
     # bytes is Grafana's IEC unit (KiB, MiB, GiB); percentunit reads 0-1 ratios.
     # A quotient of two byte counts (headroom over capacity) is a ratio, whatever its inputs' unit.
-    panels = [p for p in PANELS if metrics_of(p) and all(m.endswith(suffix) for m in metrics_of(p))
-              and not any(" / " in t["expr"] for t in p["targets"])]
+    panels = [
+        p
+        for p in PANELS
+        if metrics_of(p)
+        and all(m.endswith(suffix) for m in metrics_of(p))
+        and not any(" / " in t["expr"] for t in p["targets"])
+    ]
     assert panels
     assert {p["title"]: p["fieldConfig"]["defaults"]["unit"] for p in panels} == {p["title"]: unit for p in panels}
 
@@ -185,11 +212,16 @@ def test_a_bad_rules_config_is_one_line(tmp_path):
 
 
 def test_the_guard_reasons_and_the_budget_time_verdict_are_above_the_fold():
-    first_row_end = next(p["gridPos"]["y"] for p in lint.all_panels(DASHBOARD)
-                         if p["type"] == "row" and p["title"] != "Overview")
+    first_row_end = next(
+        p["gridPos"]["y"] for p in lint.all_panels(DASHBOARD) if p["type"] == "row" and p["title"] != "Overview"
+    )
     above = {p["title"] for p in PANELS if p["gridPos"]["y"] < first_row_end}
-    assert {"Engine state", "Guard state per rank", "Why: guard reasons per rank",
-            "Budget-time verdict per rank"} <= above
+    assert {
+        "Engine state",
+        "Guard state per rank",
+        "Why: guard reasons per rank",
+        "Budget-time verdict per rank",
+    } <= above
     why = next(p for p in PANELS if p["title"] == "Why: guard reasons per rank")
     assert "kvguard_guard_reason" in why["targets"][0]["expr"] and "{{reason}}" in why["targets"][0]["legendFormat"]
 

@@ -2,7 +2,8 @@
 
 No Grafana runs here: the script runs every panel's queries against a real Prometheus scraping
 `kvguard serve --demo` and draws the panels where the dashboard's grid puts them. Tested here on a short
-run: every panel has data (the demo's engines give the vLLM and budget-time panels theirs), and the picture is drawn; the
+run: every panel has data (the demo's engines give the vLLM and budget-time panels theirs), and the picture is drawn;
+the
 committed picture (docs/dashboard-demo.png) has the size the current dashboard's grid gives it.
 """
 
@@ -15,7 +16,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "dashboards"))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.sim.demo import DemoSource
-from kvguard.guard.judge import CRITICAL, CounterWindow, GuardInput, judge
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.guard.judge import CRITICAL, CounterWindow, GuardInput, judge
+from kvguard.sim.demo import DemoSource
 from kvguard.sim.scenario import ScenarioConfig
 from kvguard.sim.traffic import LiveServing, Traffic
 
@@ -36,10 +36,17 @@ class Judged:
         for record in records:
             context = contexts[record.device]
             kv_bytes = context.kv_cache.kv_cache_bytes if context.kv_cache else None
-            verdict = judge(GuardInput(
-                context.profile, kv_cache_bytes=kv_bytes, memory=record,
-                alloc_retries_increase=self.window.observe((record.device, "retries"), self.samples, record.alloc_retries),
-                ooms_increase=self.window.observe((record.device, "ooms"), self.samples, record.ooms)))
+            verdict = judge(
+                GuardInput(
+                    context.profile,
+                    kv_cache_bytes=kv_bytes,
+                    memory=record,
+                    alloc_retries_increase=self.window.observe(
+                        (record.device, "retries"), self.samples, record.alloc_retries
+                    ),
+                    ooms_increase=self.window.observe((record.device, "ooms"), self.samples, record.ooms),
+                )
+            )
             rows.append((record, verdict))
         self.samples += 1
         return rows
@@ -50,8 +57,8 @@ def test_counters_take_several_values_every_few_samples():
     rows = [judged.sample() for _ in range(90)]
     for rank in (0, 1):
         series = [row[rank][0] for row in rows]
-        for start in range(0, 90, 5):      # every window of 5 samples (5 s of demo), each counter moves
-            window = series[start:start + 5]
+        for start in range(0, 90, 5):  # every window of 5 samples (5 s of demo), each counter moves
+            window = series[start : start + 5]
             assert len({r.allocated_bytes for r in window}) >= 3, (rank, start)
             assert len({r.fragmentation_bytes for r in window}) >= 3, (rank, start)
         # reserved climbs as the caching allocator meets batches it has no cached block for
@@ -82,7 +89,7 @@ def test_the_tripping_rank_is_called_runs_out_restarts_with_other_arrivals_and_i
     # reserved memory climbs past the projection, then an OOM the allocator counts.
     assert first["states"][0] == "warning"
     assert CRITICAL in first["states"] and first.get("oom")
-    assert first["states"].index(CRITICAL) < len(first["states"]) - 1    # called before the OOM sample
+    assert first["states"].index(CRITICAL) < len(first["states"]) - 1  # called before the OOM sample
     assert {"overcommitted", "projected_peak_exceeds_capacity", "ooms_climbing"} <= first["codes"]
     # Life two: a new seed, so other arrivals and another series; called again.
     assert second["serving"].config.seed != first["serving"].config.seed
@@ -95,9 +102,16 @@ def test_the_tripping_rank_is_called_runs_out_restarts_with_other_arrivals_and_i
 
 
 def live(traffic: Traffic, seed: int = 0, **config) -> LiveServing:
-    return LiveServing(ScenarioConfig(model_config=load_model_config(bundled_model_config_path()),
-                                      device_memory_bytes=32 * GIB, allocator="torch_npu", seed=seed, **config),
-                       traffic)
+    return LiveServing(
+        ScenarioConfig(
+            model_config=load_model_config(bundled_model_config_path()),
+            device_memory_bytes=32 * GIB,
+            allocator="torch_npu",
+            seed=seed,
+            **config,
+        ),
+        traffic,
+    )
 
 
 def test_requests_arrive_as_a_seeded_poisson_process_and_finish():
@@ -108,7 +122,7 @@ def test_requests_arrive_as_a_seeded_poisson_process_and_finish():
     # count with mean 100 lies in 70..130 with probability > 0.997).
     assert 70 <= len(serving.arrivals) <= 130
     gaps = [b - a for a, b in zip(serving.arrivals, serving.arrivals[1:])]
-    assert 0 in gaps and max(gaps) > 8          # bursts and lulls, not a metronome
+    assert 0 in gaps and max(gaps) > 8  # bursts and lulls, not a metronome
     assert serving.requests_finished > 50
     again = live(Traffic(arrival_rate=0.25, output_mean_tokens=16, prompt_median_tokens=256))
     other = live(Traffic(arrival_rate=0.25, output_mean_tokens=16, prompt_median_tokens=256), seed=1)
@@ -119,8 +133,10 @@ def test_requests_arrive_as_a_seeded_poisson_process_and_finish():
 
 
 def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget():
-    serving = live(Traffic(arrival_rate=0.05, prompt_median_tokens=20_000, prompt_sigma=0.0, output_mean_tokens=4),
-                   max_num_batched_tokens=2048)
+    serving = live(
+        Traffic(arrival_rate=0.05, prompt_median_tokens=20_000, prompt_sigma=0.0, output_mean_tokens=4),
+        max_num_batched_tokens=2048,
+    )
     tokens = []
     for _ in range(80):
         serving.step()
@@ -132,7 +148,7 @@ def test_long_prompts_are_prefilled_in_chunks_of_the_token_budget():
 
 def test_a_forward_is_in_flight_between_steps():
     serving = live(Traffic(arrival_rate=2.0, prompt_median_tokens=2048))
-    serving.step()                          # startup, then a forward left part way
+    serving.step()  # startup, then a forward left part way
     baseline = serving.profile.weights_bytes
     seen = set()
     for _ in range(10):
@@ -142,15 +158,24 @@ def test_a_forward_is_in_flight_between_steps():
     assert len(seen) >= 5 and min(seen) >= baseline + kv * 0.99
 
 
-@pytest.mark.parametrize("field, value", [("arrival_rate", 0), ("arrival_rate", 100), ("prompt_median_tokens", 0),
-                                          ("output_mean_tokens", 0), ("prompt_sigma", -1),
-                                          ("leak_bytes_per_request", -1)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("arrival_rate", 0),
+        ("arrival_rate", 100),
+        ("prompt_median_tokens", 0),
+        ("output_mean_tokens", 0),
+        ("prompt_sigma", -1),
+        ("leak_bytes_per_request", -1),
+    ],
+)
 def test_bad_traffic_is_a_value_error(field, value):
     with pytest.raises(ValueError, match=field):
         Traffic(**{field: value})
 
 
 # ---------------------------------------------------------------- what a real rank's vLLM gives beside the probe
+
 
 def test_each_rank_is_its_own_source_and_the_whole_demo_reads_them_in_rank_order():
     source = DemoSource(ranks=3)
@@ -166,21 +191,22 @@ def test_the_budget_time_verdict_is_taken_once_per_life_after_startup_fixed_the_
     from kvguard.guard.judge import BUDGET
 
     source = DemoSource(ranks=2)
-    assert source.budget_verdict(1) == (None, False)       # no startup yet
+    assert source.budget_verdict(1) == (None, False)  # no startup yet
     handed = []
     rank = source.rank_source(1)
     rank.on_budget_verdict = handed.append
     first = source.serving(1)
     while source.serving(1) is first:
         rank.sample()
-    rank.sample()                                          # the new life's startup
+    rank.sample()  # the new life's startup
     assert len(handed) == 2 and all(v.phase == BUDGET for v in handed)
     assert handed[1] is not handed[0]
-    assert handed[0].reason_codes == ("overcommitted",)    # vLLM's stock budget over the reserved-aware one
+    assert handed[0].reason_codes == ("overcommitted",)  # vLLM's stock budget over the reserved-aware one
 
 
 def test_the_engines_metrics_are_vllms_series_from_the_simulated_scheduler():
     from prometheus_client.parser import text_string_to_metric_families
+
     from kvguard.sim.demo import MODEL_NAME
     from kvguard.vllm import metrics
 
@@ -219,7 +245,9 @@ def test_the_engines_series_have_the_names_and_help_of_vllm_0_14s_prometheus_log
     for call in ast.walk(tree):
         if isinstance(call, ast.Call):
             keywords = {k.arg: k.value for k in call.keywords}
-            if isinstance(keywords.get("name"), ast.Constant) and isinstance(keywords.get("documentation"), ast.Constant):
+            if isinstance(keywords.get("name"), ast.Constant) and isinstance(
+                keywords.get("documentation"), ast.Constant
+            ):
                 upstream[keywords["name"].value] = keywords["documentation"].value
     assert '"vllm:cache_config_info"' in loggers.read_text(encoding="utf-8")
     assert 'labelnames = ["model_name", "engine"]' in loggers.read_text(encoding="utf-8")
@@ -248,8 +276,10 @@ def test_start_demo_runs_a_probe_per_rank_naming_its_engine_and_serves_the_engin
             if len(snapshots) == 2 and all(s.budget_verdict for s in snapshots.values()):
                 break
             time.sleep(0.1)
-        assert {(d, s.model_name, s.engine, s.rank) for d, s in snapshots.items()} == \
-            {("npu:0", MODEL_NAME, "0", 0), ("npu:1", MODEL_NAME, "1", 1)}
+        assert {(d, s.model_name, s.engine, s.rank) for d, s in snapshots.items()} == {
+            ("npu:0", MODEL_NAME, "0", 0),
+            ("npu:1", MODEL_NAME, "1", 1),
+        }
         assert all(s.budget_verdict.phase == "budget" for s in snapshots.values())
         with urllib.request.urlopen(demo.vllm_metrics_url, timeout=5) as answer:
             assert b'vllm:kv_cache_usage_perc{engine="1"' in answer.read()

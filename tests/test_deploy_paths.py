@@ -24,14 +24,18 @@ import shlex
 
 import jsonschema
 import pytest
-
 import upstream_schemas
 from test_attach_upstream import strict, validate_core
 from test_helm_chart import CI_VALUES, SIDECAR_VALUES, WORKLOAD_VALUES, _ids, env_of, helm, only, render, template_args
 
 # Device plugins' extended resources, by vendor (the resource's domain).
-VENDORS = {"nvidia.com": "NVIDIA", "huawei.com": "Huawei Ascend", "amd.com": "AMD", "habana.ai": "Intel Gaudi",
-           "intel.com": "Intel"}
+VENDORS = {
+    "nvidia.com": "NVIDIA",
+    "huawei.com": "Huawei Ascend",
+    "amd.com": "AMD",
+    "habana.ai": "Intel Gaudi",
+    "intel.com": "Intel",
+}
 LWS = ("--set", "mode=leaderworkerset")
 KSERVE = ("--set", "mode=servingruntime")
 KSERVE_RAW = (*KSERVE, "--set", "servingRuntime.deploymentMode=RawDeployment")
@@ -66,7 +70,7 @@ def _cases():
         if values is None or values in SIDECAR_VALUES:
             yield pytest.param(values, LWS, id=f"{_ids(values)}-leaderworkerset")
             yield pytest.param(values, KSERVE_RAW, id=f"{_ids(values)}-servingruntime-raw")
-            if values is None or "servicemonitor" not in values:      # Knative: PodMonitor only
+            if values is None or "servicemonitor" not in values:  # Knative: PodMonitor only
                 yield pytest.param(values, KSERVE, id=f"{_ids(values)}-servingruntime-serverless")
 
 
@@ -91,8 +95,12 @@ def test_an_ascend_pod_asks_for_npus_only(values, extra):
 
 
 def test_the_310p_values_ask_for_the_310p_resource_by_its_device_plugin_name():
-    (serving,) = [c for spec in pod_specs(only(render("ci/sidecar-vllm-ascend-310p-values.yaml"), "Deployment"))
-                  for c in spec["containers"] if c["name"] != "kvguard"]
+    (serving,) = [
+        c
+        for spec in pod_specs(only(render("ci/sidecar-vllm-ascend-310p-values.yaml"), "Deployment"))
+        for c in spec["containers"]
+        if c["name"] != "kvguard"
+    ]
     assert serving["resources"]["limits"]["huawei.com/Ascend310P"] == 1
     assert vendors_asked({"containers": [serving]}) == {"Huawei Ascend"}
 
@@ -113,10 +121,14 @@ def test_accelerator_count_zero_asks_for_none():
 
 # ----------------------------------------------------------------- LeaderWorkerSet
 
+
 def _expand(text: str, env: dict[str, dict]) -> str:
     """Kubernetes' $(VAR) expansion in command and args, from the container's literal env values."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: env[m.group(1)]["value"] if "value" in env.get(m.group(1), {}) else m.group(0), text)
+    return re.sub(
+        r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: env[m.group(1)]["value"] if "value" in env.get(m.group(1), {}) else m.group(0),
+        text,
+    )
 
 
 def _vllm_flag(command: list[str], env: dict[str, dict], flag: str) -> int:
@@ -124,7 +136,7 @@ def _vllm_flag(command: list[str], env: dict[str, dict], flag: str) -> int:
     values = [words[i + 1] for i, word in enumerate(words[:-1]) if word in (flag, flag.replace("-", "_"))]
     values += [word.split("=", 1)[1] for word in words if word.startswith(flag + "=")]
     if not values:
-        return 1           # vLLM's default for a parallel size
+        return 1  # vLLM's default for a parallel size
     assert len(values) == 1, values
     return int(values[0])
 
@@ -139,12 +151,13 @@ def test_the_groups_accelerators_are_the_engines_ranks(values):
     lws = only(render(values, *LWS), "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
     leader, worker = _serving(lws["leaderTemplate"]), _serving(lws["workerTemplate"])
     env = env_of(leader)
-    ranks = (_vllm_flag(leader["command"], env, "--tensor-parallel-size")
-             * _vllm_flag(leader["command"], env, "--pipeline-parallel-size"))
+    ranks = _vllm_flag(leader["command"], env, "--tensor-parallel-size") * _vllm_flag(
+        leader["command"], env, "--pipeline-parallel-size"
+    )
     per_pod = {int(v) for c in (leader, worker) for k, v in c["resources"]["limits"].items() if "/" in k}
-    assert len(per_pod) == 1                       # leader and workers alike
+    assert len(per_pod) == 1  # leader and workers alike
     assert per_pod.pop() * lws["size"] == ranks
-    assert ranks > 1 and lws["size"] > 1           # the default is a multi-node engine
+    assert ranks > 1 and lws["size"] > 1  # the default is a multi-node engine
 
 
 def test_a_group_whose_accelerators_are_not_the_ranks_is_refused():
@@ -162,8 +175,8 @@ def test_a_sidecar_restart_does_not_recreate_the_group():
     policy = lws["spec"]["leaderWorkerTemplate"]["restartPolicy"]
     crd = upstream_schemas.schema("leaderworkerset.x-k8s.io_v1.json")
     field = crd["properties"]["spec"]["properties"]["leaderWorkerTemplate"]["properties"]["restartPolicy"]
-    assert policy in field["enum"] and policy != "Default"        # Default: deprecated, the webhook makes it None
-    assert field["default"] in GROUP_RECREATING                   # so the chart must say so, not leave it out
+    assert policy in field["enum"] and policy != "Default"  # Default: deprecated, the webhook makes it None
+    assert field["default"] in GROUP_RECREATING  # so the chart must say so, not leave it out
     assert policy not in GROUP_RECREATING
     # kvguard does run as an init container there (a native sidecar), whose restarts LWS counts.
     leader_spec = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
@@ -195,8 +208,9 @@ def runtime(mode: str) -> dict:
 @pytest.mark.parametrize("mode", SERVERLESS + RAW)
 def test_the_servingruntime_passes_kserves_crd_and_kubernetes_in_each_mode(mode):
     doc = runtime(mode)
-    jsonschema.Draft7Validator(strict(upstream_schemas.schema("serving.kserve.io_v1alpha1_servingruntime.json"))
-                               ).validate(doc)
+    jsonschema.Draft7Validator(
+        strict(upstream_schemas.schema("serving.kserve.io_v1alpha1_servingruntime.json"))
+    ).validate(doc)
     validate_core("Pod", {"spec": {"containers": doc["spec"]["containers"], "volumes": doc["spec"]["volumes"]}})
 
 
@@ -210,11 +224,11 @@ def test_kserves_default_mode_is_the_charts_default():
 def test_under_knative_one_container_port_and_no_probe_on_kvguard(mode):
     containers = runtime(mode)["spec"]["containers"]
     ports = [p for c in containers for p in c.get("ports", [])]
-    assert len(ports) == 1                                           # validateContainersPorts: count > 1 refused
+    assert len(ports) == 1  # validateContainersPorts: count > 1 refused
     assert containers[0]["name"] == "kserve-container" and containers[0]["ports"] == ports
-    for sidecar in containers[1:]:                                   # validateSidecarContainer, probing off
+    for sidecar in containers[1:]:  # validateSidecarContainer, probing off
         assert not {"livenessProbe", "readinessProbe", "startupProbe"} & set(sidecar)
-    assert "initContainers" not in runtime(mode)["spec"]             # a ServingRuntime has none
+    assert "initContainers" not in runtime(mode)["spec"]  # a ServingRuntime has none
 
 
 # The container securityContext fields Knative's webhook lets through (knative/serving
@@ -231,25 +245,28 @@ def test_under_knative_kvguards_security_context_sets_only_fields_knative_admits
     assert kvguard["securityContext"]["runAsNonRoot"] is True
     raw = runtime("RawDeployment")["spec"]["containers"]
     (kept,) = [c for c in raw if c["name"] == "kvguard"]
-    assert kept["securityContext"]["allowPrivilegeEscalation"] is False      # outside Knative it stays
+    assert kept["securityContext"]["allowPrivilegeEscalation"] is False  # outside Knative it stays
 
 
 @pytest.mark.parametrize("mode", SERVERLESS)
 def test_under_knative_the_podmonitor_scrapes_kvguards_undeclared_port(mode):
     docs = render(None, *KSERVE, "--set", f"servingRuntime.deploymentMode={mode}")
-    assert not [d for d in docs if d["kind"] == "Service"]           # no declared port to route to
+    assert not [d for d in docs if d["kind"] == "Service"]  # no declared port to route to
     (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
     assert "port" not in endpoint and "portNumber" not in endpoint
     keep, ipv6, ipv4 = endpoint["relabelings"][:3]
     assert keep == {"action": "keep", "sourceLabels": ["__meta_kubernetes_pod_container_name"], "regex": "kvguard"}
     # Prometheus' port-free target: the pod IP, IPv6 bracketed by newer releases and bare by older ones
     # (prometheus/prometheus discovery/kubernetes/pod.go, "We don't have a port so we just set the address").
-    for rule, address, expected in ((ipv6, "fd00::7", "[fd00::7]:10240"), (ipv6, "[fd00::7]", "[fd00::7]:10240"),
-                                    (ipv4, "10.1.2.3", "10.1.2.3:10240")):
+    for rule, address, expected in (
+        (ipv6, "fd00::7", "[fd00::7]:10240"),
+        (ipv6, "[fd00::7]", "[fd00::7]:10240"),
+        (ipv4, "10.1.2.3", "10.1.2.3:10240"),
+    ):
         # Prometheus anchors relabel regexes; Go's $1 is Python's \1 here.
         assert re.fullmatch(rule["regex"], address)
         assert re.sub(f"^(?:{rule['regex']})$", rule["replacement"].replace("$1", r"\1"), address) == expected
-    assert not re.fullmatch(ipv4["regex"], "[fd00::7]:10240")       # the IPv6 result is left alone
+    assert not re.fullmatch(ipv4["regex"], "[fd00::7]:10240")  # the IPv6 result is left alone
     assert not re.fullmatch(ipv6["regex"], "10.1.2.3")
 
 
@@ -268,10 +285,17 @@ def test_under_rawdeployment_kvguard_keeps_its_port_and_probes(mode):
 
 
 def test_the_docs_name_both_kserve_modes():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "how-to", "kubernetes.md"),
-                encoding="utf-8").read()
-    for word in ("Serverless", "RawDeployment", "servingRuntime.deploymentMode", "restartPolicy",
-                 "serving.accelerator", "acceleratorsPerPod"):
+    text = open(
+        os.path.join(os.path.dirname(__file__), "..", "docs", "how-to", "kubernetes.md"), encoding="utf-8"
+    ).read()
+    for word in (
+        "Serverless",
+        "RawDeployment",
+        "servingRuntime.deploymentMode",
+        "restartPolicy",
+        "serving.accelerator",
+        "acceleratorsPerPod",
+    ):
         assert word in text
 
 
@@ -291,20 +315,32 @@ def test_a_real_prometheus_makes_kvguards_address_from_the_knative_relabeling(tm
 
     (endpoint,) = only(render(None, *KSERVE), "PodMonitor")["spec"]["podMetricsEndpoints"]
     targets_file = tmp_path / "targets.json"
-    targets_file.write_text(json.dumps([
-        {"targets": ["10.1.2.3"], "labels": {"__meta_kubernetes_pod_container_name": "kvguard"}},
-        {"targets": ["[fd00::7]"], "labels": {"__meta_kubernetes_pod_container_name": "kvguard"}},
-        {"targets": ["10.1.2.3:8080"], "labels": {"__meta_kubernetes_pod_container_name": "kserve-container"}},
-    ]))
-    scrape = {"job_name": "knative", "metrics_path": endpoint["path"], "scrape_interval": "1h",
-              "file_sd_configs": [{"files": [str(targets_file)]}],
-              "relabel_configs": [_snake(r) for r in endpoint["relabelings"]]}
+    targets_file.write_text(
+        json.dumps(
+            [
+                {"targets": ["10.1.2.3"], "labels": {"__meta_kubernetes_pod_container_name": "kvguard"}},
+                {"targets": ["[fd00::7]"], "labels": {"__meta_kubernetes_pod_container_name": "kvguard"}},
+                {"targets": ["10.1.2.3:8080"], "labels": {"__meta_kubernetes_pod_container_name": "kserve-container"}},
+            ]
+        )
+    )
+    scrape = {
+        "job_name": "knative",
+        "metrics_path": endpoint["path"],
+        "scrape_interval": "1h",
+        "file_sd_configs": [{"files": [str(targets_file)]}],
+        "relabel_configs": [_snake(r) for r in endpoint["relabelings"]],
+    }
     args = ["--demo", "--spool-dir", str(tmp_path / "spool"), "--interval", "1"]
     with kvguard_and_prometheus(tmp_path, args, [], env=kvguard_env(), scrape_configs=[scrape]) as stack:
+
         def knative(state: str, key: str) -> list[dict]:
             found = stack.api("targets", state=state)["data"][key]
-            return [t for t in found if t.get("scrapePool") == "knative"
-                    or t.get("discoveredLabels", {}).get("job") == "knative"]
+            return [
+                t
+                for t in found
+                if t.get("scrapePool") == "knative" or t.get("discoveredLabels", {}).get("job") == "knative"
+            ]
 
         active = poll("the knative pool's targets", lambda: knative("active", "activeTargets"), STARTUP_DEADLINE)
         assert sorted(t["labels"]["instance"] for t in active) == ["10.1.2.3:10240", "[fd00::7]:10240"]

@@ -22,7 +22,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from monitoring import ALERTS_FILE, RECORDING_FILE
 from sidecar_fixtures import GIB, free_port, snapshot, write
 from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, poll, stop
@@ -30,20 +29,32 @@ from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, poll, stop
 ENGINE_LABELS = {"job": "kvguard", "namespace": "llm", "model_name": "deepseek-v3", "engine": "0"}
 DS0_BLOCKS, DS1_BLOCKS = 1000, 1200
 # (pod, KVGUARD_ENGINE_ID for its sidecar, ranks, KV blocks per rank)
-PODS = (("ds-0", "ds-0", range(0, 8), DS0_BLOCKS),
-        ("ds-0-1", "ds-0", range(8, 16), DS0_BLOCKS),
-        ("ds-1", "", range(0, 8), DS1_BLOCKS))
-WEAKEST_RANK = 12        # on the worker pod: its allocator holds 6 GiB more than its peers'
+PODS = (
+    ("ds-0", "ds-0", range(0, 8), DS0_BLOCKS),
+    ("ds-0-1", "ds-0", range(8, 16), DS0_BLOCKS),
+    ("ds-1", "", range(0, 8), DS1_BLOCKS),
+)
+WEAKEST_RANK = 12  # on the worker pod: its allocator holds 6 GiB more than its peers'
 
 
 def rank_snapshot(pod: str, rank: int, blocks: int):
-    base = snapshot(rank, device=f"npu:{rank % 8}", pid=1000 + rank, kv_blocks=blocks, pod={
-        "pod": pod, "namespace": "llm", "container": "vllm"})
+    base = snapshot(
+        rank,
+        device=f"npu:{rank % 8}",
+        pid=1000 + rank,
+        kv_blocks=blocks,
+        pod={"pod": pod, "namespace": "llm", "container": "vllm"},
+    )
     if rank == WEAKEST_RANK and pod == "ds-0-1":
         memory = base.memory
-        base = snapshot(rank, device=f"npu:{rank % 8}", pid=1000 + rank, kv_blocks=blocks,
-                        reserved=memory.reserved_bytes + 6 * GIB,
-                        pod={"pod": pod, "namespace": "llm", "container": "vllm"})
+        base = snapshot(
+            rank,
+            device=f"npu:{rank % 8}",
+            pid=1000 + rank,
+            kv_blocks=blocks,
+            reserved=memory.reserved_bytes + 6 * GIB,
+            pod={"pod": pod, "namespace": "llm", "container": "vllm"},
+        )
     return dataclasses.replace(base, model_name="deepseek-v3", engine="0")
 
 
@@ -63,27 +74,65 @@ def three_sidecars_and_prometheus(work):
             spool.mkdir()
             write(str(spool), *(rank_snapshot(pod, rank, blocks) for rank in ranks))
             port = free_port()
-            env = {**os.environ, "POD_NAME": pod, "POD_NAMESPACE": "llm", "CONTAINER_NAME": "vllm",
-                   "KVGUARD_ENGINE_ID": engine_id}
+            env = {
+                **os.environ,
+                "POD_NAME": pod,
+                "POD_NAMESPACE": "llm",
+                "CONTAINER_NAME": "vllm",
+                "KVGUARD_ENGINE_ID": engine_id,
+            }
             log = open(work / f"{pod}.log", "wb")
             logs.append(log)
-            processes.append(subprocess.Popen(
-                [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-                 "--spool-dir", str(spool), "--source", "none", "--interval", "1", "--stale-after", "600"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvguard",
+                        "serve",
+                        "--listen",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--spool-dir",
+                        str(spool),
+                        "--source",
+                        "none",
+                        "--interval",
+                        "1",
+                        "--stale-after",
+                        "600",
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             targets.append(f"127.0.0.1:{port}")
         prometheus_port = free_port()
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-                  "rule_files": [RECORDING_FILE, ALERTS_FILE],
-                  "scrape_configs": [{"job_name": "kvguard", "honor_labels": True,
-                                      "static_configs": [{"targets": targets}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [RECORDING_FILE, ALERTS_FILE],
+            "scrape_configs": [{"job_name": "kvguard", "honor_labels": True, "static_configs": [{"targets": targets}]}],
+        }
         (work / "prometheus.yml").write_text(yaml.safe_dump(config))
         log = open(work / "prometheus.log", "wb")
         logs.append(log)
-        processes.append(subprocess.Popen(
-            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-             f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        processes.append(
+            subprocess.Popen(
+                [
+                    PROMETHEUS,
+                    f"--config.file={work / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={work / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         yield f"http://127.0.0.1:{prometheus_port}", [f"http://{t}" for t in targets]
     finally:
         for process in reversed(processes):
@@ -96,25 +145,43 @@ def three_sidecars_and_prometheus(work):
 def stack(tmp_path_factory):
     work = tmp_path_factory.mktemp("engines")
     with three_sidecars_and_prometheus(work) as (prometheus, sidecars):
+
         def query(expr: str) -> dict:
             url = f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
-            return {tuple(sorted(r["metric"].items())): float(r["value"][1])
-                    for r in get_json(url)["data"]["result"]}
+            return {tuple(sorted(r["metric"].items())): float(r["value"][1]) for r in get_json(url)["data"]["result"]}
 
         # Every sidecar scraped, and the namespace rule (the last to evaluate) has both engines in it.
         poll("three sidecars up", lambda: len(query('up{job="kvguard"} == 1')) == 3, STARTUP_DEADLINE)
-        poll("the engine rules over both engines",
-             lambda: list(query("namespace:kvguard_kv_cache_allocated_blocks:sum").values()) == [
-                 DS0_BLOCKS + DS1_BLOCKS] or None, STARTUP_DEADLINE)
+        poll(
+            "the engine rules over both engines",
+            lambda: (
+                list(query("namespace:kvguard_kv_cache_allocated_blocks:sum").values()) == [DS0_BLOCKS + DS1_BLOCKS]
+                or None
+            ),
+            STARTUP_DEADLINE,
+        )
         # Every rule group has evaluated over all three sidecars (groups run on their own schedules).
-        poll("every rule over every pod", lambda: all(
-            len(query(f"count by (pod) ({metric})")) == 3 for metric in (
-                "namespace_pod:kvguard_kv_cache_allocated_blocks:min", "kvguard_guard_severity")) and all(
-            len(query(rule)) == 2 for rule in (
-                "namespace_engine:kvguard_guard_headroom_bytes:min", "namespace_engine:kvguard_guard_headroom_ratio:min",
-                "namespace_engine:kvguard_guard_severity:max", "namespace_engine:kvguard_ranks:count"))
-            and sorted(query("namespace_engine:kvguard_ranks:count").values()) == [8, 16] or None,
-             STARTUP_DEADLINE)
+        poll(
+            "every rule over every pod",
+            lambda: (
+                all(
+                    len(query(f"count by (pod) ({metric})")) == 3
+                    for metric in ("namespace_pod:kvguard_kv_cache_allocated_blocks:min", "kvguard_guard_severity")
+                )
+                and all(
+                    len(query(rule)) == 2
+                    for rule in (
+                        "namespace_engine:kvguard_guard_headroom_bytes:min",
+                        "namespace_engine:kvguard_guard_headroom_ratio:min",
+                        "namespace_engine:kvguard_guard_severity:max",
+                        "namespace_engine:kvguard_ranks:count",
+                    )
+                )
+                and sorted(query("namespace_engine:kvguard_ranks:count").values()) == [8, 16]
+                or None
+            ),
+            STARTUP_DEADLINE,
+        )
         yield query, sidecars
 
 
@@ -133,7 +200,9 @@ def by_engine(result: dict) -> dict[str, float]:
 def test_a_two_pod_engine_has_its_blocks_counted_once_beside_a_second_engine(stack):
     query, _ = stack
     assert by_engine(query("namespace_engine:kvguard_kv_cache_allocated_blocks:min")) == {
-        "ds-0": DS0_BLOCKS, "ds-1": DS1_BLOCKS}
+        "ds-0": DS0_BLOCKS,
+        "ds-1": DS1_BLOCKS,
+    }
     # Per pod, the two-pod engine would count twice.
     assert sum(query("namespace_pod:kvguard_kv_cache_allocated_blocks:min").values()) == 2 * DS0_BLOCKS + DS1_BLOCKS
 
@@ -158,9 +227,15 @@ def test_the_engines_least_headroom_is_its_weakest_rank_on_the_worker_pod(stack)
 def test_the_engines_state_is_its_worst_ranks(stack):
     query, sidecars = stack
     severity = {"ok": 0, "warning": 1, "critical": 2}
-    worst = {engine: max(severity[r["state"]] for (pod, engine_id, _, _), url in zip(PODS, sidecars)
-                         if (engine_id or pod) == engine for r in get_json(f"{url}/guard")["ranks"])
-             for engine in ("ds-0", "ds-1")}
+    worst = {
+        engine: max(
+            severity[r["state"]]
+            for (pod, engine_id, _, _), url in zip(PODS, sidecars)
+            if (engine_id or pod) == engine
+            for r in get_json(f"{url}/guard")["ranks"]
+        )
+        for engine in ("ds-0", "ds-1")
+    }
     assert by_engine(query("namespace_engine:kvguard_guard_severity:max")) == worst
 
 
@@ -173,11 +248,14 @@ def test_each_rank_series_names_its_engine(stack):
     assert pods_of == {"ds-0": {"ds-0", "ds-0-1"}, "ds-1": {"ds-1"}}
 
 
-@pytest.mark.parametrize("title, rule", [
-    ("Engine KV-cache blocks", "namespace_engine:kvguard_kv_cache_allocated_blocks:min"),
-    ("Engine headroom (weakest rank)", "namespace_engine:kvguard_guard_headroom_ratio:min"),
-    ("Engine state", "namespace_engine:kvguard_guard_severity:max"),
-])
+@pytest.mark.parametrize(
+    "title, rule",
+    [
+        ("Engine KV-cache blocks", "namespace_engine:kvguard_kv_cache_allocated_blocks:min"),
+        ("Engine headroom (weakest rank)", "namespace_engine:kvguard_guard_headroom_ratio:min"),
+        ("Engine state", "namespace_engine:kvguard_guard_severity:max"),
+    ],
+)
 def test_the_dashboards_engine_panels_read_what_the_engine_rules_record(stack, title, rule):
     import dashboard_lint as lint
     from dashboard_lint import all_value

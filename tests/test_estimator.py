@@ -3,15 +3,20 @@
 import os
 
 import pytest
-
-from kvguard.budget.estimator import (
-    Profile, ProfileError, estimate, kv_layout_from_config, overcommit_bytes, recommended_gpu_memory_utilization,
-    reserved_kv_cache_bytes, stock_kv_cache_bytes,
-)
-from kvguard.budget.model_config import load_model_config
-
 from conftest import EXAMPLES
 from sidecar_fixtures import example_profile
+
+from kvguard.budget.estimator import (
+    Profile,
+    ProfileError,
+    estimate,
+    kv_layout_from_config,
+    overcommit_bytes,
+    recommended_gpu_memory_utilization,
+    reserved_kv_cache_bytes,
+    stock_kv_cache_bytes,
+)
+from kvguard.budget.model_config import load_model_config
 
 GIB = 1 << 30
 QWEN = kv_layout_from_config(load_model_config(os.path.join(EXAMPLES, "qwen2.5-7b-instruct")))
@@ -19,16 +24,27 @@ QWEN = kv_layout_from_config(load_model_config(os.path.join(EXAMPLES, "qwen2.5-7
 
 def test_stock_budget_is_vllm_v1_formula():
     # vLLM's docstring example: 2 GiB weights + 2 GiB activations + 1 GiB non-torch.
-    profile = Profile(total_memory_bytes=80 * GIB, gpu_memory_utilization=0.5, weights_bytes=2 * GIB,
-                      peak_allocated_increase_bytes=2 * GIB, peak_reserved_increase_bytes=3 * GIB,
-                      non_torch_increase_bytes=1 * GIB)
+    profile = Profile(
+        total_memory_bytes=80 * GIB,
+        gpu_memory_utilization=0.5,
+        weights_bytes=2 * GIB,
+        peak_allocated_increase_bytes=2 * GIB,
+        peak_reserved_increase_bytes=3 * GIB,
+        non_torch_increase_bytes=1 * GIB,
+    )
     assert stock_kv_cache_bytes(profile) == 40 * GIB - 5 * GIB
     assert reserved_kv_cache_bytes(profile) == 40 * GIB - 6 * GIB
 
 
 def test_stock_budget_truncates_the_float_product_like_vllm():
-    profile = Profile(total_memory_bytes=1001, gpu_memory_utilization=0.9, weights_bytes=0,
-                      peak_allocated_increase_bytes=0, peak_reserved_increase_bytes=0, non_torch_increase_bytes=0)
+    profile = Profile(
+        total_memory_bytes=1001,
+        gpu_memory_utilization=0.9,
+        weights_bytes=0,
+        peak_allocated_increase_bytes=0,
+        peak_reserved_increase_bytes=0,
+        non_torch_increase_bytes=0,
+    )
     assert stock_kv_cache_bytes(profile) == 900  # int(900.9)
 
 
@@ -95,8 +111,14 @@ def test_no_reserved_increase_means_no_reserved_budget():
 
 
 def test_negative_budget_gives_zero_blocks():
-    profile = Profile(total_memory_bytes=24 * GIB, gpu_memory_utilization=0.5, weights_bytes=15 * GIB,
-                      peak_allocated_increase_bytes=GIB, peak_reserved_increase_bytes=GIB, non_torch_increase_bytes=0)
+    profile = Profile(
+        total_memory_bytes=24 * GIB,
+        gpu_memory_utilization=0.5,
+        weights_bytes=15 * GIB,
+        peak_allocated_increase_bytes=GIB,
+        peak_reserved_increase_bytes=GIB,
+        non_torch_increase_bytes=0,
+    )
     result = estimate(profile, QWEN)
     assert result.stock.kv_cache_bytes < 0 and result.stock.num_blocks == 0
     assert result.recommended_kv_cache_memory_bytes == 0
@@ -126,10 +148,16 @@ def test_negative_non_torch_increase_is_allowed_but_negative_weights_are_not():
 
 # ---------------------------------------------------------------------------- the era formulas
 
+
 def classic(**overrides):
-    values = dict(total_memory_bytes=150_754_820_096, gpu_memory_utilization=0.9, weights_bytes=16 * GIB,
-                  peak_allocated_increase_bytes=2 * GIB, peak_reserved_increase_bytes=3 * GIB,
-                  non_torch_increase_bytes=GIB)
+    values = dict(
+        total_memory_bytes=150_754_820_096,
+        gpu_memory_utilization=0.9,
+        weights_bytes=16 * GIB,
+        peak_allocated_increase_bytes=2 * GIB,
+        peak_reserved_increase_bytes=3 * GIB,
+        non_torch_increase_bytes=GIB,
+    )
     values.update(overrides)
     return Profile(**values)
 
@@ -149,17 +177,26 @@ def test_cudagraph_estimate_is_subtracted_from_0_18_on():
 
 
 def consumed(**overrides):
-    values = dict(total_memory_bytes=80 * GIB, gpu_memory_utilization=0.92, weights_bytes=15 * GIB,
-                  peak_allocated_increase_bytes=None, peak_reserved_increase_bytes=None,
-                  non_torch_increase_bytes=None, formula="consumed", total_consumed_bytes=17 * GIB,
-                  transient_peak_headroom_bytes=GIB, reserved_transient_peak_bytes=3 * GIB // 2,
-                  cudagraph_memory_bytes=256 << 20)
+    values = dict(
+        total_memory_bytes=80 * GIB,
+        gpu_memory_utilization=0.92,
+        weights_bytes=15 * GIB,
+        peak_allocated_increase_bytes=None,
+        peak_reserved_increase_bytes=None,
+        non_torch_increase_bytes=None,
+        formula="consumed",
+        total_consumed_bytes=17 * GIB,
+        transient_peak_headroom_bytes=GIB,
+        reserved_transient_peak_bytes=3 * GIB // 2,
+        cudagraph_memory_bytes=256 << 20,
+    )
     values.update(overrides)
     return Profile(**values)
 
 
 def test_from_0_27_the_budget_is_request_less_consumed_less_transient_less_graphs():
     import math
+
     profile = consumed()
     assert stock_kv_cache_bytes(profile) == math.ceil(80 * GIB * 0.92) - 17 * GIB - GIB - (256 << 20)
 
@@ -177,11 +214,20 @@ def test_consumed_formula_needs_its_inputs():
 
 
 def extensible(**overrides):
-    values = dict(total_memory_bytes=80 * GIB, gpu_memory_utilization=1.0, weights_bytes=15 * GIB,
-                  peak_allocated_increase_bytes=None, peak_reserved_increase_bytes=None,
-                  non_torch_increase_bytes=None, formula="extensible", init_free_memory_bytes=79 * GIB,
-                  free_after_warmup_bytes=60 * GIB, kv_committed_bytes=GIB, kv_transient_peak_bytes=2 * GIB,
-                  torch_reserve_growth_bytes=3 * GIB)
+    values = dict(
+        total_memory_bytes=80 * GIB,
+        gpu_memory_utilization=1.0,
+        weights_bytes=15 * GIB,
+        peak_allocated_increase_bytes=None,
+        peak_reserved_increase_bytes=None,
+        non_torch_increase_bytes=None,
+        formula="extensible",
+        init_free_memory_bytes=79 * GIB,
+        free_after_warmup_bytes=60 * GIB,
+        kv_committed_bytes=GIB,
+        kv_transient_peak_bytes=2 * GIB,
+        torch_reserve_growth_bytes=3 * GIB,
+    )
     values.update(overrides)
     return Profile(**values)
 

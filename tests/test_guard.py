@@ -7,8 +7,20 @@ import dataclasses
 from kvguard.budget import estimator as estimator
 from kvguard.budget.estimator import Profile
 from kvguard.guard.judge import (
-    CRITICAL, LIVE_RESERVED_EXCEEDS, NO_PROFILE, OK, OOMS_CLIMBING, OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY,
-    RETRIES_CLIMBING, SNAPSHOT_STALE, WARNING, CounterWindow, GuardInput, judge, worst,
+    CRITICAL,
+    LIVE_RESERVED_EXCEEDS,
+    NO_PROFILE,
+    OK,
+    OOMS_CLIMBING,
+    OVERCOMMITTED,
+    PEAK_EXCEEDS_CAPACITY,
+    RETRIES_CLIMBING,
+    SNAPSHOT_STALE,
+    WARNING,
+    CounterWindow,
+    GuardInput,
+    judge,
+    worst,
 )
 from kvguard.records import DeviceMemory
 
@@ -46,8 +58,9 @@ def test_overcommit_that_fits_in_the_utilization_slack_is_a_warning():
 def test_projected_peak_is_weights_kv_reserved_activation_and_non_torch():
     kv = 30 * GIB
     verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv))
-    assert verdict.projected_peak_bytes == (NPU_910B.weights_bytes + kv + NPU_910B.peak_reserved_increase_bytes
-                                            + NPU_910B.non_torch_increase_bytes)
+    assert verdict.projected_peak_bytes == (
+        NPU_910B.weights_bytes + kv + NPU_910B.peak_reserved_increase_bytes + NPU_910B.non_torch_increase_bytes
+    )
     assert verdict.headroom_bytes == NPU_910B.total_memory_bytes - verdict.projected_peak_bytes
 
 
@@ -58,7 +71,7 @@ def test_headroom_with_the_stock_kv_cache_is_the_slack_minus_the_overcommit():
 
 
 def test_overcommit_larger_than_the_slack_is_critical():
-    profile = at_utilization(NPU_910B, 0.98)   # slack 1.28 GiB, overcommit 1.84 GiB
+    profile = at_utilization(NPU_910B, 0.98)  # slack 1.28 GiB, overcommit 1.84 GiB
     verdict = judge(GuardInput(profile))
     assert verdict.state == CRITICAL
     assert PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
@@ -87,13 +100,16 @@ def test_without_an_allocation_the_stock_budget_stands_in_and_says_so():
 
 def test_unknown_reserved_peak_is_inferred_from_live_fragmentation():
     from_log = dataclasses.replace(NPU_910B, peak_reserved_increase_bytes=None)
-    live = DeviceMemory(device="npu:0", source="mindspore", allocated_bytes=50 * GIB,
-                        reserved_bytes=50 * GIB + int(1.84 * GIB))
+    live = DeviceMemory(
+        device="npu:0", source="mindspore", allocated_bytes=50 * GIB, reserved_bytes=50 * GIB + int(1.84 * GIB)
+    )
     verdict = judge(GuardInput(from_log, memory=live))
     assert verdict.reserved_budget_estimated
     assert verdict.reserved_budget_bytes == estimator.reserved_kv_cache_bytes(
-        dataclasses.replace(from_log, peak_reserved_increase_bytes=from_log.peak_allocated_increase_bytes
-                            + int(1.84 * GIB)))
+        dataclasses.replace(
+            from_log, peak_reserved_increase_bytes=from_log.peak_allocated_increase_bytes + int(1.84 * GIB)
+        )
+    )
     assert verdict.state == WARNING
 
 
@@ -127,8 +143,9 @@ def test_a_live_reserved_peak_above_the_projection_raises_the_projection():
     kv = estimator.reserved_kv_cache_bytes(NPU_910B)
     projected = NPU_910B.weights_bytes + kv + NPU_910B.peak_reserved_increase_bytes + NPU_910B.non_torch_increase_bytes
     live_peak = projected - NPU_910B.non_torch_increase_bytes + 2 * GIB
-    live = DeviceMemory(device="npu:0", source="torch", allocated_bytes=40 * GIB, reserved_bytes=45 * GIB,
-                        peak_reserved_bytes=live_peak)
+    live = DeviceMemory(
+        device="npu:0", source="torch", allocated_bytes=40 * GIB, reserved_bytes=45 * GIB, peak_reserved_bytes=live_peak
+    )
     verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=live))
     assert LIVE_RESERVED_EXCEEDS in verdict.reason_codes
     assert verdict.projected_peak_bytes == projected + 2 * GIB
@@ -136,8 +153,9 @@ def test_a_live_reserved_peak_above_the_projection_raises_the_projection():
 
 
 def test_a_live_reserved_peak_beyond_capacity_is_critical():
-    live = DeviceMemory(device="npu:0", source="torch", allocated_bytes=60 * GIB, reserved_bytes=63 * GIB,
-                        peak_reserved_bytes=63 * GIB)
+    live = DeviceMemory(
+        device="npu:0", source="torch", allocated_bytes=60 * GIB, reserved_bytes=63 * GIB, peak_reserved_bytes=63 * GIB
+    )
     verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=GIB, memory=live))
     assert verdict.state == CRITICAL
     assert PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
@@ -175,14 +193,14 @@ def test_verdict_serialises_with_reasons():
 
 def test_worst_state_of_several_ranks():
     assert worst([judge(GuardInput(NPU_910B, kv_cache_bytes=GIB)), judge(GuardInput(NPU_910B))]) == WARNING
-    assert worst([]) == WARNING    # judging nothing is no all-clear
+    assert worst([]) == WARNING  # judging nothing is no all-clear
 
 
 def test_counter_window_reports_growth_within_the_window():
     window = CounterWindow(window_seconds=60)
     assert window.observe("r0", 0.0, 5) == 0
     assert window.observe("r0", 10.0, 7) == 2
-    assert window.observe("r0", 100.0, 7) == 0      # the growth left the window
+    assert window.observe("r0", 100.0, 7) == 0  # the growth left the window
 
 
 def test_counter_window_restarts_when_a_counter_goes_down():
@@ -199,11 +217,23 @@ def test_activations_the_profile_ran_in_idle_memory_still_need_their_bytes_once_
     # MindSpore's pool: the profile run's activations fit in the weights' idle block tails, so the
     # reserved increase is 0; the KV cache then fills those tails and the device. The next peak needs
     # the allocated increase anew (a held-out-grid miss, Qwen2.5-7B-FP8 on 24 GiB).
-    profile = Profile(total_memory_bytes=24 * GIB, gpu_memory_utilization=0.92, weights_bytes=8_705_944_576,
-                      peak_allocated_increase_bytes=990_019_584, peak_reserved_increase_bytes=0,
-                      non_torch_increase_bytes=0)
-    memory = DeviceMemory(device="npu:0", source="mindspore", allocated_bytes=22_718_065_664,
-                          reserved_bytes=23 * GIB, total_bytes=24 * GIB, free_bytes=0, used_bytes=24 * GIB)
+    profile = Profile(
+        total_memory_bytes=24 * GIB,
+        gpu_memory_utilization=0.92,
+        weights_bytes=8_705_944_576,
+        peak_allocated_increase_bytes=990_019_584,
+        peak_reserved_increase_bytes=0,
+        non_torch_increase_bytes=0,
+    )
+    memory = DeviceMemory(
+        device="npu:0",
+        source="mindspore",
+        allocated_bytes=22_718_065_664,
+        reserved_bytes=23 * GIB,
+        total_bytes=24 * GIB,
+        free_bytes=0,
+        used_bytes=24 * GIB,
+    )
     verdict = judge(GuardInput(profile, kv_cache_bytes=22_718_065_664 - 8_705_944_576, memory=memory))
     assert verdict.state == CRITICAL and PEAK_EXCEEDS_CAPACITY in verdict.reason_codes
     assert verdict.headroom_bytes == -990_019_584
@@ -211,9 +241,17 @@ def test_activations_the_profile_ran_in_idle_memory_still_need_their_bytes_once_
 
 def mindspore_rank(reserved: int, outside: int, total: int = 64 * GIB) -> DeviceMemory:
     """A MindSpore rank's counters (total_idle_memory present: the pool's) with ``outside`` held beside the pool."""
-    return DeviceMemory(device="npu:0", source="mindspore", allocated_bytes=reserved, reserved_bytes=reserved,
-                        idle_bytes=0, eager_free_bytes=0, total_bytes=total, used_bytes=reserved + outside,
-                        free_bytes=total - reserved - outside)
+    return DeviceMemory(
+        device="npu:0",
+        source="mindspore",
+        allocated_bytes=reserved,
+        reserved_bytes=reserved,
+        idle_bytes=0,
+        eager_free_bytes=0,
+        total_bytes=total,
+        used_bytes=reserved + outside,
+        free_bytes=total - reserved - outside,
+    )
 
 
 def test_a_mindspore_peak_that_fits_the_device_but_not_the_pools_budget_is_critical():
@@ -222,7 +260,7 @@ def test_a_mindspore_peak_that_fits_the_device_but_not_the_pools_budget_is_criti
     outside = NPU_910B.non_torch_increase_bytes
     pool_budget = (64 * GIB - outside) * 15 // 16 // (2 << 20) * (2 << 20) - (10 << 20)
     allocator_peak = NPU_910B.weights_bytes + NPU_910B.peak_reserved_increase_bytes
-    kv = pool_budget - allocator_peak + GIB          # 1 GiB past the pool's budget, 2.9 GiB inside the device
+    kv = pool_budget - allocator_peak + GIB  # 1 GiB past the pool's budget, 2.9 GiB inside the device
     memory = mindspore_rank(NPU_910B.weights_bytes + kv, outside)
     verdict = judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=memory))
     assert verdict.state == CRITICAL and PEAK_EXCEEDS_CAPACITY in verdict.reason_codes

@@ -10,16 +10,16 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from sidecar_fixtures import http_get, snapshot
 
-from kvguard.cli import main
 from kvguard.budget.estimator import kv_cache_tensor_bytes
-from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
-from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded
+from kvguard.cli import main
 from kvguard.guard.at_budget import allocator_from_counters, counters_of
+from kvguard.guard.judge import BUDGET, CRITICAL, KV_PLACEMENT_FAILS, BudgetInput, Verdict, judge_at_budget
+from kvguard.sim.guarded import BudgetWatch, record_from_scenario, run_guarded
+from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 from kvguard.spool.schema import Snapshot
 from kvguard.vllm.eras import kv_tensor_style
-from sidecar_fixtures import http_get, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
@@ -38,8 +38,16 @@ def scenario(model=QWEN3, device_gib=12, util=0.9, allocator="mindspore", enable
         config = json.load(handle)
     if allocator == "mindspore":
         extra.update(vmm(enable_vmm))
-    return ServingScenario(ScenarioConfig(model_config=config, device_memory_bytes=device_gib * GIB,
-                                          gpu_memory_utilization=util, allocator=allocator, requests=6, **extra))
+    return ServingScenario(
+        ScenarioConfig(
+            model_config=config,
+            device_memory_bytes=device_gib * GIB,
+            gpu_memory_utilization=util,
+            allocator=allocator,
+            requests=6,
+            **extra,
+        )
+    )
 
 
 def test_the_kv_placement_oom_the_end_of_startup_verdict_missed_is_critical_at_budget():
@@ -52,13 +60,21 @@ def test_the_kv_placement_oom_the_end_of_startup_verdict_missed_is_critical_at_b
     # What the pool will place before it fails is what the scenario placed (tensor by tensor).
     placed = run.at_budget.kv_tensors_placed
     assert 0 < placed < run.at_budget.kv_tensors
-    assert run.result.memory_stats["total_allocated_memory"] - run.result.profile.weights_bytes \
-        == sum(kv_cache_tensor_bytes(run.result.kv_layout, run.result.num_blocks, "per_layer_k_v")[:placed])
+    assert run.result.memory_stats["total_allocated_memory"] - run.result.profile.weights_bytes == sum(
+        kv_cache_tensor_bytes(run.result.kv_layout, run.result.num_blocks, "per_layer_k_v")[:placed]
+    )
 
 
-@pytest.mark.parametrize(("allocator", "device_gib", "util", "extra"), [
-    ("mindspore", 16, 0.75, {}), ("mindspore", 24, 0.8, {}), ("torch", 16, 0.9, {}),
-    ("torch_npu", 24, 0.9, {}), ("torch", 16, 0.9, {"expandable_segments": True})])
+@pytest.mark.parametrize(
+    ("allocator", "device_gib", "util", "extra"),
+    [
+        ("mindspore", 16, 0.75, {}),
+        ("mindspore", 24, 0.8, {}),
+        ("torch", 16, 0.9, {}),
+        ("torch_npu", 24, 0.9, {}),
+        ("torch", 16, 0.9, {"expandable_segments": True}),
+    ],
+)
 def test_the_predicted_counters_are_the_scenarios_after_its_kv_cache(allocator, device_gib, util, extra):
     sc = scenario(device_gib=device_gib, util=util, allocator=allocator, **extra)
     watch = BudgetWatch(sc)
@@ -92,9 +108,13 @@ def test_tensor_styles_follow_the_era():
         kv_cache_tensor_bytes(layout, 10, "per_head")
 
 
-CASES = [(model, gib, util, alloc, vmm) for model in (QWEN3, QWEN25) for gib in (12, 16, 32, 64)
-         for util in (0.85, 0.9, 0.95) for alloc, vmm in (("mindspore", False), ("mindspore", True),
-                                                          ("torch", False), ("torch_npu", False))]
+CASES = [
+    (model, gib, util, alloc, vmm)
+    for model in (QWEN3, QWEN25)
+    for gib in (12, 16, 32, 64)
+    for util in (0.85, 0.9, 0.95)
+    for alloc, vmm in (("mindspore", False), ("mindspore", True), ("torch", False), ("torch_npu", False))
+]
 
 
 def test_from_a_real_ranks_counters_the_verdict_errs_only_to_the_safe_side():
@@ -110,8 +130,11 @@ def test_from_a_real_ranks_counters_the_verdict_errs_only_to_the_safe_side():
             continue
         counters = counters_of(watch.build())
         tensors = sc.kv_tensor_sizes(sc.num_blocks)
-        rebuilt = judge_at_budget(BudgetInput(sc.profile, tensors, lambda: allocator_from_counters(
-            alloc, counters, enable_vmm=vmm), counters_of))
+        rebuilt = judge_at_budget(
+            BudgetInput(
+                sc.profile, tensors, lambda: allocator_from_counters(alloc, counters, enable_vmm=vmm), counters_of
+            )
+        )
         judged += 1
         agree += rebuilt.state == exact.state
         if exact.state == CRITICAL:
@@ -120,9 +143,23 @@ def test_from_a_real_ranks_counters_the_verdict_errs_only_to_the_safe_side():
 
 
 def test_simulate_json_reports_guard_at_budget_beside_guard():
-    result = CliRunner().invoke(main, ["simulate", "--json", "--requests", "4", "--model-config", QWEN3,
-                                       "--total-memory", "12GiB", "--allocator", "torch_npu",
-                                       "--gpu-memory-utilization", "0.95"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--json",
+            "--requests",
+            "4",
+            "--model-config",
+            QWEN3,
+            "--total-memory",
+            "12GiB",
+            "--allocator",
+            "torch_npu",
+            "--gpu-memory-utilization",
+            "0.95",
+        ],
+    )
     data = json.loads(result.output)
     assert data["oom_phase"] == "kv_cache"
     assert data["guard_at_budget"]["phase"] == "budget" and data["guard_at_budget"]["state"] == "critical"
@@ -134,8 +171,12 @@ def test_a_budget_verdict_round_trips_through_a_snapshot_and_refuses_junk():
     snap = dataclasses.replace(snapshot(), budget_verdict=run.at_budget)
     assert Snapshot.from_dict(json.loads(json.dumps(snap.to_dict()))).budget_verdict == run.at_budget
     data = run.at_budget.to_dict()
-    for bad in ({**data, "state": "ok"}, {**data, "reasons": [{"code": "nope", "message": "x"}]},
-                {**data, "headroom_bytes": "1"}, {**data, "phase": "later"}):
+    for bad in (
+        {**data, "state": "ok"},
+        {**data, "reasons": [{"code": "nope", "message": "x"}]},
+        {**data, "headroom_bytes": "1"},
+        {**data, "phase": "later"},
+    ):
         with pytest.raises(ValueError):
             Verdict.from_dict(bad)
 
@@ -149,22 +190,32 @@ def test_guard_and_metrics_show_the_budget_verdict_and_it_stands_until_the_kv_ca
     metrics = http_get(server, "/metrics")[2].decode()
     assert ranks["0"]["state"] == "critical" and ranks["0"]["phase"] == "budget"
     assert ranks["1"]["phase"] == "running" and ranks["1"]["at_budget"]["state"] == "critical"
-    assert [line for line in metrics.splitlines() if line.startswith("kvguard_guard_budget_severity{")
-            and 'rank="0"' in line][0].endswith(" 2.0")
-    assert any(line.startswith("kvguard_guard_budget_reason{") and 'reason="kv_cache_placement_fails"' in line
-               and line.endswith(" 1.0") for line in metrics.splitlines())
+    assert [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("kvguard_guard_budget_severity{") and 'rank="0"' in line
+    ][0].endswith(" 2.0")
+    assert any(
+        line.startswith("kvguard_guard_budget_reason{")
+        and 'reason="kv_cache_placement_fails"' in line
+        and line.endswith(" 1.0")
+        for line in metrics.splitlines()
+    )
     import subprocess
+
     from monitoring import promtool
+
     lint = subprocess.run([promtool(), "check", "metrics"], input=metrics.encode(), capture_output=True, timeout=60)
     assert (lint.returncode, lint.stdout + lint.stderr) == (0, b"")
 
 
 def test_check_says_when_the_budget_time_verdict_stands_for_a_rank(tmp_path):
     from sidecar_fixtures import write
+
     run = run_guarded(scenario())
     write(tmp_path, dataclasses.replace(snapshot(), budget_verdict=run.at_budget, kv_cache=None))
     result = CliRunner().invoke(main, ["check", "--spool-dir", str(tmp_path)])
-    assert result.exit_code == 2   # critical
+    assert result.exit_code == 2  # critical
     first = result.output.splitlines()[0]
     assert first.startswith("CRITICAL") and "(budget-time verdict: the KV cache is not allocated yet)" in first
     assert "kv_cache_placement_fails" in result.output

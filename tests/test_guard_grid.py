@@ -13,7 +13,6 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import guard_grid  # noqa: E402
 
-
 _MEASURED: dict[str, dict] = {}
 
 

@@ -21,11 +21,22 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from conftest import ROOT
 from monitoring import (
-    ALERTS_FILE, CUSTOM_RULES_VALUES, DASHBOARD_JSON, DASHBOARDS, JOINS_FILE, KVGUARD_METRIC, RECORDING_FILE, RULE_FILES,
-    RULES_DIR, alerts, custom_rules_config, documented_serve_flags, documented_serve_port, rules_generator,
+    ALERTS_FILE,
+    CUSTOM_RULES_VALUES,
+    DASHBOARD_JSON,
+    DASHBOARDS,
+    JOINS_FILE,
+    KVGUARD_METRIC,
+    RECORDING_FILE,
+    RULE_FILES,
+    RULES_DIR,
+    alerts,
+    custom_rules_config,
+    documented_serve_flags,
+    documented_serve_port,
+    rules_generator,
 )
 
 CHART = os.path.join(ROOT, "helm", "kvguard")
@@ -35,7 +46,8 @@ KUBERNETES_VERSION = "1.31.0"
 SCHEMA_ERROR = "values don't meet the specifications of the schema"
 
 CI_VALUES = sorted(
-    os.path.join("ci", name) for name in os.listdir(os.path.join(CHART, "ci")) if name.endswith("-values.yaml"))
+    os.path.join("ci", name) for name in os.listdir(os.path.join(CHART, "ci")) if name.endswith("-values.yaml")
+)
 SIDECAR_VALUES = [path for path in CI_VALUES if os.path.basename(path).startswith("sidecar-")]
 # None: the chart's defaults.
 ALL_VALUES = [None, *CI_VALUES]
@@ -68,8 +80,9 @@ def _helm_env() -> tuple[tuple[str, str], ...]:
 
 
 def helm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([_helm_binary(), *args], cwd=ROOT, env=dict(_helm_env()), capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [_helm_binary(), *args], cwd=ROOT, env=dict(_helm_env()), capture_output=True, text=True, timeout=120
+    )
 
 
 # No kvguard image is published: every install names where it was pushed (the chart refuses none).
@@ -108,8 +121,12 @@ def only(docs: list[dict], kind: str) -> dict:
 def workload(docs: list[dict]) -> dict:
     """The release's workload: not the runbook pages' Deployment (templates/runbook.yaml), which a release
     with rules renders beside it."""
-    found = [doc for doc in docs if doc["kind"] in ("Deployment", "DaemonSet")
-             and doc["spec"]["template"]["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "runbook"]
+    found = [
+        doc
+        for doc in docs
+        if doc["kind"] in ("Deployment", "DaemonSet")
+        and doc["spec"]["template"]["metadata"].get("labels", {}).get("app.kubernetes.io/component") != "runbook"
+    ]
     assert len(found) == 1, [d["kind"] for d in docs]
     return found[0]
 
@@ -137,7 +154,7 @@ def env_of(container: dict) -> dict[str, dict]:
 
 def flag_values(container: dict, flag: str) -> list[str]:
     prefix = f"{flag}="
-    return [arg[len(prefix):] for arg in container["args"] if arg.startswith(prefix)]
+    return [arg[len(prefix) :] for arg in container["args"] if arg.startswith(prefix)]
 
 
 def mount_path(container: dict, volume: str) -> str:
@@ -153,70 +170,190 @@ def schema_failure(*extra: str) -> subprocess.CompletedProcess:
 # ------------------------------------------------------- Prometheus operator kinds
 
 _STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
-                                          r"(([0-9]+)s)?(([0-9]+)ms)?)$"}
-_KEY_SELECTOR = {"type": "object", "additionalProperties": False, "required": ["name", "key"],
-                 "properties": {"name": {"type": "string", "minLength": 1}, "key": {"type": "string", "minLength": 1},
-                                "optional": {"type": "boolean"}}}
-_METADATA = {"type": "object", "additionalProperties": False, "required": ["name", "namespace"],
-             "properties": {"name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
-                            "namespace": {"type": "string"}, "labels": _STRING_MAP, "annotations": _STRING_MAP}}
-_LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "required": ["matchLabels"],
-                   "properties": {"matchLabels": {**_STRING_MAP, "minProperties": 1}}}
-_RELABEL = {"type": "object", "additionalProperties": False, "properties": {
-    "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}},
-    "separator": {"type": "string"}, "targetLabel": {"type": "string"}, "regex": {"type": "string"},
-    "modulus": {"type": "integer", "minimum": 0}, "replacement": {"type": "string"},
-    "action": {"enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod", "labelmap",
-                        "LabelMap", "labeldrop", "LabelDrop", "labelkeep", "LabelKeep", "lowercase", "Lowercase",
-                        "uppercase", "Uppercase", "keepequal", "KeepEqual", "dropequal", "DropEqual"]}}}
-_ENDPOINT = {"type": "object", "additionalProperties": False, "required": ["port"], "properties": {
-    "port": {"type": "string", "minLength": 1}, "path": {"type": "string", "pattern": "^/"},
-    "scheme": {"enum": ["http", "https"]}, "interval": _DURATION, "scrapeTimeout": _DURATION,
-    "honorLabels": {"type": "boolean"},
-    "tlsConfig": {"type": "object", "additionalProperties": False, "properties": {
-        "ca": {"type": "object", "additionalProperties": False, "properties": {"secret": _KEY_SELECTOR,
-                                                                               "configMap": _KEY_SELECTOR}},
-        "serverName": {"type": "string"}, "insecureSkipVerify": {"type": "boolean"}}},
-    "basicAuth": {"type": "object", "additionalProperties": False, "required": ["username", "password"],
-                  "properties": {"username": _KEY_SELECTOR, "password": _KEY_SELECTOR}},
-    "relabelings": {"type": "array", "items": _RELABEL},
-    "metricRelabelings": {"type": "array", "items": _RELABEL}}}
+_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?"
+    r"(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_KEY_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "key"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "key": {"type": "string", "minLength": 1},
+        "optional": {"type": "boolean"},
+    },
+}
+_METADATA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "namespace"],
+    "properties": {
+        "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"},
+        "namespace": {"type": "string"},
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["matchLabels"],
+    "properties": {"matchLabels": {**_STRING_MAP, "minProperties": 1}},
+}
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": r"^[a-zA-Z_][a-zA-Z0-9_]*$"}},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "modulus": {"type": "integer", "minimum": 0},
+        "replacement": {"type": "string"},
+        "action": {
+            "enum": [
+                "replace",
+                "Replace",
+                "keep",
+                "Keep",
+                "drop",
+                "Drop",
+                "hashmod",
+                "HashMod",
+                "labelmap",
+                "LabelMap",
+                "labeldrop",
+                "LabelDrop",
+                "labelkeep",
+                "LabelKeep",
+                "lowercase",
+                "Lowercase",
+                "uppercase",
+                "Uppercase",
+                "keepequal",
+                "KeepEqual",
+                "dropequal",
+                "DropEqual",
+            ]
+        },
+    },
+}
+_ENDPOINT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["port"],
+    "properties": {
+        "port": {"type": "string", "minLength": 1},
+        "path": {"type": "string", "pattern": "^/"},
+        "scheme": {"enum": ["http", "https"]},
+        "interval": _DURATION,
+        "scrapeTimeout": _DURATION,
+        "honorLabels": {"type": "boolean"},
+        "tlsConfig": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "ca": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"secret": _KEY_SELECTOR, "configMap": _KEY_SELECTOR},
+                },
+                "serverName": {"type": "string"},
+                "insecureSkipVerify": {"type": "boolean"},
+            },
+        },
+        "basicAuth": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["username", "password"],
+            "properties": {"username": _KEY_SELECTOR, "password": _KEY_SELECTOR},
+        },
+        "relabelings": {"type": "array", "items": _RELABEL},
+        "metricRelabelings": {"type": "array", "items": _RELABEL},
+    },
+}
 
 
 def _monitor_schema(kind: str, endpoints_key: str) -> dict:
-    return {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {
-                "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": kind},
-                "metadata": _METADATA,
-                "spec": {"type": "object", "additionalProperties": False, "required": ["selector", endpoints_key],
-                         "properties": {"selector": _LABEL_SELECTOR,
-                                        "namespaceSelector": {"type": "object", "additionalProperties": False,
-                                                              "properties": {"any": {"type": "boolean"},
-                                                                             "matchNames": {"type": "array"}}},
-                                        endpoints_key: {"type": "array", "minItems": 1, "items": _ENDPOINT}}}}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": _METADATA,
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["selector", endpoints_key],
+                "properties": {
+                    "selector": _LABEL_SELECTOR,
+                    "namespaceSelector": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array"}},
+                    },
+                    endpoints_key: {"type": "array", "minItems": 1, "items": _ENDPOINT},
+                },
+            },
+        },
+    }
 
 
-_RULE = {"type": "object", "additionalProperties": False, "required": ["expr"],
-         "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-         "properties": {"alert": {"type": "string", "minLength": 1},
-                        "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
-                        "expr": {"type": "string", "minLength": 1}, "for": _DURATION, "keep_firing_for": _DURATION,
-                        "labels": _STRING_MAP, "annotations": _STRING_MAP}}
+_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["expr"],
+    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+    "properties": {
+        "alert": {"type": "string", "minLength": 1},
+        "record": {"type": "string", "pattern": r"^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+        "expr": {"type": "string", "minLength": 1},
+        "for": _DURATION,
+        "keep_firing_for": _DURATION,
+        "labels": _STRING_MAP,
+        "annotations": _STRING_MAP,
+    },
+}
 OPERATOR_SCHEMAS = {
     "PodMonitor": _monitor_schema("PodMonitor", "podMetricsEndpoints"),
     "ServiceMonitor": _monitor_schema("ServiceMonitor", "endpoints"),
     "PrometheusRule": {
-        "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["apiVersion", "kind", "metadata", "spec"],
         "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"},
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": "PrometheusRule"},
             "metadata": _METADATA,
-            "spec": {"type": "object", "additionalProperties": False, "required": ["groups"], "properties": {
-                "groups": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["name", "rules"],
-                    "properties": {"name": {"type": "string", "minLength": 1}, "interval": _DURATION,
-                                   "limit": {"type": "integer", "minimum": 0}, "labels": _STRING_MAP,
-                                   "rules": {"type": "array", "minItems": 1, "items": _RULE}}}}}}}},
+            "spec": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["groups"],
+                "properties": {
+                    "groups": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["name", "rules"],
+                            "properties": {
+                                "name": {"type": "string", "minLength": 1},
+                                "interval": _DURATION,
+                                "limit": {"type": "integer", "minimum": 0},
+                                "labels": _STRING_MAP,
+                                "rules": {"type": "array", "minItems": 1, "items": _RULE},
+                            },
+                        },
+                    }
+                },
+            },
+        },
+    },
 }
 
 
@@ -260,8 +397,13 @@ OPERATOR_MODULES = os.path.join(ROOT, ".tools", "node", "node_modules")
 def _real_crd_failures(docs: list[dict]) -> subprocess.CompletedProcess:
     if not os.path.isdir(os.path.join(OPERATOR_MODULES, "@kubernetes-models", "prometheus-operator")):
         pytest.fail("@kubernetes-models/prometheus-operator not in .tools/node: run ./dev.sh test, which installs it")
-    return subprocess.run(["node", os.path.join(ROOT, "tests", "operator_crds.mjs"), OPERATOR_MODULES],
-                          input=json.dumps(docs), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["node", os.path.join(ROOT, "tests", "operator_crds.mjs"), OPERATOR_MODULES],
+        input=json.dumps(docs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("values", [v for v in ALL_VALUES if v is None or "no-prometheus-operator" not in v], ids=_ids)
@@ -286,8 +428,17 @@ CLUSTER_TOO = {None: ("--set", "prometheusRule.enabled=true")}
 
 def test_ci_values_cover_every_kind_the_chart_renders():
     kinds = {doc["kind"] for values in CI_VALUES for doc in render(values)}
-    assert kinds == {"ServiceAccount", "Service", "ConfigMap", "Deployment", "DaemonSet", "PodMonitor",
-                     "ServiceMonitor", "PrometheusRule", "NetworkPolicy"}
+    assert kinds == {
+        "ServiceAccount",
+        "Service",
+        "ConfigMap",
+        "Deployment",
+        "DaemonSet",
+        "PodMonitor",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "NetworkPolicy",
+    }
 
 
 # ------------------------------------------------------------- rules and dashboard
@@ -313,7 +464,9 @@ def committed(paths) -> list[str]:
 
 
 def test_prometheus_rule_groups_equal_the_rule_files():
-    assert prometheus_rule(render(None, *CLUSTER_WITHOUT_PAGES))["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
+    assert prometheus_rule(render(None, *CLUSTER_WITHOUT_PAGES))["spec"]["groups"] == rule_groups(
+        committed(OWN_RULE_FILES)
+    )
 
 
 def test_chart_renders_the_join_rules_only_when_asked():
@@ -321,8 +474,9 @@ def test_chart_renders_the_join_rules_only_when_asked():
     docs = render(None, *CLUSTER_WITHOUT_PAGES, "--set", "prometheusRule.deviceJoins.enabled=true")
     assert prometheus_rule(docs, joins=True)["spec"]["groups"] == rule_groups(committed(JOIN_RULE_FILES))
     assert prometheus_rule(docs)["spec"]["groups"] == rule_groups(committed(OWN_RULE_FILES))
-    off = render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true",
-                 "--set", "prometheusRule.enabled=false")
+    off = render(
+        None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true", "--set", "prometheusRule.enabled=false"
+    )
     assert [d for d in off if d["kind"] == "PrometheusRule"] == []
 
 
@@ -344,8 +498,11 @@ def test_prometheus_rules_from_non_default_values_are_what_the_generator_writes_
 def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
     # The chart tidies what an empty selector leaves ({a="b",} and name{}) as rules.py does.
     # Mode cluster: no Service, so the runbook links are the generator's default too.
-    values = {"mode": "cluster", "runbook": {"enabled": False},
-              "prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}}}
+    values = {
+        "mode": "cluster",
+        "runbook": {"enabled": False},
+        "prometheusRule": {"enabled": True, "jobSelector": "", "deviceJoins": {"enabled": True}},
+    }
     (tmp_path / "empty.yaml").write_text(yaml.safe_dump(values))
     written = rules_generator().outputs(values["prometheusRule"], output_dir=RULES_DIR, chart=False)
     docs = render(str(tmp_path / "empty.yaml"))
@@ -355,16 +512,26 @@ def test_empty_selectors_render_as_the_generator_writes_them(tmp_path):
 
 
 def test_join_selector_values_change_the_rendered_join_rules():
-    default = _rules_by_name(prometheus_rule(render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true"),
-                                             joins=True)["spec"]["groups"])
+    default = _rules_by_name(
+        prometheus_rule(render(None, *CLUSTER, "--set", "prometheusRule.deviceJoins.enabled=true"), joins=True)["spec"][
+            "groups"
+        ]
+    )
     custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES), joins=True)["spec"]["groups"])
     assert 'DCGM_FI_DEV_FB_USED{GPU_I_ID=""}' in default["kvguard:dcgm_fb_used_bytes"]["expr"]
-    assert 'DCGM_FI_DEV_FB_USED{GPU_I_ID="",job="gpu-operator/nvidia-dcgm-exporter"}' in \
-        custom["kvguard:dcgm_fb_used_bytes"]["expr"]
-    assert custom["kvguard:npu_hbm_used_bytes:npu_exporter"]["expr"].count(
-        'npu_chip_info_hbm_used_memory{job="ascend/npu-exporter",namespace="ascend"}') == 2
+    assert (
+        'DCGM_FI_DEV_FB_USED{GPU_I_ID="",job="gpu-operator/nvidia-dcgm-exporter"}'
+        in custom["kvguard:dcgm_fb_used_bytes"]["expr"]
+    )
+    assert (
+        custom["kvguard:npu_hbm_used_bytes:npu_exporter"]["expr"].count(
+            'npu_chip_info_hbm_used_memory{job="ascend/npu-exporter",namespace="ascend"}'
+        )
+        == 2
+    )
     assert custom["kvguard:device_used_bytes:npu_exporter"]["expr"].startswith(
-        'kvguard_device_used_bytes{pci_bus_id!="",job="llm-guard"}')
+        'kvguard_device_used_bytes{pci_bus_id!="",job="llm-guard"}'
+    )
 
 
 def test_prometheus_rule_values_change_the_rendered_rules():
@@ -372,33 +539,42 @@ def test_prometheus_rule_values_change_the_rendered_rules():
     custom = _rules_by_name(prometheus_rule(render(CUSTOM_RULES))["spec"]["groups"])
     assert default.keys() == custom.keys()
     assert custom["KVGuardHeadroomLow"]["expr"] == "namespace_engine:kvguard_guard_headroom_ratio:min < 0.1"
-    assert custom["KVGuardFragmentationHigh"]["expr"].endswith('kvguard_allocator_fragmentation_bytes'
-                                                             '{job="llm-guard"} > 4294967296')
+    assert custom["KVGuardFragmentationHigh"]["expr"].endswith(
+        'kvguard_allocator_fragmentation_bytes{job="llm-guard"} > 4294967296'
+    )
     assert custom["KVGuardOOMRiskCritical"]["for"] == "5m" and default["KVGuardOOMRiskCritical"]["for"] == "2m"
-    assert custom["KVGuardExporterDown"]["annotations"]["runbook_url"] == \
-        "https://runbooks.example.com/kvguard/kvguardexporterdown.html"
+    assert (
+        custom["KVGuardExporterDown"]["annotations"]["runbook_url"]
+        == "https://runbooks.example.com/kvguard/kvguardexporterdown.html"
+    )
     # Every rule reading a series of kvguard's own (not only recorded ones) reads it through the selector.
     reads_raw = {name for name, rule in default.items() if KVGUARD_METRIC.search(rule["expr"]) or "up{" in rule["expr"]}
-    assert len(reads_raw) == 27         # 7 alerts (2 read engine rules), 9 engine and 11 pod-level recording rules
+    assert len(reads_raw) == 27  # 7 alerts (2 read engine rules), 9 engine and 11 pod-level recording rules
     assert all(custom[name]["expr"] != default[name]["expr"] for name in reads_raw)
 
 
 def test_one_threshold_set_on_the_command_line_moves_only_its_alert():
     default = _rules_by_name(prometheus_rule(render(None, *CLUSTER))["spec"]["groups"])
-    changed = _rules_by_name(prometheus_rule(render(None, *CLUSTER, "--set-json",
-                                                    "prometheusRule.thresholds.headroomRatio=0.2"))["spec"]["groups"])
+    changed = _rules_by_name(
+        prometheus_rule(render(None, *CLUSTER, "--set-json", "prometheusRule.thresholds.headroomRatio=0.2"))["spec"][
+            "groups"
+        ]
+    )
     assert {name for name in default if default[name] != changed[name]} == {"KVGuardHeadroomLow"}
     assert changed["KVGuardHeadroomLow"]["expr"].endswith("< 0.2")
 
 
-@pytest.mark.parametrize("setting", [
-    "prometheusRule.thresholds.headroomRatio=0.2",          # --set passes it as a string
-    "prometheusRule.thresholds.headroomRatoi=1",
-    "prometheusRule.for.KVGuardAllocatorOOMs=5m",
-    "prometheusRule.for.KVGuardHeadroomLow=ten",
-    "prometheusRule.runbookUrl=https://runbooks.example.com/kvguard",
-    "prometheusRule.runbookUrl=https://runbooks.example.com/%s/%s.html",
-])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "prometheusRule.thresholds.headroomRatio=0.2",  # --set passes it as a string
+        "prometheusRule.thresholds.headroomRatoi=1",
+        "prometheusRule.for.KVGuardAllocatorOOMs=5m",
+        "prometheusRule.for.KVGuardHeadroomLow=ten",
+        "prometheusRule.runbookUrl=https://runbooks.example.com/kvguard",
+        "prometheusRule.runbookUrl=https://runbooks.example.com/%s/%s.html",
+    ],
+)
 def test_bad_prometheus_rule_values_are_refused_by_the_schema(setting):
     result = helm(*template_args(None, "--set", setting))
     assert result.returncode != 0
@@ -406,15 +582,22 @@ def test_bad_prometheus_rule_values_are_refused_by_the_schema(setting):
 
 
 def _runbook_urls(docs: list[dict]) -> dict[str, str]:
-    return {rule["alert"]: rule["annotations"]["runbook_url"]
-            for rule in _rules_by_name(prometheus_rule(docs)["spec"]["groups"]).values() if "alert" in rule}
+    return {
+        rule["alert"]: rule["annotations"]["runbook_url"]
+        for rule in _rules_by_name(prometheus_rule(docs)["spec"]["groups"]).values()
+        if "alert" in rule
+    }
 
 
-@pytest.mark.parametrize("extra, scheme", [
-    ((), "http"),
-    (("--set", "fullnameOverride=guard", "--set", "kvguard.port=9400"), "http"),
-    (("--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=kvguard-tls"), "https"),
-], ids=["defaults", "renamed", "tls"])
+@pytest.mark.parametrize(
+    "extra, scheme",
+    [
+        ((), "http"),
+        (("--set", "fullnameOverride=guard", "--set", "kvguard.port=9400"), "http"),
+        (("--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=kvguard-tls"), "https"),
+    ],
+    ids=["defaults", "renamed", "tls"],
+)
 def test_without_pages_runbook_urls_go_to_the_runbook_the_releases_own_service_serves(extra, scheme):
     docs = render(None, "--set", "prometheusRule.enabled=true", "--set", "runbook.enabled=false", *extra)
     service = only(docs, "Service")
@@ -429,8 +612,7 @@ def test_a_sidecar_release_with_rules_links_each_alert_to_its_own_runbook_pages(
     """Not to the sidecar (behind the scrape's credentials, and for KVGuardExporterDown the exporter that is
     down): the release renders the pages its rules link to (templates/runbook.yaml)."""
     docs = render(None, "--set", "prometheusRule.enabled=true")
-    pages = [d for d in docs if d["kind"] == "Service"
-             and d["metadata"]["name"].endswith("-runbook")]
+    pages = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-runbook")]
     (service,) = pages
     urls = _runbook_urls(docs)
     assert set(urls) == {a["alert"] for a in alerts()}
@@ -439,22 +621,37 @@ def test_a_sidecar_release_with_rules_links_each_alert_to_its_own_runbook_pages(
 
 
 def test_a_runbook_url_value_overrides_the_service_default():
-    urls = _runbook_urls(render(None, "--set", "prometheusRule.enabled=true",
-                                "--set", "prometheusRule.runbookUrl=https://wiki.example.com/ops/%s#fix"))
+    urls = _runbook_urls(
+        render(
+            None,
+            "--set",
+            "prometheusRule.enabled=true",
+            "--set",
+            "prometheusRule.runbookUrl=https://wiki.example.com/ops/%s#fix",
+        )
+    )
     assert urls == {name: f"https://wiki.example.com/ops/{name.lower()}#fix" for name in urls}
 
 
-@pytest.mark.parametrize("extra", [CLUSTER_WITHOUT_PAGES,
-                                   ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false",
-                                    "--set", "runbook.enabled=false")],
-                         ids=["cluster-without-pages", "no-service"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        CLUSTER_WITHOUT_PAGES,
+        ("--set", "prometheusRule.enabled=true", "--set", "service.enabled=false", "--set", "runbook.enabled=false"),
+    ],
+    ids=["cluster-without-pages", "no-service"],
+)
 def test_without_pages_or_a_service_runbook_urls_are_the_generators_default_on_the_alerts_instance(extra):
     docs = render(None, *extra)
     assert [d for d in docs if d["kind"] == "Service"] == []
     urls = _runbook_urls(docs)
     assert urls == {name: rules_generator().RUNBOOK_URL % name.lower() for name in urls}
-    assert all(url.startswith("{{ with $externalLabels.kvguard_runbook_url }}{{ . }}{{ else }}http://{{ if $labels.instance }}")
-               for url in urls.values())
+    assert all(
+        url.startswith(
+            "{{ with $externalLabels.kvguard_runbook_url }}{{ . }}{{ else }}http://{{ if $labels.instance }}"
+        )
+        for url in urls.values()
+    )
 
 
 def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
@@ -466,7 +663,7 @@ def test_chart_reads_rules_and_dashboard_through_links_into_dashboards():
 
 
 def test_dashboard_configmap_carries_the_dashboard_for_grafanas_sidecar():
-    configmap = only(render(None, *CLUSTER_WITHOUT_PAGES), "ConfigMap")     # with the pages: test_runbook_pages
+    configmap = only(render(None, *CLUSTER_WITHOUT_PAGES), "ConfigMap")  # with the pages: test_runbook_pages
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     with open(DASHBOARD_JSON) as handle:
         assert json.loads(configmap["data"]["kvguard.json"]) == json.load(handle)
@@ -491,8 +688,10 @@ def test_packaged_chart_contains_the_linked_files_themselves(tmp_path):
 
 
 def test_disabling_rules_and_dashboard_renders_neither():
-    kinds = [doc["kind"] for doc in render(None, *CLUSTER, "--set", "prometheusRule.enabled=false",
-                                           "--set", "dashboard.enabled=false")]
+    kinds = [
+        doc["kind"]
+        for doc in render(None, *CLUSTER, "--set", "prometheusRule.enabled=false", "--set", "dashboard.enabled=false")
+    ]
     assert "PrometheusRule" not in kinds and "ConfigMap" not in kinds
 
 
@@ -512,8 +711,9 @@ def test_sidecar_and_serving_container_share_the_in_memory_spool(values):
 
 def test_sidecar_mounts_the_spool_read_only_and_the_serving_container_read_write():
     docs = render()
-    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (kvguard_container(docs),
-                                                                             serving_container(docs))}
+    mounts = {
+        c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (kvguard_container(docs), serving_container(docs))
+    }
     assert mounts["kvguard"]["kvguard-spool"]["readOnly"] is True
     assert not mounts["vllm"]["kvguard-spool"].get("readOnly", False)
 
@@ -522,7 +722,7 @@ def test_native_sidecar_is_an_init_container_that_restarts_always():
     spec = pod_spec(render("ci/sidecar-native-podmonitor-values.yaml"))
     assert [c["name"] for c in spec["initContainers"]] == ["kvguard-plugin", "kvguard"]
     assert spec["initContainers"][1]["restartPolicy"] == "Always"
-    assert "restartPolicy" not in spec["initContainers"][0]         # the plugin copy runs once, first
+    assert "restartPolicy" not in spec["initContainers"][0]  # the plugin copy runs once, first
     assert [c["name"] for c in spec["containers"]] == ["vllm"]
 
 
@@ -536,8 +736,10 @@ def test_plain_sidecar_is_a_second_container():
 def test_a_serving_container_named_like_kvguard_is_refused():
     result = helm(*template_args(None, "--set", "serving.name=kvguard"))
     assert result.returncode != 0
-    assert 'serving.name and kvguard.name are both "kvguard": two containers in one pod cannot share a name' \
+    assert (
+        'serving.name and kvguard.name are both "kvguard": two containers in one pod cannot share a name'
         in result.stderr
+    )
 
 
 def test_native_sidecar_is_refused_below_kubernetes_1_29():
@@ -555,8 +757,7 @@ def test_plain_sidecar_renders_for_kubernetes_1_28():
 def test_sidecar_reads_vllm_metrics_on_the_serving_port(values):
     docs = render(values)
     (serving_port,) = [p["containerPort"] for p in serving_container(docs)["ports"] if p["name"] == "http"]
-    assert flag_values(kvguard_container(docs), "--vllm-metrics-url") == [
-        f"http://127.0.0.1:{serving_port}/metrics"]
+    assert flag_values(kvguard_container(docs), "--vllm-metrics-url") == [f"http://127.0.0.1:{serving_port}/metrics"]
 
 
 @pytest.mark.parametrize("values", [None, *SIDECAR_VALUES], ids=_ids)
@@ -571,7 +772,7 @@ def test_ascend_sidecar_requests_npus_for_the_serving_container_only():
     docs = render("ci/sidecar-ascend-vllm-mindspore-values.yaml")
     limits = serving_container(docs)["resources"]["limits"]
     assert limits["huawei.com/Ascend910"] == 4
-    assert [name for name in limits if "/" in name] == ["huawei.com/Ascend910"]     # no default GPU merged in
+    assert [name for name in limits if "/" in name] == ["huawei.com/Ascend910"]  # no default GPU merged in
     assert not [name for name in kvguard_container(docs)["resources"].get("limits", {}) if "/" in name]
 
 
@@ -664,8 +865,11 @@ def test_pod_identity_comes_from_the_downward_api(values):
         containers.append(serving_container(docs))
     for container in containers:
         env = env_of(container)
-        for name, field in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"),
-                            ("NODE_NAME", "spec.nodeName")):
+        for name, field in (
+            ("POD_NAME", "metadata.name"),
+            ("POD_NAMESPACE", "metadata.namespace"),
+            ("NODE_NAME", "spec.nodeName"),
+        ):
             assert env[name]["valueFrom"]["fieldRef"]["fieldPath"] == field, (container["name"], name)
         assert env["CONTAINER_NAME"]["value"]
 
@@ -682,10 +886,20 @@ def test_limits_and_allow_auth_off_reach_kvguard_serve_as_its_parser_reads_them(
     """The chart's kvguard.limits, webConfig.allowAuthOff and runbookPublic, rendered, then parsed by the real
     `kvguard serve`."""
     from kvguard.cli import main
-    args = kvguard_container(render("ci/sidecar-web-config-values.yaml", "--set", "kvguard.limits.maxRanks=7",
-                                    "--set", "kvguard.limits.maxMetricsBytes=5000000000",
-                                    "--set", "kvguard.webConfig.allowAuthOff=true",
-                                    "--set", "kvguard.runbookPublic=true"))["args"]
+
+    args = kvguard_container(
+        render(
+            "ci/sidecar-web-config-values.yaml",
+            "--set",
+            "kvguard.limits.maxRanks=7",
+            "--set",
+            "kvguard.limits.maxMetricsBytes=5000000000",
+            "--set",
+            "kvguard.webConfig.allowAuthOff=true",
+            "--set",
+            "kvguard.runbookPublic=true",
+        )
+    )["args"]
     params = main.commands["serve"].make_context("serve", list(args[1:])).params
     assert params["web_runbook_public"] is True
     assert (params["max_ranks"], params["max_engines"], params["max_models"], params["max_pods"]) == (7, 64, 32, 64)
@@ -751,8 +965,9 @@ def _exporter_down_job_regex(docs: list[dict]) -> str:
 def _selected_service(docs: list[dict], monitor: dict) -> dict:
     """The one Service a ServiceMonitor's selector matches (the runbook pages' Service is not it)."""
     wanted = monitor["spec"]["selector"]["matchLabels"]
-    (service,) = [d for d in docs if d["kind"] == "Service"
-                  and wanted.items() <= d["metadata"].get("labels", {}).items()]
+    (service,) = [
+        d for d in docs if d["kind"] == "Service" and wanted.items() <= d["metadata"].get("labels", {}).items()
+    ]
     return service
 
 
@@ -760,19 +975,32 @@ def _scrape_job(docs: list[dict], kind: str) -> str:
     """The job label the Prometheus operator gives the targets: its default, then the relabelings."""
     monitor = only(docs, kind)
     endpoints = monitor["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
-    job = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}" if kind == "PodMonitor" \
+    job = (
+        f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
+        if kind == "PodMonitor"
         else _selected_service(docs, monitor)["metadata"]["name"]
+    )
     for step in endpoints[0].get("relabelings", []):
-        if step.get("targetLabel") == "job" and step.get("action", "replace") == "replace" \
-                and not step.get("sourceLabels"):
+        if (
+            step.get("targetLabel") == "job"
+            and step.get("action", "replace") == "replace"
+            and not step.get("sourceLabels")
+        ):
             job = step["replacement"]
     return job
 
 
 @pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
 def test_exporter_down_alert_selects_the_scrape_job_whatever_the_release_is_called(kind):
-    docs = render(None, "--set", "fullnameOverride=llm-guard", "--set", f"monitor.kind={kind}",
-                  "--set", "prometheusRule.enabled=true")
+    docs = render(
+        None,
+        "--set",
+        "fullnameOverride=llm-guard",
+        "--set",
+        f"monitor.kind={kind}",
+        "--set",
+        "prometheusRule.enabled=true",
+    )
     job = _scrape_job(docs, kind)
     assert job == "kvguard"
     assert re.fullmatch(_exporter_down_job_regex(docs), job)
@@ -821,29 +1049,47 @@ def test_basic_auth_reads_one_secret_in_kvguard_and_in_prometheus():
     password_dir = mount_path(kvguard, "kvguard-basic-auth")
     assert flag_values(kvguard, "--basic-auth-password-file") == [f"{password_dir}/password"]
     (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
-    assert endpoint["basicAuth"] == {"username": {"name": "kvguard-basic-auth", "key": "username"},
-                                     "password": {"name": "kvguard-basic-auth", "key": "password"}}
+    assert endpoint["basicAuth"] == {
+        "username": {"name": "kvguard-basic-auth", "key": "username"},
+        "password": {"name": "kvguard-basic-auth", "key": "password"},
+    }
 
 
 # ------------------------------------------------------------------- values schema
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--set", "colour=blue"), "Additional property colour is not allowed"),
-    (("--set", "kvguard.tls.enable=true"), "kvguard.tls: Additional property enable is not allowed"),
-    (("--set", "serving.resources.limit.cpu=1"), "serving.resources: Additional property limit is not allowed"),
-    (("--set-json", 'affinity={"nodeAffinity":{"required":{}}}'),
-     "affinity.nodeAffinity: Additional property required is not allowed"),
-    (("--set", "kvguard.port=metrics"), "kvguard.port: Invalid type. Expected: integer, given: string"),
-    (("--set-string", "sidecar.native=true"), "sidecar.native: Invalid type. Expected: boolean, given: string"),
-    (("--set-json", 'serving.args="--model x"'), "serving.args: Invalid type. Expected: array, given: string"),
-    (("--set", "mode=statefulset"), "mode: mode must be one of the following"),
-    (("--set", "monitor.kind=ServiceMonitors"), "monitor.kind: monitor.kind must be one of the following"),
-    (("--set-string", "monitor.interval=15"), "monitor.interval: Does not match pattern"),
-    (("--set", "kvguard.limits.maxRanks=0"), "kvguard.limits.maxRanks: Must be greater than or equal to 1"),
-], ids=["unknown-top-level-key", "unknown-nested-key", "unknown-key-in-kubernetes-object",
-        "unknown-key-deep-in-affinity", "port-not-integer", "native-not-boolean", "args-not-list",
-        "unknown-mode", "unknown-monitor-kind", "interval-without-unit", "max-ranks-zero"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--set", "colour=blue"), "Additional property colour is not allowed"),
+        (("--set", "kvguard.tls.enable=true"), "kvguard.tls: Additional property enable is not allowed"),
+        (("--set", "serving.resources.limit.cpu=1"), "serving.resources: Additional property limit is not allowed"),
+        (
+            ("--set-json", 'affinity={"nodeAffinity":{"required":{}}}'),
+            "affinity.nodeAffinity: Additional property required is not allowed",
+        ),
+        (("--set", "kvguard.port=metrics"), "kvguard.port: Invalid type. Expected: integer, given: string"),
+        (("--set-string", "sidecar.native=true"), "sidecar.native: Invalid type. Expected: boolean, given: string"),
+        (("--set-json", 'serving.args="--model x"'), "serving.args: Invalid type. Expected: array, given: string"),
+        (("--set", "mode=statefulset"), "mode: mode must be one of the following"),
+        (("--set", "monitor.kind=ServiceMonitors"), "monitor.kind: monitor.kind must be one of the following"),
+        (("--set-string", "monitor.interval=15"), "monitor.interval: Does not match pattern"),
+        (("--set", "kvguard.limits.maxRanks=0"), "kvguard.limits.maxRanks: Must be greater than or equal to 1"),
+    ],
+    ids=[
+        "unknown-top-level-key",
+        "unknown-nested-key",
+        "unknown-key-in-kubernetes-object",
+        "unknown-key-deep-in-affinity",
+        "port-not-integer",
+        "native-not-boolean",
+        "args-not-list",
+        "unknown-mode",
+        "unknown-monitor-kind",
+        "interval-without-unit",
+        "max-ranks-zero",
+    ],
+)
 def test_schema_refuses_bad_values(args, message):
     result = schema_failure(*args)
     assert result.returncode != 0
@@ -871,10 +1117,12 @@ FREE_FORM_KUBERNETES_TYPES = {"#/definitions/io.k8s.apimachinery.pkg.apis.meta.v
 
 
 def test_every_object_in_the_values_schema_refuses_unknown_keys():
-    open_objects = {path for path, node in _object_nodes(_load_schema())
-                    # A map (labels, resource limits) types its values instead of listing keys.
-                    if node.get("additionalProperties") is not False
-                    and not isinstance(node.get("additionalProperties"), dict)}
+    open_objects = {
+        path
+        for path, node in _object_nodes(_load_schema())
+        # A map (labels, resource limits) types its values instead of listing keys.
+        if node.get("additionalProperties") is not False and not isinstance(node.get("additionalProperties"), dict)
+    }
     assert open_objects == FREE_FORM_KUBERNETES_TYPES
 
 
@@ -886,7 +1134,8 @@ def test_values_yaml_satisfies_the_schema_with_every_key_typed():
 
 def test_embedded_kubernetes_definitions_match_kubernetes_validate_1_31():
     spec = importlib.util.spec_from_file_location(
-        "update_k8s_definitions", os.path.join(CHART, "hack", "update-k8s-definitions.py"))
+        "update_k8s_definitions", os.path.join(CHART, "hack", "update-k8s-definitions.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     embedded = {k: v for k, v in _load_schema()["definitions"].items() if k.startswith(module.PREFIX)}
@@ -897,17 +1146,20 @@ def test_embedded_kubernetes_definitions_match_kubernetes_validate_1_31():
 # -------------------------------------------------------------------------- NOTES
 
 
-@pytest.mark.parametrize("values, workload_ref", [(None, "deploy/kv-kvguard"),
-                                                  ("ci/daemonset-nvml-values.yaml", "ds/kv-kvguard")],
-                         ids=["sidecar", "daemonset"])
+@pytest.mark.parametrize(
+    "values, workload_ref",
+    [(None, "deploy/kv-kvguard"), ("ci/daemonset-nvml-values.yaml", "ds/kv-kvguard")],
+    ids=["sidecar", "daemonset"],
+)
 def test_notes_tell_how_to_reach_the_metrics(tmp_path, values, workload_ref):
     # helm template leaves NOTES.txt out and helm install needs a cluster: render it through a
     # template added to a copy of the chart (links followed).
     chart = tmp_path / "kvguard"
     shutil.copytree(CHART, chart, symlinks=False)
     (chart / "templates" / "zz-notes.yaml").write_text(
-        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
-        'data:\n  notes: {{ include "kvguard/templates/NOTES.txt" . | toJson }}\n')
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
+        'data:\n  notes: {{ include "kvguard/templates/NOTES.txt" . | toJson }}\n'
+    )
     args = ["template", "kv", str(chart), "--namespace", "serving", "--show-only", "templates/zz-notes.yaml", *IMAGE]
     if values:
         args += ["-f", os.path.join(CHART, values)]
@@ -951,8 +1203,20 @@ def test_web_config_without_a_secret_is_refused():
 
 
 def test_web_config_tls_and_the_tls_shorthand_together_are_refused():
-    result = helm(*template_args(None, "--set", "kvguard.webConfig.enabled=true", "--set",
-                                 "kvguard.webConfig.secretName=w", "--set", "kvguard.webConfig.tls=true",
-                                 "--set", "kvguard.tls.enabled=true", "--set", "kvguard.tls.secretName=t"))
+    result = helm(
+        *template_args(
+            None,
+            "--set",
+            "kvguard.webConfig.enabled=true",
+            "--set",
+            "kvguard.webConfig.secretName=w",
+            "--set",
+            "kvguard.webConfig.tls=true",
+            "--set",
+            "kvguard.tls.enabled=true",
+            "--set",
+            "kvguard.tls.secretName=t",
+        )
+    )
     assert result.returncode != 0
     assert "use one" in result.stderr

@@ -20,7 +20,6 @@ import venv
 from dataclasses import dataclass
 
 import pytest
-
 from conftest import ROOT
 from monitoring import documented_serve_port
 
@@ -91,8 +90,10 @@ def test_dockerfile_builds_in_one_stage_and_runs_from_another(stages):
     assert len(stages) >= 2
     build, runtime = stages[0], stages[-1]
     assert build.name and runtime.name != build.name
-    assert any(re.search(rf"--from={build.name}\b|from={build.name}\b", arguments)
-               for arguments in runtime.all("COPY") + runtime.all("RUN"))
+    assert any(
+        re.search(rf"--from={build.name}\b|from={build.name}\b", arguments)
+        for arguments in runtime.all("COPY") + runtime.all("RUN")
+    )
     assert any("pip wheel" in run for run in build.all("RUN"))
     # The runtime stage never sees the source tree, only the wheels.
     assert _copy_sources(runtime) == []
@@ -157,8 +158,14 @@ def test_build_context_has_what_the_build_stage_copies(stages):
 
 def test_build_context_leaves_out_virtualenvs_tools_and_git():
     patterns = _dockerignore_patterns()
-    for path in (".venv/bin/python", ".tools/helm", ".git/HEAD", "tests/test_image.py", "helm/kvguard/Chart.yaml",
-                 "exporter/kvguard/__pycache__/cli.cpython-311.pyc"):
+    for path in (
+        ".venv/bin/python",
+        ".tools/helm",
+        ".git/HEAD",
+        "tests/test_image.py",
+        "helm/kvguard/Chart.yaml",
+        "exporter/kvguard/__pycache__/cli.cpython-311.pyc",
+    ):
         assert _dockerignored(path, patterns), path
 
 
@@ -183,8 +190,22 @@ def installed(stages, tmp_path_factory):
             shutil.copy(origin, context / source)
     wheels = tmp_path_factory.mktemp("wheels")
     # The build stage's `pip wheel`; without build isolation so no setuptools download is needed.
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                            "--wheel-dir", str(wheels), str(context)], capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(wheels),
+            str(context),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stdout + build.stderr
     (wheel,) = wheels.glob("kvguard-*.whl")
     env_dir = tmp_path_factory.mktemp("venv")
@@ -192,33 +213,58 @@ def installed(stages, tmp_path_factory):
     python = env_dir / "bin" / "python"
     # Not the source tree conftest puts on PYTHONPATH: pip would take kvguard as already installed.
     clean = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
-    install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"kvguard[nvml] @ {wheel.as_uri()}"],
-                             capture_output=True, text=True, timeout=300, env=clean)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", f"kvguard[nvml] @ {wheel.as_uri()}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=clean,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     return env_dir
 
 
 def test_wheel_installs_into_a_clean_venv_and_kvguard_help_runs(installed, tmp_path):
-    result = subprocess.run([str(installed / "bin" / "kvguard"), "--help"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+    result = subprocess.run(
+        [str(installed / "bin" / "kvguard"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Usage: kvguard")
 
 
 def test_installed_wheel_is_the_one_kvguard_imports(installed, tmp_path):
     code = "import kvguard, sys; print(kvguard.__file__)"
-    result = subprocess.run([str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(str(installed))
 
 
 def test_installed_wheel_registers_the_vllm_plugin(installed, tmp_path):
     # `pip install kvguard` in a serving image is what makes vLLM start the probe.
-    code = ("from importlib.metadata import entry_points; "
-            "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'kvguard'])")
-    result = subprocess.run([str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    code = (
+        "from importlib.metadata import entry_points; "
+        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'kvguard'])"
+    )
+    result = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['kvguard.vllm.plugin:register']"
 
@@ -240,8 +286,13 @@ def plugin_dir(installed, tmp_path_factory):
     dest = tmp_path_factory.mktemp("kvguard-plugin")
     command = _plugin_copy_command()
     assert command[:2] == ["python", "-c"]
-    result = subprocess.run([str(installed / "bin" / "python"), *command[1:-1], str(dest)], capture_output=True,
-                            text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+    result = subprocess.run(
+        [str(installed / "bin" / "python"), *command[1:-1], str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert "copied to" in result.stdout
     return dest
@@ -254,6 +305,7 @@ def test_the_chart_copies_the_package_and_its_dist_info_only(plugin_dir):
 
 def _version() -> str:
     from kvguard import __version__
+
     return __version__
 
 
@@ -270,8 +322,10 @@ def _load_general_plugins(plugin_dir, extra_env: dict[str, str]) -> subprocess.C
     # vLLM's own loader (vllm/plugins/__init__.py 0.11.0:59-72): entry points of group
     # vllm.general_plugins, filtered by VLLM_PLUGINS when set. kvguard is not installed in this env:
     # only the copied folder on PYTHONPATH can provide it.
-    code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
-            "print('kvguard.vllm.plugin' in sys.modules)")
+    code = (
+        "import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+        "print('kvguard.vllm.plugin' in sys.modules)"
+    )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(plugin_dir), "HOME": str(plugin_dir.parent), **extra_env}
     return subprocess.run([str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, env=env)
 

@@ -4,11 +4,10 @@ import json
 import os
 
 import pytest
+from conftest import DATA, EXAMPLES
 
 from kvguard.budget.estimator import ConfigError, kv_layout_from_config
 from kvguard.budget.model_config import load_model_config
-
-from conftest import DATA, EXAMPLES
 
 QWEN_7B = os.path.join(EXAMPLES, "qwen2.5-7b-instruct")
 
@@ -62,8 +61,7 @@ def test_mla_stores_one_latent_per_token_without_factor_two():
 
 def test_mla_latent_is_not_split_by_tensor_parallelism():
     cfg = config("deepseek-v2-lite-chat")
-    assert kv_layout_from_config(cfg, tensor_parallel_size=2).block_bytes == \
-        kv_layout_from_config(cfg).block_bytes
+    assert kv_layout_from_config(cfg, tensor_parallel_size=2).block_bytes == kv_layout_from_config(cfg).block_bytes
 
 
 def test_mla_fp8_ds_mla_packs_656_bytes_per_token():
@@ -124,13 +122,16 @@ def test_newer_dtype_key_is_read():
     assert kv_layout_from_config(cfg).dtype_bytes == 2
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda c: c.pop("num_hidden_layers"), "no layer count"),
-    (lambda c: (c.pop("num_attention_heads"), c.pop("num_key_value_heads")), "no head count"),
-    (lambda c: c.update(num_hidden_layers="28"), "num_hidden_layers"),
-    (lambda c: c.update(torch_dtype="float64"), "unknown model dtype"),
-    (lambda c: c.update(num_hidden_layers=float("inf")), "'num_hidden_layers' must be a positive integer, got inf"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.pop("num_hidden_layers"), "no layer count"),
+        (lambda c: (c.pop("num_attention_heads"), c.pop("num_key_value_heads")), "no head count"),
+        (lambda c: c.update(num_hidden_layers="28"), "num_hidden_layers"),
+        (lambda c: c.update(torch_dtype="float64"), "unknown model dtype"),
+        (lambda c: c.update(num_hidden_layers=float("inf")), "'num_hidden_layers' must be a positive integer, got inf"),
+    ],
+)
 def test_config_without_what_a_layout_needs_is_refused(mutate, message):
     cfg = load_model_config(QWEN_7B)
     mutate(cfg)
@@ -152,8 +153,9 @@ def test_one_check_of_integer_config_fields_serves_the_estimator_and_the_simulat
     nested = {"architectures": ["X"], "text_config": {**cfg, "max_position_embeddings": 4096}}
     assert ScenarioConfig(model_config=nested, device_memory_bytes=1 << 30).resolved_max_model_len == 4096
     with pytest.raises(ConfigError, match="'max_position_embeddings' must be a positive integer, got 0.5"):
-        ScenarioConfig(model_config={**cfg, "max_position_embeddings": 0.5},
-                       device_memory_bytes=1 << 30).resolved_max_model_len
+        ScenarioConfig(
+            model_config={**cfg, "max_position_embeddings": 0.5}, device_memory_bytes=1 << 30
+        ).resolved_max_model_len
 
 
 def test_unknown_kv_cache_dtype_is_refused():
@@ -190,7 +192,12 @@ def test_kv_tensor_style_follows_the_release_that_allocated_the_cache():
 
     layout = kv_layout_from_config(load_model_config(QWEN_7B))
     styles = {v: kv_tensor_style(f"vllm:{v}") for v in ("0.27.0", "0.28.0", "0.29.0", "0.30.0", "0.33.0")}
-    assert styles == {"0.27.0": "per_layer", "0.28.0": "per_layer", "0.29.0": "one_backing",
-                      "0.30.0": "one_backing", "0.33.0": "one_backing"}
+    assert styles == {
+        "0.27.0": "per_layer",
+        "0.28.0": "per_layer",
+        "0.29.0": "one_backing",
+        "0.30.0": "one_backing",
+        "0.33.0": "one_backing",
+    }
     assert len(kv_cache_tensor_bytes(layout, 100, styles["0.28.0"])) == 28
     assert kv_cache_tensor_bytes(layout, 100, styles["0.29.0"]) == (100 * layout.block_bytes,)

@@ -7,12 +7,12 @@ from html.parser import HTMLParser
 from urllib.parse import urljoin, urlsplit
 
 import pytest
-
-import kvguard
-from kvguard.sidecar import server as sidecar_server
 from monitoring import RUNBOOK, alerts
 from sidecar_fixtures import snapshot
 from test_server import basic, get
+
+import kvguard
+from kvguard.sidecar import server as sidecar_server
 
 ALERT_NAMES = [a["alert"] for a in alerts()]
 
@@ -51,7 +51,7 @@ def test_the_landing_page_links_every_endpoint_and_says_the_version(serve):
     page, targets = html_page(server, "/")
     assert sorted(targets) == ["/guard", "/healthz", "/metrics", "/readyz", "/runbook"]
     assert f"Version {kvguard.__version__}." in "".join(page.text)
-    for path in targets:                    # every link answers
+    for path in targets:  # every link answers
         assert get(server, path)[0] == 200, path
 
 
@@ -61,14 +61,15 @@ def test_relative_links_stay_under_a_path_prefix():
 
     hrefs = parse(landing_page()).hrefs
     assert {urljoin("https://proxy.example/kvguard/", href) for href in hrefs} == {
-        f"https://proxy.example/kvguard/{name}" for name in ("metrics", "guard", "runbook", "healthz", "readyz")}
+        f"https://proxy.example/kvguard/{name}" for name in ("metrics", "guard", "runbook", "healthz", "readyz")
+    }
 
 
 def test_the_landing_page_is_behind_the_same_auth_as_metrics(serve):
     server = serve(snapshot(), basic_auth_user="prometheus", basic_auth_password="s3cret")
     assert get(server, "/")[0] == get(server, "/metrics")[0] == 401
     assert get(server, "/", basic("prometheus", "s3cret"))[0] == 200
-    assert get(server, "/healthz")[0] == 200       # the probes stay open
+    assert get(server, "/healthz")[0] == 200  # the probes stay open
 
 
 def test_head_of_the_landing_page_has_no_body(serve):
@@ -77,6 +78,7 @@ def test_head_of_the_landing_page_has_no_body(serve):
 
 
 # ------------------------------------------------------------------------------ /runbook (issue 21)
+
 
 def runbook_sections() -> dict[str, str]:
     """alert name -> its section of the packaged runbook, the markdown after its "## " heading."""
@@ -124,8 +126,16 @@ def test_a_section_page_links_back_to_the_whole_runbook(serve):
     assert urljoin(f"https://proxy.example/kvguard/runbook/{name}", href) == "https://proxy.example/kvguard/runbook"
 
 
-@pytest.mark.parametrize("path", ["/runbook/kvguardnosuchalert", "/runbook/", "/runbook/KVGuardOOMRiskCritical/x",
-                                  "/runbook/%3Cscript%3E", "/runbookx"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/runbook/kvguardnosuchalert",
+        "/runbook/",
+        "/runbook/KVGuardOOMRiskCritical/x",
+        "/runbook/%3Cscript%3E",
+        "/runbookx",
+    ],
+)
 def test_an_unknown_runbook_section_is_a_404_of_one_line(serve, path):
     status, headers, body = get(serve(snapshot()), path)
     assert status == 404 and headers["Content-Type"].startswith("text/plain")
@@ -156,7 +166,7 @@ def test_the_runbook_is_read_from_the_installed_package():
     packaged = importlib.resources.files("kvguard").joinpath("runbook.md").read_text(encoding="utf-8")
     with open(RUNBOOK, encoding="utf-8") as handle:
         assert packaged == handle.read()
-    assert sidecar_server.runbook_pages() is sidecar_server.runbook_pages()      # read once, cached
+    assert sidecar_server.runbook_pages() is sidecar_server.runbook_pages()  # read once, cached
 
 
 def test_the_runbook_url_a_real_prometheus_makes_opens_the_alerts_section(tmp_path):
@@ -168,8 +178,10 @@ def test_the_runbook_url_a_real_prometheus_makes_opens_the_alerts_section(tmp_pa
     from test_prometheus_e2e import kvguard_and_prometheus, kvguard_env, poll
 
     firing = {"KVGuardFragmentationHigh", "KVGuardHeadroomLow"}
-    config = {"thresholds": {"fragmentationRatio": -1, "fragmentationBytes": -1, "headroomRatio": 2},
-              "for": {name: "0" for name in firing}}
+    config = {
+        "thresholds": {"fragmentationRatio": -1, "fragmentationBytes": -1, "headroomRatio": 2},
+        "for": {name: "0" for name in firing},
+    }
     rule_files = []
     for path, text in rules_generator().outputs(config, output_dir=str(tmp_path / "rules"), chart=False).items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -178,11 +190,14 @@ def test_the_runbook_url_a_real_prometheus_makes_opens_the_alerts_section(tmp_pa
         rule_files.append(path)
     args = ["--demo", "--spool-dir", str(tmp_path / "spool"), "--interval", "1"]
     with kvguard_and_prometheus(tmp_path, args, rule_files, env=kvguard_env()) as stack:
+
         def links():
             alerts_now = stack.api("alerts")["data"]["alerts"]
-            found = {a["labels"]["alertname"]: a["annotations"]["runbook_url"] for a in alerts_now
-                     if a["state"] == "firing"}
+            found = {
+                a["labels"]["alertname"]: a["annotations"]["runbook_url"] for a in alerts_now if a["state"] == "firing"
+            }
             return found if firing <= set(found) else None
+
         urls = poll("both alerts to fire", links, 60.0)
         for name in firing:
             # No external label kvguard_runbook_url here: the sidecar's /runbook, at the alert's heading.

@@ -22,9 +22,21 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 BASE = ("kvguard", "kvguard.units", "kvguard.text", "kvguard.textfile", "kvguard.records", "kvguard.logs")
 # Lowest first; a module belongs to the last (most specific) prefix that matches it.
-LAYERS = (BASE, ("kvguard.allocators",), ("kvguard.budget",), ("kvguard.vllm",), ("kvguard.sources",),
-          ("kvguard.guard",), ("kvguard.spool",), ("kvguard.probe",), ("kvguard.vllm.plugin",), ("kvguard.sim",),
-          ("kvguard.plan",), ("kvguard.sidecar",), ("kvguard.cli", "kvguard.__main__"))
+LAYERS = (
+    BASE,
+    ("kvguard.allocators",),
+    ("kvguard.budget",),
+    ("kvguard.vllm",),
+    ("kvguard.sources",),
+    ("kvguard.guard",),
+    ("kvguard.spool",),
+    ("kvguard.probe",),
+    ("kvguard.vllm.plugin",),
+    ("kvguard.sim",),
+    ("kvguard.plan",),
+    ("kvguard.sidecar",),
+    ("kvguard.cli", "kvguard.__main__"),
+)
 
 
 def layer_of(module: str) -> int:
@@ -60,7 +72,7 @@ def resolve(module: str, path: str, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     package = module.split(".") if path.endswith("__init__.py") else module.split(".")[:-1]
-    package = package[:len(package) - (node.level - 1)]
+    package = package[: len(package) - (node.level - 1)]
     return ".".join(package + ([node.module] if node.module else []))
 
 
@@ -70,7 +82,7 @@ def imports(module: str) -> list[tuple[str, str | None, int]]:
     with open(path, encoding="utf-8") as handle:
         tree = ast.parse(handle.read(), path)
     found = []
-    aliases: dict[str, str] = {}       # a local name bound to a kvguard module
+    aliases: dict[str, str] = {}  # a local name bound to a kvguard module
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -89,7 +101,7 @@ def imports(module: str) -> list[tuple[str, str | None, int]]:
                     aliases[alias.asname or alias.name] = submodule
                 else:
                     found.append((source, alias.name, node.lineno))
-    for node in ast.walk(tree):        # estimator._text_config through a module alias
+    for node in ast.walk(tree):  # estimator._text_config through a module alias
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             found.append((aliases[node.value.id], node.attr, node.lineno))
     return found
@@ -103,7 +115,10 @@ def test_the_walk_sees_every_layer_and_the_known_imports():
     # The walk itself: every layer has modules, and imports known to exist are found (a walk that found
     # nothing would pass every test below).
     assert {layer_of(module) for module in MODULES} == set(range(len(LAYERS)))
-    assert ("kvguard.budget.estimator", "Profile", ) in {entry[:2] for entry in imports("kvguard.probe")}
+    assert (
+        "kvguard.budget.estimator",
+        "Profile",
+    ) in {entry[:2] for entry in imports("kvguard.probe")}
     assert "kvguard.cli.options" in {entry[0] for entry in imports("kvguard.cli.simulate")}
     assert layer_of("kvguard.vllm.plugin") > layer_of("kvguard.probe") > layer_of("kvguard.vllm.eras")
 
@@ -111,15 +126,25 @@ def test_the_walk_sees_every_layer_and_the_known_imports():
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_each_module_imports_only_its_layer_or_below(module):
     rank = layer_of(module)
-    upward = sorted({f"line {line}: {target}" for target, _, line in imports(module)
-                     if target in MODULES and layer_of(target) > rank})
+    upward = sorted(
+        {
+            f"line {line}: {target}"
+            for target, _, line in imports(module)
+            if target in MODULES and layer_of(target) > rank
+        }
+    )
     assert not upward, f"{module} imports from above its layer: {upward}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_another_modules_private_names(module):
-    private = sorted({f"line {line}: {target}.{name}" for target, name, line in imports(module)
-                      if name is not None and is_private(name) and target != module})
+    private = sorted(
+        {
+            f"line {line}: {target}.{name}"
+            for target, name, line in imports(module)
+            if name is not None and is_private(name) and target != module
+        }
+    )
     assert not private, f"{module} uses private names of other modules: {private}"
 
 
@@ -165,6 +190,8 @@ def test_cycles_finds_a_circle_and_passes_a_chain():
 
 
 def test_the_imports_make_no_circle():
-    graph = {module: {target for target, _, _ in imports(module) if target in MODULES and target != module}
-             for module in MODULES}
+    graph = {
+        module: {target for target, _, _ in imports(module) if target in MODULES and target != module}
+        for module in MODULES
+    }
     assert cycles(graph) == []

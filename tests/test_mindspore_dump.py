@@ -15,9 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.sources.mindspore_dump import (DEFAULT_EVERY, MAX_FILE_BYTES, DumpError, DumpReader, alloc_conf_value,
-                                            dump_alloc_conf, dump_directory, dump_every, merged_alloc_conf,
-                                            parse_dump, read_dump_file)
+from kvguard.sources.mindspore_dump import (
+    DEFAULT_EVERY,
+    MAX_FILE_BYTES,
+    DumpError,
+    DumpReader,
+    alloc_conf_value,
+    dump_alloc_conf,
+    dump_directory,
+    dump_every,
+    merged_alloc_conf,
+    parse_dump,
+    read_dump_file,
+)
 
 DATA = Path(__file__).resolve().parent / "data" / "mindspore_dump"
 MIB = 1 << 20
@@ -37,19 +47,25 @@ def test_without_a_user_value_the_dump_runs_at_mindspores_own_frequency():
 
 
 def test_the_users_other_keys_are_kept():
-    assert merged_alloc_conf("enable_vmm:true, memory_tracker:False") == \
-        "enable_vmm:true,memory_tracker:False,defrag_memory_step_freq:100dump"
+    assert (
+        merged_alloc_conf("enable_vmm:true, memory_tracker:False")
+        == "enable_vmm:true,memory_tracker:False,defrag_memory_step_freq:100dump"
+    )
 
 
 def test_a_frequency_the_user_set_wins_and_gains_the_dump():
     # Under VMM it is also how often DefragMemory eager-frees: kvguard keeps the engine's cadence.
-    assert merged_alloc_conf("enable_vmm:true;defrag_memory_step_freq:20", every=50) == \
-        "enable_vmm:true,defrag_memory_step_freq:20dump"
+    assert (
+        merged_alloc_conf("enable_vmm:true;defrag_memory_step_freq:20", every=50)
+        == "enable_vmm:true,defrag_memory_step_freq:20dump"
+    )
 
 
 def test_a_value_that_dumps_already_is_left_alone():
-    assert merged_alloc_conf("'defrag_memory_step_freq:7dump,enable_vmm:true'") == \
-        "defrag_memory_step_freq:7dump,enable_vmm:true"
+    assert (
+        merged_alloc_conf("'defrag_memory_step_freq:7dump,enable_vmm:true'")
+        == "defrag_memory_step_freq:7dump,enable_vmm:true"
+    )
 
 
 def test_a_user_value_mindspore_reads_as_zero_takes_the_requested_frequency():
@@ -64,8 +80,9 @@ def test_the_merged_value_reads_back_as_mindspore_parses_it():
     assert alloc_conf_value(merged, "enable_vmm") == "false"
 
 
-@pytest.mark.parametrize("setting, every", [(None, None), ("", None), ("0", None), ("off", None), ("1", 100),
-                                            ("true", 100), ("250", 250)])
+@pytest.mark.parametrize(
+    "setting, every", [(None, None), ("", None), ("0", None), ("off", None), ("1", 100), ("true", 100), ("250", 250)]
+)
 def test_the_setting_reads_as_off_on_or_a_frequency(setting, every):
     assert dump_every(setting) == every
 
@@ -79,8 +96,10 @@ def test_a_bad_setting_is_one_line(setting):
 
 def test_the_plugins_function_leaves_ms_alloc_conf_alone_when_off():
     assert dump_alloc_conf({"MS_ALLOC_CONF": "enable_vmm:true"}) is None
-    assert dump_alloc_conf({"MS_ALLOC_CONF": "enable_vmm:true", "KVGUARD_MINDSPORE_DUMP": "1"}) == \
-        "enable_vmm:true,defrag_memory_step_freq:100dump"
+    assert (
+        dump_alloc_conf({"MS_ALLOC_CONF": "enable_vmm:true", "KVGUARD_MINDSPORE_DUMP": "1"})
+        == "enable_vmm:true,defrag_memory_step_freq:100dump"
+    )
 
 
 def test_the_dump_folder_follows_generate_path():
@@ -96,8 +115,12 @@ def test_a_real_dump_reads_as_the_pools_own_lists(vmm):
     text, truth = real_dump(vmm)
     figures = parse_dump(text.split("\n"))
     common = next(a for a in truth["allocators"] if a["persistent"] == 0 and a["stream"] == 0)
-    assert (figures.vmm, figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes) == \
-        (vmm, truth["used_bytes"], truth["pages_touched_by_used"], common["largest_idle"])
+    assert (figures.vmm, figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes) == (
+        vmm,
+        truth["used_bytes"],
+        truth["pages_touched_by_used"],
+        common["largest_idle"],
+    )
 
 
 def test_without_the_vmm_flag_2_7_0s_allocator_lines_take_the_callers_word():
@@ -112,23 +135,37 @@ def test_without_the_vmm_flag_2_7_0s_allocator_lines_take_the_callers_word():
 def test_a_truncated_dump_is_an_error_not_figures(cut, tmp_path):
     text, _ = real_dump(True)
     path = tmp_path / "MemoryDebugInfo0.txt"
-    path.write_text(text[:int(len(text) * cut)].rsplit("\n", 1)[0] + "\n")
+    path.write_text(text[: int(len(text) * cut)].rsplit("\n", 1)[0] + "\n")
     with pytest.raises(DumpError) as info:
         read_dump_file(path)
     assert info.value.reason == "truncated"
 
 
-@pytest.mark.parametrize("hostile, reason", [
-    ("\x00\xff garbage", "not_text"),
-    ("In used mem buf info for Mem buf allocator, is persistent : 0, stream id : 0., mem_bufs size : 1\n"
-     '{"addr_":0x10,"size_":99999999999999999999}\n', "malformed"),
-    ("In used mem buf info for Mem buf allocator, is persistent : 0, stream id : 0., mem_bufs size : 1\n"
-     + "{" + "x" * 5000 + "}\n", "malformed"),
-    ("Dump debug info for Mem buf allocator, is persistent : 0, stream id : 0.\n"
-     "Free mem buf info - total count : 999999999999\n", "too_large"),
-    ("hello\n", "malformed"),
-    ("\n", "malformed"),
-])
+@pytest.mark.parametrize(
+    "hostile, reason",
+    [
+        ("\x00\xff garbage", "not_text"),
+        (
+            "In used mem buf info for Mem buf allocator, is persistent : 0, stream id : 0., mem_bufs size : 1\n"
+            '{"addr_":0x10,"size_":99999999999999999999}\n',
+            "malformed",
+        ),
+        (
+            "In used mem buf info for Mem buf allocator, is persistent : 0, stream id : 0., mem_bufs size : 1\n"
+            + "{"
+            + "x" * 5000
+            + "}\n",
+            "malformed",
+        ),
+        (
+            "Dump debug info for Mem buf allocator, is persistent : 0, stream id : 0.\n"
+            "Free mem buf info - total count : 999999999999\n",
+            "too_large",
+        ),
+        ("hello\n", "malformed"),
+        ("\n", "malformed"),
+    ],
+)
 def test_a_hostile_file_is_a_one_line_skip_reason(hostile, reason, tmp_path):
     path = tmp_path / "MemoryDebugInfo0.txt"
     path.write_bytes(hostile.encode("latin-1"))
@@ -161,13 +198,13 @@ def test_the_reader_skips_a_bad_newest_file_counts_it_and_keeps_the_last_good_fi
     reader = DumpReader(tmp_path, not_before=now - 60)
     good = reader.read()
     assert good.used_bytes == truth["used_bytes"]
-    write(tmp_path, 1, text[: len(text) // 2], now)           # being written, or cut short
+    write(tmp_path, 1, text[: len(text) // 2], now)  # being written, or cut short
     assert reader.read() is good
-    assert reader.read() is good                              # skipped once, not re-read
+    assert reader.read() is good  # skipped once, not re-read
     assert reader.skipped == {"truncated": 1} and "MemoryDebugInfo1.txt" in reader.last_error
     # The older file goes all the same (its figures stay in memory): files that never parse must not pile up.
     assert not (tmp_path / "MemoryDebugInfo0.txt").exists() and (tmp_path / "MemoryDebugInfo1.txt").exists()
-    write(tmp_path, 1, text, now + 1)                         # the same file, now whole: read again
+    write(tmp_path, 1, text, now + 1)  # the same file, now whole: read again
     assert reader.read() is not good and reader.read().used_bytes == truth["used_bytes"]
 
 
@@ -185,7 +222,7 @@ def test_a_fifo_in_place_of_a_dump_is_a_counted_skip_not_a_hang(tmp_path):
     os.mkfifo(tmp_path / "MemoryDebugInfo0.txt")
     reader = DumpReader(tmp_path, not_before=time.time() - 60)
     assert reader.read() is None
-    assert reader.skipped == {}                               # not a regular file: never opened
+    assert reader.skipped == {}  # not a regular file: never opened
 
 
 def test_a_previous_runs_files_are_neither_read_nor_deleted(tmp_path):

@@ -20,13 +20,14 @@ import sys
 
 import pytest
 from ascend_real.harness import ASCEND_SCENARIO
+from mindspore_real import envs
+from mindspore_real.harness import RELEASE, run_engine
+from test_ascend_real import kvguard_budget
+
 from kvguard.budget.estimator import reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
 from kvguard.vllm.log import read_startup_log
-from mindspore_real import envs
-from mindspore_real.harness import RELEASE, run_engine
-from test_ascend_real import kvguard_budget
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -86,8 +87,11 @@ def test_it_runs_the_releases_own_platform_and_memory_profiling(tmp_path_factory
     is the memory_reserved() increase at the end of the profile run (utils.py:465-475): +5.5 GiB, not the
     allocated +4 GiB."""
     result, snap = run(tmp_path_factory)
-    assert (result["engine_version"], result["vllm_version"], result["mindspore_version"]) == \
-        (RELEASE, "0.11.0", "2.7.1")
+    assert (result["engine_version"], result["vllm_version"], result["mindspore_version"]) == (
+        RELEASE,
+        "0.11.0",
+        "2.7.1",
+    )
     assert result["config"]["platform"] == "AscendPlatform"
     assert result["memory_profiling"] == "vllm_mindspore.utils.ms_memory_profiling"
     assert result["profile"]["torch_peak_increase"] == 5 * GIB + 512 * MIB
@@ -112,10 +116,18 @@ def test_kvguard_budget_from_the_flags_gives_the_engines_figure(tmp_path_factory
     and the non-torch increase since the init snapshot."""
     result, _ = run(tmp_path_factory)
     s = ASCEND_SCENARIO
-    out = kvguard_budget("--vllm-version", RELEASE, "--total-memory", s["total_memory_bytes"],
-                         "--weights", s["weights_bytes"],
-                         "--peak-reserved-increase", s["profile_transient_bytes"] + s["profile_unreusable_bytes"],
-                         "--non-torch-increase", s["profile_non_torch_bytes"])
+    out = kvguard_budget(
+        "--vllm-version",
+        RELEASE,
+        "--total-memory",
+        s["total_memory_bytes"],
+        "--weights",
+        s["weights_bytes"],
+        "--peak-reserved-increase",
+        s["profile_transient_bytes"] + s["profile_unreusable_bytes"],
+        "--non-torch-increase",
+        s["profile_non_torch_bytes"],
+    )
     assert out["budgets"]["stock"]["kv_cache_bytes"] == result["returned_available_bytes"]
     assert result["profile"]["non_torch_increase"] == s["profile_non_torch_bytes"]
 
@@ -148,9 +160,13 @@ def test_on_a_debug_log_the_torch_peak_is_read_as_the_reserved_increase(tmp_path
 
 
 def test_kvguard_check_reads_the_log_as_vllm_mindspore_0_5():
-    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--from-log",
-                          str(LOGS / "vllm-mindspore-0.5.1-debug.log")], capture_output=True, text=True,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--from-log", str(LOGS / "vllm-mindspore-0.5.1-debug.log")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode in (0, 1), out.stderr
     assert out.stdout.splitlines()[0].startswith(f"LOG      {era_for(RELEASE).name}: ")
 
@@ -212,13 +228,21 @@ def test_kvguard_check_on_that_run_says_the_peak_and_counts_it_in_the_overcommit
     gives both figures, its one-line note, and an overcommit of the 2.5 GiB the engine's figure left out."""
     run(tmp_path_factory, profile_release_mid_run=1536 * MIB)
     spool = _spools[("stock", (("profile_release_mid_run", 1536 * MIB),))]
-    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem",
-                          "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     rank = json.loads(out.stdout)["ranks"][0]
     assert (rank["reserved_increase_measured_bytes"], rank["reserved_peak_increase_bytes"]) == (1536 * MIB, 4 * GIB)
     assert "+4.00 GiB" in rank["reserved_peak_note"] and "+1.50 GiB" in rank["reserved_peak_note"]
     assert rank["overcommit_bytes"] == 4 * GIB - 1536 * MIB
     assert out.returncode in (1, 2), out.stderr
-    text = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem"],
-                          capture_output=True, text=True, timeout=60).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--post-mortem"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert len([line for line in text.splitlines() if "reserved peak:" in line]) == 1, text

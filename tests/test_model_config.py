@@ -8,9 +8,9 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from kvguard.cli import main
 from kvguard.budget.estimator import ConfigError, kv_layout_from_config
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.cli import main
 
 
 def bundled() -> dict:
@@ -27,11 +27,12 @@ def write_text(tmp_path, text: str) -> str:
 HOSTILE = {
     "deep": ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "nests deeper than 64 levels"),
     "head_size_zero": (json.dumps({**bundled(), "hidden_size": 1}), "the head size would be 0"),
-    "layers_10e400": (json.dumps(bundled())[:-1] + ', "num_hidden_layers": 1' + "0" * 400 + "}",
-                      "more than 19 digits"),
-    "layers_huge": (json.dumps({**bundled(), "num_hidden_layers": 10 ** 15}), "is larger than"),
-    "nested_heads_zero": (json.dumps({**bundled(), "text_config": {"num_attention_heads": 0}}),
-                          "text_config.'num_attention_heads' must be a positive integer, got 0"),
+    "layers_10e400": (json.dumps(bundled())[:-1] + ', "num_hidden_layers": 1' + "0" * 400 + "}", "more than 19 digits"),
+    "layers_huge": (json.dumps({**bundled(), "num_hidden_layers": 10**15}), "is larger than"),
+    "nested_heads_zero": (
+        json.dumps({**bundled(), "text_config": {"num_attention_heads": 0}}),
+        "text_config.'num_attention_heads' must be a positive integer, got 0",
+    ),
     "nan": (json.dumps(bundled())[:-1] + ', "hidden_size": NaN}', "NaN is not a number JSON allows"),
 }
 
@@ -49,7 +50,7 @@ def test_budget_and_simulate_give_one_line_for_a_hostile_config(tmp_path, case):
     path = write_text(tmp_path, HOSTILE[case][0])
     for command in (["budget", "--model-config", path], ["simulate", "--model-config", path, "--requests", "1"]):
         result = CliRunner().invoke(main, command)
-        assert result.exit_code == 65, (command, result.output)   # bad input
+        assert result.exit_code == 65, (command, result.output)  # bad input
         assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
         assert result.exception is None or isinstance(result.exception, SystemExit)
 

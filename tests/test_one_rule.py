@@ -23,17 +23,34 @@ GIB = 1 << 30
 
 # DeepSeek-V2-Lite's attention, cut to 3 layers: one 576-wide latent per token (kv_lora_rank 512 +
 # qk_rope_head_dim 64), bfloat16; vllm-mindspore's 128-token blocks (platforms/ascend.py:92-94 @ 0.5.1).
-MLA_CONFIG = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "num_hidden_layers": 3,
-              "num_attention_heads": 16, "num_key_value_heads": 16, "hidden_size": 2048, "kv_lora_rank": 512,
-              "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "torch_dtype": "bfloat16",
-              "max_position_embeddings": 4096}
+MLA_CONFIG = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 3,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "hidden_size": 2048,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 4096,
+}
 BLOCK = 128
-PAGE = BLOCK * 576 * 2      # MLAAttentionSpec.page_size_bytes: block_size * 1 head * 576 * 2 bytes
+PAGE = BLOCK * 576 * 2  # MLAAttentionSpec.page_size_bytes: block_size * 1 head * 576 * 2 bytes
 
 # A 64 GiB 910B rank measured by vllm-mindspore 0.5.1 (formula mindspore_reserved: the reserved increase).
-PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=30 * GIB,
-                  peak_allocated_increase_bytes=None, peak_reserved_increase_bytes=3 * GIB,
-                  non_torch_increase_bytes=GIB, formula="mindspore_reserved", vllm_version="vllm-mindspore:0.5.1")
+PROFILE = Profile(
+    total_memory_bytes=64 * GIB,
+    gpu_memory_utilization=0.9,
+    weights_bytes=30 * GIB,
+    peak_allocated_increase_bytes=None,
+    peak_reserved_increase_bytes=3 * GIB,
+    non_torch_increase_bytes=GIB,
+    formula="mindspore_reserved",
+    vllm_version="vllm-mindspore:0.5.1",
+)
 
 
 @dataclass(frozen=True)
@@ -88,8 +105,19 @@ def budget_at(tmp_path, *extra: str) -> dict:
     config.write_text(json.dumps(MLA_CONFIG))
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps(PROFILE.to_dict()))
-    result = invoke("budget", "--model-config", str(config), "--profile", str(profile),
-                    "--block-size", str(BLOCK), "--allocator", "mindspore", "--json", *extra)
+    result = invoke(
+        "budget",
+        "--model-config",
+        str(config),
+        "--profile",
+        str(profile),
+        "--block-size",
+        str(BLOCK),
+        "--allocator",
+        "mindspore",
+        "--json",
+        *extra,
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["at_budget"]
 
@@ -106,8 +134,15 @@ def test_mla_on_vllm_mindspore_the_plugin_and_budget_place_the_same_kv_tensors(o
 
 
 # MS_ALLOC_CONF as an operator may write it, beside the launcher's own (None: unset).
-ALLOC_CONFS = (None, "enable_vmm:false", "enable_vmm: True", "'enable_vmm:false'", "enable_vmm:0",
-               "vmm_align_size:4MB; enable_vmm:false", "memory_tracker:true")
+ALLOC_CONFS = (
+    None,
+    "enable_vmm:false",
+    "enable_vmm: True",
+    "'enable_vmm:false'",
+    "enable_vmm:0",
+    "vmm_align_size:4MB; enable_vmm:false",
+    "memory_tracker:true",
+)
 
 
 def simulated(**fields) -> ScenarioConfig:
@@ -130,7 +165,7 @@ def test_the_plugin_and_the_simulator_read_ms_alloc_conf_as_mindspore_does(on_vl
     """The same MS_ALLOC_CONF gives the same VMM answer in the live plugin, the simulator and MindSpore's
     own rule (vllm-mindspore's env_setup sets its string only when the variable is unset: scripts.py:55-58
     @ 0.5.1; MindSpore's parser strips quotes, takes ';' as ',', and only True/true/False/false count)."""
-    launcher = "enable_vmm: true, derag_memory_step_freq: -1"     # scripts.py:52 @ 0.5.1
+    launcher = "enable_vmm: true, derag_memory_step_freq: -1"  # scripts.py:52 @ 0.5.1
     mindspore = release("2.7.1")
     effective = parse_alloc_conf(launcher if conf is None else conf, mindspore, strict=False)
     expected = vmm_enabled(effective)

@@ -45,15 +45,23 @@ _spec = importlib.util.spec_from_file_location("mindspore_oracle_client", REPO /
 oracle_client = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle_client)
 oracle_build = oracle_client.oracle_build
-PINNED = "2.7.1"         # what vllm-mindspore 0.5.x runs: every seed; the other releases one seed each
+PINNED = "2.7.1"  # what vllm-mindspore 0.5.x runs: every seed; the other releases one seed each
 
 try:
     from kvguard.allocators.mindspore_native import NativeDynamicMemPool
-except ImportError:      # the C engine is optional (setup.py): without it the Python model runs alone
+except ImportError:  # the C engine is optional (setup.py): without it the Python model runs alone
     NativeDynamicMemPool = None
-MODELS = [pytest.param(DynamicMemPool, id="python"),
-          pytest.param(NativeDynamicMemPool, id="c", marks=pytest.mark.skipif(
-              NativeDynamicMemPool is None, reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace"))]
+MODELS = [
+    pytest.param(DynamicMemPool, id="python"),
+    pytest.param(
+        NativeDynamicMemPool,
+        id="c",
+        marks=pytest.mark.skipif(
+            NativeDynamicMemPool is None,
+            reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace",
+        ),
+    ),
+]
 
 
 def oracle(version: str) -> Path:
@@ -62,8 +70,11 @@ def oracle(version: str) -> Path:
     path = oracle_build.oracle_path(version)
     if path is None:
         why = oracle_build.failure(version)
-        pytest.fail(f"MindSpore {version} pool oracle not built ({why or 'no build'}): run ./dev.sh test "
-                    f"(or python3 oracles/mindspore/build.py {version})", pytrace=False)
+        pytest.fail(
+            f"MindSpore {version} pool oracle not built ({why or 'no build'}): run ./dev.sh test "
+            f"(or python3 oracles/mindspore/build.py {version})",
+            pytrace=False,
+        )
     return path
 
 
@@ -97,15 +108,29 @@ def random_ops(seed: int, steps: int = STEPS) -> list[Op]:
 
 
 # ----------------------------------------------------------------- both sides
-def run_oracle(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool | None,
-               compile_at: int | None = None, mempool_block_gb: float | None = None) -> tuple[dict, list[dict]]:
+def run_oracle(
+    version: str,
+    ops: list[Op],
+    free: int,
+    vmm: bool,
+    task_sink: bool | None,
+    compile_at: int | None = None,
+    mempool_block_gb: float | None = None,
+) -> tuple[dict, list[dict]]:
     """The real pool's init record and one record per op (oracles/mindspore/client.py). ``compile_at``:
     the op before which a jit_level O0 compile clears task sink (a harness line, not an op)."""
     oracle(version)
     try:
-        return oracle_client.replay(version, ops, free=free, vmm=vmm, task_sink=task_sink,
-                                    compiled_at=() if compile_at is None else (compile_at,),
-                                    mempool_block_gb=mempool_block_gb, timeout=300)
+        return oracle_client.replay(
+            version,
+            ops,
+            free=free,
+            vmm=vmm,
+            task_sink=task_sink,
+            compiled_at=() if compile_at is None else (compile_at,),
+            mempool_block_gb=mempool_block_gb,
+            timeout=300,
+        )
     except oracle_client.OracleError as exc:
         pytest.fail(str(exc), pytrace=False)
 
@@ -114,10 +139,15 @@ def run_oracle_once(version: str, ops: list[Op], free: int, vmm: bool, task_sink
     """The oracle's output for one stream from a process of its own, as a user runs it by hand."""
     stream = io.StringIO()
     write_ops(ops, stream)
-    env = {**os.environ, "KVGUARD_ORACLE_DEVICE_FREE": str(free), "KVGUARD_ORACLE_TASK_SINK": str(int(task_sink)),
-           "MS_ALLOC_CONF": f"enable_vmm:{'true' if vmm else 'false'}"}
-    proc = subprocess.run([str(oracle(version))], input=stream.getvalue(), capture_output=True, text=True,
-                          env=env, timeout=300)
+    env = {
+        **os.environ,
+        "KVGUARD_ORACLE_DEVICE_FREE": str(free),
+        "KVGUARD_ORACLE_TASK_SINK": str(int(task_sink)),
+        "MS_ALLOC_CONF": f"enable_vmm:{'true' if vmm else 'false'}",
+    }
+    proc = subprocess.run(
+        [str(oracle(version))], input=stream.getvalue(), capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr.strip()[-300:]
     return proc.stdout.splitlines()
 
@@ -131,32 +161,52 @@ def run_model(model: DynamicMemPool | NativeDynamicMemPool, ops: list[Op], compi
 
     for record in replay_ops(model, feed()):
         stats = model.memory_stats()
-        record.update(idle_bytes=stats["total_idle_memory"], eager_free_bytes=stats["total_eager_free_memory"],
-                      total_mem_size=model.total_mem_size,
-                      common_blocks=sorted(model.block_sizes(False)), persistent_blocks=sorted(model.block_sizes(True)))
+        record.update(
+            idle_bytes=stats["total_idle_memory"],
+            eager_free_bytes=stats["total_eager_free_memory"],
+            total_mem_size=model.total_mem_size,
+            common_blocks=sorted(model.block_sizes(False)),
+            persistent_blocks=sorted(model.block_sizes(True)),
+        )
         yield record
 
 
-COMPARED = ("oom", "address", "reserved_bytes", "allocated_bytes", "peak_allocated_bytes", "idle_bytes",
-            "eager_free_bytes", "total_mem_size", "common_blocks", "persistent_blocks")
+COMPARED = (
+    "oom",
+    "address",
+    "reserved_bytes",
+    "allocated_bytes",
+    "peak_allocated_bytes",
+    "idle_bytes",
+    "eager_free_bytes",
+    "total_mem_size",
+    "common_blocks",
+    "persistent_blocks",
+)
 
 
 def first_difference(real: list[dict], modelled, ops: list[Op], keys=COMPARED) -> str | None:
     for step, (o, m) in enumerate(zip(real, modelled)):
-        o = {**o, "common_blocks": sorted(size for _, size in o["common_blocks"]),
-             "persistent_blocks": sorted(size for _, size in o["persistent_blocks"])}
+        o = {
+            **o,
+            "common_blocks": sorted(size for _, size in o["common_blocks"]),
+            "persistent_blocks": sorted(size for _, size in o["persistent_blocks"]),
+        }
         for key in keys:
             if o.get(key) != m[key]:
-                return (f"first difference at op {step} ({ops[step].to_dict()}): {key} real {o.get(key)} "
-                        f"model {m[key]}")
+                return f"first difference at op {step} ({ops[step].to_dict()}): {key} real {o.get(key)} model {m[key]}"
     return None
 
 
 # ----------------------------------------------------------------- random streams, every release
-CASES = [(version, free_gib, vmm, task_sink, seed)
-         for version in oracle_build.RELEASES
-         for seed in ((1, 2, 3) if version == PINNED else (1,))
-         for free_gib in (16, 64) for vmm in (False, True) for task_sink in (True, False)]
+CASES = [
+    (version, free_gib, vmm, task_sink, seed)
+    for version in oracle_build.RELEASES
+    for seed in ((1, 2, 3) if version == PINNED else (1,))
+    for free_gib in (16, 64)
+    for vmm in (False, True)
+    for task_sink in (True, False)
+]
 
 
 @functools.cache
@@ -168,9 +218,11 @@ def random_case(version: str, free: int, vmm: bool, task_sink: bool, seed: int) 
 
 
 @pytest.mark.parametrize("model_class", MODELS)
-@pytest.mark.parametrize("version,free_gib,vmm,task_sink,seed", CASES,
-                         ids=[f"{v}-{f}GiB-{'vmm' if m else 'novmm'}-{'sink' if t else 'nosink'}-seed{s}"
-                              for v, f, m, t, s in CASES])
+@pytest.mark.parametrize(
+    "version,free_gib,vmm,task_sink,seed",
+    CASES,
+    ids=[f"{v}-{f}GiB-{'vmm' if m else 'novmm'}-{'sink' if t else 'nosink'}-seed{s}" for v, f, m, t, s in CASES],
+)
 def test_model_equals_the_real_pool_at_every_step(version, free_gib, vmm, task_sink, seed, model_class):
     free = free_gib * GIB
     ops, init, real = random_case(version, free, vmm, task_sink, seed)
@@ -228,12 +280,19 @@ SMALL = json.loads((REPO / "tests" / "data" / "configs" / "qwen3-0.6b" / "config
 def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(ms_alloc_conf, model_class):
     # Qwen3-0.6B on 8 GiB: weights in the persistent pool with task sink on, then the profile forward
     # (vllm-mindspore's first jit_level O0 compile: task sink off), the KV cache and serving steps.
-    config = ScenarioConfig(model_config=SMALL, device_memory_bytes=8 * GIB, gpu_memory_utilization=0.9,
-                            allocator="mindspore", requests=6, seed=0, ms_alloc_conf=ms_alloc_conf)
+    config = ScenarioConfig(
+        model_config=SMALL,
+        device_memory_bytes=8 * GIB,
+        gpu_memory_utilization=0.9,
+        allocator="mindspore",
+        requests=6,
+        seed=0,
+        ms_alloc_conf=ms_alloc_conf,
+    )
     scenario = ServingScenario(config)
     pool = scenario.allocator
     free_at_start = scenario.device.free_bytes
-    recorder = Recorder(pool)      # keeps the op positions a jit_level O0 compile came before
+    recorder = Recorder(pool)  # keeps the op positions a jit_level O0 compile came before
     scenario.allocator = recorder
     scenario.run()
     ops, compiled_at = recorder.ops, recorder.compiled_at
@@ -242,8 +301,7 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
 
     vmm = ms_alloc_conf == "enable_vmm:true"
     init, real = run_oracle(config.mindspore_release.version, ops, free_at_start, vmm, True, compiled_at[0])
-    model = model_class(Device(free_at_start), version=config.mindspore_release.version, task_sink=True,
-                        enable_vmm=vmm)
+    model = model_class(Device(free_at_start), version=config.mindspore_release.version, task_sink=True, enable_vmm=vmm)
     # The scenario resets peaks where vLLM does; the oracle never does, so peaks are left out here.
     keys = tuple(key for key in COMPARED if key != "peak_allocated_bytes")
     difference = first_difference(real, run_model(model, ops, compiled_at[0]), ops, keys)
@@ -254,14 +312,30 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
 def simulate_ops(tmp_path, ops: list[Op], free: int, *args: str) -> tuple[dict, list[dict]]:
     """``kvguard simulate --ops`` as a user runs it: its JSON summary and its --replay-log, one record per op."""
     from click.testing import CliRunner
+
     from kvguard.cli import main
 
     stream, log = tmp_path / "ops.jsonl", tmp_path / "replay.jsonl"
     with open(stream, "w", encoding="utf-8") as handle:
         write_ops(ops, handle)
-    result = CliRunner().invoke(main, ["simulate", "--ops", str(stream), "--allocator", "mindspore",
-                                       "--mindspore-version", PINNED, "--total-memory", f"{free}B",
-                                       "--replay-log", str(log), "--json", *args])
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--ops",
+            str(stream),
+            "--allocator",
+            "mindspore",
+            "--mindspore-version",
+            PINNED,
+            "--total-memory",
+            f"{free}B",
+            "--replay-log",
+            str(log),
+            "--json",
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.output), [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -276,8 +350,9 @@ def test_simulate_ops_with_task_sink_off_reserves_what_the_real_pool_does(tmp_pa
     reserved = {}
     for sink in (True, False):
         _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink)
-        summary, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false",
-                                         "--task-sink" if sink else "--no-task-sink")
+        summary, replayed = simulate_ops(
+            tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false", "--task-sink" if sink else "--no-task-sink"
+        )
         assert summary["pool"]["task_sink"] is sink and summary["pool"]["enable_vmm"] is False
         assert first_difference(real, replayed, ops, OPS_COMPARED) is None
         reserved[sink] = replayed[-1]["reserved_bytes"]
@@ -291,8 +366,9 @@ def test_simulate_ops_equals_the_real_pool_at_every_op(tmp_path, sink, vmm):
     ops = random_ops(7, steps=300)
     _, real = run_oracle(PINNED, ops, 16 * GIB, vmm, sink)
     flags = [] if sink is None else ["--task-sink" if sink else "--no-task-sink"]
-    summary, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", f"enable_vmm:{str(vmm).lower()}",
-                                     *flags)
+    summary, replayed = simulate_ops(
+        tmp_path, ops, 16 * GIB, "--ms-alloc-conf", f"enable_vmm:{str(vmm).lower()}", *flags
+    )
     assert summary["pool"]["task_sink"] is (sink is not False)
     assert any(record["oom"] for record in real)
     difference = first_difference(real, replayed, ops, OPS_COMPARED)
@@ -303,11 +379,24 @@ def test_simulate_ops_equals_the_real_pool_at_every_op(tmp_path, sink, vmm):
 def test_simulate_ops_mempool_block_size_reaches_the_pool(tmp_path, sink):
     # set_context(mempool_block_size="2GB") on the real pool, --mempool-block-size 2GiB on the model: the
     # common pool's unit (SUPPORT:52-57 @ r2.7.rc1); the persistent one keeps 1 GiB.
-    ops = [Op("malloc", size=100 * MIB), Op("malloc", size=3 * GIB), Op("malloc", size=1536 * MIB, persistent=True),
-           Op("free", index=0), Op("malloc", size=5 * GIB)]
+    ops = [
+        Op("malloc", size=100 * MIB),
+        Op("malloc", size=3 * GIB),
+        Op("malloc", size=1536 * MIB, persistent=True),
+        Op("free", index=0),
+        Op("malloc", size=5 * GIB),
+    ]
     _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink, mempool_block_gb=2)
-    _, replayed = simulate_ops(tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false",
-                               "--mempool-block-size", "2GiB", "--task-sink" if sink else "--no-task-sink")
+    _, replayed = simulate_ops(
+        tmp_path,
+        ops,
+        16 * GIB,
+        "--ms-alloc-conf",
+        "enable_vmm:false",
+        "--mempool-block-size",
+        "2GiB",
+        "--task-sink" if sink else "--no-task-sink",
+    )
     assert real[0]["reserved_bytes"] == 2 * GIB
     difference = first_difference(real, replayed, ops, OPS_COMPARED)
     assert difference is None, difference

@@ -45,16 +45,21 @@ def server(version: str):
         pytest.skip("KVGUARD_SKIP_ORACLES=1: the MindSpore pool oracle is not run")
     if oracle_client.oracle_build.oracle_path(version) is None:
         why = oracle_client.oracle_build.failure(version)
-        pytest.fail(f"MindSpore {version} pool oracle not built ({why or 'no build'}): run ./dev.sh test",
-                    pytrace=False)
+        pytest.fail(
+            f"MindSpore {version} pool oracle not built ({why or 'no build'}): run ./dev.sh test", pytrace=False
+        )
     return oracle_client.server(version)
 
 
 def run(version: str, ops: list[dict], *, vmm: bool, cwd: Path, alloc_conf: str = "") -> tuple[dict, list]:
     """The stream on the real pool (compact output): its init record and one entry per op, the dump and
     defrag ops as their JSON records, the others as (oom, reserved, allocated)."""
-    env = {"KVGUARD_ORACLE_DEVICE_FREE": FREE, "KVGUARD_ORACLE_OUTPUT": "compact", "KVGUARD_ORACLE_CWD": str(cwd),
-           "MS_ALLOC_CONF": ",".join(filter(None, [f"enable_vmm:{'true' if vmm else 'false'}", alloc_conf]))}
+    env = {
+        "KVGUARD_ORACLE_DEVICE_FREE": FREE,
+        "KVGUARD_ORACLE_OUTPUT": "compact",
+        "KVGUARD_ORACLE_CWD": str(cwd),
+        "MS_ALLOC_CONF": ",".join(filter(None, [f"enable_vmm:{'true' if vmm else 'false'}", alloc_conf])),
+    }
     lines = server(version).run([json.dumps(op) for op in ops], env)
     out = []
     for line in lines[1:]:
@@ -94,8 +99,13 @@ def serving_stream(seed: int, shape: str) -> list[dict]:
 def guard_memory(record: dict, figures=None) -> DeviceMemory:
     """The rank's counters as the source reads them at the dump (reserved, allocated), with the exact
     figures when given."""
-    memory = DeviceMemory("npu:0", "mindspore", reserved_bytes=record["reserved_bytes"],
-                          allocated_bytes=record["allocated_bytes"], idle_bytes=0)
+    memory = DeviceMemory(
+        "npu:0",
+        "mindspore",
+        reserved_bytes=record["reserved_bytes"],
+        allocated_bytes=record["allocated_bytes"],
+        idle_bytes=0,
+    )
     return memory if figures is None else with_pool_figures(memory, figures)
 
 
@@ -107,10 +117,15 @@ def test_the_dump_read_back_equals_the_pools_own_lists(version, vmm, tmp_path):
     _, out = run(version, ops, vmm=vmm, cwd=tmp_path)
     truth = out[-1]["pool_lists"]
     figures = read_dump_file(tmp_path / "MemoryDebugInfo0.txt", vmm=vmm)
-    common = [a for a in truth["allocators"] if a["persistent"] == 0 and a["stream"] == 0
-              and "is small : 1" not in a["brief"]]
-    assert (figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes, figures.vmm) == \
-        (truth["used_bytes"], truth["pages_touched_by_used"], common[0]["largest_idle"], vmm)
+    common = [
+        a for a in truth["allocators"] if a["persistent"] == 0 and a["stream"] == 0 and "is small : 1" not in a["brief"]
+    ]
+    assert (figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes, figures.vmm) == (
+        truth["used_bytes"],
+        truth["pages_touched_by_used"],
+        common[0]["largest_idle"],
+        vmm,
+    )
     assert truth["used_bytes"] == out[-1]["allocated_bytes"]
 
 
@@ -127,8 +142,7 @@ def test_defrag_writes_a_dump_only_when_the_alloc_conf_asks_for_it(version, tmp_
 
 
 def test_the_reader_takes_the_newest_dump_and_deletes_the_older(tmp_path):
-    ops = serving_stream(3, "mixed")[:60] + [{"op": "defrag"}] + serving_stream(3, "mixed")[60:120] + \
-        [{"op": "defrag"}]
+    ops = serving_stream(3, "mixed")[:60] + [{"op": "defrag"}] + serving_stream(3, "mixed")[60:120] + [{"op": "defrag"}]
     _, out = run("2.7.1", ops, vmm=False, cwd=tmp_path, alloc_conf="defrag_memory_step_freq:100dump")
     reader = DumpReader(tmp_path, not_before=0)
     figures = reader.read()
@@ -142,9 +156,12 @@ def request_sizes(record: dict, budget: int, figures) -> list[int]:
     """Requests around every threshold the guard's verdict turns on: the room left in the budget, the
     credits (reserved − allocated, reclaimable, the largest idle buffer) above it."""
     room = budget - record["reserved_bytes"]
-    marks = {room, room + record["reserved_bytes"] - record["allocated_bytes"],
-             room + max(0, record["reserved_bytes"] - figures.pages_touched_by_used * 2 * MIB),
-             figures.largest_idle_common_bytes}
+    marks = {
+        room,
+        room + record["reserved_bytes"] - record["allocated_bytes"],
+        room + max(0, record["reserved_bytes"] - figures.pages_touched_by_used * 2 * MIB),
+        figures.largest_idle_common_bytes,
+    }
     sizes = {2 * MIB, 64 * MIB}
     for mark in marks:
         for delta in (-64 * MIB, -4 * MIB, -2 * MIB, 0, 2 * MIB, 64 * MIB):
@@ -164,12 +181,15 @@ def test_the_guard_never_says_a_request_fits_that_the_real_pool_refuses(version,
     counters, exact = guard_memory(record), guard_memory(record, figures)
     checked = 0
     for size in request_sizes(record, budget, figures):
-        says_fits = {name: record["reserved_bytes"] + activation_growth_bytes(memory, size) <= budget
-                     for name, memory in (("counters", counters), ("exact", exact))}
+        says_fits = {
+            name: record["reserved_bytes"] + activation_growth_bytes(memory, size) <= budget
+            for name, memory in (("counters", counters), ("exact", exact))
+        }
         if not any(says_fits.values()):
             continue
-        _, probe = run(version, state[:-1] + [{"op": "malloc", "size": size, "persistent": False}], vmm=vmm,
-                       cwd=tmp_path)
+        _, probe = run(
+            version, state[:-1] + [{"op": "malloc", "size": size, "persistent": False}], vmm=vmm, cwd=tmp_path
+        )
         served = not probe[-1][0]
         assert served, f"{size / MIB:.1f} MiB: the guard says it fits ({says_fits}), the real pool refuses it"
         checked += 1
@@ -199,9 +219,8 @@ def test_the_old_credit_reserved_minus_allocated_says_fits_where_the_pool_refuse
     init, out = run(version, state, vmm=True, cwd=tmp_path)
     record, budget = out[-1], init["total_mem_size"]
     idle = record["reserved_bytes"] - record["allocated_bytes"]
-    size = budget - record["reserved_bytes"] + idle        # the largest request that credit admits
-    _, probe = run(version, state[:-1] + [{"op": "malloc", "size": size, "persistent": False}], vmm=True,
-                   cwd=tmp_path)
+    size = budget - record["reserved_bytes"] + idle  # the largest request that credit admits
+    _, probe = run(version, state[:-1] + [{"op": "malloc", "size": size, "persistent": False}], vmm=True, cwd=tmp_path)
     assert idle >= 1 * GIB and probe[-1][0], "reserved − allocated credited a request the pool served"
 
 
@@ -214,6 +233,7 @@ def test_the_pool_models_exact_figures_equal_the_real_pools_lists(version, vmm, 
     from kvguard.allocators.device import Device
     from kvguard.allocators.mindspore_pool import DynamicMemPool
     from kvguard.allocators.ops import Op, replay_ops
+
     if engine == "c":
         native = pytest.importorskip("kvguard.allocators.mindspore_native")
         model = native.NativeDynamicMemPool(Device(FREE), version=version, enable_vmm=vmm)
@@ -221,11 +241,18 @@ def test_the_pool_models_exact_figures_equal_the_real_pools_lists(version, vmm, 
         model = DynamicMemPool(Device(FREE), version=version, enable_vmm=vmm)
     state = serving_stream(5, "small")
     _, out = run(version, state + [{"op": "dump"}], vmm=vmm, cwd=tmp_path)
-    ops = [Op("malloc", size=op["size"], persistent=op["persistent"]) if op["op"] == "malloc"
-           else Op("free", index=op["index"]) for op in state]
+    ops = [
+        Op("malloc", size=op["size"], persistent=op["persistent"])
+        if op["op"] == "malloc"
+        else Op("free", index=op["index"])
+        for op in state
+    ]
     for _ in replay_ops(model, ops):
         pass
     truth, figures = out[-1]["pool_lists"], model.pool_figures()
     common = next(a for a in truth["allocators"] if a["persistent"] == 0 and a["stream"] == 0)
-    assert (figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes) == \
-        (truth["used_bytes"], truth["pages_touched_by_used"], common["largest_idle"])
+    assert (figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes) == (
+        truth["used_bytes"],
+        truth["pages_touched_by_used"],
+        common["largest_idle"],
+    )

@@ -75,10 +75,10 @@ def random_ops(seed: int, steps: int = STEPS) -> list[Op]:
 # ----------------------------------------------------------------- the cases
 @dataclass(frozen=True)
 class Case:
-    conf: str                      # PYTORCH_NPU_ALLOC_CONF, "" for unset
-    total: int                     # the fake device's bytes
+    conf: str  # PYTORCH_NPU_ALLOC_CONF, "" for unset
+    total: int  # the fake device's bytes
     seeds: tuple[int, ...]
-    env: tuple[tuple[str, str], ...] = ()      # more for the fake device (SoC, CANN version)
+    env: tuple[tuple[str, str], ...] = ()  # more for the fake device (SoC, CANN version)
     model: tuple[tuple[str, object], ...] = ()  # what those mean for the model
     id: str = ""
 
@@ -99,12 +99,25 @@ CASES = [
     Case("", 16 * GiB, (1, 2, 3), id="unset-16g"),
     Case("expandable_segments:True", 64 * GiB, (1, 2), id="expandable-64g"),
     Case("expandable_segments:True", 16 * GiB, (1, 2, 3), id="expandable-16g"),
-    Case("expandable_segments:True,base_addr_aligned_kb:0,large_segment_size_mb:32", 16 * GiB, (2,),
-         id="expandable-align0-large32m"),
-    Case("expandable_segments:True,base_addr_aligned_kb:5,segment_size_mb:64", 16 * GiB, (2,),
-         id="expandable-align5k-segment64m"),
-    Case("large_segment_size_mb:48,max_non_split_rounding_mb:400,max_split_size_mb:100,"
-         "roundup_power2_divisions:[2:4,256:8,>:2]", 16 * GiB, (1, 2), id="large48m-split100m-nonsplit400m-roundup"),
+    Case(
+        "expandable_segments:True,base_addr_aligned_kb:0,large_segment_size_mb:32",
+        16 * GiB,
+        (2,),
+        id="expandable-align0-large32m",
+    ),
+    Case(
+        "expandable_segments:True,base_addr_aligned_kb:5,segment_size_mb:64",
+        16 * GiB,
+        (2,),
+        id="expandable-align5k-segment64m",
+    ),
+    Case(
+        "large_segment_size_mb:48,max_non_split_rounding_mb:400,max_split_size_mb:100,"
+        "roundup_power2_divisions:[2:4,256:8,>:2]",
+        16 * GiB,
+        (1, 2),
+        id="large48m-split100m-nonsplit400m-roundup",
+    ),
     Case("garbage_collection_threshold:0.5,per_process_memory_fraction:0.75", 16 * GiB, (1, 2), id="gc-fraction"),
     Case("per_process_memory_fraction:0.5,max_split_size_mb:200", 16 * GiB, (1, 2), id="fraction-split200m"),
     Case("throw_on_npumalloc_oom:True", 16 * GiB, (1, 2), id="throw-on-npumalloc-oom"),
@@ -123,6 +136,7 @@ def fake_address_rule(expandable: bool):
         address = cursor[0]
         cursor[0] += -(-size // step) * step
         return address
+
     return base
 
 
@@ -152,12 +166,12 @@ def oracle_env() -> dict[str, str] | None:
         return None
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "FAKE_"))}
     env.update(paths)
-    env["TASK_QUEUE_ENABLE"] = "1"    # torch_npu's default, pinned: empty_cache differs without the queue (worker.py)
+    env["TASK_QUEUE_ENABLE"] = "1"  # torch_npu's default, pinned: empty_cache differs without the queue (worker.py)
     return env
 
 
 def built(runs: dict | None) -> dict:
-    if runs is None:      # failed here, in the test, so that it counts as a failure (not a setup error)
+    if runs is None:  # failed here, in the test, so that it counts as a failure (not a setup error)
         pytest.fail("torch_npu oracle not built: run ./dev.sh test", pytrace=False)
     return runs
 
@@ -173,8 +187,13 @@ def run_real(case: Case, env: dict[str, str], folder: str) -> dict[int, list[dic
     env = dict(env, FAKE_NPU_TOTAL=str(case.total), **dict(case.env))
     if case.conf:
         env["PYTORCH_NPU_ALLOC_CONF"] = case.conf
-    proc = subprocess.run([sys.executable, os.path.join(ORACLE, "worker.py"), *paths], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ORACLE, "worker.py"), *paths],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if proc.returncode != 0:
         raise AssertionError(f"{case.id}: the oracle worker failed ({proc.returncode}): {proc.stderr[-2000:]}")
     out: dict[int, list[dict]] = {seed: [] for seed in case.seeds}
@@ -192,8 +211,13 @@ PARSER_CONFS = ("max_split_size_mb:20", "expandable_segments:true", "large_segme
 
 def real_parser_accepts(conf: str, env: dict[str, str], path: str) -> bool:
     """Whether torch_npu starts and serves one malloc (``path``, an op stream) under ``conf``."""
-    proc = subprocess.run([sys.executable, os.path.join(ORACLE, "worker.py"), path],
-                          env=dict(env, PYTORCH_NPU_ALLOC_CONF=conf), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ORACLE, "worker.py"), path],
+        env=dict(env, PYTORCH_NPU_ALLOC_CONF=conf),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode == 0
 
 
@@ -222,23 +246,29 @@ def first_difference(real: list[dict], model: list[dict]) -> str | None:
     for step, (r, m) in enumerate(zip(real, model)):
         for key in COMPARED:
             if r.get(key) != m.get(key):
-                return (f"first difference at step {step} ({r['op']}), {key}: real {r.get(key)} model {m.get(key)}; "
-                        f"real {json.dumps({k: r.get(k) for k in COMPARED})}")
+                return (
+                    f"first difference at step {step} ({r['op']}), {key}: real {r.get(key)} model {m.get(key)}; "
+                    f"real {json.dumps({k: r.get(k) for k in COMPARED})}"
+                )
     return None
 
 
 # The Python model, and the C engine that implements it (skipped where it is not built).
-MODELS = [pytest.param(CachingAllocator, id="python"),
-          pytest.param(NativeCachingAllocator, id="native",
-                       marks=pytest.mark.skipif(unsupported() is not None, reason=str(unsupported())))]
+MODELS = [
+    pytest.param(CachingAllocator, id="python"),
+    pytest.param(
+        NativeCachingAllocator,
+        id="native",
+        marks=pytest.mark.skipif(unsupported() is not None, reason=str(unsupported())),
+    ),
+]
 
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_the_model_equals_torch_npu_at_every_step(case, model, real_runs):
     for seed in case.seeds:
-        difference = first_difference(built(real_runs)[case.id][seed],
-                                      model_steps(case, random_ops(seed), model=model))
+        difference = first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed), model=model))
         assert difference is None, f"{case.id} seed {seed}: {difference}"
 
 
@@ -250,9 +280,10 @@ def test_every_option_in_a_case_is_one_the_streams_exercise(case, real_runs):
     """Without any one of its options, the model no longer matches the real allocator: so each
     option the grid claims to check does change what these streams do."""
     for option in set(model_options(case)) - {"expandable_segments"}:
-        assert any(first_difference(built(real_runs)[case.id][seed],
-                                    model_steps(case, random_ops(seed), without=option))
-                   for seed in case.seeds), f"{case.id}: the model matches without {option}"
+        assert any(
+            first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed), without=option))
+            for seed in case.seeds
+        ), f"{case.id}: the model matches without {option}"
 
 
 def test_the_streams_reach_out_of_memory_and_zero_byte_requests(real_runs):
@@ -260,8 +291,12 @@ def test_the_streams_reach_out_of_memory_and_zero_byte_requests(real_runs):
     16 GiB device, and 0-byte requests (null, nothing allocated)."""
     real = built(real_runs)["unset-16g"]
     assert sum(step["oom"] for steps in real.values() for step in steps if step["op"] == "malloc") > 10
-    zero = [step for seed, steps in real.items() for op, step in zip(random_ops(seed), steps)
-            if op.kind == "malloc" and op.size == 0]
+    zero = [
+        step
+        for seed, steps in real.items()
+        for op, step in zip(random_ops(seed), steps)
+        if op.kind == "malloc" and op.size == 0
+    ]
     assert zero and all(step["address"] == 0 for step in zero)
 
 
@@ -287,7 +322,9 @@ def test_expandable_segments_as_vllm_ascend_sets_it():
 
 def test_sizes_are_read_in_mib():
     assert parse_alloc_conf("max_split_size_mb:200, large_segment_size_mb:64", "torch") == {
-        "max_split_size": 200 * MiB, "large_segment_size": 64 * MiB}
+        "max_split_size": 200 * MiB,
+        "large_segment_size": 64 * MiB,
+    }
 
 
 def test_a_divisions_list_fills_below_its_first_bound_and_after_the_last():
@@ -308,19 +345,22 @@ def test_keys_that_place_nothing_are_checked_and_dropped():
         parse_alloc_conf("multi_stream_lazy_reclaim:yes", "torch_npu")
 
 
-@pytest.mark.parametrize("text, key", [
-    ("bogus:1", "bogus"),
-    ("page_size:2m", "page_size"),
-    ("base_addr_aligned_kb:17", "base_addr_aligned_kb"),
-    ("segment_size_mb:10", "segment_size_mb"),
-    ("max_split_size_mb:10", "max_split_size_mb"),
-    ("large_segment_size_mb:10", "large_segment_size_mb"),
-    ("garbage_collection_threshold:1.0", "garbage_collection_threshold"),
-    ("roundup_power2_divisions:3", "roundup_power2_divisions"),
-    ("expandable_segments:true", "expandable_segments"),
-    ("max_split_size_mb", "max_split_size_mb"),
-    ("expandable_segments:True,max_split_size_mb:200", "max_split_size_mb"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("bogus:1", "bogus"),
+        ("page_size:2m", "page_size"),
+        ("base_addr_aligned_kb:17", "base_addr_aligned_kb"),
+        ("segment_size_mb:10", "segment_size_mb"),
+        ("max_split_size_mb:10", "max_split_size_mb"),
+        ("large_segment_size_mb:10", "large_segment_size_mb"),
+        ("garbage_collection_threshold:1.0", "garbage_collection_threshold"),
+        ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+        ("expandable_segments:true", "expandable_segments"),
+        ("max_split_size_mb", "max_split_size_mb"),
+        ("expandable_segments:True,max_split_size_mb:200", "max_split_size_mb"),
+    ],
+)
 def test_a_bad_npu_conf_is_a_one_line_error_naming_the_key(text, key):
     with pytest.raises(ValueError, match=key) as raised:
         parse_alloc_conf(text, "torch_npu")

@@ -17,11 +17,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 
 import pytest
-
+import tomllib
 from conftest import ROOT
 
 with open(os.path.join(ROOT, "pyproject.toml"), "rb") as _f:
@@ -39,7 +38,9 @@ def _interpreter(version: str) -> str | None:
     roots = [os.path.expanduser("~/.pyenv/versions"), "/opt/pyenv/versions"]
     for root in roots:
         for candidate in sorted(glob.glob(os.path.join(root, f"{version}.*", "bin", "python3"))):
-            if re.fullmatch(rf"{re.escape(version)}\.\d+", os.path.basename(os.path.dirname(os.path.dirname(candidate)))):
+            if re.fullmatch(
+                rf"{re.escape(version)}\.\d+", os.path.basename(os.path.dirname(os.path.dirname(candidate)))
+            ):
                 return candidate
     return shutil.which(f"python{version}")
 
@@ -50,8 +51,9 @@ def _copy_build_inputs(destination) -> None:
         if os.path.isdir(source):
             # In-place C engines (dev.sh builds them for the tests) are copied too: the default build
             # must leave them out all the same.
-            shutil.copytree(source, destination / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+            shutil.copytree(
+                source, destination / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+            )
         else:
             shutil.copy2(source, destination / name)
 
@@ -100,8 +102,9 @@ def _outside_the_checkout() -> dict[str, str]:
 
 
 def _fresh_venv(python: str, where) -> str:
-    subprocess.run([python, "-m", "venv", str(where)], check=True, capture_output=True, timeout=120,
-                   env=_outside_the_checkout())
+    subprocess.run(
+        [python, "-m", "venv", str(where)], check=True, capture_output=True, timeout=120, env=_outside_the_checkout()
+    )
     return str(where / "bin" / "python")
 
 
@@ -111,20 +114,37 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv(version, built, tmp_path):
     if python is None:
         pytest.skip(f"no Python {version} on this machine (looked in ~/.pyenv/versions, /opt/pyenv, PATH)")
     venv_python = _fresh_venv(python, tmp_path / "venv")
-    install = subprocess.run([venv_python, "-m", "pip", "install", "-q", str(built / WHEEL)],
-                             capture_output=True, text=True, timeout=300, env=_outside_the_checkout())
+    install = subprocess.run(
+        [venv_python, "-m", "pip", "install", "-q", str(built / WHEEL)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_outside_the_checkout(),
+    )
     assert install.returncode == 0, install.stdout + install.stderr
-    kvguard = subprocess.run([str(tmp_path / "venv" / "bin" / "kvguard"), "--version"],
-                             capture_output=True, text=True, timeout=60, env=_outside_the_checkout())
+    kvguard = subprocess.run(
+        [str(tmp_path / "venv" / "bin" / "kvguard"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_outside_the_checkout(),
+    )
     assert kvguard.returncode == 0, kvguard.stderr
     assert kvguard.stdout.strip() == f"kvguard, version {VERSION}"
     # The pure wheel runs the allocator models in Python: the engines are absent, and native.py says so.
     engines = subprocess.run(
-        [venv_python, "-c",
-         "from kvguard.allocators import native, torch_native as t; from kvguard.allocators.device import Device;"
-         "a = native.caching_allocator(Device(1 << 30));"
-         "print(type(a).__module__, t.unsupported(device=Device(1 << 30)))"],
-        capture_output=True, text=True, timeout=60, env=_outside_the_checkout())
+        [
+            venv_python,
+            "-c",
+            "from kvguard.allocators import native, torch_native as t; from kvguard.allocators.device import Device;"
+            "a = native.caching_allocator(Device(1 << 30));"
+            "print(type(a).__module__, t.unsupported(device=Device(1 << 30)))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_outside_the_checkout(),
+    )
     assert engines.returncode == 0, engines.stderr
     assert engines.stdout.split()[0] == "kvguard.allocators.torch_alloc"
     assert "not built" in engines.stdout
@@ -137,17 +157,29 @@ def test_the_plugin_loads_from_vllms_entry_point_group_on_python_3_12(built, tmp
     if python is None:
         pytest.skip("no Python 3.12 on this machine (vLLM's image runs 3.12)")
     venv_python = _fresh_venv(python, tmp_path / "venv")
-    install = subprocess.run([venv_python, "-m", "pip", "install", "-q", str(built / WHEEL)],
-                             capture_output=True, text=True, timeout=300, env=_outside_the_checkout())
+    install = subprocess.run(
+        [venv_python, "-m", "pip", "install", "-q", str(built / WHEEL)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_outside_the_checkout(),
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     load = subprocess.run(
-        [venv_python, "-c",
-         "from importlib.metadata import entry_points\n"
-         "found = {p.name: p for p in entry_points(group='vllm.general_plugins')}\n"
-         "register = found['kvguard'].load()\n"
-         "register(); register()\n"      # vLLM calls it in every process, and may call it twice
-         "print(found['kvguard'].value, register.__module__)\n"],
-        capture_output=True, text=True, timeout=60, env={"PATH": os.environ.get("PATH", "")})
+        [
+            venv_python,
+            "-c",
+            "from importlib.metadata import entry_points\n"
+            "found = {p.name: p for p in entry_points(group='vllm.general_plugins')}\n"
+            "register = found['kvguard'].load()\n"
+            "register(); register()\n"  # vLLM calls it in every process, and may call it twice
+            "print(found['kvguard'].value, register.__module__)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ.get("PATH", "")},
+    )
     assert load.returncode == 0, load.stderr
     assert load.stdout.split() == ["kvguard.vllm.plugin:register", "kvguard.vllm.plugin"]
 
@@ -160,12 +192,26 @@ def test_asked_for_the_c_engines_build_in_place_as_dev_sh_builds_them(tmp_path):
     for built_before in glob.glob(str(tmp_path / "exporter" / "kvguard" / "allocators" / "*.so")):
         os.remove(built_before)
     env = {**_outside_the_checkout(), "KVGUARD_BUILD_EXT": "1"}
-    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr
-    load = subprocess.run([sys.executable, "-c", "import kvguard.allocators._ctorch as t, kvguard.allocators._cmspool as m;"
-                           "print(t.__file__, m.__file__)"], cwd=tmp_path / "exporter",
-                          env={**_outside_the_checkout(), "PYTHONPATH": str(tmp_path / "exporter")},
-                          capture_output=True, text=True, timeout=60)
+    load = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import kvguard.allocators._ctorch as t, kvguard.allocators._cmspool as m;print(t.__file__, m.__file__)",
+        ],
+        cwd=tmp_path / "exporter",
+        env={**_outside_the_checkout(), "PYTHONPATH": str(tmp_path / "exporter")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert load.returncode == 0, load.stderr
     assert all(path.startswith(str(tmp_path)) and path.endswith(".so") for path in load.stdout.split())

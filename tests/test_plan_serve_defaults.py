@@ -16,8 +16,8 @@ releases, the CLI runs and the table's own checks run regardless.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import enum
 import functools
 import glob
@@ -32,6 +32,7 @@ import types
 import pytest
 from click.testing import CliRunner
 from conftest import DATA, EXAMPLES, ROOT
+
 from kvguard.cli import main
 from kvguard.plan.serve_defaults import SERVE_DEFAULTS, row_for, serve_defaults
 from kvguard.vllm.eras import parse_version
@@ -41,12 +42,63 @@ ORACLE_PATH = os.path.join(ROOT, "..", "shared", "vllm-serve-defaults", "vllm_se
 ORACLE_BUILD = "python3 oracles/vllm_sources/serve_defaults.py"
 # Every vLLM release the excerpts cover (its final releases on PyPI, 0.6.4-0.34.0), listed here so that nothing
 # reads the excerpts at import time; a test checks that the file holds exactly these.
-RELEASES = ["0.6.4", "0.6.5", "0.6.6", "0.7.0", "0.7.1", "0.7.2", "0.7.3", "0.8.0", "0.8.1", "0.8.2", "0.8.3", "0.8.4",
-            "0.8.5", "0.9.0", "0.9.1", "0.9.2", "0.10.0", "0.10.1", "0.10.2", "0.11.0", "0.11.1", "0.11.2", "0.12.0",
-            "0.13.0", "0.14.0", "0.14.1", "0.15.0", "0.15.1", "0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1",
-            "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0",
-            "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-            "0.33.0", "0.34.0"]
+RELEASES = [
+    "0.6.4",
+    "0.6.5",
+    "0.6.6",
+    "0.7.0",
+    "0.7.1",
+    "0.7.2",
+    "0.7.3",
+    "0.8.0",
+    "0.8.1",
+    "0.8.2",
+    "0.8.3",
+    "0.8.4",
+    "0.8.5",
+    "0.9.0",
+    "0.9.1",
+    "0.9.2",
+    "0.10.0",
+    "0.10.1",
+    "0.10.2",
+    "0.11.0",
+    "0.11.1",
+    "0.11.2",
+    "0.12.0",
+    "0.13.0",
+    "0.14.0",
+    "0.14.1",
+    "0.15.0",
+    "0.15.1",
+    "0.16.0",
+    "0.17.0",
+    "0.17.1",
+    "0.18.0",
+    "0.18.1",
+    "0.19.0",
+    "0.19.1",
+    "0.20.0",
+    "0.20.1",
+    "0.20.2",
+    "0.21.0",
+    "0.22.0",
+    "0.22.1",
+    "0.23.0",
+    "0.24.0",
+    "0.25.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+    "0.34.0",
+]
 V0_RELEASES = [v for v in RELEASES if parse_version(v) < (0, 8, 0)]
 V1_RELEASES = [v for v in RELEASES if parse_version(v) >= (0, 8, 0)]
 LLAMA3_8B = os.path.join(DATA, "configs", "llama-3-8b-instruct")
@@ -68,23 +120,51 @@ DEVICES = {
 # A straddling sample for the exhaustive grids: one release each side of every change in the table.
 # A command's --max-num-batched-tokens / --max-num-seqs (EngineArgs' fields): each alone, below and past the defaults
 # and the other's clamp, and both.
-GIVEN = [{"max_num_batched_tokens": 1}, {"max_num_batched_tokens": 128}, {"max_num_batched_tokens": 100000},
-         {"max_num_seqs": 1}, {"max_num_seqs": 4}, {"max_num_seqs": 5000},
-         {"max_num_batched_tokens": 128, "max_num_seqs": 4}]
+GIVEN = [
+    {"max_num_batched_tokens": 1},
+    {"max_num_batched_tokens": 128},
+    {"max_num_batched_tokens": 100000},
+    {"max_num_seqs": 1},
+    {"max_num_seqs": 4},
+    {"max_num_seqs": 5000},
+    {"max_num_batched_tokens": 128, "max_num_seqs": 4},
+]
 # The reviewer's examples and their 0.10 / 0.11.0 neighbours: (release, given, max_model_len, (tokens, seqs)) as
 # the release runs them on an H100 (the excerpt tests below run its code to the same numbers).
 GIVEN_EXAMPLES = [
-    ("0.34.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),     # sequences at most the given tokens
-    ("0.34.0", {"max_num_seqs": 4}, 1024, (4096, 4)),                  # tokens at most 4 x 1024
-    ("0.11.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),     # 0.10.1+: sequences at most tokens
-    ("0.11.0", {"max_num_seqs": 4}, 1024, (8192, 4)),                  # before 0.11.1: tokens not clamped
-    ("0.10.0", {"max_num_batched_tokens": 128}, 8192, (128, 1024)),    # before 0.10.1: no clamp
+    ("0.34.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),  # sequences at most the given tokens
+    ("0.34.0", {"max_num_seqs": 4}, 1024, (4096, 4)),  # tokens at most 4 x 1024
+    ("0.11.0", {"max_num_batched_tokens": 128}, 8192, (128, 128)),  # 0.10.1+: sequences at most tokens
+    ("0.11.0", {"max_num_seqs": 4}, 1024, (8192, 4)),  # before 0.11.1: tokens not clamped
+    ("0.10.0", {"max_num_batched_tokens": 128}, 8192, (128, 1024)),  # before 0.10.1: no clamp
 ]
-STRADDLE = ["0.8.0", "0.8.3", "0.8.4", "0.8.5", "0.9.0", "0.9.2", "0.10.0", "0.10.1", "0.10.2", "0.11.0", "0.11.1",
-            "0.12.0", "0.16.0", "0.17.0", "0.20.0", "0.22.0", "0.27.1", "0.28.0", "0.32.0", "0.33.0", "0.34.0"]
+STRADDLE = [
+    "0.8.0",
+    "0.8.3",
+    "0.8.4",
+    "0.8.5",
+    "0.9.0",
+    "0.9.2",
+    "0.10.0",
+    "0.10.1",
+    "0.10.2",
+    "0.11.0",
+    "0.11.1",
+    "0.12.0",
+    "0.16.0",
+    "0.17.0",
+    "0.20.0",
+    "0.22.0",
+    "0.27.1",
+    "0.28.0",
+    "0.32.0",
+    "0.33.0",
+    "0.34.0",
+]
 
 
 # ------------------------------------------------------------------------------------------- the excerpts
+
 
 @functools.cache
 def _load_oracle() -> dict | None:
@@ -100,8 +180,10 @@ def oracle() -> dict:
     does not hold them yet)."""
     data = _load_oracle()
     if data is None:
-        pytest.skip(f"{os.path.normpath(os.path.relpath(ORACLE_PATH, ROOT))} is missing: upstream vLLM source "
-                    f"excerpts, kept beside the checkout, never committed; build it with `{ORACLE_BUILD}`")
+        pytest.skip(
+            f"{os.path.normpath(os.path.relpath(ORACLE_PATH, ROOT))} is missing: upstream vLLM source "
+            f"excerpts, kept beside the checkout, never committed; build it with `{ORACLE_BUILD}`"
+        )
     return data
 
 
@@ -117,8 +199,10 @@ def test_the_excerpts_are_every_releases(excerpts):
 
 # ------------------------------------------------------------------------------------------- the stand-ins
 
+
 class UsageContext(enum.Enum):
     """vllm/usage/usage_lib.py's members that the default tables key on."""
+
     UNKNOWN_CONTEXT = "UNKNOWN_CONTEXT"
     LLM_CLASS = "LLM_CLASS"
     API_SERVER = "API_SERVER"
@@ -166,6 +250,7 @@ class Logger:
 class SchedulerConfigFallbacks:
     """SchedulerConfig's class constants: reached only for a usage context without a table entry, never for
     OPENAI_API_SERVER; a sentinel that would show if they were."""
+
     DEFAULT_MAX_NUM_BATCHED_TOKENS = DEFAULT_MAX_NUM_SEQS = DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP = -1
     max_num_seqs = None
 
@@ -176,9 +261,16 @@ def _text(piece: dict) -> str:
 
 def _namespace(platform: Platform, use_v1: bool) -> dict:
     envs = types.SimpleNamespace(VLLM_USE_V1=use_v1)
-    return {"UsageContext": UsageContext, "GiB_bytes": GIB, "logger": Logger(), "sys": sys, "envs": envs,
-            "current_platform": platform, "SchedulerConfig": SchedulerConfigFallbacks,
-            "EngineArgs": types.SimpleNamespace(scheduler_cls="vllm.core.scheduler.Scheduler")}
+    return {
+        "UsageContext": UsageContext,
+        "GiB_bytes": GIB,
+        "logger": Logger(),
+        "sys": sys,
+        "envs": envs,
+        "current_platform": platform,
+        "SchedulerConfig": SchedulerConfigFallbacks,
+        "EngineArgs": types.SimpleNamespace(scheduler_cls="vllm.core.scheduler.Scheduler"),
+    }
 
 
 def _exec(text: str, where: str, namespace: dict) -> None:
@@ -209,20 +301,40 @@ def upstream_modules(monkeypatch):
 
 def _model_config(max_model_len: int):
     """A text-generation model (chunked prefill and prefix caching supported, no sliding window)."""
-    return types.SimpleNamespace(max_model_len=max_model_len, runner_type="generate", is_multimodal_model=False,
-                                 is_mm_prefix_lm=False, use_mla=False, pooler_config=None, model="m",
-                                 hf_config=types.SimpleNamespace(), get_sliding_window=lambda: None,
-                                 is_chunked_prefill_supported=True, is_prefix_caching_supported=True)
+    return types.SimpleNamespace(
+        max_model_len=max_model_len,
+        runner_type="generate",
+        is_multimodal_model=False,
+        is_mm_prefix_lm=False,
+        use_mla=False,
+        pooler_config=None,
+        model="m",
+        hf_config=types.SimpleNamespace(),
+        get_sliding_window=lambda: None,
+        is_chunked_prefill_supported=True,
+        is_prefix_caching_supported=True,
+    )
 
 
 def _engine_args(methods: dict, **fields):
-    base = dict(max_num_batched_tokens=None, max_num_seqs=None, enable_chunked_prefill=None,
-                enable_prefix_caching=None, scheduler_cls="vllm.core.scheduler.Scheduler", pipeline_parallel_size=1,
-                tensor_parallel_size=1, performance_mode="balanced", prefix_caching_hash_algo=None,
-                enable_prompt_embeds=False, enable_lora=False, enable_prompt_adapter=False, speculative_model=None,
-                speculative_config=None,
-                # 0.11.1-0.11.2's _set_default_args asks this of ModelConfig; for a generation model: both on.
-                get_chunked_prefill_prefix_caching_defaults=lambda self, model_config: (True, True))
+    base = dict(
+        max_num_batched_tokens=None,
+        max_num_seqs=None,
+        enable_chunked_prefill=None,
+        enable_prefix_caching=None,
+        scheduler_cls="vllm.core.scheduler.Scheduler",
+        pipeline_parallel_size=1,
+        tensor_parallel_size=1,
+        performance_mode="balanced",
+        prefix_caching_hash_algo=None,
+        enable_prompt_embeds=False,
+        enable_lora=False,
+        enable_prompt_adapter=False,
+        speculative_model=None,
+        speculative_config=None,
+        # 0.11.1-0.11.2's _set_default_args asks this of ModelConfig; for a generation model: both on.
+        get_chunked_prefill_prefix_caching_defaults=lambda self, model_config: (True, True),
+    )
     base.update(fields)
     cls = type("EngineArgs", (), {**{k: v for k, v in base.items() if callable(v)}, **methods})
     args = cls()
@@ -232,34 +344,56 @@ def _engine_args(methods: dict, **fields):
     return args
 
 
-def run_v1(release: str, platform: Platform, max_model_len: int, performance_mode: str = "balanced",
-           functions: dict[str, str] | None = None, given: dict[str, int] | None = None) -> tuple[int, int]:
+def run_v1(
+    release: str,
+    platform: Platform,
+    max_model_len: int,
+    performance_mode: str = "balanced",
+    functions: dict[str, str] | None = None,
+    given: dict[str, int] | None = None,
+) -> tuple[int, int]:
     """What ``release``'s V1 default-setting code sets for `vllm serve` (OPENAI_API_SERVER); ``given``: the
     EngineArgs fields the command's flags set (max_num_batched_tokens, max_num_seqs)."""
     pieces = oracle()["releases"][release]
     namespace = _namespace(platform, use_v1=True)
-    names = ("get_batch_defaults", "_set_default_args", "_set_default_args_v1",
-             "_set_default_max_num_seqs_and_batched_tokens_args")
+    names = (
+        "get_batch_defaults",
+        "_set_default_args",
+        "_set_default_args_v1",
+        "_set_default_max_num_seqs_and_batched_tokens_args",
+    )
     texts = functions or {n: _text(pieces[n]) for n in names if n in pieces}
     for name, text in texts.items():
         _exec(text, f"<vllm {release} {name}>", namespace)
     methods = {name: namespace[name] for name in texts}
     args = _engine_args(methods, performance_mode=performance_mode, **(given or {}))
     model_config = _model_config(max_model_len)
-    entry = next(n for n in ("_set_default_max_num_seqs_and_batched_tokens_args", "_set_default_args",
-                             "_set_default_args_v1") if n in methods)
+    entry = next(
+        n
+        for n in ("_set_default_max_num_seqs_and_batched_tokens_args", "_set_default_args", "_set_default_args_v1")
+        if n in methods
+    )
     if entry == "_set_default_max_num_seqs_and_batched_tokens_args":
         # 0.12+: _set_default_chunked_prefill_and_prefix_caching_args ran first: on for a generation model.
         args.enable_chunked_prefill = True
     params = list(inspect.signature(getattr(args, entry)).parameters)
-    call = {"usage_context": UsageContext.OPENAI_API_SERVER, "model_config": model_config,
-            "parallel_config": types.SimpleNamespace(use_batched_dp_moe=False)}
+    call = {
+        "usage_context": UsageContext.OPENAI_API_SERVER,
+        "model_config": model_config,
+        "parallel_config": types.SimpleNamespace(use_batched_dp_moe=False),
+    }
     getattr(args, entry)(*[call[p] for p in params])
     return args.max_num_batched_tokens, args.max_num_seqs
 
 
-def run_v0(release: str, platform: Platform, max_model_len: int, device_type: str = "cuda",
-           typed_chunked: bool | None = None, given: dict[str, int] | None = None) -> tuple[int, int]:
+def run_v0(
+    release: str,
+    platform: Platform,
+    max_model_len: int,
+    device_type: str = "cuda",
+    typed_chunked: bool | None = None,
+    given: dict[str, int] | None = None,
+) -> tuple[int, int]:
     """What ``release``'s V0 engine sets: EngineArgs' max_num_seqs default, create_engine_config's chunked-prefill
     default, then SchedulerConfig's max_num_batched_tokens default (``given``: as run_v1's)."""
     given = given or {}
@@ -272,32 +406,68 @@ def run_v0(release: str, platform: Platform, max_model_len: int, device_type: st
     args.max_num_seqs = given.get("max_num_seqs", getattr(fields["Fields"], "max_num_seqs", None))
     if "post_init_max_num_seqs" in pieces:
         _exec(_text(pieces["post_init_max_num_seqs"]), f"<vllm {release} __post_init__>", {**namespace, "self": args})
-    _exec(_text(pieces["chunked_prefill_default"]), f"<vllm {release} create_engine_config>",
-          {**namespace, "self": args, "model_config": _model_config(max_model_len),
-           "device_config": types.SimpleNamespace(device_type=device_type)})
+    _exec(
+        _text(pieces["chunked_prefill_default"]),
+        f"<vllm {release} create_engine_config>",
+        {
+            **namespace,
+            "self": args,
+            "model_config": _model_config(max_model_len),
+            "device_config": types.SimpleNamespace(device_type=device_type),
+        },
+    )
     scheduler_ns = {**namespace}
     _exec(_text(pieces["constants"]), f"<vllm {release} config.py>", scheduler_ns)
     piece = pieces["scheduler_max_num_batched_tokens"]
     tokens_given = given.get("max_num_batched_tokens")
-    scheduler = types.SimpleNamespace(max_num_batched_tokens=tokens_given,
-                                      enable_chunked_prefill=args.enable_chunked_prefill, num_scheduler_steps=1,
-                                      max_model_len=max_model_len, runner_type="generate", task="generate",
-                                      is_multimodal_model=False)
-    scheduler_ns.update(self=scheduler, max_num_batched_tokens=tokens_given,
-                        enable_chunked_prefill=args.enable_chunked_prefill, num_scheduler_steps=1,
-                        max_model_len=max_model_len, task="generate", is_multimodal_model=False)
+    scheduler = types.SimpleNamespace(
+        max_num_batched_tokens=tokens_given,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        num_scheduler_steps=1,
+        max_model_len=max_model_len,
+        runner_type="generate",
+        task="generate",
+        is_multimodal_model=False,
+    )
+    scheduler_ns.update(
+        self=scheduler,
+        max_num_batched_tokens=tokens_given,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        num_scheduler_steps=1,
+        max_model_len=max_model_len,
+        task="generate",
+        is_multimodal_model=False,
+    )
     _exec(_text(piece), f"<vllm {release} SchedulerConfig.{piece['in']}>", scheduler_ns)
     tokens = scheduler_ns["max_num_batched_tokens"] if piece["in"] == "__init__" else scheduler.max_num_batched_tokens
     return tokens, args.max_num_seqs
 
 
-def table(release: str, device: str | None, max_model_len: int, *, performance_mode: str | None = None,
-          vllm_version: str | None = None, platform: str = "cuda", env=None, typed=(),
-          given: dict[str, int] | None = None) -> tuple[int, int]:
+def table(
+    release: str,
+    device: str | None,
+    max_model_len: int,
+    *,
+    performance_mode: str | None = None,
+    vllm_version: str | None = None,
+    platform: str = "cuda",
+    env=None,
+    typed=(),
+    given: dict[str, int] | None = None,
+) -> tuple[int, int]:
     name, memory, _ = DEVICES[device] if device else ("Ascend910B", 65_452_113_920, None)
-    chosen = serve_defaults(release, vllm_version=parse_version(vllm_version or release.split(":")[-1]),
-                            memory_bytes=memory, device_name=name, max_model_len=max_model_len, platform=platform,
-                            env=env, flags_typed=tuple(typed), performance_mode=performance_mode, **(given or {}))
+    chosen = serve_defaults(
+        release,
+        vllm_version=parse_version(vllm_version or release.split(":")[-1]),
+        memory_bytes=memory,
+        device_name=name,
+        max_model_len=max_model_len,
+        platform=platform,
+        env=env,
+        flags_typed=tuple(typed),
+        performance_mode=performance_mode,
+        **(given or {}),
+    )
     return chosen.max_num_batched_tokens, chosen.max_num_seqs
 
 
@@ -308,6 +478,7 @@ def cuda(device: str) -> Platform:
 
 # ------------------------------------------------------------------------------------------- the oracle runs
 
+
 @pytest.mark.parametrize("release", V1_RELEASES)
 def test_every_v1_release_sets_the_tables_defaults_on_each_device(release, excerpts, upstream_modules):
     for device in DEVICES:
@@ -317,8 +488,7 @@ def test_every_v1_release_sets_the_tables_defaults_on_each_device(release, excer
 
 @pytest.mark.parametrize("release", STRADDLE)
 @pytest.mark.parametrize("max_model_len", [1, 3, 8, 65536])
-def test_short_and_long_max_model_len_clamp_as_the_release_does(release, max_model_len, excerpts,
-                                                                 upstream_modules):
+def test_short_and_long_max_model_len_clamp_as_the_release_does(release, max_model_len, excerpts, upstream_modules):
     # 0.10.1+: max_num_seqs at most max_num_batched_tokens; 0.11.1+: max_num_batched_tokens at most
     # max_num_seqs * max_model_len (a 1-token model: 256 or 1024 tokens).
     for device in ("H100", "L40S", "B200"):
@@ -354,8 +524,9 @@ def test_a_given_flag_clamps_only_the_defaulted_one_as_the_release_does(release,
 
 
 @pytest.mark.parametrize("release, given, max_model_len, expected", GIVEN_EXAMPLES)
-def test_the_examples_given_one_flag_are_what_the_release_runs(release, given, max_model_len, expected, excerpts,
-                                                                upstream_modules):
+def test_the_examples_given_one_flag_are_what_the_release_runs(
+    release, given, max_model_len, expected, excerpts, upstream_modules
+):
     upstream_modules.install(cuda("H100"))
     assert run_v1(release, cuda("H100"), max_model_len, given=given) == expected
     assert table(release, "H100", max_model_len, given=given) == expected
@@ -366,8 +537,11 @@ def test_plugins_clamp_a_defaulted_value_against_a_given_one(release, excerpts, 
     npu = Platform("Ascend910B3", None, None, cuda=False)
     upstream_modules.install(npu)
     vllm = "0.11.0" if release.startswith("vllm-mindspore") else release.split(":")[1]
-    functions = ({"_set_default_args": _text(excerpts["plugins"]["vllm-mindspore:0.5.1"]["_set_default_args"])}
-                 if release.startswith("vllm-mindspore") else None)
+    functions = (
+        {"_set_default_args": _text(excerpts["plugins"]["vllm-mindspore:0.5.1"]["_set_default_args"])}
+        if release.startswith("vllm-mindspore")
+        else None
+    )
     for max_model_len in (3, 1024):
         for given in GIVEN:
             got = run_v1(vllm, npu, max_model_len, functions=functions, given=given)
@@ -380,7 +554,8 @@ def test_v0_keeps_a_given_flag_and_defaults_the_other_alone(release, excerpts, u
     for max_model_len in (1024, 65536):
         for given in GIVEN:
             assert run_v0(release, cuda("H100"), max_model_len, given=given) == table(
-                release, "H100", max_model_len, given=given), (max_model_len, given)
+                release, "H100", max_model_len, given=given
+            ), (max_model_len, given)
 
 
 @pytest.mark.parametrize("release", V0_RELEASES)
@@ -395,7 +570,8 @@ def test_every_v0_release_sets_the_tables_defaults(release, max_model_len, excer
     npu = Platform("Ascend910B", None, None, cuda=False)
     upstream_modules.install(npu)
     assert run_v0(release, npu, max_model_len, device_type="npu") == table(
-        release, "H100", max_model_len, platform="ascend")
+        release, "H100", max_model_len, platform="ascend"
+    )
 
 
 @pytest.mark.parametrize("typed", [True, False])
@@ -405,15 +581,19 @@ def test_v0_honours_a_typed_enable_chunked_prefill(typed, excerpts, upstream_mod
     for release in ("0.6.4", "0.7.3"):
         for max_model_len in (4096, 65536):
             assert run_v0(release, cuda("H100"), max_model_len, typed_chunked=typed) == table(
-                release, "H100", max_model_len, typed=(flag,))
+                release, "H100", max_model_len, typed=(flag,)
+            )
 
 
 def test_the_default_engine_is_the_releases(excerpts):
     # VLLM_USE_V1's default (vllm/envs.py) is "0" through 0.7.3 and "1" from 0.8.0; 0.11.0 has no V0 path.
     for release in RELEASES:
         pieces = excerpts["releases"][release]
-        v1 = "_set_default_args_v0" not in pieces and "chunked_prefill_default" not in pieces or (
-            pieces.get("VLLM_USE_V1_default", {}).get("value") == "1")
+        v1 = (
+            "_set_default_args_v0" not in pieces
+            and "chunked_prefill_default" not in pieces
+            or (pieces.get("VLLM_USE_V1_default", {}).get("value") == "1")
+        )
         assert row_for("vllm", parse_version(release)).engine == ("V1" if v1 else "V0"), release
 
 
@@ -430,9 +610,18 @@ def test_vllm_use_v1_0_falls_back_to_v0s_sequences(release, excerpts, upstream_m
     assert tokens == max(4096, 2048)
 
 
-@pytest.mark.parametrize("release", ["vllm-ascend:0.11.0", "vllm-ascend:0.14.0", "vllm-ascend:0.17.0",
-                                     "vllm-ascend:0.18.0", "vllm-ascend:0.19.1", "vllm-ascend:0.23.0",
-                                     "vllm-ascend-310p:0.18.0"])
+@pytest.mark.parametrize(
+    "release",
+    [
+        "vllm-ascend:0.11.0",
+        "vllm-ascend:0.14.0",
+        "vllm-ascend:0.17.0",
+        "vllm-ascend:0.18.0",
+        "vllm-ascend:0.19.1",
+        "vllm-ascend:0.23.0",
+        "vllm-ascend-310p:0.18.0",
+    ],
+)
 def test_vllm_ascend_runs_its_vllms_code_with_no_device_memory(release, excerpts, upstream_modules):
     # NPUPlatform does not implement get_device_total_memory: vLLM's except-branch takes 0 bytes.
     vllm = release.split(":")[1]
@@ -450,27 +639,31 @@ def test_v0_plugins_are_vllm_0_7_3s_v0_off_cuda(release, excerpts, upstream_modu
         for typed in (None, True):
             flags = ("--enable-chunked-prefill",) if typed else ()
             assert run_v0("0.7.3", npu, max_model_len, device_type="npu", typed_chunked=typed) == table(
-                release, None, max_model_len, vllm_version="0.7.3", platform="ascend", typed=flags)
+                release, None, max_model_len, vllm_version="0.7.3", platform="ascend", typed=flags
+            )
 
 
 def test_vllm_mindspore_0_5_runs_its_own_defaults(excerpts, upstream_modules):
     plugin = excerpts["plugins"]["vllm-mindspore:0.5.1"]["_set_default_args"]
-    for device in ("H100", "L40S"):   # it reads no device: the same on every one
+    for device in ("H100", "L40S"):  # it reads no device: the same on every one
         upstream_modules.install(cuda(device))
         for max_model_len in (1, 4096):
             got = run_v1("0.11.0", cuda(device), max_model_len, functions={"_set_default_args": _text(plugin)})
-            assert got == table("vllm-mindspore:0.5.1", device, max_model_len, vllm_version="0.11.0",
-                                platform="ascend")
+            assert got == table("vllm-mindspore:0.5.1", device, max_model_len, vllm_version="0.11.0", platform="ascend")
 
 
 # ------------------------------------------------------------------------------ the excerpts are the releases'
 
+
 def _installed_sources(excerpts: dict) -> list[tuple[str, str]]:
     from oracles_cache import cache_root  # noqa: PLC0415
+
     root = cache_root()
     found = []
-    for pattern in ("vllm-envs/vllm-*/lib/python*/site-packages/vllm/engine/arg_utils.py",
-                    "ascend-envs/vllm-[0-9]*/lib/python*/site-packages/vllm/engine/arg_utils.py"):
+    for pattern in (
+        "vllm-envs/vllm-*/lib/python*/site-packages/vllm/engine/arg_utils.py",
+        "ascend-envs/vllm-[0-9]*/lib/python*/site-packages/vllm/engine/arg_utils.py",
+    ):
         for path in glob.glob(str(root / pattern)):
             release = re.search(r"/vllm-([0-9][0-9.]*)/lib/", path)[1]
             if release in excerpts["releases"]:
@@ -487,6 +680,7 @@ def installed(excerpts):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "oracles"))
     try:
         import cache  # noqa: PLC0415
+
         sys.modules.setdefault("oracles_cache", cache)
         return _installed_sources(excerpts)
     finally:
@@ -505,7 +699,7 @@ def test_stored_excerpts_match_the_installed_releases(installed):
                 continue
             first, last = piece["lines"]
             stored = _text(piece).splitlines()
-            real = lines[first - 1:last]
+            real = lines[first - 1 : last]
             indent = min(len(x) - len(x.lstrip()) for x in real if x.strip())
             assert [x[indent:] for x in real] == stored, (path, name)
 
@@ -564,12 +758,14 @@ print(json.dumps({"version": vllm.__version__, "results": out}))
 
 def _installed_releases() -> list[str]:
     from vllm_real import envs  # noqa: PLC0415
+
     return envs.releases()
 
 
 @pytest.mark.parametrize("release", _installed_releases())
 def test_the_installed_release_sets_the_tables_defaults(release):
     from vllm_real import envs  # noqa: PLC0415
+
     python = envs.env_python(release)
     if python is None:
         pytest.skip(f"vLLM {release} is not set up (python3 tests/vllm_real/envs.py setup {release})")
@@ -577,30 +773,63 @@ def test_the_installed_release_sets_the_tables_defaults(release):
     for device, (name, memory, capability) in DEVICES.items():
         for max_model_len in (3, 4096):
             for mode in ("balanced", "throughput"):
-                cases.append({"name": name, "memory": memory, "capability": capability, "mode": mode,
-                              "max_model_len": max_model_len})
+                cases.append(
+                    {
+                        "name": name,
+                        "memory": memory,
+                        "capability": capability,
+                        "mode": mode,
+                        "max_model_len": max_model_len,
+                    }
+                )
                 expected.append(list(table(release, device, max_model_len, performance_mode=mode)))
-        for given in GIVEN:   # one flag given (or both): the defaulted one clamped against it
+        for given in GIVEN:  # one flag given (or both): the defaulted one clamped against it
             for mode in ("balanced", "throughput"):
-                cases.append({"name": name, "memory": memory, "capability": capability, "mode": mode,
-                              "max_model_len": 1024, "given": given})
+                cases.append(
+                    {
+                        "name": name,
+                        "memory": memory,
+                        "capability": capability,
+                        "mode": mode,
+                        "max_model_len": 1024,
+                        "given": given,
+                    }
+                )
                 expected.append(list(table(release, device, 1024, performance_mode=mode, given=given)))
     for release_, given, max_model_len, want in GIVEN_EXAMPLES:
         if release_ == release:
             name, memory, capability = DEVICES["H100"]
-            cases.append({"name": name, "memory": memory, "capability": capability, "mode": "balanced",
-                          "max_model_len": max_model_len, "given": given})
+            cases.append(
+                {
+                    "name": name,
+                    "memory": memory,
+                    "capability": capability,
+                    "mode": "balanced",
+                    "max_model_len": max_model_len,
+                    "given": given,
+                }
+            )
             expected.append(list(want))
-    if parse_version(release) >= (0, 9, 1):   # vllm-ascend's V1 rows: NPUPlatform reports no total memory
-        cases.append({"name": "Ascend910B3", "memory": None, "capability": None, "mode": "balanced",
-                      "max_model_len": 4096})
+    if parse_version(release) >= (0, 9, 1):  # vllm-ascend's V1 rows: NPUPlatform reports no total memory
+        cases.append(
+            {"name": "Ascend910B3", "memory": None, "capability": None, "mode": "balanced", "max_model_len": 4096}
+        )
         expected.append(list(table(f"vllm-ascend:{release}", None, 4096, platform="ascend")))
         for given in GIVEN:
-            cases.append({"name": "Ascend910B3", "memory": None, "capability": None, "mode": "balanced",
-                          "max_model_len": 1024, "given": given})
+            cases.append(
+                {
+                    "name": "Ascend910B3",
+                    "memory": None,
+                    "capability": None,
+                    "mode": "balanced",
+                    "max_model_len": 1024,
+                    "given": given,
+                }
+            )
             expected.append(list(table(f"vllm-ascend:{release}", None, 1024, platform="ascend", given=given)))
-    proc = subprocess.run([str(python), "-c", RUN_INSTALLED, json.dumps(cases)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [str(python), "-c", RUN_INSTALLED, json.dumps(cases)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["version"] == release
@@ -610,30 +839,51 @@ def test_the_installed_release_sets_the_tables_defaults(release):
 
 # ------------------------------------------------------------------------------------------- the table and CLI
 
+
 def test_every_row_cites_its_source():
     for row in SERVE_DEFAULTS:
         assert row.cites and all(c.strip() for c in row.cites), row.name
 
 
-@pytest.mark.parametrize("release, device, expected", [
-    ("0.6.4", "H100", (8192, 256)),                   # V0: max(max_model_len 8192, 2048)
-    ("0.8.3", "H100", (8192, 1024)),
-    ("0.8.3", "A100", (2048, 1024)),
-    ("0.8.4", "A100", (2048, 256)),
-    ("0.8.5", "A100", (8192, 1024)),                  # 70 GiB, before the A100 exception
-    ("0.11.0", "A100", (2048, 256)),
-    ("0.34.0", "H200", (8192, 1024)),
-    ("0.34.0", "180GiB", (16384, 1024)),               # 160 GiB or more (B200)
-    ("vllm-ascend:0.18.0", "910B", (2048, 256)),
-    ("vllm-mindspore:0.2.0", "910B", (8192, 256)),    # vLLM 0.7.3's V0 off CUDA: max(max_model_len, 2048)
-    ("vllm-mindspore:0.5.1", "910B", (2048, 256)),
-])
+@pytest.mark.parametrize(
+    "release, device, expected",
+    [
+        ("0.6.4", "H100", (8192, 256)),  # V0: max(max_model_len 8192, 2048)
+        ("0.8.3", "H100", (8192, 1024)),
+        ("0.8.3", "A100", (2048, 1024)),
+        ("0.8.4", "A100", (2048, 256)),
+        ("0.8.5", "A100", (8192, 1024)),  # 70 GiB, before the A100 exception
+        ("0.11.0", "A100", (2048, 256)),
+        ("0.34.0", "H200", (8192, 1024)),
+        ("0.34.0", "180GiB", (16384, 1024)),  # 160 GiB or more (B200)
+        ("vllm-ascend:0.18.0", "910B", (2048, 256)),
+        ("vllm-mindspore:0.2.0", "910B", (8192, 256)),  # vLLM 0.7.3's V0 off CUDA: max(max_model_len, 2048)
+        ("vllm-mindspore:0.5.1", "910B", (2048, 256)),
+    ],
+)
 def test_plan_without_the_flags_shows_each_releases_defaults(release, device, expected):
     # Releases whose profile plan does not predict (V0, 0.8.x) plan from a measured one.
     profile = ["--profile", SEED_PROFILE] if parse_version(release.split(":")[-1]) < (0, 9, 1) else []
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", device, "--vllm-version", release,
-                                       "--model-config", LLAMA3_8B, *profile,
-                                       "--", "vllm", "serve", "M", "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            device,
+            "--vllm-version",
+            release,
+            "--model-config",
+            LLAMA3_8B,
+            *profile,
+            "--",
+            "vllm",
+            "serve",
+            "M",
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code in (0, 1), result.output
     settings = json.loads(result.output)["plan"]["settings"]
     got = (settings["max_num_batched_tokens"]["value"], settings["max_num_seqs"]["value"])
@@ -646,9 +896,26 @@ def test_plan_without_the_flags_shows_each_releases_defaults(release, device, ex
 def test_plan_with_one_flag_given_clamps_the_other_as_the_release_does(release, given, max_model_len, expected):
     # `expected` is what the release's own code runs (the excerpt and installed-release tests above).
     flags = [f for name, value in given.items() for f in (f"--{name.replace('_', '-')}", str(value))]
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", release,
-                                       "--model-config", LLAMA3_8B, "--", "vllm", "serve", "M",
-                                       "--max-model-len", str(max_model_len), *flags])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "H100",
+            "--vllm-version",
+            release,
+            "--model-config",
+            LLAMA3_8B,
+            "--",
+            "vllm",
+            "serve",
+            "M",
+            "--max-model-len",
+            str(max_model_len),
+            *flags,
+        ],
+    )
     assert result.exit_code in (0, 1), result.output
     settings = json.loads(result.output)["plan"]["settings"]
     got = (settings["max_num_batched_tokens"]["value"], settings["max_num_seqs"]["value"])

@@ -19,6 +19,7 @@ import re
 import pytest
 from click.testing import CliRunner
 from conftest import DATA
+
 from kvguard.cli import main
 from kvguard.sim.workload import model_shape, weight_tensors
 
@@ -30,8 +31,9 @@ GIB = 1 << 30
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("plan_validation_bench",
-                                                  os.path.join(REPO, "bench", "plan_validation.py"))
+    spec = importlib.util.spec_from_file_location(
+        "plan_validation_bench", os.path.join(REPO, "bench", "plan_validation.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -55,11 +57,14 @@ def rows(tmp_path_factory):
 
 # ----------------------------------------------------------------------------------------- the corpus
 
+
 def test_every_log_that_states_weights_or_the_activation_peak_is_validated_or_says_why():
     data = read_json(VALIDATION)
-    stating = {entry["id"] for entry in read_json(MANIFEST)["logs"]
-               if entry["expect"].get("weights_gib") is not None
-               or entry["expect"].get("peak_activation_gib") is not None}
+    stating = {
+        entry["id"]
+        for entry in read_json(MANIFEST)["logs"]
+        if entry["expect"].get("weights_gib") is not None or entry["expect"].get("peak_activation_gib") is not None
+    }
     assert stating <= set(data["logs"]) | set(data["not_used"])
     assert not set(data["logs"]) & set(data["not_used"])
 
@@ -68,8 +73,9 @@ def test_a_constructed_log_is_never_accuracy_evidence():
     """The bundled vllm-mindspore example log is constructed (its first line says so): not validated against, and
     no era's published error counts it (issue 33)."""
     data = read_json(VALIDATION)
-    with open(os.path.join(REPO, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log"),
-              encoding="utf-8") as handle:
+    with open(
+        os.path.join(REPO, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log"), encoding="utf-8"
+    ) as handle:
         assert handle.readline().startswith("# CONSTRUCTED, NOT A REAL LOG")
     assert "seed" in data["not_used"] and "seed" not in data["logs"]
     for log in data["logs"].values():
@@ -90,8 +96,8 @@ def test_the_model_is_named_by_the_log_itself_where_the_data_says_so():
 
 # ----------------------------------------------------------------------------------------- weights
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c['id']}-{'held-out' if c['held_out'] else 'tuned'}"
-                                             for c in CASES])
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['id']}-{'held-out' if c['held_out'] else 'tuned'}" for c in CASES])
 def test_weights_within_2_percent_of_what_the_log_states(rows, case):
     row = rows[case["id"]]
     assert "weights" in row, case["id"]
@@ -120,6 +126,7 @@ def test_vocab_is_padded_to_a_multiple_of_64_before_the_tensor_parallel_split():
 
 # ----------------------------------------------------------------------------------------- the activation peak
 
+
 def test_the_published_errors_are_the_corpus_errors_now(rows):
     """accuracy.json (what plan cites) equals what the corpus gives with this code."""
     _, eras = BENCH.era_table(list(rows.values()))
@@ -141,19 +148,54 @@ def test_plan_cites_the_measured_error_and_says_when_it_is_large_or_unmeasured()
     era = "vllm 0.6.4–0.8.4"
     v0 = read_json(ACCURACY)["eras"][era]["activation"]
     llama = os.path.join(DATA, "configs", "llama-3-8b-instruct")
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", "0.11.0",
-                                       "--model-config", llama, "--", "vllm", "serve", "m", "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "H100",
+            "--vllm-version",
+            "0.11.0",
+            "--model-config",
+            llama,
+            "--",
+            "vllm",
+            "serve",
+            "m",
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     note = next(n for n in json.loads(result.output)["plan"]["uncertainty"] if n.startswith("activation peak"))
     assert "UNMEASURED for vllm 0.9.1–0.11.2" in note and era in note
     assert f"{v0['worst_error_pct']:+.1f}%" in note
     assert ("LARGE" in note) == (abs(v0["worst_error_pct"]) > 25)
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "910B", "--vllm-version", "vllm-mindspore:0.2.0",
-                                       "--model-config", llama, "--", "vllm", "serve", "m", "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "910B",
+            "--vllm-version",
+            "vllm-mindspore:0.2.0",
+            "--model-config",
+            llama,
+            "--",
+            "vllm",
+            "serve",
+            "m",
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     notes = json.loads(result.output)["plan"]["uncertainty"]
-    assert any(n.startswith("activation peak") and "UNMEASURED for vllm-mindspore 0.2.0 and its allocator" in n
-               for n in notes)
+    assert any(
+        n.startswith("activation peak") and "UNMEASURED for vllm-mindspore 0.2.0 and its allocator" in n for n in notes
+    )
 
 
 # ----------------------------------------------------------------------------------------- the KV budget (issue 33)
@@ -190,16 +232,22 @@ def test_the_kv_held_out_logs_are_held_out_and_neither_tuned_on_nor_cited_by_pla
 
 def test_every_held_out_log_that_states_a_kv_figure_is_measured_or_says_why():
     data = read_json(VALIDATION)
-    stating = {entry["id"] for entry in read_json(MANIFEST)["logs"]
-               if entry["held_out"] and entry["id"] not in _cited_by_plan()
-               and any(entry["expect"].get(key) is not None
-                       for key in ("available_kv_gib", "kv_cache_tokens", "num_gpu_blocks"))}
+    stating = {
+        entry["id"]
+        for entry in read_json(MANIFEST)["logs"]
+        if entry["held_out"]
+        and entry["id"] not in _cited_by_plan()
+        and any(
+            entry["expect"].get(key) is not None for key in ("available_kv_gib", "kv_cache_tokens", "num_gpu_blocks")
+        )
+    }
     assert stating == set(data["kv_held_out"]) | set(data["kv_not_measured"])
     assert not set(data["kv_held_out"]) & set(data["kv_not_measured"])
 
 
-@pytest.mark.parametrize("case", KV_CASES, ids=[f"{c['id']}-{'held-out' if c['held_out'] else 'tuned'}"
-                                                for c in KV_CASES])
+@pytest.mark.parametrize(
+    "case", KV_CASES, ids=[f"{c['id']}-{'held-out' if c['held_out'] else 'tuned'}" for c in KV_CASES]
+)
 def test_plan_never_refuses_a_command_vllm_started(kv_rows, case):
     row = kv_rows[case["id"]]
     if row["vllm"] == "started":
@@ -208,8 +256,9 @@ def test_plan_never_refuses_a_command_vllm_started(kv_rows, case):
         assert not row["false_refusal"]
 
 
-@pytest.mark.parametrize("case", [c for c in KV_CASES if c["held_out"]],
-                         ids=[c["id"] for c in KV_CASES if c["held_out"]])
+@pytest.mark.parametrize(
+    "case", [c for c in KV_CASES if c["held_out"]], ids=[c["id"] for c in KV_CASES if c["held_out"]]
+)
 def test_held_out_kv_budget_within_10_percent_or_its_miss_is_named(kv_rows, case):
     """Within the goal: the bound holds. A miss is listed in plan_validation.json 'kv_missed' with its terms; a
     listed log that comes within the goal fails here too, so the list cannot go stale."""

@@ -12,16 +12,20 @@ import pytest
 from kvguard import probe as probe_module
 from kvguard.budget.estimator import Profile
 from kvguard.probe import Probe, pod_identity
-from kvguard.records import DeviceMemory
+from kvguard.records import DeviceMemory, KVCacheAllocation
 from kvguard.sources import RankContext, SourceError
 from kvguard.spool.io import read_spool
 from kvguard.spool.schema import SCHEMA_VERSION, snapshot_filename
-from kvguard.records import KVCacheAllocation
 
 GIB = 1 << 30
-PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=15 * GIB,
-                  peak_allocated_increase_bytes=GIB, peak_reserved_increase_bytes=2 * GIB,
-                  non_torch_increase_bytes=0)
+PROFILE = Profile(
+    total_memory_bytes=64 * GIB,
+    gpu_memory_utilization=0.9,
+    weights_bytes=15 * GIB,
+    peak_allocated_increase_bytes=GIB,
+    peak_reserved_increase_bytes=2 * GIB,
+    non_torch_increase_bytes=0,
+)
 KV = KVCacheAllocation(num_blocks=1000, block_bytes=917504, block_size=16)
 ENV = {"POD_NAME": "vllm-0", "POD_NAMESPACE": "serving", "CONTAINER_NAME": "vllm", "NODE_NAME": "node-7"}
 
@@ -132,6 +136,7 @@ def test_rank_context_from_the_source_is_written(spool):
     class Ranked(Fixed):
         def rank_contexts(self):
             return {"npu:1": RankContext(rank=1, profile=PROFILE, kv_cache=KV)}
+
     Probe(spool, Ranked("npu:0", "npu:1"), environ={}).run_once()
     snapshots = read(spool)
     assert (snapshots["npu:1"].rank, snapshots["npu:1"].profile, snapshots["npu:1"].kv_cache) == (1, PROFILE, KV)
@@ -161,6 +166,7 @@ def test_a_source_returning_garbage_is_counted(spool):
 
         def sample(self):
             return {"npu:0": 1}
+
     runner = Probe(spool, Garbage(), environ={})
     assert runner.run_once() == 0
     assert runner.status.errors_total == 1
@@ -174,8 +180,9 @@ def test_a_source_raising_a_base_exception_is_an_error_not_a_sample(spool, exc, 
 
         def sample(self):
             raise exc
+
     escaped = []
-    monkeypatch.setattr(threading, "excepthook", escaped.append)   # a thread traceback on the host's stderr
+    monkeypatch.setattr(threading, "excepthook", escaped.append)  # a thread traceback on the host's stderr
     runner = Probe(spool, Exiting(), environ={})
     assert runner.run_once() == 0
     status = runner.status
@@ -199,7 +206,7 @@ def test_a_hanging_source_is_an_overrun_and_never_blocks_the_caller(spool):
     assert source.entered.is_set()
     assert (runner.status.overruns_total, runner.status.errors_total) == (2, 2)
     assert runner.status.last_error == "source hanging did not answer within 0.05s"
-    assert not os.path.exists(spool)          # no fresh data: the snapshot ages instead
+    assert not os.path.exists(spool)  # no fresh data: the snapshot ages instead
     source.release.set()
     assert runner.run_once(timeout=30) == 1
     assert read(spool)["npu:0"].probe.overruns_total == 2
@@ -213,10 +220,10 @@ def test_a_hanging_source_is_sampled_once_at_a_time(spool):
     runner = Probe(spool, source, environ={})
     for _ in range(3):
         runner.run_once(timeout=0.01)
-    assert len(calls) == 1                    # callers wait on the hung sample, they never start another
+    assert len(calls) == 1  # callers wait on the hung sample, they never start another
     source.release.set()
     assert runner.run_once(timeout=30) == 1
-    assert len(calls) == 2                    # then one fresh sample: the hung one predates this call
+    assert len(calls) == 2  # then one fresh sample: the hung one predates this call
 
 
 class Gated:
@@ -242,8 +249,8 @@ def test_run_once_never_writes_a_sample_taken_before_it_was_called(spool):
     source = Gated()
     runner = Probe(spool, source, 3600, environ={}).start()
     try:
-        assert source.entered.wait(30)        # the loop's sample is in flight, holding 10 GiB
-        source.allocated = 16 * GIB           # the caller now loads more
+        assert source.entered.wait(30)  # the loop's sample is in flight, holding 10 GiB
+        source.allocated = 16 * GIB  # the caller now loads more
         done = []
         caller = threading.Thread(target=lambda: done.append(runner.run_once(timeout=30)))
         caller.start()
@@ -301,6 +308,7 @@ def test_a_read_only_spool_is_counted(tmp_path, monkeypatch):
 
     def read_only(*args, dir=None, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", os.path.join(dir or "", "x.tmp"))
+
     monkeypatch.setattr("kvguard.spool.io.tempfile.mkstemp", read_only)
     runner = Probe(str(path), Fixed(), environ={})
     assert runner.run_once() == 0
@@ -314,6 +322,7 @@ def test_a_full_disk_is_counted_and_leaves_no_temporary_file(spool, monkeypatch)
 
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr("kvguard.spool.io.os.replace", no_space)
     runner = Probe(spool, Fixed(), environ={})
     assert runner.run_once() == 0
@@ -337,11 +346,34 @@ def test_snapshot_json_carries_the_documented_keys(spool):
     [name] = os.listdir(spool)
     with open(os.path.join(spool, name)) as handle:
         data = json.load(handle)
-    assert set(data) >= {"kind", "schema", "written_at", "started_at", "sequence", "host", "pid", "rank", "device",
-                         "pod", "memory", "profile", "kv_cache", "probe"}
-    assert set(data["probe"]) == {"samples_total", "errors_total", "write_errors_total", "last_error", "sampling",
-                                  "sampled_at", "engine_thread_seconds_total", "skipped_total",
-                                  "interval_seconds", "overruns_total"}
+    assert set(data) >= {
+        "kind",
+        "schema",
+        "written_at",
+        "started_at",
+        "sequence",
+        "host",
+        "pid",
+        "rank",
+        "device",
+        "pod",
+        "memory",
+        "profile",
+        "kv_cache",
+        "probe",
+    }
+    assert set(data["probe"]) == {
+        "samples_total",
+        "errors_total",
+        "write_errors_total",
+        "last_error",
+        "sampling",
+        "sampled_at",
+        "engine_thread_seconds_total",
+        "skipped_total",
+        "interval_seconds",
+        "overruns_total",
+    }
 
 
 def test_bad_arguments_are_refused_at_construction(spool):
@@ -355,6 +387,7 @@ def test_bad_arguments_are_refused_at_construction(spool):
 
 # ---------------------------------------------------------------------------- the process-wide probe
 
+
 @pytest.fixture
 def global_probe():
     probe_module.stop()
@@ -362,13 +395,16 @@ def global_probe():
     probe_module.stop()
 
 
-@pytest.mark.parametrize(("args", "options", "message"), [
-    ((0,), {}, "interval must be a positive number of seconds, got 0"),
-    ((float("nan"),), {}, "interval must be a positive number of seconds, got nan"),
-    ((5.0, "gpu"), {}, "unknown source 'gpu'"),
-    ((5.0, "auto"), {"rank": -1}, "rank must be a non-negative integer, got -1"),
-    ((5.0, "auto"), {"colour": "blue"}, "unexpected keyword argument 'colour'"),
-])
+@pytest.mark.parametrize(
+    ("args", "options", "message"),
+    [
+        ((0,), {}, "interval must be a positive number of seconds, got 0"),
+        ((float("nan"),), {}, "interval must be a positive number of seconds, got nan"),
+        ((5.0, "gpu"), {}, "unknown source 'gpu'"),
+        ((5.0, "auto"), {"rank": -1}, "rank must be a non-negative integer, got -1"),
+        ((5.0, "auto"), {"colour": "blue"}, "unexpected keyword argument 'colour'"),
+    ],
+)
 def test_start_with_bad_arguments_warns_once_and_returns_none(global_probe, spool, caplog, args, options, message):
     with caplog.at_level("WARNING", logger="kvguard.probe"):
         assert global_probe.start(spool, *args, **options) is None
@@ -439,6 +475,7 @@ def test_set_engine_names_the_engine_in_every_snapshot_and_refuses_wrong_types(t
 
         def sample(self):
             from kvguard.records import DeviceMemory
+
             return [DeviceMemory(device="cuda:0", source="one", allocated_bytes=1)]
 
     probe_ = Probe(str(tmp_path), source=One(), interval=1.0)

@@ -10,9 +10,9 @@ import sys
 import time
 
 import pytest
+from helpers import invoke, one_line_error
 
 from kvguard.spool.io import read_spool
-from helpers import invoke, one_line_error
 
 
 @pytest.fixture
@@ -94,9 +94,25 @@ def test_probe_once_into_an_unwritable_spool_is_one_line(cli, tmp_path):
 
 def test_probe_runs_until_sigterm(tmp_path):
     spool = tmp_path / "spool"
-    process = subprocess.Popen([sys.executable, "-m", "kvguard", "probe", "--source", "sim", "--ranks", "2",
-                                "--interval", "0.05", "--spool-dir", str(spool)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvguard",
+            "probe",
+            "--source",
+            "sim",
+            "--ranks",
+            "2",
+            "--interval",
+            "0.05",
+            "--spool-dir",
+            str(spool),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(read_spool(str(spool)).snapshots) < 2:

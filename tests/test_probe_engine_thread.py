@@ -25,8 +25,8 @@ class EngineOnlySource:
 
     def __init__(self):
         self.threads: list[str] = []
-        self.fail_with: BaseException | None = None     # the engine's pending error, told as such
-        self.broken: str | None = None                  # the source's own failure
+        self.fail_with: BaseException | None = None  # the engine's pending error, told as such
+        self.broken: str | None = None  # the source's own failure
 
     def sample(self):
         self.threads.append(threading.current_thread().name)
@@ -57,7 +57,7 @@ def started(tmp_path):
 
 def test_the_probe_threads_never_read_an_engine_thread_source(started):
     probe, source, _ = started
-    time.sleep(0.3)                      # several of the probe's own ticks
+    time.sleep(0.3)  # several of the probe's own ticks
     assert source.threads == []
     started = time.monotonic()
     for _ in range(20):
@@ -72,7 +72,7 @@ def test_the_probe_threads_never_read_an_engine_thread_source(started):
 
 def test_the_engines_reading_is_written_by_the_probe(started):
     probe, _, spool = started
-    probe.run_once()                     # the plugin's first reading at init_device
+    probe.run_once()  # the plugin's first reading at init_device
     probe.step_begin()
     probe.step_end()
     assert _wait_for(lambda: len(read_spool(str(spool)).snapshots) == 1)
@@ -84,20 +84,20 @@ def test_the_engines_reading_is_written_by_the_probe(started):
 
 def test_once_serving_the_last_reading_is_rewritten_between_steps_and_not_inside_a_long_one(started):
     probe, source, spool = started
-    probe.run_once()                     # startup: the pool changes without steps, so no rewrite yet
+    probe.run_once()  # startup: the pool changes without steps, so no rewrite yet
     first = read_spool(str(spool)).snapshots[0]
     time.sleep(0.3)
     assert read_spool(str(spool)).snapshots[0].sequence == first.sequence
-    probe.step_begin()                   # the first step: a reading (due), and the engine now serves
+    probe.step_begin()  # the first step: a reading (due), and the engine now serves
     probe.step_end()
     reads = len(source.threads)
     assert _wait_for(lambda: read_spool(str(spool)).snapshots[0].sequence >= first.sequence + 4)
     fresh = read_spool(str(spool)).snapshots[0]
     assert fresh.written_at > first.written_at
-    assert fresh.written_at - fresh.probe.sampled_at >= 0.05    # the same reading, written again later
+    assert fresh.written_at - fresh.probe.sampled_at >= 0.05  # the same reading, written again later
     assert len(source.threads) == reads  # rewritten, not read again
     probe._engine_sampled = time.monotonic() + 3600  # no reading at this step's start: only the step's length counts
-    probe.step_begin()                   # a step that outlasts the sample timeout (0.05 s)
+    probe.step_begin()  # a step that outlasts the sample timeout (0.05 s)
     time.sleep(0.2)
     during = read_spool(str(spool)).snapshots[0].sequence
     time.sleep(0.3)
@@ -107,14 +107,14 @@ def test_once_serving_the_last_reading_is_rewritten_between_steps_and_not_inside
 
 def test_the_engines_own_error_is_raised_again_unchanged_on_its_thread(started):
     probe, source, _ = started
-    probe.run_once()                     # a first reading succeeded: the source works
+    probe.run_once()  # a first reading succeeded: the source works
     error = RuntimeError("For 'Gather', the 'input_indices' should be in the range [0, 4), but got 99")
     source.fail_with = error
     time.sleep(0.06)
     error.__cause__ = KeyError("what the engine chained")
     with pytest.raises(RuntimeError) as raised:
         probe.step_begin()
-    assert raised.value is error and isinstance(error.__cause__, KeyError)    # the same object, as it was
+    assert raised.value is error and isinstance(error.__cause__, KeyError)  # the same object, as it was
     probe.step_end()
     assert probe.status.errors_total >= 1 and "Gather" in probe.status.last_error
 

@@ -19,8 +19,9 @@ import pathlib
 import subprocess
 
 import pytest
-from kvguard.spool.io import read_spool
 from mindspore_runtime import envs
+
+from kvguard.spool.io import read_spool
 
 HERE = pathlib.Path(__file__).resolve().parent
 ENGINE = HERE / "mindspore_runtime" / "engine.py"
@@ -40,11 +41,34 @@ def _python(release: str) -> pathlib.Path:
 
 
 def _run(release: str, mode: str, hz: float, spool: pathlib.Path, gap: float = 0.06) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(EXPORTER), os.environ.get("PYTHONPATH")])),
-           "GLOG_v": "3"}
-    proc = subprocess.run([str(_python(release)), str(ENGINE), "--mode", mode, "--hz", str(hz), "--steps", str(STEPS),
-                           "--bad", ",".join(map(str, BAD_STEPS)), "--spool", str(spool), "--gap", str(gap)],
-                          capture_output=True, text=True, timeout=240, env=env, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(EXPORTER), os.environ.get("PYTHONPATH")])),
+        "GLOG_v": "3",
+    }
+    proc = subprocess.run(
+        [
+            str(_python(release)),
+            str(ENGINE),
+            "--mode",
+            mode,
+            "--hz",
+            str(hz),
+            "--steps",
+            str(STEPS),
+            "--bad",
+            ",".join(map(str, BAD_STEPS)),
+            "--spool",
+            str(spool),
+            "--gap",
+            str(gap),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["mindspore"] == release
@@ -75,7 +99,7 @@ def test_the_engines_asynchronous_error_surfaces_on_its_own_thread_with_the_prob
 def test_a_sampler_on_a_thread_of_its_own_takes_the_engines_error(release, tmp_path):
     """The hazard the probe avoids, on the same harness: memory_stats() from another thread at 20 Hz takes the
     pending error, and the engine's sync of the failed gather returns data."""
-    result = _run(release, "thread", 20, tmp_path, gap=0.15)     # three of the sampler's ticks per pending error
+    result = _run(release, "thread", 20, tmp_path, gap=0.15)  # three of the sampler's ticks per pending error
     bad = _bad_outputs(result)
     assert len(bad) == len(BAD_STEPS)
     assert any(seen["got"] == "data" for seen in bad), bad

@@ -9,8 +9,9 @@ import random
 
 import pytest
 from click.testing import CliRunner
-from helpers import invoke
 from conftest import EXAMPLES
+from helpers import invoke
+
 from kvguard.budget.estimator import (
     FORMULAS,
     Profile,
@@ -31,7 +32,8 @@ GIB = 1 << 30
 # The lines are real r13's (tests/data/logs/real, club-3090 issue 127) with an 80 GiB device's figures, and the
 # weights line as v1/worker/gpu_model_runner.py 0.14.0:3906 words it.
 LOG_0_2X_AT_80_GIB = """\
-(EngineCore pid=98) INFO 05-14 00:03:41 [gpu_model_runner.py:4512] Model loading took 14.99 GiB memory and 6.021334 seconds
+(EngineCore pid=98) INFO 05-14 00:03:41 [gpu_model_runner.py:4512] Model loading took 14.99 GiB memory \
+and 6.021334 seconds
 (EngineCore pid=98) INFO 05-14 00:04:16 [gpu_model_runner.py:6143] Estimated CUDA graph memory: 0.50 GiB total
 (EngineCore pid=98) INFO 05-14 00:04:17 [gpu_worker.py:475] CUDA graph memory profiling is enabled (default since \
 v0.21.0). The current --gpu-memory-utilization=0.9200 is equivalent to --gpu-memory-utilization=0.9138 without CUDA \
@@ -58,10 +60,15 @@ def test_a_0_2x_log_read_backwards_gives_the_budget_vllm_decided():
 def _inputs(formula: str, rng: random.Random) -> dict:
     """Every input of ``formula`` but the one the inverse solves for, in the ranges a device shows."""
     total = rng.randrange(8 * GIB, 192 * GIB)
-    fields = {"formula": formula, "total_memory_bytes": total,
-              "gpu_memory_utilization": rng.choice([0.92, 0.9, 0.5, 1.0, round(rng.uniform(0.05, 1), 4)]),
-              "weights_bytes": rng.randrange(0, total // 3), "peak_allocated_increase_bytes": None,
-              "peak_reserved_increase_bytes": None, "non_torch_increase_bytes": rng.randrange(-GIB, 2 * GIB)}
+    fields = {
+        "formula": formula,
+        "total_memory_bytes": total,
+        "gpu_memory_utilization": rng.choice([0.92, 0.9, 0.5, 1.0, round(rng.uniform(0.05, 1), 4)]),
+        "weights_bytes": rng.randrange(0, total // 3),
+        "peak_allocated_increase_bytes": None,
+        "peak_reserved_increase_bytes": None,
+        "non_torch_increase_bytes": rng.randrange(-GIB, 2 * GIB),
+    }
     budget = FORMULAS[formula]
     if budget.cudagraph:
         fields["cudagraph_memory_bytes"] = rng.choice([0, rng.randrange(0, 4 * GIB)])
@@ -70,9 +77,12 @@ def _inputs(formula: str, rng: random.Random) -> dict:
     if budget.non_kv == "consumed":
         fields["transient_peak_headroom_bytes"] = rng.randrange(0, 8 * GIB)
     if budget.non_kv == "measured_after_warmup":
-        fields.update(init_free_memory_bytes=rng.randrange(total // 2, total), kv_committed_bytes=rng.randrange(0, GIB),
-                      kv_transient_peak_bytes=rng.randrange(0, 4 * GIB),
-                      torch_reserve_growth_bytes=rng.randrange(0, 4 * GIB))
+        fields.update(
+            init_free_memory_bytes=rng.randrange(total // 2, total),
+            kv_committed_bytes=rng.randrange(0, GIB),
+            kv_transient_peak_bytes=rng.randrange(0, 4 * GIB),
+            torch_reserve_growth_bytes=rng.randrange(0, 4 * GIB),
+        )
     return fields
 
 
@@ -84,7 +94,7 @@ def test_the_inverse_decides_the_given_budget_to_the_byte(formula):
         fields = _inputs(formula, rng)
         decided = rng.choice([0, rng.randrange(0, fields["total_memory_bytes"] // 2), rng.randrange(1, 3 * GIB)])
         if not clamped and rng.random() < 0.2:
-            decided = -rng.randrange(1, 2 * GIB)     # vLLM logs a negative budget before it refuses to start
+            decided = -rng.randrange(1, 2 * GIB)  # vLLM logs a negative budget before it refuses to start
         try:
             profile = profile_for_budget(fields, decided)
         except ProfileError as exc:
@@ -105,18 +115,25 @@ def test_a_clamped_formula_has_no_inverse_below_zero(formula):
 
 # ---------------------------------------------------------------------------- the field table
 
+
 def test_the_table_holds_every_measured_field_of_the_profile_once():
     measured = [f.name for f in dataclasses.fields(Profile) if f.name not in ("formula", "vllm_version")]
     assert sorted(row.name for row in PROFILE_FIELDS) == sorted(measured)
 
 
 # The device's total memory must be positive whatever the sign rule: left out.
-@pytest.mark.parametrize("row", [r for r in PROFILE_FIELDS if r.kind != "float" and r.name != "total_memory_bytes"],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "row", [r for r in PROFILE_FIELDS if r.kind != "float" and r.name != "total_memory_bytes"], ids=lambda r: r.name
+)
 def test_a_field_is_signed_in_the_table_exactly_where_the_profile_takes_a_negative_figure(row):
-    base = {"total_memory_bytes": 80 * GIB, "gpu_memory_utilization": 0.9, "weights_bytes": GIB,
-            "peak_allocated_increase_bytes": GIB, "peak_reserved_increase_bytes": None,
-            "non_torch_increase_bytes": 0}
+    base = {
+        "total_memory_bytes": 80 * GIB,
+        "gpu_memory_utilization": 0.9,
+        "weights_bytes": GIB,
+        "peak_allocated_increase_bytes": GIB,
+        "peak_reserved_increase_bytes": None,
+        "non_torch_increase_bytes": 0,
+    }
     try:
         Profile(**{**base, row.name: -1})
         accepted = True
@@ -127,8 +144,9 @@ def test_a_field_is_signed_in_the_table_exactly_where_the_profile_takes_a_negati
 
 def test_budget_help_offers_every_field_flag():
     result = CliRunner().invoke(main, ["budget", "--help"], terminal_width=200)
-    flags = [row.flag for row in PROFILE_FIELDS if row.flag] + [row.absolute_flag for row in PROFILE_FIELDS
-                                                                 if row.absolute_flag]
+    flags = [row.flag for row in PROFILE_FIELDS if row.flag] + [
+        row.absolute_flag for row in PROFILE_FIELDS if row.absolute_flag
+    ]
     assert len(flags) == 17
     for flag in flags:
         assert f"{flag} " in result.output, flag
@@ -137,16 +155,37 @@ def test_budget_help_offers_every_field_flag():
 def test_an_era_that_adds_the_absolute_non_torch_memory_asks_for_it_by_its_own_flag():
     # vLLM 0.6.4 refuses --non-torch-increase (it adds the absolute non-torch memory): the "missing" message
     # must name the flag it takes.
-    result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
-                    "--weights", "10GiB", "--peak-allocated-increase", "1GiB")
+    result = invoke(
+        "budget",
+        "--vllm-version",
+        "0.6.4",
+        "--total-memory",
+        "80GiB",
+        "--weights",
+        "10GiB",
+        "--peak-allocated-increase",
+        "1GiB",
+    )
     assert result.exit_code == 64
     assert "missing --non-torch-memory" in result.output and "--non-torch-increase" not in result.output
 
 
 def test_an_era_that_adds_the_absolute_non_torch_memory_lists_it_among_what_it_takes():
-    result = invoke("budget", "--vllm-version", "0.6.4", "--total-memory", "80GiB",
-                    "--weights", "10GiB", "--peak-allocated-increase", "1GiB",
-                    "--non-torch-memory", "1GiB", "--total-consumed", "1GiB")
+    result = invoke(
+        "budget",
+        "--vllm-version",
+        "0.6.4",
+        "--total-memory",
+        "80GiB",
+        "--weights",
+        "10GiB",
+        "--peak-allocated-increase",
+        "1GiB",
+        "--non-torch-memory",
+        "1GiB",
+        "--total-consumed",
+        "1GiB",
+    )
     assert result.exit_code == 64
     assert "does not read --total-consumed" in result.output
     assert "--non-torch-memory" in result.output and "--non-torch-increase" not in result.output

@@ -15,6 +15,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 from conftest import EXAMPLES
+
 from kvguard.budget.estimator import ConfigError
 from kvguard.cli import main
 from kvguard.sim.quantization import GGML_BLOCKS, Linear, gguf_file_type, use_more_bits, weight_format
@@ -32,8 +33,14 @@ def qwen_config():
 # The quantization_config blocks as their producers write them: AutoAWQ's (Qwen/Qwen2.5-7B-Instruct-AWQ,
 # Qwen/QwQ-32B-AWQ), optimum / AutoGPTQ's (Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4; the fields vLLM reads), and
 # fp8 block-wise (deepseek-ai/DeepSeek-V3).
-AWQ = {"bits": 4, "group_size": 128, "modules_to_not_convert": None, "quant_method": "awq", "version": "gemm",
-       "zero_point": True}
+AWQ = {
+    "bits": 4,
+    "group_size": 128,
+    "modules_to_not_convert": None,
+    "quant_method": "awq",
+    "version": "gemm",
+    "zero_point": True,
+}
 GPTQ = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True, "quant_method": "gptq"}
 GPTQ_ACT = {**GPTQ, "desc_act": True}
 FP8_BLOCK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -42,13 +49,28 @@ FP8_STATIC = {"activation_scheme": "static", "quant_method": "fp8"}
 
 # (tensor-parallel size, input per rank, output partitions per rank, whole input): Qwen2.5-7B's qkv_proj,
 # down_proj at TP1 and TP2, gate_up_proj at TP2, and a row-parallel 5120-wide layer at TP4.
-SHAPES = [(1, 3584, [3584, 512, 512], 3584), (1, 18944, [3584], 18944), (2, 9472, [3584], 18944),
-          (2, 3584, [9472, 9472], 3584), (4, 1280, [5120], 5120)]
-METHODS = [("awq", AWQ), ("gptq", GPTQ), ("gptq", GPTQ_ACT), ("gptq_marlin", GPTQ), ("gptq_marlin", GPTQ_ACT),
-           ("fp8", FP8_BLOCK), ("fp8", FP8_TENSOR), ("fp8", FP8_STATIC)]
-CASES = [{"method": method, "quant": quant, "tp": tp, "k": k, "parts": parts, "k_full": k_full,
-          "n_full": sum(parts) * tp}
-         for method, quant in METHODS for tp, k, parts, k_full in SHAPES]
+SHAPES = [
+    (1, 3584, [3584, 512, 512], 3584),
+    (1, 18944, [3584], 18944),
+    (2, 9472, [3584], 18944),
+    (2, 3584, [9472, 9472], 3584),
+    (4, 1280, [5120], 5120),
+]
+METHODS = [
+    ("awq", AWQ),
+    ("gptq", GPTQ),
+    ("gptq", GPTQ_ACT),
+    ("gptq_marlin", GPTQ),
+    ("gptq_marlin", GPTQ_ACT),
+    ("fp8", FP8_BLOCK),
+    ("fp8", FP8_TENSOR),
+    ("fp8", FP8_STATIC),
+]
+CASES = [
+    {"method": method, "quant": quant, "tp": tp, "k": k, "parts": parts, "k_full": k_full, "n_full": sum(parts) * tp}
+    for method, quant in METHODS
+    for tp, k, parts, k_full in SHAPES
+]
 
 ORACLE = r"""
 import json, sys, types
@@ -88,26 +110,34 @@ def vllm_oracle():
     python = envs.env_python("0.11.0")
     if python is None:
         pytest.skip("vLLM 0.11.0's environment is not set up (./dev.sh test)")
-    run = subprocess.run([str(python), "-c", ORACLE], input=json.dumps(CASES), capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [str(python), "-c", ORACLE], input=json.dumps(CASES), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("ORACLE "))
-    return json.loads(line[len("ORACLE "):])
+    return json.loads(line[len("ORACLE ") :])
 
 
 def kvguard_bytes(case):
     quant = dict(case["quant"], quant_method="gptq_marlin") if case["method"] == "gptq_marlin" else case["quant"]
     row = case["k"] != case["k_full"]
-    linear = Linear("model.layers.0.mlp.down_proj", case["k"], sum(case["parts"]), len(case["parts"]),
-                    case["k_full"], row)
+    linear = Linear(
+        "model.layers.0.mlp.down_proj", case["k"], sum(case["parts"]), len(case["parts"]), case["k_full"], row
+    )
     return weight_format({"quantization_config": quant}).linear_bytes(linear, 2)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)),
-                         ids=[f"{c['method']}-{'act' if c['quant'].get('desc_act') else ''}"
-                              f"{c['quant'].get('activation_scheme', '')}"
-                              f"{'-block' if c['quant'].get('weight_block_size') else ''}-tp{c['tp']}-k{c['k']}-"
-                              f"n{sum(c['parts'])}" for c in CASES])
+@pytest.mark.parametrize(
+    "index",
+    range(len(CASES)),
+    ids=[
+        f"{c['method']}-{'act' if c['quant'].get('desc_act') else ''}"
+        f"{c['quant'].get('activation_scheme', '')}"
+        f"{'-block' if c['quant'].get('weight_block_size') else ''}-tp{c['tp']}-k{c['k']}-"
+        f"n{sum(c['parts'])}"
+        for c in CASES
+    ],
+)
 def test_a_quantized_linear_holds_what_vllm_0_11_0_creates(vllm_oracle, index):
     assert kvguard_bytes(CASES[index]) == vllm_oracle["bytes"][index]
 
@@ -118,6 +148,7 @@ def test_ggml_block_sizes_are_gguf_py_s(vllm_oracle):
 
 
 # ----------------------------------------------------------------------------------------- what stays full width
+
 
 def test_embeddings_norms_and_lm_head_stay_in_the_model_dtype_under_awq():
     plain = weight_tensors(model_shape(qwen_config()))
@@ -146,10 +177,17 @@ def test_gptq_quantizes_lm_head_only_when_the_config_says_so():
 
 
 def test_compressed_tensors_ignore_list_and_regex_keep_layers_full_width():
-    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-             "ignore": ["lm_head", "re:.*layers\\.0\\..*"],
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True}}}}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*layers\\.0\\..*"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": True},
+            }
+        },
+    }
     fmt = weight_format({"quantization_config": quant})
     first = Linear("model.layers.0.self_attn.qkv_proj", 3584, 4608, 3)
     later = Linear("model.layers.1.self_attn.qkv_proj", 3584, 4608, 3)
@@ -159,20 +197,37 @@ def test_compressed_tensors_ignore_list_and_regex_keep_layers_full_width():
 
 
 def test_compressed_tensors_w8a8_int8_is_one_byte_a_weight_and_a_scale_a_row():
-    quant = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-             "config_groups": {"group_0": {"targets": ["Linear"],
-                                           "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
-                                                       "symmetric": True, "dynamic": False},
-                                           "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
-                                                                 "symmetric": True, "dynamic": True}}}}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False},
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "int",
+                    "strategy": "token",
+                    "symmetric": True,
+                    "dynamic": True,
+                },
+            }
+        },
+    }
     fmt = weight_format({"quantization_config": quant})
     # compressed_tensors_w8a8_int8.py 0.11.0:57-72: int8 N x K, fp32 N x 1 per-channel scales.
     assert fmt.linear_bytes(Linear("model.layers.3.mlp.down_proj", 28672, 8192), 2) == 28672 * 8192 + 4 * 8192
 
 
 def test_bitsandbytes_4_bit_with_double_quant_and_a_skipped_module():
-    quant = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_use_double_quant": True,
-             "bnb_4bit_quant_type": "nf4", "llm_int8_skip_modules": ["o_proj"]}
+    quant = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_quant_type": "nf4",
+        "llm_int8_skip_modules": ["o_proj"],
+    }
     fmt = weight_format({"quantization_config": quant})
     up = Linear("model.layers.2.mlp.gate_up_proj", 4096, 2 * 14336, 2)
     weights = 4096 * 2 * 14336
@@ -182,6 +237,7 @@ def test_bitsandbytes_4_bit_with_double_quant_and_a_skipped_module():
 
 
 # ----------------------------------------------------------------------------------------- GGUF
+
 
 def test_gguf_file_type_is_read_from_the_file_name():
     assert gguf_file_type("/models/Qwen2.5-7B-Instruct-Q4_K_M.gguf") == "Q4_K_M"
@@ -202,16 +258,26 @@ def test_gguf_q8_0_is_8_5_bits_a_weight_and_q4_k_m_stores_output_at_q6_k():
     down = Linear("model.layers.9.mlp.down_proj", 18944, 3584, layer=9, layers=28)
     assert q8.weight_format.linear_bytes(down, 2) == 3584 * 18944 * 34 // 32
     q4 = model_shape(config, gguf_file_type="Q4_K_M")
-    assert weight_tensors(q4)[-1] == 152064 * 3584 // 256 * 210          # output.weight at Q6_K
-    assert weight_tensors(q4)[0] == 152064 * 3584 // 256 * 144           # token_embd at Q4_K
+    assert weight_tensors(q4)[-1] == 152064 * 3584 // 256 * 210  # output.weight at Q6_K
+    assert weight_tensors(q4)[0] == 152064 * 3584 // 256 * 144  # token_embd at Q4_K
 
 
 # ----------------------------------------------------------------------------------------- whole checkpoints
 
-QWQ_32B_AWQ = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 5120,
-               "intermediate_size": 27648, "num_attention_heads": 40, "num_hidden_layers": 64,
-               "num_key_value_heads": 8, "vocab_size": 152064, "max_position_embeddings": 40960,
-               "tie_word_embeddings": False, "torch_dtype": "bfloat16", "quantization_config": AWQ}
+QWQ_32B_AWQ = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 152064,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "quantization_config": AWQ,
+}
 
 
 def test_qwq_32b_awq_at_tp2_within_5_percent_of_the_stated_9_10_gib():
@@ -223,9 +289,25 @@ def test_qwq_32b_awq_at_tp2_within_5_percent_of_the_stated_9_10_gib():
 def test_plan_counts_an_awq_checkpoint_packed_and_says_so(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**qwen_config(), "quantization_config": AWQ}))
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", "0.11.0",
-                                       "--model-config", str(tmp_path), "--", "vllm", "serve", "Qwen/x-AWQ",
-                                       "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "H100",
+            "--vllm-version",
+            "0.11.0",
+            "--model-config",
+            str(tmp_path),
+            "--",
+            "vllm",
+            "serve",
+            "Qwen/x-AWQ",
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     weights = json.loads(result.output)["plan"]["weights"]
     assert weights["weight_dtype"] == "awq int4 g128"
@@ -235,9 +317,25 @@ def test_plan_counts_an_awq_checkpoint_packed_and_says_so(tmp_path):
 def test_plan_reads_a_gguf_file_type_from_the_served_file(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(qwen_config()))
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", "0.11.0",
-                                       "--model-config", str(tmp_path), "--", "vllm", "serve",
-                                       "/models/qwen2.5-7b-instruct-q4_k_m.gguf", "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "H100",
+            "--vllm-version",
+            "0.11.0",
+            "--model-config",
+            str(tmp_path),
+            "--",
+            "vllm",
+            "serve",
+            "/models/qwen2.5-7b-instruct-q4_k_m.gguf",
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["plan"]["weights"]["weight_dtype"] == "gguf Q4_K_M"
 
@@ -245,9 +343,25 @@ def test_plan_reads_a_gguf_file_type_from_the_served_file(tmp_path):
 def plan_weights(tmp_path, config, *serve):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    result = CliRunner().invoke(main, ["plan", "--json", "--device", "H100", "--vllm-version", "0.11.0",
-                                       "--model-config", str(tmp_path), "--", "vllm", "serve", *serve,
-                                       "--max-model-len", "8192"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--json",
+            "--device",
+            "H100",
+            "--vllm-version",
+            "0.11.0",
+            "--model-config",
+            str(tmp_path),
+            "--",
+            "vllm",
+            "serve",
+            *serve,
+            "--max-model-len",
+            "8192",
+        ],
+    )
     assert result.exit_code == 0, result.output
     return json.loads(result.output)["plan"]["weights"]
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "exporter"))
 from kvguard.vllm.log import read_log_file  # noqa: E402
 
 GIB = 1 << 30
-GIB_TOLERANCE = 0.006 * GIB   # the log prints 0.01 GiB; a figure derived from two printed ones rounds twice
+GIB_TOLERANCE = 0.006 * GIB  # the log prints 0.01 GiB; a figure derived from two printed ones rounds twice
 
 with open(os.path.join(REAL, "MANIFEST.json"), encoding="utf-8") as _handle:
     MANIFEST = json.load(_handle)
@@ -64,11 +64,20 @@ FIGURES = {
     "max_concurrency": (("max_concurrency",), "float"),
     "refusal": (("refusal",), "exact"),
 }
-OOM_FIGURES = {"tried_gib": "tried_bytes", "total_gib": "total_bytes", "free_gib": "free_bytes",
-               "allocated_gib": "allocated_bytes", "reserved_gib": "reserved_bytes"}
+OOM_FIGURES = {
+    "tried_gib": "tried_bytes",
+    "total_gib": "total_bytes",
+    "free_gib": "free_bytes",
+    "allocated_gib": "allocated_bytes",
+    "reserved_gib": "reserved_bytes",
+}
 # Figures a log states only on the command line it quotes (not a log line): not the reader's to find.
-COMMAND_LINE_ONLY = {("r16", "gpu_memory_utilization"), ("r16", "max_model_len"), ("r19", "gpu_memory_utilization"),
-                     ("r34", "gpu_memory_utilization")}
+COMMAND_LINE_ONLY = {
+    ("r16", "gpu_memory_utilization"),
+    ("r16", "max_model_len"),
+    ("r19", "gpu_memory_utilization"),
+    ("r34", "gpu_memory_utilization"),
+}
 
 
 def _agrees(actual, expected, unit: str) -> bool:
@@ -123,8 +132,9 @@ def _score_oom(expected, log, result: Score) -> None:
         actual = oom.device if key == "device" else oom.step if key == "step" else getattr(oom, OOM_FIGURES[key])
         if actual is None:
             result.missed.append(label)
-        elif (key in ("device", "step") and actual == value) or \
-                (key not in ("device", "step") and abs(actual - value * GIB) <= max(GIB_TOLERANCE, value * GIB * 0.001)):
+        elif (key in ("device", "step") and actual == value) or (
+            key not in ("device", "step") and abs(actual - value * GIB) <= max(GIB_TOLERANCE, value * GIB * 0.001)
+        ):
             result.right.append(label)
         else:
             result.wrong.append(f"{label}: {actual} for {value}")
@@ -148,7 +158,7 @@ def check_run(entry, *flags: str) -> tuple[int, dict]:
 
     result = CliRunner().invoke(main, ["check", "--from-log", path_of(entry), "--json", *flags])
     assert "{" in result.output, (entry["id"], result.exit_code, result.output)
-    return result.exit_code, json.loads(result.output[result.output.index("{"):])
+    return result.exit_code, json.loads(result.output[result.output.index("{") :])
 
 
 def check_exit(entry) -> int:
@@ -201,7 +211,9 @@ def test_every_posted_log_is_read(entry):
     assert log.lines_matched > 0 or log.ooms, entry["id"]
 
 
-@pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]])
+@pytest.mark.parametrize(
+    "entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]]
+)
 def test_no_stated_figure_is_misread(entry):
     result = score(entry, read(entry))
     assert result.wrong == []
@@ -217,8 +229,11 @@ def test_at_most_two_percent_of_the_tuned_figures_are_missed():
     assert missed <= 0.02 * (right + missed), (right, missed)
 
 
-@pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"] and e["era"]],
-                         ids=[e["id"] for e in LOGS if not e["held_out"] and e["era"]])
+@pytest.mark.parametrize(
+    "entry",
+    [e for e in LOGS if not e["held_out"] and e["era"]],
+    ids=[e["id"] for e in LOGS if not e["held_out"] and e["era"]],
+)
 def test_the_era_is_never_wrong(entry):
     assert era_outcome(entry, read(entry)) in ("pinned", "range")
 
@@ -234,7 +249,9 @@ def test_the_engine_is_told_from_its_own_lines(entry):
     assert read(entry).project == entry["project"]
 
 
-@pytest.mark.parametrize("entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]])
+@pytest.mark.parametrize(
+    "entry", [e for e in LOGS if not e["held_out"]], ids=[e["id"] for e in LOGS if not e["held_out"]]
+)
 def test_check_calls_refusals_and_ooms_critical_and_healthy_startups_not(entry):
     code, data = check_run(entry)
     assert verdict_right(entry, code, data["state"]), entry["outcome"]
@@ -255,8 +272,10 @@ def test_the_two_line_0_6_4_profile_matches_two_lines_through_the_file_reader(tm
     # 0.6.5's "total_gpu_memory" and "gpu_memory_utilization" figures end at the line's end: a reader that
     # kept each line's newline matched neither.
     path = tmp_path / "two.log"
-    path.write_text("INFO 12-13 19:54:18 worker.py:243] total_gpu_memory     79.22GiB\n"
-                    "INFO 12-13 19:54:18 worker.py:243] gpu_memory_utilization       0.90\r\n")
+    path.write_text(
+        "INFO 12-13 19:54:18 worker.py:243] total_gpu_memory     79.22GiB\n"
+        "INFO 12-13 19:54:18 worker.py:243] gpu_memory_utilization       0.90\r\n"
+    )
     log = read_log_file(str(path))
     assert log.lines_matched == 2
     assert (round(log.total_memory_bytes / GIB, 2), log.gpu_memory_utilization) == (79.22, 0.9)
@@ -281,10 +300,16 @@ def rates(held_out: bool) -> dict[str, str]:
         code, data = check_run(entry)
         verdicts += verdict_right(entry, code, data["state"])
     figures = right + missed + wrong
-    return {"logs": str(len(chosen)), "read": f"{read_ok}/{len(chosen)}",
-            "figures right": f"{right}/{figures}", "missed": str(missed), "wrong": str(wrong),
-            "era right": f"{in_range}/{era_known}", "era pinned": f"{pinned}/{era_known}",
-            "verdict right": f"{verdicts}/{len(chosen)}"}
+    return {
+        "logs": str(len(chosen)),
+        "read": f"{read_ok}/{len(chosen)}",
+        "figures right": f"{right}/{figures}",
+        "missed": str(missed),
+        "wrong": str(wrong),
+        "era right": f"{in_range}/{era_known}",
+        "era pinned": f"{pinned}/{era_known}",
+        "verdict right": f"{verdicts}/{len(chosen)}",
+    }
 
 
 if __name__ == "__main__":
@@ -298,11 +323,11 @@ if __name__ == "__main__":
 def check_json(log_id: str, *flags: str):
     from click.testing import CliRunner
 
-    from kvguard.cli import main
     import kvguard.cli.serve  # noqa: F401
+    from kvguard.cli import main
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, log_id + ".log"), "--json", *flags])
-    return result.exit_code, (json.loads(result.output[result.output.index("{"):]) if "{" in result.output else None)
+    return result.exit_code, (json.loads(result.output[result.output.index("{") :]) if "{" in result.output else None)
 
 
 def test_an_oom_during_graph_capture_is_an_overrun_with_the_budget_that_would_have_fit():
@@ -332,14 +357,14 @@ def test_a_hip_oom_with_more_free_than_asked_is_a_limit_other_than_free_memory()
 
 
 def test_a_refusal_says_what_utilization_would_have_fit():
-    code, data = check_json("r11")   # vLLM 0.9.1: 31.44 of 47.38 GiB free, 0.95 asked
+    code, data = check_json("r11")  # vLLM 0.9.1: 31.44 of 47.38 GiB free, 0.95 asked
     finding = data["log"]["findings"][0]
     assert code == 2 and finding["code"] == "vllm_refused"
     assert "--gpu-memory-utilization 0.66 would fit" in finding["message"]
 
 
 def test_a_log_without_the_profile_exits_3_and_names_the_flags_that_supply_it():
-    code, data = check_json("r04")   # two bare lines: the KV cache and its tokens
+    code, data = check_json("r04")  # two bare lines: the KV cache and its tokens
     assert (code, data["state"], data["ranks"][0]["state"]) == (3, "unknown", "unknown")
     assert "--total-memory / --gpu-memory-utilization" in data["ranks"][0]["reasons"][0]["message"]
 
@@ -347,8 +372,8 @@ def test_a_log_without_the_profile_exits_3_and_names_the_flags_that_supply_it():
 def test_a_total_memory_without_its_unit_is_refused_as_budget_refuses_it():
     from click.testing import CliRunner
 
-    from kvguard.cli import main
     import kvguard.cli.serve  # noqa: F401
+    from kvguard.cli import main
 
     result = CliRunner().invoke(main, ["check", "--from-log", os.path.join(REAL, "r02.log"), "--total-memory", "64"])
     assert result.exit_code == 3

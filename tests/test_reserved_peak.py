@@ -11,7 +11,8 @@ guard counts the peak where it is higher, and ``kvguard check`` and ``/guard`` s
 The engine here is a scripted stand-in that measures in vllm-mindspore's order (cited below) on tests/fake_vllm's
 device (2 GiB pool segments), with ``mindspore.runtime``'s memory calls answered from that device, so that check,
 /guard and the failure paths can be driven quickly; the real vllm-mindspore 0.5.1 (its own ms_memory_profiling on
-MindSpore 2.7.1) shows the same blind spot in tests/test_mindspore_real.py. The last test puts MindSpore 2.7.1's own compiled pool (oracles/mindspore)
+MindSpore 2.7.1) shows the same blind spot in tests/test_mindspore_real.py. The last test puts MindSpore 2.7.1's own
+compiled pool (oracles/mindspore)
 under the same run: the real pool's reserved figure falls mid-run while its max reserved statistic stays.
 """
 
@@ -27,20 +28,21 @@ import types
 
 import pytest
 
-pytest.importorskip("torch")   # tests/fake_vllm's Worker keeps vLLM's @torch.inference_mode()
-
-from kvguard.allocators.ops import Op  # noqa: E402
-from kvguard.records import ReservedPeak  # noqa: E402
-from kvguard.sources import register as register_source, unregister  # noqa: E402
-from kvguard.sources.mindspore import device_memory_from_stats  # noqa: E402
-from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
+pytest.importorskip("torch")  # tests/fake_vllm's Worker keeps vLLM's @torch.inference_mode()
 
 from helpers import invoke  # noqa: E402
 from sidecar_fixtures import http_get, start_server  # noqa: E402
 from test_vllm_plugin import fake_vllm, snapshots  # noqa: E402,F401 - fake_vllm is a fixture
 
+from kvguard.allocators.ops import Op  # noqa: E402
+from kvguard.records import ReservedPeak  # noqa: E402
+from kvguard.sources import register as register_source  # noqa: E402
+from kvguard.sources import unregister
+from kvguard.sources.mindspore import device_memory_from_stats  # noqa: E402
+from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
+
 GIB, MIB = 1 << 30, 1 << 20
-UTILIZATION = 0.85      # below the point where MindSpore's pool budget (15/16 of free memory) binds first
+UTILIZATION = 0.85  # below the point where MindSpore's pool budget (15/16 of free memory) binds first
 
 
 def _device():
@@ -49,6 +51,7 @@ def _device():
 
 
 # ---------------------------------------------------------------------------- the engine
+
 
 @contextlib.contextmanager
 def ms_memory_profiling(baseline_snapshot, weights_memory):
@@ -84,8 +87,9 @@ def determine_available_memory(self):
     """vllm/v1/worker/gpu_worker.py 0.11.0:254-276, the lines the budget takes."""
     _device().empty_cache()
     _device().reset_peak_memory_stats()
-    with memory_profiling(self.init_snapshot,
-                          weights_memory=int(self.model_runner.model_memory_usage)) as profile_result:
+    with memory_profiling(
+        self.init_snapshot, weights_memory=int(self.model_runner.model_memory_usage)
+    ) as profile_result:
         self.model_runner.profile_run()
     self.non_torch_memory = profile_result.non_torch_increase
     self.peak_activation_memory = profile_result.torch_peak_increase
@@ -110,6 +114,7 @@ class ProfileRun:
     def get_kv_cache_spec(self):
         """Four layers of 8 KV heads of 128 (tests/fake_vllm): what the budget-time verdict places."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec
+
         spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_size=2)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(4)}
 
@@ -152,8 +157,12 @@ class FakeMindSporeRuntime(types.ModuleType):
 
     def memory_stats(self):
         device = _device()
-        return {"total_reserved_memory": device.reserved, "total_allocated_memory": device.allocated,
-                "max_reserved_memory": device.peak_reserved, "max_allocated_memory": device.peak_allocated}
+        return {
+            "total_reserved_memory": device.reserved,
+            "total_allocated_memory": device.allocated,
+            "max_reserved_memory": device.peak_reserved,
+            "max_allocated_memory": device.peak_allocated,
+        }
 
 
 class FakeMindSporeSource:
@@ -163,8 +172,11 @@ class FakeMindSporeSource:
 
     def sample(self):
         free, total = _device().mem_get_info()
-        return [device_memory_from_stats(sys.modules["mindspore.runtime"].memory_stats(), "npu:0",
-                                         free_bytes=free, total_bytes=total)]
+        return [
+            device_memory_from_stats(
+                sys.modules["mindspore.runtime"].memory_stats(), "npu:0", free_bytes=free, total_bytes=total
+            )
+        ]
 
 
 @pytest.fixture
@@ -176,8 +188,7 @@ def engine(fake_vllm, monkeypatch):  # noqa: F811 - the fixture imported above
     mindspore.runtime = runtime
     vllm_mindspore = types.ModuleType("vllm_mindspore")
     vllm_mindspore.__version__ = "0.5.1"
-    for name, module in (("mindspore", mindspore), ("mindspore.runtime", runtime),
-                         ("vllm_mindspore", vllm_mindspore)):
+    for name, module in (("mindspore", mindspore), ("mindspore.runtime", runtime), ("vllm_mindspore", vllm_mindspore)):
         monkeypatch.setitem(sys.modules, name, module)
     register_source("fake-mindspore", FakeMindSporeSource, replace=True)
     monkeypatch.setenv("KVGUARD_SOURCE", "fake-mindspore")
@@ -226,14 +237,15 @@ def guard_rank(spool):
 
 # ---------------------------------------------------------------------------- a run that releases mid-run
 
+
 def test_a_run_that_releases_blocks_mid_run_records_the_peak_beside_the_end_of_run_figure(engine):
     # 2 GiB segments: two 1.5 GiB activations take +3 GiB allocated, +4 GiB reserved; the pool then hands
     # its cached segments back, and a last 1 GiB activation leaves +2 GiB reserved when the run ends.
     worker = engine(ProfileRun(activations=(1536 * MIB, 1536 * MIB), release=True))
     available = worker.determine_available_memory()
-    assert available == stock_budget(16 * GIB, 2 * GIB)      # vllm-mindspore's budget, untouched (stock)
+    assert available == stock_budget(16 * GIB, 2 * GIB)  # vllm-mindspore's budget, untouched (stock)
     [snap] = snapshots(engine.spool)
-    assert snap.profile.peak_reserved_increase_bytes == 2 * GIB          # what vllm-mindspore measured
+    assert snap.profile.peak_reserved_increase_bytes == 2 * GIB  # what vllm-mindspore measured
     assert snap.reserved_peak == ReservedPeak(measured_increase_bytes=2 * GIB, peak_increase_bytes=4 * GIB)
     # the end-of-run increase (2) < the allocated peak (3) < the reserved peak (4)
     assert snap.profile.peak_reserved_increase_bytes < 3 * GIB < snap.reserved_peak.peak_increase_bytes
@@ -315,7 +327,7 @@ def test_a_peak_that_cannot_be_read_is_absent_counted_and_said(engine, monkeypat
 
 def test_other_engines_make_no_mindspore_call_and_record_no_peak(fake_vllm, monkeypatch):  # noqa: F811
     runtime = FakeMindSporeRuntime()
-    monkeypatch.setitem(sys.modules, "mindspore.runtime", runtime)    # importable, but vLLM's own worker runs
+    monkeypatch.setitem(sys.modules, "mindspore.runtime", runtime)  # importable, but vLLM's own worker runs
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     vllm_plugin.register()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
@@ -330,6 +342,7 @@ def test_other_engines_make_no_mindspore_call_and_record_no_peak(fake_vllm, monk
 
 # ---------------------------------------------------------------------------- MindSpore's real pool
 
+
 class RealPool:
     """MindSpore 2.7.1's compiled pool (oracles/mindspore, the allocator issue's oracle) as the device:
     every figure is the real pool's after the ops so far (the stream is replayed from its start for each
@@ -337,20 +350,25 @@ class RealPool:
 
     def __init__(self, version, total=64 * GIB, non_torch=1 * GIB):
         from test_oracle_mindspore import oracle, oracle_client
-        oracle(version)         # built, or the test fails (skips under KVGUARD_SKIP_ORACLES=1) saying how
+
+        oracle(version)  # built, or the test fails (skips under KVGUARD_SKIP_ORACLES=1) saying how
         self.client, self.version = oracle_client, version
         self.total, self.non_torch = total, non_torch
         self.ops: list[Op] = []
         self._records: list[dict] = []
-        self._lock = threading.Lock()      # the probe's thread reads too; the oracle serves one stream at once
+        self._lock = threading.Lock()  # the probe's thread reads too; the oracle serves one stream at once
 
     def _last(self):
         with self._lock:
             if len(self._records) != len(self.ops):
-                _, self._records = self.client.replay(self.version, list(self.ops), free=self.total - self.non_torch,
-                                                      vmm=False, task_sink=True)
-        return self._records[-1] if self._records else {"reserved_bytes": 0, "allocated_bytes": 0,
-                                                         "peak_reserved_bytes": 0, "peak_allocated_bytes": 0}
+                _, self._records = self.client.replay(
+                    self.version, list(self.ops), free=self.total - self.non_torch, vmm=False, task_sink=True
+                )
+        return (
+            self._records[-1]
+            if self._records
+            else {"reserved_bytes": 0, "allocated_bytes": 0, "peak_reserved_bytes": 0, "peak_allocated_bytes": 0}
+        )
 
     @property
     def history(self):
@@ -396,8 +414,10 @@ def test_the_real_pool_releases_blocks_mid_run_and_its_max_reserved_stays_at_the
     pool = RealPool(PINNED)
     # The issue's shape on MindSpore's own pool (no VMM): 14 GiB of weights; 1.5 + 1.5 + 1 GiB of
     # activations; an empty_cache mid-run; a last 1.5 GiB activation.
-    worker = engine(ProfileRun(activations=(1536 * MIB, 1536 * MIB, 1024 * MIB), release=True, then=1536 * MIB,
-                               weights=14 * GIB), device=pool)
+    worker = engine(
+        ProfileRun(activations=(1536 * MIB, 1536 * MIB, 1024 * MIB), release=True, then=1536 * MIB, weights=14 * GIB),
+        device=pool,
+    )
     start = len(pool.ops)
     worker.determine_available_memory()
     run = pool.history[start:]
@@ -412,36 +432,47 @@ def test_the_real_pool_releases_blocks_mid_run_and_its_max_reserved_stays_at_the
     [snap] = snapshots(engine.spool)
     measured = snap.profile.peak_reserved_increase_bytes
     allocated_peak = pool._records[-1]["peak_allocated_bytes"] - 14 * GIB
-    assert snap.reserved_peak == ReservedPeak(measured_increase_bytes=measured,
-                                              peak_increase_bytes=peak - reserved_start)
-    assert measured < allocated_peak < peak - reserved_start      # measured 2 GiB < 4 GiB < 5 GiB on 2.7.1
+    assert snap.reserved_peak == ReservedPeak(
+        measured_increase_bytes=measured, peak_increase_bytes=peak - reserved_start
+    )
+    assert measured < allocated_peak < peak - reserved_start  # measured 2 GiB < 4 GiB < 5 GiB on 2.7.1
     [line] = [line for line in check(engine.spool)[1].splitlines() if "reserved peak:" in line]
     assert "released blocks during the run" in line
 
 
 # ---------------------------------------------------------------------------- the snapshot field
 
+
 def test_the_snapshot_field_round_trips_and_hostile_values_are_refused():
     import dataclasses
 
-    from kvguard.spool.schema import Snapshot, SnapshotError, decode_snapshot
     from sidecar_fixtures import snapshot
 
     from kvguard.guard.judge import BUDGET, Verdict
+    from kvguard.spool.schema import Snapshot, SnapshotError, decode_snapshot
 
     at_budget = Verdict(state="ok", reasons=(), phase=BUDGET, reserved_peak_note="\x1b[31mreleased")
-    snap = dataclasses.replace(snapshot(), reserved_peak=ReservedPeak(2 * GIB, None, error="no\x00reading"),
-                               budget_verdict=at_budget)
+    snap = dataclasses.replace(
+        snapshot(), reserved_peak=ReservedPeak(2 * GIB, None, error="no\x00reading"), budget_verdict=at_budget
+    )
     data = json.loads(json.dumps(snap.to_dict()))
-    assert data["reserved_peak"] == {"measured_increase_bytes": 2 * GIB, "peak_increase_bytes": None,
-                                     "error": "no\x00reading"}
+    assert data["reserved_peak"] == {
+        "measured_increase_bytes": 2 * GIB,
+        "peak_increase_bytes": None,
+        "error": "no\x00reading",
+    }
     decoded = Snapshot.from_dict(data)
     assert decoded.reserved_peak.measured_increase_bytes == 2 * GIB and "\x00" not in decoded.reserved_peak.error
-    assert "\x1b" not in decoded.budget_verdict.reserved_peak_note       # text from a file is made safe
+    assert "\x1b" not in decoded.budget_verdict.reserved_peak_note  # text from a file is made safe
     del data["reserved_peak"]
-    assert Snapshot.from_dict(data).reserved_peak is None            # an older snapshot
-    for bad in ({"measured_increase_bytes": -1}, {"peak_increase_bytes": True}, {"peak_increase_bytes": 1 << 64},
-                {"error": 7}, [1, 2]):
+    assert Snapshot.from_dict(data).reserved_peak is None  # an older snapshot
+    for bad in (
+        {"measured_increase_bytes": -1},
+        {"peak_increase_bytes": True},
+        {"peak_increase_bytes": 1 << 64},
+        {"error": 7},
+        [1, 2],
+    ):
         data["reserved_peak"] = bad
         with pytest.raises(SnapshotError) as info:
             decode_snapshot(json.dumps(data).encode())
@@ -451,8 +482,14 @@ def test_the_snapshot_field_round_trips_and_hostile_values_are_refused():
 def test_a_budget_verdict_with_a_note_round_trips_and_a_non_text_note_is_refused():
     from kvguard.guard.judge import BUDGET, Verdict
 
-    verdict = Verdict(state="ok", reasons=(), phase=BUDGET, reserved_increase_measured_bytes=2 * GIB,
-                      reserved_peak_increase_bytes=4 * GIB, reserved_peak_note="the pool released blocks")
+    verdict = Verdict(
+        state="ok",
+        reasons=(),
+        phase=BUDGET,
+        reserved_increase_measured_bytes=2 * GIB,
+        reserved_peak_increase_bytes=4 * GIB,
+        reserved_peak_note="the pool released blocks",
+    )
     assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict()))) == verdict
     with pytest.raises(ValueError, match="reserved_peak_note"):
         Verdict.from_dict({**verdict.to_dict(), "reserved_peak_note": 5})

@@ -5,9 +5,15 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from monitoring import (
-    ALERTS_FILE, KVGUARD_METRIC, RECORDING_FILE, RUNBOOK, alerts, documented_metrics, load_yaml, recording_rules,
+    ALERTS_FILE,
+    KVGUARD_METRIC,
+    RECORDING_FILE,
+    RUNBOOK,
+    alerts,
+    documented_metrics,
+    load_yaml,
+    recording_rules,
 )
 
 SEVERITIES = {"critical", "warning", "info"}
@@ -35,9 +41,15 @@ def test_alert_file_holds_only_alerts_and_recording_file_only_recording_rules():
 
 
 def test_required_alerts_exist():
-    required = {"KVGuardOOMRiskCritical", "KVGuardKVCacheOvercommitted", "KVGuardFragmentationHigh",
-                "KVGuardHeadroomLow", "KVGuardAllocRetriesClimbing", "KVGuardSnapshotStale",
-                "KVGuardExporterDown"}
+    required = {
+        "KVGuardOOMRiskCritical",
+        "KVGuardKVCacheOvercommitted",
+        "KVGuardFragmentationHigh",
+        "KVGuardHeadroomLow",
+        "KVGuardAllocRetriesClimbing",
+        "KVGuardSnapshotStale",
+        "KVGuardExporterDown",
+    }
     assert required <= set(ALERT_NAMES)
 
 
@@ -64,8 +76,11 @@ def test_runbook_url_is_the_alerts_section_on_the_labelled_page_else_on_a_sideca
     # host a Prometheus template (the alert's instance, or a query's); dashboards/tests/kvguard-alerts.test.yaml
     # checks what promtool expands it to without the label, tests/test_runbook_links.py what Prometheus does with it.
     url = alert["annotations"]["runbook_url"]
-    assert re.fullmatch(r"\{\{ with \$externalLabels\.kvguard_runbook_url \}\}\{\{ \. \}\}\{\{ else \}\}"
-                        r"http://\{\{ .* \}\}/runbook\{\{ end \}\}#" + alert["alert"].lower(), url), url
+    assert re.fullmatch(
+        r"\{\{ with \$externalLabels\.kvguard_runbook_url \}\}\{\{ \. \}\}\{\{ else \}\}"
+        r"http://\{\{ .* \}\}/runbook\{\{ end \}\}#" + alert["alert"].lower(),
+        url,
+    ), url
     assert "github.com" not in url
 
 
@@ -76,8 +91,10 @@ def test_every_alert_has_a_section_in_the_packaged_runbook():
 
 
 def test_github_anchor_of_a_heading_drops_punctuation_and_lowers_case():
-    assert github_anchors("## KVGuardOOMRiskCritical\n### Why: it's `slow`\n") == {"kvguardoomriskcritical",
-                                                                                 "why-its-slow"}
+    assert github_anchors("## KVGuardOOMRiskCritical\n### Why: it's `slow`\n") == {
+        "kvguardoomriskcritical",
+        "why-its-slow",
+    }
 
 
 def test_recording_rule_names_follow_level_metric_operations():

@@ -11,12 +11,18 @@ import sys
 
 import pytest
 import yaml
-
-from monitoring import (
-    ALERTS_FILE, CUSTOM_RULES_VALUES, KVGUARD_METRIC, RULE_FILES, RULES_DIR, RULES_GENERATOR, custom_rules_config,
-    load_yaml, rules_generator,
-)
 from conftest import ROOT
+from monitoring import (
+    ALERTS_FILE,
+    CUSTOM_RULES_VALUES,
+    KVGUARD_METRIC,
+    RULE_FILES,
+    RULES_DIR,
+    RULES_GENERATOR,
+    custom_rules_config,
+    load_yaml,
+    rules_generator,
+)
 
 GENERATOR = rules_generator()
 VALUES = os.path.join(ROOT, "helm", "kvguard", "values.yaml")
@@ -51,7 +57,9 @@ def test_regenerating_gives_the_committed_rules_and_chart_templates():
 def test_every_committed_rule_file_and_chart_template_is_generated():
     written = set(GENERATOR.outputs())
     assert {os.path.join(RULES_DIR, name) for name in os.listdir(RULES_DIR)} | {
-        GENERATOR.CHART_TEMPLATE, GENERATOR.JOINS_CHART_TEMPLATE} == written
+        GENERATOR.CHART_TEMPLATE,
+        GENERATOR.JOINS_CHART_TEMPLATE,
+    } == written
     assert set(RULE_FILES) <= written
 
 
@@ -84,9 +92,10 @@ def test_an_empty_runbook_url_is_the_default(tmp_path):
 
 
 def test_the_chart_template_carries_the_default_runbook_url_for_releases_without_a_service():
-    assert load_yaml(GENERATOR.CHART_TEMPLATE)["runbookUrl"] == GENERATOR.RUNBOOK_URL == \
-        GENERATOR.DEFAULTS["runbookUrl"]
-    assert "runbookUrl" not in load_yaml(GENERATOR.JOINS_CHART_TEMPLATE)     # no alerts there
+    assert (
+        load_yaml(GENERATOR.CHART_TEMPLATE)["runbookUrl"] == GENERATOR.RUNBOOK_URL == GENERATOR.DEFAULTS["runbookUrl"]
+    )
+    assert "runbookUrl" not in load_yaml(GENERATOR.JOINS_CHART_TEMPLATE)  # no alerts there
 
 
 def test_chart_schema_names_exactly_the_configs_thresholds_and_alerts():
@@ -105,8 +114,9 @@ def test_every_alert_with_a_for_duration_has_one_in_the_config():
 
 def test_a_config_changes_only_the_rules_it_names(tmp_path):
     default = generated(tmp_path / "default")
-    changed = generated(tmp_path / "changed", {"thresholds": {"headroomRatio": 0.2},
-                                               "for": {"KVGuardSnapshotStale": "7m"}})
+    changed = generated(
+        tmp_path / "changed", {"thresholds": {"headroomRatio": 0.2}, "for": {"KVGuardSnapshotStale": "7m"}}
+    )
     differing = {name for name in default if default[name] != changed[name]}
     assert differing == {"KVGuardHeadroomLow", "KVGuardSnapshotStale"}
     assert changed["KVGuardHeadroomLow"]["expr"].endswith("< 0.2")
@@ -117,7 +127,7 @@ def test_a_config_changes_only_the_rules_it_names(tmp_path):
 
 def selectors(expr: str, metric: re.Pattern) -> list[str]:
     """The matchers in braces after each series of metric in expr ('' where it has none)."""
-    return [re.match(r"\{([^}]*)\}|", expr[m.end():]).group(1) or "" for m in metric.finditer(expr)]
+    return [re.match(r"\{([^}]*)\}|", expr[m.end() :]).group(1) or "" for m in metric.finditer(expr)]
 
 
 def test_the_job_selector_is_on_every_kvguard_series_and_on_up(tmp_path):
@@ -127,12 +137,14 @@ def test_the_job_selector_is_on_every_kvguard_series_and_on_up(tmp_path):
         for matchers in selectors(rule["expr"], KVGUARD_METRIC):
             read += 1
             assert matchers == 'job="llm-guard"' or matchers.endswith(',job="llm-guard"'), (name, rule["expr"])
-    assert read == 31       # 7 alerts' 7 (2 read engine rules), 9 engine rules' 10, 11 pod-level, 3 joins
+    assert read == 31  # 7 alerts' 7 (2 read engine rules), 9 engine rules' 10, 11 pod-level, 3 joins
     assert rules["KVGuardExporterDown"]["expr"] == 'up{job="llm-guard"} == 0'
 
 
-@pytest.mark.parametrize("metric, key", [("DCGM_FI_DEV_FB_USED", "dcgmExporterSelector"),
-                                         ("npu_chip_info_hbm_used_memory", "npuExporterSelector")])
+@pytest.mark.parametrize(
+    "metric, key",
+    [("DCGM_FI_DEV_FB_USED", "dcgmExporterSelector"), ("npu_chip_info_hbm_used_memory", "npuExporterSelector")],
+)
 def test_each_exporter_selector_is_on_that_exporters_series_only(tmp_path, metric, key):
     selector = custom_rules_config()["deviceJoins"][key]
     default, custom = generated(tmp_path / "default"), generated(tmp_path / "custom", {"deviceJoins": {key: selector}})
@@ -147,15 +159,18 @@ def test_each_exporter_selector_is_on_that_exporters_series_only(tmp_path, metri
 def test_an_empty_job_selector_leaves_no_empty_matchers(tmp_path):
     rules = generated(tmp_path, {"jobSelector": ""})
     assert rules["KVGuardExporterDown"]["expr"] == "up == 0"
-    assert rules["kvguard:allocator_reserved_bytes:dcgm"]["expr"].startswith('kvguard_allocator_reserved_bytes'
-                                                                            '{device_uuid!=""}\n')
+    assert rules["kvguard:allocator_reserved_bytes:dcgm"]["expr"].startswith(
+        'kvguard_allocator_reserved_bytes{device_uuid!=""}\n'
+    )
     assert not [name for name, rule in rules.items() if ",}" in rule["expr"] or "{}" in rule["expr"]]
 
 
 def test_runbook_url_pattern_takes_the_alert_name_in_lower_case(tmp_path):
     rules = generated(tmp_path, custom_rules_config())
-    assert rules["KVGuardOOMRiskCritical"]["annotations"]["runbook_url"] == \
-        "https://runbooks.example.com/kvguard/kvguardoomriskcritical.html"
+    assert (
+        rules["KVGuardOOMRiskCritical"]["annotations"]["runbook_url"]
+        == "https://runbooks.example.com/kvguard/kvguardoomriskcritical.html"
+    )
 
 
 def test_a_chart_values_file_is_read_for_its_prometheus_rule_block(tmp_path):
@@ -172,18 +187,24 @@ def test_the_charts_own_values_file_is_a_config_giving_the_defaults(tmp_path):
         assert (tmp_path / os.path.basename(path)).read_text() == open(path).read()
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"thresholds": {"fragmentationRatoi": 0.5}}, "thresholds: unknown key(s): fragmentationRatoi"),
-    ({"jobSelectr": 'job="x"'}, "unknown config key(s): jobSelectr"),
-    ({"runbookUrl": "https://runbooks.example.com/kvguard"}, "runbookUrl: expected a URL with exactly one %s"),
-    ({"runbookUrl": "https://x/%s/%d"}, "runbookUrl: expected a URL with exactly one %s"),
-    ({"thresholds": {"headroomRatio": "5%"}}, "thresholds.headroomRatio: expected a number"),
-    ({"for": {"KVGuardHeadroomLow": "ten minutes"}}, "for.KVGuardHeadroomLow: expected a Prometheus duration"),
-    ({"for": {"KVGuardAllocatorOOMs": "5m"}}, "for: unknown key(s): KVGuardAllocatorOOMs"),
-    ({"thresholds": [0.5]}, "thresholds: expected a map"),
-    ({"deviceJoins": {"dcgmSelector": 'job="dcgm"'}}, "deviceJoins: unknown key(s): dcgmSelector"),
-    ({"deviceJoins": {"npuExporterSelector": ["job=npu"]}}, "deviceJoins.npuExporterSelector: expected label matchers"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"thresholds": {"fragmentationRatoi": 0.5}}, "thresholds: unknown key(s): fragmentationRatoi"),
+        ({"jobSelectr": 'job="x"'}, "unknown config key(s): jobSelectr"),
+        ({"runbookUrl": "https://runbooks.example.com/kvguard"}, "runbookUrl: expected a URL with exactly one %s"),
+        ({"runbookUrl": "https://x/%s/%d"}, "runbookUrl: expected a URL with exactly one %s"),
+        ({"thresholds": {"headroomRatio": "5%"}}, "thresholds.headroomRatio: expected a number"),
+        ({"for": {"KVGuardHeadroomLow": "ten minutes"}}, "for.KVGuardHeadroomLow: expected a Prometheus duration"),
+        ({"for": {"KVGuardAllocatorOOMs": "5m"}}, "for: unknown key(s): KVGuardAllocatorOOMs"),
+        ({"thresholds": [0.5]}, "thresholds: expected a map"),
+        ({"deviceJoins": {"dcgmSelector": 'job="dcgm"'}}, "deviceJoins: unknown key(s): dcgmSelector"),
+        (
+            {"deviceJoins": {"npuExporterSelector": ["job=npu"]}},
+            "deviceJoins.npuExporterSelector: expected label matchers",
+        ),
+    ],
+)
 def test_a_bad_config_is_refused_in_one_line(tmp_path, config, message):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -200,17 +221,32 @@ def test_a_missing_config_file_is_one_line(tmp_path):
 
 
 def test_thresholds_are_written_as_promql_numbers():
-    assert [GENERATOR.number(v) for v in (0, 1073741824, 1073741824.0, 0.3, 0.05, 1e-05, -2)] == \
-        ["0", "1073741824", "1073741824", "0.3", "0.05", "1e-05", "-2"]
+    assert [GENERATOR.number(v) for v in (0, 1073741824, 1073741824.0, 0.3, 0.05, 1e-05, -2)] == [
+        "0",
+        "1073741824",
+        "1073741824",
+        "0.3",
+        "0.05",
+        "1e-05",
+        "-2",
+    ]
 
 
-@pytest.mark.parametrize("template, expected", [
-    ("CHART_TEMPLATE", {"jobSelector", "for", "runbookUrl"} | {
-        f"thresholds.{name}" for name in GENERATOR.DEFAULTS["thresholds"]}),
-    ("JOINS_CHART_TEMPLATE", {"jobSelector"} | {f"deviceJoins.{name}" for name in GENERATOR.DEFAULTS["deviceJoins"]}),
-])
+@pytest.mark.parametrize(
+    "template, expected",
+    [
+        (
+            "CHART_TEMPLATE",
+            {"jobSelector", "for", "runbookUrl"} | {f"thresholds.{name}" for name in GENERATOR.DEFAULTS["thresholds"]},
+        ),
+        (
+            "JOINS_CHART_TEMPLATE",
+            {"jobSelector"} | {f"deviceJoins.{name}" for name in GENERATOR.DEFAULTS["deviceJoins"]},
+        ),
+    ],
+)
 def test_each_chart_template_keeps_its_placeholders_and_nothing_else_of_the_config(template, expected):
-    text = str(load_yaml(getattr(GENERATOR, template))["groups"])   # the rules, not the header's comments
+    text = str(load_yaml(getattr(GENERATOR, template))["groups"])  # the rules, not the header's comments
     assert set(re.findall(r"\$\{([^}]+)\}", text)) == expected
     assert "kvguard.*" not in text and "github.com" not in text
 
@@ -234,7 +270,7 @@ def alert_table(path: str) -> dict[str, tuple[str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("doc", [os.path.join("docs", "dashboards.md")])   # the README links there (issue 22)
+@pytest.mark.parametrize("doc", [os.path.join("docs", "dashboards.md")])  # the README links there (issue 22)
 def test_the_docs_alert_tables_give_the_default_for_and_severity_of_every_alert(doc):
     rules = load_yaml(ALERTS_FILE)["groups"][0]["rules"]
     expected = {a["alert"]: (GENERATOR.DEFAULTS["for"].get(a["alert"], "—"), a["labels"]["severity"]) for a in rules}

@@ -14,10 +14,18 @@ import sys
 
 import pytest
 import yaml
-
 from monitoring import (
-    CUSTOM_PROMTOOL_TESTS, JOINS_FILE, PROMTOOL_TESTS, RULE_FILES, RULES_GENERATOR, alerts, custom_rules_config,
-    load_yaml, promtool, recording_rules, rules,
+    CUSTOM_PROMTOOL_TESTS,
+    JOINS_FILE,
+    PROMTOOL_TESTS,
+    RULE_FILES,
+    RULES_GENERATOR,
+    alerts,
+    custom_rules_config,
+    load_yaml,
+    promtool,
+    recording_rules,
+    rules,
 )
 
 TEST_FILES = sorted(glob.glob(os.path.join(PROMTOOL_TESTS, "*.test.yaml")))
@@ -40,8 +48,12 @@ def alert_cases() -> dict[str, dict[str, int]]:
 
 
 def expressions_under_test() -> set[str]:
-    return {case["expr"].strip() for path in TEST_FILES for test in load_yaml(path)["tests"]
-            for case in test.get("promql_expr_test", [])}
+    return {
+        case["expr"].strip()
+        for path in TEST_FILES
+        for test in load_yaml(path)["tests"]
+        for case in test.get("promql_expr_test", [])
+    }
 
 
 def test_promtool_check_rules_passes_with_lint_fatal():
@@ -80,7 +92,7 @@ def test_every_recording_rule_has_a_promql_unit_test():
     assert not untested
 
 
-# ------------------------------------------------ a non-default config (helm/kvguard/ci/sidecar-custom-rules-values.yaml)
+# ---------------------------------------- a non-default config (helm/kvguard/ci/sidecar-custom-rules-values.yaml)
 
 CUSTOM_TEST_FILES = sorted(glob.glob(os.path.join(CUSTOM_PROMTOOL_TESTS, "*.test.yaml")))
 
@@ -90,8 +102,12 @@ def custom_rules(directory, config: dict) -> str:
     rules_dir = directory / "rules"
     rules_dir.mkdir(parents=True)
     (directory / "config.yaml").write_text(yaml.safe_dump(config))
-    result = subprocess.run([sys.executable, RULES_GENERATOR, "--config", str(directory / "config.yaml"),
-                             "--output-dir", str(rules_dir)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, RULES_GENERATOR, "--config", str(directory / "config.yaml"), "--output-dir", str(rules_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     for path in CUSTOM_TEST_FILES:
         shutil.copy(path, directory)
@@ -138,14 +154,21 @@ def test_the_custom_tests_fail_with_default_thresholds_and_for_exactly_where_tho
     result = run("test", "rules", str(tmp_path / "kvguard-alerts.test.yaml"))
     assert result.returncode != 0
     assert failed_cases(result.stdout + result.stderr) == {
-        ("KVGuardOOMRiskCritical", "4m"), ("KVGuardOOMRiskCritical", "6m"),           # fires after 2m
-        ("KVGuardKVCacheOvercommitted", "20m"), ("KVGuardKVCacheOvercommitted", "35m"),  # 256 MiB > 0, 15m
-        ("KVGuardFragmentationHigh", "20m"), ("KVGuardFragmentationHigh", "35m"),    # 40% and 2 GiB fire
-        ("KVGuardHeadroomLow", "21m"),                                               # 8% is over 5%
-        ("KVGuardAllocRetriesClimbing", "15m"), ("KVGuardAllocRetriesClimbing", "26m"),  # 0.017/s > 0
-        ("KVGuardSnapshotStale", "7m"), ("KVGuardSnapshotStale", "11m"),
-        ("KVGuardSourceDown", "15m"), ("KVGuardSourceDown", "21m"),
-        ("KVGuardExporterDown", "7m"), ("KVGuardExporterDown", "11m"),
+        ("KVGuardOOMRiskCritical", "4m"),
+        ("KVGuardOOMRiskCritical", "6m"),  # fires after 2m
+        ("KVGuardKVCacheOvercommitted", "20m"),
+        ("KVGuardKVCacheOvercommitted", "35m"),  # 256 MiB > 0, 15m
+        ("KVGuardFragmentationHigh", "20m"),
+        ("KVGuardFragmentationHigh", "35m"),  # 40% and 2 GiB fire
+        ("KVGuardHeadroomLow", "21m"),  # 8% is over 5%
+        ("KVGuardAllocRetriesClimbing", "15m"),
+        ("KVGuardAllocRetriesClimbing", "26m"),  # 0.017/s > 0
+        ("KVGuardSnapshotStale", "7m"),
+        ("KVGuardSnapshotStale", "11m"),
+        ("KVGuardSourceDown", "15m"),
+        ("KVGuardSourceDown", "21m"),
+        ("KVGuardExporterDown", "7m"),
+        ("KVGuardExporterDown", "11m"),
     }
 
 
@@ -162,8 +185,10 @@ def test_the_custom_join_tests_fail_with_the_default_exporter_selectors(tmp_path
     result = run("test", "rules", str(tmp_path / "kvguard-joins.test.yaml"))
     assert result.returncode != 0
     assert failed_exprs(result.stdout + result.stderr) == {
-        "kvguard:dcgm_fb_used_bytes", "kvguard:gpu_outside_allocator_bytes:dcgm",   # the canary's 75000 MiB
-        "kvguard:npu_hbm_used_bytes:npu_exporter", "kvguard:device_used_bytes:npu_exporter",  # 2 chips at C1
+        "kvguard:dcgm_fb_used_bytes",
+        "kvguard:gpu_outside_allocator_bytes:dcgm",  # the canary's 75000 MiB
+        "kvguard:npu_hbm_used_bytes:npu_exporter",
+        "kvguard:device_used_bytes:npu_exporter",  # 2 chips at C1
     }
 
 

@@ -22,12 +22,10 @@ import urllib.request
 
 import pytest
 import yaml
-
+from conftest import ROOT
 from monitoring import ALERTS_FILE, alerts, load_yaml
 from sidecar_fixtures import free_port
 from test_prometheus_e2e import PROMETHEUS, STARTUP_DEADLINE, Stack, poll, stop
-
-from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "dashboards"))
 import rules  # noqa: E402  (dashboards/rules.py)
@@ -44,19 +42,24 @@ def every_alert_firing_while_the_exporter_is_down() -> dict:
             if "alert" in rule:
                 rule.pop("for", None)
                 if rule["alert"] == "KVGuardExporterDown":
-                    assert rule["expr"] == DOWN     # its own expression, as committed
+                    assert rule["expr"] == DOWN  # its own expression, as committed
                 rule["expr"] = DOWN
     return data
 
 
 @contextlib.contextmanager
 def served(folder, port: int):
-    process = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                                "--directory", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        poll("the runbook pages to be served",
-             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/index.html", timeout=2).status == 200,
-             STARTUP_DEADLINE)
+        poll(
+            "the runbook pages to be served",
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/index.html", timeout=2).status == 200,
+            STARTUP_DEADLINE,
+        )
         yield f"http://127.0.0.1:{port}/index.html"
     finally:
         stop(process)
@@ -67,22 +70,38 @@ def prometheus(work, rule_file: str, external_labels: dict[str, str], target: st
     if not os.access(PROMETHEUS, os.X_OK):
         pytest.fail("prometheus not found: ./dev.sh test installs Debian's prometheus package")
     port = free_port()
-    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s",
-                         "external_labels": external_labels},
-              "rule_files": [rule_file],
-              "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [target]}]}]}
+    config = {
+        "global": {
+            "scrape_interval": "1s",
+            "scrape_timeout": "1s",
+            "evaluation_interval": "1s",
+            "external_labels": external_labels,
+        },
+        "rule_files": [rule_file],
+        "scrape_configs": [{"job_name": "kvguard", "static_configs": [{"targets": [target]}]}],
+    }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     with open(work / "prometheus.log", "wb") as log:
         process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                PROMETHEUS,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
+
             def ready() -> bool:
                 if process.poll() is not None:
                     pytest.fail(f"prometheus exited: {(work / 'prometheus.log').read_text(errors='replace')[-2000:]}")
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as response:
                     return response.status == 200
+
             poll("Prometheus to be ready", ready, STARTUP_DEADLINE)
             yield Stack(f"http://127.0.0.1:{port}", "")
         finally:
@@ -103,14 +122,17 @@ def fired(tmp_path_factory):
     for name, text in runbook.pages().items():
         (work / "pages" / name).write_text(text, encoding="utf-8")
     (work / "alerts.yaml").write_text(yaml.safe_dump(every_alert_firing_while_the_exporter_is_down()))
-    down = f"127.0.0.1:{free_port()}"        # nothing listens there
-    with served(work / "pages", free_port()) as page, \
-            prometheus(work, str(work / "alerts.yaml"), {rules.RUNBOOK_LABEL: page}, down) as stack:
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with (
+        served(work / "pages", free_port()) as page,
+        prometheus(work, str(work / "alerts.yaml"), {rules.RUNBOOK_LABEL: page}, down) as stack,
+    ):
         names = {a["alert"] for a in alerts()}
 
         def all_firing():
-            found = {a["labels"]["alertname"]: a for a in stack.api("alerts")["data"]["alerts"]
-                     if a["state"] == "firing"}
+            found = {
+                a["labels"]["alertname"]: a for a in stack.api("alerts")["data"]["alerts"] if a["state"] == "firing"
+            }
             return found if set(found) == names else None
 
         found = poll("every alert to fire", all_firing, STARTUP_DEADLINE)
@@ -141,7 +163,7 @@ def test_every_alerts_link_opens_its_section_without_credentials(fired):
 def test_the_exporter_down_link_is_not_on_the_exporter_that_is_down(fired):
     urls, _, down = fired
     assert urllib.parse.urlsplit(urls["KVGuardExporterDown"]).netloc != down
-    with pytest.raises(urllib.error.URLError):     # and that exporter answers nothing
+    with pytest.raises(urllib.error.URLError):  # and that exporter answers nothing
         urllib.request.urlopen(f"http://{down}/runbook", timeout=2)
 
 

@@ -22,7 +22,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from conftest import ROOT
 from monitoring import rules_generator
 from test_attach_upstream import validate_core
@@ -56,8 +55,13 @@ def test_every_threshold_the_rules_compare_against_is_in_the_runbook():
 
 def test_the_packaged_runbook_says_the_shipped_rules_numbers():
     packaged = open(runbook.PACKAGED, encoding="utf-8").read()
-    alerts = {rule["alert"]: rule for group in yaml.safe_load(open(os.path.join(ROOT, "dashboards", "rules",
-              "kvguard-alerts.yaml"), encoding="utf-8"))["groups"] for rule in group["rules"]}
+    alerts = {
+        rule["alert"]: rule
+        for group in yaml.safe_load(
+            open(os.path.join(ROOT, "dashboards", "rules", "kvguard-alerts.yaml"), encoding="utf-8")
+        )["groups"]
+        for rule in group["rules"]
+    }
     section = dict(re.findall(r"^## (\S+)\n(.*?)(?=^## |\Z)", packaged, flags=re.M | re.S))
     assert "> 0.3" in alerts["KVGuardFragmentationHigh"]["expr"]
     assert "kvguard_allocator_fragmentation_ratio > 0.3" in section["KVGuardFragmentationHigh"]
@@ -68,8 +72,10 @@ def test_the_packaged_runbook_says_the_shipped_rules_numbers():
 
 
 def test_a_config_of_ones_own_changes_the_text():
-    filled = runbook.fill(open(runbook.TEMPLATE, encoding="utf-8").read(),
-                          {"thresholds": {"headroomRatio": 0.08}, "for": {"KVGuardExporterDown": "7m"}})
+    filled = runbook.fill(
+        open(runbook.TEMPLATE, encoding="utf-8").read(),
+        {"thresholds": {"headroomRatio": 0.08}, "for": {"KVGuardExporterDown": "7m"}},
+    )
     assert "a share of 0.08 of its device" in filled and "For 7m Prometheus" in filled
 
 
@@ -81,6 +87,7 @@ def test_the_docs_copy_links_resolve_from_docs():
 
 
 # ---------------------------------------------------------------------- the chart's pages
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
@@ -101,8 +108,9 @@ def _serve(docs: list[dict], folder) -> tuple[subprocess.Popen, int]:
     command[command.index(str(container["ports"][0]["containerPort"]))] = str(port)
     command[command.index(mount)] = str(folder)
     assert command[:3] == ["python", "-m", "http.server"]
-    process = subprocess.Popen([sys.executable, *command[1:], "--bind", "127.0.0.1"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, *command[1:], "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -132,7 +140,7 @@ def test_every_alerts_runbook_link_opens_its_own_section_without_credentials(clu
         for name, rule in alerts.items():
             url = urllib.parse.urlsplit(rule["annotations"]["runbook_url"])
             assert url.scheme == "http" and not url.username and not url.password
-            assert url.hostname == "kv-kvguard-runbook.serving.svc"      # the runbook Service, no sidecar
+            assert url.hostname == "kv-kvguard-runbook.serving.svc"  # the runbook Service, no sidecar
             with urllib.request.urlopen(f"http://127.0.0.1:{port}{url.path}", timeout=10) as answer:
                 assert answer.status == 200
                 page = html.unescape(answer.read().decode())
@@ -151,8 +159,14 @@ def test_the_exporter_down_link_is_not_on_an_exporter(cluster_docs):
 
 
 def test_the_pages_say_the_releases_own_thresholds(tmp_path):
-    docs = render(None, *CLUSTER, "--set-json", "prometheusRule.thresholds.headroomRatio=0.08",
-                  "--set", "prometheusRule.for.KVGuardHeadroomLow=20m")
+    docs = render(
+        None,
+        *CLUSTER,
+        "--set-json",
+        "prometheusRule.thresholds.headroomRatio=0.08",
+        "--set",
+        "prometheusRule.for.KVGuardHeadroomLow=20m",
+    )
     rule = _alerts(docs)["KVGuardHeadroomLow"]
     assert "< 0.08" in rule["expr"] and rule["for"] == "20m"
     process, port = _serve(docs, tmp_path)

@@ -14,7 +14,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from conftest import ROOT
 from sidecar_fixtures import free_port
 
@@ -43,9 +42,27 @@ def serve(tmp_path):
         password.write_text(PASSWORD)
         port = free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", str(port),
-             "--source", "none", "--basic-auth-user", "prometheus", "--basic-auth-password-file", str(password),
-             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "kvguard",
+                "serve",
+                "--listen",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--source",
+                "none",
+                "--basic-auth-user",
+                "prometheus",
+                "--basic-auth-password-file",
+                str(password),
+                *flags,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         started.append(process)
         deadline = time.monotonic() + 30
         while True:
@@ -56,6 +73,7 @@ def serve(tmp_path):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
     yield start
     for process in started:
         process.send_signal(signal.SIGTERM)

@@ -13,12 +13,12 @@ import time
 import urllib.request
 
 import pytest
-
-from kvguard.cli import serve as cli_serve
 from helpers import invoke
 from monitoring import promtool
 from sidecar_fixtures import free_port, snapshot, write
 from test_collector_vllm import FakeVllm
+
+from kvguard.cli import serve as cli_serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,18 +77,21 @@ def test_check_exits_3_with_nothing_to_check():
 
 def test_check_on_an_empty_spool_is_unknown_with_the_no_ranks_reason_guard_gives(tmp_path):
     result = check("--spool-dir", str(tmp_path))
-    assert result.exit_code == 3   # UNKNOWN: no verdict, never ok
-    assert result.output == f"UNKNOWN  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot " \
-                            f"say the KV cache fits\n"
+    assert result.exit_code == 3  # UNKNOWN: no verdict, never ok
+    assert (
+        result.output == f"UNKNOWN  no_ranks: no rank judged (no snapshots in {tmp_path}): the guard cannot "
+        f"say the KV cache fits\n"
+    )
     data = json.loads(check("--spool-dir", str(tmp_path), "--json").output)
-    assert data["state"] == "unknown" and data["ranks"] == []   # the JSON says what exit 3 says
+    assert data["state"] == "unknown" and data["ranks"] == []  # the JSON says what exit 3 says
     assert [r["code"] for r in data["reasons"]] == ["no_ranks"]
 
 
 def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
-    result = check("--from-log", os.path.join(ROOT, "exporter", "kvguard", "examples",
-                                              "vllm-mindspore-qwen2.5-7b.log"), "--json")
-    assert result.exit_code == 3, result.output   # could not judge
+    result = check(
+        "--from-log", os.path.join(ROOT, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log"), "--json"
+    )
+    assert result.exit_code == 3, result.output  # could not judge
     rank = json.loads(result.output)["ranks"][0]
     assert rank["state"] == "unknown" and rank["kv_cache_bytes"] == round(37.85 * (1 << 30))
     message = rank["reasons"][0]["message"]
@@ -100,8 +103,7 @@ def test_check_from_the_bundled_log_uses_its_profile_and_names_what_it_lacks():
 @pytest.mark.parametrize(("utilization", "state", "headroom_gib"), [(0.9, "ok", 6.4), (0.99, "ok", 0.64)])
 def test_check_from_the_bundled_log_with_what_it_lacks_gives_a_real_verdict(utilization, state, headroom_gib):
     log = os.path.join(ROOT, "exporter", "kvguard", "examples", "vllm-mindspore-qwen2.5-7b.log")
-    result = check("--from-log", log, "--total-memory", "64GiB", "--gpu-memory-utilization", str(utilization),
-                   "--json")
+    result = check("--from-log", log, "--total-memory", "64GiB", "--gpu-memory-utilization", str(utilization), "--json")
     rank = json.loads(result.output)["ranks"][0]
     assert (result.exit_code, rank["state"], rank["profile_origin"]) == (0, state, "log")
     # vllm-mindspore budgets from the reserved peak: the stock budget fills total x util, the rest is headroom.
@@ -127,14 +129,14 @@ def test_check_exits_3_on_a_missing_log(tmp_path):
 
 def test_check_refuses_a_log_that_is_not_a_regular_file(tmp_path):
     fifo = tmp_path / "vllm.log"
-    os.mkfifo(fifo)   # no writer: opening it the ordinary way would wait forever
+    os.mkfifo(fifo)  # no writer: opening it the ordinary way would wait forever
     result = invoke("check", "--from-log", str(fifo), seconds=30)
     assert result.exit_code == 3
     assert result.output == f"Error: cannot read log file {fifo}: not a regular file\n"
 
 
 def test_check_says_why_there_is_nothing_to_judge():
-    url = f"http://127.0.0.1:{free_port()}/metrics"   # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}/metrics"  # nothing listens there
     result = check("--vllm-metrics-url", url, "--read-timeout", "5")
     assert result.exit_code == 3
     assert result.output.startswith(f"UNKNOWN  no_ranks: no rank judged (vllm_metrics down: {url}: ")
@@ -161,14 +163,24 @@ def test_check_against_a_hanging_vllm_ends_with_the_no_ranks_warning():
 
 # ------------------------------------------------------------------------------ serve
 
+
 class Served:
     def __init__(self, *args: str):
-        env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter"), "POD_NAME": "vllm-0",
-               "POD_NAMESPACE": "llm", "CONTAINER_NAME": "kvguard"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.path.join(ROOT, "exporter"),
+            "POD_NAME": "vllm-0",
+            "POD_NAMESPACE": "llm",
+            "CONTAINER_NAME": "kvguard",
+        }
         env.pop("KVGUARD_SPOOL_DIR", None)
-        self.process = subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1",
-                                         "--port", "0", *args], env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvguard", "serve", "--listen", "127.0.0.1", "--port", "0", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.banner = self.process.stderr.readline()
         if "kvguard serve: http" not in self.banner:
             self.stop()
@@ -211,6 +223,7 @@ def served():
         server = Served(*args)
         started.append(server)
         return server
+
     yield start
     for server in started:
         server.stop()
@@ -245,6 +258,7 @@ def test_demo_shows_fragmentation_and_a_guard_that_trips(served):
             return False
         ranks = json.loads(body)["ranks"]
         return len(ranks) == 2 and ranks[-1]["state"] == "critical"
+
     status, body = server.poll("/guard", tripped)
     guard = json.loads(body)
     assert guard["state"] == "critical" and guard["ranks"][0]["state"] in ("ok", "warning")
@@ -271,8 +285,10 @@ def test_demo_says_it_caps_the_interval(served):
 def test_demo_reports_the_hosts_memory_as_a_device_source(served):
     server = served("--demo")
     status, metrics = server.poll("/metrics", lambda status, body: b'source="host"' in body)
-    assert b'kvguard_device_total_bytes{container="kvguard",device="host",device_uuid="",namespace="llm",' \
-           b'pci_bus_id="",pod="vllm-0",source="host"}' in metrics
+    assert (
+        b'kvguard_device_total_bytes{container="kvguard",device="host",device_uuid="",namespace="llm",'
+        b'pci_bus_id="",pod="vllm-0",source="host"}' in metrics
+    )
 
 
 def test_serve_without_a_spool_dir_reads_no_spool(served):
@@ -293,8 +309,7 @@ def test_serve_refuses_a_log_that_is_not_a_regular_file(tmp_path):
 def test_demo_with_an_unusable_spool_dir_is_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
     spool = tmp_path / "afile" / "spool"
-    result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0",
-                    "--spool-dir", str(spool))
+    result = invoke("serve", "--demo", "--listen", "127.0.0.1", "--port", "0", "--spool-dir", str(spool))
     assert result.exit_code == 65
     assert result.output == f"Error: cannot create spool directory {spool}: Not a directory\n"
 
@@ -303,8 +318,8 @@ def test_demo_without_a_writable_tmp_makes_its_spool_in_dev_shm(tmp_path, monkey
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("this machine has no writable /dev/shm")
     (tmp_path / "afile").write_text("")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))   # like a read-only /tmp
-    with socket.socket() as taken:   # stop serve once the spool exists: the port is taken
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "afile"))  # like a read-only /tmp
+    with socket.socket() as taken:  # stop serve once the spool exists: the port is taken
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
@@ -328,17 +343,28 @@ def test_serve_on_a_taken_port_is_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = invoke("serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir",
-                        str(tmp_path), "--source", "none")
+        result = invoke(
+            "serve", "--listen", "127.0.0.1", "--port", str(port), "--spool-dir", str(tmp_path), "--source", "none"
+        )
     assert result.exit_code == 65
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}")
     assert "Traceback" not in result.output
 
 
 def test_serve_with_a_missing_certificate_says_tls(tmp_path):
-    result = invoke("serve", "--listen", "127.0.0.1", "--port", "0", "--source", "none",
-                    "--tls-cert-file", str(tmp_path / "tls.crt"),
-                    "--tls-key-file", str(tmp_path / "tls.key"))
+    result = invoke(
+        "serve",
+        "--listen",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--source",
+        "none",
+        "--tls-cert-file",
+        str(tmp_path / "tls.crt"),
+        "--tls-key-file",
+        str(tmp_path / "tls.key"),
+    )
     assert result.exit_code == 65
     assert result.output == "Error: cannot load TLS certificate or key: No such file or directory\n"
 
@@ -355,12 +381,21 @@ def test_serve_refuses_an_unknown_source(tmp_path):
 
 # ------------------------------------------------------------------ hostile inputs
 
+
 @pytest.mark.parametrize("user", ["", "   ", "$(KVGUARD_BASIC_AUTH_USER)"])
 def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
     password = tmp_path / "password"
     password.write_text("s3cret")
-    result = invoke("serve", "--port", "0", "--source", "none", f"--basic-auth-user={user}",
-                    "--basic-auth-password-file", str(password))
+    result = invoke(
+        "serve",
+        "--port",
+        "0",
+        "--source",
+        "none",
+        f"--basic-auth-user={user}",
+        "--basic-auth-password-file",
+        str(password),
+    )
     assert result.exit_code == 64
     assert "--basic-auth-user is" in result.output.strip().splitlines()[-1]
 
@@ -368,16 +403,29 @@ def test_serve_refuses_an_empty_or_unexpanded_basic_auth_user(tmp_path, user):
 def test_serve_refuses_an_empty_basic_auth_password(tmp_path):
     password = tmp_path / "password"
     password.write_text("\n")
-    result = invoke("serve", "--port", "0", "--source", "none", "--basic-auth-user=prometheus",
-                    "--basic-auth-password-file", str(password))
+    result = invoke(
+        "serve",
+        "--port",
+        "0",
+        "--source",
+        "none",
+        "--basic-auth-user=prometheus",
+        "--basic-auth-password-file",
+        str(password),
+    )
     assert result.exit_code == 64 and "password is empty" in result.output
 
 
 def test_check_with_a_lone_surrogate_in_a_snapshot_prints_no_traceback(tmp_path):
     bad = snapshot(device="npu:\udcff")
     (tmp_path / "bad.json").write_text(json.dumps(bad.to_dict()))
-    result = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    result = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--spool-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )
     assert "Traceback" not in result.stderr
     assert result.returncode == 1 and "npu:\ufffd" in result.stdout
 
@@ -388,6 +436,7 @@ def test_check_that_fails_inside_says_so_in_one_line_and_exits_3(tmp_path, monke
 
     def broken(self):
         raise KeyError("surprise")
+
     monkeypatch.setattr(sidecar.Sidecar, "observe", broken)
     result = check("--spool-dir", str(tmp_path))
     assert result.exit_code == 3
@@ -407,8 +456,7 @@ def test_demo_removes_its_spool_on_sighup_as_on_sigterm(served):
 
 def test_check_leaves_out_a_rank_not_written_for_forget_after(tmp_path):
     """The runbook's "restart the engine": the old process's snapshot stays in the spool, unwritten."""
-    write(tmp_path, snapshot(utilization=0.99, pid=10, written_at=time.time() - 100),
-          snapshot(kv_blocks=1000, pid=11))
+    write(tmp_path, snapshot(utilization=0.99, pid=10, written_at=time.time() - 100), snapshot(kv_blocks=1000, pid=11))
     result = check("--spool-dir", str(tmp_path), "--forget-after", "50")
     assert result.exit_code == 0, result.output
     assert "1 rank(s) aged out: not_written 1" in result.output
@@ -446,7 +494,7 @@ def _listening_addresses(pid: int, port: int) -> set[str]:
             fields = line.split()
             address, hex_port = fields[1].split(":")
             if fields[3] == "0A" and int(hex_port, 16) == port and fields[9] in inodes:
-                found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+                found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
     return found
 
 
@@ -455,8 +503,13 @@ def test_serve_demo_binds_the_loopback_address_its_banner_prints():
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "exporter")}
     env.pop("KVGUARD_SPOOL_DIR", None)
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kvguard", "serve", "--demo", "--port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvguard", "serve", "--demo", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         banner = process.stderr.readline()
         assert banner.startswith(f"kvguard serve: http://127.0.0.1:{port}/metrics"), banner

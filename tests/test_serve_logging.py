@@ -19,9 +19,9 @@ import time
 import urllib.request
 
 import pytest
+from sidecar_fixtures import GIB, free_port, snapshot, write
 
 from kvguard import logs
-from sidecar_fixtures import GIB, free_port, snapshot, write
 
 POD_ENV = {"POD_NAME": "qwen-0", "POD_NAMESPACE": "llm", "CONTAINER_NAME": "vllm"}
 LOGFMT_PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S*)')
@@ -36,9 +36,26 @@ class Serve:
         self.port = free_port()
         self.err = open(tmp_path / "serve.err", "w+b")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvguard", "serve", "--listen", listen, "--port", str(self.port),
-             "--source", "none", "--interval", "0.2", *args],
-            env={**os.environ, **POD_ENV}, stdout=subprocess.DEVNULL, stderr=self.err, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "kvguard",
+                "serve",
+                "--listen",
+                listen,
+                "--port",
+                str(self.port),
+                "--source",
+                "none",
+                "--interval",
+                "0.2",
+                *args,
+            ],
+            env={**os.environ, **POD_ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+            start_new_session=True,
+        )
 
     def get(self, path: str, host: str = "127.0.0.1") -> int:
         deadline = time.monotonic() + 30
@@ -78,18 +95,29 @@ def json_events(serve: Serve) -> list[dict]:
 
 def test_json_logs_name_a_failing_source_and_each_ranks_state_once(tmp_path, spool):
     closed = free_port()
-    serve = Serve(tmp_path, "--spool-dir", str(spool), "--vllm-metrics-url", f"http://127.0.0.1:{closed}/metrics",
-                  "--read-timeout", "0.5", "--log.format", "json")
+    serve = Serve(
+        tmp_path,
+        "--spool-dir",
+        str(spool),
+        "--vllm-metrics-url",
+        f"http://127.0.0.1:{closed}/metrics",
+        "--read-timeout",
+        "0.5",
+        "--log.format",
+        "json",
+    )
     try:
-        for _ in range(4):                       # observed four times: each change is logged once
+        for _ in range(4):  # observed four times: each change is logged once
             serve.get("/metrics")
             serve.get("/readyz")
             time.sleep(0.3)
         events = json_events(serve)
     finally:
         serve.stop()
-    assert all(set(e) >= {"ts", "level", "msg"} and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["ts"])
-               for e in events)
+    assert all(
+        set(e) >= {"ts", "level", "msg"} and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", e["ts"])
+        for e in events
+    )
     down = [e for e in events if e["msg"] == "source down"]
     assert [(e["level"], e["source"]) for e in down] == [("warn", "vllm_metrics")]
     assert "Connection refused" in down[0]["error"] or "refused" in down[0]["error"].lower()
@@ -97,7 +125,7 @@ def test_json_logs_name_a_failing_source_and_each_ranks_state_once(tmp_path, spo
     assert sorted(states) == [("0", "warning", "warn"), ("1", "critical", "error")], events
     critical = next(e for e in events if e["msg"] == "guard state" and e["rank"] == "1")
     assert "projected_peak_exceeds_capacity" in critical["reasons"].split(",")
-    assert critical["pod"] == "vllm-0" and critical["engine_id"] == "vllm-0"     # the snapshot's pod
+    assert critical["pod"] == "vllm-0" and critical["engine_id"] == "vllm-0"  # the snapshot's pod
     # ranks of different processes print different lines: each names its pid
     assert {(e["rank"], e["pid"]) for e in events if e["msg"] == "guard state"} == {("0", "41"), ("1", "42")}
 
@@ -108,11 +136,11 @@ def test_a_rank_that_changes_state_is_logged_again_in_logfmt(tmp_path, spool):
         serve.get("/metrics")
         time.sleep(0.3)
         serve.get("/metrics")
-        write(str(spool), snapshot(1, "npu:1", 42))      # rank 1's reserved back inside the device
+        write(str(spool), snapshot(1, "npu:1", 42))  # rank 1's reserved back inside the device
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             serve.get("/readyz")
-            lines = [parse_logfmt(line) for line in serve.lines() if "msg=\"guard state\"" in line]
+            lines = [parse_logfmt(line) for line in serve.lines() if 'msg="guard state"' in line]
             if len([e for e in lines if e["rank"] == "1"]) >= 2:
                 break
             time.sleep(0.3)
@@ -136,9 +164,10 @@ def test_log_level_error_keeps_only_errors(tmp_path, spool):
 
 @pytest.mark.parametrize("flag, value", [("--log.level", "loud"), ("--log.format", "xml")])
 def test_a_bad_log_flag_is_one_usage_line(flag, value):
-    result = subprocess.run([sys.executable, "-m", "kvguard", "serve", flag, value], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 64   # usage
+    result = subprocess.run(
+        [sys.executable, "-m", "kvguard", "serve", flag, value], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 64  # usage
     assert f"Invalid value for '{flag}'" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -158,7 +187,7 @@ def test_listen_on_every_ipv6_address_serves_ipv6_and_ipv4_clients(tmp_path, spo
     serve = Serve(tmp_path, "--spool-dir", str(spool), listen=listen)
     try:
         assert serve.get("/healthz", host="[::1]") == 200
-        if open("/proc/sys/net/ipv6/bindv6only").read().strip() == "0":    # dual stack: IPv4 mapped
+        if open("/proc/sys/net/ipv6/bindv6only").read().strip() == "0":  # dual stack: IPv4 mapped
             assert serve.get("/healthz", host="127.0.0.1") == 200
     finally:
         serve.stop()
@@ -170,6 +199,7 @@ def test_the_banner_names_an_ipv6_listener_as_a_url():
     class Fake:
         options = type("O", (), {"listen": "::"})()
         scheme, port = "http", 10240
+
     assert KVGuardServer.url(Fake(), "/metrics") == "http://[::1]:10240/metrics"
 
 
@@ -178,15 +208,21 @@ def test_logfmt_quotes_what_logfmt_must_and_json_is_one_object_a_line():
     logger = logs.setup("debug", "logfmt", stream)
     logs.event(logger, logging.WARNING, "source down", source="npu-smi", error='exit 1: "npu-smi" not found')
     line = stream.getvalue().strip()
-    assert re.fullmatch(r'ts=\S+ level=warn msg="source down" source=npu-smi error="exit 1: \\"npu-smi\\" not found"',
-                        line), line
+    assert re.fullmatch(
+        r'ts=\S+ level=warn msg="source down" source=npu-smi error="exit 1: \\"npu-smi\\" not found"', line
+    ), line
     stream = io.StringIO()
     logger = logs.setup("info", "json", stream)
     logs.event(logger, logging.DEBUG, "hidden")
     logs.event(logger, logging.ERROR, "guard state", rank="1", headroom_bytes=-5)
     (only,) = stream.getvalue().splitlines()
-    assert json.loads(only) | {"ts": None} == {"ts": None, "level": "error", "msg": "guard state", "rank": "1",
-                                               "headroom_bytes": -5}
+    assert json.loads(only) | {"ts": None} == {
+        "ts": None,
+        "level": "error",
+        "msg": "guard state",
+        "rank": "1",
+        "headroom_bytes": -5,
+    }
 
 
 # C0/C1 controls, DEL, line and paragraph separators, bidi marks, overrides and isolates (CVE-2021-42574).
@@ -201,8 +237,10 @@ def test_a_spool_writers_control_and_bidi_characters_are_escaped_in_log_lines(tm
     (the spool's reader already replaces C0 controls; bidi overrides and isolates pass it)."""
     spool = tmp_path / "spool"
     spool.mkdir()
-    write(str(spool), snapshot(1, "npu:1", 42, reserved=70 * GIB,
-                               pod={"pod": HOSTILE, "namespace": "llm", "container": "vllm"}))
+    write(
+        str(spool),
+        snapshot(1, "npu:1", 42, reserved=70 * GIB, pod={"pod": HOSTILE, "namespace": "llm", "container": "vllm"}),
+    )
     serve = Serve(tmp_path, "--spool-dir", str(spool), "--log.format", fmt)
     try:
         serve.get("/metrics")
@@ -224,6 +262,6 @@ def test_a_lone_surrogate_is_escaped_so_a_strict_utf8_stream_can_write_the_line(
     logger = logs.setup("info", fmt, stream)
     logs.event(logger, logging.WARNING, "guard state", pod="vllm-\udcff-0")
     line = stream.getvalue().strip()
-    line.encode("utf-8")                                  # raises on a raw lone surrogate
+    line.encode("utf-8")  # raises on a raw lone surrogate
     event = json.loads(line) if fmt == "json" else parse_logfmt(line)
     assert event["pod"] == "vllm-\udcff-0"

@@ -12,12 +12,9 @@ import ssl
 import subprocess
 
 import pytest
-
 from monitoring import promtool
-from sidecar_fixtures import http_get as get, snapshot
-
-
-
+from sidecar_fixtures import http_get as get
+from sidecar_fixtures import snapshot
 
 
 def test_metrics_is_prometheus_text_by_default(serve):
@@ -46,8 +43,10 @@ def test_metrics_is_gzipped_when_the_client_accepts_it(serve):
 
 @pytest.mark.parametrize("utilization", [0.9, 0.99], ids=["warning", "critical"])
 def test_promtool_check_metrics_finds_nothing_on_the_live_endpoint(serve, utilization):
-    server = serve(snapshot(rank=0, pid=10, utilization=utilization),
-                   snapshot(rank=1, device="npu:1", pid=11, utilization=utilization, retries=2, ooms=1))
+    server = serve(
+        snapshot(rank=0, pid=10, utilization=utilization),
+        snapshot(rank=1, device="npu:1", pid=11, utilization=utilization, retries=2, ooms=1),
+    )
     status, _, body = get(server, "/metrics")
     assert status == 200
     result = subprocess.run([promtool(), "check", "metrics"], input=body, capture_output=True, timeout=60)
@@ -130,9 +129,29 @@ def certificate(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(cert), str(key)
 
 
@@ -150,7 +169,7 @@ def test_tls_refuses_plain_http(serve, certificate):
     server = serve(tls_cert_file=cert, tls_key_file=key)
     with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
         status, _, _ = get(server, "/healthz")
-        assert status >= 400   # some stacks answer 400 instead of dropping the connection
+        assert status >= 400  # some stacks answer 400 instead of dropping the connection
         raise ConnectionError("plain request refused")
 
 
@@ -161,7 +180,7 @@ def test_plain_http_on_the_tls_port_is_one_line_on_stderr(serve, certificate, ca
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as plain:
         plain.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         try:
-            while plain.recv(4096):   # the server logs, then closes the connection
+            while plain.recv(4096):  # the server logs, then closes the connection
                 pass
         except ConnectionResetError:  # closed with the unread plain request still queued
             pass

@@ -19,29 +19,36 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
-from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.process_collector import ProcessCollector
+from sidecar_fixtures import http_get as get
+from sidecar_fixtures import snapshot, write
 
 from kvguard.sidecar.collector import families
-from kvguard.sidecar.exposition import Exposition, _Pinned, encode
 from kvguard.sidecar.core import Sidecar, SidecarConfig
+from kvguard.sidecar.exposition import Exposition, _Pinned, encode
 from kvguard.sidecar.limits import MAX_RANKS
-from sidecar_fixtures import http_get as get, snapshot, write
 
 POD = {"pod": "vllm-0", "namespace": "llm", "container": "kvguard"}
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;"
-                     "q=0.4,text/plain;version=0.0.4;q=0.2,*/*;q=0.1")
-FUZZ = settings(derandomize=True, max_examples=120, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
-
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;q=0.5,application/openmetrics-text;version=0.0.1;"
+    "q=0.4,text/plain;version=0.0.4;q=0.2,*/*;q=0.1"
+)
+FUZZ = settings(
+    derandomize=True, max_examples=120, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def hostile_spool(tmp_path):
     """Ranks whose device names hold what label escaping must get right, and one without a profile."""
-    write(tmp_path, snapshot(rank=0, pid=1), snapshot(rank=1, device='npu:"1"\\\n', pid=2, retries=3, ooms=1),
-          snapshot(rank=2, device="npu:é2", pid=3, profile=None), snapshot(rank=3, device="npu:3", pid=4,
-                                                                          utilization=0.99))
+    write(
+        tmp_path,
+        snapshot(rank=0, pid=1),
+        snapshot(rank=1, device='npu:"1"\\\n', pid=2, retries=3, ooms=1),
+        snapshot(rank=2, device="npu:é2", pid=3, profile=None),
+        snapshot(rank=3, device="npu:3", pid=4, utilization=0.99),
+    )
     return Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD))
 
 
@@ -54,8 +61,18 @@ def collected(sidecar) -> list:
 
 # ------------------------------------------------------------------ the encoder against the library
 
-@pytest.mark.parametrize("accept", ["", "*/*", "text/plain; version=0.0.4", OPENMETRICS, PROMETHEUS_ACCEPT,
-                                    "application/openmetrics-text; version=1.0.0; escaping=allow-utf-8"])
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "",
+        "*/*",
+        "text/plain; version=0.0.4",
+        OPENMETRICS,
+        PROMETHEUS_ACCEPT,
+        "application/openmetrics-text; version=1.0.0; escaping=allow-utf-8",
+    ],
+)
 def test_the_encoder_writes_the_librarys_bytes_for_real_ranks(tmp_path, accept):
     metrics = collected(hostile_spool(tmp_path))
     body, content_type = encode(metrics, accept)
@@ -65,9 +82,14 @@ def test_the_encoder_writes_the_librarys_bytes_for_real_ranks(tmp_path, accept):
     assert 'device="npu:\\"1\\"\\\\\ufffd"'.encode() in body
 
 
-@pytest.mark.parametrize("accept", ["application/openmetrics-text; version=1.0.0; escaping=dots",
-                                    "application/openmetrics-text; version=1.0.0; escaping=values",
-                                    "text/plain; version=1.0.0; escaping=dots"])
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "application/openmetrics-text; version=1.0.0; escaping=dots",
+        "application/openmetrics-text; version=1.0.0; escaping=values",
+        "text/plain; version=1.0.0; escaping=dots",
+    ],
+)
 def test_another_escaping_scheme_is_left_to_the_librarys_encoder(tmp_path, accept):
     metrics = collected(hostile_spool(tmp_path))
     body, content_type = encode(metrics, accept)
@@ -77,15 +99,22 @@ def test_another_escaping_scheme_is_left_to_the_librarys_encoder(tmp_path, accep
     assert b"kvguard__guard__state" in body or b"U__kvguard__guard__state" in body
 
 
-LABEL_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12) | \
-    st.sampled_from(['"', "\\", "\n", "\\n", '\\"', "\ufffd", "", "{}", "a=b,c"])
-VALUES = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-2 ** 70, 2 ** 70) | \
-    st.sampled_from([0, -0.0, 1e-300, 123456.0, 1234567.0, 2 ** 63, 1e22, 0.1])
+LABEL_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12) | st.sampled_from(
+    ['"', "\\", "\n", "\\n", '\\"', "\ufffd", "", "{}", "a=b,c"]
+)
+VALUES = (
+    st.floats(allow_nan=True, allow_infinity=True)
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, -0.0, 1e-300, 123456.0, 1234567.0, 2**63, 1e22, 0.1])
+)
 
 
 @FUZZ
-@given(rows=st.lists(st.tuples(LABEL_TEXT, LABEL_TEXT, VALUES), max_size=6), counter=st.booleans(),
-       extra=st.sampled_from(["state", "budget", "aaa", "zzz"]))
+@given(
+    rows=st.lists(st.tuples(LABEL_TEXT, LABEL_TEXT, VALUES), max_size=6),
+    counter=st.booleans(),
+    extra=st.sampled_from(["state", "budget", "aaa", "zzz"]),
+)
 def test_any_label_text_and_value_encode_as_the_library_does(rows, counter, extra):
     kind = CounterMetricFamily if counter else GaugeMetricFamily
     shared = kind("kvguard_fuzz", 'doc with "quotes", \\ and\nnewline', labels=["device", "rank"])
@@ -110,6 +139,7 @@ def test_a_family_the_encoder_does_not_write_goes_to_the_library_whole():
 
 # ------------------------------------------------------------------ once per refresh
 
+
 class Counting:
     """Wraps the exposition's collector: how many times the registry ran it."""
 
@@ -120,6 +150,7 @@ class Counting:
         def counted():
             self.calls += 1
             return collect()
+
         exposition.collector.collect = counted
 
 
@@ -141,8 +172,12 @@ def test_a_new_refresh_makes_a_new_body(serve, tmp_path):
     after = get(server)[2]
     assert counting.calls == 2 and server.exposition.observations_total == 2
     assert b"kvguard_allocator_alloc_retries_total" in after and after != before
-    retries = {s.value for f in text_string_to_metric_families(after.decode()) for s in f.samples
-               if s.name == "kvguard_allocator_alloc_retries_total"}
+    retries = {
+        s.value
+        for f in text_string_to_metric_families(after.decode())
+        for s in f.samples
+        if s.name == "kvguard_allocator_alloc_retries_total"
+    }
     assert retries == {7.0}
 
 
@@ -173,7 +208,7 @@ def test_every_format_and_encoding_of_a_refresh_comes_from_one_collection(serve)
     assert om_gz[1]["Content-Type"] == om[1]["Content-Type"] and om_gz[1]["Content-Encoding"] == "gzip"
     assert gzip.decompress(text_gz[2]) == text[2]
     assert gzip.decompress(om_gz[2]) == om[2] and om[2].endswith(b"# EOF\n")
-    assert text[2].replace(b"# EOF\n", b"") != om[2]   # counters' HELP and TYPE differ between the two
+    assert text[2].replace(b"# EOF\n", b"") != om[2]  # counters' HELP and TYPE differ between the two
 
 
 def test_a_cached_body_is_never_served_without_credentials(serve):
@@ -192,8 +227,12 @@ def test_a_large_exposition_arrives_whole_with_its_length(serve):
     status, headers, body = get(server)
     assert status == 200 and int(headers["Content-Length"]) == len(body) > 400_000
     assert body == server.exposition.body("", False)[0]
-    ranks = {s.labels["rank"] for f in text_string_to_metric_families(body.decode()) for s in f.samples
-             if s.name == "kvguard_guard_severity"}
+    ranks = {
+        s.labels["rank"]
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+        if s.name == "kvguard_guard_severity"
+    }
     assert len(ranks) == MAX_RANKS
     status, head_headers, head_body = get(server, method="HEAD")
     assert status == 200 and head_body == b"" and head_headers["Content-Length"] == headers["Content-Length"]
@@ -205,8 +244,15 @@ def test_the_age_gauges_are_as_of_the_refresh_they_were_rendered_in(serve):
     first = get(server)[2]
     time.sleep(0.05)
     second = get(server)[2]
-    ages = [{s.labels.get("source"): s.value for f in text_string_to_metric_families(b.decode()) for s in f.samples
-             if s.name == "kvguard_source_cache_age_seconds"} for b in (first, second)]
+    ages = [
+        {
+            s.labels.get("source"): s.value
+            for f in text_string_to_metric_families(b.decode())
+            for s in f.samples
+            if s.name == "kvguard_source_cache_age_seconds"
+        }
+        for b in (first, second)
+    ]
     assert ages[0] == ages[1] and not math.isnan(ages[0]["spool"])
 
 

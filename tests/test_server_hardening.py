@@ -11,10 +11,10 @@ import time
 from typing import Callable
 
 import pytest
-
-from kvguard.sidecar.server import BadRequest, KVGuardServer, parse_request
 from helpers import wait_for
 from sidecar_fixtures import http_get, snapshot, write
+
+from kvguard.sidecar.server import BadRequest, KVGuardServer, parse_request
 
 
 def scrape(server: KVGuardServer, path: str = "/metrics", timeout: float = 10.0) -> tuple[int, bytes]:
@@ -45,7 +45,7 @@ def test_a_request_head_over_the_byte_cap_is_refused_with_431(serve):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
         try:
-            for _ in range(10):   # 98 headers of 65 KB is what the flood sent; 10 are enough to cross the cap
+            for _ in range(10):  # 98 headers of 65 KB is what the flood sent; 10 are enough to cross the cap
                 sock.sendall(b"X-Flood: " + b"a" * 65000 + b"\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
@@ -66,7 +66,7 @@ def test_a_normal_scrape_answers_while_forty_flooding_connections_stall(serve):
     try:
         for _ in range(40):
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * 20000)   # and then stall
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * 20000)  # and then stall
             flooders.append(sock)
         assert wait_for(lambda: server.open_connections >= 40)
         status, body = scrape(server)
@@ -80,7 +80,7 @@ def test_a_header_flood_under_basic_auth_is_refused_at_the_cap_before_auth(serve
     """With auth on, the flood still sends no credentials: the cap must hold before auth is looked at."""
     server = serve(snapshot(), basic_auth_user="prometheus", basic_auth_password="s3cret")
     answers = []
-    for _ in range(20):   # 20 connections reached 152 MB under auth
+    for _ in range(20):  # 20 connections reached 152 MB under auth
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
             try:
@@ -96,7 +96,7 @@ def test_a_header_flood_under_basic_auth_is_refused_at_the_cap_before_auth(serve
 def test_open_connections_start_no_threads(serve):
     """One thread per connection was the slowloris' lever: 2,000 idle connections held 70 MB."""
     server = serve(snapshot())
-    assert scrape(server)[0] == 200    # the first spool read is done: its thread is gone
+    assert scrape(server)[0] == 200  # the first spool read is done: its thread is gone
     before = threading.active_count()
     idle = []
     try:
@@ -104,7 +104,7 @@ def test_open_connections_start_no_threads(serve):
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             sock.sendall(b"GET /metrics HTTP/1.1\r\n")
             idle.append(sock)
-        assert scrape(server)[0] == 200   # accepted after the 100: they are all open by now
+        assert scrape(server)[0] == 200  # accepted after the 100: they are all open by now
         assert threading.active_count() <= before
     finally:
         for sock in idle:
@@ -115,7 +115,7 @@ def test_slowloris_connections_past_the_cap_make_room_for_a_scrape(serve):
     server = serve(snapshot(), max_connections=16)
     stalled = []
     try:
-        for _ in range(40):   # each sends a partial request head and never finishes it
+        for _ in range(40):  # each sends a partial request head and never finishes it
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
             sock.sendall(b"GET /metrics HTTP/1.1\r\n")
             stalled.append(sock)
@@ -151,7 +151,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(serve):
         time.sleep(0.1)
         first = sock.recv(65536)
         assert first.startswith(b"HTTP/1.1 200 ") and b"Connection: keep-alive" in first
-        assert read_all(sock) == b""   # closed by the server, without a second answer
+        assert read_all(sock) == b""  # closed by the server, without a second answer
 
 
 def test_a_405_closes_the_connection_so_its_body_is_never_read_as_a_request(serve):
@@ -167,7 +167,9 @@ def test_a_405_closes_the_connection_so_its_body_is_never_read_as_a_request(serv
 def test_keep_alive_serves_pipelined_requests_in_order(serve):
     server = serve(snapshot())
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         answer = read_all(sock)
     assert answer.count(b"HTTP/1.1 200 ") == 2
     assert answer.index(b"ok\n") < answer.index(b"ready\n")
@@ -197,13 +199,15 @@ def test_parallel_scrapes_share_one_render_per_refresh(serve):
 
 def test_a_lone_surrogate_in_a_snapshot_label_does_not_take_metrics_down(serve, tmp_path):
     good = snapshot(rank=0, pid=10)
-    bad = snapshot(rank=1, device="npu:\udcff", pid=11, pod={"pod": "vllm-\udcfe", "namespace": "llm",
-                                                              "container": "vllm"})
+    bad = snapshot(
+        rank=1, device="npu:\udcff", pid=11, pod={"pod": "vllm-\udcfe", "namespace": "llm", "container": "vllm"}
+    )
     spool = tmp_path / "spool"
     spool.mkdir()
     write(spool, good)
     import json
-    payload = json.dumps(bad.to_dict())   # json escapes the surrogates as \udcff: what a probe could write
+
+    payload = json.dumps(bad.to_dict())  # json escapes the surrogates as \udcff: what a probe could write
     (spool / "node-7-11-npu__.json").write_text(payload)
     server = serve()
     status, body = scrape(server)
@@ -212,17 +216,20 @@ def test_a_lone_surrogate_in_a_snapshot_label_does_not_take_metrics_down(serve, 
     assert b'device="npu:0"' in body
 
 
-@pytest.mark.parametrize(("head", "status"), [
-    (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
-    (b"GET /metrics\r\n\r\n", 400),
-    (b"get /metrics HTTP/1.1\r\n\r\n", 400),
-    (b"GET metrics HTTP/1.1\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\n folded: header\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-    (b"GET /metrics HTTP/1.1\r\nBad Header: x\r\n\r\n", 400),
-    (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
-])
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
+        (b"GET /metrics\r\n\r\n", 400),
+        (b"get /metrics HTTP/1.1\r\n\r\n", 400),
+        (b"GET metrics HTTP/1.1\r\n\r\n", 400),
+        (b"GET /metrics HTTP/1.1\r\n folded: header\r\n\r\n", 400),
+        (b"GET /metrics HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+        (b"GET /metrics HTTP/1.1\r\nBad Header: x\r\n\r\n", 400),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
+    ],
+)
 def test_malformed_request_heads_get_a_4xx_or_505(head, status):
     with pytest.raises(BadRequest) as raised:
         parse_request(head)
@@ -237,6 +244,7 @@ def test_http_1_0_closes_unless_it_asks_for_keep_alive():
 
 
 # ------------------------------------------------------------------ issue 23's small ones
+
 
 def test_a_content_length_of_digits_outside_ascii_is_a_400():
     """'²' is a digit to str.isdigit() and not to int(): a ValueError left the peer without an answer."""
@@ -283,15 +291,16 @@ def test_a_431_is_followed_by_a_lingering_close_not_a_reset(serve):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sender_error = []
 
-        def send_head():   # a head far over the cap, still being sent when the server answers
+        def send_head():  # a head far over the cap, still being sent when the server answers
             try:
                 sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Flood: " + b"a" * 256 * 1024)
             except OSError as exc:
                 sender_error.append(exc)
+
         sender = threading.Thread(target=send_head)
         sender.start()
         chunks = []
-        while chunk := sock.recv(65536):   # a reset raises ConnectionResetError here
+        while chunk := sock.recv(65536):  # a reset raises ConnectionResetError here
             chunks.append(chunk)
         sender.join()
     assert b"".join(chunks).startswith(b"HTTP/1.1 431 ")
@@ -299,6 +308,7 @@ def test_a_431_is_followed_by_a_lingering_close_not_a_reset(serve):
 
 
 # ------------------------------------------------------------------ issue 37 item 3: guesses by address
+
 
 def users_server(serve, tmp_path, **options) -> KVGuardServer:
     """A server whose one user, prometheus, has the password s3cret (bcrypt cost 4)."""
@@ -309,8 +319,12 @@ def users_server(serve, tmp_path, **options) -> KVGuardServer:
     path = tmp_path / "web.yml"
     path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b's3cret', bcrypt.gensalt(rounds=4)).decode()}\n")
     options.setdefault("auth_failure_delay", 0.05)
-    return serve(snapshot(), pod_labels={"pod": "", "namespace": "", "container": ""},
-                 web_config=WebConfigWatcher(str(path)), **options)
+    return serve(
+        snapshot(),
+        pod_labels={"pod": "", "namespace": "", "container": ""},
+        web_config=WebConfigWatcher(str(path)),
+        **options,
+    )
 
 
 def hold_guesses(server: KVGuardServer) -> threading.Event:
@@ -323,6 +337,7 @@ def hold_guesses(server: KVGuardServer) -> threading.Event:
         if password.startswith("guess"):
             release.wait(30)
         return real(users, user, password)
+
     server.app.basic_auth.verify = verify
     return release
 
@@ -353,7 +368,7 @@ def status_of(sock: socket.socket) -> int:
         if not chunk:
             break
         body += chunk
-    assert len(body) == length      # nothing of a next answer: one request out at a time
+    assert len(body) == length  # nothing of a next answer: one request out at a time
     return int(head.split(b" ", 2)[1])
 
 
@@ -370,15 +385,18 @@ def test_one_address_with_many_connections_cannot_lock_out_another_addresss_new_
         for i, sock in enumerate(guessers):
             sock.sendall(auth_request(f"guess-{i}"))
         assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 16)
-        login = threading.Thread(target=lambda: statuses.append(
-            http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0]))
+        login = threading.Thread(
+            target=lambda: statuses.append(
+                http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0]
+            )
+        )
         login.start()
         assert wait_for(lambda: server.pending_verifications + server.rejected_total >= 17)
         release.set()
         login.join(30)
-        assert statuses == [200]      # was 429: the guesses had every place in the queue
+        assert statuses == [200]  # was 429: the guesses had every place in the queue
         guesses = sorted(status_of(sock) for sock in guessers)
-        assert guesses == [401] * 4 + [429] * 12   # the guesser's 4 tokens, whatever its connections
+        assert guesses == [401] * 4 + [429] * 12  # the guesser's 4 tokens, whatever its connections
     finally:
         release.set()
         for sock in guessers:
@@ -422,6 +440,7 @@ def keep_alive(server: KVGuardServer) -> tuple[http.client.HTTPConnection, Calla
         response = conn.getresponse()
         response.read()
         return response.status
+
     return conn, get
 
 
@@ -433,14 +452,14 @@ def test_two_different_wrong_passwords_end_a_connections_trust(serve, tmp_path):
     server = users_server(serve, tmp_path, auth_rate=0.001, auth_burst=3.0)
     prometheus, keep_alive_get = keep_alive(server)
     try:
-        assert keep_alive_get("s3cret") == 200                     # trusted from now
+        assert keep_alive_get("s3cret") == 200  # trusted from now
         with open_from(server, "127.0.0.1") as guesser:
             # first logins 3 - 2 = 1 left; guesses 3 - 2 (paid by the first logins) - 1 = 0 left
             assert keep_alive_guesses(guesser, 3) == [401, 401, 401]
-        assert keep_alive_get("wrong-1") == 401                    # trusted: FRONT, checked all the same
-        assert keep_alive_get("wrong-2") == 401                    # one refusal demotes nothing: FRONT
-        assert keep_alive_get("wrong-3") == 429                    # a GUESS now, none left (FRONT, FRESH: 1 each)
-        assert keep_alive_get("s3cret") == 200                     # the right one, cached, always
+        assert keep_alive_get("wrong-1") == 401  # trusted: FRONT, checked all the same
+        assert keep_alive_get("wrong-2") == 401  # one refusal demotes nothing: FRONT
+        assert keep_alive_get("wrong-3") == 429  # a GUESS now, none left (FRONT, FRESH: 1 each)
+        assert keep_alive_get("s3cret") == 200  # the right one, cached, always
     finally:
         prometheus.close()
 
@@ -461,19 +480,21 @@ def test_a_rotated_password_on_a_keep_alive_connection_is_accepted_beside_a_floo
         with open_from(server, "127.0.0.1") as sock:
             while not stop.is_set():
                 flooded.extend(keep_alive_guesses(sock, 1))
+
     flooder = threading.Thread(target=flood)
     try:
         assert keep_alive_get("s3cret") == 200
         flooder.start()
-        assert wait_for(lambda: 429 in flooded)                    # the address's guesses are used up
+        assert wait_for(lambda: 429 in flooded)  # the address's guesses are used up
         before = server.web_config.current().basic_auth_users
         (tmp_path / "web.yml").write_text(
-            f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b'n3w', bcrypt.gensalt(rounds=4)).decode()}\n")
+            f"basic_auth_users:\n  prometheus: {bcrypt.hashpw(b'n3w', bcrypt.gensalt(rounds=4)).decode()}\n"
+        )
         assert wait_for(lambda: server.web_config.current().basic_auth_users != before)
-        assert keep_alive_get("s3cret") == 401                     # Prometheus has not re-read its file yet
-        assert keep_alive_get("s3cret") == 401                     # nor now (from the cache of refusals)
+        assert keep_alive_get("s3cret") == 401  # Prometheus has not re-read its file yet
+        assert keep_alive_get("s3cret") == 401  # nor now (from the cache of refusals)
         start = time.monotonic()
-        assert keep_alive_get("n3w") == 200                        # was 429
+        assert keep_alive_get("n3w") == 200  # was 429
         assert time.monotonic() - start < 5.0
         assert keep_alive_get("n3w") == 200
     finally:
@@ -482,8 +503,7 @@ def test_a_rotated_password_on_a_keep_alive_connection_is_accepted_beside_a_floo
         prometheus.close()
 
 
-def test_trusted_connections_of_one_address_have_one_place_at_the_front_and_pay_for_their_guesses(
-        serve, tmp_path):
+def test_trusted_connections_of_one_address_have_one_place_at_the_front_and_pay_for_their_guesses(serve, tmp_path):
     """Review of issue 37: every connection that had had a credential accepted went to the front of
     the bcrypt queue with any later one: many of them starved everyone else, unlimited. Now one
     place at the front per address, the others admitted as any unverified credential."""
@@ -532,7 +552,7 @@ def test_a_first_login_from_the_address_of_a_keep_alive_flood_is_not_refused(ser
         # logins too (6 tokens of their own: 2 left after the second connection's), in debt to the guesses
         assert flood == [[401] * 6 + [429] * 2, [401] * 2 + [429] * 6]
         assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200  # was 429
-        assert keep_alive_guesses(guessers[0], 2) == [429, 429]        # and the flood still pays
+        assert keep_alive_guesses(guessers[0], 2) == [429, 429]  # and the flood still pays
     finally:
         for sock in guessers:
             sock.close()
@@ -546,12 +566,12 @@ def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
     release = hold_guesses(server)
     try:
         for sock in guessers:
-            assert keep_alive_guesses(sock, 2) == [401, 401]   # two refused: their next credentials are GUESSes
-            sock.sendall(auth_request("guess-held"))         # held in bcrypt until released
+            assert keep_alive_guesses(sock, 2) == [401, 401]  # two refused: their next credentials are GUESSes
+            sock.sendall(auth_request("guess-held"))  # held in bcrypt until released
         assert wait_for(lambda: server.pending_verifications >= 4)
         start = time.monotonic()
         assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200
-        assert time.monotonic() - start < 5.0 and not release.is_set()   # the guesses still held
+        assert time.monotonic() - start < 5.0 and not release.is_set()  # the guesses still held
     finally:
         release.set()
         for sock in guessers:

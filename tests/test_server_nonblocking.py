@@ -15,10 +15,10 @@ import time
 
 import bcrypt
 import pytest
-
-from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfigWatcher
 from helpers import wait_for
 from sidecar_fixtures import http_get, snapshot
+
+from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfigWatcher
 
 PIPELINED = 200
 
@@ -26,7 +26,7 @@ PIPELINED = 200
 def slow_reader(port: int, path: str = "/metrics", requests: int = PIPELINED) -> socket.socket:
     """The issue's slow reader: a 1 KiB receive window, ``requests`` pipelined GETs, never a read."""
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)   # before connect: the window it offers
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # before connect: the window it offers
     sock.connect(("127.0.0.1", port))
     sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * requests)
     return sock
@@ -57,12 +57,12 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 def test_healthz_is_answered_while_slow_readers_hold_unsent_output(serve):
     server = serve(*ranks(16), workers=2)
-    readers = [slow_reader(server.port) for _ in range(8)]   # the issue's eight; four times the workers
+    readers = [slow_reader(server.port) for _ in range(8)]  # the issue's eight; four times the workers
     try:
         assert wait_for(lambda: server.unsent_bytes > 0)
         assert http_get(server, "/healthz", timeout=10)[0] == 200
         assert http_get(server, "/readyz", timeout=10)[0] == 200
-        assert server.unsent_bytes > 0   # the slow readers still had their answers queued throughout
+        assert server.unsent_bytes > 0  # the slow readers still had their answers queued throughout
     finally:
         for sock in readers:
             sock.close()
@@ -86,7 +86,7 @@ def test_a_slow_reader_is_read_no_further_while_its_output_is_over_the_bound(ser
     reader = slow_reader(server.port)
     try:
         assert wait_for(lambda: server.unsent_bytes > 0)
-        time.sleep(0.2)   # let the loop do whatever it would do next
+        time.sleep(0.2)  # let the loop do whatever it would do next
         # Of 200 pipelined requests, one answer past the bound is queued (each /metrics body
         # is about 120 kB here), not 200 of them.
         assert server.unsent_bytes < 2 * 130 * 1024
@@ -118,7 +118,7 @@ def test_256_concurrent_clients_get_no_503(serve):
     server = serve(*ranks(16))
     clients = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(256)]
     try:
-        for sock in clients:   # all 256 asked before any answer is read
+        for sock in clients:  # all 256 asked before any answer is read
             sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         statuses = []
         for sock in clients:
@@ -144,6 +144,7 @@ def test_pipelined_requests_are_answered_in_order(serve):
 
 # ------------------------------------------------------------------------------ credentials
 
+
 @pytest.fixture(scope="module")
 def slow_hash() -> str:
     """bcrypt at cost 10 (htpasswd -B's default, and node_exporter's example): about 70 ms a check."""
@@ -154,8 +155,12 @@ def serve_users(serve, tmp_path, hashed: str, **options):
     path = tmp_path / "web.yml"
     path.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n")
     options.setdefault("auth_failure_delay", 0.05)
-    return serve(snapshot(), pod_labels={"pod": "", "namespace": "", "container": ""},
-                 web_config=WebConfigWatcher(str(path)), **options)
+    return serve(
+        snapshot(),
+        pod_labels={"pod": "", "namespace": "", "container": ""},
+        web_config=WebConfigWatcher(str(path)),
+        **options,
+    )
 
 
 def open_guesses(server, guesses: list, count: int = 32) -> None:
@@ -169,14 +174,14 @@ def open_guesses(server, guesses: list, count: int = 32) -> None:
 
 def test_a_verified_user_is_answered_while_many_guesses_wait_for_bcrypt(serve, tmp_path, slow_hash):
     server = serve_users(serve, tmp_path, slow_hash, auth_workers=1, auth_rate=1000.0, auth_burst=1000.0)
-    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200   # verified once
+    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200  # verified once
     guesses = []
     try:
         open_guesses(server, guesses)
         assert wait_for(lambda: server.pending_verifications >= 16)
         status, _, body = http_get(server, "/metrics", basic("prometheus", "s3cret"), timeout=10)
         assert status == 200 and b"kvguard_guard_state" in body
-        assert server.pending_verifications > 0   # answered ahead of the guesses still waiting
+        assert server.pending_verifications > 0  # answered ahead of the guesses still waiting
     finally:
         for sock in guesses:
             sock.close()
@@ -194,9 +199,9 @@ def test_unverified_credentials_past_the_per_source_limit_get_429(serve, tmp_pat
 def test_the_per_source_limit_does_not_touch_verified_credentials(serve, tmp_path):
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
     server = serve_users(serve, tmp_path, hashed, auth_rate=0.001, auth_burst=2.0)
-    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200   # right: no token spent
+    assert http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] == 200  # right: no token spent
     assert http_get(server, "/metrics", basic("prometheus", "guess"))[0] == 401
-    assert http_get(server, "/metrics", basic("prometheus", "guess-2"))[0] == 401    # the last token
+    assert http_get(server, "/metrics", basic("prometheus", "guess-2"))[0] == 401  # the last token
     assert http_get(server, "/metrics", basic("prometheus", "guess-3"))[0] == 429
     assert [http_get(server, "/metrics", basic("prometheus", "s3cret"))[0] for _ in range(5)] == [200] * 5
 
@@ -207,8 +212,10 @@ def test_right_first_logins_from_one_address_are_never_turned_away_for_their_num
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
     server = serve_users(serve, tmp_path, hashed, auth_rate=0.001, auth_burst=2.0)
     statuses: list[int] = []
-    threads = [threading.Thread(target=lambda: statuses.append(
-        http_get(server, "/metrics", basic("prometheus", "s3cret"))[0])) for _ in range(10)]
+    threads = [
+        threading.Thread(target=lambda: statuses.append(http_get(server, "/metrics", basic("prometheus", "s3cret"))[0]))
+        for _ in range(10)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -244,7 +251,7 @@ def test_a_rotated_password_on_an_accepted_connection_is_not_refused_for_others_
     try:
         assert keep_alive_get(prometheus, "old") == 200
         guesses = [http_get(server, "/metrics", basic("prometheus", f"guess-{i}"))[0] for i in range(4)]
-        assert guesses == [401, 401, 429, 429]                    # the address has no guesses left
+        assert guesses == [401, 401, 429, 429]  # the address has no guesses left
         rotate(server, tmp_path, b"new")
         assert keep_alive_get(prometheus, "new") == 200
         assert http_get(server, "/metrics", basic("prometheus", "guess-5"))[0] == 429
@@ -252,8 +259,7 @@ def test_a_rotated_password_on_an_accepted_connection_is_not_refused_for_others_
         prometheus.close()
 
 
-def test_a_rotated_password_on_an_accepted_connection_is_checked_ahead_of_waiting_guesses(
-        serve, tmp_path, slow_hash):
+def test_a_rotated_password_on_an_accepted_connection_is_checked_ahead_of_waiting_guesses(serve, tmp_path, slow_hash):
     server = serve_users(serve, tmp_path, slow_hash, auth_workers=1, auth_rate=1000.0, auth_burst=1000.0)
     prometheus = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     guesses = []
@@ -263,7 +269,7 @@ def test_a_rotated_password_on_an_accepted_connection_is_checked_ahead_of_waitin
         open_guesses(server, guesses)
         assert wait_for(lambda: server.pending_verifications >= 16)
         assert keep_alive_get(prometheus, "rotated") == 200
-        assert server.pending_verifications > 8     # answered ahead of the guesses still waiting
+        assert server.pending_verifications > 8  # answered ahead of the guesses still waiting
     finally:
         prometheus.close()
         for sock in guesses:
@@ -298,8 +304,8 @@ def test_the_guess_limiter_refills_at_its_rate_per_source():
     now = [0.0]
     limiter = GuessLimiter(rate=2.0, burst=2.0, clock=lambda: now[0])
     assert [limiter.allow("10.0.0.1") for _ in range(3)] == [True, True, False]
-    assert limiter.allow("10.0.0.2")   # another address has its own bucket
-    now[0] += 0.5                      # one token back at 2 a second
+    assert limiter.allow("10.0.0.2")  # another address has its own bucket
+    now[0] += 0.5  # one token back at 2 a second
     assert [limiter.allow("10.0.0.1") for _ in range(2)] == [True, False]
 
 

@@ -55,7 +55,7 @@ def test_identical_files_become_one_copy_and_others_stay_apart(root, tmp_path):
     assert a.read_bytes() == b.read_bytes() == c.read_bytes() == shared
     assert different.read_bytes().endswith(b"!")
     assert before - cache.disk_bytes([root, tmp_path / "venv"]) >= 2 * 10_000
-    assert cache.link_duplicates([root, tmp_path / "venv"]) == 0   # a second pass finds nothing to do
+    assert cache.link_duplicates([root, tmp_path / "venv"]) == 0  # a second pass finds nothing to do
 
 
 def test_slim_drops_bytecode_once_per_build(root):

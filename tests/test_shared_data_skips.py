@@ -11,7 +11,7 @@ from real_snapshots import SHARED_MANIFEST, snapshot_params
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-MODULE = '''
+MODULE = """
 import pytest
 
 @pytest.mark.parametrize("path", [
@@ -24,7 +24,7 @@ import pytest
 ])
 def test_reads(path):
     open(path, "rb").close()
-'''
+"""
 
 
 def run(tmp_path, ci: str | None):
@@ -33,22 +33,40 @@ def run(tmp_path, ci: str | None):
     env.pop("CI", None)
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-rsf", "-q",
-                           str(tmp_path / "test_needs_shared.py")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "-rsf",
+            "-q",
+            str(tmp_path / "test_needs_shared.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_each_missing_shared_file_is_its_own_skip_naming_it_and_its_source(tmp_path):
     result = run(tmp_path, None)
     assert "2 skipped" in result.stdout, result.stdout
     for name in ("a.pickle", "b.pickle"):
-        assert f"torch-snapshots/{name} is missing: ../shared beside the checkout holds public snapshots " \
-               f"(PROVENANCE.md)" in result.stdout
+        assert (
+            f"torch-snapshots/{name} is missing: ../shared beside the checkout holds public snapshots "
+            f"(PROVENANCE.md)" in result.stdout
+        )
 
 
 def test_in_ci_a_missing_shared_file_fails(tmp_path):
     result = run(tmp_path, "true")
-    assert result.returncode == 1 and "2 errors" in result.stdout, result.stdout   # failed at setup
+    assert result.returncode == 1 and "2 errors" in result.stdout, result.stdout  # failed at setup
     assert "CI=true: the data must be there" in result.stdout
 
 

@@ -8,13 +8,13 @@ import subprocess
 import time
 
 import pytest
+from monitoring import promtool
 from prometheus_client.parser import text_string_to_metric_families
+from sidecar_fixtures import snapshot, write
 
 from kvguard.records import MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS
 from kvguard.sidecar.core import Sidecar, SidecarConfig
 from kvguard.sidecar.exposition import Exposition
-from monitoring import promtool
-from sidecar_fixtures import snapshot, write
 
 POD = {"pod": "", "namespace": "", "container": ""}
 TEXT = "text/plain; version=0.0.4"
@@ -25,8 +25,12 @@ def _spool(tmp_path, count, **fields):
     ``fields`` maps a Snapshot field to a function of the index."""
     now = time.time()
     for index in range(count):
-        write(tmp_path, snapshot(rank=index, pid=1000 + index, written_at=now,
-                                 **{name: make(index) for name, make in fields.items()}))
+        write(
+            tmp_path,
+            snapshot(
+                rank=index, pid=1000 + index, written_at=now, **{name: make(index) for name, make in fields.items()}
+            ),
+        )
     return str(tmp_path)
 
 
@@ -89,19 +93,30 @@ def test_ranks_past_max_metrics_bytes_stay_out_of_metrics_and_are_counted(tmp_pa
     assert 0 < kept < 20 and _cut(body)["max_bytes"] == 20 - kept
     rank_lines = b"".join(line + b"\n" for line in body.splitlines() if b'rank="' in line)
     assert len(rank_lines) <= 200_000
-    assert len(sidecar.observe().ranks) == 20          # /guard still shows them
+    assert len(sidecar.observe().ranks) == 20  # /guard still shows them
 
 
-@pytest.mark.parametrize("accept", [TEXT, "application/openmetrics-text; version=1.0.0",
-                                    "text/plain; version=1.0.0; escaping=values",
-                                    "application/openmetrics-text; version=1.0.0; escaping=dots"])
+@pytest.mark.parametrize(
+    "accept",
+    [
+        TEXT,
+        "application/openmetrics-text; version=1.0.0",
+        "text/plain; version=1.0.0; escaping=values",
+        "application/openmetrics-text; version=1.0.0; escaping=dots",
+    ],
+)
 def test_a_spool_with_every_text_field_at_its_cap_makes_a_bounded_valid_exposition(tmp_path, accept):
     """The round-three attack: fields at their length caps, distinct models, pods and engines on every
     rank. At the default caps /metrics stays under 5 MB in every format and escaping, and promtool reads it."""
-    long = lambda prefix: lambda i: f"{prefix}{i}-".ljust(MAX_MODEL_NAME_CHARS, "\\")   # noqa: E731
-    spool = _spool(tmp_path, 300, model_name=long("model"), engine=lambda i: str(i).rjust(MAX_ENGINE_CHARS, "9"),
-                   device=lambda i: f"cuda:{i}",
-                   pod=lambda i: {"pod": long("pod")(i)[:253], "namespace": "n" * 253, "container": "c" * 253})
+    long = lambda prefix: lambda i: f"{prefix}{i}-".ljust(MAX_MODEL_NAME_CHARS, "\\")  # noqa: E731
+    spool = _spool(
+        tmp_path,
+        300,
+        model_name=long("model"),
+        engine=lambda i: str(i).rjust(MAX_ENGINE_CHARS, "9"),
+        device=lambda i: f"cuda:{i}",
+        pod=lambda i: {"pod": long("pod")(i)[:253], "namespace": "n" * 253, "container": "c" * 253},
+    )
     sidecar = Sidecar(SidecarConfig(spool_dir=spool, pod_labels=POD))
     body, content_type = Exposition(sidecar).body(accept, False)
     assert len(body) < 5_000_000
@@ -132,7 +147,7 @@ def test_label_values_that_differ_only_past_the_cut_make_one_series_not_two(tmp_
     below does) and log_changes keyed both as one. Values are now cut before ranks are told apart:
     the newest is kept, the other counted as a duplicate (kvguard_spool_skipped_files)."""
     now = time.time()
-    for index, host in enumerate(("node-a", "node-b")):   # two writers, same pid, device and rank
+    for index, host in enumerate(("node-a", "node-b")):  # two writers, same pid, device and rank
         value = ("x" * 128 + f"-{host}").ljust(253, "y")
         pod = {"pod": "vllm-0", "namespace": "llm", "container": "vllm", field: value}
         write(str(tmp_path), snapshot(host=host, pod=pod, written_at=now - 10 + index))
@@ -162,9 +177,10 @@ def test_junk_ranks_that_sort_first_cannot_push_a_live_rank_out(tmp_path):
     import socket
 
     now = time.time()
-    for index in range(6):        # device "a..." sorts before "npu:7"; pids no /proc here can check
-        write(str(tmp_path), snapshot(rank=index, device=f"a{index}", pid=1000 + index, host="elsewhere",
-                                      written_at=now))
+    for index in range(6):  # device "a..." sorts before "npu:7"; pids no /proc here can check
+        write(
+            str(tmp_path), snapshot(rank=index, device=f"a{index}", pid=1000 + index, host="elsewhere", written_at=now)
+        )
     live = snapshot(rank=7, device="npu:7", pid=os.getpid(), written_at=now - 2)
     write(str(tmp_path), live.__class__(**{**live.__dict__, "host": socket.gethostname(), "started_at": now - 1}))
     observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=4)).observe()
@@ -175,9 +191,17 @@ def test_junk_ranks_that_sort_first_cannot_push_a_live_rank_out(tmp_path):
 def test_past_a_cap_fresh_ranks_are_kept_over_stale_ones(tmp_path):
     """Ranks written within stale_after go before those written longer ago, whose labels sort first."""
     now = time.time()
-    for index in range(6):        # ranks 0-3 a minute old (stale_after is 30 s), 4 and 5 fresh
-        write(str(tmp_path), snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere",
-                                      written_at=now - 60 if index < 4 else now - 5))
+    for index in range(6):  # ranks 0-3 a minute old (stale_after is 30 s), 4 and 5 fresh
+        write(
+            str(tmp_path),
+            snapshot(
+                rank=index,
+                device=f"npu:{index}",
+                pid=1000 + index,
+                host="elsewhere",
+                written_at=now - 60 if index < 4 else now - 5,
+            ),
+        )
     observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=2)).observe()
     assert sorted(view.labels["rank"] for view in observation.ranks) == ["4", "5"]
 
@@ -188,11 +212,13 @@ def test_past_a_cap_the_admitted_ranks_stay_the_same_while_the_probes_rewrite_at
     sidecar = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD, max_ranks=3))
     admitted = []
     now = time.time()
-    for newest_first in (False, True):   # the high ranks written last, then the low ones
+    for newest_first in (False, True):  # the high ranks written last, then the low ones
         for index in range(6):
             written_at = now - 10 + (5 - index if newest_first else index)
-            write(str(tmp_path), snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere",
-                                          written_at=written_at))
+            write(
+                str(tmp_path),
+                snapshot(rank=index, device=f"npu:{index}", pid=1000 + index, host="elsewhere", written_at=written_at),
+            )
         observation = sidecar.observe()
         assert observation.cut == {"max_ranks": 3}
         admitted.append(sorted(view.labels["rank"] for view in observation.ranks))

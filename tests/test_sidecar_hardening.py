@@ -13,18 +13,17 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from helpers import kvguard, one_line_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvguard.cli import main
-from kvguard.budget.estimator import Profile, ProfileError, recommended_gpu_memory_utilization
-from kvguard.vllm.log import LogLineError, parse_log
-
-from kvguard.sidecar.poller import Poller
-from kvguard.sidecar.core import Sidecar, SidecarConfig
-from kvguard.sources.npu_smi import NpuSmiSource
-from helpers import kvguard, one_line_error
 from sidecar_fixtures import GIB, snapshot, write
+
+from kvguard.budget.estimator import Profile, ProfileError, recommended_gpu_memory_utilization
+from kvguard.cli import main
+from kvguard.sidecar.core import Sidecar, SidecarConfig
+from kvguard.sidecar.poller import Poller
+from kvguard.sources.npu_smi import NpuSmiSource
+from kvguard.vllm.log import LogLineError, parse_log
 
 POD = {"pod": "", "namespace": "", "container": ""}
 
@@ -66,6 +65,7 @@ def test_a_raising_str_from_a_source_is_one_line_and_no_traceback(capfd):
 
     def read():
         raise Nasty()
+
     poller = Poller("nasty", read, timeout=2.0)
     poller.refresh(wait=2.0)
     assert poller.state.last_error == "Nasty"
@@ -73,13 +73,15 @@ def test_a_raising_str_from_a_source_is_one_line_and_no_traceback(capfd):
 
 
 def test_the_npu_smi_poller_waits_as_long_as_npu_smi_itself():
-    sidecar = Sidecar(SidecarConfig(sources=[("npu-smi", NpuSmiSource(timeout=10.0))], read_timeout=2.0,
-                                    pod_labels=POD))
+    sidecar = Sidecar(
+        SidecarConfig(sources=[("npu-smi", NpuSmiSource(timeout=10.0))], read_timeout=2.0, pod_labels=POD)
+    )
     (poller,) = sidecar._device_pollers
     assert poller.timeout == 10.0
 
 
 # ------------------------------------------------------------------ commands: one line, never a traceback
+
 
 @pytest.fixture
 def log_with_utilization_5(data_path, tmp_path):
@@ -99,10 +101,13 @@ def test_check_from_a_log_stating_utilization_5_is_one_line_and_exit_3(log_with_
 
 
 def test_serve_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
-    result = kvguard("serve", "--from-log", log_with_utilization_5, "--port", "0", "--source", "none",
-                     "--listen", "127.0.0.1")
-    assert one_line_error(result) == (f"Error: --from-log {log_with_utilization_5}: the log's profile is impossible: "
-                                      "gpu_memory_utilization must be in (0, 1], got 5.0")   # not "internal error"
+    result = kvguard(
+        "serve", "--from-log", log_with_utilization_5, "--port", "0", "--source", "none", "--listen", "127.0.0.1"
+    )
+    assert one_line_error(result) == (
+        f"Error: --from-log {log_with_utilization_5}: the log's profile is impossible: "
+        "gpu_memory_utilization must be in (0, 1], got 5.0"
+    )  # not "internal error"
 
 
 def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilization_5):
@@ -111,30 +116,63 @@ def test_budget_from_a_log_stating_utilization_5_is_one_line(log_with_utilizatio
 
 
 def test_budget_with_a_reserved_increase_larger_than_the_device_is_one_line(data_path):
-    result = kvguard("budget", "--from-log", data_path("logs", "v1-tp2-debug.log"), "--peak-reserved-increase",
-                     "1000GiB")
-    assert one_line_error(result) == ("Error: --peak-reserved-increase 1000.00 GiB is more than the device's total "
-                                      "memory (64.00 GiB): check its unit")
+    result = kvguard(
+        "budget", "--from-log", data_path("logs", "v1-tp2-debug.log"), "--peak-reserved-increase", "1000GiB"
+    )
+    assert one_line_error(result) == (
+        "Error: --peak-reserved-increase 1000.00 GiB is more than the device's total memory (64.00 GiB): check its unit"
+    )
 
 
 def test_the_recommendation_survives_a_reserved_increase_past_the_device():
     # What the CLI refuses above, the estimator itself (the guard and plugin call it) answers: none is safe.
-    profile = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=14 * GIB,
-                      peak_allocated_increase_bytes=4 * GIB, peak_reserved_increase_bytes=1000 * GIB,
-                      non_torch_increase_bytes=0)
+    profile = Profile(
+        total_memory_bytes=64 * GIB,
+        gpu_memory_utilization=0.9,
+        weights_bytes=14 * GIB,
+        peak_allocated_increase_bytes=4 * GIB,
+        peak_reserved_increase_bytes=1000 * GIB,
+        non_torch_increase_bytes=0,
+    )
     assert recommended_gpu_memory_utilization(profile) is None
 
 
 # ------------------------------------------------------------------ mutated real log lines
 
 LOGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "logs")
-REAL_LINES = sorted({line for root, _, names in os.walk(LOGS) for name in names if name.endswith(".log")
-                     for line in open(os.path.join(root, name), encoding="utf-8", errors="replace").read().splitlines()
-                     if any(c.isdigit() for c in line)})
+REAL_LINES = sorted(
+    {
+        line
+        for root, _, names in os.walk(LOGS)
+        for name in names
+        if name.endswith(".log")
+        for line in open(os.path.join(root, name), encoding="utf-8", errors="replace").read().splitlines()
+        if any(c.isdigit() for c in line)
+    }
+)
 NUMBER = re.compile(r"\d+(?:\.\d+)?")
-ODD_NUMBERS = st.sampled_from(["0", "-1", "1e400", "9" * 400, "nan", "inf", "", ".", "1.2.3", "00000000000001",
-                               "5.0", "-0.0", "18446744073709551617", "1" + "0" * 19]) | \
-    st.integers(-10 ** 30, 10 ** 30).map(str) | st.floats(allow_nan=True, allow_infinity=True).map(repr)
+ODD_NUMBERS = (
+    st.sampled_from(
+        [
+            "0",
+            "-1",
+            "1e400",
+            "9" * 400,
+            "nan",
+            "inf",
+            "",
+            ".",
+            "1.2.3",
+            "00000000000001",
+            "5.0",
+            "-0.0",
+            "18446744073709551617",
+            "1" + "0" * 19,
+        ]
+    )
+    | st.integers(-(10**30), 10**30).map(str)
+    | st.floats(allow_nan=True, allow_infinity=True).map(repr)
+)
 
 
 @st.composite
@@ -145,14 +183,19 @@ def mutated_logs(draw) -> str:
     for line in lines:
         numbers = list(NUMBER.finditer(line))
         for match in reversed(draw(st.lists(st.sampled_from(numbers), max_size=3, unique_by=lambda m: m.start()))):
-            line = line[:match.start()] + draw(ODD_NUMBERS) + line[match.end():]
+            line = line[: match.start()] + draw(ODD_NUMBERS) + line[match.end() :]
         cut = draw(st.sampled_from([None, "cut", "double"]))
-        out.append(line[:len(line) // 2] if cut == "cut" else line + line if cut == "double" else line)
+        out.append(line[: len(line) // 2] if cut == "cut" else line + line if cut == "double" else line)
     return "\n".join(out) + "\n"
 
 
-@settings(derandomize=True, max_examples=150, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    derandomize=True,
+    max_examples=150,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(text=mutated_logs())
 def test_any_mutated_real_log_is_a_startup_log_or_one_line_in_budget_and_check(tmp_path, text):
     """3,000 mutated real log lines gave 85 tracebacks at 9 places in `kvguard budget`."""
@@ -167,8 +210,10 @@ def test_any_mutated_real_log_is_a_startup_log_or_one_line_in_budget_and_check(t
             log.profile()
         except ProfileError as exc:
             assert "\n" not in str(exc)
-    for command, codes in ((["budget", "--from-log", str(path)], (0, 64, 65, 70)),
-                           (["check", "--from-log", str(path)], (0, 1, 2, 3))):
+    for command, codes in (
+        (["budget", "--from-log", str(path)], (0, 64, 65, 70)),
+        (["check", "--from-log", str(path)], (0, 1, 2, 3)),
+    ):
         result = CliRunner().invoke(main, command)
         assert result.exit_code in codes, (command, result.output)
         assert result.exception is None or isinstance(result.exception, SystemExit), (command, result.exception)
@@ -184,13 +229,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def write_and_exit(spool, **fields) -> int:
     """A process that writes its own rank's snapshot (as the in-process probe does) and is killed;
     returns its pid, now gone."""
-    code = ("import os, signal, socket, sys; sys.path.insert(0, sys.argv[2]);"
-            "from sidecar_fixtures import snapshot, write;"
-            f"snap = snapshot(pid=os.getpid(), **{fields!r});"
-            "write(sys.argv[1], snap.__class__(**{**snap.__dict__, 'host': socket.gethostname()}));"
-            "print(os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
-    process = subprocess.run([sys.executable, "-c", code, str(spool), HERE], capture_output=True, text=True,
-                             timeout=60)
+    code = (
+        "import os, signal, socket, sys; sys.path.insert(0, sys.argv[2]);"
+        "from sidecar_fixtures import snapshot, write;"
+        f"snap = snapshot(pid=os.getpid(), **{fields!r});"
+        "write(sys.argv[1], snap.__class__(**{**snap.__dict__, 'host': socket.gethostname()}));"
+        "print(os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    process = subprocess.run([sys.executable, "-c", code, str(spool), HERE], capture_output=True, text=True, timeout=60)
     assert process.returncode == -9, process.stderr
     return int(process.stdout)
 
@@ -198,8 +244,12 @@ def write_and_exit(spool, **fields) -> int:
 def write_own(spool, **fields) -> None:
     """This (live) process's own rank snapshot, as its probe would write it."""
     snap = snapshot(pid=os.getpid(), **fields)
-    write(spool, snap.__class__(**{**snap.__dict__, "host": socket.gethostname(),
-                                   "started_at": min(time.time(), snap.written_at)}))
+    write(
+        spool,
+        snap.__class__(
+            **{**snap.__dict__, "host": socket.gethostname(), "started_at": min(time.time(), snap.written_at)}
+        ),
+    )
 
 
 def test_a_rank_whose_process_is_gone_is_left_out_and_counted(tmp_path):
@@ -228,8 +278,8 @@ def test_forget_after_defaults_to_a_few_stale_windows(tmp_path):
 
 def test_restarting_the_engine_clears_its_dead_ranks_from_the_verdict(tmp_path):
     """50 SIGKILLed probes left 800 ranks and kept the guard at warning; the runbook says restart."""
-    write_and_exit(tmp_path, utilization=0.99)          # the old engine: critical, then killed
-    write_own(tmp_path, kv_blocks=1000)                 # the restarted one: ok
+    write_and_exit(tmp_path, utilization=0.99)  # the old engine: critical, then killed
+    write_own(tmp_path, kv_blocks=1000)  # the restarted one: ok
     observation = Sidecar(SidecarConfig(spool_dir=str(tmp_path), pod_labels=POD)).observe()
     assert observation.state == "ok"
 

@@ -15,8 +15,9 @@ GIB = 1 << 30
 
 
 def result(**overrides):
-    config = ScenarioConfig(model_config=load_model_config(bundled_model_config_path()),
-                            device_memory_bytes=32 * GIB, requests=8)
+    config = ScenarioConfig(
+        model_config=load_model_config(bundled_model_config_path()), device_memory_bytes=32 * GIB, requests=8
+    )
     return run_scenario(config, **overrides)
 
 
@@ -24,7 +25,7 @@ def ticks(fig):
     import matplotlib.pyplot as plt
 
     axis = fig.axes[-1]
-    plt.close(fig)           # the artists stay readable
+    plt.close(fig)  # the artists stay readable
     return [(tick, label.get_text()) for tick, label in zip(axis.get_xticks(), axis.get_xticklabels())]
 
 
@@ -35,10 +36,10 @@ def test_the_x_axis_names_the_startup_phases_then_counts_serving_steps():
     labels = [label for _, label in marks]
     assert labels[:3] == ["weights", "profile", "KV cache"]
     steps = [(x, label) for x, label in marks[3:]]
-    assert steps and all(label == str(int(x)) for x, label in steps)    # serving step n sits at x = n
+    assert steps and all(label == str(int(x)) for x, label in steps)  # serving step n sits at x = n
     assert steps[0][1] == "0" and int(steps[-1][1]) <= run.steps - 1
     positions = [x for x, _ in marks]
-    assert positions == sorted(positions) and positions[2] < 0 <= positions[3]   # startup left of step 0
+    assert positions == sorted(positions) and positions[2] < 0 <= positions[3]  # startup left of step 0
     # The startup phases have room: at least a twentieth of the axis each, however long serving ran.
     assert positions[1] - positions[0] >= (run.steps - 1) / 20
     assert fig.axes[-1].get_xlabel() == "startup phase (weights, profile, KV cache), then serving step"
@@ -48,6 +49,6 @@ def test_the_x_axis_names_the_startup_phases_then_counts_serving_steps():
 
 
 def test_a_run_that_runs_out_in_the_profile_has_only_its_phases():
-    run = result(device_memory_bytes=15 * GIB)     # the weights fit, the profile forward does not
+    run = result(device_memory_bytes=15 * GIB)  # the weights fit, the profile forward does not
     assert run.oom_phase == "profile"
     assert [label for _, label in ticks(scenario_figure([run]))] == ["weights", "profile"]

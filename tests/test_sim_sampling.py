@@ -19,7 +19,7 @@ from kvguard.sim.workload import SamplingBatch, forward_ops, model_shape
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN3 = json.loads((REPO / "tests" / "data" / "configs" / "qwen3-0.6b" / "config.json").read_text())
-VOCAB, HIDDEN = 151_936, 1024          # Qwen3-0.6B: bf16, a vocabulary that is a multiple of 64 (no padding)
+VOCAB, HIDDEN = 151_936, 1024  # Qwen3-0.6B: bf16, a vocabulary that is a multiple of 64 (no padding)
 GIB = 1 << 30
 
 
@@ -79,42 +79,52 @@ def test_top_k_alone_and_plain_random_sampling_do_not_sort(kind):
 def test_the_batch_sorts_from_its_first_top_k_top_p_request_and_drops_the_argmax_with_its_last_greedy_one():
     peaks = [decode_peak(["greedy"] * (N - k) + ["top_k_top_p"] * k) for k in range(N + 1)]
     assert peaks[0] < peaks[1] and peaks[1:N] == [peaks[1]] * (N - 1)
-    assert peaks[N] == peaks[1] - N * 8       # all_random: no argmax (sampler.py 0.11.0:155-156)
+    assert peaks[N] == peaks[1] - N * 8  # all_random: no argmax (sampler.py 0.11.0:155-156)
 
 
 def test_the_sampling_mix_changes_no_prompt_or_output_length():
     base = ScenarioConfig(model_config=QWEN3, device_memory_bytes=16 * GIB, requests=200, seed=3)
     greedy = make_requests(ScenarioConfig(**{**base.__dict__, "sampling_mix": (("greedy", 1.0),)}))
-    half = make_requests(ScenarioConfig(**{**base.__dict__,
-                                           "sampling_mix": (("greedy", 1.0), ("top_k_top_p", 1.0))}))
+    half = make_requests(ScenarioConfig(**{**base.__dict__, "sampling_mix": (("greedy", 1.0), ("top_k_top_p", 1.0))}))
     assert [(r.prompt_tokens, r.output_tokens) for r in greedy] == [(r.prompt_tokens, r.output_tokens) for r in half]
     assert {r.sampling for r in greedy} == {"greedy"}
     assert 70 <= sum(r.sampling == "top_k_top_p" for r in half) <= 130
 
 
-@pytest.mark.parametrize("text, message", [
-    ("greedy:0.5,beam:0.5", "unknown sampling kind 'beam'"),
-    ("greedy", "expected KIND:SHARE"),
-    ("greedy:0", "not all 0"),
-    ("greedy:-1,top_p:1", "at least 0"),
-    ("greedy:1,greedy:1", "names a kind twice"),
-    ("top_p:nan", "finite"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("greedy:0.5,beam:0.5", "unknown sampling kind 'beam'"),
+        ("greedy", "expected KIND:SHARE"),
+        ("greedy:0", "not all 0"),
+        ("greedy:-1,top_p:1", "at least 0"),
+        ("greedy:1,greedy:1", "names a kind twice"),
+        ("top_p:nan", "finite"),
+    ],
+)
 def test_a_bad_sampling_mix_is_refused_in_one_line(text, message):
     with pytest.raises(ValueError, match=message):
         parse_sampling_mix(text)
-    result = CliRunner().invoke(main, ["simulate", "--model-config",
-                                       str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"),
-                                       "--sampling-mix", text])
+    result = CliRunner().invoke(
+        main,
+        ["simulate", "--model-config", str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"), "--sampling-mix", text],
+    )
     assert result.exit_code == 64 and len(result.output.strip().splitlines()) == 1, result.output
     assert message in result.output
 
 
 def test_serving_steps_with_top_k_top_p_requests_peak_above_greedy_ones():
     def serving_peak(mix: tuple) -> int:
-        config = ScenarioConfig(model_config=QWEN3, device_memory_bytes=8 * GIB, allocator="torch_npu", requests=6,
-                                gpu_memory_utilization=0.5,
-                                max_model_len=2048, max_num_batched_tokens=256, sampling_mix=mix)
+        config = ScenarioConfig(
+            model_config=QWEN3,
+            device_memory_bytes=8 * GIB,
+            allocator="torch_npu",
+            requests=6,
+            gpu_memory_utilization=0.5,
+            max_model_len=2048,
+            max_num_batched_tokens=256,
+            sampling_mix=mix,
+        )
         result = ServingScenario(config).run()
         assert not result.oom and result.requests_finished == 6
         return max(step.peak_allocated_bytes for step in result.timeline if step.phase == "serving")
@@ -126,9 +136,22 @@ def test_serving_steps_with_top_k_top_p_requests_peak_above_greedy_ones():
 
 
 def test_simulate_takes_the_sampling_mix_and_reports_it():
-    result = CliRunner().invoke(main, ["simulate", "--model-config",
-                                       str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"),
-                                       "--total-memory", "8GiB", "--requests", "2", "--max-model-len", "2048",
-                                       "--sampling-mix", "greedy:3,top_p:1", "--json"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--model-config",
+            str(REPO / "tests" / "data" / "configs" / "qwen3-0.6b"),
+            "--total-memory",
+            "8GiB",
+            "--requests",
+            "2",
+            "--max-model-len",
+            "2048",
+            "--sampling-mix",
+            "greedy:3,top_p:1",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["sampling_mix"] == [["greedy", 3.0], ["top_p", 1.0]]

@@ -29,9 +29,16 @@ MIB = 1 << 20
 # utilization 0.9, long requests, under the releases of the seed's time: vllm-mindspore 0.2.0 at the
 # fix (PR !428) pins MindSpore master b6f48709 (2.6.0's pool rules) and sets no MS_ALLOC_CONF, so VMM
 # is MindSpore's own default on a 910B: on.
-STORY = ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, gpu_memory_utilization=0.9,
-                       allocator="mindspore", requests=8, long_request_fraction=1.0, seed=0,
-                       vllm_mindspore_version="0.2.0")
+STORY = ScenarioConfig(
+    model_config=QWEN,
+    device_memory_bytes=32 * GIB,
+    gpu_memory_utilization=0.9,
+    allocator="mindspore",
+    requests=8,
+    long_request_fraction=1.0,
+    seed=0,
+    vllm_mindspore_version="0.2.0",
+)
 NO_VMM = replace(STORY, ms_alloc_conf="enable_vmm:False")
 
 
@@ -149,7 +156,7 @@ def test_profile_allocated_increase_is_the_forward_pass_live_peak():
         if size is None:
             current -= live.pop(key)
         else:
-            live[key] = -(-size // 512) * 512    # MindSpore's 512-byte alignment
+            live[key] = -(-size // 512) * 512  # MindSpore's 512-byte alignment
             current += live[key]
             peak = max(peak, current)
     assert profile.peak_allocated_increase_bytes == peak
@@ -168,9 +175,14 @@ def test_kv_cache_is_sized_by_the_estimator_and_allocated_per_layer():
 
 def test_profile_has_the_estimator_schema():
     data = run(STORY, budget="reserved").to_dict()
-    assert set(data["profile"]) == {"total_memory_bytes", "gpu_memory_utilization", "weights_bytes",
-                                    "peak_allocated_increase_bytes", "peak_reserved_increase_bytes",
-                                    "non_torch_increase_bytes"}
+    assert set(data["profile"]) == {
+        "total_memory_bytes",
+        "gpu_memory_utilization",
+        "weights_bytes",
+        "peak_allocated_increase_bytes",
+        "peak_reserved_increase_bytes",
+        "non_torch_increase_bytes",
+    }
     assert data["profile"]["total_memory_bytes"] == 32 * GIB
 
 
@@ -198,7 +210,7 @@ def test_stepper_reports_mindspore_stats():
     scenario.step()  # starts up first
     stats = scenario.memory_stats()
     assert stats["total_allocated_memory"] == scenario.allocator.allocated_bytes
-    assert "commom_mem_pool_stats" in stats           # MindSpore 2.6's spelling
+    assert "commom_mem_pool_stats" in stats  # MindSpore 2.6's spelling
     assert stats["persistent_mem_pool_stats"]["block_counts"] > 0
 
 
@@ -210,8 +222,14 @@ def test_step_after_the_end_returns_the_last_record():
 
 
 def test_same_seed_same_result_and_another_seed_another_mix():
-    config = replace(STORY, allocator="torch", long_request_fraction=0.5, requests=6, long_output_tokens=(4, 16),
-                     short_output_tokens=(4, 32))
+    config = replace(
+        STORY,
+        allocator="torch",
+        long_request_fraction=0.5,
+        requests=6,
+        long_output_tokens=(4, 16),
+        short_output_tokens=(4, 32),
+    )
     assert run(config).to_dict() == run(config).to_dict()
     assert ServingScenario(config).requests != ServingScenario(replace(config, seed=7)).requests
 
@@ -245,8 +263,9 @@ def test_zero_attention_heads_is_a_config_error_not_a_division_by_zero():
         ServingScenario(replace(STORY, model_config=config))
 
 
-@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size",
-                                   "max_position_embeddings"])
+@pytest.mark.parametrize(
+    "field", ["hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "max_position_embeddings"]
+)
 def test_an_infinite_config_field_is_a_config_error(field):
     # json.loads("1e400") is float("inf"): a config file can hold it.
     config = {**QWEN, field: json.loads("1e400")}
@@ -272,8 +291,11 @@ def test_the_workload_takes_layers_kv_heads_and_head_size_from_the_estimators_la
     for tp in (1, 2, 4):
         layout = kv_layout_from_config(config, tensor_parallel_size=tp)
         shape = model_shape(config, tp)
-        assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == \
-            (layout.num_layers, layout.num_kv_heads, layout.head_size) == (28, max(1, 2 // tp), 128)
+        assert (
+            (shape.num_layers, shape.num_kv_heads, shape.head_dim)
+            == (layout.num_layers, layout.num_kv_heads, layout.head_size)
+            == (28, max(1, 2 // tp), 128)
+        )
         assert ServingScenario(replace(STORY, model_config=config, tensor_parallel_size=tp)).shape == shape
 
 
@@ -319,10 +341,18 @@ SUITE = [
 
 @pytest.mark.parametrize("name, device_gib, tp, allocator, utilization, seed, alloc_conf, expected", SUITE)
 def test_scenario_suite(name, device_gib, tp, allocator, utilization, seed, alloc_conf, expected):
-    config = ScenarioConfig(model_config=model(name), device_memory_bytes=device_gib * GIB,
-                            gpu_memory_utilization=utilization, allocator=allocator, requests=8,
-                            tensor_parallel_size=tp, seed=seed, short_output_tokens=(8, 64),
-                            long_output_tokens=(8, 32), ms_alloc_conf=alloc_conf)
+    config = ScenarioConfig(
+        model_config=model(name),
+        device_memory_bytes=device_gib * GIB,
+        gpu_memory_utilization=utilization,
+        allocator=allocator,
+        requests=8,
+        tensor_parallel_size=tp,
+        seed=seed,
+        short_output_tokens=(8, 64),
+        long_output_tokens=(8, 32),
+        ms_alloc_conf=alloc_conf,
+    )
     outcomes = []
     for budget in ("stock", "reserved"):
         result = run(config, budget=budget)
@@ -335,10 +365,18 @@ def test_scenario_suite(name, device_gib, tp, allocator, utilization, seed, allo
 
 # The profile run's sampler (vLLM V1 on CUDA, vllm/v1/worker/gpu_model_runner.py 0.11.0:3393-3397
 # _dummy_sampler_run): top-k and top-p over min(max_num_seqs, max_num_batched_tokens) dummy requests.
-SMALL_BIG_VOCAB = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
-                   "intermediate_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 4,
-                   "num_key_value_heads": 4, "vocab_size": 128000, "max_position_embeddings": 4096,
-                   "torch_dtype": "bfloat16"}
+SMALL_BIG_VOCAB = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 128000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_the_v1_profile_peak_is_the_top_k_top_p_sort_when_the_vocabulary_dominates():
@@ -352,8 +390,14 @@ def test_the_v1_profile_peak_is_the_top_k_top_p_sort_when_the_vocabulary_dominat
     # 1 MiB in the large pool, c10/cuda/CUDACachingAllocator.cpp should_split, kSmallSize): up to 1 MiB more
     # for each of the 15 live tensors.
     tokens = seqs = 256
-    config = ScenarioConfig(model_config=SMALL_BIG_VOCAB, device_memory_bytes=80 * GIB, allocator="torch",
-                            max_num_batched_tokens=tokens, max_num_seqs=seqs, max_model_len=256)
+    config = ScenarioConfig(
+        model_config=SMALL_BIG_VOCAB,
+        device_memory_bytes=80 * GIB,
+        allocator="torch",
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        max_model_len=256,
+    )
     profile = ServingScenario(config).startup()
     nv = seqs * 128000
     sampler = nv * (2 + 4 + 4 + 8 + 1 + 1 + 4 + 4)
@@ -366,9 +410,20 @@ def test_the_profile_sampler_does_not_shrink_with_tensor_parallelism():
     # TP 1 and TP 2 (tests/data/logs/real/MANIFEST.json r01, r38): the logits are gathered to the full
     # vocabulary on every rank (logits_processor.py 0.11.0:69-77) and the sampler sorts all of it.
     llama = model("llama-3-8b-instruct")
-    peaks = [ServingScenario(ScenarioConfig(model_config=llama, device_memory_bytes=80 * GIB, allocator="torch",
-                                            max_model_len=8192, tensor_parallel_size=tp)).startup()
-             .peak_allocated_increase_bytes for tp in (1, 2)]
+    peaks = [
+        ServingScenario(
+            ScenarioConfig(
+                model_config=llama,
+                device_memory_bytes=80 * GIB,
+                allocator="torch",
+                max_model_len=8192,
+                tensor_parallel_size=tp,
+            )
+        )
+        .startup()
+        .peak_allocated_increase_bytes
+        for tp in (1, 2)
+    ]
     assert abs(peaks[1] - peaks[0]) < 0.05 * peaks[0]
 
 
@@ -382,7 +437,9 @@ def test_profiles_without_a_sampler_run_do_not_get_one(allocator, monkeypatch):
         raise AssertionError("profile_sampler_ops called")
 
     monkeypatch.setattr(workload, "profile_sampler_ops", refuse)
-    assert ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB,
-                                          allocator=allocator)).startup() is not None
+    assert (
+        ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator=allocator)).startup()
+        is not None
+    )
     with pytest.raises(AssertionError, match="profile_sampler_ops"):
         ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator="torch")).startup()

@@ -41,14 +41,17 @@ def test_one_mib_is_the_last_small_pool_size():
     assert stats["reserved_bytes.large_pool.current"] == 20 * MIB
 
 
-@pytest.mark.parametrize("request_bytes, segment_bytes", [
-    (100, 2 * MIB),                 # small pool: 2 MiB segments
-    (1 * MIB + 1, 20 * MIB),        # large, under 10 MiB: 20 MiB segments
-    (10 * MIB - 512, 20 * MIB),
-    (10 * MIB - 1, 10 * MIB),       # rounding to 512 comes first
-    (10 * MIB, 10 * MIB),           # from 10 MiB: rounded up to 2 MiB
-    (11 * MIB + 1, 12 * MIB),
-])
+@pytest.mark.parametrize(
+    "request_bytes, segment_bytes",
+    [
+        (100, 2 * MIB),  # small pool: 2 MiB segments
+        (1 * MIB + 1, 20 * MIB),  # large, under 10 MiB: 20 MiB segments
+        (10 * MIB - 512, 20 * MIB),
+        (10 * MIB - 1, 10 * MIB),  # rounding to 512 comes first
+        (10 * MIB, 10 * MIB),  # from 10 MiB: rounded up to 2 MiB
+        (11 * MIB + 1, 12 * MIB),
+    ],
+)
 def test_segment_sizes(request_bytes, segment_bytes):
     a = alloc()
     a.malloc(request_bytes)
@@ -57,7 +60,7 @@ def test_segment_sizes(request_bytes, segment_bytes):
 
 def test_best_fit_prefers_the_smaller_block_over_the_lower_address():
     a = alloc()
-    big = a.malloc(14 * MIB)      # first segment, lower address
+    big = a.malloc(14 * MIB)  # first segment, lower address
     small = a.malloc(12 * MIB)
     a.free(big)
     a.free(small)
@@ -138,8 +141,8 @@ def test_freed_neighbours_merge_back_into_the_whole_segment():
 
 def test_failed_segment_allocation_frees_cached_segments_and_retries():
     a = alloc(capacity=40 * MIB)
-    a.free(a.malloc(3 * MIB))            # a cached 20 MiB segment
-    a.malloc(30 * MIB)                   # 20 MiB free on the device: needs the cache flushed
+    a.free(a.malloc(3 * MIB))  # a cached 20 MiB segment
+    a.malloc(30 * MIB)  # 20 MiB free on the device: needs the cache flushed
     stats = a.memory_stats()
     assert stats["num_alloc_retries"] == 1
     assert stats["num_ooms"] == 0
@@ -159,9 +162,9 @@ def test_out_of_memory_after_the_retry_counts_num_ooms():
 
 def test_split_segments_survive_the_flush():
     a = alloc(capacity=44 * MIB)
-    keep = a.malloc(4 * MIB)             # 20 MiB segment, split: 4 MiB used + 16 MiB cached
+    keep = a.malloc(4 * MIB)  # 20 MiB segment, split: 4 MiB used + 16 MiB cached
     with pytest.raises(AllocatorOutOfMemory):
-        a.malloc(30 * MIB)               # the split segment cannot be released
+        a.malloc(30 * MIB)  # the split segment cannot be released
     assert a.reserved_bytes == 20 * MIB
     assert a.memory_stats()["inactive_split_bytes.all.current"] == 16 * MIB
     a.free(keep)
@@ -169,9 +172,9 @@ def test_split_segments_survive_the_flush():
 
 def test_max_split_size_frees_a_cached_oversize_block_before_the_full_flush():
     a = alloc(capacity=120 * MIB, max_split_size=40 * MIB)
-    a.free(a.malloc(70 * MIB))           # too large to reuse for 45 MiB (>= 45 + 20)
-    a.free(a.malloc(3 * MIB))            # a cached unsplit 20 MiB segment the full flush would free
-    a.malloc(45 * MIB)                   # 30 MiB free: the 70 MiB oversize block is released first
+    a.free(a.malloc(70 * MIB))  # too large to reuse for 45 MiB (>= 45 + 20)
+    a.free(a.malloc(3 * MIB))  # a cached unsplit 20 MiB segment the full flush would free
+    a.malloc(45 * MIB)  # 30 MiB free: the 70 MiB oversize block is released first
     stats = a.memory_stats()
     assert stats["num_alloc_retries"] == 0
     assert sorted(size for _, size, _ in a.segments()) == [20 * MIB, 46 * MIB]
@@ -181,14 +184,14 @@ def test_releasing_too_few_oversize_blocks_falls_through_to_the_full_flush():
     a = alloc(capacity=120 * MIB, max_split_size=40 * MIB)
     a.free(a.malloc(50 * MIB))
     a.free(a.malloc(3 * MIB))
-    a.malloc(60 * MIB)                   # freeing the 50 MiB block alone is not enough
+    a.malloc(60 * MIB)  # freeing the 50 MiB block alone is not enough
     assert a.memory_stats()["num_alloc_retries"] == 1
     assert [size for _, size, _ in a.segments()] == [60 * MIB]
 
 
 def test_empty_cache_releases_only_unsplit_segments():
     a = alloc()
-    a.malloc(1000)                        # keeps its small segment split
+    a.malloc(1000)  # keeps its small segment split
     a.free(a.malloc(5 * MIB))
     a.empty_cache()
     assert a.reserved_bytes == 2 * MIB
@@ -207,24 +210,28 @@ def test_peaks_reset_to_current():
 
 def test_allocated_and_freed_totals_count_every_change():
     a = alloc()
-    x = a.malloc(1000)          # 1 KiB of a new 2 MiB small segment; the rest is split off
-    y = a.malloc(12 * MIB)      # a new 12 MiB large segment, used whole
-    a.free(x)                   # merges back into one unsplit 2 MiB block
+    x = a.malloc(1000)  # 1 KiB of a new 2 MiB small segment; the rest is split off
+    y = a.malloc(12 * MIB)  # a new 12 MiB large segment, used whole
+    a.free(x)  # merges back into one unsplit 2 MiB block
     a.free(y)
-    a.malloc(1000)              # splits the small segment again
+    a.malloc(1000)  # splits the small segment again
     a.reset_peak_memory_stats()
     stats = a.memory_stats()
     rest = 2 * MIB - 1024
 
     def stat(name):
-        return {pool: tuple(stats[f"{name}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed"))
-                for pool in ("all", "small_pool", "large_pool")}
+        return {
+            pool: tuple(stats[f"{name}.{pool}.{f}"] for f in ("current", "peak", "allocated", "freed"))
+            for pool in ("all", "small_pool", "large_pool")
+        }
 
     assert stat("allocation") == {"all": (1, 1, 3, 2), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 1, 1)}
     assert stat("active") == stat("allocation")
-    assert stat("allocated_bytes") == {"all": (1024, 1024, 12 * MIB + 2048, 12 * MIB + 1024),
-                                       "small_pool": (1024, 1024, 2048, 1024),
-                                       "large_pool": (0, 0, 12 * MIB, 12 * MIB)}
+    assert stat("allocated_bytes") == {
+        "all": (1024, 1024, 12 * MIB + 2048, 12 * MIB + 1024),
+        "small_pool": (1024, 1024, 2048, 1024),
+        "large_pool": (0, 0, 12 * MIB, 12 * MIB),
+    }
     assert stat("requested_bytes")["all"] == (1000, 1000, 12 * MIB + 2000, 12 * MIB + 1000)
     assert stat("inactive_split") == {"all": (1, 1, 2, 1), "small_pool": (1, 1, 2, 1), "large_pool": (0, 0, 0, 0)}
     assert stat("inactive_split_bytes")["small_pool"] == (rest, rest, 2 * rest, rest)
@@ -234,11 +241,23 @@ def test_allocated_and_freed_totals_count_every_change():
 
 def test_memory_stats_use_torch_key_names():
     stats = alloc().memory_stats()
-    for key in ("allocated_bytes.all.current", "reserved_bytes.all.peak", "inactive_split_bytes.all.current",
-                "allocation.small_pool.allocated", "segment.large_pool.freed", "active_bytes.all.current",
-                "requested_bytes.all.peak", "oversize_allocations.current", "oversize_segments.peak",
-                "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
-                "max_split_size"):
+    for key in (
+        "allocated_bytes.all.current",
+        "reserved_bytes.all.peak",
+        "inactive_split_bytes.all.current",
+        "allocation.small_pool.allocated",
+        "segment.large_pool.freed",
+        "active_bytes.all.current",
+        "requested_bytes.all.peak",
+        "oversize_allocations.current",
+        "oversize_segments.peak",
+        "num_alloc_retries",
+        "num_ooms",
+        "num_sync_all_streams",
+        "num_device_alloc",
+        "num_device_free",
+        "max_split_size",
+    ):
         assert key in stats, key
     assert stats["max_split_size"] == -1
     assert len([k for k in stats if k.count(".") == 2]) == 9 * 3 * 4
@@ -249,7 +268,7 @@ def test_expandable_segments_map_20_mib_pages_at_adjacent_addresses():
     x = a.malloc(3 * MIB)
     y = a.malloc(30 * MIB)
     assert y == x + 3 * MIB
-    assert a.reserved_bytes == 40 * MIB        # 33 MiB in 20 MiB pages
+    assert a.reserved_bytes == 40 * MIB  # 33 MiB in 20 MiB pages
     assert len(a.segments()) == 1
 
 
@@ -259,15 +278,15 @@ def test_expandable_segments_unmap_free_pages_on_empty_cache():
     y = a.malloc(30 * MIB)
     a.free(y)
     a.empty_cache()
-    assert a.reserved_bytes == 20 * MIB        # the page holding x stays mapped
+    assert a.reserved_bytes == 20 * MIB  # the page holding x stays mapped
     assert a.device.free_bytes == (1 << 30) - 20 * MIB
     a.free(x)
 
 
 def test_expandable_segments_reuse_the_freed_tail_by_remapping():
     a = alloc(capacity=60 * MIB, expandable_segments=True)
-    a.free(a.malloc(50 * MIB))                # 60 MiB mapped, all free
-    a.malloc(55 * MIB)                        # fits in the mapped pages: no new mapping
+    a.free(a.malloc(50 * MIB))  # 60 MiB mapped, all free
+    a.malloc(55 * MIB)  # fits in the mapped pages: no new mapping
     assert a.reserved_bytes == 60 * MIB
     assert a.memory_stats()["num_alloc_retries"] == 0
 
@@ -279,6 +298,7 @@ def test_device_free_memory_follows_reserved_segments():
 
 
 # ---------------------------------------------------------------- rules from CUDACachingAllocator.cpp @ 001074d2
+
 
 def test_roundup_power2_divisions_rounds_to_the_next_of_n_steps_between_powers_of_two():
     # round_size: 1.2 MiB lies between 1 and 2 MiB; with 4 divisions the steps are 1, 1.25, 1.5,
@@ -307,18 +327,18 @@ def test_garbage_collection_needs_a_memory_fraction():
     a = alloc(capacity=1 << 30, garbage_collection_threshold=0.5)
     for size in (100 * MIB, 200 * MIB):
         a.free(a.malloc(size))
-    a.malloc(300 * MIB)      # misses the cache, no fraction set: nothing is collected
+    a.malloc(300 * MIB)  # misses the cache, no fraction set: nothing is collected
     assert a.memory_stats()["num_device_free"] == 0
 
 
 def test_garbage_collection_releases_old_cached_blocks_above_the_threshold():
     a = alloc(capacity=1 << 30, garbage_collection_threshold=0.5)
-    a.set_memory_fraction(1.0)          # allowed maximum 1 GiB, threshold 512 MiB
+    a.set_memory_fraction(1.0)  # allowed maximum 1 GiB, threshold 512 MiB
     old = a.malloc(300 * MIB)
     young = a.malloc(250 * MIB)
     a.free(a.malloc(30 * MIB))
     a.free(old)
-    for _ in range(3):                  # three large-pool look-ups, served by the 30 MiB block, age `old`
+    for _ in range(3):  # three large-pool look-ups, served by the 30 MiB block, age `old`
         a.free(a.malloc(12 * MIB))
     a.free(young)
     # 580 MiB reserved > 512 MiB. The miss for 400 MiB is the fourth look-up: ages are old 4,
@@ -369,8 +389,10 @@ def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compar
         addrs = [a.malloc(size) for size in (30 * MIB, 50 * MIB, 30 * MIB, 100)]
         a.free(addrs[1])
         a.empty_cache()
-        want = [(s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
-                for s in a.snapshot_segments()]
+        want = [
+            (s["address"], s["total_size"], tuple((b["address"], b["size"], b["allocated"]) for b in s["blocks"]))
+            for s in a.snapshot_segments()
+        ]
         assert a.segment_layout() == want
         assert (len(want), len(a.segments())) == ((3, 2) if expandable else (3, 3))
 
@@ -378,6 +400,7 @@ def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compar
 # ----------------------------------------------------------------- torch_npu's own rules
 # (NPUCachingAllocator.cpp / NPUAllocatorConfig.{h,cpp} at Ascend/pytorch v26.2.0-beta.1-pytorch2.13.0;
 # tests/test_oracle_torch_npu.py checks the same rules against the compiled allocator.)
+
 
 def test_torch_npu_hands_out_null_for_zero_bytes_and_allocates_nothing():
     a = alloc(variant="torch_npu")
@@ -388,13 +411,13 @@ def test_torch_npu_hands_out_null_for_zero_bytes_and_allocates_nothing():
 
 def test_without_the_pad_on_ascend950_torch_npu_rounds_like_torch():
     a = alloc(variant="torch_npu", add_pad_size=False)
-    assert block_size(a, a.malloc(512)) == 512          # with the pad: 544 -> 1024
+    assert block_size(a, a.malloc(512)) == 512  # with the pad: 544 -> 1024
     assert block_size(a, a.malloc(1 * MIB)) == 1 * MIB
 
 
 def test_expandable_torch_npu_moves_a_large_request_up_to_a_16_kib_boundary():
     a = alloc(variant="torch_npu", expandable_segments=True)
-    first = a.malloc(3 * MIB // 2 + 100)                # 1572996 padded -> a 1573376-byte block
+    first = a.malloc(3 * MIB // 2 + 100)  # 1572996 padded -> a 1573376-byte block
     second = a.malloc(4 * MIB)
     # The free rest of the 20 MiB page starts at 1573376 = 96 x 16384 + 512: the request moves up
     # to 97 x 16384 = 1589248 and the 15872 bytes before it stay behind as a free block.
@@ -416,7 +439,7 @@ def test_requests_under_2_mib_are_not_moved():
 
 def test_large_segment_size_sizes_segments_for_requests_under_10_mib():
     a = alloc(variant="torch_npu", large_segment_size=48 * MIB, add_pad_size=False)
-    a.malloc(12 * MIB)                                  # from 10 MiB: still the request rounded to 2 MiB
+    a.malloc(12 * MIB)  # from 10 MiB: still the request rounded to 2 MiB
     a.malloc(5 * MIB)
     assert sorted(size for _, size, _ in a.segments()) == [12 * MIB, 48 * MIB]
 
@@ -436,16 +459,17 @@ def test_large_segment_size_wins_over_segment_size_for_the_expandable_page():
 def test_1g_pages_round_large_segments_up_to_1_gib():
     a = alloc(4 << 30, variant="torch_npu", page_size_1g=True)
     a.malloc(30 * MIB)
-    a.malloc(1000)                                      # the small pool keeps 2 MiB segments
+    a.malloc(1000)  # the small pool keeps 2 MiB segments
     assert sorted(size for _, size, _ in a.segments()) == [2 * MIB, 1 << 30]
 
 
 def test_max_non_split_rounding_size_lets_an_oversize_request_take_a_larger_cached_block():
     for rounding, reused in ((None, False), (50 * MIB, True)):
-        a = alloc(variant="torch_npu", max_split_size=100 * MIB, max_non_split_rounding_size=rounding,
-                  add_pad_size=False)
+        a = alloc(
+            variant="torch_npu", max_split_size=100 * MIB, max_non_split_rounding_size=rounding, add_pad_size=False
+        )
         a.free(a.malloc(200 * MIB))
-        a.malloc(160 * MIB)                             # 200 MiB >= 160 + 20 MiB, but < 160 + 50 MiB
+        a.malloc(160 * MIB)  # 200 MiB >= 160 + 20 MiB, but < 160 + 50 MiB
         assert (a.reserved_bytes == 200 * MIB) is reused
 
 
@@ -459,11 +483,11 @@ def test_a_memory_fraction_given_at_construction_caps_reserved_memory():
 def test_throw_on_npumalloc_oom_refuses_a_segment_past_the_device_without_emptying_the_cache():
     for throw, reserved_after, ooms in ((False, 700 * MIB, 0), (True, 600 * MIB, 0)):
         a = alloc(1 << 30, variant="torch_npu", add_pad_size=False, throw_on_npumalloc_oom=throw)
-        a.free(a.malloc(600 * MIB))                     # cached
-        if throw:                                       # 600 + 700 MiB > 1 GiB: refused, cache kept
+        a.free(a.malloc(600 * MIB))  # cached
+        if throw:  # 600 + 700 MiB > 1 GiB: refused, cache kept
             with pytest.raises(AllocatorOutOfMemory):
                 a.malloc(700 * MIB)
-        else:                                           # the device refuses; the cache is emptied, then it fits
+        else:  # the device refuses; the cache is emptied, then it fits
             a.malloc(700 * MIB)
         assert (a.reserved_bytes, a.num_ooms) == (reserved_after, ooms)
 

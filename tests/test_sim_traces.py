@@ -8,8 +8,15 @@ import pytest
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.torch_alloc import CachingAllocator
-from kvguard.allocators.traces import (TraceError, TraceEvent, load_snapshot_pickle, load_trace, parse_memory_block_csv,
-                                parse_torch_snapshot, replay)
+from kvguard.allocators.traces import (
+    TraceError,
+    TraceEvent,
+    load_snapshot_pickle,
+    load_trace,
+    parse_memory_block_csv,
+    parse_torch_snapshot,
+    replay,
+)
 
 MIB = 1 << 20
 
@@ -17,15 +24,20 @@ MIB = 1 << 20
 # comma; type is column 9, after actual_peak_memory, file_name and line_num, as memory_py.cc's replay
 # parser reads it), then rows: a weight kept to the end (-1), an activation freed at 5, a workspace
 # at 4..6, a SOMAS row.
-MEMORY_BLOCK_HEADER = ("start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_peak_memory,"
-                       "file_name,line_num,type,producer_task,task_name,node_name,graph_name,user_tasks,"
-                       "python_stack,\n")
-MEMORY_BLOCK_CSV = MEMORY_BLOCK_HEADER + """\
+MEMORY_BLOCK_HEADER = (
+    "start_time_stamp,end_time_stamp,device_addr,stream_id,pool_type,size,actual_peak_memory,"
+    "file_name,line_num,type,producer_task,task_name,node_name,graph_name,user_tasks,"
+    "python_stack,\n"
+)
+MEMORY_BLOCK_CSV = (
+    MEMORY_BLOCK_HEADER
+    + """\
 1,-1,0x12c0000000,0,persistent,1048576,1048576,,,Weight,1,Default/Load,load,kernel_graph_0,{},,
 2,5,0x12c0100000,0,common,3145728,4194304,,,OutputData,2,Default/MatMul-op0,MatMul,kernel_graph_0,{3-},,
 4,6,0x12c0400000,0,common,512,4195328,,,WorkSpace,4,Default/Add-op1,Add,kernel_graph_0,{},,
 -1,-1,0x12c0600000,0,common,4096,0,,,InSideSomas,5,Default/Mul-op2,Mul,kernel_graph_0,{},,
 """
+)
 
 
 def test_memory_block_csv_orders_allocations_and_frees_by_timestamp():
@@ -37,7 +49,7 @@ def test_memory_block_csv_orders_allocations_and_frees_by_timestamp():
         TraceEvent(1, None, False, 0),
         TraceEvent(2, None, False, 0),
     )
-    assert trace.skipped == 1   # the SOMAS row has no timestamps
+    assert trace.skipped == 1  # the SOMAS row has no timestamps
 
 
 def test_memory_block_csv_without_header_uses_the_replay_parser_positions():
@@ -88,7 +100,7 @@ def test_memory_block_csv_replays_on_the_mindspore_pool():
     assert not result.oom
     assert result.peak_allocated_bytes == 1048576 + 3145728 + 512
     stats = result.memory_stats
-    assert stats["total_allocated_memory"] == 1048576           # the weight is still held
+    assert stats["total_allocated_memory"] == 1048576  # the weight is still held
     assert stats["persistent_mem_pool_stats"]["block_counts"] == 1
 
 
@@ -97,26 +109,28 @@ def snapshot(trace_entries):
 
 
 ENTRIES = [
-    {"action": "segment_alloc", "addr": 0x7f0000000000, "size": 20 * MIB, "stream": 0},
-    {"action": "alloc", "addr": 0x7f0000000000, "size": 3 * MIB, "stream": 0, "frames": []},
-    {"action": "alloc", "addr": 0x7f0000300000, "size": 5 * MIB, "stream": 0, "frames": []},
-    {"action": "free_requested", "addr": 0x7f0000000000, "size": 3 * MIB, "stream": 0},
-    {"action": "free_completed", "addr": 0x7f0000000000, "size": 3 * MIB, "stream": 0},
-    {"action": "free_completed", "addr": 0x7e0000000000, "size": 1 * MIB, "stream": 0},  # before recording
+    {"action": "segment_alloc", "addr": 0x7F0000000000, "size": 20 * MIB, "stream": 0},
+    {"action": "alloc", "addr": 0x7F0000000000, "size": 3 * MIB, "stream": 0, "frames": []},
+    {"action": "alloc", "addr": 0x7F0000300000, "size": 5 * MIB, "stream": 0, "frames": []},
+    {"action": "free_requested", "addr": 0x7F0000000000, "size": 3 * MIB, "stream": 0},
+    {"action": "free_completed", "addr": 0x7F0000000000, "size": 3 * MIB, "stream": 0},
+    {"action": "free_completed", "addr": 0x7E0000000000, "size": 1 * MIB, "stream": 0},  # before recording
 ]
 
 
 def test_snapshot_trace_keeps_allocs_and_completed_frees():
     trace = parse_torch_snapshot(snapshot(ENTRIES))
     assert trace.events == (
-        TraceEvent(0x7f0000000000, 3 * MIB), TraceEvent(0x7f0000300000, 5 * MIB), TraceEvent(0x7f0000000000, None),
+        TraceEvent(0x7F0000000000, 3 * MIB),
+        TraceEvent(0x7F0000300000, 5 * MIB),
+        TraceEvent(0x7F0000000000, None),
     )
     assert trace.skipped == 1
 
 
 def test_snapshot_trace_without_free_completed_uses_free_requested():
     entries = [e for e in ENTRIES if e["action"] != "free_completed"]
-    assert parse_torch_snapshot(snapshot(entries)).events[-1] == TraceEvent(0x7f0000000000, None)
+    assert parse_torch_snapshot(snapshot(entries)).events[-1] == TraceEvent(0x7F0000000000, None)
 
 
 def test_snapshot_trace_replays_on_the_caching_allocator(tmp_path):
@@ -138,18 +152,26 @@ def test_snapshot_pickle_with_objects_is_refused_without_running_them():
         load_snapshot_pickle(data)
 
 
-@pytest.mark.parametrize(("snap", "message"), [
-    ({"device_traces": [5]}, r"device_traces\[0\] is an int, not a list of entries"),
-    (snapshot([7]), r"device_traces\[0\]\[0\] is an int, not a dict"),
-    (snapshot([{"action": ["alloc"], "addr": 1, "size": 4096}]), r"\[0\]\[0\]: action is a list, not a string"),
-    (snapshot([{"action": "alloc", "addr": 1, "size": 4096, "stream": "abc"}]),
-     r"\[0\]\[0\] \(alloc\): stream is a str, not an integer"),
-    (snapshot([{"action": "alloc", "addr": 1, "size": 4096},
-               {"action": "free_completed", "addr": [1], "size": 4096}]),
-     r"\[0\]\[1\] \(free_completed\): addr is a list, not an integer"),
-    (snapshot([{"action": "alloc", "addr": 1, "size": 4096.0}]), r"\(alloc\): size is a float, not an integer"),
-    (snapshot([{"action": "alloc", "addr": 1, "size": -100000}]), r"\(alloc\): negative size -100000$"),
-])
+@pytest.mark.parametrize(
+    ("snap", "message"),
+    [
+        ({"device_traces": [5]}, r"device_traces\[0\] is an int, not a list of entries"),
+        (snapshot([7]), r"device_traces\[0\]\[0\] is an int, not a dict"),
+        (snapshot([{"action": ["alloc"], "addr": 1, "size": 4096}]), r"\[0\]\[0\]: action is a list, not a string"),
+        (
+            snapshot([{"action": "alloc", "addr": 1, "size": 4096, "stream": "abc"}]),
+            r"\[0\]\[0\] \(alloc\): stream is a str, not an integer",
+        ),
+        (
+            snapshot(
+                [{"action": "alloc", "addr": 1, "size": 4096}, {"action": "free_completed", "addr": [1], "size": 4096}]
+            ),
+            r"\[0\]\[1\] \(free_completed\): addr is a list, not an integer",
+        ),
+        (snapshot([{"action": "alloc", "addr": 1, "size": 4096.0}]), r"\(alloc\): size is a float, not an integer"),
+        (snapshot([{"action": "alloc", "addr": 1, "size": -100000}]), r"\(alloc\): negative size -100000$"),
+    ],
+)
 def test_snapshot_with_fields_of_the_wrong_type_is_a_trace_error(snap, message):
     # Well-formed pickles (they load) whose entries do not have _dump_snapshot's types.
     with pytest.raises(TraceError, match=message):

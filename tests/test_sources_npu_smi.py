@@ -41,7 +41,11 @@ def test_driver_version_is_read(data_path):
 def test_910b4_driver_23_idle_has_no_processes(data_path):
     devices = records(data_path, "910b4-23.0.6-idle.txt")
     assert [(d.device, d.used_bytes // MIB, d.total_bytes // MIB) for d in devices] == [
-        ("npu:0", 2828, 32768), ("npu:1", 2831, 32768), ("npu:2", 2834, 32768), ("npu:3", 2837, 32768)]
+        ("npu:0", 2828, 32768),
+        ("npu:1", 2831, 32768),
+        ("npu:2", 2834, 32768),
+        ("npu:3", 2837, 32768),
+    ]
     assert all(d.processes == () for d in devices)
 
 
@@ -54,7 +58,10 @@ def test_hbm_printed_without_space_before_slash_is_read(data_path):
 def test_several_processes_on_one_npu_are_all_kept(data_path):
     devices = records(data_path, "910b1-23.0.rc3-multi-process.txt")
     assert [(p.pid, p.used_bytes // MIB) for p in devices[0].processes] == [
-        (3755936, 114), (3755939, 114), (3755935, 52245)]
+        (3755936, 114),
+        (3755939, 114),
+        (3755935, 52245),
+    ]
     assert [(p.pid, p.used_bytes // MIB) for p in devices[1].processes] == [(3755936, 51829)]
 
 
@@ -119,6 +126,7 @@ def test_truncated_output_keeps_the_chips_read_so_far(data_path):
 
 # ---------------------------------------------------------------- running the command
 
+
 def fake_npu_smi(tmp_path, body: str) -> str:
     path = tmp_path / "npu-smi"
     path.write_text(f"#!{sys.executable}\n{body}\n")
@@ -128,8 +136,9 @@ def fake_npu_smi(tmp_path, body: str) -> str:
 
 def test_source_runs_npu_smi_info_and_parses_it(tmp_path, data_path):
     fixture = data_path("npu-smi", "910b4-23.0.6-idle.txt")
-    binary = fake_npu_smi(tmp_path, f"import sys\nassert sys.argv[1:] == ['info'], sys.argv\n"
-                                    f"sys.stdout.write(open({fixture!r}).read())")
+    binary = fake_npu_smi(
+        tmp_path, f"import sys\nassert sys.argv[1:] == ['info'], sys.argv\nsys.stdout.write(open({fixture!r}).read())"
+    )
     devices = NpuSmiSource(binary=binary).sample()
     assert [d.device for d in devices] == ["npu:0", "npu:1", "npu:2", "npu:3"]
     assert devices[0].source == "npu-smi"
@@ -141,12 +150,16 @@ def test_missing_binary_is_unavailable(tmp_path):
 
 
 def test_nonzero_exit_is_a_one_line_error(tmp_path):
-    binary = fake_npu_smi(tmp_path, "import sys\nsys.stderr.write('dcmi model initialized failed, because the "
-                                    "device is used. ret is -8020\\nmore\\n')\nsys.exit(255)")
+    binary = fake_npu_smi(
+        tmp_path,
+        "import sys\nsys.stderr.write('dcmi model initialized failed, because the "
+        "device is used. ret is -8020\\nmore\\n')\nsys.exit(255)",
+    )
     with pytest.raises(SourceError) as info:
         NpuSmiSource(binary=binary).sample()
-    assert str(info.value) == ("npu-smi info exited with 255: dcmi model initialized failed, because the device "
-                               "is used. ret is -8020")
+    assert str(info.value) == (
+        "npu-smi info exited with 255: dcmi model initialized failed, because the device is used. ret is -8020"
+    )
 
 
 def test_output_without_a_table_is_an_error(tmp_path):
@@ -173,10 +186,13 @@ def test_an_npu_smi_that_prints_past_the_cap_is_killed_there(tmp_path):
     # Four times the cap of table rows, then it keeps the pipe open: the source stops reading at
     # MAX_OUTPUT_BYTES and kills it instead of buffering until the deadline (the reviewer's endless
     # fake reached 10.7 GB in a 10 s timeout).
-    binary = fake_npu_smi(tmp_path, "import sys, time\nrow = '| 0 910B | OK | 1 / 2 |\\n' * 4096\n"
-                                    f"for _ in range({4 * MAX_OUTPUT_BYTES} // len(row) + 1):\n"
-                                    "    sys.stdout.write(row)\n"
-                                    "sys.stdout.flush()\ntime.sleep(600)")
+    binary = fake_npu_smi(
+        tmp_path,
+        "import sys, time\nrow = '| 0 910B | OK | 1 / 2 |\\n' * 4096\n"
+        f"for _ in range({4 * MAX_OUTPUT_BYTES} // len(row) + 1):\n"
+        "    sys.stdout.write(row)\n"
+        "sys.stdout.flush()\ntime.sleep(600)",
+    )
     with pytest.raises(SourceError) as info:
         NpuSmiSource(binary=binary, timeout=5).sample()
     assert str(info.value) == f"npu-smi info printed more than {MAX_OUTPUT_BYTES} bytes"
@@ -194,14 +210,17 @@ def test_a_child_that_keeps_the_pipe_open_is_killed_with_npu_smi(tmp_path):
     # npu-smi exits but leaves a child holding its stdout: the deadline still ends the read, and the
     # whole process group, the child too, is killed rather than left running.
     pidfile = tmp_path / "child.pid"
-    binary = fake_npu_smi(tmp_path, "import subprocess, sys\n"
-                                    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-                                    f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n")
+    binary = fake_npu_smi(
+        tmp_path,
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(child.pid))\n",
+    )
     with pytest.raises(SourceError, match="did not answer within 0.5s"):
         NpuSmiSource(binary=binary, timeout=0.5).sample()
     child = int(pidfile.read_text())
     try:
-        for _ in range(1000):      # SIGKILL is delivered at once; wait for the kernel to finish it off
+        for _ in range(1000):  # SIGKILL is delivered at once; wait for the kernel to finish it off
             if _process_state(child) in ("Z", "X", "gone"):
                 break
             time.sleep(0.01)
@@ -212,8 +231,7 @@ def test_a_child_that_keeps_the_pipe_open_is_killed_with_npu_smi(tmp_path):
 
 
 def test_large_stderr_does_not_block_and_only_its_first_line_is_reported(tmp_path):
-    binary = fake_npu_smi(tmp_path, "import sys\nsys.stderr.write('dcmi failed\\n' + 'x' * (4 << 20))\n"
-                                    "sys.exit(3)")
+    binary = fake_npu_smi(tmp_path, "import sys\nsys.stderr.write('dcmi failed\\n' + 'x' * (4 << 20))\nsys.exit(3)")
     with pytest.raises(SourceError) as info:
         NpuSmiSource(binary=binary, timeout=600).sample()
     assert str(info.value) == "npu-smi info exited with 3: dcmi failed"

@@ -16,8 +16,13 @@ GIB = 1 << 30
 
 def memory_v2(total, reserved, free, used):
     struct = pynvml.c_nvmlMemory_v2_t()
-    struct.version, struct.total, struct.reserved, struct.free, struct.used = \
-        pynvml.nvmlMemory_v2, total, reserved, free, used
+    struct.version, struct.total, struct.reserved, struct.free, struct.used = (
+        pynvml.nvmlMemory_v2,
+        total,
+        reserved,
+        free,
+        used,
+    )
     return struct
 
 
@@ -46,13 +51,36 @@ class FakeNvml(types.SimpleNamespace):
     NVMLError = pynvml.NVMLError
     nvmlMemory_v2 = pynvml.nvmlMemory_v2
 
-    def __init__(self, devices, init_error=None, v2=True, processes_error=None, uuids=None, bus_ids=None,
-                 migs=None, mig_slots=7, mig_capable=True, uuid_error=None, mig_error=None):
-        super().__init__(devices=devices, init_error=init_error, v2=v2, processes_error=processes_error,
-                         inits=0, shutdowns=0, calls=[], migs=migs or {}, mig_slots=mig_slots,
-                         mig_capable=mig_capable, uuid_error=uuid_error, mig_error=mig_error,
-                         uuids=uuids or [f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in range(len(devices))],
-                         bus_ids=bus_ids or [f"00000000:{0x18 + i:02X}:00.0".encode() for i in range(len(devices))])
+    def __init__(
+        self,
+        devices,
+        init_error=None,
+        v2=True,
+        processes_error=None,
+        uuids=None,
+        bus_ids=None,
+        migs=None,
+        mig_slots=7,
+        mig_capable=True,
+        uuid_error=None,
+        mig_error=None,
+    ):
+        super().__init__(
+            devices=devices,
+            init_error=init_error,
+            v2=v2,
+            processes_error=processes_error,
+            inits=0,
+            shutdowns=0,
+            calls=[],
+            migs=migs or {},
+            mig_slots=mig_slots,
+            mig_capable=mig_capable,
+            uuid_error=uuid_error,
+            mig_error=mig_error,
+            uuids=uuids or [f"GPU-{i:08x}-1111-2222-3333-444455556666" for i in range(len(devices))],
+            bus_ids=bus_ids or [f"00000000:{0x18 + i:02X}:00.0".encode() for i in range(len(devices))],
+        )
 
     def nvmlInit(self):
         self.inits += 1
@@ -96,7 +124,7 @@ class FakeNvml(types.SimpleNamespace):
             raise pynvml.NVMLError(self.uuid_error)
         if isinstance(handle, tuple):
             return self.migs[handle[1]][handle[2]][0]
-        return self.uuids[handle]      # str: nvidia-ml-py's convertStrBytes decodes the buffer
+        return self.uuids[handle]  # str: nvidia-ml-py's convertStrBytes decodes the buffer
 
     def nvmlDeviceGetPciInfo_v3(self, handle):
         self.calls.append(("pci", handle))
@@ -196,8 +224,10 @@ def test_records_carry_the_uuid_and_the_pci_bus_id():
     uuids = ["GPU-8c6b5a0e-2f7c-9d1a-33b2-5e9f0c1d2a3b", "GPU-1f2e3d4c-5b6a-7980-a1b2-c3d4e5f60718"]
     nvml = FakeNvml([(H200, []), (H200, [])], uuids=uuids, bus_ids=[b"00000000:3B:00.0", b"00000000:86:00.0"])
     records = NvmlSource(nvml).sample()
-    assert [(r.device_uuid, r.pci_bus_id) for r in records] == [(uuids[0], "00000000:3B:00.0"),
-                                                                (uuids[1], "00000000:86:00.0")]
+    assert [(r.device_uuid, r.pci_bus_id) for r in records] == [
+        (uuids[0], "00000000:3B:00.0"),
+        (uuids[1], "00000000:86:00.0"),
+    ]
 
 
 def test_a_uuid_nvml_will_not_give_leaves_the_label_empty_not_the_device_out():
@@ -217,13 +247,18 @@ def test_reserved_memory_is_exported_as_a_device_series():
     from kvguard.sidecar.collector import families
     from kvguard.sidecar.core import Sidecar, SidecarConfig
 
-    sidecar = Sidecar(SidecarConfig(sources=[("nvml", NvmlSource(FakeNvml([(H200, [])])))], pod_labels={
-        "pod": "", "namespace": "", "container": ""}))
+    sidecar = Sidecar(
+        SidecarConfig(
+            sources=[("nvml", NvmlSource(FakeNvml([(H200, [])])))],
+            pod_labels={"pod": "", "namespace": "", "container": ""},
+        )
+    )
     sidecar.refresh_background(wait=5)
     fam = families(sidecar.observe())
     samples = [s for f in fam if f.name == "kvguard_device_driver_reserved_bytes" for s in f.samples]
-    assert [(s.labels["device"], s.labels["device_uuid"], s.value) for s in samples] == \
-        [("cuda:0", "GPU-00000000-1111-2222-3333-444455556666", 560_594_944)]
+    assert [(s.labels["device"], s.labels["device_uuid"], s.value) for s in samples] == [
+        ("cuda:0", "GPU-00000000-1111-2222-3333-444455556666", 560_594_944)
+    ]
 
 
 MIG_1G = memory_v2(total=17_071_734_784, reserved=0, free=15 * GIB, used=17_071_734_784 - 15 * GIB)
@@ -240,7 +275,8 @@ def test_mig_devices_are_read_as_their_own_devices_behind_the_flag():
         ("cuda:0", "GPU-00000000-1111-2222-3333-444455556666", "00000000:3B:00.0"),
         ("cuda:0/mig:0", MIG_UUIDS[0], "00000000:3B:00.0"),
         ("cuda:0/mig:2", MIG_UUIDS[1], "00000000:3B:00.0"),
-        ("cuda:1", "GPU-00000001-1111-2222-3333-444455556666", "00000000:86:00.0")]
+        ("cuda:1", "GPU-00000001-1111-2222-3333-444455556666", "00000000:86:00.0"),
+    ]
     assert (records[1].total_bytes, records[1].free_bytes) == (MIG_1G.total, 15 * GIB)
     assert [(p.pid, p.used_bytes) for p in records[1].processes] == [(77, 3 * GIB)]
     # Every slot the GPU reports is asked once; a MIG device's PCI info is its parent's, not asked.

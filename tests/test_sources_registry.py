@@ -57,23 +57,29 @@ def test_every_builtin_satisfies_the_protocol():
 
 
 def test_naming_the_registry_imports_no_framework():
-    code = ("import sys, kvguard.sources as s, kvguard.sources.auto, kvguard.probe; s.source_names();"
-            "print(sorted(m for m in ('torch', 'mindspore', 'pynvml') if m in sys.modules))")
+    code = (
+        "import sys, kvguard.sources as s, kvguard.sources.auto, kvguard.probe; s.source_names();"
+        "print(sorted(m for m in ('torch', 'mindspore', 'pynvml') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def test_auto_without_frameworks_imports_none_and_reports_the_host():
-    code = ("import sys; from kvguard.sources import get_source; r = get_source('auto').sample();"
-            "print(r[-1].device, sorted(m for m in ('torch', 'mindspore') if m in sys.modules))")
+    code = (
+        "import sys; from kvguard.sources import get_source; r = get_source('auto').sample();"
+        "print(r[-1].device, sorted(m for m in ('torch', 'mindspore') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "host []"
 
 
 def test_auto_uses_mindspore_when_imported_on_a_device(monkeypatch):
     stats = {"total_allocated_memory": 7, "total_reserved_memory": 9}
-    fake = types.SimpleNamespace(get_context=lambda key: {"device_target": "Ascend", "device_id": 2}[key],
-                                 runtime=types.SimpleNamespace(memory_stats=lambda: stats))
+    fake = types.SimpleNamespace(
+        get_context=lambda key: {"device_target": "Ascend", "device_id": 2}[key],
+        runtime=types.SimpleNamespace(memory_stats=lambda: stats),
+    )
     monkeypatch.setitem(sys.modules, "mindspore", fake)
     assert framework_in_process() == "mindspore"
     [record] = AutoSource().sample()
@@ -99,6 +105,6 @@ def test_auto_with_torch_before_the_device_is_touched_samples_nothing(monkeypatc
 def test_free_total_used_takes_a_backends_own_used_count_over_total_minus_free():
     assert free_total_used(30, 100) == {"free_bytes": 30, "total_bytes": 100, "used_bytes": 70}
     assert free_total_used(30, 100, used=65) == {"free_bytes": 30, "total_bytes": 100, "used_bytes": 65}
-    assert free_total_used(30, 100, used=-1)["used_bytes"] == 70      # not a count: total - free
+    assert free_total_used(30, 100, used=-1)["used_bytes"] == 70  # not a count: total - free
     assert free_total_used(None, None, used=5) == {"free_bytes": None, "total_bytes": None, "used_bytes": 5}
     assert free_total_used(120, 100)["used_bytes"] is None

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.sim.source import SimSource
 from kvguard.sources import SourceError, get_source, rank_contexts
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.sim.source import SimSource
 
 
 def sampled_and_reread(allocator, reader, device):
@@ -65,9 +65,9 @@ def test_steps_per_sample_sets_the_pace():
 
 def test_a_finished_scenario_is_shown_once_then_restarted_with_a_new_seed():
     source = SimSource(ranks=2, requests=2, steps_per_sample=10_000)
-    source.sample()                                  # runs both ranks to the end
+    source.sample()  # runs both ranks to the end
     assert all(s.finished for s in source._scenarios)
-    source.sample()                                  # restarts them
+    source.sample()  # restarts them
     assert source.restarts == 2
     assert [s.config.seed for s in source._scenarios] == [2, 3]
 
@@ -87,7 +87,7 @@ def test_model_configs_are_read_by_the_model_config_loader(tmp_path):
     assert SimSource()._base.model_config == bundled
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 28,')
     with pytest.raises(SourceError, match=f"^sim model config {tmp_path}: model config .* is not valid JSON"):
-        SimSource(model_config=str(tmp_path))       # a model directory, as everywhere else
+        SimSource(model_config=str(tmp_path))  # a model directory, as everywhere else
 
 
 def test_bad_options_are_one_line_errors():
@@ -101,7 +101,7 @@ def test_bad_options_are_one_line_errors():
 
 def test_simulated_devices_have_stable_distinct_identities_shaped_like_the_real_ones():
     first = SimSource(ranks=3, allocator="torch").sample()
-    again = SimSource(ranks=3, allocator="torch", seed=99).sample()   # another run, other requests
+    again = SimSource(ranks=3, allocator="torch", seed=99).sample()  # another run, other requests
     assert [(r.device_uuid, r.pci_bus_id) for r in first] == [(r.device_uuid, r.pci_bus_id) for r in again]
     assert len({r.device_uuid for r in first}) == len({r.pci_bus_id for r in first}) == 3
     hexes = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"

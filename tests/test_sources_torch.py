@@ -75,8 +75,9 @@ def test_source_samples_current_device_with_mem_get_info(cuda_as_if_initialized,
     assert record.device == "cuda:0"
     assert record.source == "torch"
     assert (record.free_bytes, record.total_bytes, record.used_bytes) == (3 * GIB, 80 * GIB, 77 * GIB)
-    assert record.fragmentation_bytes == (nested_stats["reserved_bytes"]["all"]["current"]
-                                          - nested_stats["allocated_bytes"]["all"]["current"])
+    assert record.fragmentation_bytes == (
+        nested_stats["reserved_bytes"]["all"]["current"] - nested_stats["allocated_bytes"]["all"]["current"]
+    )
 
 
 def test_source_samples_every_device_when_asked(cuda_as_if_initialized, monkeypatch):
@@ -87,8 +88,12 @@ def test_source_samples_every_device_when_asked(cuda_as_if_initialized, monkeypa
 
 def test_torch_npu_stats_use_the_same_keys(npu_stats):
     fake_npu = types.SimpleNamespace(
-        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: 3,
-        memory_stats=lambda device=None: npu_stats, mem_get_info=lambda device=None: (5 * GIB, 64 * GIB))
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        current_device=lambda: 3,
+        memory_stats=lambda device=None: npu_stats,
+        mem_get_info=lambda device=None: (5 * GIB, 64 * GIB),
+    )
     fake_torch = types.SimpleNamespace(npu=fake_npu, cuda=None)
     [record] = TorchSource(backend="npu", torch_module=fake_torch).sample()
     assert record.device == "npu:3"
@@ -99,8 +104,12 @@ def test_torch_npu_stats_use_the_same_keys(npu_stats):
 
 def test_auto_backend_picks_npu_when_torch_npu_is_loaded(monkeypatch, npu_stats):
     fake_npu = types.SimpleNamespace(
-        is_available=lambda: True, is_initialized=lambda: True, current_device=lambda: 0,
-        memory_stats=lambda device=None: npu_stats, mem_get_info=lambda device=None: (5 * GIB, 64 * GIB))
+        is_available=lambda: True,
+        is_initialized=lambda: True,
+        current_device=lambda: 0,
+        memory_stats=lambda device=None: npu_stats,
+        mem_get_info=lambda device=None: (5 * GIB, 64 * GIB),
+    )
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", types.ModuleType("torch_npu"))
     fake_torch = types.SimpleNamespace(npu=fake_npu)
     assert TorchSource(torch_module=fake_torch).sample()[0].device == "npu:0"
@@ -113,8 +122,12 @@ def test_missing_keys_stay_none_not_zero():
 
 
 def test_hostile_values_are_dropped_not_raised():
-    stats = {"allocated_bytes.all.current": -5, "reserved_bytes.all.current": float("nan"),
-             "num_ooms": True, "num_alloc_retries": "7"}
+    stats = {
+        "allocated_bytes.all.current": -5,
+        "reserved_bytes.all.current": float("nan"),
+        "num_ooms": True,
+        "num_alloc_retries": "7",
+    }
     record = device_memory_from_stats(stats, "cuda:0")
     assert (record.allocated_bytes, record.reserved_bytes, record.ooms, record.alloc_retries) == (None,) * 4
 
@@ -122,6 +135,7 @@ def test_hostile_values_are_dropped_not_raised():
 def test_a_torch_error_becomes_one_line_source_error(cuda_as_if_initialized, monkeypatch):
     def broken(device=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+
     monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
     with pytest.raises(SourceError) as info:
         TorchSource(backend="cuda", torch_module=torch).sample()

@@ -6,10 +6,10 @@ import stat
 import time
 
 import pytest
+from sidecar_fixtures import snapshot
 
 from kvguard.spool.io import read_spool, write_snapshot
 from kvguard.spool.schema import snapshot_filename
-from sidecar_fixtures import snapshot
 
 
 def good_payload():
@@ -64,32 +64,38 @@ def test_oversized_file_is_skipped_without_reading_it_all(tmp_path):
     assert read_spool(str(tmp_path)).skipped["too_large"] == 1
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"kind": "kvguard.snapshot", "schema": 1, "written_at"',     # truncated mid-write
-    b"\xff\xfe\x00garbage",                                        # not UTF-8
-    b"[" * 200_000,                                                 # nesting deeper than any parser stack
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"kind": "kvguard.snapshot", "schema": 1, "written_at"',  # truncated mid-write
+        b"\xff\xfe\x00garbage",  # not UTF-8
+        b"[" * 200_000,  # nesting deeper than any parser stack
+    ],
+)
 def test_truncated_binary_or_deeply_nested_json_is_invalid_json(tmp_path, raw):
     (tmp_path / "bad.json").write_bytes(raw[: 250 * 1024])
     result = read_spool(str(tmp_path))
     assert result.skipped["invalid_json"] == 1 and not result.snapshots
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda d: d.pop("memory"),
-    lambda d: d.update(pid=-1),
-    lambda d: d.update(rank="zero"),
-    lambda d: d["memory"].update(allocated_bytes=-5),
-    lambda d: d["memory"].update(reserved_bytes="30GiB"),
-    lambda d: d["memory"].update(allocated_bytes=10 ** 400),
-    lambda d: d["profile"].update(total_memory_bytes=10 ** 400),
-    lambda d: d["profile"].update(gpu_memory_utilization=7),
-    lambda d: d.update(written_at=10 ** 400),
-    lambda d: d.update(sequence=10 ** 30),
-    lambda d: d["kv_cache"].update(num_blocks=10 ** 400),
-    lambda d: d["probe"].update(interval_seconds=10 ** 400),
-    lambda d: d["memory"].update(processes=[{"pid": 10 ** 400, "used_bytes": 1}]),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.pop("memory"),
+        lambda d: d.update(pid=-1),
+        lambda d: d.update(rank="zero"),
+        lambda d: d["memory"].update(allocated_bytes=-5),
+        lambda d: d["memory"].update(reserved_bytes="30GiB"),
+        lambda d: d["memory"].update(allocated_bytes=10**400),
+        lambda d: d["profile"].update(total_memory_bytes=10**400),
+        lambda d: d["profile"].update(gpu_memory_utilization=7),
+        lambda d: d.update(written_at=10**400),
+        lambda d: d.update(sequence=10**30),
+        lambda d: d["kv_cache"].update(num_blocks=10**400),
+        lambda d: d["probe"].update(interval_seconds=10**400),
+        lambda d: d["memory"].update(processes=[{"pid": 10**400, "used_bytes": 1}]),
+    ],
+)
 def test_hostile_fields_are_counted_invalid_not_raised(tmp_path, mutate):
     data = good_payload()
     mutate(data)
@@ -119,8 +125,9 @@ def test_missing_spool_directory_is_an_error_line_not_an_exception(tmp_path):
 
 # ------------------------------------------------------------------ a spool others can fill
 
+
 def test_junk_that_sorts_first_never_hides_a_live_rank(tmp_path):
-    for index in range(300):   # named to sort before the probe's files, and more than one read takes
+    for index in range(300):  # named to sort before the probe's files, and more than one read takes
         (tmp_path / f"0000-junk-{index:05d}.json").write_text("{}")
     live = snapshot()
     write_snapshot(str(tmp_path), live)
@@ -152,7 +159,7 @@ def test_a_future_timestamp_is_clamped_to_when_it_was_first_seen_and_counted(tmp
     first = read_spool(str(tmp_path), now=1_000_000.0, first_seen=first_seen)
     assert first.clamped == 1 and first.snapshots[0].written_at == 1_000_000.0
     later = read_spool(str(tmp_path), now=1_000_060.0, first_seen=first_seen)
-    assert later.snapshots[0].written_at == 1_000_000.0     # it ages from when it was first seen
+    assert later.snapshots[0].written_at == 1_000_000.0  # it ages from when it was first seen
 
 
 def test_the_error_list_stays_small_however_many_files_are_bad(tmp_path):
@@ -172,15 +179,21 @@ def test_control_characters_and_lone_surrogates_in_text_become_replacement_chara
     data["memory"]["processes"] = [{"pid": 7, "used_bytes": 1, "name": "vllm\x1b[2J"}]
     write_json(tmp_path, "x.json", data)
     [read] = read_spool(str(tmp_path)).snapshots
-    assert (read.device, read.host, read.pod["pod"], read.memory.device, read.memory.processes[0].name) == \
-        ("npu:\ufffd", "node\ufffda", "qwen\ufffd0", "npu:\ufffd", "vllm\ufffd[2J")
+    assert (read.device, read.host, read.pod["pod"], read.memory.device, read.memory.processes[0].name) == (
+        "npu:\ufffd",
+        "node\ufffda",
+        "qwen\ufffd0",
+        "npu:\ufffd",
+        "vllm\ufffd[2J",
+    )
 
 
 def test_a_snapshot_keeps_its_first_64_device_processes_and_never_builds_the_rest(tmp_path):
     data = good_payload()
     # Entries past the kept 64 are neither built nor checked: a malformed one there costs nothing.
-    data["memory"]["processes"] = [{"pid": i, "used_bytes": i, "name": f"p{i}"} for i in range(64)] + \
-        [{"pid": "not a pid"}] * 10_000
+    data["memory"]["processes"] = [{"pid": i, "used_bytes": i, "name": f"p{i}"} for i in range(64)] + [
+        {"pid": "not a pid"}
+    ] * 10_000
     write_json(tmp_path, "many.json", data)
     [snap] = read_spool(str(tmp_path)).snapshots
     assert [p.pid for p in snap.memory.processes] == list(range(64))
@@ -231,7 +244,7 @@ def test_junk_past_the_reads_byte_budget_never_hides_a_live_rank(tmp_path):
     first = reader.read()
     assert [s.pid for s in first.snapshots] == [snapshot().pid]
     assert first.skipped["invalid_snapshot"] == 4 and first.skipped["too_many_files"] == 8
-    for junk in tmp_path.glob("*-1000*.json"):   # re-touched: still known
+    for junk in tmp_path.glob("*-1000*.json"):  # re-touched: still known
         os.utime(junk, (soon + 1, soon + 1))
     for _ in range(3):
         later = reader.read()
@@ -271,7 +284,7 @@ def test_junk_renamed_between_reads_never_hides_a_live_rank(tmp_path, renamed):
                 old.unlink()
         _flood(tmp_path, names, size, time.time() + 9)
         if round_ == 1:
-            write_snapshot(str(tmp_path), snapshot(pid=555))   # a rank that starts during the flood
+            write_snapshot(str(tmp_path), snapshot(pid=555))  # a rank that starts during the flood
         result = reader.read()
         pids = {s.pid for s in result.snapshots}
         assert snapshot().pid in pids, (round_, result.skipped)
@@ -291,7 +304,7 @@ def test_a_live_rank_past_the_directory_entry_cap_is_still_read(tmp_path):
     assert len(reader.read().snapshots) == 1
     for index in range(200):
         (tmp_path / f"junk-{index}-cuda_0.json").write_text("{}")
-    cap = [entry.name for entry in os.scandir(tmp_path)].index(name)   # the entries scandir gives first
+    cap = [entry.name for entry in os.scandir(tmp_path)].index(name)  # the entries scandir gives first
     if cap == 0:
         pytest.skip("scandir lists the live rank first here")
     reader.limits["max_entries"] = cap

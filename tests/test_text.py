@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 from helpers import invoke, one_line_error
+
 from kvguard.text import one_line
 
 
@@ -69,6 +70,7 @@ def test_a_vllm_metrics_fetch_that_fails_oddly_is_a_metrics_error(monkeypatch):
 
 def test_a_web_config_the_yaml_reader_fails_on_is_a_web_config_error(monkeypatch):
     import yaml
+
     from kvguard.sidecar.webconfig import WebConfigError, parse_web_config
 
     monkeypatch.setattr(yaml, "safe_load", raise_hostile)

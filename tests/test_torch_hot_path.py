@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvguard.allocators.base import AllocatorOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import (
@@ -36,7 +37,7 @@ from kvguard.allocators.torch_alloc import (
 )
 
 MIB = 1 << 20
-DEVICE_BYTES = 256 * MIB     # small enough that the streams below run into out-of-memory
+DEVICE_BYTES = 256 * MIB  # small enough that the streams below run into out-of-memory
 OPS_PER_STREAM = 1500
 SEEDS = (1, 2)
 WINDOW_OPS = 7
@@ -72,8 +73,12 @@ class GeneralPath(CachingAllocator):
         if block is None:
             if not self._rejected:
                 self.num_ooms += 1
-            raise AllocatorOutOfMemory(requested, self.name, self.device.free_bytes,
-                                 f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
+            raise AllocatorOutOfMemory(
+                requested,
+                self.name,
+                self.device.free_bytes,
+                f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved",
+            )
         return block
 
     def _should_split(self, block: Block, size: int) -> bool:
@@ -155,11 +160,11 @@ CONFIGS = [
     ("torch", "max_split_size_mb:32", None),
     ("torch", "expandable_segments:True", None),
     ("torch", "expandable_segments:True,max_split_size_mb:32", None),
-    ("torch", "roundup_power2_divisions:4", None),                 # rounding through round_size
-    ("torch", "garbage_collection_threshold:0.5", 0.75),           # cache hit through _get_free_block
-    ("torch_npu", "", None),                                       # 32-byte pad, null for 0 bytes
+    ("torch", "roundup_power2_divisions:4", None),  # rounding through round_size
+    ("torch", "garbage_collection_threshold:0.5", 0.75),  # cache hit through _get_free_block
+    ("torch_npu", "", None),  # 32-byte pad, null for 0 bytes
     ("torch_npu", "max_split_size_mb:32", None),
-    ("torch_npu", "expandable_segments:True", None),               # 16 KiB base alignment
+    ("torch_npu", "expandable_segments:True", None),  # 16 KiB base alignment
     ("torch_npu", "expandable_segments:True,base_addr_aligned_kb:0", None),
     ("torch_npu", "per_process_memory_fraction:0.75,garbage_collection_threshold:0.5", None),
 ]
@@ -173,9 +178,9 @@ def request_size(rng: random.Random) -> int:
     whole_steps = rng.random() < 0.5
     if kind < 0.02:
         return 0
-    if kind < 0.5:                                    # small pool
+    if kind < 0.5:  # small pool
         return rng.randint(1, 8) * (K_SMALL_SIZE // 8) if whole_steps else rng.randint(1, K_SMALL_SIZE)
-    if kind < 0.82:                                   # large pool, a 20 MiB segment for several
+    if kind < 0.82:  # large pool, a 20 MiB segment for several
         return rng.randint(1, 9) * MIB if whole_steps else rng.randint(K_SMALL_SIZE + 1, 10 * MIB - 1)
     # Large pool, a segment of its own; from 32 MiB on oversize where max_split_size_mb:32.
     return rng.randint(10, 56) * MIB if whole_steps else rng.randint(10 * MIB, 56 * MIB)
@@ -221,7 +226,7 @@ def apply(allocator: CachingAllocator, op: tuple, addresses: dict[int, int], ind
             return ("oom", str(error))
         return addresses[index]
     if op[0] == "free":
-        if op[1] in addresses:           # the malloc it undoes may have run out of memory
+        if op[1] in addresses:  # the malloc it undoes may have run out of memory
             allocator.free(addresses.pop(op[1]))
         return None
     getattr(allocator, op[0])()
@@ -233,13 +238,22 @@ def state(allocator: CachingAllocator) -> tuple:
 
 
 def end_state(allocator: CachingAllocator) -> tuple:
-    return (allocator.free_block_sizes(True), allocator.free_block_sizes(False), allocator.segment_layout(),
-            allocator.segments(), sorted(allocator._free_blocks), sorted(allocator._active))
+    return (
+        allocator.free_block_sizes(True),
+        allocator.free_block_sizes(False),
+        allocator.segment_layout(),
+        allocator.segments(),
+        sorted(allocator._free_blocks),
+        sorted(allocator._active),
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("variant, conf, fraction", CONFIGS,
-                         ids=[f"{v}-{c or 'default'}{f'-fraction{f}' if f else ''}" for v, c, f in CONFIGS])
+@pytest.mark.parametrize(
+    "variant, conf, fraction",
+    CONFIGS,
+    ids=[f"{v}-{c or 'default'}{f'-fraction{f}' if f else ''}" for v, c, f in CONFIGS],
+)
 def test_inlined_malloc_and_free_match_the_general_path(variant, conf, fraction, seed):
     inlined = build(CachingAllocator, variant, conf, fraction)
     general = build(GeneralPath, variant, conf, fraction)
@@ -250,7 +264,7 @@ def test_inlined_malloc_and_free_match_the_general_path(variant, conf, fraction,
         result = apply(inlined, op, inlined_addresses, index)
         assert result == apply(general, op, general_addresses, index), f"op {index} {op}"
         assert state(inlined) == state(general), f"after op {index} {op}"
-        if index % WINDOW_OPS == 0:     # a window over several ops, so a peak inside it can be missed
+        if index % WINDOW_OPS == 0:  # a window over several ops, so a peak inside it can be missed
             assert inlined.take_window_peaks() == general.take_window_peaks(), f"window ending at op {index}"
         ooms += isinstance(result, tuple)
     assert end_state(inlined) == end_state(general)

@@ -18,14 +18,24 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from kvguard.cli import main
-from kvguard.allocators.traces import (SNAPSHOT_MAX_BYTES, SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_DEPTH,
-                                SNAPSHOT_MAX_KEY_WORK,
-                                SNAPSHOT_MAX_MEMORY_BYTES, SNAPSHOT_MAX_OBJECTS, SNAPSHOT_MAX_SAME_HASH, SNAPSHOT_MAX_STRING_BYTES, SNAPSHOT_MAX_VALUES, TraceError,
-                                load_snapshot_pickle, parse_torch_snapshot, read_trace_bytes)
-
 from real_snapshots import REAL_DIRS  # tests/real_snapshots.py
+
+from kvguard.allocators.traces import (
+    SNAPSHOT_MAX_BYTES,
+    SNAPSHOT_MAX_CONTAINER_ITEMS,
+    SNAPSHOT_MAX_DEPTH,
+    SNAPSHOT_MAX_KEY_WORK,
+    SNAPSHOT_MAX_MEMORY_BYTES,
+    SNAPSHOT_MAX_OBJECTS,
+    SNAPSHOT_MAX_SAME_HASH,
+    SNAPSHOT_MAX_STRING_BYTES,
+    SNAPSHOT_MAX_VALUES,
+    TraceError,
+    load_snapshot_pickle,
+    parse_torch_snapshot,
+    read_trace_bytes,
+)
+from kvguard.cli import main
 
 
 def budget(limit: int) -> str:
@@ -34,8 +44,7 @@ def budget(limit: int) -> str:
 
 def stack_global(module: str, name: str) -> bytes:
     """SHORT_BINUNICODE module, SHORT_BINUNICODE name, STACK_GLOBAL."""
-    return (b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode()
-            + b"\x93")
+    return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
 
 
 ENTRY = {"action": "alloc", "addr": 0x7F0000000000, "size": 512, "stream": 0}
@@ -48,22 +57,56 @@ def real_shaped_snapshot() -> dict:
     addr = 0x7F0000000000
     for i in range(24):
         stack = [frames[(i + k) % len(frames)] for k in range(3)]
-        entries.append({"action": "alloc", "addr": addr + 512 * i, "size": 512, "stream": 0, "frames": stack,
-                        "time_us": 1_700_000_000_000_000 + i, "compile_context": "N/A", "user_metadata": ""})
+        entries.append(
+            {
+                "action": "alloc",
+                "addr": addr + 512 * i,
+                "size": 512,
+                "stream": 0,
+                "frames": stack,
+                "time_us": 1_700_000_000_000_000 + i,
+                "compile_context": "N/A",
+                "user_metadata": "",
+            }
+        )
         if i % 3 == 0:
-            entries.append({"action": "free_completed", "addr": addr + 512 * i, "size": 512, "stream": 0,
-                            "frames": stack})
-        blocks.append({"address": addr + 512 * i, "size": 512, "requested_size": 500, "state": "active_allocated",
-                       "frames": stack})
+            entries.append(
+                {"action": "free_completed", "addr": addr + 512 * i, "size": 512, "stream": 0, "frames": stack}
+            )
+        blocks.append(
+            {
+                "address": addr + 512 * i,
+                "size": 512,
+                "requested_size": 500,
+                "state": "active_allocated",
+                "frames": stack,
+            }
+        )
     return {
-        "segments": [{"device": 0, "address": addr, "total_size": 2 << 20, "allocated_size": 512 * 24,
-                      "active_size": 512 * 24, "requested_size": 500 * 24, "stream": 0,
-                      "segment_type": "small", "segment_pool_id": (0, 0), "is_expandable": False,
-                      "frames": frames[:2], "blocks": blocks}],
+        "segments": [
+            {
+                "device": 0,
+                "address": addr,
+                "total_size": 2 << 20,
+                "allocated_size": 512 * 24,
+                "active_size": 512 * 24,
+                "requested_size": 500 * 24,
+                "stream": 0,
+                "segment_type": "small",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": frames[:2],
+                "blocks": blocks,
+            }
+        ],
         "device_traces": [entries],
-        "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1,
-                               "garbage_collection_threshold": 0.0, "expandable_segments": False,
-                               "roundup_power2_divisions": {"1": 0, "2": 0}},
+        "allocator_settings": {
+            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "max_split_size": -1,
+            "garbage_collection_threshold": 0.0,
+            "expandable_segments": False,
+            "roundup_power2_divisions": {"1": 0, "2": 0},
+        },
         "external_annotations": [],
     }
 
@@ -71,24 +114,41 @@ def real_shaped_snapshot() -> dict:
 # ----------------------------------------------------------------------------- the bombs
 BOMBS = {
     # issue 23: a 59-byte file calling the allow-listed bytearray with a count of 2 GiB (34 bytes here)
-    "bytearray(2 GiB)": (b"\x80\x04" + stack_global("builtins", "bytearray") + b"\x8a\x05\x00\x00\x00\x80\x00"
-                         + b"\x85R.", r"bytearray of an int \(a pickled bytearray holds bytes\)"),
-    "frozenset(bytearray(512 MiB))": (b"\x80\x04" + stack_global("builtins", "frozenset")
-                                      + stack_global("builtins", "bytearray") + b"J\x00\x00\x00\x20" + b"\x85R\x85R.",
-                                      r"bytearray of an int"),
+    "bytearray(2 GiB)": (
+        b"\x80\x04" + stack_global("builtins", "bytearray") + b"\x8a\x05\x00\x00\x00\x80\x00" + b"\x85R.",
+        r"bytearray of an int \(a pickled bytearray holds bytes\)",
+    ),
+    "frozenset(bytearray(512 MiB))": (
+        b"\x80\x04"
+        + stack_global("builtins", "frozenset")
+        + stack_global("builtins", "bytearray")
+        + b"J\x00\x00\x00\x20"
+        + b"\x85R\x85R.",
+        r"bytearray of an int",
+    ),
     # issue 23: PROTO 4, NONE, LONG_BINPUT 200,000,000, STOP
-    "memo index 200,000,000": (b"\x80\x04N" + b"r" + (200_000_000).to_bytes(4, "little") + b".",
-                               r"memo index 200,000,000 stored where the next is 0"),
-    "string claiming 2 GiB": (b"\x80\x04X\xff\xff\xff\x7f" + b"a" * 16 + b".",
-                              r"2,147,483,647 bytes in one string, " + budget(SNAPSHOT_MAX_STRING_BYTES)),
-    "memo reference never stored": (b"\x80\x04N\x94h\x05.",
-                                    r"cannot read snapshot pickle: memo index 5 was never stored \(1 entries\)"),
-    "set of a count": (b"\x80\x04" + stack_global("builtins", "set") + b"J\x00\x00\x00\x20\x85R.",
-                       r"set of an int"),
-    "a class outside the allow-list": (b"\x80\x04" + stack_global("os", "system") + b"\x8c\x02id\x85R.",
-                                       r"refusing to load os\.system"),
-    "an opcode no snapshot has": (b"\x80\x04N2.", r"cannot read snapshot pickle: DUP \(not an opcode of a pickle of dicts, "
-                                                    r"lists and numbers\) at byte 3"),
+    "memo index 200,000,000": (
+        b"\x80\x04N" + b"r" + (200_000_000).to_bytes(4, "little") + b".",
+        r"memo index 200,000,000 stored where the next is 0",
+    ),
+    "string claiming 2 GiB": (
+        b"\x80\x04X\xff\xff\xff\x7f" + b"a" * 16 + b".",
+        r"2,147,483,647 bytes in one string, " + budget(SNAPSHOT_MAX_STRING_BYTES),
+    ),
+    "memo reference never stored": (
+        b"\x80\x04N\x94h\x05.",
+        r"cannot read snapshot pickle: memo index 5 was never stored \(1 entries\)",
+    ),
+    "set of a count": (b"\x80\x04" + stack_global("builtins", "set") + b"J\x00\x00\x00\x20\x85R.", r"set of an int"),
+    "a class outside the allow-list": (
+        b"\x80\x04" + stack_global("os", "system") + b"\x8c\x02id\x85R.",
+        r"refusing to load os\.system",
+    ),
+    "an opcode no snapshot has": (
+        b"\x80\x04N2.",
+        r"cannot read snapshot pickle: DUP \(not an opcode of a pickle of dicts, "
+        r"lists and numbers\) at byte 3",
+    ),
 }
 
 
@@ -114,8 +174,9 @@ def test_references_that_double_at_each_level_are_refused_by_the_value_budget():
         doubling = [doubling, doubling]
     data = pickle.dumps({"device_traces": [doubling]}, protocol=4)
     assert len(data) < 1000
-    with pytest.raises(TraceError, match=r"values with every shared reference counted in full, "
-                                         + budget(SNAPSHOT_MAX_VALUES)):
+    with pytest.raises(
+        TraceError, match=r"values with every shared reference counted in full, " + budget(SNAPSHOT_MAX_VALUES)
+    ):
         load_snapshot_pickle(data)
 
 
@@ -134,7 +195,7 @@ def test_millions_of_empty_lists_are_refused_by_the_object_budget():
 
 
 # ----------------------------------------------------------------------------- round three
-HASH_MODULUS = (1 << 61) - 1     # k x this hashes to 0 for every k (sys.hash_info.modulus)
+HASH_MODULUS = (1 << 61) - 1  # k x this hashes to 0 for every k (sys.hash_info.modulus)
 
 
 def long1(value: int) -> bytes:
@@ -217,7 +278,7 @@ def test_reading_a_snapshot_file_stops_one_byte_past_the_budget(tmp_path):
     path = tmp_path / "huge.pickle"
     with open(path, "wb") as handle:
         handle.write(b"\x80\x04")
-        handle.truncate(64 * SNAPSHOT_MAX_BYTES)      # sparse: nothing written past the header
+        handle.truncate(64 * SNAPSHOT_MAX_BYTES)  # sparse: nothing written past the header
     with pytest.raises(TraceError, match=r"is over the budget of 33,554,432 bytes"):
         read_trace_bytes(str(path))
 
@@ -230,7 +291,7 @@ def test_a_csv_trace_is_read_whole(tmp_path):
 
 def test_a_truncated_snapshot_says_where_its_data_ends():
     data = pickle.dumps(real_shaped_snapshot(), protocol=4)
-    cut = data[:len(data) // 2]
+    cut = data[: len(data) // 2]
     with pytest.raises(TraceError, match=rf"the data ends at byte {len(cut):,}"):
         load_snapshot_pickle(cut)
 
@@ -251,12 +312,20 @@ def binbytes(raw: bytes) -> bytes:
 
 COPIES = {
     # (memo 0, 1, 2 stored first; then one copy, REDUCE of what they hold)
-    "_codecs.encode(str, 'latin1')": (stored(binunicode(b"a" * 1_000_000)) + stored(b"\x8c\x06latin1")
-                                      + stored(stack_global("_codecs", "encode")), b"h\x02h\x00h\x01\x86R"),
-    "bytearray(bytes)": (stored(binbytes(b"a" * 1_000_000)) + stored(stack_global("builtins", "bytearray")),
-                         b"h\x01h\x00\x85R"),
-    "bytearray(str, 'latin-1')": (stored(binunicode(b"a" * 1_000_000)) + stored(b"\x8c\x07latin-1")
-                                  + stored(stack_global("builtins", "bytearray")), b"h\x02h\x00h\x01\x86R"),
+    "_codecs.encode(str, 'latin1')": (
+        stored(binunicode(b"a" * 1_000_000)) + stored(b"\x8c\x06latin1") + stored(stack_global("_codecs", "encode")),
+        b"h\x02h\x00h\x01\x86R",
+    ),
+    "bytearray(bytes)": (
+        stored(binbytes(b"a" * 1_000_000)) + stored(stack_global("builtins", "bytearray")),
+        b"h\x01h\x00\x85R",
+    ),
+    "bytearray(str, 'latin-1')": (
+        stored(binunicode(b"a" * 1_000_000))
+        + stored(b"\x8c\x07latin-1")
+        + stored(stack_global("builtins", "bytearray")),
+        b"h\x02h\x00h\x01\x86R",
+    ),
 }
 
 
@@ -315,8 +384,11 @@ def test_equal_long_strings_as_keys_are_refused_by_the_key_work_budget():
 def test_hash_counts_are_kept_per_container_not_per_reused_id():
     # Each frozenset's items were counted under the id of a list gone right after: the next list, at the same
     # address, went on from its count, and the 17th frozenset({1.5}) was refused.
-    value = {"device_traces": [], "x": [frozenset({1.5}) for _ in range(40)],
-             "y": [{(1, "a"): 0, (2, "b"): 1}, {(3,), (4, 5)}]}
+    value = {
+        "device_traces": [],
+        "x": [frozenset({1.5}) for _ in range(40)],
+        "y": [{(1, "a"): 0, (2, "b"): 1}, {(3,), (4, 5)}],
+    }
     data = pickle.dumps(value, protocol=4)
     assert load_snapshot_pickle(data) == pickle.loads(data)
     # dicts dropped as soon as built (POP): the next dict may have the same id
@@ -328,21 +400,30 @@ def test_simulate_refuses_a_bomb_in_one_line(tmp_path):
     path = tmp_path / "bomb.pickle"
     path.write_bytes(BOMBS["memo index 200,000,000"][0])
     result = CliRunner().invoke(main, ["simulate", "--trace", str(path)])
-    assert result.exit_code == 65   # bad input
+    assert result.exit_code == 65  # bad input
     assert result.output.strip().splitlines() == [
-        "Error: not a plain snapshot pickle: memo index 200,000,000 stored where the next is 0 at byte 3"]
+        "Error: not a plain snapshot pickle: memo index 200,000,000 stored where the next is 0 at byte 3"
+    ]
 
 
 # ----------------------------------------------------------------------------- what is built
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
 def test_the_reader_builds_what_cpythons_unpickler_builds(protocol):
     value = real_shaped_snapshot()
-    value["extras"] = {"set": {1, 2, 3}, "frozenset": frozenset({"a", ("b", 2)}), "bytes": b"\x00\xff",
-                       "bytearray": bytearray(b"abc"), "ordered": OrderedDict([("z", 1), ("a", 2)]),
-                       "floats": [0.5, -1e300, float("inf")], "flags": (True, False, None),
-                       "ints": [0, -1, 255, 256, 65535, 65536, -(1 << 31), (1 << 64) + 1, -(1 << 200)],
-                       "text": "snapshot \u00e9\u4e2d\U0001f600", "empty": ((), [], {}, "", b""),
-                       "long": "x" * 70_000, "tuples": [(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)]}
+    value["extras"] = {
+        "set": {1, 2, 3},
+        "frozenset": frozenset({"a", ("b", 2)}),
+        "bytes": b"\x00\xff",
+        "bytearray": bytearray(b"abc"),
+        "ordered": OrderedDict([("z", 1), ("a", 2)]),
+        "floats": [0.5, -1e300, float("inf")],
+        "flags": (True, False, None),
+        "ints": [0, -1, 255, 256, 65535, 65536, -(1 << 31), (1 << 64) + 1, -(1 << 200)],
+        "text": "snapshot \u00e9\u4e2d\U0001f600",
+        "empty": ((), [], {}, "", b""),
+        "long": "x" * 70_000,
+        "tuples": [(1,), (1, 2), (1, 2, 3), (1, 2, 3, 4)],
+    }
     data = pickle.dumps(value, protocol=protocol)
     assert load_snapshot_pickle(data) == pickle.loads(data)
 
@@ -350,7 +431,7 @@ def test_the_reader_builds_what_cpythons_unpickler_builds(protocol):
 def test_shared_values_stay_shared():
     snapshot = load_snapshot_pickle(pickle.dumps(real_shaped_snapshot(), protocol=4))
     entries = snapshot["device_traces"][0]
-    assert entries[0]["frames"] is entries[1]["frames"]          # the alloc and its free share one list
+    assert entries[0]["frames"] is entries[1]["frames"]  # the alloc and its free share one list
     assert entries[0]["frames"][0] is snapshot["segments"][0]["frames"][0]
 
 
@@ -394,13 +475,17 @@ def test_bit_flips_give_a_snapshot_or_a_one_line_trace_error():
         except TraceError as exc:
             assert "\n" not in str(exc), str(exc)
             outcomes["refused"] += 1
-    assert min(outcomes.values()) > 0, outcomes       # the mutations reach both outcomes
+    assert min(outcomes.values()) > 0, outcomes  # the mutations reach both outcomes
 
 
-@settings(max_examples=300, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(edits=st.lists(st.tuples(st.integers(min_value=0), st.integers(0, 255), st.sampled_from("rid")),
-                      min_size=1, max_size=6))
+@settings(
+    max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(min_value=0), st.integers(0, 255), st.sampled_from("rid")), min_size=1, max_size=6
+    )
+)
 def test_byte_edits_give_a_snapshot_or_a_one_line_trace_error(edits):
     data = bytearray(pickle.dumps(real_shaped_snapshot(), protocol=4))
     for where, byte, how in edits:

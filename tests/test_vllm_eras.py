@@ -5,10 +5,10 @@ import pytest
 from kvguard.budget.estimator import FORMULAS
 from kvguard.vllm.eras import ERAS, PROJECTS, EraError, era_for, parse_release, release_text
 
-
 # Which formula a release runs is checked against the release itself, not restated here: the real
 # wheels' workers reproduce their budget to the byte from the era's formula (tests/test_vllm_real.py,
 # tests/test_ascend_real.py). What is left to check without a wheel is how a release finds its row.
+
 
 @pytest.mark.parametrize("era", ERAS, ids=lambda era: era.name)
 def test_a_rows_first_and_last_release_find_that_row(era):

@@ -70,7 +70,7 @@ def _every_line(data: bytes) -> list[str]:
 
 
 def _wrapped(data: bytes, width: int) -> bytes:
-    return b"\n".join(line[i:i + width] for line in data.split(b"\n") for i in range(0, max(len(line), 1), width))
+    return b"\n".join(line[i : i + width] for line in data.split(b"\n") for i in range(0, max(len(line), 1), width))
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: os.path.relpath(p, LOGS))
@@ -101,7 +101,7 @@ def test_a_line_across_two_read_blocks_is_one_line(tmp_path):
 
 def test_a_line_of_max_line_bytes_with_its_ending_is_left_out_and_not_numbered(tmp_path):
     oom = b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
-    long_line = b"y" * log.MAX_LINE_BYTES + b"\n"        # MAX_LINE_BYTES + 1 with its ending
+    long_line = b"y" * log.MAX_LINE_BYTES + b"\n"  # MAX_LINE_BYTES + 1 with its ending
     startup = read_log_file(_write(tmp_path, b"a\n" + long_line + oom))
     assert startup.oom is not None and startup.oom.line == 2
 
@@ -121,8 +121,10 @@ def test_every_anchor_step_and_hint_word_holds_a_gate_word():
 
 def test_a_template_cut_by_a_wrap_still_joins_after_a_failed_variant():
     # "Model loading took … GiB and" fails within the line; the "… GiB memory" variant is cut and joins.
-    lines = ["INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 14.96 GiB mem",
-             "ory and 5.374162 seconds"]
+    lines = [
+        "INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 14.96 GiB mem",
+        "ory and 5.374162 seconds",
+    ]
     assert parse_lines(lines).weights_bytes == round(14.96 * log.GIB)
 
 
@@ -139,9 +141,11 @@ def test_a_line_read_again_gives_what_it_gave_read_afresh(monkeypatch):
     # with lines whose figure does not convert and a flood of one memory line, read with and without it kept.
     text = _logs().decode("utf-8", errors="replace")
     memory = "(EngineCore_DP0 pid=2201) INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 54.89 GiB\n"
-    unconverted = ("INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 1e999 GiB memory\n"
-                   "INFO 11-02 09:14:20 [kv_cache_utils.py:2231] GPU KV cache size: 1e999 tokens\n"
-                   "INFO 11-02 09:14:20 [model.py:1510] Using max model len 4,096\n")
+    unconverted = (
+        "INFO 11-02 09:14:03 [gpu_model_runner.py:5406] Model loading took 1e999 GiB memory\n"
+        "INFO 11-02 09:14:20 [kv_cache_utils.py:2231] GPU KV cache size: 1e999 tokens\n"
+        "INFO 11-02 09:14:20 [model.py:1510] Using max model len 4,096\n"
+    )
     lines = (text + unconverted + memory * 500 + text + unconverted).splitlines()
     log._LINES.clear()
     kept = parse_lines(lines), parse_lines(lines)
@@ -181,8 +185,11 @@ def test_a_wording_is_the_same_whatever_its_digits():
 # Other programs' output before or between vLLM's lines (NCCL_DEBUG=INFO at TP8, pip, download progress): more
 # lines of it than MAX_WORDING_MISSES, fewer than MAX_UNTAGGED_MISSES. Found in review: 5001 such lines before
 # a log changed the era of 10 corpus logs (the wordings were given up before vLLM's lines came).
-CHATTER = b"".join(b"node-3:%d:%d [%d] NCCL INFO Channel %02d/0 : %d[%d] -> %d[%d] via P2P/IPC\n"
-                   % (i, i, i % 8, i % 32, i % 8, i, (i + 1) % 8, i) for i in range(log.MAX_WORDING_MISSES + 1000))
+CHATTER = b"".join(
+    b"node-3:%d:%d [%d] NCCL INFO Channel %02d/0 : %d[%d] -> %d[%d] via P2P/IPC\n"
+    % (i, i, i % 8, i % 32, i % 8, i, (i + 1) % 8, i)
+    for i in range(log.MAX_WORDING_MISSES + 1000)
+)
 
 
 @pytest.mark.parametrize("path", [p for p in REAL if os.sep + "real" + os.sep in p], ids=os.path.basename)

@@ -11,29 +11,35 @@ import importlib
 import importlib.metadata
 import logging
 import os
-import time
-import threading
 import sys
+import threading
+import time
 
 import pytest
 
-pytest.importorskip("torch")   # the fake Worker keeps vLLM's @torch.inference_mode()
+pytest.importorskip("torch")  # the fake Worker keeps vLLM's @torch.inference_mode()
 
 from kvguard import probe
-from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
 from kvguard.budget.estimator import Profile, stock_kv_cache_bytes  # noqa: E402
-from kvguard.sources import register as register_source, unregister  # noqa: E402
+from kvguard.sources import register as register_source  # noqa: E402
+from kvguard.sources import unregister
 from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
 from kvguard.spool.io import read_spool  # noqa: E402
+from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
 FAKE_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_vllm")
 # What the fake worker's startup measures (see tests/fake_vllm): 16 GiB weights, two 1.5 GiB
 # activations that make the 2 GiB-segment allocator reserve 4 GiB more, 0.5 GiB of NCCL-like memory.
-EXPECTED_PROFILE = Profile(total_memory_bytes=64 * GIB, gpu_memory_utilization=0.9, weights_bytes=16 * GIB,
-                           peak_allocated_increase_bytes=3 * GIB, peak_reserved_increase_bytes=4 * GIB,
-                           non_torch_increase_bytes=512 * MIB)
+EXPECTED_PROFILE = Profile(
+    total_memory_bytes=64 * GIB,
+    gpu_memory_utilization=0.9,
+    weights_bytes=16 * GIB,
+    peak_allocated_increase_bytes=3 * GIB,
+    peak_reserved_increase_bytes=4 * GIB,
+    non_torch_increase_bytes=512 * MIB,
+)
 
 
 class FakeDeviceSource:
@@ -43,6 +49,7 @@ class FakeDeviceSource:
 
     def sample(self):
         from fake_device import DEVICE
+
         free, total = DEVICE.mem_get_info()
         return [device_memory_from_stats(DEVICE.memory_stats(), "cuda:0", "torch", free_bytes=free, total_bytes=total)]
 
@@ -81,13 +88,15 @@ def start_worker(**kwargs):
 
 def kv_cache_config(available, layers=4):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
     spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype_size=2)
     num_blocks = available // (spec.page_size_bytes * layers)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    return KVCacheConfig(num_blocks=num_blocks,
-                         kv_cache_tensors=[KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n])
-                                           for n in names],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[KVCacheTensor(size=num_blocks * spec.page_size_bytes, shared_by=[n]) for n in names],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)],
+    )
 
 
 def snapshots(spool):
@@ -98,6 +107,7 @@ def snapshots(spool):
 
 
 # ---------------------------------------------------------------------------- registration
+
 
 def test_entry_point_is_declared_for_vllm():
     [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kvguard"]
@@ -140,6 +150,7 @@ def test_register_twice_wraps_once(fake_vllm, monkeypatch):
 def test_register_never_raises(fake_vllm, monkeypatch):
     def broken(cls, environ=None):
         raise RuntimeError("environment unreadable")
+
     monkeypatch.setattr(vllm_plugin.Settings, "from_environment", classmethod(broken))
     vllm_plugin.register()
     assert vllm_plugin.hook_errors == {"register": 1}
@@ -157,6 +168,7 @@ def test_unknown_budget_falls_back_to_stock_with_a_warning(fake_vllm, monkeypatc
 
 # ---------------------------------------------------------------------------- the probe and the profile
 
+
 def test_init_device_starts_the_probe_with_the_worker_rank(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     vllm_plugin.register()
@@ -167,20 +179,12 @@ def test_init_device_starts_the_probe_with_the_worker_rank(fake_vllm, monkeypatc
     assert snapshot.profile is None
 
 
-
-
-
-
-
-
 def test_reserved_budget_without_a_reserved_reading_keeps_vllms(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
-    monkeypatch.setenv("KVGUARD_SOURCE", "host")        # knows no allocator: no reserved peak
+    monkeypatch.setenv("KVGUARD_SOURCE", "host")  # knows no allocator: no reserved peak
     vllm_plugin.register()
     assert start_worker().determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
     assert vllm_plugin.hook_errors == {"budget": 1}
-
-
 
 
 def test_a_replaced_memory_profiling_is_still_measured(fake_vllm, monkeypatch):
@@ -203,8 +207,6 @@ def test_a_replaced_memory_profiling_is_still_measured(fake_vllm, monkeypatch):
     assert gpu_worker.memory_profiling is ms_memory_profiling
 
 
-
-
 def test_a_failing_reserved_reading_leaves_the_profile_without_it(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     vllm_plugin.register()
@@ -214,12 +216,13 @@ def test_a_failing_reserved_reading_leaves_the_profile_without_it(fake_vllm, mon
 
         def sample(self):
             raise RuntimeError("CUDA error: device-side assert triggered")
+
     monkeypatch.setattr(vllm_plugin, "_reader", Broken())
     start_worker().determine_available_memory()
     [snapshot] = snapshots(fake_vllm)
     assert snapshot.profile.peak_reserved_increase_bytes is None
     assert snapshot.profile.peak_allocated_increase_bytes == 3 * GIB
-    assert vllm_plugin.hook_errors == {"memory_profiling": 3}   # before, after the run, after empty_cache
+    assert vllm_plugin.hook_errors == {"memory_profiling": 3}  # before, after the run, after empty_cache
 
 
 def test_vllms_own_errors_pass_through_unchanged(fake_vllm, monkeypatch):
@@ -247,8 +250,10 @@ def test_engine_identity_reads_the_served_name_and_the_data_parallel_index():
     import types
 
     def worker(**parallel):
-        config = types.SimpleNamespace(model_config=types.SimpleNamespace(served_model_name="qwen-7b"),
-                                       parallel_config=types.SimpleNamespace(**parallel))
+        config = types.SimpleNamespace(
+            model_config=types.SimpleNamespace(served_model_name="qwen-7b"),
+            parallel_config=types.SimpleNamespace(**parallel),
+        )
         return types.SimpleNamespace(vllm_config=config)
 
     # data_parallel_index (0.14+) is the engine's index even where data_parallel_rank is overridden.
@@ -273,6 +278,7 @@ def test_a_worker_without_memory_profiling_says_once_why_nothing_is_recorded(fak
 
 # ---------------------------------------------------------------------------- the step boundary
 
+
 class EngineOnlyFakeSource(FakeDeviceSource):
     """The fake device read as MindSpore's pool must be: on the engine's thread only (kvguard.sources.mindspore)."""
 
@@ -283,6 +289,7 @@ class EngineOnlyFakeSource(FakeDeviceSource):
 
     def sample(self):
         from kvguard.sources import EngineError
+
         type(self).threads.append(threading.current_thread().name)
         if type(self).fail_with is not None:
             raise EngineError(type(self).fail_with, self.name)
@@ -326,6 +333,7 @@ def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(
 
 # ---------------------------------------------------------------------------- exact mode on MindSpore
 
+
 def test_exact_mode_merges_the_pools_dump_into_the_users_ms_alloc_conf(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "1")
@@ -351,10 +359,12 @@ def test_a_bad_exact_mode_setting_is_counted_and_leaves_ms_alloc_conf_alone(fake
 
 # ---------------------------------------------------------------------------- a worker that measures inline
 
+
 def inline_worker_method(body: str) -> tuple[dict, object]:
     """A determine_available_memory in a module of its own that reaches the device through its global ``torch``
     and has no ``memory_profiling``, as vLLM 0.8.5-0.9.0's gpu_worker.py (0.9.0:166-214)."""
     import torch
+
     namespace = {"torch": torch, "seen": []}
     exec(f"def determine_available_memory(self):\n    seen.append(torch)\n{body}", namespace)
     return namespace, namespace["determine_available_memory"]
@@ -362,7 +372,9 @@ def inline_worker_method(body: str) -> tuple[dict, object]:
 
 def test_an_inline_workers_own_error_passes_through_and_its_torch_is_put_back(fake_vllm, monkeypatch):
     import torch
+
     from kvguard.vllm.inline_readings import RecordingModule
+
     error = RuntimeError("CUDA error: out of memory")
     namespace, method = inline_worker_method("    raise ERROR\n")
     namespace["ERROR"] = error
@@ -395,13 +407,20 @@ def test_an_inline_worker_whose_reads_are_not_its_eras_keeps_its_figure_and_reco
 
 def test_profile_from_readings_needs_an_era_that_adds_the_absolute_non_torch_memory():
     from kvguard.vllm.inline_readings import Readings, profile_from_readings
+
     readings = Readings()
-    readings.stats = [{"allocated_bytes.all.peak": 20 * GIB, "reserved_bytes.all.peak": 22 * GIB},
-                      {"allocated_bytes.all.current": 16 * GIB}]
+    readings.stats = [
+        {"allocated_bytes.all.peak": 20 * GIB, "reserved_bytes.all.peak": 22 * GIB},
+        {"allocated_bytes.all.current": 16 * GIB},
+    ]
     readings.mem_info = [(40 * GIB, 80 * GIB), (30 * GIB, 80 * GIB), (62 * GIB, 80 * GIB)]
     profile = profile_from_readings(readings, formula="absolute_peak_signed", utilization=0.9, release="vllm:0.9.0")
-    assert (profile.weights_bytes, profile.peak_allocated_increase_bytes, profile.peak_reserved_increase_bytes,
-            profile.non_torch_increase_bytes) == (16 * GIB, 4 * GIB, 6 * GIB, 2 * GIB)
+    assert (
+        profile.weights_bytes,
+        profile.peak_allocated_increase_bytes,
+        profile.peak_reserved_increase_bytes,
+        profile.non_torch_increase_bytes,
+    ) == (16 * GIB, 4 * GIB, 6 * GIB, 2 * GIB)
     assert stock_kv_cache_bytes(profile) == int(80 * GIB * 0.9 - (20 * GIB + 2 * GIB))
     assert profile_from_readings(readings, formula="peak", utilization=0.9, release="vllm:0.11.0") is None
     assert profile_from_readings(Readings(), formula="absolute_peak", utilization=0.9, release=None) is None
@@ -416,6 +435,7 @@ def test_a_device_read_kvguard_cannot_keep_leaves_the_workers_call_and_figure_al
         @staticmethod
         def memory_stats():
             return odd
+
     namespace["torch"] = type("FakeTorch", (), {"cuda": Cuda})()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)

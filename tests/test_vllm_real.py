@@ -12,14 +12,19 @@ import subprocess
 import sys
 
 import pytest
+from vllm_real import envs
+from vllm_real.harness import run_worker
 
-from kvguard.budget.estimator import (FORMULAS, Profile, extensible_kv_cache_bytes, reserved_kv_cache_bytes,
-                               stock_kv_cache_bytes)
+from kvguard.budget.estimator import (
+    FORMULAS,
+    Profile,
+    extensible_kv_cache_bytes,
+    reserved_kv_cache_bytes,
+    stock_kv_cache_bytes,
+)
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
 from kvguard.vllm.log import parse_lines
-from vllm_real import envs
-from vllm_real.harness import run_worker
 
 GIB = 1 << 30
 RELEASES = envs.releases()
@@ -37,8 +42,9 @@ def run(release: str, tmp_path_factory, scenario=None, budget: str = "stock"):
     key = (release, json.dumps(scenario or DEFAULT_RUN, sort_keys=True), budget)
     if key not in _runs:
         spool = tmp_path_factory.mktemp(f"spool-{release}")
-        result = run_worker(release, scenario or DEFAULT_RUN,
-                            env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget})
+        result = run_worker(
+            release, scenario or DEFAULT_RUN, env={"KVGUARD_SPOOL_DIR": str(spool), "KVGUARD_BUDGET": budget}
+        )
         snapshots = read_spool(str(spool)).snapshots
         assert len(snapshots) == 1, f"vLLM {release}: the plugin wrote {len(snapshots)} snapshots"
         _runs[key] = (result, snapshots[0], spool)
@@ -96,8 +102,12 @@ def test_budget_profile_on_the_snapshot_gives_the_same_figure(release, tmp_path_
     result, snap, _ = run(release, tmp_path_factory)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(snap.profile.to_dict()))
-    out = subprocess.run([sys.executable, "-m", "kvguard", "budget", "--profile", str(path), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "budget", "--profile", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["era"]["name"] == era_for(release).name
@@ -138,6 +148,7 @@ def test_kvguards_lines_are_in_vllms_own_log_and_the_log_reads_the_budget_applie
     """vLLM configures only its "vllm" logger: the plugin hands its records to vLLM's handler, so its
     budget line reaches the operator formatted as vLLM's own lines, and --from-log reads what was applied."""
     import re
+
     stock, _, _ = run(release, tmp_path_factory)
     reserved, _, _ = run(release, tmp_path_factory, budget="reserved")
     vllm_formatted = re.compile(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*plugin\.py:\d+\] kvguard: ")
@@ -163,8 +174,11 @@ def test_real_startup_lines_parse_to_the_decided_budget(release, tmp_path_factor
         assert log.available_kv_cache_bytes is None
         assert log.kv_cache_tokens == result["kv_cache_config"]["num_blocks"] * result["config"]["block_size"]
         return
-    decided = (committed(result) * snap.kv_cache.block_bytes if committed(result) is not None
-               else result["returned_available_bytes"])
+    decided = (
+        committed(result) * snap.kv_cache.block_bytes
+        if committed(result) is not None
+        else result["returned_available_bytes"]
+    )
     # vLLM prints GiB to two decimals.
     assert abs(log.available_kv_cache_bytes - decided) <= 0.005 * GIB + 1
     if FORMULAS[era_for(release).formula].non_kv == "consumed":
@@ -179,9 +193,12 @@ def test_check_judges_a_healthy_startup_ok(release, tmp_path_factory):
     """A default startup leaves room: the guard must not call it critical (0.34: the KV pages mapped
     outside torch's allocator counted once). The worker has exited by now: judged post mortem."""
     _, _, spool = run(release, tmp_path_factory, scenario={})
-    out = subprocess.run([sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--json",
-                          "--post-mortem"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--spool-dir", str(spool), "--json", "--post-mortem"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     data = json.loads(out.stdout)
     assert data["ranks"][0]["state"] != "critical", data["ranks"][0]["reasons"]
 
@@ -218,8 +235,9 @@ def test_a_worker_without_memory_profiling_gets_its_profile_from_its_own_device_
     assert profile.weights_bytes == result["figures"]["model_memory_usage"] == scenario["weights_bytes"]
     assert profile.peak_allocated_increase_bytes == scenario["profile_transient_bytes"]
     # FRAGMENTED: the reserved peak outgrows the allocated one by the block the peak could not reuse.
-    assert profile.peak_reserved_increase_bytes == (scenario["profile_transient_bytes"]
-                                                    + scenario["profile_unreusable_bytes"])
+    assert profile.peak_reserved_increase_bytes == (
+        scenario["profile_transient_bytes"] + scenario["profile_unreusable_bytes"]
+    )
     assert profile.non_torch_increase_bytes == scenario["init_non_torch_bytes"]
 
 
@@ -230,8 +248,11 @@ def test_the_plugin_leaves_the_inline_workers_figure_and_blocks_as_vllm_computes
     assert with_plugin["returned_available_bytes"] == alone["returned_available_bytes"]
     assert with_plugin["kv_cache_config"]["num_blocks"] == alone["kv_cache_config"]["num_blocks"]
     # No hook of kvguard's failed, and its formula gave vLLM's figure (else it says so once).
-    complaints = [line for line in with_plugin["log_lines"] if "kvguard" in line
-                  and ("vLLM continues" in line or "may be off" in line or "no startup profile" in line)]
+    complaints = [
+        line
+        for line in with_plugin["log_lines"]
+        if "kvguard" in line and ("vLLM continues" in line or "may be off" in line or "no startup profile" in line)
+    ]
     assert not complaints
 
 
@@ -268,12 +289,14 @@ def test_kv_tensor_style_is_how_the_release_allocates_its_kv_cache(release, tmp_
     from kvguard.vllm.eras import kv_tensor_style
 
     # 0.34 with its extensible KV cache off: the extensible cache maps its pages outside the allocator.
-    scenario = ({**OVERCOMMITTED, "enable_extensible_kv_cache": False}
-                if era_for(release).extensible_kv_cache_default else None)
+    scenario = (
+        {**OVERCOMMITTED, "enable_extensible_kv_cache": False} if era_for(release).extensible_kv_cache_default else None
+    )
     result, snap, _ = run(release, tmp_path_factory, scenario=scenario)
     config = result["kv_cache_config"]
-    layout = kv_layout_from_config(load_model_config(result["scenario"]["model_dir"]),
-                                   block_size=config["groups"][0]["block_size"])
+    layout = kv_layout_from_config(
+        load_model_config(result["scenario"]["model_dir"]), block_size=config["groups"][0]["block_size"]
+    )
     assert layout.page_bytes_per_layer == config["groups"][0]["page_size_bytes"]
     style = kv_tensor_style(f"vllm:{release}")
     assert list(kv_cache_tensor_bytes(layout, config["num_blocks"], style)) == result["kv_allocations"]
@@ -294,8 +317,10 @@ def kvguard_lines(result) -> list[str]:
 @pytest.mark.parametrize("release", RELEASES)
 def test_kvguard_budget_guard_shrinks_a_budget_the_guard_predicts_does_not_fit(release, tmp_path_factory):
     # 0.34: with its extensible KV cache off (vLLM's --no-enable-extensible-kv-cache), one backing tensor.
-    scenario = {**OVERCOMMITTED, **({"enable_extensible_kv_cache": False}
-                                    if era_for(release).extensible_kv_cache_default else {})}
+    scenario = {
+        **OVERCOMMITTED,
+        **({"enable_extensible_kv_cache": False} if era_for(release).extensible_kv_cache_default else {}),
+    }
     stock, stock_snap, _ = run(release, tmp_path_factory, scenario=scenario)
     guarded, snap, _ = run(release, tmp_path_factory, scenario=scenario, budget="guard")
     if stock_snap.budget_verdict.state != "critical":
@@ -319,8 +344,11 @@ def test_kvguard_budget_guard_keeps_a_budget_that_fits(release, tmp_path_factory
     assert guarded["returned_available_bytes"] == stock["returned_available_bytes"]
     assert committed(guarded) == committed(stock)
     [line] = [text for text in kvguard_lines(guarded) if "KVGUARD_BUDGET=guard" in text]
-    expected = ("changes nothing here: vLLM's extensible KV cache is sized after warm-up"
-                if era_for(release).extensible_kv_cache_default else "keeps vLLM's KV cache budget")
+    expected = (
+        "changes nothing here: vLLM's extensible KV cache is sized after warm-up"
+        if era_for(release).extensible_kv_cache_default
+        else "keeps vLLM's KV cache budget"
+    )
     assert expected in line
 
 
@@ -336,22 +364,36 @@ def test_the_release_s_own_version_banners_name_its_row(release, logo):
     env = {"VLLM_LOGGING_LEVEL": "INFO", "PATH": "/usr/bin:/bin"}
     if logo == "no logo":
         env["VLLM_DISABLE_LOG_LOGO"] = "1"
-    proc = subprocess.run([str(python), str(envs.HERE / "banner_main.py")], capture_output=True, text=True,
-                          timeout=300, env=env, check=False)
+    proc = subprocess.run(
+        [str(python), str(envs.HERE / "banner_main.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = (proc.stdout + proc.stderr).splitlines()
-    banners = [line for line in lines if f"(v{release})" in line or f"version {release}" in line
-               or f"version \x1b[97;1m{release}" in line or f"version \x1b[1m{release}" in line]
+    banners = [
+        line
+        for line in lines
+        if f"(v{release})" in line
+        or f"version {release}" in line
+        or f"version \x1b[97;1m{release}" in line
+        or f"version \x1b[1m{release}" in line
+    ]
     assert banners, lines[-20:]
     log = parse_lines(lines)
     assert log.era == era_for(release).name, log.era_reason
     assert f"it states vLLM {release} (its version banner)" == log.era_reason
     # Each kind of banner alone: the engine's, the API server's, the logo's (plain and coloured).
-    kinds = {"engine": [line for line in lines if "LLM engine (v" in line],
-             "server": [line for line in lines if "server version" in line],
-             "logo": [line for line in lines if "\u2580\u2584\u2580" in line]}
+    kinds = {
+        "engine": [line for line in lines if "LLM engine (v" in line],
+        "server": [line for line in lines if "server version" in line],
+        "logo": [line for line in lines if "\u2580\u2584\u2580" in line],
+    }
     assert kinds["engine"]
-    if era_for(release).first >= (0, 20, 0):       # log_version_and_model, from 0.20
+    if era_for(release).first >= (0, 20, 0):  # log_version_and_model, from 0.20
         assert kinds["logo" if logo == "logo" else "server"]
     for kind, only in kinds.items():
         if only:

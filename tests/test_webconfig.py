@@ -15,11 +15,11 @@ import time
 import bcrypt
 import pytest
 from click.testing import CliRunner
+from sidecar_fixtures import http_get, snapshot
 
 from kvguard.cli import main
 from kvguard.sidecar.server import KVGuardServer
 from kvguard.sidecar.webconfig import CIPHER_SUITES, WebConfigError, WebConfigWatcher, load_web_config
-from sidecar_fixtures import http_get, snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 
@@ -29,16 +29,57 @@ def openssl(*args: str, cwd) -> None:
 
 
 def make_ca(directory, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
-            "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.crt",
+        cwd=directory,
+    )
 
 
 def make_cert(directory, name: str, ca: str, cn: str, ext: str) -> None:
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", cwd=directory)
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={cn}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=directory,
+    )
     (directory / f"{name}.ext").write_text(ext)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=directory)
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.crt",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.crt",
+        cwd=directory,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +103,16 @@ def bcrypt_hash(password: str) -> str:
 @pytest.fixture
 def serve_web(serve, tmp_path):
     """A server whose web config is ``config_text``, checked for changes on every request."""
+
     def start(config_text: str) -> KVGuardServer:
         path = tmp_path / "web.yml"
         path.write_text(config_text)
-        return serve(snapshot(), pod_labels={"pod": "", "namespace": "", "container": ""},
-                     web_config=WebConfigWatcher(str(path), check_interval=0.0))
+        return serve(
+            snapshot(),
+            pod_labels={"pod": "", "namespace": "", "container": ""},
+            web_config=WebConfigWatcher(str(path), check_interval=0.0),
+        )
+
     return start
 
 
@@ -81,6 +127,7 @@ def get(server, path="/metrics", context=None, auth: tuple[str, str] | None = No
     headers = {"Authorization": "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()} if auth else {}
     status, _, body = http_get(server, path, headers, context=context, timeout=10)
     return status, body
+
 
 def tls_config(pki, cert="server", **extra) -> str:
     lines = ["tls_server_config:", f"  cert_file: {pki / (cert + '.crt')}", f"  key_file: {pki / (cert + '.key')}"]
@@ -105,7 +152,7 @@ def test_require_and_verify_client_cert_refuses_no_certificate_and_a_foreign_one
     for context in (client_context(pki), client_context(pki, cert="stranger")):
         with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
             get(server, context=context)
-    assert get(server, context=client_context(pki, cert="client"))[0] == 200   # still serving
+    assert get(server, context=client_context(pki, cert="client"))[0] == 200  # still serving
 
 
 def test_min_version_tls13_refuses_a_tls12_client(serve_web, pki):
@@ -134,8 +181,9 @@ def test_cipher_suites_limit_what_a_tls12_client_can_negotiate(serve_web, pki):
 
 
 def test_every_cipher_suite_name_maps_to_the_same_suite_in_openssl():
-    listing = subprocess.run(["openssl", "ciphers", "-stdname", "ALL:@SECLEVEL=0"], capture_output=True, text=True,
-                             check=True, timeout=60).stdout
+    listing = subprocess.run(
+        ["openssl", "ciphers", "-stdname", "ALL:@SECLEVEL=0"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     openssl_pairs = {}
     for line in listing.splitlines():
         parts = line.split()
@@ -150,7 +198,7 @@ def test_bcrypt_users_need_the_right_password(serve_web):
     assert get(server, auth=("prometheus", "wrong"))[0] == 401
     assert get(server, auth=("nobody", "s3cret"))[0] == 401
     assert get(server, auth=("prometheus", "s3cret"))[0] == 200
-    assert get(server, "/healthz")[0] == 200   # the kubelet's probes stay open
+    assert get(server, "/healthz")[0] == 200  # the kubelet's probes stay open
 
 
 def test_a_new_password_in_the_web_config_applies_without_a_restart(serve_web, tmp_path):
@@ -158,7 +206,7 @@ def test_a_new_password_in_the_web_config_applies_without_a_restart(serve_web, t
     assert get(server, auth=("prometheus", "old"))[0] == 200
     path = tmp_path / "web.yml"
     path.write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
-    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)   # a new mtime even on a coarse clock
+    os.utime(path, ns=(time.time_ns() + 10**9,) * 2)  # a new mtime even on a coarse clock
     reload(server)
     assert get(server, auth=("prometheus", "new"))[0] == 200
     assert get(server, auth=("prometheus", "old"))[0] == 401
@@ -171,7 +219,7 @@ def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(se
         shutil.copy(pki / f"server.{suffix}", live / f"tls.{suffix}")
     server = serve_web(f"tls_server_config:\n  cert_file: {live / 'tls.crt'}\n  key_file: {live / 'tls.key'}\n")
     assert get(server, "/healthz", context=client_context(pki, "ca"))[0] == 200
-    for suffix in ("crt", "key"):   # rotate to a certificate from the second CA, as cert-manager would
+    for suffix in ("crt", "key"):  # rotate to a certificate from the second CA, as cert-manager would
         shutil.copy(pki / f"server2.{suffix}", live / f"tls.{suffix}.new")
         os.replace(live / f"tls.{suffix}.new", live / f"tls.{suffix}")
     reload(server)
@@ -187,8 +235,11 @@ def reload(server) -> None:
 
 
 def reload_errors(caplog) -> list[str]:
-    return [record.kvguard_fields["error"] for record in caplog.records
-            if record.getMessage() == "web config not reloaded" and record.levelname == "ERROR"]
+    return [
+        record.kvguard_fields["error"]
+        for record in caplog.records
+        if record.getMessage() == "web config not reloaded" and record.levelname == "ERROR"
+    ]
 
 
 def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve_web, tmp_path, caplog):
@@ -204,24 +255,43 @@ def test_a_broken_reload_keeps_the_previous_config_and_says_so_in_one_line(serve
     assert {outcome: n for outcome, n in results.items() if n} == {("failure", ""): 1}
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("tls_server_config:\n  key_file: x\n", "missing cert_file"),
-    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  client_auth_type: Maybe\n",
-     "invalid client_auth_type 'Maybe'"),
-    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  client_ca_file: {pki}/ca.crt\n",
-     "client CA's have been configured without a client auth policy"),
-    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  min_version: TLS9\n",
-     "unknown TLS version 'TLS9'"),
-    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  cipher_suites: [RC4]\n",
-     "unknown cipher 'RC4'"),
-    ("tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"
-     "  client_auth_type: RequireAnyClientCert\n  client_ca_file: {pki}/ca.crt\n", "is not supported"),
-    ("basic_auth_users:\n  prometheus: plaintext\n", "not a bcrypt hash"),
-    ("basic_auth_users:\n  prometheus: ''\n", "empty password hash"),
-    ("basic_auth_users:\n  '': $2y$10$X0h1gDsPszWURQaxFh.zoubFi6DXncSjhoQNJgRrnGs7EsimhC7zG\n", "user name is empty"),
-    ("tls_server_confg: {{}}\n", "unknown field 'tls_server_confg'"),
-    ("[" * 60000, "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tls_server_config:\n  key_file: x\n", "missing cert_file"),
+        (
+            "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"
+            "  client_auth_type: Maybe\n",
+            "invalid client_auth_type 'Maybe'",
+        ),
+        (
+            "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"
+            "  client_ca_file: {pki}/ca.crt\n",
+            "client CA's have been configured without a client auth policy",
+        ),
+        (
+            "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  min_version: TLS9\n",
+            "unknown TLS version 'TLS9'",
+        ),
+        (
+            "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n  cipher_suites: [RC4]\n",
+            "unknown cipher 'RC4'",
+        ),
+        (
+            "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"
+            "  client_auth_type: RequireAnyClientCert\n  client_ca_file: {pki}/ca.crt\n",
+            "is not supported",
+        ),
+        ("basic_auth_users:\n  prometheus: plaintext\n", "not a bcrypt hash"),
+        ("basic_auth_users:\n  prometheus: ''\n", "empty password hash"),
+        (
+            "basic_auth_users:\n  '': $2y$10$X0h1gDsPszWURQaxFh.zoubFi6DXncSjhoQNJgRrnGs7EsimhC7zG\n",
+            "user name is empty",
+        ),
+        ("tls_server_confg: {{}}\n", "unknown field 'tls_server_confg'"),
+        ("[" * 60000, "not valid YAML"),
+    ],
+)
 def test_a_bad_web_config_is_one_line_at_startup(tmp_path, pki, text, message):
     path = tmp_path / "web.yml"
     path.write_text(text.format(pki=pki) if "{pki}" in text or "{{" in text else text)
@@ -248,10 +318,21 @@ def test_a_web_config_truncated_to_empty_is_refused_on_reload(serve_web, tmp_pat
     assert server.web_config.reload_errors_total == 1
 
 
-@pytest.mark.parametrize("text", ["{}\n", "null\n", "~\n", "basic_auth_users: {}\n", "basic_auth_users:\n",
-                                  "\ufeff# rotated\n", "http_server_config:\n  headers: {X-Frame-Options: deny}\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{}\n",
+        "null\n",
+        "~\n",
+        "basic_auth_users: {}\n",
+        "basic_auth_users:\n",
+        "\ufeff# rotated\n",
+        "http_server_config:\n  headers: {X-Frame-Options: deny}\n",
+    ],
+)
 def test_a_reload_that_would_switch_basic_auth_off_keeps_the_old_config_says_so_and_counts_it(
-        serve_web, tmp_path, caplog, text):
+    serve_web, tmp_path, caplog, text
+):
     """Round three: each of these switched basic auth off at the next reload, without a word."""
     server = serve_web(f"basic_auth_users:\n  prometheus: {bcrypt_hash('s3cret')}\n")
     (tmp_path / "web.yml").write_text(text, encoding="utf-8")
@@ -263,8 +344,9 @@ def test_a_reload_that_would_switch_basic_auth_off_keeps_the_old_config_says_so_
     time.sleep(0.05)
     body = server.exposition.body("", False)[0].decode()
     assert "kvguard_web_config_last_reload_successful 0.0" in body
-    assert re.search(r'kvguard_web_config_reloads_total\{reason="(|auth_off)",result="(failure|refused_weaker)"\} 1\.0',
-                     body)
+    assert re.search(
+        r'kvguard_web_config_reloads_total\{reason="(|auth_off)",result="(failure|refused_weaker)"\} 1\.0', body
+    )
 
 
 def test_with_allow_auth_off_a_reload_may_switch_basic_auth_off(serve, tmp_path):
@@ -315,7 +397,7 @@ def test_a_reload_runs_off_the_event_loop(serve_web, tmp_path, monkeypatch):
     monkeypatch.setattr(webconfig, "load_web_config", lambda *a, **k: release.wait(30) and real_load(*a, **k))
     (tmp_path / "web.yml").write_text(f"basic_auth_users:\n  prometheus: {bcrypt_hash('new')}\n")
     try:
-        server.web_config.current()                 # the reload starts, and blocks until released
+        server.web_config.current()  # the reload starts, and blocks until released
         assert get(server, "/healthz")[0] == 200
         assert get(server, auth=("prometheus", "s3cret"))[0] == 200
     finally:
@@ -373,19 +455,26 @@ def reloads_by_reason(server) -> dict[str, float]:
     time.sleep(0.05)
     body = server.exposition.body("", False)[0].decode()
     family = {f.name: f for f in text_string_to_metric_families(body)}["kvguard_web_config_reloads"]
-    return {s.labels["reason"]: s.value for s in family.samples
-            if s.name.endswith("_total") and s.labels["result"] == "refused_weaker" and s.value}
+    return {
+        s.labels["reason"]: s.value
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels["result"] == "refused_weaker" and s.value
+    }
 
 
-@pytest.mark.parametrize(("changes", "reason", "still_refused"), [
-    ({"client_auth_type": "NoClientCert", "client_ca_file": None}, "client_auth", {"cert": None}),
-    ({"client_auth_type": "VerifyClientCertIfGiven"}, "client_auth", {"cert": None}),
-    ({"min_version": "TLS12"}, "min_version", {"tls12": True}),
-    # a max_version below the old min_version needs a min_version as low (min above max does not load)
-    ({"min_version": "TLS12", "max_version": "TLS12"}, "min_version", {"tls12": True}),
-])
+@pytest.mark.parametrize(
+    ("changes", "reason", "still_refused"),
+    [
+        ({"client_auth_type": "NoClientCert", "client_ca_file": None}, "client_auth", {"cert": None}),
+        ({"client_auth_type": "VerifyClientCertIfGiven"}, "client_auth", {"cert": None}),
+        ({"min_version": "TLS12"}, "min_version", {"tls12": True}),
+        # a max_version below the old min_version needs a min_version as low (min above max does not load)
+        ({"min_version": "TLS12", "max_version": "TLS12"}, "min_version", {"tls12": True}),
+    ],
+)
 def test_a_reload_that_would_downgrade_mtls_keeps_the_old_config_logs_an_error_and_counts_it(
-        serve_web, pki, tmp_path, caplog, changes, reason, still_refused):
+    serve_web, pki, tmp_path, caplog, changes, reason, still_refused
+):
     """Issue 37, item 4: lowering client_auth_type (the client CA removed with it) or min_version
     was applied on reload without a word; now it is kept out as switching basic auth off is."""
     server = serve_web(mtls_config(pki))
@@ -393,7 +482,7 @@ def test_a_reload_that_would_downgrade_mtls_keeps_the_old_config_logs_an_error_a
     (tmp_path / "web.yml").write_text(mtls_config(pki, **changes))
     reload(server)
     weaker = tls12_context(pki) if still_refused.get("tls12") else client_context(pki, cert=still_refused["cert"])
-    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):   # the old config still in force
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):  # the old config still in force
         get(server, context=weaker)
     assert get(server, context=client_context(pki, cert="client"))[0] == 200
     (line,) = reload_errors(caplog)

@@ -22,11 +22,10 @@ import pytest
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDER = os.environ.get("KVGUARD_UPSTREAM_SCHEMAS") or os.path.join(os.path.dirname(REPO), "shared",
-                                                                     "upstream-schemas")
+FOLDER = os.environ.get("KVGUARD_UPSTREAM_SCHEMAS") or os.path.join(os.path.dirname(REPO), "shared", "upstream-schemas")
 with open(os.path.join(REPO, "tests", "data", "upstream", "MANIFEST.json"), encoding="utf-8") as _handle:
     MANIFEST = json.load(_handle)
-OPEN = {"x-kubernetes-preserve-unknown-fields": True}   # any value: validated elsewhere
+OPEN = {"x-kubernetes-preserve-unknown-fields": True}  # any value: validated elsewhere
 
 
 def _strip(node, open_keys: frozenset):
@@ -42,8 +41,10 @@ def _load(name: str) -> str:
     entry = MANIFEST[name]
     path = os.path.join(FOLDER, entry["file"])
     if not os.path.isfile(path):
-        pytest.skip(f"{entry['file']} ({entry['repository']}@{entry['commit'][:12]}:{entry['path']}) is not in "
-                    f"{FOLDER}: see tests/upstream_schemas.py")
+        pytest.skip(
+            f"{entry['file']} ({entry['repository']}@{entry['commit'][:12]}:{entry['path']}) is not in "
+            f"{FOLDER}: see tests/upstream_schemas.py"
+        )
     with open(path, encoding="utf-8") as handle:
         return handle.read()
 

@@ -24,8 +24,13 @@ from kvguard.text import one_line
 
 LOGGER = "kvguard"
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING, "error": logging.ERROR}
-LEVEL_NAMES = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn", logging.ERROR: "error",
-               logging.CRITICAL: "error"}
+LEVEL_NAMES = {
+    logging.DEBUG: "debug",
+    logging.INFO: "info",
+    logging.WARNING: "warn",
+    logging.ERROR: "error",
+    logging.CRITICAL: "error",
+}
 FORMATS = ("logfmt", "json")
 # A logfmt value is written bare when it has none of these; otherwise quoted, as go-logfmt does.
 _NEEDS_QUOTES = re.compile(r'[\s"=\\]|^$')
@@ -54,8 +59,7 @@ def _timestamp(record: logging.LogRecord) -> str:
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
-    fields = {"ts": _timestamp(record), "level": LEVEL_NAMES.get(record.levelno, "info"),
-              "msg": record.getMessage()}
+    fields = {"ts": _timestamp(record), "level": LEVEL_NAMES.get(record.levelno, "info"), "msg": record.getMessage()}
     fields.update(getattr(record, "kvguard_fields", None) or {})
     if record.exc_info and record.exc_info[1] is not None:
         fields["error"] = one_line(record.exc_info[1], with_type=True)

@@ -62,18 +62,27 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvguard.budget.estimator import Profile
-from kvguard.records import DeviceMemory
-from kvguard.sources import (EngineError, RankContext, Source, close_source, complete_records, engine_thread_only,
-                             get_source, rank_contexts, source_names, source_skips)
-from kvguard.text import one_line
+from kvguard.records import DeviceMemory, KVCacheAllocation, ReservedPeak
+from kvguard.sources import (
+    EngineError,
+    RankContext,
+    Source,
+    close_source,
+    complete_records,
+    engine_thread_only,
+    get_source,
+    rank_contexts,
+    source_names,
+    source_skips,
+)
 from kvguard.spool.io import write_snapshot
 from kvguard.spool.schema import POD_ENV, ProbeStatus, Snapshot
-from kvguard.records import KVCacheAllocation, ReservedPeak
+from kvguard.text import one_line
 
 log = logging.getLogger("kvguard.probe")
 
 DEFAULT_INTERVAL = 5.0
-_ALL = None   # device key meaning "every device this probe writes"
+_ALL = None  # device key meaning "every device this probe writes"
 
 
 def pod_identity(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -99,7 +108,7 @@ class _Job:
     started: float = field(default_factory=time.monotonic)
     records: list[DeviceMemory] | None = None
     error: str | None = None
-    deferred: bool = False     # the source is read on the engine's thread only: nothing sampled here
+    deferred: bool = False  # the source is read on the engine's thread only: nothing sampled here
 
 
 class Probe:
@@ -110,9 +119,17 @@ class Probe:
     interval) is how long one tick waits for a sample before counting an overrun.
     """
 
-    def __init__(self, spool_dir: str, source: str | Source = "auto", interval: float = DEFAULT_INTERVAL, *,
-                 rank: int | None = None, sample_timeout: float | None = None,
-                 source_options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        spool_dir: str,
+        source: str | Source = "auto",
+        interval: float = DEFAULT_INTERVAL,
+        *,
+        rank: int | None = None,
+        sample_timeout: float | None = None,
+        source_options: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+    ):
         if not isinstance(spool_dir, (str, os.PathLike)) or not str(spool_dir):
             raise ValueError("the probe needs a spool directory")
         _check_seconds("interval", interval)
@@ -149,20 +166,20 @@ class Probe:
         self._last_error: str | None = None
         self._logged: set[str] = set()
         self._sequence: dict[str, int] = {}
-        self._written_sampled_at: dict[str, float] = {}    # per device: when its written sample began
+        self._written_sampled_at: dict[str, float] = {}  # per device: when its written sample began
         self._profiles: dict[str | None, Profile | None] = {}
         self._kv_caches: dict[str | None, KVCacheAllocation | None] = {}
-        self._engine = ("", "")       # (served model name, engine index) of the serving engine
+        self._engine = ("", "")  # (served model name, engine index) of the serving engine
         self._budget_verdicts: dict[str | None, Any] = {}
         self._reserved_peaks: dict[str | None, ReservedPeak | None] = {}
         # Engine-step sampling (module docstring): set once the worker thread has built a source that must
         # be read on the engine's thread.
         self._engine_mode = False
-        self._wake = threading.Event()                     # the engine handed over a sample to write
-        self._engine_sampled = float("-inf")               # monotonic time of the engine's last sample
-        self._in_step_since: float | None = None           # monotonic start of the step in progress
-        self._pending: tuple[list[DeviceMemory], float] | None = None   # (records, sampled at): to write
-        self._last: tuple[list[DeviceMemory], float, float] | None = None   # (records, monotonic, unix)
+        self._wake = threading.Event()  # the engine handed over a sample to write
+        self._engine_sampled = float("-inf")  # monotonic time of the engine's last sample
+        self._in_step_since: float | None = None  # monotonic start of the step in progress
+        self._pending: tuple[list[DeviceMemory], float] | None = None  # (records, sampled at): to write
+        self._last: tuple[list[DeviceMemory], float, float] | None = None  # (records, monotonic, unix)
         self._engine_seconds = 0.0
         # Once the engine steps, its allocator changes only inside steps; before (loading, profiling, the KV
         # cache, warm-up) it changes without one, and a rewritten reading would be an old one called fresh.
@@ -192,7 +209,7 @@ class Probe:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         job = self._job
-        if job is None or job.done.is_set():   # never close a source a hung sample is still inside
+        if job is None or job.done.is_set():  # never close a source a hung sample is still inside
             close_source(self._source)
 
     def run_once(self, timeout: float | None = None) -> int:
@@ -248,8 +265,9 @@ class Probe:
         try:
             records = self._source.sample() if self._source is not None else None
             if not isinstance(records, list) or not all(isinstance(r, DeviceMemory) for r in records):
-                raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
-                                "not a list of DeviceMemory")
+                raise TypeError(
+                    f"source {self.source_name} returned {type(records).__name__}, not a list of DeviceMemory"
+                )
         except EngineError as exc:
             # The source told it from its own failure (kvguard.sources.mindspore.read_telling_engine_errors).
             self._count("engine", f"{one_line(exc)} (raised again on the engine's thread)")
@@ -292,6 +310,7 @@ class Probe:
     def set_budget_verdict(self, verdict: Any, device: str | None = _ALL) -> None:
         """The guard's budget-time verdict (``kvguard.guard.judge.judge_at_budget``), for the snapshots."""
         from kvguard.guard.judge import BUDGET, Verdict
+
         if verdict is not None and (not isinstance(verdict, Verdict) or verdict.phase != BUDGET):
             raise TypeError("budget verdict must be a kvguard.guard.judge.Verdict of phase 'budget'")
         with self._lock:
@@ -311,12 +330,17 @@ class Probe:
             return self._status()
 
     def _status(self) -> ProbeStatus:
-        return ProbeStatus(samples_total=self._samples, errors_total=self._errors,
-                           write_errors_total=self._write_errors, last_error=self._last_error,
-                           interval_seconds=self.interval, overruns_total=self._overruns,
-                           sampling="engine-step" if self._engine_mode else "thread",
-                           engine_thread_seconds_total=self._engine_seconds,
-                           skipped_total=source_skips(self._source))
+        return ProbeStatus(
+            samples_total=self._samples,
+            errors_total=self._errors,
+            write_errors_total=self._write_errors,
+            last_error=self._last_error,
+            interval_seconds=self.interval,
+            overruns_total=self._overruns,
+            sampling="engine-step" if self._engine_mode else "thread",
+            engine_thread_seconds_total=self._engine_seconds,
+            skipped_total=source_skips(self._source),
+        )
 
     # ------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -348,10 +372,10 @@ class Probe:
         if self._write_pending():
             return 1
         if not self._serving:
-            return 0          # not serving yet: the pool changes without steps (loading, profiling), let it age
+            return 0  # not serving yet: the pool changes without steps (loading, profiling), let it age
         in_step = self._in_step_since
         if in_step is not None and time.monotonic() - in_step > self.sample_timeout:
-            return 0          # a step that long may have changed everything: let the snapshot age
+            return 0  # a step that long may have changed everything: let the snapshot age
         with self._lock:
             last = self._last
         return self._write(last[0], last[1]) if last is not None else 0
@@ -369,8 +393,9 @@ class Probe:
                 job = self._job
                 if job is None:
                     job = self._job = _Job()
-                    threading.Thread(target=self._run_job, args=(job,), name="kvguard-probe-sample",
-                                     daemon=True).start()
+                    threading.Thread(
+                        target=self._run_job, args=(job,), name="kvguard-probe-sample", daemon=True
+                    ).start()
             if not_before is None or job.started >= not_before:
                 break
             # An older sample is in flight: let it finish (it is the loop's), then take a fresh one.
@@ -379,23 +404,21 @@ class Probe:
                 if self._job is job and job.done.is_set():
                     self._job = None
             if not job.done.is_set():
-                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s",
-                            overrun=True)
+                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s", overrun=True)
                 return None
         while not job.done.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
             if self._stop.is_set() and threading.current_thread() is self._thread:
-                return None          # stopping: do not wait out a slow source
+                return None  # stopping: do not wait out a slow source
             if time.monotonic() >= deadline:
-                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s",
-                            overrun=True)
+                self._count("overrun", f"source {self.source_name} did not answer within {timeout:g}s", overrun=True)
                 return None
         with self._lock:
-            if self._job is job:     # a caller may have started a fresh job after this one ended
+            if self._job is job:  # a caller may have started a fresh job after this one ended
                 self._job = None
         if job.deferred:
             self._engine_mode = True
             return None
-        if job.error is None and job.records is None:    # the job ended without an answer or an error
+        if job.error is None and job.records is None:  # the job ended without an answer or an error
             job.error = f"{self.source_name}: the sample ended without a result"
         if job.error is not None:
             self._count("sample", job.error)
@@ -409,12 +432,13 @@ class Probe:
             if self._source is None:
                 self._source = get_source(self.source_name, **self._source_options)
             if self._engine_mode or engine_thread_only(self._source):
-                job.deferred = True      # never read here: the engine's thread reads it between steps
+                job.deferred = True  # never read here: the engine's thread reads it between steps
                 return
             records = self._source.sample()
             if not isinstance(records, list) or not all(isinstance(r, DeviceMemory) for r in records):
-                raise TypeError(f"source {self.source_name} returned {type(records).__name__}, "
-                                "not a list of DeviceMemory")
+                raise TypeError(
+                    f"source {self.source_name} returned {type(records).__name__}, not a list of DeviceMemory"
+                )
             job.records = records
         except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt too: counted, never escapes
             # (this is the probe's own daemon thread: nothing above it would catch them, and an escaping
@@ -434,7 +458,7 @@ class Probe:
         except Exception as exc:  # noqa: BLE001 - the records are written without what could not be added
             self._count("complete", f"{self.source_name}: {one_line(exc)}")
         contexts = rank_contexts(self._source)
-        read_at = time.time() - max(0.0, time.monotonic() - sampled_at)    # the sample's start, unix seconds
+        read_at = time.time() - max(0.0, time.monotonic() - sampled_at)  # the sample's start, unix seconds
         written = 0
         for record in records:
             # The loop and run_once can finish samples together: one that began before the sample
@@ -452,11 +476,23 @@ class Probe:
                 status = dataclasses.replace(self._status(), sampled_at=read_at)
                 model_name, engine = self._engine
             snapshot = Snapshot(
-                written_at=time.time(), started_at=self._started_at, sequence=sequence, host=self.host,
-                pid=os.getpid(), device=record.device, memory=record,
-                rank=context.rank if context.rank is not None else self.rank, pod=self.pod,
-                profile=profile, kv_cache=kv_cache, probe=status, model_name=model_name, engine=engine,
-                budget_verdict=budget_verdict, reserved_peak=reserved_peak)
+                written_at=time.time(),
+                started_at=self._started_at,
+                sequence=sequence,
+                host=self.host,
+                pid=os.getpid(),
+                device=record.device,
+                memory=record,
+                rank=context.rank if context.rank is not None else self.rank,
+                pod=self.pod,
+                profile=profile,
+                kv_cache=kv_cache,
+                probe=status,
+                model_name=model_name,
+                engine=engine,
+                budget_verdict=budget_verdict,
+                reserved_peak=reserved_peak,
+            )
             if self._write_one(snapshot):
                 written += 1
         return written
@@ -466,7 +502,7 @@ class Probe:
             try:
                 write_snapshot(self.spool_dir, snapshot)
             except FileNotFoundError:
-                os.makedirs(self.spool_dir, exist_ok=True)   # the directory went away: make it once, retry
+                os.makedirs(self.spool_dir, exist_ok=True)  # the directory went away: make it once, retry
                 write_snapshot(self.spool_dir, snapshot)
             return True
         except OSError as exc:
@@ -540,8 +576,9 @@ _PROBE: Probe | None = None
 _PROBE_LOCK = threading.Lock()
 
 
-def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
-          **options: Any) -> Probe | None:
+def start(
+    spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto", **options: Any
+) -> Probe | None:
     """Start this process's probe (or return the running one). Never raises.
 
     Bad arguments (a missing spool directory, a non-positive or non-finite interval, an
@@ -557,8 +594,9 @@ def start(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Sour
         return None
 
 
-def start_strict(spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto",
-                 **options: Any) -> Probe:
+def start_strict(
+    spool_dir: str, interval: float = DEFAULT_INTERVAL, source: str | Source = "auto", **options: Any
+) -> Probe:
     """:func:`start` that raises (ValueError, TypeError) for bad arguments: for callers that count
     their own failures, like the vLLM plugin."""
     global _PROBE

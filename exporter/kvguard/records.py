@@ -19,10 +19,24 @@ MAX_ENGINE_CHARS = 16
 
 # Fields of DeviceMemory that hold byte counts or event counts (all optional ints).
 _INT_FIELDS = (
-    "allocated_bytes", "reserved_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-    "active_bytes", "inactive_split_bytes", "idle_bytes", "eager_free_bytes",
-    "alloc_retries", "ooms", "total_bytes", "free_bytes", "used_bytes", "device_reserved_bytes",
-    "process_used_bytes", "reclaimable_bytes", "largest_idle_bytes", "pool_figures_allocated_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "idle_bytes",
+    "eager_free_bytes",
+    "alloc_retries",
+    "ooms",
+    "total_bytes",
+    "free_bytes",
+    "used_bytes",
+    "device_reserved_bytes",
+    "process_used_bytes",
+    "reclaimable_bytes",
+    "largest_idle_bytes",
+    "pool_figures_allocated_bytes",
 )
 # Unix seconds beyond year ~5000 are garbage (as the spool's own timestamps).
 _MAX_UNIX_SECONDS = 1e11
@@ -43,7 +57,7 @@ def identity_text(value: Any) -> str:
         value = value.decode("ascii", "replace")
     if not isinstance(value, str):
         return ""
-    return _NOT_IDENTITY.sub("", value.strip()[:MAX_IDENTITY_CHARS * 2])[:MAX_IDENTITY_CHARS]
+    return _NOT_IDENTITY.sub("", value.strip()[: MAX_IDENTITY_CHARS * 2])[:MAX_IDENTITY_CHARS]
 
 
 @dataclass(frozen=True)
@@ -118,8 +132,12 @@ class DeviceMemory:
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], max_processes: int = 1024,
-                  process_name: Callable[[str], str] = lambda name: name[:128]) -> "DeviceMemory":
+    def from_dict(
+        cls,
+        data: Mapping[str, Any],
+        max_processes: int = 1024,
+        process_name: Callable[[str], str] = lambda name: name[:128],
+    ) -> "DeviceMemory":
         """Strict decoding for untrusted input (spool files): raises ValueError with one line. The first
         ``max_processes`` process entries are kept (and checked), the rest ignored; ``process_name``
         cleans each entry's name as it is built."""
@@ -136,8 +154,12 @@ class DeviceMemory:
             value = data.get(name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                    or value in (float("inf"), float("-inf")):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value != value
+                or value in (float("inf"), float("-inf"))
+            ):
                 raise ValueError(f"memory field {name} is not a number")
             if value < 0:
                 raise ValueError(f"memory field {name} is negative")
@@ -149,19 +171,29 @@ class DeviceMemory:
             raise ValueError("memory field processes is not a list")
         parsed = []
         for entry in processes[:max_processes]:
-            if not isinstance(entry, Mapping) or not isinstance(entry.get("pid"), int) \
-                    or not isinstance(entry.get("used_bytes"), int) or isinstance(entry.get("pid"), bool) \
-                    or not 0 <= entry["pid"] <= MAX_COUNTER or entry["used_bytes"] > MAX_COUNTER:
+            if (
+                not isinstance(entry, Mapping)
+                or not isinstance(entry.get("pid"), int)
+                or not isinstance(entry.get("used_bytes"), int)
+                or isinstance(entry.get("pid"), bool)
+                or not 0 <= entry["pid"] <= MAX_COUNTER
+                or entry["used_bytes"] > MAX_COUNTER
+            ):
                 raise ValueError("memory field processes has a malformed entry")
-            parsed.append(ProcessMemory(pid=entry["pid"], used_bytes=max(0, entry["used_bytes"]),
-                                        name=process_name(str(entry.get("name", "")))))
+            parsed.append(
+                ProcessMemory(
+                    pid=entry["pid"],
+                    used_bytes=max(0, entry["used_bytes"]),
+                    name=process_name(str(entry.get("name", ""))),
+                )
+            )
         values["processes"] = tuple(parsed)
         at = data.get("pool_figures_at")
         if at is not None:
             if isinstance(at, bool) or not isinstance(at, (int, float)) or not 0 <= at <= _MAX_UNIX_SECONDS:
                 raise ValueError("memory field pool_figures_at is not a time in unix seconds")
             values["pool_figures_at"] = float(at)
-        for name in IDENTITY_FIELDS:   # absent from older snapshots: "" then
+        for name in IDENTITY_FIELDS:  # absent from older snapshots: "" then
             value = data.get(name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"memory field {name} is not a string")
@@ -236,7 +268,8 @@ class ReservedPeak:
     def above_measured(self) -> bool:
         """The peak was read and is above what the engine measured: the pool released blocks mid-run."""
         return self.peak_increase_bytes is not None and (
-            self.measured_increase_bytes is None or self.peak_increase_bytes > self.measured_increase_bytes)
+            self.measured_increase_bytes is None or self.peak_increase_bytes > self.measured_increase_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -249,8 +282,9 @@ class ReservedPeak:
         values: dict[str, Any] = {}
         for name in ("measured_increase_bytes", "peak_increase_bytes"):
             value = data.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or not 0 <= value <= MAX_COUNTER):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNTER
+            ):
                 raise ValueError(f"reserved_peak field {name} is not a non-negative integer in range")
             values[name] = value
         error = data.get("error")

@@ -42,4 +42,6 @@ def install_hint(extra: str) -> str:
     """How to add an optional extra (pyproject.toml's [project.optional-dependencies]) where kvguard came from a
     checkout, as it does today (no kvguard is published on a registry): ``.venv/bin/pip install -e '.[plot]'``
     in the clone, or ``pip install 'kvguard-X.whl[plot]'`` for a built wheel."""
-    return f"from the clone: .venv/bin/pip install -e '.[{extra}]' (a built wheel: pip install 'kvguard-*.whl[{extra}]')"
+    return (
+        f"from the clone: .venv/bin/pip install -e '.[{extra}]' (a built wheel: pip install 'kvguard-*.whl[{extra}]')"
+    )

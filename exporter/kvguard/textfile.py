@@ -6,8 +6,9 @@ import os
 import stat
 
 
-def read_text(path: str, what: str, max_bytes: int, error: type[Exception], *, encoding: str = "utf-8",
-              regular_only: bool = False) -> str:
+def read_text(
+    path: str, what: str, max_bytes: int, error: type[Exception], *, encoding: str = "utf-8", regular_only: bool = False
+) -> str:
     """The text of ``path`` (at most ``max_bytes``, decoded as ``encoding``), or ``error`` with one line
     naming ``what``. ``regular_only``: opened without waiting, and a FIFO or other non-regular file is
     refused, never read."""

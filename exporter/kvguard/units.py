@@ -13,17 +13,27 @@ import re
 # (64GB is 64,000,000,000 bytes, 59.60 GiB), IEC units powers of 1024 (64GiB; Kubernetes' 64Gi too).
 _UNITS = {
     "b": 1,
-    "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
-    "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
-    "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
-    "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "ki": 1 << 10,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "mi": 1 << 20,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "gi": 1 << 30,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+    "ti": 1 << 40,
 }
 # One letter means 1000s to some tools (Kubernetes) and 1024s to others (docker, java, free -g): refused.
 _AMBIGUOUS = {"k", "m", "g", "t"}
 UNITS_TEXT = "B; KB, MB, GB, TB (powers of 1000); KiB, MiB, GiB, TiB (powers of 1024)"
-SIZE_HELP = (f"SIZE is a number with a unit: {UNITS_TEXT}. 64GB is 64,000,000,000 bytes (59.60 GiB); 64GiB is "
-             f"68,719,476,736 bytes, as vLLM's logs print GiB. A bare number (0 excepted) and a one-letter unit "
-             f"(64G: GB or GiB?) are refused.")
+SIZE_HELP = (
+    f"SIZE is a number with a unit: {UNITS_TEXT}. 64GB is 64,000,000,000 bytes (59.60 GiB); 64GiB is "
+    f"68,719,476,736 bytes, as vLLM's logs print GiB. A bare number (0 excepted) and a one-letter unit "
+    f"(64G: GB or GiB?) are refused."
+)
 
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_,]*(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -52,8 +62,10 @@ def parse_size(text: str | int) -> int:
             return 0
         raise ValueError(f"{text!r} has no unit: write {number}GiB, {number}GB or {number}B ({UNITS_TEXT})")
     if unit.lower() in _AMBIGUOUS:
-        raise ValueError(f"{text!r}: {unit} alone is ambiguous: write {number}{unit.upper()}iB "
-                         f"(powers of 1024) or {number}{unit.upper()}B (powers of 1000)")
+        raise ValueError(
+            f"{text!r}: {unit} alone is ambiguous: write {number}{unit.upper()}iB "
+            f"(powers of 1024) or {number}{unit.upper()}B (powers of 1000)"
+        )
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown size unit {unit!r} in {text!r} (use {UNITS_TEXT})")

@@ -45,8 +45,13 @@ class Server:
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
         self._stderr = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=self._stderr, env={**os.environ, "KVGUARD_ORACLE_SERVE": "1"})
+        self._proc = subprocess.Popen(
+            [str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env={**os.environ, "KVGUARD_ORACLE_SERVE": "1"},
+        )
 
     def run(self, lines: list[str], env: dict[str, str], timeout: float = 600) -> list[str]:
         """The stream's output lines (its init line first). ``env``: the stream's environment, as a
@@ -61,15 +66,17 @@ class Server:
         out = self._read_stream(time.monotonic() + timeout)
         status = json.loads(out.pop())["end"]
         if status != 0:
-            raise OracleError(f"oracle {self.path} stream ended with wait status {status} after "
-                              f"{max(len(out) - 1, 0)} of {len(lines)} lines: {self.stderr_tail()}")
+            raise OracleError(
+                f"oracle {self.path} stream ended with wait status {status} after "
+                f"{max(len(out) - 1, 0)} of {len(lines)} lines: {self.stderr_tail()}"
+            )
         return out
 
     def _read_stream(self, deadline: float) -> list[str]:
         """Every line up to and including the {"end": ...} line (the server writes nothing after it)."""
         fd = self._proc.stdout.fileno()
         chunks: list[bytes] = []
-        tail = b"\n"              # the end of what was read so far: the marker may straddle two chunks
+        tail = b"\n"  # the end of what was read so far: the marker may straddle two chunks
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -105,8 +112,10 @@ def server(version: str) -> Server:
         path = oracle_build.oracle_path(version)
         if path is None:
             why = oracle_build.failure(version) or "not built"
-            raise OracleError(f"MindSpore {version} pool oracle: {why}: run ./dev.sh test "
-                              f"(or python3 oracles/mindspore/build.py {version})")
+            raise OracleError(
+                f"MindSpore {version} pool oracle: {why}: run ./dev.sh test "
+                f"(or python3 oracles/mindspore/build.py {version})"
+            )
         _servers[version] = Server(path)
     return _servers[version]
 
@@ -132,9 +141,19 @@ def stream_lines(ops: list, compiled_at: Iterable[int] = ()) -> list[str]:
     return stream.getvalue().splitlines()
 
 
-def replay(version: str, ops: list, *, free: int, vmm: bool, task_sink: bool | None = None,
-           compiled_at: Iterable[int] = (), compact: bool = False, total: int | None = None,
-           mempool_block_gb: float | None = None, timeout: float = 600) -> tuple[dict, list[dict]]:
+def replay(
+    version: str,
+    ops: list,
+    *,
+    free: int,
+    vmm: bool,
+    task_sink: bool | None = None,
+    compiled_at: Iterable[int] = (),
+    compact: bool = False,
+    total: int | None = None,
+    mempool_block_gb: float | None = None,
+    timeout: float = 600,
+) -> tuple[dict, list[dict]]:
     """The real pool's init record and one record per op. ``task_sink`` None keeps MindSpore's default;
     ``mempool_block_gb``: ``set_context(mempool_block_size=)`` in GB (None: MindSpore's default, 1.0).
     ``compact``: per op only oom, reserved_bytes, allocated_bytes and address (long streams); else every
@@ -157,8 +176,9 @@ def replay(version: str, ops: list, *, free: int, vmm: bool, task_sink: bool | N
             if line.startswith("error"):
                 raise OracleError(f"the real pool raised at op {line[6:300]}")
             oom, reserved, allocated, address = map(int, line.split())
-            records.append({"oom": bool(oom), "reserved_bytes": reserved, "allocated_bytes": allocated,
-                            "address": address or None})
+            records.append(
+                {"oom": bool(oom), "reserved_bytes": reserved, "allocated_bytes": allocated, "address": address or None}
+            )
         else:
             record = json.loads(line)
             if "error" in record:

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from cache import cache_root  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
@@ -77,8 +78,20 @@ def _wheel(root: pathlib.Path) -> pathlib.Path:
     if not found:
         folder.mkdir(parents=True, exist_ok=True)
         # This python is the one kvguard's .venv was made from, so pip picks the wheel that venv loads.
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", folder,
-              WHEEL_SPEC])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                folder,
+                WHEEL_SPEC,
+            ]
+        )
         found = sorted(folder.glob("torch_npu-*.whl"))
     if not found:
         raise SystemExit(f"pip download {WHEEL_SPEC} left no wheel in {folder}")
@@ -104,11 +117,35 @@ def _build_fake(target: pathlib.Path) -> None:
         stubs.write_text(_stubs_source(symbols))
         empty = pathlib.Path(tmp) / "empty.c"
         empty.write_text("int kvguard_fake_cann_empty;\n")
-        _run([gcc, "-shared", "-fPIC", "-O1", "-Wall", HERE / "fake_acl.c", stubs, "-o", target / "libascendcl.so",
-              "-lpthread"])
+        _run(
+            [
+                gcc,
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                HERE / "fake_acl.c",
+                stubs,
+                "-o",
+                target / "libascendcl.so",
+                "-lpthread",
+            ]
+        )
         for soname in EMPTY_SONAMES:
-            _run([gcc, "-shared", "-fPIC", empty, "-o", target / f"{soname}.so", f"-L{target}", "-Wl,--no-as-needed",
-                  "-lascendcl", "-Wl,-rpath,$ORIGIN"])
+            _run(
+                [
+                    gcc,
+                    "-shared",
+                    "-fPIC",
+                    empty,
+                    "-o",
+                    target / f"{soname}.so",
+                    f"-L{target}",
+                    "-Wl,--no-as-needed",
+                    "-lascendcl",
+                    "-Wl,-rpath,$ORIGIN",
+                ]
+            )
 
 
 def setup() -> pathlib.Path:
@@ -123,7 +160,7 @@ def setup() -> pathlib.Path:
         shutil.rmtree(root / name, ignore_errors=True)
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root / "site")
-    for lib in (root / "site").rglob("*.so*"):      # zipfile drops the permission bits
+    for lib in (root / "site").rglob("*.so*"):  # zipfile drops the permission bits
         lib.chmod(0o755)
     (root / "fake").mkdir(parents=True)
     _build_fake(root / "fake")

@@ -61,11 +61,14 @@ def replay(path: str, stream_number: int, fake: ctypes.CDLL) -> None:
         else:
             raise SystemExit(f"line {index + 1}: unknown op {op['op']!r}")
         stats = torch.npu.memory_stats()
-        record.update(reserved_bytes=stats.get("reserved_bytes.all.current", 0),
-                      allocated_bytes=stats.get("allocated_bytes.all.current", 0),
-                      peak_allocated_bytes=stats.get("allocated_bytes.all.peak", 0),
-                      num_ooms=stats.get("num_ooms", 0), num_alloc_retries=stats.get("num_alloc_retries", 0),
-                      device_used_bytes=fake.fake_npu_used_bytes())
+        record.update(
+            reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+            allocated_bytes=stats.get("allocated_bytes.all.current", 0),
+            peak_allocated_bytes=stats.get("allocated_bytes.all.peak", 0),
+            num_ooms=stats.get("num_ooms", 0),
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+            device_used_bytes=fake.fake_npu_used_bytes(),
+        )
         out.write(json.dumps(record) + "\n")
     out.flush()
     for address in live.values():
@@ -78,8 +81,7 @@ def restart(fake: ctypes.CDLL) -> None:
     torch.npu.reset_peak_memory_stats()
     torch.npu.reset_accumulated_memory_stats()
     if torch.npu.memory_reserved() or fake.fake_npu_restart():
-        print("cannot restart: the previous stream left device memory or an address range reserved",
-              file=sys.stderr)
+        print("cannot restart: the previous stream left device memory or an address range reserved", file=sys.stderr)
         raise SystemExit(3)
 
 

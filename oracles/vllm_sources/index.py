@@ -46,15 +46,30 @@ from typing import Callable, Iterator
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "exporter"))
 from kvguard.vllm.source_index import MARK, braces_template, hash_wording, percent_template, wording_text  # noqa: E402
+
 OUT = ROOT / "exporter" / "kvguard" / "vllm" / "source_index.json.gz"
 SIMPLE = "https://pypi.org/simple/vllm/"
 FIRST, LAST = (0, 6, 4), (0, 34, 0)
 BLOCK = 1 << 21
 # Functions are indexed where a startup or OOM traceback passes (model code is left out: its names say little).
-DEF_PATHS = re.compile(r"^(v1/(worker|engine|core|executor)/|worker/|engine/|executor/|platforms/|utils|"
-                       r"model_executor/model_loader/|entrypoints/)")
-LOG_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log",
-               "debug_once", "info_once", "warning_once"}
+DEF_PATHS = re.compile(
+    r"^(v1/(worker|engine|core|executor)/|worker/|engine/|executor/|platforms/|utils|"
+    r"model_executor/model_loader/|entrypoints/)"
+)
+LOG_METHODS = {
+    "debug",
+    "info",
+    "warning",
+    "warn",
+    "error",
+    "exception",
+    "critical",
+    "fatal",
+    "log",
+    "debug_once",
+    "info_once",
+    "warning_once",
+}
 
 
 class RangeFile(io.RawIOBase):
@@ -100,7 +115,7 @@ class RangeFile(io.RawIOBase):
         while n > 0 and self.pos < self.size:
             block = self._block(self.pos // BLOCK)
             offset = self.pos % BLOCK
-            piece = block[offset:offset + n]
+            piece = block[offset : offset + n]
             out += piece
             self.pos += len(piece)
             n -= len(piece)
@@ -108,18 +123,20 @@ class RangeFile(io.RawIOBase):
 
     def readinto(self, buffer):
         data = self.read(len(buffer))
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         return len(data)
 
 
 # Platform plugins indexed like vLLM: PyPI name -> (its package folder, where the index goes).
 PLUGINS = {"vllm-ascend": ("vllm_ascend/", ROOT / "exporter" / "kvguard" / "vllm" / "source_index_vllm_ascend.json.gz")}
-_PLUGIN_FILE = re.compile(r"[a-z_]+-([0-9]+\.[0-9]+\.[0-9]+(?:rc[0-9]+)?(?:\.post[0-9]+)?)"
-                          r"(?:-cp311-cp311-manylinux\w*x86_64\.whl|\.tar\.gz)")
+_PLUGIN_FILE = re.compile(
+    r"[a-z_]+-([0-9]+\.[0-9]+\.[0-9]+(?:rc[0-9]+)?(?:\.post[0-9]+)?)"
+    r"(?:-cp311-cp311-manylinux\w*x86_64\.whl|\.tar\.gz)"
+)
 
 
 def release_key(text: str) -> tuple[int, ...]:
-    """"0.11.0rc1" before "0.11.0" before "0.11.0.post1"."""
+    """ "0.11.0rc1" before "0.11.0" before "0.11.0.post1"."""
     match = re.fullmatch(r"([0-9]+)\.([0-9]+)\.([0-9]+)(?:rc([0-9]+))?(?:\.post([0-9]+))?", text)
     if match is None:
         raise ValueError(f"not a release number: {text}")
@@ -129,8 +146,9 @@ def release_key(text: str) -> tuple[int, ...]:
 
 def plugin_urls(package: str) -> dict[str, tuple[str, str]]:
     """Every release of a plugin on PyPI -> (a cp311 x86_64 wheel's URL, else its sdist's; upload date)."""
-    request = urllib.request.Request(f"https://pypi.org/simple/{package}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        f"https://pypi.org/simple/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         page = json.loads(response.read())
     urls: dict[str, tuple[str, str]] = {}
@@ -149,8 +167,10 @@ def wheel_urls() -> dict[tuple[int, ...], tuple[str, str]]:
         page = json.loads(response.read())
     urls: dict[tuple[int, ...], tuple[str, str]] = {}
     for entry in page["files"]:
-        match = re.fullmatch(r"vllm-([0-9]+(?:\.[0-9]+){2})(?:\.post[0-9]+)?(?:-[0-9]+)?-cp\w+-\w+-manylinux\w*x86_64\.whl",
-                             entry["filename"])
+        match = re.fullmatch(
+            r"vllm-([0-9]+(?:\.[0-9]+){2})(?:\.post[0-9]+)?(?:-[0-9]+)?-cp\w+-\w+-manylinux\w*x86_64\.whl",
+            entry["filename"],
+        )
         if match:
             version = tuple(int(p) for p in match[1].split("."))
             if FIRST <= version <= LAST:
@@ -227,7 +247,9 @@ def index_source(text: str, with_defs: bool) -> dict:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LOG_METHODS:
             target = node.func.value
-            name = target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            name = (
+                target.id if isinstance(target, ast.Name) else target.attr if isinstance(target, ast.Attribute) else ""
+            )
             if "log" in name.lower():
                 logs.append([node.lineno, node.end_lineno])
                 for template in message_templates(node, assigned):
@@ -251,16 +273,20 @@ def _sources(url: str, prefix: str) -> tuple[Iterator[tuple[str, str]], Callable
                 for member in sdist.getmembers():
                     top, _, rest = member.name.partition("/")
                     if member.isfile() and rest.startswith(prefix) and rest.endswith(".py"):
-                        yield rest[len(prefix):], sdist.extractfile(member).read().decode("utf-8", errors="replace")
+                        yield rest[len(prefix) :], sdist.extractfile(member).read().decode("utf-8", errors="replace")
+
         return from_sdist(), lambda: len(data)
     remote = RangeFile(url, _size(url))
 
     def from_wheel() -> Iterator[tuple[str, str]]:
         with zipfile.ZipFile(io.BufferedReader(remote, buffer_size=1 << 16)) as wheel:
-            members = sorted((i for i in wheel.infolist() if i.filename.startswith(prefix) and i.filename.endswith(".py")),
-                             key=lambda i: i.header_offset)
+            members = sorted(
+                (i for i in wheel.infolist() if i.filename.startswith(prefix) and i.filename.endswith(".py")),
+                key=lambda i: i.header_offset,
+            )
             for info in members:
-                yield info.filename[len(prefix):], wheel.read(info).decode("utf-8", errors="replace")
+                yield info.filename[len(prefix) :], wheel.read(info).decode("utf-8", errors="replace")
+
     return from_wheel(), lambda: remote.fetched
 
 
@@ -277,7 +303,7 @@ def index_release(version, url: str, prefix: str = "vllm/") -> tuple[dict[str, s
     return tree, files, fetched()
 
 
-ENDS = 6   # how much of a template's first or last literal picks the wordings it is tried against
+ENDS = 6  # how much of a template's first or last literal picks the wordings it is tried against
 
 
 def printable(template: str, text: str) -> bool:
@@ -352,15 +378,19 @@ def compact(trees: dict[str, dict[str, str]], files: dict[str, dict], uploaded: 
     wordings = dict(sorted((hash_wording(text), mask) for text, mask in masks.items() if mask != everyone))
     return {
         "about": "Per vLLM release (its PyPI wheel and upload date), the line spans of each vllm/ source file's "
-                 "logger calls and functions; written by oracles/vllm_sources/index.py. Line numbers and names "
-                 "only. files[n] = [logger calls as (start - previous start, end - start) pairs, functions as "
-                 "(names index, start - previous start, end - start) triples]. wordings: a logger message's "
-                 "wording_key -> the releases writing it, bit i for the i-th release oldest first (only those "
-                 "some releases do not write).",
+        "logger calls and functions; written by oracles/vllm_sources/index.py. Line numbers and names "
+        "only. files[n] = [logger calls as (start - previous start, end - start) pairs, functions as "
+        "(names index, start - previous start, end - start) triples]. wordings: a logger message's "
+        "wording_key -> the releases writing it, bit i for the i-th release oldest first (only those "
+        "some releases do not write).",
         "built": datetime.date.today().isoformat(),
-        "releases": {v: {"uploaded": uploaded[v],
-                         "files": {path: number[d] for path, d in sorted(trees[v].items()) if d in number}}
-                     for v in releases},
+        "releases": {
+            v: {
+                "uploaded": uploaded[v],
+                "files": {path: number[d] for path, d in sorted(trees[v].items()) if d in number},
+            }
+            for v in releases
+        },
         "def_paths": DEF_PATHS.pattern,
         "names": list(names),
         "files": stored,
@@ -372,8 +402,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--releases", help="first,last (default 0.6.4,0.34.0)")
     parser.add_argument("--jobs", type=int, default=4)
-    parser.add_argument("--package", default="vllm", choices=["vllm", *PLUGINS],
-                        help="vLLM (default) or a platform plugin (every release of it on PyPI)")
+    parser.add_argument(
+        "--package",
+        default="vllm",
+        choices=["vllm", *PLUGINS],
+        help="vLLM (default) or a platform plugin (every release of it on PyPI)",
+    )
     parser.add_argument("--out", help=f"where to write it (default {OUT.relative_to(ROOT)}, or the plugin's)")
     args = parser.parse_args(argv)
     global FIRST, LAST

@@ -58,21 +58,36 @@ ROOT = index.ROOT
 OUT = ROOT.parent / "shared" / "vllm-serve-defaults" / "vllm_serve_defaults.json"
 # The wheel members read from each vLLM release.
 VLLM_FILES = ("vllm/engine/arg_utils.py", "vllm/config.py", "vllm/envs.py")
-FUNCS = ("_set_default_args", "_set_default_args_v0", "_set_default_args_v1", "get_batch_defaults",
-         "_set_default_max_num_seqs_and_batched_tokens_args")
-V1_ONLY = (0, 8, 0)   # from here create_engine_config has no V0 chunked-prefill default and config.py no V0 scheduler
+FUNCS = (
+    "_set_default_args",
+    "_set_default_args_v0",
+    "_set_default_args_v1",
+    "get_batch_defaults",
+    "_set_default_max_num_seqs_and_batched_tokens_args",
+)
+V1_ONLY = (0, 8, 0)  # from here create_engine_config has no V0 chunked-prefill default and config.py no V0 scheduler
 # Platform plugins that replace EngineArgs._set_default_args: (PyPI project, release, its wheel's tag, the module
 # holding the function, where the plugin installs it, the vLLM release it runs on). vllm-mindspore 0.5.1 is built on
 # vLLM 0.11.0 (its v1/core/sched/scheduler.py: "Based on v0.11.0 branch"; tests/mindspore_real runs it on 0.11.0).
-PLUGINS = (("vllm-mindspore", "0.5.1", "cp311-none-any", "vllm_mindspore/engine/arg_utils.py",
-            "vllm_mindspore/__init__.py", "0.11.0"),)
-ABOUT = ("Verbatim excerpts of the code that sets `vllm serve`'s max_num_batched_tokens / max_num_seqs defaults, read "
-         "from each release's PyPI wheel (vLLM: the first x86_64 manylinux wheel PyPI lists for every final release "
-         "0.6.4-0.34.0, its .py members fetched by range requests as oracles/vllm_sources/index.py does; "
-         "vllm-mindspore 0.5.1: its py3 wheel) at the files and lines named; texts keyed by sha256[:12] of the "
-         "excerpt, dedented. kvguard.plan.serve_defaults is the table; tests/test_plan_serve_defaults.py runs these "
-         "excerpts with only the device queries stubbed, and checks them against the releases installed for "
-         "tests/vllm_real and tests/ascend_real. Read {date} for kvguard issue 33.")
+PLUGINS = (
+    (
+        "vllm-mindspore",
+        "0.5.1",
+        "cp311-none-any",
+        "vllm_mindspore/engine/arg_utils.py",
+        "vllm_mindspore/__init__.py",
+        "0.11.0",
+    ),
+)
+ABOUT = (
+    "Verbatim excerpts of the code that sets `vllm serve`'s max_num_batched_tokens / max_num_seqs defaults, read "
+    "from each release's PyPI wheel (vLLM: the first x86_64 manylinux wheel PyPI lists for every final release "
+    "0.6.4-0.34.0, its .py members fetched by range requests as oracles/vllm_sources/index.py does; "
+    "vllm-mindspore 0.5.1: its py3 wheel) at the files and lines named; texts keyed by sha256[:12] of the "
+    "excerpt, dedented. kvguard.plan.serve_defaults is the table; tests/test_plan_serve_defaults.py runs these "
+    "excerpts with only the device queries stubbed, and checks them against the releases installed for "
+    "tests/vllm_real and tests/ascend_real. Read {date} for kvguard issue 33."
+)
 
 
 def release_key(text: str) -> tuple[int, ...]:
@@ -80,6 +95,7 @@ def release_key(text: str) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ fetching
+
 
 def _members(url: str, names: set[str], into: pathlib.Path) -> int:
     """Write the wheel members ``names`` (those it has) under ``into``; the bytes fetched."""
@@ -104,8 +120,9 @@ def fetch_vllm(src: pathlib.Path, release: str, url: str, uploaded: str) -> str:
 
 def plugin_wheel(project: str, release: str, tag: str) -> tuple[str, str]:
     """(URL, file name) of a plugin release's wheel with ``tag``, from PyPI's simple index (PEP 691)."""
-    request = urllib.request.Request(f"https://pypi.org/simple/{project}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    request = urllib.request.Request(
+        f"https://pypi.org/simple/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         page = json.loads(response.read())
     want = f"{project.replace('-', '_')}-{release}-{tag}.whl"
@@ -126,10 +143,11 @@ def fetch_plugin(src: pathlib.Path, project: str, release: str, tag: str, files:
 
 # ------------------------------------------------------------------------------------------------ reading
 
+
 def seg(lines: list[str], node: ast.AST) -> tuple[int, int, str]:
     """A node's first line (its decorators' if any), last line and text, dedented."""
     start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
-    return start, node.end_lineno, textwrap.dedent("\n".join(lines[start - 1:node.end_lineno])) + "\n"
+    return start, node.end_lineno, textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno])) + "\n"
 
 
 def cls(tree: ast.AST, name: str) -> ast.ClassDef:
@@ -145,8 +163,12 @@ def is_none_test(stmt: ast.AST, attr: str, on_self: bool = True) -> bool:
         return False
     left = test.left
     if on_self:
-        return (isinstance(left, ast.Attribute) and left.attr == attr and isinstance(left.value, ast.Name)
-                and left.value.id == "self")
+        return (
+            isinstance(left, ast.Attribute)
+            and left.attr == attr
+            and isinstance(left.value, ast.Name)
+            and left.value.id == "self"
+        )
     return isinstance(left, ast.Name) and left.id == attr
 
 
@@ -194,7 +216,7 @@ def read_vllm(root: pathlib.Path, version: tuple[int, ...], texts: Texts) -> dic
                     chunk = body[i + 1]
                     assert is_none_test(chunk, "enable_chunked_prefill"), version
                     start, end = first.lineno, chunk.end_lineno
-                    text = textwrap.dedent("\n".join(lines[start - 1:end])) + "\n"
+                    text = textwrap.dedent("\n".join(lines[start - 1 : end])) + "\n"
                     pieces["chunked_prefill_default"] = piece(arg_utils, start, end, text)
     # V0's SchedulerConfig default (config.py), with the module constants it reads.
     config = root / "vllm/config.py"
@@ -205,18 +227,26 @@ def read_vllm(root: pathlib.Path, version: tuple[int, ...], texts: Texts) -> dic
         for node in cls(ctree, "SchedulerConfig").body:
             if isinstance(node, ast.FunctionDef) and node.name in ("__init__", "__post_init__"):
                 for stmt in node.body:
-                    if is_none_test(stmt, "max_num_batched_tokens") or is_none_test(stmt, "max_num_batched_tokens",
-                                                                                    on_self=False):
-                        pieces["scheduler_max_num_batched_tokens"] = piece("vllm/config.py", *seg(clines, stmt),
-                                                                           **{"in": node.name})
-        constants = [n for n in ctree.body
-                     if isinstance(n, ast.Assign) and (_target(n) or "").endswith("_MAX_NUM_BATCHED_TOKENS")]
-        pieces["constants"] = {"file": "vllm/config.py", "lines": [[n.lineno, n.end_lineno] for n in constants],
-                               "text": texts.keep("".join(seg(clines, n)[2] for n in constants))}
+                    if is_none_test(stmt, "max_num_batched_tokens") or is_none_test(
+                        stmt, "max_num_batched_tokens", on_self=False
+                    ):
+                        pieces["scheduler_max_num_batched_tokens"] = piece(
+                            "vllm/config.py", *seg(clines, stmt), **{"in": node.name}
+                        )
+        constants = [
+            n
+            for n in ctree.body
+            if isinstance(n, ast.Assign) and (_target(n) or "").endswith("_MAX_NUM_BATCHED_TOKENS")
+        ]
+        pieces["constants"] = {
+            "file": "vllm/config.py",
+            "lines": [[n.lineno, n.end_lineno] for n in constants],
+            "text": texts.keep("".join(seg(clines, n)[2] for n in constants)),
+        }
     envs = (root / "vllm/envs.py").read_text()
     match = re.search(r'"VLLM_USE_V1":\s*\n\s*lambda: bool\(int\(os.getenv\("VLLM_USE_V1", "([01])"\)\)\)', envs)
     if match:
-        line = envs[:match.start()].count("\n") + 1
+        line = envs[: match.start()].count("\n") + 1
         pieces["VLLM_USE_V1_default"] = {"file": "vllm/envs.py", "lines": [line, line + 1], "value": match[1]}
     return pieces
 
@@ -230,24 +260,43 @@ def read_plugin(root: pathlib.Path, module: str, init: str, runs_on: str, wheel:
     package = module[:-3].replace("/", ".")
     first = last = None
     for stmt in ast.parse((root / init).read_text()).body:
-        if (isinstance(stmt, ast.ImportFrom) and stmt.module == package
-                and any(a.name == "_set_default_args" for a in stmt.names)):
+        if (
+            isinstance(stmt, ast.ImportFrom)
+            and stmt.module == package
+            and any(a.name == "_set_default_args" for a in stmt.names)
+        ):
             first = stmt.lineno
-        if (first is not None and isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Attribute)
-                and stmt.targets[0].attr == "_set_default_args"
-                and ast.unparse(stmt.targets[0].value).endswith("EngineArgs")):
+        if (
+            first is not None
+            and isinstance(stmt, ast.Assign)
+            and isinstance(stmt.targets[0], ast.Attribute)
+            and stmt.targets[0].attr == "_set_default_args"
+            and ast.unparse(stmt.targets[0].value).endswith("EngineArgs")
+        ):
             last = stmt.end_lineno
             break
     assert first is not None and last is not None, f"{init} does not install _set_default_args"
-    return {"_set_default_args": {"file": module, "lines": [start, end], "text": texts.keep(text),
-                                  "installed_at": {"file": init, "lines": [first, last]},
-                                  "runs_on": f"vllm:{runs_on}", "wheel": wheel}}
+    return {
+        "_set_default_args": {
+            "file": module,
+            "lines": [start, end],
+            "text": texts.keep(text),
+            "installed_at": {"file": init, "lines": [first, last]},
+            "runs_on": f"vllm:{runs_on}",
+            "wheel": wheel,
+        }
+    }
 
 
 def build(src: pathlib.Path, offline: bool, jobs: int, date: str) -> dict:
     if offline:
-        releases = [p.name for p in src.iterdir() if re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", p.name)
-                    and (p / "DONE").exists() and index.FIRST <= release_key(p.name) <= index.LAST]
+        releases = [
+            p.name
+            for p in src.iterdir()
+            if re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", p.name)
+            and (p / "DONE").exists()
+            and index.FIRST <= release_key(p.name) <= index.LAST
+        ]
     else:
         urls = {".".join(map(str, v)): found for v, found in index.wheel_urls().items()}
         releases = list(urls)
@@ -273,8 +322,11 @@ def build(src: pathlib.Path, offline: bool, jobs: int, date: str) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(OUT), help="where to write it (default ../shared/vllm-serve-defaults/"
-                                                        "vllm_serve_defaults.json beside the checkout)")
+    parser.add_argument(
+        "--out",
+        default=str(OUT),
+        help="where to write it (default ../shared/vllm-serve-defaults/vllm_serve_defaults.json beside the checkout)",
+    )
     parser.add_argument("--src", help="keep (and reuse) the wheels' members here (default: a temporary folder)")
     parser.add_argument("--offline", action="store_true", help="read only --src's releases; ask PyPI nothing")
     parser.add_argument("--jobs", type=int, default=4)
@@ -290,8 +342,11 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=1, sort_keys=True)
-    print(f"wrote {out}: {len(data['releases'])} releases, {len(data['plugins'])} plugin(s), {len(data['texts'])} "
-          f"texts ({sum(len(t) for t in data['texts'].values())} characters)", file=sys.stderr)
+    print(
+        f"wrote {out}: {len(data['releases'])} releases, {len(data['plugins'])} plugin(s), {len(data['texts'])} "
+        f"texts ({sum(len(t) for t in data['texts'].values())} characters)",
+        file=sys.stderr,
+    )
     return 0
 
 

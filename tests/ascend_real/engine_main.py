@@ -125,8 +125,9 @@ def _patch_worker_module(module):
     module.NPUModelRunner = _npu_runner_class()
     original = module.init_distributed_environment
 
-    def init_distributed_environment(world_size=-1, rank=-1, distributed_init_method="env://",
-                                     local_rank=-1, backend="gloo", *args, **kwargs):
+    def init_distributed_environment(
+        world_size=-1, rank=-1, distributed_init_method="env://", local_rank=-1, backend="gloo", *args, **kwargs
+    ):
         return original(world_size, rank, distributed_init_method, local_rank, "gloo", *args, **kwargs)
 
     module.init_distributed_environment = init_distributed_environment

@@ -87,7 +87,7 @@ def startup(scenario, device, result, vllm_worker, patch_worker_module, npu_runn
     LLMEngine._initialize_kv_caches(engine)
     block_bytes = worker.get_cache_block_size_bytes()
     result["engine_outcome"] = f"num_gpu_blocks={cache.num_gpu_blocks} num_cpu_blocks={cache.num_cpu_blocks}"
-    result["returned_available_bytes"] = None     # V0 returns blocks, not bytes
+    result["returned_available_bytes"] = None  # V0 returns blocks, not bytes
     result["figures"] = {
         "init_npu_memory": getattr(worker, "init_npu_memory", None),
         "model_memory_usage": getattr(runner, "model_memory_usage", None),

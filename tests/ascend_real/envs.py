@@ -99,10 +99,9 @@ def _vllm_base(version: str) -> pathlib.Path:
     wheels = vllm_envs.wheels_dir()
     install = vllm_envs._pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel, *pinned)
     if subprocess.run([str(c) for c in install], capture_output=True).returncode != 0:
-        vllm_envs._run(vllm_envs._pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels,
-                                      *pinned))
+        vllm_envs._run(vllm_envs._pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels, *pinned))
         vllm_envs._run(install)
-    vllm_envs.prune(env)   # vLLM's CUDA extensions, as tests/vllm_real prunes its own envs
+    vllm_envs.prune(env)  # vLLM's CUDA extensions, as tests/vllm_real prunes its own envs
     (env / MARKER).write_text(want)
     return env
 
@@ -122,16 +121,34 @@ def _engine_package(release: str) -> pathlib.Path:
         # build isolation it must be importable here, so it is put on the path from the cache, not installed.
         tools = vllm_envs.cache_root() / "build-tools"
         if not (tools / "setuptools_scm").is_dir():
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", tools, "setuptools_scm"],
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--target", tools, "setuptools_scm"], capture_output=True
+            )
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tools), env.get("PYTHONPATH")]))
-        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-build-isolation",
-                                  "-d", wheels, f"{project}=={version}"], capture_output=True, text=True, env=env)
+        fetched = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "-d",
+                wheels,
+                f"{project}=={version}",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         found = sorted(wheels.glob(f"{stem}-*.whl")) + sorted(wheels.glob(f"{stem}.tar.gz"))
         if not found:
             why = [line for line in fetched.stderr.splitlines() if line.strip() and "Location" not in line][-3:]
-            raise SystemExit(f"no wheel or source archive for {project}=={version} in {wheels}: "
-                             + " | ".join(line.strip() for line in why))
+            raise SystemExit(
+                f"no wheel or source archive for {project}=={version} in {wheels}: "
+                + " | ".join(line.strip() for line in why)
+            )
     return found[0]
 
 
@@ -142,14 +159,14 @@ def _install_source(python: pathlib.Path, archive: pathlib.Path, env: pathlib.Pa
     import tarfile
 
     site = vllm_envs._site_packages(env)
-    project_version = archive.name[:-len(".tar.gz")]
+    project_version = archive.name[: -len(".tar.gz")]
     package, version = project_version.split("-", 1)
     entry_points = None
     with tarfile.open(archive) as tar:
         prefix = f"{project_version}/{package}/"
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.isfile()]
         for member in members:
-            target = site / member.name[len(project_version) + 1:]
+            target = site / member.name[len(project_version) + 1 :]
             target.parent.mkdir(parents=True, exist_ok=True)
             with tar.extractfile(member) as src:
                 target.write_bytes(src.read())
@@ -168,8 +185,10 @@ def _install_source(python: pathlib.Path, archive: pathlib.Path, env: pathlib.Pa
     if version == "0.23.0.post1":
         # As its env was first built and checked: the platform plugin and the KV connector only (the archive's
         # egg-info adds register_model, register_model_loader, register_service_profiling).
-        entry_points = ("[vllm.platform_plugins]\nascend = vllm_ascend:register\n\n"
-                        "[vllm.general_plugins]\nascend_kv_connector = vllm_ascend:register_connector\n")
+        entry_points = (
+            "[vllm.platform_plugins]\nascend = vllm_ascend:register\n\n"
+            "[vllm.general_plugins]\nascend_kv_connector = vllm_ascend:register_connector\n"
+        )
     (dist / "entry_points.txt").write_text(entry_points or "[vllm.platform_plugins]\nascend = vllm_ascend:register\n")
 
 
@@ -190,7 +209,8 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
     vllm_envs._run([sys.executable, "-m", "venv", "--without-pip", env])
     # vLLM, then torch (and pip), from the base envs: each installed once on this machine.
     (vllm_envs._site_packages(env) / "_kvguard_base.pth").write_text(
-        f"{vllm_envs._site_packages(vllm_env)}\n{vllm_envs._site_packages(base)}\n")
+        f"{vllm_envs._site_packages(vllm_env)}\n{vllm_envs._site_packages(base)}\n"
+    )
     python = env / "bin" / "python"
     wheels = [vllm_envs.wheels_dir(), wheels_dir()]
     links = [arg for w in wheels for arg in ("--find-links", w)]
@@ -203,8 +223,11 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
         install = vllm_envs._pip(python, "install", "--no-deps", "--no-index", *links, *packages)
         if subprocess.run([str(c) for c in install], capture_output=True).returncode != 0:
             if pinned:
-                vllm_envs._run(vllm_envs._pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d",
-                                              vllm_envs.wheels_dir(), *pinned))
+                vllm_envs._run(
+                    vllm_envs._pip(
+                        python, "download", "--no-deps", "--only-binary", ":all:", "-d", vllm_envs.wheels_dir(), *pinned
+                    )
+                )
             vllm_envs._run(install)
     (env / MARKER).write_text(want)
     return env, True

@@ -49,7 +49,7 @@ class Stub:
 
     def __call__(self, *args, **kwargs):
         if len(args) == 1 and callable(args[0]) and not kwargs:
-            return args[0]      # used as a decorator
+            return args[0]  # used as a decorator
         return Stub(f"{self._name}()")
 
     def __getattr__(self, attr):
@@ -75,7 +75,7 @@ class Stub:
     def __getitem__(self, key):
         return Stub(f"{self._name}[]")
 
-    def __or__(self, other):       # in annotations: torch_npu.X | None
+    def __or__(self, other):  # in annotations: torch_npu.X | None
         return self
 
     __ror__ = __or__
@@ -92,7 +92,7 @@ class Stub:
 
 def _stub_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
-    module.__path__ = []          # a package: its submodules are stubs too
+    module.__path__ = []  # a package: its submodules are stubs too
     module.__file__ = f"<fake {name}>"
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
 
@@ -113,7 +113,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     # torchvision, torchaudio: vllm-ascend 0.17+'s model patches import vLLM's multimodal models and
     # processors, which import them; PyPI's builds link CUDA and do not load on this CPU torch.
     PACKAGES = ("torch_npu", "torchair", "acl", "torchvision", "torchaudio")
-    VERSIONS = {"torchvision": "0.28.0", "torchaudio": "2.13.0"}   # the releases that go with torch 2.13
+    VERSIONS = {"torchvision": "0.28.0", "torchaudio": "2.13.0"}  # the releases that go with torch 2.13
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.split(".", 1)[0] in self.PACKAGES:
@@ -150,7 +150,6 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             setattr(sys.modules[parent], child, module)
 
 
-
 def memory_functions(device) -> dict[str, object]:
     """The torch.npu memory calls, counted on the fake device (names as torch_npu.npu has them)."""
     from fake_device import device_functions  # tests/vllm_real: the CUDA names, same semantics
@@ -162,6 +161,7 @@ def memory_functions(device) -> dict[str, object]:
         def call(*args, **kwargs):
             device.calls[label] += 1
             return fn(*args, **kwargs)
+
         return call
 
     table["get_soc_version"] = counted("torch.npu.get_soc_version", lambda *a, **k: SOC_VERSION)

@@ -17,9 +17,10 @@ import sys
 
 if not __package__:  # run as a script
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from ascend_real import envs  # noqa: E402
 from vllm_real import harness as vllm_harness
 from vllm_real.harness import EnvironmentMissing, HarnessError  # noqa: E402,F401  (the same errors as the vLLM harness)
+
+from ascend_real import envs  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -49,8 +50,9 @@ def available_releases() -> list[str]:
     return [r for r in envs.RELEASES if envs.env_python(r) is not None]
 
 
-run_engine = vllm_harness.engine_runner(envs, HERE / "engine_main.py", ASCEND_SCENARIO,
-                                        "python3 tests/ascend_real/envs.py setup")
+run_engine = vllm_harness.engine_runner(
+    envs, HERE / "engine_main.py", ASCEND_SCENARIO, "python3 tests/ascend_real/envs.py setup"
+)
 
 
 def main(argv):

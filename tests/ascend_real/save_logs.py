@@ -14,9 +14,10 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from vllm_real import harness as vllm_harness  # noqa: E402
+
 from ascend_real import envs  # noqa: E402
 from ascend_real.harness import run_engine  # noqa: E402
-from vllm_real import harness as vllm_harness  # noqa: E402
 
 OUT = HERE.parent / "data" / "logs" / "ascend-real"
 

@@ -46,9 +46,12 @@ class FakeDevice:
 
     def memory_stats(self, device=None):
         return {
-            "allocated_bytes.all.current": self.allocated, "allocated_bytes.all.peak": self.peak_allocated,
-            "reserved_bytes.all.current": self.reserved, "reserved_bytes.all.peak": self.peak_reserved,
-            "num_alloc_retries": 0, "num_ooms": 0,
+            "allocated_bytes.all.current": self.allocated,
+            "allocated_bytes.all.peak": self.peak_allocated,
+            "reserved_bytes.all.current": self.reserved,
+            "reserved_bytes.all.peak": self.peak_reserved,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
         }
 
     def memory_reserved(self, device=None):

@@ -71,6 +71,7 @@ def _run(scenario, result):
     sys.meta_path.insert(0, _RayAbsent())
 
     import vllm_mindspore  # noqa: F401  (first, as a deployment imports it: its patches of vLLM)
+
     vllm_worker._stub_compiled_extensions()
     import fake_mindspore
 
@@ -130,8 +131,9 @@ def _startup(scenario, device, result):
     vllm_worker._install_fake_runner(_runner_class(fake_runner.FakeModelRunner))
     original = gpu_worker.init_distributed_environment
 
-    def init_distributed_environment(world_size=-1, rank=-1, distributed_init_method="env://",
-                                     local_rank=-1, backend="gloo", *args, **kwargs):
+    def init_distributed_environment(
+        world_size=-1, rank=-1, distributed_init_method="env://", local_rank=-1, backend="gloo", *args, **kwargs
+    ):
         return original(world_size, rank, distributed_init_method, local_rank, "gloo", *args, **kwargs)
 
     gpu_worker.init_distributed_environment = init_distributed_environment
@@ -149,8 +151,9 @@ def _startup(scenario, device, result):
     result["engine_outcome"] = repr(outcome)
     # The step boundary kvguard's plugin wraps: vLLM's own Worker.execute_model (vllm_mindspore/__init__.py
     # replaces GPUModelRunner.execute_model and Worker.init_device at import, :327-328 and :434, not this one).
-    result["execute_model_wrapped"] = bool(getattr(gpu_worker.Worker.__dict__.get("execute_model"),
-                                                   "_kvguard_wrapped", False))
+    result["execute_model_wrapped"] = bool(
+        getattr(gpu_worker.Worker.__dict__.get("execute_model"), "_kvguard_wrapped", False)
+    )
     result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
     result["figures"] = {
         "requested_memory": getattr(worker, "requested_memory", None),

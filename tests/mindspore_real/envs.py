@@ -31,11 +31,11 @@ import zipfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from vllm_real import envs as vllm_envs
+from vllm_real import envs as vllm_envs  # noqa: E402 (after the sys.path entry above)
 
 REQUIREMENTS = HERE / "requirements"
 MARKER = vllm_envs.MARKER
-MINDSPORE = "2.7.1"      # the MindSpore vllm-mindspore 0.5.1 runs on (its release notes: MindSpore 2.7.1)
+MINDSPORE = "2.7.1"  # the MindSpore vllm-mindspore 0.5.1 runs on (its release notes: MindSpore 2.7.1)
 
 # The vllm-mindspore era row's release -> the vLLM release it runs on (vllm_mindspore/v1/core/sched/
 # scheduler.py:52 @ 0.5.1 "Based on v0.11.0"), whose env tests/vllm_real builds.
@@ -46,9 +46,14 @@ RELEASES: dict[str, str] = {
 # What of MindSpore's wheel is left out: the GPU and Ascend backends and static archives (lib/plugin/gpu*,
 # lib/plugin/ascend/, libmindspore_gpu*, libmindspore_ops_ascend.so, *.a), and the CPU backend's graph-kernel
 # compiler (lib/plugin/cpu/libakg.so, loaded only with graph kernel fusion on). The CPU backend stays.
-_MINDSPORE_SKIP = ("mindspore/lib/plugin/gpu", "mindspore/lib/plugin/ascend/", "mindspore/lib/plugin/libmindspore_gpu",
-                   "mindspore/lib/plugin/libmindspore_ops_ascend", "mindspore/lib/plugin/libmindspore_ascend",
-                   "mindspore/lib/plugin/cpu/libakg")
+_MINDSPORE_SKIP = (
+    "mindspore/lib/plugin/gpu",
+    "mindspore/lib/plugin/ascend/",
+    "mindspore/lib/plugin/libmindspore_gpu",
+    "mindspore/lib/plugin/libmindspore_ops_ascend",
+    "mindspore/lib/plugin/libmindspore_ascend",
+    "mindspore/lib/plugin/cpu/libakg",
+)
 
 
 def envs_dir() -> pathlib.Path:
@@ -123,15 +128,17 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
     mindspore = vllm_envs._wheel("mindspore", MINDSPORE)
     pinned = _pinned(release)
     env = env_dir(release)
-    want = vllm_envs._digest(package.name, mindspore.name, *pinned, (vllm_env / MARKER).read_text(),
-                             repr(_MINDSPORE_SKIP))
+    want = vllm_envs._digest(
+        package.name, mindspore.name, *pinned, (vllm_env / MARKER).read_text(), repr(_MINDSPORE_SKIP)
+    )
     if (env / MARKER).is_file() and (env / MARKER).read_text() == want:
         return env, False
     shutil.rmtree(env, ignore_errors=True)
     vllm_envs._run([sys.executable, "-m", "venv", "--without-pip", env])
     # vLLM 0.11.0, then torch (and pip), from tests/vllm_real's envs: this env's own packages come first.
     (vllm_envs._site_packages(env) / "_kvguard_base.pth").write_text(
-        f"{vllm_envs._site_packages(vllm_env)}\n{vllm_envs._site_packages(base)}\n")
+        f"{vllm_envs._site_packages(vllm_env)}\n{vllm_envs._site_packages(base)}\n"
+    )
     python = env / "bin" / "python"
     wheels = vllm_envs.wheels_dir()
     install = vllm_envs._pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, package, *pinned)

@@ -55,6 +55,7 @@ def bindings(device) -> dict:
         def call(*args, **kwargs):
             device.calls[label] += 1
             return fn(*args, **kwargs)
+
         call.__name__ = label
         return call
 
@@ -78,7 +79,8 @@ def bindings(device) -> dict:
 
 
 def msadapter_cuda(device) -> dict:
-    """``torch.cuda``'s names as msadapter answers them: MindSpore's runtime for the pool, the fake device for the rest."""
+    """``torch.cuda``'s names as msadapter answers them: MindSpore's runtime for the pool, the fake device for
+    the rest."""
     from fake_device import (
         device_functions,  # tests/vllm_real: the device queries, same semantics
     )
@@ -86,16 +88,25 @@ def msadapter_cuda(device) -> dict:
 
     fakes = device_functions(device, name=DEVICE_NAME, capability=(9, 0))
     table = {attr: fn for attr, fn in fakes.items() if attr.startswith("torch.cuda.")}
-    for name in ("memory_stats", "memory_reserved", "memory_allocated", "max_memory_reserved",
-                 "max_memory_allocated", "reset_peak_memory_stats", "empty_cache"):
+    for name in (
+        "memory_stats",
+        "memory_reserved",
+        "memory_allocated",
+        "max_memory_reserved",
+        "max_memory_allocated",
+        "reset_peak_memory_stats",
+        "empty_cache",
+    ):
         table[f"torch.cuda.{name}"] = _no_arguments(getattr(runtime, name))
     return table
 
 
 def _no_arguments(function):
     """``mindspore.runtime``'s call for the current device, whatever device argument torch's name was given."""
+
     def call(*_args, **_kwargs):
         return function()
+
     return call
 
 

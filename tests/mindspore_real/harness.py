@@ -27,8 +27,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 RELEASE = "vllm-mindspore:0.5.1"
 
 
-run_engine = vllm_harness.engine_runner(envs, HERE / "engine_main.py", ASCEND_SCENARIO,
-                                        "python3 tests/mindspore_real/envs.py setup")
+run_engine = vllm_harness.engine_runner(
+    envs, HERE / "engine_main.py", ASCEND_SCENARIO, "python3 tests/mindspore_real/envs.py setup"
+)
 
 
 def main(argv):

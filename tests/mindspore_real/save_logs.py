@@ -14,9 +14,10 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from mindspore_real import envs
-from mindspore_real.harness import run_engine
-from vllm_real import harness as vllm_harness
+from vllm_real import harness as vllm_harness  # noqa: E402 (after the sys.path entry above)
+
+from mindspore_real import envs  # noqa: E402 (after the sys.path entry above)
+from mindspore_real.harness import run_engine  # noqa: E402 (after the sys.path entry above)
 
 OUT = HERE.parent / "data" / "logs" / "mindspore-real"
 

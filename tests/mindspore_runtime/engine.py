@@ -37,11 +37,13 @@ def main() -> None:
     bad_steps = {int(x) for x in args.bad.split(",") if x}
 
     import mindspore as ms
+
     from kvguard import probe
+
     ms.set_device("CPU")
     x0 = ms.Tensor(np.ones((128, 128), np.float32))
     params = ms.Tensor(np.ones((4, 8), np.float32))
-    out_of_range = ms.Tensor(np.array([0, 1, 99], np.int32))     # 99: past the 4 rows, fails in the kernel
+    out_of_range = ms.Tensor(np.array([0, 1, 99], np.int32))  # 99: past the 4 rows, fails in the kernel
     x0.asnumpy()
 
     stop = threading.Event()
@@ -49,14 +51,16 @@ def main() -> None:
     if args.mode == "probe":
         running = probe.start(args.spool, interval=1.0 / args.hz, source="mindspore")
         assert running is not None
-        running.run_once()       # the plugin's first reading at init_device, on this thread
+        running.run_once()  # the plugin's first reading at init_device, on this thread
     elif args.mode == "thread":
+
         def sampler() -> None:
             while not stop.wait(1.0 / args.hz):
                 try:
                     ms.runtime.memory_stats()
                 except Exception as exc:  # noqa: BLE001 - the stolen error, recorded
                     stolen.append(type(exc).__name__)
+
         threading.Thread(target=sampler, daemon=True).start()
 
     seen = []
@@ -79,8 +83,15 @@ def main() -> None:
             finally:
                 probe.step_end()
         except Exception as exc:  # noqa: BLE001 - what the engine's thread saw
-            seen.append({"step": step, "output_of_bad": pending_bad, "got": "error",
-                         "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"})
+            seen.append(
+                {
+                    "step": step,
+                    "output_of_bad": pending_bad,
+                    "got": "error",
+                    "error": f"{type(exc).__name__}: "
+                    + (str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""),
+                }
+            )
             pending, pending_bad = None, False
         time.sleep(args.gap)
     if pending is not None:
@@ -92,11 +103,19 @@ def main() -> None:
     stop.set()
     status = probe.current().status if probe.current() is not None else None
     probe.stop()
-    print(json.dumps({"mindspore": ms.__version__, "seen": seen, "stolen_by_thread": stolen,
-                      "samples": status.samples_total if status else 0,
-                      "sampling": status.sampling if status else None,
-                      "errors": status.errors_total if status else 0,
-                      "engine_seconds": status.engine_thread_seconds_total if status else 0.0}))
+    print(
+        json.dumps(
+            {
+                "mindspore": ms.__version__,
+                "seen": seen,
+                "stolen_by_thread": stolen,
+                "samples": status.samples_total if status else 0,
+                "sampling": status.sampling if status else None,
+                "errors": status.errors_total if status else 0,
+                "engine_seconds": status.engine_thread_seconds_total if status else 0.0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ MARKER = vllm_envs.MARKER
 
 
 def _oracle_releases() -> tuple[str, ...]:
-    spec = importlib.util.spec_from_file_location("_ms_oracle_build", HERE.parent.parent / "oracles" / "mindspore"
-                                                  / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "_ms_oracle_build", HERE.parent.parent / "oracles" / "mindspore" / "build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return tuple(module.RELEASES)
@@ -76,8 +77,9 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
     base_site = vllm_envs._site_packages(_base())
     wheel = vllm_envs._wheel("mindspore", release)
     env = env_dir(release)
-    want = vllm_envs._digest(wheel.name, str(base_site), (envs_dir() / "base" / MARKER).read_text(),
-                             repr(mindspore_envs._MINDSPORE_SKIP))
+    want = vllm_envs._digest(
+        wheel.name, str(base_site), (envs_dir() / "base" / MARKER).read_text(), repr(mindspore_envs._MINDSPORE_SKIP)
+    )
     if (env / MARKER).is_file() and (env / MARKER).read_text() == want:
         return env / "bin" / "python", False
     wheel = vllm_envs._wheel("mindspore", release, fetch=True)
@@ -86,10 +88,16 @@ def setup(release: str) -> tuple[pathlib.Path, bool]:
     (vllm_envs._site_packages(env) / "_kvguard_base.pth").write_text(f"{base_site}\n")
     mindspore_envs._unpack_mindspore(wheel, env)
     python = env / "bin" / "python"
-    check = subprocess.run([str(python), "-c", "import mindspore; print(mindspore.__version__)"],
-                           capture_output=True, text=True, check=False)
+    check = subprocess.run(
+        [str(python), "-c", "import mindspore; print(mindspore.__version__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if check.returncode != 0 or check.stdout.strip() != release:
-        raise SystemExit(f"MindSpore {release} in {env} does not import: {(check.stderr or check.stdout).strip()[-300:]}")
+        raise SystemExit(
+            f"MindSpore {release} in {env} does not import: {(check.stderr or check.stdout).strip()[-300:]}"
+        )
     (env / MARKER).write_text(want)
     return python, True
 

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import time
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "oracles"))
 from cache import cache_root, find_wheel  # noqa: E402  (oracles/cache.py: the cache root the setup scripts share)
 
@@ -49,7 +50,7 @@ def envs_dir() -> pathlib.Path:
 
 def releases() -> list[str]:
     """Every release with a pinned list, e.g. ['0.11.0', '0.34.0'] (sorted by version)."""
-    names = [p.name[len("vllm-"):-len(".txt")] for p in REQUIREMENTS.glob("vllm-*.txt")]
+    names = [p.name[len("vllm-") : -len(".txt")] for p in REQUIREMENTS.glob("vllm-*.txt")]
     return sorted(names, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
 
 
@@ -99,8 +100,7 @@ def _base() -> pathlib.Path:
     index = os.environ.get("KVGUARD_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
     _run(_pip(python, "install", "--only-binary", ":all:", "--retries", "1", "--extra-index-url", index, TORCH))
     # Only the CPU build will do: a CUDA torch would pull nvidia-* and not import here.
-    probe = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"],
-                           capture_output=True, text=True)
+    probe = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True)
     if probe.stdout.strip() != "None":
         raise SystemExit(f"{TORCH} in {base} is not the CPU build (cuda={probe.stdout.strip()!r})")
     (base / MARKER).write_text(want)
@@ -116,8 +116,21 @@ def _wheel(name: str, version: str, fetch: bool = False) -> pathlib.Path:
     found = find_wheel(wheels, pattern)
     if found is None or (fetch and not found.exists()):
         wheels.mkdir(parents=True, exist_ok=True)
-        _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-              "-d", wheels, f"{name}=={version}"])
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                wheels,
+                f"{name}=={version}",
+            ]
+        )
         found = find_wheel(wheels, pattern)
     if found is None or (fetch and not found.exists()):
         raise SystemExit(f"no wheel for {name}=={version} in {wheels}")
@@ -159,8 +172,7 @@ def setup(version: str) -> tuple[pathlib.Path, bool]:
     wheel = _wheel("vllm", version, fetch=True)
     # Dependency wheels are kept in the wheel cache, so a rebuild needs no index.
     wheels = wheels_dir()
-    install = _pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel,
-                   *pinned)
+    install = _pip(python, "install", "--no-deps", "--no-index", "--find-links", wheels, wheel, *pinned)
     if subprocess.run([str(c) for c in install], capture_output=True).returncode != 0:
         _run(_pip(python, "download", "--no-deps", "--only-binary", ":all:", "-d", wheels, *pinned))
         _run(install)

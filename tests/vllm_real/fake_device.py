@@ -97,10 +97,16 @@ class FakeDevice:
 
     def snapshot(self) -> dict[str, int]:
         return {
-            "total": self.total, "free": self.free, "other": self.other,
-            "non_torch": self.non_torch, "mapped": self.mapped, "allocated": self.allocated,
-            "reserved": self.reserved, "stuck": self.stuck,
-            "peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+            "total": self.total,
+            "free": self.free,
+            "other": self.other,
+            "non_torch": self.non_torch,
+            "mapped": self.mapped,
+            "allocated": self.allocated,
+            "reserved": self.reserved,
+            "stuck": self.stuck,
+            "peak_allocated": self.peak_allocated,
+            "peak_reserved": self.peak_reserved,
         }
 
 
@@ -134,23 +140,35 @@ class TensorsOnMeta(TorchFunctionMode):
 
 def _properties(device: FakeDevice, name: str, major: int, minor: int):
     return types.SimpleNamespace(
-        name=name, total_memory=device.total, major=major, minor=minor,
-        multi_processor_count=132, is_integrated=False, L2_cache_size=50 << 20,
-        uuid="GPU-00000000-0000-0000-0000-000000000000", warp_size=32,
-        max_threads_per_multi_processor=2048, shared_memory_per_block_optin=232448,
-        gcnArchName="", regs_per_multiprocessor=65536, pci_bus_id=0, pci_device_id=0,
+        name=name,
+        total_memory=device.total,
+        major=major,
+        minor=minor,
+        multi_processor_count=132,
+        is_integrated=False,
+        L2_cache_size=50 << 20,
+        uuid="GPU-00000000-0000-0000-0000-000000000000",
+        warp_size=32,
+        max_threads_per_multi_processor=2048,
+        shared_memory_per_block_optin=232448,
+        gcnArchName="",
+        regs_per_multiprocessor=65536,
+        pci_bus_id=0,
+        pci_device_id=0,
         pci_domain_id=0,
     )
 
 
-def device_functions(device: FakeDevice, *, name: str = "NVIDIA H100 80GB HBM3",
-                     capability: tuple[int, int] = (9, 0)) -> dict[str, object]:
+def device_functions(
+    device: FakeDevice, *, name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)
+) -> dict[str, object]:
     """The torch.cuda / torch.accelerator functions the worker calls, as 'module.attr' -> fake."""
 
     def counted(label, fn):
         def call(*args, **kwargs):
             device.calls[label] += 1
             return fn(*args, **kwargs)
+
         call.__name__ = label.rsplit(".", 1)[-1]
         return call
 
@@ -198,15 +216,18 @@ def device_functions(device: FakeDevice, *, name: str = "NVIDIA H100 80GB HBM3",
     for attr, fn in accel.items():
         table[f"torch.accelerator.{attr}"] = counted(f"torch.accelerator.{attr}", fn)
     table["torch.cuda.memory.get_allocator_backend"] = counted(
-        "torch.cuda.memory.get_allocator_backend", lambda *_a, **_k: "native")
+        "torch.cuda.memory.get_allocator_backend", lambda *_a, **_k: "native"
+    )
 
     def set_settings(settings):
         device.allocator_settings = settings
 
     table["torch._C._accelerator_getAllocatorSettings"] = counted(
-        "torch._C._accelerator_getAllocatorSettings", lambda: device.allocator_settings)
+        "torch._C._accelerator_getAllocatorSettings", lambda: device.allocator_settings
+    )
     table["torch._C._accelerator_setAllocatorSettings"] = counted(
-        "torch._C._accelerator_setAllocatorSettings", set_settings)
+        "torch._C._accelerator_setAllocatorSettings", set_settings
+    )
     return table
 
 

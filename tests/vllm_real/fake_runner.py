@@ -22,8 +22,11 @@ DEVICE = None  # the FakeDevice, set by worker_main before the worker is built
 
 def _spec_kwargs(cls, **wanted):
     """Keep the arguments this release's spec dataclass takes (fields differ per release)."""
-    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set(
-        inspect.signature(cls).parameters)
+    names = (
+        {f.name for f in dataclasses.fields(cls)}
+        if dataclasses.is_dataclass(cls)
+        else set(inspect.signature(cls).parameters)
+    )
     return {k: v for k, v in wanted.items() if k in names}
 
 
@@ -133,14 +136,16 @@ class FakeModelRunner:
         kv_heads = getattr(hf, "num_key_value_heads", heads)
         head_size = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         kv_dtype = self.model_config.dtype  # cache_dtype "auto": the model's dtype
-        spec = FullAttentionSpec(**_spec_kwargs(
-            FullAttentionSpec,
-            block_size=self.cache_config.block_size,
-            num_kv_heads=max(kv_heads // tp, 1),
-            head_size=head_size,
-            dtype=kv_dtype,
-            use_mla=False,   # a field without a default through 0.9.0 (kv_cache_interface.py)
-        ))
+        spec = FullAttentionSpec(
+            **_spec_kwargs(
+                FullAttentionSpec,
+                block_size=self.cache_config.block_size,
+                num_kv_heads=max(kv_heads // tp, 1),
+                head_size=head_size,
+                dtype=kv_dtype,
+                use_mla=False,  # a field without a default through 0.9.0 (kv_cache_interface.py)
+            )
+        )
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(hf.num_hidden_layers)}
 
     def initialize_kv_cache(self, kv_cache_config, *args, extensible=False, **kwargs):
@@ -156,8 +161,11 @@ class FakeModelRunner:
         else:
             for tensor in kv_cache_tensors(kv_cache_config):
                 DEVICE.alloc(tensor.size)
-        self._event("initialize_kv_cache", num_blocks=kv_cache_config.num_blocks,
-                    tensor_bytes=sum(t.size for t in kv_cache_tensors(kv_cache_config)))
+        self._event(
+            "initialize_kv_cache",
+            num_blocks=kv_cache_config.num_blocks,
+            tensor_bytes=sum(t.size for t in kv_cache_tensors(kv_cache_config)),
+        )
 
 
 class FakeExtensibleTensor:

@@ -18,6 +18,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+
 import tomllib
 
 if __package__:
@@ -35,14 +36,14 @@ DEFAULT_SCENARIO = {
     "model_dir": str(EXAMPLE_MODEL),
     "total_memory_bytes": 80 * GiB,
     "other_process_bytes": 0,
-    "init_non_torch_bytes": 512 << 20,      # CUDA context + NCCL before the init snapshot
-    "weights_bytes": 15_231_233_024,         # Qwen2.5-7B in bf16
-    "profile_transient_bytes": 2 * GiB,      # activation peak of profile_run, freed after
-    "profile_residual_bytes": 0,             # allocated in profile_run and kept
-    "profile_non_torch_bytes": 0,            # non-torch growth during profile_run
-    "profile_fragment_bytes": 0,             # reserved that empty_cache cannot release after it
-    "cudagraph_bytes": 512 << 20,            # CUDA graph pool (capture; also the estimate)
-    "warmup_transient_bytes": 2 * GiB,       # 0.34 sizing warm-up step
+    "init_non_torch_bytes": 512 << 20,  # CUDA context + NCCL before the init snapshot
+    "weights_bytes": 15_231_233_024,  # Qwen2.5-7B in bf16
+    "profile_transient_bytes": 2 * GiB,  # activation peak of profile_run, freed after
+    "profile_residual_bytes": 0,  # allocated in profile_run and kept
+    "profile_non_torch_bytes": 0,  # non-torch growth during profile_run
+    "profile_fragment_bytes": 0,  # reserved that empty_cache cannot release after it
+    "cudagraph_bytes": 512 << 20,  # CUDA graph pool (capture; also the estimate)
+    "warmup_transient_bytes": 2 * GiB,  # 0.34 sizing warm-up step
     "max_model_len": 4096,
     "enforce_eager": False,
 }
@@ -81,8 +82,7 @@ def _plugin_dist(site: pathlib.Path) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     dist = site / f"kvguard-{project['version']}.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: kvguard\nVersion: {project['version']}\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: kvguard\nVersion: {project['version']}\n")
     lines = []
     for group, entries in project.get("entry-points", {}).items():
         lines.append(f"[{group}]")
@@ -91,8 +91,15 @@ def _plugin_dist(site: pathlib.Path) -> None:
     (dist / "top_level.txt").write_text("kvguard\n")
 
 
-def run_worker(version: str, scenario: dict | None = None, env: dict | None = None, *,
-               plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
+def run_worker(
+    version: str,
+    scenario: dict | None = None,
+    env: dict | None = None,
+    *,
+    plugins: bool = True,
+    check: bool = True,
+    timeout: float = 300,
+) -> dict:
     """Start release `version`'s real worker on a fake device per `scenario` (keys of
     DEFAULT_SCENARIO; gpu_memory_utilization, kv_cache_memory_bytes, block_size,
     enable_extensible_kv_cache, max_num_seqs, served_model_name also taken) and return what it did:
@@ -110,15 +117,33 @@ def run_worker(version: str, scenario: dict | None = None, env: dict | None = No
     VLLM_* ...). With check=True a failed startup raises HarnessError."""
     python = envs.env_python(version)
     if python is None:
-        raise EnvironmentMissing(
-            f"vLLM {version}: its environment is not set up (./dev.sh test builds it)")
+        raise EnvironmentMissing(f"vLLM {version}: its environment is not set up (./dev.sh test builds it)")
     merged = {**DEFAULT_SCENARIO, **(scenario or {})}
-    return run_release_process(python, HERE / "worker_main.py", merged, label=f"vLLM {version}",
-                               cache_key=version, env=env, plugins=plugins, check=check, timeout=timeout)
+    return run_release_process(
+        python,
+        HERE / "worker_main.py",
+        merged,
+        label=f"vLLM {version}",
+        cache_key=version,
+        env=env,
+        plugins=plugins,
+        check=check,
+        timeout=timeout,
+    )
 
 
-def run_release_process(python, main_script: pathlib.Path, scenario: dict, *, label: str, cache_key: str,
-                        env: dict | None, plugins: bool, check: bool, timeout: float) -> dict:
+def run_release_process(
+    python,
+    main_script: pathlib.Path,
+    scenario: dict,
+    *,
+    label: str,
+    cache_key: str,
+    env: dict | None,
+    plugins: bool,
+    check: bool,
+    timeout: float,
+) -> dict:
     """Run ``main_script`` (worker_main.py, or tests/ascend_real/engine_main.py) under a release
     environment's ``python`` on ``scenario``, with kvguard (and its plugin entry point, unless
     ``plugins`` is off) importable, and return its result with the lines it logged."""
@@ -137,20 +162,28 @@ def run_release_process(python, main_script: pathlib.Path, scenario: dict, *, la
         try:
             proc = subprocess.run(
                 [str(python), "-W", "ignore", str(main_script), str(tmp / "in.json"), str(tmp / "out.json")],
-                capture_output=True, text=True, env=child_env, timeout=timeout, cwd=tmp)
+                capture_output=True,
+                text=True,
+                env=child_env,
+                timeout=timeout,
+                cwd=tmp,
+            )
         except subprocess.TimeoutExpired as exc:
             raise HarnessError(f"{label}: startup did not finish in {timeout:.0f}s") from exc
         out = tmp / "out.json"
         if not out.is_file():
-            raise HarnessError(f"{label}: the worker process died (rc={proc.returncode}): "
-                               + "\n".join(proc.stderr.strip().splitlines()[-12:]))
+            raise HarnessError(
+                f"{label}: the worker process died (rc={proc.returncode}): "
+                + "\n".join(proc.stderr.strip().splitlines()[-12:])
+            )
         result = json.loads(out.read_text())
     result["log_lines"] = proc.stdout.splitlines()
     result["stderr_tail"] = proc.stderr.splitlines()[-40:]
     result["scenario"] = scenario
     if check and not result.get("ok"):
-        raise HarnessError(f"{label}: {result.get('error')}\n"
-                           + "\n".join(str(result.get("traceback", "")).splitlines()[-12:]))
+        raise HarnessError(
+            f"{label}: {result.get('error')}\n" + "\n".join(str(result.get("traceback", "")).splitlines()[-12:])
+        )
     return result
 
 
@@ -158,14 +191,31 @@ def engine_runner(engine_envs, main_script: pathlib.Path, base_scenario: dict, s
     """``run_engine(release, scenario=None, env=None, *, plugins, check, timeout)`` for a platform engine's
     environments (``engine_envs``: tests/ascend_real/envs.py, tests/mindspore_real/envs.py): its
     ``main_script`` run by :func:`run_release_process` on ``base_scenario`` updated by ``scenario``."""
-    def run_engine(release: str, scenario: dict | None = None, env: dict | None = None, *,
-                   plugins: bool = True, check: bool = True, timeout: float = 300) -> dict:
+
+    def run_engine(
+        release: str,
+        scenario: dict | None = None,
+        env: dict | None = None,
+        *,
+        plugins: bool = True,
+        check: bool = True,
+        timeout: float = 300,
+    ) -> dict:
         python = engine_envs.env_python(release)
         if python is None:
             raise EnvironmentMissing(f"{release}: its environment is not set up ({setup_command} {release})")
-        return run_release_process(python, main_script, {**base_scenario, **(scenario or {})}, label=release,
-                                   cache_key=engine_envs._name(release), env=env, plugins=plugins, check=check,
-                                   timeout=timeout)
+        return run_release_process(
+            python,
+            main_script,
+            {**base_scenario, **(scenario or {})},
+            label=release,
+            cache_key=engine_envs._name(release),
+            env=env,
+            plugins=plugins,
+            check=check,
+            timeout=timeout,
+        )
+
     return run_engine
 
 
@@ -178,10 +228,13 @@ def save_logs(run_engine, releases, out: pathlib.Path, scenario: dict | None = N
             result = run_engine(release, scenario, env={"VLLM_LOGGING_LEVEL": level}, plugins=False)
             path = out / f"{name}{suffix}.log"
             path.write_text("\n".join(result["log_lines"]) + "\n")
-            decided = result["returned_available_bytes"]    # None on V0: its worker decides blocks
-            print(f"{path.name}: returned {'no byte budget (V0)' if decided is None else f'{decided} bytes'}, "
-                  f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
-                  f"utilization {result['config']['gpu_memory_utilization']}", flush=True)
+            decided = result["returned_available_bytes"]  # None on V0: its worker decides blocks
+            print(
+                f"{path.name}: returned {'no byte budget (V0)' if decided is None else f'{decided} bytes'}, "
+                f"{result['kv_cache_config']['num_blocks']} blocks of {result['config']['block_size']} tokens, "
+                f"utilization {result['config']['gpu_memory_utilization']}",
+                flush=True,
+            )
 
 
 def vllm_lines(result: dict, contains: str) -> list[str]:

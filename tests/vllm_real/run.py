@@ -40,8 +40,7 @@ def main(argv):
         else:
             key, _, value = arg.partition("=")
             scenario[key] = _value(value)
-    result = harness.run_worker(version, scenario, env, plugins="--no-plugins" not in flags,
-                                check=False)
+    result = harness.run_worker(version, scenario, env, plugins="--no-plugins" not in flags, check=False)
     if "--json" in flags:
         print(json.dumps(result, indent=1, default=str))
     else:
@@ -49,8 +48,9 @@ def main(argv):
             print(f"error: {result.get('error')}")
             print(result.get("traceback", ""))
         print(f"vllm {result.get('vllm_version')}: returned {result.get('returned_available_bytes')} bytes")
-        print(json.dumps({k: result.get(k) for k in ("config", "figures", "extensible_kv_cache")},
-                         indent=1, default=str))
+        print(
+            json.dumps({k: result.get(k) for k in ("config", "figures", "extensible_kv_cache")}, indent=1, default=str)
+        )
         kv = result.get("kv_cache_config") or {}
         print(f"kv cache: {kv.get('num_blocks')} blocks, groups {kv.get('groups')}")
         if "--lines" in flags:

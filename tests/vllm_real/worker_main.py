@@ -52,10 +52,15 @@ def _stub_compiled_extensions():
     """vLLM's compiled CUDA extensions (vllm._C*, the bundled flash-attention) cannot load on a
     CPU-only torch. The startup path under test runs none of their kernels, so only their import
     is replaced; flash-attention reports itself unsupported, as on a machine without it."""
-    for name in ("vllm._C", "vllm._C_stable_libtorch", "vllm._moe_C",
-                 "vllm._flashmla_C", "vllm._flashmla_extension_C",
-                 # flash-attention's Triton rotary kernel (0.11), which imports triton itself
-                 "vllm.vllm_flash_attn.ops.triton.rotary"):
+    for name in (
+        "vllm._C",
+        "vllm._C_stable_libtorch",
+        "vllm._moe_C",
+        "vllm._flashmla_C",
+        "vllm._flashmla_extension_C",
+        # flash-attention's Triton rotary kernel (0.11), which imports triton itself
+        "vllm.vllm_flash_attn.ops.triton.rotary",
+    ):
         _stub_module(name)
     # The sleep-mode allocator is absent, as in a build without it (ROCm's): device_allocator/cumem.py then
     # takes its ModuleNotFoundError branch (0.9.0:47-60, 0.34.0 the same) instead of loading libcudart,
@@ -65,7 +70,8 @@ def _stub_compiled_extensions():
         import vllm.vllm_flash_attn  # noqa: F401
     except ImportError:
         unsupported = dict(
-            FA2_AVAILABLE=False, FA3_AVAILABLE=False,
+            FA2_AVAILABLE=False,
+            FA3_AVAILABLE=False,
             is_fa_version_supported=lambda *a, **k: False,
             fa_version_unsupported_reason=lambda *a, **k: "no CUDA on the fake device",
         )
@@ -130,16 +136,14 @@ def run_request(argv, run) -> int:
 
 def _run(request, scenario, result):
     _stub_compiled_extensions()
-    import torch
-
-    import vllm
-    import vllm.platforms
-
     import fake_device
+    import torch
+    import vllm
 
     # vLLM's logging as its entry points set it up (older releases do it at import): the
     # handler on stdout, at VLLM_LOGGING_LEVEL, before the plugins load.
     import vllm.logger
+    import vllm.platforms
 
     if not logging.getLogger("vllm").handlers and hasattr(vllm.logger, "_configure_vllm_root_logger"):
         vllm.logger._configure_vllm_root_logger()
@@ -186,9 +190,15 @@ def kv_cache_config_dict(kv) -> dict:
     return {
         "num_blocks": kv.num_blocks,
         "num_tensors": len(fake_runner.kv_cache_tensors(kv)),
-        "groups": [{"num_layers": len(g.layer_names), "spec": type(g.kv_cache_spec).__name__,
-                    "page_size_bytes": g.kv_cache_spec.page_size_bytes,
-                    "block_size": g.kv_cache_spec.block_size} for g in kv.kv_cache_groups],
+        "groups": [
+            {
+                "num_layers": len(g.layer_names),
+                "spec": type(g.kv_cache_spec).__name__,
+                "page_size_bytes": g.kv_cache_spec.page_size_bytes,
+                "block_size": g.kv_cache_spec.block_size,
+            }
+            for g in kv.kv_cache_groups
+        ],
     }
 
 
@@ -235,9 +245,8 @@ def _engine_args(scenario):
 
 
 def _startup(request, scenario, device, result):
-    import vllm.plugins
-
     import fake_runner
+    import vllm.plugins
 
     # Plugins first, as vLLM loads them in every process (vllm/plugins/__init__.py).
     vllm.plugins.load_general_plugins()
@@ -298,14 +307,15 @@ def _startup(request, scenario, device, result):
     result["figures"] = figures
     result["returned_available_bytes"] = getattr(core, "available_gpu_memory_for_kv_cache", None)
     if result["returned_available_bytes"] is None and determined and isinstance(determined[-1], list):
-        [result["returned_available_bytes"]] = determined[-1]      # one rank
+        [result["returned_available_bytes"]] = determined[-1]  # one rank
     kv = runner.kv_cache_config
     if kv is not None:
         result["kv_cache_config"] = {
             **kv_cache_config_dict(kv),
-            "tensors": [{"size": t.size, "shared_by": list(getattr(t, "shared_by", None)
-                                                            or getattr(t, "layers", []))}
-                        for t in fake_runner.kv_cache_tensors(kv)][:4],
+            "tensors": [
+                {"size": t.size, "shared_by": list(getattr(t, "shared_by", None) or getattr(t, "layers", []))}
+                for t in fake_runner.kv_cache_tensors(kv)
+            ][:4],
         }
         result["kv_allocations"] = _real_kv_allocations(vllm_config, kv)
     ext = getattr(runner, "extensible_kv_cache", None)
@@ -324,7 +334,7 @@ def _startup(request, scenario, device, result):
         result["profile"] = _profile_fields(PROFILES[-1])
 
 
-REAL_RUNNERS: dict = {}   # the release's own GPUModelRunner classes, kept before the fake replaces them
+REAL_RUNNERS: dict = {}  # the release's own GPUModelRunner classes, kept before the fake replaces them
 
 
 def _real_kv_allocations(vllm_config, kv):
@@ -336,7 +346,6 @@ def _real_kv_allocations(vllm_config, kv):
     page_size_bytes, gpu_model_runner.py 0.9.0:2002-2023); it needs the attention backends, so it is not run here,
     and the sizes are those of the KVCacheConfig's tensors, which its kv_cache_utils built."""
     import torch
-
     from vllm.v1.worker import utils as worker_utils
 
     real_runner = REAL_RUNNERS.get("vllm.v1.worker.gpu_model_runner")

@@ -91,7 +91,7 @@ class Allocator(Protocol):
 # hashable; None when it cannot say) and ``steady_cells()`` (its additive counters and its
 # high-water marks, as (container, index-or-attribute) pairs, the same order every call).
 
-_NO_PEAK = -(1 << 62)     # below any byte count, and within a C engine's int64 cell: a mark left at it was not raised
+_NO_PEAK = -(1 << 62)  # below any byte count, and within a C engine's int64 cell: a mark left at it was not raised
 
 
 class FrozenKey:
@@ -107,8 +107,9 @@ class FrozenKey:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, FrozenKey) and self._hash == other._hash
-                                 and self.value == other.value)
+        return self is other or (
+            isinstance(other, FrozenKey) and self._hash == other._hash and self.value == other.value
+        )
 
 
 def record_steady(allocator: Any, run: Any) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
@@ -138,8 +139,9 @@ def record_steady(allocator: Any, run: Any) -> tuple[tuple[tuple[int, int], ...]
     return increases, tuple((i, high) for i, high in enumerate(reached) if high != _NO_PEAK)
 
 
-def replay_steady(allocator: Any, recorded: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]],
-                  times: int = 1) -> None:
+def replay_steady(
+    allocator: Any, recorded: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]], times: int = 1
+) -> None:
     """Apply a recorded steady run (``record_steady``) to ``allocator`` in the state it was recorded in,
     ``times`` times over."""
     counters, peaks = allocator.steady_cells()

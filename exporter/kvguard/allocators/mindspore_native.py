@@ -26,8 +26,14 @@ from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES, MindSporeRelea
 _LIMIT_BYTES = 1 << 62
 
 
-def unsupported(*, device: Any = None, version: str | MindSporeRelease = DEFAULT_VERSION,
-                mempool_block_size: Any = None, vmm_page_bytes: Any = None, **_: Any) -> str | None:
+def unsupported(
+    *,
+    device: Any = None,
+    version: str | MindSporeRelease = DEFAULT_VERSION,
+    mempool_block_size: Any = None,
+    vmm_page_bytes: Any = None,
+    **_: Any,
+) -> str | None:
     """Why ``NativeDynamicMemPool`` would not run this configuration (its keyword arguments, and the
     device when given), or None. Arguments the Python model refuses (an unknown version, a bad page size)
     are None here: both refuse them alike."""
@@ -48,9 +54,9 @@ def unsupported(*, device: Any = None, version: str | MindSporeRelease = DEFAULT
         return f"alignment {row.align_bytes!r} is not an int from 1 to 2**40"
     page = row.vmm_page_bytes if vmm_page_bytes is None else vmm_page_bytes
     try:
-        pages = int(page)      # what both constructors take (a Decimal or a numpy integer too)
+        pages = int(page)  # what both constructors take (a Decimal or a numpy integer too)
     except (TypeError, ValueError, OverflowError):
-        return None            # refused alike by both constructors
+        return None  # refused alike by both constructors
     if pages >= 1 << 40:
         return f"VMM page {page!r} is 2**40 bytes or more"
     return None
@@ -83,9 +89,17 @@ class NativeDynamicMemPool(Pool):
 
     name = DynamicMemPool.name
 
-    def __init__(self, device: Device, *, version: str | MindSporeRelease = DEFAULT_VERSION,
-                 graph_mode: bool = False, task_sink: bool = True, mempool_block_size: int | None = None,
-                 enable_vmm: bool = False, vmm_page_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: Device,
+        *,
+        version: str | MindSporeRelease = DEFAULT_VERSION,
+        graph_mode: bool = False,
+        task_sink: bool = True,
+        mempool_block_size: int | None = None,
+        enable_vmm: bool = False,
+        vmm_page_bytes: int | None = None,
+    ) -> None:
         rel = version if isinstance(version, MindSporeRelease) else release(version)
         if mempool_block_size is not None and mempool_block_size <= 0:
             raise ValueError("mempool block size must be positive")
@@ -93,8 +107,9 @@ class NativeDynamicMemPool(Pool):
             vmm_page_bytes = rel.vmm_page_bytes
         if vmm_page_bytes <= 0 or vmm_page_bytes % VMM_PAGE_BYTES:
             raise ValueError("the VMM page size must be a positive multiple of 2 MiB")
-        reason = unsupported(device=device, version=rel, mempool_block_size=mempool_block_size,
-                             vmm_page_bytes=vmm_page_bytes)
+        reason = unsupported(
+            device=device, version=rel, mempool_block_size=mempool_block_size, vmm_page_bytes=vmm_page_bytes
+        )
         if reason is not None:
             raise NotImplementedError(f"the C engine does not run this pool: {reason}")
         self.release = rel
@@ -105,10 +120,19 @@ class NativeDynamicMemPool(Pool):
         page = int(vmm_page_bytes)
         # SetMemPoolBlockSize sets both units at each expansion (block_alloc_size, called back from C).
         self._units = {False: rel.default_unit_bytes, True: rel.default_unit_bytes}
-        super().__init__(device, pool_budget_bytes(device.free_bytes, page if enable_vmm else None), page,
-                         rel.align_bytes, enable_vmm, rel.grows_idle_into_eager_free, rel.eager_free_on_miss,
-                         rel.common_falls_back_to_persistent, rel.eager_free_drops_on_refused_map,
-                         bool(enable_vmm) and rel.stats_rule == "iter", rel.empty_cache_rule != "none")
+        super().__init__(
+            device,
+            pool_budget_bytes(device.free_bytes, page if enable_vmm else None),
+            page,
+            rel.align_bytes,
+            enable_vmm,
+            rel.grows_idle_into_eager_free,
+            rel.eager_free_on_miss,
+            rel.common_falls_back_to_persistent,
+            rel.eager_free_drops_on_refused_map,
+            bool(enable_vmm) and rel.stats_rule == "iter",
+            rel.empty_cache_rule != "none",
+        )
 
     # The Python model's own rules and readers, on this class's counters.
     jit_o0_compile = DynamicMemPool.jit_o0_compile
@@ -135,11 +159,18 @@ class NativeDynamicMemPool(Pool):
         """What ``DynamicMemPool.steady_state_key`` holds, the engine's part as bytes: equal exactly when
         the model's keys are equal."""
         device = self.device
-        return (self._free_state(), self._blocks_state(), self._units[False], self._units[True], self.task_sink,
-                device.allocator_bytes, device.non_allocator_bytes, device.capacity_bytes)
+        return (
+            self._free_state(),
+            self._blocks_state(),
+            self._units[False],
+            self._units[True],
+            self.task_sink,
+            device.allocator_bytes,
+            device.non_allocator_bytes,
+            device.capacity_bytes,
+        )
 
     def buffer(self, addr: int) -> MemBuf:
         """The used buffer at ``addr`` (its address and size; a copy, without block links)."""
         start, size = self._buffer_size(addr)
         return MemBuf(start, size, USED, None)
-

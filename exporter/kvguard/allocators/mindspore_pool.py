@@ -56,15 +56,21 @@ from bisect import bisect_left, insort
 from operator import index
 from typing import Any
 
-from kvguard.allocators.base import FrozenKey, AllocatorOutOfMemory, link_after
+from kvguard.allocators.base import AllocatorOutOfMemory, FrozenKey, link_after
 from kvguard.allocators.device import Device
-from kvguard.allocators.mindspore_releases import ALIGN_BYTES, VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
+from kvguard.allocators.mindspore_releases import (
+    ALIGN_BYTES,
+    VMM_PAGE_BYTES,
+    MindSporeRelease,
+    pool_budget_bytes,
+    release,
+)
 from kvguard.records import PoolFigures
 
 K_ALIGN = ALIGN_BYTES
 GIB = 1 << 30
 VMM_PAGE_SIZE = VMM_PAGE_BYTES
-DEFAULT_VERSION = "2.7.1"     # what vllm-mindspore 0.5.x pins (mindspore_releases.VLLM_MINDSPORE_LAUNCHERS)
+DEFAULT_VERSION = "2.7.1"  # what vllm-mindspore 0.5.x pins (mindspore_releases.VLLM_MINDSPORE_LAUNCHERS)
 
 IDLE, USED, EAGER_FREE = 0, 1, 2
 SIZE_T_MASK = (1 << 64) - 1
@@ -100,9 +106,9 @@ class _BufAllocator:
         self.pool = pool
         self.persistent = persistent
         self.blocks: list[MemBlock] = []
-        self.idle: list[tuple[int, int]] = []        # sorted (size, addr)
-        self.eager: list[tuple[int, int]] = []       # sorted (size, addr), VMM only
-        self.bufs: dict[int, MemBuf] = {}            # free buffers by address
+        self.idle: list[tuple[int, int]] = []  # sorted (size, addr)
+        self.eager: list[tuple[int, int]] = []  # sorted (size, addr), VMM only
+        self.bufs: dict[int, MemBuf] = {}  # free buffers by address
 
     def _insert(self, buf: MemBuf) -> None:
         insort(self.idle if buf.status == IDLE else self.eager, (buf.size, buf.addr))
@@ -263,9 +269,17 @@ class DynamicMemPool:
 
     name = "mindspore"
 
-    def __init__(self, device: Device, *, version: str | MindSporeRelease = DEFAULT_VERSION,
-                 graph_mode: bool = False, task_sink: bool = True, mempool_block_size: int | None = None,
-                 enable_vmm: bool = False, vmm_page_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: Device,
+        *,
+        version: str | MindSporeRelease = DEFAULT_VERSION,
+        graph_mode: bool = False,
+        task_sink: bool = True,
+        mempool_block_size: int | None = None,
+        enable_vmm: bool = False,
+        vmm_page_bytes: int | None = None,
+    ) -> None:
         self.release = version if isinstance(version, MindSporeRelease) else release(version)
         if mempool_block_size is not None and mempool_block_size <= 0:
             raise ValueError("mempool block size must be positive")
@@ -284,23 +298,23 @@ class DynamicMemPool:
         # less 10 MiB (mindspore_releases.pool_budget_bytes, ascend_memory_adapter.cc:135-137 @ r2.7.rc1).
         self.total_mem_size = pool_budget_bytes(device.free_bytes, self.page if enable_vmm else None)
         self._max_pages = self.total_mem_size // self.page
-        self._static_bytes = 0        # AscendDynamicMemAdapter::has_alloc_size: blocks taken without VMM
+        self._static_bytes = 0  # AscendDynamicMemAdapter::has_alloc_size: blocks taken without VMM
         # common_unit_size_ / persist_unit_size_: 1 GiB until SetMemPoolBlockSize runs at an expansion.
         self._units = {False: self.release.default_unit_bytes, True: self.release.default_unit_bytes}
         self._allocators = {True: _BufAllocator(self, True), False: _BufAllocator(self, False)}
         self._used: dict[int, tuple[MemBuf, _BufAllocator]] = {}
-        self._blocks_key: FrozenKey | None = None    # steady_state_key's, until a block or its pages change
+        self._blocks_key: FrozenKey | None = None  # steady_state_key's, until a block or its pages change
         self._next_addr = 1 << 44
-        self.alloc_size = 0           # MemStat::alloc_size_ (VMM: address space)
-        self.used_size = 0            # total_allocated_memory
-        self.eager_free_size = 0      # total_eager_free_memory
-        self.physical_pages = 0       # VMM handles allocated (mapped + cached)
-        self.cached_pages = 0         # VMM handles unmapped but kept
+        self.alloc_size = 0  # MemStat::alloc_size_ (VMM: address space)
+        self.used_size = 0  # total_allocated_memory
+        self.eager_free_size = 0  # total_eager_free_memory
+        self.physical_pages = 0  # VMM handles allocated (mapped + cached)
+        self.cached_pages = 0  # VMM handles unmapped but kept
         self._peak_used = 0
         self._peak_reserved = 0
-        self._used_at_reset = 0     # MemStat::temp_used_size_ (2.4/2.5)
-        self._peak_increase = 0     # MemStat::temp_peak_size_ (2.4/2.5)
-        self._alloc_at_reset = 0    # MemStat::temp_alloc_size_ (2.4/2.5)
+        self._used_at_reset = 0  # MemStat::temp_used_size_ (2.4/2.5)
+        self._peak_increase = 0  # MemStat::temp_peak_size_ (2.4/2.5)
+        self._alloc_at_reset = 0  # MemStat::temp_alloc_size_ (2.4/2.5)
         self._window_used = 0
         self._window_reserved = 0
         self.num_ooms = 0
@@ -392,7 +406,7 @@ class DynamicMemPool:
         first = (addr - block.addr) // page
         last = (addr + size - 1 - block.addr) // page
         pages = block.pages
-        missing = (last - first + 1) - sum(pages[first:last + 1])
+        missing = (last - first + 1) - sum(pages[first : last + 1])
         from_cache = min(missing, self.cached_pages)
         new = missing - from_cache
         possible = min(max(0, self._max_pages - self.physical_pages), self.device.free_bytes // page)
@@ -407,7 +421,7 @@ class DynamicMemPool:
             return False
         self.physical_pages += new
         self.cached_pages -= from_cache
-        pages[first:last + 1] = b"\x01" * (last - first + 1)
+        pages[first : last + 1] = b"\x01" * (last - first + 1)
         self._blocks_key = None
         block.mapped_pages += missing
         if not refused_drop:
@@ -436,7 +450,7 @@ class DynamicMemPool:
     def malloc(self, size: int, persistent: bool = False) -> int:
         """``AllocMemBuf``: own pool, other pool, eager free, expand, (2.5+) persistent fallback."""
         if size.__class__ is not int:
-            size = index(size)      # a size_t: a float or None is refused, not rounded into the pool's books
+            size = index(size)  # a size_t: a float or None is refused, not rounded into the pool's books
         if size < 0:
             raise ValueError(f"{self.name}: cannot allocate a negative size ({size} bytes)")
         step = self._align_bytes
@@ -464,8 +478,9 @@ class DynamicMemPool:
             buf = allocator.malloc(size)
         if buf is None:
             self.num_ooms += 1
-            raise AllocatorOutOfMemory(size, self.name, self.device.free_bytes,
-                                 f"{self.used_size} allocated, {self.reserved_bytes} reserved")
+            raise AllocatorOutOfMemory(
+                size, self.name, self.device.free_bytes, f"{self.used_size} allocated, {self.reserved_bytes} reserved"
+            )
         self._used[buf.addr] = (buf, allocator)
         self.used_size += buf.size
         if self.used_size > self._peak_used:
@@ -539,22 +554,50 @@ class DynamicMemPool:
         buffers, the mapped pages, the pool's sizes and modes, and the device's memory."""
         blocks = self._blocks_key
         if blocks is None:
-            blocks = self._blocks_key = FrozenKey(tuple(
-                tuple((block.addr, block.size, bytes(block.pages)) for block in allocator.blocks)
-                for allocator in (self._allocators[False], self._allocators[True])))
+            blocks = self._blocks_key = FrozenKey(
+                tuple(
+                    tuple((block.addr, block.size, bytes(block.pages)) for block in allocator.blocks)
+                    for allocator in (self._allocators[False], self._allocators[True])
+                )
+            )
         common, persistent = self._allocators[False], self._allocators[True]
         device = self.device
-        return (tuple(common.idle), tuple(common.eager), tuple(persistent.idle), tuple(persistent.eager), blocks,
-                self._next_addr, self._static_bytes, self.alloc_size, self.used_size, self.eager_free_size,
-                self.physical_pages, self.cached_pages, self.total_mem_size, self._units[False], self._units[True],
-                self.task_sink, self._used_at_reset, device.allocator_bytes, device.non_allocator_bytes,
-                device.capacity_bytes)
+        return (
+            tuple(common.idle),
+            tuple(common.eager),
+            tuple(persistent.idle),
+            tuple(persistent.eager),
+            blocks,
+            self._next_addr,
+            self._static_bytes,
+            self.alloc_size,
+            self.used_size,
+            self.eager_free_size,
+            self.physical_pages,
+            self.cached_pages,
+            self.total_mem_size,
+            self._units[False],
+            self._units[True],
+            self.task_sink,
+            self._used_at_reset,
+            device.allocator_bytes,
+            device.non_allocator_bytes,
+            device.capacity_bytes,
+        )
 
     def steady_cells(self) -> tuple[list, list]:
         """(additive counters, high-water marks) as (object, attribute) pairs."""
-        return ([(self, "num_ooms")],
-                [(self, "_peak_used"), (self, "_peak_reserved"), (self, "_peak_increase"), (self, "_window_used"),
-                 (self, "_window_reserved"), (self.device, "peak_used_bytes")])
+        return (
+            [(self, "num_ooms")],
+            [
+                (self, "_peak_used"),
+                (self, "_peak_reserved"),
+                (self, "_peak_increase"),
+                (self, "_window_used"),
+                (self, "_window_reserved"),
+                (self.device, "peak_used_bytes"),
+            ],
+        )
 
     def reset_peak_memory_stats(self) -> None:
         self._peak_used = self.used_size
@@ -572,8 +615,9 @@ class DynamicMemPool:
             return {
                 "block_unit_size": self._units[persistent],
                 "block_counts": len(allocator.blocks),
-                "blocks_info": {block.addr: {"block_stream_id": 0, "block_memory_size": block.size}
-                                for block in allocator.blocks},
+                "blocks_info": {
+                    block.addr: {"block_stream_id": 0, "block_memory_size": block.size} for block in allocator.blocks
+                },
             }
 
         if rel.stats_rule == "temp":
@@ -585,8 +629,10 @@ class DynamicMemPool:
         return {
             "total_reserved_memory": self.reserved_bytes,
             rel.allocated_key: self.used_size,
-            "total_idle_memory": (self.alloc_size - self.used_size
-                                  - (self.eager_free_size if rel.idle_excludes_eager_free else 0)) & SIZE_T_MASK,
+            "total_idle_memory": (
+                self.alloc_size - self.used_size - (self.eager_free_size if rel.idle_excludes_eager_free else 0)
+            )
+            & SIZE_T_MASK,
             # A size_t: 2.7.0's refused maps can take it below zero, and it wraps (the oracle shows it).
             "total_eager_free_memory": self.eager_free_size & SIZE_T_MASK,
             "max_reserved_memory": max_reserved,
@@ -620,8 +666,13 @@ class DynamicMemPool:
                     first = max(cursor // page, last_page + 1)
                     touched += max(0, (end - 1) // page - first + 1)
         idle = self._allocators[False].idle
-        return PoolFigures(vmm=bool(self.enable_vmm), used_bytes=self.used_size, pages_touched_by_used=touched,
-                           largest_idle_common_bytes=idle[-1][0] if idle else 0, written_at=written_at)
+        return PoolFigures(
+            vmm=bool(self.enable_vmm),
+            used_bytes=self.used_size,
+            pages_touched_by_used=touched,
+            largest_idle_common_bytes=idle[-1][0] if idle else 0,
+            written_at=written_at,
+        )
 
     # ----------------------------------------------------------------- introspection for tests
     def block_sizes(self, persistent: bool) -> list[int]:

@@ -65,14 +65,14 @@ from typing import Mapping
 MIB = 1 << 20
 GIB = 1 << 30
 ALIGN_BYTES = 512
-DEFAULT_UNIT_BYTES = 1 * GIB           # kDynamicMemAllocUnitSize
-GRAPH_RUN_UNIT_BYTES = 8 * MIB         # ASCEND_COMMON_POOL_ALLOC_UNIT_SIZE_FOR_GRAPH_RUN_MODE
-PERSISTENT_RESERVE_BYTES = 1 * GIB     # "Reserve 1G for persistent_mem"
-DEFAULT_MEMPOOL_BLOCK_GB = 1.0         # kDefaultMempoolBlockSize (ms_context.h:95 @ b6f48709)
-VMM_PAGE_BYTES = 2 * MIB               # AscendVmmAdapter::kDefaultAlignSize
-MS_MEMORY_RATIO = (15, 16)             # kMSMemoryRatio 0.9375 (ascend_memory_adapter.cc:34 @ r2.7.rc1)
-HUGE_PAGE_BYTES = 2 * MIB              # kPerHugePageMemorySize (:36)
-EXTRA_RESERVED_BYTES = 10 * MIB        # kExtraReservedMemory (:37)
+DEFAULT_UNIT_BYTES = 1 * GIB  # kDynamicMemAllocUnitSize
+GRAPH_RUN_UNIT_BYTES = 8 * MIB  # ASCEND_COMMON_POOL_ALLOC_UNIT_SIZE_FOR_GRAPH_RUN_MODE
+PERSISTENT_RESERVE_BYTES = 1 * GIB  # "Reserve 1G for persistent_mem"
+DEFAULT_MEMPOOL_BLOCK_GB = 1.0  # kDefaultMempoolBlockSize (ms_context.h:95 @ b6f48709)
+VMM_PAGE_BYTES = 2 * MIB  # AscendVmmAdapter::kDefaultAlignSize
+MS_MEMORY_RATIO = (15, 16)  # kMSMemoryRatio 0.9375 (ascend_memory_adapter.cc:34 @ r2.7.rc1)
+HUGE_PAGE_BYTES = 2 * MIB  # kPerHugePageMemorySize (:36)
+EXTRA_RESERVED_BYTES = 10 * MIB  # kExtraReservedMemory (:37)
 
 
 def pool_budget_bytes(device_free_bytes: int, vmm_page_bytes: int | None = None) -> int:
@@ -93,8 +93,8 @@ class MindSporeRelease:
     """One release's switches. Every field but ``version`` and the notes is a rule of the pool."""
 
     version: str
-    source_ref: str                 # the tag, branch or commit the rules were read at
-    source_note: str                # "" when read at the release's own tag; else what was assumed
+    source_ref: str  # the tag, branch or commit the rules were read at
+    source_note: str  # "" when read at the release's own tag; else what was assumed
     # "graph_task_sink": 8 MiB units when execution mode is graph and task sink is on (SUPPORT:62 @ v2.4.0);
     # "ge_o2": 8 MiB units on the GE backend with GE kernels disabled, i.e. graph mode jit_level O2
     # (SUPPORT:62-66 @ r2.7.rc1), which the simulator reads as graph mode with task sink.
@@ -121,10 +121,10 @@ class MindSporeRelease:
     align_bytes: int = ALIGN_BYTES
     default_unit_bytes: int = DEFAULT_UNIT_BYTES
     graph_run_unit_bytes: int = GRAPH_RUN_UNIT_BYTES
-    persistent_reserve_bytes: int = PERSISTENT_RESERVE_BYTES     # the cap: a configured unit <= free - this
-    vmm_page_bytes: int = VMM_PAGE_BYTES                           # default vmm_align_size
-    vmm_default_on_910b: bool = True                               # IsVmmEnabled without enable_vmm
-    eager_free_on_miss: bool = True                                # VMM: eager-free idle buffers, then retry
+    persistent_reserve_bytes: int = PERSISTENT_RESERVE_BYTES  # the cap: a configured unit <= free - this
+    vmm_page_bytes: int = VMM_PAGE_BYTES  # default vmm_align_size
+    vmm_default_on_910b: bool = True  # IsVmmEnabled without enable_vmm
+    eager_free_on_miss: bool = True  # VMM: eager-free idle buffers, then retry
     # SearchAvaliableMemBuf: an idle buffer grows into its eager-free neighbour (POOL:118-160 @ v2.6.0,
     # :119-161 @ r2.7.rc1; absent from MemBufAllocator::Malloc at v2.4.0 :95 and v2.5.0 :98).
     grows_idle_into_eager_free: bool = True
@@ -144,8 +144,16 @@ class MindSporeRelease:
             raise ValueError(f"{self.version}: unknown stats or empty_cache rule")
 
 
-_KEYS_24 = ("acl_allocator", "somas_whole_block", "enable_vmm", "vmm_align_size", "memory_recycle",
-            "memory_tracker", "defrag_memory_step_freq", "older_pool")
+_KEYS_24 = (
+    "acl_allocator",
+    "somas_whole_block",
+    "enable_vmm",
+    "vmm_align_size",
+    "memory_recycle",
+    "memory_tracker",
+    "defrag_memory_step_freq",
+    "older_pool",
+)
 _KEYS_27 = _KEYS_24 + ("simple_tracker", "memory_tracker_path")
 
 _CITES_24 = {
@@ -214,60 +222,185 @@ _CITES_27 = {
 }
 
 
-def _row(version: str, ref: str, note: str, cites: Mapping[str, str], *, small: str, fallback: bool,
-         allocated: str, common: str, stats: str, empty: str, keys: tuple[str, ...]) -> MindSporeRelease:
+def _row(
+    version: str,
+    ref: str,
+    note: str,
+    cites: Mapping[str, str],
+    *,
+    small: str,
+    fallback: bool,
+    allocated: str,
+    common: str,
+    stats: str,
+    empty: str,
+    keys: tuple[str, ...],
+) -> MindSporeRelease:
     return MindSporeRelease(version, ref, note, small, fallback, allocated, common, stats, empty, keys, dict(cites))
 
 
-_R27_NOTE = ("no tag in the mirror: pool rules read at branch r2.7.rc1 (2025-07-05); ")
+_R27_NOTE = "no tag in the mirror: pool rules read at branch r2.7.rc1 (2025-07-05); "
 _RELEASES: tuple[MindSporeRelease, ...] = (
-    _row("2.4.0", "v2.4.0", "", _CITES_24, small="graph_task_sink", fallback=False,
-         allocated="total_allocatd_memory", common="commom_mem_pool_stats", stats="temp", empty="none",
-         keys=_KEYS_24),
-    _row("2.4.1", "v2.4.1", "", {**_CITES_24, "stats_keys": "STATS:53-66 @ v2.4.1"}, small="graph_task_sink",
-         fallback=False, allocated="total_allocatd_memory", common="commom_mem_pool_stats", stats="temp",
-         empty="none", keys=_KEYS_24),
-    _row("2.4.10", "v2.4.10", "", {**_CITES_24, "stats_keys": "STATS:53-66 @ v2.4.10"}, small="graph_task_sink",
-         fallback=False, allocated="total_allocatd_memory", common="commom_mem_pool_stats", stats="temp",
-         empty="none", keys=_KEYS_24),
-    _row("2.5.0", "v2.5.0", "", _CITES_25, small="graph_task_sink", fallback=True,
-         allocated="total_allocated_memory", common="commom_mem_pool_stats", stats="temp", empty="none",
-         keys=_KEYS_24),
-    _row("2.6.0", "v2.6.0", "", _CITES_26, small="graph_task_sink", fallback=True,
-         allocated="total_allocated_memory", common="commom_mem_pool_stats", stats="iter", empty="release",
-         keys=_KEYS_24),
-    _row("2.7.0", "r2.7.rc1", _R27_NOTE + "the 2.7.0 wheel's _c_expression spells commom_mem_pool_stats",
-         _CITES_27, small="ge_o2", fallback=True, allocated="total_allocated_memory",
-         common="commom_mem_pool_stats", stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.7.1", "r2.7.rc1", _R27_NOTE + "the 2.7.1 wheel's _c_expression spells commom_mem_pool_stats "
-         "(vllm-mindspore 0.5.x pins an r2.7.1 build)",
-         _CITES_27, small="ge_o2", fallback=True, allocated="total_allocated_memory",
-         common="commom_mem_pool_stats", stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.7.2", "r2.7.rc1", _R27_NOTE + "keys as the 2.7.0 wheel (2.7.2 wheel not read)",
-         _CITES_27, small="ge_o2", fallback=True, allocated="total_allocated_memory",
-         common="commom_mem_pool_stats", stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.8.0", "r2.7.rc1", "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.8.0 wheel's "
-         "_c_expression spells common_mem_pool_stats", {**_CITES_27, "stats_keys": "wheel 2.8.0 strings"},
-         small="ge_o2", fallback=True, allocated="total_allocated_memory", common="common_mem_pool_stats",
-         stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.9.0", "r2.7.rc1", "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.9.0 wheel's "
-         "_c_expression spells common_mem_pool_stats", {**_CITES_27, "stats_keys": "wheel 2.9.0 strings"},
-         small="ge_o2", fallback=True, allocated="total_allocated_memory", common="common_mem_pool_stats",
-         stats="iter", empty="release", keys=_KEYS_27),
-    _row("2.10.0", "r2.7.rc1", "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.10.0 wheel's "
-         "_c_expression spells common_mem_pool_stats and runtime/memory.py:132-136 shows it",
-         {**_CITES_27, "stats_keys": "wheel 2.10.0 strings; runtime/memory.py:132-136"}, small="ge_o2",
-         fallback=True, allocated="total_allocated_memory", common="common_mem_pool_stats", stats="iter",
-         empty="release", keys=_KEYS_27),
+    _row(
+        "2.4.0",
+        "v2.4.0",
+        "",
+        _CITES_24,
+        small="graph_task_sink",
+        fallback=False,
+        allocated="total_allocatd_memory",
+        common="commom_mem_pool_stats",
+        stats="temp",
+        empty="none",
+        keys=_KEYS_24,
+    ),
+    _row(
+        "2.4.1",
+        "v2.4.1",
+        "",
+        {**_CITES_24, "stats_keys": "STATS:53-66 @ v2.4.1"},
+        small="graph_task_sink",
+        fallback=False,
+        allocated="total_allocatd_memory",
+        common="commom_mem_pool_stats",
+        stats="temp",
+        empty="none",
+        keys=_KEYS_24,
+    ),
+    _row(
+        "2.4.10",
+        "v2.4.10",
+        "",
+        {**_CITES_24, "stats_keys": "STATS:53-66 @ v2.4.10"},
+        small="graph_task_sink",
+        fallback=False,
+        allocated="total_allocatd_memory",
+        common="commom_mem_pool_stats",
+        stats="temp",
+        empty="none",
+        keys=_KEYS_24,
+    ),
+    _row(
+        "2.5.0",
+        "v2.5.0",
+        "",
+        _CITES_25,
+        small="graph_task_sink",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="commom_mem_pool_stats",
+        stats="temp",
+        empty="none",
+        keys=_KEYS_24,
+    ),
+    _row(
+        "2.6.0",
+        "v2.6.0",
+        "",
+        _CITES_26,
+        small="graph_task_sink",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="commom_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_24,
+    ),
+    _row(
+        "2.7.0",
+        "r2.7.rc1",
+        _R27_NOTE + "the 2.7.0 wheel's _c_expression spells commom_mem_pool_stats",
+        _CITES_27,
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="commom_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
+    _row(
+        "2.7.1",
+        "r2.7.rc1",
+        _R27_NOTE + "the 2.7.1 wheel's _c_expression spells commom_mem_pool_stats "
+        "(vllm-mindspore 0.5.x pins an r2.7.1 build)",
+        _CITES_27,
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="commom_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
+    _row(
+        "2.7.2",
+        "r2.7.rc1",
+        _R27_NOTE + "keys as the 2.7.0 wheel (2.7.2 wheel not read)",
+        _CITES_27,
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="commom_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
+    _row(
+        "2.8.0",
+        "r2.7.rc1",
+        "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.8.0 wheel's "
+        "_c_expression spells common_mem_pool_stats",
+        {**_CITES_27, "stats_keys": "wheel 2.8.0 strings"},
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="common_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
+    _row(
+        "2.9.0",
+        "r2.7.rc1",
+        "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.9.0 wheel's "
+        "_c_expression spells common_mem_pool_stats",
+        {**_CITES_27, "stats_keys": "wheel 2.9.0 strings"},
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="common_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
+    _row(
+        "2.10.0",
+        "r2.7.rc1",
+        "no source in the mirror: pool rules assumed as r2.7.rc1; the 2.10.0 wheel's "
+        "_c_expression spells common_mem_pool_stats and runtime/memory.py:132-136 shows it",
+        {**_CITES_27, "stats_keys": "wheel 2.10.0 strings; runtime/memory.py:132-136"},
+        small="ge_o2",
+        fallback=True,
+        allocated="total_allocated_memory",
+        common="common_mem_pool_stats",
+        stats="iter",
+        empty="release",
+        keys=_KEYS_27,
+    ),
 )
 
 # The binary-read switches: before 2.6 no SearchAvaliableMemBuf; up to 2.7.0 the source's mapper bookkeeping.
 _OLD_MAPPER = {"2.4.0", "2.4.1", "2.4.10", "2.5.0", "2.6.0", "2.7.0"}
 RELEASES: tuple[MindSporeRelease, ...] = tuple(
-    replace(row, grows_idle_into_eager_free=row.version not in ("2.4.0", "2.4.1", "2.4.10", "2.5.0"),
-            eager_free_drops_on_refused_map=row.version in _OLD_MAPPER,
-            idle_excludes_eager_free=row.version not in _OLD_MAPPER)
-    for row in _RELEASES)
+    replace(
+        row,
+        grows_idle_into_eager_free=row.version not in ("2.4.0", "2.4.1", "2.4.10", "2.5.0"),
+        eager_free_drops_on_refused_map=row.version in _OLD_MAPPER,
+        idle_excludes_eager_free=row.version not in _OLD_MAPPER,
+    )
+    for row in _RELEASES
+)
 
 # The MindSpore build vllm-mindspore's seed fix ran on: vllm-mindspore master at PR !428 (f2b96744,
 # 2025-05-28; !437 is not in the mirror) pins the master nightly of 2025-05-26, commit b6f48709
@@ -345,8 +478,10 @@ def parse_alloc_conf(text: str | None, mindspore: MindSporeRelease, *, strict: b
         if key not in mindspore.alloc_conf_keys:
             if not strict:
                 continue
-            raise ValueError(f"MS_ALLOC_CONF key {key!r} is not one MindSpore {mindspore.version} reads "
-                             f"(it would be ignored); known: {', '.join(mindspore.alloc_conf_keys)}")
+            raise ValueError(
+                f"MS_ALLOC_CONF key {key!r} is not one MindSpore {mindspore.version} reads "
+                f"(it would be ignored); known: {', '.join(mindspore.alloc_conf_keys)}"
+            )
         items[key] = val
     return AllocConf(items)
 
@@ -368,33 +503,48 @@ class VllmMindSporeLauncher:
     """What a vllm-mindspore release's launcher and worker set for MindSpore's pool."""
 
     version: str
-    mindspore: str                 # the MindSpore release whose rules apply
-    ms_alloc_conf: str | None      # vllm_mindspore/scripts.py env_setup's MS_ALLOC_CONF (None: not set)
+    mindspore: str  # the MindSpore release whose rules apply
+    ms_alloc_conf: str | None  # vllm_mindspore/scripts.py env_setup's MS_ALLOC_CONF (None: not set)
     cites: tuple[str, ...]
 
 
 VLLM_MINDSPORE_LAUNCHERS: dict[str, VllmMindSporeLauncher] = {
     "0.5.1": VllmMindSporeLauncher(
-        "0.5.1", "2.7.1", "enable_vmm: true, derag_memory_step_freq: -1",
-        ("vllm_mindspore/scripts.py:52 @ v0.5.1 (wheel 0.5.1 and 0.5.0 identical)",
-         ".jenkins/test/config/dependent_packages.yaml:2 @ v0.5.1: mindspore r2.7.1 build of 2025-12-29",
-         "vllm_mindspore/utils.py:342 @ v0.5.1 set_context(jit_config={'jit_level': 'O0'}): PyNative "
-         "context (MindSpore's default mode) with O0 jit graphs, kernel by kernel, task sink off",
-         "vllm_mindspore/utils.py:350-352 @ v0.5.1 MS_MEMPOOL_BLOCK_SIZE=N -> mempool_block_size='NGB'")),
+        "0.5.1",
+        "2.7.1",
+        "enable_vmm: true, derag_memory_step_freq: -1",
+        (
+            "vllm_mindspore/scripts.py:52 @ v0.5.1 (wheel 0.5.1 and 0.5.0 identical)",
+            ".jenkins/test/config/dependent_packages.yaml:2 @ v0.5.1: mindspore r2.7.1 build of 2025-12-29",
+            "vllm_mindspore/utils.py:342 @ v0.5.1 set_context(jit_config={'jit_level': 'O0'}): PyNative "
+            "context (MindSpore's default mode) with O0 jit graphs, kernel by kernel, task sink off",
+            "vllm_mindspore/utils.py:350-352 @ v0.5.1 MS_MEMPOOL_BLOCK_SIZE=N -> mempool_block_size='NGB'",
+        ),
+    ),
     "0.2.0": VllmMindSporeLauncher(
-        "0.2.0", SEED_MINDSPORE, None,
-        ("vllm_mindspore/scripts.py:25-46 @ f2b96744 (PR !428, the seed fix): no MS_ALLOC_CONF",
-         ".jenkins/test/config/dependent_packages.yaml:2 @ f2b96744: mindspore master 20250526 b6f48709",
-         "vllm_mindspore/utils.py:231 @ f2b96744 set_context(jit_config={'jit_level': 'O0'})",
-         "vllm_mindspore/utils.py:237-238 @ f2b96744 MS_MEMPOOL_BLOCK_SIZE=N -> mempool_block_size='NGB'")),
+        "0.2.0",
+        SEED_MINDSPORE,
+        None,
+        (
+            "vllm_mindspore/scripts.py:25-46 @ f2b96744 (PR !428, the seed fix): no MS_ALLOC_CONF",
+            ".jenkins/test/config/dependent_packages.yaml:2 @ f2b96744: mindspore master 20250526 b6f48709",
+            "vllm_mindspore/utils.py:231 @ f2b96744 set_context(jit_config={'jit_level': 'O0'})",
+            "vllm_mindspore/utils.py:237-238 @ f2b96744 MS_MEMPOOL_BLOCK_SIZE=N -> mempool_block_size='NGB'",
+        ),
+    ),
 }
 DEFAULT_LAUNCHER = "0.5.1"
 SEED_LAUNCHER = "0.2.0"
 
 
-def vmm_on(ms_alloc_conf: str | None, *, launcher_vmm: bool | None = None,
-           mindspore: str | MindSporeRelease | None = None, soc_supports_vmm: bool = True,
-           jit_o2_without_ge_kernel: bool = False) -> bool:
+def vmm_on(
+    ms_alloc_conf: str | None,
+    *,
+    launcher_vmm: bool | None = None,
+    mindspore: str | MindSporeRelease | None = None,
+    soc_supports_vmm: bool = True,
+    jit_o2_without_ge_kernel: bool = False,
+) -> bool:
     """Whether MindSpore's pool runs with VMM: the one rule the vLLM plugin, ``kvguard budget
     --allocator mindspore`` and the simulator call.
 
@@ -412,5 +562,8 @@ def vmm_on(ms_alloc_conf: str | None, *, launcher_vmm: bool | None = None,
         mindspore = VLLM_MINDSPORE_LAUNCHERS[DEFAULT_LAUNCHER].mindspore
     row = mindspore if isinstance(mindspore, MindSporeRelease) else release(mindspore)
     conf = parse_alloc_conf(ms_alloc_conf, row, strict=False)
-    return vmm_enabled(conf, soc_supports_vmm=soc_supports_vmm and row.vmm_default_on_910b,
-                       jit_o2_without_ge_kernel=jit_o2_without_ge_kernel)
+    return vmm_enabled(
+        conf,
+        soc_supports_vmm=soc_supports_vmm and row.vmm_default_on_910b,
+        jit_o2_without_ge_kernel=jit_o2_without_ge_kernel,
+    )

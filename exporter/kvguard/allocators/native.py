@@ -48,6 +48,7 @@ def caching_allocator(device: Device, **kwargs: Any):
     if wrapper is not None and wrapper.unsupported(device=device, **kwargs) is None:
         return wrapper.NativeCachingAllocator(device, **kwargs)
     from kvguard.allocators.torch_alloc import CachingAllocator
+
     return CachingAllocator(device, **kwargs)
 
 
@@ -57,6 +58,7 @@ def mindspore_pool(device: Device, **kwargs: Any):
     if wrapper is not None and wrapper.unsupported(device=device, **kwargs) is None:
         return wrapper.NativeDynamicMemPool(device, **kwargs)
     from kvguard.allocators.mindspore_pool import DynamicMemPool
+
     return DynamicMemPool(device, **kwargs)
 
 

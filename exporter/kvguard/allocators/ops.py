@@ -28,9 +28,9 @@ from typing import Any, Iterable, Iterator
 from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.text import one_line
 
-MAX_OPS = 5_000_000               # about 0.5 GiB of parsed ops; a longer stream is refused, not swapped
-MAX_LINE_CHARS = 4096             # an op is a few dozen characters
-MAX_SIZE_BYTES = 1 << 50          # 1 PiB: larger than any device, small enough to stay exact in JSON
+MAX_OPS = 5_000_000  # about 0.5 GiB of parsed ops; a longer stream is refused, not swapped
+MAX_LINE_CHARS = 4096  # an op is a few dozen characters
+MAX_SIZE_BYTES = 1 << 50  # 1 PiB: larger than any device, small enough to stay exact in JSON
 OP_KEYS = {"malloc": {"op", "size", "persistent"}, "free": {"op", "index"}, "empty_cache": {"op"}}
 
 
@@ -40,10 +40,10 @@ class OpsError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    kind: str                     # "malloc" | "free" | "empty_cache"
-    size: int = 0                 # malloc: bytes requested
-    persistent: bool = False      # malloc: MindSpore's persistent pool
-    index: int = -1               # free: the position of the malloc freed
+    kind: str  # "malloc" | "free" | "empty_cache"
+    size: int = 0  # malloc: bytes requested
+    persistent: bool = False  # malloc: MindSpore's persistent pool
+    index: int = -1  # free: the position of the malloc freed
 
     def to_dict(self) -> dict[str, Any]:
         if self.kind == "malloc":
@@ -79,8 +79,7 @@ def _parse_one(text: str, position: int, ops: list[Op], freed: set[int]) -> Op:
     if kind == "malloc":
         size = record.get("size")
         if type(size) is not int or not 0 <= size <= MAX_SIZE_BYTES:
-            raise OpsError(f"{where}: malloc size must be an integer from 0 to {MAX_SIZE_BYTES}, "
-                           f"got {str(size)[:40]}")
+            raise OpsError(f"{where}: malloc size must be an integer from 0 to {MAX_SIZE_BYTES}, got {str(size)[:40]}")
         persistent = record.get("persistent", False)
         if type(persistent) is not bool:
             raise OpsError(f"{where}: persistent must be true or false, got {str(persistent)[:40]}")
@@ -114,6 +113,7 @@ def parse_ops(lines: Iterable[str]) -> list[Op]:
 
 def read_ops(path: str) -> list[Op]:
     """:func:`parse_ops` of a file, read line by line with bounded lines (a 4 GB line is refused, not read)."""
+
     def lines(handle) -> Iterator[str]:
         while True:
             line = handle.readline(MAX_LINE_CHARS + 2)
@@ -161,9 +161,15 @@ def replay_ops(allocator: Any, ops: Iterable[Op]) -> Iterator[dict[str, Any]]:
                 allocator.free(freed)
         else:
             allocator.empty_cache()
-        yield {"op": position, "kind": op.kind, "reserved_bytes": allocator.reserved_bytes,
-               "allocated_bytes": allocator.allocated_bytes,
-               "peak_allocated_bytes": allocator.peak_allocated_bytes, "oom": oom, "address": address}
+        yield {
+            "op": position,
+            "kind": op.kind,
+            "reserved_bytes": allocator.reserved_bytes,
+            "allocated_bytes": allocator.allocated_bytes,
+            "peak_allocated_bytes": allocator.peak_allocated_bytes,
+            "oom": oom,
+            "address": address,
+        }
 
 
 class Recorder:
@@ -184,9 +190,11 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.allocator, name)
         if name == "jit_o0_compile":
+
             def jit_o0_compile() -> None:
                 self.compiled_at.append(len(self.ops))
                 attribute()
+
             return jit_o0_compile
         return attribute
 

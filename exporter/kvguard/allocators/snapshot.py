@@ -56,8 +56,14 @@ from kvguard.allocators.torch_alloc import K_SMALL_BUFFER, K_SMALL_SIZE, Caching
 from kvguard.text import one_line
 
 _ALLOC, _FREE, _SEG_ALLOC, _SEG_FREE, _MAP, _UNMAP, _OOM = range(7)
-_ACTIONS = {"alloc": _ALLOC, "segment_alloc": _SEG_ALLOC, "segment_free": _SEG_FREE, "segment_map": _MAP,
-            "segment_unmap": _UNMAP, "oom": _OOM}
+_ACTIONS = {
+    "alloc": _ALLOC,
+    "segment_alloc": _SEG_ALLOC,
+    "segment_free": _SEG_FREE,
+    "segment_map": _MAP,
+    "segment_unmap": _UNMAP,
+    "oom": _OOM,
+}
 # Effectively unlimited physical memory: the trace, not the model, says when memory ran out.
 _UNLIMITED_DEVICE = 1 << 56
 
@@ -71,13 +77,13 @@ class DeviceReplay:
     """One device's replay: agreement counts and the end state, in bytes."""
 
     device: int
-    history_recorded: bool             # False: the device's trace is empty (recorded without history)
+    history_recorded: bool  # False: the device's trace is empty (recorded without history)
     events: int
     allocs: int
     allocs_matched: int
     first_mismatch_index: int | None
     frees: int
-    frees_skipped: int                 # frees of blocks the seed could not place
+    frees_skipped: int  # frees of blocks the seed could not place
     seeded_segments: int
     seeded_blocks: int
     preexisting_frees: int
@@ -126,20 +132,22 @@ def settings_of(snapshot: dict[str, Any]) -> Settings:
     gc = raw.get("garbage_collection_threshold", 0.0) or 0.0
     if not isinstance(gc, (int, float)) or isinstance(gc, bool):
         raise SnapshotError(f"snapshot allocator_settings.garbage_collection_threshold is not a number: {gc!r}")
-    return Settings(expandable_segments=bool(raw.get("expandable_segments", False)),
-                    max_split_size=None if max_split < 0 or max_split >= (1 << 63) - 1 else max_split,
-                    roundup_power2_divisions=raw.get("roundup_power2_divisions"),
-                    garbage_collection_threshold=float(gc))
+    return Settings(
+        expandable_segments=bool(raw.get("expandable_segments", False)),
+        max_split_size=None if max_split < 0 or max_split >= (1 << 63) - 1 else max_split,
+        roundup_power2_divisions=raw.get("roundup_power2_divisions"),
+        garbage_collection_threshold=float(gc),
+    )
 
 
 @dataclass
 class _Trace:
     """A device trace's replayed entries, and what the seed needs to know of them (one pass)."""
 
-    entries: list[tuple[int, int, int, int, int]]   # (position, action code, addr, size, stream)
+    entries: list[tuple[int, int, int, int, int]]  # (position, action code, addr, size, stream)
     allocs: int = 0
     frees: int = 0
-    live: set[int] = field(default_factory=set)     # allocated in the trace, not freed in it
+    live: set[int] = field(default_factory=set)  # allocated in the trace, not freed in it
     preexisting: dict[int, tuple[int, int]] = field(default_factory=dict)  # addr -> (requested, free position)
     live_segments: set[int] = field(default_factory=set)
     freed_segments: dict[int, tuple[int, int]] = field(default_factory=dict)  # base -> (size, stream)
@@ -167,7 +175,7 @@ def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
             raise SnapshotError(f"snapshot device_traces[{device}][{index}] is not a dict")
         try:
             code = actions_get(entry["action"])
-        except (KeyError, TypeError):      # no action, or an unhashable one: not a replayed entry
+        except (KeyError, TypeError):  # no action, or an unhashable one: not a replayed entry
             continue
         if code is None:
             continue
@@ -181,11 +189,15 @@ def _entries(trace: list[dict[str, Any]], device: int) -> _Trace:
             addr = 0
         if not (int is type(addr) is type(size) is type(stream)) or (addr | size | stream) < 0 or (addr | size) >> 64:
             if int is type(addr) is type(size) is type(stream) and (addr | size | stream) >= 0:
-                raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
-                                    f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200])
-            raise SnapshotError(f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
-                                f"addr, size and stream must be non-negative integers, got "
-                                f"{addr!r}, {size!r}, {stream!r}"[:200])
+                raise SnapshotError(
+                    f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                    f"addr and size must be below 2**64, got {addr!r}, {size!r}"[:200]
+                )
+            raise SnapshotError(
+                f"snapshot device_traces[{device}][{index}] ({entry.get('action')}): "
+                f"addr, size and stream must be non-negative integers, got "
+                f"{addr!r}, {size!r}, {stream!r}"[:200]
+            )
         append((index, code, addr, size, stream))
         if code == _ALLOC:
             allocs += 1
@@ -238,13 +250,17 @@ def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
         for block in blocks:
             if type(block) is not dict and not isinstance(block, dict):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
-            try:            # the keys _dump_snapshot writes; any missing one takes the slower path
+            try:  # the keys _dump_snapshot writes; any missing one takes the slower path
                 size, addr, state, requested = block["size"], block["address"], block["state"], block["requested_size"]
             except KeyError:
                 size, addr, state = block.get("size"), block.get("address", addr), block.get("state")
                 requested = block.get("requested_size", 0)
-            if type(size) is not int and not isinstance(size, int) or \
-                    type(addr) is not int and not isinstance(addr, int):
+            if (
+                type(size) is not int
+                and not isinstance(size, int)
+                or type(addr) is not int
+                and not isinstance(addr, int)
+            ):
                 raise SnapshotError(f"snapshot segments[{index}] has a block without an integer size")
             requested = requested or 0
             if type(requested) is not int and not isinstance(requested, int):
@@ -254,13 +270,26 @@ def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
         stream = segment.get("stream") or 0
         if type(stream) is not int or stream < 0:
             raise SnapshotError(f"snapshot segments[{index}].stream is not a non-negative integer")
-        out.append((segment["address"], segment["total_size"], segment.get("segment_type") == "small",
-                    stream, bool(segment.get("is_expandable")), block_list))
+        out.append(
+            (
+                segment["address"],
+                segment["total_size"],
+                segment.get("segment_type") == "small",
+                stream,
+                bool(segment.get("is_expandable")),
+                block_list,
+            )
+        )
     return out
 
 
-def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes: int,
-                  log: Callable[[int, int, int, int], None] | None = None) -> DeviceReplay:
+def replay_device(
+    snapshot: dict[str, Any],
+    device: int,
+    *,
+    address_space_bytes: int,
+    log: Callable[[int, int, int, int], None] | None = None,
+) -> DeviceReplay:
     traces = snapshot.get("device_traces")
     trace = traces[device] if isinstance(traces, list) and device < len(traces) else []
     if not isinstance(trace, list):
@@ -269,10 +298,13 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
     entries = scan.entries
     settings = settings_of(snapshot)
     try:
-        model = CachingAllocator(Device(_UNLIMITED_DEVICE), max_split_size=settings.max_split_size,
-                                 expandable_segments=settings.expandable_segments,
-                                 roundup_power2_divisions=settings.roundup_power2_divisions,
-                                 garbage_collection_threshold=settings.garbage_collection_threshold)
+        model = CachingAllocator(
+            Device(_UNLIMITED_DEVICE),
+            max_split_size=settings.max_split_size,
+            expandable_segments=settings.expandable_segments,
+            roundup_power2_divisions=settings.roundup_power2_divisions,
+            garbage_collection_threshold=settings.garbage_collection_threshold,
+        )
     except ValueError as exc:
         raise SnapshotError(f"snapshot allocator_settings: {one_line(exc)}") from None
     model.address_space_total = address_space_bytes
@@ -312,8 +344,9 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
             except AllocatorOutOfMemory:
                 # The model's device is effectively unlimited (2**56 bytes): only a request no
                 # real device could have served gets here.
-                raise SnapshotError(f"snapshot device_traces[{device}][{position}] (alloc): {size} bytes "
-                                    f"cannot be served on any device") from None
+                raise SnapshotError(
+                    f"snapshot device_traces[{device}][{position}] (alloc): {size} bytes cannot be served on any device"
+                ) from None
             if got == addr:
                 matched += 1
             elif first_mismatch is None:
@@ -360,17 +393,36 @@ def replay_device(snapshot: dict[str, Any], device: int, *, address_space_bytes:
         detail += "; no history recorded: 0 events replayed, the end state is the start state"
     stats = model.memory_stats()
     return DeviceReplay(
-        device=device, history_recorded=bool(trace), events=len(entries), allocs=scan.allocs, allocs_matched=matched,
-        first_mismatch_index=first_mismatch, frees=scan.frees, frees_skipped=frees_skipped,
-        seeded_segments=seed[0], seeded_blocks=seed[1], preexisting_frees=seed[2], preexisting_extended=seed[3],
-        segment_allocs=seg_allocs, segment_allocs_matched=seg_allocs_matched,
-        segment_frees=seg_frees, segment_frees_matched=seg_frees_matched,
-        maps=maps, maps_matched=maps_matched, unmaps=unmaps,
-        unmaps_matched=unmaps_matched, ooms=ooms, ooms_matched=ooms_matched,
-        end_state_matches=matches, end_state_detail=detail,
-        reserved_bytes=stats["reserved_bytes.all.current"], allocated_bytes=stats["allocated_bytes.all.current"],
+        device=device,
+        history_recorded=bool(trace),
+        events=len(entries),
+        allocs=scan.allocs,
+        allocs_matched=matched,
+        first_mismatch_index=first_mismatch,
+        frees=scan.frees,
+        frees_skipped=frees_skipped,
+        seeded_segments=seed[0],
+        seeded_blocks=seed[1],
+        preexisting_frees=seed[2],
+        preexisting_extended=seed[3],
+        segment_allocs=seg_allocs,
+        segment_allocs_matched=seg_allocs_matched,
+        segment_frees=seg_frees,
+        segment_frees_matched=seg_frees_matched,
+        maps=maps,
+        maps_matched=maps_matched,
+        unmaps=unmaps,
+        unmaps_matched=unmaps_matched,
+        ooms=ooms,
+        ooms_matched=ooms_matched,
+        end_state_matches=matches,
+        end_state_detail=detail,
+        reserved_bytes=stats["reserved_bytes.all.current"],
+        allocated_bytes=stats["allocated_bytes.all.current"],
         inactive_split_bytes=stats["inactive_split_bytes.all.current"],
-        segment_bytes=tuple(sorted(total for _, total, _ in modelled)), memory_stats=stats)
+        segment_bytes=tuple(sorted(total for _, total, _ in modelled)),
+        memory_stats=stats,
+    )
 
 
 def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tuple[int, int, int, int]:
@@ -401,8 +453,10 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
         for addr, size, requested in premapped_blocks:
             index = bisect_right(lows, addr) - 1
             if index < 0 or addr + size > lows[index] + start[lows[index]][1]:
-                raise SnapshotError(f"snapshot segments: the block at {addr:#x}, allocated before recording began, "
-                                    f"lies in expandable-segment pages that the trace maps")
+                raise SnapshotError(
+                    f"snapshot segments: the block at {addr:#x}, allocated before recording began, "
+                    f"lies in expandable-segment pages that the trace maps"
+                )
             start[lows[index]][4].append((addr, size, requested))
     bases = sorted(start)
     extended = 0
@@ -415,15 +469,14 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
         if addr >= base + start[base][1]:
             continue
         by_segment.setdefault(base, []).append((addr, requested, freed_at))
-    first_alloc: dict[int, int] = {}         # addr -> position of the trace's first allocation there
-    allocated: list[int] | None = None      # those addresses sorted; both built when first needed
+    first_alloc: dict[int, int] = {}  # addr -> position of the trace's first allocation there
+    allocated: list[int] | None = None  # those addresses sorted; both built when first needed
     for base, frees in by_segment.items():
         _, size, small, _, blocks = start[base]
         starts = sorted([a for a, _, _ in blocks] + [a for a, _, _ in frees])
         for addr, requested, freed_at in frees:
             block = model.round_size(requested)
-            following = starts[bisect_right(starts, addr)] if bisect_right(starts, addr) < len(starts) \
-                else base + size
+            following = starts[bisect_right(starts, addr)] if bisect_right(starts, addr) < len(starts) else base + size
             if not small and not model.expandable_segments:
                 # An allocation the trace places within 1 MiB past the rounded end while this block
                 # is still allocated starts the next block: this block ends there. (The trace's
@@ -449,16 +502,18 @@ def _seed(model: CachingAllocator, scan: _Trace, end: list[_EndSegment]) -> tupl
     try:
         model.seed_segments((base, size, small, blocks, stream) for base, size, small, stream, blocks in plain)
         for base, size, small, stream, ranges in reservations:
-            model.seed_expandable_segment(base, size, small, ranges,
-                                          [block for low, _ in ranges for block in start[low][4]], stream)
+            model.seed_expandable_segment(
+                base, size, small, ranges, [block for low, _ in ranges for block in start[low][4]], stream
+            )
     except ValueError as exc:
         raise SnapshotError(f"snapshot segments: {one_line(exc)}") from None
     seeded_blocks = sum(len(start[base][4]) for base in bases)
     return len(plain) + len(reservations), seeded_blocks, len(preexisting), extended
 
 
-def _expandable_at_start(model: CachingAllocator, scan: _Trace,
-                         end: list[_EndSegment]) -> list[tuple[int, int, bool, int, list[tuple[int, int]]]]:
+def _expandable_at_start(
+    model: CachingAllocator, scan: _Trace, end: list[_EndSegment]
+) -> list[tuple[int, int, bool, int, list[tuple[int, int]]]]:
     """The expandable segments that had pages mapped when recording began, rebuilt from the end state:
     (reservation base, reservation size, small, stream, [(start, end) of each range mapped then]).
 
@@ -477,7 +532,7 @@ def _expandable_at_start(model: CachingAllocator, scan: _Trace,
       ``find_expandable_block``, :2278). It starts at the lowest address known to be in it and is
       cut at the next recorded segment, since reservations do not overlap.
     """
-    groups: list[list[Any]] = []            # [small, stream, [(start, end)], low, high]
+    groups: list[list[Any]] = []  # [small, stream, [(start, end)], low, high]
     current: list[Any] | None = None
     previous_end = 0
     for base, total, small, stream, expandable, _ in sorted(end, key=lambda segment: segment[0]):
@@ -504,7 +559,7 @@ def _expandable_at_start(model: CachingAllocator, scan: _Trace,
             else:
                 pages.update(range(addr, addr + size, page))
         if not pages:
-            continue                         # mapped while recording: the trace's maps place it
+            continue  # mapped while recording: the trace's maps place it
         mapped: list[tuple[int, int]] = []
         for addr in sorted(pages):
             if mapped and mapped[-1][1] == addr:
@@ -517,21 +572,27 @@ def _expandable_at_start(model: CachingAllocator, scan: _Trace,
     return out
 
 
-def _compare_end_state(modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]],
-                       end: list[_EndSegment]) -> tuple[bool, str]:
+def _compare_end_state(
+    modelled: list[tuple[int, int, tuple[tuple[int, int, bool], ...]]], end: list[_EndSegment]
+) -> tuple[bool, str]:
     """Compare ``CachingAllocator.segment_layout()`` with the snapshot's segments."""
-    want = sorted((base, total, tuple((a, z, allocated) for a, z, allocated, _ in block_list))
-                  for base, total, _, _, _, block_list in end)
+    want = sorted(
+        (base, total, tuple((a, z, allocated) for a, z, allocated, _ in block_list))
+        for base, total, _, _, _, block_list in end
+    )
     got = modelled
     if want == got:
         return True, f"{len(got)} segments equal"
     want_set, got_set = set(want), set(got)
-    return False, (f"{len(want_set & got_set)} of {len(want)} recorded segments equal; "
-                   f"{len(got_set - want_set)} modelled segments differ")
+    return False, (
+        f"{len(want_set & got_set)} of {len(want)} recorded segments equal; "
+        f"{len(got_set - want_set)} modelled segments differ"
+    )
 
 
-def replay_snapshot(snapshot: dict[str, Any], *, address_space_bytes: int,
-                    log: Callable[[int, int, int, int], None] | None = None) -> list[DeviceReplay]:
+def replay_snapshot(
+    snapshot: dict[str, Any], *, address_space_bytes: int, log: Callable[[int, int, int, int], None] | None = None
+) -> list[DeviceReplay]:
     """Replay every device that has a trace or segments."""
     traces = snapshot.get("device_traces")
     if not isinstance(traces, list):

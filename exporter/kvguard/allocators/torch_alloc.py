@@ -57,7 +57,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from typing import Any, Callable, Iterable, Iterator
 
-from kvguard.allocators.base import FrozenKey, AllocatorOutOfMemory, absorb, link_after
+from kvguard.allocators.base import AllocatorOutOfMemory, FrozenKey, absorb, link_after
 from kvguard.allocators.device import Device
 
 K_MIN_BLOCK_SIZE = 512
@@ -66,13 +66,22 @@ K_SMALL_BUFFER = 2 << 20
 K_LARGE_BUFFER = 20 << 20
 K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
-K_EXTRA_LARGE_BUFFER = 1 << 30    # torch_npu's 1 GiB page (page_size:1g)
-K_ROUNDUP_INTERVALS = 16          # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
+K_EXTRA_LARGE_BUFFER = 1 << 30  # torch_npu's 1 GiB page (page_size:1g)
+K_ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
 NPU_SIZE_PAD = 32
 _UNLIMITED = (1 << 64) - 1
 
-STAT_ARRAYS = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-               "active_bytes", "inactive_split_bytes", "requested_bytes")
+STAT_ARRAYS = (
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+)
 STAT_POOLS = ("all", "small_pool", "large_pool")
 STAT_FIELDS = ("current", "peak", "allocated", "freed")
 # Indexes into the per-pool stat arrays.
@@ -85,8 +94,20 @@ _MASK64 = (1 << 64) - 1
 
 
 class Block:
-    __slots__ = ("addr", "size", "requested", "small", "prev", "next", "allocated", "mapped", "segment", "stream",
-                 "gc_base", "key")
+    __slots__ = (
+        "addr",
+        "size",
+        "requested",
+        "small",
+        "prev",
+        "next",
+        "allocated",
+        "mapped",
+        "segment",
+        "stream",
+        "gc_base",
+        "key",
+    )
 
     def __init__(self, addr: int, size: int, small: bool, segment: "Segment", stream: int = 0) -> None:
         self.addr = addr
@@ -100,7 +121,7 @@ class Block:
         self.segment = segment
         self.stream = stream
         self.gc_base = 0
-        self.key = 0          # its sort key while it is in a free list
+        self.key = 0  # its sort key while it is in a free list
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -111,8 +132,9 @@ class Segment:
 
     __slots__ = ("base", "size", "small", "expandable", "page_size", "stream")
 
-    def __init__(self, base: int, size: int, small: bool, expandable: bool = False, page_size: int = 0,
-                 stream: int = 0) -> None:
+    def __init__(
+        self, base: int, size: int, small: bool, expandable: bool = False, page_size: int = 0, stream: int = 0
+    ) -> None:
         self.base = base
         self.size = size
         self.small = small
@@ -186,19 +208,38 @@ class CachingAllocator:
     so at their defaults the ``torch`` variant is unchanged.
     """
 
-    def __init__(self, device: Device, *, variant: str = "torch", max_split_size: int | None = None,
-                 expandable_segments: bool = False, roundup_power2_divisions: Any = None,
-                 garbage_collection_threshold: float = 0.0, large_segment_size: int = K_LARGE_BUFFER,
-                 max_non_split_rounding_size: int | None = None, memory_fraction: float | None = None,
-                 add_pad_size: bool | None = None, base_addr_aligned_kb: int | None = None,
-                 segment_size: int = 0, page_size_1g: bool = False, throw_on_npumalloc_oom: bool = False) -> None:
+    def __init__(
+        self,
+        device: Device,
+        *,
+        variant: str = "torch",
+        max_split_size: int | None = None,
+        expandable_segments: bool = False,
+        roundup_power2_divisions: Any = None,
+        garbage_collection_threshold: float = 0.0,
+        large_segment_size: int = K_LARGE_BUFFER,
+        max_non_split_rounding_size: int | None = None,
+        memory_fraction: float | None = None,
+        add_pad_size: bool | None = None,
+        base_addr_aligned_kb: int | None = None,
+        segment_size: int = 0,
+        page_size_1g: bool = False,
+        throw_on_npumalloc_oom: bool = False,
+    ) -> None:
         if variant not in ("torch", "torch_npu"):
             raise ValueError(f"unknown caching-allocator variant {variant!r}")
         npu = variant == "torch_npu"
-        if not npu and (add_pad_size is not None or base_addr_aligned_kb is not None or segment_size or page_size_1g
-                        or throw_on_npumalloc_oom):
-            raise ValueError("add_pad_size, base_addr_aligned_kb, segment_size, page_size_1g and "
-                             "throw_on_npumalloc_oom are torch_npu's")
+        if not npu and (
+            add_pad_size is not None
+            or base_addr_aligned_kb is not None
+            or segment_size
+            or page_size_1g
+            or throw_on_npumalloc_oom
+        ):
+            raise ValueError(
+                "add_pad_size, base_addr_aligned_kb, segment_size, page_size_1g and "
+                "throw_on_npumalloc_oom are torch_npu's"
+            )
         if large_segment_size <= K_MIN_LARGE_ALLOC:
             raise ValueError("large_segment_size must be larger than 10 MiB (kMinLargeAlloc)")
         if max_split_size is not None and not npu and max_split_size <= K_LARGE_BUFFER:
@@ -220,8 +261,9 @@ class CachingAllocator:
         self._null_for_zero = npu
         self.base_addr_aligned = (16 if base_addr_aligned_kb is None else base_addr_aligned_kb) * 1024 if npu else 0
         self.large_segment_size = int(large_segment_size)
-        self.max_non_split_rounding_size = (self.large_segment_size if max_non_split_rounding_size is None
-                                            else int(max_non_split_rounding_size))
+        self.max_non_split_rounding_size = (
+            self.large_segment_size if max_non_split_rounding_size is None else int(max_non_split_rounding_size)
+        )
         self.page_size_1g = page_size_1g
         # The large pool's expandable page: 1 GiB pages, else large_segment_size_mb when set, else
         # segment_size_mb when set, else 20 MiB (get_custom_expandable_segment_size).
@@ -240,7 +282,7 @@ class CachingAllocator:
         self.garbage_collection_threshold = float(garbage_collection_threshold)
         self.allowed_memory_maximum = 0
         self.set_fraction = False
-        self._gc_enabled = False     # garbage collection acts only once a memory fraction is set
+        self._gc_enabled = False  # garbage collection acts only once a memory fraction is set
         # Free blocks per pool as a sorted list of packed (stream, size, addr) keys: best fit is bisect_left.
         self._free: tuple[list[int], list[int]] = ([], [])  # index 0: large pool, 1: small pool (Block.small)
         self._free_blocks: dict[int, Block] = {}
@@ -248,9 +290,9 @@ class CachingAllocator:
         # Expandable mode: unmapped blocks per pool, sorted by (stream, address).
         self._unmapped: tuple[list[tuple[int, int, Block]], list[tuple[int, int, Block]]] = ([], [])
         self._segments: list[Segment] = []
-        self._segments_key: FrozenKey | None = None       # steady_state_key's, until the segments change
+        self._segments_key: FrozenKey | None = None  # steady_state_key's, until the segments change
         self._steady_cells: tuple[list, list] | None = None
-        self._gc_calls = [0, 0]       # BlockPool::get_free_blocks_call_count, per pool
+        self._gc_calls = [0, 0]  # BlockPool::get_free_blocks_call_count, per pool
         # cudaGetDeviceProperties().totalGlobalMem, which sizes expandable segments; None: the device's capacity.
         self.address_space_total: int | None = None
         self._next_addr = 1 << 40
@@ -350,17 +392,33 @@ class CachingAllocator:
         collection (block ages) or trace-replay callbacks."""
         if self._gc_enabled or self.segment_address is not None or self.on_map is not None:
             return None
-        segments = self._segments_key     # None after any change to the segments
+        segments = self._segments_key  # None after any change to the segments
         if segments is None:
-            segments = self._segments_key = FrozenKey(tuple(
-                (s.base, s.size, s.small, s.expandable, s.page_size, s.stream) for s in self._segments))
-        unmapped = (tuple((s, a, b.size) for s, a, _, b in self._unmapped[0]),
-                    tuple((s, a, b.size) for s, a, _, b in self._unmapped[1])) \
-            if self._unmapped[0] or self._unmapped[1] else None
+            segments = self._segments_key = FrozenKey(
+                tuple((s.base, s.size, s.small, s.expandable, s.page_size, s.stream) for s in self._segments)
+            )
+        unmapped = (
+            (
+                tuple((s, a, b.size) for s, a, _, b in self._unmapped[0]),
+                tuple((s, a, b.size) for s, a, _, b in self._unmapped[1]),
+            )
+            if self._unmapped[0] or self._unmapped[1]
+            else None
+        )
         device = self.device
-        return (tuple(self._free[0]), tuple(self._free[1]), unmapped, segments, self._next_addr,
-                device.allocator_bytes, device.non_allocator_bytes, device.capacity_bytes,
-                self.allowed_memory_maximum, self.set_fraction, self.address_space_total)
+        return (
+            tuple(self._free[0]),
+            tuple(self._free[1]),
+            unmapped,
+            segments,
+            self._next_addr,
+            device.allocator_bytes,
+            device.non_allocator_bytes,
+            device.capacity_bytes,
+            self.allowed_memory_maximum,
+            self.set_fraction,
+            self.address_space_total,
+        )
 
     def steady_cells(self) -> tuple[list, list]:
         """(additive counters, high-water marks) as (container, index or attribute) pairs."""
@@ -369,8 +427,16 @@ class CachingAllocator:
             stats = [stat for name in STAT_ARRAYS for stat in self._stats[name]]
             stats += [self._oversize_allocations, self._oversize_segments]
             counters = [(stat, i) for stat in stats for i in (0, 2, 3)]
-            counters += [(self, name) for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
-                                                   "num_device_alloc", "num_device_free")]
+            counters += [
+                (self, name)
+                for name in (
+                    "num_alloc_retries",
+                    "num_ooms",
+                    "num_sync_all_streams",
+                    "num_device_alloc",
+                    "num_device_free",
+                )
+            ]
             peaks = [(stat, 1) for stat in stats]
             peaks += [(self, "_window_alloc"), (self, "_window_reserved"), (self.device, "peak_used_bytes")]
             cells = self._steady_cells = (counters, peaks)
@@ -378,7 +444,7 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- free-list helpers
     def _insert_free(self, block: Block) -> None:
-        if self._gc_enabled:      # the call count stays 0 until garbage collection is on
+        if self._gc_enabled:  # the call count stays 0 until garbage collection is on
             block.gc_base = self._gc_calls[block.small]
         key = (block.size << _KEY_SIZE) | block.addr
         if block.stream:
@@ -424,8 +490,10 @@ class CachingAllocator:
                 if key >> _KEY_STREAM == stream:
                     block_size = (key >> _KEY_SIZE) & _MASK64
                     max_split = self.max_split_size
-                    if not ((size < max_split <= block_size) or
-                            (size >= max_split and block_size >= size + self.max_non_split_rounding_size)):
+                    if not (
+                        (size < max_split <= block_size)
+                        or (size >= max_split and block_size >= size + self.max_non_split_rounding_size)
+                    ):
                         del entries[index]
                         block = self._free_blocks.pop(key & _MASK64)
         if block is None:
@@ -442,8 +510,12 @@ class CachingAllocator:
             if block is None:
                 if not self._rejected:
                     self.num_ooms += 1
-                raise AllocatorOutOfMemory(requested, self.name, self.device.free_bytes,
-                                     f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved")
+                raise AllocatorOutOfMemory(
+                    requested,
+                    self.name,
+                    self.device.free_bytes,
+                    f"{self.allocated_bytes} allocated, {self.reserved_bytes} reserved",
+                )
         if self._aligns_base and size >= K_ROUND_LARGE and block.addr % self.base_addr_aligned:
             block = self._align_base(block, size)
         # Split off the remainder (``should_split``) and activate the block; the rest of this
@@ -592,8 +664,7 @@ class CachingAllocator:
             def expandable_size(b: Block) -> int:
                 return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
-            while block.segment.expandable and index + 1 < len(entries) and \
-                    entries[index + 1] >> _KEY_STREAM == stream:
+            while block.segment.expandable and index + 1 < len(entries) and entries[index + 1] >> _KEY_STREAM == stream:
                 nxt = self._free_blocks[entries[index + 1] & _MASK64]
                 if expandable_size(nxt) < expandable_size(block):
                     index += 1
@@ -649,7 +720,7 @@ class CachingAllocator:
 
     # ----------------------------------------------------------------- free
     def free(self, addr: int) -> None:
-        if not addr:            # null, as torch_npu hands out for 0 bytes: nothing to free
+        if not addr:  # null, as torch_npu hands out for 0 bytes: nothing to free
             return
         block = self._active.pop(addr)
         small = block.small
@@ -790,8 +861,12 @@ class CachingAllocator:
             return True
         released = 0
         index -= 1
-        while released < key and index >= 0 and (entries[index] >> _KEY_SIZE) & _MASK64 >= self.max_split_size \
-                and entries[index] >> _KEY_STREAM == stream:
+        while (
+            released < key
+            and index >= 0
+            and (entries[index] >> _KEY_SIZE) & _MASK64 >= self.max_split_size
+            and entries[index] >> _KEY_STREAM == stream
+        ):
             block = self._free_blocks[entries[index] & _MASK64]
             index -= 1
             if not block.is_split() and not block.segment.expandable:
@@ -803,7 +878,7 @@ class CachingAllocator:
     def _release_cached_blocks(self) -> None:
         """Sync, then free every cached unsplit segment; expandable: unmap free pages, drop empty segments."""
         self.num_sync_all_streams += 1
-        for entries in self._free:           # large pool first, as release_cached_blocks does
+        for entries in self._free:  # large pool first, as release_cached_blocks does
             to_unmap = []
             for key in list(entries):
                 block = self._free_blocks.get(key & _MASK64)
@@ -889,8 +964,9 @@ class CachingAllocator:
             if room >= size:
                 return candidate
         page, virtual = self.expandable_reservation(small)
-        segment = Segment(self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page,
-                          stream=stream)
+        segment = Segment(
+            self._new_segment_base(virtual, small), virtual, small, expandable=True, page_size=page, stream=stream
+        )
         self._segments.append(segment)
         self._segments_key = None
         block = Block(segment.base, virtual, small, segment, stream)
@@ -974,8 +1050,9 @@ class CachingAllocator:
         return True
 
     # ----------------------------------------------------------------- trace replay
-    def seed_segment(self, base: int, size: int, small: bool, blocks: Iterable[tuple[int, int, int]],
-                     stream: int = 0) -> None:
+    def seed_segment(
+        self, base: int, size: int, small: bool, blocks: Iterable[tuple[int, int, int]], stream: int = 0
+    ) -> None:
         """Add a segment as a recording found it: ``blocks`` are its allocated (addr, size, requested).
 
         The free space between them becomes free blocks, merged as the allocator keeps them.
@@ -1049,15 +1126,24 @@ class CachingAllocator:
                     gap.prev = previous
                 free.append(gap)
                 pieces += 1
-            if pieces > 1:           # every free block of a segment with several is split off another
+            if pieces > 1:  # every free block of a segment with several is split off another
                 for gap in free[first_free:]:
                     counts[5] += 1
                     counts[6] += gap.size
         for small, counts in enumerate(sums):
             pool = _SMALL if small else _LARGE
-            for arrays, amount in zip((self._s_segment, self._s_reserved_bytes, self._s_allocation,
-                                       self._s_allocated_bytes, self._s_requested_bytes, self._s_inactive_split,
-                                       self._s_inactive_split_bytes), counts):
+            for arrays, amount in zip(
+                (
+                    self._s_segment,
+                    self._s_reserved_bytes,
+                    self._s_allocation,
+                    self._s_allocated_bytes,
+                    self._s_requested_bytes,
+                    self._s_inactive_split,
+                    self._s_inactive_split_bytes,
+                ),
+                counts,
+            ):
                 if amount:
                     _inc(arrays, pool, amount)
         if oversize_segments:
@@ -1076,8 +1162,15 @@ class CachingAllocator:
         total = self.address_space_total or self.device.capacity_bytes
         return page, -(-(total + total // 8) // page) * page
 
-    def seed_expandable_segment(self, base: int, size: int, small: bool, mapped: Iterable[tuple[int, int]],
-                                blocks: Iterable[tuple[int, int, int]], stream: int = 0) -> None:
+    def seed_expandable_segment(
+        self,
+        base: int,
+        size: int,
+        small: bool,
+        mapped: Iterable[tuple[int, int]],
+        blocks: Iterable[tuple[int, int, int]],
+        stream: int = 0,
+    ) -> None:
         """Add an expandable segment as a recording found it: the address range [base, base + size)
         that ``find_expandable_block`` reserved, its ``mapped`` (start, end) ranges, and the allocated
         (addr, size, requested) blocks in them.
@@ -1096,8 +1189,10 @@ class CachingAllocator:
         cursor = base
         for start, stop in ranges:
             if start < cursor or stop > end or stop <= start or (start - base) % page or (stop - start) % page:
-                raise ValueError(f"seeded mapped range {start:#x}-{stop:#x} is not whole {page}-byte pages "
-                                 f"of expandable segment {base:#x}+{size}")
+                raise ValueError(
+                    f"seeded mapped range {start:#x}-{stop:#x} is not whole {page}-byte pages "
+                    f"of expandable segment {base:#x}+{size}"
+                )
             cursor = stop
         mapped_bytes = sum(stop - start for start, stop in ranges)
         if not self.device.malloc(mapped_bytes):
@@ -1127,8 +1222,9 @@ class CachingAllocator:
             while index < len(pending) and pending[index][0] < stop:
                 addr, block_size, requested = pending[index]
                 if addr < cursor or addr + block_size > stop:
-                    raise ValueError(f"seeded block at {addr:#x} does not fit a mapped range of expandable "
-                                     f"segment {base:#x}+{size}")
+                    raise ValueError(
+                        f"seeded block at {addr:#x} does not fit a mapped range of expandable segment {base:#x}+{size}"
+                    )
                 if addr > cursor:
                     piece(cursor, addr - cursor, True)
                 block = piece(addr, block_size, True)
@@ -1146,8 +1242,10 @@ class CachingAllocator:
                 piece(cursor, stop - cursor, True)
             cursor = stop
         if index < len(pending):
-            raise ValueError(f"seeded block at {pending[index][0]:#x} lies outside the mapped ranges of "
-                             f"expandable segment {base:#x}+{size}")
+            raise ValueError(
+                f"seeded block at {pending[index][0]:#x} lies outside the mapped ranges of "
+                f"expandable segment {base:#x}+{size}"
+            )
         if cursor < end:
             piece(cursor, end - cursor, False)
         for block in pieces:
@@ -1156,8 +1254,12 @@ class CachingAllocator:
             elif not block.allocated:
                 self._insert_free(block)
         pool = _SMALL if small else _LARGE
-        for arrays, amount in ((self._s_reserved_bytes, mapped_bytes), (self._s_allocation, allocations),
-                               (self._s_allocated_bytes, allocated), (self._s_requested_bytes, requested_bytes)):
+        for arrays, amount in (
+            (self._s_reserved_bytes, mapped_bytes),
+            (self._s_allocation, allocations),
+            (self._s_allocated_bytes, allocated),
+            (self._s_requested_bytes, requested_bytes),
+        ):
             if amount:
                 _inc(arrays, pool, amount)
         self._note_reserved()
@@ -1225,10 +1327,17 @@ class CachingAllocator:
         One entry per contiguous mapped range of an expandable segment; blocks as
         ``{"address", "size", "allocated"}``; sorted by address.
         """
-        out = [{"address": blocks[0][0], "total_size": sum(size for _, size, _ in blocks), "small": segment.small,
-                "expandable": segment.expandable, "stream": segment.stream,
-                "blocks": [{"address": addr, "size": size, "allocated": allocated} for addr, size, allocated in blocks]}
-               for segment, blocks in self._mapped_ranges()]
+        out = [
+            {
+                "address": blocks[0][0],
+                "total_size": sum(size for _, size, _ in blocks),
+                "small": segment.small,
+                "expandable": segment.expandable,
+                "stream": segment.stream,
+                "blocks": [{"address": addr, "size": size, "allocated": allocated} for addr, size, allocated in blocks],
+            }
+            for segment, blocks in self._mapped_ranges()
+        ]
         return sorted(out, key=lambda s: s["address"])
 
     def segment_layout(self) -> list[tuple[int, int, tuple[tuple[int, int, bool], ...]]]:
@@ -1252,8 +1361,10 @@ class CachingAllocator:
             for pool_name, stat in zip(STAT_POOLS, _filled(self._stats[source])):
                 for field, value in zip(STAT_FIELDS, stat):
                     stats[f"{name}.{pool_name}.{field}"] = value
-        for name, stat in (("oversize_allocations", self._oversize_allocations),
-                           ("oversize_segments", self._oversize_segments)):
+        for name, stat in (
+            ("oversize_allocations", self._oversize_allocations),
+            ("oversize_segments", self._oversize_segments),
+        ):
             for field, value in zip(STAT_FIELDS, (stat[0], stat[1], stat[0] + stat[3], stat[3])):
                 stats[f"{name}.{field}"] = value
         stats["num_alloc_retries"] = self.num_alloc_retries
@@ -1293,25 +1404,60 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
 # The keys each variant's real parser accepts. Common to both: c10's AcceleratorAllocatorConfig
 # (c10/core/AllocatorConfig.cpp, getMutableKeys; the key set read in torch 2.13.0's libc10.so,
 # which adds the two pinned_max_* keys to the source this cites).
-_C10_KEYS = ("large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-             "roundup_power2_divisions", "expandable_segments", "pinned_use_background_threads",
-             "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb")
+_C10_KEYS = (
+    "large_segment_size_mb",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "garbage_collection_threshold",
+    "roundup_power2_divisions",
+    "expandable_segments",
+    "pinned_use_background_threads",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
+)
 # torch_npu: NPUAllocatorConfig::getKeys (NPUAllocatorConfig.h:131-142) and the c10 keys it lets
 # through, kNPUSupportAccKeys (NPUAllocatorConfig.cpp:33-42: all of them at 2.13.0).
-_NPU_KEYS = ("pin_memory_expandable_segments", "pinned_mem_register", "base_addr_aligned_kb", "page_size",
-             "segment_size_mb", "multi_stream_lazy_reclaim", "pinned_reserve_segment_size_mb",
-             "per_process_memory_fraction", "release_lock_on_npumalloc", "throw_on_npumalloc_oom")
+_NPU_KEYS = (
+    "pin_memory_expandable_segments",
+    "pinned_mem_register",
+    "base_addr_aligned_kb",
+    "page_size",
+    "segment_size_mb",
+    "multi_stream_lazy_reclaim",
+    "pinned_reserve_segment_size_mb",
+    "per_process_memory_fraction",
+    "release_lock_on_npumalloc",
+    "throw_on_npumalloc_oom",
+)
 # torch: CUDAAllocatorConfig::parseArgs (c10/cuda/CUDAAllocatorConfig.cpp, pytorch/pytorch 01f9ef32).
-_CUDA_KEYS = ("backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
-              "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_reserve_segment_size_mb",
-              "graph_capture_record_stream_reuse")
+_CUDA_KEYS = (
+    "backend",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "pinned_reserve_segment_size_mb",
+    "graph_capture_record_stream_reuse",
+)
 # Keys that change nothing a device allocator places (locks, host/pinned memory, event reaping on one
 # stream): checked like the real parser checks them, then left out of the keyword arguments.
-_NO_PLACEMENT = {"pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
-                 "pin_memory_expandable_segments", "pinned_mem_register", "multi_stream_lazy_reclaim",
-                 "pinned_reserve_segment_size_mb", "release_lock_on_npumalloc", "release_lock_on_cudamalloc",
-                 "release_lock_on_hipmalloc", "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
-                 "pinned_num_register_threads", "graph_capture_record_stream_reuse"}
+_NO_PLACEMENT = {
+    "pinned_use_background_threads",
+    "pinned_max_round_threshold_mb",
+    "pinned_max_cached_size_mb",
+    "pin_memory_expandable_segments",
+    "pinned_mem_register",
+    "multi_stream_lazy_reclaim",
+    "pinned_reserve_segment_size_mb",
+    "release_lock_on_npumalloc",
+    "release_lock_on_cudamalloc",
+    "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_use_hip_host_register",
+    "pinned_num_register_threads",
+    "graph_capture_record_stream_reuse",
+}
 _MIB = 1 << 20
 
 
@@ -1346,7 +1492,7 @@ def _conf_float(key: str, value: str) -> float:
 
 
 def _conf_bool(key: str, value: str) -> bool:
-    if value not in ("True", "False"):   # ConfigTokenizer::toBool: exactly True or False
+    if value not in ("True", "False"):  # ConfigTokenizer::toBool: exactly True or False
         raise ValueError(f"alloc conf: {key} needs True or False, got {value!r}")
     return value == "True"
 
@@ -1369,7 +1515,7 @@ def _conf_divisions(value: str | list[tuple[str, str]]) -> tuple[int, ...]:
         if divisions & (divisions - 1):
             raise ValueError(f"alloc conf: {key} divisions must be 0 or a power of 2, got {divisions}")
         if bound == ">":
-            table[last_index + 1:] = [divisions] * (K_ROUNDUP_INTERVALS - last_index - 1)
+            table[last_index + 1 :] = [divisions] * (K_ROUNDUP_INTERVALS - last_index - 1)
             continue
         mib = _conf_int(key, bound)
         if mib <= 0 or mib & (mib - 1):
@@ -1493,8 +1639,12 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
         elif key == "throw_on_npumalloc_oom":
             if _conf_bool(key, value):
                 kwargs["throw_on_npumalloc_oom"] = True
-        elif key in ("pinned_num_register_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
-                     "pinned_reserve_segment_size_mb"):
+        elif key in (
+            "pinned_num_register_threads",
+            "pinned_max_round_threshold_mb",
+            "pinned_max_cached_size_mb",
+            "pinned_reserve_segment_size_mb",
+        ):
             _conf_int(key, value)
         elif key in _NO_PLACEMENT:
             _conf_bool(key, value)
@@ -1502,10 +1652,14 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
     if fraction < 1.0:
         kwargs["memory_fraction"] = fraction
     # NPUAllocatorConfig.cpp:306-312: neither splits limit nor garbage collection with expandable segments.
-    if npu and kwargs.get("expandable_segments") and (
-            "max_split_size" in kwargs or "garbage_collection_threshold" in kwargs):
-        raise ValueError("alloc conf: max_split_size_mb or garbage_collection_threshold cannot be used "
-                         "with expandable_segments:True")
+    if (
+        npu
+        and kwargs.get("expandable_segments")
+        and ("max_split_size" in kwargs or "garbage_collection_threshold" in kwargs)
+    ):
+        raise ValueError(
+            "alloc conf: max_split_size_mb or garbage_collection_threshold cannot be used with expandable_segments:True"
+        )
     return kwargs
 
 
@@ -1513,6 +1667,7 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
 # Only current and peak are kept everywhere, and freed per pool: "allocated" is current + freed
 # (every change goes through these helpers), and the all-pool freed is the pools' sum; both
 # are filled in by memory_stats(). The hot paths (malloc, free) follow the same scheme inline.
+
 
 def _inc(arrays: list[list[int]], pool: int, amount: int) -> None:
     stat = arrays[_ALL]

@@ -37,7 +37,7 @@ from kvguard.allocators.torch_alloc import (
 
 try:
     from kvguard.allocators._ctorch import Engine
-except ImportError:        # no C compiler where kvguard was installed: the Python model only
+except ImportError:  # no C compiler where kvguard was installed: the Python model only
     Engine = None
 
 # Sizes and addresses are uint64 in the engine: a rounded request past 2**64 - 1 saturates there, larger than
@@ -70,7 +70,7 @@ def _odd_size(rules: CachingAllocator, size: Any) -> int:
     refused. Returns 0 where the model returns null (torch_npu, a falsy size)."""
     if not size and rules._null_for_zero:
         return 0
-    if rules._plain_rounding:     # malloc's inlined rounding
+    if rules._plain_rounding:  # malloc's inlined rounding
         rounded = K_MIN_BLOCK_SIZE if size < K_MIN_BLOCK_SIZE else (size + 511) & ~511
     else:
         rounded = rules.round_size(size)
@@ -88,30 +88,67 @@ _BaseEngine: Any = Engine if Engine is not None else object
 class NativeCachingAllocator(_BaseEngine):
     """:class:`~kvguard.allocators.torch_alloc.CachingAllocator` on the C engine (same arguments)."""
 
-    def __init__(self, device: Device, *, variant: str = "torch", max_split_size: int | None = None,
-                 expandable_segments: bool = False, roundup_power2_divisions: Any = None,
-                 garbage_collection_threshold: float = 0.0, large_segment_size: int = K_LARGE_BUFFER,
-                 max_non_split_rounding_size: int | None = None, memory_fraction: float | None = None,
-                 add_pad_size: bool | None = None, base_addr_aligned_kb: int | None = None,
-                 segment_size: int = 0, page_size_1g: bool = False, throw_on_npumalloc_oom: bool = False) -> None:
+    def __init__(
+        self,
+        device: Device,
+        *,
+        variant: str = "torch",
+        max_split_size: int | None = None,
+        expandable_segments: bool = False,
+        roundup_power2_divisions: Any = None,
+        garbage_collection_threshold: float = 0.0,
+        large_segment_size: int = K_LARGE_BUFFER,
+        max_non_split_rounding_size: int | None = None,
+        memory_fraction: float | None = None,
+        add_pad_size: bool | None = None,
+        base_addr_aligned_kb: int | None = None,
+        segment_size: int = 0,
+        page_size_1g: bool = False,
+        throw_on_npumalloc_oom: bool = False,
+    ) -> None:
         rules = CachingAllocator(
-            device, variant=variant, max_split_size=max_split_size, expandable_segments=expandable_segments,
+            device,
+            variant=variant,
+            max_split_size=max_split_size,
+            expandable_segments=expandable_segments,
             roundup_power2_divisions=roundup_power2_divisions,
-            garbage_collection_threshold=garbage_collection_threshold, large_segment_size=large_segment_size,
-            max_non_split_rounding_size=max_non_split_rounding_size, memory_fraction=memory_fraction,
-            add_pad_size=add_pad_size, base_addr_aligned_kb=base_addr_aligned_kb, segment_size=segment_size,
-            page_size_1g=page_size_1g, throw_on_npumalloc_oom=throw_on_npumalloc_oom)
-        reason = unsupported(device, max_split_size=rules.max_split_size, large_segment_size=rules.large_segment_size,
-                             max_non_split_rounding_size=rules.max_non_split_rounding_size,
-                             segment_size=rules.large_page_size)
+            garbage_collection_threshold=garbage_collection_threshold,
+            large_segment_size=large_segment_size,
+            max_non_split_rounding_size=max_non_split_rounding_size,
+            memory_fraction=memory_fraction,
+            add_pad_size=add_pad_size,
+            base_addr_aligned_kb=base_addr_aligned_kb,
+            segment_size=segment_size,
+            page_size_1g=page_size_1g,
+            throw_on_npumalloc_oom=throw_on_npumalloc_oom,
+        )
+        reason = unsupported(
+            device,
+            max_split_size=rules.max_split_size,
+            large_segment_size=rules.large_segment_size,
+            max_non_split_rounding_size=rules.max_non_split_rounding_size,
+            segment_size=rules.large_page_size,
+        )
         if reason is not None:
             raise NotImplementedError(f"NativeCachingAllocator: {reason}")
-        super().__init__(device, rules.name, lambda size: _odd_size(rules, size), rules.pad, rules._null_for_zero,
-                         rules.base_addr_aligned, rules.large_segment_size, rules.max_non_split_rounding_size,
-                         bool(rules.page_size_1g), rules.large_page_size, rules.max_split_size,
-                         bool(rules.expandable_segments), rules.roundup_power2_divisions,
-                         rules.garbage_collection_threshold, bool(rules.throw_on_npumalloc_oom),
-                         rules._rejection_limit)
+        super().__init__(
+            device,
+            rules.name,
+            lambda size: _odd_size(rules, size),
+            rules.pad,
+            rules._null_for_zero,
+            rules.base_addr_aligned,
+            rules.large_segment_size,
+            rules.max_non_split_rounding_size,
+            bool(rules.page_size_1g),
+            rules.large_page_size,
+            rules.max_split_size,
+            bool(rules.expandable_segments),
+            rules.roundup_power2_divisions,
+            rules.garbage_collection_threshold,
+            bool(rules.throw_on_npumalloc_oom),
+            rules._rejection_limit,
+        )
         self._rules = rules
         if rules.set_fraction:
             self._set_fraction(rules.allowed_memory_maximum, rules._gc_enabled)
@@ -147,18 +184,20 @@ class NativeCachingAllocator(_BaseEngine):
     @property
     def _stats(self) -> dict[str, list[list[int]]]:
         cells = tuple(self._stat_cells())
-        return {name: [[cells[(a * 3 + pool) * 4 + field] for field in range(4)] for pool in range(3)]
-                for a, name in enumerate(STAT_ARRAYS)}
+        return {
+            name: [[cells[(a * 3 + pool) * 4 + field] for field in range(4)] for pool in range(3)]
+            for a, name in enumerate(STAT_ARRAYS)
+        }
 
     @property
     def _oversize_allocations(self) -> list[int]:
         base = len(STAT_ARRAYS) * 12
-        return list(tuple(self._stat_cells())[base:base + 4])
+        return list(tuple(self._stat_cells())[base : base + 4])
 
     @property
     def _oversize_segments(self) -> list[int]:
         base = len(STAT_ARRAYS) * 12 + 4
-        return list(tuple(self._stat_cells())[base:base + 4])
+        return list(tuple(self._stat_cells())[base : base + 4])
 
     memory_stats = CachingAllocator.memory_stats
 

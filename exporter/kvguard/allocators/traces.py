@@ -43,9 +43,9 @@ import io
 import math
 import struct
 from collections import OrderedDict
+from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import is_
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kvguard.allocators.base import AllocatorOutOfMemory
@@ -71,9 +71,9 @@ class TraceEvent:
 
 @dataclass(frozen=True)
 class Trace:
-    source: str                      # "mindspore_memory_block" or "torch_snapshot"
+    source: str  # "mindspore_memory_block" or "torch_snapshot"
     events: tuple[TraceEvent, ...]
-    skipped: int = 0                 # rows or entries not replayed (see the module docstring)
+    skipped: int = 0  # rows or entries not replayed (see the module docstring)
 
     @property
     def num_allocs(self) -> int:
@@ -101,8 +101,8 @@ def _int_field(text: str) -> int | None:
         return int(text)
     except ValueError:
         pass
-    value = float(text)            # "2048.0", "1e3"; ValueError for words
-    if not math.isfinite(value):   # "inf", "nan", "1e400"
+    value = float(text)  # "2048.0", "1e3"; ValueError for words
+    if not math.isfinite(value):  # "inf", "nan", "1e400"
         raise ValueError(f"not a finite number: {text[:40]!r}")
     return int(value)
 
@@ -113,7 +113,7 @@ def parse_memory_block_csv(text: str) -> Trace:
         text = text[1:]
     try:
         rows = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
-    except csv.Error as exc:     # a stray carriage return, a cell past the csv module's field limit
+    except csv.Error as exc:  # a stray carriage return, a cell past the csv module's field limit
         raise TraceError(f"memory_block.csv is not a readable CSV: {one_line(exc)}") from None
     if not rows:
         raise TraceError("memory_block.csv is empty")
@@ -164,20 +164,20 @@ def parse_memory_block_csv(text: str) -> Trace:
 # 4,186,457 bytes, 179,228 objects built, 63,867 memo entries, 8,934,684 values when every
 # shared reference is counted as what it refers to (torch shares frame dicts between trace
 # entries), 27,358 items in one container, containers 9 deep and strings of 3,289 bytes.
-SNAPSHOT_MAX_BYTES = 32 << 20                 # 8x the largest real snapshot
-SNAPSHOT_MAX_OBJECTS = 2_000_000              # values built, references to them not counted: 11x
-SNAPSHOT_MAX_VALUES = 64_000_000              # values, each shared reference counted in full: 7x
-SNAPSHOT_MAX_CONTAINER_ITEMS = 1_000_000      # items in one list, dict, tuple or set: 36x
-SNAPSHOT_MAX_MEMO = 1_000_000                 # memo entries stored: 15x
-SNAPSHOT_MAX_STRING_BYTES = 1 << 20           # one str, bytes or bytearray: 300x
-SNAPSHOT_MAX_DEPTH = 100                      # containers within containers: 11x
+SNAPSHOT_MAX_BYTES = 32 << 20  # 8x the largest real snapshot
+SNAPSHOT_MAX_OBJECTS = 2_000_000  # values built, references to them not counted: 11x
+SNAPSHOT_MAX_VALUES = 64_000_000  # values, each shared reference counted in full: 7x
+SNAPSHOT_MAX_CONTAINER_ITEMS = 1_000_000  # items in one list, dict, tuple or set: 36x
+SNAPSHOT_MAX_MEMO = 1_000_000  # memo entries stored: 15x
+SNAPSHOT_MAX_STRING_BYTES = 1 << 20  # one str, bytes or bytearray: 300x
+SNAPSHOT_MAX_DEPTH = 100  # containers within containers: 11x
 # Memory as CPython 3.11 on 64 bits spends it, per object built and per reference a container holds
 # (memo references included: a set filled by BINGETs costs its table, not one object): the budget
 # is 256 MiB, 9.5x the largest real snapshot's estimate (27 MiB). An empty set costs 216 bytes
 # (2,000,000 of them from a 2 MB file were 467 MiB).
 SNAPSHOT_MAX_MEMORY_BYTES = 256 << 20
-_OBJECT_BYTES = 64                            # an int, float, str header, list or dict, rounded up
-_EMPTY_SET_BYTES = 216 - _OBJECT_BYTES        # the rest of an empty set (or frozenset) beyond that
+_OBJECT_BYTES = 64  # an int, float, str header, list or dict, rounded up
+_EMPTY_SET_BYTES = 216 - _OBJECT_BYTES  # the rest of an empty set (or frozenset) beyond that
 _ITEM_BYTES = {list: 9, dict: 48, set: 64, frozenset: 64, tuple: 8, OrderedDict: 104}
 # Keys (or set items) of one container that share a hash: each insert walks all of them, so
 # k x (2**61 - 1) integer keys, which all hash to 0, made dict and set building quadratic (40,000
@@ -246,22 +246,49 @@ def _ordered_dict(*args: Any) -> OrderedDict:
     return OrderedDict()
 
 
-_CONSTRUCTORS = {("builtins", "bytearray"): _bytearray, ("builtins", "set"): _set,
-                 ("builtins", "frozenset"): _frozenset, ("collections", "OrderedDict"): _ordered_dict,
-                 # protocol 2 names builtins as Python 2 did (Lib/_compat_pickle.py, IMPORT_MAPPING)
-                 ("__builtin__", "bytearray"): _bytearray, ("__builtin__", "set"): _set,
-                 ("__builtin__", "frozenset"): _frozenset,
-                 # protocol 2 writes bytes as these (Lib/pickle.py, save_bytes)
-                 ("__builtin__", "bytes"): _bytes, ("builtins", "bytes"): _bytes, ("_codecs", "encode"): _encode}
+_CONSTRUCTORS = {
+    ("builtins", "bytearray"): _bytearray,
+    ("builtins", "set"): _set,
+    ("builtins", "frozenset"): _frozenset,
+    ("collections", "OrderedDict"): _ordered_dict,
+    # protocol 2 names builtins as Python 2 did (Lib/_compat_pickle.py, IMPORT_MAPPING)
+    ("__builtin__", "bytearray"): _bytearray,
+    ("__builtin__", "set"): _set,
+    ("__builtin__", "frozenset"): _frozenset,
+    # protocol 2 writes bytes as these (Lib/pickle.py, save_bytes)
+    ("__builtin__", "bytes"): _bytes,
+    ("builtins", "bytes"): _bytes,
+    ("_codecs", "encode"): _encode,
+}
 _CONSTRUCTOR_FUNCTIONS = (_bytearray, _set, _frozenset, _ordered_dict, _bytes, _encode)
 
 # Bytes after an opcode that are read before any length is known (Lib/pickletools.py's ArgumentDescriptors).
-_ARGUMENT_BYTES = {0x68: 1, 0x6A: 4, 0x8A: 1, 0x4B: 1, 0x4D: 2, 0x4A: 4, 0x8C: 1, 0x58: 4, 0x8D: 8, 0x95: 8,
-                   0x71: 1, 0x72: 4, 0x47: 8, 0x8B: 4, 0x43: 1, 0x42: 4, 0x8E: 8, 0x96: 8, 0x80: 1}
+_ARGUMENT_BYTES = {
+    0x68: 1,
+    0x6A: 4,
+    0x8A: 1,
+    0x4B: 1,
+    0x4D: 2,
+    0x4A: 4,
+    0x8C: 1,
+    0x58: 4,
+    0x8D: 8,
+    0x95: 8,
+    0x71: 1,
+    0x72: 4,
+    0x47: 8,
+    0x8B: 4,
+    0x43: 1,
+    0x42: 4,
+    0x8E: 8,
+    0x96: 8,
+    0x80: 1,
+}
 
 
 def _opcode_name(code: int) -> str:
     import pickletools
+
     return next((op.name for op in pickletools.opcodes if op.code == chr(code)), f"opcode 0x{code:02x}")
 
 
@@ -269,9 +296,9 @@ def _over_budget(what: str, count: int, limit: int) -> _Refused:
     return _Refused(f"{count:,} {what}, over the budget of {limit:,}")
 
 
-_HASH_LIMIT = (1 << 61) - 1                    # CPython's modulus for numeric hashes (sys.hash_info.modulus)
-_HASH_ENTRY_BYTES = 128                        # one (container, hash) count in _Keys, or one tuple's note
-_SHORT_TEXT = 64                               # str or bytes keys this long or shorter cost next to nothing
+_HASH_LIMIT = (1 << 61) - 1  # CPython's modulus for numeric hashes (sys.hash_info.modulus)
+_HASH_ENTRY_BYTES = 128  # one (container, hash) count in _Keys, or one tuple's note
+_SHORT_TEXT = 64  # str or bytes keys this long or shorter cost next to nothing
 
 
 class _Keys:
@@ -295,8 +322,8 @@ class _Keys:
     __slots__ = ("containers", "tuples", "work")
 
     def __init__(self, tuples: dict[int, tuple[int, int]]) -> None:
-        self.containers: dict[int, tuple[Any, dict[int, int]]] = {}   # id -> (container, hash -> keys)
-        self.tuples = tuples            # _note_tuple's (depth, cost) of tuples and frozensets, by id
+        self.containers: dict[int, tuple[Any, dict[int, int]]] = {}  # id -> (container, hash -> keys)
+        self.tuples = tuples  # _note_tuple's (depth, cost) of tuples and frozensets, by id
         self.work = 0
 
     def check(self, what: str, keys: Any, target: Any = None, counts: dict[int, int] | None = None) -> int:
@@ -316,8 +343,10 @@ class _Keys:
                 if noted is None:
                     cost = len(key) + 1
                 elif noted[0] > 1:
-                    raise _Refused(f"a {what} key that holds a tuple or frozenset (hashing it walks every path "
-                                   f"through it; a snapshot's keys are strings and integers)")
+                    raise _Refused(
+                        f"a {what} key that holds a tuple or frozenset (hashing it walks every path "
+                        f"through it; a snapshot's keys are strings and integers)"
+                    )
                 else:
                     cost = noted[1]
             else:
@@ -339,11 +368,13 @@ class _Keys:
             slot = hash(key)
             count = counts.get(slot, 0) + 1
             if count > SNAPSHOT_MAX_SAME_HASH:
-                raise _Refused(f"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one {what} "
-                               f"(building it would take time quadratic in its size)")
+                raise _Refused(
+                    f"more than {SNAPSHOT_MAX_SAME_HASH} keys with one hash in one {what} "
+                    f"(building it would take time quadratic in its size)"
+                )
             if count == 1:
                 added += _HASH_ENTRY_BYTES
-            else:       # compared with each key of that hash already in
+            else:  # compared with each key of that hash already in
                 self.work += cost * (count - 1)
                 if self.work > SNAPSHOT_MAX_KEY_WORK:
                     raise _over_budget("steps hashing and comparing keys", self.work, SNAPSHOT_MAX_KEY_WORK)
@@ -365,9 +396,9 @@ def _load_bounded(data: bytes) -> Any:
     push, pop = stack.append, stack.pop
     marks: list[int] = []
     memo: list[Any] = []
-    memo_references: list[int] = []     # memo references to each entry
+    memo_references: list[int] = []  # memo references to each entry
     memoize = memo.append
-    tuples: dict[int, tuple[int, int]] = {}     # _note_tuple's notes: (depth, cost as a key) by id
+    tuples: dict[int, tuple[int, int]] = {}  # _note_tuple's notes: (depth, cost as a key) by id
     unpack = struct.unpack_from
     max_items, max_objects = SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_OBJECTS
     objects = 0
@@ -382,23 +413,23 @@ def _load_bounded(data: bytes) -> Any:
         while True:
             op = data[pos]
             # The opcodes of real snapshots first, the most frequent first.
-            if op == 0x68:                                          # BINGET
+            if op == 0x68:  # BINGET
                 index = data[pos + 1]
                 push(memo[index])
                 memo_references[index] += 1
                 pos += 2
-            elif op == 0x6A:                                        # LONG_BINGET
+            elif op == 0x6A:  # LONG_BINGET
                 index = unpack("<I", data, pos + 1)[0]
                 push(memo[index])
                 memo_references[index] += 1
                 pos += 5
-            elif op == 0x94:                                        # MEMOIZE
+            elif op == 0x94:  # MEMOIZE
                 memoize(stack[-1])
                 memo_references.append(0)
                 if len(memo) > SNAPSHOT_MAX_MEMO:
                     raise _over_budget("memo entries", len(memo), SNAPSHOT_MAX_MEMO)
                 pos += 1
-            elif op == 0x8A:                                        # LONG1
+            elif op == 0x8A:  # LONG1
                 start = pos + 2
                 end = start + data[pos + 1]
                 if end > n:
@@ -408,22 +439,22 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x28:                                        # MARK
+            elif op == 0x28:  # MARK
                 marks.append(len(stack))
                 pos += 1
-            elif op == 0x4B:                                        # BININT1
+            elif op == 0x4B:  # BININT1
                 push(data[pos + 1])
                 pos += 2
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x7D:                                        # EMPTY_DICT
+            elif op == 0x7D:  # EMPTY_DICT
                 push({})
                 pos += 1
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x75:                                        # SETITEMS
+            elif op == 0x75:  # SETITEMS
                 mark = marks.pop()
                 target = stack[mark - 1]
                 if mark == 0 or not isinstance(target, dict):
@@ -440,19 +471,19 @@ def _load_bounded(data: bytes) -> Any:
                 if len(target) > max_items:
                     raise _over_budget("items in one dict", len(target), max_items)
                 pos += 1
-            elif op == 0x4A:                                        # BININT
+            elif op == 0x4A:  # BININT
                 push(unpack("<i", data, pos + 1)[0])
                 pos += 5
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x5D:                                        # EMPTY_LIST
+            elif op == 0x5D:  # EMPTY_LIST
                 push([])
                 pos += 1
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x65:                                        # APPENDS
+            elif op == 0x65:  # APPENDS
                 mark = marks.pop()
                 target = stack[mark - 1]
                 if mark == 0 or type(target) is not list:
@@ -465,11 +496,11 @@ def _load_bounded(data: bytes) -> Any:
                 if len(target) > max_items:
                     raise _over_budget("items in one list", len(target), max_items)
                 pos += 1
-            elif op == 0x8C or op == 0x58 or op == 0x8D:            # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
+            elif op == 0x8C or op == 0x58 or op == 0x8D:  # SHORT_BINUNICODE, BINUNICODE, BINUNICODE8
                 if op == 0x8C:
                     length, start = data[pos + 1], pos + 2
                 else:
-                    wide = op != 0x58          # an 8-byte length, not 4
+                    wide = op != 0x58  # an 8-byte length, not 4
                     length, start = unpack("<Q" if wide else "<I", data, pos + 1)[0], pos + (9 if wide else 5)
                     if length > SNAPSHOT_MAX_STRING_BYTES:
                         raise _over_budget("bytes in one string", length, SNAPSHOT_MAX_STRING_BYTES)
@@ -481,19 +512,19 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x4D:                                        # BININT2
+            elif op == 0x4D:  # BININT2
                 push(data[pos + 1] | data[pos + 2] << 8)
                 pos += 3
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x89 or op == 0x88 or op == 0x4E:            # NEWFALSE, NEWTRUE, NONE
+            elif op == 0x89 or op == 0x88 or op == 0x4E:  # NEWFALSE, NEWTRUE, NONE
                 push(False if op == 0x89 else True if op == 0x88 else None)
                 pos += 1
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif 0x85 <= op <= 0x87 or op == 0x74 or op == 0x29:   # TUPLE1-3, TUPLE (from a mark), EMPTY_TUPLE
+            elif 0x85 <= op <= 0x87 or op == 0x74 or op == 0x29:  # TUPLE1-3, TUPLE (from a mark), EMPTY_TUPLE
                 if op == 0x74:
                     mark = marks.pop()
                 elif op == 0x29:
@@ -513,12 +544,12 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x95:                                        # FRAME: a hint for buffered readers
+            elif op == 0x95:  # FRAME: a hint for buffered readers
                 frame = unpack("<Q", data, pos + 1)[0]
                 if pos + 9 + frame > n:
                     raise _Unreadable(f"the data ends at byte {n:,}, inside a frame of {frame:,} bytes")
                 pos += 9
-            elif op == 0x61 or op == 0x73:                          # APPEND, SETITEM
+            elif op == 0x61 or op == 0x73:  # APPEND, SETITEM
                 if len(stack) - (marks[-1] if marks else 0) < (2 if op == 0x61 else 3):
                     raise _Unreadable(f"{'APPEND' if op == 0x61 else 'SETITEM'} with too little on the stack")
                 value = pop()
@@ -541,18 +572,18 @@ def _load_bounded(data: bytes) -> Any:
                 if memory + objects * _OBJECT_BYTES > max_memory:
                     raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
                 pos += 1
-            elif op == 0x2E:                                        # STOP
+            elif op == 0x2E:  # STOP
                 if not stack:
                     raise _Unreadable("STOP with nothing built")
                 _count_values(objects, memo, memo_references)
                 return stack[-1]
-            elif op == 0x47:                                        # BINFLOAT
+            elif op == 0x47:  # BINFLOAT
                 push(unpack(">d", data, pos + 1)[0])
                 pos += 9
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x71 or op == 0x72:                          # BINPUT, LONG_BINPUT
+            elif op == 0x71 or op == 0x72:  # BINPUT, LONG_BINPUT
                 index = data[pos + 1] if op == 0x71 else unpack("<I", data, pos + 1)[0]
                 # The pickler stores at len(memo) (Lib/pickle.py:509), never elsewhere. Further out
                 # is a sparse memo, which CPython's C unpickler grows to twice the index.
@@ -563,9 +594,9 @@ def _load_bounded(data: bytes) -> Any:
                 if len(memo) > SNAPSHOT_MAX_MEMO:
                     raise _over_budget("memo entries", len(memo), SNAPSHOT_MAX_MEMO)
                 pos += 2 if op == 0x71 else 5
-            elif op == 0x8B:                                        # LONG4
+            elif op == 0x8B:  # LONG4
                 length = unpack("<i", data, pos + 1)[0]
-                if not 0 <= length <= 255:          # a snapshot's integers are addresses and sizes
+                if not 0 <= length <= 255:  # a snapshot's integers are addresses and sizes
                     raise _over_budget("bytes in one integer", length, 255)
                 start = pos + 5
                 end = start + length
@@ -576,11 +607,11 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op in (0x43, 0x42, 0x8E, 0x96):    # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
+            elif op in (0x43, 0x42, 0x8E, 0x96):  # SHORT_BINBYTES, BINBYTES, BINBYTES8, BYTEARRAY8
                 if op == 0x43:
                     length, start = data[pos + 1], pos + 2
                 else:
-                    wide = op != 0x42          # an 8-byte length, not 4
+                    wide = op != 0x42  # an 8-byte length, not 4
                     length, start = unpack("<Q" if wide else "<I", data, pos + 1)[0], pos + (9 if wide else 5)
                 if length > SNAPSHOT_MAX_STRING_BYTES:
                     raise _over_budget("bytes in one string", length, SNAPSHOT_MAX_STRING_BYTES)
@@ -592,7 +623,7 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x8F:                                        # EMPTY_SET
+            elif op == 0x8F:  # EMPTY_SET
                 push(set())
                 pos += 1
                 objects += 1
@@ -601,7 +632,7 @@ def _load_bounded(data: bytes) -> Any:
                     raise _over_budget("objects", objects, max_objects)
                 if memory + objects * _OBJECT_BYTES > max_memory:
                     raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
-            elif op == 0x90 or op == 0x91:                          # ADDITEMS, FROZENSET (from a mark)
+            elif op == 0x90 or op == 0x91:  # ADDITEMS, FROZENSET (from a mark)
                 mark = marks.pop()
                 items = stack[mark:]
                 del stack[mark:]
@@ -625,23 +656,23 @@ def _load_bounded(data: bytes) -> Any:
                 if len(target) > max_items:
                     raise _over_budget("items in one set", len(target), max_items)
                 pos += 1
-            elif op == 0x30:                                        # POP
+            elif op == 0x30:  # POP
                 if marks and marks[-1] == len(stack):
-                    marks.pop()         # an empty frame: POP takes the mark (Lib/pickle.py, load_pop)
+                    marks.pop()  # an empty frame: POP takes the mark (Lib/pickle.py, load_pop)
                 else:
                     pop()
                 pos += 1
-            elif op == 0x31:                                        # POP_MARK
-                del stack[marks.pop():]
+            elif op == 0x31:  # POP_MARK
+                del stack[marks.pop() :]
                 pos += 1
-            elif op == 0x63 or op == 0x93:                          # GLOBAL, STACK_GLOBAL
+            elif op == 0x63 or op == 0x93:  # GLOBAL, STACK_GLOBAL
                 if op == 0x63:
                     end_module = data.find(b"\n", pos + 1, pos + 258)
                     end_name = data.find(b"\n", end_module + 1, end_module + 258)
                     if end_module < 0 or end_name < 0:
                         raise _Unreadable("GLOBAL without two lines of names")
-                    module = data[pos + 1:end_module].decode("utf-8", "replace")
-                    name = data[end_module + 1:end_name].decode("utf-8", "replace")
+                    module = data[pos + 1 : end_module].decode("utf-8", "replace")
+                    name = data[end_module + 1 : end_name].decode("utf-8", "replace")
                     pos = end_name + 1
                 else:
                     if len(stack) - (marks[-1] if marks else 0) < 2:
@@ -654,7 +685,7 @@ def _load_bounded(data: bytes) -> Any:
                 if constructor is None:
                     raise _Refused(f"refusing to load {module[:80]}.{name[:80]} from a snapshot pickle")
                 push(constructor)
-            elif op == 0x52:                                        # REDUCE
+            elif op == 0x52:  # REDUCE
                 if len(stack) - (marks[-1] if marks else 0) < 2:
                     raise _Unreadable("REDUCE with too little on the stack")
                 args = pop()
@@ -662,12 +693,12 @@ def _load_bounded(data: bytes) -> Any:
                 if constructor not in _CONSTRUCTOR_FUNCTIONS or type(args) is not tuple:
                     raise _Refused(f"REDUCE of {_kind(constructor)}")
                 counts: dict[int, int] = {}
-                text = 0        # bytes of the str, bytes or bytearray built: a copy, however few bytes asked for it
+                text = 0  # bytes of the str, bytes or bytearray built: a copy, however few bytes asked for it
                 if (constructor is _set or constructor is _frozenset) and args and type(args[0]) in (list, tuple):
                     memory += keys.check("set" if constructor is _set else "frozenset", args[0], counts=counts)
                     memory += len(args[0]) * item_bytes[set] + _EMPTY_SET_BYTES
                 elif (constructor is _encode or constructor is _bytearray) and args and type(args[0]) in (str, bytes):
-                    text = len(args[0])         # latin-1: a byte a character
+                    text = len(args[0])  # latin-1: a byte a character
                     memory += text
                 if memory + objects * _OBJECT_BYTES > max_memory:
                     raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
@@ -688,7 +719,7 @@ def _load_bounded(data: bytes) -> Any:
                 objects += 1
                 if objects > max_objects:
                     raise _over_budget("objects", objects, max_objects)
-            elif op == 0x80:                                        # PROTO
+            elif op == 0x80:  # PROTO
                 if not 2 <= data[pos + 1] <= 5:
                     raise _Unreadable(f"pickle protocol {data[pos + 1]} (a snapshot is written at 2 to 5)")
                 pos += 2
@@ -701,7 +732,9 @@ def _load_bounded(data: bytes) -> Any:
             raise _Unreadable(f"the data ends at byte {n:,} without STOP") from None
         if op == 0x68 or op == 0x6A:
             index = data[pos + 1] if op == 0x68 else unpack("<I", data, pos + 1)[0]
-            raise _Unreadable(f"memo index {index:,} was never stored ({len(memo):,} entries) at byte {pos:,}") from None
+            raise _Unreadable(
+                f"memo index {index:,} was never stored ({len(memo):,} entries) at byte {pos:,}"
+            ) from None
         raise _Unreadable(f"{_opcode_name(op)} with nothing to take from the stack at byte {pos:,}") from None
 
 
@@ -718,7 +751,7 @@ def _note_tuple(value: Any, tuples: dict[int, tuple[int, int]]) -> int:
         kind = type(item)
         if kind is str or kind is bytes:
             if len(item) > _SHORT_TEXT:
-                cost += len(item) >> 4          # compared byte by byte with an equal string
+                cost += len(item) >> 4  # compared byte by byte with an equal string
         elif kind in _HASHABLE_CONTAINERS:
             deepest = max(deepest, tuples.get(id(item), (1,))[0])
     if type(value) is frozenset and cost > 1:
@@ -727,7 +760,7 @@ def _note_tuple(value: Any, tuples: dict[int, tuple[int, int]]) -> int:
     if deepest >= SNAPSHOT_MAX_DEPTH:
         raise _Refused(f"tuples nested over {SNAPSHOT_MAX_DEPTH} deep")
     if not deepest and cost == len(value) + 1:
-        tuples.pop(id(value), None)     # the id of a tuple gone since
+        tuples.pop(id(value), None)  # the id of a tuple gone since
         return 0
     tuples[id(value)] = (deepest + 1, cost)
     return _HASH_ENTRY_BYTES
@@ -779,7 +812,7 @@ class _Shared:
         for part in parts:
             if set(map(type, part)).isdisjoint(_CONTAINER_TYPES):
                 continue
-            sizes = list(map(known, map(id, part)))     # None: a scalar, or a container not counted yet
+            sizes = list(map(known, map(id, part)))  # None: a scalar, or a container not counted yet
             if -1 in sizes:
                 raise _Refused("a container that holds itself")
             uncounted = sizes.count(None)
@@ -808,8 +841,9 @@ def load_snapshot_pickle(data: bytes) -> dict[str, Any]:
     except _Refused as exc:
         raise TraceError(f"not a plain snapshot pickle: {exc}") from None
     except Exception as exc:  # a corrupt file: unhashable keys, bad UTF-8
-        raise TraceError(f"cannot read snapshot pickle: {one_line(exc, first_line=True, with_type=True)}"[:300]) \
-            from None
+        raise TraceError(
+            f"cannot read snapshot pickle: {one_line(exc, first_line=True, with_type=True)}"[:300]
+        ) from None
     finally:
         if collecting:
             gc.enable()
@@ -871,7 +905,7 @@ def _check_entry(device: int, index: int, entry: Any) -> None:
     if not isinstance(action, str):
         raise TraceError(f"{where}: action is {_kind(action)}, not a string")
     if action not in ("alloc", "free_requested", "free_completed"):
-        return      # segment_*, snapshot, oom: not replayed, not checked
+        return  # segment_*, snapshot, oom: not replayed, not checked
     fields = ("addr", "size") if action == "alloc" else ("addr",)
     for name in fields:
         if not _is_int(entry.get(name)):
@@ -915,7 +949,7 @@ def load_trace(path: str) -> Trace:
     if is_snapshot_pickle(data):
         return parse_torch_snapshot(load_snapshot_pickle(data))
     try:
-        text = data.decode("utf-8-sig")     # a BOM from a spreadsheet round trip is not a header cell
+        text = data.decode("utf-8-sig")  # a BOM from a spreadsheet round trip is not a header cell
     except UnicodeDecodeError:
         raise TraceError(f"{path} is neither a snapshot pickle nor a memory_block.csv") from None
     return parse_memory_block_csv(text)
@@ -938,10 +972,32 @@ def replay(events: Iterable[TraceEvent], allocator, sample_every: int = 1) -> Re
             else:
                 addrs[event.block_id] = malloc(event.size, event.persistent)
             if index % sample_every == 0:
-                samples.append((index, allocator.allocated_bytes, allocator.reserved_bytes,
-                                device.used_bytes if device is not None else 0))
+                samples.append(
+                    (
+                        index,
+                        allocator.allocated_bytes,
+                        allocator.reserved_bytes,
+                        device.used_bytes if device is not None else 0,
+                    )
+                )
     except AllocatorOutOfMemory as exc:
-        return ReplayResult(index, True, index, exc.requested_bytes, allocator.peak_allocated_bytes,
-                            allocator.peak_reserved_bytes, allocator.memory_stats(), tuple(samples))
-    return ReplayResult(index + 1, False, None, None, allocator.peak_allocated_bytes, allocator.peak_reserved_bytes,
-                        allocator.memory_stats(), tuple(samples))
+        return ReplayResult(
+            index,
+            True,
+            index,
+            exc.requested_bytes,
+            allocator.peak_allocated_bytes,
+            allocator.peak_reserved_bytes,
+            allocator.memory_stats(),
+            tuple(samples),
+        )
+    return ReplayResult(
+        index + 1,
+        False,
+        None,
+        None,
+        allocator.peak_allocated_bytes,
+        allocator.peak_reserved_bytes,
+        allocator.memory_stats(),
+        tuple(samples),
+    )

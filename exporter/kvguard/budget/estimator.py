@@ -32,12 +32,31 @@ from kvguard.budget.fields import PROFILE_FIELDS
 
 # Bytes per element of the KV cache for each --kv-cache-dtype and model dtype name.
 _DTYPE_BYTES = {
-    "float32": 4, "float": 4,
-    "bfloat16": 2, "float16": 2, "half": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1, "fp8_ds_mla": 1,
-    "int8": 1, "uint8": 1,
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_inc": 1,
+    "fp8_ds_mla": 1,
+    "int8": 1,
+    "uint8": 1,
 }
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
+KV_CACHE_DTYPES = (
+    "auto",
+    "bfloat16",
+    "float16",
+    "half",
+    "float32",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+)
 # DeepSeek's fp8_ds_mla packs a token's latent into 656 bytes (kv_cache_interface.MLAAttentionSpec).
 _FP8_DS_MLA_TOKEN_BYTES = 656
 
@@ -58,12 +77,12 @@ class ProfileError(ValueError):
 class KVLayout:
     """What one rank stores per KV-cache block, as vLLM sizes it."""
 
-    num_layers: int          # attention layers on this pipeline stage
-    num_kv_heads: int        # KV heads on this tensor-parallel rank (1 for MLA)
-    head_size: int           # K head size (for MLA: kv_lora_rank + qk_rope_head_dim)
-    head_size_v: int         # V head size (0 for MLA: one latent, no separate V)
+    num_layers: int  # attention layers on this pipeline stage
+    num_kv_heads: int  # KV heads on this tensor-parallel rank (1 for MLA)
+    head_size: int  # K head size (for MLA: kv_lora_rank + qk_rope_head_dim)
+    head_size_v: int  # V head size (0 for MLA: one latent, no separate V)
     dtype_bytes: int
-    block_size: int          # tokens per block
+    block_size: int  # tokens per block
     is_mla: bool = False
     kv_cache_dtype: str = "auto"
 
@@ -115,8 +134,9 @@ def layer_pages(layout: KVLayout) -> tuple[LayerPage, ...]:
     return (LayerPage(layout.page_bytes_per_layer, layout.is_mla),) * layout.num_layers
 
 
-def kv_cache_tensor_bytes(pages: KVLayout | Sequence[LayerPage], num_blocks: int,
-                          style: str = "per_layer") -> tuple[int, ...]:
+def kv_cache_tensor_bytes(
+    pages: KVLayout | Sequence[LayerPage], num_blocks: int, style: str = "per_layer"
+) -> tuple[int, ...]:
     """The KV-cache tensors a release allocates for ``num_blocks`` blocks over its per-layer pages (a
     KVLayout's, or a worker's own specs), in allocation order; ``style`` is the era row's."""
     if style not in KV_TENSOR_STYLES:
@@ -156,8 +176,13 @@ def positive_int(config: Mapping[str, Any], *names: str, minimum: int = 1) -> in
         value = config.get(name)
         if value is None:
             continue
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value or value < minimum):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value))
+            or int(value) != value
+            or value < minimum
+        ):
             kind = "positive" if minimum >= 1 else "non-negative"
             raise ConfigError(f"config field {name!r} must be a {kind} integer, got {_short_repr(value)}")
         return int(value)
@@ -195,8 +220,11 @@ def kv_layout_from_config(
     """The KV layout one rank gets for a Hugging Face ``config.json`` (already parsed)."""
     if not isinstance(config, Mapping):
         raise ConfigError("model config must be a JSON object")
-    for option, value in (("block size", block_size), ("tensor parallel size", tensor_parallel_size),
-                          ("pipeline parallel size", pipeline_parallel_size)):
+    for option, value in (
+        ("block size", block_size),
+        ("tensor parallel size", tensor_parallel_size),
+        ("pipeline parallel size", pipeline_parallel_size),
+    ):
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{option} must be a positive integer, got {value!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -218,8 +246,10 @@ def kv_layout_from_config(
     # vLLM refuses this before it sizes anything (config/model.py verify_with_parallel_config,
     # 0.11.0:1045-1052, 0.34.0:1577-1584); its message, word for word.
     if num_heads is not None and num_heads % tensor_parallel_size:
-        raise ConfigError(f"Total number of attention heads ({num_heads}) must be divisible by tensor parallel "
-                          f"size ({tensor_parallel_size}).")
+        raise ConfigError(
+            f"Total number of attention heads ({num_heads}) must be divisible by tensor parallel "
+            f"size ({tensor_parallel_size})."
+        )
 
     kv_lora_rank = text.get("kv_lora_rank")
     if kv_lora_rank is not None:
@@ -228,8 +258,16 @@ def kv_layout_from_config(
         if rope is None:
             raise ConfigError("MLA config has kv_lora_rank but no qk_rope_head_dim")
         # One compressed latent per token, shared by all heads: not split by TP, no V copy.
-        return KVLayout(num_layers=layers_per_stage, num_kv_heads=1, head_size=lora + rope, head_size_v=0,
-                        dtype_bytes=dtype_bytes, block_size=block_size, is_mla=True, kv_cache_dtype=kv_cache_dtype)
+        return KVLayout(
+            num_layers=layers_per_stage,
+            num_kv_heads=1,
+            head_size=lora + rope,
+            head_size_v=0,
+            dtype_bytes=dtype_bytes,
+            block_size=block_size,
+            is_mla=True,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
     num_kv_heads = positive_int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or num_heads
     if num_kv_heads is None:
@@ -253,6 +291,7 @@ def kv_layout_from_config(
 
 # ---------------------------------------------------------------------------- budget formulas
 
+
 @dataclass(frozen=True)
 class BudgetFormula:
     """How one family of releases turns its startup profile into the KV-cache budget.
@@ -266,7 +305,8 @@ class BudgetFormula:
     ``peak``: which peak vLLM's own formula counts: ``"allocated"``, or ``"reserved"``
     (vllm-mindspore's ``memory_profiling`` measures ``memory_reserved()``).
     ``non_torch``: ``"increase"``, or ``"positive"`` (V0, V1 0.8.5-0.9.0 and vllm-ascend before 0.15 add
-    the absolute non-torch memory only when positive; their peak holds the weights). ``cleared``: vllm-ascend 0.15+ also subtracts the
+    the absolute non-torch memory only when positive; their peak holds the weights). ``cleared``: vllm-ascend 0.15+
+    also subtracts the
     non-torch memory ``empty_cache`` cleared. ``halved``: 310P halves the result for workspace.
     ``floor_zero``: the result is clamped at 0.
     ``transient``: ``"consumed"`` adds the transient peak headroom (0.27+); vllm-ascend 0.7.3 takes the
@@ -287,36 +327,59 @@ class BudgetFormula:
     reserved_counts: str = "the reserved increase in place of the allocated peak increase"
 
 
-FORMULAS: dict[str, BudgetFormula] = {f.name: f for f in (
-    BudgetFormula("peak", requested="product", non_kv="peak"),
-    BudgetFormula("peak_ceil", requested="ceil", non_kv="peak"),
-    BudgetFormula("peak_ceil_cudagraph", requested="ceil", non_kv="peak", cudagraph=True),
-    BudgetFormula("consumed", requested="ceil", non_kv="consumed", cudagraph=True,
-                  reserved_counts="the reserved transient peak in place of the allocated one "
-                                  "(total consumed already holds what empty_cache could not release)"),
-    # 0.34's extensible KV cache: sized after warm-up from measured free memory, keeping free the
-    # larger of the transient peak and torch's reserve growth (a *reserved* figure): vLLM itself
-    # budgets what the reserved-aware budget adds, so the two are equal.
-    BudgetFormula("extensible", requested="ceil", non_kv="measured_after_warmup",
-                  reserved_counts="nothing: vLLM keeps torch's reserved growth free itself"),
-    # V0 (0.6.4), V1 0.8.5-0.9.0 and vllm-ascend before 0.15: the allocated peak with the weights in it
-    # plus the absolute non-torch memory when positive; V0 and vllm-ascend clamp at 0, early V1 does not.
-    BudgetFormula("absolute_peak", requested="product", non_kv="peak", non_torch="positive", floor_zero=True),
-    BudgetFormula("absolute_peak_signed", requested="product", non_kv="peak", non_torch="positive"),
-    BudgetFormula("ascend_cleared", requested="product", non_kv="peak", cleared=True),
-    BudgetFormula("ascend_cleared_halved", requested="product", non_kv="peak", cleared=True, halved=True),
-    BudgetFormula("mindspore_reserved", requested="product", non_kv="peak", peak="reserved",
-                  reserved_counts="nothing: vllm-mindspore's profile already counts the reserved increase"),
-    # vllm-ascend 0.7.3 (V0 NPUWorker.determine_num_available_blocks, vllm_ascend/worker/worker.py 0.7.3:239-281,
-    # the same in 0.7.3.post1): blocks = max(int((total * util - (init free - free after the profile run))
-    # // block bytes), 0), the init snapshot taken after empty_cache in init_device (:184-185), the free
-    # memory read after profile_run with no empty_cache between (:255-262): the drop holds the weights, what
-    # torch_npu's pool still reserves after the run, and every non-torch byte since the snapshot (HCCL too,
-    # :190). int(x // b) of a float x >= 0 is int(x) // b: the formula in bytes, floored at 0.
-    BudgetFormula("ascend_free_drop", requested="product", non_kv="consumed", floor_zero=True, transient=False,
-                  reserved_counts="the reserved transient peak (reserved peak - reserved after the profile run): "
-                                  "the free-memory drop already holds what torch_npu's pool kept reserved"),
-)}
+FORMULAS: dict[str, BudgetFormula] = {
+    f.name: f
+    for f in (
+        BudgetFormula("peak", requested="product", non_kv="peak"),
+        BudgetFormula("peak_ceil", requested="ceil", non_kv="peak"),
+        BudgetFormula("peak_ceil_cudagraph", requested="ceil", non_kv="peak", cudagraph=True),
+        BudgetFormula(
+            "consumed",
+            requested="ceil",
+            non_kv="consumed",
+            cudagraph=True,
+            reserved_counts="the reserved transient peak in place of the allocated one "
+            "(total consumed already holds what empty_cache could not release)",
+        ),
+        # 0.34's extensible KV cache: sized after warm-up from measured free memory, keeping free the
+        # larger of the transient peak and torch's reserve growth (a *reserved* figure): vLLM itself
+        # budgets what the reserved-aware budget adds, so the two are equal.
+        BudgetFormula(
+            "extensible",
+            requested="ceil",
+            non_kv="measured_after_warmup",
+            reserved_counts="nothing: vLLM keeps torch's reserved growth free itself",
+        ),
+        # V0 (0.6.4), V1 0.8.5-0.9.0 and vllm-ascend before 0.15: the allocated peak with the weights in it
+        # plus the absolute non-torch memory when positive; V0 and vllm-ascend clamp at 0, early V1 does not.
+        BudgetFormula("absolute_peak", requested="product", non_kv="peak", non_torch="positive", floor_zero=True),
+        BudgetFormula("absolute_peak_signed", requested="product", non_kv="peak", non_torch="positive"),
+        BudgetFormula("ascend_cleared", requested="product", non_kv="peak", cleared=True),
+        BudgetFormula("ascend_cleared_halved", requested="product", non_kv="peak", cleared=True, halved=True),
+        BudgetFormula(
+            "mindspore_reserved",
+            requested="product",
+            non_kv="peak",
+            peak="reserved",
+            reserved_counts="nothing: vllm-mindspore's profile already counts the reserved increase",
+        ),
+        # vllm-ascend 0.7.3 (V0 NPUWorker.determine_num_available_blocks, vllm_ascend/worker/worker.py 0.7.3:239-281,
+        # the same in 0.7.3.post1): blocks = max(int((total * util - (init free - free after the profile run))
+        # // block bytes), 0), the init snapshot taken after empty_cache in init_device (:184-185), the free
+        # memory read after profile_run with no empty_cache between (:255-262): the drop holds the weights, what
+        # torch_npu's pool still reserves after the run, and every non-torch byte since the snapshot (HCCL too,
+        # :190). int(x // b) of a float x >= 0 is int(x) // b: the formula in bytes, floored at 0.
+        BudgetFormula(
+            "ascend_free_drop",
+            requested="product",
+            non_kv="consumed",
+            floor_zero=True,
+            transient=False,
+            reserved_counts="the reserved transient peak (reserved peak - reserved after the profile run): "
+            "the free-memory drop already holds what torch_npu's pool kept reserved",
+        ),
+    )
+}
 # v1/worker/extensible_kv_cache.py 0.34.0:64-65: KV_CACHE_MARGIN_FLOOR_BYTES, 1 GiB (CUDA).
 EXTENSIBLE_MARGIN_FLOOR_BYTES = 1 << 30
 DEFAULT_FORMULA = "peak"
@@ -365,19 +428,29 @@ class Profile:
     torch_reserve_growth_bytes: int | None = None
     non_torch_cleared_bytes: int | None = None
 
-    REQUIRED = ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes", "peak_allocated_increase_bytes",
-                "peak_reserved_increase_bytes", "non_torch_increase_bytes")
+    REQUIRED = (
+        "total_memory_bytes",
+        "gpu_memory_utilization",
+        "weights_bytes",
+        "peak_allocated_increase_bytes",
+        "peak_reserved_increase_bytes",
+        "non_torch_increase_bytes",
+    )
     # Which fields are sizes, and which may be negative, is the field table's (kvguard.budget.fields).
     _BYTES = tuple(row.name for row in PROFILE_FIELDS if row.kind != "float")
     _SIGNED = tuple(row.name for row in PROFILE_FIELDS if row.kind == "signed_size")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool) \
-                or not 0 < self.gpu_memory_utilization <= 1:
-            raise ProfileError(f"gpu_memory_utilization must be in (0, 1], got {_short_repr(self.gpu_memory_utilization)}")
+        if (
+            not isinstance(self.gpu_memory_utilization, (int, float))
+            or isinstance(self.gpu_memory_utilization, bool)
+            or not 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ProfileError(
+                f"gpu_memory_utilization must be in (0, 1], got {_short_repr(self.gpu_memory_utilization)}"
+            )
         if self.formula not in FORMULAS:
-            raise ProfileError(f"unknown budget formula {_short_repr(self.formula)} "
-                               f"(one of {', '.join(FORMULAS)})")
+            raise ProfileError(f"unknown budget formula {_short_repr(self.formula)} (one of {', '.join(FORMULAS)})")
         if self.vllm_version is not None and (not isinstance(self.vllm_version, str) or len(self.vllm_version) > 64):
             raise ProfileError(f"vllm_version must be a short string, got {_short_repr(self.vllm_version)}")
         needed = required_fields(self.formula, self.kv_cache_memory_bytes)
@@ -405,8 +478,11 @@ class Profile:
         """The six keys every era has, then only what this era measured (None and the default formula
         are left out, so a classic profile file keeps its six keys)."""
         data = asdict(self)
-        return {k: v for k, v in data.items()
-                if k in self.REQUIRED or (v is not None and not (k == "formula" and v == DEFAULT_FORMULA))}
+        return {
+            k: v
+            for k, v in data.items()
+            if k in self.REQUIRED or (v is not None and not (k == "formula" and v == DEFAULT_FORMULA))
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Profile":
@@ -428,8 +504,13 @@ class Profile:
         return cls(**values)
 
 
-EXTENSIBLE_INPUTS = ("init_free_memory_bytes", "free_after_warmup_bytes", "kv_committed_bytes",
-                     "kv_transient_peak_bytes", "torch_reserve_growth_bytes")
+EXTENSIBLE_INPUTS = (
+    "init_free_memory_bytes",
+    "free_after_warmup_bytes",
+    "kv_committed_bytes",
+    "kv_transient_peak_bytes",
+    "torch_reserve_growth_bytes",
+)
 
 
 def required_fields(formula: str, kv_cache_memory_bytes: int | None = None) -> tuple[str, ...]:
@@ -488,8 +569,7 @@ def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | Non
             # What the reserved peak adds on top of the allocated one; never less than vLLM's.
             transient = max(transient, profile.reserved_transient_peak_bytes)
         return profile.total_consumed_bytes + transient
-    peak = (profile.peak_reserved_increase_bytes if formula.peak == "reserved"
-            else profile.peak_allocated_increase_bytes)
+    peak = profile.peak_reserved_increase_bytes if formula.peak == "reserved" else profile.peak_allocated_increase_bytes
     if reserved:
         if profile.peak_reserved_increase_bytes is None:
             return None
@@ -533,7 +613,7 @@ def _available(formula: BudgetFormula, requested: int | float, non_kv: int, cuda
     """The peak formulas' and 0.27+'s last step: what the request leaves after the non-KV memory."""
     available = requested - non_kv - cudagraph
     if formula.halved:
-        available = available // 2      # vllm_ascend/_310p/worker_310p.py 0.18.0:94-97 (float floor division)
+        available = available // 2  # vllm_ascend/_310p/worker_310p.py 0.18.0:94-97 (float floor division)
     available = int(available)
     return max(available, 0) if formula.floor_zero else available
 
@@ -633,12 +713,11 @@ class Estimate:
     overcommit_bytes: int | None
     recommended_gpu_memory_utilization: float | None
     recommended_kv_cache_memory_bytes: int | None
-    reserved_counts: str = ""      # what the reserved-aware budget counts on top of the stock one
+    reserved_counts: str = ""  # what the reserved-aware budget counts on top of the stock one
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "budgets": {"stock": self.stock.to_dict(),
-                        "reserved": self.reserved.to_dict() if self.reserved else None},
+            "budgets": {"stock": self.stock.to_dict(), "reserved": self.reserved.to_dict() if self.reserved else None},
             "reserved_counts": self.reserved_counts,
             "overcommit_bytes": self.overcommit_bytes,
             "recommended_gpu_memory_utilization": self.recommended_gpu_memory_utilization,
@@ -666,6 +745,7 @@ def estimate(profile: Profile, layout: KVLayout | None = None, max_model_len: in
 
 
 # ---------------------------------------------------------------------------- the formulas read backwards
+
 
 def solved_field(formula: str) -> str:
     """The profile figure the inverse solves for: the one a startup log at INFO does not state (the peak
@@ -696,8 +776,9 @@ def solve_for_budget(fields: Mapping[str, Any], kv_cache_bytes: int) -> int:
         # available = min(int(requested) - used, init_free - used - margin) - kept: both branches drop by the
         # non-KV memory used (init_free - free_after - kv_committed), so it is solved for once.
         kept = max(fields["kv_transient_peak_bytes"], fields["torch_reserve_growth_bytes"])
-        ceiling = min(int(requested), fields["init_free_memory_bytes"]
-                      - _extensible_margin(fields["kv_transient_peak_bytes"]))
+        ceiling = min(
+            int(requested), fields["init_free_memory_bytes"] - _extensible_margin(fields["kv_transient_peak_bytes"])
+        )
         used = ceiling - kept - kv_cache_bytes
         return fields["init_free_memory_bytes"] - fields["kv_committed_bytes"] - used
     cudagraph = (fields.get("cudagraph_memory_bytes") or 0) if formula.cudagraph else 0

@@ -25,20 +25,48 @@ MAX_CONFIG_INT = 1 << 40
 # Where a multimodal config keeps its language model (estimator.text_config reads the same keys).
 _NESTED = ("text_config", "llm_config", "language_config")
 # Fields read as sizes or counts: must be integers in [1, MAX_CONFIG_INT] (integral floats too) when set.
-_POSITIVE = ("num_hidden_layers", "num_layers", "n_layer", "num_attention_heads", "n_head", "num_heads",
-             "num_key_value_heads", "num_kv_heads", "n_head_kv", "head_dim", "hidden_size", "n_embd", "d_model",
-             "intermediate_size", "vocab_size", "max_position_embeddings", "qk_rope_head_dim", "kv_lora_rank",
-             "moe_intermediate_size")
+_POSITIVE = (
+    "num_hidden_layers",
+    "num_layers",
+    "n_layer",
+    "num_attention_heads",
+    "n_head",
+    "num_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_head_kv",
+    "head_dim",
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "qk_rope_head_dim",
+    "kv_lora_rank",
+    "moe_intermediate_size",
+)
 # Optional MLA / MoE fields that may be 0.
-_NON_NEGATIVE = ("q_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "num_local_experts",
-                 "num_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace")
+_NON_NEGATIVE = (
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "first_k_dense_replace",
+)
 # The config `kvguard simulate` and the sim source use when given none: Qwen2.5-7B-Instruct.
 BUNDLED_MODEL = "qwen2.5-7b-instruct"
 
 
 def bundled_model_config_path() -> str:
     """Path of the bundled Qwen2.5-7B-Instruct ``config.json`` (package data), for ``load_model_config``."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", BUNDLED_MODEL, "config.json")
+    return os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", BUNDLED_MODEL, "config.json"
+    )
 
 
 def load_model_config(path: str) -> dict[str, Any]:
@@ -104,8 +132,14 @@ def validate_model_config(config: dict[str, Any]) -> None:
                     continue
                 kind = "positive" if minimum else "non-negative"
                 shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-                        or value in (float("inf"), float("-inf")) or int(value) != value or value < minimum:
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or value != value
+                    or value in (float("inf"), float("-inf"))
+                    or int(value) != value
+                    or value < minimum
+                ):
                     # The estimator's own wording (estimator.positive_int), so every reader says the same.
                     raise ConfigError(f"config field {prefix}{name!r} must be a {kind} integer, got {shown}")
                 if value > MAX_CONFIG_INT:
@@ -113,5 +147,7 @@ def validate_model_config(config: dict[str, Any]) -> None:
         heads = next((scope[n] for n in ("num_attention_heads", "n_head", "num_heads") if scope.get(n)), None)
         hidden = next((scope[n] for n in ("hidden_size", "n_embd", "d_model") if scope.get(n)), None)
         if scope.get("head_dim") is None and heads and hidden and hidden < heads:
-            raise ConfigError(f"config field {prefix}'hidden_size' ({int(hidden)}) is smaller than "
-                              f"{prefix}'num_attention_heads' ({int(heads)}): the head size would be 0")
+            raise ConfigError(
+                f"config field {prefix}'hidden_size' ({int(hidden)}) is smaller than "
+                f"{prefix}'num_attention_heads' ({int(heads)}): the head size would be 0"
+            )

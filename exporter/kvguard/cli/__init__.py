@@ -10,7 +10,7 @@ import sys
 import click
 
 from kvguard import __version__
-from kvguard.cli import budget, check, exits, plan, probe, serve, simulate   # the command modules
+from kvguard.cli import budget, check, exits, plan, probe, serve, simulate  # the command modules
 from kvguard.cli.options import KVGuardGroup, SizeType
 from kvguard.units import SIZE_HELP
 

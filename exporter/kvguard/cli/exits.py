@@ -16,8 +16,8 @@ import dataclasses
 import click
 
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
-USAGE, DATAERR, SOFTWARE = 64, 65, 70   # sysexits.h: EX_USAGE, EX_DATAERR, EX_SOFTWARE
-INTERRUPTED = 130   # 128 + SIGINT, as a shell reports a command that Ctrl-C stopped (click's own 1 is WARNING)
+USAGE, DATAERR, SOFTWARE = 64, 65, 70  # sysexits.h: EX_USAGE, EX_DATAERR, EX_SOFTWARE
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C stopped (click's own 1 is WARNING)
 
 # The commands that judge (1 and 3 are theirs), and those that are Nagios plugins (every error is UNKNOWN there).
 JUDGES = ("check",)
@@ -28,53 +28,76 @@ NAGIOS_PLUGINS = ("check",)
 class ExitCode:
     code: int
     name: str
-    word: str      # in a command's --help
+    word: str  # in a command's --help
     meaning: str
 
 
 TABLE = (
     ExitCode(OK, "OK", "ok", "the command did its job; a judge: every rank ok"),
     ExitCode(WARNING, "WARNING", "warning", "a judge's warning"),
-    ExitCode(CRITICAL, "CRITICAL", "critical",
-             "the outcome the command was asked to flag: a critical verdict, a vLLM that would refuse to start, "
-             "a run that ended in an out-of-memory error"),
+    ExitCode(
+        CRITICAL,
+        "CRITICAL",
+        "critical",
+        "the outcome the command was asked to flag: a critical verdict, a vLLM that would refuse to start, "
+        "a run that ended in an out-of-memory error",
+    ),
     ExitCode(UNKNOWN, "UNKNOWN", "unknown", "a judge could not judge (no rank, no profile); never 0"),
-    ExitCode(USAGE, "EX_USAGE", "usage error",
-             "a mistake in the command line: an unknown option or command, a missing or malformed value (a bare "
-             "number for a SIZE), options that do not go together"),
-    ExitCode(DATAERR, "EX_DATAERR", "bad input",
-             "input the command cannot use: a missing or malformed file, log, config, trace or profile, a figure "
-             "out of range, a source or address that cannot be used"),
-    ExitCode(SOFTWARE, "EX_SOFTWARE", "internal error",
-             "an internal error, in one line (KVGUARD_DEBUG=1 shows the traceback)"),
-    ExitCode(INTERRUPTED, "SIGINT", "interrupted",
-             "stopped by Ctrl-C (SIGINT) before it finished: 128 + 2, as a shell reports it (serve and probe "
-             "stop cleanly on it and say 0)"),
+    ExitCode(
+        USAGE,
+        "EX_USAGE",
+        "usage error",
+        "a mistake in the command line: an unknown option or command, a missing or malformed value (a bare "
+        "number for a SIZE), options that do not go together",
+    ),
+    ExitCode(
+        DATAERR,
+        "EX_DATAERR",
+        "bad input",
+        "input the command cannot use: a missing or malformed file, log, config, trace or profile, a figure "
+        "out of range, a source or address that cannot be used",
+    ),
+    ExitCode(
+        SOFTWARE,
+        "EX_SOFTWARE",
+        "internal error",
+        "an internal error, in one line (KVGUARD_DEBUG=1 shows the traceback)",
+    ),
+    ExitCode(
+        INTERRUPTED,
+        "SIGINT",
+        "interrupted",
+        "stopped by Ctrl-C (SIGINT) before it finished: 128 + 2, as a shell reports it (serve and probe "
+        "stop cleanly on it and say 0)",
+    ),
 )
 ERRORS = (USAGE, DATAERR, SOFTWARE, INTERRUPTED)
 
 # A command's own words for a code it gives for its own reason: a few for its --help, then in full for the docs.
-OWN_WORDS = {"check": {UNKNOWN: "could not judge (every error too)"}, "plan": {CRITICAL: "vLLM would refuse to start"},
-             "simulate": {CRITICAL: "an OOM, with --fail-on-oom"}}
+OWN_WORDS = {
+    "check": {UNKNOWN: "could not judge (every error too)"},
+    "plan": {CRITICAL: "vLLM would refuse to start"},
+    "simulate": {CRITICAL: "an OOM, with --fail-on-oom"},
+}
 OWN = {
     "check": {
         OK: "every rank judged ok",
         WARNING: "the worst state is warning",
         CRITICAL: "a rank is critical, or the --from-log log states a refusal, a KV cache of zero or less, or an "
-                  "out-of-memory error",
+        "out-of-memory error",
         UNKNOWN: "no verdict: no rank judged (no_ranks), a log without the figures its era's formula needs "
-                 "(no_profile); and every error (a bad option, an unreadable log, a crash), as a Nagios plugin "
-                 "returns it",
+        "(no_profile); and every error (a bad option, an unreadable log, a crash), as a Nagios plugin "
+        "returns it",
     },
     "plan": {
         OK: "vLLM would start (also when the verdict is critical or serving runs out of memory: the plan says so, "
-            "will_fit false)",
+        "will_fit false)",
         CRITICAL: "vLLM would refuse to start (the plan says why, will_start false)",
     },
     "simulate": {
         OK: "the run finished (one that ended in an OOM too, unless --fail-on-oom)",
         CRITICAL: "--fail-on-oom: the run ended in an out-of-memory error (oom true), or --search-utilization "
-                  "found no utilization that serves every seed without one",
+        "found no utilization that serves every seed without one",
     },
 }
 
@@ -97,8 +120,11 @@ def codes_for(command: str) -> tuple[tuple[int, str], ...]:
 def summary(command: str) -> str:
     """The codes of ``kvguard COMMAND`` in a few words, for its --help."""
     words = {row.code: OWN_WORDS.get(command, {}).get(row.code, row.word) for row in TABLE}
-    return ("Exit codes: " + "; ".join(f"{code} {words[code]}" for code, _ in codes_for(command))
-            + " (docs/reference/exit-codes.md).")
+    return (
+        "Exit codes: "
+        + "; ".join(f"{code} {words[code]}" for code, _ in codes_for(command))
+        + " (docs/reference/exit-codes.md)."
+    )
 
 
 def error_code(error: click.ClickException, command: str | None) -> int:

@@ -1,4 +1,5 @@
-"""What the commands share: option types (sizes in bytes, finite floats), the group that keeps every error to one line, JSON output, and reading a startup log or an era."""
+"""What the commands share: option types (sizes in bytes, finite floats), the group that keeps every error to
+one line, JSON output, and reading a startup log or an era."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import math
 import os
 from typing import Any
+
 import click
+
 from kvguard.cli import exits
 from kvguard.units import parse_size
 
@@ -70,8 +73,12 @@ class TokensType(click.ParamType):
             try:
                 number = int(float(digits) * factor) if factor > 1 else int(digits)
             except ValueError:
-                self.fail(f"{value!r} is not a token count (32768, 32k = 32,000 or 32K = 32,768, as vLLM reads "
-                          f"--max-model-len)", param, ctx)
+                self.fail(
+                    f"{value!r} is not a token count (32768, 32k = 32,000 or 32K = 32,768, as vLLM reads "
+                    f"--max-model-len)",
+                    param,
+                    ctx,
+                )
         if number < 1:
             self.fail(f"{value!r} must be at least 1 token", param, ctx)
         return number
@@ -93,8 +100,9 @@ def renamed_option(old: str, dest: str, new: str, **attrs: Any):
         ctx.params[dest] = value
         ctx.set_parameter_source(dest, click.core.ParameterSource.COMMANDLINE)
 
-    return click.option(old, "renamed_" + old.strip("-").replace("-", "_"), hidden=True, expose_value=False,
-                        callback=take, **attrs)
+    return click.option(
+        old, "renamed_" + old.strip("-").replace("-", "_"), hidden=True, expose_value=False, callback=take, **attrs
+    )
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -119,7 +127,7 @@ class KVGuardGroup(click.Group):
     def make_context(self, info_name, args, parent=None, **extra):
         try:
             return super().make_context(info_name, args, parent=parent, **extra)
-        except click.exceptions.ClickException as error:   # kvguard's own options, a command it does not know
+        except click.exceptions.ClickException as error:  # kvguard's own options, a command it does not know
             error.exit_code = exits.error_code(error, None)
             raise
 
@@ -129,7 +137,7 @@ class KVGuardGroup(click.Group):
         except click.exceptions.ClickException as error:
             error.exit_code = exits.error_code(error, ctx.invoked_subcommand)
             raise
-        except (click.exceptions.Abort, KeyboardInterrupt):   # Ctrl-C: click would say 1, a judge's WARNING
+        except (click.exceptions.Abort, KeyboardInterrupt):  # Ctrl-C: click would say 1, a judge's WARNING
             click.echo("Aborted!", err=True)
             code = exits.UNKNOWN if ctx.invoked_subcommand in exits.NAGIOS_PLUGINS else exits.INTERRUPTED
             raise click.exceptions.Exit(code) from None
@@ -140,8 +148,9 @@ class KVGuardGroup(click.Group):
                 raise
             from kvguard.text import one_line
 
-            error = click.ClickException(f"internal error: {one_line(exc, with_type=True)}"
-                                         " (KVGUARD_DEBUG=1 shows the traceback)")
+            error = click.ClickException(
+                f"internal error: {one_line(exc, with_type=True)} (KVGUARD_DEBUG=1 shows the traceback)"
+            )
             error.exit_code = exits.SOFTWARE
             error.exit_code = exits.error_code(error, ctx.invoked_subcommand)
             raise error from None
@@ -160,6 +169,7 @@ def era_for_release(release: str | None):
     if release is None:
         return None
     from kvguard.vllm.eras import EraError, era_for
+
     try:
         return era_for(release)
     except EraError as exc:
@@ -169,11 +179,15 @@ def era_for_release(release: str | None):
 def block_size_for(era, block_size: int | None, config: Any) -> int:
     """The era's default block size, and vLLM's MLA block size on CUDA where the era forces one."""
     from kvguard.budget.estimator import text_config
+
     is_mla = isinstance(config, dict) and "kv_lora_rank" in text_config(config)
     if era and is_mla and era.mla_block_size:
         forced, rule = era.mla_block_size, era.mla_block_rule
-        if block_size is None or (rule == "equal" and block_size != forced) \
-                or (rule == "multiple" and block_size % forced):
+        if (
+            block_size is None
+            or (rule == "equal" and block_size != forced)
+            or (rule == "multiple" and block_size % forced)
+        ):
             return forced
         return block_size
     if block_size is not None:

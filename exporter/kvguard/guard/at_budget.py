@@ -13,30 +13,40 @@ from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.torch_alloc import CachingAllocator
 from kvguard.budget.estimator import KVLayout, Profile, kv_cache_tensor_bytes
-from kvguard.guard.judge import (CRITICAL, BudgetInput, Verdict, judge_at_budget, largest_fitting_blocks,
-                           physical_reserved_bytes)
+from kvguard.guard.judge import (
+    CRITICAL,
+    BudgetInput,
+    Verdict,
+    judge_at_budget,
+    largest_fitting_blocks,
+    physical_reserved_bytes,
+)
 from kvguard.records import DeviceMemory
-from kvguard.vllm.eras import kv_tensor_style
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
+from kvguard.vllm.eras import kv_tensor_style
 
 
-def counters_of(model: Allocator, device: str = "sim:0", source: str = "sim", *,
-                pool_figures: bool = False) -> DeviceMemory:
+def counters_of(
+    model: Allocator, device: str = "sim:0", source: str = "sim", *, pool_figures: bool = False
+) -> DeviceMemory:
     """A sim allocator model's counters as the rank's own source reads them (MindSpore's reader for
     the pool, torch's for the caching allocator), with its device's free and total. ``pool_figures``:
     MindSpore's exact mode, the pool's own lists beside them (``DynamicMemPool.pool_figures``)."""
     free, total = model.device.mem_get_info()
     if model.name == "mindspore":
         figures = model.pool_figures() if pool_figures else None
-        return mindspore_source.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free,
-                                                         total_bytes=total, figures=figures)
-    return torch_source.device_memory_from_stats(model.memory_stats(), device, source, free_bytes=free,
-                                                 total_bytes=total)
+        return mindspore_source.device_memory_from_stats(
+            model.memory_stats(), device, source, free_bytes=free, total_bytes=total, figures=figures
+        )
+    return torch_source.device_memory_from_stats(
+        model.memory_stats(), device, source, free_bytes=free, total_bytes=total
+    )
 
 
-def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segments: bool = False,
-                            enable_vmm: bool = False) -> Allocator:
+def allocator_from_counters(
+    kind: str, memory: DeviceMemory, *, expandable_segments: bool = False, enable_vmm: bool = False
+) -> Allocator:
     """A new ``kvguard.allocators`` model of a real rank's allocator holding what its counters say it holds.
 
     What a rank's counters do not say (where its cached memory lies, which pool holds what) is
@@ -78,10 +88,11 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
                 pool.free(addr)
         held_beyond = device.free_bytes - free
         if held_beyond > 0:
-            device.grow_non_allocator(held_beyond)    # block tails and slivers: not reusable
+            device.grow_non_allocator(held_beyond)  # block tails and slivers: not reusable
         return pool
-    model = CachingAllocator(device, variant=kind if kind in ("torch", "torch_npu") else "torch",
-                             expandable_segments=expandable_segments)
+    model = CachingAllocator(
+        device, variant=kind if kind in ("torch", "torch_npu") else "torch", expandable_segments=expandable_segments
+    )
     if physical:
         model.malloc(physical)
     if device.free_bytes > free:
@@ -89,8 +100,9 @@ def allocator_from_counters(kind: str, memory: DeviceMemory, *, expandable_segme
     return model
 
 
-def counters_at_budget(profile: Profile, kind: str, *, enable_vmm: bool = False,
-                       non_allocator_bytes: int | None = None) -> DeviceMemory:
+def counters_at_budget(
+    profile: Profile, kind: str, *, enable_vmm: bool = False, non_allocator_bytes: int | None = None
+) -> DeviceMemory:
     """The rank's counters when vLLM fixes its budget, as a startup profile implies them (``kvguard
     budget --allocator``): the weights allocated; reserved, the weights and, on MindSpore's pool without
     VMM, the profile run's reserved increase too (its ``empty_cache`` releases nothing without VMM:
@@ -110,15 +122,32 @@ def counters_at_budget(profile: Profile, kind: str, *, enable_vmm: bool = False,
     total = profile.total_memory_bytes
     free = total - outside - reserved
     if free < 0:
-        raise ValueError(f"the profile leaves no free memory at the budget ({outside} bytes outside the "
-                         f"allocator, {reserved} reserved, {total} total)")
-    return DeviceMemory(device="budget", source=kind, allocated_bytes=weights, reserved_bytes=reserved,
-                        total_bytes=total, free_bytes=free, used_bytes=total - free)
+        raise ValueError(
+            f"the profile leaves no free memory at the budget ({outside} bytes outside the "
+            f"allocator, {reserved} reserved, {total} total)"
+        )
+    return DeviceMemory(
+        device="budget",
+        source=kind,
+        allocated_bytes=weights,
+        reserved_bytes=reserved,
+        total_bytes=total,
+        free_bytes=free,
+        used_bytes=total - free,
+    )
 
 
-def predict_at_budget(profile: Profile, layout: KVLayout, kv_cache_bytes: int, kind: str, *, enable_vmm: bool = False,
-                      expandable_segments: bool = False, non_allocator_bytes: int | None = None,
-                      memory: DeviceMemory | None = None) -> dict[str, Any]:
+def predict_at_budget(
+    profile: Profile,
+    layout: KVLayout,
+    kv_cache_bytes: int,
+    kind: str,
+    *,
+    enable_vmm: bool = False,
+    expandable_segments: bool = False,
+    non_allocator_bytes: int | None = None,
+    memory: DeviceMemory | None = None,
+) -> dict[str, Any]:
     """The budget-time verdict for ``kv_cache_bytes`` (vLLM's budget) from a profile, and the largest
     budget the guard predicts fits: what ``kvguard budget --allocator`` prints."""
 
@@ -136,10 +165,18 @@ def predict_at_budget(profile: Profile, layout: KVLayout, kv_cache_bytes: int, k
     num_blocks = layout.num_blocks(kv_cache_bytes)
     verdict = verdict_for(num_blocks)
     fits = num_blocks if verdict.state != CRITICAL else largest_fitting_blocks(verdict_for, max(0, num_blocks - 1))
-    return {"allocator": kind, "enable_vmm": enable_vmm, "expandable_segments": expandable_segments,
-            "tensor_style": style, "kv_cache_bytes": kv_cache_bytes, "num_blocks": num_blocks,
-            "counters": memory.to_dict(), "verdict": verdict.to_dict(),
-            "largest_fitting_blocks": fits, "largest_fitting_kv_cache_bytes": fits * layout.block_bytes}
+    return {
+        "allocator": kind,
+        "enable_vmm": enable_vmm,
+        "expandable_segments": expandable_segments,
+        "tensor_style": style,
+        "kv_cache_bytes": kv_cache_bytes,
+        "num_blocks": num_blocks,
+        "counters": memory.to_dict(),
+        "verdict": verdict.to_dict(),
+        "largest_fitting_blocks": fits,
+        "largest_fitting_kv_cache_bytes": fits * layout.block_bytes,
+    }
 
 
 def _common_unit(pool: Allocator) -> int:

@@ -35,8 +35,13 @@ from typing import Any, Callable, Hashable, Iterable
 
 from kvguard.allocators.base import Allocator, AllocatorOutOfMemory
 from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES, pool_budget_bytes
-from kvguard.budget.estimator import (Profile, non_kv_cache_bytes, overcommit_bytes, reserved_kv_cache_bytes,
-                               stock_kv_cache_bytes)
+from kvguard.budget.estimator import (
+    Profile,
+    non_kv_cache_bytes,
+    overcommit_bytes,
+    reserved_kv_cache_bytes,
+    stock_kv_cache_bytes,
+)
 from kvguard.records import DeviceMemory, ReservedPeak, physical_reserved_bytes
 from kvguard.units import format_gib
 
@@ -53,14 +58,31 @@ LIVE_RESERVED_EXCEEDS = "live_reserved_exceeds_projection"
 NO_PROFILE = "no_profile"
 SNAPSHOT_STALE = "snapshot_stale"
 KV_PLACEMENT_FAILS = "kv_cache_placement_fails"
-REASON_CODES = (OVERCOMMITTED, PEAK_EXCEEDS_CAPACITY, RETRIES_CLIMBING, OOMS_CLIMBING, LIVE_RESERVED_EXCEEDS,
-                NO_PROFILE, SNAPSHOT_STALE, KV_PLACEMENT_FAILS)
+REASON_CODES = (
+    OVERCOMMITTED,
+    PEAK_EXCEEDS_CAPACITY,
+    RETRIES_CLIMBING,
+    OOMS_CLIMBING,
+    LIVE_RESERVED_EXCEEDS,
+    NO_PROFILE,
+    SNAPSHOT_STALE,
+    KV_PLACEMENT_FAILS,
+)
 # Not about one rank: the overall state when no rank was judged (/guard, /readyz, kvguard check).
 NO_RANKS = "no_ranks"
-_REASON_STATE = {OVERCOMMITTED: WARNING, PEAK_EXCEEDS_CAPACITY: CRITICAL, RETRIES_CLIMBING: CRITICAL,
-                 OOMS_CLIMBING: CRITICAL, LIVE_RESERVED_EXCEEDS: WARNING, NO_PROFILE: WARNING,
-                 SNAPSHOT_STALE: WARNING, NO_RANKS: WARNING, KV_PLACEMENT_FAILS: CRITICAL}
-BUDGET, RUNNING = "budget", "running"     # Verdict.phase: at the budget (before the KV cache), or after
+_REASON_STATE = {
+    OVERCOMMITTED: WARNING,
+    PEAK_EXCEEDS_CAPACITY: CRITICAL,
+    RETRIES_CLIMBING: CRITICAL,
+    OOMS_CLIMBING: CRITICAL,
+    LIVE_RESERVED_EXCEEDS: WARNING,
+    NO_PROFILE: WARNING,
+    SNAPSHOT_STALE: WARNING,
+    NO_RANKS: WARNING,
+    KV_PLACEMENT_FAILS: CRITICAL,
+}
+BUDGET, RUNNING = "budget", "running"  # Verdict.phase: at the budget (before the KV cache), or after
+
 
 @dataclass(frozen=True)
 class Reason:
@@ -91,7 +113,7 @@ class GuardInput:
     alloc_retries_increase: int | None = None
     ooms_increase: int | None = None
     snapshot_stale: bool = False
-    kv_cache_outside_allocator: bool = False     # 0.34's extensible KV pages: in used memory, not in reserved
+    kv_cache_outside_allocator: bool = False  # 0.34's extensible KV pages: in used memory, not in reserved
     # Why there is no profile, when the caller knows better than "none anywhere" (a startup log
     # that lacks some figures: one line naming them).
     no_profile_detail: str | None = None
@@ -105,10 +127,10 @@ class Verdict:
     reasons: tuple[Reason, ...]
     stock_budget_bytes: int | None = None
     reserved_budget_bytes: int | None = None
-    reserved_budget_estimated: bool = False      # reserved peak inferred from live fragmentation
+    reserved_budget_estimated: bool = False  # reserved peak inferred from live fragmentation
     overcommit_bytes: int | None = None
     kv_cache_bytes: int | None = None
-    kv_cache_estimated: bool = False             # the stock budget stood in for the allocation
+    kv_cache_estimated: bool = False  # the stock budget stood in for the allocation
     activation_reserved_peak_bytes: int | None = None
     projected_peak_bytes: int | None = None
     capacity_bytes: int | None = None
@@ -148,8 +170,11 @@ class Verdict:
             raise ValueError("verdict state, phase or reasons malformed")
         reasons = []
         for item in raw:
-            if not isinstance(item, dict) or item.get("code") not in _REASON_STATE \
-                    or not isinstance(item.get("message"), str):
+            if (
+                not isinstance(item, dict)
+                or item.get("code") not in _REASON_STATE
+                or not isinstance(item.get("message"), str)
+            ):
                 raise ValueError("verdict reason malformed")
             reasons.append(Reason(item["code"], item["message"][:1024]))
         values: dict[str, Any] = {}
@@ -177,26 +202,38 @@ def judge(inp: GuardInput) -> Verdict:
     reasons: list[Reason] = []
     memory = inp.memory
     if inp.ooms_increase:
-        reasons.append(Reason(OOMS_CLIMBING, f"the allocator raised {inp.ooms_increase} out-of-memory error(s) "
-                                             f"in the recent window"))
+        reasons.append(
+            Reason(
+                OOMS_CLIMBING, f"the allocator raised {inp.ooms_increase} out-of-memory error(s) in the recent window"
+            )
+        )
     if inp.alloc_retries_increase:
-        reasons.append(Reason(RETRIES_CLIMBING, f"the allocator flushed its cache and retried "
-                                                f"{inp.alloc_retries_increase} allocation(s) in the recent window: "
-                                                f"it is at the device's limit"))
+        reasons.append(
+            Reason(
+                RETRIES_CLIMBING,
+                f"the allocator flushed its cache and retried "
+                f"{inp.alloc_retries_increase} allocation(s) in the recent window: "
+                f"it is at the device's limit",
+            )
+        )
     if inp.snapshot_stale:
         reasons.append(Reason(SNAPSHOT_STALE, "the rank's latest snapshot is stale: the live counters may be old"))
 
     profile = inp.profile
     if profile is None:
-        reasons.append(Reason(NO_PROFILE, inp.no_profile_detail or
-                              "no startup profile for this rank (none in the snapshot, no --from-log): "
-                              "cannot judge the KV cache"))
+        reasons.append(
+            Reason(
+                NO_PROFILE,
+                inp.no_profile_detail
+                or "no startup profile for this rank (none in the snapshot, no --from-log): cannot judge the KV cache",
+            )
+        )
         return Verdict(state=_state(reasons), reasons=tuple(reasons), kv_cache_bytes=inp.kv_cache_bytes)
 
     stock = stock_kv_cache_bytes(profile)
     peak_note = reserved_peak_note(profile, inp.reserved_peak)
     peaked = with_reserved_peak(profile, inp.reserved_peak)
-    peak_used = peaked is not profile       # the overcommit counts MindSpore's peak, not the engine's figure
+    peak_used = peaked is not profile  # the overcommit counts MindSpore's peak, not the engine's figure
     profile_for_reserved, estimated = _profile_with_reserved_peak(peaked, memory)
     reserved = reserved_kv_cache_bytes(profile_for_reserved) if profile_for_reserved else None
     kv_cache = inp.kv_cache_bytes if inp.kv_cache_bytes is not None else max(0, stock)
@@ -209,8 +246,11 @@ def judge(inp: GuardInput) -> Verdict:
         # KV pages mapped outside the allocator are in the device's used memory: count them once.
         live_non_torch = max(0, live_non_torch - kv_outside)
     if profile.budget_formula.non_kv == "peak":
-        activation = (profile_for_reserved.peak_reserved_increase_bytes if profile_for_reserved
-                      else profile.peak_allocated_increase_bytes)
+        activation = (
+            profile_for_reserved.peak_reserved_increase_bytes
+            if profile_for_reserved
+            else profile.peak_allocated_increase_bytes
+        )
         # A reserved increase below the allocated one means the profile run's activations lived in
         # memory the allocator already held idle (MindSpore: the weights' pool-block tails); once the
         # KV cache takes that memory, the next peak needs its allocated bytes anew.
@@ -227,8 +267,13 @@ def judge(inp: GuardInput) -> Verdict:
         # the transient peak and torch's reserve growth, which vLLM keeps free.
         activation = max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
         non_torch = live_non_torch or 0
-        projected = (profile.total_memory_bytes - profile.init_free_memory_bytes
-                     + non_kv_cache_bytes(profile) + kv_cache + activation)
+        projected = (
+            profile.total_memory_bytes
+            - profile.init_free_memory_bytes
+            + non_kv_cache_bytes(profile)
+            + kv_cache
+            + activation
+        )
     else:
         # 0.27+: what the era keeps out of the KV cache already holds weights and non-torch memory.
         base = profile_for_reserved or profile
@@ -247,12 +292,16 @@ def judge(inp: GuardInput) -> Verdict:
             live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
         if live > projected + capacity_tolerance(profile):
             peak = memory.peak_reserved_bytes or memory.reserved_bytes
-            reasons.append(Reason(LIVE_RESERVED_EXCEEDS, f"the allocator's reserved memory "
-                                                         f"({format_gib(memory.reserved_bytes)} now, peak "
-                                                         f"{format_gib(peak)}) projects a peak "
-                                                         f"{format_gib(live - projected)} above the "
-                                                         f"startup profile's"
-                                                         + pool_credit_note(memory, inp.snapshot_stale)))
+            reasons.append(
+                Reason(
+                    LIVE_RESERVED_EXCEEDS,
+                    f"the allocator's reserved memory "
+                    f"({format_gib(memory.reserved_bytes)} now, peak "
+                    f"{format_gib(peak)}) projects a peak "
+                    f"{format_gib(live - projected)} above the "
+                    f"startup profile's" + pool_credit_note(memory, inp.snapshot_stale),
+                )
+            )
         projected = max(projected, live)
     capacity = profile.total_memory_bytes
     headroom = capacity - projected
@@ -265,25 +314,40 @@ def judge(inp: GuardInput) -> Verdict:
         headroom = min(headroom, pool_headroom)
 
     if kv_over:
-        sized = ("the reserved memory left at the profile run's end, the pool reached a higher reserved peak "
-                 "during it" if peak_used else "the allocated peak, the allocator holds the reserved peak")
-        reasons.append(Reason(OVERCOMMITTED, f"the KV cache ({format_gib(kv_cache)}) exceeds the reserved-aware "
-                                             f"budget ({format_gib(max(reserved, 0))}) by {format_gib(kv_over)}: "
-                                             f"{_engine(profile) if peak_used else 'vLLM'} sized it from {sized}"
-                                             + (" (reserved peak inferred from live fragmentation)" if estimated
-                                                else "")))
+        sized = (
+            "the reserved memory left at the profile run's end, the pool reached a higher reserved peak during it"
+            if peak_used
+            else "the allocated peak, the allocator holds the reserved peak"
+        )
+        reasons.append(
+            Reason(
+                OVERCOMMITTED,
+                f"the KV cache ({format_gib(kv_cache)}) exceeds the reserved-aware "
+                f"budget ({format_gib(max(reserved, 0))}) by {format_gib(kv_over)}: "
+                f"{_engine(profile) if peak_used else 'vLLM'} sized it from {sized}"
+                + (" (reserved peak inferred from live fragmentation)" if estimated else ""),
+            )
+        )
     if pool_headroom is not None and pool_headroom < 0 and pool_headroom <= capacity - projected:
-        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected pool peak {format_gib(pool_budget - pool_headroom)}"
-                                                     f" (weights + KV cache + reserved activation peak) exceeds "
-                                                     f"MindSpore's pool budget {format_gib(pool_budget)} (15/16 of "
-                                                     f"the memory free when the pool started, less 10 MiB) by "
-                                                     f"{format_gib(-pool_headroom)}"
-                                                     + pool_credit_note(memory, inp.snapshot_stale)))
+        reasons.append(
+            Reason(
+                PEAK_EXCEEDS_CAPACITY,
+                f"projected pool peak {format_gib(pool_budget - pool_headroom)}"
+                f" (weights + KV cache + reserved activation peak) exceeds "
+                f"MindSpore's pool budget {format_gib(pool_budget)} (15/16 of "
+                f"the memory free when the pool started, less 10 MiB) by "
+                f"{format_gib(-pool_headroom)}" + pool_credit_note(memory, inp.snapshot_stale),
+            )
+        )
     elif headroom < 0:
-        reasons.append(Reason(PEAK_EXCEEDS_CAPACITY, f"projected peak {format_gib(projected)} (weights + KV cache "
-                                                     f"+ reserved activation peak + non-torch) exceeds the device's "
-                                                     f"{format_gib(capacity)} by {format_gib(-headroom)}"
-                                                     + pool_credit_note(memory, inp.snapshot_stale)))
+        reasons.append(
+            Reason(
+                PEAK_EXCEEDS_CAPACITY,
+                f"projected peak {format_gib(projected)} (weights + KV cache "
+                f"+ reserved activation peak + non-torch) exceeds the device's "
+                f"{format_gib(capacity)} by {format_gib(-headroom)}" + pool_credit_note(memory, inp.snapshot_stale),
+            )
+        )
     return Verdict(
         state=_state(reasons),
         reasons=tuple(sorted(reasons, key=lambda r: -SEVERITY[r.state])),
@@ -319,17 +383,21 @@ def reserved_peak_note(profile: Profile | None, reserved_peak: ReservedPeak | No
         return None
     engine = _engine(profile)
     if reserved_peak.peak_increase_bytes is None:
-        return (f"the profile run's reserved peak was not read from MindSpore ({reserved_peak.error or 'no reading'}): "
-                f"the guard counts {engine}'s end-of-run reserved increase, which misses any blocks the pool released "
-                f"during the run")
+        return (
+            f"the profile run's reserved peak was not read from MindSpore ({reserved_peak.error or 'no reading'}): "
+            f"the guard counts {engine}'s end-of-run reserved increase, which misses any blocks the pool released "
+            f"during the run"
+        )
     if not reserved_peak.above_measured:
         return None
     measured = reserved_peak.measured_increase_bytes
-    return (f"the profile run's reserved peak (MindSpore max_memory_reserved) is "
-            f"+{format_gib(reserved_peak.peak_increase_bytes)}, above the "
-            f"+{format_gib(measured) if measured is not None else '?'} {engine} measured at the run's end "
-            f"(its memory_reserved() before empty_cache): the pool released blocks during the run, so the "
-            f"overcommit and the projection count the peak")
+    return (
+        f"the profile run's reserved peak (MindSpore max_memory_reserved) is "
+        f"+{format_gib(reserved_peak.peak_increase_bytes)}, above the "
+        f"+{format_gib(measured) if measured is not None else '?'} {engine} measured at the run's end "
+        f"(its memory_reserved() before empty_cache): the pool released blocks during the run, so the "
+        f"overcommit and the projection count the peak"
+    )
 
 
 def _engine(profile: Profile) -> str:
@@ -355,7 +423,7 @@ class BudgetInput:
     build: Callable[[], Allocator]
     read: Callable[[Allocator], DeviceMemory]
     kv_cache_outside_allocator: bool = False
-    reserved_peak: ReservedPeak | None = None    # vllm-mindspore: the profile run's reserved peak
+    reserved_peak: ReservedPeak | None = None  # vllm-mindspore: the profile run's reserved peak
 
 
 def judge_at_budget(inp: BudgetInput) -> Verdict:
@@ -379,25 +447,42 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
     memory = inp.read(model)
     loss = max(0, physical_reserved_bytes(memory) - reserved_before - placed_bytes)
     if failure is None:
-        verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, memory=memory,
-                                   kv_cache_outside_allocator=inp.kv_cache_outside_allocator,
-                                   reserved_peak=inp.reserved_peak))
-        return dataclasses.replace(verdict, phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed,
-                                   kv_placement_loss_bytes=loss)
+        verdict = judge(
+            GuardInput(
+                inp.profile,
+                kv_cache_bytes=kv_cache,
+                memory=memory,
+                kv_cache_outside_allocator=inp.kv_cache_outside_allocator,
+                reserved_peak=inp.reserved_peak,
+            )
+        )
+        return dataclasses.replace(
+            verdict, phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed, kv_placement_loss_bytes=loss
+        )
     free = memory.free_bytes or 0
     short = sum(tensors[placed:]) - free
     verdict = judge(GuardInput(inp.profile, kv_cache_bytes=kv_cache, reserved_peak=inp.reserved_peak))
-    reason = Reason(KV_PLACEMENT_FAILS, f"the KV cache ({format_gib(kv_cache)} in {len(tensors)} tensors of up to "
-                                        f"{format_gib(max(tensors))}) does not fit where the allocator puts it: "
-                                        f"tensor {placed + 1} fails with {format_gib(free)} free on the device "
-                                        f"({placed} placed, {format_gib(loss)} reserved beyond their bytes for "
-                                        f"rounding and block tails)")
+    reason = Reason(
+        KV_PLACEMENT_FAILS,
+        f"the KV cache ({format_gib(kv_cache)} in {len(tensors)} tensors of up to "
+        f"{format_gib(max(tensors))}) does not fit where the allocator puts it: "
+        f"tensor {placed + 1} fails with {format_gib(free)} free on the device "
+        f"({placed} placed, {format_gib(loss)} reserved beyond their bytes for "
+        f"rounding and block tails)",
+    )
     headroom = min(verdict.headroom_bytes if verdict.headroom_bytes is not None else -short, -max(short, 1))
     capacity = inp.profile.total_memory_bytes
     return dataclasses.replace(
-        verdict, state=CRITICAL, reasons=tuple(sorted((reason,) + verdict.reasons, key=lambda r: -SEVERITY[r.state])),
-        phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed, kv_placement_loss_bytes=loss,
-        headroom_bytes=headroom, projected_peak_bytes=capacity - headroom)
+        verdict,
+        state=CRITICAL,
+        reasons=tuple(sorted((reason,) + verdict.reasons, key=lambda r: -SEVERITY[r.state])),
+        phase=BUDGET,
+        kv_tensors=len(tensors),
+        kv_tensors_placed=placed,
+        kv_placement_loss_bytes=loss,
+        headroom_bytes=headroom,
+        projected_peak_bytes=capacity - headroom,
+    )
 
 
 def largest_fitting_blocks(verdict_for: Callable[[int], Verdict | None], max_blocks: int) -> int:
@@ -524,16 +609,24 @@ def pool_credit_note(memory: DeviceMemory | None, snapshot_stale: bool = False) 
     idle = memory.fragmentation_bytes or 0
     if pool_figures_fresh(memory, snapshot_stale):
         if memory.reclaimable_bytes is not None:
-            return (f"; credited {format_gib(memory.reclaimable_bytes)} the pool can unmap and reuse (whole 2 MiB "
-                    f"pages no used buffer touches, from MindSpore's memory dump)")
-        return (f"; the pool's largest idle buffer is {format_gib(memory.largest_idle_bytes)} (MindSpore's "
-                f"memory dump): the peak is credited it only when it fits there whole")
+            return (
+                f"; credited {format_gib(memory.reclaimable_bytes)} the pool can unmap and reuse (whole 2 MiB "
+                f"pages no used buffer touches, from MindSpore's memory dump)"
+            )
+        return (
+            f"; the pool's largest idle buffer is {format_gib(memory.largest_idle_bytes)} (MindSpore's "
+            f"memory dump): the peak is credited it only when it fits there whole"
+        )
     if not idle:
         return ""
-    why = ("the pool's exact figures are older than its counters" if memory.pool_figures_allocated_bytes is not None
-           else "memory_stats() cannot tell which of it the next peak can reuse")
-    return (f"; no credit for the pool's {format_gib(idle)} of idle memory ({why}; exact figures: "
-            f"KVGUARD_MINDSPORE_DUMP=1)")
+    why = (
+        "the pool's exact figures are older than its counters"
+        if memory.pool_figures_allocated_bytes is not None
+        else "memory_stats() cannot tell which of it the next peak can reuse"
+    )
+    return (
+        f"; no credit for the pool's {format_gib(idle)} of idle memory ({why}; exact figures: KVGUARD_MINDSPORE_DUMP=1)"
+    )
 
 
 def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -> tuple[Profile | None, bool]:
@@ -585,7 +678,7 @@ class CounterWindow:
     starts over from its new value.
     """
 
-    MAX_SAMPLES = 512   # per key: a counter sampled more often than this keeps only the latest
+    MAX_SAMPLES = 512  # per key: a counter sampled more often than this keeps only the latest
 
     def __init__(self, window_seconds: float = 300.0):
         self.window_seconds = window_seconds

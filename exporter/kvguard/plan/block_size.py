@@ -39,5 +39,8 @@ def block_size_refusal(block_size: int, vllm_version: tuple[int, ...], prog: str
     if choices is None or block_size in choices:
         return None
     listed = ", ".join(str(choice) for choice in choices)
-    return {"code": "block_size_invalid_choice", "cite": cite,
-            "message": f"{prog}: error: argument --block-size: invalid choice: {block_size} (choose from {listed})"}
+    return {
+        "code": "block_size_invalid_choice",
+        "cite": cite,
+        "message": f"{prog}: error: argument --block-size: invalid choice: {block_size} (choose from {listed})",
+    }

@@ -72,6 +72,7 @@ def _choice(choices: tuple[str, ...]):
         if text not in choices:
             raise ValueError(f"choose from {', '.join(choices)}")
         return text
+
     return parse
 
 
@@ -92,17 +93,34 @@ VALUE_FLAGS: dict[str, Any] = {
     "dtype": _choice(DTYPES),
     "kv-cache-dtype": _choice(KV_CACHE_DTYPES),
     "quantization": str,
-    "performance-mode": _choice(("balanced", "interactivity", "throughput")),   # vLLM 0.17+
+    "performance-mode": _choice(("balanced", "interactivity", "throughput")),  # vLLM 0.17+
 }
 SHORT = {"tp": "tensor-parallel-size", "pp": "pipeline-parallel-size", "q": "quantization"}
 # vLLM flags without a value (store_true / BooleanOptionalAction): never take the next word as theirs.
-BOOLEAN_FLAGS = frozenset({
-    "trust-remote-code", "enforce-eager", "enable-prefix-caching", "enable-chunked-prefill",
-    "disable-log-requests", "enable-log-requests", "disable-log-stats", "enable-expert-parallel",
-    "enable-auto-tool-choice", "disable-custom-all-reduce", "enable-lora", "disable-sliding-window",
-    "disable-cascade-attn", "enable-sleep-mode", "skip-tokenizer-init", "enable-eplb", "async-scheduling",
-    "disable-frontend-multiprocessing", "enable-server-load-tracking", "headless",
-})
+BOOLEAN_FLAGS = frozenset(
+    {
+        "trust-remote-code",
+        "enforce-eager",
+        "enable-prefix-caching",
+        "enable-chunked-prefill",
+        "disable-log-requests",
+        "enable-log-requests",
+        "disable-log-stats",
+        "enable-expert-parallel",
+        "enable-auto-tool-choice",
+        "disable-custom-all-reduce",
+        "enable-lora",
+        "disable-sliding-window",
+        "disable-cascade-attn",
+        "enable-sleep-mode",
+        "skip-tokenizer-init",
+        "enable-eplb",
+        "async-scheduling",
+        "disable-frontend-multiprocessing",
+        "enable-server-load-tracking",
+        "headless",
+    }
+)
 
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PYTHON = re.compile(r"^(?:.*/)?python(?:[0-9.]*)?$")
@@ -112,19 +130,25 @@ _PYTHON = re.compile(r"^(?:.*/)?python(?:[0-9.]*)?$")
 class ServeCommand:
     """What the command line says, before defaults."""
 
-    entry_point: str                       # "vllm serve", "api_server", "vllm-mindspore serve", ...
-    project: str | None                    # "vllm-mindspore" when the entry point is its own; else None
+    entry_point: str  # "vllm serve", "api_server", "vllm-mindspore serve", ...
+    project: str | None  # "vllm-mindspore" when the entry point is its own; else None
     model: str | None
-    flags: dict[str, Any] = field(default_factory=dict)     # canonical name -> parsed value
-    ignored: tuple[str, ...] = ()          # flags plan does not use, as typed
-    env: dict[str, str] = field(default_factory=dict)       # leading VAR=value words (HCCL_BUFFSIZE=100, ...)
+    flags: dict[str, Any] = field(default_factory=dict)  # canonical name -> parsed value
+    ignored: tuple[str, ...] = ()  # flags plan does not use, as typed
+    env: dict[str, str] = field(default_factory=dict)  # leading VAR=value words (HCCL_BUFFSIZE=100, ...)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.flags.get(name, default)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"entry_point": self.entry_point, "project": self.project, "model": self.model,
-                "flags": dict(self.flags), "ignored": list(self.ignored), "env": dict(self.env)}
+        return {
+            "entry_point": self.entry_point,
+            "project": self.project,
+            "model": self.model,
+            "flags": dict(self.flags),
+            "ignored": list(self.ignored),
+            "env": dict(self.env),
+        }
 
 
 def _entry(words: list[str]) -> tuple[str, str | None, list[str], bool]:
@@ -140,13 +164,18 @@ def _entry(words: list[str]) -> tuple[str, str | None, list[str], bool]:
         module = words[2]
         if module == "vllm.entrypoints.openai.api_server":
             return "api_server", None, words[3:], False
-        if module == "vllm_mindspore.entrypoints" and len(words) > 3 \
-                and words[3] == "vllm.entrypoints.openai.api_server":
+        if (
+            module == "vllm_mindspore.entrypoints"
+            and len(words) > 3
+            and words[3] == "vllm.entrypoints.openai.api_server"
+        ):
             return "vllm_mindspore api_server", "vllm-mindspore", words[4:], False
     shown = " ".join(words[:3])[:80]
-    raise CommandError(f"not a vLLM serve command: {shown!r} (expected `vllm serve MODEL ...`, `python -m "
-                       f"vllm.entrypoints.openai.api_server --model MODEL ...`, or vllm-mindspore's `vllm-mindspore "
-                       f"serve MODEL ...` / `python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...`)")
+    raise CommandError(
+        f"not a vLLM serve command: {shown!r} (expected `vllm serve MODEL ...`, `python -m "
+        f"vllm.entrypoints.openai.api_server --model MODEL ...`, or vllm-mindspore's `vllm-mindspore "
+        f"serve MODEL ...` / `python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...`)"
+    )
 
 
 def parse_serve_command(words: list[str] | tuple[str, ...]) -> ServeCommand:
@@ -169,8 +198,7 @@ def parse_serve_command(words: list[str] | tuple[str, ...]) -> ServeCommand:
         word = rest[i]
         i += 1
         if not word.startswith("-") or word in ("-", "--"):
-            raise CommandError(f"unexpected word {word[:60]!r} in the serve command (a flag's value without "
-                               f"its flag?)")
+            raise CommandError(f"unexpected word {word[:60]!r} in the serve command (a flag's value without its flag?)")
         name, has_value, value = word.lstrip("-"), "=" in word, None
         if has_value:
             name, value = name.split("=", 1)

@@ -22,14 +22,25 @@ from collections.abc import Mapping
 from typing import Any
 
 # vllm/config/model.py 0.11.0:1773-1792 possible_keys, in vLLM's order.
-LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-               "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 CITE_NEW = "vllm/config/model.py 0.11.0:1893-1911 (_get_and_verify_max_len; same text to 0.34.0)"
 CITE_OLD = "vllm/config.py 0.7.3:2564-2578 (_get_and_verify_max_len)"
-_WARNING = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution. If the model uses relative position "
-            "encoding (RoPE), positions exceeding derived_max_model_len lead to nan. If the model uses absolute "
-            "position encoding, positions exceeding derived_max_model_len will cause a CUDA array out-of-bounds "
-            "error.")
+_WARNING = (
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution. If the model uses relative position "
+    "encoding (RoPE), positions exceeding derived_max_model_len lead to nan. If the model uses absolute "
+    "position encoding, positions exceeding derived_max_model_len will cause a CUDA array out-of-bounds "
+    "error."
+)
 
 
 def derived_max_model_len(text: Mapping[str, Any]) -> tuple[str | None, int | float | None]:
@@ -49,12 +60,13 @@ def derived_max_model_len(text: Mapping[str, Any]) -> tuple[str | None, int | fl
         return None, None
     scaling = text.get("rope_scaling")
     if isinstance(scaling, Mapping) and "gemma3" not in str(text.get("model_type", "")):
-        rope_type = scaling.get("rope_type", scaling.get("type"))   # transformers' patch_rope_scaling
+        rope_type = scaling.get("rope_type", scaling.get("type"))  # transformers' patch_rope_scaling
         if rope_type not in ("su", "longrope", "llama3"):
             factor = _number(scaling.get("factor", 1.0), "rope_scaling.factor")
             if rope_type == "yarn" and "original_max_position_embeddings" in scaling:
-                derived = _number(scaling["original_max_position_embeddings"],
-                                  "rope_scaling.original_max_position_embeddings")
+                derived = _number(
+                    scaling["original_max_position_embeddings"], "rope_scaling.original_max_position_embeddings"
+                )
             derived = derived * factor
     if not 1 <= derived < float("inf"):
         raise ValueError(f"model config: the derived max_model_len ({key}) is {derived!r}, not a positive length")
@@ -72,8 +84,9 @@ def long_max_model_len_allowed(env: Mapping[str, str]) -> bool:
     return env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
 
 
-def max_len_refusal(text: Mapping[str, Any], max_model_len: int, env: Mapping[str, str],
-                    vllm_version: tuple[int, ...]) -> dict[str, str] | None:
+def max_len_refusal(
+    text: Mapping[str, Any], max_model_len: int, env: Mapping[str, str], vllm_version: tuple[int, ...]
+) -> dict[str, str] | None:
     """vLLM's refusal of ``max_model_len`` (its ValueError, word for word), or None when it starts."""
     key, derived = derived_max_model_len(text)
     if derived is None or max_model_len <= derived or long_max_model_len_allowed(env):
@@ -81,11 +94,15 @@ def max_len_refusal(text: Mapping[str, Any], max_model_len: int, env: Mapping[st
     model_max_length = text.get("model_max_length")
     if model_max_length is not None and max_model_len <= model_max_length:
         return None
-    msg = (f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
-           f"({key}={derived} or model_max_length={model_max_length} in model's config.json).")
+    msg = (
+        f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+        f"({key}={derived} or model_max_length={model_max_length} in model's config.json)."
+    )
     if vllm_version < (0, 8):
-        message = (f"{msg} This may lead to incorrect model outputs or CUDA errors. To allow overriding this "
-                   f"maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+        message = (
+            f"{msg} This may lead to incorrect model outputs or CUDA errors. To allow overriding this "
+            f"maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+        )
         cite = CITE_OLD
     else:
         message = f"{msg} To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {_WARNING}"

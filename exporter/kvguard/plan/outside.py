@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 MIB = 1 << 20
 HCCL_BUFFSIZE_DEFAULT_MB = 200
-HCCL_CITE = ("CANN environment-variable reference, HCCL_BUFFSIZE (default 200 MB; each communicator occupies "
-             "2 x HCCL_BUFFSIZE)")
-BASELINE_BEFORE_DISTRIBUTED_CITE = ("vllm/worker/worker.py 0.7.3:161,166 (baseline_snapshot before "
-                                    "init_worker_distributed_environment)")
+HCCL_CITE = (
+    "CANN environment-variable reference, HCCL_BUFFSIZE (default 200 MB; each communicator occupies 2 x HCCL_BUFFSIZE)"
+)
+BASELINE_BEFORE_DISTRIBUTED_CITE = (
+    "vllm/worker/worker.py 0.7.3:161,166 (baseline_snapshot before init_worker_distributed_environment)"
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,13 @@ class CollectiveBuffers:
         return self.communicators * self.bytes_per_communicator
 
     def to_dict(self) -> dict:
-        return {"communicators": self.communicators, "bytes_per_communicator": self.bytes_per_communicator,
-                "total_bytes": self.total_bytes, "counted_in_budget": self.counted_in_budget,
-                "source": self.source}
+        return {
+            "communicators": self.communicators,
+            "bytes_per_communicator": self.bytes_per_communicator,
+            "total_bytes": self.total_bytes,
+            "counted_in_budget": self.counted_in_budget,
+            "source": self.source,
+        }
 
 
 def communicators(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> int:
@@ -72,16 +78,31 @@ def hccl_buffsize_bytes(env: Mapping[str, str]) -> int:
     return 2 * megabytes * MIB
 
 
-def collective_buffers(platform: str, baseline_before_distributed: bool, tensor_parallel_size: int,
-                       env: Mapping[str, str], pipeline_parallel_size: int = 1) -> CollectiveBuffers | None:
+def collective_buffers(
+    platform: str,
+    baseline_before_distributed: bool,
+    tensor_parallel_size: int,
+    env: Mapping[str, str],
+    pipeline_parallel_size: int = 1,
+) -> CollectiveBuffers | None:
     """HCCL's buffers for one rank on Ascend; None on CUDA (not modelled)."""
     if platform != "ascend":
         return None
     count = communicators(tensor_parallel_size, pipeline_parallel_size)
-    where = ("created after the baseline snapshot: non-torch increase, off the KV budget ("
-             + BASELINE_BEFORE_DISTRIBUTED_CITE + ")") if baseline_before_distributed else \
-        "created before the baseline snapshot: not in the budget's non-torch increase"
+    where = (
+        (
+            "created after the baseline snapshot: non-torch increase, off the KV budget ("
+            + BASELINE_BEFORE_DISTRIBUTED_CITE
+            + ")"
+        )
+        if baseline_before_distributed
+        else "created before the baseline snapshot: not in the budget's non-torch increase"
+    )
     setting = "HCCL_BUFFSIZE from the command" if "HCCL_BUFFSIZE" in env else "HCCL_BUFFSIZE default 200 MB"
-    return CollectiveBuffers(count, hccl_buffsize_bytes(env), baseline_before_distributed,
-                             f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank) x 2 x "
-                             f"{setting} [{HCCL_CITE}]; {where}")
+    return CollectiveBuffers(
+        count,
+        hccl_buffsize_bytes(env),
+        baseline_before_distributed,
+        f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank) x 2 x "
+        f"{setting} [{HCCL_CITE}]; {where}",
+    )

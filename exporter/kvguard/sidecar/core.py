@@ -15,6 +15,7 @@ file stays (the sidecar may not write the spool); a restarted engine writes unde
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -23,18 +24,29 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-import logging
-
 from kvguard.guard.judge import CounterWindow, GuardInput, judge
 from kvguard.sidecar.limits import MAX_ENGINES, MAX_LABEL_CHARS, MAX_METRICS_BYTES, MAX_MODELS, MAX_PODS, MAX_RANKS
+from kvguard.sidecar.observation import (
+    DUPLICATE,
+    ENGINE_ID_ENV,
+    NOT_WRITTEN,
+    POD_KEYS,
+    PROCESS_EXITED,
+    RANK_LABELS,
+    SPOOL,
+    VLLM_METRICS,
+    DeviceView,
+    Observation,
+    RankView,
+    aged_out_text,
+    pod_labels_from_env,
+)
 from kvguard.sidecar.poller import Poller, PollState
 from kvguard.spool.io import SpoolRead, SpoolReader, own_pid_namespace
 from kvguard.spool.schema import Snapshot
 from kvguard.text import safe_text
 from kvguard.vllm.log import StartupLog
 from kvguard.vllm.log_profile import log_profile
-from kvguard.sidecar.observation import DUPLICATE, DeviceView, ENGINE_ID_ENV, NOT_WRITTEN, Observation, POD_KEYS, PROCESS_EXITED, RANK_LABELS, RankView, SPOOL, VLLM_METRICS, aged_out_text, pod_labels_from_env
-
 
 FORGET_AFTER_STALE_WINDOWS = 4
 # A process that started this long after the snapshot was written is another one under a reused
@@ -46,26 +58,26 @@ PID_REUSE_TOLERANCE_SECONDS = 2.0
 @dataclass
 class SidecarConfig:
     spool_dir: str | None = None
-    sources: Sequence[tuple[str, Any]] = ()       # (name, object with sample() -> list[DeviceMemory])
+    sources: Sequence[tuple[str, Any]] = ()  # (name, object with sample() -> list[DeviceMemory])
     vllm_metrics_url: str | None = None
     startup_log: StartupLog | None = None
-    log_total_memory_bytes: int | None = None      # what the startup log does not state (kvguard check flags)
+    log_total_memory_bytes: int | None = None  # what the startup log does not state (kvguard check flags)
     log_gpu_memory_utilization: float | None = None
     interval: float = 5.0
     stale_after: float = 30.0
-    forget_after: float | None = None              # None: FORGET_AFTER_STALE_WINDOWS x stale_after
-    post_mortem: bool = False                      # keep every rank as last written (check --post-mortem)
+    forget_after: float | None = None  # None: FORGET_AFTER_STALE_WINDOWS x stale_after
+    post_mortem: bool = False  # keep every rank as last written (check --post-mortem)
     read_timeout: float = 2.0
     counter_window_seconds: float = 300.0
-    one_shot: bool = False                         # counters since process start, not over a window
+    one_shot: bool = False  # counters since process start, not over a window
     pod_labels: dict[str, str] = field(default_factory=pod_labels_from_env)
     # The engine these ranks belong to, the same on every pod of a multi-node engine (serve --engine-id,
     # KVGUARD_ENGINE_ID: an LWS group, a Ray cluster); "": each rank's pod, else its host (engine_of()).
     engine_id: str = field(default_factory=lambda: safe_text(os.environ.get(ENGINE_ID_ENV, ""), 253))
     max_ranks: int = MAX_RANKS
-    max_engines: int = MAX_ENGINES                 # distinct (engine_id, engine) label pairs
-    max_models: int = MAX_MODELS                   # distinct model_name labels
-    max_pods: int = MAX_PODS                       # distinct (namespace, pod) label pairs
+    max_engines: int = MAX_ENGINES  # distinct (engine_id, engine) label pairs
+    max_models: int = MAX_MODELS  # distinct model_name labels
+    max_pods: int = MAX_PODS  # distinct (namespace, pod) label pairs
     max_label_chars: int = MAX_LABEL_CHARS
     max_metrics_bytes: int = MAX_METRICS_BYTES
 
@@ -82,17 +94,23 @@ class Sidecar:
         # From the startup log (frozen), once: its profile, and its KV cache's bytes per block
         # where the log counts the blocks itself (else vLLM's block size does, per scrape).
         log = config.startup_log
-        self._log_profile, self._log_missing = log_profile(log, config.log_total_memory_bytes,
-                                                           config.log_gpu_memory_utilization) if log else (None, None)
-        self._log_block_bytes = log.available_kv_cache_bytes // log.num_gpu_blocks \
-            if log and log.available_kv_cache_bytes and log.num_gpu_blocks else None
+        self._log_profile, self._log_missing = (
+            log_profile(log, config.log_total_memory_bytes, config.log_gpu_memory_utilization) if log else (None, None)
+        )
+        self._log_block_bytes = (
+            log.available_kv_cache_bytes // log.num_gpu_blocks
+            if log and log.available_kv_cache_bytes and log.num_gpu_blocks
+            else None
+        )
         self._spool_reader = SpoolReader(config.spool_dir) if config.spool_dir else None
         self._spool = Poller(SPOOL, self._read_spool, config.read_timeout) if config.spool_dir else None
         self._first_read_done = False
         # A source with a time limit of its own (npu-smi's subprocess timeout) is polled with that
         # limit, so the poller does not call a read late that the source itself would still allow.
-        self._device_pollers = [Poller(name, source.sample, max(config.read_timeout, _own_timeout(source)))
-                                for name, source in config.sources]
+        self._device_pollers = [
+            Poller(name, source.sample, max(config.read_timeout, _own_timeout(source)))
+            for name, source in config.sources
+        ]
         self._vllm = None
         if config.vllm_metrics_url:
             from kvguard.vllm import metrics as vllm_metrics
@@ -101,8 +119,9 @@ class Sidecar:
             self._vllm = Poller(VLLM_METRICS, lambda: vllm_metrics.fetch(url, timeout), timeout)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.forget_after = config.forget_after if config.forget_after is not None \
-            else FORGET_AFTER_STALE_WINDOWS * config.stale_after
+        self.forget_after = (
+            config.forget_after if config.forget_after is not None else FORGET_AFTER_STALE_WINDOWS * config.stale_after
+        )
         self._host = socket.gethostname()
         self._pid_namespace = own_pid_namespace()
         # What was last logged (log_changes): each source's up, each rank's state and reasons.
@@ -145,8 +164,8 @@ class Sidecar:
         while not self._stop.wait(self.config.interval):
             self.refresh_background()
             try:
-                self.sample_counters()   # keeps the counter windows sampled between scrapes
-            except Exception:            # pragma: no cover - a bad read is counted by its poller
+                self.sample_counters()  # keeps the counter windows sampled between scrapes
+            except Exception:  # pragma: no cover - a bad read is counted by its poller
                 pass
 
     # -------------------------------------------------------------------- observation
@@ -160,8 +179,10 @@ class Sidecar:
         # A snapshot's device processes are never judged or exported (the device sources' are):
         # not keeping them between reads takes a third off the peak RSS of a spool at its byte
         # budget, where the last read is still held while the next one is made (bench_spool.py).
-        result.snapshots[:] = [replace(snap, memory=replace(snap.memory, processes=())) if snap.memory.processes
-                               else snap for snap in result.snapshots]
+        result.snapshots[:] = [
+            replace(snap, memory=replace(snap.memory, processes=())) if snap.memory.processes else snap
+            for snap in result.snapshots
+        ]
         return result
 
     def _first_reads(self) -> None:
@@ -192,8 +213,9 @@ class Sidecar:
         (kvguard.vllm.log_profile.as_row: only its profile differs), all from the same reads of every source
         judged at the same moment: ``kvguard check --from-log`` judges a log whose lines leave several rows so."""
         config = self.config
-        return self._observe([log_profile(log, config.log_total_memory_bytes, config.log_gpu_memory_utilization)
-                              for log in logs])
+        return self._observe(
+            [log_profile(log, config.log_total_memory_bytes, config.log_gpu_memory_utilization) for log in logs]
+        )
 
     def _observe(self, log_profiles: Sequence[tuple[Any, str | None]]) -> list[Observation]:
         """An observation per (log profile, why none) pair: the sources' latest reads, the ranks judged once
@@ -214,20 +236,32 @@ class Sidecar:
             sources.append(vllm_state)
         with self._lock:
             judged, skipped, aged_out, cut, truncated = self._ranks(
-                spool_read, vllm_state.value if vllm_state else None, log_profiles)
+                spool_read, vllm_state.value if vllm_state else None, log_profiles
+            )
         devices = []
         for state in device_states:
             for memory in state.value or []:
                 labels = {"device": memory.device, "source": state.name, **config.pod_labels}
                 devices.append(DeviceView(labels, memory))
         web_config = self.web_config_status() if self.web_config_status else None
-        return [Observation(ranks=ranks, devices=devices, sources=sources,
-                            spool_snapshots=len(spool_read.snapshots), skipped=skipped,
-                            interval_seconds=config.interval, spool_clamped=spool_read.clamped,
-                            no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
-                            aged_out=aged_out, cut=cut, labels_truncated=truncated,
-                            max_metrics_bytes=config.max_metrics_bytes, web_config=web_config)
-                for ranks in judged]
+        return [
+            Observation(
+                ranks=ranks,
+                devices=devices,
+                sources=sources,
+                spool_snapshots=len(spool_read.snapshots),
+                skipped=skipped,
+                interval_seconds=config.interval,
+                spool_clamped=spool_read.clamped,
+                no_ranks_why="" if ranks else self._no_ranks_why(sources, spool_read, aged_out),
+                aged_out=aged_out,
+                cut=cut,
+                labels_truncated=truncated,
+                max_metrics_bytes=config.max_metrics_bytes,
+                web_config=web_config,
+            )
+            for ranks in judged
+        ]
 
     def log_changes(self, observation: Observation) -> None:
         """Log what changed since the last observation, once per change: a source going down (with
@@ -247,7 +281,7 @@ class Sidecar:
                 elif state.up:
                     self._logged_sources[state.name] = True
                     event(logger, logging.INFO, "source up", source=state.name)
-                elif state.last_error:          # down, and a read has said why
+                elif state.last_error:  # down, and a read has said why
                     self._logged_sources[state.name] = False
                     event(logger, logging.WARNING, "source down", source=state.name, error=state.last_error)
             seen = {}
@@ -259,11 +293,21 @@ class Sidecar:
                 if before == now:
                     continue
                 level = {"ok": logging.INFO, "warning": logging.WARNING}.get(now[0], logging.ERROR)
-                event(logger, level, "guard state", pod=view.labels.get("pod", ""),
-                      namespace=view.labels.get("namespace", ""), rank=view.labels.get("rank", ""),
-                      pid=view.labels.get("pid", ""), device=view.labels.get("device", ""), engine_id=view.labels.get("engine_id", ""),
-                      state=now[0], previous=before[0] if before else "", reasons=",".join(now[1]),
-                      headroom_bytes=view.verdict.headroom_bytes)
+                event(
+                    logger,
+                    level,
+                    "guard state",
+                    pod=view.labels.get("pod", ""),
+                    namespace=view.labels.get("namespace", ""),
+                    rank=view.labels.get("rank", ""),
+                    pid=view.labels.get("pid", ""),
+                    device=view.labels.get("device", ""),
+                    engine_id=view.labels.get("engine_id", ""),
+                    state=now[0],
+                    previous=before[0] if before else "",
+                    reasons=",".join(now[1]),
+                    headroom_bytes=view.verdict.headroom_bytes,
+                )
             self._logged_ranks = seen
             why = None if observation.ranks else observation.no_ranks_why
             if why != self._logged_no_ranks and why is not None:
@@ -282,8 +326,9 @@ class Sidecar:
             why.append("no spool, startup log or vLLM metrics configured")
         return "; ".join(why) or "nothing to read"
 
-    def _living(self, newest: dict[tuple, Snapshot], now_wall: float
-                ) -> tuple[dict[tuple, Snapshot], Counter, set[tuple]]:
+    def _living(
+        self, newest: dict[tuple, Snapshot], now_wall: float
+    ) -> tuple[dict[tuple, Snapshot], Counter, set[tuple]]:
         """The ranks that have not aged out (the module's docstring), how many did, by reason, and
         the keys of those whose writer /proc shows alive here (a probe of this host and pid namespace)."""
         living, aged_out, alive = {}, Counter(), set()
@@ -301,8 +346,9 @@ class Sidecar:
                     alive.add(key)
         return living, aged_out, alive
 
-    def _within_caps(self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset(),
-                     now_wall: float | None = None) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
+    def _within_caps(
+        self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset(), now_wall: float | None = None
+    ) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
         """The ranks within max_ranks and the distinct engine, model and pod caps, and how many were
         cut, by the first cap each met. Admitted liveliest first, never in label order alone (names
         that sort first would push live ranks out): believably dated before dated in the future, a
@@ -316,8 +362,15 @@ class Sidecar:
         models: set = set()
         pods: set = set()
         now = time.time() if now_wall is None else now_wall
-        order = sorted(newest.items(), key=lambda item: (item[1].clamped_from is not None, item[0] not in alive,
-                                                         now - item[1].written_at > config.stale_after, item[0]))
+        order = sorted(
+            newest.items(),
+            key=lambda item: (
+                item[1].clamped_from is not None,
+                item[0] not in alive,
+                now - item[1].written_at > config.stale_after,
+                item[0],
+            ),
+        )
         for key, snap in order:
             pod = (key[4], key[3])
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
@@ -349,8 +402,9 @@ class Sidecar:
                 cut += 1
         return cut
 
-    def _ranks(self, spool_read: SpoolRead, vllm, log_profiles: Sequence[tuple[Any, str | None]]
-               ) -> tuple[list[list[RankView]], Counter, Counter, Counter, int]:
+    def _ranks(
+        self, spool_read: SpoolRead, vllm, log_profiles: Sequence[tuple[Any, str | None]]
+    ) -> tuple[list[list[RankView]], Counter, Counter, Counter, int]:
         """The ranks judged once per (log profile, why none) pair in ``log_profiles`` (a list of views each),
         and what was skipped, aged out, cut and truncated (the same for each)."""
         config = self.config
@@ -369,52 +423,93 @@ class Sidecar:
         judged: list[list[RankView]] = [[] for _ in log_profiles]
         truncated = 0
         for key, snap in admitted:
-            labels = dict(zip(RANK_LABELS, key))   # already cut (_label_key); counted here
+            labels = dict(zip(RANK_LABELS, key))  # already cut (_label_key); counted here
             truncated += sum(len(value) > config.max_label_chars for value in self._full_label_key(snap))
             age = max(0.0, now_wall - snap.written_at)
             stale = age > config.stale_after
             # The vLLM engine this rank belongs to (its snapshot names it, or vLLM has only one).
             engine = vllm.engine_for(snap.model_name, snap.engine) if vllm else None
-            labels.update(model_name=snap.model_name or (engine.model_name if engine else ""),
-                          engine=snap.engine or (engine.engine if engine else ""),
-                          engine_id=config.engine_of(labels["pod"], snap.host))
+            labels.update(
+                model_name=snap.model_name or (engine.model_name if engine else ""),
+                engine=snap.engine or (engine.engine if engine else ""),
+                engine_id=config.engine_of(labels["pod"], snap.host),
+            )
             truncated += self._truncate(labels)
-            blocks, kv_bytes = self._engine_kv_cache(engine) if snap.kv_cache is None else \
-                (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
+            blocks, kv_bytes = (
+                self._engine_kv_cache(engine)
+                if snap.kv_cache is None
+                else (snap.kv_cache.num_blocks, snap.kv_cache.kv_cache_bytes)
+            )
             memory = snap.memory
             retries, ooms = increases.get(key, (memory.alloc_retries, memory.ooms))
-            for views, (log_profile, log_missing) in zip(judged, log_profiles):
-                profile, origin = (snap.profile, "snapshot") if snap.profile else \
-                    (log_profile, "log" if log_profile else None)
+            for views, (logged_profile, log_missing) in zip(judged, log_profiles):
+                profile, origin = (
+                    (snap.profile, "snapshot") if snap.profile else (logged_profile, "log" if logged_profile else None)
+                )
                 missing = log_missing if profile is None else None
-                verdict = judge(GuardInput(profile, kv_cache_bytes=kv_bytes, memory=memory,
-                                           kv_cache_outside_allocator=bool(snap.kv_cache and
-                                                                           snap.kv_cache.outside_allocator),
-                                           alloc_retries_increase=retries, ooms_increase=ooms, snapshot_stale=stale,
-                                           no_profile_detail=missing,
-                                           # MindSpore's reserved peak belongs with the snapshot's own profile.
-                                           reserved_peak=snap.reserved_peak if origin == "snapshot" else None))
+                verdict = judge(
+                    GuardInput(
+                        profile,
+                        kv_cache_bytes=kv_bytes,
+                        memory=memory,
+                        kv_cache_outside_allocator=bool(snap.kv_cache and snap.kv_cache.outside_allocator),
+                        alloc_retries_increase=retries,
+                        ooms_increase=ooms,
+                        snapshot_stale=stale,
+                        no_profile_detail=missing,
+                        # MindSpore's reserved peak belongs with the snapshot's own profile.
+                        reserved_peak=snap.reserved_peak if origin == "snapshot" else None,
+                    )
+                )
                 at_budget = snap.budget_verdict
                 if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
                     # Between the budget and the KV cache's allocation the budget-time verdict is the one
                     # that knows where the cache will go: it stands for the rank until the cache exists.
                     verdict = at_budget
-                views.append(RankView(dict(labels), snap, profile, origin, blocks,
-                                      engine.kv_cache_usage_ratio if engine else None, age, stale, verdict,
-                                      at_budget))
+                views.append(
+                    RankView(
+                        dict(labels),
+                        snap,
+                        profile,
+                        origin,
+                        blocks,
+                        engine.kv_cache_usage_ratio if engine else None,
+                        age,
+                        stale,
+                        verdict,
+                        at_budget,
+                    )
+                )
 
         if not admitted and (log is not None or vllm is not None):
             # No probe: judge each engine vLLM's metrics describe (or the one the log does).
-            for engine in (vllm.engines if vllm and vllm.engines else (None,)):
-                labels = {"device": "", "rank": "", "pid": "", **config.pod_labels,
-                          "model_name": engine.model_name if engine else "", "engine": engine.engine if engine else "",
-                          "engine_id": config.engine_of(config.pod_labels.get("pod", ""), self._host)}
+            for engine in vllm.engines if vllm and vllm.engines else (None,):
+                labels = {
+                    "device": "",
+                    "rank": "",
+                    "pid": "",
+                    **config.pod_labels,
+                    "model_name": engine.model_name if engine else "",
+                    "engine": engine.engine if engine else "",
+                    "engine_id": config.engine_of(config.pod_labels.get("pod", ""), self._host),
+                }
                 blocks, kv_bytes = self._engine_kv_cache(engine)
                 truncated += self._truncate(labels)
                 for views, (log_profile, log_missing) in zip(judged, log_profiles):
                     verdict = judge(GuardInput(log_profile, kv_cache_bytes=kv_bytes, no_profile_detail=log_missing))
-                    views.append(RankView(dict(labels), None, log_profile, "log" if log_profile else None, blocks,
-                                          engine.kv_cache_usage_ratio if engine else None, None, False, verdict))
+                    views.append(
+                        RankView(
+                            dict(labels),
+                            None,
+                            log_profile,
+                            "log" if log_profile else None,
+                            blocks,
+                            engine.kv_cache_usage_ratio if engine else None,
+                            None,
+                            False,
+                            verdict,
+                        )
+                    )
         return judged, skipped, aged_out, cut, truncated
 
     def _counter_increases(self, newest: dict[tuple, Snapshot], now: float) -> dict[tuple, tuple]:
@@ -424,8 +519,10 @@ class Sidecar:
         increases = {}
         for key, snap in sorted(newest.items()):
             window_key = (snap.host, snap.pid, snap.device)
-            increases[key] = (self._window.observe(window_key + ("retries",), now, snap.memory.alloc_retries),
-                              self._window.observe(window_key + ("ooms",), now, snap.memory.ooms))
+            increases[key] = (
+                self._window.observe(window_key + ("retries",), now, snap.memory.alloc_retries),
+                self._window.observe(window_key + ("ooms",), now, snap.memory.ooms),
+            )
         live = {(s.host, s.pid, s.device) + (c,) for s in newest.values() for c in ("retries", "ooms")}
         self._window.forget_except(live)
         return increases
@@ -433,8 +530,14 @@ class Sidecar:
     def _full_label_key(self, snap: Snapshot) -> tuple:
         """The rank's label values (RANK_LABELS) as the snapshot and the pod's environment give them."""
         pod = {k: snap.pod.get(k) or self.config.pod_labels.get(k, "") for k in POD_KEYS}
-        return (snap.device, "" if snap.rank is None else str(snap.rank), str(snap.pid),
-                pod["pod"], pod["namespace"], pod["container"])
+        return (
+            snap.device,
+            "" if snap.rank is None else str(snap.rank),
+            str(snap.pid),
+            pod["pod"],
+            pod["namespace"],
+            pod["container"],
+        )
 
     def _label_key(self, snap: Snapshot) -> tuple:
         """The rank's label values as exported: each cut to max_label_chars before ranks are told
@@ -501,7 +604,7 @@ def process_gone(pid: int, written_at: float) -> bool:
     try:
         # proc(5): fields count from 3 (state) after the ")" ending comm; 22 is starttime, in ticks since boot.
         fields = stat.rsplit(b")", 1)[1].split()
-        if fields[0] in (b"Z", b"X"):   # exited, not yet reaped
+        if fields[0] in (b"Z", b"X"):  # exited, not yet reaped
             return True
         start = booted + int(fields[19]) / os.sysconf("SC_CLK_TCK") if booted is not None else None
     except (IndexError, ValueError, OSError):
@@ -513,8 +616,9 @@ def _recency(snap: Snapshot) -> tuple[bool, float]:
     return snap.clamped_from is None, snap.written_at
 
 
-def newest_per_rank(snapshots: Sequence[Snapshot], label_key: Callable[[Snapshot], tuple]
-                    ) -> tuple[dict[tuple, Snapshot], int]:
+def newest_per_rank(
+    snapshots: Sequence[Snapshot], label_key: Callable[[Snapshot], tuple]
+) -> tuple[dict[tuple, Snapshot], int]:
     """The newest snapshot per rank label key, and how many snapshots shared a key with another."""
     newest: dict[tuple, Snapshot] = {}
     duplicates = 0

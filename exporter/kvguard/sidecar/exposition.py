@@ -110,8 +110,12 @@ def sample_blocks(metrics: Iterable) -> list[tuple[str, str, str, bytes]] | None
         texts: dict = {}
         base: dict | None = None
         for sample in metric.samples:
-            if sample.name != sample_name or sample.timestamp is not None or sample.exemplar is not None \
-                    or getattr(sample, "native_histogram", None) is not None:
+            if (
+                sample.name != sample_name
+                or sample.timestamp is not None
+                or sample.exemplar is not None
+                or getattr(sample, "native_histogram", None) is not None
+            ):
                 return None
             labels = sample.labels
             if labels:
@@ -134,12 +138,12 @@ def sample_blocks(metrics: Iterable) -> list[tuple[str, str, str, bytes]] | None
                         text = "{" + ",".join(parts) + "}"
                         if base is None:
                             texts[key] = (text, parts)
-                except ValueError:   # a label name outside the legacy set
+                except ValueError:  # a label name outside the legacy set
                     return None
             else:
                 text = ""
             value = sample.value
-            value_key = value if value else (value, math.copysign(1.0, value))   # 0.0 == -0.0, "0.0" != "-0.0"
+            value_key = value if value else (value, math.copysign(1.0, value))  # 0.0 == -0.0, "0.0" != "-0.0"
             number = values.get(value_key)
             if number is None:
                 number = values[value_key] = floatToGoString(value)
@@ -168,7 +172,7 @@ def assemble(blocks: Sequence[tuple[str, str, str, bytes]], om: bool) -> bytes:
 
 def assemble_gzip(blocks: Sequence[tuple[str, str, str, bytes]], om: bool) -> bytes:
     """The gzip of assemble(blocks, om), without making the uncompressed body."""
-    compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)   # wbits 31: a gzip stream
+    compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)  # wbits 31: a gzip stream
     parts = [compressor.compress(chunk) for chunk in _chunks(blocks, om)]
     parts.append(compressor.flush())
     return b"".join(parts)
@@ -198,8 +202,13 @@ class Exposition:
     max_metrics_bytes, so each body is bounded too.
     """
 
-    def __init__(self, sidecar: Sidecar, registry: CollectorRegistry | None = None, max_age: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        registry: CollectorRegistry | None = None,
+        max_age: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.sidecar = sidecar
         self.collector = KVGuardCollector(sidecar)
         if registry is None:
@@ -216,8 +225,8 @@ class Exposition:
         self._blocks: list | None = None
         self._bodies: dict[tuple, tuple[bytes, ...]] = {}
         self._guard: bytes | None = None
-        self.observations_total = 0     # observations taken (one per refresh)
-        self.renders_total = 0          # collections of the registry (one per observation, as a rule)
+        self.observations_total = 0  # observations taken (one per refresh)
+        self.renders_total = 0  # collections of the registry (one per observation, as a rule)
 
     def _fresh(self) -> None:
         """Take a new observation when the cached one is out of date (the caller holds the lock)."""
@@ -234,8 +243,11 @@ class Exposition:
 
     def _current(self) -> bool:
         """The cached observation is still the one _fresh would keep (the caller holds the lock)."""
-        return self._observation is not None and self.sidecar.generation() == self._key and \
-            self._clock() - self._made_at < self.max_age
+        return (
+            self._observation is not None
+            and self.sidecar.generation() == self._key
+            and self._clock() - self._made_at < self.max_age
+        )
 
     def readiness_now(self, fail_on_critical: bool) -> tuple[int, str] | None:
         """/readyz's answer from the cached observation, or None when that would mean waiting
@@ -310,7 +322,7 @@ class Exposition:
                 self._blocks = sample_blocks(self._collect()) or []
             if om is not None and self._blocks:
                 body = (assemble_gzip(self._blocks, om),) if gzipped else tuple(_chunks(self._blocks, om))
-            else:   # a format the fast encoder does not write: the library's encoder
+            else:  # a format the fast encoder does not write: the library's encoder
                 # One such body at a time: each Accept type and escaping would otherwise keep its own
                 # copy of the exposition for the refresh (14 of them went past the memory limit).
                 for other in [k for k in self._bodies if k[0] == "library"]:

@@ -9,8 +9,8 @@ Imports nothing, so the CLI can show the defaults without loading the sidecar.
 """
 
 MAX_RANKS = 128
-MAX_ENGINES = 64                   # distinct (engine_id, engine) label pairs
-MAX_MODELS = 32                    # distinct model_name labels
-MAX_PODS = 64                      # distinct (namespace, pod) label pairs
+MAX_ENGINES = 64  # distinct (engine_id, engine) label pairs
+MAX_MODELS = 32  # distinct model_name labels
+MAX_PODS = 64  # distinct (namespace, pod) label pairs
 MAX_LABEL_CHARS = 128
-MAX_METRICS_BYTES = 4_000_000      # the ranks' series; the rest of /metrics is a few kB
+MAX_METRICS_BYTES = 4_000_000  # the ranks' series; the rest of /metrics is a few kB

@@ -21,9 +21,9 @@ from kvguard.text import one_line
 @dataclass(frozen=True)
 class PollState:
     name: str
-    value: Any = None                 # the last good value (None before the first success)
-    success_at: float | None = None   # monotonic time of the last good read
-    up: bool = False                  # the last read finished in time and without error
+    value: Any = None  # the last good value (None before the first success)
+    success_at: float | None = None  # monotonic time of the last good read
+    up: bool = False  # the last read finished in time and without error
     errors_total: int = 0
     duration_seconds: float | None = None
     last_error: str | None = None
@@ -44,7 +44,7 @@ class Poller:
         self._in_flight: threading.Event | None = None
         self._started_at = 0.0
         self._timed_out = False
-        self.generation = 0           # bumped whenever the state changes
+        self.generation = 0  # bumped whenever the state changes
 
     @property
     def state(self) -> PollState:
@@ -61,8 +61,7 @@ class Poller:
                 self._in_flight = done
                 self._started_at = time.monotonic()
                 self._timed_out = False
-                threading.Thread(target=self._run, args=(done,), name=f"kvguard-read-{self.name}",
-                                 daemon=True).start()
+                threading.Thread(target=self._run, args=(done,), name=f"kvguard-read-{self.name}", daemon=True).start()
         self.wait(wait)
 
     def wait(self, seconds: float) -> None:
@@ -90,24 +89,43 @@ class Poller:
                 # Late but good: serve it (with its age) rather than never yielding a value from a source
                 # that is always slower than the limit; the overrun is counted and the source shows down.
                 counted = 0 if self._timed_out else 1
-                self._state = PollState(self.name, value, finished, False, state.errors_total + counted,
-                                        finished - started,
-                                        f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit")
+                self._state = PollState(
+                    self.name,
+                    value,
+                    finished,
+                    False,
+                    state.errors_total + counted,
+                    finished - started,
+                    f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit",
+                )
             else:
-                counted = 0 if self._timed_out else 1   # an overrun was already counted when noticed
+                counted = 0 if self._timed_out else 1  # an overrun was already counted when noticed
                 message = error or f"read took {finished - started:.1f}s, over the {self.timeout:g}s limit"
-                self._state = PollState(self.name, state.value, state.success_at, False,
-                                        state.errors_total + counted, finished - started, message)
+                self._state = PollState(
+                    self.name,
+                    state.value,
+                    state.success_at,
+                    False,
+                    state.errors_total + counted,
+                    finished - started,
+                    message,
+                )
             self.generation += 1
             self._in_flight = None
             done.set()
 
     def _note_overrun(self) -> None:
         """Count a read that is still running past its limit, once, as soon as anyone looks."""
-        if self._in_flight is not None and not self._timed_out \
-                and time.monotonic() - self._started_at > self.timeout:
+        if self._in_flight is not None and not self._timed_out and time.monotonic() - self._started_at > self.timeout:
             self._timed_out = True
             state = self._state
-            self._state = PollState(self.name, state.value, state.success_at, False, state.errors_total + 1,
-                                    state.duration_seconds, f"read still running after {self.timeout:g}s")
+            self._state = PollState(
+                self.name,
+                state.value,
+                state.success_at,
+                False,
+                state.errors_total + 1,
+                state.duration_seconds,
+                f"read still running after {self.timeout:g}s",
+            )
             self.generation += 1

@@ -100,16 +100,16 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import gzip_accepted  # exposition.py 0.17.0:251-256, 0.26.0:429-434
 
-from kvguard.sidecar.exposition import Exposition
 from kvguard.sidecar.core import Sidecar
+from kvguard.sidecar.exposition import Exposition
 from kvguard.sidecar.webconfig import BasicAuth, GuessLimiter, WebConfig, WebConfigWatcher
 from kvguard.text import one_line
 
 OPEN_PATHS = ("/healthz", "/readyz")
-LISTEN_BACKLOG = 1024          # the kernel caps it at net.core.somaxconn (4096 on current kernels)
+LISTEN_BACKLOG = 1024  # the kernel caps it at net.core.somaxconn (4096 on current kernels)
 ACCEPTS_PER_WAKEUP = 256
-SWEEP_SECONDS = 0.05           # timeouts and held answers are looked at this often
-ACCEPT_EVERY = 16              # busy connections served between two looks at the listener
+SWEEP_SECONDS = 0.05  # timeouts and held answers are looked at this often
+ACCEPT_EVERY = 16  # busy connections served between two looks at the listener
 # Apache's lingering close waits 2 s per read (SECONDS_TO_LINGER), 30 s in all; here 2 s in all,
 # and at most LINGER_BYTES dropped, so a peer cannot hold a lingering connection busy.
 LINGER_SECONDS = 2.0
@@ -119,10 +119,20 @@ LINGER_BYTES = 1 << 20
 PLAIN_HTTP_ON_TLS = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
 # OpenSSL's reasons for a handshake whose first bytes are an HTTP request (ssl/record/ssl3_record.c).
 _PLAIN_HTTP_REASONS = ("HTTP_REQUEST", "HTTPS_PROXY_REQUEST")
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 414: "URI Too Long", 429: "Too Many Requests",
-            431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    414: "URI Too Long",
+    429: "Too Many Requests",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
+}
 
 
 @dataclass(frozen=True)
@@ -130,30 +140,30 @@ class ServerOptions:
     listen: str = "0.0.0.0"
     port: int = 10240
     fail_readiness_on_critical: bool = False
-    runbook_public: bool = False        # /runbook and /runbook/<alert> answer without basic auth
+    runbook_public: bool = False  # /runbook and /runbook/<alert> answer without basic auth
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     basic_auth_user: str | None = None
     basic_auth_password: str | None = None
     web_config_file: str | None = None
-    web_config_allow_auth_off: bool = False   # a reload of web_config_file may switch basic auth off
-    request_timeout: float = 30.0       # writing a response; also the idle keep-alive limit
-    header_timeout: float = 10.0        # from a request's first byte to the end of its head
-    max_header_bytes: int = 32 * 1024   # request line and headers together
+    web_config_allow_auth_off: bool = False  # a reload of web_config_file may switch basic auth off
+    request_timeout: float = 30.0  # writing a response; also the idle keep-alive limit
+    header_timeout: float = 10.0  # from a request's first byte to the end of its head
+    max_header_bytes: int = 32 * 1024  # request line and headers together
     max_headers: int = 100
     max_connections: int = 1024
-    workers: int = 4                    # build /metrics and /guard; the event loop sends
-    output_limit: int = 256 * 1024      # unsent bytes past which a connection is not read until it drains
+    workers: int = 4  # build /metrics and /guard; the event loop sends
+    output_limit: int = 256 * 1024  # unsent bytes past which a connection is not read until it drains
     # bcrypt runs for credentials not verified yet (~70 ms each at cost 10); of two or more, one is kept
     # for rotated passwords and first logins, never a guess's (kvguard.sidecar.server's docstring)
     auth_workers: int = 2
-    auth_queue: int = 64                # first logins, and guesses, waiting for bcrypt (each); beyond, 429
-    auth_rate: float = 1.0              # refused guesses per second, source address and kind (429 beyond)
+    auth_queue: int = 64  # first logins, and guesses, waiting for bcrypt (each); beyond, 429
+    auth_rate: float = 1.0  # refused guesses per second, source address and kind (429 beyond)
     auth_burst: float = 4.0
     # credentials of one source address queued for or in bcrypt at once (the rest of its wait apart,
     # outside the queue), so that one address cannot fill ``auth_queue``; at most its tokens, too
     auth_queue_per_source: int = 4
-    auth_failure_delay: float = 1.0     # a wrong password or a 429 answered this late (the connection not read)
+    auth_failure_delay: float = 1.0  # a wrong password or a 429 answered this late (the connection not read)
 
 
 def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
@@ -168,6 +178,7 @@ def make_tls_context(options: ServerOptions) -> ssl.SSLContext | None:
 
 # ------------------------------------------------------------------------------ request parsing
 
+
 class BadRequest(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -179,7 +190,7 @@ class Request:
     method: str
     target: str
     version: str
-    headers: Mapping[str, str]       # lower-case names
+    headers: Mapping[str, str]  # lower-case names
     keep_alive: bool
     has_body: bool
 
@@ -224,7 +235,7 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
     lines = [line[:-1] if line.endswith("\r") else line for line in lines]
     while lines and lines[-1] == "":
         lines.pop()
-    while lines and lines[0] == "":   # RFC 9112 2.2: ignore empty lines before the request line
+    while lines and lines[0] == "":  # RFC 9112 2.2: ignore empty lines before the request line
         lines.pop(0)
     if not lines:
         raise BadRequest(400, "empty request")
@@ -236,10 +247,13 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
         raise BadRequest(400, "malformed method")
     if len(target) > MAX_TARGET:
         raise BadRequest(414, "request target too long")
-    if not target or any(ord(c) <= 32 or ord(c) >= 127 for c in target) or \
-            not (target.startswith("/") or target == "*" or target.startswith(("http://", "https://"))):
+    if (
+        not target
+        or any(ord(c) <= 32 or ord(c) >= 127 for c in target)
+        or not (target.startswith("/") or target == "*" or target.startswith(("http://", "https://")))
+    ):
         raise BadRequest(400, "malformed request target")
-    if target == "*" and method != "OPTIONS":   # RFC 9112 3.2.4: the asterisk form is OPTIONS' only
+    if target == "*" and method != "OPTIONS":  # RFC 9112 3.2.4: the asterisk form is OPTIONS' only
         raise BadRequest(400, "the request target * is only for OPTIONS")
     numbers = _VERSION.match(version)
     if numbers is None:
@@ -266,14 +280,14 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
             headers[name] += ", " + value
         else:
             headers[name] = value
-    if version == "HTTP/1.1" and "host" not in headers:   # RFC 9112 3.2: MUST answer 400
+    if version == "HTTP/1.1" and "host" not in headers:  # RFC 9112 3.2: MUST answer 400
         raise BadRequest(400, "an HTTP/1.1 request needs a Host header")
     connection = {token.strip().lower() for token in headers.get("connection", "").split(",")}
     keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
     has_body = "transfer-encoding" in headers
     if "content-length" in headers:
         length = headers["content-length"]
-        if not _DIGITS.match(length):   # ASCII digits only: str.isdigit() is true for "²", int() refuses it
+        if not _DIGITS.match(length):  # ASCII digits only: str.isdigit() is true for "²", int() refuses it
             raise BadRequest(400, "malformed Content-Length")
         has_body = has_body or int(length) > 0
     return Request(method, target, version, headers, keep_alive and not has_body, has_body)
@@ -281,14 +295,15 @@ def parse_request(head: bytes, max_headers: int = 100) -> Request:
 
 # ------------------------------------------------------------------------------ responses
 
+
 @dataclass
 class Response:
     status: int
-    body: bytes | tuple[bytes, ...]     # or chunks sent in order (the cached /metrics, never joined)
+    body: bytes | tuple[bytes, ...]  # or chunks sent in order (the cached /metrics, never joined)
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
     close: bool = False
-    delay: float = 0.0     # seconds to hold the answer back (a wrong password, a 429)
+    delay: float = 0.0  # seconds to hold the answer back (a wrong password, a 429)
 
     @property
     def chunks(self) -> tuple[bytes, ...]:
@@ -304,8 +319,12 @@ def _text(status: int, text: str, **kw: Any) -> Response:
 
 
 def encode_head(response: Response, keep_alive: bool, extra: Mapping[str, str]) -> bytes:
-    lines = [f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}",
-             "Server: kvguard", f"Content-Type: {response.content_type}", f"Content-Length: {response.length}"]
+    lines = [
+        f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Error')}",
+        "Server: kvguard",
+        f"Content-Type: {response.content_type}",
+        f"Content-Length: {response.length}",
+    ]
     lines += [f"{k}: {v}" for k, v in {**extra, **response.headers}.items()]
     lines.append("Connection: keep-alive" if keep_alive else "Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
@@ -332,6 +351,7 @@ AHEAD_FORMATS = 4
 @dataclass(frozen=True)
 class Verify:
     """Credentials bcrypt has to check before the request is built (kvguard.sidecar.webconfig.BasicAuth)."""
+
     users: Mapping[str, bytes]
     user: str
     password: str
@@ -348,8 +368,13 @@ class Application:
     needs a worker (``BUILD``) or a bcrypt run first (a :class:`Verify`); ``build`` runs in a worker.
     """
 
-    def __init__(self, sidecar: Sidecar, options: ServerOptions, exposition: Exposition,
-                 web_config: Callable[[], WebConfig] | None = None):
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        options: ServerOptions,
+        exposition: Exposition,
+        web_config: Callable[[], WebConfig] | None = None,
+    ):
         self.sidecar = sidecar
         self.options = options
         self.exposition = exposition
@@ -363,10 +388,10 @@ class Application:
         # and again for first logins (connections that have had fewer than two credentials refused):
         # guesses repeated on refused connections do not use it up (kvguard.sidecar.server's docstring)
         self.fresh_guesses = GuessLimiter(options.auth_rate, options.auth_burst)
-        self.authenticated = False      # the last routed request's credential was accepted
-        self.refused_key: bytes | None = None   # the last routed request's credential was wrong (not just
-                                                # missing): its keyed digest (BasicAuth.credential_key)
-        self.asked: dict[tuple[str, bool], None] = {}   # /metrics formats scraped since the last build ahead
+        self.authenticated = False  # the last routed request's credential was accepted
+        self.refused_key: bytes | None = None  # the last routed request's credential was wrong (not just
+        # missing): its keyed digest (BasicAuth.credential_key)
+        self.asked: dict[tuple[str, bool], None] = {}  # /metrics formats scraped since the last build ahead
 
     def route(self, request: Request, source: str = "", trusted: bool = False) -> Response | str | Verify:
         """``trusted``: the connection has had a credential accepted (kvguard.sidecar.server's docstring).
@@ -375,7 +400,7 @@ class Application:
         if request.method not in ("GET", "HEAD"):
             return _text(405, "method not allowed\n", headers={"Allow": "GET, HEAD"}, close=True)
         path = request.path
-        if path == OPEN_PATHS[0]:   # /healthz: the probes need no credentials
+        if path == OPEN_PATHS[0]:  # /healthz: the probes need no credentials
             return _text(200, "ok\n")
         if path == OPEN_PATHS[1]:
             ready = self.exposition.readiness_now(self.options.fail_readiness_on_critical)
@@ -384,7 +409,7 @@ class Application:
         if runbook and self.options.runbook_public:
             # The alerts link here for a person with a browser, not Prometheus' credentials; the text is
             # the packaged runbook, the same in every install (--web.runbook-public).
-            return runbook_response(path[len("/runbook/"):] if path != "/runbook" else None)
+            return runbook_response(path[len("/runbook/") :] if path != "/runbook" else None)
         verdict = self._authorize(request, self.web_config(), source, trusted)
         if verdict is not True:
             return verdict
@@ -400,7 +425,7 @@ class Application:
         if path == "/":
             return Response(200, landing_page(), "text/html; charset=utf-8")
         if runbook:
-            return runbook_response(path[len("/runbook/"):] if path != "/runbook" else None)
+            return runbook_response(path[len("/runbook/") :] if path != "/runbook" else None)
         return _text(404, "not found\n")
 
     def build(self, request: Request) -> Response:
@@ -424,8 +449,9 @@ class Application:
         body, content_type = made
         return Response(200, body, content_type, {"Content-Encoding": "gzip"} if gzipped else {})
 
-    def _authorize(self, request: Request, config: WebConfig, source: str,
-                   trusted: bool = False) -> bool | Response | Verify:
+    def _authorize(
+        self, request: Request, config: WebConfig, source: str, trusted: bool = False
+    ) -> bool | Response | Verify:
         """True, a 401 / 429 answer, or the bcrypt check still to run.
 
         Credentials bcrypt has to check are admitted by the server per source address (_AuthGate:
@@ -440,8 +466,9 @@ class Application:
         if scheme.lower() != "basic":
             return refused
         try:
-            given_user, sep, given_password = base64.b64decode(encoded.strip(), validate=True).decode("utf-8") \
-                .partition(":")
+            given_user, sep, given_password = (
+                base64.b64decode(encoded.strip(), validate=True).decode("utf-8").partition(":")
+            )
         except (ValueError, UnicodeDecodeError):
             return refused
         if not sep:
@@ -453,8 +480,8 @@ class Application:
             if self.basic_auth.refused(users, given_user, given_password):
                 self.refused_key = self.basic_auth.credential_key(users, given_user, given_password)
                 return wrong
-            return Verify(users, given_user, given_password)   # admitted (or 429) by the server's _AuthGate
-        if not user or not password:   # refused at startup; never an open door here either
+            return Verify(users, given_user, given_password)  # admitted (or 429) by the server's _AuthGate
+        if not user or not password:  # refused at startup; never an open door here either
             return refused
         # Compare both, always, in constant time.
         ok_user = hmac.compare_digest(given_user.encode(), user.encode())
@@ -490,7 +517,7 @@ class _VerifyQueue:
             if kind != FRONT and len(waiting) >= self.limit:
                 return False
             waiting.append(item)
-            self._ready.notify_all()     # the verifier kept for FRONT and FRESH may be the one idle
+            self._ready.notify_all()  # the verifier kept for FRONT and FRESH may be the one idle
             return True
 
     def get(self, kept: bool = False) -> Any:
@@ -540,14 +567,14 @@ class _AuthGate:
     limiter's rate, not at bcrypt's. Thread-safe (the event loop admits, the bcrypt threads finish)."""
 
     START, WAIT, REFUSE = "start", "wait", "refuse"
-    MAX_WAITING = 4096        # per address; past it, closed connections are pruned, then refused
+    MAX_WAITING = 4096  # per address; past it, closed connections are pruned, then refused
 
     def __init__(self, limiter: GuessLimiter, per_source: int):
         self.limiter = limiter
         self.per_source = max(1, per_source)
         self._lock = threading.Lock()
-        self._out: dict[str, int] = {}                  # source -> credentials queued for or in bcrypt
-        self._waiting: dict[str, deque[Any]] = {}       # source -> items waiting for one of those
+        self._out: dict[str, int] = {}  # source -> credentials queued for or in bcrypt
+        self._waiting: dict[str, deque[Any]] = {}  # source -> items waiting for one of those
 
     def try_start(self, source: str) -> bool:
         """Take a place and a token if both are there now (nothing waits)."""
@@ -592,7 +619,7 @@ class _AuthGate:
                     break
                 start.append(waiting.popleft())
             refuse: list[Any] = []
-            if waiting and not self._out.get(source):   # no token and nothing out that could give one back
+            if waiting and not self._out.get(source):  # no token and nothing out that could give one back
                 refuse = [item for item in waiting if not item[0].closed]
                 waiting.clear()
             if not waiting:
@@ -616,34 +643,56 @@ class _AuthGate:
 
 
 class _Conn:
-    __slots__ = ("sock", "address", "source", "buffer", "tls_pending", "tls_wants", "started", "last", "events",
-                 "in_worker", "linger_until", "drained", "out", "out_offset", "out_bytes", "write_deadline",
-                 "close_after", "closed", "hold_until", "key", "trusted", "refused_key", "refusals")
+    __slots__ = (
+        "sock",
+        "address",
+        "source",
+        "buffer",
+        "tls_pending",
+        "tls_wants",
+        "started",
+        "last",
+        "events",
+        "in_worker",
+        "linger_until",
+        "drained",
+        "out",
+        "out_offset",
+        "out_bytes",
+        "write_deadline",
+        "close_after",
+        "closed",
+        "hold_until",
+        "key",
+        "trusted",
+        "refused_key",
+        "refusals",
+    )
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
         self.sock = sock
-        self.key = sock.fileno()             # its entry in the server's table (kept after close)
+        self.key = sock.fileno()  # its entry in the server's table (kept after close)
         self.address = address
         self.source = str(address[0]) if isinstance(address, tuple) and address else str(address)
         self.buffer = bytearray()
-        self.tls_pending = tls_pending       # the TLS handshake has not finished
+        self.tls_pending = tls_pending  # the TLS handshake has not finished
         self.tls_wants = selectors.EVENT_READ
-        self.started: float | None = None    # monotonic time of the current head's first byte
-        self.last = time.monotonic()         # accepted, or last response sent
-        self.events = 0                      # what the selector watches for; 0: not registered
-        self.in_worker = False               # a request of it is with a worker or bcrypt: nothing else read
-        self.linger_until: float | None = None   # answered and shut down for writing: drained until then
+        self.started: float | None = None  # monotonic time of the current head's first byte
+        self.last = time.monotonic()  # accepted, or last response sent
+        self.events = 0  # what the selector watches for; 0: not registered
+        self.in_worker = False  # a request of it is with a worker or bcrypt: nothing else read
+        self.linger_until: float | None = None  # answered and shut down for writing: drained until then
         self.drained = 0
-        self.out: deque[bytes | memoryview] = deque()   # unsent output, in order (shared chunks, not copies)
-        self.out_offset = 0                  # sent of out[0]
-        self.out_bytes = 0                   # unsent, in all
-        self.write_deadline: float | None = None   # the unsent output must be gone by then
-        self.close_after = False             # the last answer is queued: close (lingering) once it is sent
+        self.out: deque[bytes | memoryview] = deque()  # unsent output, in order (shared chunks, not copies)
+        self.out_offset = 0  # sent of out[0]
+        self.out_bytes = 0  # unsent, in all
+        self.write_deadline: float | None = None  # the unsent output must be gone by then
+        self.close_after = False  # the last answer is queued: close (lingering) once it is sent
         self.closed = False
         self.hold_until: float | None = None  # its output is held back until then (a wrong password)
-        self.trusted = False                 # basic auth accepted a credential on it: its new ones go first
-        self.refused_key: bytes | None = None   # the keyed digest of the last credential refused on it
-        self.refusals = 0                    # different credentials refused on it since one was accepted
+        self.trusted = False  # basic auth accepted a credential on it: its new ones go first
+        self.refused_key: bytes | None = None  # the keyed digest of the last credential refused on it
+        self.refusals = 0  # different credentials refused on it since one was accepted
 
     def accepted(self) -> None:
         """A credential on it was accepted: trusted, and its refusals forgotten, so that the next
@@ -668,22 +717,29 @@ class _Conn:
 class KVGuardServer:
     """The HTTP server; ``start()`` returns once the socket listens, ``serve_forever()`` blocks."""
 
-    def __init__(self, sidecar: Sidecar, options: ServerOptions, registry: CollectorRegistry | None = None,
-                 tls_context: ssl.SSLContext | None = None, web_config: WebConfigWatcher | None = None):
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        options: ServerOptions,
+        registry: CollectorRegistry | None = None,
+        tls_context: ssl.SSLContext | None = None,
+        web_config: WebConfigWatcher | None = None,
+    ):
         self.options = options
         self.sidecar = sidecar
         if web_config is None and options.web_config_file:
-            web_config = WebConfigWatcher(options.web_config_file,
-                                          allow_auth_off=options.web_config_allow_auth_off)
+            web_config = WebConfigWatcher(options.web_config_file, allow_auth_off=options.web_config_allow_auth_off)
         self.web_config = web_config
         if web_config is not None:
             sidecar.web_config_status = web_config.status
         self._static_tls = tls_context or make_tls_context(options)
-        self.tls = self._static_tls is not None or (web_config is not None and
-                                                    web_config.config.tls_context is not None)
+        self.tls = self._static_tls is not None or (
+            web_config is not None and web_config.config.tls_context is not None
+        )
         self.exposition = Exposition(sidecar, registry)
-        self.app = Application(sidecar, options, self.exposition,
-                               web_config.current if web_config is not None else None)
+        self.app = Application(
+            sidecar, options, self.exposition, web_config.current if web_config is not None else None
+        )
         family = socket.AF_INET6 if ":" in options.listen else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -703,7 +759,7 @@ class KVGuardServer:
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: dict[int, _Conn] = {}
-        self._ready: list[_Conn] = []        # to be read again without waiting for the selector
+        self._ready: list[_Conn] = []  # to be read again without waiting for the selector
         self._returned: queue.SimpleQueue[tuple[_Conn, Request, Response]] = queue.SimpleQueue()
         # At most one request per connection is out of the loop, so the queues are bounded by
         # max_connections without a cap of their own: a busy server queues, it does not refuse.
@@ -712,9 +768,11 @@ class KVGuardServer:
         # Per source address and kind: at most auth_queue_per_source of its credentials in the queue
         # (the rest wait outside it), one at the front; tokens from the app's limiters.
         per_source = min(options.auth_queue_per_source, options.auth_queue)
-        self._gates = {FRONT: _AuthGate(self.app.trusted_guesses, 1),
-                       FRESH: _AuthGate(self.app.fresh_guesses, per_source),
-                       GUESS: _AuthGate(self.app.guesses, per_source)}
+        self._gates = {
+            FRONT: _AuthGate(self.app.trusted_guesses, 1),
+            FRESH: _AuthGate(self.app.fresh_guesses, per_source),
+            GUESS: _AuthGate(self.app.guesses, per_source),
+        }
         self._sequence = itertools.count()
         self._verifying = 0
         self._swept_at = 0.0
@@ -727,9 +785,9 @@ class KVGuardServer:
         self._log_times: list[float] = []
         self.connection_errors_total = 0
         self.connections_evicted_total = 0
-        self.write_timeouts_total = 0   # connections closed with output they would not read
+        self.write_timeouts_total = 0  # connections closed with output they would not read
         self.requests_total = 0
-        self.rejected_total = 0      # 4xx/5xx answered before the request was parsed (408, 431), or 429
+        self.rejected_total = 0  # 4xx/5xx answered before the request was parsed (408, 431), or 429
 
     # ------------------------------------------------------------------ public
     @property
@@ -784,7 +842,7 @@ class KVGuardServer:
             return
         self._closed = True
         self._stop.set()
-        self._verify.clear()   # guesses still waiting for bcrypt are dropped, not checked
+        self._verify.clear()  # guesses still waiting for bcrypt are dropped, not checked
         for gate in self._gates.values():
             gate.clear()
         for worker in self._workers:
@@ -816,8 +874,7 @@ class KVGuardServer:
             # With two or more, the first is kept for FRONT and FRESH credentials (a rotated password,
             # a first login): they wait for one bcrypt run in progress at most, never for guesses.
             kept = index == 0 and self.options.auth_workers > 1
-            worker = threading.Thread(target=self._verifier, args=(kept,), name=f"kvguard-bcrypt-{index}",
-                                      daemon=True)
+            worker = threading.Thread(target=self._verifier, args=(kept,), name=f"kvguard-bcrypt-{index}", daemon=True)
             worker.start()
             self._workers.append(worker)
 
@@ -858,7 +915,7 @@ class KVGuardServer:
                 self._take_back()
                 self._sweep()
         finally:
-            if self._thread is None:   # serve_forever: the caller's thread owns the lifetime
+            if self._thread is None:  # serve_forever: the caller's thread owns the lifetime
                 self.close()
 
     def _accept(self) -> None:
@@ -888,7 +945,7 @@ class KVGuardServer:
                     continue
             conn = _Conn(sock, address, context is not None)
             self._conns[conn.key] = conn
-            self._readable(conn)   # a request sent with the connection is often there already
+            self._readable(conn)  # a request sent with the connection is often there already
 
     def _tls_context(self) -> ssl.SSLContext | None:
         if self.web_config is not None:
@@ -905,9 +962,11 @@ class KVGuardServer:
         if not waiting:
             return False
         # Those already answered and lingering go first, then the longest waiting.
-        for oldest in heapq.nsmallest(max(1, self.options.max_connections // 64), waiting,
-                                      key=lambda c: (c.linger_until is None,
-                                                     c.started if c.started is not None else c.last)):
+        for oldest in heapq.nsmallest(
+            max(1, self.options.max_connections // 64),
+            waiting,
+            key=lambda c: (c.linger_until is None, c.started if c.started is not None else c.last),
+        ):
             self._close(oldest)
             self.connections_evicted_total += 1
         return True
@@ -915,9 +974,14 @@ class KVGuardServer:
     def _wants_input(self, conn: _Conn) -> bool:
         """Read more from it? Not while a request of it is out of the loop, not once its answers
         are over the output bound (until they drain), not past a complete head or the head cap."""
-        return not conn.in_worker and not conn.close_after and conn.hold_until is None \
-            and conn.out_bytes <= self.options.output_limit \
-            and len(conn.buffer) <= self.options.max_header_bytes and find_head_end(conn.buffer) < 0
+        return (
+            not conn.in_worker
+            and not conn.close_after
+            and conn.hold_until is None
+            and conn.out_bytes <= self.options.output_limit
+            and len(conn.buffer) <= self.options.max_header_bytes
+            and find_head_end(conn.buffer) < 0
+        )
 
     def _update(self, conn: _Conn) -> None:
         """Watch the connection for what it can use next (nothing, while a worker has it)."""
@@ -948,9 +1012,14 @@ class KVGuardServer:
             self._close(conn)
             return
         conn.events = events
-        if events & selectors.EVENT_READ and not was_reading and isinstance(conn.sock, ssl.SSLSocket) \
-                and not conn.tls_pending and conn.sock.pending():
-            self._ready.append(conn)   # bytes already decrypted: the selector would not see them
+        if (
+            events & selectors.EVENT_READ
+            and not was_reading
+            and isinstance(conn.sock, ssl.SSLSocket)
+            and not conn.tls_pending
+            and conn.sock.pending()
+        ):
+            self._ready.append(conn)  # bytes already decrypted: the selector would not see them
 
     def _handshake(self, conn: _Conn) -> bool:
         """Go on with the TLS handshake; True once it is done."""
@@ -968,7 +1037,7 @@ class KVGuardServer:
             self._connection_error(conn.address, exc)
             if isinstance(exc, ssl.SSLError) and exc.reason in _PLAIN_HTTP_REASONS:
                 self.rejected_total += 1
-                try:   # past the TLS layer: OpenSSL sent nothing (no alert for these reasons)
+                try:  # past the TLS layer: OpenSSL sent nothing (no alert for these reasons)
                     socket.socket.send(conn.sock, PLAIN_HTTP_ON_TLS)
                 except OSError:
                     pass
@@ -1009,7 +1078,7 @@ class KVGuardServer:
                 self._close(conn)
                 return
             if not chunk:
-                if conn.out:   # the peer is done sending; it still gets what it asked for
+                if conn.out:  # the peer is done sending; it still gets what it asked for
                     conn.close_after = True
                     conn.buffer = bytearray()
                     break
@@ -1021,8 +1090,13 @@ class KVGuardServer:
         self._process(conn)
 
     def _may_answer(self, conn: _Conn) -> bool:
-        return not conn.closed and not conn.in_worker and not conn.close_after and conn.hold_until is None \
+        return (
+            not conn.closed
+            and not conn.in_worker
+            and not conn.close_after
+            and conn.hold_until is None
             and conn.out_bytes <= self.options.output_limit
+        )
 
     def _process(self, conn: _Conn) -> None:
         """Answer the complete requests in its buffer, in order, while it may: one at a time
@@ -1031,10 +1105,10 @@ class KVGuardServer:
         while True:
             while served < REQUESTS_PER_TURN and self._may_answer(conn) and self._answer_next(conn):
                 served += 1
-            self._flush(conn)   # may take it back under the bound: then on with the buffer
+            self._flush(conn)  # may take it back under the bound: then on with the buffer
             if not self._may_answer(conn) or find_head_end(conn.buffer) < 0:
                 break
-            if served >= REQUESTS_PER_TURN:   # the others' turn; back to this one right after
+            if served >= REQUESTS_PER_TURN:  # the others' turn; back to this one right after
                 self._ready.append(conn)
                 break
         self._update(conn)
@@ -1066,7 +1140,7 @@ class KVGuardServer:
         if isinstance(outcome, Response):
             if outcome.status in (401, 429):
                 self.rejected_total += outcome.status == 429
-                if self.app.refused_key is not None:   # a wrong credential, not a missing one
+                if self.app.refused_key is not None:  # a wrong credential, not a missing one
                     conn.refused(self.app.refused_key)
             elif self.app.authenticated:
                 conn.accepted()
@@ -1105,8 +1179,9 @@ class KVGuardServer:
         elif verdict == _AuthGate.REFUSE:
             conn.in_worker = False
             self.rejected_total += 1
-            self._respond(conn, request, self._too_many(
-                "too many unverified credentials from this address; retry later\n"))
+            self._respond(
+                conn, request, self._too_many("too many unverified credentials from this address; retry later\n")
+            )
 
     def _enqueue(self, item: tuple) -> None:
         """Queue an admitted credential for bcrypt; if the queue is full, 429 and its place given back.
@@ -1127,13 +1202,12 @@ class KVGuardServer:
         while done:
             done -= 1
             start, refuse = gate.finish(source, accepted)
-            accepted = True                  # the rest of the loop: places of credentials never checked
-            refused += [(item, "too many unverified credentials from this address; retry later\n")
-                        for item in refuse]
+            accepted = True  # the rest of the loop: places of credentials never checked
+            refused += [(item, "too many unverified credentials from this address; retry later\n") for item in refuse]
             for item in start:
                 if not self._verify.put(item, item[3]):
                     refused.append((item, "too many credentials waiting; retry later\n"))
-                    done += 1            # its place and token back, in this loop rather than recursing
+                    done += 1  # its place and token back, in this loop rather than recursing
         for (conn, request, _, _), text in refused:
             self.rejected_total += 1
             self._hand_back(conn, request, self._too_many(text))
@@ -1164,11 +1238,11 @@ class KVGuardServer:
         gather = not isinstance(conn.sock, ssl.SSLSocket)
         while out and not conn.closed:
             try:
-                if gather:   # one writev of the queued pieces: the shared chunks, never joined
+                if gather:  # one writev of the queued pieces: the shared chunks, never joined
                     pieces: list[bytes | memoryview] = []
                     size = 0
                     for piece in out:
-                        pieces.append(memoryview(piece)[conn.out_offset:] if not pieces else piece)
+                        pieces.append(memoryview(piece)[conn.out_offset :] if not pieces else piece)
                         size += len(pieces[-1])
                         if len(pieces) >= GATHER_PIECES or size >= GATHER_BYTES:
                             break
@@ -1211,7 +1285,7 @@ class KVGuardServer:
                 pieces.append(out.popleft())
             first = b"".join(pieces)
             out.appendleft(first)
-        return memoryview(first)[conn.out_offset:]
+        return memoryview(first)[conn.out_offset :]
 
     def _reject(self, conn: _Conn, status: int, text: str) -> None:
         """Answer one short error before a request could be parsed, then close lingering."""
@@ -1226,7 +1300,7 @@ class KVGuardServer:
         LINGER_SECONDS and LINGER_BYTES (kvguard.sidecar.server's docstring)."""
         try:
             conn.sock.setblocking(False)
-            conn.sock.shutdown(socket.SHUT_WR)   # an SSLSocket drops its TLS layer here: raw reads from now
+            conn.sock.shutdown(socket.SHUT_WR)  # an SSLSocket drops its TLS layer here: raw reads from now
         except (OSError, ValueError):
             self._close(conn)
             return
@@ -1290,7 +1364,7 @@ class KVGuardServer:
                 continue
             if conn.out_bytes:
                 if conn.write_deadline is not None and now > conn.write_deadline:
-                    self.write_timeouts_total += 1   # it would not read its answers: no lingering either
+                    self.write_timeouts_total += 1  # it would not read its answers: no lingering either
                     self._close(conn)
                 continue
             if conn.started is not None or conn.tls_pending:
@@ -1353,11 +1427,11 @@ class KVGuardServer:
         """Builds /metrics, /guard (and /readyz after a refresh); the event loop sends them."""
         while True:
             _, _, conn, request = self._work.get()
-            if conn is None and request:   # formats to build ahead
+            if conn is None and request:  # formats to build ahead
                 for accept, gzipped in request:
                     try:
                         self.exposition.parts(accept, gzipped)
-                    except Exception:   # noqa: BLE001 - the scrape that needs it will say why
+                    except Exception:  # noqa: BLE001 - the scrape that needs it will say why
                         break
                 self._building_ahead = False
                 continue
@@ -1365,7 +1439,7 @@ class KVGuardServer:
                 return
             try:
                 response = self.app.build(request)
-            except Exception as exc:   # noqa: BLE001 - a worker outlives any one request
+            except Exception as exc:  # noqa: BLE001 - a worker outlives any one request
                 response = _text(500, f"error: {type(exc).__name__}\n")
             self._hand_back(conn, request, response)
 
@@ -1382,7 +1456,7 @@ class KVGuardServer:
                 self._verifying += 1
             try:
                 ok = self.app.basic_auth.verify(check.users, check.user, check.password)
-            except Exception:   # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 ok = False
             finally:
                 self._verify.done(kind)
@@ -1393,15 +1467,22 @@ class KVGuardServer:
                 self._work.put((_SCRAPE, next(self._sequence), conn, request))
             else:
                 conn.refused(self.app.basic_auth.credential_key(check.users, check.user, check.password))
-                self._hand_back(conn, request, _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED),
-                                                     delay=self.options.auth_failure_delay))
+                self._hand_back(
+                    conn,
+                    request,
+                    _text(401, "unauthorized\n", headers=dict(_UNAUTHORIZED), delay=self.options.auth_failure_delay),
+                )
             # the guesser's address pays (its token is not given back), not those who get it right
             self._finished(conn.source, kind, ok)
 
 
-_LANDING_LINKS = (("metrics", "the Prometheus exposition"), ("guard", "the guard's verdict per rank, JSON"),
-                  ("runbook", "what each alert means and what to do, one section per alert"),
-                  ("healthz", "liveness"), ("readyz", "readiness"))
+_LANDING_LINKS = (
+    ("metrics", "the Prometheus exposition"),
+    ("guard", "the guard's verdict per rank, JSON"),
+    ("runbook", "what each alert means and what to do, one section per alert"),
+    ("healthz", "liveness"),
+    ("readyz", "readiness"),
+)
 
 
 def landing_page() -> bytes:
@@ -1412,21 +1493,23 @@ def landing_page() -> bytes:
     from kvguard import __version__  # noqa: PLC0415
 
     items = "\n".join(f'<li><a href="{path}">/{path}</a>: {text}</li>' for path, text in _LANDING_LINKS)
-    return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head><meta charset=\"utf-8\"><title>kvguard</title></head>\n"
-            f"<body>\n<h1>kvguard</h1>\n<p>Allocator memory exporter and KV-cache OOM guard for LLM serving. "
-            f"Version {__version__}.</p>\n<ul>\n{items}\n</ul>\n</body>\n</html>\n").encode()
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>kvguard</title></head>\n'
+        f"<body>\n<h1>kvguard</h1>\n<p>Allocator memory exporter and KV-cache OOM guard for LLM serving. "
+        f"Version {__version__}.</p>\n<ul>\n{items}\n</ul>\n</body>\n</html>\n"
+    ).encode()
 
 
 # ------------------------------------------------------------------------------ the runbook
 
-RUNBOOK_RESOURCE = "runbook.md"     # package data of kvguard (pyproject.toml), one section per alert
+RUNBOOK_RESOURCE = "runbook.md"  # package data of kvguard (pyproject.toml), one section per alert
 _HEADING = re.compile(r"^(#{1,2}) +(.+?) *$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
 class RunbookPages:
     whole: bytes
-    sections: Mapping[str, bytes]   # alert name in lower case -> its section's page
+    sections: Mapping[str, bytes]  # alert name in lower case -> its section's page
 
 
 @functools.cache
@@ -1442,8 +1525,9 @@ def runbook_pages(resource: str = RUNBOOK_RESOURCE) -> RunbookPages | None:
     sections = {}
     for part in parts[1:]:
         name = _HEADING.match(part).group(2)
-        sections[name.lower()] = _runbook_html(f"kvguard runbook: {name}", part,
-                                               '<p><a href="../runbook">The whole runbook</a></p>\n')
+        sections[name.lower()] = _runbook_html(
+            f"kvguard runbook: {name}", part, '<p><a href="../runbook">The whole runbook</a></p>\n'
+        )
     return RunbookPages(_runbook_html("kvguard runbook", text), sections)
 
 
@@ -1453,19 +1537,24 @@ def _runbook_html(title: str, markdown: str, lead: str = "") -> bytes:
     Links are relative, so they work behind a path prefix."""
     body, at = [], 0
     for match in _HEADING.finditer(markdown):
-        body.append(_pre(markdown[at:match.start()]))
+        body.append(_pre(markdown[at : match.start()]))
         level, name = len(match.group(1)), html.escape(match.group(2))
         if level == 2:
             slug = html.escape(match.group(2).lower(), quote=True)
-            body.append(f'<h2 id="{slug}">{name}</h2>\n' if lead else
-                        f'<h2 id="{slug}"><a href="runbook/{slug}">{name}</a></h2>\n')
+            body.append(
+                f'<h2 id="{slug}">{name}</h2>\n'
+                if lead
+                else f'<h2 id="{slug}"><a href="runbook/{slug}">{name}</a></h2>\n'
+            )
         else:
             body.append(f"<h1>{name}</h1>\n")
         at = match.end()
     body.append(_pre(markdown[at:]))
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
-            "<style>pre { white-space: pre-wrap; font-family: inherit; }</style></head>\n<body>\n"
-            f"{lead}{''.join(body)}</body>\n</html>\n").encode("utf-8")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head><meta charset="utf-8"><title>{html.escape(title)}</title>\n'
+        "<style>pre { white-space: pre-wrap; font-family: inherit; }</style></head>\n<body>\n"
+        f"{lead}{''.join(body)}</body>\n</html>\n"
+    ).encode("utf-8")
 
 
 def _pre(text: str) -> str:

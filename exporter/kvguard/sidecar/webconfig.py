@@ -39,7 +39,6 @@ import os
 import secrets
 import ssl
 import stat
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -59,8 +58,10 @@ class WebConfigError(ValueError):
 
 # exporter-toolkit's min_version / max_version names (web/tls_config.go, TLSVersion map).
 TLS_VERSIONS = {
-    "TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3,
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
 }
 
 # Go's crypto/tls names (cipher_suites.go, tls.CipherSuites() and tls.InsecureCipherSuites(), Go 1.22)
@@ -95,18 +96,39 @@ CURVES = {"CurveP256": "prime256v1", "CurveP384": "secp384r1", "CurveP521": "sec
 # client_auth_type -> Python's verify mode; None: Go can, Python's ssl cannot (it verifies every
 # certificate it requests).
 CLIENT_AUTH = {
-    "": ssl.CERT_NONE, "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL, "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-    "RequestClientCert": None, "RequireAnyClientCert": None, "RequireClientCert": None,
+    "": ssl.CERT_NONE,
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    "RequestClientCert": None,
+    "RequireAnyClientCert": None,
+    "RequireClientCert": None,
 }
 
-_TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "client_ca", "min_version",
-             "max_version", "cipher_suites", "prefer_server_cipher_suites", "curve_preferences", "cert", "key",
-             "client_allowed_sans"}
+_TLS_KEYS = {
+    "cert_file",
+    "key_file",
+    "client_auth_type",
+    "client_ca_file",
+    "client_ca",
+    "min_version",
+    "max_version",
+    "cipher_suites",
+    "prefer_server_cipher_suites",
+    "curve_preferences",
+    "cert",
+    "key",
+    "client_allowed_sans",
+}
 _HTTP_KEYS = {"http2", "headers"}
 # Response headers exporter-toolkit lets the file set (web/handler.go, extraHTTPHeaders).
-_HEADERS = ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options", "X-XSS-Protection",
-            "Content-Security-Policy")
+_HEADERS = (
+    "Strict-Transport-Security",
+    "X-Content-Type-Options",
+    "X-Frame-Options",
+    "X-XSS-Protection",
+    "Content-Security-Policy",
+)
 
 
 @dataclass(frozen=True)
@@ -114,9 +136,9 @@ class WebConfig:
     """One loaded web config: a TLS context (or None), the bcrypt users, extra response headers."""
 
     tls_context: ssl.SSLContext | None = None
-    basic_auth_users: Mapping[str, bytes] = field(default_factory=dict)   # user -> bcrypt hash
+    basic_auth_users: Mapping[str, bytes] = field(default_factory=dict)  # user -> bcrypt hash
     headers: Mapping[str, str] = field(default_factory=dict)
-    files: tuple[str, ...] = ()                                           # what to watch for changes
+    files: tuple[str, ...] = ()  # what to watch for changes
 
 
 def _resolve(base: str, path: Any, key: str) -> str:
@@ -136,7 +158,7 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
 
 def _strict(section: Mapping[str, Any], known: set[str], where: str) -> None:
     unknown = sorted(str(k) for k in section if k not in known)
-    if unknown:   # exporter-toolkit unmarshals strictly: a typo is an error, not a silent default
+    if unknown:  # exporter-toolkit unmarshals strictly: a typo is an error, not a silent default
         raise WebConfigError(f"{where}: unknown field {unknown[0]!r}")
 
 
@@ -198,15 +220,18 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
     for name, default in (("min_version", "TLS12"), ("max_version", "TLS13")):
         value = tls.get(name) or default
         if value not in TLS_VERSIONS:
-            raise WebConfigError(f"tls_server_config.{name}: unknown TLS version {value!r} "
-                                 f"(choose from {', '.join(TLS_VERSIONS)})")
+            raise WebConfigError(
+                f"tls_server_config.{name}: unknown TLS version {value!r} (choose from {', '.join(TLS_VERSIONS)})"
+            )
         versions[name] = TLS_VERSIONS[value]
     if versions["min_version"] > versions["max_version"]:
         raise WebConfigError("tls_server_config: min_version is above max_version")
     try:
         context.minimum_version, context.maximum_version = versions["min_version"], versions["max_version"]
     except (ValueError, ssl.SSLError) as exc:
-        raise WebConfigError(f"tls_server_config: this OpenSSL refuses the TLS versions: {one_line(exc, first_line=True)}") from None
+        raise WebConfigError(
+            f"tls_server_config: this OpenSSL refuses the TLS versions: {one_line(exc, first_line=True)}"
+        ) from None
 
     suites = tls.get("cipher_suites") or []
     if not isinstance(suites, list) or not all(isinstance(s, str) for s in suites):
@@ -238,10 +263,12 @@ def _tls_context(tls: Mapping[str, Any], base: str, files: list[str]) -> ssl.SSL
         raise WebConfigError(f"tls_server_config: invalid client_auth_type {auth!r}")
     mode = CLIENT_AUTH[auth]
     if mode is None:
-        raise WebConfigError(f"tls_server_config: client_auth_type {auth} (a client certificate that is not "
-                             "verified) is not supported: use RequireAndVerifyClientCert")
+        raise WebConfigError(
+            f"tls_server_config: client_auth_type {auth} (a client certificate that is not "
+            "verified) is not supported: use RequireAndVerifyClientCert"
+        )
     has_ca = bool(tls.get("client_ca_file") or tls.get("client_ca"))
-    if has_ca and mode == ssl.CERT_NONE:   # exporter-toolkit refuses this too
+    if has_ca and mode == ssl.CERT_NONE:  # exporter-toolkit refuses this too
         raise WebConfigError("tls_server_config: client CA's have been configured without a client auth policy")
     if mode != ssl.CERT_NONE and not has_ca:
         raise WebConfigError(f"tls_server_config: client_auth_type {auth} needs client_ca_file")
@@ -281,7 +308,7 @@ def _regular_file(path: str, what: str) -> None:
     try:
         info = os.stat(path)
     except OSError:
-        return      # the load that follows says why, in its own words
+        return  # the load that follows says why, in its own words
     if not stat.S_ISREG(info.st_mode):
         raise WebConfigError(f"{what} {path} is not a regular file")
 
@@ -289,8 +316,7 @@ def _regular_file(path: str, what: str) -> None:
 def _read_config_text(path: str) -> str:
     """The UTF-8 text of the web config (at most MAX_WEB_CONFIG_BYTES, a BOM dropped), opened without
     waiting: a FIFO or other non-regular file is refused, never read."""
-    return read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError, encoding="utf-8-sig",
-                     regular_only=True)
+    return read_text(path, "web config", MAX_WEB_CONFIG_BYTES, WebConfigError, encoding="utf-8-sig", regular_only=True)
 
 
 def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
@@ -299,8 +325,9 @@ def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
     text = _read_config_text(path)
     try:
         if not allow_empty and _empty(text):
-            raise WebConfigError("the file is empty (truncated, or being rewritten?): it would switch "
-                                 "authentication and TLS off")
+            raise WebConfigError(
+                "the file is empty (truncated, or being rewritten?): it would switch authentication and TLS off"
+            )
         config = parse_web_config(text, os.path.dirname(os.path.abspath(path)))
     except WebConfigError as exc:
         raise WebConfigError(f"web config {path}: {one_line(exc)}") from None
@@ -309,8 +336,10 @@ def load_web_config(path: str, allow_empty: bool = True) -> WebConfig:
 
 def _empty(text: str) -> bool:
     """Nothing but blank lines, comments and YAML document markers: what YAML reads as no document."""
-    return all(not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
-               for line in text.splitlines())
+    return all(
+        not line.strip() or line.lstrip().startswith("#") or line.strip() in ("---", "...")
+        for line in text.splitlines()
+    )
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple:
@@ -346,7 +375,7 @@ class BasicAuth:
     the web config changes the hash, hence every digest."""
 
     VERIFIED_PER_USER = 4
-    REFUSED_SIZE = 4096       # about 0.5 MB
+    REFUSED_SIZE = 4096  # about 0.5 MB
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -368,7 +397,7 @@ class BasicAuth:
         with self._lock:
             digests = tuple(self._verified.get(user, ()))
         ok = False
-        for digest in digests:   # every one compared, whichever matches
+        for digest in digests:  # every one compared, whichever matches
             ok |= hmac.compare_digest(digest, key)
         return ok
 
@@ -395,7 +424,7 @@ class BasicAuth:
         target = hashed or _NO_USER_HASH
         try:
             ok = bcrypt.checkpw(password.encode("utf-8", "replace"), target) and hashed is not None
-        except ValueError:   # a hash bcrypt cannot read
+        except ValueError:  # a hash bcrypt cannot read
             ok = False
         key = self._digest(user, password, target)
         with self._lock:
@@ -403,7 +432,7 @@ class BasicAuth:
                 digests = self._verified.setdefault(user, [])
                 if key not in digests:
                     digests.append(key)
-                    del digests[:-self.VERIFIED_PER_USER]
+                    del digests[: -self.VERIFIED_PER_USER]
             else:
                 self._refused[key] = None
                 self._refused.move_to_end(key)
@@ -429,10 +458,15 @@ class GuessLimiter:
     whatever the number of its connections. At most ``max_sources`` addresses are tracked (the
     least recently seen forgotten first), so a spray of addresses cannot grow it. Thread-safe."""
 
-    def __init__(self, rate: float = 4.0, burst: float = 8.0, max_sources: int = 4096,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rate: float = 4.0,
+        burst: float = 8.0,
+        max_sources: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.rate, self.burst, self.max_sources, self._clock = rate, burst, max_sources, clock
-        self._buckets: OrderedDict[str, list[float]] = OrderedDict()   # source -> [tokens, updated]
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # source -> [tokens, updated]
         self._lock = threading.Lock()
         self.refused_total = 0
 
@@ -481,22 +515,29 @@ class GuessLimiter:
 
 
 # Why a reload was not applied (kvguard_web_config_reloads_total's result label, beside "success").
-RELOAD_FAILED = "failure"               # the file or a file it names did not load
-RELOAD_REFUSED = "refused_weaker"       # it would weaken authentication or TLS (one of REFUSED_REASONS)
+RELOAD_FAILED = "failure"  # the file or a file it names did not load
+RELOAD_REFUSED = "refused_weaker"  # it would weaken authentication or TLS (one of REFUSED_REASONS)
 RELOAD_RESULTS = ("success", RELOAD_FAILED, RELOAD_REFUSED)
 # What a refused_weaker reload would have done (the reason label): switch basic auth off; switch TLS
 # on or off (needs a restart, as in exporter-toolkit); lower client_auth_type (RequireAndVerifyClientCert
 # to VerifyClientCertIfGiven or NoClientCert, the client CA gone with it); lower min_version.
 # --web.config.allow-auth-off allows all but tls_on_off.
-REFUSED_AUTH_OFF, REFUSED_TLS_ON_OFF, REFUSED_CLIENT_AUTH, REFUSED_MIN_VERSION = \
-    "auth_off", "tls_on_off", "client_auth", "min_version"
+REFUSED_AUTH_OFF, REFUSED_TLS_ON_OFF, REFUSED_CLIENT_AUTH, REFUSED_MIN_VERSION = (
+    "auth_off",
+    "tls_on_off",
+    "client_auth",
+    "min_version",
+)
 REFUSED_REASONS = (REFUSED_AUTH_OFF, REFUSED_TLS_ON_OFF, REFUSED_CLIENT_AUTH, REFUSED_MIN_VERSION)
 # Every (result, reason) pair the metric shows, zeros included.
 RELOAD_OUTCOMES = (("success", ""), (RELOAD_FAILED, "")) + tuple((RELOAD_REFUSED, r) for r in REFUSED_REASONS)
 RELOAD_TIMEOUT_SECONDS = 10.0
 _VERIFY_STRENGTH = {ssl.CERT_NONE: 0, ssl.CERT_OPTIONAL: 1, ssl.CERT_REQUIRED: 2}
-_VERIFY_NAMES = {ssl.CERT_NONE: "NoClientCert", ssl.CERT_OPTIONAL: "VerifyClientCertIfGiven",
-                 ssl.CERT_REQUIRED: "RequireAndVerifyClientCert"}
+_VERIFY_NAMES = {
+    ssl.CERT_NONE: "NoClientCert",
+    ssl.CERT_OPTIONAL: "VerifyClientCertIfGiven",
+    ssl.CERT_REQUIRED: "RequireAndVerifyClientCert",
+}
 
 
 def _tls_name(version: ssl.TLSVersion) -> str:
@@ -524,19 +565,24 @@ class WebConfigWatcher:
     load to change nothing. A reload still running after RELOAD_TIMEOUT_SECONDS is logged once.
     """
 
-    def __init__(self, path: str, check_interval: float = 1.0,
-                 warn: Callable[[str], None] | None = None, allow_auth_off: bool = False):
+    def __init__(
+        self,
+        path: str,
+        check_interval: float = 1.0,
+        warn: Callable[[str], None] | None = None,
+        allow_auth_off: bool = False,
+    ):
         self.path = path
         self.check_interval = check_interval
         self.allow_auth_off = allow_auth_off
         self._warn = warn or (lambda line: _log_error("web config not reloaded", path=path, error=line))
         self._lock = threading.Lock()
-        self.config = load_web_config(path)     # the first load raises: startup refuses a bad file
+        self.config = load_web_config(path)  # the first load raises: startup refuses a bad file
         self._stamp = _stamp(self.config.files)
         self._checked_at = time.monotonic()
         self.reloads_total = 0
-        self.reload_errors_total = 0            # failed or refused
-        self.results: dict[tuple[str, str], int] = dict.fromkeys(RELOAD_OUTCOMES, 0)   # (result, reason)
+        self.reload_errors_total = 0  # failed or refused
+        self.results: dict[tuple[str, str], int] = dict.fromkeys(RELOAD_OUTCOMES, 0)  # (result, reason)
         self.last_reload_successful = True
         self._tls = self.config.tls_context is not None
         self._reloading: threading.Thread | None = None
@@ -591,11 +637,15 @@ class WebConfigWatcher:
         old, new = self.config.tls_context, config.tls_context
         if old is not None and new is not None:
             if _VERIFY_STRENGTH[new.verify_mode] < _VERIFY_STRENGTH[old.verify_mode]:
-                return REFUSED_CLIENT_AUTH, (f"it lowers client_auth_type from {_VERIFY_NAMES[old.verify_mode]} "
-                                             f"to {_VERIFY_NAMES[new.verify_mode]}" + allows)
+                return REFUSED_CLIENT_AUTH, (
+                    f"it lowers client_auth_type from {_VERIFY_NAMES[old.verify_mode]} "
+                    f"to {_VERIFY_NAMES[new.verify_mode]}" + allows
+                )
             if new.minimum_version < old.minimum_version:
-                return REFUSED_MIN_VERSION, (f"it lowers min_version from {_tls_name(old.minimum_version)} "
-                                             f"to {_tls_name(new.minimum_version)}" + allows)
+                return REFUSED_MIN_VERSION, (
+                    f"it lowers min_version from {_tls_name(old.minimum_version)} "
+                    f"to {_tls_name(new.minimum_version)}" + allows
+                )
         return None
 
     def _reload(self) -> None:
@@ -607,7 +657,7 @@ class WebConfigWatcher:
                 result, (reason, error) = RELOAD_REFUSED, weaker
         except WebConfigError as exc:
             result, error = RELOAD_FAILED, str(exc)
-        except Exception as exc:   # noqa: BLE001 - a reload thread must say why, never die silently
+        except Exception as exc:  # noqa: BLE001 - a reload thread must say why, never die silently
             result, error = RELOAD_FAILED, one_line(exc, with_type=True)
         with self._lock:
             self.results[(result, reason)] += 1

@@ -46,15 +46,15 @@ from typing import Any, Callable
 
 from kvguard.logs import LOGGER, event
 from kvguard.records import DeviceMemory
-from kvguard.sources import RankContext
 from kvguard.sim.source import renumbered
+from kvguard.sources import RankContext
 from kvguard.text import one_line
 
 GIB = 1 << 30
 MIB = 1 << 20
 STEPS_PER_SAMPLE = 4
 LEAK = 4 * MIB
-MODEL_NAME = "Qwen/Qwen2.5-7B-Instruct"   # the simulated model, named as vLLM names its engine
+MODEL_NAME = "Qwen/Qwen2.5-7B-Instruct"  # the simulated model, named as vLLM names its engine
 RANK = {"allocator": "torch_npu", "device_memory_bytes": 32 * GIB, "budget": "stock"}
 # max_split_size_mb:256 (PYTORCH_NPU_ALLOC_CONF): on a miss the allocator hands its cached oversize
 # blocks back to the device before it asks for more, so reserved follows the load instead of holding.
@@ -101,14 +101,23 @@ class DemoSource:
             tripping = ranks > 1 and rank == ranks - 1
             config = TRIPPING if tripping else SERVING
             rank_seed = seed + (TRIPPING_SEED if tripping else SEED_STRIDE * rank)
-            self._sources.append(SimSource(ranks=1, steps_per_sample=steps_per_sample, seed=rank_seed,
-                                           traffic=traffic(tripping), on_scenario=self._watcher(rank), **config))
+            self._sources.append(
+                SimSource(
+                    ranks=1,
+                    steps_per_sample=steps_per_sample,
+                    seed=rank_seed,
+                    traffic=traffic(tripping),
+                    on_scenario=self._watcher(rank),
+                    **config,
+                )
+            )
         # One lock per rank: its probe steps it while the engine-metrics server reads it.
         self._locks = [threading.Lock() for _ in range(ranks)]
 
     def _watcher(self, rank: int) -> Callable[[Any], None]:
         def watch(serving: Any) -> None:
             self._lives[rank] = _Life(serving)
+
         return watch
 
     @property
@@ -129,7 +138,7 @@ class DemoSource:
         """What serves demo rank ``rank`` now (a ``LiveServing``; a new one after each restart)."""
         if not 0 <= rank < self.ranks:
             raise IndexError(f"no demo rank {rank}")
-        return self._sources[rank]._scenarios[0]   # noqa: SLF001 - the sim source's one rank
+        return self._sources[rank]._scenarios[0]  # noqa: SLF001 - the sim source's one rank
 
     def rank_contexts(self) -> dict[str, RankContext]:
         contexts = {}
@@ -171,9 +180,14 @@ class DemoSource:
             serving = self.serving(rank)
             blocks = serving.num_blocks
             usage = None if not blocks else (blocks - serving.free_blocks) / blocks
-            return {"num_gpu_blocks": blocks, "block_size": serving.kv_layout.block_size,
-                    "gpu_memory_utilization": serving.config.gpu_memory_utilization, "kv_cache_usage": usage,
-                    "running": serving.num_running, "waiting": serving.num_waiting}
+            return {
+                "num_gpu_blocks": blocks,
+                "block_size": serving.kv_layout.block_size,
+                "gpu_memory_utilization": serving.config.gpu_memory_utilization,
+                "kv_cache_usage": usage,
+                "running": serving.num_running,
+                "waiting": serving.num_waiting,
+            }
 
 
 class RankSource:
@@ -206,20 +220,30 @@ class _EngineCollector:
 
     def collect(self):
         from prometheus_client.core import GaugeMetricFamily  # noqa: PLC0415
+
         from kvguard.vllm.metrics import CACHE_CONFIG, USAGE_NAMES  # noqa: PLC0415 - the names the sidecar reads
 
-        info = GaugeMetricFamily(CACHE_CONFIG, SIMULATED + "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "engine", "gpu_memory_utilization", "num_gpu_blocks"])
-        families = {name: GaugeMetricFamily(name, SIMULATED + text, labels=["model_name", "engine"])
-                    for name, text in (("vllm:num_requests_running", "Number of requests in model execution batches."),
-                                       ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
-                                       (USAGE_NAMES[0], "KV-cache usage. 1 means 100 percent usage."))}
+        info = GaugeMetricFamily(
+            CACHE_CONFIG,
+            SIMULATED + "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "engine", "gpu_memory_utilization", "num_gpu_blocks"],
+        )
+        families = {
+            name: GaugeMetricFamily(name, SIMULATED + text, labels=["model_name", "engine"])
+            for name, text in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+                (USAGE_NAMES[0], "KV-cache usage. 1 means 100 percent usage."),
+            )
+        }
         for rank in range(self.demo.ranks):
             state, engine = self.demo.engine_state(rank), str(rank)
             if state["num_gpu_blocks"] is None:
-                continue      # startup has not sized the KV cache yet
-            info.add_metric([str(state["block_size"]), engine, str(state["gpu_memory_utilization"]),
-                             str(state["num_gpu_blocks"])], 1.0)
+                continue  # startup has not sized the KV cache yet
+            info.add_metric(
+                [str(state["block_size"]), engine, str(state["gpu_memory_utilization"]), str(state["num_gpu_blocks"])],
+                1.0,
+            )
             labels = [MODEL_NAME, engine]
             families["vllm:num_requests_running"].add_metric(labels, state["running"])
             families["vllm:num_requests_waiting"].add_metric(labels, state["waiting"])
@@ -234,7 +258,7 @@ class EngineMetricsServer:
 
     def __init__(self, demo: DemoSource, host: str = "127.0.0.1", port: int = 0):
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:   # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404)
                     return
@@ -262,8 +286,12 @@ class EngineMetricsServer:
 
             def handle_error(self, request: Any, client_address: Any) -> None:
                 # what escapes a handler (a scraper gone mid-answer): one log line, never a traceback
-                event(logging.getLogger(LOGGER), logging.ERROR, "demo engine request failed",
-                      error=one_line(sys.exc_info()[1], with_type=True))
+                event(
+                    logging.getLogger(LOGGER),
+                    logging.ERROR,
+                    "demo engine request failed",
+                    error=one_line(sys.exc_info()[1], with_type=True),
+                )
 
         self._server = Server((host, port), Handler)
         self.url = f"http://{host}:{self._server.server_address[1]}/metrics"
@@ -307,8 +335,14 @@ def start_demo(spool_dir: str, ranks: int, interval: float = 1.0) -> Demo:
     try:
         for rank in range(ranks):
             rank_source = source.rank_source(rank)
-            probe = Probe(spool_dir, source=rank_source, interval=interval, sample_timeout=max(interval, 5.0),
-                          rank=rank, environ={})
+            probe = Probe(
+                spool_dir,
+                source=rank_source,
+                interval=interval,
+                sample_timeout=max(interval, 5.0),
+                rank=rank,
+                environ={},
+            )
             probe.set_engine(MODEL_NAME, rank)
             rank_source.on_budget_verdict = probe.set_budget_verdict
             probes.append(probe.start())

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvguard.guard.judge import (CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget)
+from kvguard.guard.at_budget import counters_of
+from kvguard.guard.judge import CRITICAL, BudgetInput, GuardInput, Verdict, judge, judge_at_budget
 from kvguard.records import DeviceMemory
 from kvguard.sim.scenario import ScenarioResult, ServingScenario
 from kvguard.sim.source import record_from_scenario
-from kvguard.guard.at_budget import counters_of
 
 
 class BudgetWatch:
@@ -47,7 +47,7 @@ class BudgetWatch:
     def _recording(self, allocator: Any, name: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             grown = self.scenario.device.non_allocator_bytes - self._non_allocator
-            if grown:   # runtime memory that appeared since the last call (Device has no hook of its own)
+            if grown:  # runtime memory that appeared since the last call (Device has no hook of its own)
                 self.events.append(("grow", (grown,), {}))
                 self._non_allocator += grown
             result = original(*args, **kwargs)
@@ -55,6 +55,7 @@ class BudgetWatch:
             if name == "empty_cache" and self.scenario.timeline and self.scenario.timeline[-1].phase == "profile":
                 self._stop()
             return result
+
         return call
 
     def _stop(self) -> None:
@@ -83,12 +84,19 @@ class BudgetWatch:
         profile run failed) or vLLM refused to start (no room for one request's blocks).
         ``pool_figures``: MindSpore's exact mode (``record_from_scenario``)."""
         scenario = self.scenario
-        if not self.captured or scenario.profile is None or not scenario.num_blocks or \
-                (scenario.error and not scenario.oom):
+        if (
+            not self.captured
+            or scenario.profile is None
+            or not scenario.num_blocks
+            or (scenario.error and not scenario.oom)
+        ):
             return None
         tensors = scenario.kv_tensor_sizes(scenario.num_blocks)
-        return judge_at_budget(BudgetInput(scenario.profile, tensors, self.build,
-                                           lambda model: counters_of(model, pool_figures=pool_figures)))
+        return judge_at_budget(
+            BudgetInput(
+                scenario.profile, tensors, self.build, lambda model: counters_of(model, pool_figures=pool_figures)
+            )
+        )
 
 
 def planned_kv_cache_bytes(scenario: ServingScenario) -> int | None:
@@ -105,8 +113,15 @@ def _judge(scenario: ServingScenario, memory: DeviceMemory, base: DeviceMemory |
     else:
         retries = (memory.alloc_retries or 0) - (base.alloc_retries or 0)
         ooms = (memory.ooms or 0) - (base.ooms or 0)
-    return judge(GuardInput(scenario.profile, kv_cache_bytes=planned_kv_cache_bytes(scenario), memory=memory,
-                            alloc_retries_increase=retries, ooms_increase=ooms))
+    return judge(
+        GuardInput(
+            scenario.profile,
+            kv_cache_bytes=planned_kv_cache_bytes(scenario),
+            memory=memory,
+            alloc_retries_increase=retries,
+            ooms_increase=ooms,
+        )
+    )
 
 
 def _startup(scenario: ServingScenario, pool_figures: bool = False) -> tuple[Verdict | None, DeviceMemory | None]:
@@ -129,9 +144,9 @@ def startup_verdict(scenario: ServingScenario, pool_figures: bool = False) -> Ve
 class GuardedRun:
     result: ScenarioResult
     startup: Verdict | None
-    first_critical_step: int | None      # -1: at startup; None: never critical
+    first_critical_step: int | None  # -1: at startup; None: never critical
     first_critical_reasons: tuple[str, ...]
-    at_budget: Verdict | None = None     # before the KV cache was allocated
+    at_budget: Verdict | None = None  # before the KV cache was allocated
 
     @property
     def caught_at_budget(self) -> bool:
@@ -161,8 +176,11 @@ class GuardedRun:
 
 def startup_guard_dict(verdict: Verdict | None, at_budget: bool = False) -> dict[str, Any]:
     if verdict is None:
-        message = ("startup never fixed a KV budget (no profile, or no room for one request's blocks)"
-                   if at_budget else "startup failed before vLLM measured a profile")
+        message = (
+            "startup never fixed a KV budget (no profile, or no room for one request's blocks)"
+            if at_budget
+            else "startup failed before vLLM measured a profile"
+        )
         return {"state": None, "reasons": [{"code": "no_profile", "state": "warning", "message": message}]}
     return verdict.to_dict()
 
@@ -192,6 +210,3 @@ def run_guarded(scenario: ServingScenario, max_steps: int | None = None, *, pool
         if verdict.state == CRITICAL:
             first_step, first_reasons = step_index, verdict.reason_codes
     return GuardedRun(scenario.result(), startup, first_step, first_reasons, at_budget)
-
-
-

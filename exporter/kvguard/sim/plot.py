@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvguard.units import gib
-from kvguard.sim.scenario import ScenarioResult
 from kvguard.allocators.traces import ReplayResult
+from kvguard.sim.scenario import ScenarioResult
+from kvguard.units import gib
 
 
 class PlotUnavailable(RuntimeError):
@@ -22,6 +22,7 @@ def _pyplot():
         raise PlotUnavailable(f"--plot needs matplotlib: {install_hint('plot')}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -53,8 +54,9 @@ def scenario_figure(results: Sequence[ScenarioResult], title: str | None = None)
     step), device capacity, the vLLM budget line, the KV-cache band and the OOM point; one panel per
     result. The x-axis names the startup phases (weights, profile, KV cache), then counts serving steps."""
     plt = _pyplot()
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False,
-                             sharex=True)  # one time axis: how long each run lasted is the story
+    fig, axes = plt.subplots(
+        len(results), 1, figsize=(10, 3.6 * len(results)), squeeze=False, sharex=True
+    )  # one time axis: how long each run lasted is the story
     longest = max(sum(1 for r in result.timeline if r.phase == "serving") for result in results)
     spacing = max(1.0, longest / 10)
     tick_source = max(results, key=lambda result: len(result.timeline))
@@ -62,21 +64,31 @@ def scenario_figure(results: Sequence[ScenarioResult], title: str | None = None)
         timeline = result.timeline
         xs = _phase_positions(timeline, spacing)
         capacity = gib(result.device_total_bytes)
-        ax.plot(xs, [gib(r.peak_allocated_bytes) for r in timeline], label="allocated (step peak)", color="tab:blue",
-                lw=1.2, marker="." if len(timeline) < 50 else None)
-        ax.plot(xs, [gib(r.peak_reserved_bytes) for r in timeline], label="reserved (step peak)", color="tab:orange",
-                lw=1.2)
-        ax.plot(xs, [gib(r.device_used_bytes) for r in timeline], label="device used", color="tab:gray", lw=0.8,
-                ls=":")
+        ax.plot(
+            xs,
+            [gib(r.peak_allocated_bytes) for r in timeline],
+            label="allocated (step peak)",
+            color="tab:blue",
+            lw=1.2,
+            marker="." if len(timeline) < 50 else None,
+        )
+        ax.plot(
+            xs, [gib(r.peak_reserved_bytes) for r in timeline], label="reserved (step peak)", color="tab:orange", lw=1.2
+        )
+        ax.plot(xs, [gib(r.device_used_bytes) for r in timeline], label="device used", color="tab:gray", lw=0.8, ls=":")
         ax.axhline(capacity, color="black", lw=1, label="device capacity")
         if result.profile is not None:
             utilization = result.profile.gpu_memory_utilization
-            ax.axhline(capacity * utilization, color="black", lw=0.8, ls="--",
-                       label=f"capacity x {utilization:g}")
+            ax.axhline(capacity * utilization, color="black", lw=0.8, ls="--", label=f"capacity x {utilization:g}")
             if result.kv_cache_bytes and result.kv_cache_bytes > 0:
                 base = gib(result.profile.weights_bytes)
-                ax.axhspan(base, base + gib(result.kv_cache_bytes), color="tab:green", alpha=0.15,
-                           label=f"KV cache ({result.config.budget} budget)")
+                ax.axhspan(
+                    base,
+                    base + gib(result.kv_cache_bytes),
+                    color="tab:green",
+                    alpha=0.15,
+                    label=f"KV cache ({result.config.budget} budget)",
+                )
         startup = sum(1 for r in timeline if r.phase != "serving")
         if startup and startup < len(timeline):
             ax.axvline(-spacing / 2, color="tab:gray", lw=0.6)
@@ -84,12 +96,23 @@ def scenario_figure(results: Sequence[ScenarioResult], title: str | None = None)
         if result.oom and timeline:
             x = xs[-1]
             y = gib(timeline[-1].peak_reserved_bytes)
-            ax.plot([x], [y], marker="X", color="red", ms=11, ls="none",
-                    label=f"OOM ({result.oom_phase}" + (f", step {result.oom_at_step})" if result.oom_at_step is not None
-                                                         else ")"))
+            ax.plot(
+                [x],
+                [y],
+                marker="X",
+                color="red",
+                ms=11,
+                ls="none",
+                label=f"OOM ({result.oom_phase}"
+                + (f", step {result.oom_at_step})" if result.oom_at_step is not None else ")"),
+            )
         cfg = result.config
-        ax.set_title(title or f"{cfg.allocator}, budget {cfg.budget}, utilization {cfg.gpu_memory_utilization:g}, "
-                     f"{gib(cfg.device_memory_bytes):g} GiB", fontsize=10)
+        ax.set_title(
+            title
+            or f"{cfg.allocator}, budget {cfg.budget}, utilization {cfg.gpu_memory_utilization:g}, "
+            f"{gib(cfg.device_memory_bytes):g} GiB",
+            fontsize=10,
+        )
         ax.set_ylabel("GiB")
         ax.set_ylim(0, capacity * 1.05)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
@@ -120,8 +143,15 @@ def plot_replay(result: ReplayResult, capacity_bytes: int, path: str, title: str
     ax.plot(xs, [gib(s[2]) for s in result.samples], label="reserved", color="tab:orange", lw=1)
     ax.axhline(gib(capacity_bytes), color="black", lw=1, label="device capacity")
     if result.oom and result.samples:
-        ax.plot([result.oom_at_event], [gib(result.samples[-1][2])], marker="X", color="red", ms=11, ls="none",
-                label=f"OOM (event {result.oom_at_event})")
+        ax.plot(
+            [result.oom_at_event],
+            [gib(result.samples[-1][2])],
+            marker="X",
+            color="red",
+            ms=11,
+            ls="none",
+            label=f"OOM (event {result.oom_at_event})",
+        )
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("trace event")
     ax.set_ylabel("GiB")

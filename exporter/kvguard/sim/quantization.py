@@ -20,19 +20,51 @@ from kvguard.budget.estimator import ConfigError
 # ggml's block sizes, (elements per block, bytes per block): gguf-py's GGML_QUANT_SIZES (gguf 0.19.0,
 # gguf/constants.py:4232-4269), which vLLM's GGUF method reads to size each tensor (gguf.py 0.11.0:135, 293).
 GGML_BLOCKS: dict[str, tuple[int, int]] = {
-    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
-    "Q5_1": (32, 24), "Q8_0": (32, 34), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-    "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74), "IQ3_XXS": (256, 98),
-    "IQ1_S": (256, 50), "IQ4_NL": (32, 18), "IQ3_S": (256, 110), "IQ2_S": (256, 82), "IQ4_XS": (256, 136),
-    "IQ1_M": (256, 56), "MXFP4": (32, 17),
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q2_K": (256, 84),
+    "Q3_K": (256, 110),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+    "IQ2_XXS": (256, 66),
+    "IQ2_XS": (256, 74),
+    "IQ3_XXS": (256, 98),
+    "IQ1_S": (256, 50),
+    "IQ4_NL": (32, 18),
+    "IQ3_S": (256, 110),
+    "IQ2_S": (256, 82),
+    "IQ4_XS": (256, 136),
+    "IQ1_M": (256, 56),
+    "MXFP4": (32, 17),
 }
 
 # A GGUF file type (llama.cpp's ftype, the name a file carries: "Q4_K_M") -> its base tensor type
 # (llama.cpp src/llama-quant.cpp @8784689, llama_model_quantize_impl's default_type switch).
 GGUF_FILE_TYPES: dict[str, str] = {
-    "F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0", "Q5_1": "Q5_1",
-    "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K",
-    "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+    "F32": "F32",
+    "F16": "F16",
+    "BF16": "BF16",
+    "Q4_0": "Q4_0",
+    "Q4_1": "Q4_1",
+    "Q5_0": "Q5_0",
+    "Q5_1": "Q5_1",
+    "Q8_0": "Q8_0",
+    "Q2_K": "Q2_K",
+    "Q3_K_S": "Q3_K",
+    "Q3_K_M": "Q3_K",
+    "Q3_K_L": "Q3_K",
+    "Q4_K_S": "Q4_K",
+    "Q4_K_M": "Q4_K",
+    "Q5_K_S": "Q5_K",
+    "Q5_K_M": "Q5_K",
+    "Q6_K": "Q6_K",
 }
 # A K-quant whose row (the input size) is not whole blocks falls back (llama_tensor_get_type's
 # convert_incompatible_tensor switch).
@@ -56,15 +88,15 @@ def use_more_bits(layer: int, layers: int) -> bool:
 class Linear:
     """One rank's share of one linear module, as vLLM's ``LinearBase`` hands it to ``create_weights``."""
 
-    name: str                 # vLLM's module prefix, e.g. "model.layers.3.mlp.down_proj"
-    input_size: int           # per rank (input_size_per_partition)
-    output_size: int          # per rank, all fused partitions together (sum(output_partition_sizes))
-    partitions: int = 1       # fused output partitions (qkv: 3, gate_up: 2)
+    name: str  # vLLM's module prefix, e.g. "model.layers.3.mlp.down_proj"
+    input_size: int  # per rank (input_size_per_partition)
+    output_size: int  # per rank, all fused partitions together (sum(output_partition_sizes))
+    partitions: int = 1  # fused output partitions (qkv: 3, gate_up: 2)
     full_input_size: int = 0  # the layer's whole input (input_size); 0: the same as input_size
     row_parallel: bool = False
-    layer: int = -1           # decoder layer index (GGUF mixes), -1 outside the layers
+    layer: int = -1  # decoder layer index (GGUF mixes), -1 outside the layers
     layers: int = 0
-    gqa: int = 1              # query heads per KV head (GGUF's Q2_K attn_v rule)
+    gqa: int = 1  # query heads per KV head (GGUF's Q2_K attn_v rule)
 
     @property
     def whole_input(self) -> int:
@@ -83,17 +115,17 @@ class WeightFormat:
 
     method: str = ""
     bits: int = 16
-    group_size: int = -1                 # input elements per scale; -1: one per output channel
+    group_size: int = -1  # input elements per scale; -1: one per output channel
     zero_points: bool = False
-    g_idx: bool = False                  # GPTQ act-order / compressed-tensors actorder "group"
+    g_idx: bool = False  # GPTQ act-order / compressed-tensors actorder "group"
     desc_act: bool = False
-    strategy: str = "channel"           # fp8 / int8 scales: tensor, channel, block
-    block: tuple[int, int] = (0, 0)      # (block_n, block_k) of block-wise fp8 scales
+    strategy: str = "channel"  # fp8 / int8 scales: tensor, channel, block
+    block: tuple[int, int] = (0, 0)  # (block_n, block_k) of block-wise fp8 scales
     static_input_scale: bool = False
-    double_quant: bool = False           # bitsandbytes 4-bit nested absmax
-    blocksize: int = 64                  # bitsandbytes 4-bit elements per absmax
-    lm_head: bool = False                # lm_head quantized too
-    skip: tuple[str, ...] = ()           # module names kept at full width
+    double_quant: bool = False  # bitsandbytes 4-bit nested absmax
+    blocksize: int = 64  # bitsandbytes 4-bit elements per absmax
+    lm_head: bool = False  # lm_head quantized too
+    skip: tuple[str, ...] = ()  # module names kept at full width
     skip_patterns: tuple[str, ...] = ()  # compressed-tensors "re:" ignore entries
     gguf_file_type: str = ""
     cite: str = "unquantized: the model dtype"
@@ -123,8 +155,9 @@ class WeightFormat:
             # is_layer_skipped_bnb: a listed name as one of the prefix's dotted components, or a prefix of it
             # (bitsandbytes.py 0.11.0:141-155).
             parts = set(name.split("."))
-            return bool(parts & set(self.skip)) or any(name.startswith(module + ".") or name == module
-                                                       for module in self.skip)
+            return bool(parts & set(self.skip)) or any(
+                name.startswith(module + ".") or name == module for module in self.skip
+            )
         # fp8's is_layer_skipped (quantization/utils/quant_utils.py 0.11.0:265-304) and compressed-tensors'
         # should_ignore_layer (compressed_tensors/utils.py 0.11.0:23-72, 154-170): the name itself, or with "re:"
         # a regex; a fused qkv / gate_up module by its checkpoint parts; experts by a listed name containing it.
@@ -167,9 +200,11 @@ class WeightFormat:
     # act-order or channel-wise meets a row-parallel layer (marlin_utils.py 0.11.0:216-221).
     def _gptq(self, linear: Linear, d: int) -> int:
         k, n = linear.input_size, linear.output_size
-        partition = linear.row_parallel and self.group_size != -1 and not self.desc_act \
-            if self.method == "gptq" else \
-            not (self.desc_act or (self.group_size == -1 and linear.row_parallel))
+        partition = (
+            linear.row_parallel and self.group_size != -1 and not self.desc_act
+            if self.method == "gptq"
+            else not (self.desc_act or (self.group_size == -1 and linear.row_parallel))
+        )
         groups = self._groups(linear, partition)
         return _packed(self.bits, k * n) + k * 4 + groups * _packed(self.bits, n) + groups * n * d
 
@@ -242,8 +277,11 @@ class WeightFormat:
             return "F32" if base == "F32" else "F16"
         if name.endswith("lm_head"):
             # output.weight (and a tied token_embd): Q6_K for every K-quant and legacy type but Q8_0.
-            chosen = "Q8_0" if base == "Q8_0" or linear.input_size % GGML_BLOCKS[base][0] else \
-                ("Q6_K" if base not in ("F32", "F16", "BF16") else base)
+            chosen = (
+                "Q8_0"
+                if base == "Q8_0" or linear.input_size % GGML_BLOCKS[base][0]
+                else ("Q6_K" if base not in ("F32", "F16", "BF16") else base)
+            )
         elif name.endswith("v_proj"):
             if file_type == "Q2_K":
                 chosen = "Q4_K" if linear.gqa >= 4 else "Q3_K"
@@ -299,52 +337,79 @@ def weight_format(config: Mapping[str, Any], gguf_file_type: str | None = None) 
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping):
         nested = [config.get(key) for key in ("text_config", "llm_config", "language_config")]
-        quant = next((n.get("quantization_config") for n in nested
-                      if isinstance(n, Mapping) and isinstance(n.get("quantization_config"), Mapping)), None)
+        quant = next(
+            (
+                n.get("quantization_config")
+                for n in nested
+                if isinstance(n, Mapping) and isinstance(n.get("quantization_config"), Mapping)
+            ),
+            None,
+        )
     quant = quant if isinstance(quant, Mapping) else {}
     method = str(quant.get("quant_method", "")).lower().replace("_", "-")
     if gguf_file_type or method == "gguf":
         file_type = (gguf_file_type or str(quant.get("file_type", ""))).upper()
         if file_type not in GGUF_FILE_TYPES:
-            raise ConfigError(f"GGUF file type {file_type or '(none)'} is not one kvguard sizes "
-                              f"(known: {', '.join(GGUF_FILE_TYPES)})")
+            raise ConfigError(
+                f"GGUF file type {file_type or '(none)'} is not one kvguard sizes (known: {', '.join(GGUF_FILE_TYPES)})"
+            )
         # vLLM's GGUF method quantizes the embedding too (gguf.py 0.11.0:60-70: GGUFEmbeddingMethod for
         # VocabParallelEmbedding); norms and biases are F32 in the file and loaded in the model dtype.
         return WeightFormat("gguf", gguf_file_type=file_type, cite="vllm gguf.py 0.11.0:338-380; ggml blocks")
     if method in ("awq", "awq-marlin"):
         # AWQConfig.from_config (awq.py 0.11.0:68-79): w_bit / bits, q_group_size / group_size,
         # modules_to_not_convert; lm_head is never quantized (:84-91).
-        return WeightFormat("awq", bits=_bits(quant.get("bits", quant.get("w_bit")), 4),
-                            group_size=int(quant.get("group_size", quant.get("q_group_size", 128))),
-                            zero_points=bool(quant.get("zero_point", True)),
-                            skip=_names(quant.get("modules_to_not_convert")), cite="vllm awq.py 0.11.0:134-189")
+        return WeightFormat(
+            "awq",
+            bits=_bits(quant.get("bits", quant.get("w_bit")), 4),
+            group_size=int(quant.get("group_size", quant.get("q_group_size", 128))),
+            zero_points=bool(quant.get("zero_point", True)),
+            skip=_names(quant.get("modules_to_not_convert")),
+            cite="vllm awq.py 0.11.0:134-189",
+        )
     if method in ("gptq", "gptq-marlin"):
         # GPTQConfig.from_config (gptq.py 0.11.0:113-128): bits, group_size, desc_act, lm_head.
-        return WeightFormat("gptq_marlin" if method == "gptq-marlin" else "gptq",
-                            bits=_bits(quant.get("bits"), 4), group_size=int(quant.get("group_size", 128)),
-                            zero_points=True, g_idx=True, desc_act=bool(quant.get("desc_act", False)),
-                            lm_head=bool(quant.get("lm_head", False)), cite="vllm gptq.py 0.11.0:197-300")
+        return WeightFormat(
+            "gptq_marlin" if method == "gptq-marlin" else "gptq",
+            bits=_bits(quant.get("bits"), 4),
+            group_size=int(quant.get("group_size", 128)),
+            zero_points=True,
+            g_idx=True,
+            desc_act=bool(quant.get("desc_act", False)),
+            lm_head=bool(quant.get("lm_head", False)),
+            cite="vllm gptq.py 0.11.0:197-300",
+        )
     if method in ("fp8", "fbgemm-fp8"):
         # Fp8Config.from_config (fp8.py 0.11.0:110-135): activation_scheme, ignored_layers, weight_block_size.
         block = quant.get("weight_block_size")
         block_quant = isinstance(block, (list, tuple)) and len(block) == 2
-        return WeightFormat("fp8", bits=8, strategy="block" if block_quant else
-                            ("channel" if method == "fbgemm-fp8" else "tensor"),
-                            block=(int(block[0]), int(block[1])) if block_quant else (0, 0),
-                            static_input_scale=quant.get("activation_scheme") == "static",
-                            skip=_names(quant.get("ignored_layers") or quant.get("modules_to_not_convert")),
-                            cite="vllm fp8.py 0.11.0:258-330")
+        return WeightFormat(
+            "fp8",
+            bits=8,
+            strategy="block" if block_quant else ("channel" if method == "fbgemm-fp8" else "tensor"),
+            block=(int(block[0]), int(block[1])) if block_quant else (0, 0),
+            static_input_scale=quant.get("activation_scheme") == "static",
+            skip=_names(quant.get("ignored_layers") or quant.get("modules_to_not_convert")),
+            cite="vllm fp8.py 0.11.0:258-330",
+        )
     if method == "bitsandbytes":
         # BitsAndBytesConfig.from_config (bitsandbytes.py 0.11.0:86-127).
         eight = bool(quant.get("load_in_8bit", False))
-        return WeightFormat("bitsandbytes", bits=8 if eight else 4,
-                            double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
-                            skip=_names(quant.get("llm_int8_skip_modules")),
-                            cite="vllm bitsandbytes.py 0.11.0:186-230")
+        return WeightFormat(
+            "bitsandbytes",
+            bits=8 if eight else 4,
+            double_quant=bool(quant.get("bnb_4bit_use_double_quant", False)),
+            skip=_names(quant.get("llm_int8_skip_modules")),
+            cite="vllm bitsandbytes.py 0.11.0:186-230",
+        )
     if method in ("golden-stick", "goldenstick", "modelslim"):
         # vllm-mindspore's GoldenStickConfig / ModelSlimConfig (golden_stick/golden_stick.py 0.5.1:127-190).
-        return WeightFormat("modelslim" if method == "modelslim" else "golden_stick", bits=8,
-                            skip=_names(quant.get("ignore")), cite="vllm_mindspore golden_stick/a8w8.py 0.5.1:39-111")
+        return WeightFormat(
+            "modelslim" if method == "modelslim" else "golden_stick",
+            bits=8,
+            skip=_names(quant.get("ignore")),
+            cite="vllm_mindspore golden_stick/a8w8.py 0.5.1:39-111",
+        )
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
     return WeightFormat()
@@ -354,8 +419,11 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:
     """compressed-tensors' scheme from its config group (compressed_tensors.py 0.11.0 _get_scheme_from_parts:
     wNa16 for 4/8-bit int weights without activations, W8A8 int8 / fp8 with them, W8A16 fp8)."""
     groups = quant.get("config_groups")
-    weights = [g.get("weights") for g in (groups.values() if isinstance(groups, Mapping) else ())
-               if isinstance(g, Mapping) and isinstance(g.get("weights"), Mapping)]
+    weights = [
+        g.get("weights")
+        for g in (groups.values() if isinstance(groups, Mapping) else ())
+        if isinstance(g, Mapping) and isinstance(g.get("weights"), Mapping)
+    ]
     if not weights:
         return WeightFormat()
     # One scheme per checkpoint: the first group's (the checkpoints kvguard meets have one group of "Linear").
@@ -370,25 +438,46 @@ def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:
     cite = "vllm compressed_tensors/schemes 0.11.0"
     if kind == "float" and bits == 8:
         block = w.get("block_structure")
-        return WeightFormat("compressed-tensors fp8", bits=8, strategy=strategy,
-                            block=(int(block[0]), int(block[1])) if strategy == "block" and block else (0, 0),
-                            static_input_scale=_static_inputs(groups), skip=skip, skip_patterns=patterns,
-                            cite=cite + " compressed_tensors_w8a8_fp8.py:59-95")
+        return WeightFormat(
+            "compressed-tensors fp8",
+            bits=8,
+            strategy=strategy,
+            block=(int(block[0]), int(block[1])) if strategy == "block" and block else (0, 0),
+            static_input_scale=_static_inputs(groups),
+            skip=skip,
+            skip_patterns=patterns,
+            cite=cite + " compressed_tensors_w8a8_fp8.py:59-95",
+        )
     if kind == "int" and bits == 8 and _has_inputs(groups):
-        return WeightFormat("compressed-tensors int8", bits=8, strategy=strategy,
-                            static_input_scale=_static_inputs(groups), skip=skip, skip_patterns=patterns,
-                            cite=cite + " compressed_tensors_w8a8_int8.py:36-95")
+        return WeightFormat(
+            "compressed-tensors int8",
+            bits=8,
+            strategy=strategy,
+            static_input_scale=_static_inputs(groups),
+            skip=skip,
+            skip_patterns=patterns,
+            cite=cite + " compressed_tensors_w8a8_int8.py:36-95",
+        )
     if kind == "int" and bits in (4, 8):
-        return WeightFormat("compressed-tensors wna16", bits=bits,
-                            group_size=int(groups_of) if strategy == "group" and groups_of else -1,
-                            zero_points=not w.get("symmetric", True), g_idx=w.get("actorder") == "group",
-                            skip=skip, skip_patterns=patterns, cite=cite + " compressed_tensors_wNa16.py:73-186")
+        return WeightFormat(
+            "compressed-tensors wna16",
+            bits=bits,
+            group_size=int(groups_of) if strategy == "group" and groups_of else -1,
+            zero_points=not w.get("symmetric", True),
+            g_idx=w.get("actorder") == "group",
+            skip=skip,
+            skip_patterns=patterns,
+            cite=cite + " compressed_tensors_wNa16.py:73-186",
+        )
     return WeightFormat()
 
 
 def _inputs(groups: Any) -> list[Mapping[str, Any]]:
-    return [g["input_activations"] for g in (groups.values() if isinstance(groups, Mapping) else ())
-            if isinstance(g, Mapping) and isinstance(g.get("input_activations"), Mapping)]
+    return [
+        g["input_activations"]
+        for g in (groups.values() if isinstance(groups, Mapping) else ())
+        if isinstance(g, Mapping) and isinstance(g.get("input_activations"), Mapping)
+    ]
 
 
 def _has_inputs(groups: Any) -> bool:
@@ -410,8 +499,9 @@ def gguf_file_type(model: str | None) -> str | None:
         return None
     match = _GGUF_NAME.search(model)
     if match is None:
-        raise ConfigError(f"GGUF file {model[-60:]!r} names no file type kvguard sizes "
-                          f"(known: {', '.join(GGUF_FILE_TYPES)})")
+        raise ConfigError(
+            f"GGUF file {model[-60:]!r} names no file type kvguard sizes (known: {', '.join(GGUF_FILE_TYPES)})"
+        )
     return match.group(1).upper()
 
 
@@ -419,9 +509,12 @@ def gguf_file_type(model: str | None) -> str | None:
 # bitsandbytes: 4-bit, no double quantization (BitsAndBytesConfig's defaults, bitsandbytes.py 0.11.0:86-127);
 # fp8: fp8 weights with one fp32 scale per fused partition once loaded (fp8.py 0.11.0:288-296, the
 # non-serialized path, then process_weights_after_loading); golden-stick / modelslim: vllm-mindspore's W8A8.
-IN_FLIGHT = {"bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
-             "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
-             "golden-stick": {"quant_method": "golden-stick"}, "modelslim": {"quant_method": "modelslim"}}
+IN_FLIGHT = {
+    "bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    "golden-stick": {"quant_method": "golden-stick"},
+    "modelslim": {"quant_method": "modelslim"},
+}
 
 
 def with_quantization_flag(config: Mapping[str, Any], flag: str | None) -> Mapping[str, Any]:

@@ -58,17 +58,38 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from kvguard.budget.estimator import (KVLayout, Profile, positive_int, text_config, estimate, kv_cache_tensor_bytes,
-                                      kv_layout_from_config, reserved_kv_cache_bytes, stock_kv_cache_bytes)
+from kvguard.allocators import native
 from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_steady
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
-from kvguard.allocators import native
-from kvguard.allocators.mindspore_releases import (DEFAULT_LAUNCHER, VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release,
-                                 vmm_on)
-from kvguard.sim.scheduler import Scheduler, Sequence
+from kvguard.allocators.mindspore_releases import (
+    DEFAULT_LAUNCHER,
+    VLLM_MINDSPORE_LAUNCHERS,
+    parse_alloc_conf,
+    release,
+    vmm_on,
+)
 from kvguard.allocators.torch_alloc import parse_alloc_conf as parse_torch_alloc_conf
-from kvguard.sim.workload import (SAMPLING_KINDS, ModelShape, SamplingBatch, forward_chunks, forward_ops, model_shape,
-                                  weight_tensors)
+from kvguard.budget.estimator import (
+    KVLayout,
+    Profile,
+    estimate,
+    kv_cache_tensor_bytes,
+    kv_layout_from_config,
+    positive_int,
+    reserved_kv_cache_bytes,
+    stock_kv_cache_bytes,
+    text_config,
+)
+from kvguard.sim.scheduler import Scheduler, Sequence
+from kvguard.sim.workload import (
+    SAMPLING_KINDS,
+    ModelShape,
+    SamplingBatch,
+    forward_chunks,
+    forward_ops,
+    model_shape,
+    weight_tensors,
+)
 from kvguard.vllm.eras import era_for, kv_tensor_style
 
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
@@ -81,8 +102,15 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-_MINDSPORE_FIELDS = ("vllm_mindspore_version", "mindspore_version", "mindspore_mode", "task_sink", "ms_alloc_conf",
-                     "mempool_block_size_bytes", "soc_supports_vmm")
+_MINDSPORE_FIELDS = (
+    "vllm_mindspore_version",
+    "mindspore_version",
+    "mindspore_mode",
+    "task_sink",
+    "ms_alloc_conf",
+    "mempool_block_size_bytes",
+    "soc_supports_vmm",
+)
 
 
 @dataclass(frozen=True)
@@ -95,11 +123,11 @@ class ScenarioConfig:
     allocator: str = "torch"
     budget: str = "stock"
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None          # None: the model's max_position_embeddings, at most 32768
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 32768
     max_num_seqs: int = 256
     requests: int = 64
     seed: int = 0
-    long_request_fraction: float = 0.25       # share of requests with prompts of max_model_len/2 or more
+    long_request_fraction: float = 0.25  # share of requests with prompts of max_model_len/2 or more
     short_prompt_tokens: tuple[int, int] = (32, 1024)
     short_output_tokens: tuple[int, int] = (16, 256)
     long_output_tokens: tuple[int, int] = (16, 128)
@@ -115,21 +143,21 @@ class ScenarioConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
-    non_allocator_bytes: int | None = None    # None: DEFAULT_NON_ALLOCATOR_BYTES[allocator]
+    non_allocator_bytes: int | None = None  # None: DEFAULT_NON_ALLOCATOR_BYTES[allocator]
     profile_non_allocator_growth_bytes: int = 0  # runtime workspace that appears on the first forward
     # PyTorch caching allocator
     max_split_size_bytes: int | None = None
     expandable_segments: bool = False
-    alloc_conf: str | None = None             # PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF, as the variant parses it
+    alloc_conf: str | None = None  # PYTORCH_CUDA_ALLOC_CONF / PYTORCH_NPU_ALLOC_CONF, as the variant parses it
     # MindSpore pool (sim/mindspore_releases.py). Defaults: what vllm-mindspore's launcher sets
     # (``vllm_mindspore_version``): its pinned MindSpore, its MS_ALLOC_CONF, PyNative with O0 jit.
     vllm_mindspore_version: str = DEFAULT_LAUNCHER
-    mindspore_version: str | None = None      # None: the one the launcher pins
-    mindspore_mode: str = "pynative"          # "pynative" or "graph"
-    task_sink: bool = False                   # from the first forward: jit_level O0/O1 run kernel by kernel, no task sink
-    ms_alloc_conf: str | None = None          # None: the launcher's MS_ALLOC_CONF
-    mempool_block_size_bytes: int | None = None   # MS_MEMPOOL_BLOCK_SIZE / set_memory(increase_size=)
-    soc_supports_vmm: bool = True             # 910B / 910_93 with a VMM driver: VMM on unless MS_ALLOC_CONF says off
+    mindspore_version: str | None = None  # None: the one the launcher pins
+    mindspore_mode: str = "pynative"  # "pynative" or "graph"
+    task_sink: bool = False  # from the first forward: jit_level O0/O1 run kernel by kernel, no task sink
+    ms_alloc_conf: str | None = None  # None: the launcher's MS_ALLOC_CONF
+    mempool_block_size_bytes: int | None = None  # MS_MEMPOOL_BLOCK_SIZE / set_memory(increase_size=)
+    soc_supports_vmm: bool = True  # 910B / 910_93 with a VMM driver: VMM on unless MS_ALLOC_CONF says off
     gather_kv_on_chunked_prefill: bool | None = None  # None: True for mindspore
 
     def __post_init__(self) -> None:
@@ -148,8 +176,10 @@ class ScenarioConfig:
             raise ValueError("long_request_fraction must be in [0, 1]")
         check_sampling_mix(self.sampling_mix)
         if self.vllm_mindspore_version not in VLLM_MINDSPORE_LAUNCHERS:
-            raise ValueError(f"unknown vllm-mindspore launcher {self.vllm_mindspore_version!r} "
-                             f"(known: {', '.join(VLLM_MINDSPORE_LAUNCHERS)})")
+            raise ValueError(
+                f"unknown vllm-mindspore launcher {self.vllm_mindspore_version!r} "
+                f"(known: {', '.join(VLLM_MINDSPORE_LAUNCHERS)})"
+            )
         if self.mindspore_mode not in ("pynative", "graph"):
             raise ValueError(f"mindspore_mode must be 'pynative' or 'graph', got {self.mindspore_mode!r}")
         if self.mempool_block_size_bytes is not None and self.mempool_block_size_bytes <= 0:
@@ -157,16 +187,18 @@ class ScenarioConfig:
         if self.alloc_conf is not None:
             if self.allocator == "mindspore":
                 raise ValueError("alloc_conf is PyTorch's and torch_npu's; MindSpore's pool takes ms_alloc_conf")
-            self.torch_alloc_kwargs       # unknown keys and bad values fail here, in one line
-        self.mindspore_release            # unknown versions and MS_ALLOC_CONF keys fail here, in one line
+            self.torch_alloc_kwargs  # unknown keys and bad values fail here, in one line
+        self.mindspore_release  # unknown versions and MS_ALLOC_CONF keys fail here, in one line
         self.resolved_alloc_conf.vmm_page_bytes
 
     @property
     def torch_alloc_kwargs(self) -> dict[str, Any]:
         """The caching allocator's options: the config's fields, then ``alloc_conf`` (which wins) parsed by
         :func:`~kvguard.allocators.torch_alloc.parse_alloc_conf` as that variant's own parser reads it."""
-        kwargs: dict[str, Any] = {"max_split_size": self.max_split_size_bytes,
-                                  "expandable_segments": self.expandable_segments}
+        kwargs: dict[str, Any] = {
+            "max_split_size": self.max_split_size_bytes,
+            "expandable_segments": self.expandable_segments,
+        }
         if self.alloc_conf:
             kwargs.update(parse_torch_alloc_conf(self.alloc_conf, self.allocator))
         return kwargs
@@ -186,8 +218,12 @@ class ScenarioConfig:
     @property
     def enable_vmm(self) -> bool:
         # jit_level O2 with GE kernels disabled is not a vllm-mindspore setting.
-        return vmm_on(self.ms_alloc_conf, launcher_vmm=era_for(self.vllm_release).vmm_default,
-                      mindspore=self.mindspore_release, soc_supports_vmm=self.soc_supports_vmm)
+        return vmm_on(
+            self.ms_alloc_conf,
+            launcher_vmm=era_for(self.vllm_release).vmm_default,
+            mindspore=self.mindspore_release,
+            soc_supports_vmm=self.soc_supports_vmm,
+        )
 
     @property
     def vllm_release(self) -> str:
@@ -287,15 +323,15 @@ class Request:
     prompt_tokens: int
     output_tokens: int
     is_long: bool
-    sampling: str = "greedy"      # workload.SAMPLING_KINDS
+    sampling: str = "greedy"  # workload.SAMPLING_KINDS
 
 
 @dataclass(frozen=True)
 class StepRecord:
     """One point of the timeline: the step's peaks and its end state, in bytes."""
 
-    step: int                 # serving step index; -1 for startup phases
-    phase: str                # "weights", "profile", "kv_cache", "serving"
+    step: int  # serving step index; -1 for startup phases
+    phase: str  # "weights", "profile", "kv_cache", "serving"
     allocated_bytes: int
     reserved_bytes: int
     peak_allocated_bytes: int
@@ -327,7 +363,7 @@ class ScenarioResult:
     device_peak_used_bytes: int
     timeline: tuple[StepRecord, ...] = field(repr=False, default=())
     kv_layout: KVLayout | None = None
-    engine: str = "python"      # which implementation of the allocator model ran (allocators.native)
+    engine: str = "python"  # which implementation of the allocator model ran (allocators.native)
 
     def to_dict(self) -> dict[str, Any]:
         est = estimate(self.profile, self.kv_layout, self.config.resolved_max_model_len) if self.profile else None
@@ -348,8 +384,11 @@ class ScenarioResult:
             "requests_finished": self.requests_finished,
             "requests": self.config.requests,
             "preemptions": self.preemptions,
-            "device": {"total_bytes": self.device_total_bytes, "free_bytes": self.device_free_bytes,
-                       "peak_used_bytes": self.device_peak_used_bytes},
+            "device": {
+                "total_bytes": self.device_total_bytes,
+                "free_bytes": self.device_free_bytes,
+                "peak_used_bytes": self.device_peak_used_bytes,
+            },
             "memory_stats": _jsonable(self.memory_stats),
             "config": self.config.summary(),
         }
@@ -372,7 +411,7 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
             out_lo, out_hi = config.long_output_tokens
             output = rng.randint(out_lo, out_hi)
             lo = max(1, max_len // 2)
-            prompt = rng.randint(lo, max(lo, max_len - output))    # an empty range was an error before
+            prompt = rng.randint(lo, max(lo, max_len - output))  # an empty range was an error before
         else:
             out_lo, out_hi = config.short_output_tokens
             output = rng.randint(out_lo, out_hi)
@@ -402,10 +441,15 @@ def make_allocator(config: ScenarioConfig, device: Device, *, task_sink: bool = 
     weights: startup() switches to config.task_sink there. An op stream replayed with task sink off from its
     first op (``simulate --ops --no-task-sink``) passes False."""
     if config.allocator == "mindspore":
-        return native.mindspore_pool(device, version=config.mindspore_release,
-                                     graph_mode=config.mindspore_mode == "graph", task_sink=task_sink,
-                                     mempool_block_size=config.mempool_block_size_bytes, enable_vmm=config.enable_vmm,
-                                     vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes)
+        return native.mindspore_pool(
+            device,
+            version=config.mindspore_release,
+            graph_mode=config.mindspore_mode == "graph",
+            task_sink=task_sink,
+            mempool_block_size=config.mempool_block_size_bytes,
+            enable_vmm=config.enable_vmm,
+            vmm_page_bytes=config.resolved_alloc_conf.vmm_page_bytes,
+        )
     return native.caching_allocator(device, variant=config.allocator, **config.torch_alloc_kwargs)
 
 
@@ -430,13 +474,25 @@ class ForwardMemo:
     def scope(self, scenario: "ServingScenario") -> int:
         cfg = scenario.config
         if cfg.allocator == "mindspore":
-            settings: tuple = (cfg.mindspore_release.version, cfg.mindspore_mode, cfg.task_sink,
-                               cfg.mempool_block_size_bytes, cfg.enable_vmm, cfg.resolved_alloc_conf.vmm_page_bytes)
+            settings: tuple = (
+                cfg.mindspore_release.version,
+                cfg.mindspore_mode,
+                cfg.task_sink,
+                cfg.mempool_block_size_bytes,
+                cfg.enable_vmm,
+                cfg.resolved_alloc_conf.vmm_page_bytes,
+            )
         else:
             settings = tuple(sorted(cfg.torch_alloc_kwargs.items()))
         # make_allocator's arguments, with the model's shape (the ops) and the device.
-        key = (scenario.shape, cfg.allocator, settings, cfg.device_memory_bytes, cfg.resolved_non_allocator_bytes,
-               cfg.profile_non_allocator_growth_bytes)
+        key = (
+            scenario.shape,
+            cfg.allocator,
+            settings,
+            cfg.device_memory_bytes,
+            cfg.resolved_non_allocator_bytes,
+            cfg.profile_non_allocator_growth_bytes,
+        )
         return self.scopes.setdefault(key, len(self.scopes))
 
 
@@ -450,14 +506,21 @@ class ServingScenario:
         self.config = config
         # The estimator's layout first: its ConfigErrors are the ones `kvguard budget` gives for the same config.
         self.kv_layout: KVLayout = kv_layout_from_config(
-            config.model_config, block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
-            tensor_parallel_size=config.tensor_parallel_size)
+            config.model_config,
+            block_size=config.block_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
         self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size, self.kv_layout)
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)
-        self._scheduler = Scheduler(self.kv_layout.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                                    (Sequence(r.prompt_tokens, r.output_tokens, r) for r in self.requests))
+        self._scheduler = Scheduler(
+            self.kv_layout.block_size,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            (Sequence(r.prompt_tokens, r.output_tokens, r) for r in self.requests),
+        )
         self._timeline: list[StepRecord] = []
         self._started = False
         self.memo = memo if memo is not None else ForwardMemo()
@@ -500,17 +563,29 @@ class ServingScenario:
 
     def _record(self, phase: str, step: int = -1, **extra: int) -> StepRecord:
         peak_alloc, peak_reserved = self.allocator.take_window_peaks()
-        record = StepRecord(step=step, phase=phase, allocated_bytes=self.allocator.allocated_bytes,
-                            reserved_bytes=self.allocator.reserved_bytes, peak_allocated_bytes=peak_alloc,
-                            peak_reserved_bytes=peak_reserved, device_used_bytes=self.device.used_bytes, **extra)
+        record = StepRecord(
+            step=step,
+            phase=phase,
+            allocated_bytes=self.allocator.allocated_bytes,
+            reserved_bytes=self.allocator.reserved_bytes,
+            peak_allocated_bytes=peak_alloc,
+            peak_reserved_bytes=peak_reserved,
+            device_used_bytes=self.device.used_bytes,
+            **extra,
+        )
         self._timeline.append(record)
         return record
 
     def _record_serving(self, num_tokens: int) -> StepRecord:
         scheduler = self._scheduler
-        return self._record("serving", self.step_index, num_running=len(scheduler.running),
-                            num_waiting=len(scheduler.waiting), num_tokens=num_tokens,
-                            kv_blocks_used=(self.num_blocks or 0) - scheduler.free_blocks)
+        return self._record(
+            "serving",
+            self.step_index,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_tokens=num_tokens,
+            kv_blocks_used=(self.num_blocks or 0) - scheduler.free_blocks,
+        )
 
     def _fail(self, phase: str, exc: AllocatorOutOfMemory) -> None:
         self.oom = True
@@ -547,10 +622,11 @@ class ServingScenario:
         num_tokens = cfg.max_num_batched_tokens
         num_seqs = min(cfg.max_num_seqs, num_tokens)
         if cfg.allocator == "mindspore" and not cfg.task_sink:
-            alloc.jit_o0_compile()      # the profile forward is vllm-mindspore's first jit_level O0 compile
+            alloc.jit_o0_compile()  # the profile forward is vllm-mindspore's first jit_level O0 compile
         try:
-            if cfg.profile_non_allocator_growth_bytes and \
-                    not self.device.grow_non_allocator(cfg.profile_non_allocator_growth_bytes):
+            if cfg.profile_non_allocator_growth_bytes and not self.device.grow_non_allocator(
+                cfg.profile_non_allocator_growth_bytes
+            ):
                 raise AllocatorOutOfMemory(cfg.profile_non_allocator_growth_bytes, "runtime", self.device.free_bytes)
             self._forward(num_tokens, num_seqs, (), profile_sampler=cfg.profile_runs_sampler)
         except AllocatorOutOfMemory as exc:
@@ -569,19 +645,24 @@ class ServingScenario:
             peak_reserved_increase_bytes=after_reserved - before_reserved,
             non_torch_increase_bytes=after_non_torch - init_non_torch,
         )
-        kv_bytes = stock_kv_cache_bytes(self.profile) if cfg.budget == "stock" \
-            else reserved_kv_cache_bytes(self.profile)
+        kv_bytes = (
+            stock_kv_cache_bytes(self.profile) if cfg.budget == "stock" else reserved_kv_cache_bytes(self.profile)
+        )
         self.kv_cache_bytes = kv_bytes
         self.num_blocks = self.kv_layout.num_blocks(kv_bytes)
         if self.num_blocks <= 0:
-            self.error = ("No available memory for the cache blocks. Try increasing "
-                          "`gpu_memory_utilization` when initializing the engine.")
+            self.error = (
+                "No available memory for the cache blocks. Try increasing "
+                "`gpu_memory_utilization` when initializing the engine."
+            )
             return self.profile
         max_blocks_per_request = self.kv_layout.blocks_per_request(cfg.resolved_max_model_len)
         if self.num_blocks < max_blocks_per_request:
-            self.error = (f"the model's max seq len ({cfg.resolved_max_model_len}) is larger than the maximum "
-                          f"number of tokens that can be stored in KV cache "
-                          f"({self.num_blocks * self.kv_layout.block_size})")
+            self.error = (
+                f"the model's max seq len ({cfg.resolved_max_model_len}) is larger than the maximum "
+                f"number of tokens that can be stored in KV cache "
+                f"({self.num_blocks * self.kv_layout.block_size})"
+            )
             return self.profile
         try:
             for size in self.kv_tensor_sizes(self.num_blocks):
@@ -598,21 +679,36 @@ class ServingScenario:
         return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)
 
     # ----------------------------------------------------------------- execution
-    def _ops(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...], profile_sampler: bool = False,
-             sampling: SamplingBatch = SamplingBatch()) -> list:
+    def _ops(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        gathered: tuple[int, ...],
+        profile_sampler: bool = False,
+        sampling: SamplingBatch = SamplingBatch(),
+    ) -> list:
         key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, sampling)
         cache = self.memo.ops
         ops = cache.get(key)
         if ops is None:
-            ops = list(forward_ops(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler,
-                                   sampling=sampling))
+            ops = list(
+                forward_ops(
+                    self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler, sampling=sampling
+                )
+            )
             if len(cache) > 256:
                 cache.clear()
             cache[key] = ops
         return ops
 
-    def _forward(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
-                 profile_sampler: bool = False, sampling: SamplingBatch = SamplingBatch()) -> None:
+    def _forward(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        gathered: tuple[int, ...],
+        profile_sampler: bool = False,
+        sampling: SamplingBatch = SamplingBatch(),
+    ) -> None:
         """One forward pass; a steady one (the allocator left as it was found) is recorded, and replayed
         when the same forward meets the same allocator state again (``base.replay_steady``)."""
         allocator = self.allocator
@@ -636,22 +732,29 @@ class ServingScenario:
                 steady.clear()
             steady[key] = recorded
 
-    def _chunks(self, num_tokens: int, num_seqs: int, gathered: tuple[int, ...],
-                profile_sampler: bool = False, sampling: SamplingBatch = SamplingBatch()) -> tuple[list, list, list]:
+    def _chunks(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        gathered: tuple[int, ...],
+        profile_sampler: bool = False,
+        sampling: SamplingBatch = SamplingBatch(),
+    ) -> tuple[list, list, list]:
         """``workload.forward_chunks``: the ops before the layers, each layer's (a repeated layer is the same
         list), the ops after."""
         key = (self._scope, num_tokens, num_seqs, gathered, profile_sampler, sampling)
         cache = self.memo.chunks
         chunks = cache.get(key)
         if chunks is None:
-            chunks = forward_chunks(self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler,
-                                    sampling=sampling)
+            chunks = forward_chunks(
+                self.shape, num_tokens, num_seqs, gathered, profile_sampler=profile_sampler, sampling=sampling
+            )
             if len(cache) > 256:
                 cache.clear()
             cache[key] = chunks
         return chunks
 
-    MAX_PERIOD = 4    # layers
+    MAX_PERIOD = 4  # layers
 
     def _execute_layers(self, head: list, layers: list[list], tail: list) -> None:
         """``_execute`` of a forward by layers, skipping repeats: once the last ``p`` layers have brought the
@@ -674,7 +777,7 @@ class ServingScenario:
 
         try:
             run(head)
-            history: list[tuple[Any, Any]] = []     # (state after the layer, its record), layer by layer
+            history: list[tuple[Any, Any]] = []  # (state after the layer, its record), layer by layer
             index, count = 0, len(layers)
             while index < count:
                 recorded = record_steady(allocator, lambda: run(layers[index]))
@@ -725,8 +828,7 @@ class ServingScenario:
         num_tokens = sum(tokens for _, tokens in scheduled)
         gathered: tuple[int, ...] = ()
         if self.config.gathers_kv:
-            gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
-                             if seq.in_prefill and seq.computed > 0)
+            gathered = tuple(seq.computed + tokens for seq, tokens in scheduled if seq.in_prefill and seq.computed > 0)
         if num_tokens:
             try:
                 self._forward(num_tokens, len(scheduled), gathered, sampling=sampling_batch(scheduled))
@@ -744,14 +846,26 @@ class ServingScenario:
     def result(self) -> ScenarioResult:
         free, total = self.device.mem_get_info()
         return ScenarioResult(
-            config=self.config, oom=self.oom, oom_at_step=self.oom_at_step, oom_phase=self.oom_phase,
-            oom_request_bytes=self.oom_request_bytes, error=self.error, profile=self.profile,
-            kv_cache_bytes=self.kv_cache_bytes, num_blocks=self.num_blocks, steps=self.step_index,
-            requests_finished=self.requests_finished, preemptions=self._scheduler.preemptions,
+            config=self.config,
+            oom=self.oom,
+            oom_at_step=self.oom_at_step,
+            oom_phase=self.oom_phase,
+            oom_request_bytes=self.oom_request_bytes,
+            error=self.error,
+            profile=self.profile,
+            kv_cache_bytes=self.kv_cache_bytes,
+            num_blocks=self.num_blocks,
+            steps=self.step_index,
+            requests_finished=self.requests_finished,
+            preemptions=self._scheduler.preemptions,
             engine=native.engine(self.allocator),
-            memory_stats=self.allocator.memory_stats(), device_free_bytes=free, device_total_bytes=total,
-            device_peak_used_bytes=self.device.peak_used_bytes, timeline=tuple(self._timeline),
-            kv_layout=self.kv_layout)
+            memory_stats=self.allocator.memory_stats(),
+            device_free_bytes=free,
+            device_total_bytes=total,
+            device_peak_used_bytes=self.device.peak_used_bytes,
+            timeline=tuple(self._timeline),
+            kv_layout=self.kv_layout,
+        )
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
         self.startup()
@@ -777,8 +891,13 @@ class SearchRun:
     kv_cache_bytes: int | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu_memory_utilization": self.gpu_memory_utilization, "seed": self.seed, "oom": self.oom,
-                "error": self.error, "kv_cache_bytes": self.kv_cache_bytes}
+        return {
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "seed": self.seed,
+            "oom": self.oom,
+            "error": self.error,
+            "kv_cache_bytes": self.kv_cache_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -786,20 +905,24 @@ class UtilizationSearch:
     """The highest utilization (0.01 steps) at which every seed serves without an OOM."""
 
     gpu_memory_utilization: float | None
-    kv_cache_memory_bytes: int | None          # the budget at that utilization, as --kv-cache-memory-bytes
-    recommended_gpu_memory_utilization: float | None   # the estimator's, from the profile at the config's value
+    kv_cache_memory_bytes: int | None  # the budget at that utilization, as --kv-cache-memory-bytes
+    recommended_gpu_memory_utilization: float | None  # the estimator's, from the profile at the config's value
     runs: tuple[SearchRun, ...]
-    results: tuple[ScenarioResult, ...] = field(default=(), repr=False, compare=False)   # the runs' own, in order
+    results: tuple[ScenarioResult, ...] = field(default=(), repr=False, compare=False)  # the runs' own, in order
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpu_memory_utilization": self.gpu_memory_utilization,
-                "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-                "recommended_gpu_memory_utilization": self.recommended_gpu_memory_utilization,
-                "num_runs": len(self.runs), "runs": [run.to_dict() for run in self.runs]}
+        return {
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "recommended_gpu_memory_utilization": self.recommended_gpu_memory_utilization,
+            "num_runs": len(self.runs),
+            "runs": [run.to_dict() for run in self.runs],
+        }
 
 
-def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...] = (0,),
-                                  memo: ForwardMemo | None = None) -> UtilizationSearch:
+def search_gpu_memory_utilization(
+    config: ScenarioConfig, seeds: tuple[int, ...] = (0,), memo: ForwardMemo | None = None
+) -> UtilizationSearch:
     """The highest k/100 at which no seed runs out of memory (``ok(k)``), by galloping from a guess, then
     bisection over hundredths.
 
@@ -846,7 +969,7 @@ def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...]
     else:
         guess = recommended if recommended is not None else config.gpu_memory_utilization
         start = min(99, max(1, round(100 * guess)))
-        low, high = 0, 100          # ok(low) (0: nothing served yet), not ok(high)
+        low, high = 0, 100  # ok(low) (0: nothing served yet), not ok(high)
         step = 1
         if ok(start):
             low = start
@@ -872,7 +995,10 @@ def search_gpu_memory_utilization(config: ScenarioConfig, seeds: tuple[int, ...]
             else:
                 high = middle
         found = low or None
-    return UtilizationSearch(gpu_memory_utilization=None if found is None else found / 100,
-                             kv_cache_memory_bytes=None if found is None else kv_at.get(found),
-                             recommended_gpu_memory_utilization=recommended, runs=tuple(runs),
-                             results=tuple(results))
+    return UtilizationSearch(
+        gpu_memory_utilization=None if found is None else found / 100,
+        kv_cache_memory_bytes=None if found is None else kv_at.get(found),
+        recommended_gpu_memory_utilization=recommended,
+        runs=tuple(runs),
+        results=tuple(results),
+    )

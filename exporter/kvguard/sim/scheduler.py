@@ -23,7 +23,7 @@ class Sequence:
     def __init__(self, prompt_tokens: int, output_tokens: int, request: object = None) -> None:
         self.prompt_tokens = prompt_tokens
         self.output_tokens = output_tokens
-        self.request = request     # the caller's own record of the request, if any
+        self.request = request  # the caller's own record of the request, if any
         self.computed = 0
         self.generated = 0
         self.blocks = 0
@@ -40,8 +40,15 @@ class Sequence:
 class Scheduler:
     """The waiting queue, the running batch and the free KV blocks of one rank."""
 
-    def __init__(self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 waiting: Iterable[Sequence] = (), *, reject_unfittable: bool = False) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        waiting: Iterable[Sequence] = (),
+        *,
+        reject_unfittable: bool = False,
+    ) -> None:
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -109,7 +116,7 @@ class Scheduler:
         """Count the step's tokens; the sequences that finished leave the batch with their blocks
         returned, and are returned."""
         for seq, tokens in scheduled:
-            if seq.computed < seq.prompt_tokens:      # in prefill
+            if seq.computed < seq.prompt_tokens:  # in prefill
                 seq.computed += tokens
                 if seq.computed >= seq.prompt_tokens:
                     seq.generated += 1  # the last prefill chunk samples the first token

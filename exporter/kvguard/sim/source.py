@@ -27,12 +27,11 @@ from typing import Any, Callable, Mapping
 
 from kvguard.budget.estimator import ConfigError
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
-from kvguard.records import DeviceMemory
+from kvguard.records import DeviceMemory, KVCacheAllocation
 from kvguard.sources import RankContext, SourceError
-from kvguard.text import one_line
 from kvguard.sources import mindspore as mindspore_source
 from kvguard.sources import torch as torch_source
-from kvguard.records import KVCacheAllocation
+from kvguard.text import one_line
 
 _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
 MAX_RANKS = 64
@@ -46,10 +45,12 @@ def record_from_scenario(scenario: Any, device: str, source: str, *, pool_figure
     free, total = scenario.device_memory()
     if scenario.config.allocator == "mindspore":
         figures = scenario.allocator.pool_figures() if pool_figures else None
-        return mindspore_source.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free,
-                                                         total_bytes=total, figures=figures)
-    return torch_source.device_memory_from_stats(scenario.memory_stats(), device, source, free_bytes=free,
-                                                 total_bytes=total)
+        return mindspore_source.device_memory_from_stats(
+            scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total, figures=figures
+        )
+    return torch_source.device_memory_from_stats(
+        scenario.memory_stats(), device, source, free_bytes=free, total_bytes=total
+    )
 
 
 def sim_identity(prefix: str, rank: int) -> tuple[str, str]:
@@ -83,11 +84,20 @@ class SimSource:
 
     name = "sim"
 
-    def __init__(self, ranks: int = 1, steps_per_sample: int = 1, seed: int = 0,
-                 model_config: Mapping[str, Any] | str | None = None, traffic: Any = None,
-                 on_scenario: Callable[[Any], None] | None = None, **scenario: Any):
-        for what, value, low, high in (("ranks", ranks, 1, MAX_RANKS),
-                                       ("steps per sample", steps_per_sample, 1, 10**6)):
+    def __init__(
+        self,
+        ranks: int = 1,
+        steps_per_sample: int = 1,
+        seed: int = 0,
+        model_config: Mapping[str, Any] | str | None = None,
+        traffic: Any = None,
+        on_scenario: Callable[[Any], None] | None = None,
+        **scenario: Any,
+    ):
+        for what, value, low, high in (
+            ("ranks", ranks, 1, MAX_RANKS),
+            ("steps per sample", steps_per_sample, 1, 10**6),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise SourceError(f"sim {what} must be an integer from {low} to {high}, got {value!r}")
         # Imported here: the simulator is only loaded when a sim source is built.
@@ -145,7 +155,7 @@ class SimSource:
             self.restarts += 1
             scenario = self._scenarios[rank] = self._new(rank)
             self._shown_final[rank] = False
-        for _ in range(self._steps):    # the first step() runs startup()
+        for _ in range(self._steps):  # the first step() runs startup()
             if scenario.finished:
                 break
             scenario.step()
@@ -159,8 +169,10 @@ class SimSource:
             for rank, scenario in enumerate(self._scenarios):
                 kv_cache = None
                 if scenario.num_blocks:
-                    kv_cache = KVCacheAllocation(num_blocks=scenario.num_blocks,
-                                                 block_bytes=scenario.kv_layout.block_bytes,
-                                                 block_size=scenario.kv_layout.block_size)
+                    kv_cache = KVCacheAllocation(
+                        num_blocks=scenario.num_blocks,
+                        block_bytes=scenario.kv_layout.block_bytes,
+                        block_size=scenario.kv_layout.block_size,
+                    )
                 contexts[self.device(rank)] = RankContext(rank=rank, profile=scenario.profile, kv_cache=kv_cache)
             return contexts

@@ -33,8 +33,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvguard.budget.estimator import Profile
 from kvguard.allocators.base import AllocatorOutOfMemory
+from kvguard.budget.estimator import Profile
 from kvguard.sim.scenario import Request, ScenarioConfig, ServingScenario, sampling_batch
 from kvguard.sim.scheduler import Scheduler, Sequence
 
@@ -43,10 +43,10 @@ from kvguard.sim.scheduler import Scheduler, Sequence
 class Traffic:
     """The request stream one rank serves."""
 
-    arrival_rate: float = 0.5          # requests per scheduler step (Poisson)
-    prompt_median_tokens: int = 1024   # log-normal prompt lengths
+    arrival_rate: float = 0.5  # requests per scheduler step (Poisson)
+    prompt_median_tokens: int = 1024  # log-normal prompt lengths
     prompt_sigma: float = 1.0
-    output_mean_tokens: int = 128      # geometric output lengths
+    output_mean_tokens: int = 128  # geometric output lengths
     # Device memory each finished request leaves allocated and never freed (a per-request
     # state a cache keeps referenced): 0 for a healthy server; the demo's tripping rank leaks.
     leak_bytes_per_request: int = 0
@@ -72,7 +72,7 @@ class LiveServing:
     and ``requests_finished``.
     """
 
-    MAX_QUEUE = 4096   # waiting requests kept; later arrivals are refused (counted), so memory stays bounded
+    MAX_QUEUE = 4096  # waiting requests kept; later arrivals are refused (counted), so memory stays bounded
 
     def __init__(self, config: ScenarioConfig, traffic: Traffic | None = None) -> None:
         self.config = config
@@ -81,20 +81,21 @@ class LiveServing:
         self._scenario = ServingScenario(replace(config, requests=1))
         self.kv_layout = self._scenario.kv_layout
         self._rng = random.Random(config.seed)
-        self._sampling_rng = random.Random(f"sampling-{config.seed}")    # as make_requests draws the kinds
+        self._sampling_rng = random.Random(f"sampling-{config.seed}")  # as make_requests draws the kinds
         self._max_len = config.resolved_max_model_len
         self._clock = 0.0
         self._next_arrival = self._rng.expovariate(self.traffic.arrival_rate)
-        self._scheduler = Scheduler(self.kv_layout.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                                    reject_unfittable=True)
-        self._pending: list | None = None      # the in-flight forward: (ops, next index, live addresses)
+        self._scheduler = Scheduler(
+            self.kv_layout.block_size, config.max_num_batched_tokens, config.max_num_seqs, reject_unfittable=True
+        )
+        self._pending: list | None = None  # the in-flight forward: (ops, next index, live addresses)
         self._started = False
-        self.arrivals: list[int] = []          # the step of each arrival, in order (the first 1024)
-        self._queue_full = 0                   # arrivals refused because the waiting queue was full
+        self.arrivals: list[int] = []  # the step of each arrival, in order (the first 1024)
+        self._queue_full = 0  # arrivals refused because the waiting queue was full
         self.leaked_bytes = 0
         self.requests_finished = 0
         self.step_index = 0
-        self.num_tokens = 0                    # tokens scheduled in the last step
+        self.num_tokens = 0  # tokens scheduled in the last step
         self._oom = False
         self.oom_at_step: int | None = None
         self.oom_request_bytes: int | None = None
@@ -176,10 +177,17 @@ class LiveServing:
             scheduled = self._scheduler.schedule()
             num_tokens = self.num_tokens = sum(tokens for _, tokens in scheduled)
             if scheduled:
-                gathered = tuple(seq.computed + tokens for seq, tokens in scheduled
-                                 if self.config.gathers_kv and seq.in_prefill and seq.computed > 0)
-                ops = self._scenario._ops(num_tokens, len(scheduled), gathered,   # noqa: SLF001 - its cache
-                                          sampling=sampling_batch(scheduled))
+                gathered = tuple(
+                    seq.computed + tokens
+                    for seq, tokens in scheduled
+                    if self.config.gathers_kv and seq.in_prefill and seq.computed > 0
+                )
+                ops = self._scenario._ops(
+                    num_tokens,
+                    len(scheduled),
+                    gathered,  # noqa: SLF001 - its cache
+                    sampling=sampling_batch(scheduled),
+                )
                 self._pending = [ops, 0, {}]
                 self._run_pending(self._rng.randrange(len(ops)))
             self._advance(scheduled)
@@ -205,8 +213,9 @@ class LiveServing:
                 continue
             if len(self.arrivals) < 1024:
                 self.arrivals.append(self.step_index)
-            kind = self._sampling_rng.choices([k for k, _ in self.config.sampling_mix],
-                                              [float(share) for _, share in self.config.sampling_mix])[0]
+            kind = self._sampling_rng.choices(
+                [k for k, _ in self.config.sampling_mix], [float(share) for _, share in self.config.sampling_mix]
+            )[0]
             self._scheduler.waiting.append(Sequence(prompt, output, Request(0, prompt, output, False, kind)))
 
     def _advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
@@ -214,7 +223,7 @@ class LiveServing:
         for _ in self._scheduler.advance(scheduled):
             self.requests_finished += 1
             if leak:
-                self._scenario.allocator.malloc(leak)    # kept: never freed
+                self._scenario.allocator.malloc(leak)  # kept: never freed
                 self.leaked_bytes += leak
 
     # ------------------------------------------------------------------ the forward in flight

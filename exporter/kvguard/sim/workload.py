@@ -30,7 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
-from kvguard.budget.estimator import ConfigError, KVLayout, positive_int, text_config, kv_layout_from_config, model_dtype_bytes
+from kvguard.budget.estimator import (
+    ConfigError,
+    KVLayout,
+    kv_layout_from_config,
+    model_dtype_bytes,
+    positive_int,
+    text_config,
+)
 from kvguard.sim.quantization import Linear, WeightFormat, weight_format
 
 Op = tuple[Any, "int | None"]
@@ -48,10 +55,10 @@ class SamplingBatch:
     0.11.0:356-371) and hands the sampler ``all_greedy`` (no random request), ``all_random`` (no greedy one),
     and ``top_k`` / ``top_p`` tensors or None when no request sets one (:755-758, 832-845)."""
 
-    greedy: bool = True       # some request is greedy: the argmax runs (not all_random)
-    random: bool = False      # some request samples: the random path runs (not all_greedy)
-    top_k: bool = False       # some request sets top-k
-    top_p: bool = False       # some request sets top-p
+    greedy: bool = True  # some request is greedy: the argmax runs (not all_random)
+    random: bool = False  # some request samples: the random path runs (not all_greedy)
+    top_k: bool = False  # some request sets top-k
+    top_p: bool = False  # some request sets top-p
 
     @classmethod
     def of(cls, kinds: Iterable[str]) -> "SamplingBatch":
@@ -59,10 +66,15 @@ class SamplingBatch:
         seen = set(kinds)
         unknown = seen - set(SAMPLING_KINDS)
         if unknown:
-            raise ValueError(f"unknown sampling kind(s) {', '.join(sorted(unknown))} "
-                             f"(known: {', '.join(SAMPLING_KINDS)})")
-        return cls(greedy="greedy" in seen, random=bool(seen - {"greedy"}),
-                   top_k=bool(seen & {"top_k", "top_k_top_p"}), top_p=bool(seen & {"top_p", "top_k_top_p"}))
+            raise ValueError(
+                f"unknown sampling kind(s) {', '.join(sorted(unknown))} (known: {', '.join(SAMPLING_KINDS)})"
+            )
+        return cls(
+            greedy="greedy" in seen,
+            random=bool(seen - {"greedy"}),
+            top_k=bool(seen & {"top_k", "top_k_top_p"}),
+            top_p=bool(seen & {"top_p", "top_k_top_p"}),
+        )
 
 
 # _dummy_sampler_run's metadata: all_greedy and all_random False, top-p 0.9 and top-k vocab - 1 for every
@@ -74,15 +86,15 @@ PROFILE_SAMPLING = SamplingBatch(greedy=True, random=True, top_k=True, top_p=Tru
 class ModelShape:
     """Per-rank dimensions of a decoder-only model."""
 
-    num_layers: int           # on this rank (the KV layout's: one pipeline stage)
+    num_layers: int  # on this rank (the KV layout's: one pipeline stage)
     hidden_size: int
-    num_heads: int            # per rank
-    num_kv_heads: int         # per rank, the KV layout's (1 for MLA, whose paths do not use it)
-    head_dim: int             # the KV layout's head size (for MLA the latent, unused by its paths)
-    intermediate_size: int    # per rank
+    num_heads: int  # per rank
+    num_kv_heads: int  # per rank, the KV layout's (1 for MLA, whose paths do not use it)
+    head_dim: int  # the KV layout's head size (for MLA the latent, unused by its paths)
+    intermediate_size: int  # per rank
     vocab_size: int
     dtype_bytes: int
-    weight_bytes_per_element: int   # 1 for 8-bit linear weights (int8, fp8), else the model dtype's
+    weight_bytes_per_element: int  # 1 for 8-bit linear weights (int8, fp8), else the model dtype's
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     tensor_parallel_size: int = 1
@@ -95,8 +107,8 @@ class ModelShape:
     # MoE
     num_experts: int = 0
     experts_per_token: int = 0
-    moe_intermediate_size: int = 0      # per rank
-    shared_intermediate_size: int = 0   # per rank, all shared experts together
+    moe_intermediate_size: int = 0  # per rank
+    shared_intermediate_size: int = 0  # per rank, all shared experts together
     first_dense_layers: int = 0
     weight_format: WeightFormat = WeightFormat()
 
@@ -118,8 +130,12 @@ def _int(text: Mapping[str, Any], *names: str, default: int | None = None, minim
     return default
 
 
-def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
-                layout: KVLayout | None = None, gguf_file_type: str | None = None) -> ModelShape:
+def model_shape(
+    config: Mapping[str, Any],
+    tensor_parallel_size: int = 1,
+    layout: KVLayout | None = None,
+    gguf_file_type: str | None = None,
+) -> ModelShape:
     """The per-rank shape of a model from its ``config.json`` (already parsed).
 
     Layers, KV heads and head size are the estimator's :class:`KVLayout` for the same config and
@@ -142,8 +158,9 @@ def model_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1,
     weights = weight_format(config, gguf_file_type)
     weight_bytes = 1 if weights.quantized and weights.bits == 8 and weights.method != "gguf" else dtype_bytes
     n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0, minimum=0)
-    moe_inter = _int(text, "moe_intermediate_size", default=_int(text, "intermediate_size", default=0)) \
-        if n_experts else 0
+    moe_inter = (
+        _int(text, "moe_intermediate_size", default=_int(text, "intermediate_size", default=0)) if n_experts else 0
+    )
     shared = _int(text, "n_shared_experts", default=0, minimum=0)
     return ModelShape(
         num_layers=layout.num_layers,
@@ -191,12 +208,22 @@ def weight_tensors(shape: ModelShape) -> list[int]:
     tp = s.tensor_parallel_size
     vocab_shard = _vocab_shard(s)
 
-    def linear(name: str, k: int, n: int, layer: int = -1, partitions: int = 1, row: bool = False,
-               count: int = 1) -> int:
+    def linear(
+        name: str, k: int, n: int, layer: int = -1, partitions: int = 1, row: bool = False, count: int = 1
+    ) -> int:
         # Row-parallel layers split their input over the ranks (RowParallelLinear), column-parallel and
         # replicated ones keep it whole (vllm/model_executor/layers/linear.py 0.11.0).
-        module = Linear(name, k, n, partitions, k * tp if row else k, row and tp > 1, layer, s.num_layers,
-                        max(1, s.num_heads // max(1, s.num_kv_heads)))
+        module = Linear(
+            name,
+            k,
+            n,
+            partitions,
+            k * tp if row else k,
+            row and tp > 1,
+            layer,
+            s.num_layers,
+            max(1, s.num_heads // max(1, s.num_kv_heads)),
+        )
         return count * fmt.linear_bytes(module, d)
 
     # GGUF quantizes the embedding too (gguf.py 0.11.0:60-70), a tied one as llama.cpp quantizes the output.
@@ -208,21 +235,29 @@ def weight_tensors(shape: ModelShape) -> list[int]:
         if s.is_mla:
             qk = s.qk_nope_head_dim + s.qk_rope_head_dim
             if s.q_lora_rank:
-                tensors += [linear(p + "self_attn.q_a_proj", h, s.q_lora_rank, layer), s.q_lora_rank * d,
-                            linear(p + "self_attn.q_b_proj", s.q_lora_rank, s.num_heads * qk, layer)]
+                tensors += [
+                    linear(p + "self_attn.q_a_proj", h, s.q_lora_rank, layer),
+                    s.q_lora_rank * d,
+                    linear(p + "self_attn.q_b_proj", s.q_lora_rank, s.num_heads * qk, layer),
+                ]
             else:
                 tensors.append(linear(p + "self_attn.q_proj", h, s.num_heads * qk, layer))
-            tensors += [linear(p + "self_attn.kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, layer),
-                        s.kv_lora_rank * d,
-                        linear(p + "self_attn.kv_b_proj", s.kv_lora_rank,
-                               s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), layer),
-                        linear(p + "self_attn.o_proj", s.num_heads * s.v_head_dim, h, layer, row=True)]
+            tensors += [
+                linear(p + "self_attn.kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, layer),
+                s.kv_lora_rank * d,
+                linear(
+                    p + "self_attn.kv_b_proj", s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), layer
+                ),
+                linear(p + "self_attn.o_proj", s.num_heads * s.v_head_dim, h, layer, row=True),
+            ]
         else:
             qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
             if fmt.method == "gguf":  # GGUF keeps q, k and v apart, each its own ggml type
-                tensors.append(linear(p + "self_attn.q_proj", h, s.num_heads * s.head_dim, layer)
-                               + linear(p + "self_attn.k_proj", h, s.num_kv_heads * s.head_dim, layer)
-                               + linear(p + "self_attn.v_proj", h, s.num_kv_heads * s.head_dim, layer))
+                tensors.append(
+                    linear(p + "self_attn.q_proj", h, s.num_heads * s.head_dim, layer)
+                    + linear(p + "self_attn.k_proj", h, s.num_kv_heads * s.head_dim, layer)
+                    + linear(p + "self_attn.v_proj", h, s.num_kv_heads * s.head_dim, layer)
+                )
             else:
                 tensors.append(linear(p + "self_attn.qkv_proj", h, qkv_out, layer, partitions=3))
             if s.qkv_bias:
@@ -231,41 +266,67 @@ def weight_tensors(shape: ModelShape) -> list[int]:
         tensors.append(h * d)  # post_attention_layernorm
         if s.is_moe_layer(layer):
             tensors.append(s.num_experts * h * d)  # router (a ReplicatedLinear without quant_config)
-            tensors.append(linear(p + "mlp.experts.gate_up_proj", h, 2 * s.moe_intermediate_size, layer,
-                                  partitions=2, count=s.num_experts))
-            tensors.append(linear(p + "mlp.experts.down_proj", s.moe_intermediate_size, h, layer, row=True,
-                                  count=s.num_experts))
+            tensors.append(
+                linear(
+                    p + "mlp.experts.gate_up_proj",
+                    h,
+                    2 * s.moe_intermediate_size,
+                    layer,
+                    partitions=2,
+                    count=s.num_experts,
+                )
+            )
+            tensors.append(
+                linear(p + "mlp.experts.down_proj", s.moe_intermediate_size, h, layer, row=True, count=s.num_experts)
+            )
             if s.shared_intermediate_size:
-                tensors += [linear(p + "mlp.shared_experts.gate_up_proj", h, 2 * s.shared_intermediate_size, layer,
-                                   partitions=2),
-                            linear(p + "mlp.shared_experts.down_proj", s.shared_intermediate_size, h, layer,
-                                   row=True)]
+                tensors += [
+                    linear(
+                        p + "mlp.shared_experts.gate_up_proj", h, 2 * s.shared_intermediate_size, layer, partitions=2
+                    ),
+                    linear(p + "mlp.shared_experts.down_proj", s.shared_intermediate_size, h, layer, row=True),
+                ]
         else:
-            tensors += [linear(p + "mlp.gate_up_proj", h, 2 * s.intermediate_size, layer, partitions=2),
-                        linear(p + "mlp.down_proj", s.intermediate_size, h, layer, row=True)]
+            tensors += [
+                linear(p + "mlp.gate_up_proj", h, 2 * s.intermediate_size, layer, partitions=2),
+                linear(p + "mlp.down_proj", s.intermediate_size, h, layer, row=True),
+            ]
     tensors.append(h * d)  # final norm
     if not s.tie_word_embeddings:
         tensors.append(linear("lm_head", h, vocab_shard))
     return tensors
 
 
-def forward_ops(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
-                sample: bool = True, profile_sampler: bool = False,
-                sampling: SamplingBatch = SamplingBatch()) -> Iterator[Op]:
+def forward_ops(
+    shape: ModelShape,
+    num_tokens: int,
+    num_seqs: int,
+    gathered_kv_lens: tuple[int, ...] = (),
+    sample: bool = True,
+    profile_sampler: bool = False,
+    sampling: SamplingBatch = SamplingBatch(),
+) -> Iterator[Op]:
     """Allocations and frees of one forward pass (and sampling) over ``num_tokens`` tokens: the sampler as
     it runs for a batch of ``sampling`` (default: all greedy); with ``profile_sampler``, vLLM V1's profile
     run's (:func:`profile_sampler_ops`)."""
-    head, layers, tail = forward_chunks(shape, num_tokens, num_seqs, gathered_kv_lens, sample, profile_sampler,
-                                        sampling)
+    head, layers, tail = forward_chunks(
+        shape, num_tokens, num_seqs, gathered_kv_lens, sample, profile_sampler, sampling
+    )
     yield from head
     for layer in layers:
         yield from layer
     yield from tail
 
 
-def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_kv_lens: tuple[int, ...] = (),
-                   sample: bool = True, profile_sampler: bool = False,
-                   sampling: SamplingBatch = SamplingBatch()) -> tuple[list[Op], list[list[Op]], list[Op]]:
+def forward_chunks(
+    shape: ModelShape,
+    num_tokens: int,
+    num_seqs: int,
+    gathered_kv_lens: tuple[int, ...] = (),
+    sample: bool = True,
+    profile_sampler: bool = False,
+    sampling: SamplingBatch = SamplingBatch(),
+) -> tuple[list[Op], list[list[Op]], list[Op]]:
     """``forward_ops`` in three parts: the ops before the first decoder layer, each layer's ops, and the
     ops after the last one. Layers with the same ops are the same list (the simulator skips repeats by it)."""
     s = shape
@@ -288,15 +349,25 @@ def forward_chunks(shape: ModelShape, num_tokens: int, num_seqs: int, gathered_k
         # profile_run holds the model's output (the final norm's) and the last tokens' hidden states
         # (hidden_states[logit_indices], a copy) across the sampler run, and deletes them after it
         # (vllm/v1/worker/gpu_model_runner.py 0.11.0:3180, 3387-3402).
-        tail += [("last_hidden", num_seqs * s.hidden_size * d), *profile_sampler_ops(s, num_seqs),
-                 ("last_hidden", None), ("norm", None)]
+        tail += [
+            ("last_hidden", num_seqs * s.hidden_size * d),
+            *profile_sampler_ops(s, num_seqs),
+            ("last_hidden", None),
+            ("norm", None),
+        ]
     elif sample:
         # execute_model: hidden_states[logits_indices] (a copy), compute_logits, then the sampler; the model's
         # output, the copy and the logits are its locals until it returns (vllm/v1/worker/gpu_model_runner.py
         # 0.11.0:2330-2331, 2366); the sampled ids are read back (.tolist(), 2144) and dropped with them.
-        tail += [("last_hidden", num_seqs * s.hidden_size * d), *_logits_ops(s, num_seqs),
-                 *sampler_ops(s, num_seqs, sampling), ("logits", None), ("last_hidden", None), ("norm", None),
-                 ("sampled", None)]
+        tail += [
+            ("last_hidden", num_seqs * s.hidden_size * d),
+            *_logits_ops(s, num_seqs),
+            *sampler_ops(s, num_seqs, sampling),
+            ("logits", None),
+            ("last_hidden", None),
+            ("norm", None),
+            ("sampled", None),
+        ]
     else:
         tail.append(("norm", None))
     tail += [("input_ids", None), ("positions", None), ("slot_mapping", None)]
@@ -313,10 +384,14 @@ def profile_sampler_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
     The sort of fp32 logits with int64 indices, and the gathered logits, scale with sequences x vocabulary on
     every tensor-parallel rank: only the LM head's output is a shard."""
     n = num_seqs
-    return [("rand_hidden", n * shape.hidden_size * shape.dtype_bytes),   # torch.rand_like (gpu_model_runner.py 0.11.0:3189)
-            *_logits_ops(shape, n), *sampler_ops(shape, n, PROFILE_SAMPLING),
-            ("logits", None), ("rand_hidden", None),               # _dummy_sampler_run returns
-            ("sampled", None)]           # del output (gpu_model_runner.py 0.11.0:3401)
+    return [
+        ("rand_hidden", n * shape.hidden_size * shape.dtype_bytes),  # torch.rand_like (gpu_model_runner.py 0.11.0:3189)
+        *_logits_ops(shape, n),
+        *sampler_ops(shape, n, PROFILE_SAMPLING),
+        ("logits", None),
+        ("rand_hidden", None),  # _dummy_sampler_run returns
+        ("sampled", None),
+    ]  # del output (gpu_model_runner.py 0.11.0:3401)
 
 
 def _logits_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
@@ -333,8 +408,13 @@ def _logits_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
     # into a [tp x n, shard] buffer, then movedim + reshape to [n, tp x shard], a copy
     # (distributed/device_communicators/base_device_communicator.py 0.11.0:137-153).
     full = n * vocab_shard * s.tensor_parallel_size * d
-    return [("logits_shard", n * vocab_shard * d), ("gathered", full), ("logits", full),
-            ("gathered", None), ("logits_shard", None)]
+    return [
+        ("logits_shard", n * vocab_shard * d),
+        ("gathered", full),
+        ("logits", full),
+        ("gathered", None),
+        ("logits_shard", None),
+    ]
 
 
 def sampler_ops(shape: ModelShape, num_seqs: int, batch: SamplingBatch) -> list[Op]:
@@ -347,13 +427,16 @@ def sampler_ops(shape: ModelShape, num_seqs: int, batch: SamplingBatch) -> list[
     The fp32 logits, the sort of them with int64 indices and the masks scale with sequences x vocabulary on
     every tensor-parallel rank: only the LM head's output is a shard."""
     n = num_seqs
-    nv = n * shape.vocab_size   # after the gather, the padding is sliced off (logits_processor.py 0.11.0:97-99)
-    ops: list[Op] = [("logits_fp32", nv * 4)]     # Sampler.forward: logits.to(torch.float32) (sampler.py 0.11.0:86)
+    nv = n * shape.vocab_size  # after the gather, the padding is sliced off (logits_processor.py 0.11.0:97-99)
+    ops: list[Op] = [("logits_fp32", nv * 4)]  # Sampler.forward: logits.to(torch.float32) (sampler.py 0.11.0:86)
     if batch.greedy:
-        ops.append(("greedy", n * 8))             # greedy_sample's argmax, int64 (sampler.py 0.11.0:139-140, 158)
-    if not batch.random:                          # all_greedy: the argmax is the answer (sampler.py 0.11.0:159-166)
-        return ops + [("sampled", n * 4),         # sampled.to(torch.int32) (sampler.py 0.11.0:115)
-                      ("greedy", None), ("logits_fp32", None)]   # Sampler.forward returns
+        ops.append(("greedy", n * 8))  # greedy_sample's argmax, int64 (sampler.py 0.11.0:139-140, 158)
+    if not batch.random:  # all_greedy: the argmax is the answer (sampler.py 0.11.0:159-166)
+        return ops + [
+            ("sampled", n * 4),  # sampled.to(torch.int32) (sampler.py 0.11.0:115)
+            ("greedy", None),
+            ("logits_fp32", None),
+        ]  # Sampler.forward returns
     # apply_temperature divides in place (sampler.py 0.11.0:137); then apply_top_k_top_p
     # (topk_topp_sampler.py 0.11.0:164-204) returns the logits untouched without top-k or top-p (176-178).
     filtered = "logits_fp32"
@@ -361,30 +444,40 @@ def sampler_ops(shape: ModelShape, num_seqs: int, batch: SamplingBatch) -> list[
         # The sort -> fp32 values + int64 indices (183),
         ops += [("logits_sort", nv * 4), ("logits_idx", nv * 8)]
         if batch.top_k:
-            ops.append(("top_k_mask", nv))        # logits_sort < top_k_mask, bool (190)
-        ops += [("probs_sort", nv * 4),           # softmax (195); the top-p cumsum writes into it (out=probs_sort, 196)
-                ("top_p_mask", nv),               # probs_sum <= 1 - p, bool (197)
-                ("top_k_top_p", nv * 4)]          # logits_sort.scatter(...), a new tensor (203)
-        ops += [(key, None) for key in ("logits_sort", "logits_idx", "top_k_mask", "probs_sort", "top_p_mask")
-                if key != "top_k_mask" or batch.top_k]    # the function's locals, freed at its return
+            ops.append(("top_k_mask", nv))  # logits_sort < top_k_mask, bool (190)
+        ops += [
+            ("probs_sort", nv * 4),  # softmax (195); the top-p cumsum writes into it (out=probs_sort, 196)
+            ("top_p_mask", nv),  # probs_sum <= 1 - p, bool (197)
+            ("top_k_top_p", nv * 4),
+        ]  # logits_sort.scatter(...), a new tensor (203)
+        ops += [
+            (key, None)
+            for key in ("logits_sort", "logits_idx", "top_k_mask", "probs_sort", "top_p_mask")
+            if key != "top_k_mask" or batch.top_k
+        ]  # the function's locals, freed at its return
         filtered = "top_k_top_p"
     elif batch.top_k:
         # apply_top_k_only, no sort (180-181, 207-229): logits < top_k_mask, a bool mask, then masked_fill_ in place.
         ops += [("top_k_mask", nv), ("top_k_mask", None)]
     ops += [
-        ("probs", nv * 4),           # forward_native: softmax in fp32 (topk_topp_sampler.py 0.11.0:96)
-        ("q", nv * 4),               # random_sample: torch.empty_like(probs) (241)
-        ("random", n * 8),           # probs.div_(q).argmax(...) (253)
-        ("q", None), ("probs", None)]
+        ("probs", nv * 4),  # forward_native: softmax in fp32 (topk_topp_sampler.py 0.11.0:96)
+        ("q", nv * 4),  # random_sample: torch.empty_like(probs) (241)
+        ("random", n * 8),  # probs.div_(q).argmax(...) (253)
+        ("q", None),
+        ("probs", None),
+    ]
     if filtered != "logits_fp32":
-        ops.append((filtered, None))    # forward_native returns
+        ops.append((filtered, None))  # forward_native returns
     if batch.greedy:
-        ops.append(("random", None))    # torch.where(..., out=greedy_sampled) (sampler.py 0.11.0:190-195)
+        ops.append(("random", None))  # torch.where(..., out=greedy_sampled) (sampler.py 0.11.0:190-195)
         kept = "greedy"
     else:
-        kept = "random"                 # all_random: the random ids are the answer (sampler.py 0.11.0:187-188)
-    return ops + [("sampled", n * 4),   # sampled.to(torch.int32) (sampler.py 0.11.0:115)
-                  (kept, None), ("logits_fp32", None)]   # Sampler.forward returns
+        kept = "random"  # all_random: the random ids are the answer (sampler.py 0.11.0:187-188)
+    return ops + [
+        ("sampled", n * 4),  # sampled.to(torch.int32) (sampler.py 0.11.0:115)
+        (kept, None),
+        ("logits_fp32", None),
+    ]  # Sampler.forward returns
 
 
 def _layer_ops(s: ModelShape, t: int, gathered_kv_lens: tuple[int, ...], moe: bool, residual: str) -> Iterator[Op]:
@@ -398,8 +491,7 @@ def _layer_ops(s: ModelShape, t: int, gathered_kv_lens: tuple[int, ...], moe: bo
         yield ("kv_a", t * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
         yield ("x", None)
         yield ("kv_b", t * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim) * d)
-        gathered = [(f"kv{i}", n * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
-                    for i, n in enumerate(gathered_kv_lens)]
+        gathered = [(f"kv{i}", n * (s.kv_lora_rank + s.qk_rope_head_dim) * d) for i, n in enumerate(gathered_kv_lens)]
         yield from gathered
         yield ("attn", t * s.num_heads * s.v_head_dim * d)
         for key, _ in gathered:

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from kvguard.budget.estimator import Profile
-from kvguard.records import DeviceMemory
-from kvguard.records import KVCacheAllocation
+from kvguard.records import DeviceMemory, KVCacheAllocation
 from kvguard.text import one_line
 
 
@@ -145,8 +144,9 @@ def complete_records(source: Any, records: list[DeviceMemory]) -> list[DeviceMem
         return records
     done = complete(records)
     if not isinstance(done, list) or not all(isinstance(r, DeviceMemory) for r in done):
-        raise SourceError(f"{getattr(source, 'name', 'source')}.complete() returned {type(done).__name__}, "
-                          "not a list of DeviceMemory")
+        raise SourceError(
+            f"{getattr(source, 'name', 'source')}.complete() returned {type(done).__name__}, not a list of DeviceMemory"
+        )
     return done
 
 
@@ -198,5 +198,3 @@ def free_total_used(free: Any, total: Any, used: Any = None) -> dict[str, int | 
     if used_bytes is None and free_bytes is not None and total_bytes is not None and total_bytes >= free_bytes:
         used_bytes = total_bytes - free_bytes
     return {"free_bytes": free_bytes, "total_bytes": total_bytes, "used_bytes": used_bytes}
-
-

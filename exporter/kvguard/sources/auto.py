@@ -16,8 +16,15 @@ import sys
 import threading
 
 from kvguard.records import DeviceMemory
-from kvguard.sources import (Source, SourceError, SourceUnavailable, close_source, complete_records,
-                             engine_thread_only, source_skips)
+from kvguard.sources import (
+    Source,
+    SourceError,
+    SourceUnavailable,
+    close_source,
+    complete_records,
+    engine_thread_only,
+    source_skips,
+)
 from kvguard.sources.host import HostSource
 from kvguard.sources.mindspore import MindSporeSource
 from kvguard.sources.npu_smi import NpuSmiSource
@@ -94,8 +101,11 @@ class AutoSource:
             return framework.sample()
         with self._lock:
             first = self._device_sources is None
-            candidates = [NvmlSource(mig=self._nvml_mig), NpuSmiSource(timeout=self._npu_smi_timeout), HostSource()] if first \
+            candidates = (
+                [NvmlSource(mig=self._nvml_mig), NpuSmiSource(timeout=self._npu_smi_timeout), HostSource()]
+                if first
                 else list(self._device_sources or [])
+            )
             records: list[DeviceMemory] = []
             errors: list[SourceError] = []
             present: list[Source] = []
@@ -103,12 +113,12 @@ class AutoSource:
                 try:
                     records.extend(source.sample())
                 except SourceUnavailable as exc:
-                    if first:     # absent here: never asked again
+                    if first:  # absent here: never asked again
                         close_source(source)
                         continue
                     errors.append(exc)
                 except SourceError as exc:
-                    errors.append(exc)   # present but failing now: keep it, its errors are worth seeing
+                    errors.append(exc)  # present but failing now: keep it, its errors are worth seeing
                 present.append(source)
             if first:
                 self._device_sources = present
@@ -123,8 +133,9 @@ class AutoSource:
                 if kind == "mindspore":
                     self._framework = MindSporeSource(sys.modules["mindspore"])
                 elif kind == "torch":
-                    self._framework = TorchSource(initialize=False, torch_module=sys.modules["torch"],
-                                                  device=self._device)
+                    self._framework = TorchSource(
+                        initialize=False, torch_module=sys.modules["torch"], device=self._device
+                    )
             return self._framework
 
     def resolved(self) -> list[str]:

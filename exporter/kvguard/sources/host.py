@@ -27,6 +27,7 @@ class HostSource:
         psutil = self._psutil
         if psutil is None:
             import psutil  # noqa: PLC0415 - a dependency of kvguard, imported when used
+
             self._psutil = psutil
         try:
             memory = psutil.virtual_memory()
@@ -41,5 +42,12 @@ class HostSource:
             processes = (ProcessMemory(pid=pid, used_bytes=rss, name=process.name()[:128]),)
         except Exception:  # noqa: BLE001 - the process may have exited; the host totals still count
             pass
-        return [DeviceMemory(device="host", source=self.name, process_used_bytes=rss, processes=processes,
-                             **free_total_used(memory.available, memory.total))]
+        return [
+            DeviceMemory(
+                device="host",
+                source=self.name,
+                process_used_bytes=rss,
+                processes=processes,
+                **free_total_used(memory.available, memory.total),
+            )
+        ]

@@ -89,6 +89,7 @@ class PoolBlocks:
     block_counts: int | None
     block_unit_size: int | None
 
+
 # MindSpore's device_target -> the device prefix kvguard uses everywhere.
 _DEVICE_PREFIX = {"Ascend": "npu", "GPU": "cuda", "CPU": "cpu"}
 
@@ -115,7 +116,6 @@ def pool_blocks(stats: Mapping[str, Any]) -> dict[str, PoolBlocks]:
             continue
         pools[pool] = PoolBlocks(count(entry.get("block_counts")), count(entry.get("block_unit_size")))
     return pools
-
 
 
 def _first(stats: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
@@ -158,12 +158,14 @@ def with_pool_figures(memory: DeviceMemory, figures: PoolFigures) -> DeviceMemor
     """
     if figures.vmm:
         held = physical_reserved_bytes(memory) if memory.reserved_bytes is not None else None
-        values = {"reclaimable_bytes": None if held is None else
-                  max(0, held - figures.pages_touched_by_used * VMM_PAGE_BYTES)}
+        values = {
+            "reclaimable_bytes": None if held is None else max(0, held - figures.pages_touched_by_used * VMM_PAGE_BYTES)
+        }
     else:
         values = {"largest_idle_bytes": figures.largest_idle_common_bytes}
-    return replace(memory, **values, pool_figures_allocated_bytes=figures.used_bytes,
-                   pool_figures_at=figures.written_at)
+    return replace(
+        memory, **values, pool_figures_allocated_bytes=figures.used_bytes, pool_figures_at=figures.written_at
+    )
 
 
 def read_telling_engine_errors(read: Callable[[], Any], source: str = "mindspore") -> Any:
@@ -223,8 +225,11 @@ class MindSporeSource:
             raise
         except Exception as exc:  # noqa: BLE001 - MindSpore raises RuntimeError/ValueError alike
             raise SourceError(f"mindspore: {one_line(exc)}") from None
-        return [device_memory_from_stats(stats, device_label(device_target, device_id), self.name,
-                                         free_bytes=free, total_bytes=total)]
+        return [
+            device_memory_from_stats(
+                stats, device_label(device_target, device_id), self.name, free_bytes=free, total_bytes=total
+            )
+        ]
 
     def complete(self, records: list[DeviceMemory]) -> list[DeviceMemory]:
         """The records with the pool's exact figures from its newest dump, where exact mode is on: file reading,
@@ -248,8 +253,7 @@ class MindSporeSource:
             reader = getattr(getattr(ms, "hal", None), "memory_stats", None)
             args = (device_target,)
         if not callable(reader):
-            raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats "
-                                    "(need 2.3+)")
+            raise SourceUnavailable("this mindspore has neither runtime.memory_stats nor hal.memory_stats (need 2.3+)")
         return read_telling_engine_errors(lambda: reader(*args), "mindspore")
 
     @staticmethod
@@ -293,12 +297,17 @@ class MindSporeSource:
                 reader = self._dump_reader = mindspore_dump.DumpReader(folder, rank=rank)
                 if previous is not None:
                     reader.skipped.update(previous.skipped)
-        reader.vmm = bool(eager_free)      # 2.7.0's file does not say; under VMM the unmapped space is eager-free
+        reader.vmm = bool(eager_free)  # 2.7.0's file does not say; under VMM the unmapped space is eager-free
         figures = reader.read()
         for reason in set(reader.skipped) - self._skips_logged:
             self._skips_logged.add(reason)
-            log.warning("kvguard: MindSpore's pool dump skipped (%s): %s (counted in kvguard_probe_skipped_total; "
-                        "further %s skips are not logged)", reason, reader.last_error or reason, reason)
+            log.warning(
+                "kvguard: MindSpore's pool dump skipped (%s): %s (counted in kvguard_probe_skipped_total; "
+                "further %s skips are not logged)",
+                reason,
+                reader.last_error or reason,
+                reason,
+            )
         return figures
 
     @property

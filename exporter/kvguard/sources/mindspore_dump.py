@@ -62,12 +62,12 @@ from typing import Mapping
 from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES
 from kvguard.records import MAX_COUNTER, PoolFigures
 
-DUMP_ENV = "KVGUARD_MINDSPORE_DUMP"      # 1: on, every DEFAULT_EVERY graph runs; N >= 2: every N
+DUMP_ENV = "KVGUARD_MINDSPORE_DUMP"  # 1: on, every DEFAULT_EVERY graph runs; N >= 2: every N
 ALLOC_CONF_ENV = "MS_ALLOC_CONF"
 DEFRAG_KEY = "defrag_memory_step_freq"
 TRACKER_PATH_KEY = "memory_tracker_path"
 DUMP_WORD = "dump"
-DEFAULT_EVERY = 100                      # MindSpore's own default (actor_common.cc:387), so the defrag cadence stays
+DEFAULT_EVERY = 100  # MindSpore's own default (actor_common.cc:387), so the defrag cadence stays
 MAX_EVERY = 1_000_000
 FILE_RE = re.compile(r"MemoryDebugInfo(\d{1,12})\.txt")
 # Bounds. A serving pool's dump is ~108 bytes a buffer (0.76 MB for ~7,000 buffers, measured): these admit
@@ -131,8 +131,7 @@ def dump_every(setting: str | None) -> int | None:
         return DEFAULT_EVERY
     if text.isdigit() and 2 <= int(text) <= MAX_EVERY:
         return int(text)
-    raise ValueError(f"{DUMP_ENV}={setting!r}: expected 0/1 (off/on) or the graph runs between dumps, "
-                     f"2 to {MAX_EVERY}")
+    raise ValueError(f"{DUMP_ENV}={setting!r}: expected 0/1 (off/on) or the graph runs between dumps, 2 to {MAX_EVERY}")
 
 
 def merged_alloc_conf(user: str | None, every: int = DEFAULT_EVERY) -> str:
@@ -172,8 +171,10 @@ def dump_directory(alloc_conf: str | None, cwd: str | Path, rank: int | None = N
 
 
 # ----------------------------------------------------------------------------------------------- the file
-_ALLOCATOR_RE = re.compile(r"Mem buf allocator,(?: enable vmm : (\d+),)? is persistent : (\d+), stream id : (\d+)"
-                           r"(?:, is small : (\d+))?")
+_ALLOCATOR_RE = re.compile(
+    r"Mem buf allocator,(?: enable vmm : (\d+),)? is persistent : (\d+), stream id : (\d+)"
+    r"(?:, is small : (\d+))?"
+)
 _COUNT_RE = re.compile(r"(?:total count|mem_bufs size) : (\d+)\s*$")
 
 
@@ -185,7 +186,7 @@ class _Allocator:
     largest_idle: int = 0
     idle_count: int = 0
     has_used: bool = False
-    sections: set = field(default_factory=set)    # of its "Dump debug info" block: blocks, idle, eager free
+    sections: set = field(default_factory=set)  # of its "Dump debug info" block: blocks, idle, eager free
 
 
 def _number(line: str, key: str) -> int:
@@ -196,7 +197,7 @@ def _number(line: str, key: str) -> int:
     at += len(key)
     end = line.find(",", at)
     try:
-        value = int(line[at:end if end >= 0 else len(line)].strip('"} '), 0)
+        value = int(line[at : end if end >= 0 else len(line)].strip('"} '), 0)
     except ValueError:
         raise DumpError("malformed", f"a buffer line whose {key[1:-2]} is not a number: {line[:80]!r}") from None
     if not 0 <= value <= MAX_COUNTER:
@@ -278,8 +279,12 @@ def parse_dump(lines: list[str], vmm: bool | None = None) -> PoolFigures:
     # The file has no end marker: a cut at a line boundary shows as an allocator whose block lacks a section,
     # or one that holds used buffers and has no block at all (every allocator gets one, :1064-1068).
     for allocator in allocators.values():
-        if allocator.has_used and not allocator.sections or allocator.sections and \
-                allocator.sections != {"blocks", "idle", "eager free"}:
+        if (
+            allocator.has_used
+            and not allocator.sections
+            or allocator.sections
+            and allocator.sections != {"blocks", "idle", "eager free"}
+        ):
             raise DumpError("truncated", "an allocator's sections end early: a truncated file")
     pages, last_page = 0, -1
     for address, length in sorted(used):
@@ -288,8 +293,12 @@ def parse_dump(lines: list[str], vmm: bool | None = None) -> PoolFigures:
             pages += end - first + 1
             last_page = end
     common = allocators.get((0, 0, 0))
-    return PoolFigures(vmm=bool(file_vmm if file_vmm is not None else vmm), used_bytes=sum(s for _, s in used),
-                       pages_touched_by_used=pages, largest_idle_common_bytes=common.largest_idle if common else 0)
+    return PoolFigures(
+        vmm=bool(file_vmm if file_vmm is not None else vmm),
+        used_bytes=sum(s for _, s in used),
+        pages_touched_by_used=pages,
+        largest_idle_common_bytes=common.largest_idle if common else 0,
+    )
 
 
 def read_dump_file(path: Path, vmm: bool | None = None) -> PoolFigures:
@@ -317,8 +326,9 @@ def read_dump_file(path: Path, vmm: bool | None = None) -> PoolFigures:
     if not text.endswith("\n"):
         raise DumpError("truncated", f"{path.name} does not end with a newline: written now, or cut short")
     figures = parse_dump(lines, vmm)
-    return PoolFigures(figures.vmm, figures.used_bytes, figures.pages_touched_by_used,
-                       figures.largest_idle_common_bytes, written_at)
+    return PoolFigures(
+        figures.vmm, figures.used_bytes, figures.pages_touched_by_used, figures.largest_idle_common_bytes, written_at
+    )
 
 
 def process_start_time() -> float | None:
@@ -326,8 +336,9 @@ def process_start_time() -> float | None:
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         ticks = int(fields[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
@@ -343,10 +354,17 @@ class DumpReader:
     still describe the pool). Older files of this process are deleted once a newer one is there, read or
     skipped, so the folder holds one dump (MindSpore never rotates them)."""
 
-    def __init__(self, directory: str | Path, *, not_before: float | None = None, vmm: bool | None = None,
-                 rank: int | None = None, delete_older: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        not_before: float | None = None,
+        vmm: bool | None = None,
+        rank: int | None = None,
+        delete_older: bool = True,
+    ) -> None:
         self.directory = Path(directory)
-        self.rank = rank                 # the rank whose rank_<id> folder this is, None when not distributed
+        self.rank = rank  # the rank whose rank_<id> folder this is, None when not distributed
         self.not_before = not_before if not_before is not None else (process_start_time() or time.time())
         self.vmm = vmm
         self.delete_older = delete_older
@@ -364,7 +382,7 @@ class DumpReader:
             entries = list(os.scandir(self.directory))
         except OSError:
             return []
-        floor_ns = int(self.not_before * 1e9) - 1_000_000_000   # 1 s: mtime granularity and clock slack
+        floor_ns = int(self.not_before * 1e9) - 1_000_000_000  # 1 s: mtime granularity and clock slack
         for entry in entries[:100_000]:
             match = FILE_RE.fullmatch(entry.name)
             if match is None:

@@ -64,12 +64,12 @@ class NpuChip:
     chip: int
     name: str
     health: str
-    logical_id: int | None = None           # the "Device" column of 310P tables
-    physical_id: int | None = None          # the "Phy-ID" column of 910 A3 tables
-    bus_id: str = ""                        # the "Bus-Id" column
-    memory_used_mib: int | None = None      # Memory-Usage(MB): DDR
+    logical_id: int | None = None  # the "Device" column of 310P tables
+    physical_id: int | None = None  # the "Phy-ID" column of 910 A3 tables
+    bus_id: str = ""  # the "Bus-Id" column
+    memory_used_mib: int | None = None  # Memory-Usage(MB): DDR
     memory_total_mib: int | None = None
-    hbm_used_mib: int | None = None         # HBM-Usage(MB)
+    hbm_used_mib: int | None = None  # HBM-Usage(MB)
     hbm_total_mib: int | None = None
 
 
@@ -102,9 +102,9 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     version = None
     chips: list[NpuChip] = []
     processes: list[NpuProcess] = []
-    mode = None                # "devices" or "processes"
+    mode = None  # "devices" or "processes"
     has_hbm: bool | None = None
-    chip_column = None         # second word of the "Chip ..." header: "Device", "Phy-ID" or None
+    chip_column = None  # second word of the "Chip ..." header: "Device", "Phy-ID" or None
     npu_row: tuple[int, str, str] | None = None
     process_columns: dict[str, int] = {}
 
@@ -143,8 +143,14 @@ def parse_npu_smi_info(text: str) -> NpuSmiInfo:
     return NpuSmiInfo(version=version, chips=chips, processes=processes)
 
 
-def _chip(npu_row: tuple[int, str, str], words: list[str], bus_id: str, usage: str, has_hbm: bool | None,
-          chip_column: str | None) -> NpuChip:
+def _chip(
+    npu_row: tuple[int, str, str],
+    words: list[str],
+    bus_id: str,
+    usage: str,
+    has_hbm: bool | None,
+    chip_column: str | None,
+) -> NpuChip:
     npu, name, health = npu_row
     pairs = [(int(used), int(total)) for used, total in _PAIR.findall(usage)]
     memory = hbm = None
@@ -156,10 +162,19 @@ def _chip(npu_row: tuple[int, str, str], words: list[str], bus_id: str, usage: s
     logical = int(words[1]) if chip_column == "Device" and len(words) == 2 else None
     physical = int(words[1]) if chip_column == "Phy-ID" and len(words) == 2 else None
     bus = bus_id if _BUS_ID.match(bus_id) else ""
-    return NpuChip(npu=npu, chip=int(words[0]), name=name, health=health, logical_id=logical,
-                   physical_id=physical, bus_id=bus,
-                   memory_used_mib=memory[0] if memory else None, memory_total_mib=memory[1] if memory else None,
-                   hbm_used_mib=hbm[0] if hbm else None, hbm_total_mib=hbm[1] if hbm else None)
+    return NpuChip(
+        npu=npu,
+        chip=int(words[0]),
+        name=name,
+        health=health,
+        logical_id=logical,
+        physical_id=physical,
+        bus_id=bus,
+        memory_used_mib=memory[0] if memory else None,
+        memory_total_mib=memory[1] if memory else None,
+        hbm_used_mib=hbm[0] if hbm else None,
+        hbm_total_mib=hbm[1] if hbm else None,
+    )
 
 
 def _process(words: list[str], cells: list[str], columns: dict[str, int]) -> NpuProcess | None:
@@ -191,13 +206,22 @@ def device_memory_from_npu_smi(info: NpuSmiInfo) -> list[DeviceMemory]:
             used, total = chip.hbm_used_mib, chip.hbm_total_mib
         else:
             used, total = chip.memory_used_mib, chip.memory_total_mib
-        fields = free_total_used(None if used is None or total is None else (total - used) * MIB,
-                                 None if total is None else total * MIB, None if used is None else used * MIB)
-        processes = tuple(ProcessMemory(pid=p.pid, used_bytes=p.memory_mib * MIB, name=p.name)
-                          for p in info.processes if (p.npu, p.chip) == (chip.npu, chip.chip))
+        fields = free_total_used(
+            None if used is None or total is None else (total - used) * MIB,
+            None if total is None else total * MIB,
+            None if used is None else used * MIB,
+        )
+        processes = tuple(
+            ProcessMemory(pid=p.pid, used_bytes=p.memory_mib * MIB, name=p.name)
+            for p in info.processes
+            if (p.npu, p.chip) == (chip.npu, chip.chip)
+        )
         uuid, pci_bus_id = chip_identity(chip)
-        records.append(DeviceMemory(device=label, source="npu-smi", processes=processes, device_uuid=uuid,
-                                    pci_bus_id=pci_bus_id, **fields))
+        records.append(
+            DeviceMemory(
+                device=label, source="npu-smi", processes=processes, device_uuid=uuid, pci_bus_id=pci_bus_id, **fields
+            )
+        )
     return records
 
 
@@ -243,8 +267,10 @@ class NpuSmiSource:
         returncode, stdout_bytes, stderr_bytes = _run_bounded([path, *ARGV], self._timeout)
         stdout = stdout_bytes.decode("utf-8", "replace")
         if returncode != 0:
-            raise SourceError(f"npu-smi info exited with {returncode}: "
-                              f"{_first_line(stderr_bytes.decode('utf-8', 'replace')) or _first_line(stdout)}")
+            raise SourceError(
+                f"npu-smi info exited with {returncode}: "
+                f"{_first_line(stderr_bytes.decode('utf-8', 'replace')) or _first_line(stdout)}"
+            )
         records = device_memory_from_npu_smi(parse_npu_smi_info(stdout))
         if not records:
             raise SourceError(f"npu-smi info printed no device table: {_first_line(stdout) or 'no output'}")
@@ -260,8 +286,9 @@ def _run_bounded(argv: list[str], timeout: float) -> tuple[int, bytes, bytes]:
     """
     deadline = time.monotonic() + timeout
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        )
     except OSError as exc:
         raise SourceUnavailable(f"cannot run {argv[0]}: {exc.strerror or exc}") from None
     stdout, stderr = bytearray(), bytearray()
@@ -282,7 +309,7 @@ def _run_bounded(argv: list[str], timeout: float) -> tuple[int, bytes, bytes]:
                         if len(stdout) > MAX_OUTPUT_BYTES:
                             raise SourceError(f"npu-smi info printed more than {MAX_OUTPUT_BYTES} bytes")
                     elif len(stderr) < MAX_STDERR_BYTES:
-                        stderr += chunk[:MAX_STDERR_BYTES - len(stderr)]
+                        stderr += chunk[: MAX_STDERR_BYTES - len(stderr)]
         try:
             returncode = proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

@@ -27,28 +27,36 @@ from kvguard.sources import SourceError, SourceUnavailable, count, free_total_us
 from kvguard.text import install_hint, one_line
 
 # NVML return codes that mean "no NVIDIA driver here" rather than "a read failed".
-_ABSENT_CODES = {9, 12}   # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
-_NOT_FOUND = 6            # NVML_ERROR_NOT_FOUND: an empty MIG slot
-_MIG_ENABLE = 1           # NVML_DEVICE_MIG_ENABLE
-MAX_MIG_SLOTS = 64        # a bound on a hostile or broken library's slot count (H100/H200: 7)
+_ABSENT_CODES = {9, 12}  # NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND
+_NOT_FOUND = 6  # NVML_ERROR_NOT_FOUND: an empty MIG slot
+_MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE
+MAX_MIG_SLOTS = 64  # a bound on a hostile or broken library's slot count (H100/H200: 7)
 
 
-def device_memory_from_nvml(index: int | str, memory: Any, processes: Iterable[Any] = (), *,
-                            uuid: Any = "", pci_bus_id: Any = "") -> DeviceMemory:
+def device_memory_from_nvml(
+    index: int | str, memory: Any, processes: Iterable[Any] = (), *, uuid: Any = "", pci_bus_id: Any = ""
+) -> DeviceMemory:
     """NVML's memory struct (v1: total/free/used; v2 adds reserved) and process list as a record.
     ``index`` is the GPU's NVML index (label ``cuda:N``) or a label of its own (a MIG device)."""
     procs = []
     for proc in processes:
         pid = count(getattr(proc, "pid", None))
-        used = count(getattr(proc, "usedGpuMemory", None))   # None where NVML cannot tell (WDDM, MIG)
+        used = count(getattr(proc, "usedGpuMemory", None))  # None where NVML cannot tell (WDDM, MIG)
         if pid is not None and used is not None:
             procs.append(ProcessMemory(pid=pid, used_bytes=used))
-    fields = free_total_used(getattr(memory, "free", None), getattr(memory, "total", None),
-                             getattr(memory, "used", None))
+    fields = free_total_used(
+        getattr(memory, "free", None), getattr(memory, "total", None), getattr(memory, "used", None)
+    )
     device = index if isinstance(index, str) else f"cuda:{index}"
-    return DeviceMemory(device=device, source="nvml", processes=tuple(procs),
-                        device_reserved_bytes=count(getattr(memory, "reserved", None)),
-                        device_uuid=identity_text(uuid), pci_bus_id=identity_text(pci_bus_id), **fields)
+    return DeviceMemory(
+        device=device,
+        source="nvml",
+        processes=tuple(procs),
+        device_reserved_bytes=count(getattr(memory, "reserved", None)),
+        device_uuid=identity_text(uuid),
+        pci_bus_id=identity_text(pci_bus_id),
+        **fields,
+    )
 
 
 class NvmlSource:
@@ -101,7 +109,7 @@ class NvmlSource:
         try:
             processes = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except nvml.NVMLError:
-            processes = []   # not permitted in some containers: the device totals still count
+            processes = []  # not permitted in some containers: the device totals still count
         uuid = _optional(nvml, nvml.nvmlDeviceGetUUID, handle)
         if pci_bus_id is None:
             pci_bus_id = _bus_id(_optional(nvml, nvml.nvmlDeviceGetPciInfo_v3, handle))
@@ -113,7 +121,7 @@ class NvmlSource:
         try:
             current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         except nvml.NVMLError:
-            return []        # NVML_ERROR_NOT_SUPPORTED: a GPU without MIG
+            return []  # NVML_ERROR_NOT_SUPPORTED: a GPU without MIG
         if current != _MIG_ENABLE:
             return []
         records: list[DeviceMemory] = []
@@ -124,20 +132,23 @@ class NvmlSource:
                     mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
                 except nvml.NVMLError as exc:
                     if getattr(exc, "value", None) == _NOT_FOUND:
-                        continue     # an empty slot
+                        continue  # an empty slot
                     raise
                 # The MIG device's own PCI info is its parent's: reuse the parent's bus id.
                 records.append(cls._read(nvml, mig, f"cuda:{index}/mig:{slot}", pci_bus_id))
         except nvml.NVMLError:
-            pass     # MIG devices are an extra: a failure there never costs the GPUs' own records
+            pass  # MIG devices are an extra: a failure there never costs the GPUs' own records
         return records
 
     @staticmethod
     def _memory(nvml: Any, handle: Any) -> Any:
         version = getattr(nvml, "nvmlMemory_v2", None)
         try:
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle, version=version) if version else \
-                nvml.nvmlDeviceGetMemoryInfo(handle)
+            memory = (
+                nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+                if version
+                else nvml.nvmlDeviceGetMemoryInfo(handle)
+            )
         except nvml.NVMLError:
             # Drivers before r510 lack nvmlDeviceGetMemoryInfo_v2: fall back to v1 (no reserved).
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)

@@ -70,12 +70,16 @@ class TorchSource:
 
     name = "torch"
 
-    def __init__(self, backend: str = "auto", device: int | str | None = None, initialize: bool = True,
-                 torch_module: Any = None):
+    def __init__(
+        self, backend: str = "auto", device: int | str | None = None, initialize: bool = True, torch_module: Any = None
+    ):
         if backend not in BACKENDS:
             raise SourceError(f"unknown torch backend {backend!r} (choose from {', '.join(BACKENDS)})")
-        if device is not None and device != "all" and (isinstance(device, bool) or not isinstance(device, int)
-                                                        or device < 0):
+        if (
+            device is not None
+            and device != "all"
+            and (isinstance(device, bool) or not isinstance(device, int) or device < 0)
+        ):
             raise SourceError(f"torch device must be an index, 'all' or unset, got {device!r}")
         self._backend = backend
         self._device = device
@@ -128,7 +132,7 @@ class TorchSource:
         stats = module.memory_stats(index)
         record = device_memory_from_stats(stats, f"{backend}:{index}", self.name, free_bytes=free, total_bytes=total)
         key = (backend, index)
-        if key not in self._identities:   # fixed for the device's life: asked once
+        if key not in self._identities:  # fixed for the device's life: asked once
             self._identities[key] = device_identity(backend, module, index)
         uuid, pci_bus_id = self._identities[key]
         return replace(record, device_uuid=uuid, pci_bus_id=pci_bus_id)

@@ -24,12 +24,18 @@ from typing import Any
 
 from kvguard.spool.schema import MAX_SNAPSHOT_BYTES, Snapshot, SnapshotError, decode_snapshot, snapshot_filename
 
-
 MAX_SPOOL_FILES = 4096
 
 # Reasons a spool file is skipped; exported as a label, so the set is fixed.
-SKIP_REASONS = ("not_regular_file", "too_large", "unreadable", "invalid_json", "invalid_snapshot",
-                "unsupported_schema", "too_many_files")
+SKIP_REASONS = (
+    "not_regular_file",
+    "too_large",
+    "unreadable",
+    "invalid_json",
+    "invalid_snapshot",
+    "unsupported_schema",
+    "too_many_files",
+)
 
 
 def own_pid_namespace() -> str:
@@ -79,21 +85,28 @@ _PROBE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}-[0-9]{1,20}-[A-Za-z0-9_.-]{1,32}
 @dataclass
 class SpoolRead:
     snapshots: list[Snapshot] = field(default_factory=list)
-    skipped: Counter = field(default_factory=Counter)     # reason -> files
-    errors: list[str] = field(default_factory=list)       # "file: reason: message", for logs (at most MAX_ERRORS)
-    listing_error: str | None = None                      # why the directory itself could not be listed
-    clamped: int = 0                                      # snapshots dated in the future, clamped
+    skipped: Counter = field(default_factory=Counter)  # reason -> files
+    errors: list[str] = field(default_factory=list)  # "file: reason: message", for logs (at most MAX_ERRORS)
+    listing_error: str | None = None  # why the directory itself could not be listed
+    clamped: int = 0  # snapshots dated in the future, clamped
 
     def error(self, line: str) -> None:
         if len(self.errors) < MAX_ERRORS:
             self.errors.append(line)
 
 
-def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: int = MAX_SPOOL_FILES,
-               max_total_bytes: int = MAX_SPOOL_READ_BYTES, max_entries: int = MAX_SPOOL_ENTRIES,
-               now: float | None = None, first_seen: dict | None = None,
-               known_junk: dict | None = None, known_good: set | None = None,
-               waiting: dict | None = None) -> SpoolRead:
+def read_spool(
+    spool_dir: str,
+    max_bytes: int = MAX_SNAPSHOT_BYTES,
+    max_files: int = MAX_SPOOL_FILES,
+    max_total_bytes: int = MAX_SPOOL_READ_BYTES,
+    max_entries: int = MAX_SPOOL_ENTRIES,
+    now: float | None = None,
+    first_seen: dict | None = None,
+    known_junk: dict | None = None,
+    known_good: set | None = None,
+    waiting: dict | None = None,
+) -> SpoolRead:
     """Read the ``*.json`` snapshots, newest first; never raises, only counts.
 
     Files that are not snapshots never hide snapshots, whatever their names and times. A file
@@ -167,8 +180,17 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
                     order = (2, -waited[name])
                 else:
                     order = (0 if known is not None else 1, 0.0)
-                candidates.append(order + (_PROBE_NAME.match(name) is not None, believable,
-                                           info.st_mtime_ns if believable else 0, name, info.st_ino, info.st_size))
+                candidates.append(
+                    order
+                    + (
+                        _PROBE_NAME.match(name) is not None,
+                        believable,
+                        info.st_mtime_ns if believable else 0,
+                        name,
+                        info.st_ino,
+                        info.st_size,
+                    )
+                )
     except OSError as exc:
         result.listing_error = str(exc.strerror or exc)
         result.errors.append(f"{spool_dir}: {result.listing_error}")
@@ -204,7 +226,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
             continue
         try:
             raw = _read_file(os.path.join(spool_dir, name), min(max_bytes, left), max_bytes)
-            if raw is None:   # grew past what is left since it was listed
+            if raw is None:  # grew past what is left since it was listed
                 result.skipped["too_many_files"] += 1
                 result.error(f"{name}: too_many_files: this read's {max_total_bytes} bytes are used up")
                 _wait(name, was_good, good, still_waiting, waited, now)
@@ -225,7 +247,7 @@ def read_spool(spool_dir: str, max_bytes: int = MAX_SNAPSHOT_BYTES, max_files: i
             snapshot = replace(snapshot, written_at=seen_at, clamped_from=snapshot.written_at)
             result.clamped += 1
         result.snapshots.append(snapshot)
-    if first_seen is not None:   # forget what is gone, so the memo stays as small as the spool
+    if first_seen is not None:  # forget what is gone, so the memo stays as small as the spool
         for key in set(first_seen) - clamped_keys:
             del first_seen[key]
     # The memos hold what this read saw: what is gone, was replaced or changed group is forgotten.
@@ -263,8 +285,14 @@ class SpoolReader:
         self._waiting: dict = {}
 
     def read(self) -> SpoolRead:
-        return read_spool(self.spool_dir, first_seen=self._first_seen, known_junk=self._known_junk,
-                          known_good=self._known_good, waiting=self._waiting, **self.limits)
+        return read_spool(
+            self.spool_dir,
+            first_seen=self._first_seen,
+            known_junk=self._known_junk,
+            known_good=self._known_good,
+            waiting=self._waiting,
+            **self.limits,
+        )
 
 
 def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
@@ -291,5 +319,3 @@ def _read_file(path: str, limit: int, max_bytes: int) -> bytes | None:
             return None
         raise SnapshotError("too_large", f"more than {max_bytes} bytes")
     return raw
-
-

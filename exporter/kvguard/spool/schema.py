@@ -9,12 +9,18 @@ import json
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
+
 from kvguard.budget.estimator import Profile, ProfileError
 from kvguard.guard.judge import BUDGET, Verdict
-from kvguard.records import MAX_COUNTER, MAX_ENGINE_CHARS, MAX_MODEL_NAME_CHARS, DeviceMemory
+from kvguard.records import (
+    MAX_COUNTER,
+    MAX_ENGINE_CHARS,
+    MAX_MODEL_NAME_CHARS,
+    DeviceMemory,
+    KVCacheAllocation,
+    ReservedPeak,
+)
 from kvguard.text import one_line, safe_text
-from kvguard.records import KVCacheAllocation, ReservedPeak
-
 
 # Timestamps beyond year ~5000 are garbage; this also keeps float() from overflowing on huge ints.
 _MAX_SECONDS = 1e11
@@ -40,7 +46,7 @@ class ProbeStatus:
     write_errors_total: int = 0
     last_error: str | None = None
     interval_seconds: float | None = None
-    overruns_total: int = 0           # ticks at which the previous sample had not finished (schema 1 extension)
+    overruns_total: int = 0  # ticks at which the previous sample had not finished (schema 1 extension)
     # Schema 1 extensions (absent in older snapshots): where the samples are taken ("thread": the probe's own
     # worker thread; "engine-step": the engine's thread between its steps, for sources whose reads synchronise
     # the engine, kvguard.probe), when the written memory record was read (unix seconds; None: at the write),
@@ -48,7 +54,7 @@ class ProbeStatus:
     sampling: str = "thread"
     sampled_at: float | None = None
     engine_thread_seconds_total: float = 0.0
-    skipped_total: int = 0            # inputs beside the counters the source skipped (MindSpore's pool dumps)
+    skipped_total: int = 0  # inputs beside the counters the source skipped (MindSpore's pool dumps)
 
 
 SAMPLING_MODES = ("thread", "engine-step")
@@ -58,15 +64,15 @@ SAMPLING_MODES = ("thread", "engine-step")
 class Snapshot:
     """One rank's latest state, as written by the probe."""
 
-    written_at: float                 # unix seconds when the probe wrote it
-    started_at: float                 # unix seconds when the probe started
-    sequence: int                     # increases by one per write
+    written_at: float  # unix seconds when the probe wrote it
+    started_at: float  # unix seconds when the probe started
+    sequence: int  # increases by one per write
     host: str
     pid: int
     device: str
     memory: DeviceMemory
     rank: int | None = None
-    pod: Mapping[str, str] = field(default_factory=dict)   # pod, namespace, container, node
+    pod: Mapping[str, str] = field(default_factory=dict)  # pod, namespace, container, node
     profile: Profile | None = None
     kv_cache: KVCacheAllocation | None = None
     probe: ProbeStatus = field(default_factory=ProbeStatus)
@@ -74,7 +80,7 @@ class Snapshot:
     # "" in older snapshots): the served model name, and the engine index (data-parallel rank).
     model_name: str = ""
     engine: str = ""
-    budget_verdict: Verdict | None = None   # phase "budget": judged before the KV cache existed
+    budget_verdict: Verdict | None = None  # phase "budget": judged before the KV cache existed
     schema: int = SCHEMA_VERSION
     clamped_from: float | None = None  # the written_at the file claimed, when it lay in the future (not written)
     # The writer's pid namespace ("pid:[4026531836]"; schema 1 extension, "" where unknown): the
@@ -130,26 +136,33 @@ class Snapshot:
             if not isinstance(pod_raw, Mapping):
                 raise ValueError("pod is not an object")
             pod = {k: str(pod_raw[k])[:253] for k in POD_ENV if isinstance(pod_raw.get(k), str) and pod_raw[k]}
-            memory = DeviceMemory.from_dict(data.get("memory"), max_processes=MAX_SNAPSHOT_PROCESSES,
-                                            process_name=_process_name)
+            memory = DeviceMemory.from_dict(
+                data.get("memory"), max_processes=MAX_SNAPSHOT_PROCESSES, process_name=_process_name
+            )
             profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
             kv_cache = None
             if data.get("kv_cache") is not None:
                 kv = data["kv_cache"]
                 if not isinstance(kv, Mapping):
                     raise ValueError("kv_cache is not an object")
-                kv_cache = KVCacheAllocation(num_blocks=_int(kv, "num_blocks"), block_bytes=_int(kv, "block_bytes"),
-                                             block_size=_int(kv, "block_size"),
-                                             outside_allocator=kv.get("outside_allocator") is True)
+                kv_cache = KVCacheAllocation(
+                    num_blocks=_int(kv, "num_blocks"),
+                    block_bytes=_int(kv, "block_bytes"),
+                    block_size=_int(kv, "block_size"),
+                    outside_allocator=kv.get("outside_allocator") is True,
+                )
             budget_verdict = None
             if data.get("budget_verdict") is not None:
                 budget_verdict = Verdict.from_dict(data["budget_verdict"])
                 if budget_verdict.phase != BUDGET:
                     raise ValueError("budget_verdict is not of phase 'budget'")
-                budget_verdict = replace(budget_verdict, reasons=tuple(
-                    replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons),
-                    reserved_peak_note=None if budget_verdict.reserved_peak_note is None
-                    else safe_text(budget_verdict.reserved_peak_note, 1024))
+                budget_verdict = replace(
+                    budget_verdict,
+                    reasons=tuple(replace(r, message=safe_text(r.message, 1024)) for r in budget_verdict.reasons),
+                    reserved_peak_note=None
+                    if budget_verdict.reserved_peak_note is None
+                    else safe_text(budget_verdict.reserved_peak_note, 1024),
+                )
             reserved_peak = None
             if data.get("reserved_peak") is not None:
                 reserved_peak = ReservedPeak.from_dict(data["reserved_peak"])
@@ -165,7 +178,9 @@ class Snapshot:
                 errors_total=_int(probe_raw, "errors_total", 0),
                 write_errors_total=_int(probe_raw, "write_errors_total", 0),
                 last_error=str(last_error)[:512] if last_error is not None else None,
-                interval_seconds=float(interval) if isinstance(interval, (int, float)) and not isinstance(interval, bool) else None,
+                interval_seconds=float(interval)
+                if isinstance(interval, (int, float)) and not isinstance(interval, bool)
+                else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
                 sampling=probe_raw.get("sampling") if probe_raw.get("sampling") in SAMPLING_MODES else "thread",
                 sampled_at=_number(probe_raw, "sampled_at") if probe_raw.get("sampled_at") is not None else None,
@@ -179,12 +194,25 @@ class Snapshot:
         # of non-UTF-8 device names) and control characters would break the whole exposition.
         memory = replace(memory, device=safe_text(memory.device, 64), source=safe_text(memory.source, 64))
         probe = replace(probe, last_error=None if probe.last_error is None else safe_text(probe.last_error, 512))
-        return cls(written_at=written_at, started_at=started_at, sequence=sequence, host=safe_text(host, 253),
-                   pid=pid, device=safe_text(str(device), 64), memory=memory, rank=rank,
-                   pod={k: safe_text(v, 253) for k, v in pod.items()}, profile=profile, kv_cache=kv_cache,
-                   probe=probe, model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
-                   engine=safe_text(engine, MAX_ENGINE_CHARS), budget_verdict=budget_verdict,
-                   pid_namespace=safe_text(pid_namespace, 64), reserved_peak=reserved_peak)
+        return cls(
+            written_at=written_at,
+            started_at=started_at,
+            sequence=sequence,
+            host=safe_text(host, 253),
+            pid=pid,
+            device=safe_text(str(device), 64),
+            memory=memory,
+            rank=rank,
+            pod={k: safe_text(v, 253) for k, v in pod.items()},
+            profile=profile,
+            kv_cache=kv_cache,
+            probe=probe,
+            model_name=safe_text(model_name, MAX_MODEL_NAME_CHARS),
+            engine=safe_text(engine, MAX_ENGINE_CHARS),
+            budget_verdict=budget_verdict,
+            pid_namespace=safe_text(pid_namespace, 64),
+            reserved_peak=reserved_peak,
+        )
 
 
 class SnapshotError(ValueError):
@@ -195,8 +223,12 @@ class SnapshotError(ValueError):
 
 def _number(data: Mapping[str, Any], key: str) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
-            or not -_MAX_SECONDS <= value <= _MAX_SECONDS:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value != value
+        or not -_MAX_SECONDS <= value <= _MAX_SECONDS
+    ):
         raise ValueError(f"{key} is not a number in range")
     return float(value)
 

@@ -43,6 +43,7 @@ class Readings:
             into.append(value())
         except Exception as exc:  # noqa: BLE001 - a reading kvguard cannot keep never fails the worker's call
             from kvguard.text import one_line
+
             self.error = self.error or one_line(exc)
 
 
@@ -82,15 +83,17 @@ def recorder(readings: Readings, name: str, namespace: dict, current: Any) -> An
     module holds."""
     if "memory_profiling" in namespace or current is None or isinstance(current, RecordingModule):
         return None
-    chosen = next(((global_name, attr) for global_name, attr in DEVICE_GLOBALS
-                   if hasattr(namespace.get(global_name), attr)), None)
+    chosen = next(
+        ((global_name, attr) for global_name, attr in DEVICE_GLOBALS if hasattr(namespace.get(global_name), attr)), None
+    )
     if chosen is None or chosen[0] != name:
         return None
     return RecordingModule(current, chosen[1], readings)
 
 
-def profile_from_readings(readings: Readings, *, formula: str, utilization: float,
-                          release: str | None) -> Profile | None:
+def profile_from_readings(
+    readings: Readings, *, formula: str, utilization: float, release: str | None
+) -> Profile | None:
     """The profile of what the worker computed, for an era whose formula adds the absolute non-torch memory
     (``absolute_peak``, ``absolute_peak_signed``); None for another era or readings not made so; ValueError
     when one of the worker's reads could not be kept.
@@ -113,8 +116,13 @@ def profile_from_readings(readings: Readings, *, formula: str, utilization: floa
     used = readings.mem_info[-2][1] - readings.mem_info[-1][0]
     if not 0 <= allocated <= peak:
         return None
-    return Profile(total_memory_bytes=int(total), gpu_memory_utilization=utilization,
-                   weights_bytes=allocated, peak_allocated_increase_bytes=peak - allocated,
-                   peak_reserved_increase_bytes=(max(0, int(reserved_peak) - allocated)
-                                                 if reserved_peak is not None else None),
-                   non_torch_increase_bytes=int(used - allocated), formula=formula, vllm_version=release)
+    return Profile(
+        total_memory_bytes=int(total),
+        gpu_memory_utilization=utilization,
+        weights_bytes=allocated,
+        peak_allocated_increase_bytes=peak - allocated,
+        peak_reserved_increase_bytes=(max(0, int(reserved_peak) - allocated) if reserved_peak is not None else None),
+        non_torch_increase_bytes=int(used - allocated),
+        formula=formula,
+        vllm_version=release,
+    )

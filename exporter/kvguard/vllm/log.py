@@ -34,8 +34,8 @@ import re
 import stat
 import sys
 from collections import deque
-from itertools import repeat
 from dataclasses import asdict, dataclass, field, replace
+from itertools import repeat
 from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 from kvguard.budget.estimator import FORMULAS, Profile, required_fields
@@ -78,17 +78,21 @@ _NUMBER = re.compile(r"[-+]?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)
 # A log record's own prefix on a continuation line: "(Worker pid=1) INFO 04-12 08:21:19 [worker.py:267] ",
 # "INFO 12-13 19:54:18 worker.py:243] ". Bounded repetition only.
 # A host's logger may write the time first ("08:21:19  INFO [worker.py:267] "), one prefix per wrapped line.
-_RECORD_PREFIX = re.compile(r"^.{0,160}?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} "
-                            r"|[0-9]{2}:[0-9]{2}:[0-9]{2}(?:[.,][0-9]{1,6})? {1,4}(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                            r"{1,4})\[?[\w./-]{1,80}:[0-9]{1,6}\] ?")
+_RECORD_PREFIX = re.compile(
+    r"^.{0,160}?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} "
+    r"|[0-9]{2}:[0-9]{2}:[0-9]{2}(?:[.,][0-9]{1,6})? {1,4}(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"{1,4})\[?[\w./-]{1,80}:[0-9]{1,6}\] ?"
+)
 # vLLM's record tag: "[gpu_worker.py:360]" from 0.8.0 (logger.py's "[%(fileinfo)s:%(lineno)d]"), and
 # "worker.py:243]" without the bracket before (posted 0.6.4-0.7.3 logs; 0.8 logs all carry the bracket).
 # A paste that dropped the time keeps the tag: "(EngineCore pid=4600) INFO [kv_cache_utils.py:1777] …". Without
 # the time the level must open the line or follow vLLM's process prefix, so that other loggers' "%(asctime)s
 # %(levelname)s [%(filename)s:%(lineno)d]" lines (a launcher's, a sweep script's) are not taken for vLLM's.
-_TAG = re.compile(r"(?:(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)|"
-                  r"(?:^[ >|`\u258e]{0,8}|\(\w[\w.-]{0,40} pid=[0-9]{1,9}(?:, ip=[0-9.]{1,40})?\) {1,2})"
-                  r"(?:DEBUG|INFO|WARNING|ERROR) (\[))([\w./-]{1,80}\.py):([0-9]{1,6})\]")
+_TAG = re.compile(
+    r"(?:(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,15} (\[?)|"
+    r"(?:^[ >|`\u258e]{0,8}|\(\w[\w.-]{0,40} pid=[0-9]{1,9}(?:, ip=[0-9.]{1,40})?\) {1,2})"
+    r"(?:DEBUG|INFO|WARNING|ERROR) (\[))([\w./-]{1,80}\.py):([0-9]{1,6})\]"
+)
 
 
 # A timestamp with its year ("[2026-02-24T20:21:58Z]", journald's and docker's prefixes): the log was written
@@ -102,9 +106,13 @@ _TAG = re.compile(r"(?:(?:DEBUG|INFO|WARNING|ERROR) [0-9]{2}-[0-9]{2} [0-9:.]{8,
 # real release's own code and logger.
 # A dev, rc or post build counts as the release it is numbered after (0.29.1rc1.dev17: 0.29.1).
 _BANNER = re.compile(r"(?:vLLM (?:API |gRPC )?server version |LLM engine \(v)v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
-_LOGO_VERSION = re.compile(r"\bversion\s{1,4}(?:(?:\x1b|\^\[|\\033|\\x1b|\\e)\[[0-9;]{1,8}m)?v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")
+_LOGO_VERSION = re.compile(
+    r"\bversion\s{1,4}(?:(?:\x1b|\^\[|\\033|\\x1b|\\e)\[[0-9;]{1,8}m)?v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})"
+)
 MAX_BANNERS = 4
-_DATED = re.compile(r"(?<![0-9])(20[2-9][0-9]-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01]))[T ][0-9]{2}:[0-9]{2}:[0-9]{2}")
+_DATED = re.compile(
+    r"(?<![0-9])(20[2-9][0-9]-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01]))[T ][0-9]{2}:[0-9]{2}:[0-9]{2}"
+)
 
 
 class LogFileError(ValueError):
@@ -124,21 +132,23 @@ class LineKind:
     """One startup line: its template, the releases that write it, and the facts it states."""
 
     name: str
-    template: str                      # literals, {fact:unit} numbers, … to skip ahead
-    releases: tuple[tuple[int, ...], tuple[int, ...] | None] = ALL   # vLLM first..last writing it
-    project: str | None = None         # a line only that project writes
+    template: str  # literals, {fact:unit} numbers, … to skip ahead
+    releases: tuple[tuple[int, ...], tuple[int, ...] | None] = ALL  # vLLM first..last writing it
+    project: str | None = None  # a line only that project writes
     cite: str = ""
     also: Callable[[dict[str, str], dict[str, Any]], None] | None = field(default=None, compare=False)
     pieces: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     units: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
-    anchor: str = field(default="", compare=False, repr=False)    # the first literal, found with str.find
+    anchor: str = field(default="", compare=False, repr=False)  # the first literal, found with str.find
 
     def __post_init__(self) -> None:
         pieces = tuple(_compile(self.template))
-        object.__setattr__(self, "pieces", tuple((kind, value.partition(":")[0] if kind == "num" else value)
-                                                 for kind, value in pieces))
-        object.__setattr__(self, "units", {value.partition(":")[0]: value.partition(":")[2]
-                                           for kind, value in pieces if kind == "num"})
+        object.__setattr__(
+            self, "pieces", tuple((kind, value.partition(":")[0] if kind == "num" else value) for kind, value in pieces)
+        )
+        object.__setattr__(
+            self, "units", {value.partition(":")[0]: value.partition(":")[2] for kind, value in pieces if kind == "num"}
+        )
         object.__setattr__(self, "anchor", self.pieces[0][1])
 
     def match(self, line: str) -> dict[str, str] | None:
@@ -196,7 +206,7 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tup
             continue
         if kind == "end":
             if line[pos:].strip(" .,;"):
-                return None, max(reach, len(line))    # what is left stays, whatever follows
+                return None, max(reach, len(line))  # what is left stays, whatever follows
             reach = UNDECIDED
             continue
         if kind == "lit":
@@ -213,7 +223,7 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tup
             continue
         token = _NUMBER.match(line, pos)
         if token is None:
-            return None, max(reach, pos + 2)      # a sign and the character after it
+            return None, max(reach, pos + 2)  # a sign and the character after it
         text = token.group()
         if len(text) > MAX_NUMBER_CHARS:
             raise LogLineError(f"number {text[:12]}… ({len(text)} characters) is too long for a memory figure")
@@ -226,6 +236,7 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tup
 def _decimals(slot: str, key: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
     def record(found: dict[str, str], f: dict[str, Any]) -> None:
         f.setdefault("_decimals", {})[key] = len(found[slot].partition(".")[2])
+
     return record
 
 
@@ -254,6 +265,7 @@ def _halved(found: dict[str, str], f: dict[str, Any]) -> None:
 def _refusal(reason: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
     def record(found: dict[str, str], f: dict[str, Any]) -> None:
         f.setdefault("refusal", reason)
+
     return record
 
 
@@ -262,224 +274,468 @@ def _refusal(reason: str) -> Callable[[dict[str, str], dict[str, Any]], None]:
 KINDS: tuple[LineKind, ...] = (
     # Weights: "%.4f GiB and %.6f seconds" (0.10.2-0.11), "… GiB memory and …" (0.12+ v1 runner),
     # format_gib (2 decimals) from 0.14; V0's "Loading model weights took %.4f GB" divides by 2**30 too.
-    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB memory", releases=(V("0.12.0"), None),
-             also=_decimals("weights_bytes", "weights"),
-             cite="v1/worker/gpu_model_runner.py 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442"),
-    LineKind("model_loading", "Model loading took {weights_bytes:gib} GiB and", releases=(V("0.8.5"), V("0.11.2")),
-             cite="v1/worker/gpu_model_runner.py 0.11.0:2653 '%.4f GiB and %.6f seconds'; real r05 (0.8.5.dev)"),
-    LineKind("model_loading", "Model loading took {weights_bytes:gib} GB", releases=(V("0.8.0"), V("0.10.1")),
-             cite="v1/worker/gpu_model_runner.py 0.8.x '%.4f GB and' (issue 19's posted 0.8 logs)"),
-    LineKind("model_loading", "Loading model weights took {weights_bytes:gib} GB", releases=(V("0.6.4"), V("0.8.4")),
-             cite="worker/model_runner.py 0.6.4:1077; V1 gpu_model_runner.py 0.7.1 (real r19); vllm-ascend "
-                  "model_runner_v1.py"),
+    LineKind(
+        "model_loading",
+        "Model loading took {weights_bytes:gib} GiB memory",
+        releases=(V("0.12.0"), None),
+        also=_decimals("weights_bytes", "weights"),
+        cite="v1/worker/gpu_model_runner.py 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442",
+    ),
+    LineKind(
+        "model_loading",
+        "Model loading took {weights_bytes:gib} GiB and",
+        releases=(V("0.8.5"), V("0.11.2")),
+        cite="v1/worker/gpu_model_runner.py 0.11.0:2653 '%.4f GiB and %.6f seconds'; real r05 (0.8.5.dev)",
+    ),
+    LineKind(
+        "model_loading",
+        "Model loading took {weights_bytes:gib} GB",
+        releases=(V("0.8.0"), V("0.10.1")),
+        cite="v1/worker/gpu_model_runner.py 0.8.x '%.4f GB and' (issue 19's posted 0.8 logs)",
+    ),
+    LineKind(
+        "model_loading",
+        "Loading model weights took {weights_bytes:gib} GB",
+        releases=(V("0.6.4"), V("0.8.4")),
+        cite="worker/model_runner.py 0.6.4:1077; V1 gpu_model_runner.py 0.7.1 (real r19); vllm-ascend "
+        "model_runner_v1.py",
+    ),
     # "Initial free memory: %.2f GiB; Requested memory: %.2f (util), %.2f GiB" (<= 0.13, util 2 decimals);
     # "%s GiB; Requested memory: %f (util), %s GiB" (0.14+, util 6 decimals).
-    LineKind("requested_memory", "Initial free memory: {init_free_memory_bytes:gib} GiB; Requested memory: "
-             "{gpu_memory_utilization:float} (util), {requested_memory_bytes:gib} GiB", releases=(V("0.9.1"), None),
-             also=_decimals("gpu_memory_utilization", "util"),
-             cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784"),
-    LineKind("kv_cache_memory_bytes", "Initial free memory {init_free_memory_bytes:gib} GiB, reserved {kv_cache_memory_bytes:gib}…"
-             "memory for KV Cache as specified by kv_cache_memory_bytes config", releases=(V("0.9.1"), None),
-             also=_kv_cache_memory_decided,
-             cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708"),
+    LineKind(
+        "requested_memory",
+        "Initial free memory: {init_free_memory_bytes:gib} GiB; Requested memory: "
+        "{gpu_memory_utilization:float} (util), {requested_memory_bytes:gib} GiB",
+        releases=(V("0.9.1"), None),
+        also=_decimals("gpu_memory_utilization", "util"),
+        cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784",
+    ),
+    LineKind(
+        "kv_cache_memory_bytes",
+        "Initial free memory {init_free_memory_bytes:gib} GiB, reserved {kv_cache_memory_bytes:gib}…"
+        "memory for KV Cache as specified by kv_cache_memory_bytes config",
+        releases=(V("0.9.1"), None),
+        also=_kv_cache_memory_decided,
+        cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708",
+    ),
     # 0.10.2-0.11 wrote "This does does not respect" in that line (w 0.11.0:245); 0.12 fixed the words.
-    LineKind("era_hint", "skipped memory profiling. This does does not respect", releases=(V("0.9.1"), V("0.11.2")),
-             cite="w 0.11.0:240-251, 0.13.0:316-327"),
-    LineKind("profile_peak", "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
-             "{peak_allocated_increase_bytes:gib}GiB; non-torch forward increase memory: "
-             "{non_torch_increase_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
-             releases=(V("0.9.1"), V("0.26.0")), cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198"),
-    LineKind("profile_consumed", "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
-             "{peak_allocated_increase_bytes:gib}GiB; total consumed (from mem_get_info): "
-             "{total_consumed_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
-             releases=(V("0.27.0"), None), cite="mu 0.27.0:220-231, 0.34.0:231-242"),
-    LineKind("init_snapshot", "worker init memory snapshot: …free_memory={_snapshot_free:gib}GiB, "
-             "total_memory={total_memory_bytes:gib}GiB",
-             releases=(V("0.14.0"), None), cite="w 0.14.0:235; mu 0.14.0:91-102 MemorySnapshot.__repr__"),
-    LineKind("cudagraph", "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
-             "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
-             "{_cudagraph_equiv:float} without",
-             releases=(V("0.20.0"), None), cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820",
-             also=_cudagraph_utilization),
+    LineKind(
+        "era_hint",
+        "skipped memory profiling. This does does not respect",
+        releases=(V("0.9.1"), V("0.11.2")),
+        cite="w 0.11.0:240-251, 0.13.0:316-327",
+    ),
+    LineKind(
+        "profile_peak",
+        "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
+        "{peak_allocated_increase_bytes:gib}GiB; non-torch forward increase memory: "
+        "{non_torch_increase_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
+        releases=(V("0.9.1"), V("0.26.0")),
+        cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198",
+    ),
+    LineKind(
+        "profile_consumed",
+        "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
+        "{peak_allocated_increase_bytes:gib}GiB; total consumed (from mem_get_info): "
+        "{total_consumed_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
+        releases=(V("0.27.0"), None),
+        cite="mu 0.27.0:220-231, 0.34.0:231-242",
+    ),
+    LineKind(
+        "init_snapshot",
+        "worker init memory snapshot: …free_memory={_snapshot_free:gib}GiB, total_memory={total_memory_bytes:gib}GiB",
+        releases=(V("0.14.0"), None),
+        cite="w 0.14.0:235; mu 0.14.0:91-102 MemorySnapshot.__repr__",
+    ),
+    LineKind(
+        "cudagraph",
+        "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
+        "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
+        "{_cudagraph_equiv:float} without",
+        releases=(V("0.20.0"), None),
+        cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820",
+        also=_cudagraph_utilization,
+    ),
     # vllm-ascend words the same line for its ACL graphs.
-    LineKind("acl_graph", "ACL graph memory profiling is enabled (default since v0.22.1). The current "
-             "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
-             "{_cudagraph_equiv:float} without", also=_cudagraph_utilization,
-             cite="vllm-ascend's NPU worker (issue 35's quote of a vllm-ascend log; no era row names it yet)"),
-    LineKind("cudagraph", "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
-             "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
-             "--gpu-memory-utilization={_cudagraph_equiv:float} without", releases=(V("0.18.0"), V("0.19.1")),
-             cite="w 0.18.0:472-484, 0.19.0:453"),
+    LineKind(
+        "acl_graph",
+        "ACL graph memory profiling is enabled (default since v0.22.1). The current "
+        "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
+        "{_cudagraph_equiv:float} without",
+        also=_cudagraph_utilization,
+        cite="vllm-ascend's NPU worker (issue 35's quote of a vllm-ascend log; no era row names it yet)",
+    ),
+    LineKind(
+        "cudagraph",
+        "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
+        "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
+        "--gpu-memory-utilization={_cudagraph_equiv:float} without",
+        releases=(V("0.18.0"), V("0.19.1")),
+        cite="w 0.18.0:472-484, 0.19.0:453",
+    ),
     # The estimate measured but not applied: 0.18/0.19's notice of the coming default, and from 0.20 the
     # warning when it is switched off; both state the utilization and what it would become.
-    LineKind("cudagraph_off", "In v0.19, CUDA graph memory profiling will be enabled by default…"
-             "from {_cudagraph_util_off:float} to", releases=(V("0.18.0"), V("0.18.99")), also=_cudagraph_off,
-             cite="w 0.18.0 (issue 19's quote: '… from 0.8200 to 0.8283'; no 0.18 wheel here)"),
-    LineKind("cudagraph_off", "CUDA graph memory profiling is disabled…--gpu-memory-utilization from "
-             "{_cudagraph_util_off:float} to", releases=(V("0.18.0"), None), also=_cudagraph_off,
-             cite="w 0.20.0:472-480, 0.27.0:595-603, 0.34.0:829"),
+    LineKind(
+        "cudagraph_off",
+        "In v0.19, CUDA graph memory profiling will be enabled by default…from {_cudagraph_util_off:float} to",
+        releases=(V("0.18.0"), V("0.18.99")),
+        also=_cudagraph_off,
+        cite="w 0.18.0 (issue 19's quote: '… from 0.8200 to 0.8283'; no 0.18 wheel here)",
+    ),
+    LineKind(
+        "cudagraph_off",
+        "CUDA graph memory profiling is disabled…--gpu-memory-utilization from {_cudagraph_util_off:float} to",
+        releases=(V("0.18.0"), None),
+        also=_cudagraph_off,
+        cite="w 0.20.0:472-480, 0.27.0:595-603, 0.34.0:829",
+    ),
     # The estimate line exists wherever the estimate does: 0.18 measures it too, applied or not.
-    LineKind("cudagraph_estimate", "Estimated CUDA graph memory: {cudagraph_estimate_bytes:gib} GiB total",
-             releases=(V("0.18.0"), None), cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045; w 0.18.0:384-399"),
-    LineKind("cudagraph_pool", "CUDA graph pool memory: {cudagraph_actual_bytes:gib} GiB (actual), "
-             "{cudagraph_estimate_bytes:gib} GiB (estimated)", releases=(V("0.18.0"), None),
-             cite="w 0.20.0:600, 0.27.0:727, 0.34.0:1113"),
-    LineKind("graph_captured", "Graph capturing finished in … took {cudagraph_actual_bytes:gib} GiB",
-             cite="v1/worker/gpu_model_runner.py 0.11.0:3480, 0.27.0:6914; gpu/model_runner.py 0.34.0:1217"),
+    LineKind(
+        "cudagraph_estimate",
+        "Estimated CUDA graph memory: {cudagraph_estimate_bytes:gib} GiB total",
+        releases=(V("0.18.0"), None),
+        cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045; w 0.18.0:384-399",
+    ),
+    LineKind(
+        "cudagraph_pool",
+        "CUDA graph pool memory: {cudagraph_actual_bytes:gib} GiB (actual), "
+        "{cudagraph_estimate_bytes:gib} GiB (estimated)",
+        releases=(V("0.18.0"), None),
+        cite="w 0.20.0:600, 0.27.0:727, 0.34.0:1113",
+    ),
+    LineKind(
+        "graph_captured",
+        "Graph capturing finished in … took {cudagraph_actual_bytes:gib} GiB",
+        cite="v1/worker/gpu_model_runner.py 0.11.0:3480, 0.27.0:6914; gpu/model_runner.py 0.34.0:1217",
+    ),
     # kvguard's own plugin, heard in vLLM's log: the budget it applied in place of vLLM's printed one.
-    LineKind("kvguard_budget", "kvguard: KV cache budget {_kvguard_budget:gib} GiB (",
-             cite="kvguard/vllm/plugin.py _wrap_determine_available_memory, _guard_budget"),
-    LineKind("available_kv_cache", "Available KV cache memory: {_available_profiled:gib} GiB",
-             also=_decimals("_available_profiled", "available"),
-             cite="w 0.11.0:298, 0.12.0:360, 0.13.0:376 '%.2f'; 0.14.0:358-362, 0.34.0:795-798 format_gib"),
-    LineKind("kv_cache_size", " KV cache size: {kv_cache_tokens:int} tokens",
-             cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092; 0.34.0:1157-1176 (one line with the concurrency)"),
-    LineKind("max_concurrency", "Maximum concurrency for {max_model_len:int} tokens per request: {max_concurrency:float}x",
-             cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092, 0.30.0:2385-2401"),
-    LineKind("warmup_measured", "Memory after warmup: … GiB free, … GiB committed to the KV cache, … GiB kept for transient "
-             "activations (… GiB allocated at peak, … GiB of torch reservation growth); {_warmup_blocks:int} "
-             "KV cache blocks ({_warmup_kv:gib} GiB) fit within the requested ",
-             releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709"),
-    LineKind("extended_kv_cache", "Extended KV cache to {num_gpu_blocks:int} blocks ({_extended_kv:gib} GiB)",
-             releases=(V("0.34.0"), None), cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540"),
+    LineKind(
+        "kvguard_budget",
+        "kvguard: KV cache budget {_kvguard_budget:gib} GiB (",
+        cite="kvguard/vllm/plugin.py _wrap_determine_available_memory, _guard_budget",
+    ),
+    LineKind(
+        "available_kv_cache",
+        "Available KV cache memory: {_available_profiled:gib} GiB",
+        also=_decimals("_available_profiled", "available"),
+        cite="w 0.11.0:298, 0.12.0:360, 0.13.0:376 '%.2f'; 0.14.0:358-362, 0.34.0:795-798 format_gib",
+    ),
+    LineKind(
+        "kv_cache_size",
+        " KV cache size: {kv_cache_tokens:int} tokens",
+        cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092; 0.34.0:1157-1176 (one line with the concurrency)",
+    ),
+    LineKind(
+        "max_concurrency",
+        "Maximum concurrency for {max_model_len:int} tokens per request: {max_concurrency:float}x",
+        cite="v1/core/kv_cache_utils.py 0.11.0:1079-1092, 0.30.0:2385-2401",
+    ),
+    LineKind(
+        "warmup_measured",
+        "Memory after warmup: … GiB free, … GiB committed to the KV cache, … GiB kept for transient "
+        "activations (… GiB allocated at peak, … GiB of torch reservation growth); {_warmup_blocks:int} "
+        "KV cache blocks ({_warmup_kv:gib} GiB) fit within the requested ",
+        releases=(V("0.34.0"), None),
+        cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709",
+    ),
+    LineKind(
+        "extended_kv_cache",
+        "Extended KV cache to {num_gpu_blocks:int} blocks ({_extended_kv:gib} GiB)",
+        releases=(V("0.34.0"), None),
+        cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540",
+    ),
     # The end-of-startup summary (compile_or_warm_up_model), read whole: its first part states the device and
     # the request; "Actual usage" the profile; the last sentence the KV cache in use.
-    LineKind("startup_summary", "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
-             "on startup. Desired GPU memory utilization is ({gpu_memory_utilization:float}, "
-             "{requested_memory_bytes:gib} GiB)",
-             cite="w 0.11.0:372-378, 0.27.0:768-773, 0.34.0:1154-1159 (first release not known: no narrowing)"),
-    LineKind("summary_usage_peak", "Actual usage is {weights_bytes:gib} GiB for weight, {peak_activation_bytes:gib} GiB "
-             "for peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, and "
-             "{cudagraph_actual_bytes:gib} GiB for CUDAGraph memory", releases=(ALL[0], V("0.26.0")),
-             cite="w 0.11.0:379-382, 0.20.0:648"),
-    LineKind("summary_usage_consumed", "Actual usage is {total_consumed_bytes:gib} GiB for consumed memory (weights + "
-             "non-torch), {peak_activation_bytes:gib} GiB for peak activation, and {cudagraph_actual_bytes:gib} GiB "
-             "for CUDAGraph memory", releases=(V("0.27.0"), None), cite="w 0.27.0:774-777, 0.34.0:1160-1163"),
-    LineKind("summary_kv_in_use", "Current kv cache memory in use is {_kv_in_use:gib} GiB", cite="w 0.11.0:389, 0.27.0:784, 0.34.0:1170"),
+    LineKind(
+        "startup_summary",
+        "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
+        "on startup. Desired GPU memory utilization is ({gpu_memory_utilization:float}, "
+        "{requested_memory_bytes:gib} GiB)",
+        cite="w 0.11.0:372-378, 0.27.0:768-773, 0.34.0:1154-1159 (first release not known: no narrowing)",
+    ),
+    LineKind(
+        "summary_usage_peak",
+        "Actual usage is {weights_bytes:gib} GiB for weight, {peak_activation_bytes:gib} GiB "
+        "for peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, and "
+        "{cudagraph_actual_bytes:gib} GiB for CUDAGraph memory",
+        releases=(ALL[0], V("0.26.0")),
+        cite="w 0.11.0:379-382, 0.20.0:648",
+    ),
+    LineKind(
+        "summary_usage_consumed",
+        "Actual usage is {total_consumed_bytes:gib} GiB for consumed memory (weights + "
+        "non-torch), {peak_activation_bytes:gib} GiB for peak activation, and {cudagraph_actual_bytes:gib} GiB "
+        "for CUDAGraph memory",
+        releases=(V("0.27.0"), None),
+        cite="w 0.27.0:774-777, 0.34.0:1160-1163",
+    ),
+    LineKind(
+        "summary_kv_in_use",
+        "Current kv cache memory in use is {_kv_in_use:gib} GiB",
+        cite="w 0.11.0:389, 0.27.0:784, 0.34.0:1170",
+    ),
     # vllm-ascend's NPUWorker summary (vllm-project/vllm-ascend PR #8289, real r06).
-    LineKind("ascend_summary", "Actual usage: {weights_bytes:gib} GiB for weights, {peak_activation_bytes:gib} GiB for "
-             "peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, {cudagraph_actual_bytes:gib} GiB "
-             "for NPU graph memory", project="vllm-ascend", cite="vllm_ascend/worker/worker.py (PR #8289, 2026-04)"),
+    LineKind(
+        "ascend_summary",
+        "Actual usage: {weights_bytes:gib} GiB for weights, {peak_activation_bytes:gib} GiB for "
+        "peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, {cudagraph_actual_bytes:gib} GiB "
+        "for NPU graph memory",
+        project="vllm-ascend",
+        cite="vllm_ascend/worker/worker.py (PR #8289, 2026-04)",
+    ),
     # Refusals: the worker stops before or instead of allocating the KV cache.
-    LineKind("refusal_free", "Free memory on device (…{init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
-             "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
-             "{requested_memory_bytes:gib} GiB)", releases=(V("0.9.1"), V("0.13.0")), also=_refusal("free_memory"),
-             cite="w 0.11.0:186-194, 0.12.0:240-246, 0.13.0:248-254 (no device name; 0.14 names it)"),
-    LineKind("refusal_free", "Free memory on device cuda:…({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
-             "on startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
-             "{requested_memory_bytes:gib} GiB)", releases=(V("0.14.0"), None), also=_refusal("free_memory"),
-             cite="wu 0.14.0:262-268, 0.34.0:789-796 'Free memory on device {device_}'"),
-    LineKind("refusal_free", "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
-             "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
-             "{requested_memory_bytes:gib} GiB)", also=_refusal("free_memory"), cite="any device name (npu:0, xpu:0)"),
-    LineKind("refusal_profiling", "Error in memory profiling. Initial free memory {init_free_memory_bytes:gib} GiB, "
-             "current free memory {_free_after_profile:gib} GiB", also=_refusal("profiling_error"),
-             cite="w 0.11.0:271-276, 0.27.0:535-544, 0.34.0:755-760 (the assertion)"),
-    LineKind("refusal_no_kv", "No available memory for the cache blocks", also=_refusal("no_kv_memory"),
-             cite="v1/core/kv_cache_utils.py 0.11.0:699, 0.27.0:759; kv_cache_planning.py 0.34.0:108"),
-    LineKind("refusal_seq_len", "The model's max seq len ({max_model_len:int}) is larger than the maximum number of "
-             "tokens that can be stored in KV cache ({kv_cache_tokens:int})", releases=(V("0.6.4"), V("0.8.4")),
-             also=_refusal("max_seq_len"), cite="worker/worker.py 0.6.4 raise_if_cache_size_invalid"),
-    LineKind("refusal_seq_len_v1", "To serve at least one request with the models's max seq len ({max_model_len:int}), "
-             "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
-             "memory ({_available_refused:gib} GiB)", releases=(V("0.8.0"), V("0.26.0")),
-             also=_refusal("max_seq_len"), cite="v1/core/kv_cache_utils.py 0.11.0:716-720, 0.20.0:715-718"),
-    LineKind("refusal_seq_len_v1", "To serve at least one request with the model's max seq len ({max_model_len:int}), "
-             "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
-             "memory ({_available_refused:gib} GiB)", releases=(V("0.27.0"), None),
-             also=_refusal("max_seq_len"), cite="v1/core/kv_cache_utils.py 0.27.0:779-782; kv_cache_planning.py "
-                                                "0.34.0:125-128"),
+    LineKind(
+        "refusal_free",
+        "Free memory on device (…{init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
+        "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+        "{requested_memory_bytes:gib} GiB)",
+        releases=(V("0.9.1"), V("0.13.0")),
+        also=_refusal("free_memory"),
+        cite="w 0.11.0:186-194, 0.12.0:240-246, 0.13.0:248-254 (no device name; 0.14 names it)",
+    ),
+    LineKind(
+        "refusal_free",
+        "Free memory on device cuda:…({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
+        "on startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+        "{requested_memory_bytes:gib} GiB)",
+        releases=(V("0.14.0"), None),
+        also=_refusal("free_memory"),
+        cite="wu 0.14.0:262-268, 0.34.0:789-796 'Free memory on device {device_}'",
+    ),
+    LineKind(
+        "refusal_free",
+        "Free memory on device …({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
+        "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
+        "{requested_memory_bytes:gib} GiB)",
+        also=_refusal("free_memory"),
+        cite="any device name (npu:0, xpu:0)",
+    ),
+    LineKind(
+        "refusal_profiling",
+        "Error in memory profiling. Initial free memory {init_free_memory_bytes:gib} GiB, "
+        "current free memory {_free_after_profile:gib} GiB",
+        also=_refusal("profiling_error"),
+        cite="w 0.11.0:271-276, 0.27.0:535-544, 0.34.0:755-760 (the assertion)",
+    ),
+    LineKind(
+        "refusal_no_kv",
+        "No available memory for the cache blocks",
+        also=_refusal("no_kv_memory"),
+        cite="v1/core/kv_cache_utils.py 0.11.0:699, 0.27.0:759; kv_cache_planning.py 0.34.0:108",
+    ),
+    LineKind(
+        "refusal_seq_len",
+        "The model's max seq len ({max_model_len:int}) is larger than the maximum number of "
+        "tokens that can be stored in KV cache ({kv_cache_tokens:int})",
+        releases=(V("0.6.4"), V("0.8.4")),
+        also=_refusal("max_seq_len"),
+        cite="worker/worker.py 0.6.4 raise_if_cache_size_invalid",
+    ),
+    LineKind(
+        "refusal_seq_len_v1",
+        "To serve at least one request with the models's max seq len ({max_model_len:int}), "
+        "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
+        "memory ({_available_refused:gib} GiB)",
+        releases=(V("0.8.0"), V("0.26.0")),
+        also=_refusal("max_seq_len"),
+        cite="v1/core/kv_cache_utils.py 0.11.0:716-720, 0.20.0:715-718",
+    ),
+    LineKind(
+        "refusal_seq_len_v1",
+        "To serve at least one request with the model's max seq len ({max_model_len:int}), "
+        "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
+        "memory ({_available_refused:gib} GiB)",
+        releases=(V("0.27.0"), None),
+        also=_refusal("max_seq_len"),
+        cite="v1/core/kv_cache_utils.py 0.27.0:779-782; kv_cache_planning.py 0.34.0:125-128",
+    ),
     # The same refusal cut short or re-wrapped by a paste: its first words and the model length are enough (their
     # wording, "models's" or "model's", still tells the releases apart).
-    LineKind("refusal_seq_len_v1", "To serve at least one request with the models's max seq len ({max_model_len:int})",
-             releases=(V("0.8.0"), V("0.26.0")), also=_refusal("max_seq_len"),
-             cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.20.0:715 (the message's start)"),
-    LineKind("refusal_seq_len_v1", "To serve at least one request with the model's max seq len ({max_model_len:int})",
-             releases=(V("0.27.0"), None), also=_refusal("max_seq_len"),
-             cite="v1/core/kv_cache_utils.py 0.27.0:779; kv_cache_planning.py 0.34.0:125 (the message's start)"),
-    LineKind("refusal_seq_len_v1", "To serve at least one request with the model…max seq len ({max_model_len:int})",
-             releases=(V("0.8.0"), None), also=_refusal("max_seq_len"),
-             cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)"),
+    LineKind(
+        "refusal_seq_len_v1",
+        "To serve at least one request with the models's max seq len ({max_model_len:int})",
+        releases=(V("0.8.0"), V("0.26.0")),
+        also=_refusal("max_seq_len"),
+        cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.20.0:715 (the message's start)",
+    ),
+    LineKind(
+        "refusal_seq_len_v1",
+        "To serve at least one request with the model's max seq len ({max_model_len:int})",
+        releases=(V("0.27.0"), None),
+        also=_refusal("max_seq_len"),
+        cite="v1/core/kv_cache_utils.py 0.27.0:779; kv_cache_planning.py 0.34.0:125 (the message's start)",
+    ),
+    LineKind(
+        "refusal_seq_len_v1",
+        "To serve at least one request with the model…max seq len ({max_model_len:int})",
+        releases=(V("0.8.0"), None),
+        also=_refusal("max_seq_len"),
+        cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)",
+    ),
     # The maximum model length the engine settled on (config/model.py 0.11.0:1510, 0.34.0:2214).
     # The first one is the served model's: a speculative draft's config logs its own after it
     # (v1/worker/gpu/spec_decode/speculator_config.py 0.34.0:191).
-    LineKind("max_model_len", "Using max model len {_settled_len:int}$", also=_first_settled_len,
-             cite="config/model.py 0.11.0:1510 'Using max model len %s', 0.34.0:2214"),
+    LineKind(
+        "max_model_len",
+        "Using max model len {_settled_len:int}$",
+        also=_first_settled_len,
+        cite="config/model.py 0.11.0:1510 'Using max model len %s', 0.34.0:2214",
+    ),
     # The engine's arguments as given ("non-default args: {'model': …, 'max_model_len': 4096, …}"): what was
     # asked, taken only where no line states what the engine settled on.
-    LineKind("non_default_args", "non-default args: {…'max_model_len': {_args_len:int}",
-             cite="entrypoints/utils.py log_non_default_args 0.10.0+"),
-    LineKind("non_default_args", "non-default args: {…'gpu_memory_utilization': {_args_util:float}",
-             cite="entrypoints/utils.py log_non_default_args 0.10.0+"),
+    LineKind(
+        "non_default_args",
+        "non-default args: {…'max_model_len': {_args_len:int}",
+        cite="entrypoints/utils.py log_non_default_args 0.10.0+",
+    ),
+    LineKind(
+        "non_default_args",
+        "non-default args: {…'gpu_memory_utilization': {_args_util:float}",
+        cite="entrypoints/utils.py log_non_default_args 0.10.0+",
+    ),
     # vllm-ascend's platform sets 128-token blocks: "Block size is set to 128 if prefix cache or chunked
     # prefill is enabled." (vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404; not in 0.11.0); vLLM has
     # no such line (0.34.0).
-    LineKind("block_size", "Block size is set to {block_size:int}",
-             cite="vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404"),
+    LineKind(
+        "block_size",
+        "Block size is set to {block_size:int}",
+        cite="vllm_ascend/utils.py 0.14.0rc1:1141, 0.23.0.post1:1404",
+    ),
     # Hybrid (mamba + attention) models: the attention block size vLLM chose, in tokens.
-    LineKind("block_size", "Setting attention block size to {block_size:int} tokens",
-             cite="model_executor/models/config.py 0.11.0:377, 0.14.0:477; platforms/interface.py 0.20.0:607, "
-                  "0.34.0:1121; platforms/xpu.py 0.34.0:519"),
-    LineKind("free_on_startup", "Free memory on device (…/{total_memory_bytes:gib} GiB) on startup. Desired GPU memory "
-             "utilization is ({gpu_memory_utilization:float}", cite="w 0.11.0:372-377"),
+    LineKind(
+        "block_size",
+        "Setting attention block size to {block_size:int} tokens",
+        cite="model_executor/models/config.py 0.11.0:377, 0.14.0:477; platforms/interface.py 0.20.0:607, "
+        "0.34.0:1121; platforms/xpu.py 0.34.0:519",
+    ),
+    LineKind(
+        "free_on_startup",
+        "Free memory on device (…/{total_memory_bytes:gib} GiB) on startup. Desired GPU memory "
+        "utilization is ({gpu_memory_utilization:float}",
+        cite="w 0.11.0:372-377",
+    ),
     # V0's worker (worker/worker.py): its lines pin the V0 row (the V0 engine stayed selectable
     # until 0.10, but kvguard's table follows each release's default engine).
-    LineKind("v0_can_use", "can use total_gpu_memory ({total_memory_bytes:gib}GiB) x gpu_memory_utilization "
-             "({gpu_memory_utilization:float})",
-             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0 determine_num_available_blocks"),
-    LineKind("v0_requested", "x gpu_memory_utilization ({_v0_util:float}) = {requested_memory_bytes:gib}GiB",
-             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
-    LineKind("v0_breakdown", "model weights take {weights_bytes:gib}GiB; non_torch_memory takes {non_torch_increase_bytes:gib}GiB; "
-             "PyTorch activation peak memory takes {peak_allocated_increase_bytes:gib}GiB; the rest of the memory "
-             "reserved for KV Cache is {_available_profiled:gib}GiB",
-             releases=(V("0.6.6"), V("0.8.4")), cite="worker/worker.py 0.7.0"),
+    LineKind(
+        "v0_can_use",
+        "can use total_gpu_memory ({total_memory_bytes:gib}GiB) x gpu_memory_utilization "
+        "({gpu_memory_utilization:float})",
+        releases=(V("0.6.6"), V("0.8.4")),
+        cite="worker/worker.py 0.7.0 determine_num_available_blocks",
+    ),
+    LineKind(
+        "v0_requested",
+        "x gpu_memory_utilization ({_v0_util:float}) = {requested_memory_bytes:gib}GiB",
+        releases=(V("0.6.6"), V("0.8.4")),
+        cite="worker/worker.py 0.7.0",
+    ),
+    LineKind(
+        "v0_breakdown",
+        "model weights take {weights_bytes:gib}GiB; non_torch_memory takes {non_torch_increase_bytes:gib}GiB; "
+        "PyTorch activation peak memory takes {peak_allocated_increase_bytes:gib}GiB; the rest of the memory "
+        "reserved for KV Cache is {_available_profiled:gib}GiB",
+        releases=(V("0.6.6"), V("0.8.4")),
+        cite="worker/worker.py 0.7.0",
+    ),
     # 0.6.5's "Memory profiling results:" table, one figure a line (PR #10511, real r01/r38).
-    *(LineKind("v0_table", f"] {figure}$", releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243")
-      for figure in ("total_gpu_memory {total_memory_bytes:gib}GiB",
-                     "gpu_memory_utilization {gpu_memory_utilization:float}",
-                     "the current vLLM instance can use {requested_memory_bytes:gib}GiB",
-                     "model weights take {weights_bytes:gib}GiB",
-                     "non_torch_memory {non_torch_increase_bytes:gib}GiB",
-                     "PyTorch activation peak memory {peak_allocated_increase_bytes:gib}GiB",
-                     "available_kv_cache_memory {_available_profiled:gib}GiB")),
-    LineKind("v0_results", "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
-             "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
-             "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
-             releases=(V("0.6.4"), V("0.6.4")), cite="worker/worker.py 0.6.4:232-243"),
+    *(
+        LineKind("v0_table", f"] {figure}$", releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243")
+        for figure in (
+            "total_gpu_memory {total_memory_bytes:gib}GiB",
+            "gpu_memory_utilization {gpu_memory_utilization:float}",
+            "the current vLLM instance can use {requested_memory_bytes:gib}GiB",
+            "model weights take {weights_bytes:gib}GiB",
+            "non_torch_memory {non_torch_increase_bytes:gib}GiB",
+            "PyTorch activation peak memory {peak_allocated_increase_bytes:gib}GiB",
+            "available_kv_cache_memory {_available_profiled:gib}GiB",
+        )
+    ),
+    LineKind(
+        "v0_results",
+        "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
+        "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
+        "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
+        releases=(V("0.6.4"), V("0.6.4")),
+        cite="worker/worker.py 0.6.4:232-243",
+    ),
     # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
     # Anchored on the device word, not on "#": a paste that lost the first "#" must not read the CPU count.
-    LineKind("v0_blocks", "GPU blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
-             cite="executor/gpu_executor.py 0.6.4:113; v1/core/kv_cache_utils.py 0.7.1:395 (real r19)"),
-    *(LineKind("v0_blocks", f"{device} blocks: {{num_gpu_blocks:int}}", releases=(V("0.6.4"), V("0.8.4")),
-               cite="executor/executor_base.py 0.7.0:110 '# %s blocks'") for device in ("cuda", "CUDA")),
-    LineKind("v0_blocks", "npu blocks: {num_gpu_blocks:int}", releases=(V("0.6.4"), V("0.8.4")),
-             cite="executor/executor_base.py 0.8.5:112 on vllm-ascend (real r20)"),
+    LineKind(
+        "v0_blocks",
+        "GPU blocks: {num_gpu_blocks:int}",
+        releases=(V("0.6.4"), V("0.8.4")),
+        cite="executor/gpu_executor.py 0.6.4:113; v1/core/kv_cache_utils.py 0.7.1:395 (real r19)",
+    ),
+    *(
+        LineKind(
+            "v0_blocks",
+            f"{device} blocks: {{num_gpu_blocks:int}}",
+            releases=(V("0.6.4"), V("0.8.4")),
+            cite="executor/executor_base.py 0.7.0:110 '# %s blocks'",
+        )
+        for device in ("cuda", "CUDA")
+    ),
+    LineKind(
+        "v0_blocks",
+        "npu blocks: {num_gpu_blocks:int}",
+        releases=(V("0.6.4"), V("0.8.4")),
+        cite="executor/executor_base.py 0.8.5:112 on vllm-ascend (real r20)",
+    ),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
-    LineKind("ascend_available", "Available memory: {_available_profiled:int}, total memory: {total_memory_bytes:int}",
-             project="vllm-ascend",
-             cite="vllm_ascend/worker/worker_v1.py 0.11.0:257; worker.py 0.13.0:309"),
-    LineKind("ascend_halved", "(halved for workspace)", project="vllm-ascend-310p", also=_halved,
-             cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:118-122 NPUWorker310 (0.21.0rc1+)"),
+    LineKind(
+        "ascend_available",
+        "Available memory: {_available_profiled:int}, total memory: {total_memory_bytes:int}",
+        project="vllm-ascend",
+        cite="vllm_ascend/worker/worker_v1.py 0.11.0:257; worker.py 0.13.0:309",
+    ),
+    LineKind(
+        "ascend_halved",
+        "(halved for workspace)",
+        project="vllm-ascend-310p",
+        also=_halved,
+        cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:118-122 NPUWorker310 (0.21.0rc1+)",
+    ),
     # NPUWorker310's own lines (what vllm-ascend runs on a 310P): the ATB warm-up it skips, at every release
     # (worker_310p.py 0.14.0rc1:37, 0.17.0rc1:52, 0.18.0:109, 0.23.0.post1:127), and from 0.18 its own budget line.
-    LineKind("ascend_310p", "Skip warm-up atb ops for 310P device", project="vllm-ascend-310p",
-             cite="vllm_ascend/_310p/worker_310p.py 0.17.0rc1:52, 0.23.0.post1:127"),
-    LineKind("ascend_310p", "Using NPUWorker310 and NPUModelRunner310", project="vllm-ascend-310p",
-             cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:40"),
-    LineKind("ascend_310p_available", "worker_310p.py:…] Available KV cache memory: {_available_profiled:gib} GiB",
-             project="vllm-ascend-310p", cite="vllm_ascend/_310p/worker_310p.py 0.18.0:100-104, 0.23.0.post1:118-122"),
+    LineKind(
+        "ascend_310p",
+        "Skip warm-up atb ops for 310P device",
+        project="vllm-ascend-310p",
+        cite="vllm_ascend/_310p/worker_310p.py 0.17.0rc1:52, 0.23.0.post1:127",
+    ),
+    LineKind(
+        "ascend_310p",
+        "Using NPUWorker310 and NPUModelRunner310",
+        project="vllm-ascend-310p",
+        cite="vllm_ascend/_310p/worker_310p.py 0.23.0.post1:40",
+    ),
+    LineKind(
+        "ascend_310p_available",
+        "worker_310p.py:…] Available KV cache memory: {_available_profiled:gib} GiB",
+        project="vllm-ascend-310p",
+        cite="vllm_ascend/_310p/worker_310p.py 0.18.0:100-104, 0.23.0.post1:118-122",
+    ),
     # The platform plugin a log names tells vllm-ascend and vllm-mindspore apart from vLLM. vllm-mindspore
     # 0.5 has no platform plugin: its own logger names it (issue 24: "vllm-mindspore[logger.py:75]").
-    LineKind("platform_plugin", "-> vllm_mindspore:", project="vllm-mindspore",
-             cite="vllm/plugins/__init__.py 'Available plugins for group vllm.platform_plugins'"),
+    LineKind(
+        "platform_plugin",
+        "-> vllm_mindspore:",
+        project="vllm-mindspore",
+        cite="vllm/plugins/__init__.py 'Available plugins for group vllm.platform_plugins'",
+    ),
     LineKind("platform_plugin", "-> vllm_ascend:", project="vllm-ascend"),
-    LineKind("mindspore_logger", "vllm-mindspore[", project="vllm-mindspore",
-             cite="vllm_mindspore/logger.py 0.5.1:33-34,73-75 the 'vllm-mindspore[%(filename)s:%(lineno)d]' prefix"),
+    LineKind(
+        "mindspore_logger",
+        "vllm-mindspore[",
+        project="vllm-mindspore",
+        cite="vllm_mindspore/logger.py 0.5.1:33-34,73-75 the 'vllm-mindspore[%(filename)s:%(lineno)d]' prefix",
+    ),
 )
 
 # The kinds by their first literal: a line holding none of these cannot match any template.
 _BY_ANCHOR: tuple[tuple[str, tuple[LineKind, ...]], ...] = tuple(
-    (anchor, tuple(k for k in KINDS if k.anchor == anchor)) for anchor in dict.fromkeys(k.anchor for k in KINDS))
+    (anchor, tuple(k for k in KINDS if k.anchor == anchor)) for anchor in dict.fromkeys(k.anchor for k in KINDS)
+)
 # Whether a line holds any template's first words, in one scan: most lines of a log hold none, and a line of
 # MAX_LINE_CHARS then costs one pass, not one per anchor. Longest first, so a longer anchor is not hidden.
 _ANY_ANCHOR = re.compile("|".join(re.escape(a) for a, _ in sorted(_BY_ANCHOR, key=lambda item: -len(item[0]))))
@@ -499,13 +755,15 @@ def _gate_words(words: tuple[str, ...], phrases: Iterable[str]) -> tuple[str, ..
 
 # The anchors' words, each anchor with the first word it holds: a line is searched for the anchors whose word
 # it holds, in _BY_ANCHOR's order, not for all of them.
-_ANCHOR_WORDS = _gate_words(("emory", "odel", "lock", "cache", "vllm", "Actual", "curren", "work", "-default",
-                             "finished", "warm-up"), (a for a, _ in _BY_ANCHOR))
+_ANCHOR_WORDS = _gate_words(
+    ("emory", "odel", "lock", "cache", "vllm", "Actual", "curren", "work", "-default", "finished", "warm-up"),
+    (a for a, _ in _BY_ANCHOR),
+)
 _GATED_ANCHORS = tuple((next(w for w in _ANCHOR_WORDS if w in anchor), anchor, kinds) for anchor, kinds in _BY_ANCHOR)
 _CANDIDATES: dict[tuple[str, ...], tuple[tuple[str, tuple["LineKind", ...]], ...]] = {}
 MAX_CANDIDATE_SETS = 4096
 # Two characters a hard wrap can split an anchor between: the last of one line and the first of the next.
-_ANCHOR_PAIRS = frozenset(a[i:i + 2] for a, _ in _BY_ANCHOR for i in range(len(a) - 1))
+_ANCHOR_PAIRS = frozenset(a[i : i + 2] for a, _ in _BY_ANCHOR for i in range(len(a) - 1))
 
 
 def _anchors_in(line: str) -> tuple[tuple[str, tuple["LineKind", ...]], ...]:
@@ -517,22 +775,63 @@ def _anchors_in(line: str) -> tuple[tuple[str, tuple["LineKind", ...]], ...]:
     if found is None:
         if len(_CANDIDATES) >= MAX_CANDIDATE_SETS:
             _CANDIDATES.clear()
-        found = _CANDIDATES[present] = tuple((anchor, kinds) for word, anchor, kinds in _GATED_ANCHORS
-                                             if word in present)
+        found = _CANDIDATES[present] = tuple(
+            (anchor, kinds) for word, anchor, kinds in _GATED_ANCHORS if word in present
+        )
     return found
+
+
 # Words that only an Ascend engine's log holds (its device, its worker files, its package).
-_ASCEND_WORDS = ("vllm_ascend", "vllm-ascend", "NPU out of memory", "npu blocks", "NPU graph memory", "NPUWorker",
-                 "worker_v1.py", "model_runner_v1.py", "ASCEND_RT_VISIBLE_DEVICES", "PYTORCH_NPU_ALLOC_CONF",
-                 "Block size is set to 128")
+_ASCEND_WORDS = (
+    "vllm_ascend",
+    "vllm-ascend",
+    "NPU out of memory",
+    "npu blocks",
+    "NPU graph memory",
+    "NPUWorker",
+    "worker_v1.py",
+    "model_runner_v1.py",
+    "ASCEND_RT_VISIBLE_DEVICES",
+    "PYTORCH_NPU_ALLOC_CONF",
+    "Block size is set to 128",
+)
 _MINDSPORE_WORDS = ("vllm_mindspore", "vllm-mindspore", "mindspore")
-_ASCEND_GATE = ("NPU", "blocks", "scend", "ASCEND", "_v1.py", "Block")   # each of _ASCEND_WORDS holds one
+_ASCEND_GATE = ("NPU", "blocks", "scend", "ASCEND", "_v1.py", "Block")  # each of _ASCEND_WORDS holds one
 # A line's words that may change what the reader knows, beyond the anchors (its hints, an OOM and the step it
 # happened in, a pasted command line, a written-out escape sequence). A stretch of lines holding none of these
 # (nor a date, :data:`_DATE_START`) changes nothing but the line count, once the wordings are no longer looked up.
-_QUIET_WORDS = _gate_words(("emory", "odel", "cache", "lock", "aptur", "vllm", "request", "Actual", "curren", "warm",
-                            "_run", "work", "executin", "lize_fro", "plicatio", "-default", "POST", "\x1b[", "^[["),
-                           (*(a for a, _ in _BY_ANCHOR), *(w for w, _ in STEP_WORDS), "out of memory",
-                            "OutOfMemoryError", ERROR_IN_METHOD, "--max-model-len", "--gpu-memory-utilization"))
+_QUIET_WORDS = _gate_words(
+    (
+        "emory",
+        "odel",
+        "cache",
+        "lock",
+        "aptur",
+        "vllm",
+        "request",
+        "Actual",
+        "curren",
+        "warm",
+        "_run",
+        "work",
+        "executin",
+        "lize_fro",
+        "plicatio",
+        "-default",
+        "POST",
+        "\x1b[",
+        "^[[",
+    ),
+    (
+        *(a for a, _ in _BY_ANCHOR),
+        *(w for w, _ in STEP_WORDS),
+        "out of memory",
+        "OutOfMemoryError",
+        ERROR_IN_METHOD,
+        "--max-model-len",
+        "--gpu-memory-utilization",
+    ),
+)
 _QUIET_WORDS_UNTIL = (
     # (hint, the words that may change it, whether it is settled)
     ("tags", (".py:",), lambda r: r.tagged >= MAX_TAGGED_LINES),
@@ -546,7 +845,7 @@ _DATE_START = re.compile(r"20[2-9][0-9]-")
 # Lines are read a stretch of about this many characters at a time; a quiet stretch is counted, not read.
 STRETCH_CHARS = 4096
 MIN_STRETCH_CHARS = 64
-MIN_STRETCH_LINES = 16     # fewer lines than this are read one by one, not looked at in smaller stretches
+MIN_STRETCH_LINES = 16  # fewer lines than this are read one by one, not looked at in smaller stretches
 # The kinds some era row lists: the others (refusals, OOMs, block sizes) narrow nothing on a platform.
 _ROW_KINDS = frozenset(k for e in eras.ERAS for k in e.log_lines) | {k.name for k in KINDS if k.project}
 
@@ -555,9 +854,9 @@ _ROW_KINDS = frozenset(k for e in eras.ERAS for k in e.log_lines) | {k.name for 
 class StartupLog:
     """What one startup log says. Sizes in bytes; log sizes carry vLLM's 0.01 GiB rounding."""
 
-    era: str | None = None                       # the era table row the lines pin down, if one
-    era_candidates: tuple[str, ...] = ()         # every row consistent with the lines seen
-    era_reason: str = ""                         # why that row, or why not one
+    era: str | None = None  # the era table row the lines pin down, if one
+    era_candidates: tuple[str, ...] = ()  # every row consistent with the lines seen
+    era_reason: str = ""  # why that row, or why not one
     project: str = "vllm"
     total_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
@@ -566,24 +865,24 @@ class StartupLog:
     weights_bytes: int | None = None
     peak_allocated_increase_bytes: int | None = None
     non_torch_increase_bytes: int | None = None
-    non_torch_memory_bytes: int | None = None    # the summary's non-torch memory (absolute, after the profile)
+    non_torch_memory_bytes: int | None = None  # the summary's non-torch memory (absolute, after the profile)
     non_kv_cache_bytes: int | None = None
     total_consumed_bytes: int | None = None
-    peak_activation_bytes: int | None = None     # the summary's peak activation
-    cudagraph_memory_bytes: int | None = None    # what vLLM subtracted for CUDA graphs
+    peak_activation_bytes: int | None = None  # the summary's peak activation
+    cudagraph_memory_bytes: int | None = None  # what vLLM subtracted for CUDA graphs
     cudagraph_estimate_bytes: int | None = None  # the estimate, applied or not
-    cudagraph_actual_bytes: int | None = None    # what capturing took
-    kv_cache_memory_bytes: int | None = None     # --kv-cache-memory-bytes, as the log states it
-    peak_torch_memory_bytes: int | None = None   # 0.6.4: weights + activation peak together
+    cudagraph_actual_bytes: int | None = None  # what capturing took
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes, as the log states it
+    peak_torch_memory_bytes: int | None = None  # 0.6.4: weights + activation peak together
     available_kv_cache_bytes: int | None = None  # what vLLM decided
-    needed_kv_cache_bytes: int | None = None     # a max-seq-len refusal: what one request needs
+    needed_kv_cache_bytes: int | None = None  # a max-seq-len refusal: what one request needs
     num_gpu_blocks: int | None = None
     kv_cache_tokens: int | None = None
-    block_size: int | None = None                # tokens per block, where the log states it
+    block_size: int | None = None  # tokens per block, where the log states it
     max_model_len: int | None = None
     max_concurrency: float | None = None
     halved_for_workspace: bool = False
-    refusal: str | None = None                   # free_memory, max_seq_len, no_kv_memory, profiling_error
+    refusal: str | None = None  # free_memory, max_seq_len, no_kv_memory, profiling_error
     ooms: tuple[OomFact, ...] = ()
     lines_matched: int = 0
     kinds_seen: tuple[str, ...] = ()
@@ -627,12 +926,19 @@ class StartupLog:
         """The profile figures the log states, with the formula of its era where the lines pin one (or
         ``formula``, where the caller knows the release: kvguard budget --vllm-version)."""
         formulas = {e.formula for e in eras.ERAS if e.name in self.era_candidates}
-        formula = formula or (formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes
-                                                                          is not None else "peak"))
+        formula = formula or (
+            formulas.pop() if len(formulas) == 1 else ("consumed" if self.total_consumed_bytes is not None else "peak")
+        )
         fields: dict[str, Any] = {"formula": formula}
-        for name in ("total_memory_bytes", "gpu_memory_utilization", "weights_bytes",
-                     "peak_allocated_increase_bytes", "non_torch_increase_bytes", "total_consumed_bytes",
-                     "kv_cache_memory_bytes"):
+        for name in (
+            "total_memory_bytes",
+            "gpu_memory_utilization",
+            "weights_bytes",
+            "peak_allocated_increase_bytes",
+            "non_torch_increase_bytes",
+            "total_consumed_bytes",
+            "kv_cache_memory_bytes",
+        ):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.peak_torch_memory_bytes is not None and self.peak_allocated_increase_bytes is None:
@@ -647,8 +953,9 @@ class StartupLog:
         elif self.total_consumed_bytes is not None and self.peak_activation_bytes is not None:
             # The summary's peak activation is the transient headroom plus the applied graph estimate
             # (w 0.27.0:527-529).
-            fields["transient_peak_headroom_bytes"] = max(0, self.peak_activation_bytes
-                                                          - (self.cudagraph_memory_bytes or 0))
+            fields["transient_peak_headroom_bytes"] = max(
+                0, self.peak_activation_bytes - (self.cudagraph_memory_bytes or 0)
+            )
         if FORMULAS[formula].cudagraph:
             fields["cudagraph_memory_bytes"] = self.cudagraph_memory_bytes or 0
         if FORMULAS[formula].peak == "reserved" and "peak_allocated_increase_bytes" in fields:
@@ -715,7 +1022,7 @@ def _continuation(line: str) -> str:
     """A following line without its own log prefix (and a paste's quote or indent)."""
     stripped = line.lstrip(" >")
     match = _RECORD_PREFIX.match(stripped)
-    return stripped[match.end():] if match else stripped
+    return stripped[match.end() :] if match else stripped
 
 
 class _Reader:
@@ -726,15 +1033,23 @@ class _Reader:
         self.matched = 0
         # The kinds matched, each once (in the order first matched): a flood of one line keeps one entry.
         self.seen: dict[int, LineKind] = {}
-        self.hints: dict[str, Any] = {"tags": set(), "ascend": False, "mindspore": False, "engine_core": False,
-                                      "source_tags": set(), "frames": set(), "wordings": set(), "logged_on": None,
-                                      "versions": set()}
+        self.hints: dict[str, Any] = {
+            "tags": set(),
+            "ascend": False,
+            "mindspore": False,
+            "engine_core": False,
+            "source_tags": set(),
+            "frames": set(),
+            "wordings": set(),
+            "logged_on": None,
+            "versions": set(),
+        }
         self.ooms: list[OomFact] = []
         # Templates begun but not finished: the line number, the line, the next lines joined to it so far, each
         # kind with the reach of its failure (LineKind.match_reach), the line's length.
         self.pending: list[tuple[int, str, tuple[str, ...], list[tuple[LineKind, int]], int]] = []
         self.previous_tail = ""
-        self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)   # where an OOM's step is looked for
+        self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)  # where an OOM's step is looked for
         self.tagged = 0
         self.wording_misses = 0
         self.untagged_misses = 0
@@ -753,7 +1068,7 @@ class _Reader:
     def feed(self, number: int, raw: str) -> None:
         if len(raw) > MAX_LINE_CHARS:
             return
-        kept = len(raw) <= MAX_CACHED_LINE_CHARS       # a longer line is not hashed, nor kept
+        kept = len(raw) <= MAX_CACHED_LINE_CHARS  # a longer line is not hashed, nor kept
         seen = _LINES.get(raw) if kept else None
         if seen is None:
             seen = _Line(raw, number)
@@ -770,8 +1085,7 @@ class _Reader:
         if self.pending:
             self._retry_pending(number, seen.continuation())
         # An anchor cut by a hard wrap has the last character of the line before and this one's first side by side.
-        if self.previous_tail and self.previous_tail[-1] + line[:1] in _ANCHOR_PAIRS \
-                and not seen.prefixed():
+        if self.previous_tail and self.previous_tail[-1] + line[:1] in _ANCHOR_PAIRS and not seen.prefixed():
             self._straddled(number, line)
         self.previous_tail = seen.tail
         if not seen.attempts:
@@ -803,10 +1117,14 @@ class _Reader:
             oom = read_oom(line, number)
             if oom is not None:
                 self.ooms.append(_with_step(oom, self._step()))
-        if self.ooms and self.ooms[-1].step is None and seen.error_in_method \
-                and number - self.ooms[-1].line <= STEP_WINDOW_LINES:
+        if (
+            self.ooms
+            and self.ooms[-1].step is None
+            and seen.error_in_method
+            and number - self.ooms[-1].line <= STEP_WINDOW_LINES
+        ):
             # The step no line before the OOM showed, named after its traceback by the method it failed in.
-            method = line[line.index(ERROR_IN_METHOD) + len(ERROR_IN_METHOD):].partition("'")[0]
+            method = line[line.index(ERROR_IN_METHOD) + len(ERROR_IN_METHOD) :].partition("'")[0]
             self.ooms[-1] = _with_step(self.ooms[-1], step_in(method))
         if seen.command:
             self._command_line(line)
@@ -827,7 +1145,7 @@ class _Reader:
             stretch = text[start:stop]
             count = stretch.count("\n") + 1
             if self._quiet(number, stretch):
-                self._skip(count, stretch[stretch.rfind("\n") + 1:].rstrip("\r"))
+                self._skip(count, stretch[stretch.rfind("\n") + 1 :].rstrip("\r"))
                 number += count
             elif count > MIN_STRETCH_LINES and size > MIN_STRETCH_CHARS:
                 # A word in a stretch of many lines: its quiet parts are still counted, not read.
@@ -862,7 +1180,7 @@ class _Reader:
 
     def _skip(self, count: int, last: str) -> None:
         """``count`` quiet lines, ``last`` the last of them: what feeding them would have done."""
-        self.recent.extend(repeat("", min(count, STEP_WINDOW_LINES)))   # no step word in them
+        self.recent.extend(repeat("", min(count, STEP_WINDOW_LINES)))  # no step word in them
         line = _clean(last)
         self.previous_tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
 
@@ -888,7 +1206,7 @@ class _Reader:
             parts = (first, *tails, tail)
             joined: list[str] | None = None
             left = []
-            again: dict[str, bool] = {}     # by anchor: kinds sharing one ask once
+            again: dict[str, bool] = {}  # by anchor: kinds sharing one ask once
             for kind, reach in kinds:
                 # One that failed within the first line fails joined, unless a later part brings its anchor again.
                 if 0 <= reach <= base:
@@ -948,9 +1266,13 @@ class _Reader:
             hints["tags"].add(tag[0])
             if len(hints["source_tags"]) < source_index.MAX_HINTS:
                 hints["source_tags"].add(tag[1])
-        if seen.line and len(hints["wordings"]) < source_index.MAX_HINTS \
-                and self.wording_misses < MAX_WORDING_MISSES and self.untagged_misses < MAX_UNTAGGED_MISSES:
-            key = seen.wording(tag is not None)     # (_wording_open)
+        if (
+            seen.line
+            and len(hints["wordings"]) < source_index.MAX_HINTS
+            and self.wording_misses < MAX_WORDING_MISSES
+            and self.untagged_misses < MAX_UNTAGGED_MISSES
+        ):
+            key = seen.wording(tag is not None)  # (_wording_open)
             if key is not None:
                 hints["wordings"].add(key)
             elif tag is not None or not seen.may_be_words:
@@ -978,8 +1300,11 @@ class _Reader:
                 hints["versions"].add(banner)
 
     def _wording_open(self) -> bool:
-        return len(self.hints["wordings"]) < source_index.MAX_HINTS and self.wording_misses < MAX_WORDING_MISSES \
+        return (
+            len(self.hints["wordings"]) < source_index.MAX_HINTS
+            and self.wording_misses < MAX_WORDING_MISSES
             and self.untagged_misses < MAX_UNTAGGED_MISSES
+        )
 
     def finish(self) -> StartupLog:
         return _finish(self.facts, self.matched, list(self.seen.values()), self.hints, tuple(self.ooms))
@@ -999,9 +1324,29 @@ class _Line:
     it holds): each part the reader may skip (a tag after MAX_TAGGED_LINES, a frame after MAX_HINTS) is read
     the first time it is asked for."""
 
-    __slots__ = ("line", "tag_gap", "_tag", "_wordings", "dated", "frame_gap", "_frame", "ascend", "mindspore",
-                 "engine_core", "banner_gap", "_banner", "oom", "error_in_method", "command", "rare", "hinted",
-                 "_prefixed", "_continuation", "tail", "attempts")
+    __slots__ = (
+        "line",
+        "tag_gap",
+        "_tag",
+        "_wordings",
+        "dated",
+        "frame_gap",
+        "_frame",
+        "ascend",
+        "mindspore",
+        "engine_core",
+        "banner_gap",
+        "_banner",
+        "oom",
+        "error_in_method",
+        "command",
+        "rare",
+        "hinted",
+        "_prefixed",
+        "_continuation",
+        "tail",
+        "attempts",
+    )
 
     def __init__(self, raw: str, number: int) -> None:
         line = self.line = _clean(raw)
@@ -1014,15 +1359,21 @@ class _Line:
             self.dated = dated.group(1) if dated else None
         self.frame_gap = 'File "' in line
         self.ascend = any(map(line.__contains__, _ASCEND_GATE)) and any(map(line.__contains__, _ASCEND_WORDS))
-        self.mindspore = "mindspore" in line      # each of _MINDSPORE_WORDS holds it
+        self.mindspore = "mindspore" in line  # each of _MINDSPORE_WORDS holds it
         self.engine_core = "(EngineCore pid=" in line
         self.banner_gap = "version" in line or "engine (v" in line
         self.oom = is_oom_line(line)
         self.error_in_method = ERROR_IN_METHOD in line
         self.command = "--" in line
         self.rare = self.oom or self.error_in_method or self.command
-        self.hinted = self.dated is not None or self.frame_gap or self.ascend or self.mindspore or self.engine_core \
+        self.hinted = (
+            self.dated is not None
+            or self.frame_gap
+            or self.ascend
+            or self.mindspore
+            or self.engine_core
             or self.banner_gap
+        )
         self.tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
         # Each kind whose anchor the line holds: the facts it states (and their values, :func:`_values`), or
         # None and the reach of its failure (LineKind.match_reach).
@@ -1042,8 +1393,11 @@ class _Line:
         """vLLM's record tag (_TAG): whether it is bracketed, its (file, line), and where the message starts."""
         if self._tag is _UNSEEN:
             match = _TAG.search(self.line)
-            self._tag = None if match is None else (bool(match.group(1) or match.group(2)),
-                                                    (match.group(3), int(match.group(4))), match.end())
+            self._tag = (
+                None
+                if match is None
+                else (bool(match.group(1) or match.group(2)), (match.group(3), int(match.group(4))), match.end())
+            )
         return self._tag
 
     def wording(self, tagged: bool) -> str | None:
@@ -1054,8 +1408,12 @@ class _Line:
             line = self.line
             # Fewer characters than a wording's letters, or bytes that were not UTF-8 (no vLLM message holds
             # U+FFFD): no wording to look up.
-            key = _wording(line, self._tag[2] if tagged else None) if "\ufffd" not in line and \
-                source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS else None
+            key = (
+                _wording(line, self._tag[2] if tagged else None)
+                if "\ufffd" not in line
+                and source_index.MIN_WORDING_LETTERS <= len(line) <= source_index.MAX_WORDING_CHARS
+                else None
+            )
             if key is not None and key not in source_index.known_wordings():
                 key = None
             self._wordings[tagged] = key
@@ -1110,8 +1468,9 @@ def _values(kind: LineKind, found: dict[str, str]) -> tuple[list[tuple[str, Any]
     return values, True, kind.also is None and _KEPT_BY_RULE.isdisjoint(found)
 
 
-def _record_values(kind: LineKind, found: dict[str, str], values: tuple[list[tuple[str, Any]], bool, bool],
-                   f: dict[str, Any]) -> bool:
+def _record_values(
+    kind: LineKind, found: dict[str, str], values: tuple[list[tuple[str, Any]], bool, bool], f: dict[str, Any]
+) -> bool:
     """:func:`_record` of facts already converted (:func:`_values`); False where one did not convert (the facts
     before it recorded, as _record leaves them)."""
     converted, whole, stored = values
@@ -1173,8 +1532,10 @@ def _wording(line: str, message_at: int | None) -> str | None:
     # Keyed by the message after the tag where the tag was found, else by the whole line; each digit made "0"
     # (a wording makes every figure one mark, so the lines of one message with other figures or times share it).
     # (UTF-8 keeps the text apart: no other character's bytes hold an ASCII digit; bytes translate fastest).
-    cached = (message_at is None,
-              (line if message_at is None else line[message_at:]).encode("utf-8", "surrogatepass").translate(_ZEROED))
+    cached = (
+        message_at is None,
+        (line if message_at is None else line[message_at:]).encode("utf-8", "surrogatepass").translate(_ZEROED),
+    )
     key = _WORDINGS.get(cached, "")
     if key == "":
         if len(_WORDINGS) >= MAX_CACHED_WORDINGS:
@@ -1184,8 +1545,10 @@ def _wording(line: str, message_at: int | None) -> str | None:
 
 
 # A flag and its value on a command line: "--max-model-len 32k", "--gpu-memory-utilization=0.95".
-_COMMAND_FLAG = re.compile(r"(?:^|[\s'\"])--(max-model-len|gpu-memory-utilization)[ =]([0-9]{1,9}(?:\.[0-9]{1,6})?[kK]?)"
-                           r"(?=$|[\s'\"\\,])")
+_COMMAND_FLAG = re.compile(
+    r"(?:^|[\s'\"])--(max-model-len|gpu-memory-utilization)[ =]([0-9]{1,9}(?:\.[0-9]{1,6})?[kK]?)"
+    r"(?=$|[\s'\"\\,])"
+)
 
 
 def _model_len(text: str) -> int:
@@ -1220,12 +1583,16 @@ def _project(seen: list[LineKind], hints: dict[str, Any]) -> tuple[str, str]:
     if "vllm-ascend" in projects:
         return "vllm-ascend", "it names vllm-ascend's platform plugin or writes NPUWorker's own line"
     if hints["ascend"]:
-        return "vllm-ascend", "it names the NPU, vllm_ascend or vllm-ascend's worker files, or writes vllm-ascend's words"
+        return (
+            "vllm-ascend",
+            "it names the NPU, vllm_ascend or vllm-ascend's worker files, or writes vllm-ascend's words",
+        )
     return "vllm", ""
 
 
-def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: dict[str, Any],
-            ooms: tuple[OomFact, ...]) -> StartupLog:
+def _finish(
+    facts: dict[str, Any], matched: int, seen: list[LineKind], hints: dict[str, Any], ooms: tuple[OomFact, ...]
+) -> StartupLog:
     project, project_reason = _project(seen, hints)
     decimals = facts.pop("_decimals", {})
     candidates, reason = _candidates(project, seen, decimals, hints)
@@ -1237,8 +1604,10 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
     facts["project"] = project
     # What the engine was asked for, where no line states what it used: the non-default args line, then a
     # pasted command line.
-    for fact, asked in (("max_model_len", ("_args_len", "_cli_len")),
-                        ("gpu_memory_utilization", ("_args_util", "_cli_util"))):
+    for fact, asked in (
+        ("max_model_len", ("_args_len", "_cli_len")),
+        ("gpu_memory_utilization", ("_args_util", "_cli_util")),
+    ):
         values = [facts.pop(name) for name in asked if name in facts]
         if values and facts.get(fact) is None:
             facts[fact] = values[0]
@@ -1274,8 +1643,7 @@ def _finish(facts: dict[str, Any], matched: int, seen: list[LineKind], hints: di
         facts["available_kv_cache_bytes"] = decided
     if facts.get("num_gpu_blocks") is None and warmup_blocks is not None:
         facts["num_gpu_blocks"] = warmup_blocks
-    return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), ooms=ooms,
-                      **facts)
+    return StartupLog(lines_matched=matched, kinds_seen=tuple(dict.fromkeys(k.name for k in seen)), ooms=ooms, **facts)
 
 
 def _text(version: tuple[int, ...] | None) -> str:
@@ -1297,14 +1665,17 @@ def _rows_of_releases(rows: list[eras.Era], releases: Iterable[str | tuple[int, 
     kept = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
-        if any(era.first <= r and (r < end if end is not None else era.last is None or r[:2] <= era.last[:2])
-               for r in found):
+        if any(
+            era.first <= r and (r < end if end is not None else era.last is None or r[:2] <= era.last[:2])
+            for r in found
+        ):
             kept.append(era.name)
     return kept
 
 
-def _same_numbered_rows(project: str, rows: list[eras.Era], hints: dict[str, Any],
-                        among: list[str] | None = None) -> tuple[list[str], str] | None:
+def _same_numbered_rows(
+    project: str, rows: list[eras.Era], hints: dict[str, Any], among: list[str] | None = None
+) -> tuple[list[str], str] | None:
     """For a plugin numbered as vLLM (``_SAME_NUMBERED``): its rows (``among`` them, where given) holding the
     vLLM releases that the log's own vLLM tags and frames fit (``source_index.fit``), and why; None when that
     names none."""
@@ -1336,8 +1707,9 @@ def _stated(project: str, rows: list[eras.Era], versions: set[tuple[int, ...]]) 
     return kept, f"it states vLLM {text} (its version banner){plugin}"
 
 
-def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
-                hints: dict[str, Any]) -> tuple[list[str], str]:
+def _candidates(
+    project: str, seen: list[LineKind], decimals: dict[str, int], hints: dict[str, Any]
+) -> tuple[list[str], str]:
     """The era rows of ``project`` consistent with every hint (vLLM release ranges), and why."""
     rows = [e for e in eras.ERAS if e.project == project]
     # The release the log states outranks every other hint: the rows it names, where it names any.
@@ -1394,8 +1766,10 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
         kinds = ({k.name for k in seen if k.project in own} & _ROW_KINDS) - {"platform_plugin"}
         names = [e.name for e in rows if not e.log_lines or kinds <= set(e.log_lines)]
         if not names:
-            return [], (f"{before_0_5}its lines ({', '.join(sorted(kinds))}) fit no {project} row of the table "
-                        f"(an older or newer release)")
+            return [], (
+                f"{before_0_5}its lines ({', '.join(sorted(kinds))}) fit no {project} row of the table "
+                f"(an older or newer release)"
+            )
         if len(names) == 1:
             return names, f"{before_0_5}only {names[0]} writes {', '.join(sorted(kinds))}"
         why = f"{before_0_5}{', '.join(sorted(kinds))} are written by each of {len(names)} rows"
@@ -1404,15 +1778,16 @@ def _candidates(project: str, seen: list[LineKind], decimals: dict[str, int],
             return plugin[0], f"{why}; {plugin[1]}"
         return names, why
     if hi is not None and hi < lo:
-        return [], "its lines contradict each other (" + ", ".join(dict.fromkeys(
-            f"{n} {_text(f)}–{_text(l)}" for n, f, l in bounds)) + ")"
+        return [], "its lines contradict each other (" + ", ".join(
+            dict.fromkeys(f"{n} {_text(first)}–{_text(last)}" for n, first, last in bounds)
+        ) + ")"
     spans = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
         if (hi is None or era.first <= hi) and (end is None or lo < end):
             spans.append((era, end))
     names = [era.name for era, _ in spans]
-    narrowing = list(dict.fromkeys(f"{n} ({_text(f)}–{_text(l)})" for n, f, l in bounds))
+    narrowing = list(dict.fromkeys(f"{n} ({_text(first)}–{_text(last)})" for n, first, last in bounds))
     # Where the lines came from in vLLM's source (file:line tags, traceback frames, the date logged) names
     # releases, not a range: rows none of them is in are left out, unless that leaves none (the lines' own
     # wording outranks a development build's line numbers).
@@ -1490,8 +1865,8 @@ def _text_blocks(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
     (their own endings gone, a "\\r" before them kept). A line longer than MAX_LINE_BYTES with its ending is left
     out whole (and not numbered); the last line may lack its ending (the file's end, or ``max_bytes``'s)."""
     left = max_bytes
-    carry = b""          # the start of a line the last read cut
-    dropping = False     # inside a line already too long, left out up to its end
+    carry = b""  # the start of a line the last read cut
+    dropping = False  # inside a line already too long, left out up to its end
     while left > 0:
         chunk = handle.read(min(BLOCK_BYTES, left))
         if not chunk:
@@ -1501,10 +1876,10 @@ def _text_blocks(handle: BinaryIO, max_bytes: int) -> Iterator[str]:
             cut = chunk.find(b"\n")
             if cut < 0:
                 continue
-            chunk, dropping = chunk[cut + 1:], False
+            chunk, dropping = chunk[cut + 1 :], False
         data = carry + chunk if carry else chunk
         end = data.rfind(b"\n")
-        carry = data[end + 1:]
+        carry = data[end + 1 :]
         if len(carry) > MAX_LINE_BYTES:
             carry, dropping = b"", True
         if end >= 0:
@@ -1530,9 +1905,15 @@ def kinds_markdown() -> str:
     rows = ["| Kind | Template | vLLM releases | Project | Source |", "|---|---|---|---|---|"]
     for kind in KINDS:
         first, last = kind.releases
-        releases = "any" if kind.releases == ALL else f"{_text(first)}+" if last is None else \
-            f"{'…' if first == ALL[0] else _text(first)}–{_text(last)}"
+        releases = (
+            "any"
+            if kind.releases == ALL
+            else f"{_text(first)}+"
+            if last is None
+            else f"{'…' if first == ALL[0] else _text(first)}–{_text(last)}"
+        )
         template = kind.template.replace("|", "\\|").replace("`", "'")
-        rows.append(f"| {kind.name} | `{template}` | {releases} | {kind.project or ''} | "
-                    f"{kind.cite.replace('|', '/')} |")
+        rows.append(
+            f"| {kind.name} | `{template}` | {releases} | {kind.project or ''} | {kind.cite.replace('|', '/')} |"
+        )
     return "\n".join(rows) + "\n"

@@ -10,6 +10,8 @@ holds on all, or which rows it differs on (the worst stands).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvguard.budget.estimator import (
     FORMULAS,
     Profile,
@@ -18,8 +20,6 @@ from kvguard.budget.estimator import (
     solve_for_budget,
     solved_field,
 )
-from dataclasses import replace
-
 from kvguard.budget.fields import phrase
 from kvguard.vllm import eras
 from kvguard.vllm.log import StartupLog
@@ -28,8 +28,12 @@ from kvguard.vllm.log import StartupLog
 LOG_FILLS = ("total_memory_bytes", "gpu_memory_utilization")
 
 
-def log_profile(log: StartupLog, total_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None,
-                formula: str | None = None) -> tuple[Profile | None, str | None]:
+def log_profile(
+    log: StartupLog,
+    total_memory_bytes: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    formula: str | None = None,
+) -> tuple[Profile | None, str | None]:
     """The startup log's profile, or (None, a one-line message naming what the log states and
     which figures of its era's formula it lacks).
 
@@ -47,13 +51,18 @@ def log_profile(log: StartupLog, total_memory_bytes: int | None = None, gpu_memo
         fields["gpu_memory_utilization"] = gpu_memory_utilization
     budget = FORMULAS[fields["formula"]]
     peak = solved_field(fields["formula"])
-    derivable = (budget.non_kv == "peak" and log.available_kv_cache_bytes is not None and fields.get(peak) is None
-                 and fields.get("non_torch_increase_bytes") is None and fields.get("kv_cache_memory_bytes") is None)
+    derivable = (
+        budget.non_kv == "peak"
+        and log.available_kv_cache_bytes is not None
+        and fields.get(peak) is None
+        and fields.get("non_torch_increase_bytes") is None
+        and fields.get("kv_cache_memory_bytes") is None
+    )
     if derivable and all(fields.get(k) is not None for k in LOG_FILLS + ("weights_bytes",)):
         try:
             value = solve_for_budget(fields, log.available_kv_cache_bytes)
         except ProfileError:
-            derivable = False       # a clamped formula's negative budget: no peak gives it
+            derivable = False  # a clamped formula's negative budget: no peak gives it
         else:
             # The log's sizes are rounded to 0.01 GiB: a peak read back a few MiB below zero is no peak.
             fields[peak], fields["non_torch_increase_bytes"] = max(0, value), 0
@@ -66,12 +75,14 @@ def log_profile(log: StartupLog, total_memory_bytes: int | None = None, gpu_memo
     if log.available_kv_cache_bytes is not None:
         stated.append("the KV cache vLLM decided")
     who = log.era or log.project
-    return None, (f"the startup log ({who}) states {', '.join(stated) or 'no profile figure'} but not "
-                  f"{', '.join(missing)}" + (" (the activation peak follows from them and the decided KV cache)"
-                                             if derived else "")
-                  + ": without them the peak cannot be projected (give them to kvguard check "
-                  "as --total-memory / --gpu-memory-utilization, or run the probe: a KVGUARD_SPOOL_DIR snapshot "
-                  "carries the whole profile)")
+    return None, (
+        f"the startup log ({who}) states {', '.join(stated) or 'no profile figure'} but not "
+        f"{', '.join(missing)}"
+        + (" (the activation peak follows from them and the decided KV cache)" if derived else "")
+        + ": without them the peak cannot be projected (give them to kvguard check "
+        "as --total-memory / --gpu-memory-utilization, or run the probe: a KVGUARD_SPOOL_DIR snapshot "
+        "carries the whole profile)"
+    )
 
 
 def candidate_rows(log: StartupLog) -> tuple[eras.Era, ...]:
@@ -85,5 +96,9 @@ def as_row(log: StartupLog, row: eras.Era) -> StartupLog:
     formula. A hypothesis to judge beside the others, never the log's era (its reason says so)."""
     if row.name not in log.era_candidates:
         raise ValueError(f"{row.name} is not among the log's candidate rows ({', '.join(log.era_candidates)})")
-    return replace(log, era=row.name, era_candidates=(row.name,),
-                   era_reason=f"judged as {row.name}, one of the {len(log.era_candidates)} rows the lines leave")
+    return replace(
+        log,
+        era=row.name,
+        era_candidates=(row.name,),
+        era_reason=f"judged as {row.name}, one of the {len(log.era_candidates)} rows the lines leave",
+    )

@@ -27,15 +27,23 @@ from kvguard.vllm.oom import OomFact
 
 CRITICAL = "critical"
 MIB = 1 << 20
-STEP_WORDS = {"model_loading": "while loading the model", "kv_allocation": "while allocating the KV cache", "graph_capture": "while capturing CUDA graphs",
-              "profile_run": "during the profile run", "warmup": "during warm-up", "serving": "while serving"}
-ALLOC_CONF = {"npu": "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
-              "hip": "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True"}
+STEP_WORDS = {
+    "model_loading": "while loading the model",
+    "kv_allocation": "while allocating the KV cache",
+    "graph_capture": "while capturing CUDA graphs",
+    "profile_run": "during the profile run",
+    "warmup": "during warm-up",
+    "serving": "while serving",
+}
+ALLOC_CONF = {
+    "npu": "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True",
+    "hip": "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True",
+}
 
 
 @dataclass(frozen=True)
 class LogFinding:
-    code: str          # vllm_refused, kv_cache_nonpositive, oom
+    code: str  # vllm_refused, kv_cache_nonpositive, oom
     state: str
     message: str
     detail: dict[str, Any] | None = None
@@ -49,8 +57,9 @@ def _floor_hundredths(utilization: float) -> float:
     return math.floor(utilization * 100) / 100
 
 
-def judge_log(log: StartupLog, total_memory_bytes: int | None = None,
-              gpu_memory_utilization: float | None = None) -> list[LogFinding]:
+def judge_log(
+    log: StartupLog, total_memory_bytes: int | None = None, gpu_memory_utilization: float | None = None
+) -> list[LogFinding]:
     """The log's own critical facts (empty when it states none)."""
     total = log.total_memory_bytes or total_memory_bytes
     util = log.gpu_memory_utilization or gpu_memory_utilization
@@ -58,11 +67,19 @@ def judge_log(log: StartupLog, total_memory_bytes: int | None = None,
     if log.refusal:
         findings.append(LogFinding("vllm_refused", CRITICAL, _refusal_text(log, total)))
     if log.kv_cache_nonpositive and log.refusal != "no_kv_memory":
-        findings.append(LogFinding(
-            "kv_cache_nonpositive", CRITICAL,
-            f"vLLM decided a KV cache of {format_gib(log.available_kv_cache_bytes)}: the weights and the profile "
-            f"took all of the requested memory; it cannot serve a request"
-            + (f" (lower the weights or --max-model-len, or raise --gpu-memory-utilization above {util})" if util else "")))
+        findings.append(
+            LogFinding(
+                "kv_cache_nonpositive",
+                CRITICAL,
+                f"vLLM decided a KV cache of {format_gib(log.available_kv_cache_bytes)}: the weights and the profile "
+                f"took all of the requested memory; it cannot serve a request"
+                + (
+                    f" (lower the weights or --max-model-len, or raise --gpu-memory-utilization above {util})"
+                    if util
+                    else ""
+                ),
+            )
+        )
     if log.oom is not None:
         text, detail = post_mortem(log.oom, log, total, util)
         findings.append(LogFinding("oom", CRITICAL, text, detail))
@@ -79,23 +96,33 @@ def _refusal_text(log: StartupLog, total: int | None) -> str:
             text += f" ({format_gib(log.requested_memory_bytes)})"
         if log.init_free_memory_bytes is not None and total:
             fits = _floor_hundredths(log.init_free_memory_bytes / total)
-            text += (f"; --gpu-memory-utilization {fits:.2f} would fit what was free" if fits > 0
-                     else "; another process holds the device")
+            text += (
+                f"; --gpu-memory-utilization {fits:.2f} would fit what was free"
+                if fits > 0
+                else "; another process holds the device"
+            )
         return text
     if log.refusal == "max_seq_len":
-        text = f"vLLM refused to start: one request of max_model_len {log.max_model_len or '?'} tokens needs more KV cache"
+        text = (
+            f"vLLM refused to start: one request of max_model_len {log.max_model_len or '?'} tokens needs more KV cache"
+        )
         if log.kv_cache_tokens is not None:
             text += f" than the {log.kv_cache_tokens:,} tokens it got; --max-model-len {log.kv_cache_tokens} fits"
         elif log.needed_kv_cache_bytes is not None and log.available_kv_cache_bytes is not None:
-            text += (f" ({format_gib(log.needed_kv_cache_bytes)}) than it got "
-                     f"({format_gib(log.available_kv_cache_bytes)})")
+            text += (
+                f" ({format_gib(log.needed_kv_cache_bytes)}) than it got ({format_gib(log.available_kv_cache_bytes)})"
+            )
         return text + " (or raise --gpu-memory-utilization)"
     if log.refusal == "no_kv_memory":
-        return ("vLLM refused to start: no memory was left for the KV cache (weights, activations and CUDA graphs "
-                "took all of total x --gpu-memory-utilization)")
+        return (
+            "vLLM refused to start: no memory was left for the KV cache (weights, activations and CUDA graphs "
+            "took all of total x --gpu-memory-utilization)"
+        )
     if log.refusal == "profiling_error":
-        return ("vLLM refused to start: free memory grew during its profile run (another process released "
-                "memory), so no budget could be computed; run it alone on the device")
+        return (
+            "vLLM refused to start: free memory grew during its profile run (another process released "
+            "memory), so no budget could be computed; run it alone on the device"
+        )
     return f"vLLM refused to start ({log.refusal})"
 
 
@@ -113,23 +140,34 @@ def post_mortem(oom: OomFact, log: StartupLog, total: int | None, util: float | 
             asked += f" of {format_bytes(total)}"
         parts.append(asked)
     idle = oom.idle_reserved_bytes
-    detail: dict[str, Any] = {"step": oom.step, "device": oom.device, "tried_bytes": oom.tried_bytes,
-                              "free_bytes": oom.free_bytes, "idle_reserved_bytes": idle, "cause": None,
-                              "shortfall_bytes": None, "gpu_memory_utilization_fits": None,
-                              "kv_cache_memory_bytes_fits": None}
+    detail: dict[str, Any] = {
+        "step": oom.step,
+        "device": oom.device,
+        "tried_bytes": oom.tried_bytes,
+        "free_bytes": oom.free_bytes,
+        "idle_reserved_bytes": idle,
+        "cause": None,
+        "shortfall_bytes": None,
+        "gpu_memory_utilization_fits": None,
+        "kv_cache_memory_bytes_fits": None,
+    }
     if oom.tried_bytes is not None and idle is not None and idle >= oom.tried_bytes:
         detail["cause"] = "fragmentation"
-        parts.append(f"fragmentation: PyTorch held {format_bytes(idle)} reserved but unallocated, more than the "
-                     f"request; {ALLOC_CONF.get(oom.device or '', 'PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True')} "
-                     f"lets it reuse that")
+        parts.append(
+            f"fragmentation: PyTorch held {format_bytes(idle)} reserved but unallocated, more than the "
+            f"request; {ALLOC_CONF.get(oom.device or '', 'PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True')} "
+            f"lets it reuse that"
+        )
         return "; ".join(parts), detail
     if oom.tried_bytes is None:
         parts.append("the message states no sizes: the cause cannot be told")
         return "; ".join(parts), detail
     if oom.free_bytes is not None and oom.free_bytes >= oom.tried_bytes:
         detail["cause"] = "device_limit"
-        parts.append("the device reported more free than the request: a limit other than free memory refused it "
-                     "(a memory fraction, a unified-memory carve-out, or the driver's own fragmentation)")
+        parts.append(
+            "the device reported more free than the request: a limit other than free memory refused it "
+            "(a memory fraction, a unified-memory carve-out, or the driver's own fragmentation)"
+        )
         return "; ".join(parts), detail
     detail["cause"] = "budget_overrun"
     shortfall = oom.tried_bytes - (oom.free_bytes or 0)
@@ -145,8 +183,9 @@ def post_mortem(oom: OomFact, log: StartupLog, total: int | None, util: float | 
     if decided is not None and decided > shortfall:
         detail["kv_cache_memory_bytes_fits"] = decided - shortfall
         fits.append(f"--kv-cache-memory-bytes {decided - shortfall} (the KV cache was {format_gib(decided)})")
-    overrun = f"budget overrun: the device lacked {format_bytes(shortfall)} and PyTorch held " + \
-        (f"only {format_bytes(idle)} idle" if idle is not None else "no idle memory it reported")
+    overrun = f"budget overrun: the device lacked {format_bytes(shortfall)} and PyTorch held " + (
+        f"only {format_bytes(idle)} idle" if idle is not None else "no idle memory it reported"
+    )
     parts.append(overrun)
     if fits:
         parts.append("a budget smaller by that would have left room: " + " or ".join(fits))

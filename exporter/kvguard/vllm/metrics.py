@@ -34,7 +34,7 @@ _CHUNK = 64 * 1024
 
 CACHE_CONFIG = "vllm:cache_config_info"
 USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
-MAX_ENGINES = 64    # engines past this many (a hostile or broken endpoint) are left out
+MAX_ENGINES = 64  # engines past this many (a hostile or broken endpoint) are left out
 
 
 class VllmMetricsError(Exception):
@@ -67,8 +67,12 @@ class VllmCacheState:
         """The engine a rank belongs to: the one its (model name, engine index) names, else the only
         engine there is; None when that is ambiguous or names none (never a guess)."""
         if model_name or engine:
-            found = [e for e in self.engines if (not engine or e.engine == engine)
-                     and (not model_name or not e.model_name or e.model_name == model_name)]
+            found = [
+                e
+                for e in self.engines
+                if (not engine or e.engine == engine)
+                and (not model_name or not e.model_name or e.model_name == model_name)
+            ]
             return found[0] if len(found) == 1 else None
         return self.engines[0] if len(self.engines) == 1 else None
 
@@ -118,6 +122,7 @@ def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
             def connect(self):
                 super().connect()
                 deadline.add(self.sock)
+
         return Tracked
 
     class HTTPHandler(urllib.request.HTTPHandler):
@@ -149,7 +154,7 @@ def fetch(url: str, timeout: float) -> VllmCacheState:
                 raise late from None
             reason = getattr(exc, "reason", None) or exc
             raise VllmMetricsError(f"{url}: {one_line(reason, first_line=True)}") from None
-        if deadline.expired:   # the shutdown can look like the end of the body
+        if deadline.expired:  # the shutdown can look like the end of the body
             raise late
     if len(body) > MAX_METRICS_BYTES:
         raise VllmMetricsError(f"{url}: response larger than {MAX_METRICS_BYTES} bytes")
@@ -172,7 +177,7 @@ def parse(text: str) -> VllmCacheState:
     """Parse Prometheus text. Raises VllmMetricsError when it is not metrics text or has no vLLM KV facts."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    configs: dict[str, dict[str, str]] = {}      # engine label ("" when absent) -> cache_config_info labels
+    configs: dict[str, dict[str, str]] = {}  # engine label ("" when absent) -> cache_config_info labels
     usages: dict[str, float] = {}
     models: dict[str, str] = {}
     try:
@@ -196,15 +201,20 @@ def parse(text: str) -> VllmCacheState:
         raise VllmMetricsError(f"no {CACHE_CONFIG} or {USAGE_NAMES[0]} in the metrics")
     names = set(configs) | set(usages)
     if len(names) > 1:
-        names.discard("")    # a cache_config_info without an engine label holds for every engine
+        names.discard("")  # a cache_config_info without an engine label holds for every engine
     shared = configs.get("", {})
-    engines = tuple(_engine(name, configs.get(name, shared), usages.get(name, usages.get("")),
-                            models.get(name, models.get("", "")))
-                    for name in sorted(names, key=_engine_order))
+    engines = tuple(
+        _engine(name, configs.get(name, shared), usages.get(name, usages.get("")), models.get(name, models.get("", "")))
+        for name in sorted(names, key=_engine_order)
+    )
     first = engines[0]
-    return VllmCacheState(num_gpu_blocks=first.num_gpu_blocks, block_size=first.block_size,
-                          gpu_memory_utilization=first.gpu_memory_utilization,
-                          kv_cache_usage_ratio=first.kv_cache_usage_ratio, engines=engines)
+    return VllmCacheState(
+        num_gpu_blocks=first.num_gpu_blocks,
+        block_size=first.block_size,
+        gpu_memory_utilization=first.gpu_memory_utilization,
+        kv_cache_usage_ratio=first.kv_cache_usage_ratio,
+        engines=engines,
+    )
 
 
 def _engine_order(name: str) -> tuple[int, int, str]:
@@ -213,7 +223,8 @@ def _engine_order(name: str) -> tuple[int, int, str]:
 
 def _engine(name: str, config: dict[str, str], usage: float | None, model_name: str) -> VllmEngineState:
     return VllmEngineState(
-        model_name=model_name, engine=name,
+        model_name=model_name,
+        engine=name,
         num_gpu_blocks=_positive_int(config.get("num_gpu_blocks")),
         block_size=_positive_int(config.get("block_size")),
         gpu_memory_utilization=_ratio(config.get("gpu_memory_utilization")),
@@ -224,9 +235,9 @@ def _engine(name: str, config: dict[str, str], usage: float | None, model_name: 
 def _positive_int(text: str | None) -> int | None:
     try:
         value = int(str(text))
-    except (TypeError, ValueError):   # also a number of more than 4300 digits
+    except (TypeError, ValueError):  # also a number of more than 4300 digits
         return None
-    return value if 0 < value <= MAX_COUNTER else None   # a bigger count is garbage, not a block count
+    return value if 0 < value <= MAX_COUNTER else None  # a bigger count is garbage, not a block count
 
 
 def _ratio(text: str | None) -> float | None:

@@ -22,8 +22,17 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-_UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-          "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+_UNITS = {
+    "B": 1,
+    "bytes": 1,
+    "KiB": 1 << 10,
+    "MiB": 1 << 20,
+    "GiB": 1 << 30,
+    "TiB": 1 << 40,
+    "KB": 1 << 10,
+    "MB": 1 << 20,
+    "GB": 1 << 30,
+}
 # One bounded number and its unit: the quantifiers are possessive in effect (no nesting, one class each).
 _SIZE = r"([0-9]{1,12}(?:\.[0-9]{1,6})?) ?(bytes|B|KiB|MiB|GiB|TiB|KB|MB|GB)\b"
 # (fact, pattern): each pattern is a literal anchor plus one or two sizes; re.search on a line of at most
@@ -45,12 +54,17 @@ _PATTERNS = (
     ("free_bytes", re.compile(r"; " + _SIZE + r" free\b")),
     ("reserved_bytes", re.compile(_SIZE + r" reserved in total by PyTorch")),
 )
-_DEVICES = (("CUDA out of memory", "cuda"), ("HIP out of memory", "hip"), ("NPU out of memory", "npu"),
-            ("XPU out of memory", "xpu"),
-            # The runtime's own error, not the caching allocator's: cudaErrorMemoryAllocation as
-            # "CUDA error: out of memory" (vLLM relays it as "Worker failed with error '…'"); no sizes.
-            ("CUDA error: out of memory", "cuda"), ("HIP error: out of memory", "hip"),
-            ("OutOfMemoryError", None))
+_DEVICES = (
+    ("CUDA out of memory", "cuda"),
+    ("HIP out of memory", "hip"),
+    ("NPU out of memory", "npu"),
+    ("XPU out of memory", "xpu"),
+    # The runtime's own error, not the caching allocator's: cudaErrorMemoryAllocation as
+    # "CUDA error: out of memory" (vLLM relays it as "Worker failed with error '…'"); no sizes.
+    ("CUDA error: out of memory", "cuda"),
+    ("HIP error: out of memory", "hip"),
+    ("OutOfMemoryError", None),
+)
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -61,16 +75,16 @@ def _bytes(number: str, unit: str) -> int:
 class OomFact:
     """One out-of-memory message: sizes in bytes, None where the message (or the paste) leaves them out."""
 
-    device: str | None                    # cuda, hip, npu, xpu (from the message's wording)
-    line: int                             # where it stands in the log
-    tried_bytes: int | None = None        # the request that failed
-    total_bytes: int | None = None        # the device's total capacity
-    free_bytes: int | None = None         # free on the device when it failed
-    allocated_bytes: int | None = None    # allocated by PyTorch
-    reserved_bytes: int | None = None     # reserved by PyTorch in total (older form)
-    reserved_unallocated_bytes: int | None = None   # reserved by PyTorch but unallocated (new form)
+    device: str | None  # cuda, hip, npu, xpu (from the message's wording)
+    line: int  # where it stands in the log
+    tried_bytes: int | None = None  # the request that failed
+    total_bytes: int | None = None  # the device's total capacity
+    free_bytes: int | None = None  # free on the device when it failed
+    allocated_bytes: int | None = None  # allocated by PyTorch
+    reserved_bytes: int | None = None  # reserved by PyTorch in total (older form)
+    reserved_unallocated_bytes: int | None = None  # reserved by PyTorch but unallocated (new form)
     process_in_use_bytes: int | None = None
-    step: str | None = None               # kv_allocation, graph_capture, profile_run, warmup, serving
+    step: str | None = None  # kv_allocation, graph_capture, profile_run, warmup, serving
 
     @property
     def idle_reserved_bytes(self) -> int | None:
@@ -116,19 +130,29 @@ def read_oom(line: str, number: int) -> OomFact | None:
 # the worker methods vLLM and its platform plugins name (gpu_worker.py, gpu_model_runner.py,
 # cache_engine.py; vllm_ascend worker.py / model_runner_v1.py).
 STEP_WORDS = (
-    ("_allocate_kv_cache", "kv_allocation"), ("initialize_kv_cache", "kv_allocation"),
-    ("initialize_from_config", "kv_allocation"), ("initialize_cache", "kv_allocation"),
+    ("_allocate_kv_cache", "kv_allocation"),
+    ("initialize_kv_cache", "kv_allocation"),
+    ("initialize_from_config", "kv_allocation"),
+    ("initialize_cache", "kv_allocation"),
     ("cache_engine.py", "kv_allocation"),
-    ("capture_model", "graph_capture"), ("Capturing cudagraphs", "graph_capture"),
-    ("Capturing CUDA graph", "graph_capture"), ("_capture_cudagraphs", "graph_capture"),
-    ("profile_run", "profile_run"), ("determine_available_memory", "profile_run"),
-    ("determine_num_available_blocks", "profile_run"), ("_dummy_run", "profile_run"),
-    ("compile_or_warm_up_model", "warmup"), ("_warm_up_model", "warmup"), ("warming up", "warmup"),
+    ("capture_model", "graph_capture"),
+    ("Capturing cudagraphs", "graph_capture"),
+    ("Capturing CUDA graph", "graph_capture"),
+    ("_capture_cudagraphs", "graph_capture"),
+    ("profile_run", "profile_run"),
+    ("determine_available_memory", "profile_run"),
+    ("determine_num_available_blocks", "profile_run"),
+    ("_dummy_run", "profile_run"),
+    ("compile_or_warm_up_model", "warmup"),
+    ("_warm_up_model", "warmup"),
+    ("warming up", "warmup"),
     ("load_model", "model_loading"),
     # V1's engine core logs this once its startup (profile, KV cache, warm-up and graph capture) is done:
     # an OOM after it is not in any of those steps.
     ("init engine (profile, create kv cache, warmup model) took", "serving"),
-    ("Application startup complete", "serving"), ("POST /v1/", "serving"), ("Added request", "serving"),
+    ("Application startup complete", "serving"),
+    ("POST /v1/", "serving"),
+    ("Added request", "serving"),
     ("Received request", "serving"),
 )
 # vLLM's executor names the worker method an error came from after the traceback:

@@ -68,19 +68,19 @@ WORKER_CLASSES = (
     ("vllm.v1.worker.gpu_worker", "Worker"),
     ("vllm_ascend.worker.worker", "NPUWorker"),
     ("vllm_ascend.worker.worker_v1", "NPUWorker"),
-    ("vllm_ascend._310p.worker_310p", "NPUWorker310"),     # 310P: its own determine_available_memory (0.18+)
+    ("vllm_ascend._310p.worker_310p", "NPUWorker310"),  # 310P: its own determine_available_memory (0.18+)
 )
 BUDGETS = ("stock", "reserved", "guard")
 DEFAULT_INTERVAL = 5.0
 _MARK = "_kvguard_wrapped"
 
-hook_errors: dict[str, int] = {}      # hook name -> failures, for tests and debugging
+hook_errors: dict[str, int] = {}  # hook name -> failures, for tests and debugging
 _logged: set[str] = set()
 _registered = False
 _lock = threading.Lock()
-_reader: Any = None                   # the source that reads the reserved peak during profiling
-_profile: Any = None                  # this worker's startup profile, completed after 0.34's warm-up
-_profile_peak: Any = None             # vllm-mindspore: the profile run's reserved peak (records.ReservedPeak)
+_reader: Any = None  # the source that reads the reserved peak during profiling
+_profile: Any = None  # this worker's startup profile, completed after 0.34's warm-up
+_profile_peak: Any = None  # vllm-mindspore: the profile run's reserved peak (records.ReservedPeak)
 
 
 @dataclass(frozen=True)
@@ -99,15 +99,20 @@ class Settings:
             if not interval > 0 or interval == float("inf"):
                 raise ValueError
         except ValueError:
-            _failed("settings", f"KVGUARD_INTERVAL={interval_text!r} is not a positive number; "
-                                f"using {DEFAULT_INTERVAL:g}")
+            _failed(
+                "settings", f"KVGUARD_INTERVAL={interval_text!r} is not a positive number; using {DEFAULT_INTERVAL:g}"
+            )
             interval = DEFAULT_INTERVAL
         budget = environ.get("KVGUARD_BUDGET", "stock").strip().lower() or "stock"
         if budget not in BUDGETS:
             _failed("settings", f"KVGUARD_BUDGET={budget!r} is not one of {', '.join(BUDGETS)}; using stock")
             budget = "stock"
-        return cls(spool_dir=environ.get("KVGUARD_SPOOL_DIR", "").strip() or None, interval=interval,
-                   source=environ.get("KVGUARD_SOURCE", "").strip() or "auto", budget=budget)
+        return cls(
+            spool_dir=environ.get("KVGUARD_SPOOL_DIR", "").strip() or None,
+            interval=interval,
+            source=environ.get("KVGUARD_SOURCE", "").strip() or "auto",
+            budget=budget,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -124,8 +129,9 @@ def _failed(hook: str, message: str) -> None:
         first = hook not in _logged
         _logged.add(hook)
     if first:
-        log.warning("kvguard: %s: %s (vLLM continues; further %s failures are logged at debug level)",
-                    hook, message, hook)
+        log.warning(
+            "kvguard: %s: %s (vLLM continues; further %s failures are logged at debug level)", hook, message, hook
+        )
     else:
         log.debug("kvguard: %s: %s", hook, message)
 
@@ -138,18 +144,21 @@ def _guard(hook: str, function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
         from kvguard.sources import EngineError
+
         if isinstance(exc, EngineError):
             original = exc.original
         elif probe_module().is_engine_error(exc):
             original = exc
         else:
             from kvguard.text import one_line
+
             _failed(hook, one_line(exc))
             return None
-    raise original    # outside the handler: its cause and context stay as the engine made them
+    raise original  # outside the handler: its cause and context stay as the engine made them
 
 
 # ---------------------------------------------------------------------------- register
+
 
 def register() -> None:
     """vLLM's general-plugin hook. Never raises."""
@@ -172,6 +181,7 @@ def register() -> None:
                 _PatchOnImport.watch(module_name, functools.partial(_patch_worker_class, class_name=class_name))
     except Exception as exc:  # noqa: BLE001
         from kvguard.text import one_line
+
         _failed("register", one_line(exc))
 
 
@@ -183,10 +193,14 @@ def _turn_on_mindspore_dump() -> None:
     which reads the setting once (ascend_memory_pool.cc:519-525). The probe then reads the newest file
     (kvguard.sources.mindspore_dump). Idempotent: a value that already holds ``dump`` is left as it is."""
     from kvguard.sources.mindspore_dump import ALLOC_CONF_ENV, DUMP_ENV, dump_alloc_conf
+
     if _settings.spool_dir is None:
         if os.environ.get(DUMP_ENV, "").strip():
-            _failed("mindspore_dump", f"{DUMP_ENV} is set but KVGUARD_SPOOL_DIR is not: no probe would read or "
-                                      f"delete the dumps; MindSpore's dump not turned on")
+            _failed(
+                "mindspore_dump",
+                f"{DUMP_ENV} is set but KVGUARD_SPOOL_DIR is not: no probe would read or "
+                f"delete the dumps; MindSpore's dump not turned on",
+            )
         return
     value = dump_alloc_conf(os.environ)
     if value is not None and value != os.environ.get(ALLOC_CONF_ENV):
@@ -279,12 +293,14 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
     worker = getattr(module, class_name, None)
     if worker is None:
         return
-    for name, wrapper in (("init_device", _wrap_init_device),
-                          ("determine_available_memory", _wrap_determine_available_memory),
-                          ("initialize_from_config", _wrap_initialize_from_config),
-                          ("compile_or_warm_up_model", _wrap_compile_or_warm_up_model),
-                          ("extend_kv_cache", _wrap_extend_kv_cache),
-                          ("execute_model", _wrap_execute_model)):
+    for name, wrapper in (
+        ("init_device", _wrap_init_device),
+        ("determine_available_memory", _wrap_determine_available_memory),
+        ("initialize_from_config", _wrap_initialize_from_config),
+        ("compile_or_warm_up_model", _wrap_compile_or_warm_up_model),
+        ("extend_kv_cache", _wrap_extend_kv_cache),
+        ("execute_model", _wrap_execute_model),
+    ):
         original = worker.__dict__.get(name)
         if original is None or getattr(original, _MARK, False):
             continue
@@ -297,21 +313,33 @@ def _patch_worker_class(module: Any, class_name: str) -> None:
 
 # ---------------------------------------------------------------------------- the probe
 
+
 def _ensure_probe(worker: Any) -> None:
     if _settings.spool_dir is None:
         return
     from kvguard import probe
+
     rank = getattr(worker, "rank", None)
     # The strict start (returns the running probe, if any): a bad setting raises here and is
     # counted and logged once by _guard.
     # The worker's device, read by the probe's own thread: torch's current device is per thread, so a thread of
     # the probe's would read (and, through mem_get_info, open a context on) device 0 in every rank.
     index = getattr(getattr(worker, "device", None), "index", None)
-    options = {"device": index} if _settings.source in ("auto", "torch") and isinstance(index, int) \
-        and not isinstance(index, bool) and index >= 0 else {}
-    probe.start_strict(_settings.spool_dir, _settings.interval, _settings.source,
-                       rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None,
-                       source_options=options)
+    options = (
+        {"device": index}
+        if _settings.source in ("auto", "torch")
+        and isinstance(index, int)
+        and not isinstance(index, bool)
+        and index >= 0
+        else {}
+    )
+    probe.start_strict(
+        _settings.spool_dir,
+        _settings.interval,
+        _settings.source,
+        rank=rank if isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0 else None,
+        source_options=options,
+    )
     model_name, engine = engine_identity(worker)
     probe.set_engine(model_name, engine)
 
@@ -320,7 +348,7 @@ def engine_identity(worker: Any) -> tuple[str | None, int | None]:
     """(served model name, engine index) of the engine this worker serves; None for what it lacks."""
     config = getattr(worker, "vllm_config", None)
     name = getattr(getattr(config, "model_config", None), "served_model_name", None)
-    if isinstance(name, (list, tuple)):       # before ModelConfig resolves it, a list may stand here
+    if isinstance(name, (list, tuple)):  # before ModelConfig resolves it, a list may stand here
         name = name[0] if name else None
     parallel = getattr(config, "parallel_config", None)
     engine = None
@@ -339,6 +367,7 @@ def _wrap_init_device(original: Callable[..., Any]) -> Callable[..., Any]:
         _guard("init_device", _first_engine_sample, self)
         _guard("init_device", _say_no_budget_hook, self)
         return result
+
     return init_device
 
 
@@ -353,6 +382,7 @@ def _then_engine_reading(function: Callable[..., Any]) -> Callable[..., Any]:
         result = function(self, *args, **kwargs)
         _guard("engine_reading", _engine_reading)
         return result
+
     return with_reading
 
 
@@ -373,6 +403,7 @@ def _first_engine_sample(worker: Any) -> None:
 
 def probe_module() -> Any:
     from kvguard import probe
+
     return probe
 
 
@@ -389,6 +420,7 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         finally:
             probe.step_end()
+
     return execute_model
 
 
@@ -399,12 +431,16 @@ def _say_no_budget_hook(worker: Any) -> None:
         return
     _logged.add("no_budget_hook")
     era = _era_of(running_release(worker))
-    log.info("kvguard: no startup profile on %s: its V0 worker decides the block count in "
-             "determine_num_available_blocks, which kvguard does not wrap%s", era.name if era else "this engine",
-             "" if _settings.budget == "stock" else f"; KVGUARD_BUDGET={_settings.budget} cannot act")
+    log.info(
+        "kvguard: no startup profile on %s: its V0 worker decides the block count in "
+        "determine_num_available_blocks, which kvguard does not wrap%s",
+        era.name if era else "this engine",
+        "" if _settings.budget == "stock" else f"; KVGUARD_BUDGET={_settings.budget} cannot act",
+    )
 
 
 # ---------------------------------------------------------------------------- the profile
+
 
 class _Capture:
     """What one ``memory_profiling`` block left behind."""
@@ -412,14 +448,14 @@ class _Capture:
     def __init__(self) -> None:
         self.result: Any = None
         self.reserved_peak_before: int | None = None
-        self.reserved_peak_after: int | None = None      # the profile run's reserved peak
-        self.reserved_after_exit: int | None = None      # reserved after vLLM's empty_cache()
+        self.reserved_peak_after: int | None = None  # the profile run's reserved peak
+        self.reserved_after_exit: int | None = None  # reserved after vLLM's empty_cache()
         # vllm-mindspore: MindSpore's own reserved figures around the run (_mindspore_peak_start/_end).
         self.mindspore = False
-        self.ms_reserved_start: int | None = None        # memory_reserved() after reset_peak_memory_stats()
-        self.ms_reserved_max: int | None = None          # max_memory_reserved() at the run's end
-        self.ms_reserved_end: int | None = None          # memory_reserved() at the run's end
-        self.ms_error: str | None = None                 # why they were not read
+        self.ms_reserved_start: int | None = None  # memory_reserved() after reset_peak_memory_stats()
+        self.ms_reserved_max: int | None = None  # max_memory_reserved() at the run's end
+        self.ms_reserved_end: int | None = None  # memory_reserved() at the run's end
+        self.ms_error: str | None = None  # why they were not read
 
 
 def _read_reserved() -> tuple[int | None, int | None]:
@@ -428,6 +464,7 @@ def _read_reserved() -> tuple[int | None, int | None]:
     global _reader
     if _reader is None:
         from kvguard.sources import get_source
+
         _reader = get_source(_settings.source)
     records = _reader.sample()
     if not records:
@@ -461,6 +498,7 @@ def _wrap_memory_profiling(original: Callable[..., Any], capture: _Capture) -> C
             capture.reserved_peak_after = _guard("memory_profiling", _reserved_peak)
         # After vLLM's exit (empty_cache, after_profile measured): what stays reserved.
         capture.reserved_after_exit = _guard("memory_profiling", _reserved_now)
+
     setattr(memory_profiling, _MARK, True)
     return memory_profiling
 
@@ -492,6 +530,7 @@ def _byte_count(value: Any, what: str) -> int:
 
 def _mindspore_runtime() -> Any:
     import importlib
+
     return importlib.import_module("mindspore.runtime")
 
 
@@ -500,6 +539,7 @@ def _ms_read(function: Callable[[], Any]) -> Any:
     pipeline and rethrow the engine's pending error; that error is told from the call's own failure by a second
     call (kvguard.sources.mindspore.read_telling_engine_errors) and raised as EngineError, the other counted."""
     from kvguard.sources.mindspore import read_telling_engine_errors
+
     return read_telling_engine_errors(function)
 
 
@@ -511,7 +551,7 @@ def _mindspore_peak_start(capture: _Capture) -> None:
 
 def _mindspore_peak_end(capture: _Capture) -> None:
     if capture.ms_reserved_start is None:
-        return      # the start was not read: nothing to measure from
+        return  # the start was not read: nothing to measure from
     runtime = _mindspore_runtime()
     capture.ms_reserved_max = _byte_count(_ms_read(runtime.max_memory_reserved), "max_memory_reserved")
     capture.ms_reserved_end = _byte_count(_ms_read(runtime.memory_reserved), "memory_reserved")
@@ -521,19 +561,21 @@ def _mindspore_peak(capture: _Capture, read: Callable[[_Capture], None]) -> None
     """One of the two reads; a failure is kept as the capture's error, counted and logged once (never raised),
     but for the engine's own pending error, which is raised again unchanged (:func:`_guard`)."""
     from kvguard.sources import EngineError
+
     try:
         read(capture)
     except EngineError as exc:
         original = exc.original
     except Exception as exc:  # noqa: BLE001 - kvguard must never take vLLM down
         from kvguard.text import one_line
+
         message = one_line(exc)[:400]
         capture.ms_error = capture.ms_error or message
         _failed("reserved_peak", f"MindSpore's reserved peak of the profile run not read: {message}")
         return
     else:
         return
-    raise original    # outside the handler: its cause and context stay as the engine made them
+    raise original  # outside the handler: its cause and context stay as the engine made them
 
 
 def reserved_peak_from(profile: Any, capture: _Capture) -> Any:
@@ -557,15 +599,18 @@ def _record_reserved_peak(profile: Any, capture: _Capture) -> None:
     if reserved_peak is None:
         return
     from kvguard import probe
+
     probe.set_reserved_peak(reserved_peak)
     if reserved_peak.above_measured:
         from kvguard.guard.judge import reserved_peak_note
+
         log.info("kvguard: %s", reserved_peak_note(profile, reserved_peak))
 
 
 @contextlib.contextmanager
-def _global_replaced(function: Callable[..., Any], name: str,
-                     replacement_for: Callable[[dict, Any], Any]) -> Iterator[None]:
+def _global_replaced(
+    function: Callable[..., Any], name: str, replacement_for: Callable[[dict, Any], Any]
+) -> Iterator[None]:
     """While the block runs, the global ``name`` of the module that defines ``function`` is
     ``replacement_for(namespace, current)`` (None: left alone), and put back after unless something
     else replaced it meanwhile. The module is the one below decorators such as
@@ -617,6 +662,7 @@ def running_release(worker: Any = None) -> str | None:
 def _distribution_version(name: str) -> str | None:
     try:
         from importlib.metadata import version
+
         return version(name)
     except Exception:  # noqa: BLE001 - no metadata: the module's own attribute, or unknown
         return None
@@ -644,6 +690,7 @@ def _cudagraph_applied(worker: Any, formula: Any) -> int | None:
 
 def _era_of(release: str | None):
     from kvguard.vllm.eras import EraError, era_for
+
     if release is None:
         return None
     try:
@@ -668,14 +715,20 @@ def profile_from(worker: Any, capture: _Capture) -> Any:
             return None
         # --kv-cache-memory-bytes: vLLM runs the profile but measures nothing (w 0.11.0:235-252).
         weights = getattr(getattr(worker, "model_runner", None), "model_memory_usage", 0)
-        return Profile(total_memory_bytes=int(worker.init_snapshot.total_memory),
-                       gpu_memory_utilization=_utilization(worker.cache_config),
-                       weights_bytes=max(0, int(weights)), peak_allocated_increase_bytes=None,
-                       peak_reserved_increase_bytes=None, non_torch_increase_bytes=None,
-                       formula=formula_name if formula_name != "consumed" else "peak",
-                       vllm_version=release, kv_cache_memory_bytes=int(kv_cache_memory))
-    total = getattr(getattr(result, "before_create", None), "total_memory", 0) \
-        or getattr(getattr(worker, "init_snapshot", None), "total_memory", 0)
+        return Profile(
+            total_memory_bytes=int(worker.init_snapshot.total_memory),
+            gpu_memory_utilization=_utilization(worker.cache_config),
+            weights_bytes=max(0, int(weights)),
+            peak_allocated_increase_bytes=None,
+            peak_reserved_increase_bytes=None,
+            non_torch_increase_bytes=None,
+            formula=formula_name if formula_name != "consumed" else "peak",
+            vllm_version=release,
+            kv_cache_memory_bytes=int(kv_cache_memory),
+        )
+    total = getattr(getattr(result, "before_create", None), "total_memory", 0) or getattr(
+        getattr(worker, "init_snapshot", None), "total_memory", 0
+    )
     reserved_increase = None
     if capture.reserved_peak_before is not None and capture.reserved_peak_after is not None:
         reserved_increase = max(0, capture.reserved_peak_after - capture.reserved_peak_before)
@@ -719,11 +772,13 @@ def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
     if _extensible(worker):
         if "extensible_budget" not in _logged:
             _logged.add("extensible_budget")
-            log.info("kvguard: KVGUARD_BUDGET=reserved changes nothing here: vLLM's extensible KV cache is sized "
-                     "after warm-up and already keeps torch's reserved growth free")
+            log.info(
+                "kvguard: KVGUARD_BUDGET=reserved changes nothing here: vLLM's extensible KV cache is sized "
+                "after warm-up and already keeps torch's reserved growth free"
+            )
         return None
     if profile.kv_cache_memory_bytes is not None:
-        return None    # --kv-cache-memory-bytes: the operator fixed the size
+        return None  # --kv-cache-memory-bytes: the operator fixed the size
     from kvguard.guard.judge import with_reserved_peak
 
     # vllm-mindspore: MindSpore's reserved peak of the profile run where it is above the engine's figure.
@@ -736,9 +791,11 @@ def _reserved_budget(worker: Any, profile: Any, available: int) -> int | None:
     overcommit = stock_kv_cache_bytes(profile) - reserved
     if overcommit <= 0 and profile.budget_formula.peak == "reserved" and "reserved_formula" not in _logged:
         _logged.add("reserved_formula")
-        log.info("kvguard: KVGUARD_BUDGET=reserved changes nothing here: this engine's own budget already takes "
-                 "the profile run's reserved increase (vllm-mindspore: vllm_mindspore/utils.py:475 @ 0.5.1), and "
-                 "its reserved peak is no higher")
+        log.info(
+            "kvguard: KVGUARD_BUDGET=reserved changes nothing here: this engine's own budget already takes "
+            "the profile run's reserved increase (vllm-mindspore: vllm_mindspore/utils.py:475 @ 0.5.1), and "
+            "its reserved peak is no higher"
+        )
     return available - overcommit if overcommit > 0 else None
 
 
@@ -754,6 +811,7 @@ def _with_cleared(profile: Any, available: Any) -> Any:
     scale = 2 if formula.halved else 1
     cleared = int(requested_memory_bytes(profile) - non_kv_cache_bytes(profile) - scale * available)
     import dataclasses
+
     return dataclasses.replace(profile, non_torch_cleared_bytes=cleared)
 
 
@@ -767,9 +825,14 @@ def _check_formula(profile: Any, available: Any) -> None:
     if expected != available:
         _logged.add("formula_mismatch")
         hook_errors["formula_mismatch"] = hook_errors.get("formula_mismatch", 0) + 1
-        log.warning("kvguard: vLLM (%s) budgeted %d bytes for the KV cache, kvguard's %s formula %d; "
-                    "kvguard's budgets for this worker may be off", profile.vllm_version, available,
-                    profile.formula, expected)
+        log.warning(
+            "kvguard: vLLM (%s) budgeted %d bytes for the KV cache, kvguard's %s formula %d; "
+            "kvguard's budgets for this worker may be off",
+            profile.vllm_version,
+            available,
+            profile.formula,
+            expected,
+        )
 
 
 @contextlib.contextmanager
@@ -783,8 +846,11 @@ def _device_readings_captured(function: Callable[..., Any]) -> Iterator[Any]:
     with contextlib.ExitStack() as stack:
         for name, _ in inline_readings.DEVICE_GLOBALS:
             # A recorder that cannot be made leaves the global as it is (counted, logged once).
-            stack.enter_context(_global_replaced(function, name, functools.partial(
-                _guard, "profile", inline_readings.recorder, readings, name)))
+            stack.enter_context(
+                _global_replaced(
+                    function, name, functools.partial(_guard, "profile", inline_readings.recorder, readings, name)
+                )
+            )
         yield readings
 
 
@@ -797,8 +863,9 @@ def profile_from_device_readings(worker: Any, readings: Any) -> Any:
     era = _era_of(release)
     if era is None:
         return None
-    return profile_from_readings(readings, formula=era.formula, utilization=_utilization(worker.cache_config),
-                                 release=release)
+    return profile_from_readings(
+        readings, formula=era.formula, utilization=_utilization(worker.cache_config), release=release
+    )
 
 
 def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -814,14 +881,20 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
             if capture.result is None and "no_profile" not in _logged:
                 _logged.add("no_profile")
                 # Neither memory_profiling nor the inline reads of kvguard.vllm.inline_readings: nothing to read.
-                log.info("kvguard: no startup profile recorded: this worker's determine_available_memory runs no "
-                         "memory_profiling, so its figures stay local to it; kvguard check reports no_profile"
-                         + ("" if _settings.budget == "stock" else
-                            f" and KVGUARD_BUDGET={_settings.budget} keeps vLLM's budget"))
+                log.info(
+                    "kvguard: no startup profile recorded: this worker's determine_available_memory runs no "
+                    "memory_profiling, so its figures stay local to it; kvguard check reports no_profile"
+                    + (
+                        ""
+                        if _settings.budget == "stock"
+                        else f" and KVGUARD_BUDGET={_settings.budget} keeps vLLM's budget"
+                    )
+                )
             return available
         profile = _guard("profile", _with_cleared, profile, available) or profile
         _guard("profile", _check_formula, profile, available)
         from kvguard import probe
+
         global _profile
         _profile = profile
         probe.set_profile(profile)
@@ -835,23 +908,30 @@ def _wrap_determine_available_memory(original: Callable[..., Any]) -> Callable[.
             budget = _guard("budget", _guard_budget, self, profile, available)
         if budget is not None and budget < available:
             from kvguard.units import format_gib
+
             if _settings.budget == "reserved":
-                log.info("kvguard: KV cache budget %s (reserved-aware, KVGUARD_BUDGET=reserved) instead of "
-                         "vLLM's %s", format_gib(budget), format_gib(available))
+                log.info(
+                    "kvguard: KV cache budget %s (reserved-aware, KVGUARD_BUDGET=reserved) instead of vLLM's %s",
+                    format_gib(budget),
+                    format_gib(available),
+                )
             if hasattr(self, "available_kv_cache_memory_bytes"):
                 self.available_kv_cache_memory_bytes = budget
         else:
             budget = available
         _guard("budget_verdict", _record_budget_verdict, self, profile, budget)
         return budget
+
     return determine_available_memory
 
 
 # ---------------------------------------------------------------------------- the budget-time verdict
 
+
 def _allocator_kind(worker: Any) -> str:
     """The running release's allocator (its era row's)."""
     from kvguard.vllm.eras import allocator_for
+
     return allocator_for(running_release(worker))
 
 
@@ -876,6 +956,7 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
     global _reader
     if _reader is None:
         from kvguard.sources import get_source
+
         _reader = get_source(_settings.source)
     records = _reader.sample()
     if not records or records[0].total_bytes is None or records[0].free_bytes is None:
@@ -885,11 +966,16 @@ def _budget_model(worker: Any) -> tuple[Any, Any] | None:
     vmm = False
     if kind == "mindspore":
         from kvguard.allocators.mindspore_releases import vmm_on
+
         era = _era_of(running_release(worker))
         vmm = vmm_on(os.environ.get("MS_ALLOC_CONF"), launcher_vmm=era.vmm_default if era else None)
-    expandable = _alloc_conf_flag(("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-                                  if kind == "torch_npu" else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
-                                  "expandable_segments", False)
+    expandable = _alloc_conf_flag(
+        ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+        if kind == "torch_npu"
+        else ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"),
+        "expandable_segments",
+        False,
+    )
     from kvguard.guard.at_budget import allocator_from_counters
 
     return memory, lambda: allocator_from_counters(kind, memory, expandable_segments=expandable, enable_vmm=vmm)
@@ -901,6 +987,7 @@ _MLA_SPECS = frozenset({"MLAAttentionSpec", "MLAQuantFullAttentionSpec"})
 
 def _layer_page(spec: Any) -> Any:
     from kvguard.budget.estimator import LayerPage
+
     return LayerPage(int(spec.page_size_bytes), any(cls.__name__ in _MLA_SPECS for cls in type(spec).__mro__))
 
 
@@ -934,8 +1021,8 @@ def _kv_cache_spec(worker: Any) -> dict | None:
 
 
 def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) -> Any:
-    from kvguard.guard.judge import BudgetInput, judge_at_budget
     from kvguard.guard.at_budget import counters_of
+    from kvguard.guard.judge import BudgetInput, judge_at_budget
 
     tensors = _kv_tensors_for(worker, profile, budget)
     if tensors is None:
@@ -946,7 +1033,7 @@ def _verdict_at(worker: Any, profile: Any, budget: int, model: tuple[Any, Any]) 
 
 def _record_budget_verdict(worker: Any, profile: Any, budget: int) -> None:
     if _settings.spool_dir is None or _extensible(worker) or not _kv_cache_spec(worker):
-        return   # no probe; 0.34's extensible KV cache (sized after warm-up, outside the allocator); no specs
+        return  # no probe; 0.34's extensible KV cache (sized after warm-up, outside the allocator); no specs
     model = _budget_model(worker)
     if model is None:
         return
@@ -954,13 +1041,17 @@ def _record_budget_verdict(worker: Any, profile: Any, budget: int) -> None:
     if verdict is None:
         return
     from kvguard import probe
+
     probe.set_budget_verdict(verdict)
     running = probe.current()
     if running is not None:
-        running.run_once()      # into the snapshot at once: the KV allocation may be what fails next
+        running.run_once()  # into the snapshot at once: the KV allocation may be what fails next
     if verdict.state == "critical":
-        log.warning("kvguard: budget-time verdict critical for a %d-byte KV cache: %s", budget,
-                    "; ".join(r.message for r in verdict.reasons if r.state == "critical"))
+        log.warning(
+            "kvguard: budget-time verdict critical for a %d-byte KV cache: %s",
+            budget,
+            "; ".join(r.message for r in verdict.reasons if r.state == "critical"),
+        )
 
 
 def _guard_budget(worker: Any, profile: Any, available: int) -> int | None:
@@ -970,9 +1061,12 @@ def _guard_budget(worker: Any, profile: Any, available: int) -> int | None:
     from kvguard.units import format_gib
 
     if _extensible(worker) or profile.kv_cache_memory_bytes is not None:
-        log.info("kvguard: KVGUARD_BUDGET=guard changes nothing here: %s",
-                 "vLLM's extensible KV cache is sized after warm-up" if _extensible(worker)
-                 else "--kv-cache-memory-bytes fixed the size")
+        log.info(
+            "kvguard: KVGUARD_BUDGET=guard changes nothing here: %s",
+            "vLLM's extensible KV cache is sized after warm-up"
+            if _extensible(worker)
+            else "--kv-cache-memory-bytes fixed the size",
+        )
         return None
     model = _budget_model(worker)
     if model is None:
@@ -980,27 +1074,39 @@ def _guard_budget(worker: Any, profile: Any, available: int) -> int | None:
         return None
     first = _verdict_at(worker, profile, available, model)
     if first is None or first.state != "critical":
-        log.info("kvguard: KVGUARD_BUDGET=guard keeps vLLM's KV cache budget %s: the guard predicts it fits "
-                 "(%s)", format_gib(available), first.state if first else "no KV cache spec")
+        log.info(
+            "kvguard: KVGUARD_BUDGET=guard keeps vLLM's KV cache budget %s: the guard predicts it fits (%s)",
+            format_gib(available),
+            first.state if first else "no KV cache spec",
+        )
         return None
     from kvguard.guard.judge import largest_fitting_blocks
 
     specs = _kv_cache_spec(worker)
     block = max(int(spec.page_size_bytes) for spec in specs.values()) * len(specs)
-    low = largest_fitting_blocks(lambda blocks: _verdict_at(worker, profile, blocks * block, model),
-                                 available // block - 1)
+    low = largest_fitting_blocks(
+        lambda blocks: _verdict_at(worker, profile, blocks * block, model), available // block - 1
+    )
     if low == 0:
-        log.warning("kvguard: KVGUARD_BUDGET=guard: no KV cache budget fits by the guard's prediction; keeping "
-                    "vLLM's %s (%s)", format_gib(available), first.reasons[0].message)
+        log.warning(
+            "kvguard: KVGUARD_BUDGET=guard: no KV cache budget fits by the guard's prediction; keeping vLLM's %s (%s)",
+            format_gib(available),
+            first.reasons[0].message,
+        )
         return None
     budget = low * block
-    log.info("kvguard: KV cache budget %s (KVGUARD_BUDGET=guard) instead of vLLM's %s: at vLLM's the guard "
-             "predicts %s (%s)", format_gib(budget), format_gib(available), first.reasons[0].code,
-             first.reasons[0].message)
+    log.info(
+        "kvguard: KV cache budget %s (KVGUARD_BUDGET=guard) instead of vLLM's %s: at vLLM's the guard predicts %s (%s)",
+        format_gib(budget),
+        format_gib(available),
+        first.reasons[0].code,
+        first.reasons[0].message,
+    )
     return budget
 
 
 # ---------------------------------------------------------------------------- the KV cache
+
 
 def _group_block_bytes(group: Any) -> int:
     """Bytes one block takes across one group's layers. ``UniformTypeKVCacheSpecs.page_size_bytes`` is
@@ -1033,8 +1139,9 @@ def kv_cache_allocation(kv_cache_config: Any, num_blocks: int | None = None, out
     block_size = int(groups[0].kv_cache_spec.block_size) if groups else 0
     if block_bytes <= 0 or block_size <= 0:
         return None
-    return KVCacheAllocation(num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size,
-                             outside_allocator=outside_allocator)
+    return KVCacheAllocation(
+        num_blocks=num_blocks, block_bytes=block_bytes, block_size=block_size, outside_allocator=outside_allocator
+    )
 
 
 def _record_kv_cache(worker: Any, kv_cache_config: Any, num_blocks: int | None = None) -> None:
@@ -1045,6 +1152,7 @@ def _record_kv_cache(worker: Any, kv_cache_config: Any, num_blocks: int | None =
     allocation = kv_cache_allocation(kv_cache_config, num_blocks, outside_allocator=_extensible(worker))
     if allocation is not None:
         from kvguard import probe
+
         probe.set_kv_cache(allocation)
 
 
@@ -1053,34 +1161,43 @@ def _wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., 
         result = original(self, kv_cache_config, *args, **kwargs)
         _guard("initialize_from_config", _record_kv_cache, self, kv_cache_config)
         return result
+
     return initialize_from_config
 
 
 def _wrap_extend_kv_cache(original: Callable[..., Any]) -> Callable[..., Any]:
     """0.34: ``Worker.extend_kv_cache(num_blocks)`` commits the extensible KV cache's final size
     (w 0.34.0:1007-1010); record that block count."""
+
     def extend_kv_cache(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
         result = original(self, num_blocks, *args, **kwargs)
-        config = getattr(self, "_kv_cache_config", None) or getattr(getattr(self, "model_runner", None),
-                                                                    "kv_cache_config", None)
+        config = getattr(self, "_kv_cache_config", None) or getattr(
+            getattr(self, "model_runner", None), "kv_cache_config", None
+        )
         if config is not None:
             _guard("extend_kv_cache", _record_kv_cache, self, config, num_blocks)
         return result
+
     return extend_kv_cache
 
 
 # ---------------------------------------------------------------------------- 0.34: sized after warm-up
 
 EXTENSIBLE_MODULE = "vllm.v1.worker.extensible_kv_cache"
-_EXTENSIBLE_INPUTS = {"init_free_memory": "init_free_memory_bytes", "free_memory": "free_after_warmup_bytes",
-                      "committed_bytes": "kv_committed_bytes", "transient_peak_bytes": "kv_transient_peak_bytes",
-                      "torch_reserve_growth_bytes": "torch_reserve_growth_bytes"}
+_EXTENSIBLE_INPUTS = {
+    "init_free_memory": "init_free_memory_bytes",
+    "free_memory": "free_after_warmup_bytes",
+    "committed_bytes": "kv_committed_bytes",
+    "transient_peak_bytes": "kv_transient_peak_bytes",
+    "torch_reserve_growth_bytes": "torch_reserve_growth_bytes",
+}
 
 
 def _wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
     """0.34's extensible KV cache is sized at the end of warm-up by ``measure_kv_cache_bytes``
     (v1/worker/extensible_kv_cache.py 0.34.0:592-618), called with every input by keyword; while
     warm-up runs, that function is wrapped so the profile gains them (formula ``extensible``)."""
+
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         module = sys.modules.get(EXTENSIBLE_MODULE) if _extensible(self) else None
         current = getattr(module, "measure_kv_cache_bytes", None) if module else None
@@ -1092,6 +1209,7 @@ def _wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[...
             result = current(*m_args, **m_kwargs)
             calls.append(m_kwargs)
             return result
+
         setattr(measure_kv_cache_bytes, _MARK, True)
         module.measure_kv_cache_bytes = measure_kv_cache_bytes
         try:
@@ -1100,6 +1218,7 @@ def _wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[...
             if module.measure_kv_cache_bytes is measure_kv_cache_bytes:
                 module.measure_kv_cache_bytes = current
             _guard("compile_or_warm_up_model", _record_extensible_inputs, self, calls)
+
     return compile_or_warm_up_model
 
 
@@ -1113,6 +1232,8 @@ def _record_extensible_inputs(worker: Any, calls: list[dict[str, Any]]) -> None:
         return
     inputs = {field: int(sizing[name]) for name, field in _EXTENSIBLE_INPUTS.items()}
     import dataclasses
+
     _profile = dataclasses.replace(_profile, formula="extensible", **inputs)
     from kvguard import probe
+
     probe.set_profile(_profile)

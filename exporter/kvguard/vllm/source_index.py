@@ -34,8 +34,9 @@ from kvguard.vllm import eras
 
 INDEX_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "source_index.json.gz")
 # A platform plugin's own index, the same form, over every release of it on PyPI (rcs and posts too).
-PLUGIN_INDEX_PATHS = {"vllm-ascend": os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "source_index_vllm_ascend.json.gz")}
+PLUGIN_INDEX_PATHS = {
+    "vllm-ascend": os.path.join(os.path.dirname(os.path.abspath(__file__)), "source_index_vllm_ascend.json.gz")
+}
 # Hints kept per log: enough to pin a release, a bound on the work a hostile log causes.
 MAX_HINTS = 64
 # A traceback frame inside vLLM's package: '  File ".../vllm/v1/worker/gpu_worker.py", line 283, in init_device'.
@@ -43,7 +44,9 @@ FRAME = re.compile(r'File "[^"]{0,300}?/vllm/([\w/]{1,120}\.py)", line ([0-9]{1,
 
 
 # Placeholders of a logger call's message: %-style (with %(name)s), str.format's {…}, an f-string's values.
-_PERCENT = re.compile(r"%(?:\([^)]{0,40}\))?[-#0 +]{0,4}(?:\*|[0-9]{1,3})?(?:\.(?:\*|[0-9]{1,3}))?[hlL]?[diouxXeEfFgGcrsa%]")
+_PERCENT = re.compile(
+    r"%(?:\([^)]{0,40}\))?[-#0 +]{0,4}(?:\*|[0-9]{1,3})?(?:\.(?:\*|[0-9]{1,3}))?[hlL]?[diouxXeEfFgGcrsa%]"
+)
 _BRACES = re.compile(r"\{\{|\}\}|\{[^{}]{0,40}\}")
 MARK = "\x00"
 # A number as vLLM prints one: "8,192", "207.73", "-1", "1e-05".
@@ -56,8 +59,10 @@ _NOT_LETTERS = re.compile(r"[\W\d_]+")
 MIN_WORDING_LETTERS = 12
 # A record's own prefix, up to its message: "(EngineCore pid=1) INFO 04-12 08:21:19 [core.py:94] ", and
 # "INFO 12-13 19:54:18 worker.py:243] " (0.6-0.7), also with the time stripped ("INFO [core.py:94] ").
-_MESSAGE = re.compile(r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} )?"
-                      r"\[?[\w./-]{1,80}\.py:[0-9]{1,6}\] ?")
+_MESSAGE = re.compile(
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) {1,2}(?:[0-9]{2}-[0-9]{2} [0-9:.]{8,15} )?"
+    r"\[?[\w./-]{1,80}\.py:[0-9]{1,6}\] ?"
+)
 MAX_LINE_CHARS = 2048
 # A longer line (a config dump, a paste of many records as one) is not hashed: vLLM's messages are shorter.
 MAX_WORDING_CHARS = 1024
@@ -112,8 +117,8 @@ def line_wording(line: str, message_at: int | None = None) -> str | None:
 
 @dataclass(frozen=True)
 class Fit:
-    releases: tuple[str, ...]   # the releases every hint fits ("0.15.0", ...), oldest first
-    hints: int                  # how many hints were weighed
+    releases: tuple[str, ...]  # the releases every hint fits ("0.15.0", ...), oldest first
+    hints: int  # how many hints were weighed
     reason: str
 
 
@@ -124,7 +129,7 @@ class _Index:
         self.uploaded: dict[str, str] = {r: releases[r]["uploaded"] for r in releases}
         self.trees: dict[str, dict[str, int]] = {r: releases[r]["files"] for r in releases}
         names = data["names"]
-        self.def_paths = re.compile(data["def_paths"])    # the files whose functions are indexed
+        self.def_paths = re.compile(data["def_paths"])  # the files whose functions are indexed
         self.logs: list[list[tuple[int, int]]] = []
         self.defs: list[list[tuple[str, int, int]]] = []
         for log, defs in data["files"]:
@@ -151,19 +156,21 @@ class _Index:
         self.known = set().union(*self.by_suffix.values())
         # Wording key -> the releases writing it (bit i: the i-th release, oldest first).
         self.wordings: dict[str, int] = data.get("wordings", {})
-        self.bit = {release: 1 << i for i, release in enumerate(self.releases)}   # the file's order: oldest first
+        self.bit = {release: 1 << i for i, release in enumerate(self.releases)}  # the file's order: oldest first
 
     def wording_fits(self, release: str, key: str) -> bool:
         return bool(self.wordings[key] & self.bit[release])
 
     def tag_fits(self, release: str, name: str, line: int) -> bool:
-        return any(start <= line <= end for number in self.by_suffix[release].get(name, ())
-                   for start, end in self.logs[number])
+        return any(
+            start <= line <= end for number in self.by_suffix[release].get(name, ()) for start, end in self.logs[number]
+        )
 
     def frame_fits(self, release: str, path: str, line: int, function: str) -> bool:
         number = self.trees[release].get(path)
-        return number is not None and any(name == function and start <= line <= end
-                                          for name, start, end in self.defs[number])
+        return number is not None and any(
+            name == function and start <= line <= end for name, start, end in self.defs[number]
+        )
 
 
 @functools.lru_cache(maxsize=2)
@@ -234,8 +241,7 @@ def _best(scores: dict[str, int], count: int, published: list[str]) -> tuple[tup
     return None
 
 
-def _with_upcoming(found: tuple[tuple[str, ...], str] | None, upcoming: str
-                   ) -> tuple[tuple[str, ...], str] | None:
+def _with_upcoming(found: tuple[tuple[str, ...], str] | None, upcoming: str) -> tuple[tuple[str, ...], str] | None:
     """A best fit (``_best``'s development build) with the first release published after the log's date."""
     if found is None or not found[1].startswith("best fit") or upcoming in found[0]:
         return found
@@ -246,8 +252,13 @@ def _span(releases: tuple[str, ...]) -> str:
     return releases[0] if len(releases) == 1 else f"{releases[0]}–{releases[-1]}"
 
 
-def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None = None,
-        wordings: set[str] = frozenset(), plugin: str | None = None) -> Fit | None:
+def fit(
+    tags: set[tuple[str, int]],
+    frames: set[tuple[str, int, str]],
+    logged_on: str | None = None,
+    wordings: set[str] = frozenset(),
+    plugin: str | None = None,
+) -> Fit | None:
     """The releases whose source every tag (file name, line), frame (path under vllm/, line, function) and
     wording (``line_wording``) fits, and (``logged_on``, a "YYYY-MM-DD" the log states) that were published by
     then; None when there is no hint (or no index).
@@ -268,8 +279,14 @@ def fit(tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on
     return found and Fit(tuple(dict.fromkeys(numbered(r) for r in found.releases)), found.hints, found.reason)
 
 
-def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], logged_on: str | None,
-         wordings: set[str], family: str) -> Fit | None:
+def _fit(
+    index,
+    tags: set[tuple[str, int]],
+    frames: set[tuple[str, int, str]],
+    logged_on: str | None,
+    wordings: set[str],
+    family: str,
+) -> Fit | None:
     tags = {tag for tag in tags if tag[0] in index.known}
     frames = {frame for frame in frames if index.def_paths.match(frame[0])}
     wordings = {key for key in wordings if key in index.wordings}
@@ -282,15 +299,33 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
             return Fit((), 0, f"logged on {logged_on}, before any release in the table")
         return Fit(tuple(published), 0, f"logged on {logged_on}: {family} {published[-1]} or older")
     count = len(tags) + len(frames) + len(wordings)
-    where = ", ".join(part for part in (
-        f"{len(tags)} file:line tag{'s' if len(tags) != 1 else ''}" if tags else "",
-        f"{len(frames)} traceback frame{'s' if len(frames) != 1 else ''}" if frames else "") if part)
+    where = ", ".join(
+        part
+        for part in (
+            f"{len(tags)} file:line tag{'s' if len(tags) != 1 else ''}" if tags else "",
+            f"{len(frames)} traceback frame{'s' if len(frames) != 1 else ''}" if frames else "",
+        )
+        if part
+    )
     said = f"{len(wordings)} wording{'s' if len(wordings) != 1 else ''}" if wordings else ""
-    placed = _best({r: sum(index.tag_fits(r, name, line) for name, line in tags)
-                    + sum(index.frame_fits(r, path, line, function) for path, line, function in frames)
-                    for r in published}, len(tags) + len(frames), published) if where else None
-    worded = _best({r: sum(index.wording_fits(r, key) for key in wordings) for r in published},
-                   len(wordings), published) if said else None
+    placed = (
+        _best(
+            {
+                r: sum(index.tag_fits(r, name, line) for name, line in tags)
+                + sum(index.frame_fits(r, path, line, function) for path, line, function in frames)
+                for r in published
+            },
+            len(tags) + len(frames),
+            published,
+        )
+        if where
+        else None
+    )
+    worded = (
+        _best({r: sum(index.wording_fits(r, key) for key in wordings) for r in published}, len(wordings), published)
+        if said
+        else None
+    )
     if logged_on is not None and len(published) < len(index.releases):
         # A development build fits no release whole; made on main by that date, its code is the next
         # release's in the making, so that release is as likely as the last one published.
@@ -307,8 +342,13 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
         if logged_on is None or len(published) == len(index.releases):
             return Fit((), count, unfit)
         # The date still holds: such a build was made from a published release's code or later.
-        return Fit(tuple(published), count, f"{unfit}; logged on {logged_on}: {family} {published[-1]} or older"
-                   if published else f"{unfit}; logged on {logged_on}, before any release in the table")
+        return Fit(
+            tuple(published),
+            count,
+            f"{unfit}; logged on {logged_on}: {family} {published[-1]} or older"
+            if published
+            else f"{unfit}; logged on {logged_on}, before any release in the table",
+        )
     if placed is not None and worded is not None:
         # Where they share none, one of them misleads (a stray tag, a patched message): either may be right.
         both = tuple(r for r in placed[0] if r in worded[0])
@@ -318,9 +358,13 @@ def _fit(index, tags: set[tuple[str, int]], frames: set[tuple[str, int, str]], l
         fitting = (placed or worded)[0]
         joined = parts[0]
         if where and placed is None:
-            joined = (f"its {where} fit no {family} release's source (a fork, a patched or a development build): left "
-                      f"out; {joined}")
-    return Fit(fitting, count, f"{joined} ({len(fitting)} of {len(index.releases)} releases: {family} {_span(fitting)})")
+            joined = (
+                f"its {where} fit no {family} release's source (a fork, a patched or a development build): left "
+                f"out; {joined}"
+            )
+    return Fit(
+        fitting, count, f"{joined} ({len(fitting)} of {len(index.releases)} releases: {family} {_span(fitting)})"
+    )
 
 
 def version(text: str) -> tuple[int, ...]:

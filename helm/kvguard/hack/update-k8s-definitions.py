@@ -46,7 +46,8 @@ _REF = re.compile(r"^#/\$defs/(.+)$")
 
 def kubernetes_definitions(version: str = KUBERNETES_VERSION) -> dict:
     path = importlib_resources.files("kubernetes_validate").joinpath(
-        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json")
+        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json"
+    )
     return json.loads(path.read_text())["$defs"]
 
 

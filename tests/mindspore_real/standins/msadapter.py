@@ -42,7 +42,7 @@ __version__ = "0.3.0.standin"
 # vLLM decorates a few functions with torch.compile(backend=current_platform.simple_compile_backend), which
 # vllm-mindspore's AscendPlatform names "npu" (platforms/ascend.py:45 @ 0.5.1); under msadapter they run as
 # MindSpore compiles them. Here the "npu" backend runs them as they are (eager), off the memory path.
-from torch._dynamo import list_backends, register_backend
+from torch._dynamo import list_backends, register_backend  # noqa: E402 (after the comment that says why)
 
 if "npu" not in list_backends(exclude_tags=()):
     register_backend(lambda gm, example_inputs: gm, name="npu")

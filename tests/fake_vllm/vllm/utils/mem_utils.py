@@ -43,7 +43,9 @@ class MemorySnapshot:
             torch_memory=self.torch_memory - other.torch_memory,
             non_torch_memory=self.non_torch_memory - other.non_torch_memory,
             timestamp=self.timestamp - other.timestamp,
-            device=self.device_, auto_measure=False)
+            device=self.device_,
+            auto_measure=False,
+        )
 
 
 @dataclass

@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 import torch
-
 from fake_device import DEVICE, GIB
+
 from vllm.utils.mem_utils import MemorySnapshot, memory_profiling
 
 
@@ -24,7 +24,7 @@ class FakeModelRunner:
 
     def profile_run(self):
         handles = [DEVICE.malloc(size) for size in self.activations]
-        DEVICE.non_torch += self.non_torch_growth      # e.g. NCCL buffers on the first forward
+        DEVICE.non_torch += self.non_torch_growth  # e.g. NCCL buffers on the first forward
         self.non_torch_growth = 0
         for handle in handles:
             DEVICE.free(handle)
@@ -35,10 +35,12 @@ class FakeModelRunner:
 
 
 class Worker:
-    def __init__(self, gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, rank=0, local_rank=0,
-                 model_runner=None):
-        self.cache_config = SimpleNamespace(gpu_memory_utilization=gpu_memory_utilization,
-                                            kv_cache_memory_bytes=kv_cache_memory_bytes, num_gpu_blocks=None)
+    def __init__(self, gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, rank=0, local_rank=0, model_runner=None):
+        self.cache_config = SimpleNamespace(
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            num_gpu_blocks=None,
+        )
         self.rank = rank
         self.local_rank = local_rank
         self.model_runner = model_runner or FakeModelRunner()
@@ -57,13 +59,15 @@ class Worker:
         if kv_cache_memory_bytes := self.cache_config.kv_cache_memory_bytes:
             self.model_runner.profile_run()
             return kv_cache_memory_bytes
-        with memory_profiling(self.init_snapshot,
-                              weights_memory=int(self.model_runner.model_memory_usage)) as profile_result:
+        with memory_profiling(
+            self.init_snapshot, weights_memory=int(self.model_runner.model_memory_usage)
+        ) as profile_result:
             self.model_runner.profile_run()
             profile_torch_peak = DEVICE.memory_stats(self.device).get("allocated_bytes.all.peak", 0)
         profile_result.torch_peak_increase = profile_torch_peak - profile_result.before_profile.torch_peak
-        profile_result.non_kv_cache_memory = (profile_result.non_torch_increase + profile_result.torch_peak_increase
-                                              + profile_result.weights_memory)
+        profile_result.non_kv_cache_memory = (
+            profile_result.non_torch_increase + profile_result.torch_peak_increase + profile_result.weights_memory
+        )
         self.non_torch_memory = profile_result.non_torch_increase
         self.peak_activation_memory = profile_result.torch_peak_increase
         self.available_kv_cache_memory_bytes = self.requested_memory - profile_result.non_kv_cache_memory
