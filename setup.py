@@ -22,11 +22,13 @@ ENGINES = [
     ("kvguard.allocators._ctorch", "exporter/kvguard/allocators/_ctorch.c"),
     ("kvguard.allocators._cmspool", "exporter/kvguard/allocators/_cmspool.c"),
 ]
+# What both engines include: a change to it rebuilds both.
+HEADERS = ["exporter/kvguard/allocators/_engine.h"]
 BUILD_EXT = os.environ.get("KVGUARD_BUILD_EXT", "").strip() == "1"
 
 setup(
     ext_modules=[
-        Extension(name, [source], extra_compile_args=["-O2", "-std=c11"])
+        Extension(name, [source], depends=HEADERS, extra_compile_args=["-O2", "-std=c11"])
         for name, source in ENGINES
         if BUILD_EXT and (HERE / source).is_file()
     ]

@@ -1,13 +1,15 @@
-"""MindSpore's dynamic memory pool model, per release: each rule on a small hand-worked case.
+"""MindSpore's dynamic memory pool model, per release: each rule on a small hand-worked case, on the Python
+model and on the C engine (tests/alloc_engines.py).
 
 The rules and their sources are in kvguard/allocators/mindspore_releases.py; each test names the rule.
 """
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture every test here uses)
 
+from kvguard.allocators import native
 from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.allocators.device import Device
-from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.mindspore_releases import (
     RELEASES,
     VLLM_MINDSPORE_LAUNCHERS,
@@ -20,6 +22,8 @@ from kvguard.allocators.mindspore_releases import (
 MIB = 1 << 20
 GIB = 1 << 30
 
+pytestmark = pytest.mark.usefixtures("engine")
+
 
 def free_for_budget(budget):
     """Device free memory whose pool budget, floor(free * 15/16 to 2 MiB) - 10 MiB, is ``budget`` (2 MiB multiple)."""
@@ -30,7 +34,7 @@ def pool(budget=8 * GIB, version="2.6.0", **kwargs):
     """A pool of ``budget`` bytes after vllm-mindspore's first jit_level O0 compile (task sink off)
     unless told otherwise."""
     kwargs.setdefault("task_sink", False)
-    return DynamicMemPool(Device(free_for_budget(budget)), version=version, **kwargs)
+    return native.mindspore_pool(Device(free_for_budget(budget)), version=version, **kwargs)
 
 
 # ----------------------------------------------------------------- the budget and task sink
@@ -39,7 +43,7 @@ def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
     assert pool_budget_bytes(64 * GIB) == 64_414_023_680
     assert pool_budget_bytes(31 * GIB) == 29_750 * MIB  # 29,760 MiB less 10
     assert pool_budget_bytes(31 * GIB + MIB) == 29_750 * MIB  # 29,760.94 MiB: down to 2 MiB first
-    assert DynamicMemPool(Device(64 * GIB)).total_mem_size == 64_414_023_680
+    assert native.mindspore_pool(Device(64 * GIB)).total_mem_size == 64_414_023_680
 
 
 def test_without_vmm_blocks_stop_at_the_pool_budget_not_at_the_device():
@@ -50,7 +54,7 @@ def test_without_vmm_blocks_stop_at_the_pool_budget_not_at_the_device():
 
 
 def test_task_sink_defaults_on_and_a_jit_o0_compile_turns_it_off():
-    p = DynamicMemPool(Device(free_for_budget(16 * GIB)), version="2.7.1")
+    p = native.mindspore_pool(Device(free_for_budget(16 * GIB)), version="2.7.1")
     p.malloc(int(2.5 * GIB), persistent=True)  # 1 + 1 + 1 GiB: adding units
     p.jit_o0_compile()
     p.malloc(int(2.5 * GIB))  # 1 -> 2 -> 4 GiB: doubling
@@ -284,7 +288,7 @@ def test_vmm_unmapped_pages_stay_allocated_until_empty_cache():
 
 def test_vmm_refuses_a_page_the_device_cannot_hold():
     device = Device(free_for_budget(8 * MIB))
-    p = DynamicMemPool(device, version="2.6.0", enable_vmm=True)
+    p = native.mindspore_pool(device, version="2.6.0", enable_vmm=True)
     p.malloc(4 * MIB)
     assert device.grow_non_allocator(device.free_bytes - 2 * MIB)  # runtime memory taken after the pool started
     with pytest.raises(AllocatorOutOfMemory):

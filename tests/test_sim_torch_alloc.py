@@ -1,16 +1,20 @@
-"""PyTorch's caching allocator model: each rule on a small hand-checked trace."""
+"""PyTorch's caching allocator model: each rule on a small hand-checked trace, on the Python model and on
+the C engine (tests/alloc_engines.py)."""
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture every test here uses)
 
+from kvguard.allocators import native
 from kvguard.allocators.base import AllocatorOutOfMemory
 from kvguard.allocators.device import Device
-from kvguard.allocators.torch_alloc import CachingAllocator
 
 MIB = 1 << 20
 
+pytestmark = pytest.mark.usefixtures("engine")
+
 
 def alloc(capacity=1 << 30, **kwargs):
-    return CachingAllocator(Device(capacity), **kwargs)
+    return native.caching_allocator(Device(capacity), **kwargs)
 
 
 def block_size(a, addr):
@@ -385,7 +389,7 @@ def test_segment_layout_is_snapshot_segments_reduced_to_what_an_end_state_compar
     # Expandable: freeing the middle tensor and emptying the cache unmaps its pages, which splits
     # the segment into two mapped ranges; a non-expandable run keeps one range per segment.
     for expandable in (True, False):
-        a = CachingAllocator(Device(1 << 30), expandable_segments=expandable)
+        a = alloc(expandable_segments=expandable)
         addrs = [a.malloc(size) for size in (30 * MIB, 50 * MIB, 30 * MIB, 100)]
         a.free(addrs[1])
         a.empty_cache()

@@ -10,7 +10,8 @@ allocation and releases, expandable segments, torch_npu's base alignment) is the
 
 The same seeded op streams are replayed on both, and after every op the returned address (or
 the out-of-memory error), ``memory_stats()``, the window peaks and the device's allocator bytes
-must agree; at the end the free lists and the segment layout must.
+must agree; at the end the free lists and the segment layout must. The inlined side runs on the Python
+model and on the C engine (tests/alloc_engines.py), which inlines the same steps in C.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from alloc_engines import ENGINES, engine  # noqa: F401  (engine: the fixture the test uses)
 
+from kvguard.allocators import native
 from kvguard.allocators.base import AllocatorOutOfMemory, link_after
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import (
@@ -40,6 +43,9 @@ MIB = 1 << 20
 DEVICE_BYTES = 256 * MIB  # small enough that the streams below run into out-of-memory
 OPS_PER_STREAM = 1500
 SEEDS = (1, 2)
+# The Python model on every seed, the C engine on the first (tests/test_alloc_native_torch.py compares the
+# engine with the model op by op on many more streams): CI time.
+ENGINE_SEEDS = [(name, seed) for name in ENGINES for seed in SEEDS if name == "python" or seed == SEEDS[0]]
 WINDOW_OPS = 7
 
 
@@ -210,8 +216,10 @@ def op_stream(seed: int) -> list[tuple]:
     return ops
 
 
-def build(cls: type[CachingAllocator], variant: str, conf: str, fraction: float | None) -> CachingAllocator:
-    allocator = cls(Device(DEVICE_BYTES), variant=variant, **parse_alloc_conf(conf, variant))
+def build(cls: type[CachingAllocator] | None, variant: str, conf: str, fraction: float | None) -> CachingAllocator:
+    """``cls`` None: the allocator ``native`` builds (the engine the ``engine`` fixture chose)."""
+    construct = native.caching_allocator if cls is None else cls
+    allocator = construct(Device(DEVICE_BYTES), variant=variant, **parse_alloc_conf(conf, variant))
     if fraction is not None:
         allocator.set_memory_fraction(fraction)
     return allocator
@@ -237,25 +245,29 @@ def state(allocator: CachingAllocator) -> tuple:
     return allocator.memory_stats(), allocator.device.allocator_bytes
 
 
-def end_state(allocator: CachingAllocator) -> tuple:
-    return (
+def end_state(allocator: CachingAllocator, internals: bool = True) -> tuple:
+    """The free lists and segments; with ``internals``, the Python model's block tables too (the C engine
+    keeps its own, checked by its ``_check``)."""
+    public = (
         allocator.free_block_sizes(True),
         allocator.free_block_sizes(False),
         allocator.segment_layout(),
         allocator.segments(),
-        sorted(allocator._free_blocks),
-        sorted(allocator._active),
     )
+    if not internals:
+        return public
+    return public + (sorted(allocator._free_blocks), sorted(allocator._active))
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.usefixtures("engine")
+@pytest.mark.parametrize("engine, seed", ENGINE_SEEDS, indirect=["engine"])
 @pytest.mark.parametrize(
     "variant, conf, fraction",
     CONFIGS,
     ids=[f"{v}-{c or 'default'}{f'-fraction{f}' if f else ''}" for v, c, f in CONFIGS],
 )
 def test_inlined_malloc_and_free_match_the_general_path(variant, conf, fraction, seed):
-    inlined = build(CachingAllocator, variant, conf, fraction)
+    inlined = build(None, variant, conf, fraction)
     general = build(GeneralPath, variant, conf, fraction)
     inlined_addresses: dict[int, int] = {}
     general_addresses: dict[int, int] = {}
@@ -267,7 +279,10 @@ def test_inlined_malloc_and_free_match_the_general_path(variant, conf, fraction,
         if index % WINDOW_OPS == 0:  # a window over several ops, so a peak inside it can be missed
             assert inlined.take_window_peaks() == general.take_window_peaks(), f"window ending at op {index}"
         ooms += isinstance(result, tuple)
-    assert end_state(inlined) == end_state(general)
+    internals = native.engine(inlined) == "python"
+    assert end_state(inlined, internals) == end_state(general, internals)
+    if not internals:
+        inlined._check()
     # The stream must have reached the paths it is meant to compare.
     stats = inlined.memory_stats()
     assert ooms > 0 and stats["num_ooms"] > 0

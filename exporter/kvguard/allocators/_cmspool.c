@@ -13,50 +13,67 @@
  * the used-address table, the VMM pages and every counter. The device stays the Python object the
  * caller shares: it is called (malloc, free, free_bytes) exactly where the model calls it.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#define KVG_ENGINE "_cmspool"
+#include "_engine.h"
 #include <structmember.h>
-#include <stdint.h>
-#include <string.h>
 
+/* Constants shared with mindspore_pool.py and mindspore_native.py are exported as module attributes
+ * (SHARED_CONSTANTS below); tests/test_c_engines.py holds them equal to the Python side. */
 enum { IDLE = 0, USED = 1, EAGER_FREE = 2 };
 
-#define SPLIT_MIN_BYTES 512                  /* mindspore_pool.K_ALIGN: a remainder this large is split off */
-#define SIZE_BEYOND ((int64_t)1 << 62)       /* any request above this fits nowhere (devices are smaller) */
-#define STEP_LIMIT ((int64_t)1 << 40)        /* pages, alignments (as mindspore_native.unsupported): no sum overflows */
+#define SPLIT_MIN_BYTES 512            /* mindspore_pool.K_ALIGN: a remainder this large is split off */
+#define SIZE_BEYOND ((int64_t)1 << 62) /* any request above this fits nowhere (devices are smaller) */
+#define STEP_LIMIT ((int64_t)1 << 40)  /* pages, alignments (as mindspore_native.unsupported): no sum overflows */
 #define SLAB_BUFS 1024
 
 typedef struct Block {
     int64_t addr, size;
     int64_t npages, mapped_pages;
-    uint8_t *pages;                           /* VMM: 1 byte a page, 1 when mapped */
+    uint8_t *pages; /* VMM: 1 byte a page, 1 when mapped */
 } Block;
 
 typedef struct Buf {
     int64_t addr, size;
-    struct Buf *prev, *next;                  /* neighbours within the block, by address */
+    struct Buf *prev, *next; /* neighbours within the block, by address */
     Block *block;
     uint8_t status;
-    uint8_t persistent;                       /* the allocator whose block holds it */
+    uint8_t persistent; /* the allocator whose block holds it */
 } Buf;
 
-typedef struct { int64_t size, addr; Buf *buf; } Entry;
-typedef struct { Entry *v; Py_ssize_t n, cap; } EntryList;        /* sorted by (size, addr) */
-typedef struct { Block **v; Py_ssize_t n, cap; } BlockList;
-typedef struct { BlockList blocks; EntryList idle, eager; } Alloc;  /* one MemBufAllocator */
-typedef struct { int64_t *keys; Buf **vals; size_t n, mask; int shift; } UsedMap;
+typedef struct {
+    int64_t size, addr;
+    Buf *buf;
+} Entry;
+typedef struct {
+    Entry *v;
+    Py_ssize_t n, cap;
+} EntryList; /* sorted by (size, addr) */
+typedef struct {
+    Block **v;
+    Py_ssize_t n, cap;
+} BlockList;
+typedef struct {
+    BlockList blocks;
+    EntryList idle, eager;
+} Alloc; /* one MemBufAllocator */
+typedef struct {
+    int64_t *keys;
+    Buf **vals;
+    size_t n, mask;
+    int shift;
+} UsedMap;
 
 typedef struct {
     PyObject_HEAD
     PyObject *device;
-    PyObject *blocks_key;                     /* cached bytes of the blocks and their pages, or NULL */
-    Alloc alloc[2];                           /* [0] common, [1] persistent */
+    PyObject *blocks_key; /* cached bytes of the blocks and their pages, or NULL */
+    Alloc alloc[2];       /* [0] common, [1] persistent */
     UsedMap used;
-    Buf *spare;                               /* free Buf nodes */
+    Buf *spare; /* free Buf nodes */
     void **slabs;
     Py_ssize_t nslabs, slabcap;
     int ready;
-    int busy;                                 /* inside malloc / empty_cache, which call back into Python */
+    int busy; /* inside malloc / empty_cache, which call back into Python */
     int vmm, grows_idle_into_eager_free, eager_free_on_miss, common_falls_back_to_persistent;
     int eager_free_drops_on_refused_map, reserved_is_physical, empty_cache_releases;
     long long total_mem_size, page, max_pages, align;
@@ -65,23 +82,27 @@ typedef struct {
     long long window_used, window_reserved, num_ooms;
 } Pool;
 
-static PyObject *oom_class;               /* kvguard.allocators.base.AllocatorOutOfMemory, on first use */
-static PyObject *persistent_keys;             /* {True: 1, False: 0}: the model's allocator dict lookup */
+static PyObject *persistent_keys; /* {True: 1, False: 0}: the model's allocator dict lookup */
 static PyObject *s_malloc, *s_free, *s_free_bytes, *s_block_alloc_size, *s_name;
 
 /* ------------------------------------------------------------------ small containers */
-static Buf *buf_new(Pool *p, int64_t addr, int64_t size, int status, Block *block, int persistent)
-{
+static Buf *buf_new(Pool *p, int64_t addr, int64_t size, int status, Block *block, int persistent) {
     if (p->spare == NULL) {
         if (p->nslabs == p->slabcap) {
             Py_ssize_t cap = p->slabcap ? 2 * p->slabcap : 8;
             void **slabs = PyMem_Realloc(p->slabs, cap * sizeof(void *));
-            if (slabs == NULL) { PyErr_NoMemory(); return NULL; }
+            if (slabs == NULL) {
+                PyErr_NoMemory();
+                return NULL;
+            }
             p->slabs = slabs;
             p->slabcap = cap;
         }
         Buf *slab = PyMem_Malloc(SLAB_BUFS * sizeof(Buf));
-        if (slab == NULL) { PyErr_NoMemory(); return NULL; }
+        if (slab == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
         p->slabs[p->nslabs++] = slab;
         for (int i = 0; i < SLAB_BUFS; i++) {
             slab[i].next = p->spare;
@@ -99,14 +120,12 @@ static Buf *buf_new(Pool *p, int64_t addr, int64_t size, int status, Block *bloc
     return b;
 }
 
-static inline void buf_release(Pool *p, Buf *b)
-{
+static inline void buf_release(Pool *p, Buf *b) {
     b->next = p->spare;
     p->spare = b;
 }
 
-static inline void link_after(Buf *node, Buf *added)
-{
+static inline void link_after(Buf *node, Buf *added) {
     Buf *nxt = node->next;
     added->next = nxt;
     if (nxt != NULL)
@@ -115,13 +134,11 @@ static inline void link_after(Buf *node, Buf *added)
     node->next = added;
 }
 
-static inline int key_less(const Entry *e, int64_t size, int64_t addr)
-{
+static inline int key_less(const Entry *e, int64_t size, int64_t addr) {
     return e->size < size || (e->size == size && e->addr < addr);
 }
 
-static inline Py_ssize_t lower_bound(const Entry *v, Py_ssize_t n, int64_t size, int64_t addr)
-{
+static inline Py_ssize_t lower_bound(const Entry *v, Py_ssize_t n, int64_t size, int64_t addr) {
     Py_ssize_t lo = 0, hi = n;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) >> 1;
@@ -133,22 +150,24 @@ static inline Py_ssize_t lower_bound(const Entry *v, Py_ssize_t n, int64_t size,
     return lo;
 }
 
-static int entries_reserve(EntryList *l, Py_ssize_t extra)
-{
+static int entries_reserve(EntryList *l, Py_ssize_t extra) {
     if (l->n + extra <= l->cap)
         return 0;
     Py_ssize_t cap = l->cap ? l->cap : 16;
     while (cap < l->n + extra)
         cap *= 2;
     Entry *v = PyMem_Realloc(l->v, cap * sizeof(Entry));
-    if (v == NULL) { PyErr_NoMemory(); return -1; }
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     l->v = v;
     l->cap = cap;
     return 0;
 }
 
-static int entries_insert(EntryList *l, Buf *b)                  /* insort */
-{
+/* insort */
+static int entries_insert(EntryList *l, Buf *b) {
     if (entries_reserve(l, 1) < 0)
         return -1;
     Py_ssize_t i = lower_bound(l->v, l->n, b->size, b->addr);
@@ -160,30 +179,26 @@ static int entries_insert(EntryList *l, Buf *b)                  /* insort */
     return 0;
 }
 
-static inline void entries_remove_at(EntryList *l, Py_ssize_t i)
-{
+static inline void entries_remove_at(EntryList *l, Py_ssize_t i) {
     l->n--;
     memmove(&l->v[i], &l->v[i + 1], (l->n - i) * sizeof(Entry));
 }
 
-static inline void entries_remove(EntryList *l, Buf *b)           /* del entries[bisect_left(...)] */
-{
+/* del entries[bisect_left(...)] */
+static inline void entries_remove(EntryList *l, Buf *b) {
     entries_remove_at(l, lower_bound(l->v, l->n, b->size, b->addr));
 }
 
-static inline EntryList *list_for(Alloc *a, int status)
-{
+static inline EntryList *list_for(Alloc *a, int status) {
     return status == IDLE ? &a->idle : &a->eager;
 }
 
 /* The used-address table: linear probing, addresses are never 0. */
-static inline size_t used_slot(const UsedMap *m, int64_t key)
-{
+static inline size_t used_slot(const UsedMap *m, int64_t key) {
     return (size_t)((((uint64_t)key >> 9) * 0x9E3779B97F4A7C15ull) >> m->shift);
 }
 
-static int used_grow(UsedMap *m)
-{
+static int used_grow(UsedMap *m) {
     size_t cap = m->keys ? 2 * (m->mask + 1) : 64;
     int shift = 64;
     for (size_t c = cap; c > 1; c >>= 1)
@@ -217,15 +232,14 @@ static int used_grow(UsedMap *m)
     return 0;
 }
 
-static int used_reserve(UsedMap *m)                               /* room for one more key */
-{
+/* room for one more key */
+static int used_reserve(UsedMap *m) {
     if (m->keys == NULL || 2 * (m->n + 1) > m->mask + 1)
         return used_grow(m);
     return 0;
 }
 
-static int used_put(UsedMap *m, int64_t key, Buf *b)
-{
+static int used_put(UsedMap *m, int64_t key, Buf *b) {
     if (used_reserve(m) < 0)
         return -1;
     size_t i = used_slot(m, key);
@@ -238,8 +252,7 @@ static int used_put(UsedMap *m, int64_t key, Buf *b)
     return 0;
 }
 
-static inline Py_ssize_t used_find(const UsedMap *m, int64_t key)
-{
+static inline Py_ssize_t used_find(const UsedMap *m, int64_t key) {
     if (m->keys == NULL || key == 0)
         return -1;
     size_t i = used_slot(m, key);
@@ -251,8 +264,8 @@ static inline Py_ssize_t used_find(const UsedMap *m, int64_t key)
     return -1;
 }
 
-static void used_remove_at(UsedMap *m, size_t i)                 /* backward-shift deletion */
-{
+/* backward-shift deletion */
+static void used_remove_at(UsedMap *m, size_t i) {
     size_t j = i;
     for (;;) {
         j = (j + 1) & m->mask;
@@ -272,8 +285,8 @@ static void used_remove_at(UsedMap *m, size_t i)                 /* backward-shi
 }
 
 /* ------------------------------------------------------------------ the device (a Python object) */
-static int device_malloc(Pool *p, long long size)               /* 1 granted, 0 refused, -1 error */
-{
+/* 1 granted, 0 refused, -1 error */
+static int device_malloc(Pool *p, long long size) {
     PyObject *arg = PyLong_FromLongLong(size);
     if (arg == NULL)
         return -1;
@@ -286,8 +299,7 @@ static int device_malloc(Pool *p, long long size)               /* 1 granted, 0 
     return granted;
 }
 
-static int device_free(Pool *p, long long size)
-{
+static int device_free(Pool *p, long long size) {
     PyObject *arg = PyLong_FromLongLong(size);
     if (arg == NULL)
         return -1;
@@ -299,8 +311,7 @@ static int device_free(Pool *p, long long size)
     return 0;
 }
 
-static int device_free_bytes(Pool *p, long long *out)
-{
+static int device_free_bytes(Pool *p, long long *out) {
     PyObject *res = PyObject_GetAttr(p->device, s_free_bytes);
     if (res == NULL)
         return -1;
@@ -310,13 +321,12 @@ static int device_free_bytes(Pool *p, long long *out)
 }
 
 /* ------------------------------------------------------------------ pool bookkeeping */
-static inline long long reserved_bytes(const Pool *p)            /* DynamicMemPool.reserved_bytes */
-{
+/* DynamicMemPool.reserved_bytes */
+static inline long long reserved_bytes(const Pool *p) {
     return p->reserved_is_physical ? p->physical_pages * p->page : p->alloc_size;
 }
 
-static inline void note_reserved(Pool *p)
-{
+static inline void note_reserved(Pool *p) {
     long long reserved = reserved_bytes(p);
     if (reserved > p->peak_reserved)
         p->peak_reserved = reserved;
@@ -324,54 +334,35 @@ static inline void note_reserved(Pool *p)
         p->window_reserved = reserved;
 }
 
-static inline void blocks_changed(Pool *p)
-{
+static inline void blocks_changed(Pool *p) {
     Py_CLEAR(p->blocks_key);
 }
 
-static inline long long floor_div(long long a, long long b)      /* Python's //, b > 0; no negation of a */
-{
+/* Python's //, b > 0; no negation of a */
+static inline long long floor_div(long long a, long long b) {
     long long q = a / b;
     return (a % b != 0 && a < 0) ? q - 1 : q;
 }
 
 /* The model's ints grow without bound; the engine's cells are int64. Where a sum or product would leave
- * them, the engine raises OverflowError (the cell unchanged) instead of wrapping. */
-static int beyond_int64(const char *what)
-{
-    PyErr_Format(PyExc_OverflowError, "_cmspool: %s beyond 2**63", what);
-    return -1;
-}
-
-static inline int checked_add(long long a, long long b, long long *out, const char *what)
-{
-    return __builtin_add_overflow(a, b, out) ? beyond_int64(what) : 0;
-}
-
-static inline int checked_mul(long long a, long long b, long long *out, const char *what)
-{
-    return __builtin_mul_overflow(a, b, out) ? beyond_int64(what) : 0;
-}
+ * them, the engine raises OverflowError (the cell unchanged) instead of wrapping: _engine.h's kvg_*_i64. */
 
 /* A page count whose bytes (count * page) fit a cell: reserved_bytes and empty_cache multiply it. */
-static inline int checked_pages(const Pool *p, long long a, long long b, long long *out, const char *what)
-{
+static inline int checked_pages(const Pool *p, long long a, long long b, long long *out, const char *what) {
     long long bytes;
-    if (checked_add(a, b, out, what) < 0 || checked_mul(*out, p->page, &bytes, what) < 0)
+    if (kvg_add_i64(a, b, out, what) < 0 || kvg_mul_i64(*out, p->page, &bytes, what) < 0)
         return -1;
     return 0;
 }
 
-static int64_t count_mapped(const Block *block, int64_t first, int64_t end)
-{
+static int64_t count_mapped(const Block *block, int64_t first, int64_t end) {
     int64_t mapped = 0;
     for (int64_t i = first; i < end; i++)
         mapped += block->pages[i];
     return mapped;
 }
 
-static int pages_in_block(const Block *block, int64_t first, int64_t end)
-{
+static int pages_in_block(const Block *block, int64_t first, int64_t end) {
     if (first < 0 || end > block->npages) {
         PyErr_SetString(PyExc_SystemError, "_cmspool: a buffer lies outside its block's pages");
         return -1;
@@ -380,11 +371,10 @@ static int pages_in_block(const Block *block, int64_t first, int64_t end)
 }
 
 /* MmapDeviceMem (DynamicMemPool._map): 1 mapped, 0 refused, -1 error. */
-static int pool_map(Pool *p, Block *block, int64_t addr, int64_t size)
-{
-    long long dropped;                        /* the eager-free count less size: before (2.7.0) or after */
-    if (__builtin_sub_overflow(p->eager_free_size, size, &dropped))
-        return beyond_int64("eager-free bytes");
+static int pool_map(Pool *p, Block *block, int64_t addr, int64_t size) {
+    long long dropped; /* the eager-free count less size: before (2.7.0) or after */
+    if (kvg_sub_i64(p->eager_free_size, size, &dropped, "eager-free bytes") < 0)
+        return -1;
     if (p->eager_free_drops_on_refused_map)
         p->eager_free_size = dropped;
     int64_t page = p->page;
@@ -408,9 +398,9 @@ static int pool_map(Pool *p, Block *block, int64_t addr, int64_t size)
         if (possible) {
             /* a device reporting negative free bytes makes possible negative, as in the model */
             long long bytes, physical, cached;
-            if (checked_mul(possible, page, &bytes, "handle bytes") < 0
-                    || checked_pages(p, p->physical_pages, possible, &physical, "physical pages") < 0
-                    || checked_pages(p, p->cached_pages, possible, &cached, "cached pages") < 0)
+            if (kvg_mul_i64(possible, page, &bytes, "handle bytes") < 0
+                || checked_pages(p, p->physical_pages, possible, &physical, "physical pages") < 0
+                || checked_pages(p, p->cached_pages, possible, &cached, "cached pages") < 0)
                 return -1;
             int granted = device_malloc(p, bytes);
             if (granted < 0)
@@ -427,7 +417,7 @@ static int pool_map(Pool *p, Block *block, int64_t addr, int64_t size)
     if (checked_pages(p, p->physical_pages, fresh, &physical, "physical pages") < 0)
         return -1;
     if (fresh) {
-        int granted = device_malloc(p, fresh * page);     /* fresh <= free_bytes / page */
+        int granted = device_malloc(p, fresh * page); /* fresh <= free_bytes / page */
         if (granted <= 0)
             return granted;
     }
@@ -443,8 +433,7 @@ static int pool_map(Pool *p, Block *block, int64_t addr, int64_t size)
 }
 
 /* DynamicMemPool._unmap: the pages wholly inside [addr, addr + size) go to the handle cache. */
-static int pool_unmap(Pool *p, Block *block, int64_t addr, int64_t size)
-{
+static int pool_unmap(Pool *p, Block *block, int64_t addr, int64_t size) {
     int64_t page = p->page;
     int64_t offset = addr - block->addr;
     int64_t first = (offset + page - 1) / page;
@@ -468,13 +457,12 @@ static int pool_unmap(Pool *p, Block *block, int64_t addr, int64_t size)
 }
 
 /* DynamicMemPool._expand_block: 1 with *out, 0 refused, -1 error. */
-static int pool_expand_block(Pool *p, int64_t size, int persistent, Block **out)
-{
+static int pool_expand_block(Pool *p, int64_t size, int persistent, Block **out) {
     PyObject *size_obj = PyLong_FromLongLong(size);
     if (size_obj == NULL)
         return -1;
-    PyObject *res = PyObject_CallMethodObjArgs((PyObject *)p, s_block_alloc_size, size_obj,
-                                               persistent ? Py_True : Py_False, NULL);
+    PyObject *res =
+        PyObject_CallMethodObjArgs((PyObject *)p, s_block_alloc_size, size_obj, persistent ? Py_True : Py_False, NULL);
     Py_DECREF(size_obj);
     if (res == NULL)
         return -1;
@@ -500,18 +488,21 @@ static int pool_expand_block(Pool *p, int64_t size, int persistent, Block **out)
     if (p->vmm) {
         /* address space only, whole pages; pages are mapped when buffers are handed out */
         long long base = block_size > p->total_mem_size ? block_size : p->total_mem_size;
-        size_in_pool = (base + p->page - 1) / p->page * p->page;   /* base <= 2**62, page <= 2**40 */
-        if (checked_add(eager_free_size, size_in_pool, &eager_free_size, "eager-free bytes") < 0)
+        size_in_pool = (base + p->page - 1) / p->page * p->page; /* base <= 2**62, page <= 2**40 */
+        if (kvg_add_i64(eager_free_size, size_in_pool, &eager_free_size, "eager-free bytes") < 0)
             return -1;
-    } else if (checked_add(static_bytes, size_in_pool, &static_bytes, "device bytes") < 0) {
+    } else if (kvg_add_i64(static_bytes, size_in_pool, &static_bytes, "device bytes") < 0) {
         return -1;
     }
     long long step = (size_in_pool + p->page - 1) / p->page * p->page + p->page;
-    if (checked_add(p->alloc_size, size_in_pool, &alloc_size, "pool bytes") < 0
-            || checked_add(p->next_addr, step, &next_addr, "block addresses") < 0)
+    if (kvg_add_i64(p->alloc_size, size_in_pool, &alloc_size, "pool bytes") < 0
+        || kvg_add_i64(p->next_addr, step, &next_addr, "block addresses") < 0)
         return -1;
     Block *block = PyMem_Calloc(1, sizeof(Block));
-    if (block == NULL) { PyErr_NoMemory(); return -1; }
+    if (block == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     block->addr = p->next_addr;
     block->size = size_in_pool;
     if (p->vmm) {
@@ -539,8 +530,7 @@ static int pool_expand_block(Pool *p, int64_t size, int persistent, Block **out)
 }
 
 /* DynamicMemPool._release_block */
-static int pool_release_block(Pool *p, Block *block)
-{
+static int pool_release_block(Pool *p, Block *block) {
     p->alloc_size -= block->size;
     if (p->vmm) {
         p->eager_free_size -= block->size;
@@ -554,8 +544,8 @@ static int pool_release_block(Pool *p, Block *block)
 }
 
 /* ------------------------------------------------------------------ one allocator (_BufAllocator) */
-static int alloc_free(Pool *p, Alloc *a, Buf *b, int status)     /* free: merge with same-status neighbours */
-{
+/* free: merge with same-status neighbours */
+static int alloc_free(Pool *p, Alloc *a, Buf *b, int status) {
     b->status = (uint8_t)status;
     EntryList *l = list_for(a, status);
     Buf *prev = b->prev;
@@ -581,8 +571,7 @@ static int alloc_free(Pool *p, Alloc *a, Buf *b, int status)     /* free: merge 
 }
 
 /* _map_and_split: 1 with *out, 0 refused (the buffer back in its list), -1 error */
-static int map_and_split(Pool *p, Alloc *a, Buf *b, int64_t size, Buf **out)
-{
+static int map_and_split(Pool *p, Alloc *a, Buf *b, int64_t size, Buf **out) {
     int64_t remaining = b->size - size;
     if (b->status == EAGER_FREE) {
         int64_t map_size = remaining >= SPLIT_MIN_BYTES ? size : b->size;
@@ -608,13 +597,15 @@ static int map_and_split(Pool *p, Alloc *a, Buf *b, int64_t size, Buf **out)
 }
 
 /* malloc_expand_block */
-static int alloc_expand(Pool *p, int persistent, int64_t size, Buf **out)
-{
+static int alloc_expand(Pool *p, int persistent, int64_t size, Buf **out) {
     Alloc *a = &p->alloc[persistent];
     if (a->blocks.n == a->blocks.cap) {
         Py_ssize_t cap = a->blocks.cap ? 2 * a->blocks.cap : 8;
         Block **v = PyMem_Realloc(a->blocks.v, cap * sizeof(Block *));
-        if (v == NULL) { PyErr_NoMemory(); return -1; }
+        if (v == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
         a->blocks.v = v;
         a->blocks.cap = cap;
     }
@@ -637,8 +628,7 @@ static int alloc_expand(Pool *p, int persistent, int64_t size, Buf **out)
 }
 
 /* SearchAvaliableMemBuf (_grow_into_eager_free): 1 with *out, 0 none (or a refused map), -1 error */
-static int grow_into_eager_free(Pool *p, Alloc *a, int64_t size, Buf **out)
-{
+static int grow_into_eager_free(Pool *p, Alloc *a, int64_t size, Buf **out) {
     for (Py_ssize_t i = a->idle.n - 1; i >= 0; i--) {
         Buf *b = a->idle.v[i].buf;
         Buf *nxt = b->next;
@@ -669,8 +659,7 @@ static int grow_into_eager_free(Pool *p, Alloc *a, int64_t size, Buf **out)
 }
 
 /* MemBufAllocator::Malloc (_BufAllocator.malloc): 1 with *out, 0 miss, -1 error */
-static int alloc_malloc(Pool *p, int persistent, int64_t size, Buf **out)
-{
+static int alloc_malloc(Pool *p, int persistent, int64_t size, Buf **out) {
     Alloc *a = &p->alloc[persistent];
     if (a->blocks.n == 0)
         return alloc_expand(p, persistent, size, out);
@@ -714,11 +703,10 @@ static int alloc_malloc(Pool *p, int persistent, int64_t size, Buf **out)
 }
 
 /* eager_free_idle: every idle buffer turns eager-free, then every eager-free buffer's whole pages unmap */
-static int alloc_eager_free_idle(Pool *p, Alloc *a, long long *turned)
-{
+static int alloc_eager_free_idle(Pool *p, Alloc *a, long long *turned) {
     Py_ssize_t n = a->idle.n;
     Entry *snapshot = a->idle.v;
-    a->idle.n = 0;                            /* nothing is added to idle below: the array is the snapshot */
+    a->idle.n = 0; /* nothing is added to idle below: the array is the snapshot */
     for (Py_ssize_t k = 0; k < n; k++) {
         Buf *b = snapshot[k].buf;
         *turned += b->size;
@@ -733,8 +721,8 @@ static int alloc_eager_free_idle(Pool *p, Alloc *a, long long *turned)
     return 0;
 }
 
-static int pool_eager_free_idle(Pool *p)                         /* DynamicMemPool._eager_free_idle */
-{
+/* DynamicMemPool._eager_free_idle */
+static int pool_eager_free_idle(Pool *p) {
     for (int persistent = 1; persistent >= 0; persistent--) {
         long long turned = 0;
         int status = alloc_eager_free_idle(p, &p->alloc[persistent], &turned);
@@ -747,8 +735,7 @@ static int pool_eager_free_idle(Pool *p)                         /* DynamicMemPo
 }
 
 /* ReleaseFreeBlocks (release_idle_blocks): blocks that are one idle buffer go back to the device */
-static int alloc_release_idle_blocks(Pool *p, Alloc *a)
-{
+static int alloc_release_idle_blocks(Pool *p, Alloc *a) {
     Py_ssize_t kept = 0, i = 0;
     int status = 0;
     for (; i < a->blocks.n; i++) {
@@ -770,8 +757,7 @@ static int alloc_release_idle_blocks(Pool *p, Alloc *a)
 }
 
 /* ------------------------------------------------------------------ Python methods */
-static int check_ready(Pool *p)
-{
+static int check_ready(Pool *p) {
     if (!p->ready) {
         PyErr_SetString(PyExc_RuntimeError, "_cmspool.Pool used before __init__");
         return -1;
@@ -781,44 +767,22 @@ static int check_ready(Pool *p)
 
 /* malloc and empty_cache call the device and block_alloc_size while buffers are out of their lists and
  * indexes are held: a call that changes the pool from inside them is refused, not run on that state. */
-static int refuse_reentry(Pool *p)
-{
-    if (p->busy) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "_cmspool.Pool changed from inside one of its own calls "
-                        "(a device or block_alloc_size callback)");
-        return -1;
-    }
-    return 0;
+static int refuse_reentry(Pool *p) {
+    return kvg_refuse_reentry(p->busy);
 }
 
-static int check_idle(Pool *p)                                   /* ready, and not inside malloc / empty_cache */
-{
+/* ready, and not inside malloc / empty_cache */
+static int check_idle(Pool *p) {
     return check_ready(p) < 0 ? -1 : refuse_reentry(p);
 }
 
-static PyObject *raise_out_of_memory(Pool *p, int64_t size, PyObject *size_beyond)
-{
-    if (oom_class == NULL) {
-        PyObject *base = PyImport_ImportModule("kvguard.allocators.base");
-        if (base == NULL)
-            return NULL;
-        oom_class = PyObject_GetAttrString(base, "AllocatorOutOfMemory");
-        Py_DECREF(base);
-        if (oom_class == NULL)
-            return NULL;
-    }
+static PyObject *raise_out_of_memory(Pool *p, int64_t size, PyObject *size_beyond) {
     PyObject *requested = size_beyond ? Py_NewRef(size_beyond) : PyLong_FromLongLong(size);
-    PyObject *name = PyObject_GetAttr((PyObject *)p, s_name);
-    PyObject *free_bytes = PyObject_GetAttr(p->device, s_free_bytes);
-    PyObject *detail = PyUnicode_FromFormat("%lld allocated, %lld reserved", p->used_size, reserved_bytes(p));
-    if (requested && name && free_bytes && detail) {
-        PyObject *exc = PyObject_CallFunctionObjArgs(oom_class, requested, name, free_bytes, detail, NULL);
-        if (exc != NULL) {
-            PyErr_SetObject(oom_class, exc);
-            Py_DECREF(exc);
-        }
-    }
+    PyObject *name = requested ? PyObject_GetAttr((PyObject *)p, s_name) : NULL;
+    PyObject *free_bytes = name ? PyObject_GetAttr(p->device, s_free_bytes) : NULL;
+    PyObject *detail =
+        free_bytes ? PyUnicode_FromFormat("%lld allocated, %lld reserved", p->used_size, reserved_bytes(p)) : NULL;
+    kvg_raise_out_of_memory(requested, name, free_bytes, detail);
     Py_XDECREF(requested);
     Py_XDECREF(name);
     Py_XDECREF(free_bytes);
@@ -828,8 +792,7 @@ static PyObject *raise_out_of_memory(Pool *p, int64_t size, PyObject *size_beyon
 
 /* The request as the model reads it: -(-size // step) * step, 0 becoming one step. A size beyond
  * SIZE_BEYOND fits nowhere: *size is SIZE_BEYOND and *beyond the aligned Python int, for the message. */
-static int aligned_size(Pool *p, PyObject *size_obj, int64_t *size, PyObject **beyond)
-{
+static int aligned_size(Pool *p, PyObject *size_obj, int64_t *size, PyObject **beyond) {
     *beyond = NULL;
     if (PyLong_CheckExact(size_obj)) {
         int overflow;
@@ -839,7 +802,7 @@ static int aligned_size(Pool *p, PyObject *size_obj, int64_t *size, PyObject **b
             return 0;
         }
     }
-    PyObject *value = PyNumber_Index(size_obj);  /* the model's operator.index: no floats, no None */
+    PyObject *value = PyNumber_Index(size_obj); /* the model's operator.index: no floats, no None */
     if (value == NULL)
         return -1;
     PyObject *zero = PyLong_FromLong(0);
@@ -876,8 +839,8 @@ static int aligned_size(Pool *p, PyObject *size_obj, int64_t *size, PyObject **b
     return *beyond ? 0 : -1;
 }
 
-static int which_allocator(PyObject *persistent)                 /* self._allocators[persistent] */
-{
+/* self._allocators[persistent] */
+static int which_allocator(PyObject *persistent) {
     if (persistent == Py_False)
         return 0;
     if (persistent == Py_True)
@@ -898,16 +861,14 @@ static int which_allocator(PyObject *persistent)                 /* self._alloca
 
 /* The truth of the persistent flag (the model's ``persistent and ...``): the allocator index for True and
  * False, the object's own __bool__ otherwise (an object the dict finds as True may be falsy). */
-static int flag_truth(PyObject *flag, int index)
-{
+static int flag_truth(PyObject *flag, int index) {
     if (flag == Py_True || flag == Py_False)
         return index;
     return PyObject_IsTrue(flag);
 }
 
 /* DynamicMemPool.malloc (AllocMemBuf): own pool, other pool, eager free, expand, persistent fallback */
-static PyObject *Pool_malloc(Pool *p, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
+static PyObject *Pool_malloc(Pool *p, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     PyObject *size_obj = nargs > 0 ? args[0] : NULL;
     PyObject *persistent_obj = nargs > 1 ? args[1] : Py_False;
     if (nargs > 2) {
@@ -984,15 +945,15 @@ static PyObject *Pool_malloc(Pool *p, PyObject *const *args, Py_ssize_t nargs, P
                 served = 1;
         }
     }
-    if (got == 0)   /* "try to sync all events to release memory", then the allocator once more */
+    if (got == 0) /* "try to sync all events to release memory", then the allocator once more */
         got = alloc_malloc(p, served, size, &b);
     if (got > 0 && used_reserve(&p->used) < 0)
-        got = -1;                             /* (out of the books, as the model's failed dict insert leaves it) */
+        got = -1; /* (out of the books, as the model's failed dict insert leaves it) */
     p->busy = 0;
     if (got <= 0) {
         if (got == 0) {
             if (p->num_ooms == LLONG_MAX)
-                beyond_int64("num_ooms");
+                kvg_beyond_int64("num_ooms");
             else {
                 p->num_ooms++;
                 raise_out_of_memory(p, size, beyond);
@@ -1002,7 +963,7 @@ static PyObject *Pool_malloc(Pool *p, PyObject *const *args, Py_ssize_t nargs, P
         return NULL;
     }
     Py_XDECREF(beyond);
-    used_put(&p->used, b->addr, b);           /* room reserved above: cannot fail */
+    used_put(&p->used, b->addr, b); /* room reserved above: cannot fail */
     p->used_size += b->size;
     if (p->used_size > p->peak_used)
         p->peak_used = p->used_size;
@@ -1014,8 +975,7 @@ static PyObject *Pool_malloc(Pool *p, PyObject *const *args, Py_ssize_t nargs, P
 }
 
 /* The used buffer at addr, as the model's dict finds it (hash, then ==); NULL when none. */
-static Py_ssize_t used_lookup(Pool *p, PyObject *addr_obj)
-{
+static Py_ssize_t used_lookup(Pool *p, PyObject *addr_obj) {
     if (PyLong_CheckExact(addr_obj)) {
         int overflow;
         long long v = PyLong_AsLongLongAndOverflow(addr_obj, &overflow);
@@ -1024,7 +984,7 @@ static Py_ssize_t used_lookup(Pool *p, PyObject *addr_obj)
     Py_hash_t hash = PyObject_Hash(addr_obj);
     if (hash == -1)
         return -2;
-    Py_ssize_t slot = used_find(&p->used, (int64_t)hash);   /* an address below 2**61 is its own hash */
+    Py_ssize_t slot = used_find(&p->used, (int64_t)hash); /* an address below 2**61 is its own hash */
     if (slot < 0)
         return -1;
     int64_t stored = p->used.keys[slot];
@@ -1038,8 +998,7 @@ static Py_ssize_t used_lookup(Pool *p, PyObject *addr_obj)
     return used_find(&p->used, stored);
 }
 
-static PyObject *key_error(PyObject *key)
-{
+static PyObject *key_error(PyObject *key) {
     PyObject *args = PyTuple_Pack(1, key);
     if (args != NULL) {
         PyErr_SetObject(PyExc_KeyError, args);
@@ -1048,16 +1007,15 @@ static PyObject *key_error(PyObject *key)
     return NULL;
 }
 
-static PyObject *Pool_free(Pool *p, PyObject *addr_obj)
-{
+static PyObject *Pool_free(Pool *p, PyObject *addr_obj) {
     if (check_ready(p) < 0)
         return NULL;
-    if (p->used.n == 0)                       /* dict.pop of an empty dict: KeyError before hashing */
+    if (p->used.n == 0) /* dict.pop of an empty dict: KeyError before hashing */
         return key_error(addr_obj);
     Py_ssize_t slot = used_lookup(p, addr_obj);
     if (slot < 0)
         return slot == -2 ? NULL : key_error(addr_obj);
-    if (refuse_reentry(p) < 0)                /* after the lookup: its __hash__ / __eq__ may have run Python */
+    if (refuse_reentry(p) < 0) /* after the lookup: its __hash__ / __eq__ may have run Python */
         return NULL;
     Buf *b = p->used.vals[slot];
     used_remove_at(&p->used, (size_t)slot);
@@ -1067,8 +1025,7 @@ static PyObject *Pool_free(Pool *p, PyObject *addr_obj)
     Py_RETURN_NONE;
 }
 
-static PyObject *Pool_buffer_size(Pool *p, PyObject *addr_obj)
-{
+static PyObject *Pool_buffer_size(Pool *p, PyObject *addr_obj) {
     if (check_ready(p) < 0)
         return NULL;
     Py_ssize_t slot = used_lookup(p, addr_obj);
@@ -1078,16 +1035,14 @@ static PyObject *Pool_buffer_size(Pool *p, PyObject *addr_obj)
     return Py_BuildValue("(LL)", (long long)b->addr, (long long)b->size);
 }
 
-static PyObject *Pool_eager_free_idle(Pool *p, PyObject *unused)
-{
+static PyObject *Pool_eager_free_idle(Pool *p, PyObject *unused) {
     if (check_idle(p) < 0 || pool_eager_free_idle(p) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 /* DynamicMemPool.empty_cache (mindspore.runtime.empty_cache of the release) */
-static PyObject *Pool_empty_cache(Pool *p, PyObject *unused)
-{
+static PyObject *Pool_empty_cache(Pool *p, PyObject *unused) {
     if (check_idle(p) < 0)
         return NULL;
     if (!p->empty_cache_releases)
@@ -1114,14 +1069,13 @@ static PyObject *Pool_empty_cache(Pool *p, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static int persistent_arg(PyObject *arg)
-{
+static int persistent_arg(PyObject *arg) {
     int truth = PyObject_IsTrue(arg);
     return truth;
 }
 
-static PyObject *Pool_blocks(Pool *p, PyObject *arg)             /* [(addr, size)] of one allocator */
-{
+/* [(addr, size)] of one allocator */
+static PyObject *Pool_blocks(Pool *p, PyObject *arg) {
     int persistent = persistent_arg(arg);
     if (persistent < 0)
         return NULL;
@@ -1137,8 +1091,8 @@ static PyObject *Pool_blocks(Pool *p, PyObject *arg)             /* [(addr, size
     return out;
 }
 
-static PyObject *entries_as_list(const EntryList *l)             /* [(size, addr)] in order */
-{
+/* [(size, addr)] in order */
+static PyObject *entries_as_list(const EntryList *l) {
     PyObject *out = PyList_New(l->n);
     for (Py_ssize_t i = 0; out != NULL && i < l->n; i++) {
         PyObject *item = Py_BuildValue("(LL)", (long long)l->v[i].size, (long long)l->v[i].addr);
@@ -1150,22 +1104,19 @@ static PyObject *entries_as_list(const EntryList *l)             /* [(size, addr
     return out;
 }
 
-static PyObject *Pool_idle(Pool *p, PyObject *arg)
-{
+static PyObject *Pool_idle(Pool *p, PyObject *arg) {
     int persistent = persistent_arg(arg);
     return persistent < 0 ? NULL : entries_as_list(&p->alloc[persistent].idle);
 }
 
-static PyObject *Pool_eager(Pool *p, PyObject *arg)
-{
+static PyObject *Pool_eager(Pool *p, PyObject *arg) {
     int persistent = persistent_arg(arg);
     return persistent < 0 ? NULL : entries_as_list(&p->alloc[persistent].eager);
 }
 
 /* The free lists and pool counters of DynamicMemPool.steady_state_key, as one bytes object: counts
  * before each variable part, so equal bytes mean equal state. */
-static PyObject *Pool_free_state(Pool *p, PyObject *unused)
-{
+static PyObject *Pool_free_state(Pool *p, PyObject *unused) {
     Py_ssize_t words = 4 + 9;
     for (int persistent = 0; persistent < 2; persistent++)
         words += 2 * (p->alloc[persistent].idle.n + p->alloc[persistent].eager.n);
@@ -1183,16 +1134,16 @@ static PyObject *Pool_free_state(Pool *p, PyObject *unused)
             }
         }
     }
-    const long long scalars[9] = {p->next_addr, p->static_bytes, p->alloc_size, p->used_size, p->eager_free_size,
-                                  p->physical_pages, p->cached_pages, p->total_mem_size, p->used_at_reset};
+    const long long scalars[9] = {p->next_addr,    p->static_bytes,    p->alloc_size,
+                                  p->used_size,    p->eager_free_size, p->physical_pages,
+                                  p->cached_pages, p->total_mem_size,  p->used_at_reset};
     for (int k = 0; k < 9; k++)
         *w++ = scalars[k];
     return out;
 }
 
 /* Each allocator's blocks with their pages, as bytes; cached until a block or a page changes. */
-static PyObject *Pool_blocks_state(Pool *p, PyObject *unused)
-{
+static PyObject *Pool_blocks_state(Pool *p, PyObject *unused) {
     if (p->blocks_key == NULL) {
         Py_ssize_t size = 0;
         for (int persistent = 0; persistent < 2; persistent++) {
@@ -1219,21 +1170,19 @@ static PyObject *Pool_blocks_state(Pool *p, PyObject *unused)
                 w += block->npages;
             }
         }
-        if (p->busy)                          /* read from a callback, mid-change: not a key to keep */
+        if (p->busy) /* read from a callback, mid-change: not a key to keep */
             return out;
         p->blocks_key = out;
     }
     return Py_NewRef(p->blocks_key);
 }
 
-static PyObject *Pool_get_reserved(Pool *p, void *closure)
-{
+static PyObject *Pool_get_reserved(Pool *p, void *closure) {
     return PyLong_FromLongLong(reserved_bytes(p));
 }
 
 /* ------------------------------------------------------------------ lifetime */
-static void pool_release_all(Pool *p)
-{
+static void pool_release_all(Pool *p) {
     for (int persistent = 0; persistent < 2; persistent++) {
         Alloc *a = &p->alloc[persistent];
         for (Py_ssize_t i = 0; i < a->blocks.n; i++) {
@@ -1260,8 +1209,7 @@ static void pool_release_all(Pool *p)
 /* Pool(device, total_mem_size, page, align, enable_vmm, grows_idle_into_eager_free, eager_free_on_miss,
  *      common_falls_back_to_persistent, eager_free_drops_on_refused_map, reserved_is_physical,
  *      empty_cache_releases): the decoded release row (mindspore_native.NativeDynamicMemPool). */
-static int Pool_init(Pool *p, PyObject *args, PyObject *kwargs)
-{
+static int Pool_init(Pool *p, PyObject *args, PyObject *kwargs) {
     PyObject *device;
     long long total, page, align;
     int vmm, grows, eager_on_miss, falls_back, drops, physical, releases;
@@ -1272,7 +1220,7 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTuple(args, "OLLLppppppp", &device, &total, &page, &align, &vmm, &grows, &eager_on_miss,
                           &falls_back, &drops, &physical, &releases))
         return -1;
-    if (refuse_reentry(p) < 0)                /* (the "p" conversions above ran __bool__) */
+    if (refuse_reentry(p) < 0) /* (the "p" conversions above ran __bool__) */
         return -1;
     if (page <= 0 || align <= 0 || total < 0 || total > SIZE_BEYOND || page > STEP_LIMIT || align > STEP_LIMIT) {
         PyErr_SetString(PyExc_ValueError, "_cmspool.Pool: page, alignment or budget out of range");
@@ -1301,21 +1249,18 @@ static int Pool_init(Pool *p, PyObject *args, PyObject *kwargs)
     return 0;
 }
 
-static int Pool_traverse(Pool *p, visitproc visit, void *arg)
-{
+static int Pool_traverse(Pool *p, visitproc visit, void *arg) {
     Py_VISIT(p->device);
     return 0;
 }
 
-static int Pool_clear(Pool *p)
-{
+static int Pool_clear(Pool *p) {
     Py_CLEAR(p->device);
     p->ready = 0;
     return 0;
 }
 
-static void Pool_dealloc(Pool *p)
-{
+static void Pool_dealloc(Pool *p) {
     PyObject_GC_UnTrack(p);
     Pool_clear(p);
     pool_release_all(p);
@@ -1343,18 +1288,15 @@ static PyMemberDef Pool_members[] = {
     COUNTER("_alloc_at_reset", alloc_at_reset, 0),
     COUNTER("_window_used", window_used, 0),
     COUNTER("_window_reserved", window_reserved, 0),
-    {NULL}
-};
+    {NULL}};
 
 /* _used_at_reset: reset_peak_memory_stats writes used_size there; malloc subtracts it from used_size, so
  * the cell holds 0 .. 2**63 - 1 (a negative mark would take that difference past 2**63). */
-static PyObject *Pool_get_used_at_reset(Pool *p, void *closure)
-{
+static PyObject *Pool_get_used_at_reset(Pool *p, void *closure) {
     return PyLong_FromLongLong(p->used_at_reset);
 }
 
-static int Pool_set_used_at_reset(Pool *p, PyObject *value, void *closure)
-{
+static int Pool_set_used_at_reset(Pool *p, PyObject *value, void *closure) {
     if (value == NULL) {
         PyErr_SetString(PyExc_TypeError, "can't delete numeric/char attribute");
         return -1;
@@ -1374,8 +1316,7 @@ static PyGetSetDef Pool_getset[] = {
     {"reserved_bytes", (getter)Pool_get_reserved, NULL, "memory_reserved() of the release", NULL},
     {"_used_at_reset", (getter)Pool_get_used_at_reset, (setter)Pool_set_used_at_reset,
      "used_size at the last reset_peak_memory_stats", NULL},
-    {NULL}
-};
+    {NULL}};
 
 static PyMethodDef Pool_methods[] = {
     {"malloc", (PyCFunction)(void (*)(void))Pool_malloc, METH_FASTCALL | METH_KEYWORDS,
@@ -1389,8 +1330,7 @@ static PyMethodDef Pool_methods[] = {
     {"_eager_list", (PyCFunction)Pool_eager, METH_O, "[(size, addr)] of one allocator's eager-free buffers"},
     {"_free_state", (PyCFunction)Pool_free_state, METH_NOARGS, "the free lists and counters, as bytes"},
     {"_blocks_state", (PyCFunction)Pool_blocks_state, METH_NOARGS, "the blocks and their pages, as bytes"},
-    {NULL}
-};
+    {NULL}};
 
 static PyTypeObject PoolType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -1409,12 +1349,20 @@ static PyTypeObject PoolType = {
 };
 
 static struct PyModuleDef cmspool_module = {
-    PyModuleDef_HEAD_INIT, "kvguard.allocators._cmspool",
-    "C engine of kvguard.allocators.mindspore_pool (see mindspore_native.py)", -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    "kvguard.allocators._cmspool",
+    "C engine of kvguard.allocators.mindspore_pool (see mindspore_native.py)",
+    -1,
+    NULL,
 };
 
-PyMODINIT_FUNC PyInit__cmspool(void)
-{
+/* mindspore_pool.py's constants (and the engine's limits, which mindspore_native.py reads) */
+static const KvgConstant shared_constants[] = {
+    KVG_CONSTANT(IDLE),        KVG_CONSTANT(USED),       KVG_CONSTANT(EAGER_FREE), KVG_CONSTANT(SPLIT_MIN_BYTES),
+    KVG_CONSTANT(SIZE_BEYOND), KVG_CONSTANT(STEP_LIMIT),
+};
+
+PyMODINIT_FUNC PyInit__cmspool(void) {
     if (PyType_Ready(&PoolType) < 0)
         return NULL;
     s_malloc = PyUnicode_InternFromString("malloc");
@@ -1425,9 +1373,15 @@ PyMODINIT_FUNC PyInit__cmspool(void)
     persistent_keys = Py_BuildValue("{O:i,O:i}", Py_True, 1, Py_False, 0);
     if (!s_malloc || !s_free || !s_free_bytes || !s_block_alloc_size || !s_name || !persistent_keys)
         return NULL;
+    if (kvg_import_out_of_memory() < 0)
+        return NULL;
     PyObject *module = PyModule_Create(&cmspool_module);
     if (module == NULL)
         return NULL;
+    if (kvg_add_constants(module, shared_constants, sizeof shared_constants / sizeof shared_constants[0]) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
     Py_INCREF(&PoolType);
     if (PyModule_AddObject(module, "Pool", (PyObject *)&PoolType) < 0) {
         Py_DECREF(&PoolType);

@@ -20,11 +20,11 @@
  * model's out-of-memory path. Trace replay (seed_segment(s), release_segment_at, unmap_range) stays
  * with the Python model.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
+#define KVG_ENGINE "_ctorch"
+#include "_engine.h"
 
+/* Constants shared with torch_alloc.py (and torch_native.py) are exported as module attributes
+ * (SHARED_CONSTANTS below); tests/test_c_engines.py holds them equal to the Python side. */
 #define K_MIN_BLOCK_SIZE 512ULL
 #define K_SMALL_SIZE (1ULL << 20)
 #define K_SMALL_BUFFER (2ULL << 20)
@@ -32,22 +32,31 @@
 #define K_ROUND_LARGE (2ULL << 20)
 #define K_EXTRA_LARGE_BUFFER (1ULL << 30)
 #define K_ROUNDUP_INTERVALS 16
-#define HUGE_SIZE UINT64_MAX           /* a size of 2**64 or more */
-#define UNLIMITED UINT64_MAX           /* max_split_size unset (the model's _UNLIMITED) */
-#define STREAM_BIAS (1ULL << 63)       /* streams are signed: biased, they order as uint64 */
-
-typedef unsigned __int128 u128;
-typedef __int128 i128;
+#define HUGE_SIZE UINT64_MAX          /* a size of 2**64 or more */
+#define UNLIMITED UINT64_MAX          /* max_split_size unset (the model's _UNLIMITED) */
+#define STREAM_BIAS (1ULL << 63)      /* streams are signed: biased, they order as uint64 */
+#define MAX_DEVICE_BYTES (1ULL << 62) /* devices and address spaces the engine takes are smaller */
 
 /* ------------------------------------------------------------------ statistics cells */
 /* The model's stat arrays (STAT_ARRAYS x STAT_POOLS x [current, peak, allocated, freed]), then the
  * oversize stats, the num_* counters and the window peaks. */
-enum { S_ALLOCATION, S_SEGMENT, S_ACTIVE, S_INACTIVE_SPLIT, S_ALLOCATED_BYTES, S_RESERVED_BYTES, S_ACTIVE_BYTES,
-       S_INACTIVE_SPLIT_BYTES, S_REQUESTED_BYTES, N_STAT_ARRAYS };
-enum { P_ALL, P_SMALL, P_LARGE };
-#define C_OVERSIZE_ALLOCATIONS (N_STAT_ARRAYS * 12)
-#define C_OVERSIZE_SEGMENTS (C_OVERSIZE_ALLOCATIONS + 4)
-#define C_NUM_ALLOC_RETRIES (C_OVERSIZE_SEGMENTS + 4)
+enum {
+    S_ALLOCATION,
+    S_SEGMENT,
+    S_ACTIVE,
+    S_INACTIVE_SPLIT,
+    S_ALLOCATED_BYTES,
+    S_RESERVED_BYTES,
+    S_ACTIVE_BYTES,
+    S_INACTIVE_SPLIT_BYTES,
+    S_REQUESTED_BYTES,
+    N_STAT_ARRAYS
+};
+enum { P_ALL, P_SMALL, P_LARGE, N_STAT_POOLS };
+enum { F_CURRENT, F_PEAK, F_ALLOCATED, F_FREED, N_STAT_FIELDS };
+#define C_OVERSIZE_ALLOCATIONS (N_STAT_ARRAYS * N_STAT_POOLS * N_STAT_FIELDS)
+#define C_OVERSIZE_SEGMENTS (C_OVERSIZE_ALLOCATIONS + N_STAT_FIELDS)
+#define C_NUM_ALLOC_RETRIES (C_OVERSIZE_SEGMENTS + N_STAT_FIELDS)
 #define C_NUM_OOMS (C_NUM_ALLOC_RETRIES + 1)
 #define C_NUM_SYNC_ALL_STREAMS (C_NUM_ALLOC_RETRIES + 2)
 #define C_NUM_DEVICE_ALLOC (C_NUM_ALLOC_RETRIES + 3)
@@ -78,7 +87,7 @@ static PyObject *cell_to_py(i128 x) {
 
 /* A Python int (or __index__) as a cell: OverflowError beyond +-2**100, so that adding the 64-bit
  * amounts of any realistic number of operations to a cell can never wrap it. */
-#define CELL_HIGH_LIMIT (1LL << 36)    /* the high 64 bits of a cell written from Python */
+#define CELL_HIGH_LIMIT (1LL << 36) /* the high 64 bits of a cell written from Python */
 static int cell_from_py(PyObject *value, i128 *out) {
     PyObject *v = PyNumber_Index(value);
     if (v == NULL)
@@ -116,7 +125,10 @@ static int cell_from_py(PyObject *value, i128 *out) {
     return 0;
 }
 
-static Py_ssize_t Cells_len(PyObject *self) { (void)self; return N_CELLS; }
+static Py_ssize_t Cells_len(PyObject *self) {
+    (void)self;
+    return N_CELLS;
+}
 
 static PyObject *Cells_item(PyObject *self, Py_ssize_t i) {
     if (i < 0 || i >= N_CELLS) {
@@ -162,20 +174,20 @@ typedef struct Segment {
     uint64_t base, size, page_size;
     int64_t stream;
     uint8_t small, expandable;
-    struct Segment *lprev, *lnext;     /* the model's _segments list, in its order */
-    struct Block *scan_head;           /* scratch for _mapped_ranges */
+    struct Segment *lprev, *lnext; /* the model's _segments list, in its order */
+    struct Block *scan_head;       /* scratch for _mapped_ranges */
 } Segment;
 
 enum { IN_NONE, IN_FREE, IN_UNMAPPED };
 
 typedef struct Block {
-    i128 requested;                    /* the request's bytes (negative for a negative request) */
+    i128 requested; /* the request's bytes (negative for a negative request) */
     uint64_t addr, size;
     int64_t stream, gc_base;
-    struct Block *prev, *next;         /* neighbours in the segment (the model's prev / next) */
+    struct Block *prev, *next; /* neighbours in the segment (the model's prev / next) */
     Segment *segment;
-    struct Block *left, *right, *parent;   /* treap links while in a tree */
-    uint64_t k1, k2, k3;               /* the tree key as inserted (the model's Block.key) */
+    struct Block *left, *right, *parent; /* treap links while in a tree */
+    uint64_t k1, k2, k3;                 /* the tree key as inserted (the model's Block.key) */
     uint32_t prio;
     uint8_t small, allocated, mapped, tree;
 } Block;
@@ -193,7 +205,7 @@ typedef struct Slab {
 
 typedef struct {
     uint64_t key;
-    Block *block;                      /* NULL: empty slot */
+    Block *block; /* NULL: empty slot */
 } MapSlot;
 
 typedef struct {
@@ -219,7 +231,7 @@ typedef struct {
     int set_fraction, gc_enabled, rejected;
     uint64_t allowed_memory_maximum, next_addr;
     int64_t gc_calls[2];
-    Tree free_blocks[2];               /* index: Block.small (0 large pool, 1 small pool) */
+    Tree free_blocks[2]; /* index: Block.small (0 large pool, 1 small pool) */
     Tree unmapped[2];
     AddrMap active;
     Segment *seg_first, *seg_last;
@@ -229,39 +241,43 @@ typedef struct {
     uint32_t rng;
 } Engine;
 
-static PyObject *AllocatorOutOfMemory;       /* kvguard.allocators.base.AllocatorOutOfMemory */
-
-static inline i128 *cell_stat(Engine *e, int array, int pool) { return e->st + (array * 3 + pool) * 4; }
+static inline i128 *cell_stat(Engine *e, int array, int pool) {
+    return e->st + (array * N_STAT_POOLS + pool) * N_STAT_FIELDS;
+}
 
 /* _inc / _dec / _bump / _drop */
 static inline void inc(Engine *e, int array, int pool, i128 amount) {
     i128 *s = cell_stat(e, array, P_ALL);
-    if ((s[0] += amount) > s[1])
-        s[1] = s[0];
+    if ((s[F_CURRENT] += amount) > s[F_PEAK])
+        s[F_PEAK] = s[F_CURRENT];
     s = cell_stat(e, array, pool);
-    if ((s[0] += amount) > s[1])
-        s[1] = s[0];
+    if ((s[F_CURRENT] += amount) > s[F_PEAK])
+        s[F_PEAK] = s[F_CURRENT];
 }
 
 static inline void dec(Engine *e, int array, int pool, i128 amount) {
-    cell_stat(e, array, P_ALL)[0] -= amount;
+    cell_stat(e, array, P_ALL)[F_CURRENT] -= amount;
     i128 *s = cell_stat(e, array, pool);
-    s[0] -= amount;
-    s[3] += amount;
+    s[F_CURRENT] -= amount;
+    s[F_FREED] += amount;
 }
 
 static inline void bump(i128 *s, i128 amount) {
-    if ((s[0] += amount) > s[1])
-        s[1] = s[0];
+    if ((s[F_CURRENT] += amount) > s[F_PEAK])
+        s[F_PEAK] = s[F_CURRENT];
 }
 
 static inline void drop(i128 *s, i128 amount) {
-    s[0] -= amount;
-    s[3] += amount;
+    s[F_CURRENT] -= amount;
+    s[F_FREED] += amount;
 }
 
-static inline i128 reserved_bytes(Engine *e) { return cell_stat(e, S_RESERVED_BYTES, P_ALL)[0]; }
-static inline i128 allocated_bytes(Engine *e) { return cell_stat(e, S_ALLOCATED_BYTES, P_ALL)[0]; }
+static inline i128 reserved_bytes(Engine *e) {
+    return cell_stat(e, S_RESERVED_BYTES, P_ALL)[F_CURRENT];
+}
+static inline i128 allocated_bytes(Engine *e) {
+    return cell_stat(e, S_ALLOCATED_BYTES, P_ALL)[F_CURRENT];
+}
 
 /* _note_reserved */
 static inline void note_reserved(Engine *e) {
@@ -269,13 +285,6 @@ static inline void note_reserved(Engine *e) {
     if (reserved > e->st[C_WINDOW_RESERVED])
         e->st[C_WINDOW_RESERVED] = reserved;
 }
-
-static inline uint64_t round_up(uint64_t x, uint64_t step) {   /* saturating at HUGE_SIZE */
-    u128 r = ((u128)x + step - 1) / step * step;
-    return r > UINT64_MAX ? HUGE_SIZE : (uint64_t)r;
-}
-
-static inline int bit_length(uint64_t x) { return x ? 64 - __builtin_clzll(x) : 0; }
 
 /* ---- block pool: a failed allocation is reported before an operation changes anything */
 /* Every step reserves what it takes plus two: malloc's last step (alignment, split) needs two. */
@@ -299,7 +308,7 @@ static int reserve_blocks(Engine *e, Py_ssize_t n) {
 }
 
 static Block *new_block(Engine *e, uint64_t addr, uint64_t size, int small, Segment *segment, int64_t stream) {
-    Block *b = e->spare;               /* reserve_blocks ran first */
+    Block *b = e->spare; /* reserve_blocks ran first */
     e->spare = b->next;
     e->spare_count--;
     e->live_blocks++;
@@ -356,7 +365,7 @@ static void tree_insert(Engine *e, Tree *t, Block *b, uint64_t k1, uint64_t k2, 
     b->k1 = k1;
     b->k2 = k2;
     b->k3 = k3;
-    uint32_t r = e->rng;               /* xorshift32 */
+    uint32_t r = e->rng; /* xorshift32 */
     r ^= r << 13;
     r ^= r >> 17;
     r ^= r << 5;
@@ -502,7 +511,7 @@ static inline Block *map_get(const AddrMap *m, uint64_t key) {
     }
 }
 
-static inline void map_put(AddrMap *m, uint64_t key, Block *b) {   /* map_reserve ran first */
+static inline void map_put(AddrMap *m, uint64_t key, Block *b) { /* map_reserve ran first */
     size_t i = map_hash(m, key);
     while (m->slots[i].block != NULL && m->slots[i].key != key)
         i = (i + 1) & m->mask;
@@ -526,7 +535,7 @@ static int map_reserve(AddrMap *m) {
     return 0;
 }
 
-static void map_del(AddrMap *m, uint64_t key) {   /* linear probing: shift the cluster back */
+static void map_del(AddrMap *m, uint64_t key) { /* linear probing: shift the cluster back */
     size_t i = map_hash(m, key);
     while (m->slots[i].key != key || m->slots[i].block == NULL) {
         if (m->slots[i].block == NULL)
@@ -639,31 +648,31 @@ static int device_uint(Engine *e, const char *name, uint64_t *out) {
 static uint64_t next_division(uint64_t size, uint64_t divisions) {
     if ((size & (size - 1)) == 0)
         return size;
-    uint64_t floor = 1ULL << (bit_length(size) - 1);
-    uint64_t step = floor >> (bit_length(divisions) - 1);
+    uint64_t floor = 1ULL << (kvg_bit_length(size) - 1);
+    uint64_t step = floor >> (kvg_bit_length(divisions) - 1);
     if (step == 0)
         return floor == (1ULL << 63) ? HUGE_SIZE : floor << 1;
     uint64_t low = size & ~(step - 1);
     if (low == size)
         return size;
-    return low > UINT64_MAX - step ? HUGE_SIZE : low + step;
+    return kvg_saturating_add_u64(low, step);
 }
 
 /* round_size (and malloc's plain rounding, the same with no pad and no divisions) */
 static uint64_t round_size(Engine *e, uint64_t size) {
-    if (size > UINT64_MAX - e->pad)
+    size = kvg_saturating_add_u64(size, e->pad);
+    if (size == HUGE_SIZE)
         return HUGE_SIZE;
-    size += e->pad;
     if (size < K_MIN_BLOCK_SIZE)
         return K_MIN_BLOCK_SIZE;
     if (e->rounds_power2) {
-        int index = bit_length(size) - 1 - 20;
+        int index = kvg_bit_length(size) - 1 - 20;
         index = index < 0 ? 0 : index > K_ROUNDUP_INTERVALS - 1 ? K_ROUNDUP_INTERVALS - 1 : index;
         uint64_t divisions = e->divisions[index];
         if (divisions > 1 && (u128)K_MIN_BLOCK_SIZE * divisions < size)
             return next_division(size, divisions);
     }
-    return round_up(size, K_MIN_BLOCK_SIZE);
+    return kvg_round_up_u64(size, K_MIN_BLOCK_SIZE);
 }
 
 /* segment_size */
@@ -671,10 +680,10 @@ static uint64_t segment_size(Engine *e, uint64_t size) {
     if (size <= K_SMALL_SIZE)
         return K_SMALL_BUFFER;
     if (e->page_size_1g)
-        return round_up(size, K_EXTRA_LARGE_BUFFER);
+        return kvg_round_up_u64(size, K_EXTRA_LARGE_BUFFER);
     if (size < K_MIN_LARGE_ALLOC)
         return e->large_segment_size;
-    return round_up(size, K_ROUND_LARGE);
+    return kvg_round_up_u64(size, K_ROUND_LARGE);
 }
 
 /* expandable_reservation: (page size, address space) of a new expandable segment */
@@ -693,8 +702,8 @@ static int expandable_reservation(Engine *e, int small, uint64_t *page, uint64_t
     if (total == 0 && device_uint(e, "capacity_bytes", &total) < 0)
         return -1;
     *page = small ? K_SMALL_BUFFER : e->large_page_size;
-    u128 space_wanted = (u128)total + total / 8;      /* saturating: new_segment_base refuses it */
-    *space = space_wanted > UINT64_MAX ? HUGE_SIZE : round_up((uint64_t)space_wanted, *page);
+    u128 space_wanted = (u128)total + total / 8; /* saturating: new_segment_base refuses it */
+    *space = space_wanted > UINT64_MAX ? HUGE_SIZE : kvg_round_up_u64((uint64_t)space_wanted, *page);
     return 0;
 }
 
@@ -705,8 +714,8 @@ static int release_block(Engine *e, Block *b);
 static int new_segment_base(Engine *e, uint64_t size, int small, uint64_t *base) {
     int from_callback = 0;
     if (e->segment_address != NULL) {
-        PyObject *r = PyObject_CallFunction(e->segment_address, "KO", (unsigned long long)size,
-                                            small ? Py_True : Py_False);
+        PyObject *r =
+            PyObject_CallFunction(e->segment_address, "KO", (unsigned long long)size, small ? Py_True : Py_False);
         if (r == NULL)
             return -1;
         if (r != Py_None) {
@@ -725,14 +734,13 @@ static int new_segment_base(Engine *e, uint64_t size, int small, uint64_t *base)
         }
         Py_DECREF(r);
     }
-    if (!from_callback)            /* read after the callback, which may have moved it */
+    if (!from_callback) /* read after the callback, which may have moved it */
         *base = e->next_addr;
-    if (size > UINT64_MAX - *base) {
-        PyErr_SetString(PyExc_OverflowError, "a new segment would end beyond the 64-bit address space");
+    uint64_t end;
+    if (kvg_add_u64(*base, size, &end, "the end of a new segment (the 64-bit address space)") < 0)
         return -1;
-    }
-    if (*base + size > e->next_addr)
-        e->next_addr = *base + size;
+    if (end > e->next_addr)
+        e->next_addr = end;
     return 0;
 }
 
@@ -801,7 +809,7 @@ static void try_merge(Engine *e, Block *dst, Block *src) {
  * 1 mapped, 0 the device refused, -1 error. */
 static int map_block(Engine *e, Block *b, uint64_t size) {
     Segment *s = b->segment;
-    uint64_t mapped = round_up(size, s->page_size);
+    uint64_t mapped = kvg_round_up_u64(size, s->page_size);
     if (mapped > b->size)
         mapped = b->size;
     if (reserve_blocks(e, 1) < 0)
@@ -826,8 +834,7 @@ static int map_block(Engine *e, Block *b, uint64_t size) {
     inc(e, S_RESERVED_BYTES, b->small ? P_SMALL : P_LARGE, mapped);
     note_reserved(e);
     if (e->on_map != NULL) {
-        PyObject *r = PyObject_CallFunction(e->on_map, "KK", (unsigned long long)map_addr,
-                                            (unsigned long long)mapped);
+        PyObject *r = PyObject_CallFunction(e->on_map, "KK", (unsigned long long)map_addr, (unsigned long long)mapped);
         if (r == NULL)
             return -1;
         Py_DECREF(r);
@@ -1031,7 +1038,7 @@ static int release_available_cached_blocks(Engine *e, uint64_t size, int small, 
 /* _release_cached_blocks: free every cached unsplit segment; expandable: unmap free pages */
 static int release_cached_blocks(Engine *e) {
     e->st[C_NUM_SYNC_ALL_STREAMS]++;
-    for (int small = 0; small < 2; small++) {        /* large pool first */
+    for (int small = 0; small < 2; small++) { /* large pool first */
         Py_ssize_t n = e->free_blocks[small].count, unmap_count = 0;
         Block **blocks = tree_snapshot(&e->free_blocks[small]);
         if (blocks == NULL)
@@ -1110,24 +1117,15 @@ static int garbage_collect_cached_blocks(Engine *e) {
 /* AllocatorOutOfMemory(requested, name, device.free_bytes, "... allocated, ... reserved") */
 static void raise_out_of_memory(Engine *e, PyObject *requested) {
     PyObject *free_bytes = PyObject_GetAttrString(e->device, "free_bytes");
-    if (free_bytes == NULL)
-        return;
-    PyObject *allocated = cell_to_py(allocated_bytes(e)), *reserved = cell_to_py(reserved_bytes(e)), *detail = NULL;
-    if (allocated != NULL && reserved != NULL)
+    PyObject *allocated = NULL, *reserved = NULL, *detail = NULL;
+    if (free_bytes != NULL && (allocated = cell_to_py(allocated_bytes(e))) != NULL
+        && (reserved = cell_to_py(reserved_bytes(e))) != NULL)
         detail = PyUnicode_FromFormat("%S allocated, %S reserved", allocated, reserved);
+    kvg_raise_out_of_memory(requested, e->name, free_bytes, detail);
+    Py_XDECREF(free_bytes);
     Py_XDECREF(allocated);
     Py_XDECREF(reserved);
-    if (detail == NULL) {
-        Py_DECREF(free_bytes);
-        return;
-    }
-    PyObject *error = PyObject_CallFunctionObjArgs(AllocatorOutOfMemory, requested, e->name, free_bytes, detail, NULL);
-    Py_DECREF(free_bytes);
-    Py_DECREF(detail);
-    if (error == NULL)
-        return;
-    PyErr_SetObject((PyObject *)Py_TYPE(error), error);
-    Py_DECREF(error);
+    Py_XDECREF(detail);
 }
 
 /* malloc's miss path: garbage collection, a new segment, the two releases and retries, or OOM */
@@ -1168,7 +1166,7 @@ static Block *align_base(Engine *e, Block *b, uint64_t size) {
 }
 
 static PyObject *busy_error(void) {
-    PyErr_SetString(PyExc_RuntimeError, "the allocator engine was called from inside one of its own calls");
+    kvg_refuse_reentry(1);
     return NULL;
 }
 
@@ -1310,7 +1308,7 @@ static PyObject *Engine_malloc(Engine *e, PyObject *const *args, Py_ssize_t narg
             if (v == 0 && e->null_for_zero)
                 return PyLong_FromLong(0);
             requested = v;
-            size = v < 0 ? K_MIN_BLOCK_SIZE : round_size(e, (uint64_t)v);   /* size + pad < 512 */
+            size = v < 0 ? K_MIN_BLOCK_SIZE : round_size(e, (uint64_t)v); /* size + pad < 512 */
         } else if (overflow > 0) {
             /* 2**63 bytes or more: more than the device holds */
             unsigned long long u = PyLong_AsUnsignedLongLong(size_obj);
@@ -1448,7 +1446,7 @@ static PyObject *Engine_free(Engine *e, PyObject *addr_obj) {
         long long v = PyLong_AsLongLongAndOverflow(addr_obj, &overflow);
         if (overflow == 0 && v == -1 && PyErr_Occurred())
             return NULL;
-        if (overflow == 0 && v == 0)       /* null, as torch_npu hands out for 0 bytes */
+        if (overflow == 0 && v == 0) /* null, as torch_npu hands out for 0 bytes */
             Py_RETURN_NONE;
         b = NULL;
         if (overflow == 0 && v > 0) {
@@ -1499,8 +1497,8 @@ static PyObject *Engine_empty_cache(Engine *e, PyObject *unused) {
 
 static PyObject *Engine_reset_peak_memory_stats(Engine *e, PyObject *unused) {
     (void)unused;
-    for (int i = 0; i < N_STAT_ARRAYS * 3; i++)
-        e->st[i * 4 + 1] = e->st[i * 4];
+    for (int i = 0; i < N_STAT_ARRAYS * N_STAT_POOLS; i++)
+        e->st[i * N_STAT_FIELDS + F_PEAK] = e->st[i * N_STAT_FIELDS + F_CURRENT];
     e->st[C_OVERSIZE_ALLOCATIONS + 1] = e->st[C_OVERSIZE_ALLOCATIONS];
     e->st[C_OVERSIZE_SEGMENTS + 1] = e->st[C_OVERSIZE_SEGMENTS];
     Py_RETURN_NONE;
@@ -1574,14 +1572,14 @@ static PyObject *Engine_steady_state_key(Engine *e, PyObject *unused) {
     } else {
         unmapped = Py_NewRef(Py_None);
     }
-    uint64_t next_addr = e->next_addr;        /* read before the device's attributes, as the model does */
+    uint64_t next_addr = e->next_addr; /* read before the device's attributes, as the model does */
     PyObject *allocator_bytes = PyObject_GetAttrString(e->device, "allocator_bytes");
     PyObject *non_allocator_bytes = PyObject_GetAttrString(e->device, "non_allocator_bytes");
     PyObject *capacity_bytes = PyObject_GetAttrString(e->device, "capacity_bytes");
     PyObject *key = NULL;
     if (large && small && unmapped && allocator_bytes && non_allocator_bytes && capacity_bytes)
-        key = Py_BuildValue("(OOOOKOOOKOO)", large, small, unmapped, segments,
-                            (unsigned long long)next_addr, allocator_bytes, non_allocator_bytes, capacity_bytes,
+        key = Py_BuildValue("(OOOOKOOOKOO)", large, small, unmapped, segments, (unsigned long long)next_addr,
+                            allocator_bytes, non_allocator_bytes, capacity_bytes,
                             (unsigned long long)e->allowed_memory_maximum, e->set_fraction ? Py_True : Py_False,
                             e->address_space_total);
     Py_DECREF(segments);
@@ -1623,14 +1621,14 @@ static PyObject *Engine_steady_cells(Engine *e, PyObject *unused) {
     PyObject *counters = PyList_New(0), *peaks = PyList_New(0), *cells = (PyObject *)e->cells;
     if (counters == NULL || peaks == NULL)
         goto error;
-    static const int fields[] = {0, 2, 3};
-    for (int stat_index = 0; stat_index < N_STAT_ARRAYS * 3 + 2; stat_index++) {
-        Py_ssize_t base = stat_index * 4;     /* the oversize stats follow the arrays, 4 cells each */
+    static const int fields[] = {F_CURRENT, F_ALLOCATED, F_FREED};
+    for (int stat_index = 0; stat_index < N_STAT_ARRAYS * N_STAT_POOLS + 2; stat_index++) {
+        Py_ssize_t base = stat_index * N_STAT_FIELDS; /* the oversize stats follow the arrays, 4 cells each */
         for (int f = 0; f < 3; f++) {
             if (append_cell(counters, cells, base + fields[f]) < 0)
                 goto error;
         }
-        if (append_cell(peaks, cells, base + 1) < 0)
+        if (append_cell(peaks, cells, base + F_PEAK) < 0)
             goto error;
     }
     for (Py_ssize_t i = C_NUM_ALLOC_RETRIES; i <= C_NUM_DEVICE_FREE; i++) {
@@ -1664,7 +1662,7 @@ static PyObject *Engine_fits_in_cache(Engine *e, PyObject *args, PyObject *kwarg
     long long stream = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|L:fits_in_cache", names, &size_obj, &stream))
         return NULL;
-    uint64_t size = PyLong_AsUnsignedLongLong(size_obj);      /* OverflowError below 0 or from 2**64 */
+    uint64_t size = PyLong_AsUnsignedLongLong(size_obj); /* OverflowError below 0 or from 2**64 */
     if (size == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
     uint64_t k1 = (uint64_t)stream ^ STREAM_BIAS;
@@ -1676,7 +1674,12 @@ static PyObject *Engine_fits_in_cache(Engine *e, PyObject *args, PyObject *kwarg
     return PyBool_FromLong(!(size >= e->max_split_size && b->k2 - size >= e->max_non_split_rounding_size));
 }
 
-static PyObject *Engine_free_block_sizes(Engine *e, PyObject *small) {
+/* free_block_sizes(small): the model's signature, keyword included */
+static PyObject *Engine_free_block_sizes(Engine *e, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"small", NULL};
+    PyObject *small;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O:free_block_sizes", names, &small))
+        return NULL;
     int truth = PyObject_IsTrue(small);
     if (truth < 0)
         return NULL;
@@ -1700,7 +1703,7 @@ static PyObject *Engine_free_block_sizes(Engine *e, PyObject *small) {
  * objects from the copy: building them can start a garbage collection, whose finalizers may call
  * malloc / free / empty_cache, which free blocks and segments a walk would still be reading. */
 typedef struct {
-    uint64_t addr, size;               /* a block, or a segment (base, size) */
+    uint64_t addr, size; /* a block, or a segment (base, size) */
     int64_t stream;
     uint8_t end_of_range, allocated, small, expandable;
 } Row;
@@ -1763,7 +1766,7 @@ static PyObject *Engine_mapped_ranges(Engine *e, PyObject *unused) {
     for (Segment *s = e->seg_first; s; s = s->lnext) {
         int open = 0;
         for (Block *b = s->scan_head;; b = b->next) {
-            if (n + 2 > capacity)          /* only blocks in broken lists (hostile segment addresses) */
+            if (n + 2 > capacity) /* only blocks in broken lists (hostile segment addresses) */
                 break;
             if (b != NULL && b->mapped) {
                 rows[n++] = (Row){.addr = b->addr, .size = b->size, .allocated = b->allocated};
@@ -1771,8 +1774,8 @@ static PyObject *Engine_mapped_ranges(Engine *e, PyObject *unused) {
                 continue;
             }
             if (open) {
-                rows[n++] = (Row){.stream = s->stream, .end_of_range = 1, .small = s->small,
-                                  .expandable = s->expandable};
+                rows[n++] =
+                    (Row){.stream = s->stream, .end_of_range = 1, .small = s->small, .expandable = s->expandable};
                 open = 0;
             }
             if (b == NULL)
@@ -1834,10 +1837,9 @@ static PyObject *Engine_block_info(Engine *e, PyObject *addr_obj) {
     PyObject *requested = cell_to_py(found->requested);
     if (requested == NULL)
         return NULL;
-    return Py_BuildValue("(KKNOOOL)", (unsigned long long)found->addr, (unsigned long long)found->size,
-                         requested, found->small ? Py_True : Py_False,
-                         found->allocated ? Py_True : Py_False, found->mapped ? Py_True : Py_False,
-                         (long long)found->stream);
+    return Py_BuildValue("(KKNOOOL)", (unsigned long long)found->addr, (unsigned long long)found->size, requested,
+                         found->small ? Py_True : Py_False, found->allocated ? Py_True : Py_False,
+                         found->mapped ? Py_True : Py_False, (long long)found->stream);
 }
 
 /* An "O&" converter: a Python int in 0 .. 2**64 - 1 (PyArg's "K" would wrap a negative or larger one). */
@@ -1872,7 +1874,13 @@ static PyObject *Engine_round_size(Engine *e, PyObject *size_obj) {
 }
 
 /* ---- _check(): the engine's own invariants, for tests */
-#define CHECK(cond, ...) do { if (!(cond)) { PyErr_Format(PyExc_AssertionError, __VA_ARGS__); return -1; } } while (0)
+#define CHECK(cond, ...)                                                                                               \
+    do {                                                                                                               \
+        if (!(cond)) {                                                                                                 \
+            PyErr_Format(PyExc_AssertionError, __VA_ARGS__);                                                           \
+            return -1;                                                                                                 \
+        }                                                                                                              \
+    } while (0)
 
 static int check_tree(const Tree *t, int kind, int small) {
     Py_ssize_t n = 0;
@@ -1886,8 +1894,7 @@ static int check_tree(const Tree *t, int kind, int small) {
               "block %llu: stale key", b->addr);
         CHECK(last == NULL || key_less(last, b->k1, b->k2, b->k3), "tree out of order at %llu", b->addr);
         CHECK(b->left == NULL || (b->left->parent == b && b->left->prio >= b->prio), "treap links at %llu", b->addr);
-        CHECK(b->right == NULL || (b->right->parent == b && b->right->prio >= b->prio), "treap links at %llu",
-              b->addr);
+        CHECK(b->right == NULL || (b->right->parent == b && b->right->prio >= b->prio), "treap links at %llu", b->addr);
         last = b;
     }
     CHECK(n == t->count, "tree count %zd, %zd blocks", t->count, n);
@@ -1950,8 +1957,8 @@ static int check_engine(Engine *e) {
             if (b->mapped && s->expandable)
                 reserved[pool] += b->size;
         }
-        CHECK(cursor == s->base + s->size, "segment %llu: blocks cover %llu of %llu bytes", s->base,
-              cursor - s->base, s->size);
+        CHECK(cursor == s->base + s->size, "segment %llu: blocks cover %llu of %llu bytes", s->base, cursor - s->base,
+              s->size);
         if (!s->expandable) {
             reserved[pool] += s->size;
             segments[pool]++;
@@ -1965,18 +1972,27 @@ static int check_engine(Engine *e) {
             }
         }
     }
-    CHECK(blocks == active + in_trees && blocks == e->live_blocks, "%zd blocks in segments, %zd allocated, "
-          "%zd cached, %zd live", blocks, active, in_trees, e->live_blocks);
-    struct { int array; i128 *expect; const char *name; } stats[] = {
-        {S_ALLOCATION, allocations, "allocation"}, {S_ALLOCATED_BYTES, allocated, "allocated_bytes"},
-        {S_REQUESTED_BYTES, requested, "requested_bytes"}, {S_RESERVED_BYTES, reserved, "reserved_bytes"},
-        {S_SEGMENT, segments, "segment"}, {S_INACTIVE_SPLIT, inactive, "inactive_split"},
-        {S_INACTIVE_SPLIT_BYTES, inactive_bytes, "inactive_split_bytes"}};
+    CHECK(blocks == active + in_trees && blocks == e->live_blocks,
+          "%zd blocks in segments, %zd allocated, "
+          "%zd cached, %zd live",
+          blocks, active, in_trees, e->live_blocks);
+    struct {
+        int array;
+        i128 *expect;
+        const char *name;
+    } stats[] = {{S_ALLOCATION, allocations, "allocation"},
+                 {S_ALLOCATED_BYTES, allocated, "allocated_bytes"},
+                 {S_REQUESTED_BYTES, requested, "requested_bytes"},
+                 {S_RESERVED_BYTES, reserved, "reserved_bytes"},
+                 {S_SEGMENT, segments, "segment"},
+                 {S_INACTIVE_SPLIT, inactive, "inactive_split"},
+                 {S_INACTIVE_SPLIT_BYTES, inactive_bytes, "inactive_split_bytes"}};
     for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++) {
         for (int pool = P_SMALL; pool <= P_LARGE; pool++)
-            CHECK(cell_stat(e, stats[i].array, pool)[0] == stats[i].expect[pool], "%s: %lld counted, %lld found",
-                  stats[i].name, (long long)cell_stat(e, stats[i].array, pool)[0], (long long)stats[i].expect[pool]);
-        CHECK(cell_stat(e, stats[i].array, P_ALL)[0] == stats[i].expect[P_SMALL] + stats[i].expect[P_LARGE],
+            CHECK(cell_stat(e, stats[i].array, pool)[F_CURRENT] == stats[i].expect[pool],
+                  "%s: %lld counted, %lld found", stats[i].name,
+                  (long long)cell_stat(e, stats[i].array, pool)[F_CURRENT], (long long)stats[i].expect[pool]);
+        CHECK(cell_stat(e, stats[i].array, P_ALL)[F_CURRENT] == stats[i].expect[P_SMALL] + stats[i].expect[P_LARGE],
               "%s: all pools", stats[i].name);
     }
     return 0;
@@ -1990,7 +2006,9 @@ static PyObject *Engine_check(Engine *e, PyObject *unused) {
 }
 
 /* ------------------------------------------------------------------ attributes */
-static PyObject *get_cell(Engine *e, void *index) { return cell_to_py(e->st[(intptr_t)index]); }
+static PyObject *get_cell(Engine *e, void *index) {
+    return cell_to_py(e->st[(intptr_t)index]);
+}
 
 static int set_cell(Engine *e, PyObject *value, void *index) {
     if (value == NULL) {
@@ -2005,7 +2023,7 @@ static int set_cell(Engine *e, PyObject *value, void *index) {
 }
 
 static PyObject *get_stat(Engine *e, void *which) {
-    intptr_t w = (intptr_t)which;      /* array * 2 + (0 current, 1 peak) */
+    intptr_t w = (intptr_t)which; /* array * 2 + (0 current, 1 peak) */
     return cell_to_py(cell_stat(e, (int)(w / 2), P_ALL)[w % 2]);
 }
 
@@ -2044,7 +2062,7 @@ static int set_address_space_total(Engine *e, PyObject *value, void *unused) {
         unsigned long long v = PyLong_AsUnsignedLongLong(value);
         if (v == (unsigned long long)-1 && PyErr_Occurred())
             return -1;
-        if (v >= (1ULL << 62)) {
+        if (v >= MAX_DEVICE_BYTES) {
             PyErr_SetString(PyExc_OverflowError, "address_space_total must be below 2**62");
             return -1;
         }
@@ -2083,9 +2101,12 @@ static int set_next_addr(Engine *e, PyObject *value, void *unused) {
 
 static PyObject *get_flag(Engine *e, void *which) {
     switch ((intptr_t)which) {
-    case 0: return PyBool_FromLong(e->set_fraction);
-    case 1: return PyBool_FromLong(e->gc_enabled);
-    default: return PyLong_FromUnsignedLongLong(e->allowed_memory_maximum);
+    case 0:
+        return PyBool_FromLong(e->set_fraction);
+    case 1:
+        return PyBool_FromLong(e->gc_enabled);
+    default:
+        return PyLong_FromUnsignedLongLong(e->allowed_memory_maximum);
     }
 }
 
@@ -2113,8 +2134,7 @@ static PyGetSetDef Engine_getset[] = {
     {"set_fraction", (getter)get_flag, NULL, NULL, (void *)0},
     {"_gc_enabled", (getter)get_flag, NULL, NULL, (void *)1},
     {"allowed_memory_maximum", (getter)get_flag, NULL, NULL, (void *)2},
-    {NULL}
-};
+    {NULL}};
 
 static PyObject *Engine_cells(Engine *e, PyObject *unused) {
     (void)unused;
@@ -2131,7 +2151,7 @@ static PyMethodDef Engine_methods[] = {
     {"steady_state_key", (PyCFunction)Engine_steady_state_key, METH_NOARGS, NULL},
     {"steady_cells", (PyCFunction)Engine_steady_cells, METH_NOARGS, NULL},
     {"fits_in_cache", (PyCFunction)(void (*)(void))Engine_fits_in_cache, METH_VARARGS | METH_KEYWORDS, NULL},
-    {"free_block_sizes", (PyCFunction)Engine_free_block_sizes, METH_O, NULL},
+    {"free_block_sizes", (PyCFunction)(void (*)(void))Engine_free_block_sizes, METH_VARARGS | METH_KEYWORDS, NULL},
     {"segments", (PyCFunction)Engine_segments, METH_NOARGS, NULL},
     {"_engine_ranges", (PyCFunction)Engine_mapped_ranges, METH_NOARGS, NULL},
     {"_block_info", (PyCFunction)Engine_block_info, METH_O, NULL},
@@ -2139,8 +2159,7 @@ static PyMethodDef Engine_methods[] = {
     {"_engine_round_size", (PyCFunction)Engine_round_size, METH_O, NULL},
     {"_check", (PyCFunction)Engine_check, METH_NOARGS, "verify the engine's invariants (AssertionError)"},
     {"_stat_cells", (PyCFunction)Engine_cells, METH_NOARGS, "the Cells object holding every statistic"},
-    {NULL}
-};
+    {NULL}};
 
 /* ------------------------------------------------------------------ life cycle */
 static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -2212,7 +2231,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "a page size and a callable odd_size are needed");
         return -1;
     }
-    if (e->initialized) {          /* again: the divisions' iteration or __index__ ran Python code */
+    if (e->initialized) { /* again: the divisions' iteration or __index__ ran Python code */
         PyErr_SetString(PyExc_RuntimeError, "the allocator engine is initialised once");
         return -1;
     }
@@ -2303,22 +2322,26 @@ static struct PyModuleDef ctorch_module = {
     .m_size = -1,
 };
 
+/* torch_alloc.py's constants (and the engine's limits and cell layout, which torch_native.py reads) */
+static const KvgConstant shared_constants[] = {
+    KVG_CONSTANT(K_MIN_BLOCK_SIZE),       KVG_CONSTANT(K_SMALL_SIZE),        KVG_CONSTANT(K_SMALL_BUFFER),
+    KVG_CONSTANT(K_MIN_LARGE_ALLOC),      KVG_CONSTANT(K_ROUND_LARGE),       KVG_CONSTANT(K_EXTRA_LARGE_BUFFER),
+    KVG_CONSTANT(K_ROUNDUP_INTERVALS),    KVG_CONSTANT(UNLIMITED),           KVG_CONSTANT(MAX_DEVICE_BYTES),
+    KVG_CONSTANT(N_STAT_ARRAYS),          KVG_CONSTANT(N_STAT_POOLS),        KVG_CONSTANT(N_STAT_FIELDS),
+    KVG_CONSTANT(C_OVERSIZE_ALLOCATIONS), KVG_CONSTANT(C_OVERSIZE_SEGMENTS), KVG_CONSTANT(N_CELLS),
+};
+
 PyMODINIT_FUNC PyInit__ctorch(void) {
     if (PyType_Ready(&CellsType) < 0 || PyType_Ready(&EngineType) < 0)
         return NULL;
-    PyObject *base = PyImport_ImportModule("kvguard.allocators.base");
-    if (base == NULL)
-        return NULL;
-    AllocatorOutOfMemory = PyObject_GetAttrString(base, "AllocatorOutOfMemory");
-    Py_DECREF(base);
-    if (AllocatorOutOfMemory == NULL)
+    if (kvg_import_out_of_memory() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&ctorch_module);
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) < 0
         || PyModule_AddObjectRef(m, "Cells", (PyObject *)&CellsType) < 0
-        || PyModule_AddIntConstant(m, "N_CELLS", N_CELLS) < 0) {
+        || kvg_add_constants(m, shared_constants, sizeof shared_constants / sizeof shared_constants[0]) < 0) {
         Py_DECREF(m);
         return NULL;
     }

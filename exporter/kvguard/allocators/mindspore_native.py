@@ -17,13 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvguard.allocators._cmspool import Pool
+from kvguard.allocators._cmspool import SIZE_BEYOND, STEP_LIMIT, Pool
 from kvguard.allocators.device import Device
 from kvguard.allocators.mindspore_pool import DEFAULT_VERSION, USED, DynamicMemPool, MemBlock, MemBuf
 from kvguard.allocators.mindspore_releases import VMM_PAGE_BYTES, MindSporeRelease, pool_budget_bytes, release
 
-# Byte counts above this do not fit the engine's 64-bit cells with room for their sums.
-_LIMIT_BYTES = 1 << 62
+# Byte counts above SIZE_BEYOND (2**62) do not fit the engine's 64-bit cells with room for their sums; pages
+# and alignments stay within STEP_LIMIT (2**40). The engine's module holds both.
+_LIMIT_BYTES = SIZE_BEYOND
+_STEP_LIMIT = STEP_LIMIT
 
 
 def unsupported(
@@ -50,14 +52,14 @@ def unsupported(
         row = version if isinstance(version, MindSporeRelease) else release(version)
     except ValueError:
         return None
-    if row.align_bytes.__class__ is not int or not 0 < row.align_bytes <= 1 << 40:
+    if row.align_bytes.__class__ is not int or not 0 < row.align_bytes <= _STEP_LIMIT:
         return f"alignment {row.align_bytes!r} is not an int from 1 to 2**40"
     page = row.vmm_page_bytes if vmm_page_bytes is None else vmm_page_bytes
     try:
         pages = int(page)  # what both constructors take (a Decimal or a numpy integer too)
     except (TypeError, ValueError, OverflowError):
         return None  # refused alike by both constructors
-    if pages >= 1 << 40:
+    if pages >= _STEP_LIMIT:
         return f"VMM page {page!r} is 2**40 bytes or more"
     return None
 
@@ -173,4 +175,4 @@ class NativeDynamicMemPool(Pool):
     def buffer(self, addr: int) -> MemBuf:
         """The used buffer at ``addr`` (its address and size; a copy, without block links)."""
         start, size = self._buffer_size(addr)
-        return MemBuf(start, size, USED, None)
+        return MemBuf(start, size, USED, None)  # type: ignore[arg-type]  # a copy: no block to link

@@ -9,18 +9,21 @@ allocators by the oracle tests. The default wheel is pure Python (py3-none-any);
 (``KVGUARD_BUILD_EXT=1 pip install -e .``, ``./dev.sh``'s setup; ``setup.py``), needing a C compiler and
 Python's headers. Without them kvguard runs the Python models alone, with the same results.
 
-``KVGUARD_ALLOCATOR_ENGINE=python`` forces the Python models (``auto``, the default, prefers C).
+``KVGUARD_ALLOCATOR_ENGINE=python`` forces the Python models (``auto``, the default, prefers C);
+``KVGUARD_ALLOCATOR_ENGINE=c`` requires the C engines: NotImplementedError, naming the reason, where one is not
+built or does not take the configuration (the tests run the models' suites on both engines so).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
 from kvguard.allocators.device import Device
 
 ENV = "KVGUARD_ALLOCATOR_ENGINE"
-ENGINES = ("auto", "python")
+ENGINES = ("auto", "c", "python")
 
 
 def _wanted() -> str:
@@ -33,19 +36,32 @@ def _wanted() -> str:
 def _native(module: str) -> Any | None:
     """The wrapper module of a C engine, or None where the engine was not built."""
     try:
-        if module == "torch":
-            from kvguard.allocators import torch_native as wrapper
-        else:
-            from kvguard.allocators import mindspore_native as wrapper
+        return importlib.import_module(f"kvguard.allocators.{module}_native")
     except ImportError:
         return None
-    return wrapper
+
+
+def _engine_for(module: str, device: Device, kwargs: dict[str, Any]) -> Any | None:
+    """The wrapper module whose engine runs this configuration, or None for the Python model."""
+    wanted = _wanted()
+    if wanted == "python":
+        return None
+    wrapper = _native(module)
+    if wrapper is None:
+        reason = f"the C engine for {module} is not built (KVGUARD_BUILD_EXT=1, setup.py)"
+    else:
+        reason = wrapper.unsupported(device=device, **kwargs)
+    if reason is None:
+        return wrapper
+    if wanted == "c":
+        raise NotImplementedError(f"{ENV}=c: {reason}")
+    return None
 
 
 def caching_allocator(device: Device, **kwargs: Any):
     """PyTorch's caching allocator model (``CachingAllocator``'s arguments)."""
-    wrapper = _native("torch") if _wanted() == "auto" else None
-    if wrapper is not None and wrapper.unsupported(device=device, **kwargs) is None:
+    wrapper = _engine_for("torch", device, kwargs)
+    if wrapper is not None:
         return wrapper.NativeCachingAllocator(device, **kwargs)
     from kvguard.allocators.torch_alloc import CachingAllocator
 
@@ -54,12 +70,18 @@ def caching_allocator(device: Device, **kwargs: Any):
 
 def mindspore_pool(device: Device, **kwargs: Any):
     """MindSpore's memory pool model (``DynamicMemPool``'s arguments)."""
-    wrapper = _native("mindspore") if _wanted() == "auto" else None
-    if wrapper is not None and wrapper.unsupported(device=device, **kwargs) is None:
+    wrapper = _engine_for("mindspore", device, kwargs)
+    if wrapper is not None:
         return wrapper.NativeDynamicMemPool(device, **kwargs)
     from kvguard.allocators.mindspore_pool import DynamicMemPool
 
     return DynamicMemPool(device, **kwargs)
+
+
+def built() -> bool:
+    """Whether both C engines are built (and import)."""
+    torch_wrapper, pool_wrapper = _native("torch"), _native("mindspore")
+    return torch_wrapper is not None and torch_wrapper.Engine is not None and pool_wrapper is not None
 
 
 def engine(allocator: Any) -> str:

@@ -25,7 +25,7 @@ model would run them nested.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NoReturn
 
 from kvguard.allocators.device import Device
 from kvguard.allocators.torch_alloc import (
@@ -36,14 +36,23 @@ from kvguard.allocators.torch_alloc import (
 )
 
 try:
-    from kvguard.allocators._ctorch import Engine
+    from kvguard.allocators._ctorch import (
+        C_OVERSIZE_ALLOCATIONS,
+        C_OVERSIZE_SEGMENTS,
+        MAX_DEVICE_BYTES,
+        N_STAT_FIELDS,
+        N_STAT_POOLS,
+        Engine,
+    )
 except ImportError:  # no C compiler where kvguard was installed: the Python model only
     Engine = None
+    C_OVERSIZE_ALLOCATIONS = C_OVERSIZE_SEGMENTS = MAX_DEVICE_BYTES = N_STAT_FIELDS = N_STAT_POOLS = 0
 
 # Sizes and addresses are uint64 in the engine: a rounded request past 2**64 - 1 saturates there, larger than
-# any device it takes, and 1 1/8 x the device (an expandable reservation) must stay within 64 bits.
-# (Statistics are 128-bit cells: exact, like the model's ints, whatever the device.)
-_MAX_DEVICE_BYTES = 1 << 62
+# any device it takes, and 1 1/8 x the device (an expandable reservation) must stay within 64 bits: the engine
+# takes devices below MAX_DEVICE_BYTES (2**62). (Statistics are 128-bit cells: exact, like the model's ints,
+# whatever the device.) The engine's limits and cell layout are its module's constants, read here.
+_MAX_DEVICE_BYTES = MAX_DEVICE_BYTES
 _SIZE_OPTIONS = ("max_split_size", "large_segment_size", "max_non_split_rounding_size", "segment_size")
 
 
@@ -78,7 +87,7 @@ def _odd_size(rules: CachingAllocator, size: Any) -> int:
     raise TypeError(f"malloc size must be an int, not {type(size).__name__}")
 
 
-def _replay_only(name: str) -> None:
+def _replay_only(name: str) -> NoReturn:
     raise NotImplementedError(f"{name} (trace replay) is the Python model's: use torch_alloc.CachingAllocator")
 
 
@@ -184,20 +193,21 @@ class NativeCachingAllocator(_BaseEngine):
     @property
     def _stats(self) -> dict[str, list[list[int]]]:
         cells = tuple(self._stat_cells())
+        pools, fields = N_STAT_POOLS, N_STAT_FIELDS
         return {
-            name: [[cells[(a * 3 + pool) * 4 + field] for field in range(4)] for pool in range(3)]
+            name: [[cells[(a * pools + pool) * fields + field] for field in range(fields)] for pool in range(pools)]
             for a, name in enumerate(STAT_ARRAYS)
         }
 
     @property
     def _oversize_allocations(self) -> list[int]:
-        base = len(STAT_ARRAYS) * 12
-        return list(tuple(self._stat_cells())[base : base + 4])
+        base = C_OVERSIZE_ALLOCATIONS
+        return list(tuple(self._stat_cells())[base : base + N_STAT_FIELDS])
 
     @property
     def _oversize_segments(self) -> list[int]:
-        base = len(STAT_ARRAYS) * 12 + 4
-        return list(tuple(self._stat_cells())[base : base + 4])
+        base = C_OVERSIZE_SEGMENTS
+        return list(tuple(self._stat_cells())[base : base + N_STAT_FIELDS])
 
     memory_stats = CachingAllocator.memory_stats
 
