@@ -7,6 +7,7 @@ from conftest import EXAMPLES
 from sidecar_fixtures import example_profile
 
 from kvguard.budget.estimator import (
+    FORMULAS,
     Profile,
     ProfileError,
     estimate,
@@ -276,3 +277,22 @@ def test_a_classic_profile_file_keeps_its_six_keys():
 def test_unknown_formula_is_one_line():
     with pytest.raises(ProfileError, match="unknown budget formula"):
         classic(formula="v99")
+
+
+@pytest.mark.parametrize("formula", sorted(FORMULAS))
+def test_kv_cache_memory_bytes_alone_is_a_budget_for_every_formula(formula):
+    # --kv-cache-memory-bytes needs only the first three fields (required_fields); the era's own figures
+    # were read anyway and crashed the 0.27+, 0.34 and vllm-ascend 0.7.3 formulas (found by mypy).
+    profile = Profile(
+        total_memory_bytes=80 * GIB,
+        gpu_memory_utilization=0.9,
+        weights_bytes=10 * GIB,
+        peak_allocated_increase_bytes=None,
+        peak_reserved_increase_bytes=None,
+        non_torch_increase_bytes=None,
+        formula=formula,
+        kv_cache_memory_bytes=5 * GIB,
+    )
+    assert stock_kv_cache_bytes(profile) == 5 * GIB
+    assert reserved_kv_cache_bytes(profile) is None
+    assert estimate(profile).stock.kv_cache_bytes == 5 * GIB

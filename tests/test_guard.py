@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from kvguard.budget import estimator as estimator
 from kvguard.budget.estimator import Profile
 from kvguard.guard.judge import (
@@ -269,3 +271,22 @@ def test_a_mindspore_peak_that_fits_the_device_but_not_the_pools_budget_is_criti
     # The same bytes on a PyTorch rank (no pool budget) fit the device.
     torch_memory = dataclasses.replace(memory, idle_bytes=None, eager_free_bytes=None)
     assert judge(GuardInput(NPU_910B, kv_cache_bytes=kv, memory=torch_memory)).headroom_bytes > 2 * GIB
+
+
+@pytest.mark.parametrize("formula", sorted(estimator.FORMULAS))
+def test_a_profile_with_kv_cache_memory_bytes_alone_is_judged(formula):
+    # Such a profile carries no more than the weights (required_fields); judge read the era's figures
+    # anyway and raised TypeError for every formula (found by mypy). Unknown figures count as nothing.
+    profile = Profile(
+        total_memory_bytes=80 * GIB,
+        gpu_memory_utilization=0.9,
+        weights_bytes=10 * GIB,
+        peak_allocated_increase_bytes=None,
+        peak_reserved_increase_bytes=None,
+        non_torch_increase_bytes=None,
+        formula=formula,
+        kv_cache_memory_bytes=5 * GIB,
+    )
+    verdict = judge(GuardInput(profile=profile, kv_cache_bytes=5 * GIB))
+    assert verdict.state == OK
+    assert verdict.headroom_bytes == 80 * GIB - 10 * GIB - 5 * GIB

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from kvguard.allocators.device import Device
+
 
 class AllocatorOutOfMemory(MemoryError):
     """The allocator could not serve a request, after its own retries.
@@ -52,6 +54,7 @@ class Allocator(Protocol):
     """
 
     name: str
+    device: Device
 
     def malloc(self, size: int, persistent: bool = False) -> int: ...
 
@@ -90,6 +93,11 @@ class Allocator(Protocol):
 # An allocator that supports it has ``steady_state_key()`` (everything the ops' outcome depends on,
 # hashable; None when it cannot say) and ``steady_cells()`` (its additive counters and its
 # high-water marks, as (container, index-or-attribute) pairs, the same order every call).
+
+# One cell: (container, index) or (object, attribute name).
+SteadyCell = tuple[Any, int | str]
+# What ``steady_cells()`` returns: (additive counters, high-water marks).
+SteadyCells = tuple[list[SteadyCell], list[SteadyCell]]
 
 _NO_PEAK = -(1 << 62)  # below any byte count, and within a C engine's int64 cell: a mark left at it was not raised
 

@@ -144,9 +144,9 @@ class _BufAllocator:
             buf.status = USED
             return buf
         if self.pool.enable_vmm and self.pool.release.grows_idle_into_eager_free:
-            buf = self._grow_into_eager_free(size)
-            if buf is not None:
-                return buf
+            grown = self._grow_into_eager_free(size)
+            if grown is not None:
+                return grown
         index = bisect_left(self.eager, (size, 0))
         if index < len(self.eager):
             _, addr = self.eager.pop(index)

@@ -245,7 +245,7 @@ def _end_segments(snapshot: dict[str, Any], device: int) -> list[_EndSegment]:
             if type(value) is not int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise SnapshotError(f"snapshot segments[{index}].{name} is not an integer")
         addr = segment["address"]
-        block_list = []
+        block_list: list[tuple[int, int, bool, int]] = []
         append = block_list.append
         for block in blocks:
             if type(block) is not dict and not isinstance(block, dict):

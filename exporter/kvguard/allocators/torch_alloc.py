@@ -55,9 +55,9 @@ statistics keep current and peak (and freed per pool), "allocated" being current
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeGuard
 
-from kvguard.allocators.base import AllocatorOutOfMemory, FrozenKey, absorb, link_after
+from kvguard.allocators.base import AllocatorOutOfMemory, FrozenKey, SteadyCell, SteadyCells, absorb, link_after
 from kvguard.allocators.device import Device
 
 K_MIN_BLOCK_SIZE = 512
@@ -158,13 +158,13 @@ def roundup_divisions_table(value: Any) -> tuple[int, ...]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,) * K_ROUNDUP_INTERVALS
     if isinstance(value, dict):
-        table = [0] * K_ROUNDUP_INTERVALS
+        per_interval = [0] * K_ROUNDUP_INTERVALS
         for key, divisions in value.items():
             mib = int(key)
             if mib <= 0 or mib & (mib - 1) or mib.bit_length() > K_ROUNDUP_INTERVALS:
                 raise ValueError(f"roundup_power2_divisions: {key!r} is not a power-of-two MiB interval")
-            table[mib.bit_length() - 1] = int(divisions)
-        value = table
+            per_interval[mib.bit_length() - 1] = int(divisions)
+        value = per_interval
     table = tuple(int(v) for v in value)
     if len(table) != K_ROUNDUP_INTERVALS:
         raise ValueError(f"roundup_power2_divisions needs {K_ROUNDUP_INTERVALS} values, got {len(table)}")
@@ -288,10 +288,11 @@ class CachingAllocator:
         self._free_blocks: dict[int, Block] = {}
         self._active: dict[int, Block] = {}
         # Expandable mode: unmapped blocks per pool, sorted by (stream, address).
-        self._unmapped: tuple[list[tuple[int, int, Block]], list[tuple[int, int, Block]]] = ([], [])
+        # Entries are (stream, address, id(block), block): the id keeps equal keys from comparing blocks.
+        self._unmapped: tuple[list[tuple[int, int, int, Block]], list[tuple[int, int, int, Block]]] = ([], [])
         self._segments: list[Segment] = []
         self._segments_key: FrozenKey | None = None  # steady_state_key's, until the segments change
-        self._steady_cells: tuple[list, list] | None = None
+        self._steady_cells: SteadyCells | None = None
         self._gc_calls = [0, 0]  # BlockPool::get_free_blocks_call_count, per pool
         # cudaGetDeviceProperties().totalGlobalMem, which sizes expandable segments; None: the device's capacity.
         self.address_space_total: int | None = None
@@ -299,9 +300,17 @@ class CachingAllocator:
         # Trace replay: where a new segment goes (base address) and what is mapped where.
         self.segment_address: Callable[[int, bool], int | None] | None = None
         self.on_map: Callable[[int, int], None] | None = None
-        self._stats = {name: _new_stat() for name in STAT_ARRAYS}
-        for name in STAT_ARRAYS:
-            setattr(self, f"_s_{name}", self._stats[name])
+        stats = self._stats = {name: _new_stat() for name in STAT_ARRAYS}
+        # Each stat array also as an attribute of its own, for the hot paths.
+        self._s_allocation = stats["allocation"]
+        self._s_segment = stats["segment"]
+        self._s_active = stats["active"]
+        self._s_inactive_split = stats["inactive_split"]
+        self._s_allocated_bytes = stats["allocated_bytes"]
+        self._s_reserved_bytes = stats["reserved_bytes"]
+        self._s_active_bytes = stats["active_bytes"]
+        self._s_inactive_split_bytes = stats["inactive_split_bytes"]
+        self._s_requested_bytes = stats["requested_bytes"]
         self._oversize_allocations = [0, 0, 0, 0]
         self._oversize_segments = [0, 0, 0, 0]
         self.num_alloc_retries = 0
@@ -386,7 +395,7 @@ class CachingAllocator:
         return peaks
 
     # ----------------------------------------------------------------- steady forwards (base.record_steady)
-    def steady_state_key(self) -> tuple | None:
+    def steady_state_key(self) -> tuple[Any, ...] | None:
         """Everything a malloc / free sequence's outcome depends on: the free and unmapped blocks, the
         segments, the next segment address, the device's memory and the limits; None with garbage
         collection (block ages) or trace-replay callbacks."""
@@ -420,13 +429,13 @@ class CachingAllocator:
             self.address_space_total,
         )
 
-    def steady_cells(self) -> tuple[list, list]:
+    def steady_cells(self) -> SteadyCells:
         """(additive counters, high-water marks) as (container, index or attribute) pairs."""
         cells = self._steady_cells
         if cells is None:
             stats = [stat for name in STAT_ARRAYS for stat in self._stats[name]]
             stats += [self._oversize_allocations, self._oversize_segments]
-            counters = [(stat, i) for stat in stats for i in (0, 2, 3)]
+            counters: list[SteadyCell] = [(stat, i) for stat in stats for i in (0, 2, 3)]
             counters += [
                 (self, name)
                 for name in (
@@ -437,7 +446,7 @@ class CachingAllocator:
                     "num_device_free",
                 )
             ]
-            peaks = [(stat, 1) for stat in stats]
+            peaks: list[SteadyCell] = [(stat, 1) for stat in stats]
             peaks += [(self, "_window_alloc"), (self, "_window_reserved"), (self.device, "peak_used_bytes")]
             cells = self._steady_cells = (counters, peaks)
         return cells
@@ -946,7 +955,7 @@ class CachingAllocator:
         return candidate
 
     def _find_expandable_block(self, size: int, small: bool, stream: int) -> Block:
-        def allocatable(b: Block | None) -> bool:
+        def allocatable(b: Block | None) -> TypeGuard[Block]:
             return b is not None and not b.allocated
 
         entries = self._unmapped[small]
@@ -1008,6 +1017,7 @@ class CachingAllocator:
             offset = block.addr - segment.base
             start = segment.base + -(-offset // page) * page
             end = segment.base + ((block.addr + block.size - segment.base) // page) * page
+        assert end is not None  # a caller that names the range names both ends (unmap_range)
         if end <= start:
             return 0
         self._remove_free(block)
@@ -1130,8 +1140,8 @@ class CachingAllocator:
                 for gap in free[first_free:]:
                     counts[5] += 1
                     counts[6] += gap.size
-        for small, counts in enumerate(sums):
-            pool = _SMALL if small else _LARGE
+        for pool_index, counts in enumerate(sums):
+            pool = _SMALL if pool_index else _LARGE
             for arrays, amount in zip(
                 (
                     self._s_segment,
@@ -1299,7 +1309,8 @@ class CachingAllocator:
 
     def _mapped_ranges(self) -> Iterator[tuple[Segment, tuple[tuple[int, int, bool], ...]]]:
         """(segment, ((block address, size, allocated), ...)) per contiguous mapped range of each segment."""
-        heads = {}
+        heads: dict[int, Block] = {}
+        block: Block | None
         for blocks in (self._active.values(), self._free_blocks.values()):
             for block in blocks:
                 if block.prev is None:
@@ -1590,15 +1601,21 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
     for key, value in pairs:
         if key not in accepted:
             raise ValueError(f"alloc conf: unknown key {key!r} for {name}")
-        if isinstance(value, list) and key != "roundup_power2_divisions":
-            raise ValueError(f"alloc conf: {key} takes one value, not a list")
-        if key == "large_segment_size_mb":
+        if isinstance(value, list):
+            if key != "roundup_power2_divisions":
+                raise ValueError(f"alloc conf: {key} takes one value, not a list")
+        elif key == "large_segment_size_mb":
             large_segment_mib = _conf_int(key, value)
             if large_segment_mib <= K_MIN_LARGE_ALLOC // _MIB:
                 raise ValueError(f"alloc conf: large_segment_size_mb must be > {K_MIN_LARGE_ALLOC // _MIB}")
             kwargs["large_segment_size"] = large_segment_mib * _MIB
     fraction = 1.0
-    for key, value in pairs:
+    for key, raw in pairs:
+        if key == "roundup_power2_divisions":
+            kwargs["roundup_power2_divisions"] = _conf_divisions(raw)
+            continue
+        assert isinstance(raw, str)  # the pass above refused a list for every other key
+        value = raw
         if key in ("max_split_size_mb", "max_non_split_rounding_mb"):
             mib = _conf_int(key, value)
             if mib < large_segment_mib:
@@ -1609,8 +1626,6 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
             if not 0.0 < threshold < 1.0:
                 raise ValueError(f"alloc conf: {key} must be in (0.0, 1.0), got {value}")
             kwargs["garbage_collection_threshold"] = threshold
-        elif key == "roundup_power2_divisions":
-            kwargs["roundup_power2_divisions"] = _conf_divisions(value)
         elif key == "expandable_segments":
             kwargs["expandable_segments"] = _conf_bool(key, value)
         elif key == "base_addr_aligned_kb":

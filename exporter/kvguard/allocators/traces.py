@@ -399,6 +399,7 @@ def _load_bounded(data: bytes) -> Any:
     memo_references: list[int] = []  # memo references to each entry
     memoize = memo.append
     tuples: dict[int, tuple[int, int]] = {}  # _note_tuple's notes: (depth, cost as a key) by id
+    value: Any  # what an opcode builds or takes off the stack
     unpack = struct.unpack_from
     max_items, max_objects = SNAPSHOT_MAX_CONTAINER_ITEMS, SNAPSHOT_MAX_OBJECTS
     objects = 0
@@ -463,10 +464,10 @@ def _load_bounded(data: bytes) -> Any:
                 memory += (len(stack) - mark) // 2 * item_bytes[type(target)]
                 if memory + objects * _OBJECT_BYTES > max_memory:
                     raise _over_budget("bytes of memory", memory + objects * _OBJECT_BYTES, max_memory)
-                items = iter(stack[mark:])
+                flat = iter(stack[mark:])
                 del stack[mark:]
-                target.update(zip(items, items))
-                if next(items, target) is not target:
+                target.update(zip(flat, flat))
+                if next(flat, target) is not target:
                     raise _Unreadable("SETITEMS with a key and no value")
                 if len(target) > max_items:
                     raise _over_budget("items in one dict", len(target), max_items)
@@ -805,6 +806,7 @@ class _Shared:
         if depth > SNAPSHOT_MAX_DEPTH:
             raise _Refused(f"containers nested over {SNAPSHOT_MAX_DEPTH} deep")
         self.values[key] = -1
+        parts: tuple[Any, ...]
         if isinstance(obj, dict):
             total, parts = 1 + 2 * len(obj), (obj, obj.values())
         else:

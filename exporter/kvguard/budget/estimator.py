@@ -257,6 +257,7 @@ def kv_layout_from_config(
         lora = positive_int(text, "kv_lora_rank")
         if rope is None:
             raise ConfigError("MLA config has kv_lora_rank but no qk_rope_head_dim")
+        assert lora is not None  # kv_lora_rank is set: positive_int returns it or raises
         # One compressed latent per token, shared by all heads: not split by TP, no V copy.
         return KVLayout(
             num_layers=layers_per_stage,
@@ -556,27 +557,36 @@ def non_kv_cache_bytes(profile: Profile, *, reserved: bool = False) -> int | Non
     """What the era's formula keeps out of the KV cache (the CUDA-graph estimate aside).
 
     ``reserved``: the reserved-aware twin (None when that reserved figure was not measured).
+    None also when the profile lacks the formula's figures: given ``--kv-cache-memory-bytes``, vLLM
+    measures nothing (``required_fields``).
     """
     formula = profile.budget_formula
     if formula.non_kv == "measured_after_warmup":
         # Measured after warm-up; the reserved growth is already kept free (extensible_kv_cache_bytes).
-        return profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
+        init_free, after_warmup = profile.init_free_memory_bytes, profile.free_after_warmup_bytes
+        committed = profile.kv_committed_bytes
+        if init_free is None or after_warmup is None or committed is None:
+            return None
+        return init_free - after_warmup - committed
     if formula.non_kv == "consumed":
+        consumed = profile.total_consumed_bytes
         transient = profile.transient_peak_headroom_bytes if formula.transient else 0
+        if consumed is None or transient is None:
+            return None
         if reserved:
             if profile.reserved_transient_peak_bytes is None:
                 return None
             # What the reserved peak adds on top of the allocated one; never less than vLLM's.
             transient = max(transient, profile.reserved_transient_peak_bytes)
-        return profile.total_consumed_bytes + transient
+        return consumed + transient
     peak = profile.peak_reserved_increase_bytes if formula.peak == "reserved" else profile.peak_allocated_increase_bytes
     if reserved:
         if profile.peak_reserved_increase_bytes is None:
             return None
         peak = profile.peak_reserved_increase_bytes
-    if peak is None:
-        return None
     non_torch = profile.non_torch_increase_bytes
+    if peak is None or non_torch is None:
+        return None
     if formula.non_torch == "positive":
         non_torch = max(0, non_torch)
     cleared = (profile.non_torch_cleared_bytes or 0) if formula.cleared else 0
@@ -587,11 +597,20 @@ def extensible_kv_cache_bytes(profile: Profile) -> int:
     """0.34's extensible KV cache, sized after warm-up (v1/worker/extensible_kv_cache.py 0.34.0:592-618,
     ``measure_kv_cache_bytes``): the smaller of what the request leaves after the non-KV memory used
     and the free memory less a margin, less the larger of the transient peak and torch's reserve growth."""
-    non_kv_used = profile.init_free_memory_bytes - profile.free_after_warmup_bytes - profile.kv_committed_bytes
-    headroom = profile.free_after_warmup_bytes + profile.kv_committed_bytes
-    margin = _extensible_margin(profile.kv_transient_peak_bytes)
+    init_free, after_warmup, committed = (
+        profile.init_free_memory_bytes,
+        profile.free_after_warmup_bytes,
+        profile.kv_committed_bytes,
+    )
+    transient, growth = profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes
+    # The extensible formula's required fields (EXTENSIBLE_INPUTS): Profile refuses a profile without them.
+    assert init_free is not None and after_warmup is not None and committed is not None
+    assert transient is not None and growth is not None
+    non_kv_used = init_free - after_warmup - committed
+    headroom = after_warmup + committed
+    margin = _extensible_margin(transient)
     available = min(int(requested_memory_bytes(profile)) - non_kv_used, headroom - margin)
-    available -= max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
+    available -= max(transient, growth)
     return max(available, 0)
 
 
@@ -606,6 +625,8 @@ def _budget(profile: Profile, non_kv: int | None) -> int:
         return extensible_kv_cache_bytes(profile)
     formula = profile.budget_formula
     cudagraph = (profile.cudagraph_memory_bytes or 0) if formula.cudagraph else 0
+    # Without --kv-cache-memory-bytes the formula's figures are required (required_fields): non_kv is known.
+    assert non_kv is not None
     return _available(formula, requested_memory_bytes(profile), non_kv, cudagraph)
 
 
@@ -685,7 +706,10 @@ def recommended_gpu_memory_utilization(profile: Profile) -> float | None:
     def stock_at(hundredths: int) -> int:
         return stock_kv_cache_bytes(_with_utilization(profile, hundredths / 100))
 
-    gap = non_kv_cache_bytes(profile, reserved=True) - non_kv_cache_bytes(profile)
+    reserved_non_kv, stock_non_kv = non_kv_cache_bytes(profile, reserved=True), non_kv_cache_bytes(profile)
+    # Both known: the reserved budget is (its non-KV figure is), and no --kv-cache-memory-bytes was given.
+    assert reserved_non_kv is not None and stock_non_kv is not None
+    gap = reserved_non_kv - stock_non_kv
     hundredths = math.floor(100 * profile.gpu_memory_utilization - 100 * gap / profile.total_memory_bytes)
     # A reserved increase near or past the device's size puts the estimate at or below zero: no
     # utilization is safe, and none below 0.01 may be built into a Profile.

@@ -245,7 +245,10 @@ def judge(inp: GuardInput) -> Verdict:
     if live_non_torch is not None:
         # KV pages mapped outside the allocator are in the device's used memory: count them once.
         live_non_torch = max(0, live_non_torch - kv_outside)
-    if profile.budget_formula.non_kv == "peak":
+    measured_non_kv = non_kv_cache_bytes(profile)
+    # A profile given --kv-cache-memory-bytes may carry no more than the weights (required_fields): its
+    # projection is the classic one, with what is unknown counted as nothing.
+    if profile.budget_formula.non_kv == "peak" or measured_non_kv is None:
         activation = (
             profile_for_reserved.peak_reserved_increase_bytes
             if profile_for_reserved
@@ -255,7 +258,7 @@ def judge(inp: GuardInput) -> Verdict:
         # memory the allocator already held idle (MindSpore: the weights' pool-block tails); once the
         # KV cache takes that memory, the next peak needs its allocated bytes anew.
         activation = max(activation or 0, profile.peak_allocated_increase_bytes or 0)
-        non_torch = profile.non_torch_increase_bytes
+        non_torch = profile.non_torch_increase_bytes or 0
         if live_non_torch is not None and live_non_torch > non_torch:
             # The profile holds the increase only; the runtime context and communication buffers
             # held from the start are memory too (device used minus allocator reserved).
@@ -265,19 +268,15 @@ def judge(inp: GuardInput) -> Verdict:
         # 0.34's extensible KV cache, measured after warm-up (extensible_kv_cache.py 0.34.0:592-618): what
         # was in use at the init snapshot, the non-KV memory used since, the KV cache, and the larger of
         # the transient peak and torch's reserve growth, which vLLM keeps free.
-        activation = max(profile.kv_transient_peak_bytes, profile.torch_reserve_growth_bytes)
+        activation = max(profile.kv_transient_peak_bytes or 0, profile.torch_reserve_growth_bytes or 0)
         non_torch = live_non_torch or 0
-        projected = (
-            profile.total_memory_bytes
-            - profile.init_free_memory_bytes
-            + non_kv_cache_bytes(profile)
-            + kv_cache
-            + activation
-        )
+        init_free = profile.init_free_memory_bytes
+        assert init_free is not None  # measured_non_kv is known, and it counts from init_free_memory_bytes
+        projected = profile.total_memory_bytes - init_free + measured_non_kv + kv_cache + activation
     else:
         # 0.27+: what the era keeps out of the KV cache already holds weights and non-torch memory.
         base = profile_for_reserved or profile
-        non_kv = non_kv_cache_bytes(base, reserved=profile_for_reserved is not None) or non_kv_cache_bytes(profile)
+        non_kv = non_kv_cache_bytes(base, reserved=profile_for_reserved is not None) or measured_non_kv
         activation = base.transient_peak_headroom_bytes or 0
         non_torch = live_non_torch or 0
         projected = non_kv + kv_cache + (profile.cudagraph_memory_bytes or 0)
@@ -313,7 +312,7 @@ def judge(inp: GuardInput) -> Verdict:
         pool_headroom = pool_budget - (projected - non_torch - kv_outside)
         headroom = min(headroom, pool_headroom)
 
-    if kv_over:
+    if kv_over and reserved is not None:  # (kv_over is 0 without a reserved budget)
         sized = (
             "the reserved memory left at the profile run's end, the pool reached a higher reserved peak during it"
             if peak_used
@@ -328,7 +327,12 @@ def judge(inp: GuardInput) -> Verdict:
                 + (" (reserved peak inferred from live fragmentation)" if estimated else ""),
             )
         )
-    if pool_headroom is not None and pool_headroom < 0 and pool_headroom <= capacity - projected:
+    if (
+        pool_budget is not None
+        and pool_headroom is not None
+        and pool_headroom < 0
+        and pool_headroom <= capacity - projected
+    ):
         reasons.append(
             Reason(
                 PEAK_EXCEEDS_CAPACITY,
@@ -597,7 +601,9 @@ def activation_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stal
         if memory.reclaimable_bytes is not None:
             pages = -(-activation // VMM_PAGE_BYTES) * VMM_PAGE_BYTES
             return max(0, pages - memory.reclaimable_bytes)
-        return 0 if activation <= memory.largest_idle_bytes else activation
+        largest_idle = memory.largest_idle_bytes
+        assert largest_idle is not None  # one of the two figures is known, and it is not reclaimable_bytes
+        return 0 if activation <= largest_idle else activation
     return max(0, activation - _reusable_bytes(memory))
 
 
@@ -613,8 +619,10 @@ def pool_credit_note(memory: DeviceMemory | None, snapshot_stale: bool = False) 
                 f"; credited {format_gib(memory.reclaimable_bytes)} the pool can unmap and reuse (whole 2 MiB "
                 f"pages no used buffer touches, from MindSpore's memory dump)"
             )
+        largest_idle = memory.largest_idle_bytes
+        assert largest_idle is not None  # fresh figures hold reclaimable_bytes or largest_idle_bytes
         return (
-            f"; the pool's largest idle buffer is {format_gib(memory.largest_idle_bytes)} (MindSpore's "
+            f"; the pool's largest idle buffer is {format_gib(largest_idle)} (MindSpore's "
             f"memory dump): the peak is credited it only when it fits there whole"
         )
     if not idle:

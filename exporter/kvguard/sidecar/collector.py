@@ -39,28 +39,30 @@ DEVICE_LABELS = ("device", "source", "pod", "namespace", "container")
 IDENTITY_LABELS = ("device_uuid", "pci_bus_id")
 RANK_IDENTITY_LABELS = IDENTITY_LABELS + ("model_name", "engine", "engine_id")
 SKIP_REASON_VALUES = SKIP_REASONS + (DUPLICATE,)
+# The families this exporter builds: both take samples with add_metric(labels, value).
+_Family = GaugeMetricFamily | CounterMetricFamily
 
 
 class _Families:
     """Families in declaration order; empty ones are left out of the exposition."""
 
     def __init__(self) -> None:
-        self._families: dict[str, Metric] = {}
+        self._families: dict[str, _Family] = {}
 
-    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+    def gauge(self, name: str, doc: str, labels: Iterable[str] = ()) -> _Family:
         return self._families.setdefault(name, GaugeMetricFamily(name, doc, labels=list(labels)))
 
-    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> Metric:
+    def counter(self, name: str, doc: str, labels: Iterable[str] = ()) -> _Family:
         return self._families.setdefault(name, CounterMetricFamily(name, doc, labels=list(labels)))
 
-    def __getitem__(self, name: str) -> Metric:
+    def __getitem__(self, name: str) -> _Family:
         return self._families[name]
 
     def __iter__(self) -> Iterator[Metric]:
         return (family for family in self._families.values() if family.samples)
 
 
-def _add(family: Metric, labels: list[str], value: float | int | None) -> None:
+def _add(family: _Family, labels: list[str], value: float | int | None) -> None:
     """Add one sample; a value that is not a number float() can hold is left out, never raised."""
     if value is None:
         return

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -173,7 +174,9 @@ class Sidecar:
     def _read_spool(self) -> SpoolRead:
         """The spool, bounded in files and bytes; a bad file is only counted, a directory that
         cannot be listed raises (the source is down, not zero ranks)."""
-        result = self._spool_reader.read()
+        reader = self._spool_reader
+        assert reader is not None  # polled only with a spool directory, as the reader is made (__init__)
+        result = reader.read()
         if result.listing_error is not None:
             raise OSError(f"cannot list spool directory {self.config.spool_dir}: {result.listing_error}")
         # A snapshot's device processes are never judged or exported (the device sources' are):
@@ -284,13 +287,13 @@ class Sidecar:
                 elif state.last_error:  # down, and a read has said why
                     self._logged_sources[state.name] = False
                     event(logger, logging.WARNING, "source down", source=state.name, error=state.last_error)
-            seen = {}
+            seen: dict[tuple, tuple] = {}
             for view in observation.ranks:
                 key = tuple(view.labels.get(k, "") for k in RANK_LABELS)
                 now = (view.verdict.state, tuple(r.code for r in view.verdict.reasons))
                 seen[key] = now
-                before = self._logged_ranks.get(key)
-                if before == now:
+                logged = self._logged_ranks.get(key)
+                if logged == now:
                     continue
                 level = {"ok": logging.INFO, "warning": logging.WARNING}.get(now[0], logging.ERROR)
                 event(
@@ -304,7 +307,7 @@ class Sidecar:
                     device=view.labels.get("device", ""),
                     engine_id=view.labels.get("engine_id", ""),
                     state=now[0],
-                    previous=before[0] if before else "",
+                    previous=logged[0] if logged else "",
                     reasons=",".join(now[1]),
                     headroom_bytes=view.verdict.headroom_bytes,
                 )
@@ -331,7 +334,9 @@ class Sidecar:
     ) -> tuple[dict[tuple, Snapshot], Counter, set[tuple]]:
         """The ranks that have not aged out (the module's docstring), how many did, by reason, and
         the keys of those whose writer /proc shows alive here (a probe of this host and pid namespace)."""
-        living, aged_out, alive = {}, Counter(), set()
+        living: dict[tuple, Snapshot] = {}
+        aged_out: Counter = Counter()
+        alive: set[tuple] = set()
         if self.config.post_mortem:
             return dict(newest), aged_out, alive
         for key, snap in newest.items():
@@ -347,7 +352,11 @@ class Sidecar:
         return living, aged_out, alive
 
     def _within_caps(
-        self, newest: dict[tuple, Snapshot], vllm, alive: set[tuple] = frozenset(), now_wall: float | None = None
+        self,
+        newest: dict[tuple, Snapshot],
+        vllm,
+        alive: AbstractSet[tuple] = frozenset(),
+        now_wall: float | None = None,
     ) -> tuple[list[tuple[tuple, Snapshot]], Counter]:
         """The ranks within max_ranks and the distinct engine, model and pod caps, and how many were
         cut, by the first cap each met. Admitted liveliest first, never in label order alone (names

@@ -100,11 +100,11 @@ def sample_blocks(metrics: Iterable) -> list[tuple[str, str, str, bytes]] | None
         return f'{label}="{value_text}"'
 
     for metric in metrics:
-        name, kind = metric.name, metric.type
-        if kind not in ("gauge", "counter") or getattr(metric, "unit", "") or not _METRIC_NAME.match(name):
+        name, kind, unit = metric.name, metric.type, getattr(metric, "unit", "")
+        if kind not in ("gauge", "counter") or unit or not _METRIC_NAME.match(name):
             return None
         sample_name = name + "_total" if kind == "counter" else name
-        lines = []
+        lines: list[str] = []
         append = lines.append
         names: tuple = ()
         texts: dict = {}
@@ -183,7 +183,7 @@ def encode(metrics: Sequence, accept: str) -> tuple[bytes, str]:
     encoder, content_type = choose_encoder(accept)
     om = fast_format(accept)
     blocks = sample_blocks(metrics) if om is not None else None
-    if blocks is not None:
+    if blocks is not None and om is not None:  # (blocks are made only for a fast format)
         return assemble(blocks, om), content_type
     return encoder(_Pinned(metrics)), content_type
 
@@ -228,18 +228,22 @@ class Exposition:
         self.observations_total = 0  # observations taken (one per refresh)
         self.renders_total = 0  # collections of the registry (one per observation, as a rule)
 
-    def _fresh(self) -> None:
-        """Take a new observation when the cached one is out of date (the caller holds the lock)."""
+    def _fresh(self) -> Observation:
+        """Take a new observation when the cached one is out of date (the caller holds the lock);
+        the cached one, current now."""
         key = self.sidecar.generation()
         now = self._clock()
-        if self._observation is None or key != self._key or now - self._made_at >= self.max_age:
+        observation = self._observation
+        if observation is None or key != self._key or now - self._made_at >= self.max_age:
             # Let go of the old one first: with thousands of ranks, two at once is what peaks.
+            observation = None  # this reference too
             self._observation, self._blocks, self._bodies, self._guard = None, None, {}, None
-            self._observation = self.sidecar.observe()
-            self.sidecar.log_changes(self._observation)
+            observation = self._observation = self.sidecar.observe()
+            self.sidecar.log_changes(observation)
             self._key = self.sidecar.generation()
             self._made_at = now
             self.observations_total += 1
+        return observation
 
     def _current(self) -> bool:
         """The cached observation is still the one _fresh would keep (the caller holds the lock)."""
@@ -256,7 +260,8 @@ class Exposition:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            return self._observation.readiness(fail_on_critical) if self._current() else None
+            observation = self._observation
+            return observation.readiness(fail_on_critical) if observation is not None and self._current() else None
         finally:
             self._lock.release()
 
@@ -293,17 +298,16 @@ class Exposition:
 
     def observation(self) -> Observation:
         with self._lock:
-            self._fresh()
-            return self._observation
+            return self._fresh()
 
     def guard_json(self) -> bytes:
         """/guard's body for the current observation: built once per refresh, whatever the number
         of readers (10,000 ranks read by 8 clients at once went past the chart's memory limit
         when each built its own)."""
         with self._lock:
-            self._fresh()
+            observation = self._fresh()
             if self._guard is None:
-                self._guard = json.dumps(self._observation.guard_dict(), indent=2).encode() + b"\n"
+                self._guard = json.dumps(observation.guard_dict(), indent=2).encode() + b"\n"
             return self._guard
 
     def parts(self, accept: str, gzipped: bool) -> tuple[tuple[bytes, ...], str]:

@@ -94,7 +94,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, cast
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
@@ -414,7 +414,7 @@ class Application:
         if verdict is not True:
             return verdict
         if path == "/metrics":
-            gzipped = gzip_accepted(request.headers.get("accept-encoding"))
+            gzipped = gzip_accepted(request.headers.get("accept-encoding", ""))
             accept = request.headers.get("accept", "")
             if len(self.asked) < AHEAD_FORMATS:
                 self.asked[(accept, gzipped)] = None
@@ -433,7 +433,7 @@ class Application:
         try:
             path = request.path
             if path == "/metrics":
-                gzipped = gzip_accepted(request.headers.get("accept-encoding"))
+                gzipped = gzip_accepted(request.headers.get("accept-encoding", ""))
                 return self._metrics(self.exposition.parts(request.headers.get("accept", ""), gzipped), gzipped)
             if path == "/guard":
                 return Response(200, self.exposition.guard_json(), "application/json")
@@ -451,7 +451,7 @@ class Application:
 
     def _authorize(
         self, request: Request, config: WebConfig, source: str, trusted: bool = False
-    ) -> bool | Response | Verify:
+    ) -> Literal[True] | Response | Verify:
         """True, a 401 / 429 answer, or the bcrypt check still to run.
 
         Credentials bcrypt has to check are admitted by the server per source address (_AuthGate:
@@ -1024,7 +1024,8 @@ class KVGuardServer:
     def _handshake(self, conn: _Conn) -> bool:
         """Go on with the TLS handshake; True once it is done."""
         try:
-            conn.sock.do_handshake()
+            # cast: a connection is TLS-pending only when _accept wrapped its socket (an ssl.SSLSocket).
+            cast(ssl.SSLSocket, conn.sock).do_handshake()
         except ssl.SSLWantReadError:
             conn.tls_wants = selectors.EVENT_READ
             self._update(conn)
@@ -1524,7 +1525,9 @@ def runbook_pages(resource: str = RUNBOOK_RESOURCE) -> RunbookPages | None:
     parts = [text[a:b] for a, b in zip([0, *starts], [*starts, len(text)])]
     sections = {}
     for part in parts[1:]:
-        name = _HEADING.match(part).group(2)
+        heading = _HEADING.match(part)
+        assert heading is not None  # each part after the preamble starts at a "## " heading
+        name = heading.group(2)
         sections[name.lower()] = _runbook_html(
             f"kvguard runbook: {name}", part, '<p><a href="../runbook">The whole runbook</a></p>\n'
         )

@@ -343,7 +343,7 @@ def _empty(text: str) -> bool:
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple:
-    stamps = []
+    stamps: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             info = os.stat(path)

@@ -136,8 +136,11 @@ class Snapshot:
             if not isinstance(pod_raw, Mapping):
                 raise ValueError("pod is not an object")
             pod = {k: str(pod_raw[k])[:253] for k in POD_ENV if isinstance(pod_raw.get(k), str) and pod_raw[k]}
+            memory_raw = data.get("memory")
+            if not isinstance(memory_raw, Mapping):  # (DeviceMemory.from_dict's own check and message)
+                raise ValueError("memory record is not an object")
             memory = DeviceMemory.from_dict(
-                data.get("memory"), max_processes=MAX_SNAPSHOT_PROCESSES, process_name=_process_name
+                memory_raw, max_processes=MAX_SNAPSHOT_PROCESSES, process_name=_process_name
             )
             profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
             kv_cache = None
@@ -173,6 +176,7 @@ class Snapshot:
                 raise ValueError("probe is not an object")
             last_error = probe_raw.get("last_error")
             interval = probe_raw.get("interval_seconds")
+            sampling = probe_raw.get("sampling")
             probe = ProbeStatus(
                 samples_total=_int(probe_raw, "samples_total", 0),
                 errors_total=_int(probe_raw, "errors_total", 0),
@@ -182,7 +186,7 @@ class Snapshot:
                 if isinstance(interval, (int, float)) and not isinstance(interval, bool)
                 else None,
                 overruns_total=_int(probe_raw, "overruns_total", 0),
-                sampling=probe_raw.get("sampling") if probe_raw.get("sampling") in SAMPLING_MODES else "thread",
+                sampling=sampling if isinstance(sampling, str) and sampling in SAMPLING_MODES else "thread",
                 sampled_at=_number(probe_raw, "sampled_at") if probe_raw.get("sampled_at") is not None else None,
                 engine_thread_seconds_total=_seconds_total(probe_raw, "engine_thread_seconds_total"),
                 skipped_total=_int(probe_raw, "skipped_total", 0),
