@@ -1,6 +1,6 @@
 """What the probe costs the engine it watches, on MindSpore's real runtime (CPU backend: the pipeline of Ascend).
 
-An engine loop as vLLM's worker runs it: per step the probe's step hooks (kvguard.vllm.plugin wraps
+An engine loop as vLLM's worker runs it: per step the probe's step hooks (kvguard.plugin.hooks wraps
 ``execute_model`` with them), a chain of ops queued on the runtime pipeline, and a sync of the step's output.
 Three ways, timed in turn in one run (ABC CBA ABC ...), each for ``--seconds``:
   none       no probe;

@@ -311,10 +311,10 @@ def test_v0_the_plugin_records_no_profile_and_the_reserved_budget_cannot_act(rel
     assert len(snapshots) == 1 and snapshots[0].profile is None
     assert reserved["figures"]["num_gpu_blocks"] == stock["figures"]["num_gpu_blocks"]
     assert era_for(release).hooks == ("init_device",)
-    # ... and says so, once, in vLLM's own log (formatted by vLLM's handler: "plugin.py:N] kvguard: ...").
+    # ... and says so, once, in vLLM's own log (formatted by vLLM's handler: "hooks.py:N] kvguard: ...").
     said = [
         line
         for line in reserved["log_lines"]
-        if "plugin.py:" in line and "kvguard: no startup profile on vllm-ascend 0.7.3" in line
+        if "hooks.py:" in line and "kvguard: no startup profile on vllm-ascend 0.7.3" in line
     ]
     assert len(said) == 1 and "KVGUARD_BUDGET=reserved cannot act" in said[0], reserved["log_lines"][-20:]

@@ -266,7 +266,7 @@ def test_installed_wheel_registers_the_vllm_plugin(installed, tmp_path):
         env={"PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['kvguard.vllm.plugin:register']"
+    assert result.stdout.strip() == "['kvguard.plugin:register']"
 
 
 # ------------------------------------------------- the plugin, copied by the chart
@@ -300,7 +300,7 @@ def plugin_dir(installed, tmp_path_factory):
 
 def test_the_chart_copies_the_package_and_its_dist_info_only(plugin_dir):
     assert sorted(p.name for p in plugin_dir.iterdir()) == ["kvguard", f"kvguard-{_version()}.dist-info"]
-    assert (plugin_dir / "kvguard" / "vllm" / "plugin.py").is_file()
+    assert (plugin_dir / "kvguard" / "plugin" / "__init__.py").is_file()
 
 
 def _version() -> str:
@@ -324,7 +324,7 @@ def _load_general_plugins(plugin_dir, extra_env: dict[str, str]) -> subprocess.C
     # only the copied folder on PYTHONPATH can provide it.
     code = (
         "import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
-        "print('kvguard.vllm.plugin' in sys.modules)"
+        "print('kvguard.plugin' in sys.modules)"
     )
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(plugin_dir), "HOME": str(plugin_dir.parent), **extra_env}
     return subprocess.run([str(_vllm_python()), "-c", code], capture_output=True, text=True, timeout=300, env=env)

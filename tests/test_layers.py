@@ -2,8 +2,8 @@
 the ones below, no module imports another module's private names, and the imports make no circle.
 
 The order, lowest first: the base modules (records, units, text, files, logs); the allocator models; the
-budget; what kvguard knows of vLLM releases (``kvguard.vllm`` but its plugin); the sources; the guard; the
-spool; the probe; the vLLM plugin (wiring); the serving simulator; the sidecar; the command line. Every
+budget; what kvguard knows of vLLM releases (``kvguard.vllm``); the sources; the guard; the spool; the
+probe; the vLLM plugin (``kvguard.plugin``: wiring); the serving simulator; the sidecar; the command line. Every
 static import counts, function-local ones too: a lazy import is still a dependency.
 
 The source registry (``kvguard.sources``) names ``kvguard.sim.source:SimSource`` as a string that
@@ -31,7 +31,7 @@ LAYERS = (
     ("kvguard.guard",),
     ("kvguard.spool",),
     ("kvguard.probe",),
-    ("kvguard.vllm.plugin",),
+    ("kvguard.plugin",),
     ("kvguard.sim",),
     ("kvguard.plan",),
     ("kvguard.sidecar",),
@@ -120,7 +120,7 @@ def test_the_walk_sees_every_layer_and_the_known_imports():
         "Profile",
     ) in {entry[:2] for entry in imports("kvguard.probe")}
     assert "kvguard.cli.options" in {entry[0] for entry in imports("kvguard.cli.simulate")}
-    assert layer_of("kvguard.vllm.plugin") > layer_of("kvguard.probe") > layer_of("kvguard.vllm.eras")
+    assert layer_of("kvguard.plugin.hooks") > layer_of("kvguard.probe") > layer_of("kvguard.vllm.eras")
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 import pytest
 from helpers import invoke
 
+from kvguard import plugin
 from kvguard.allocators.mindspore_releases import VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release, vmm_enabled
 from kvguard.budget.estimator import Profile
 from kvguard.guard.at_budget import counters_at_budget
+from kvguard.plugin import budget as plugin_budget
+from kvguard.plugin import state as plugin_state
 from kvguard.sim.scenario import ScenarioConfig
-from kvguard.vllm import plugin as vllm_plugin
 from kvguard.vllm.eras import era_for
 
 GIB = 1 << 30
@@ -95,9 +97,9 @@ def on_vllm_mindspore(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm_mindspore", module)
     monkeypatch.delitem(sys.modules, "vllm_ascend", raising=False)
     monkeypatch.delenv("MS_ALLOC_CONF", raising=False)
-    vllm_plugin._reset_for_tests()
+    plugin.reset_for_tests()
     yield monkeypatch
-    vllm_plugin._reset_for_tests()
+    plugin.reset_for_tests()
 
 
 def budget_at(tmp_path, *extra: str) -> dict:
@@ -126,9 +128,9 @@ def test_mla_on_vllm_mindspore_the_plugin_and_budget_place_the_same_kv_tensors(o
     """vllm-mindspore allocates one tensor per MLA layer (coef 1: v1/worker/gpu_model_runner.py:613-614,
     628-642 @ 0.5.1), so the plugin's budget-time verdict is the CLI's, tensor for tensor."""
     at = budget_at(tmp_path)
-    on_vllm_mindspore.setattr(vllm_plugin, "_reader", CountersAtBudget(enable_vmm=at["enable_vmm"]))
+    on_vllm_mindspore.setattr(plugin_state, "reader", CountersAtBudget(enable_vmm=at["enable_vmm"]))
     worker = MLAWorker()
-    plugin_verdict = vllm_plugin._verdict_at(worker, PROFILE, at["kv_cache_bytes"], vllm_plugin._budget_model(worker))
+    plugin_verdict = plugin_budget.verdict_at(worker, PROFILE, at["kv_cache_bytes"], plugin_budget.budget_model(worker))
     assert at["verdict"]["kv_tensors"] == 3
     assert plugin_verdict.to_dict() == at["verdict"]
 
@@ -155,8 +157,8 @@ def plugin_vmm(monkeypatch, conf: str | None) -> bool:
         monkeypatch.delenv("MS_ALLOC_CONF", raising=False)
     else:
         monkeypatch.setenv("MS_ALLOC_CONF", conf)
-    monkeypatch.setattr(vllm_plugin, "_reader", CountersAtBudget(enable_vmm=True))
-    _, build = vllm_plugin._budget_model(MLAWorker())
+    monkeypatch.setattr(plugin_state, "reader", CountersAtBudget(enable_vmm=True))
+    _, build = plugin_budget.budget_model(MLAWorker())
     return build().enable_vmm
 
 

@@ -181,7 +181,7 @@ def test_the_plugin_loads_from_vllms_entry_point_group_on_python_3_12(built, tmp
         env={"PATH": os.environ.get("PATH", "")},
     )
     assert load.returncode == 0, load.stderr
-    assert load.stdout.split() == ["kvguard.vllm.plugin:register", "kvguard.vllm.plugin"]
+    assert load.stdout.split() == ["kvguard.plugin:register", "kvguard.plugin.hooks"]
 
 
 def test_asked_for_the_c_engines_build_in_place_as_dev_sh_builds_them(tmp_path):

@@ -34,12 +34,12 @@ from helpers import invoke  # noqa: E402
 from sidecar_fixtures import http_get, start_server  # noqa: E402
 from test_vllm_plugin import fake_vllm, snapshots  # noqa: E402,F401 - fake_vllm is a fixture
 
+from kvguard import plugin  # noqa: E402
 from kvguard.allocators.ops import Op  # noqa: E402
 from kvguard.records import ReservedPeak  # noqa: E402
 from kvguard.sources import register as register_source  # noqa: E402
 from kvguard.sources import unregister
 from kvguard.sources.mindspore import device_memory_from_stats  # noqa: E402
-from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 UTILIZATION = 0.85  # below the point where MindSpore's pool budget (15/16 of free memory) binds first
@@ -200,7 +200,7 @@ def engine(fake_vllm, monkeypatch):  # noqa: F811 - the fixture imported above
         if device is not None:
             monkeypatch.setattr(sys.modules["vllm.utils.mem_utils"], "DEVICE", device)
             monkeypatch.setattr(gpu_worker, "DEVICE", device)
-        vllm_plugin.register()
+        plugin.register()
         worker = gpu_worker.Worker(gpu_memory_utilization=utilization, model_runner=runner)
         worker.init_device()
         worker.load_model()
@@ -256,7 +256,7 @@ def test_a_run_that_releases_blocks_mid_run_records_the_peak_beside_the_end_of_r
     calls = engine.runtime.calls
     assert calls.count("reset_peak_memory_stats") == 1 and calls.count("max_memory_reserved") == 1
     assert calls.index("reset_peak_memory_stats") < calls.index("empty_cache") < calls.index("max_memory_reserved")
-    assert vllm_plugin.hook_errors == {}
+    assert plugin.hook_errors == {}
 
     code, output = check(engine.spool)
     over = stock_budget(16 * GIB, 2 * GIB) - stock_budget(16 * GIB, 4 * GIB)
@@ -318,7 +318,7 @@ def test_a_peak_that_cannot_be_read_is_absent_counted_and_said(engine, monkeypat
     [snap] = snapshots(engine.spool)
     assert snap.reserved_peak.measured_increase_bytes == 2 * GIB and snap.reserved_peak.peak_increase_bytes is None
     assert "max_memory_reserved" in snap.reserved_peak.error
-    assert vllm_plugin.hook_errors == {"reserved_peak": 1}
+    assert plugin.hook_errors == {"reserved_peak": 1}
     _, output = check(engine.spool)
     [line] = [line for line in output.splitlines() if "reserved peak:" in line]
     assert "was not read from MindSpore" in line and "end-of-run reserved increase" in line
@@ -329,7 +329,7 @@ def test_other_engines_make_no_mindspore_call_and_record_no_peak(fake_vllm, monk
     runtime = FakeMindSporeRuntime()
     monkeypatch.setitem(sys.modules, "mindspore.runtime", runtime)  # importable, but vLLM's own worker runs
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     worker = gpu_worker.Worker()
     worker.init_device()
@@ -337,7 +337,7 @@ def test_other_engines_make_no_mindspore_call_and_record_no_peak(fake_vllm, monk
     worker.determine_available_memory()
     [snap] = snapshots(fake_vllm)
     assert snap.profile is not None and snap.reserved_peak is None
-    assert runtime.calls == [] and vllm_plugin.hook_errors == {}
+    assert runtime.calls == [] and plugin.hook_errors == {}
 
 
 # ---------------------------------------------------------------------------- MindSpore's real pool

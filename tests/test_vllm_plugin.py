@@ -19,13 +19,14 @@ import pytest
 
 pytest.importorskip("torch")  # the fake Worker keeps vLLM's @torch.inference_mode()
 
-from kvguard import probe
+from kvguard import plugin, probe  # noqa: E402
 from kvguard.budget.estimator import Profile, stock_kv_cache_bytes  # noqa: E402
+from kvguard.plugin import hooks, state  # noqa: E402
+from kvguard.plugin import profile as plugin_profile  # noqa: E402
 from kvguard.sources import register as register_source  # noqa: E402
 from kvguard.sources import unregister
 from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
 from kvguard.spool.io import read_spool  # noqa: E402
-from kvguard.vllm import plugin as vllm_plugin  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -65,14 +66,14 @@ def fake_vllm(monkeypatch, tmp_path):
     """A fresh fake vLLM on sys.path (not imported yet), a fresh plugin state, a test source."""
     _forget_fake_modules()
     monkeypatch.syspath_prepend(FAKE_ROOT)
-    vllm_plugin._reset_for_tests()
+    plugin.reset_for_tests()
     register_source("fake-cuda", FakeDeviceSource, replace=True)
     monkeypatch.setenv("KVGUARD_SOURCE", "fake-cuda")
     for name in ("KVGUARD_SPOOL_DIR", "KVGUARD_BUDGET", "KVGUARD_INTERVAL"):
         monkeypatch.delenv(name, raising=False)
     yield tmp_path / "spool"
     probe.stop()
-    vllm_plugin._reset_for_tests()
+    plugin.reset_for_tests()
     unregister("fake-cuda")
     _forget_fake_modules()
 
@@ -111,19 +112,19 @@ def snapshots(spool):
 
 def test_entry_point_is_declared_for_vllm():
     [entry] = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "kvguard"]
-    assert entry.value == "kvguard.vllm.plugin:register"
-    assert entry.load() is vllm_plugin.register
+    assert entry.value == "kvguard.plugin:register"
+    assert entry.load() is plugin.register
 
 
 def test_without_settings_nothing_is_patched(fake_vllm):
-    vllm_plugin.register()
+    plugin.register()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     assert not getattr(gpu_worker.Worker.determine_available_memory, "_kvguard_wrapped", False)
 
 
 def test_worker_imported_after_register_is_patched(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     assert "vllm.v1.worker.gpu_worker" not in sys.modules
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     for name in ("init_device", "determine_available_memory", "initialize_from_config"):
@@ -133,17 +134,17 @@ def test_worker_imported_after_register_is_patched(fake_vllm, monkeypatch):
 def test_worker_imported_before_register_is_patched(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
-    vllm_plugin.register()
+    plugin.register()
     assert getattr(gpu_worker.Worker.determine_available_memory, "_kvguard_wrapped", False)
 
 
 def test_register_twice_wraps_once(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
-    vllm_plugin.register()
+    plugin.register()
     wrapped = gpu_worker.Worker.determine_available_memory
-    vllm_plugin.register()
-    vllm_plugin._patch_worker_class(gpu_worker, "Worker")
+    plugin.register()
+    hooks.patch_worker_class(gpu_worker, "Worker")
     assert gpu_worker.Worker.determine_available_memory is wrapped
 
 
@@ -151,16 +152,16 @@ def test_register_never_raises(fake_vllm, monkeypatch):
     def broken(cls, environ=None):
         raise RuntimeError("environment unreadable")
 
-    monkeypatch.setattr(vllm_plugin.Settings, "from_environment", classmethod(broken))
-    vllm_plugin.register()
-    assert vllm_plugin.hook_errors == {"register": 1}
+    monkeypatch.setattr(plugin.Settings, "from_environment", classmethod(broken))
+    plugin.register()
+    assert plugin.hook_errors == {"register": 1}
 
 
 def test_unknown_budget_falls_back_to_stock_with_a_warning(fake_vllm, monkeypatch, caplog):
     monkeypatch.setenv("KVGUARD_BUDGET", "generous")
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    with caplog.at_level(logging.WARNING, logger="kvguard.vllm.plugin"):
-        vllm_plugin.register()
+    with caplog.at_level(logging.WARNING, logger="kvguard.plugin"):
+        plugin.register()
     worker = start_worker()
     assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
     assert "KVGUARD_BUDGET='generous' is not one of stock, reserved" in caplog.text
@@ -171,7 +172,7 @@ def test_unknown_budget_falls_back_to_stock_with_a_warning(fake_vllm, monkeypatc
 
 def test_init_device_starts_the_probe_with_the_worker_rank(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     start_worker(rank=3)
     [snapshot] = snapshots(fake_vllm)
     assert (snapshot.rank, snapshot.device, snapshot.pid) == (3, "cuda:0", os.getpid())
@@ -182,15 +183,15 @@ def test_init_device_starts_the_probe_with_the_worker_rank(fake_vllm, monkeypatc
 def test_reserved_budget_without_a_reserved_reading_keeps_vllms(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
     monkeypatch.setenv("KVGUARD_SOURCE", "host")  # knows no allocator: no reserved peak
-    vllm_plugin.register()
+    plugin.register()
     assert start_worker().determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
-    assert vllm_plugin.hook_errors == {"budget": 1}
+    assert plugin.hook_errors == {"budget": 1}
 
 
 def test_a_replaced_memory_profiling_is_still_measured(fake_vllm, monkeypatch):
     # vllm-mindspore swaps in its own memory_profiling; kvguard wraps whatever the name holds.
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     original = gpu_worker.memory_profiling
     calls = []
@@ -209,7 +210,7 @@ def test_a_replaced_memory_profiling_is_still_measured(fake_vllm, monkeypatch):
 
 def test_a_failing_reserved_reading_leaves_the_profile_without_it(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
 
     class Broken:
         name = "broken"
@@ -217,17 +218,17 @@ def test_a_failing_reserved_reading_leaves_the_profile_without_it(fake_vllm, mon
         def sample(self):
             raise RuntimeError("CUDA error: device-side assert triggered")
 
-    monkeypatch.setattr(vllm_plugin, "_reader", Broken())
+    monkeypatch.setattr(state, "reader", Broken())
     start_worker().determine_available_memory()
     [snapshot] = snapshots(fake_vllm)
     assert snapshot.profile.peak_reserved_increase_bytes is None
     assert snapshot.profile.peak_allocated_increase_bytes == 3 * GIB
-    assert vllm_plugin.hook_errors == {"memory_profiling": 3}  # before, after the run, after empty_cache
+    assert plugin.hook_errors == {"memory_profiling": 3}  # before, after the run, after empty_cache
 
 
 def test_vllms_own_errors_pass_through_unchanged(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     worker = start_worker()
     worker.model_runner.activations = (200 * GIB,)
@@ -239,10 +240,10 @@ def test_vllms_own_errors_pass_through_unchanged(fake_vllm, monkeypatch):
 def test_a_probe_that_cannot_start_does_not_stop_the_worker(fake_vllm, monkeypatch):
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_SOURCE", "no-such-source")
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
     assert worker.determine_available_memory() == stock_kv_cache_bytes(EXPECTED_PROFILE)
-    assert vllm_plugin.hook_errors["init_device"] == 1
+    assert plugin.hook_errors["init_device"] == 1
     assert probe.current() is None
 
 
@@ -257,9 +258,9 @@ def test_engine_identity_reads_the_served_name_and_the_data_parallel_index():
         return types.SimpleNamespace(vllm_config=config)
 
     # data_parallel_index (0.14+) is the engine's index even where data_parallel_rank is overridden.
-    assert vllm_plugin.engine_identity(worker(data_parallel_index=2, data_parallel_rank=0)) == ("qwen-7b", 2)
-    assert vllm_plugin.engine_identity(worker(data_parallel_rank=1)) == ("qwen-7b", 1)
-    assert vllm_plugin.engine_identity(types.SimpleNamespace()) == (None, None)
+    assert plugin.engine_identity(worker(data_parallel_index=2, data_parallel_rank=0)) == ("qwen-7b", 2)
+    assert plugin.engine_identity(worker(data_parallel_rank=1)) == ("qwen-7b", 1)
+    assert plugin.engine_identity(types.SimpleNamespace()) == (None, None)
 
 
 def test_a_worker_without_memory_profiling_says_once_why_nothing_is_recorded(fake_vllm, monkeypatch, caplog):
@@ -267,9 +268,9 @@ def test_a_worker_without_memory_profiling_says_once_why_nothing_is_recorded(fak
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", lambda self: 40 * GIB)
     monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
-    with caplog.at_level(logging.INFO, logger="kvguard.vllm.plugin"):
+    with caplog.at_level(logging.INFO, logger="kvguard.plugin"):
         assert worker.determine_available_memory() == 40 * GIB
         assert worker.determine_available_memory() == 40 * GIB
     [line] = [r.getMessage() for r in caplog.records if "no startup profile recorded" in r.getMessage()]
@@ -302,7 +303,7 @@ def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(
     monkeypatch.setenv("KVGUARD_SOURCE", "fake-engine-only")
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_INTERVAL", "0.05")
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
     [snapshot] = snapshots(fake_vllm)
     assert snapshot.probe.sampling == "engine-step"
@@ -321,7 +322,7 @@ def test_an_engine_thread_source_is_read_in_execute_model_on_the_workers_thread(
     with pytest.raises(RuntimeError) as raised:
         worker.initialize_from_config(kv_cache_config(GIB))
     assert raised.value is error
-    assert "initialize_from_config" not in vllm_plugin.hook_errors and "engine_reading" not in vllm_plugin.hook_errors
+    assert "initialize_from_config" not in plugin.hook_errors and "engine_reading" not in plugin.hook_errors
     # vLLM's own error inside the step passes through too, and the probe goes on.
     EngineOnlyFakeSource.fail_with = None
     own = ValueError("the engine's own failure")
@@ -338,12 +339,12 @@ def test_exact_mode_merges_the_pools_dump_into_the_users_ms_alloc_conf(fake_vllm
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "1")
     monkeypatch.setenv("MS_ALLOC_CONF", "enable_vmm:True,memory_tracker:False")
-    vllm_plugin.register()
+    plugin.register()
     assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True,memory_tracker:False,defrag_memory_step_freq:100dump"
-    assert not vllm_plugin.hook_errors
+    assert not plugin.hook_errors
     # vLLM's next process (its workers inherit the environment) registers again: the value stays as it is.
-    vllm_plugin._reset_for_tests()
-    vllm_plugin.register()
+    plugin.reset_for_tests()
+    plugin.register()
     assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True,memory_tracker:False,defrag_memory_step_freq:100dump"
 
 
@@ -351,9 +352,9 @@ def test_a_bad_exact_mode_setting_is_counted_and_leaves_ms_alloc_conf_alone(fake
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_MINDSPORE_DUMP", "often")
     monkeypatch.setenv("MS_ALLOC_CONF", "enable_vmm:True")
-    vllm_plugin.register()
+    plugin.register()
     assert os.environ["MS_ALLOC_CONF"] == "enable_vmm:True"
-    assert vllm_plugin.hook_errors == {"mindspore_dump": 1}
+    assert plugin.hook_errors == {"mindspore_dump": 1}
     assert "KVGUARD_MINDSPORE_DUMP='often'" in caplog.text
 
 
@@ -373,7 +374,7 @@ def inline_worker_method(body: str) -> tuple[dict, object]:
 def test_an_inline_workers_own_error_passes_through_and_its_torch_is_put_back(fake_vllm, monkeypatch):
     import torch
 
-    from kvguard.vllm.inline_readings import RecordingModule
+    from kvguard.plugin.inline_readings import RecordingModule
 
     error = RuntimeError("CUDA error: out of memory")
     namespace, method = inline_worker_method("    raise ERROR\n")
@@ -381,14 +382,14 @@ def test_an_inline_workers_own_error_passes_through_and_its_torch_is_put_back(fa
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
     with pytest.raises(RuntimeError) as raised:
         worker.determine_available_memory()
     assert raised.value is error
     # While it ran, its torch recorded; afterwards it is torch again.
     assert isinstance(namespace["seen"][0], RecordingModule) and namespace["torch"] is torch
-    assert not vllm_plugin.hook_errors
+    assert not plugin.hook_errors
 
 
 def test_an_inline_worker_whose_reads_are_not_its_eras_keeps_its_figure_and_records_nothing(fake_vllm, monkeypatch):
@@ -398,7 +399,7 @@ def test_an_inline_worker_whose_reads_are_not_its_eras_keeps_its_figure_and_reco
     monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
     monkeypatch.setenv("KVGUARD_BUDGET", "reserved")
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
     assert worker.determine_available_memory() == 40 * GIB
     [snapshot] = snapshots(fake_vllm)
@@ -406,7 +407,7 @@ def test_an_inline_worker_whose_reads_are_not_its_eras_keeps_its_figure_and_reco
 
 
 def test_profile_from_readings_needs_an_era_that_adds_the_absolute_non_torch_memory():
-    from kvguard.vllm.inline_readings import Readings, profile_from_readings
+    from kvguard.plugin.inline_readings import Readings, profile_from_readings
 
     readings = Readings()
     readings.stats = [
@@ -439,9 +440,9 @@ def test_a_device_read_kvguard_cannot_keep_leaves_the_workers_call_and_figure_al
     namespace["torch"] = type("FakeTorch", (), {"cuda": Cuda})()
     gpu_worker = importlib.import_module("vllm.v1.worker.gpu_worker")
     monkeypatch.setattr(gpu_worker.Worker, "determine_available_memory", method)
-    monkeypatch.setattr(vllm_plugin, "running_release", lambda worker=None: "vllm:0.9.0")
+    monkeypatch.setattr(plugin_profile, "running_release", lambda worker=None: "vllm:0.9.0")
     monkeypatch.setenv("KVGUARD_SPOOL_DIR", str(fake_vllm))
-    vllm_plugin.register()
+    plugin.register()
     worker = start_worker()
     assert worker.determine_available_memory() is odd
-    assert vllm_plugin.hook_errors == {"profile": 1}
+    assert plugin.hook_errors == {"profile": 1}

@@ -151,7 +151,7 @@ def test_kvguards_lines_are_in_vllms_own_log_and_the_log_reads_the_budget_applie
 
     stock, _, _ = run(release, tmp_path_factory)
     reserved, _, _ = run(release, tmp_path_factory, budget="reserved")
-    vllm_formatted = re.compile(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*plugin\.py:\d+\] kvguard: ")
+    vllm_formatted = re.compile(r"INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*(?:hooks|budget)\.py:\d+\] kvguard: ")
     heard = [line for line in reserved["log_lines"] if vllm_formatted.search(line)]
     assert heard, "no kvguard line in vLLM's log"
     if era_for(release).extensible_kv_cache_default:
@@ -217,7 +217,7 @@ def test_0_34_utilization_none_is_resolved_never_none(tmp_path_factory):
 
 # ---------------------------------------------------------------------------- 0.8.5-0.9.0: measured inline
 
-# The releases whose worker measures inline, without memory_profiling (kvguard.vllm.inline_readings): the era
+# The releases whose worker measures inline, without memory_profiling (kvguard.plugin.inline_readings): the era
 # rows whose formula adds the absolute non-torch memory.
 INLINE_RELEASES = [r for r in RELEASES if FORMULAS[era_for(r).formula].non_torch == "positive"]
 

@@ -6,7 +6,7 @@ models and the counter readers, never the serving simulator."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from kvguard.allocators.base import Allocator
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
@@ -35,7 +35,7 @@ def counters_of(
     MindSpore's exact mode, the pool's own lists beside them (``DynamicMemPool.pool_figures``)."""
     free, total = model.device.mem_get_info()
     if model.name == "mindspore":
-        figures = model.pool_figures() if pool_figures else None
+        figures = cast(DynamicMemPool, model).pool_figures() if pool_figures else None
         return mindspore_source.device_memory_from_stats(
             model.memory_stats(), device, source, free_bytes=free, total_bytes=total, figures=figures
         )

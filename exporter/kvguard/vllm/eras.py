@@ -21,7 +21,7 @@ PROJECTS = ("vllm", "vllm-ascend", "vllm-ascend-310p", "vllm-mindspore")
 # The device allocators a release's worker runs on: CUDA's caching allocator, torch_npu's, MindSpore's pool.
 ALLOCATORS = ("torch", "torch_npu", "mindspore")
 
-# Worker methods the plugin wraps (kvguard.vllm.plugin); an era lists the ones its worker has.
+# Worker methods the plugin wraps (kvguard.plugin.hooks); an era lists the ones its worker has.
 HOOKS_V1 = ("init_device", "determine_available_memory", "initialize_from_config")
 HOOKS_EXTENSIBLE = HOOKS_V1 + ("extend_kv_cache",)
 
@@ -196,7 +196,7 @@ ERAS: tuple[Era, ...] = (
         + _V0_CITES,
     ),
     # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped. The plugin records
-    # the profile from the worker's own torch.cuda reads (kvguard.vllm.inline_readings): weights_bytes is what
+    # the profile from the worker's own torch.cuda reads (kvguard.plugin.inline_readings): weights_bytes is what
     # stays allocated after its empty_cache, the peak increase the allocated peak above it, the non-torch figure
     # the absolute one; tests/test_vllm_real.py runs 0.9.0's worker through vLLM's plugin loader.
     Era(

@@ -412,7 +412,7 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "kvguard_budget",
         "kvguard: KV cache budget {_kvguard_budget:gib} GiB (",
-        cite="kvguard/vllm/plugin.py _wrap_determine_available_memory, _guard_budget",
+        cite="kvguard/plugin/hooks.py _wrap_determine_available_memory, kvguard/plugin/budget.py guard_budget",
     ),
     LineKind(
         "available_kv_cache",

@@ -21,12 +21,15 @@ the estimator's Profile, whose stock budget is the worker's own figure to the by
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, TypeVar
 
 from kvguard.budget.estimator import FORMULAS, Profile
 
 # The worker module's global that reaches the device, and its device namespace; the first the module holds.
 DEVICE_GLOBALS = (("torch_npu", "npu"), ("torch", "cuda"))
+
+T = TypeVar("T")
 
 
 class Readings:
@@ -34,11 +37,11 @@ class Readings:
     ``error``: why one of them could not be kept (the worker's own call returned all the same)."""
 
     def __init__(self) -> None:
-        self.stats: list[dict] = []
+        self.stats: list[dict[str, int]] = []
         self.mem_info: list[tuple[int, int]] = []
         self.error: str | None = None
 
-    def keep(self, into: list, value: Callable[[], Any]) -> None:
+    def keep(self, into: list[T], value: Callable[[], T]) -> None:
         try:
             into.append(value())
         except Exception as exc:  # noqa: BLE001 - a reading kvguard cannot keep never fails the worker's call
@@ -77,7 +80,7 @@ class RecordingModule:
         return getattr(self._module, name)
 
 
-def recorder(readings: Readings, name: str, namespace: dict, current: Any) -> Any:
+def recorder(readings: Readings, name: str, namespace: Mapping[str, Any], current: Any) -> RecordingModule | None:
     """The stand-in for global ``name`` of a worker module (``namespace``), or None to leave it: only in a module
     without ``memory_profiling`` (one that measures inline), and only for the first of :data:`DEVICE_GLOBALS` the
     module holds."""
