@@ -3,7 +3,7 @@ The serving pod template: the vLLM container with kvguard beside it (the sidecar
 and each role of the leaderworkerset mode's LeaderWorkerSet). .Values.__role is "" for the Deployment,
 "leader" or "worker" in a LeaderWorkerSet (set by leaderworkerset.yaml around the include): the
 worker runs leaderWorkerSet.workerCommand and serves no HTTP (no probes, no vLLM /metrics to read), and
-both roles name their engine by the LWS group (kvguard.lwsEngineEnv).
+both roles name their engine by the LWS group (kvguard.container sets LWS_NAME and LWS_GROUP_INDEX).
 */}}
 {{- define "kvguard.servingPodTemplate" -}}
 {{- $s := .Values.serving }}
