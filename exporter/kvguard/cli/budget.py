@@ -591,21 +591,21 @@ def _print_budget(result: dict[str, Any], layout: KVLayout | None) -> None:
         out(f"             largest budget the guard predicts fits: {'none' if not fits else format_bytes(fits)}")
     budgets = result.get("budgets")
     if budgets:
-        mml = result.get("max_model_len") or (result.get("log") or {}).get("max_model_len")
+        max_model_len = result.get("max_model_len") or (result.get("log") or {}).get("max_model_len")
         out("")
         out(
             f"{'Budget':<12} {'KV cache':>12} {'blocks':>10} {'tokens':>12} "
-            f"{'concurrency' + (f' @{mml}' if mml else ''):>20}"
+            f"{'concurrency' + (f' @{max_model_len}' if max_model_len else ''):>20}"
         )
         for name in ("stock", "reserved"):
             b = budgets.get(name)
             if b is None:
                 out(f"{name:<12} {'unknown (needs the reserved increase)' if name == 'reserved' else 'unknown'}")
                 continue
-            conc = "-" if b["max_concurrency"] is None else f"{b['max_concurrency']:.2f}x"
+            concurrency = "-" if b["max_concurrency"] is None else f"{b['max_concurrency']:.2f}x"
             out(
                 f"{name:<12} {format_bytes(b['kv_cache_bytes']):>12} {format_count(b['num_blocks']):>10} "
-                f"{format_count(b['num_tokens']):>12} {conc:>20}"
+                f"{format_count(b['num_tokens']):>12} {concurrency:>20}"
             )
         if result.get("overcommit_bytes") is not None:
             over = result["overcommit_bytes"]

@@ -206,10 +206,11 @@ def _print_plan(result: dict[str, Any]) -> None:
         )
     decided = plan.get("decided")
     if decided:
-        conc = "-" if decided["max_concurrency"] is None else f"{decided['max_concurrency']:.2f}x"
+        concurrency = "-" if decided["max_concurrency"] is None else f"{decided['max_concurrency']:.2f}x"
         out(
             f"KV cache     {format_bytes(decided['kv_cache_bytes'])} = {format_count(decided['num_blocks'])} blocks "
-            f"= {format_count(decided['num_tokens'])} tokens; max concurrency {conc} at {result['max_model_len']}"
+            f"= {format_count(decided['num_tokens'])} tokens; "
+            f"max concurrency {concurrency} at {result['max_model_len']}"
         )
         reserved = (result.get("budgets") or {}).get("reserved")
         if reserved and reserved["kv_cache_bytes"] != decided["kv_cache_bytes"]:

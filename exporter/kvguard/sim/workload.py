@@ -201,12 +201,11 @@ def weight_tensors(shape: ModelShape) -> list[int]:
     """Bytes of each weight module one rank loads, in load order: norms, routers and biases in the model
     dtype, each linear as the checkpoint stores it (``shape.weight_format``: packed weights with their
     scales, zero points and ``g_idx``, or the model dtype for the modules left unquantized)."""
-    s = shape
-    d = s.dtype_bytes
-    h = s.hidden_size
-    fmt = s.weight_format
-    tp = s.tensor_parallel_size
-    vocab_shard = _vocab_shard(s)
+    dtype_bytes = shape.dtype_bytes
+    hidden = shape.hidden_size
+    fmt = shape.weight_format
+    tp = shape.tensor_parallel_size
+    vocab_shard = _vocab_shard(shape)
 
     def linear(
         name: str, k: int, n: int, layer: int = -1, partitions: int = 1, row: bool = False, count: int = 1
@@ -221,79 +220,99 @@ def weight_tensors(shape: ModelShape) -> list[int]:
             k * tp if row else k,
             row and tp > 1,
             layer,
-            s.num_layers,
-            max(1, s.num_heads // max(1, s.num_kv_heads)),
+            shape.num_layers,
+            max(1, shape.num_heads // max(1, shape.num_kv_heads)),
         )
-        return count * fmt.linear_bytes(module, d)
+        return count * fmt.linear_bytes(module, dtype_bytes)
 
     # GGUF quantizes the embedding too (gguf.py 0.11.0:60-70), a tied one as llama.cpp quantizes the output.
-    embedding = "lm_head" if s.tie_word_embeddings else "model.embed_tokens"
-    tensors = [linear(embedding, h, vocab_shard) if fmt.method == "gguf" else vocab_shard * h * d]
-    for layer in range(s.num_layers):
-        p = f"model.layers.{layer}."
-        tensors.append(h * d)  # input_layernorm
-        if s.is_mla:
-            qk = s.qk_nope_head_dim + s.qk_rope_head_dim
-            if s.q_lora_rank:
+    embedding = "lm_head" if shape.tie_word_embeddings else "model.embed_tokens"
+    tensors = [linear(embedding, hidden, vocab_shard) if fmt.method == "gguf" else vocab_shard * hidden * dtype_bytes]
+    for layer in range(shape.num_layers):
+        prefix = f"model.layers.{layer}."
+        tensors.append(hidden * dtype_bytes)  # input_layernorm
+        if shape.is_mla:
+            qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+            if shape.q_lora_rank:
                 tensors += [
-                    linear(p + "self_attn.q_a_proj", h, s.q_lora_rank, layer),
-                    s.q_lora_rank * d,
-                    linear(p + "self_attn.q_b_proj", s.q_lora_rank, s.num_heads * qk, layer),
+                    linear(prefix + "self_attn.q_a_proj", hidden, shape.q_lora_rank, layer),
+                    shape.q_lora_rank * dtype_bytes,
+                    linear(prefix + "self_attn.q_b_proj", shape.q_lora_rank, shape.num_heads * qk, layer),
                 ]
             else:
-                tensors.append(linear(p + "self_attn.q_proj", h, s.num_heads * qk, layer))
+                tensors.append(linear(prefix + "self_attn.q_proj", hidden, shape.num_heads * qk, layer))
             tensors += [
-                linear(p + "self_attn.kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, layer),
-                s.kv_lora_rank * d,
                 linear(
-                    p + "self_attn.kv_b_proj", s.kv_lora_rank, s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), layer
+                    prefix + "self_attn.kv_a_proj_with_mqa", hidden, shape.kv_lora_rank + shape.qk_rope_head_dim, layer
                 ),
-                linear(p + "self_attn.o_proj", s.num_heads * s.v_head_dim, h, layer, row=True),
+                shape.kv_lora_rank * dtype_bytes,
+                linear(
+                    prefix + "self_attn.kv_b_proj",
+                    shape.kv_lora_rank,
+                    shape.num_heads * (shape.qk_nope_head_dim + shape.v_head_dim),
+                    layer,
+                ),
+                linear(prefix + "self_attn.o_proj", shape.num_heads * shape.v_head_dim, hidden, layer, row=True),
             ]
         else:
-            qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+            qkv_out = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
             if fmt.method == "gguf":  # GGUF keeps q, k and v apart, each its own ggml type
                 tensors.append(
-                    linear(p + "self_attn.q_proj", h, s.num_heads * s.head_dim, layer)
-                    + linear(p + "self_attn.k_proj", h, s.num_kv_heads * s.head_dim, layer)
-                    + linear(p + "self_attn.v_proj", h, s.num_kv_heads * s.head_dim, layer)
+                    linear(prefix + "self_attn.q_proj", hidden, shape.num_heads * shape.head_dim, layer)
+                    + linear(prefix + "self_attn.k_proj", hidden, shape.num_kv_heads * shape.head_dim, layer)
+                    + linear(prefix + "self_attn.v_proj", hidden, shape.num_kv_heads * shape.head_dim, layer)
                 )
             else:
-                tensors.append(linear(p + "self_attn.qkv_proj", h, qkv_out, layer, partitions=3))
-            if s.qkv_bias:
-                tensors.append(qkv_out * d)
-            tensors.append(linear(p + "self_attn.o_proj", s.num_heads * s.head_dim, h, layer, row=True))
-        tensors.append(h * d)  # post_attention_layernorm
-        if s.is_moe_layer(layer):
-            tensors.append(s.num_experts * h * d)  # router (a ReplicatedLinear without quant_config)
+                tensors.append(linear(prefix + "self_attn.qkv_proj", hidden, qkv_out, layer, partitions=3))
+            if shape.qkv_bias:
+                tensors.append(qkv_out * dtype_bytes)
+            tensors.append(
+                linear(prefix + "self_attn.o_proj", shape.num_heads * shape.head_dim, hidden, layer, row=True)
+            )
+        tensors.append(hidden * dtype_bytes)  # post_attention_layernorm
+        if shape.is_moe_layer(layer):
+            tensors.append(shape.num_experts * hidden * dtype_bytes)  # router (a ReplicatedLinear without quant_config)
             tensors.append(
                 linear(
-                    p + "mlp.experts.gate_up_proj",
-                    h,
-                    2 * s.moe_intermediate_size,
+                    prefix + "mlp.experts.gate_up_proj",
+                    hidden,
+                    2 * shape.moe_intermediate_size,
                     layer,
                     partitions=2,
-                    count=s.num_experts,
+                    count=shape.num_experts,
                 )
             )
             tensors.append(
-                linear(p + "mlp.experts.down_proj", s.moe_intermediate_size, h, layer, row=True, count=s.num_experts)
+                linear(
+                    prefix + "mlp.experts.down_proj",
+                    shape.moe_intermediate_size,
+                    hidden,
+                    layer,
+                    row=True,
+                    count=shape.num_experts,
+                )
             )
-            if s.shared_intermediate_size:
+            if shape.shared_intermediate_size:
                 tensors += [
                     linear(
-                        p + "mlp.shared_experts.gate_up_proj", h, 2 * s.shared_intermediate_size, layer, partitions=2
+                        prefix + "mlp.shared_experts.gate_up_proj",
+                        hidden,
+                        2 * shape.shared_intermediate_size,
+                        layer,
+                        partitions=2,
                     ),
-                    linear(p + "mlp.shared_experts.down_proj", s.shared_intermediate_size, h, layer, row=True),
+                    linear(
+                        prefix + "mlp.shared_experts.down_proj", shape.shared_intermediate_size, hidden, layer, row=True
+                    ),
                 ]
         else:
             tensors += [
-                linear(p + "mlp.gate_up_proj", h, 2 * s.intermediate_size, layer, partitions=2),
-                linear(p + "mlp.down_proj", s.intermediate_size, h, layer, row=True),
+                linear(prefix + "mlp.gate_up_proj", hidden, 2 * shape.intermediate_size, layer, partitions=2),
+                linear(prefix + "mlp.down_proj", shape.intermediate_size, hidden, layer, row=True),
             ]
-    tensors.append(h * d)  # final norm
-    if not s.tie_word_embeddings:
-        tensors.append(linear("lm_head", h, vocab_shard))
+    tensors.append(hidden * dtype_bytes)  # final norm
+    if not shape.tie_word_embeddings:
+        tensors.append(linear("lm_head", hidden, vocab_shard))
     return tensors
 
 
@@ -329,29 +348,33 @@ def forward_chunks(
 ) -> tuple[list[Op], list[list[Op]], list[Op]]:
     """``forward_ops`` in three parts: the ops before the first decoder layer, each layer's ops, and the
     ops after the last one. Layers with the same ops are the same list (the simulator skips repeats by it)."""
-    s = shape
-    t = num_tokens
-    d = s.dtype_bytes
-    h = t * s.hidden_size * d
-    head: list[Op] = [("input_ids", t * 4), ("positions", t * 8), ("slot_mapping", t * 8), ("hidden", h)]
+    tokens = num_tokens
+    dtype_bytes = shape.dtype_bytes
+    hidden_bytes = tokens * shape.hidden_size * dtype_bytes
+    head: list[Op] = [
+        ("input_ids", tokens * 4),
+        ("positions", tokens * 8),
+        ("slot_mapping", tokens * 8),
+        ("hidden", hidden_bytes),
+    ]
     made: dict[tuple[bool, str], list[Op]] = {}
     layers: list[list[Op]] = []
     residual = "hidden"
-    for layer in range(s.num_layers):
-        kind = (s.is_moe_layer(layer), residual)
+    for layer in range(shape.num_layers):
+        kind = (shape.is_moe_layer(layer), residual)
         ops = made.get(kind)
         if ops is None:
-            ops = made[kind] = list(_layer_ops(s, t, gathered_kv_lens, *kind))
+            ops = made[kind] = list(_layer_ops(shape, tokens, gathered_kv_lens, *kind))
         layers.append(ops)
         residual = "res_b"
-    tail: list[Op] = [("norm", h), (residual, None)]
+    tail: list[Op] = [("norm", hidden_bytes), (residual, None)]
     if profile_sampler:
         # profile_run holds the model's output (the final norm's) and the last tokens' hidden states
         # (hidden_states[logit_indices], a copy) across the sampler run, and deletes them after it
         # (vllm/v1/worker/gpu_model_runner.py 0.11.0:3180, 3387-3402).
         tail += [
-            ("last_hidden", num_seqs * s.hidden_size * d),
-            *profile_sampler_ops(s, num_seqs),
+            ("last_hidden", num_seqs * shape.hidden_size * dtype_bytes),
+            *profile_sampler_ops(shape, num_seqs),
             ("last_hidden", None),
             ("norm", None),
         ]
@@ -360,9 +383,9 @@ def forward_chunks(
         # output, the copy and the logits are its locals until it returns (vllm/v1/worker/gpu_model_runner.py
         # 0.11.0:2330-2331, 2366); the sampled ids are read back (.tolist(), 2144) and dropped with them.
         tail += [
-            ("last_hidden", num_seqs * s.hidden_size * d),
-            *_logits_ops(s, num_seqs),
-            *sampler_ops(s, num_seqs, sampling),
+            ("last_hidden", num_seqs * shape.hidden_size * dtype_bytes),
+            *_logits_ops(shape, num_seqs),
+            *sampler_ops(shape, num_seqs, sampling),
             ("logits", None),
             ("last_hidden", None),
             ("norm", None),
@@ -396,20 +419,19 @@ def profile_sampler_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
 
 def _logits_ops(shape: ModelShape, num_seqs: int) -> list[Op]:
     """``compute_logits`` for ``num_seqs`` rows: leaves ``logits``, the whole vocabulary's, live."""
-    s = shape
-    n = num_seqs
-    d = s.dtype_bytes
-    vocab_shard = _vocab_shard(s)
-    if s.tensor_parallel_size == 1:
+    seqs = num_seqs
+    dtype_bytes = shape.dtype_bytes
+    vocab_shard = _vocab_shard(shape)
+    if shape.tensor_parallel_size == 1:
         # The LM head's output (logits_processor.py 0.11.0:90-92); one rank gathers nothing
         # (distributed/parallel_state.py 0.11.0:372).
-        return [("logits", n * vocab_shard * d)]
+        return [("logits", seqs * vocab_shard * dtype_bytes)]
     # V1 all-gathers the logits (logits_processor.py 0.11.0:69-77; platforms/interface.py 0.11.0:468-477):
     # into a [tp x n, shard] buffer, then movedim + reshape to [n, tp x shard], a copy
     # (distributed/device_communicators/base_device_communicator.py 0.11.0:137-153).
-    full = n * vocab_shard * s.tensor_parallel_size * d
+    full = seqs * vocab_shard * shape.tensor_parallel_size * dtype_bytes
     return [
-        ("logits_shard", n * vocab_shard * d),
+        ("logits_shard", seqs * vocab_shard * dtype_bytes),
         ("gathered", full),
         ("logits", full),
         ("gathered", None),
@@ -480,79 +502,84 @@ def sampler_ops(shape: ModelShape, num_seqs: int, batch: SamplingBatch) -> list[
     ]  # Sampler.forward returns
 
 
-def _layer_ops(s: ModelShape, t: int, gathered_kv_lens: tuple[int, ...], moe: bool, residual: str) -> Iterator[Op]:
+def _layer_ops(
+    shape: ModelShape, tokens: int, gathered_kv_lens: tuple[int, ...], moe: bool, residual: str
+) -> Iterator[Op]:
     """One decoder layer's ops over ``t`` tokens; it frees ``residual``, the previous layer's output."""
-    d = s.dtype_bytes
-    h = t * s.hidden_size * d
-    yield ("x", h)
-    if s.is_mla:
-        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
-        yield ("q", t * s.num_heads * qk * d)
-        yield ("kv_a", t * (s.kv_lora_rank + s.qk_rope_head_dim) * d)
+    dtype_bytes = shape.dtype_bytes
+    hidden_bytes = tokens * shape.hidden_size * dtype_bytes
+    yield ("x", hidden_bytes)
+    if shape.is_mla:
+        qk = shape.qk_nope_head_dim + shape.qk_rope_head_dim
+        yield ("q", tokens * shape.num_heads * qk * dtype_bytes)
+        yield ("kv_a", tokens * (shape.kv_lora_rank + shape.qk_rope_head_dim) * dtype_bytes)
         yield ("x", None)
-        yield ("kv_b", t * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim) * d)
-        gathered = [(f"kv{i}", n * (s.kv_lora_rank + s.qk_rope_head_dim) * d) for i, n in enumerate(gathered_kv_lens)]
+        yield ("kv_b", tokens * shape.num_heads * (shape.qk_nope_head_dim + shape.v_head_dim) * dtype_bytes)
+        gathered = [
+            (f"kv{i}", n * (shape.kv_lora_rank + shape.qk_rope_head_dim) * dtype_bytes)
+            for i, n in enumerate(gathered_kv_lens)
+        ]
         yield from gathered
-        yield ("attn", t * s.num_heads * s.v_head_dim * d)
+        yield ("attn", tokens * shape.num_heads * shape.v_head_dim * dtype_bytes)
         for key, _ in gathered:
             yield (key, None)
         yield ("q", None)
         yield ("kv_a", None)
         yield ("kv_b", None)
     else:
-        yield ("qkv", t * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim * d)
+        yield ("qkv", tokens * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim * dtype_bytes)
         yield ("x", None)
-        yield ("q_rot", t * s.num_heads * s.head_dim * d)
-        yield ("k_rot", t * s.num_kv_heads * s.head_dim * d)
+        yield ("q_rot", tokens * shape.num_heads * shape.head_dim * dtype_bytes)
+        yield ("k_rot", tokens * shape.num_kv_heads * shape.head_dim * dtype_bytes)
         gathered = []
         for i, n in enumerate(gathered_kv_lens):
-            size = n * s.num_kv_heads * s.head_dim * d
+            size = n * shape.num_kv_heads * shape.head_dim * dtype_bytes
             gathered += [(f"k{i}", size), (f"v{i}", size)]
         yield from gathered
-        yield ("attn", t * s.num_heads * s.head_dim * d)
+        yield ("attn", tokens * shape.num_heads * shape.head_dim * dtype_bytes)
         for key, _ in gathered:
             yield (key, None)
         yield ("q_rot", None)
         yield ("k_rot", None)
         yield ("qkv", None)
-    yield ("o", h)
+    yield ("o", hidden_bytes)
     yield ("attn", None)
-    yield ("res_a", h)
+    yield ("res_a", hidden_bytes)
     yield ("o", None)
     yield (residual, None)
-    yield ("x2", h)
+    yield ("x2", hidden_bytes)
     if moe:
-        k = s.experts_per_token
-        yield ("router", t * s.num_experts * 4)
-        yield ("topk_w", t * k * 4)
-        yield ("topk_ids", t * k * 4)
+        k = shape.experts_per_token
+        yield ("router", tokens * shape.num_experts * 4)
+        yield ("topk_w", tokens * k * 4)
+        yield ("topk_ids", tokens * k * 4)
         yield ("router", None)
-        yield ("cache1", t * k * 2 * s.moe_intermediate_size * d)
-        yield ("cache2", t * k * s.moe_intermediate_size * d)
+        yield ("cache1", tokens * k * 2 * shape.moe_intermediate_size * dtype_bytes)
+        yield ("cache2", tokens * k * shape.moe_intermediate_size * dtype_bytes)
         yield ("cache1", None)
-        yield ("cache3", t * k * s.hidden_size * d)
+        yield ("cache3", tokens * k * shape.hidden_size * dtype_bytes)
         yield ("cache2", None)
-        yield ("moe_out", h)
+        yield ("moe_out", hidden_bytes)
         yield ("cache3", None)
         yield ("topk_w", None)
         yield ("topk_ids", None)
-        if s.shared_intermediate_size:
-            yield ("gu", t * 2 * s.shared_intermediate_size * d)
-            yield ("act", t * s.shared_intermediate_size * d)
+        if shape.shared_intermediate_size:
+            yield ("gu", tokens * 2 * shape.shared_intermediate_size * dtype_bytes)
+            yield ("act", tokens * shape.shared_intermediate_size * dtype_bytes)
             yield ("gu", None)
-            yield ("down", h)
+            yield ("down", hidden_bytes)
             yield ("act", None)
             yield ("down", None)
         yield ("x2", None)
-        yield ("res_b", h)
+        yield ("res_b", hidden_bytes)
         yield ("moe_out", None)
     else:
-        yield ("gu", t * 2 * s.intermediate_size * d)
+        yield ("gu", tokens * 2 * shape.intermediate_size * dtype_bytes)
         yield ("x2", None)
-        yield ("act", t * s.intermediate_size * d)
+        yield ("act", tokens * shape.intermediate_size * dtype_bytes)
         yield ("gu", None)
-        yield ("down", h)
+        yield ("down", hidden_bytes)
         yield ("act", None)
-        yield ("res_b", h)
+        yield ("res_b", hidden_bytes)
         yield ("down", None)
     yield ("res_a", None)

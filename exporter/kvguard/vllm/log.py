@@ -123,8 +123,8 @@ class LogLineError(ValueError):
     """A budget line whose numbers cannot be taken (too long to be a real figure); one line."""
 
 
-V = eras.parse_version
-ALL = (V("0.0.0"), None)
+parse_version = eras.parse_version
+ALL = (parse_version("0.0.0"), None)
 
 
 @dataclass(frozen=True)
@@ -277,26 +277,26 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "model_loading",
         "Model loading took {weights_bytes:gib} GiB memory",
-        releases=(V("0.12.0"), None),
+        releases=(parse_version("0.12.0"), None),
         also=_decimals("weights_bytes", "weights"),
         cite="v1/worker/gpu_model_runner.py 0.14.0:3906; v1/worker/gpu/model_runner.py 0.34.0:442",
     ),
     LineKind(
         "model_loading",
         "Model loading took {weights_bytes:gib} GiB and",
-        releases=(V("0.8.5"), V("0.11.2")),
+        releases=(parse_version("0.8.5"), parse_version("0.11.2")),
         cite="v1/worker/gpu_model_runner.py 0.11.0:2653 '%.4f GiB and %.6f seconds'; real r05 (0.8.5.dev)",
     ),
     LineKind(
         "model_loading",
         "Model loading took {weights_bytes:gib} GB",
-        releases=(V("0.8.0"), V("0.10.1")),
+        releases=(parse_version("0.8.0"), parse_version("0.10.1")),
         cite="v1/worker/gpu_model_runner.py 0.8.x '%.4f GB and' (issue 19's posted 0.8 logs)",
     ),
     LineKind(
         "model_loading",
         "Loading model weights took {weights_bytes:gib} GB",
-        releases=(V("0.6.4"), V("0.8.4")),
+        releases=(parse_version("0.6.4"), parse_version("0.8.4")),
         cite="worker/model_runner.py 0.6.4:1077; V1 gpu_model_runner.py 0.7.1 (real r19); vllm-ascend "
         "model_runner_v1.py",
     ),
@@ -306,7 +306,7 @@ KINDS: tuple[LineKind, ...] = (
         "requested_memory",
         "Initial free memory: {init_free_memory_bytes:gib} GiB; Requested memory: "
         "{gpu_memory_utilization:float} (util), {requested_memory_bytes:gib} GiB",
-        releases=(V("0.9.1"), None),
+        releases=(parse_version("0.9.1"), None),
         also=_decimals("gpu_memory_utilization", "util"),
         cite="w 0.11.0:284-290, 0.14.0:347, 0.34.0:784",
     ),
@@ -314,7 +314,7 @@ KINDS: tuple[LineKind, ...] = (
         "kv_cache_memory_bytes",
         "Initial free memory {init_free_memory_bytes:gib} GiB, reserved {kv_cache_memory_bytes:gib}…"
         "memory for KV Cache as specified by kv_cache_memory_bytes config",
-        releases=(V("0.9.1"), None),
+        releases=(parse_version("0.9.1"), None),
         also=_kv_cache_memory_decided,
         cite="w 0.11.0:240-251, 0.14.0:299-312, 0.34.0:696-708",
     ),
@@ -322,7 +322,7 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "era_hint",
         "skipped memory profiling. This does does not respect",
-        releases=(V("0.9.1"), V("0.11.2")),
+        releases=(parse_version("0.9.1"), parse_version("0.11.2")),
         cite="w 0.11.0:240-251, 0.13.0:316-327",
     ),
     LineKind(
@@ -330,7 +330,7 @@ KINDS: tuple[LineKind, ...] = (
         "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
         "{peak_allocated_increase_bytes:gib}GiB; non-torch forward increase memory: "
         "{non_torch_increase_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
-        releases=(V("0.9.1"), V("0.26.0")),
+        releases=(parse_version("0.9.1"), parse_version("0.26.0")),
         cite="utils/__init__.py 0.11.0:2771-2779; mu 0.14.0:187-198",
     ),
     LineKind(
@@ -338,13 +338,13 @@ KINDS: tuple[LineKind, ...] = (
         "Total non KV cache memory: {non_kv_cache_bytes:gib}GiB; torch peak memory increase: "
         "{peak_allocated_increase_bytes:gib}GiB; total consumed (from mem_get_info): "
         "{total_consumed_bytes:gib}GiB; weights memory: {weights_bytes:gib}GiB",
-        releases=(V("0.27.0"), None),
+        releases=(parse_version("0.27.0"), None),
         cite="mu 0.27.0:220-231, 0.34.0:231-242",
     ),
     LineKind(
         "init_snapshot",
         "worker init memory snapshot: …free_memory={_snapshot_free:gib}GiB, total_memory={total_memory_bytes:gib}GiB",
-        releases=(V("0.14.0"), None),
+        releases=(parse_version("0.14.0"), None),
         cite="w 0.14.0:235; mu 0.14.0:91-102 MemorySnapshot.__repr__",
     ),
     LineKind(
@@ -352,7 +352,7 @@ KINDS: tuple[LineKind, ...] = (
         "CUDA graph memory profiling is enabled (default since v0.21.0). The current "
         "--gpu-memory-utilization={_cudagraph_util:float} is equivalent to --gpu-memory-utilization="
         "{_cudagraph_equiv:float} without",
-        releases=(V("0.20.0"), None),
+        releases=(parse_version("0.20.0"), None),
         cite="w 0.20.0:445-468, 0.27.0:568-591, 0.34.0:800-820",
         also=_cudagraph_utilization,
     ),
@@ -370,7 +370,7 @@ KINDS: tuple[LineKind, ...] = (
         "CUDA graph memory profiling is enabled (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1)."
         "…The current --gpu-memory-utilization={_cudagraph_util:float} is equivalent to "
         "--gpu-memory-utilization={_cudagraph_equiv:float} without",
-        releases=(V("0.18.0"), V("0.19.1")),
+        releases=(parse_version("0.18.0"), parse_version("0.19.1")),
         cite="w 0.18.0:472-484, 0.19.0:453",
     ),
     # The estimate measured but not applied: 0.18/0.19's notice of the coming default, and from 0.20 the
@@ -378,14 +378,14 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "cudagraph_off",
         "In v0.19, CUDA graph memory profiling will be enabled by default…from {_cudagraph_util_off:float} to",
-        releases=(V("0.18.0"), V("0.18.99")),
+        releases=(parse_version("0.18.0"), parse_version("0.18.99")),
         also=_cudagraph_off,
         cite="w 0.18.0 (issue 19's quote: '… from 0.8200 to 0.8283'; no 0.18 wheel here)",
     ),
     LineKind(
         "cudagraph_off",
         "CUDA graph memory profiling is disabled…--gpu-memory-utilization from {_cudagraph_util_off:float} to",
-        releases=(V("0.18.0"), None),
+        releases=(parse_version("0.18.0"), None),
         also=_cudagraph_off,
         cite="w 0.20.0:472-480, 0.27.0:595-603, 0.34.0:829",
     ),
@@ -393,14 +393,14 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "cudagraph_estimate",
         "Estimated CUDA graph memory: {cudagraph_estimate_bytes:gib} GiB total",
-        releases=(V("0.18.0"), None),
+        releases=(parse_version("0.18.0"), None),
         cite="v1/worker/gpu_model_runner.py 0.20.0:5963-6045; w 0.18.0:384-399",
     ),
     LineKind(
         "cudagraph_pool",
         "CUDA graph pool memory: {cudagraph_actual_bytes:gib} GiB (actual), "
         "{cudagraph_estimate_bytes:gib} GiB (estimated)",
-        releases=(V("0.18.0"), None),
+        releases=(parse_version("0.18.0"), None),
         cite="w 0.20.0:600, 0.27.0:727, 0.34.0:1113",
     ),
     LineKind(
@@ -435,13 +435,13 @@ KINDS: tuple[LineKind, ...] = (
         "Memory after warmup: … GiB free, … GiB committed to the KV cache, … GiB kept for transient "
         "activations (… GiB allocated at peak, … GiB of torch reservation growth); {_warmup_blocks:int} "
         "KV cache blocks ({_warmup_kv:gib} GiB) fit within the requested ",
-        releases=(V("0.34.0"), None),
+        releases=(parse_version("0.34.0"), None),
         cite="v1/worker/extensible_kv_cache.py 0.34.0:693-709",
     ),
     LineKind(
         "extended_kv_cache",
         "Extended KV cache to {num_gpu_blocks:int} blocks ({_extended_kv:gib} GiB)",
-        releases=(V("0.34.0"), None),
+        releases=(parse_version("0.34.0"), None),
         cite="v1/worker/extensible_kv_cache.py 0.34.0:536-540",
     ),
     # The end-of-startup summary (compile_or_warm_up_model), read whole: its first part states the device and
@@ -458,7 +458,7 @@ KINDS: tuple[LineKind, ...] = (
         "Actual usage is {weights_bytes:gib} GiB for weight, {peak_activation_bytes:gib} GiB "
         "for peak activation, {non_torch_memory_bytes:gib} GiB for non-torch memory, and "
         "{cudagraph_actual_bytes:gib} GiB for CUDAGraph memory",
-        releases=(ALL[0], V("0.26.0")),
+        releases=(ALL[0], parse_version("0.26.0")),
         cite="w 0.11.0:379-382, 0.20.0:648",
     ),
     LineKind(
@@ -466,7 +466,7 @@ KINDS: tuple[LineKind, ...] = (
         "Actual usage is {total_consumed_bytes:gib} GiB for consumed memory (weights + "
         "non-torch), {peak_activation_bytes:gib} GiB for peak activation, and {cudagraph_actual_bytes:gib} GiB "
         "for CUDAGraph memory",
-        releases=(V("0.27.0"), None),
+        releases=(parse_version("0.27.0"), None),
         cite="w 0.27.0:774-777, 0.34.0:1160-1163",
     ),
     LineKind(
@@ -489,7 +489,7 @@ KINDS: tuple[LineKind, ...] = (
         "Free memory on device (…{init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) on "
         "startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
         "{requested_memory_bytes:gib} GiB)",
-        releases=(V("0.9.1"), V("0.13.0")),
+        releases=(parse_version("0.9.1"), parse_version("0.13.0")),
         also=_refusal("free_memory"),
         cite="w 0.11.0:186-194, 0.12.0:240-246, 0.13.0:248-254 (no device name; 0.14 names it)",
     ),
@@ -498,7 +498,7 @@ KINDS: tuple[LineKind, ...] = (
         "Free memory on device cuda:…({init_free_memory_bytes:gib}/{total_memory_bytes:gib} GiB) "
         "on startup is less than desired GPU memory utilization ({gpu_memory_utilization:float}, "
         "{requested_memory_bytes:gib} GiB)",
-        releases=(V("0.14.0"), None),
+        releases=(parse_version("0.14.0"), None),
         also=_refusal("free_memory"),
         cite="wu 0.14.0:262-268, 0.34.0:789-796 'Free memory on device {device_}'",
     ),
@@ -527,7 +527,7 @@ KINDS: tuple[LineKind, ...] = (
         "refusal_seq_len",
         "The model's max seq len ({max_model_len:int}) is larger than the maximum number of "
         "tokens that can be stored in KV cache ({kv_cache_tokens:int})",
-        releases=(V("0.6.4"), V("0.8.4")),
+        releases=(parse_version("0.6.4"), parse_version("0.8.4")),
         also=_refusal("max_seq_len"),
         cite="worker/worker.py 0.6.4 raise_if_cache_size_invalid",
     ),
@@ -536,7 +536,7 @@ KINDS: tuple[LineKind, ...] = (
         "To serve at least one request with the models's max seq len ({max_model_len:int}), "
         "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
         "memory ({_available_refused:gib} GiB)",
-        releases=(V("0.8.0"), V("0.26.0")),
+        releases=(parse_version("0.8.0"), parse_version("0.26.0")),
         also=_refusal("max_seq_len"),
         cite="v1/core/kv_cache_utils.py 0.11.0:716-720, 0.20.0:715-718",
     ),
@@ -545,7 +545,7 @@ KINDS: tuple[LineKind, ...] = (
         "To serve at least one request with the model's max seq len ({max_model_len:int}), "
         "({needed_kv_cache_bytes:gib} GiB KV cache is needed, which is larger than the available KV cache "
         "memory ({_available_refused:gib} GiB)",
-        releases=(V("0.27.0"), None),
+        releases=(parse_version("0.27.0"), None),
         also=_refusal("max_seq_len"),
         cite="v1/core/kv_cache_utils.py 0.27.0:779-782; kv_cache_planning.py 0.34.0:125-128",
     ),
@@ -554,21 +554,21 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "refusal_seq_len_v1",
         "To serve at least one request with the models's max seq len ({max_model_len:int})",
-        releases=(V("0.8.0"), V("0.26.0")),
+        releases=(parse_version("0.8.0"), parse_version("0.26.0")),
         also=_refusal("max_seq_len"),
         cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.20.0:715 (the message's start)",
     ),
     LineKind(
         "refusal_seq_len_v1",
         "To serve at least one request with the model's max seq len ({max_model_len:int})",
-        releases=(V("0.27.0"), None),
+        releases=(parse_version("0.27.0"), None),
         also=_refusal("max_seq_len"),
         cite="v1/core/kv_cache_utils.py 0.27.0:779; kv_cache_planning.py 0.34.0:125 (the message's start)",
     ),
     LineKind(
         "refusal_seq_len_v1",
         "To serve at least one request with the model…max seq len ({max_model_len:int})",
-        releases=(V("0.8.0"), None),
+        releases=(parse_version("0.8.0"), None),
         also=_refusal("max_seq_len"),
         cite="v1/core/kv_cache_utils.py 0.11.0:716, 0.27.0:779 (the message's start)",
     ),
@@ -620,13 +620,13 @@ KINDS: tuple[LineKind, ...] = (
         "v0_can_use",
         "can use total_gpu_memory ({total_memory_bytes:gib}GiB) x gpu_memory_utilization "
         "({gpu_memory_utilization:float})",
-        releases=(V("0.6.6"), V("0.8.4")),
+        releases=(parse_version("0.6.6"), parse_version("0.8.4")),
         cite="worker/worker.py 0.7.0 determine_num_available_blocks",
     ),
     LineKind(
         "v0_requested",
         "x gpu_memory_utilization ({_v0_util:float}) = {requested_memory_bytes:gib}GiB",
-        releases=(V("0.6.6"), V("0.8.4")),
+        releases=(parse_version("0.6.6"), parse_version("0.8.4")),
         cite="worker/worker.py 0.7.0",
     ),
     LineKind(
@@ -634,12 +634,17 @@ KINDS: tuple[LineKind, ...] = (
         "model weights take {weights_bytes:gib}GiB; non_torch_memory takes {non_torch_increase_bytes:gib}GiB; "
         "PyTorch activation peak memory takes {peak_allocated_increase_bytes:gib}GiB; the rest of the memory "
         "reserved for KV Cache is {_available_profiled:gib}GiB",
-        releases=(V("0.6.6"), V("0.8.4")),
+        releases=(parse_version("0.6.6"), parse_version("0.8.4")),
         cite="worker/worker.py 0.7.0",
     ),
     # 0.6.5's "Memory profiling results:" table, one figure a line (PR #10511, real r01/r38).
     *(
-        LineKind("v0_table", f"] {figure}$", releases=(V("0.6.5"), V("0.6.5")), cite="worker/worker.py 0.6.5:243")
+        LineKind(
+            "v0_table",
+            f"] {figure}$",
+            releases=(parse_version("0.6.5"), parse_version("0.6.5")),
+            cite="worker/worker.py 0.6.5:243",
+        )
         for figure in (
             "total_gpu_memory {total_memory_bytes:gib}GiB",
             "gpu_memory_utilization {gpu_memory_utilization:float}",
@@ -655,7 +660,7 @@ KINDS: tuple[LineKind, ...] = (
         "Memory profiling results: total_gpu_memory={total_memory_bytes:gib}GiB…peak_torch_memory="
         "{peak_torch_memory_bytes:gib}GiB…non_torch_memory={non_torch_increase_bytes:gib}GiB kv_cache_size="
         "{_available_profiled:gib}GiB gpu_memory_utilization={gpu_memory_utilization:float}",
-        releases=(V("0.6.4"), V("0.6.4")),
+        releases=(parse_version("0.6.4"), parse_version("0.6.4")),
         cite="worker/worker.py 0.6.4:232-243",
     ),
     # "# GPU blocks: %d, # CPU blocks: %d"; later "# %s blocks" with the device name (cuda, CUDA, npu, …).
@@ -663,14 +668,14 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "v0_blocks",
         "GPU blocks: {num_gpu_blocks:int}",
-        releases=(V("0.6.4"), V("0.8.4")),
+        releases=(parse_version("0.6.4"), parse_version("0.8.4")),
         cite="executor/gpu_executor.py 0.6.4:113; v1/core/kv_cache_utils.py 0.7.1:395 (real r19)",
     ),
     *(
         LineKind(
             "v0_blocks",
             f"{device} blocks: {{num_gpu_blocks:int}}",
-            releases=(V("0.6.4"), V("0.8.4")),
+            releases=(parse_version("0.6.4"), parse_version("0.8.4")),
             cite="executor/executor_base.py 0.7.0:110 '# %s blocks'",
         )
         for device in ("cuda", "CUDA")
@@ -678,7 +683,7 @@ KINDS: tuple[LineKind, ...] = (
     LineKind(
         "v0_blocks",
         "npu blocks: {num_gpu_blocks:int}",
-        releases=(V("0.6.4"), V("0.8.4")),
+        releases=(parse_version("0.6.4"), parse_version("0.8.4")),
         cite="executor/executor_base.py 0.8.5:112 on vllm-ascend (real r20)",
     ),
     # vllm-ascend's NPUWorker (worker_v1.py), absolute bytes.
@@ -1436,7 +1441,7 @@ class _Line:
         if self._banner is _UNSEEN:
             line = self.line
             match = _BANNER.search(line) or (_LOGO_VERSION.search(line) if "\u2580\u2584\u2580" in line else None)
-            self._banner = V(match.group(1)) if match else None
+            self._banner = parse_version(match.group(1)) if match else None
         return self._banner
 
     def prefixed(self) -> bool:
@@ -1661,7 +1666,7 @@ def _rows_of_releases(rows: list[eras.Era], releases: Iterable[str | tuple[int, 
     """The rows (of one project, oldest first) that hold one of ``releases``: a row runs from its first
     release up to the next row's first; the newest row, where it is closed, up to its last minor release
     (a vLLM release with no plugin release of its number yet is none of them)."""
-    found = [V(r) if isinstance(r, str) else r for r in releases]
+    found = [parse_version(r) if isinstance(r, str) else r for r in releases]
     kept = []
     for index, era in enumerate(rows):
         end = rows[index + 1].first if index + 1 < len(rows) else None
@@ -1722,7 +1727,7 @@ def _candidates(
         if plugin is not None:
             return plugin[0], f"no startup memory line; {plugin[1]}"
         return [], "no startup memory line"
-    lo, hi = V("0.0.0"), None
+    lo, hi = parse_version("0.0.0"), None
     bounds: list[tuple[str, tuple[int, ...], tuple[int, ...] | None]] = []
     for kind in seen:
         if kind.project or kind.releases == ALL:
@@ -1731,23 +1736,33 @@ def _candidates(
     util = decimals.get("util")
     if util is not None:
         # "%.2f (util)" up to 0.13, "%f (util)" (six decimals) from 0.14 (w 0.11.0:284-290, 0.14.0:347).
-        bounds.append(("the utilization's digits", *((ALL[0], V("0.13.0")) if util == 2 else (V("0.14.0"), None))))
+        bounds.append(
+            (
+                "the utilization's digits",
+                *((ALL[0], parse_version("0.13.0")) if util == 2 else (parse_version("0.14.0"), None)),
+            )
+        )
     weights = decimals.get("weights")
     if weights is not None:
         # "%.4f" up to 0.13, format_gib (round to 2) from 0.14 (gpu_model_runner.py 0.14.0:3906).
-        bounds.append(("the weights' digits", *((ALL[0], V("0.13.0")) if weights == 4 else (V("0.14.0"), None))))
+        bounds.append(
+            (
+                "the weights' digits",
+                *((ALL[0], parse_version("0.13.0")) if weights == 4 else (parse_version("0.14.0"), None)),
+            )
+        )
     if decimals.get("available", 2) < 2:
         # "%.2f" up to 0.13 always prints two; format_gib (round to 2, "%s") from 0.14 drops trailing zeros.
-        bounds.append(("the KV cache figure's digits", V("0.14.0"), None))
+        bounds.append(("the KV cache figure's digits", parse_version("0.14.0"), None))
     if hints["engine_core"]:
         # The engine process is "EngineCore_DP<n>" through 0.14 (v1/engine/utils.py 0.11.0:119, 0.14.0:122),
         # "EngineCore" without data parallelism by 0.20 (0.20.0:145, 0.34.0:289).
-        bounds.append(("the process name EngineCore", V("0.14.1"), None))
+        bounds.append(("the process name EngineCore", parse_version("0.14.1"), None))
     tags = hints["tags"]
     if tags == {True}:
-        bounds.append(("[file:line] tags", V("0.8.0"), None))
+        bounds.append(("[file:line] tags", parse_version("0.8.0"), None))
     elif tags == {False}:
-        bounds.append(("file:line] tags", ALL[0], V("0.7.3")))
+        bounds.append(("file:line] tags", ALL[0], parse_version("0.7.3")))
     for name, first, last in bounds:
         lo = max(lo, first)
         hi = last if hi is None else (hi if last is None else min(hi, last))
@@ -1757,7 +1772,7 @@ def _candidates(
         before_0_5 = ""
         if project == "vllm-mindspore" and any(k.name == "platform_plugin" for k in seen):
             # It names its platform plugin ('-> vllm_mindspore:'), which 0.5 no longer has: the rows before 0.5.
-            rows = [e for e in rows if e.last is not None and e.last < V("0.5.0")]
+            rows = [e for e in rows if e.last is not None and e.last < parse_version("0.5.0")]
             before_0_5 = "vllm-mindspore before 0.5 (it names its platform plugin, which 0.5 no longer has): "
         # vllm-ascend's own lines are a 310P's too (NPUWorker310 is an NPUWorker).
         own = (None, project, "vllm-ascend") if project == "vllm-ascend-310p" else (None, project)
@@ -1793,7 +1808,11 @@ def _candidates(
     # wording outranks a development build's line numbers).
     fitted = source_index.fit(hints["source_tags"], hints["frames"], hints["logged_on"], hints["wordings"])
     if fitted is not None:
-        inside = [V(r) for r in fitted.releases if lo <= V(r) and (hi is None or V(r) <= hi)]
+        inside = [
+            parse_version(r)
+            for r in fitted.releases
+            if lo <= parse_version(r) and (hi is None or parse_version(r) <= hi)
+        ]
         kept = [era.name for era, end in spans if any(era.first <= r and (end is None or r < end) for r in inside)]
         if kept:
             names = kept
