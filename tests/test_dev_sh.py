@@ -87,6 +87,7 @@ def test_dev_sh_test_says_what_it_does_from_its_first_second(tmp_path):
         "vLLM release environments",
         "MindSpore",
         "torch_npu",
+        "gate",
         "setup done",
     ):
         assert any(words in step for step in steps), (words, steps)
