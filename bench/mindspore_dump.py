@@ -1,5 +1,5 @@
 """Exact mode on MindSpore: what the dump costs per step, and what the guard's credit is worth against the
-truth of MindSpore's compiled pool (oracles/mindspore, built by ./dev.sh test).
+truth of MindSpore's compiled pool (tests/upstream/oracles/mindspore, built by ./dev.sh test).
 
     .venv/bin/python bench/mindspore_dump.py [--release 2.7.1] [--every 100] [--repeat 5]
 

@@ -364,7 +364,7 @@ def kv_lines(rows: list[dict]) -> list[str]:
 
 
 # The seed's two published runs (vllm-mindspore 0.2.0, 64 GB 910B): (GiB, blocks) per formula. Its commands:
-# tests/test_plan_seed.py (SEED_QWEN; test_plan.py's SEED_DSV3 and DEEPSEEK_V3).
+# tests/plan/test_plan_seed.py (SEED_QWEN; test_plan.py's SEED_DSV3 and DEEPSEEK_V3).
 SEED_PUBLISHED = {
     "Qwen2.5-7B-Instruct TP1": {"stock": (37.85, 44292), "reserved": (36.40, 42593)},
     "DeepSeek-V3 TP16": {"stock": (9.13, 8719), "reserved": (8.54, 8150)},

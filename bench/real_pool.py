@@ -7,7 +7,7 @@ out of memory, and where. For a MindSpore run that outcome is taken from the rea
    empty_cache, the jit_level O0 compile that clears task sink, the model's state after each op,
    and the op count at the end of each phase and serving step);
 2. the recorded stream is replayed through the real ``DefaultAscendMemoryPool`` of that release
-   (``oracles/mindspore/``, built by ./dev.sh test) on a fake device with the free memory the
+   (``tests/upstream/oracles/mindspore/``, built by ./dev.sh test) on a fake device with the free memory the
    run's pool started with, under the run's VMM setting;
 3. the real pool's first out-of-memory op, mapped back to its phase and serving step, is the run's
    outcome. The guard itself still saw only the model's ``memory_stats()`` keys, as on a real rank.
@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    "mindspore_oracle_client", os.path.join(ROOT, "oracles", "mindspore", "client.py")
+    "mindspore_oracle_client", os.path.join(ROOT, "tests", "upstream", "oracles", "mindspore", "client.py")
 )
 oracle_client = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle_client)

@@ -10,7 +10,7 @@ max_model_len/2 or more), 16 requests, under the seed era's launcher (vllm-minds
 MS_ALLOC_CONF, so VMM on as MindSpore defaults on a 910B) and with VMM off, on a 32 GiB 910B4 and a
 64 GiB 910B, stock and reserved budgets, seeds 0..N-1.
 
-The seed era pinned MindSpore 2.6.0's pool, which the oracle cannot load (oracles/mindspore/README.md);
+The seed era pinned MindSpore 2.6.0's pool, which the oracle cannot load (tests/upstream/oracles/mindspore/README.md);
 the runs use the oldest release whose compiled pool runs here (2.7.0) and the launcher's pin today
 (2.7.1). Each run's outcome comes from the real pool replaying the run's allocation stream
 (bench/real_pool.py); "exact" says the model agreed with it at every op.

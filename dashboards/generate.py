@@ -6,7 +6,7 @@
 
 The metric names are the contract of docs/metrics.md. Every query filters on the dashboard's
 variables; `$__rate_interval` is the range of every rate. The rules the dashboard is held to
-(grafana/dashboard-linter's) are tests in tests/test_dashboard_lint.py.
+(grafana/dashboard-linter's) are tests in tests/deploy/test_dashboard_lint.py.
 """
 
 from __future__ import annotations

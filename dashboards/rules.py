@@ -37,7 +37,7 @@ Two outputs come from the table:
                                                kvguard-joins: the device joins). The chart's
                                                templates/_prometheusrule.tpl fills them from
                                                .Values.prometheusRule, whose defaults mirror DEFAULTS
-                                               (tests/test_rules_generate.py holds them equal, and
+                                               (tests/deploy/test_rules_generate.py holds them equal, and
                                                `helm template` equal to this generator for a
                                                non-default config).
 """
@@ -469,7 +469,7 @@ namespace_engine rules, which must be loaded too.""",
 kvguard's series joined to dcgm-exporter's and Huawei npu-exporter's on the device identity labels
 (device_uuid, pci_bus_id; docs/metrics.md "Joining other exporters"). Off in the chart unless
 prometheusRule.deviceJoins.enabled; tested by dashboards/tests/kvguard-joins.test.yaml and, against a
-real Prometheus scraping kvguard beside both exporters' expositions, tests/test_device_joins_e2e.py.
+real Prometheus scraping kvguard beside both exporters' expositions, tests/deploy/test_device_joins_e2e.py.
 Their selectors are config: jobSelector on kvguard's series, deviceJoins.dcgmExporterSelector and
 deviceJoins.npuExporterSelector on the exporters' (empty by default: any job).
 
@@ -504,7 +504,7 @@ many-to-many match that fails the whole rule: they drop out of the join instead.
 # state (the pod whose /guard says why). Prometheus' template functions query, first and label
 # (template_reference.md, "Queries"; every rank the guard judges exports kvguard_guard_severity). Annotations
 # are templates in Prometheus and promtool alike, so dashboards/tests checks the URLs it makes, and
-# tests/test_runbook_links.py fetches them from a real Prometheus. No `|`, so it fits a markdown table cell.
+# tests/deploy/test_runbook_links.py fetches them from a real Prometheus. No `|`, so it fits a markdown table cell.
 RUNBOOK_LABEL = "kvguard_runbook_url"
 RUNBOOK_URL = (
     "{{ with $externalLabels." + RUNBOOK_LABEL + " }}{{ . }}{{ else }}http://{{ if $labels.instance }}"

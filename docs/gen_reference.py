@@ -226,7 +226,7 @@ def cli_page() -> str:
 
 def _quantities_table(main) -> list[str]:
     """Every option that takes a unit (SIZE, BYTES|SIZE, TOKENS, a ratio), by flag: its unit and the commands
-    that take it. One quantity has one flag (tests/test_cli_conventions.py checks it)."""
+    that take it. One quantity has one flag (tests/cli/test_cli_conventions.py checks it)."""
     import click
 
     by_flag: dict[str, tuple[str, list[str]]] = {}

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 DATA = os.path.join(ROOT, "tests", "data")
 EXAMPLES = os.path.join(ROOT, "exporter", "kvguard", "examples")
 
@@ -11,11 +12,21 @@ EXAMPLES = os.path.join(ROOT, "exporter", "kvguard", "examples")
 # `python -m kvguard` subprocesses they start (they inherit PYTHONPATH).
 EXPORTER = os.path.join(ROOT, "exporter")
 sys.path.insert(0, EXPORTER)
+# The tests' shared helpers (tests/support: fixtures, the monitoring stack, fakes) are importable by name from
+# every folder, and so are the real-upstream harnesses (tests/upstream).
+SUPPORT = os.path.join(TESTS, "support")
+UPSTREAM = os.path.join(TESTS, "upstream")
+sys.path[1:1] = [SUPPORT, UPSTREAM]
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != EXPORTER:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [EXPORTER, os.environ.get("PYTHONPATH")]))
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "upstream: runs real upstream code (vLLM, vllm-ascend and vllm-mindspore wheels, MindSpore's runtime, the "
+        "compiled allocator oracles); every test under tests/upstream has it. -m 'not upstream' is the fast run",
+    )
     config.addinivalue_line(
         "markers",
         "shared_data(path, source): the test reads a file of ../shared (fetched "
@@ -62,3 +73,9 @@ def serve(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.commonpath([str(item.path), UPSTREAM]) == UPSTREAM:
+            item.add_marker(pytest.mark.upstream)

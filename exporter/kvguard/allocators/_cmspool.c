@@ -4,7 +4,8 @@
  * _BufAllocator); its docstrings cite the upstream functions and lines, and the release switches
  * come from kvguard/allocators/mindspore_releases.py. This file is a second implementation of the
  * same rules with C-level buffers and keys, held equal to the model op by op by
- * tests/test_alloc_native_mindspore.py and to MindSpore's compiled pool by tests/test_oracle_mindspore.py.
+ * tests/allocators/test_alloc_native_mindspore.py and to MindSpore's compiled pool by
+ * tests/upstream/test_oracle_mindspore.py.
  *
  * The type here is a base class: kvguard/allocators/mindspore_native.py (NativeDynamicMemPool) decodes
  * the release row, and keeps in Python what runs once per block expansion (block_alloc_size, which
@@ -18,7 +19,7 @@
 #include <structmember.h>
 
 /* Constants shared with mindspore_pool.py and mindspore_native.py are exported as module attributes
- * (SHARED_CONSTANTS below); tests/test_c_engines.py holds them equal to the Python side. */
+ * (SHARED_CONSTANTS below); tests/allocators/test_c_engines.py holds them equal to the Python side. */
 enum { IDLE = 0, USED = 1, EAGER_FREE = 2 };
 
 #define SPLIT_MIN_BYTES 512            /* mindspore_pool.K_ALIGN: a remainder this large is split off */

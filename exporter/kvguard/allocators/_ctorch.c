@@ -4,8 +4,8 @@
  * specification: its docstrings cite the upstream functions and lines each rule follows. This file
  * keeps the model's order of operations step for step, so that every address, out-of-memory error,
  * counter, peak and device call comes out as the model's. torch_native.py wraps it
- * (NativeCachingAllocator); tests/test_alloc_native_torch.py holds the two equal, and
- * tests/test_oracle_torch_npu.py runs it against torch_npu's compiled allocator.
+ * (NativeCachingAllocator); tests/allocators/test_alloc_native_torch.py holds the two equal, and
+ * tests/upstream/test_oracle_torch_npu.py runs it against torch_npu's compiled allocator.
  *
  * Data layout: blocks are C structs from a slab pool; free blocks per pool are a treap ordered by
  * (stream, size, address) (the model's packed sort key), unmapped blocks per pool a treap ordered by
@@ -24,7 +24,7 @@
 #include "_engine.h"
 
 /* Constants shared with torch_alloc.py (and torch_native.py) are exported as module attributes
- * (SHARED_CONSTANTS below); tests/test_c_engines.py holds them equal to the Python side. */
+ * (SHARED_CONSTANTS below); tests/allocators/test_c_engines.py holds them equal to the Python side. */
 #define K_MIN_BLOCK_SIZE 512ULL
 #define K_SMALL_SIZE (1ULL << 20)
 #define K_SMALL_BUFFER (2ULL << 20)

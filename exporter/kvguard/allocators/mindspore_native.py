@@ -3,7 +3,8 @@
 
 ``NativeDynamicMemPool`` takes the same arguments and answers the same calls, with the same
 addresses, out-of-memory errors and statistics after every operation
-(``tests/test_alloc_native_mindspore.py`` compares the two op by op; ``tests/test_oracle_mindspore.py``
+(``tests/allocators/test_alloc_native_mindspore.py`` compares the two op by op;
+``tests/upstream/test_oracle_mindspore.py``
 runs it against MindSpore's compiled pool). The buffers, blocks, free lists and counters live in
 ``_cmspool.c``; ``malloc`` and ``free`` are its C methods. What runs once per block expansion
 (``block_alloc_size``) and what reads the pool for people (``memory_stats``, peaks, steady cells) are

@@ -5,8 +5,8 @@ Follows ``AbstractDynamicMemPool`` / ``MemBufAllocator`` and
 releases are the switches of a :class:`~kvguard.allocators.mindspore_releases.MindSporeRelease` row,
 each cited there (file:line @ tag in ``mindspore-ai/mindspore_test``). One stream.
 
-Checked against the real thing: ``tests/test_oracle_mindspore.py`` replays op streams through
-MindSpore 2.7.0-2.10.0's compiled pool (``oracles/mindspore/``, the PyPI wheels on a fake ACL
+Checked against the real thing: ``tests/upstream/test_oracle_mindspore.py`` replays op streams through
+MindSpore 2.7.0-2.10.0's compiled pool (``tests/upstream/oracles/mindspore/``, the PyPI wheels on a fake ACL
 device) and this model, and they agree after every op (reserved, allocated, peaks, out-of-memory,
 addresses, idle and eager-free bytes, block sizes), with VMM on and off, task sink on and off,
 near the memory limit and far from it. For 2.4-2.6, which no wheel here loads, the rules rest on

@@ -15,7 +15,7 @@ The format is JSON lines, one op a line (``kvguard simulate --ops FILE``)::
 - ``empty_cache``: the allocator's ``empty_cache()``.
 
 Blank lines are not ops. Unknown ops or keys are refused, so a typo (``"sz"``) is an error,
-not a silent 0. The same file drives the real allocators in ``oracles/`` and the models
+not a silent 0. The same file drives the real allocators in ``tests/upstream/oracles/`` and the models
 here, which is what makes a step-by-step comparison possible.
 """
 

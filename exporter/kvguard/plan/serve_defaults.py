@@ -6,9 +6,9 @@ memory and name, ``max_model_len``, and (from 0.10.1) the other one as finally s
 defaulted value is clamped, a given one never. Each row of :data:`SERVE_DEFAULTS` is the rule from its ``first``
 release until the next row, with the upstream file:line it follows (the first and last release it was read
 in). Paths are inside the release's wheel; "a" is ``vllm/engine/arg_utils.py``, "c" ``vllm/config.py``.
-Every vLLM release from 0.6.4 to 0.34.0 was read; tests/test_plan_serve_defaults.py runs the releases' own
+Every vLLM release from 0.6.4 to 0.34.0 was read; tests/plan/test_plan_serve_defaults.py runs the releases' own
 default-setting code (excerpts in ../shared/vllm-serve-defaults/, not committed; built by
-oracles/vllm_sources/serve_defaults.py) against this table.
+tests/upstream/oracles/vllm_sources/serve_defaults.py) against this table.
 
 Not modelled: TPU and CPU platforms' numbers, pooling and multimodal models' floors (V0's 32768 / 5120-token
 floors, 0.22's multimodal prefix-LM floor), 0.20's batched data-parallel MoE default,

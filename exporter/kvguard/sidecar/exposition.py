@@ -13,7 +13,7 @@ labels sorted by name; counters as ``NAME_total`` in HELP and TYPE, line 322) an
 ``openmetrics/exposition.py`` generate_latest (line 58: HELP escaped as label values, TYPE by
 family name, ``# EOF``); label values escaped as ``_escape`` does for allow-utf-8 (line 219);
 values by ``utils.floatToGoString`` itself. Anything else (another escaping scheme, a
-histogram, a timestamp) goes to the library's encoder, whole. tests/test_server_exposition.py
+histogram, a timestamp) goes to the library's encoder, whole. tests/sidecar/test_server_exposition.py
 holds the two to the same bytes, on real ranks and on fuzzed labels and values.
 """
 

@@ -66,7 +66,7 @@ TLS_VERSIONS = {
 
 # Go's crypto/tls names (cipher_suites.go, tls.CipherSuites() and tls.InsecureCipherSuites(), Go 1.22)
 # for TLS 1.0-1.2, and the OpenSSL name of each; `openssl ciphers -stdname` lists the same pairs (the
-# Go names are the IANA ones). tests/test_webconfig.py checks every row against the real openssl.
+# Go names are the IANA ones). tests/sidecar/test_webconfig.py checks every row against the real openssl.
 CIPHER_SUITES = {
     "TLS_RSA_WITH_AES_128_CBC_SHA": "AES128-SHA",
     "TLS_RSA_WITH_AES_256_CBC_SHA": "AES256-SHA",

@@ -18,7 +18,7 @@ Every rank serves Qwen2.5-7B on a 32 GiB torch_npu device with vLLM's stock budg
   critical once the projected peak exceeds the device), the allocator runs out of memory, the rank
   restarts with a new seed (a different arrival sequence) and is called again. A life lasts
   200-420 steps (50-105 s); critical comes after 10-170 steps (3-45 s), 7 s into the first life
-  (fifteen lives measured with the guard fed as the sidecar feeds it, tests/test_demo.py's Judged).
+  (fifteen lives measured with the guard fed as the sidecar feeds it, tests/sim/test_demo.py's Judged).
 
 Each rank is an engine of its own, as vLLM's data-parallel ranks are (engine index = rank): its own
 probe (as each vLLM worker runs one) names it, its own request stream feeds it. What a real rank's

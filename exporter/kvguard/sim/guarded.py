@@ -7,7 +7,7 @@ verdict (``guard_at_budget``): it copies the allocator the moment vLLM's profile
 emptied the cache (the scenario calls ``empty_cache`` once after the profile record, then sizes
 and allocates the KV cache), and ``kvguard.guard.judge.judge_at_budget`` places the era's KV tensors
 into that copy. ``run_guarded`` then keeps judging after
-every serving step the way the sidecar does, so the grid in ``tests/test_guard_grid.py`` can
+every serving step the way the sidecar does, so the grid in ``tests/guard/test_guard_grid.py`` can
 say when the guard first said ``critical`` and whether that was before the OOM.
 """
 

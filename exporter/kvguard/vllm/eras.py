@@ -58,7 +58,9 @@ class Era:
     log_lines: tuple[str, ...] = ()  # kvguard.vllm.log line kinds this era writes
     hooks: tuple[str, ...] = HOOKS_V1
     base: str | None = None  # the vLLM release a platform plugin runs on
-    checked_against: str | None = None  # the wheel the tests run (tests/test_ascend_real.py, test_mindspore_real.py)
+    checked_against: str | None = (
+        None  # the wheel the tests run (tests/upstream/test_ascend_real.py, test_mindspore_real.py)
+    )
     cites: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -198,7 +200,7 @@ ERAS: tuple[Era, ...] = (
     # The V1 worker before memory_profiling: the same absolute formula in bytes, not clamped. The plugin records
     # the profile from the worker's own torch.cuda reads (kvguard.plugin.inline_readings): weights_bytes is what
     # stays allocated after its empty_cache, the peak increase the allocated peak above it, the non-torch figure
-    # the absolute one; tests/test_vllm_real.py runs 0.9.0's worker through vLLM's plugin loader.
+    # the absolute one; tests/upstream/test_vllm_real.py runs 0.9.0's worker through vLLM's plugin loader.
     Era(
         "vllm",
         _v("0.8.5"),
@@ -431,7 +433,7 @@ ERAS: tuple[Era, ...] = (
         hooks=HOOKS_V1,
         checked_against="0.11.0",
         cites=(
-            "worker/worker_v1.py 0.11.0:219-259 the same (tests/test_ascend_real.py runs it on vLLM 0.11.0); "
+            "worker/worker_v1.py 0.11.0:219-259 the same (tests/upstream/test_ascend_real.py runs it on vLLM 0.11.0); "
             "the plugin records its profile from the torch_npu.npu reads it makes",
             "config/cache.py 0.11.0 gpu_memory_utilization 0.9; platform.py 0.11.0 block size 128",
             "aw 0.13.0:269-311 no memory_profiling: available = int(total * util - (allocated peak incl. "
@@ -503,7 +505,7 @@ ERAS: tuple[Era, ...] = (
         checked_against="0.19.1rc1",
         cites=(
             "aw 0.19.1rc1:326-396 torch peak re-read before graph capture (:366-373); available = requested - "
-            "non_kv (:389, requested the float total * util, :272); tests/test_ascend_real.py runs it on "
+            "non_kv (:389, requested the float total * util, :272); tests/upstream/test_ascend_real.py runs it on "
             "vLLM 0.19.1 (vllm_version_is('0.19.1') throughout)",
             "vLLM 0.19.1 config/cache.py:41 gpu_memory_utilization 0.9; vllm-ascend's check_and_update_config "
             "leaves it",
@@ -549,7 +551,7 @@ ERAS: tuple[Era, ...] = (
     # NPUWorker310 (vllm_ascend/_310p/worker_310p.py, "310") is what vllm-ascend runs on a 310P (platform.py
     # 0.18.0:437-438
     # worker_cls when is_310p(): the device type its build wrote to _build_info.py). It inherits NPUWorker's
-    # formula until 0.18, then halves it. tests/test_ascend_310p_real.py runs it on a fake 310P3.
+    # formula until 0.18, then halves it. tests/upstream/test_ascend_310p_real.py runs it on a fake 310P3.
     Era(
         "vllm-ascend-310p",
         _v("0.14.0"),
@@ -671,7 +673,7 @@ ERAS: tuple[Era, ...] = (
     # launcher `simulate --vllm-mindspore-version 0.2.0` takes (kvguard.allocators.mindspore_releases). Its fix budgets
     # vLLM's V1 formula with the memory_reserved() increase in place of the allocated peak: the seed reported
     # Qwen2.5-7B's 37.85 GiB / 44292 blocks becoming 36.40 GiB / 42593, what this formula gives from the seed's
-    # profile (examples/qwen2.5-7b-910b-profile.json, constructed from those figures; tests/test_budget_cli.py).
+    # profile (examples/qwen2.5-7b-910b-profile.json, constructed from those figures; tests/budget/test_budget_cli.py).
     # 16-token blocks: the seed's own log (examples/vllm-mindspore-qwen2.5-7b.log, 708,672 tokens in 44,292
     # blocks). Not run against a wheel.
     Era(
@@ -691,7 +693,8 @@ ERAS: tuple[Era, ...] = (
     # vllm-mindspore 0.5 runs vLLM 0.11.0's Worker (v1/core/sched/scheduler.py:52 "Based on v0.11.0") with
     # memory_profiling replaced (vllm_mindspore/__init__.py:120, utils.py:400-478): its torch_peak_increase is
     # the memory_reserved() increase, measured before empty_cache: the seed's fix is the stock formula.
-    # Run (tests/test_mindspore_real.py): 0.5.1 on vLLM 0.11.0 and MindSpore 2.7.1 returns exactly this formula's
+    # Run (tests/upstream/test_mindspore_real.py): 0.5.1 on vLLM 0.11.0 and MindSpore 2.7.1 returns exactly this
+    # formula's
     # figure. It has no platform plugin (its dist-info entry_points.txt holds only the vllm-mindspore console
     # script; vLLM logs "No plugins for group vllm.platform_plugins found."): its logs name it by its logger's tag.
     Era(

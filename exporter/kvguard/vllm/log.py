@@ -102,7 +102,7 @@ _TAG = re.compile(
 # logo's "version %s" (log_version_and_model: entrypoints/utils.py 0.20.0:277-299, serve/utils/api_utils.py
 # 0.27.0:323-345, common/startup.py 0.34.0:16-38), "Initializing a V1 LLM engine (v%s) with config"
 # (v1/engine/core.py 0.7.3:50, 0.11.0:77, 0.34.0:153-157), V0's "Initializing an LLM engine (v%s)"
-# (engine/llm_engine.py 0.6.4:249-250, read from the wheel). tests/test_vllm_real.py logs each through the
+# (engine/llm_engine.py 0.6.4:249-250, read from the wheel). tests/upstream/test_vllm_real.py logs each through the
 # real release's own code and logger.
 # A dev, rc or post build counts as the release it is numbered after (0.29.1rc1.dev17: 0.29.1).
 _BANNER = re.compile(r"(?:vLLM (?:API |gRPC )?server version |LLM engine \(v)v?([0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3})")

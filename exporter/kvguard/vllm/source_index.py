@@ -4,7 +4,7 @@ vLLM tags every record with the file and line of the logger call ("[gpu_worker.p
 "[%(fileinfo)s:%(lineno)d]", from 0.8.0), and a traceback names each frame's file, line and function.
 ``source_index.json.gz`` holds, for every vLLM release from 0.6.4 to 0.34.0, the line spans of each
 ``vllm/`` source file's logger calls and (in the worker, engine, executor, platform, config, utils and
-loader files) its functions, read from the release's PyPI wheel by ``oracles/vllm_sources/index.py``.
+loader files) its functions, read from the release's PyPI wheel by ``tests/upstream/oracles/vllm_sources/index.py``.
 A release fits a log when every tag falls on one of its logger calls in a file of that name, and every
 frame inside a function of that name in that file.
 
@@ -81,7 +81,7 @@ def braces_template(text: str) -> str:
 def wording_text(message: str) -> str | None:
     """A message's wording: its first line, every number and placeholder one mark, blanks one space; None where
     it has too few letters to say anything. The same for a template and for a line vLLM wrote from it where
-    its placeholders printed numbers (a placeholder that printed words: ``oracles/vllm_sources/index.py``
+    its placeholders printed numbers (a placeholder that printed words: ``tests/upstream/oracles/vllm_sources/index.py``
     credits its release with the wordings it can print)."""
     first = message.split("\n", 1)[0]
     if len(first) > MAX_LINE_CHARS:

@@ -7,7 +7,7 @@ the kubernetes-validate package ships, so that an unknown key there fails `helm 
 `helm template` like anywhere else in the values. Helm resolves no remote references, so the
 definitions these values reach are copied into the schema's "definitions", descriptions dropped.
 
-Run after changing KUBERNETES_VERSION or ROOTS (tests/test_helm_chart.py checks they are current):
+Run after changing KUBERNETES_VERSION or ROOTS (tests/deploy/test_helm_chart.py checks they are current):
 
     .venv/bin/python helm/kvguard/hack/update-k8s-definitions.py
 """

@@ -1,1 +1,0 @@
-"""Fake vLLM package for kvguard's plugin tests (see tests/fake_vllm/README.md)."""

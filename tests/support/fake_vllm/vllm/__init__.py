@@ -1,0 +1,1 @@
+"""Fake vLLM package for kvguard's plugin tests (see tests/support/fake_vllm/README.md)."""
