@@ -274,6 +274,33 @@ def test_the_budget_time_verdict_counts_the_kv_tensors_vllm_then_allocates(relea
     assert verdict.kv_placement_loss_bytes == 0 or verdict.kv_placement_loss_bytes < 2 * group["num_layers"] << 20
 
 
+@pytest.mark.parametrize(
+    "conf, verdict",
+    [
+        # torch accepts it (c10/cuda/CUDAAllocatorConfig.cpp); the caching-allocator model does not follow it.
+        ("backend:cudaMallocAsync", False),
+        # A key a newer torch may add: left out, the rest read.
+        ("expandable_segments:True,a_key_of_a_newer_torch:1", True),
+    ],
+)
+def test_an_alloc_conf_the_models_do_not_follow_leaves_the_verdict_out_without_a_failure(conf, verdict, tmp_path):
+    """PYTORCH_CUDA_ALLOC_CONF as the engine runs with it, through vLLM 0.11.0's own plugin loader: a config
+    the models refuse gives no budget-time verdict and one INFO line, not a hook failure; an unknown key is
+    left out and the verdict given."""
+    spool = tmp_path / "spool"
+    result = run_worker("0.11.0", DEFAULT_RUN, env={"KVGUARD_SPOOL_DIR": str(spool), "PYTORCH_CUDA_ALLOC_CONF": conf})
+    [snap] = read_spool(str(spool)).snapshots
+    lines = kvguard_lines(result)
+    assert not [line for line in result["log_lines"] if "kvguard" in line and "vLLM continues" in line]
+    if verdict:
+        assert snap.budget_verdict is not None and snap.budget_verdict.phase == "budget"
+        assert not [line for line in lines if "no budget-time verdict" in line]
+    else:
+        assert snap.budget_verdict is None
+        [line] = [line for line in lines if "no budget-time verdict" in line]
+        assert "PYTORCH_CUDA_ALLOC_CONF='backend:cudaMallocAsync'" in line and "not modelled" in line
+
+
 # The releases whose own KV allocator is run: every full release, and those set up for this check only
 # (vllm_real.envs.LAYOUT_RELEASES: 0.30.0, the first one-backing release the era rows above do not run).
 KV_ALLOCATION_RELEASES = RELEASES + [v for v in envs.LAYOUT_RELEASES if envs.env_python(v) is not None]

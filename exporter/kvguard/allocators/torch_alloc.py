@@ -1578,7 +1578,7 @@ def _conf_pairs(text: str) -> list[tuple[str, str | list[tuple[str, str]]]]:
     return pairs
 
 
-def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
+def parse_alloc_conf(text: str, variant: str, *, skip_unknown_keys: bool = False) -> dict[str, Any]:
     """``PYTORCH_NPU_ALLOC_CONF`` (variant ``torch_npu``) or ``PYTORCH_CUDA_ALLOC_CONF`` (``torch``)
     as keyword arguments for :class:`CachingAllocator`.
 
@@ -1586,7 +1586,9 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
     c10/core/AllocatorConfig.cpp and NPUAllocatorConfig.cpp:68-234); a bad key or value is a
     one-line ValueError naming it. Keys that change no placement are checked, then dropped.
     Refused although the real parser takes it, because the model does not follow it:
-    ``backend:cudaMallocAsync``.
+    ``backend:cudaMallocAsync``. ``skip_unknown_keys``: a key this table does not know is left out
+    instead of refused (the vLLM plugin reads a running engine's variable, which a newer torch than
+    the table's may have accepted).
     """
     if variant not in ("torch", "torch_npu"):
         raise ValueError(f"unknown caching-allocator variant {variant!r}")
@@ -1595,6 +1597,8 @@ def parse_alloc_conf(text: str, variant: str) -> dict[str, Any]:
     name = "PYTORCH_NPU_ALLOC_CONF" if npu else "PYTORCH_CUDA_ALLOC_CONF"
     kwargs: dict[str, Any] = {}
     pairs = _conf_pairs(text)
+    if skip_unknown_keys:
+        pairs = [(key, value) for key, value in pairs if key in accepted]
     # large_segment_size_mb first: it bounds max_split_size_mb and max_non_split_rounding_mb
     # (AcceleratorAllocatorConfig::parseArgs reads it in a pass of its own).
     large_segment_mib = K_LARGE_BUFFER // _MIB

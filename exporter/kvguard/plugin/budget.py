@@ -91,10 +91,16 @@ def check_formula(profile: Profile, available: object) -> None:
 # ---------------------------------------------------------------------------- the budget-time verdict
 
 
+class NotModelled(Exception):
+    """The rank's allocator runs in a way the allocator models do not follow (``backend:cudaMallocAsync``, a
+    value its config refuses): there is no budget-time verdict to give, and nothing failed."""
+
+
 def expandable_segments(kind: str) -> bool:
     """Whether the caching allocator of ``kind`` runs with ``expandable_segments``: the first of its config
     variables that is set (:data:`ALLOC_CONF_ENVS`), read by the one parser of those strings,
-    :func:`kvguard.allocators.torch_alloc.parse_alloc_conf` (a string it refuses raises its ValueError).
+    :func:`kvguard.allocators.torch_alloc.parse_alloc_conf`. Keys a newer torch may know are left out; a
+    string the parser refuses (``backend:cudaMallocAsync``, a bad value) raises :class:`NotModelled`.
     MindSpore's pool has none (its ``MS_ALLOC_CONF`` is read by :func:`budget_model`)."""
     variant = "torch_npu" if kind == "torch_npu" else "torch"
     if kind == "mindspore":
@@ -104,13 +110,18 @@ def expandable_segments(kind: str) -> bool:
         if text is not None:
             from kvguard.allocators.torch_alloc import parse_alloc_conf
 
-            return bool(parse_alloc_conf(text, variant).get("expandable_segments", False))
+            try:
+                conf = parse_alloc_conf(text, variant, skip_unknown_keys=True)
+            except ValueError as exc:
+                raise NotModelled(f"{name}={text!r}: {exc}") from None
+            return bool(conf.get("expandable_segments", False))
     return False
 
 
 def budget_model(worker: object) -> BudgetModel | None:
     """(this rank's counters now, a builder of a new allocator model holding them); None when the
-    source tells too little (no total or free memory)."""
+    source tells too little (no total or free memory). :class:`NotModelled` when the allocator's config
+    is one the models do not follow."""
     records = state.device_reader().sample()
     if not records or records[0].total_bytes is None or records[0].free_bytes is None:
         return None
@@ -163,7 +174,12 @@ def record_budget_verdict(worker: object, profile: Profile, budget: int) -> None
     """The verdict for the budget applied, into the rank's snapshot at once; said at WARNING when critical."""
     if state.settings.spool_dir is None or extensible(worker) or not kv_cache_spec(worker):
         return  # no probe; 0.34's extensible KV cache (sized after warm-up, outside the allocator); no specs
-    model = budget_model(worker)
+    try:
+        model = budget_model(worker)
+    except NotModelled as exc:
+        if state.once("budget_verdict_not_modelled"):
+            log.info("kvguard: no budget-time verdict: %s", exc)
+        return
     if model is None:
         return
     verdict = verdict_at(worker, profile, budget, model)
@@ -197,7 +213,11 @@ def guard_budget(worker: object, profile: Profile, available: int) -> int | None
             else "--kv-cache-memory-bytes fixed the size",
         )
         return None
-    model = budget_model(worker)
+    try:
+        model = budget_model(worker)
+    except NotModelled as exc:
+        log.info("kvguard: KVGUARD_BUDGET=guard changes nothing here: %s", exc)
+        return None
     if model is None:
         state.failed("budget", "the device source gives no free/total memory; keeping vLLM's KV cache budget")
         return None
