@@ -132,7 +132,7 @@ def junk_reads() -> None:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
         for target, exporter in (("head", os.path.join(tmp, "exporter")), ("new", os.path.join(root, "exporter"))):
             out = subprocess.run(
-                [sys.executable, "-c", JUNK_CHILD, exporter, os.path.join(root, "tests")],
+                [sys.executable, "-c", JUNK_CHILD, exporter, os.path.join(root, "tests", "support")],
                 check=True,
                 capture_output=True,
                 text=True,

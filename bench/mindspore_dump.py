@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-_spec = importlib.util.spec_from_file_location("dump_oracle_tests", ROOT / "tests" / "test_oracle_mindspore_dump.py")
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "support"), str(ROOT / "tests" / "upstream")]
+_spec = importlib.util.spec_from_file_location(
+    "dump_oracle_tests", ROOT / "tests" / "upstream" / "test_oracle_mindspore_dump.py"
+)
 dump_tests = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dump_tests)
 

@@ -376,7 +376,11 @@ def seed_lines(directory: str) -> list[str]:
     vllm-mindspore 0.2.0's reserved fix, from plan's one predicted profile."""
     import dataclasses
 
-    sys.path.insert(0, os.path.join(REPO, "tests"))
+    sys.path[:0] = [
+        os.path.join(REPO, "tests"),
+        os.path.join(REPO, "tests", "support"),
+        os.path.join(REPO, "tests", "plan"),
+    ]
     from test_plan import DEEPSEEK_V3, SEED_DSV3
     from test_plan_seed import SEED_QWEN
 

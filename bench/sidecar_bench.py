@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 EXPORTER = os.path.join(ROOT, "exporter")
 sys.path.insert(0, EXPORTER)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # sidecar_fixtures: the tests' real-shaped snapshots
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))  # sidecar_fixtures: the tests' real-shaped snapshots
 
 import psutil  # noqa: E402
 from sidecar_fixtures import free_port, snapshot  # noqa: E402

@@ -25,7 +25,6 @@ import sys
 import pytest
 from ascend_real import envs
 from ascend_real.harness import ASCEND_SCENARIO, run_engine
-from helpers import cli_args
 
 from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
 from kvguard.spool.io import read_spool
@@ -68,6 +67,8 @@ def run(release: str, tmp_path_factory, budget: str = "stock"):
 
 
 def kvguard_budget(*args) -> dict:
+    from helpers import cli_args  # tests/support: here, not at the top, so that save-logs runs as a script
+
     out = subprocess.run(
         [sys.executable, "-m", "kvguard", "budget", *cli_args("budget", *args), "--json"],
         capture_output=True,
@@ -225,7 +226,7 @@ def save_logs() -> int:
     return 0
 
 
-if __name__ == "__main__":  # run from the repository root: tests/ is the script's directory, on sys.path
+if __name__ == "__main__":  # run from the repository root: tests/upstream is the script's directory, on sys.path
     sys.exit(
         save_logs()
         if sys.argv[1:] == ["save-logs"]

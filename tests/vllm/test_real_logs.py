@@ -19,9 +19,8 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import TESTS
 
-HERE = TESTS
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/ (run as a script too)
 REAL = os.path.join(HERE, "data", "logs", "real")
 sys.path.insert(0, os.path.join(HERE, "..", "exporter"))
 

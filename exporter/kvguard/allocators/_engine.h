@@ -1,7 +1,7 @@
 /* What kvguard's two C engines share (_ctorch.c, PyTorch's caching allocator; _cmspool.c, MindSpore's
  * memory pool): the Python headers, 128-bit integer types, checked and saturating arithmetic on sizes and
  * counters, the model's out-of-memory error, the re-entry guard's error, and the table by which each engine
- * exports the constants it shares with its Python model (tests/test_c_engines.py compares them).
+ * exports the constants it shares with its Python model (tests/allocators/test_c_engines.py compares them).
  *
  * An engine defines KVG_ENGINE (its module's short name, for messages) before including this file. Everything
  * here is static: each engine gets its own copy, and an unused helper costs nothing.
@@ -115,7 +115,7 @@ static inline int kvg_refuse_reentry(int busy) {
 /* ------------------------------------------------------------------ constants shared with the models */
 /* Each engine lists the constants it shares with its Python model (and its wrapper) in a table of
  * KVG_CONSTANT(NAME) rows; kvg_add_constants makes each a module attribute of that name and the tuple
- * SHARED_CONSTANTS of their names, which tests/test_c_engines.py compares with the Python side. */
+ * SHARED_CONSTANTS of their names, which tests/allocators/test_c_engines.py compares with the Python side. */
 typedef struct {
     const char *name;
     unsigned long long value;

@@ -1,8 +1,8 @@
 """Replays an allocator op stream through torch_npu's real NPUCachingAllocator on the fake device.
 
     PYTHONPATH=<oracle>/site LD_LIBRARY_PATH=<oracle>/fake FAKE_NPU_TOTAL=<bytes> \
-        [PYTORCH_NPU_ALLOC_CONF=...] .venv/bin/python tests/upstream/oracles/torch_npu/worker.py OPS.jsonl [OPS.jsonl
-        ...]
+        [PYTORCH_NPU_ALLOC_CONF=...] .venv/bin/python tests/upstream/oracles/torch_npu/worker.py \
+        OPS.jsonl [OPS.jsonl ...]
 
 OPS.jsonl is kvguard's op stream (``kvguard.allocators.ops``): ``{"op": "malloc", "size": N}``,
 ``{"op": "free", "index": K}`` (K: the line of the malloc whose block is freed; a malloc that
