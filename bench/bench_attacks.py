@@ -63,11 +63,9 @@ from sidecar_bench import (
     median,
     percentile,
     raise_fd_limit,
+    slowloris as slowloris_connections,
     write_spool,
 )  # noqa: E402
-from sidecar_bench import (
-    slowloris as slowloris_connections,
-)
 from sidecar_fixtures import free_port  # noqa: E402
 
 RANKS = 64

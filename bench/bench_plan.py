@@ -176,8 +176,7 @@ def allocators_worker(repeats: int) -> None:
     from kvguard.allocators.device import Device
 
     try:  # the engine the simulator runs (the C engine where built); a tree before it has the models alone
-        from kvguard.allocators.native import caching_allocator as CachingAllocator
-        from kvguard.allocators.native import mindspore_pool as DynamicMemPool
+        from kvguard.allocators.native import caching_allocator as CachingAllocator, mindspore_pool as DynamicMemPool
     except ImportError:
         from kvguard.allocators.mindspore_pool import DynamicMemPool
         from kvguard.allocators.torch_alloc import CachingAllocator

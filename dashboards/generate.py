@@ -16,12 +16,9 @@ import json
 import os
 import sys
 
-from grafana_foundation_sdk.builders import common as common_builder
-from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import common as common_builder, dashboard as dash, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models import dashboard as model
+from grafana_foundation_sdk.models import common, dashboard as model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import rules  # noqa: E402 - the rules' config: the panels' thresholds are the alerts' own

@@ -48,7 +48,6 @@ Pod identity comes from the downward API through the environment: ``POD_NAME``,
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import math
@@ -58,7 +57,7 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from kvguard.budget.estimator import Profile
@@ -473,7 +472,7 @@ class Probe:
                 kv_cache = _pick(self._kv_caches, record.device, context.kv_cache)
                 budget_verdict = _pick(self._budget_verdicts, record.device, None)
                 reserved_peak = _pick(self._reserved_peaks, record.device, None)
-                status = dataclasses.replace(self._status(), sampled_at=read_at)
+                status = replace(self._status(), sampled_at=read_at)
                 model_name, engine = self._engine
             snapshot = Snapshot(
                 written_at=time.time(),

@@ -6,8 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from kvguard.allocators.device import Device
 from kvguard.allocators.ops import Op, OpsError, Recorder, parse_ops, read_ops, replay_ops, write_ops

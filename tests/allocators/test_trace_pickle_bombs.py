@@ -16,8 +16,7 @@ from collections import OrderedDict
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from real_snapshots import REAL_DIRS  # tests/support/real_snapshots.py
 
 from kvguard.allocators.traces import (

@@ -8,8 +8,7 @@ from urllib.parse import urljoin, urlsplit
 
 import pytest
 from monitoring import RUNBOOK, alerts
-from sidecar_fixtures import basic, snapshot
-from sidecar_fixtures import http_get as get
+from sidecar_fixtures import basic, http_get as get, snapshot
 
 import kvguard
 from kvguard.sidecar import server as sidecar_server

@@ -16,8 +16,7 @@ from kvguard import plugin
 from kvguard.allocators.mindspore_releases import VLLM_MINDSPORE_LAUNCHERS, parse_alloc_conf, release, vmm_enabled
 from kvguard.budget.estimator import Profile
 from kvguard.guard.at_budget import counters_at_budget
-from kvguard.plugin import budget as plugin_budget
-from kvguard.plugin import state as plugin_state
+from kvguard.plugin import budget as plugin_budget, state as plugin_state
 from kvguard.sim.scenario import ScenarioConfig
 from kvguard.vllm.eras import era_for
 

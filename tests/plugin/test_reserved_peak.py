@@ -38,8 +38,10 @@ from test_vllm_plugin import fake_vllm, snapshots  # noqa: E402,F401 - fake_vllm
 from kvguard import plugin  # noqa: E402
 from kvguard.allocators.ops import Op  # noqa: E402
 from kvguard.records import ReservedPeak  # noqa: E402
-from kvguard.sources import register as register_source  # noqa: E402
-from kvguard.sources import unregister
+from kvguard.sources import (
+    register as register_source,  # noqa: E402
+    unregister,
+)
 from kvguard.sources.mindspore import device_memory_from_stats  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -22,10 +22,15 @@ pytest.importorskip("torch")  # the fake Worker keeps vLLM's @torch.inference_mo
 
 from kvguard import plugin, probe  # noqa: E402
 from kvguard.budget.estimator import Profile, stock_kv_cache_bytes  # noqa: E402
-from kvguard.plugin import hooks, state  # noqa: E402
-from kvguard.plugin import profile as plugin_profile  # noqa: E402
-from kvguard.sources import register as register_source  # noqa: E402
-from kvguard.sources import unregister
+from kvguard.plugin import (  # noqa: E402
+    hooks,
+    profile as plugin_profile,  # noqa: E402
+    state,
+)
+from kvguard.sources import (
+    register as register_source,  # noqa: E402
+    unregister,
+)
 from kvguard.sources.torch import device_memory_from_stats  # noqa: E402
 from kvguard.spool.io import read_spool  # noqa: E402
 

@@ -12,8 +12,7 @@ import subprocess
 
 import pytest
 from monitoring import promtool
-from sidecar_fixtures import basic, snapshot
-from sidecar_fixtures import http_get as get
+from sidecar_fixtures import basic, http_get as get, snapshot
 
 
 def test_metrics_is_prometheus_text_by_default(serve):

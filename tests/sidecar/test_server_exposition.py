@@ -13,16 +13,14 @@ import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.process_collector import ProcessCollector
-from sidecar_fixtures import http_get as get
-from sidecar_fixtures import snapshot, write
+from sidecar_fixtures import http_get as get, snapshot, write
 
 from kvguard.sidecar.collector import families
 from kvguard.sidecar.core import Sidecar, SidecarConfig

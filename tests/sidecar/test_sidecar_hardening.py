@@ -15,8 +15,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import TESTS
 from helpers import kvguard, one_line_error
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from sidecar_fixtures import GIB, snapshot, write
 
 from kvguard.budget.estimator import Profile, ProfileError, recommended_gpu_memory_utilization

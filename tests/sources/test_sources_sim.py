@@ -9,9 +9,7 @@ import pytest
 
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.sim.source import SimSource
-from kvguard.sources import SourceError, get_source, rank_contexts
-from kvguard.sources import mindspore as mindspore_source
-from kvguard.sources import torch as torch_source
+from kvguard.sources import SourceError, get_source, mindspore as mindspore_source, rank_contexts, torch as torch_source
 
 
 def sampled_and_reread(allocator, reader, device):

@@ -22,8 +22,7 @@ from kvguard.guard.judge import (
     physical_reserved_bytes,
 )
 from kvguard.records import DeviceMemory
-from kvguard.sources import mindspore as mindspore_source
-from kvguard.sources import torch as torch_source
+from kvguard.sources import mindspore as mindspore_source, torch as torch_source
 from kvguard.vllm.eras import kv_tensor_style
 
 

@@ -28,9 +28,8 @@ end-of-startup counters says whether the first serving peak fits.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Hashable, Iterable
 
 from kvguard.allocators.base import Allocator, AllocatorOutOfMemory
@@ -156,7 +155,7 @@ class Verdict:
         return tuple(r.code for r in self.reasons)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = asdict(self)
         data["reasons"] = [r.to_dict() for r in self.reasons]
         return data
 
@@ -178,7 +177,7 @@ class Verdict:
                 raise ValueError("verdict reason malformed")
             reasons.append(Reason(item["code"], item["message"][:1024]))
         values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
+        for f in fields(cls):
             if f.name in ("state", "phase", "reasons"):
                 continue
             value = data.get(f.name)
@@ -377,7 +376,7 @@ def with_reserved_peak(profile: Profile, reserved_peak: ReservedPeak | None) -> 
     else the profile as it is. Only the peak formulas take a reserved increase."""
     if reserved_peak is None or not reserved_peak.above_measured or profile.budget_formula.non_kv != "peak":
         return profile
-    return dataclasses.replace(profile, peak_reserved_increase_bytes=reserved_peak.peak_increase_bytes)
+    return replace(profile, peak_reserved_increase_bytes=reserved_peak.peak_increase_bytes)
 
 
 def reserved_peak_note(profile: Profile | None, reserved_peak: ReservedPeak | None) -> str | None:
@@ -460,7 +459,7 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
                 reserved_peak=inp.reserved_peak,
             )
         )
-        return dataclasses.replace(
+        return replace(
             verdict, phase=BUDGET, kv_tensors=len(tensors), kv_tensors_placed=placed, kv_placement_loss_bytes=loss
         )
     free = memory.free_bytes or 0
@@ -476,7 +475,7 @@ def judge_at_budget(inp: BudgetInput) -> Verdict:
     )
     headroom = min(verdict.headroom_bytes if verdict.headroom_bytes is not None else -short, -max(short, 1))
     capacity = inp.profile.total_memory_bytes
-    return dataclasses.replace(
+    return replace(
         verdict,
         state=CRITICAL,
         reasons=tuple(sorted((reason,) + verdict.reasons, key=lambda r: -SEVERITY[r.state])),
@@ -650,13 +649,13 @@ def _profile_with_reserved_peak(profile: Profile, memory: DeviceMemory | None) -
         if memory is None or memory.fragmentation_bytes is None or profile.transient_peak_headroom_bytes is None:
             return None, False
         inferred = profile.transient_peak_headroom_bytes + memory.fragmentation_bytes
-        return dataclasses.replace(profile, reserved_transient_peak_bytes=inferred), True
+        return replace(profile, reserved_transient_peak_bytes=inferred), True
     if profile.peak_reserved_increase_bytes is not None:
         return profile, False
     if memory is None or memory.fragmentation_bytes is None or profile.peak_allocated_increase_bytes is None:
         return None, False
     inferred = profile.peak_allocated_increase_bytes + memory.fragmentation_bytes
-    return dataclasses.replace(profile, peak_reserved_increase_bytes=inferred), True
+    return replace(profile, peak_reserved_increase_bytes=inferred), True
 
 
 def _worst_state(states: Iterable[str]) -> str:

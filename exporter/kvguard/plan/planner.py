@@ -17,9 +17,8 @@ With a measured profile (``--profile``) the prediction is replaced by it: the de
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvguard.budget.estimator import (
@@ -138,7 +137,7 @@ class Settings:
     sources: dict[str, str]
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
+        data = asdict(self)
         sources = data.pop("sources")
         return {name: {"value": value, "source": sources[name]} for name, value in data.items()}
 
@@ -343,7 +342,7 @@ def make_plan(
             return result
         raise PlanError(str(exc)) from None
     result["block_bytes"] = layout.block_bytes
-    result["layout"] = {**dataclasses.asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
+    result["layout"] = {**asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
     try:
         shape = model_shape(
@@ -558,7 +557,7 @@ def _unfit_at(
     """The KV cache the release decides at ``utilization`` from the same profile, or why the plan would not
     fit there: a startup refusal (free memory below the request, no or too little KV cache memory) or a
     critical budget-time verdict."""
-    at = dataclasses.replace(profile, gpu_memory_utilization=utilization, kv_cache_memory_bytes=None)
+    at = replace(profile, gpu_memory_utilization=utilization, kv_cache_memory_bytes=None)
     kv_cache_bytes = estimate(at, layout, settings.max_model_len).stock.kv_cache_bytes
     if _startup_refusals(at, non_allocator, kv_cache_bytes, layout, settings.max_model_len):
         return "vLLM's startup checks"

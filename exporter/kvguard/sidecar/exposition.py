@@ -28,8 +28,7 @@ import time
 import zlib
 from typing import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
-from prometheus_client import exposition as text_format
+from prometheus_client import CollectorRegistry, exposition as text_format
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.process_collector import ProcessCollector

@@ -14,8 +14,7 @@ from kvguard.budget.estimator import Profile
 from kvguard.guard.judge import Reason, Verdict, no_ranks_reason, worst
 from kvguard.records import DeviceMemory
 from kvguard.sidecar.poller import PollState
-from kvguard.spool.schema import POD_ENV as SNAPSHOT_POD_ENV
-from kvguard.spool.schema import Snapshot
+from kvguard.spool.schema import POD_ENV as SNAPSHOT_POD_ENV, Snapshot
 from kvguard.text import safe_text
 
 RANK_LABELS = ("device", "rank", "pid", "pod", "namespace", "container")

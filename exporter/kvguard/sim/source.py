@@ -28,9 +28,7 @@ from typing import Any, Callable, Mapping
 from kvguard.budget.estimator import ConfigError
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.records import DeviceMemory, KVCacheAllocation
-from kvguard.sources import RankContext, SourceError
-from kvguard.sources import mindspore as mindspore_source
-from kvguard.sources import torch as torch_source
+from kvguard.sources import RankContext, SourceError, mindspore as mindspore_source, torch as torch_source
 from kvguard.text import one_line
 
 _DEVICE_PREFIX = {"torch": "cuda", "torch_npu": "npu", "mindspore": "npu"}
