@@ -277,17 +277,23 @@ def test_a_mindspore_peak_that_fits_the_device_but_not_the_pools_budget_is_criti
 @pytest.mark.parametrize("formula", sorted(estimator.FORMULAS))
 def test_a_profile_with_kv_cache_memory_bytes_alone_is_judged(formula):
     # Such a profile carries no more than the weights (required_fields); judge read the era's figures
-    # anyway and raised TypeError for every formula (found by mypy). Unknown figures count as nothing.
-    profile = Profile(
-        total_memory_bytes=80 * GIB,
-        gpu_memory_utilization=0.9,
-        weights_bytes=10 * GIB,
-        peak_allocated_increase_bytes=None,
-        peak_reserved_increase_bytes=None,
-        non_torch_increase_bytes=None,
-        formula=formula,
-        kv_cache_memory_bytes=5 * GIB,
-    )
-    verdict = judge(GuardInput(profile=profile, kv_cache_bytes=5 * GIB))
-    assert verdict.state == OK
+    # anyway and raised TypeError for every formula (found by mypy). Unknown figures count as nothing, so
+    # the projection is a floor: a warning that says so where the floor fits, critical where it does not.
+    def profile(weights: int, kv: int) -> Profile:
+        return Profile(
+            total_memory_bytes=80 * GIB,
+            gpu_memory_utilization=0.9,
+            weights_bytes=weights,
+            peak_allocated_increase_bytes=None,
+            peak_reserved_increase_bytes=None,
+            non_torch_increase_bytes=None,
+            formula=formula,
+            kv_cache_memory_bytes=kv,
+        )
+
+    verdict = judge(GuardInput(profile=profile(10 * GIB, 5 * GIB), kv_cache_bytes=5 * GIB))
+    assert verdict.state == WARNING
+    assert [r.code for r in verdict.reasons] == ["no_profile"] and "activation peak" in verdict.reasons[0].message
     assert verdict.headroom_bytes == 80 * GIB - 10 * GIB - 5 * GIB
+    too_big = judge(GuardInput(profile=profile(70 * GIB, 15 * GIB), kv_cache_bytes=15 * GIB))
+    assert too_big.state == CRITICAL and too_big.headroom_bytes == 80 * GIB - 70 * GIB - 15 * GIB

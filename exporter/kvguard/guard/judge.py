@@ -246,7 +246,17 @@ def judge(inp: GuardInput) -> Verdict:
         live_non_torch = max(0, live_non_torch - kv_outside)
     measured_non_kv = non_kv_cache_bytes(profile)
     # A profile given --kv-cache-memory-bytes may carry no more than the weights (required_fields): its
-    # projection is the classic one, with what is unknown counted as nothing.
+    # projection is the classic one, with what is unknown counted as nothing, so it is a floor, never an
+    # all-clear: the rank is at least a warning, and critical where even the floor does not fit.
+    if measured_non_kv is None:
+        reasons.append(
+            Reason(
+                NO_PROFILE,
+                "the startup profile holds no activation peak (given --kv-cache-memory-bytes, vLLM measures "
+                "none): the projection counts weights, KV cache and live non-torch memory only, so the guard "
+                "cannot say the KV cache fits",
+            )
+        )
     if profile.budget_formula.non_kv == "peak" or measured_non_kv is None:
         activation = (
             profile_for_reserved.peak_reserved_increase_bytes
