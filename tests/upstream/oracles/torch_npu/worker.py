@@ -27,9 +27,31 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import time
 
 import torch
 import torch_npu  # noqa: F401  (registers torch.npu)
+
+
+def settle(live: dict[int, int], timeout: float = 10.0) -> None:
+    """Wait until the allocator holds no block as in use but the live ones: every free the task queue
+    still carries has reached the allocator (its snapshot: a freed block is inactive again)."""
+    deadline = time.monotonic() + timeout
+    wanted = set(live.values())
+    while True:
+        torch.npu.synchronize()
+        in_use = {
+            block["address"]
+            for segment in torch.npu.memory_snapshot()
+            for block in segment["blocks"]
+            if block["state"] != "inactive"
+        }
+        if in_use <= wanted:
+            return
+        if time.monotonic() > deadline:
+            print(f"settle: blocks still in use after {timeout} s: {sorted(in_use - wanted)}", file=sys.stderr)
+            return
+        time.sleep(0.001)
 
 
 def replay(path: str, stream_number: int, fake: ctypes.CDLL) -> None:
@@ -52,12 +74,14 @@ def replay(path: str, stream_number: int, fake: ctypes.CDLL) -> None:
             address = live.pop(int(op["index"]), None)
             if address is not None:
                 torch.npu.caching_allocator_delete(address)
+                settle(live)
         elif op["op"] == "empty_cache":
-            # Drain torch_npu's task queue first. With TASK_QUEUE_ENABLE=1 (the default, pinned by the tests) a
-            # free's bookkeeping runs on the queue's thread; an empty_cache that overtakes it keeps the block
-            # (seen once in CI-like load: 2.2 GB kept after a free). With TASK_QUEUE_ENABLE=0 this stream's
-            # empty_cache keeps the block always, synchronized or not: another real behaviour, not modelled.
-            torch.npu.synchronize()
+            # With TASK_QUEUE_ENABLE=1 (the default, pinned by the tests) a free's bookkeeping runs on the task
+            # queue's thread; an empty_cache that overtakes it keeps the block (2.2 GB kept after a free, seen
+            # under CI-like load even after torch.npu.synchronize()). settle() waits for the settled state the
+            # model describes. With TASK_QUEUE_ENABLE=0 this stream's empty_cache keeps the block always,
+            # synchronized or not: another real behaviour, not modelled.
+            settle(live)
             torch.npu.empty_cache()
         else:
             raise SystemExit(f"line {index + 1}: unknown op {op['op']!r}")
