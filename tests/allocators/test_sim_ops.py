@@ -1,16 +1,20 @@
-"""The plain op stream (``kvguard simulate --ops``): its format, its replay, and recording one."""
+"""The plain op stream (``kvguard simulate --ops``): its format, its replay, and recording one. What replays a
+stream (on a model built through ``kvguard.allocators.native``, the CLI's too) runs once per engine: the Python
+model and the C engine (the ``engine`` fixture, tests/support/alloc_engines.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture the replays use)
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
+from kvguard.allocators import native
 from kvguard.allocators.device import Device
 from kvguard.allocators.ops import Op, OpsError, Recorder, parse_ops, read_ops, replay_ops, write_ops
-from kvguard.allocators.torch_alloc import CachingAllocator
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
 from kvguard.cli import main
 from kvguard.cli.simulate import EXIT_OOM
@@ -86,8 +90,10 @@ def test_garbage_gives_ops_or_one_line_error(garbage):
         assert "\n" not in str(exc)
 
 
+@pytest.mark.usefixtures("engine")
 def test_freeing_a_malloc_that_ran_out_of_memory_does_nothing():
-    allocator = CachingAllocator(Device(1 * GIB))
+    allocator = native.caching_allocator(Device(1 * GIB))
+    assert native.engine(allocator) == os.environ[native.ENV]
     ops = parse_ops(
         lines(
             {"op": "malloc", "size": 100 * MIB},
@@ -104,6 +110,7 @@ def test_freeing_a_malloc_that_ran_out_of_memory_does_nothing():
     assert records[3]["peak_allocated_bytes"] == 100 * MIB
 
 
+@pytest.mark.usefixtures("engine")  # the scenario's allocator and the fresh one (make_allocator), both on the engine
 def test_a_recorded_serving_run_replays_to_the_same_memory_at_every_op():
     """Recorder: what a scenario asked of its allocator, replayed through a fresh one, lands the same way."""
     config = ScenarioConfig(
@@ -114,6 +121,7 @@ def test_a_recorded_serving_run_replays_to_the_same_memory_at_every_op():
         seed=1,
     )
     scenario = ServingScenario(config)
+    assert native.engine(scenario.allocator) == os.environ[native.ENV]
     recorder = Recorder(scenario.allocator)
     seen: list[tuple[int, int]] = []
     inner_malloc, inner_free = recorder.malloc, recorder.free
@@ -159,6 +167,7 @@ def write(tmp_path, *records) -> str:
     return str(path)
 
 
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])
 def test_simulate_ops_writes_one_line_per_op_and_fails_on_oom_when_asked(tmp_path, allocator):
     ops = write(
@@ -209,6 +218,7 @@ def test_simulate_ops_does_not_mix_with_a_trace_or_a_search(tmp_path):
         assert result.exit_code == 64 and result.output.startswith("Error: "), (extra, result.output)  # usage
 
 
+@pytest.mark.usefixtures("engine")
 def test_simulate_alloc_conf_reaches_the_model_as_the_variant_parses_it(tmp_path):
     """torch_npu with expandable segments maps whole 20 MiB pages; without, a large segment is rounded to 2 MiB."""
     ops = write(tmp_path, {"op": "malloc", "size": 30 * MIB})

@@ -8,8 +8,9 @@ through ``DynamicMemPool`` on a ``Device`` of the same free memory, and asserts 
 allocated and peak allocated bytes, out-of-memory, the returned address, the eager-free and idle
 counters, the pool's budget and every block's size agree after every op. The fake device hands out
 addresses the way the model places blocks (upwards from 1 << 44, a 2 MiB gap after each), so
-addresses compare as they are. Each model comparison runs twice: on the Python model and on its C
-engine (``mindspore_native.NativeDynamicMemPool``, when built), against the same oracle records.
+addresses compare as they are. Each model comparison runs twice, against the same oracle records: on the
+Python model and on its C engine, built through ``kvguard.allocators.native`` under the ``engine`` fixture
+(tests/support/alloc_engines.py), ``kvguard simulate --ops`` included.
 
 Streams: seeded random ones near the limit (16 GiB free) and far from it (64 GiB), VMM on and off,
 task sink on (MindSpore's default) and off (after a jit_level O0 compile), and the serving
@@ -31,9 +32,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture the model comparisons use)
 
+from kvguard.allocators import native
 from kvguard.allocators.device import Device
-from kvguard.allocators.mindspore_pool import DynamicMemPool
 from kvguard.allocators.ops import Op, Recorder, replay_ops, write_ops
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 
@@ -49,21 +51,12 @@ _spec.loader.exec_module(oracle_client)
 oracle_build = oracle_client.oracle_build
 PINNED = "2.7.1"  # what vllm-mindspore 0.5.x runs: every seed; the other releases one seed each
 
-try:
-    from kvguard.allocators.mindspore_native import NativeDynamicMemPool
-except ImportError:  # the C engine is optional (setup.py): without it the Python model runs alone
-    NativeDynamicMemPool = None
-MODELS = [
-    pytest.param(DynamicMemPool, id="python"),
-    pytest.param(
-        NativeDynamicMemPool,
-        id="c",
-        marks=pytest.mark.skipif(
-            NativeDynamicMemPool is None,
-            reason="the C engine is not built: KVGUARD_BUILD_EXT=1 python setup.py build_ext --inplace",
-        ),
-    ),
-]
+
+def pool(free: int, **kwargs):
+    """The pool model on the engine the ``engine`` fixture chose (KVGUARD_ALLOCATOR_ENGINE, read by ``native``)."""
+    model = native.mindspore_pool(Device(free), **kwargs)
+    assert native.engine(model) == os.environ[native.ENV]
+    return model
 
 
 def oracle(version: str) -> Path:
@@ -137,6 +130,12 @@ def run_oracle(
         pytest.fail(str(exc), pytrace=False)
 
 
+@functools.cache
+def real_records(version: str, ops: tuple[Op, ...], *args, **kwargs) -> tuple[dict, list[dict]]:
+    """``run_oracle`` once per stream and settings: each engine's run of a test compares with the same records."""
+    return run_oracle(version, list(ops), *args, **kwargs)
+
+
 def run_oracle_once(version: str, ops: list[Op], free: int, vmm: bool, task_sink: bool) -> list[str]:
     """The oracle's output for one stream from a process of its own, as a user runs it by hand."""
     stream = io.StringIO()
@@ -154,7 +153,7 @@ def run_oracle_once(version: str, ops: list[Op], free: int, vmm: bool, task_sink
     return proc.stdout.splitlines()
 
 
-def run_model(model: DynamicMemPool | NativeDynamicMemPool, ops: list[Op], compile_at: int | None = None):
+def run_model(model, ops: list[Op], compile_at: int | None = None):
     def feed():
         for position, op in enumerate(ops):
             if position == compile_at:
@@ -219,17 +218,17 @@ def random_case(version: str, free: int, vmm: bool, task_sink: bool, seed: int) 
     return ops, init, real
 
 
-@pytest.mark.parametrize("model_class", MODELS)
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize(
     "version,free_gib,vmm,task_sink,seed",
     CASES,
     ids=[f"{v}-{f}GiB-{'vmm' if m else 'novmm'}-{'sink' if t else 'nosink'}-seed{s}" for v, f, m, t, s in CASES],
 )
-def test_model_equals_the_real_pool_at_every_step(version, free_gib, vmm, task_sink, seed, model_class):
+def test_model_equals_the_real_pool_at_every_step(version, free_gib, vmm, task_sink, seed):
     free = free_gib * GIB
     ops, init, real = random_case(version, free, vmm, task_sink, seed)
     assert (init["vmm"], init["task_sink"]) == (int(vmm), int(task_sink))
-    model = model_class(Device(free), version=version, task_sink=task_sink, enable_vmm=vmm)
+    model = pool(free, version=version, task_sink=task_sink, enable_vmm=vmm)
     difference = first_difference(real, run_model(model, ops), ops)
     assert difference is None, difference
 
@@ -243,21 +242,21 @@ def test_near_the_limit_the_streams_run_out_of_memory_and_far_from_it_seldom():
 
 
 # ----------------------------------------------------------------- what MindSpore itself starts with
-@pytest.mark.parametrize("model_class", MODELS)
-def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib(model_class):
-    init, _ = run_oracle(PINNED, [], 64 * GIB, True, False)
+@pytest.mark.usefixtures("engine")
+def test_the_pool_budget_is_15_16_of_free_memory_down_to_2_mib_less_10_mib():
+    init, _ = real_records(PINNED, (), 64 * GIB, True, False)
     assert init["total_mem_size"] == 64 * GIB * 15 // 16 - 10 * MIB == 64_414_023_680
-    assert model_class(Device(64 * GIB), enable_vmm=True).total_mem_size == init["total_mem_size"]
+    assert pool(64 * GIB, enable_vmm=True).total_mem_size == init["total_mem_size"]
 
 
-@pytest.mark.parametrize("model_class", MODELS)
-def test_task_sink_is_on_unless_a_compile_turns_it_off(model_class):
-    init, _ = run_oracle(PINNED, [], 16 * GIB, True, None)
+@pytest.mark.usefixtures("engine")
+def test_task_sink_is_on_unless_a_compile_turns_it_off():
+    init, _ = real_records(PINNED, (), 16 * GIB, True, None)
     assert init["task_sink"] == 1
-    assert model_class(Device(16 * GIB)).task_sink is True
+    assert pool(16 * GIB).task_sink is True
     ops = random_ops(4, steps=40)
-    _, real = run_oracle(PINNED, ops, 16 * GIB, False, None, compile_at=20)
-    model = model_class(Device(16 * GIB), version=PINNED, enable_vmm=False)
+    _, real = real_records(PINNED, tuple(ops), 16 * GIB, False, None, compile_at=20)
+    model = pool(16 * GIB, version=PINNED, enable_vmm=False)
     difference = first_difference(real, run_model(model, ops, 20), ops)
     assert difference is None, difference
 
@@ -277,9 +276,9 @@ def test_streams_served_from_one_process_equal_a_process_each(vmm):
 SMALL = json.loads((REPO / "tests" / "data" / "configs" / "qwen3-0.6b" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("model_class", MODELS)
+@pytest.mark.usefixtures("engine")  # the scenario's own pool and the replaying one, both on the engine
 @pytest.mark.parametrize("ms_alloc_conf", ["enable_vmm:true", "enable_vmm:false"])
-def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(ms_alloc_conf, model_class):
+def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(ms_alloc_conf):
     # Qwen3-0.6B on 8 GiB: weights in the persistent pool with task sink on, then the profile forward
     # (vllm-mindspore's first jit_level O0 compile: task sink off), the KV cache and serving steps.
     config = ScenarioConfig(
@@ -292,9 +291,9 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
         ms_alloc_conf=ms_alloc_conf,
     )
     scenario = ServingScenario(config)
-    pool = scenario.allocator
+    assert native.engine(scenario.allocator) == os.environ[native.ENV]
     free_at_start = scenario.device.free_bytes
-    recorder = Recorder(pool)  # keeps the op positions a jit_level O0 compile came before
+    recorder = Recorder(scenario.allocator)  # keeps the op positions a jit_level O0 compile came before
     scenario.allocator = recorder
     scenario.run()
     ops, compiled_at = recorder.ops, recorder.compiled_at
@@ -302,8 +301,9 @@ def test_the_serving_scenarios_allocations_replay_identically_on_the_real_pool(m
     assert sum(op.kind == "malloc" for op in ops) > 100
 
     vmm = ms_alloc_conf == "enable_vmm:true"
-    init, real = run_oracle(config.mindspore_release.version, ops, free_at_start, vmm, True, compiled_at[0])
-    model = model_class(Device(free_at_start), version=config.mindspore_release.version, task_sink=True, enable_vmm=vmm)
+    version = config.mindspore_release.version
+    init, real = real_records(version, tuple(ops), free_at_start, vmm, True, compiled_at[0])
+    model = pool(free_at_start, version=version, task_sink=True, enable_vmm=vmm)
     # The scenario resets peaks where vLLM does; the oracle never does, so peaks are left out here.
     keys = tuple(key for key in COMPARED if key != "peak_allocated_bytes")
     difference = first_difference(real, run_model(model, ops, compiled_at[0]), ops, keys)
@@ -345,13 +345,14 @@ def simulate_ops(tmp_path, ops: list[Op], free: int, *args: str) -> tuple[dict, 
 OPS_COMPARED = ("oom", "address", "reserved_bytes", "allocated_bytes", "peak_allocated_bytes")
 
 
+@pytest.mark.usefixtures("engine")  # the CLI builds its pool through native
 def test_simulate_ops_with_task_sink_off_reserves_what_the_real_pool_does(tmp_path):
     # Issue 32, finding 6: a small malloc, then a persistent 2.76 GiB one, 16 GiB free, VMM off. The persistent
     # block grows from the 1 GiB unit by adding units under task sink (3 GiB) and by doubling without (4 GiB).
     ops = [Op("malloc", size=MIB), Op("malloc", size=int(2.76 * GIB), persistent=True)]
     reserved = {}
     for sink in (True, False):
-        _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink)
+        _, real = real_records(PINNED, tuple(ops), 16 * GIB, False, sink)
         summary, replayed = simulate_ops(
             tmp_path, ops, 16 * GIB, "--ms-alloc-conf", "enable_vmm:false", "--task-sink" if sink else "--no-task-sink"
         )
@@ -361,12 +362,13 @@ def test_simulate_ops_with_task_sink_off_reserves_what_the_real_pool_does(tmp_pa
     assert reserved == {True: 4 * GIB, False: 5 * GIB}
 
 
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize("vmm", [False, True], ids=["novmm", "vmm"])
 @pytest.mark.parametrize("sink", [True, False, None], ids=["sink", "nosink", "default"])
 def test_simulate_ops_equals_the_real_pool_at_every_op(tmp_path, sink, vmm):
     # A random stream near the limit; no --task-sink flag is MindSpore's default (the oracle's unset context).
     ops = random_ops(7, steps=300)
-    _, real = run_oracle(PINNED, ops, 16 * GIB, vmm, sink)
+    _, real = real_records(PINNED, tuple(ops), 16 * GIB, vmm, sink)
     flags = [] if sink is None else ["--task-sink" if sink else "--no-task-sink"]
     summary, replayed = simulate_ops(
         tmp_path, ops, 16 * GIB, "--ms-alloc-conf", f"enable_vmm:{str(vmm).lower()}", *flags
@@ -377,6 +379,7 @@ def test_simulate_ops_equals_the_real_pool_at_every_op(tmp_path, sink, vmm):
     assert difference is None, difference
 
 
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "nosink"])
 def test_simulate_ops_mempool_block_size_reaches_the_pool(tmp_path, sink):
     # set_context(mempool_block_size="2GB") on the real pool, --mempool-block-size 2GiB on the model: the
@@ -388,7 +391,7 @@ def test_simulate_ops_mempool_block_size_reaches_the_pool(tmp_path, sink):
         Op("free", index=0),
         Op("malloc", size=5 * GIB),
     ]
-    _, real = run_oracle(PINNED, ops, 16 * GIB, False, sink, mempool_block_gb=2)
+    _, real = real_records(PINNED, tuple(ops), 16 * GIB, False, sink, mempool_block_gb=2)
     _, replayed = simulate_ops(
         tmp_path,
         ops,

@@ -25,7 +25,11 @@ import random
 from pathlib import Path
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture the pool model's comparison uses)
 
+from kvguard.allocators import native
+from kvguard.allocators.device import Device
+from kvguard.allocators.ops import Op, replay_ops
 from kvguard.guard.judge import activation_growth_bytes
 from kvguard.records import DeviceMemory
 from kvguard.sources.mindspore import with_pool_figures
@@ -226,21 +230,14 @@ def test_the_old_credit_reserved_minus_allocated_says_fits_where_the_pool_refuse
     assert idle >= 1 * GIB and probe[-1][0], "reserved − allocated credited a request the pool served"
 
 
-@pytest.mark.parametrize("engine", ["python", "c"])
+@pytest.mark.usefixtures("engine")  # the pool model through native, once per engine (tests/support/alloc_engines.py)
 @pytest.mark.parametrize("vmm", [True, False], ids=["vmm", "no-vmm"])
 @pytest.mark.parametrize("version", RELEASES)
-def test_the_pool_models_exact_figures_equal_the_real_pools_lists(version, vmm, engine, tmp_path):
+def test_the_pool_models_exact_figures_equal_the_real_pools_lists(version, vmm, tmp_path):
     # The simulator's exact mode (kvguard.sim.source.record_from_scenario(pool_figures=True)) gives what the
     # dump would: the model's pool_figures() against the real pool after the same stream.
-    from kvguard.allocators.device import Device
-    from kvguard.allocators.mindspore_pool import DynamicMemPool
-    from kvguard.allocators.ops import Op, replay_ops
-
-    if engine == "c":
-        native = pytest.importorskip("kvguard.allocators.mindspore_native")
-        model = native.NativeDynamicMemPool(Device(FREE), version=version, enable_vmm=vmm)
-    else:
-        model = DynamicMemPool(Device(FREE), version=version, enable_vmm=vmm)
+    model = native.mindspore_pool(Device(FREE), version=version, enable_vmm=vmm)
+    assert native.engine(model) == os.environ[native.ENV]
     state = serving_stream(5, "small")
     _, out = run(version, state + [{"op": "dump"}], vmm=vmm, cwd=tmp_path)
     ops = [

@@ -4,8 +4,8 @@ The oracle is the PyPI wheel torch-npu==2.13.0 running on kvguard's CPU torch 2.
 CANN libraries (tests/upstream/oracles/torch_npu/, built by ``./dev.sh test``): every placement rule is
 torch_npu's compiled code, only the device is fake. Each case replays seeded random op streams
 (kvguard.allocators.ops format) through the real allocator (tests/upstream/oracles/torch_npu/worker.py, a subprocess)
-and through ``CachingAllocator(variant="torch_npu", **parse_alloc_conf(conf))`` (and the same on the
-C engine, ``torch_native.NativeCachingAllocator``, where it is built), and asserts that
+and through ``native.caching_allocator(variant="torch_npu", **parse_alloc_conf(conf))`` once per engine
+(the Python model and the C engine, tests/support/alloc_engines.py), and asserts that
 reserved, allocated and peak allocated bytes, out-of-memory, the returned address and the
 device's used bytes agree after every op. The model takes its segments' base addresses from the
 fake device's own rule, so that addresses compare as they are.
@@ -27,12 +27,13 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
+from alloc_engines import engine  # noqa: F401  (the fixture the model comparisons use)
 from conftest import ROOT
 
+from kvguard.allocators import native
 from kvguard.allocators.device import Device
 from kvguard.allocators.ops import Op, replay_ops, write_ops
-from kvguard.allocators.torch_alloc import CachingAllocator, parse_alloc_conf
-from kvguard.allocators.torch_native import NativeCachingAllocator, unsupported
+from kvguard.allocators.torch_alloc import parse_alloc_conf
 
 REPO = ROOT
 ORACLE = os.path.join(REPO, "tests", "upstream", "oracles", "torch_npu")
@@ -145,10 +146,12 @@ def model_options(case: Case) -> dict:
     return dict(parse_alloc_conf(case.conf, "torch_npu"), **dict(case.model))
 
 
-def model_steps(case: Case, ops: list[Op], without: str | None = None, model: type = CachingAllocator) -> list[dict]:
+def model_steps(case: Case, ops: list[Op], without: str | None = None) -> list[dict]:
+    """The model's steps on the engine the ``engine`` fixture chose (KVGUARD_ALLOCATOR_ENGINE, read by ``native``)."""
     kwargs = model_options(case)
     kwargs.pop(without, None)
-    allocator = model(Device(case.total), variant="torch_npu", **kwargs)
+    allocator = native.caching_allocator(Device(case.total), variant="torch_npu", **kwargs)
+    assert native.engine(allocator) == os.environ[native.ENV]
     allocator.segment_address = fake_address_rule(case.expandable)
     steps = []
     for record in replay_ops(allocator, ops):
@@ -254,35 +257,26 @@ def first_difference(real: list[dict], model: list[dict]) -> str | None:
     return None
 
 
-# The Python model, and the C engine that implements it (skipped where it is not built).
-MODELS = [
-    pytest.param(CachingAllocator, id="python"),
-    pytest.param(
-        NativeCachingAllocator,
-        id="native",
-        marks=pytest.mark.skipif(unsupported() is not None, reason=str(unsupported())),
-    ),
-]
-
-
-@pytest.mark.parametrize("model", MODELS)
+# The model comparisons run once per engine (the ``engine`` fixture: the Python model, the C engine).
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_the_model_equals_torch_npu_at_every_step(case, model, real_runs):
+def test_the_model_equals_torch_npu_at_every_step(case, real_runs):
     for seed in case.seeds:
-        difference = first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed), model=model))
+        difference = first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed)))
         assert difference is None, f"{case.id} seed {seed}: {difference}"
 
 
 OPTION_CASES = [case for case in CASES if set(model_options(case)) - {"expandable_segments"}]
 
 
+@pytest.mark.usefixtures("engine")
 @pytest.mark.parametrize("case", OPTION_CASES, ids=[case.id for case in OPTION_CASES])
 def test_every_option_in_a_case_is_one_the_streams_exercise(case, real_runs):
     """Without any one of its options, the model no longer matches the real allocator: so each
     option the grid claims to check does change what these streams do."""
     for option in set(model_options(case)) - {"expandable_segments"}:
         assert any(
-            first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed), without=option))
+            first_difference(built(real_runs)[case.id][seed], model_steps(case, random_ops(seed), option))
             for seed in case.seeds
         ), f"{case.id}: the model matches without {option}"
 
