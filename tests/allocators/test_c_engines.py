@@ -92,6 +92,7 @@ def _torch_side() -> dict[str, int]:
         "K_ROUND_LARGE": torch_alloc.K_ROUND_LARGE,
         "K_EXTRA_LARGE_BUFFER": torch_alloc.K_EXTRA_LARGE_BUFFER,
         "K_ROUNDUP_INTERVALS": torch_alloc.K_ROUNDUP_INTERVALS,
+        "K_ROUNDUP_START_LOG2": torch_alloc.K_ROUNDUP_START_LOG2,
         "UNLIMITED": torch_alloc._UNLIMITED,
         "N_STAT_ARRAYS": len(torch_alloc.STAT_ARRAYS),
         "N_STAT_POOLS": len(torch_alloc.STAT_POOLS),

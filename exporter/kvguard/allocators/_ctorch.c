@@ -32,6 +32,7 @@
 #define K_ROUND_LARGE (2ULL << 20)
 #define K_EXTRA_LARGE_BUFFER (1ULL << 30)
 #define K_ROUNDUP_INTERVALS 16
+#define K_ROUNDUP_START_LOG2 20       /* log2(kRoundUpPowerOfTwoStart), 1 MiB */
 #define HUGE_SIZE UINT64_MAX          /* a size of 2**64 or more */
 #define UNLIMITED UINT64_MAX          /* max_split_size unset (the model's _UNLIMITED) */
 #define STREAM_BIAS (1ULL << 63)      /* streams are signed: biased, they order as uint64 */
@@ -666,7 +667,7 @@ static uint64_t round_size(Engine *e, uint64_t size) {
     if (size < K_MIN_BLOCK_SIZE)
         return K_MIN_BLOCK_SIZE;
     if (e->rounds_power2) {
-        int index = kvg_bit_length(size) - 1 - 20;
+        int index = kvg_bit_length(size) - 1 - K_ROUNDUP_START_LOG2;
         index = index < 0 ? 0 : index > K_ROUNDUP_INTERVALS - 1 ? K_ROUNDUP_INTERVALS - 1 : index;
         uint64_t divisions = e->divisions[index];
         if (divisions > 1 && (u128)K_MIN_BLOCK_SIZE * divisions < size)
@@ -2324,11 +2325,14 @@ static struct PyModuleDef ctorch_module = {
 
 /* torch_alloc.py's constants (and the engine's limits and cell layout, which torch_native.py reads) */
 static const KvgConstant shared_constants[] = {
-    KVG_CONSTANT(K_MIN_BLOCK_SIZE),       KVG_CONSTANT(K_SMALL_SIZE),        KVG_CONSTANT(K_SMALL_BUFFER),
-    KVG_CONSTANT(K_MIN_LARGE_ALLOC),      KVG_CONSTANT(K_ROUND_LARGE),       KVG_CONSTANT(K_EXTRA_LARGE_BUFFER),
-    KVG_CONSTANT(K_ROUNDUP_INTERVALS),    KVG_CONSTANT(UNLIMITED),           KVG_CONSTANT(MAX_DEVICE_BYTES),
-    KVG_CONSTANT(N_STAT_ARRAYS),          KVG_CONSTANT(N_STAT_POOLS),        KVG_CONSTANT(N_STAT_FIELDS),
-    KVG_CONSTANT(C_OVERSIZE_ALLOCATIONS), KVG_CONSTANT(C_OVERSIZE_SEGMENTS), KVG_CONSTANT(N_CELLS),
+    KVG_CONSTANT(K_MIN_BLOCK_SIZE),    KVG_CONSTANT(K_SMALL_SIZE),
+    KVG_CONSTANT(K_SMALL_BUFFER),      KVG_CONSTANT(K_MIN_LARGE_ALLOC),
+    KVG_CONSTANT(K_ROUND_LARGE),       KVG_CONSTANT(K_EXTRA_LARGE_BUFFER),
+    KVG_CONSTANT(K_ROUNDUP_INTERVALS), KVG_CONSTANT(K_ROUNDUP_START_LOG2),
+    KVG_CONSTANT(UNLIMITED),           KVG_CONSTANT(MAX_DEVICE_BYTES),
+    KVG_CONSTANT(N_STAT_ARRAYS),       KVG_CONSTANT(N_STAT_POOLS),
+    KVG_CONSTANT(N_STAT_FIELDS),       KVG_CONSTANT(C_OVERSIZE_ALLOCATIONS),
+    KVG_CONSTANT(C_OVERSIZE_SEGMENTS), KVG_CONSTANT(N_CELLS),
 };
 
 PyMODINIT_FUNC PyInit__ctorch(void) {

@@ -68,6 +68,7 @@ K_MIN_LARGE_ALLOC = 10 << 20
 K_ROUND_LARGE = 2 << 20
 K_EXTRA_LARGE_BUFFER = 1 << 30  # torch_npu's 1 GiB page (page_size:1g)
 K_ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB
+K_ROUNDUP_START_LOG2 = 20  # log2(kRoundUpPowerOfTwoStart), 1 MiB: the first interval's size
 NPU_SIZE_PAD = 32
 _UNLIMITED = (1 << 64) - 1
 
@@ -337,7 +338,7 @@ class CachingAllocator:
         if size < K_MIN_BLOCK_SIZE:
             return K_MIN_BLOCK_SIZE
         if self._rounds_power2:
-            index = min(max(size.bit_length() - 1 - 20, 0), K_ROUNDUP_INTERVALS - 1)
+            index = min(max(size.bit_length() - 1 - K_ROUNDUP_START_LOG2, 0), K_ROUNDUP_INTERVALS - 1)
             divisions = self.roundup_power2_divisions[index]
             if divisions > 1 and size > K_MIN_BLOCK_SIZE * divisions:
                 return _roundup_power2_next_division(size, divisions)
