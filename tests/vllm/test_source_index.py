@@ -52,6 +52,23 @@ def test_tags_from_one_release_pin_its_row():
     assert "file:line tag" in log.era_reason
 
 
+def test_kvguard_s_own_lines_are_not_taken_for_vllm_s():
+    # The plugin logs through vLLM's logger, so its lines carry its own files' tags; vLLM also has a state.py
+    # (kvguard.plugin.state logs hook failures), which would be read as one of vLLM's logger calls.
+    lines = [
+        "INFO 11-02 09:14:19 [gpu_worker.py:298] Available KV cache memory: 54.89 GiB",
+        "INFO 11-02 09:14:19 [kv_cache_utils.py:1087] GPU KV cache size: 1,024 tokens",
+    ]
+    ours = [
+        "WARNING 11-02 09:14:19 [state.py:84] kvguard: budget: the device source gives no free/total memory; keeping"
+        " vLLM's KV cache budget (vLLM continues; further budget failures are logged at debug level)",
+        "INFO 11-02 09:14:19 [budget.py:180] kvguard: no budget-time verdict: PYTORCH_CUDA_ALLOC_CONF='x'",
+    ]
+    alone, beside = parse_lines(lines), parse_lines(ours + lines)
+    assert beside.era == alone.era == "vllm 0.9.1–0.11.2"
+    assert beside.era_reason == alone.era_reason and "patched" not in beside.era_reason
+
+
 def test_a_date_rules_out_releases_published_after_it():
     # "Free memory on device cuda:0 (...)" is 0.14+ (wu 0.14.0:262-268); vLLM 0.15.0 was uploaded on
     # 2026-01-29 (PyPI), so a log written on 2026-01-20 is 0.14.x: the 0.14.0-0.17.1 row.

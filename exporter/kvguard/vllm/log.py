@@ -1269,7 +1269,10 @@ class _Reader:
         if tag is not None:
             self.tagged += 1
             hints["tags"].add(tag[0])
-            if len(hints["source_tags"]) < source_index.MAX_HINTS:
+            # kvguard's own lines carry its plugin's file names (kvguard/plugin/state.py, ...), not vLLM's: some
+            # are also vLLM's names (vLLM has a state.py), and would be read as vLLM's lines.
+            ours = seen.line[tag[2] :].lstrip().startswith("kvguard:")
+            if len(hints["source_tags"]) < source_index.MAX_HINTS and not ours:
                 hints["source_tags"].add(tag[1])
         if (
             seen.line
