@@ -19,6 +19,7 @@ vLLM budget alone (no guard: every OOM is a surprise):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -74,6 +75,9 @@ class Outcome:
 # MindSpore's exact mode (KVGUARD_MINDSPORE_DUMP: the pool's own lists beside its counters) for every run of the
 # grid, or the counters alone (the default). Set by --exact-mode before the worker processes fork.
 EXACT_MODE = [False]
+# The peak burst after every run's requests (ScenarioConfig.peak_burst; the rule:
+# bench/results/guard-grids-peak-burst-rule-2026-12-07.md). Set by --peak-burst before the workers fork.
+PEAK_BURST = [False]
 
 
 def run_one(scenario: tuple) -> Outcome:
@@ -116,6 +120,8 @@ def guarded_with_truth(config):
     from kvguard.sim.guarded import run_guarded
     from kvguard.sim.scenario import ServingScenario
 
+    if PEAK_BURST[0]:
+        config = dataclasses.replace(config, peak_burst=True)
     run, truth = real_pool.run_with_truth(
         ServingScenario(config), functools.partial(run_guarded, pool_figures=EXACT_MODE[0])
     )
@@ -245,17 +251,32 @@ def report(figures: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the smaller grid the test suite runs")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every grid script takes for how its runs go (set in the parent, before the workers fork)."""
     parser.add_argument(
         "--exact-mode",
         action="store_true",
         help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--peak-burst",
+        action="store_true",
+        help="after each run's requests, the profile batch as requests (ScenarioConfig.peak_burst)",
+    )
+
+
+def apply_run_flags(args: argparse.Namespace) -> None:
     EXACT_MODE[0] = args.exact_mode
+    PEAK_BURST[0] = args.peak_burst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the smaller grid the test suite runs")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    add_run_flags(parser)
+    args = parser.parse_args()
+    apply_run_flags(args)
     started = time.monotonic()
     figures = measure(QUICK if args.quick else FULL, args.jobs)
     print(report(figures))

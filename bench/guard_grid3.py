@@ -134,13 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
-    parser.add_argument(
-        "--exact-mode",
-        action="store_true",
-        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
-    )
+    guard_grid.add_run_flags(parser)
     args = parser.parse_args()
-    guard_grid.EXACT_MODE[0] = args.exact_mode
+    guard_grid.apply_run_flags(args)
     shared = {k: sorted(v) for k, v in shares_with_earlier_grids().items() if v}
     if shared:
         sys.exit(f"the third grid shares axis values with an earlier grid: {shared}")

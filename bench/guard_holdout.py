@@ -249,13 +249,9 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also score the tuning grid the same way")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--fresh", action="store_true", help="the second held-out grid (module doc), not the first")
-    parser.add_argument(
-        "--exact-mode",
-        action="store_true",
-        help="judge MindSpore runs with the pool's own lists (KVGUARD_MINDSPORE_DUMP), not the counters alone",
-    )
+    guard_grid.add_run_flags(parser)
     args = parser.parse_args()
-    guard_grid.EXACT_MODE[0] = args.exact_mode
+    guard_grid.apply_run_flags(args)
     started = time.monotonic()
     shared = {
         k: sorted(v) for k, v in {**disjoint_from_tuning(), **(fresh_shares() if args.fresh else {})}.items() if v

@@ -97,6 +97,12 @@ EXIT_OOM = exits.CRITICAL  # simulate --fail-on-oom: the outcome it was asked to
     "request taking the model's generation_config.json top-k and top-p, as vLLM 0.8+'s "
     "--generation-config auto applies them.",
 )
+@click.option(
+    "--peak-burst",
+    is_flag=True,
+    help="After the requests, min(max_num_seqs, max_num_batched_tokens) short requests at once: the batch "
+    "vLLM's profile run budgets for, as real requests form it. Does the engine survive a full batch?",
+)
 @click.option("--tensor-parallel-size", "-tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option(
     "--non-allocator-memory",
@@ -207,6 +213,7 @@ def simulate(
     requests,
     long_fraction,
     sampling_mix,
+    peak_burst,
     tensor_parallel_size,
     non_allocator_memory,
     seeds,
@@ -293,6 +300,7 @@ def simulate(
             max_model_len=max_model_len,
             requests=requests,
             long_request_fraction=long_fraction,
+            peak_burst=peak_burst,
             tensor_parallel_size=tensor_parallel_size,
             non_allocator_bytes=non_allocator_memory,
             seed=seed,
@@ -473,8 +481,10 @@ def simulate(
     if result.kv_cache_bytes is not None:
         click.echo(f"KV cache     {format_bytes(result.kv_cache_bytes)} ({format_count(result.num_blocks)} blocks)")
     click.echo(
-        f"Serving      {result.steps} steps, {result.requests_finished}/{requests} requests finished, "
-        f"{result.preemptions} preemptions"
+        f"Serving      {result.steps} steps, {result.requests_finished}/{requests + config.peak_burst_requests} "
+        "requests finished"
+        + (f" (the peak burst's {config.peak_burst_requests} included)" if config.peak_burst else "")
+        + f", {result.preemptions} preemptions"
     )
     if guard["state"] is not None:
         click.echo(

@@ -140,6 +140,11 @@ class ScenarioConfig:
     # vllm-project/vllm#15281: top_k, top_p, temperature, repetition_penalty). sampling_mix=(("greedy", 1.0),)
     # is a server started with --generation-config vllm whose clients send temperature 0.
     sampling_mix: tuple[tuple[str, float], ...] = (("top_k_top_p", 1.0),)
+    # After the requests drain, the batch vLLM budgets for, as real requests form it (make_peak_burst): the
+    # profile run is _dummy_run(max_num_tokens) (vllm/v1/worker/gpu_model_runner.py 0.11.0:3392), and that many
+    # requests waiting at once are scheduled in one step of that shape (v1/core/sched/scheduler.py 0.11.0:198,
+    # :337). Off by default: the request mix alone seldom reaches it.
+    peak_burst: bool = False
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -245,6 +250,11 @@ class ScenarioConfig:
     def kv_tensor_style(self) -> str:
         """How that release allocates the KV cache (its era row's kv_tensor_style)."""
         return kv_tensor_style(self.vllm_release)
+
+    @property
+    def peak_burst_requests(self) -> int:
+        """How many requests the peak burst adds (make_peak_burst): 0 without one."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens) if self.peak_burst else 0
 
     @property
     def resolved_max_model_len(self) -> int:
@@ -383,6 +393,7 @@ class ScenarioResult:
             "steps": self.steps,
             "requests_finished": self.requests_finished,
             "requests": self.config.requests,
+            "peak_burst_requests": self.config.peak_burst_requests,
             "preemptions": self.preemptions,
             "device": {
                 "total_bytes": self.device_total_bytes,
@@ -427,6 +438,26 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
     weights = [float(share) for _, share in config.sampling_mix]
     sampling_rng = random.Random(f"sampling-{config.seed}")
     return [replace(request, sampling=sampling_rng.choices(kinds, weights)[0]) for request in requests]
+
+
+def make_peak_burst(config: ScenarioConfig) -> list[Request]:
+    """The profile run's batch as requests: ``n = min(max_num_seqs, max_num_batched_tokens)`` prompts sharing
+    ``max_num_batched_tokens``, the last one taking the remainder (vLLM's split, vllm/v1/worker/gpu_model_runner.py
+    0.11.0:2977-2980), each answering the workload's shortest answer, sampling as the run's mix draws (a stream
+    of its own, so the run's own requests are unchanged)."""
+    tokens = config.max_num_batched_tokens
+    count = min(config.max_num_seqs, tokens)  # peak_burst_requests, whether or not the knob is on
+    max_len = config.resolved_max_model_len
+    output = max(1, min(config.short_output_tokens[0], max_len - 1))
+    kinds = [kind for kind, _ in config.sampling_mix]
+    weights = [float(share) for _, share in config.sampling_mix]
+    rng = random.Random(f"peak-burst-{config.seed}")
+    burst = []
+    for index in range(count):
+        prompt = tokens // count + (tokens % count if index == count - 1 else 0)
+        prompt = max(1, min(prompt, max_len - output))  # vLLM refuses prompt + output > max_model_len
+        burst.append(Request(config.requests + index, prompt, output, False, rng.choices(kinds, weights)[0]))
+    return burst
 
 
 def sampling_batch(scheduled: list) -> SamplingBatch:
@@ -515,6 +546,7 @@ class ServingScenario:
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)
+        self._peak_burst = make_peak_burst(config) if config.peak_burst else []
         self._scheduler = Scheduler(
             self.kv_layout.block_size,
             config.max_num_batched_tokens,
@@ -542,7 +574,7 @@ class ServingScenario:
     def finished(self) -> bool:
         if self.oom or self.error:
             return True
-        return self._started and not self._scheduler.waiting and not self._scheduler.running
+        return self._started and not self._scheduler.waiting and not self._scheduler.running and not self._peak_burst
 
     @property
     def timeline(self) -> tuple[StepRecord, ...]:
@@ -824,6 +856,10 @@ class ServingScenario:
         if self.finished:
             return self._timeline[-1] if self._timeline else self._record("serving", self.step_index)
         scheduler = self._scheduler
+        if self._peak_burst and not scheduler.waiting and not scheduler.running:
+            # The requests have drained: the peak burst arrives at an idle engine.
+            scheduler.waiting.extend(Sequence(r.prompt_tokens, r.output_tokens, r) for r in self._peak_burst)
+            self._peak_burst = []
         scheduled = scheduler.schedule()
         num_tokens = sum(tokens for _, tokens in scheduled)
         gathered: tuple[int, ...] = ()
@@ -869,7 +905,7 @@ class ServingScenario:
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> ScenarioResult:
         self.startup()
-        total = len(self.requests)
+        total = len(self.requests) + len(self._peak_burst)
         while not self.finished:
             self.step()
             if progress is not None:
