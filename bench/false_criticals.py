@@ -8,7 +8,7 @@ memory. The guard projects the worst case vLLM itself budgets for: a batch of
 32 requests seldom schedule such a batch. So each false critical is run again to its end, and then one
 profile-size forward is added (``ServingScenario._ops(max_num_batched_tokens, ...)``, what vLLM's
 profile run executes), its sampler as a batch of greedy and top-k/top-p requests runs it
-(``workload.PROFILE_SAMPLING``: the profile run's own sampler, and what any mixed batch of the default
+(``budget.sampler.PROFILE_SAMPLING``: the profile run's own sampler, and what any mixed batch of the default
 sampling mix reaches), and the whole stream is replayed on the allocator that decides it: MindSpore's
 compiled pool where its oracle is built (bench/real_pool.py), else the model.
 
@@ -39,8 +39,8 @@ def worst_batch(scenario: tuple) -> dict:
     """The run to its end, then one profile-size forward: did it run out, on which allocator, with how
     much room."""
     from kvguard.allocators.base import AllocatorOutOfMemory
+    from kvguard.budget.sampler import PROFILE_SAMPLING
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
-    from kvguard.sim.workload import PROFILE_SAMPLING
 
     model, gib, util, (_, allocator, overrides), budget, seed = scenario
     path, tp = guard_holdout.MODELS[model]

@@ -68,7 +68,7 @@ def test_the_burst_leaves_the_runs_own_requests_and_steps_unchanged():
 
 def test_a_mixed_burst_reaches_the_profile_peak_less_the_profile_runs_random_hidden_states():
     # A batch holding greedy and top-k/top-p requests runs the sampler the profile run runs
-    # (workload.PROFILE_SAMPLING). The one tensor only the profile has: _dummy_sampler_run's
+    # (budget.sampler.PROFILE_SAMPLING). The one tensor only the profile has: _dummy_sampler_run's
     # torch.rand_like hidden states, 256 rows x hidden_size in bf16 (gpu_model_runner.py 0.11.0:3189).
     mixed = ServingScenario(config(sampling_mix=(("greedy", 0.5), ("top_k_top_p", 0.5)))).run()
     steps = serving(mixed)

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvguard.budget.sampler import SamplingBatch
 from kvguard.cli import main
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario, make_requests, parse_sampling_mix
-from kvguard.sim.workload import SamplingBatch, forward_ops, model_shape
+from kvguard.sim.workload import forward_ops, model_shape
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN3 = json.loads((REPO / "tests" / "data" / "configs" / "qwen3-0.6b" / "config.json").read_text())

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvguard.budget.model_config import bundled_model_config_path, load_model_config
+from kvguard.budget.sampler import SamplingBatch
 from kvguard.cli import main
 from kvguard.sim.scenario import (
     ForwardMemo,
@@ -15,7 +16,7 @@ from kvguard.sim.scenario import (
     run_scenario,
     search_gpu_memory_utilization,
 )
-from kvguard.sim.workload import SamplingBatch, forward_ops
+from kvguard.sim.workload import forward_ops
 
 
 @pytest.mark.parametrize("allocator", ["torch", "torch_npu", "mindspore"])

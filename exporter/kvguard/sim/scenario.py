@@ -80,11 +80,10 @@ from kvguard.budget.estimator import (
     stock_kv_cache_bytes,
     text_config,
 )
+from kvguard.budget.sampler import SAMPLING_KINDS, SamplingBatch
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.sim.workload import (
-    SAMPLING_KINDS,
     ModelShape,
-    SamplingBatch,
     forward_chunks,
     forward_ops,
     model_shape,
@@ -131,9 +130,9 @@ class ScenarioConfig:
     short_prompt_tokens: tuple[int, int] = (32, 1024)
     short_output_tokens: tuple[int, int] = (16, 256)
     long_output_tokens: tuple[int, int] = (16, 128)
-    # How the requests sample, as (kind, share) pairs over workload.SAMPLING_KINDS; each request draws its kind
+    # How the requests sample, as (kind, share) pairs over budget.sampler.SAMPLING_KINDS; each request draws its kind
     # (from a stream of its own: the prompts and outputs stay as they were), and vLLM's sampler runs per batch
-    # (workload.SamplingBatch). Default, every request top-k and top-p: since vLLM 0.8.0 --generation-config is
+    # (budget.sampler.SamplingBatch). Default, every request top-k and top-p: since vLLM 0.8.0 --generation-config is
     # "auto" (vllm-project/vllm#12622; vllm/config/model.py 0.11.0:237), so the model's generation_config.json
     # sets the top_k, top_p and temperature of every request that does not set its own
     # (get_diff_sampling_param, :1344-1393), and chat models ship both (Qwen's, as vLLM logs it in
@@ -333,7 +332,7 @@ class Request:
     prompt_tokens: int
     output_tokens: int
     is_long: bool
-    sampling: str = "greedy"  # workload.SAMPLING_KINDS
+    sampling: str = "greedy"  # budget.sampler.SAMPLING_KINDS
 
 
 @dataclass(frozen=True)
