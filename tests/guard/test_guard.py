@@ -297,3 +297,26 @@ def test_a_profile_with_kv_cache_memory_bytes_alone_is_judged(formula):
     assert verdict.headroom_bytes == 80 * GIB - 10 * GIB - 5 * GIB
     too_big = judge(GuardInput(profile=profile(70 * GIB, 15 * GIB), kv_cache_bytes=15 * GIB))
     assert too_big.state == CRITICAL and too_big.headroom_bytes == 80 * GIB - 70 * GIB - 15 * GIB
+
+
+def test_a_sampler_the_profile_run_left_out_adds_what_it_passes_the_allocated_peak_by():
+    # vllm-ascend's profile run samples nothing (Profile.unprofiled_sampler_bytes): a full batch's sampling
+    # peak above the profile's allocated peak is the next activation peak's too.
+    kv = 30 * GIB
+    base = judge(GuardInput(NPU_910B, kv_cache_bytes=kv))
+    above = dataclasses.replace(NPU_910B, unprofiled_sampler_bytes=NPU_910B.peak_allocated_increase_bytes + GIB)
+    verdict = judge(GuardInput(above, kv_cache_bytes=kv))
+    assert verdict.projected_peak_bytes == base.projected_peak_bytes + GIB
+    below = dataclasses.replace(NPU_910B, unprofiled_sampler_bytes=NPU_910B.peak_allocated_increase_bytes - GIB)
+    assert judge(GuardInput(below, kv_cache_bytes=kv)).projected_peak_bytes == base.projected_peak_bytes
+
+
+def test_a_left_out_sampler_that_tips_the_peak_over_the_device_is_critical_and_named():
+    # Headroom with the stock KV cache is the slack less the overcommit; a sampler 1 GiB above it tips it.
+    headroom = judge(GuardInput(NPU_910B)).headroom_bytes
+    profile = dataclasses.replace(
+        NPU_910B, unprofiled_sampler_bytes=NPU_910B.peak_allocated_increase_bytes + headroom + GIB
+    )
+    verdict = judge(GuardInput(profile))
+    assert verdict.state == CRITICAL and verdict.reason_codes[0] == PEAK_EXCEEDS_CAPACITY
+    assert "of sampling the profile run left out" in verdict.reasons[0].message

@@ -1,7 +1,9 @@
 """The guard over a grid of simulated vLLM runs (bench/guard_grid.py --quick): every serving OOM
 is called critical before it happens, with MindSpore's counters alone (no credit for idle memory: they
 cannot tell what the next peak may reuse) and in exact mode (the pool's own lists, KVGUARD_MINDSPORE_DUMP);
-in exact mode false criticals stay at or under 10%."""
+in exact mode false criticals stay at or under 10%. Each run ends with the peak burst (``--peak-burst``,
+bench/results/guard-grids-peak-burst-rule-2026-12-07.md): the batch vLLM budgets for, which the guard projects,
+formed by real requests, so the truth reaches what the guard speaks of."""
 
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ _MEASURED: dict[str, dict] = {}
 def measured(mode: str) -> dict:
     if mode not in _MEASURED:
         guard_grid.EXACT_MODE[0] = mode == "exact"
+        guard_grid.PEAK_BURST[0] = True
         try:
             result = guard_grid.measure(guard_grid.QUICK, jobs=min(os.cpu_count() or 1, 8))
         finally:
-            guard_grid.EXACT_MODE[0] = False
+            guard_grid.EXACT_MODE[0] = guard_grid.PEAK_BURST[0] = False
         print(f"\n{mode}:\n" + guard_grid.report(result))
         _MEASURED[mode] = result
     return _MEASURED[mode]

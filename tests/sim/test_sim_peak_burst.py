@@ -110,3 +110,33 @@ def test_simulate_peak_burst_through_the_cli():
     assert "Outcome      OOM during serving step" in burst.output
     figures = json.loads(CliRunner().invoke(main, [*args, "--peak-burst", "--json", "--device", "24GiB"]).output)
     assert (figures["requests"], figures["peak_burst_requests"], figures["requests_finished"]) == (32, 256, 288)
+
+
+def test_on_vllm_ascend_the_burst_passes_the_profile_and_the_guard_projects_the_sampler_it_left_out():
+    # torch_npu stands for vllm-ascend, whose profile run samples nothing (its era rows' profile_runs_sampler):
+    # a tuning-grid run (bench/guard_grid.py) that the burst runs out of memory in the sampler, and that the
+    # guard called ok before it was given the sampler's peak.
+    llama = json.loads((REPO / "tests" / "data" / "configs" / "llama-3-8b-instruct" / "config.json").read_text())
+    run = run_guarded(
+        ServingScenario(
+            config(
+                model_config=llama,
+                device_memory_bytes=32 * GIB,
+                gpu_memory_utilization=0.95,
+                allocator="torch_npu",
+                budget="stock",
+                seed=0,
+                requests=32,
+            )
+        )
+    )
+    assert run.result.oom and run.result.oom_phase == "serving"
+    assert serving(run.result)[-1].num_running == 256
+    profile = run.result.profile
+    # 256 rows of Llama-3's 128,256-entry vocabulary, sorted in fp32 with int64 indices, dominate the peak.
+    assert profile.unprofiled_sampler_bytes > profile.peak_allocated_increase_bytes
+    assert run.caught_at_budget
+    assert "of sampling the profile run left out" in run.at_budget.reasons[0].message
+    # On CUDA, vLLM's profile run samples the full batch itself: nothing is added.
+    cuda = ServingScenario(config(model_config=llama, device_memory_bytes=32 * GIB, requests=1))
+    assert cuda.startup().unprofiled_sampler_bytes is None

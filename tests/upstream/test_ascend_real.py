@@ -10,7 +10,9 @@ guard budgets are checked against it. Environments: `python3 tests/upstream/asce
 
 from __future__ import annotations
 
+import ast
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -20,6 +22,7 @@ from ascend_real.harness import ASCEND_SCENARIO, run_engine
 from helpers import cli_args
 
 from kvguard.budget.estimator import FORMULAS, reserved_kv_cache_bytes, stock_kv_cache_bytes
+from kvguard.budget.sampler import unprofiled_sampler_peak_bytes
 from kvguard.spool.io import read_spool
 from kvguard.vllm.eras import era_for
 
@@ -104,6 +107,57 @@ def test_on_0_17_the_cleared_term_is_the_startup_non_torch_memory(tmp_path_facto
     memory there before the profile, although the profile's empty_cache freed nothing."""
     _, snap = run("vllm-ascend:0.17.0rc1", tmp_path_factory)
     assert snap.profile.non_torch_cleared_bytes == ASCEND_SCENARIO["init_non_torch_bytes"]
+
+
+def _samples_in(source: pathlib.Path, class_name: str, method: str) -> bool | None:
+    """Whether ``class_name`` in that file defines ``method`` (None: it does not) and, if so, whether that
+    calls a sampler (``self.sampler(...)``, as vLLM's own ``_dummy_sampler_run`` does) or only computes the
+    logits."""
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == method:
+                    calls = {ast.unparse(call.func) for call in ast.walk(item) if isinstance(call, ast.Call)}
+                    assert "self.model.compute_logits" in calls, f"{method} computes no logits: read it again"
+                    return any(name.endswith("sampler") for name in calls)
+    return None
+
+
+def _site_packages(release: str) -> pathlib.Path:
+    (found,) = envs.env_dir(release).glob("lib/python3*/site-packages")
+    return found
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_releases_profile_run_samples_nothing_as_its_row_says(release):
+    """The era column profile_runs_sampler, read from the release's own source: NPUModelRunner's
+    _dummy_sampler_run computes the logits and calls no sampler (its TODO says so), and the 310P runner,
+    where the release has one, keeps it."""
+    site = _site_packages(release)
+    runner = site / "vllm_ascend" / "worker" / "model_runner_v1.py"
+    # 0.11.0's profile_run computes the logits itself; later releases call vLLM's profile_run, which ends in
+    # the _dummy_sampler_run NPUModelRunner overrides.
+    dummy = _samples_in(runner, "NPUModelRunner", "_dummy_sampler_run")
+    assert (_samples_in(runner, "NPUModelRunner", "profile_run") if dummy is None else dummy) is False
+    runner_310p = site / "vllm_ascend" / "_310p" / "model_runner_310p.py"
+    if runner_310p.is_file():
+        assert _samples_in(runner_310p, "NPUModelRunner310", "_dummy_sampler_run") is None
+        assert _samples_in(runner_310p, "NPUModelRunner310", "profile_run") is None
+    assert era_for(release).profile_runs_sampler is False
+
+
+@pytest.mark.parametrize("release", ASCEND)
+def test_the_plugin_adds_the_sampling_peak_the_profile_run_left_out(release, tmp_path_factory):
+    """Worked out from the engine's own config objects (the model's hidden size, vocabulary and dtype, the
+    scheduler's limits), with the formula tests/budget/test_sampler_peak.py checks against vLLM's dtypes."""
+    result, snap = run(release, tmp_path_factory)
+    c = result["config"]
+    names = ("hidden_size", "vocab_size", "dtype_bytes", "tensor_parallel_size", "max_num_seqs")
+    expected = unprofiled_sampler_peak_bytes(
+        max_num_batched_tokens=c["max_num_batched_tokens"], **{name: c[name] for name in names}
+    )
+    assert snap.profile.unprofiled_sampler_bytes == expected > 0
 
 
 def _flags(release: str, result: dict) -> list:

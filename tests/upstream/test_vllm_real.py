@@ -77,6 +77,8 @@ def test_the_plugin_records_the_release_and_its_era(release, tmp_path_factory):
     era = era_for(release)
     expected = "extensible" if era.extensible_kv_cache_default else era.formula
     assert snap.profile.formula == expected
+    # vLLM's profile run samples a full batch itself (_dummy_sampler_run): the plugin adds no sampler peak.
+    assert era.profile_runs_sampler and snap.profile.unprofiled_sampler_bytes is None
 
 
 @pytest.mark.parametrize("release", RELEASES)

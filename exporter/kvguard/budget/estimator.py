@@ -407,6 +407,9 @@ class Profile:
       ``reserved_headroom_bytes``) and ``torch_reserve_growth_bytes``.
     - ``non_torch_cleared_bytes``: vllm-ascend 0.15+, the non-torch memory the profile's
       ``empty_cache`` cleared (absolute non-torch before it − the non-torch increase).
+    - ``unprofiled_sampler_bytes``: where the release's profile run runs no sampler (vllm-ascend V1), the
+      activation peak of sampling a full batch (``kvguard.budget.sampler.unprofiled_sampler_peak_bytes``);
+      no formula reads it, the guard projects it.
     """
 
     total_memory_bytes: int
@@ -428,6 +431,7 @@ class Profile:
     kv_transient_peak_bytes: int | None = None
     torch_reserve_growth_bytes: int | None = None
     non_torch_cleared_bytes: int | None = None
+    unprofiled_sampler_bytes: int | None = None
 
     REQUIRED = (
         "total_memory_bytes",

@@ -180,6 +180,17 @@ PROFILE_FIELDS: tuple[ProfileField, ...] = (
         "the non-torch memory present at startup",
         hint=" (the non-torch memory present at startup, which it also subtracts)",
     ),
+    ProfileField(
+        "unprofiled_sampler_bytes",
+        None,
+        "size",
+        "vllm-ascend V1 (from a profile file or the plugin): the activation peak of sampling a full batch with "
+        "top-k and top-p, which its profile run leaves out (it computes the logits and runs no sampler, "
+        "vllm_ascend/worker/model_runner_v1.py 0.23.0.post1:3666-3682). Not in the budget; the guard projects it "
+        "(the plugin works it out from the model and scheduler config, kvguard.budget.sampler).",
+        "unprofiled sampler peak",
+        "the sampler peak the profile run left out",
+    ),
 )
 
 _BY_NAME = {row.name: row for row in PROFILE_FIELDS}

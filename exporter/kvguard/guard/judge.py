@@ -257,6 +257,9 @@ def judge(inp: GuardInput) -> Verdict:
                 "cannot say the KV cache fits",
             )
         )
+    # A release whose profile run runs no sampler (vllm-ascend V1) measured a peak that a full batch's
+    # sampling can pass: what it passes by is the next activation peak's too (Profile.unprofiled_sampler_bytes).
+    sampler_excess = max(0, (profile.unprofiled_sampler_bytes or 0) - (profile.peak_allocated_increase_bytes or 0))
     if profile.budget_formula.non_kv == "peak" or measured_non_kv is None:
         activation = (
             profile_for_reserved.peak_reserved_increase_bytes
@@ -266,7 +269,7 @@ def judge(inp: GuardInput) -> Verdict:
         # A reserved increase below the allocated one means the profile run's activations lived in
         # memory the allocator already held idle (MindSpore: the weights' pool-block tails); once the
         # KV cache takes that memory, the next peak needs its allocated bytes anew.
-        activation = max(activation or 0, profile.peak_allocated_increase_bytes or 0)
+        activation = max(activation or 0, profile.peak_allocated_increase_bytes or 0) + sampler_excess
         non_torch = profile.non_torch_increase_bytes or 0
         if live_non_torch is not None and live_non_torch > non_torch:
             # The profile holds the increase only; the runtime context and communication buffers
@@ -277,7 +280,7 @@ def judge(inp: GuardInput) -> Verdict:
         # 0.34's extensible KV cache, measured after warm-up (extensible_kv_cache.py 0.34.0:592-618): what
         # was in use at the init snapshot, the non-KV memory used since, the KV cache, and the larger of
         # the transient peak and torch's reserve growth, which vLLM keeps free.
-        activation = max(profile.kv_transient_peak_bytes or 0, profile.torch_reserve_growth_bytes or 0)
+        activation = max(profile.kv_transient_peak_bytes or 0, profile.torch_reserve_growth_bytes or 0) + sampler_excess
         non_torch = live_non_torch or 0
         init_free = profile.init_free_memory_bytes
         assert init_free is not None  # measured_non_kv is known, and it counts from init_free_memory_bytes
@@ -286,9 +289,9 @@ def judge(inp: GuardInput) -> Verdict:
         # 0.27+: what the era keeps out of the KV cache already holds weights and non-torch memory.
         base = profile_for_reserved or profile
         non_kv = non_kv_cache_bytes(base, reserved=profile_for_reserved is not None) or measured_non_kv
-        activation = base.transient_peak_headroom_bytes or 0
+        activation = (base.transient_peak_headroom_bytes or 0) + sampler_excess
         non_torch = live_non_torch or 0
-        projected = non_kv + kv_cache + (profile.cudagraph_memory_bytes or 0)
+        projected = non_kv + kv_cache + (profile.cudagraph_memory_bytes or 0) + sampler_excess
     if memory is not None and memory.reserved_bytes is not None:
         # What the allocator holds now already includes weights and KV cache with every
         # rounding and packing loss; the next activation peak must fit on top of it, less
@@ -357,7 +360,13 @@ def judge(inp: GuardInput) -> Verdict:
             Reason(
                 PEAK_EXCEEDS_CAPACITY,
                 f"projected peak {format_gib(projected)} (weights + KV cache "
-                f"+ reserved activation peak + non-torch) exceeds the device's "
+                f"+ reserved activation peak + non-torch"
+                + (
+                    f", with {format_gib(sampler_excess)} of sampling the profile run left out"
+                    if sampler_excess
+                    else ""
+                )
+                + ") exceeds the device's "
                 f"{format_gib(capacity)} by {format_gib(-headroom)}" + pool_credit_note(memory, inp.snapshot_stale),
             )
         )

@@ -33,6 +33,7 @@ from kvguard.plugin.profile import (
     runs_mindspore,
     with_cleared,
     with_extensible_inputs,
+    with_unprofiled_sampler,
 )
 from kvguard.plugin.state import Settings, log
 
@@ -352,6 +353,7 @@ def _wrap_determine_available_memory(original: Method) -> Method:
                 )
             return available
         profile = state.guard("profile", with_cleared, profile, available) or profile
+        profile = state.guard("profile", with_unprofiled_sampler, self, profile) or profile
         state.guard("profile", budget.check_formula, profile, available)
         from kvguard import probe
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvguard.plugin.objects import (
     CacheConfig,
@@ -234,6 +234,40 @@ def with_cleared(profile: Profile, available: object) -> Profile | None:
     # A profile whose non-KV figure is unknown (None) raises TypeError here: counted by the hook, as before.
     cleared = int(requested_memory_bytes(profile) - non_kv_cache_bytes(profile) - scale * available)  # type: ignore[operator]
     return dataclasses.replace(profile, non_torch_cleared_bytes=cleared)
+
+
+def with_unprofiled_sampler(worker: Worker, profile: Profile) -> Profile | None:
+    """A release whose profile run samples nothing (its era row's ``profile_runs_sampler`` is False: vllm-ascend
+    V1) measured no sampler: the profile with the sampling peak of the batch vLLM budgets for
+    (``kvguard.budget.sampler.unprofiled_sampler_peak_bytes``), from the engine's own config: the model's
+    hidden size, vocabulary and dtype, tensor parallelism, and the scheduler's max_num_seqs and
+    max_num_batched_tokens. None where the row's profile run samples, for a pooling model (no sampler), or
+    where the config tells too little."""
+    from kvguard.budget.sampler import unprofiled_sampler_peak_bytes
+
+    era = era_of(profile.vllm_version)
+    if era is None or era.profile_runs_sampler or profile.unprofiled_sampler_bytes is not None:
+        return None
+    if getattr(getattr(worker, "model_runner", None), "is_pooling_model", False):
+        return None
+    config = getattr(worker, "vllm_config", None)
+    model: Any = getattr(config, "model_config", None)
+    scheduler: Any = getattr(config, "scheduler_config", None)
+    parallel: Any = getattr(config, "parallel_config", None)
+    try:
+        figures = {
+            "hidden_size": model.get_hidden_size(),
+            "vocab_size": model.get_vocab_size(),
+            "dtype_bytes": model.dtype.itemsize,
+            "tensor_parallel_size": getattr(parallel, "tensor_parallel_size", 1),
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        }
+    except (AttributeError, TypeError):
+        return None
+    if not all(isinstance(value, int) and not isinstance(value, bool) and value > 0 for value in figures.values()):
+        return None
+    return dataclasses.replace(profile, unprofiled_sampler_bytes=unprofiled_sampler_peak_bytes(**figures))
 
 
 def with_extensible_inputs(profile: Profile, calls: list[dict[str, int]], requested: int) -> Profile | None:

@@ -80,7 +80,7 @@ from kvguard.budget.estimator import (
     stock_kv_cache_bytes,
     text_config,
 )
-from kvguard.budget.sampler import SAMPLING_KINDS, SamplingBatch
+from kvguard.budget.sampler import SAMPLING_KINDS, SamplingBatch, unprofiled_sampler_peak_bytes
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.sim.workload import (
     ModelShape,
@@ -675,6 +675,7 @@ class ServingScenario:
             peak_allocated_increase_bytes=after_peak - before_peak,
             peak_reserved_increase_bytes=after_reserved - before_reserved,
             non_torch_increase_bytes=after_non_torch - init_non_torch,
+            unprofiled_sampler_bytes=self._unprofiled_sampler_bytes(),
         )
         kv_bytes = (
             stock_kv_cache_bytes(self.profile) if cfg.budget == "stock" else reserved_kv_cache_bytes(self.profile)
@@ -705,6 +706,23 @@ class ServingScenario:
         self._scheduler.free_blocks = self.num_blocks
         self._record("kv_cache")
         return self.profile
+
+    def _unprofiled_sampler_bytes(self) -> int | None:
+        """What the plugin adds to the profile on vllm-ascend, whose profile run this one stands for on torch_npu
+        (``profile_runs_sampler``; kvguard.plugin.profile.with_unprofiled_sampler): the sampling peak of the
+        batch vLLM budgets for. MindSpore's profile run is not modelled with a sampler, and vllm-mindspore's
+        real one runs vLLM's (its era row samples), so the plugin adds nothing there."""
+        cfg = self.config
+        if cfg.profile_runs_sampler or cfg.allocator != "torch_npu":
+            return None
+        return unprofiled_sampler_peak_bytes(
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            hidden_size=self.shape.hidden_size,
+            vocab_size=self.shape.vocab_size,
+            tensor_parallel_size=self.shape.tensor_parallel_size,
+            dtype_bytes=self.shape.dtype_bytes,
+        )
 
     def kv_tensor_sizes(self, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_tensor_bytes(self.kv_layout, num_blocks, self.config.kv_tensor_style)

@@ -53,6 +53,8 @@ class Era:
     # for every layer (its budget arithmetic unchanged)
     expandable_segments_from: tuple[int, ...] | None = None  # the row's first release whose platform turns
     # torch_npu's expandable segments on when the operator has not set them
+    profile_runs_sampler: bool = True  # the profile run ends by sampling a full batch (vLLM's _dummy_sampler_run);
+    # False: it computes the logits only, and the guard adds the sampling peak (Profile.unprofiled_sampler_bytes)
     vmm_default: bool | None = None  # MindSpore's VMM as the release's env_setup sets MS_ALLOC_CONF when the
     # operator has not (None: it does not; MindSpore's own default applies)
     log_lines: tuple[str, ...] = ()  # kvguard.vllm.log line kinds this era writes
@@ -146,11 +148,16 @@ _ASCEND_CITES = (
     "0.23.0.post1:4227-4256 k_tensor and v_tensor of size // split factor (calc_split_factor, utils.py "
     "0.18.0:1323-1328: 2 for K = V); DeepSeek MLA splits kv_lora_rank : qk_rope_head_dim instead "
     "(amr 0.11.0:2871-2955; not modelled, one tensor of the same bytes)",
+    "profile_runs_sampler False: NPUModelRunner._dummy_sampler_run computes the logits and samples nothing, "
+    "'TODO: need to rum a dummy sampler for generate task' (amr 0.11.0:2596 in profile_run; 0.14.0rc1:2142-2160, "
+    "0.17.0rc1:2479-2495, 0.18.0:2523-2539, 0.19.1rc1:2898-2914, 0.23.0.post1:3666-3682)",
 )
 _ASCEND_310P_CITES = (
     "allocator torch_npu: NPUWorker310 is an NPUWorker (310 0.18.0)",
     "kv_tensor_style per_layer_k_v: _310p/model_runner_310p.py 0.17.0rc1:300-309 and 0.18.0:299-308 "
     "a k_cache and a v_cache per attention layer (torch_npu.empty_with_format)",
+    "profile_runs_sampler False: NPUModelRunner310 is an NPUModelRunner and keeps its _dummy_sampler_run, which "
+    "samples nothing (_310p/model_runner_310p.py 0.14.0rc1:31, 0.18.0:50, 0.23.0.post1:66)",
 )
 _MINDSPORE_CITES = (
     "allocator mindspore: vllm_mindspore/__init__.py:22-27 @ 0.5.1 msadapter (torch's API on "
@@ -426,6 +433,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.14.0"),
         "absolute_peak",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.14.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -449,6 +457,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.17.0"),
         "ascend_cleared",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.15.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -470,6 +479,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.18.0"),
         "peak",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.18.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -489,6 +499,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.19.1"),
         "peak",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.19.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -524,6 +535,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.23.0"),
         "peak",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.20.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -558,6 +570,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.14.0"),
         "absolute_peak",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.14.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -579,6 +592,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.17.0"),
         "ascend_cleared",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.15.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -605,6 +619,7 @@ ERAS: tuple[Era, ...] = (
         _v("0.19.1"),
         "ascend_cleared_halved",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.18.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,
@@ -638,6 +653,7 @@ ERAS: tuple[Era, ...] = (
         None,
         "ascend_cleared_halved",
         allocator="torch_npu",
+        profile_runs_sampler=False,
         expandable_segments_from=_v("0.20.0"),
         kv_tensor_style="per_layer_k_v",
         default_block_size=128,

@@ -159,6 +159,13 @@ def _startup(scenario, device, result):
         "worker_cls": vllm_config.parallel_config.worker_cls,
         # what the platform's check_and_update_config left for torch_npu's allocator (0.17.0rc1+ sets it)
         "npu_alloc_conf": os.environ.get("PYTORCH_NPU_ALLOC_CONF"),
+        # what a full batch's sampling is sized by, as vLLM's own config objects hold it
+        "hidden_size": vllm_config.model_config.get_hidden_size(),
+        "vocab_size": vllm_config.model_config.get_vocab_size(),
+        "dtype_bytes": vllm_config.model_config.dtype.itemsize,
+        "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size,
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
     }
     module_name, _, _ = vllm_config.parallel_config.worker_cls.rpartition(".")
     worker_module = importlib.import_module(module_name)
