@@ -320,7 +320,8 @@ def test_the_estimators_layout_is_checked_before_the_workload_shape():
 # - Qwen 0.90: delta reserved is 0 (the spilled weight blocks' tails hold the profile run), so the
 #   reserved budget is larger and its 267 MiB K/V tensors find no room (see the story tests); the
 #   stock budget places them and runs out in serving, against the pool's budget;
-# - Qwen2.5-72B TP8 0.90: 40 GiB of 258 MiB K/V tensors lose their block tails under both budgets.
+# - Qwen2.5-72B TP8 0.92: 40 GiB of 258 MiB K/V tensors lose their block tails under both budgets (at 0.90
+#   they fit since the profile run samples its full batch, as vllm-mindspore 0.5.1's does: ok under both).
 SUITE = [
     ("qwen2.5-7b-instruct", 32, 1, "mindspore", 0.90, 1, None, ("ok", "ok")),
     ("qwen2.5-7b-instruct", 32, 1, "mindspore", 0.80, 0, None, ("ok", "ok")),
@@ -331,7 +332,8 @@ SUITE = [
     ("qwen2.5-7b-instruct", 32, 1, "mindspore", 0.80, 0, "enable_vmm:False", ("ok", "ok")),
     ("llama-3-8b-instruct", 32, 1, "mindspore", 0.95, 0, "enable_vmm:False", ("kv_cache", "kv_cache")),
     ("mistral-nemo-instruct-2407", 32, 1, "mindspore", 0.95, 0, "enable_vmm:False", ("kv_cache", "kv_cache")),
-    ("qwen2.5-72b-instruct", 64, 8, "mindspore", 0.90, 0, "enable_vmm:False", ("kv_cache", "kv_cache")),
+    ("qwen2.5-72b-instruct", 64, 8, "mindspore", 0.90, 0, "enable_vmm:False", ("ok", "ok")),
+    ("qwen2.5-72b-instruct", 64, 8, "mindspore", 0.92, 0, "enable_vmm:False", ("kv_cache", "kv_cache")),
     ("qwen2.5-7b-instruct", 32, 1, "torch", 0.95, 0, None, ("ok", "ok")),
     ("qwen2.5-7b-instruct", 32, 1, "torch_npu", 0.90, 0, None, ("ok", "ok")),
     ("llama-3-8b-instruct", 80, 1, "torch", 0.95, 0, None, ("ok", "ok")),
@@ -427,19 +429,25 @@ def test_the_profile_sampler_does_not_shrink_with_tensor_parallelism():
     assert abs(peaks[1] - peaks[0]) < 0.05 * peaks[0]
 
 
-@pytest.mark.parametrize("allocator", ["torch_npu", "mindspore"])
-def test_profiles_without_a_sampler_run_do_not_get_one(allocator, monkeypatch):
+@pytest.mark.parametrize(
+    "allocator, launcher", [("torch_npu", "0.5.1"), ("mindspore", "0.2.0")], ids=["vllm-ascend", "vllm-mindspore-0.2"]
+)
+def test_profiles_without_a_sampler_run_do_not_get_one(allocator, launcher, monkeypatch):
     # vllm-ascend's profile_run computes the logits but runs no sampler (vllm_ascend/worker/model_runner_v1.py
-    # 0.11.0:2596-2598); vllm-mindspore's keeps its plain sampling ops: neither may reach the V1 CUDA sampler.
+    # 0.11.0:2596-2598); the seed's vllm-mindspore 0.2.0 (V0) keeps its plain sampling ops, its V0 sampler not
+    # modelled: neither may reach the V1 sampler run.
     import kvguard.sim.workload as workload
 
     def refuse(*args, **kwargs):
         raise AssertionError("profile_sampler_ops called")
 
     monkeypatch.setattr(workload, "profile_sampler_ops", refuse)
-    assert (
-        ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator=allocator)).startup()
-        is not None
+    config = ScenarioConfig(
+        model_config=QWEN, device_memory_bytes=32 * GIB, allocator=allocator, vllm_mindspore_version=launcher
     )
-    with pytest.raises(AssertionError, match="profile_sampler_ops"):
-        ServingScenario(ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator="torch")).startup()
+    assert ServingScenario(config).startup() is not None
+    for sampling in ("torch", "mindspore"):  # vLLM V1 on CUDA, and vllm-mindspore 0.5.1 on vLLM 0.11.0's profile_run
+        with pytest.raises(AssertionError, match="profile_sampler_ops"):
+            ServingScenario(
+                ScenarioConfig(model_config=QWEN, device_memory_bytes=32 * GIB, allocator=sampling)
+            ).startup()

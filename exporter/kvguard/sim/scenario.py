@@ -63,6 +63,7 @@ from kvguard.allocators.base import AllocatorOutOfMemory, record_steady, replay_
 from kvguard.allocators.device import DEFAULT_NON_ALLOCATOR_BYTES, Device
 from kvguard.allocators.mindspore_releases import (
     DEFAULT_LAUNCHER,
+    SEED_LAUNCHER,
     VLLM_MINDSPORE_LAUNCHERS,
     parse_alloc_conf,
     release,
@@ -240,10 +241,16 @@ class ScenarioConfig:
     @property
     def profile_runs_sampler(self) -> bool:
         """Whether the release's profile run ends with a top-k/top-p sampler run (``workload.profile_sampler_ops``):
-        vLLM V1's on CUDA does (vllm/v1/worker/gpu_model_runner.py 0.11.0:3393-3397, _dummy_sampler_run);
-        vllm-ascend's computes the logits only (vllm_ascend/worker/model_runner_v1.py 0.11.0:2596-2598, "need to
-        run a dummy sampler"); vllm-mindspore's is not modelled: both keep the plain sampling ops."""
-        return self.allocator == "torch"
+        vLLM V1's on CUDA does (vllm/v1/worker/gpu_model_runner.py 0.11.0:3393-3397, _dummy_sampler_run), and so
+        does vllm-mindspore's, which keeps vLLM's profile_run and _dummy_sampler_run (vllm_mindspore/__init__.py
+        @ 0.5.1:290-343 patches other GPUModelRunner methods; :386-403 patches the top-k/top-p functions, whose
+        tensors are modelled as vLLM's); vllm-ascend's, which torch_npu stands for, computes the logits only
+        (vllm_ascend/worker/model_runner_v1.py 0.11.0:2596-2598, "need to run a dummy sampler"). The seed's
+        vllm-mindspore 0.2.0 runs vLLM's V0 engine, whose profile run samples with V0's sampler: not modelled, so
+        its profile keeps the plain sampling ops (the seed's story tests hold it so)."""
+        if self.allocator == "mindspore":
+            return self.vllm_mindspore_version != SEED_LAUNCHER
+        return self.allocator != "torch_npu"
 
     @property
     def kv_tensor_style(self) -> str:
@@ -710,8 +717,7 @@ class ServingScenario:
     def _unprofiled_sampler_bytes(self) -> int | None:
         """What the plugin adds to the profile on vllm-ascend, whose profile run this one stands for on torch_npu
         (``profile_runs_sampler``; kvguard.plugin.profile.with_unprofiled_sampler): the sampling peak of the
-        batch vLLM budgets for. MindSpore's profile run is not modelled with a sampler, and vllm-mindspore's
-        real one runs vLLM's (its era row samples), so the plugin adds nothing there."""
+        batch vLLM budgets for."""
         cfg = self.config
         if cfg.profile_runs_sampler or cfg.allocator != "torch_npu":
             return None
