@@ -92,6 +92,7 @@ def file_inputs(size: int) -> dict[str, bytes]:
         "real logs (tests/data/logs)": real,
         "memory lines (v0.27-debug)": memory_lines,
         "memory lines, each its time": _each_its_time(memory_lines, size),
+        "memory lines, each its figures": _each_its_time(memory_lines, size, figures=True),
         "lines of MAX_LINE_CHARS-1": b"a" * (MAX_LINE_CHARS - 1) + b"\n",
         "lines over MAX_LINE_CHARS": b"a" * (MAX_LINE_CHARS + 100) + b"\n",
         "regex bait lines": bait,
@@ -101,19 +102,26 @@ def file_inputs(size: int) -> dict[str, bytes]:
     return {name: (unit * (size // len(unit) + 1))[:size] for name, unit in units.items()}
 
 
-def _each_its_time(lines: bytes, size: int) -> bytes:
+def _each_its_time(lines: bytes, size: int, figures: bool = False) -> bytes:
     """``lines`` repeated to ``size`` bytes, each line with a time and a pid of its own: a flood as a log writes
-    one (no two lines alike), which no reading kept per line helps."""
+    one (no two lines alike), which no reading kept per line helps. With ``figures``, each memory figure (the
+    digits of a number before GiB, GB, tokens, seconds or x) other digits too, as restarts and ranks write them."""
+    import random
     import re
 
     stamp = re.compile(rb"[0-9]{2}:[0-9]{2}:[0-9]{2}")
     pid = re.compile(rb"pid=[0-9]+")
+    figure = re.compile(rb"[0-9][0-9,.]*(?= ?(?:GiB|GB|tokens|seconds|x\b))")
+    digit = re.compile(rb"[0-9]")
+    rnd = random.Random(5)
     out, total, number = [], 0, 0
     units = lines.rstrip(b"\n").split(b"\n")
     while total < size:
         line = units[number % len(units)]
         line = stamp.sub(b"%02d:%02d:%02d" % (number // 3600 % 24, number // 60 % 60, number % 60), line, count=1)
         line = pid.sub(b"pid=%d" % (1000 + number % 50_000), line, count=1)
+        if figures:
+            line = figure.sub(lambda m: digit.sub(lambda _: b"%d" % rnd.randint(1, 9), m.group()), line)
         out.append(line)
         total += len(line) + 1
         number += 1

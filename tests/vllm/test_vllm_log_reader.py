@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 
 import pytest
 from conftest import TESTS
@@ -210,3 +211,198 @@ def test_wordings_are_given_up_after_enough_of_other_programs_output(tmp_path, f
     flood = b"".join(b"junk line number %d of a flood\n" % n for n in range(log.MAX_UNTAGGED_MISSES + 200_000))
     read_log_file(_write(tmp_path, flood))
     assert fed["lines"] < log.MAX_UNTAGGED_MISSES + 10 * log.STRETCH_CHARS
+
+
+# Lines of one shape (each digit made "0") are read from the first of them (log._SHAPES, _Line.again): only what
+# no digit changes is taken from it. Each pair below is one shape whose texts with digits differ in meaning.
+SHAPE_PAIRS = (
+    # A template whose own text holds digits: the first matches (cudagraph, acl_graph), the second is no such line.
+    (
+        "(EngineCore_DP0 pid=2201) INFO 11-02 09:14:19 [gpu_worker.py:579] CUDA graph memory profiling is enabled "
+        "(default since v0.21.0). The current --gpu-memory-utilization=0.9200 is equivalent to "
+        "--gpu-memory-utilization=0.9115 without CUDA graph memory profiling.",
+        "(EngineCore_DP0 pid=2201) INFO 11-02 09:14:19 [gpu_worker.py:579] CUDA graph memory profiling is enabled "
+        "(default since v0.22.0). The current --gpu-memory-utilization=0.9200 is equivalent to "
+        "--gpu-memory-utilization=0.9115 without CUDA graph memory profiling.",
+    ),
+    (
+        "INFO 11-02 09:14:19 [worker_310p.py:12] Available KV cache memory: 3.50 GiB",
+        "INFO 11-02 09:14:19 [worker_320p.py:12] Available KV cache memory: 3.50 GiB",
+    ),
+    (
+        "INFO 11-02 09:14:19 [worker.py:1] Skip warm-up atb ops for 310P device",
+        "INFO 11-02 09:14:19 [worker.py:1] Skip warm-up atb ops for 320P device",
+    ),
+    # An Ascend word with a digit (a hint), a date (_DATED tests its digits), a version banner.
+    (
+        "INFO 11-02 09:14:19 [platform.py:12] Block size is set to 128",
+        "INFO 11-02 09:14:19 [platform.py:12] Block size is set to 256",
+    ),
+    (
+        "[2026-02-24T20:21:58Z] INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 54.89 GiB",
+        "[1026-02-24T20:21:58Z] INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 54.89 GiB",
+    ),
+    (
+        "INFO 09-12 10:00:01 [api_server.py:1] vLLM API server version 0.11.0",
+        "INFO 09-12 10:00:01 [api_server.py:1] vLLM API server version 0.14.0",
+    ),
+    # The same template, other figures: each line states its own (one does not convert at all).
+    (
+        "INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 54.89 GiB",
+        "INFO 11-02 09:14:19 [gpu_worker.py:563] Available KV cache memory: 12.34 GiB",
+    ),
+    (
+        "INFO 11-02 09:14:20 [kv_cache_utils.py:2231] GPU KV cache size: 2e099 tokens",
+        "INFO 11-02 09:14:20 [kv_cache_utils.py:2231] GPU KV cache size: 1e999 tokens",
+    ),
+)
+
+
+def _afresh(lines, monkeypatch) -> log.StartupLog:
+    """``lines`` read with nothing kept from line to line (each line read in full)."""
+    with monkeypatch.context() as patch:
+        forgetful = type("Forgetful", (dict,), {"__setitem__": lambda self, key, value: None})
+        patch.setattr(log, "_LINES", forgetful())
+        patch.setattr(log, "_SHAPES", forgetful())
+        return parse_lines(lines)
+
+
+@pytest.mark.parametrize("pair", SHAPE_PAIRS, ids=lambda pair: pair[1][-40:])
+def test_lines_of_one_shape_each_read_as_themselves(pair, monkeypatch):
+    first, second = pair
+    zeroed = str.maketrans("123456789", "000000000")
+    assert first != second and first.translate(zeroed) == second.translate(zeroed)
+    for one, other in (pair, pair[::-1]):
+        log._SHAPES.clear()
+        log._LINES.clear()
+        log._read_line(one, 1, True)
+        again, fresh = log._read_line(other, 2, True), log._Line(log._clean(other), 2)
+        for name in ("line", "tail", "dated", "ascend", "hinted", "rare"):
+            assert getattr(again, name) == getattr(fresh, name), name
+        assert [(k.name, found, values, reach) for k, found, values, reach in again.attempts] == [
+            (k.name, found, values, reach) for k, found, values, reach in fresh.attempts
+        ]
+        assert again.banner() == fresh.banner() and again.tag() == fresh.tag()
+        assert parse_lines([one, other]) == _afresh([one, other], monkeypatch)
+    # The two say different things (else the pair would test nothing).
+    assert _afresh([first], monkeypatch) != _afresh([second], monkeypatch)
+
+
+def test_the_cudagraph_line_of_another_release_is_not_taken_from_its_shape():
+    log._SHAPES.clear()
+    log._LINES.clear()
+    first, second = SHAPE_PAIRS[0]
+    assert parse_lines([first]).lines_matched == 1
+    assert parse_lines([first, second]).lines_matched == 1
+    assert parse_lines([second]).lines_matched == 0
+
+
+_TIME = re.compile(r"[0-9]{2}:[0-9]{2}:[0-9]{2}")
+_PID = re.compile(r"pid=[0-9]+")
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: os.path.relpath(p, LOGS))
+def test_a_log_whose_lines_share_shapes_reads_as_each_line_afresh(path, monkeypatch):
+    # Every line, then copies of it with other digits (one shape: each copy read from the first); and the log three
+    # times over with a time and a pid of its own on each line (a flood as vLLM writes one): what a line says is
+    # its own, read from its shape or not, and the times and pids change no figure.
+    import random
+
+    rnd = random.Random(path)
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = handle.read().splitlines()
+    shaped = [
+        copy
+        for line in lines
+        for copy in (line, re.sub(r"[0-9]", lambda m: str(rnd.randint(0, 9)), line), re.sub(r"[0-9]", "9", line))
+    ]
+    log._SHAPES.clear()
+    assert parse_lines(shaped) == _afresh(shaped, monkeypatch)
+    timed = [
+        _PID.sub(f"pid={1000 + n}", _TIME.sub(f"{n // 3600 % 24:02d}:{n // 60 % 60:02d}:{n % 60:02d}", line, 1), 1)
+        for n, line in enumerate(lines * 3)
+    ]
+    log._SHAPES.clear()
+    varied = parse_lines(timed)
+    assert varied == _afresh(timed, monkeypatch) == parse_lines(lines * 3)
+
+
+def _digits_alike(pattern) -> list:
+    """What in ``pattern`` tells one ASCII digit from another: a literal digit, or a class holding some digits
+    and not all ten."""
+    from re import _constants as c, _parser
+
+    told: list = []
+
+    def walk(items) -> None:
+        for op, value in items:
+            if op is c.LITERAL and "0" <= chr(value) <= "9":
+                told.append(chr(value))
+            elif op is c.IN:
+                chars: set[int] = set()
+                for kind, item in value:
+                    if kind is c.LITERAL:
+                        chars.add(item)
+                    elif kind is c.RANGE:
+                        chars.update(range(item[0], item[1] + 1))
+                    elif kind is c.CATEGORY and item in (c.CATEGORY_DIGIT, c.CATEGORY_WORD):
+                        chars.update(range(48, 58))
+                digits = chars & set(range(48, 58))
+                if digits and digits != set(range(48, 58)):
+                    told.append(value)
+            elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+                walk(value[2])
+            elif op is c.SUBPATTERN:
+                walk(value[3])
+            elif op is c.BRANCH:
+                for branch in value[1]:
+                    walk(branch)
+            elif op in (c.ASSERT, c.ASSERT_NOT):
+                walk(value[1])
+
+    walk(_parser.parse(pattern.pattern, pattern.flags))
+    return told
+
+
+def test_the_searches_a_shape_shares_treat_every_digit_alike():
+    # _Line.again takes from the first line of a shape what these find; _DATED is read from each line.
+    from kvguard.vllm import oom, source_index
+
+    for pattern in (
+        log._NUMBER,
+        log._TAG,
+        log._RECORD_PREFIX,
+        log._ANSI,
+        log._BLANKS,
+        source_index._MESSAGE,
+        source_index._FIGURE,
+        source_index._MARKS,
+        source_index._NOT_LETTERS,
+    ):
+        assert _digits_alike(pattern) == [], pattern.pattern
+    assert _digits_alike(log._DATED)  # the checker sees digits where a pattern tells them apart
+    words = (*log._ANCHOR_WORDS, *log._MINDSPORE_WORDS, oom.ERROR_IN_METHOD, "out of memory", "OutOfMemoryError")
+    assert not any(log._has_digit(word) for word in words)
+    texts = {text for text, _ in log._DIGIT_TEXTS}
+    for kind in log.KINDS:
+        held = {value for piece, value in kind.pieces if piece == "lit" and log._has_digit(value)}
+        assert held <= texts and kind.digit_free == (not held), kind.template
+    assert {w for w in (*log._ASCEND_GATE, *log._ASCEND_WORDS) if log._has_digit(w)} <= texts
+
+
+def test_a_utilization_with_a_length_suffix_on_a_pasted_command_is_left_out_not_a_traceback(tmp_path):
+    # The flag pattern takes "32k" for --max-model-len; "--gpu-memory-utilization=0k" made float() raise.
+    import subprocess
+    import sys
+
+    log = tmp_path / "pasted.log"
+    log.write_text("$ vllm serve /models/qwen --gpu-memory-utilization=0k --max-model-len 32k\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvguard", "check", "--from-log", str(log)], capture_output=True, text=True, timeout=60
+    )
+    assert "Traceback" not in out.stderr and "could not convert" not in out.stderr, out.stderr
+    from kvguard.vllm.log import read_log_file
+
+    assert read_log_file(str(log)).gpu_memory_utilization is None
+    log.write_text("$ vllm serve /models/qwen --gpu-memory-utilization=0.85 --max-model-len 32k\n")
+    assert read_log_file(str(log)).gpu_memory_utilization == 0.85

@@ -20,6 +20,8 @@ line: blank lines, junk and a tool's own chatter cost a few substring scans of t
 that failed within its line is joined to the next ones only where they bring its first words again. What a
 line says on its own (its templates' outcomes, its hints) is kept for the next time the same line comes
 (:class:`_Line`, a bounded number of them): a log repeats its lines, rank after rank and restart after restart.
+A line that differs from one read before only in its digits (its own time, pid or figures: the same shape) is
+read from that one where no digit can change the reading (:meth:`_Line.again`), its figures from its own text.
 
 The templates follow each release's format strings (file:line per release in
 ``kvguard/vllm/eras.py`` and docs/reference/eras.md, generated from it); each carries the vLLM releases that
@@ -140,6 +142,8 @@ class LineKind:
     pieces: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     units: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
     anchor: str = field(default="", compare=False, repr=False)  # the first literal, found with str.find
+    # Whether no literal holds a digit: then the template reads every line of one shape (its digits made "0") alike.
+    digit_free: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         pieces = tuple(_compile(self.template))
@@ -150,14 +154,23 @@ class LineKind:
             self, "units", {value.partition(":")[0]: value.partition(":")[2] for kind, value in pieces if kind == "num"}
         )
         object.__setattr__(self, "anchor", self.pieces[0][1])
+        object.__setattr__(
+            self, "digit_free", not any(kind == "lit" and _has_digit(value) for kind, value in self.pieces)
+        )
 
     def match(self, line: str) -> dict[str, str] | None:
-        return self.match_reach(line)[0]
+        spans = self.match_spans(line)[0]
+        return None if spans is None else {fact: line[start:end] for fact, (start, end) in spans.items()}
 
     def match_reach(self, line: str) -> tuple[dict[str, str] | None, int]:
         """The facts, or None; and how much of the line decided that (``UNDECIDED`` where what follows it
         might): no text appended to a line that failed within its reach makes it match, unless the reach is
         negative (``-1 - reach``) and the text appended holds the anchor (a later occurrence is tried too)."""
+        spans, reach = self.match_spans(line)
+        return (None if spans is None else {fact: line[start:end] for fact, (start, end) in spans.items()}), reach
+
+    def match_spans(self, line: str) -> tuple[dict[str, tuple[int, int]] | None, int]:
+        """:meth:`match_reach` with each fact as where its figure stands in the line (start, end)."""
         anchor = self.anchor
         start = line.find(anchor)
         tries = reach = 0
@@ -170,6 +183,10 @@ class LineKind:
             start = line.find(anchor, start + 1)
         # Fewer tries than the most: an occurrence of the anchor in appended text would be tried too.
         return None, reach if tries == MAX_ANCHOR_TRIES else -1 - reach
+
+
+def _has_digit(text: str) -> bool:
+    return any(map(text.__contains__, "0123456789"))
 
 
 def _compile(template: str) -> Iterator[tuple[str, str]]:
@@ -195,9 +212,12 @@ UNDECIDED = sys.maxsize
 MAX_ANCHOR_TRIES = 4
 
 
-def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tuple[dict[str, str] | None, int]:
-    """The facts a template states from ``pos``, or None; and the reach that decided it (see LineKind.match_reach)."""
-    found: dict[str, str] = {}
+def _match_from(
+    pieces: tuple[tuple[str, str], ...], line: str, pos: int
+) -> tuple[dict[str, tuple[int, int]] | None, int]:
+    """Where each fact a template states from ``pos`` stands (start, end), or None; and the reach that decided it
+    (see LineKind.match_reach)."""
+    found: dict[str, tuple[int, int]] = {}
     skipping = False
     reach = pos
     for kind, value in pieces:
@@ -227,8 +247,8 @@ def _match_from(pieces: tuple[tuple[str, str], ...], line: str, pos: int) -> tup
         text = token.group()
         if len(text) > MAX_NUMBER_CHARS:
             raise LogLineError(f"number {text[:12]}… ({len(text)} characters) is too long for a memory figure")
-        found[value] = text
         pos = token.end()
+        found[value] = (token.start(), pos)
         reach = max(reach, pos + _NUMBER_LOOKAHEAD)
     return found, reach
 
@@ -769,6 +789,7 @@ _CANDIDATES: dict[tuple[str, ...], tuple[tuple[str, tuple["LineKind", ...]], ...
 MAX_CANDIDATE_SETS = 4096
 # Two characters a hard wrap can split an anchor between: the last of one line and the first of the next.
 _ANCHOR_PAIRS = frozenset(a[i : i + 2] for a, _ in _BY_ANCHOR for i in range(len(a) - 1))
+_DIGIT_ANCHORS = frozenset(a for a, _ in _BY_ANCHOR if _has_digit(a))
 
 
 def _anchors_in(line: str) -> tuple[tuple[str, tuple["LineKind", ...]], ...]:
@@ -1051,8 +1072,19 @@ class _Reader:
         }
         self.ooms: list[OomFact] = []
         # Templates begun but not finished: the line number, the line, the next lines joined to it so far, each
-        # kind with the reach of its failure (LineKind.match_reach), the line's length.
-        self.pending: list[tuple[int, str, tuple[str, ...], list[tuple[LineKind, int]], int]] = []
+        # kind with the reach of its failure (LineKind.match_reach), the line's length, the shapes of the line
+        # and of those joined to it (each its _Line.shape), and what _waiting tells of the kinds.
+        self.pending: list[
+            tuple[
+                int,
+                str,
+                tuple[str, ...],
+                list[tuple[LineKind, int]],
+                int,
+                tuple[bytes | None, ...],
+                tuple[str, ...] | None,
+            ]
+        ] = []
         self.previous_tail = ""
         self.recent: deque[str] = deque(maxlen=STEP_WINDOW_LINES)  # where an OOM's step is looked for
         self.tagged = 0
@@ -1076,11 +1108,18 @@ class _Reader:
         kept = len(raw) <= MAX_CACHED_LINE_CHARS  # a longer line is not hashed, nor kept
         seen = _LINES.get(raw) if kept else None
         if seen is None:
-            seen = _Line(raw, number)
-            if kept:
+            seen = _read_line(raw, number, kept)
+            if not kept:
+                pass
+            elif seen._origin is seen or raw in _ONCE:
                 if len(_LINES) >= MAX_CACHED_LINES:
                     _LINES.clear()
                 _LINES[raw] = seen
+            else:
+                # Read from its shape: kept from its second coming (a flood whose lines all differ keeps none).
+                if len(_ONCE) >= MAX_CACHED_LINES:
+                    _ONCE.clear()
+                _ONCE.add(raw)
         line = seen.line
         if seen.hinted or self.reading_hints:
             self._hints(seen, number)
@@ -1088,7 +1127,7 @@ class _Reader:
         if seen.rare:
             self._rare(seen, number)
         if self.pending:
-            self._retry_pending(number, seen.continuation())
+            self._retry_pending(number, seen.continuation(), seen.shape)
         # An anchor cut by a hard wrap has the last character of the line before and this one's first side by side.
         if self.previous_tail and self.previous_tail[-1] + line[:1] in _ANCHOR_PAIRS and not seen.prefixed():
             self._straddled(number, line)
@@ -1113,7 +1152,7 @@ class _Reader:
             # Those that failed within the line fail joined to any next one (that holds not their anchor).
             waiting = [(kind, reach) for kind, reach in started[:MAX_JOIN_KINDS] if reach < 0 or reach > len(line)]
             if waiting:
-                self.pending.append((number, line, (), waiting, len(line)))
+                self.pending.append((number, line, (), waiting, len(line), (seen.shape,), _waiting(waiting, len(line))))
 
     def _rare(self, seen: "_Line", number: int) -> None:
         """What few lines hold: an OOM, the method it failed in, a pasted command line."""
@@ -1199,16 +1238,27 @@ class _Reader:
             flag, value = match.group(1), match.group(2)
             if flag == "max-model-len":
                 self.facts.setdefault("_cli_len", _model_len(value))
-            else:
+            elif value[-1] not in "kK":  # "0k" is a length's suffix: vLLM refuses it as a utilization
                 self.facts.setdefault("_cli_util", float(value))
 
-    def _retry_pending(self, number: int, tail: str) -> None:
+    def _retry_pending(self, number: int, tail: str, shape: bytes | None) -> None:
         """Join the lines whose template began but broke off to this one (``tail``: the line without its own
         log prefix, :func:`_continuation`), and, once, the next: with a space (a message split at a full stop
         or a soft wrap) and without (a hard wrap inside a word or number)."""
         still = []
-        for start, first, tails, kinds, base in self.pending:
+        for start, first, tails, kinds, base, shapes, anchors in self.pending:
             parts = (first, *tails, tail)
+            shapes = (*shapes, shape)
+            if anchors is not None:
+                # Each kind failed within the first line: none is tried again unless a later part brings its anchor
+                # (as below, where each such kind is left as it was).
+                for anchor in anchors:
+                    if _anchor_after_first_kept(anchor, parts, shapes):
+                        break
+                else:
+                    if number - start < 2:
+                        still.append((start, first, parts[1:], kinds, base, shapes, anchors))
+                    continue
             joined: list[str] | None = None
             left = []
             again: dict[str, bool] = {}  # by anchor: kinds sharing one ask once
@@ -1221,7 +1271,7 @@ class _Reader:
                     anchor = kind.anchor
                     brought = again.get(anchor)
                     if brought is None:
-                        brought = again[anchor] = _anchor_after_first_kept(anchor, parts)
+                        brought = again[anchor] = _anchor_after_first_kept(anchor, parts, shapes)
                     if not brought:
                         left.append((kind, reach))
                         continue
@@ -1232,7 +1282,7 @@ class _Reader:
             if len(left) < len(kinds):
                 self.matched += 1
             if left and number - start < 2:
-                still.append((start, first, parts[1:], left, base))
+                still.append((start, first, parts[1:], left, base, shapes, _waiting(left, base)))
         self.pending = still
 
     def _straddled(self, number: int, line: str) -> None:
@@ -1274,20 +1324,28 @@ class _Reader:
             ours = seen.line[tag[2] :].lstrip().startswith("kvguard:")
             if len(hints["source_tags"]) < source_index.MAX_HINTS and not ours:
                 hints["source_tags"].add(tag[1])
+        wordings = hints["wordings"]
         if (
             seen.line
-            and len(hints["wordings"]) < source_index.MAX_HINTS
+            and len(wordings) < source_index.MAX_HINTS
             and self.wording_misses < MAX_WORDING_MISSES
             and self.untagged_misses < MAX_UNTAGGED_MISSES
         ):
-            key = seen.wording(tag is not None)  # (_wording_open)
+            tagged = tag is not None
+            key = seen._wordings[tagged]
+            if key is _UNSEEN:
+                key = seen.wording(tagged)  # (_wording_open)
             if key is not None:
-                hints["wordings"].add(key)
-            elif tag is not None or not seen.may_be_words:
+                wordings.add(key)
+            elif tagged or not seen.may_be_words:
                 self.wording_misses += 1
             else:
                 self.untagged_misses += 1
-        self.reading_hints = self.tagged < MAX_TAGGED_LINES or self._wording_open()
+        self.reading_hints = self.tagged < MAX_TAGGED_LINES or (
+            len(wordings) < source_index.MAX_HINTS  # (_wording_open)
+            and self.wording_misses < MAX_WORDING_MISSES
+            and self.untagged_misses < MAX_UNTAGGED_MISSES
+        )
         if not seen.hinted:
             return
         if seen.dated is not None and (hints["logged_on"] is None or seen.dated < hints["logged_on"]):
@@ -1324,7 +1382,51 @@ class _Reader:
 MAX_CACHED_LINES = 2048
 MAX_CACHED_LINE_CHARS = 1024
 _LINES: dict[str, "_Line"] = {}
+_ONCE: set[str] = set()  # lines read from their shape once (_Reader.feed), up to MAX_CACHED_LINES at a time
 _UNSEEN: Any = object()
+# The first line read of each shape (the cleaned line with each digit made "0", as UTF-8), up to MAX_CACHED_SHAPES
+# at a time: a line of a shape already read is read from it (:meth:`_Line.again`), not matched afresh. A flood
+# whose every line has its own time, pid or figures is lines of a few shapes.
+MAX_CACHED_SHAPES = 2048
+_SHAPES: dict[bytes, "_Line"] = {}
+# The texts holding a digit that a line's reading looks for, each with its digits made "0" (as UTF-8): the
+# templates' literals and the Ascend words that hold one. A line holds such a text only where its shape holds
+# the zeroed text.
+_DIGIT_TEXTS = tuple(
+    (text, text.encode().translate(_ZEROED))
+    for text in dict.fromkeys(
+        (
+            *(value for kind in KINDS for piece, value in kind.pieces if piece == "lit" and _has_digit(value)),
+            *(word for word in (*_ANCHOR_WORDS, *_ASCEND_GATE, *_ASCEND_WORDS) if _has_digit(word)),
+        )
+    )
+)
+
+
+def _places(line: str, text: str) -> tuple[int, ...]:
+    """Where ``text`` starts in ``line``, each place."""
+    places = []
+    at = line.find(text)
+    while at >= 0:
+        places.append(at)
+        at = line.find(text, at + 1)
+    return tuple(places)
+
+
+def _read_line(raw: str, number: int, kept: bool) -> "_Line":
+    """``raw``'s own reading: from the line of its shape read before, where one is kept."""
+    line = _clean(raw)
+    if not kept:
+        return _Line(line, number)
+    key = line.encode("utf-8", "surrogatepass").translate(_ZEROED)
+    origin = _SHAPES.get(key)
+    if origin is not None:
+        return origin.again(line, key, number)
+    seen = _Line(line, number, key)
+    if len(_SHAPES) >= MAX_CACHED_SHAPES:
+        _SHAPES.clear()
+    _SHAPES[key] = seen
+    return seen
 
 
 class _Line:
@@ -1354,10 +1456,20 @@ class _Line:
         "_continuation",
         "tail",
         "attempts",
+        "_plan",
+        "_figures",
+        "_shape",
+        "_origin",
+        "shape",
+        "_cut",
     )
 
-    def __init__(self, raw: str, number: int) -> None:
-        line = self.line = _clean(raw)
+    def __init__(self, line: str, number: int, shape: bytes | None = None) -> None:
+        """The reading of ``line`` (cleaned, :func:`_clean`), the ``number``-th line of its log; ``shape``: the line
+        with each digit made "0", as UTF-8 (None for a line too long to keep)."""
+        self.line = line
+        self.shape = shape
+        self._origin, self._shape, self._cut = self, None, None
         self.tag_gap = "] " in line
         self._tag = self._prefixed = self._continuation = self._frame = self._banner = _UNSEEN
         self._wordings: list[Any] = [_UNSEEN, _UNSEEN]
@@ -1384,18 +1496,88 @@ class _Line:
         )
         self.tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
         # Each kind whose anchor the line holds: the facts it states (and their values, :func:`_values`), or
-        # None and the reach of its failure (LineKind.match_reach).
-        attempts = []
+        # None and the reach of its failure (LineKind.match_reach); and where those facts stand in the line
+        # (for another line of its shape, :meth:`again`).
+        attempts, plan = [], []
         for anchor, kinds in _anchors_in(line):
             if anchor not in line:
                 continue
             for kind in kinds:
                 try:
-                    found, reach = kind.match_reach(line)
+                    spans, reach = kind.match_spans(line)
                 except LogLineError as exc:
                     raise LogLineError(f"line {number}: {exc}") from None
+                found = None if spans is None else {fact: line[start:end] for fact, (start, end) in spans.items()}
                 attempts.append((kind, found, None if found is None else _values(kind, found), reach))
+                plan.append((kind, spans, reach))
         self.attempts = tuple(attempts)
+        self._plan = tuple(plan)
+        # Where the facts stand, from the first figure to the last, and the text there (None: no facts).
+        places = [place for _, spans, _ in plan if spans for place in spans.values()]
+        if places:
+            first, last = min(start for start, _ in places), max(end for _, end in places)
+            self._figures: tuple[int, int, str] | None = (first, last, line[first:last])
+        else:
+            self._figures = None
+
+    def again(self, line: str, key: bytes, number: int) -> "_Line":
+        """The reading of ``line``, another line of this one's shape (``key``: the two with each digit made "0",
+        as UTF-8), the ``number``-th of its log; read afresh where the two hold a text with digits that the
+        reading looks for (a template's, an Ascend word) at other places.
+
+        Every other search of the reading treats each digit alike (a literal without digits; a class holding all
+        ten, or none: _NUMBER, _TAG, _RECORD_PREFIX, _ANSI), so it finds the same places in both lines, and the
+        templates take the same steps in both: a template that stated facts here states them at the same places
+        in ``line`` (their figures read from ``line``), one that failed fails there with the same reach. The date
+        (:data:`_DATED` looks for "20") is read from ``line``; the parts read when first asked for (the tag, the
+        wording, a frame, a banner) are read from it when asked."""
+        checks = self._shape
+        if checks is None:
+            # The texts with digits that a line of this shape may hold (those whose zeroed form the shape holds),
+            # each with the places it stands at in this line; and whether the shape may hold a date (_DATED).
+            checks = self._shape = (
+                tuple((text, _places(self.line, text)) for text, zeroed in _DIGIT_TEXTS if zeroed in key),
+                b"0000-00-00" in key,
+            )
+        for text, places in checks[0]:
+            if _places(line, text) != places:
+                return _Line(line, number, key)
+        new = _Again.__new__(_Again)
+        new.line = line
+        new._origin = self
+        new.shape = self.shape
+        new._tag = new._continuation = new._frame = new._banner = _UNSEEN
+        # A wording is the same for every line of a shape (source_index.wording_text makes each run of digits one
+        # mark; its other searches, _MESSAGE's too, treat each digit alike): one list, filled by whichever asks.
+        new._wordings = self._wordings
+        dated = None
+        if checks[1] and "20" in line:
+            found = _DATED.search(line)
+            dated = found.group(1) if found else None
+        new.dated = dated
+        new.rare = self.rare
+        new.hinted = self.hinted if dated is None and self.dated is None else dated is not None or self._undated
+        new.tail = line[-MAX_ANCHOR_CHARS:] if len(line) <= MAX_JOIN_CHARS else ""
+        # The templates' attempts: this line's where the text from the first figure to the last is the same (a
+        # flood of one message with its own times and pids), else each that found facts read anew.
+        figures = self._figures
+        if figures is None or line[figures[0] : figures[1]] == figures[2]:
+            new.attempts = self.attempts
+        else:
+            attempts = []
+            for (kind, spans, reach), kept in zip(self._plan, self.attempts):
+                if spans is not None:
+                    found = {fact: line[start:end] for fact, (start, end) in spans.items()}
+                    if found != kept[1]:
+                        kept = (kind, found, _values(kind, found), reach)
+                attempts.append(kept)
+            new.attempts = tuple(attempts)
+        return new
+
+    @property
+    def _undated(self) -> bool:
+        """Whether the line holds a hint other than its date."""
+        return self.frame_gap or self.ascend or self.mindspore or self.engine_core or self.banner_gap
 
     def tag(self) -> tuple[bool, tuple[str, int], int] | None:
         """vLLM's record tag (_TAG): whether it is bracketed, its (file, line), and where the message starts."""
@@ -1448,15 +1630,45 @@ class _Line:
         return self._banner
 
     def prefixed(self) -> bool:
-        """Whether the line opens with a log record's own prefix (a new record, not a wrapped line's rest)."""
-        if self._prefixed is _UNSEEN:
-            self._prefixed = _RECORD_PREFIX.match(self.line) is not None
-        return self._prefixed
+        """Whether the line opens with a log record's own prefix (a new record, not a wrapped line's rest); the
+        same for every line of its shape (_RECORD_PREFIX treats each digit alike)."""
+        origin = self._origin
+        if origin._prefixed is _UNSEEN:
+            origin._prefixed = _RECORD_PREFIX.match(origin.line) is not None
+        return origin._prefixed
 
     def continuation(self) -> str:
+        """The line without its own log prefix (:func:`_continuation`): it starts at the same place in every line
+        of its shape."""
         if self._continuation is _UNSEEN:
-            self._continuation = _continuation(self.line)
+            origin = self._origin
+            if origin._cut is None:
+                self._continuation = _continuation(self.line)
+                origin._cut = len(self.line) - len(self._continuation)
+            else:
+                self._continuation = self.line[origin._cut :]
         return self._continuation
+
+
+def _origins(name: str) -> property:
+    return property(lambda self: getattr(self._origin, name), doc=f"{name}: the same for every line of the shape")
+
+
+class _Again(_Line):
+    """A line read from the first line of its shape (:meth:`_Line.again`): its own text, tail, date and attempts;
+    what every line of the shape holds alike is read from that first line (``_origin``). What the first line keeps
+    for its shape (_plan, _figures, _shape, _cut, _prefixed) is left unset here: only the first line's is read."""
+
+    __slots__ = ()
+    tag_gap = _origins("tag_gap")
+    frame_gap = _origins("frame_gap")
+    ascend = _origins("ascend")
+    mindspore = _origins("mindspore")
+    engine_core = _origins("engine_core")
+    banner_gap = _origins("banner_gap")
+    oom = _origins("oom")
+    error_in_method = _origins("error_in_method")
+    command = _origins("command")
 
 
 # Facts _record does more with than store.
@@ -1497,6 +1709,20 @@ def _record_values(
     return True
 
 
+def _waiting(kinds: list[tuple[LineKind, int]], base: int) -> tuple[str, ...] | None:
+    """Where every kind waiting on a line of ``base`` characters failed within it (LineKind.match_reach): the
+    anchors that a later part must bring for any to be tried again (_Reader._retry_pending), each once; else
+    None (some kind is tried joined whatever follows)."""
+    anchors = []
+    for kind, reach in kinds:
+        if 0 <= reach <= base:
+            continue
+        if not (reach < 0 and -1 - reach <= base):
+            return None
+        anchors.append(kind.anchor)
+    return tuple(dict.fromkeys(anchors))
+
+
 def _joins(parts: tuple[str, ...]) -> list[str]:
     """A line joined to the next ones, each join with a space and without, in that order."""
     texts = [parts[0]]
@@ -1520,13 +1746,19 @@ def _anchor_after_first(anchor: str, parts: tuple[str, ...]) -> bool:
     return False
 
 
-# _anchor_after_first's answers, for lines that come again after the same lines (MAX_CACHED_JOINS at a time).
+# _anchor_after_first's answers, for lines that come again after the same lines (MAX_CACHED_JOINS at a time): by
+# the lines' shapes where the anchor holds no digit (the answer is then the same for every line of a shape).
 MAX_CACHED_JOINS = 1024
-_AFTER_FIRST: dict[tuple[str, tuple[str, ...]], bool] = {}
+_AFTER_FIRST: dict[tuple[str, tuple[Any, ...]], bool] = {}
 
 
-def _anchor_after_first_kept(anchor: str, parts: tuple[str, ...]) -> bool:
-    key = (anchor, parts)
+def _anchor_after_first_kept(anchor: str, parts: tuple[str, ...], shapes: tuple[bytes | None, ...]) -> bool:
+    """_anchor_after_first, kept. ``shapes``: the shape of each part's line (:attr:`_Line.shape`; the first part
+    the whole line, the others lines without their prefix, :meth:`_Line.continuation`, which starts at the same
+    place in every line of a shape). Where ``anchor`` has no digit, the answer is told by the shapes: whether it
+    lies in a part, or across two (with a blank between or none), looks at the same places of every line of a
+    shape, and the parts' lengths are their shapes'."""
+    key = (anchor, shapes if anchor not in _DIGIT_ANCHORS and None not in shapes else parts)
     brought = _AFTER_FIRST.get(key)
     if brought is None:
         if len(_AFTER_FIRST) >= MAX_CACHED_JOINS:
