@@ -320,3 +320,16 @@ def test_a_left_out_sampler_that_tips_the_peak_over_the_device_is_critical_and_n
     verdict = judge(GuardInput(profile))
     assert verdict.state == CRITICAL and verdict.reason_codes[0] == PEAK_EXCEEDS_CAPACITY
     assert "of sampling the profile run left out" in verdict.reasons[0].message
+
+
+def test_a_vllm_ascend_profile_without_the_sampler_peak_is_a_floor_and_says_so():
+    # vllm-ascend's profile run samples nothing (its era rows): a profile that does not carry the sampler peak
+    # (an older plugin's snapshot, a hand-written file) projects a floor, a no_profile warning at least.
+    ascend = dataclasses.replace(NPU_910B, vllm_version="vllm-ascend:0.18.0")
+    verdict = judge(GuardInput(ascend, kv_cache_bytes=30 * GIB))
+    assert NO_PROFILE in verdict.reason_codes and verdict.state == WARNING
+    assert "samples nothing" in next(r.message for r in verdict.reasons if r.code == NO_PROFILE)
+    carried = dataclasses.replace(ascend, unprofiled_sampler_bytes=GIB)
+    assert NO_PROFILE not in judge(GuardInput(carried, kv_cache_bytes=30 * GIB)).reason_codes
+    cuda = dataclasses.replace(NPU_910B, vllm_version="vllm:0.11.0")
+    assert NO_PROFILE not in judge(GuardInput(cuda, kv_cache_bytes=30 * GIB)).reason_codes

@@ -441,7 +441,8 @@ def simulate(
     guard = startup_guard_dict(startup_verdict(scenario))  # the guard before serving starts
     guard_at_budget = startup_guard_dict(watch.verdict(), at_budget=True)
     if sys.stderr.isatty() and not scenario.finished:
-        with click.progressbar(length=len(scenario.requests), label="serving", file=sys.stderr) as bar:
+        total = len(scenario.requests) + config.peak_burst_requests
+        with click.progressbar(length=total, label="serving", file=sys.stderr) as bar:
             done = 0
 
             def advance(finished: int, _total: int) -> None:

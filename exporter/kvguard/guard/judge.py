@@ -260,6 +260,16 @@ def judge(inp: GuardInput) -> Verdict:
     # A release whose profile run runs no sampler (vllm-ascend V1) measured a peak that a full batch's
     # sampling can pass: what it passes by is the next activation peak's too (Profile.unprofiled_sampler_bytes).
     sampler_excess = max(0, (profile.unprofiled_sampler_bytes or 0) - (profile.peak_allocated_increase_bytes or 0))
+    if profile.unprofiled_sampler_bytes is None and not _profile_runs_sampler(profile.vllm_version):
+        # Not given it (a log, an older plugin's snapshot, a profile file): the projection is a floor.
+        reasons.append(
+            Reason(
+                NO_PROFILE,
+                f"{profile.vllm_version}'s profile run samples nothing, and the profile does not carry the sampler "
+                "peak a full batch reaches (the plugin records it): the projection leaves it out, so the guard "
+                "cannot say the KV cache fits",
+            )
+        )
     if profile.budget_formula.non_kv == "peak" or measured_non_kv is None:
         activation = (
             profile_for_reserved.peak_reserved_increase_bytes
@@ -593,6 +603,18 @@ def pool_figures_fresh(memory: DeviceMemory | None, snapshot_stale: bool = False
     if memory.reclaimable_bytes is None and memory.largest_idle_bytes is None:
         return False
     return memory.allocated_bytes is not None and memory.pool_figures_allocated_bytes == memory.allocated_bytes
+
+
+def _profile_runs_sampler(release: str | None) -> bool:
+    """Whether the release's profile run samples a full batch (its era row); True where the release is unknown."""
+    from kvguard.vllm.eras import EraError, era_for
+
+    if release is None:
+        return True
+    try:
+        return era_for(release).profile_runs_sampler
+    except EraError:
+        return True
 
 
 def activation_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stale: bool = False) -> int:
