@@ -43,6 +43,7 @@ from kvguard.budget.estimator import (
 )
 from kvguard.records import DeviceMemory, ReservedPeak, physical_reserved_bytes
 from kvguard.units import format_gib
+from kvguard.vllm import eras
 
 OK, WARNING, CRITICAL = "ok", "warning", "critical"
 STATES = (OK, WARNING, CRITICAL)
@@ -260,7 +261,7 @@ def judge(inp: GuardInput) -> Verdict:
     # A release whose profile run runs no sampler (vllm-ascend V1) measured a peak that a full batch's
     # sampling can pass: what it passes by is the next activation peak's too (Profile.unprofiled_sampler_bytes).
     sampler_excess = max(0, (profile.unprofiled_sampler_bytes or 0) - (profile.peak_allocated_increase_bytes or 0))
-    if profile.unprofiled_sampler_bytes is None and not _profile_runs_sampler(profile.vllm_version):
+    if profile.unprofiled_sampler_bytes is None and not eras.profile_runs_sampler(profile.vllm_version):
         # Not given it (a log, an older plugin's snapshot, a profile file): the projection is a floor.
         reasons.append(
             Reason(
@@ -603,18 +604,6 @@ def pool_figures_fresh(memory: DeviceMemory | None, snapshot_stale: bool = False
     if memory.reclaimable_bytes is None and memory.largest_idle_bytes is None:
         return False
     return memory.allocated_bytes is not None and memory.pool_figures_allocated_bytes == memory.allocated_bytes
-
-
-def _profile_runs_sampler(release: str | None) -> bool:
-    """Whether the release's profile run samples a full batch (its era row); True where the release is unknown."""
-    from kvguard.vllm.eras import EraError, era_for
-
-    if release is None:
-        return True
-    try:
-        return era_for(release).profile_runs_sampler
-    except EraError:
-        return True
 
 
 def activation_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stale: bool = False) -> int:

@@ -244,9 +244,9 @@ def with_unprofiled_sampler(worker: Worker, profile: Profile) -> Profile | None:
     max_num_batched_tokens. None where the row's profile run samples, for a pooling model (no sampler), or
     where the config tells too little."""
     from kvguard.budget.sampler import unprofiled_sampler_peak_bytes
+    from kvguard.vllm.eras import profile_runs_sampler
 
-    era = era_of(profile.vllm_version)
-    if era is None or era.profile_runs_sampler or profile.unprofiled_sampler_bytes is not None:
+    if profile_runs_sampler(profile.vllm_version) or profile.unprofiled_sampler_bytes is not None:
         return None
     if getattr(getattr(worker, "model_runner", None), "is_pooling_model", False):
         return None

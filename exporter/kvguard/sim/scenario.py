@@ -440,10 +440,16 @@ def make_requests(config: ScenarioConfig) -> list[Request]:
         prompt = max(1, min(prompt, max_len - output))
         requests.append(Request(request_id, prompt, output, is_long))
     # The sampling kinds from a stream of their own, so a mix changes no prompt or output length.
+    kinds = sampling_draws(config, f"sampling-{config.seed}", len(requests))
+    return [replace(request, sampling=kind) for request, kind in zip(requests, kinds)]
+
+
+def sampling_draws(config: ScenarioConfig, stream: str, count: int) -> list[str]:
+    """``count`` sampling kinds drawn one by one from the run's ``sampling_mix``, on the named random stream."""
     kinds = [kind for kind, _ in config.sampling_mix]
     weights = [float(share) for _, share in config.sampling_mix]
-    sampling_rng = random.Random(f"sampling-{config.seed}")
-    return [replace(request, sampling=sampling_rng.choices(kinds, weights)[0]) for request in requests]
+    rng = random.Random(stream)
+    return [rng.choices(kinds, weights)[0] for _ in range(count)]
 
 
 def make_peak_burst(config: ScenarioConfig) -> list[Request]:
@@ -455,14 +461,11 @@ def make_peak_burst(config: ScenarioConfig) -> list[Request]:
     count = min(config.max_num_seqs, tokens)  # peak_burst_requests, whether or not the knob is on
     max_len = config.resolved_max_model_len
     output = max(1, min(config.short_output_tokens[0], max_len - 1))
-    kinds = [kind for kind, _ in config.sampling_mix]
-    weights = [float(share) for _, share in config.sampling_mix]
-    rng = random.Random(f"peak-burst-{config.seed}")
     burst = []
-    for index in range(count):
+    for index, kind in enumerate(sampling_draws(config, f"peak-burst-{config.seed}", count)):
         prompt = tokens // count + (tokens % count if index == count - 1 else 0)
         prompt = max(1, min(prompt, max_len - output))  # vLLM refuses prompt + output > max_model_len
-        burst.append(Request(config.requests + index, prompt, output, False, rng.choices(kinds, weights)[0]))
+        burst.append(Request(config.requests + index, prompt, output, False, kind))
     return burst
 
 
@@ -719,7 +722,7 @@ class ServingScenario:
         (``profile_runs_sampler``; kvguard.plugin.profile.with_unprofiled_sampler): the sampling peak of the
         batch vLLM budgets for."""
         cfg = self.config
-        if cfg.profile_runs_sampler or cfg.allocator != "torch_npu":
+        if cfg.allocator != "torch_npu":  # only vllm-ascend's era rows leave the sampler out
             return None
         return unprofiled_sampler_peak_bytes(
             max_num_batched_tokens=cfg.max_num_batched_tokens,

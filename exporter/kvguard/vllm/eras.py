@@ -821,6 +821,13 @@ def _placed(release: str | None) -> tuple[Era, tuple[int, ...]] | None:
         return None
 
 
+def profile_runs_sampler(release: str | None) -> bool:
+    """Whether the release's profile run samples a full batch (its row's ``profile_runs_sampler``); True for a
+    release the table does not place (vLLM's own profile run does)."""
+    placed = _placed(release)
+    return placed[0].profile_runs_sampler if placed else True
+
+
 def allocator_for(release: str | None) -> str:
     """The device allocator the release's worker runs on (its row's ``allocator``); vLLM's own, torch's
     caching allocator, for a release the table does not place."""
