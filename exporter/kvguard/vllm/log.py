@@ -1109,13 +1109,11 @@ class _Reader:
         seen = _LINES.get(raw) if kept else None
         if seen is None:
             seen = _read_line(raw, number, kept)
-            if not kept:
-                pass
-            elif seen._origin is seen or raw in _ONCE:
+            if kept and (seen._origin is seen or raw in _ONCE):
                 if len(_LINES) >= MAX_CACHED_LINES:
                     _LINES.clear()
                 _LINES[raw] = seen
-            else:
+            elif kept:
                 # Read from its shape: kept from its second coming (a flood whose lines all differ keeps none).
                 if len(_ONCE) >= MAX_CACHED_LINES:
                     _ONCE.clear()
@@ -1341,11 +1339,7 @@ class _Reader:
                 self.wording_misses += 1
             else:
                 self.untagged_misses += 1
-        self.reading_hints = self.tagged < MAX_TAGGED_LINES or (
-            len(wordings) < source_index.MAX_HINTS  # (_wording_open)
-            and self.wording_misses < MAX_WORDING_MISSES
-            and self.untagged_misses < MAX_UNTAGGED_MISSES
-        )
+        self.reading_hints = self.tagged < MAX_TAGGED_LINES or self._wording_open()
         if not seen.hinted:
             return
         if seen.dated is not None and (hints["logged_on"] is None or seen.dated < hints["logged_on"]):
