@@ -558,6 +558,21 @@ def test_a_first_login_from_the_address_of_a_keep_alive_flood_is_not_refused(ser
             sock.close()
 
 
+def test_guesses_turned_away_unchecked_do_not_keep_a_connection_a_first_login(serve, tmp_path):
+    """Issue 37, item 3, found on a quiet machine (bench/bench_credentials.py: 7 of 11 first logins from a
+    keep-alive flood's address got 429): a 429 changed no kind, so a flood's connections whose first
+    guesses were all turned away stayed first logins, and took every first-login token their address got
+    back. Two different credentials turned away (or refused) now make the next one a GUESS, as two
+    refusals did; the same one retried after a 429 stays what it was."""
+    server = users_server(serve, tmp_path, auth_rate=0.5, auth_burst=2.0)
+    with open_from(server, "127.0.0.1") as first, open_from(server, "127.0.0.1") as flood:
+        assert keep_alive_guesses(first, 2) == [401, 401]  # the address's two first-login tokens
+        assert keep_alive_guesses(flood, 3) == [429] * 3  # none left: turned away, none checked
+        time.sleep(2.2)  # one first-login token back (one every 2 s)
+        keep_alive_guesses(flood, 2)  # GUESSes now: paid from the guess tokens (was: the first logins')
+        assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200
+
+
 def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
     """The bound on a first login's wait: the bcrypt run in progress on the verifier kept for first
     logins and rotated passwords (none here), then its own; never the guesses queued or running."""

@@ -667,6 +667,7 @@ class _Conn:
         "trusted",
         "refused_key",
         "refusals",
+        "turned_away_keys",
     )
 
     def __init__(self, sock: socket.socket, address: Any, tls_pending: bool):
@@ -693,11 +694,25 @@ class _Conn:
         self.trusted = False  # basic auth accepted a credential on it: its new ones go first
         self.refused_key: bytes | None = None  # the keyed digest of the last credential refused on it
         self.refusals = 0  # different credentials refused on it since one was accepted
+        # Credentials turned away unchecked (429) since one was accepted, different from each other and
+        # from the refused one: at most two kept, all that guessing() needs.
+        self.turned_away_keys: list[bytes] = []
 
     def accepted(self) -> None:
         """A credential on it was accepted: trusted, and its refusals forgotten, so that the next
         rotation starts again from one refusal."""
         self.trusted, self.refused_key, self.refusals = True, None, 0
+        self.turned_away_keys = []
+
+    def turned_away(self, key: bytes) -> None:
+        """A credential on it was answered 429, unchecked. The same one presented again stays what it was (a
+        client retrying after Retry-After); different ones count towards guessing() as refusals do, so a
+        connection cannot stay a first login by being turned away: without this, a keep-alive flood whose
+        guesses were all answered 429 kept spending the FRESH tokens of its address, two per connection
+        as each got through, for as long as it ran (bench/bench_credentials.py on a quiet machine)."""
+        known = self.turned_away_keys + ([self.refused_key] if self.refused_key is not None else [])
+        if len(self.turned_away_keys) < 2 and not any(hmac.compare_digest(key, k) for k in known):
+            self.turned_away_keys.append(key)
 
     def refused(self, key: bytes) -> None:
         """A credential on it was answered 401 (``key``: BasicAuth.credential_key). The same one
@@ -710,8 +725,12 @@ class _Conn:
 
     def guessing(self, key: bytes) -> bool:
         """Whether a credential (``key``) on it is a GUESS: two different ones have been refused on
-        it, or it is the one refused (bcrypt's cache of refusals has forgotten it)."""
-        return self.refusals >= 2 or (self.refused_key is not None and hmac.compare_digest(key, self.refused_key))
+        it, or it is the one refused (bcrypt's cache of refusals has forgotten it), or two others than
+        it have been refused or turned away (429) on it."""
+        if self.refusals >= 2 or (self.refused_key is not None and hmac.compare_digest(key, self.refused_key)):
+            return True
+        others = self.refusals + sum(not hmac.compare_digest(key, k) for k in self.turned_away_keys)
+        return others >= 2
 
 
 class KVGuardServer:
@@ -1169,7 +1188,8 @@ class KVGuardServer:
         keep-alive flood) never use up the tokens of a first login from the same address. A 429
         checks no credential and changes no kind."""
         conn.in_worker = True
-        guessing = conn.guessing(self.app.basic_auth.credential_key(check.users, check.user, check.password))
+        key = self.app.basic_auth.credential_key(check.users, check.user, check.password)
+        guessing = conn.guessing(key)
         if not guessing and conn.trusted and self._gates[FRONT].try_start(conn.source):
             self._enqueue((conn, request, check, FRONT))
             return
@@ -1179,6 +1199,7 @@ class KVGuardServer:
             self._enqueue((conn, request, check, kind))
         elif verdict == _AuthGate.REFUSE:
             conn.in_worker = False
+            conn.turned_away(key)
             self.rejected_total += 1
             self._respond(
                 conn, request, self._too_many("too many unverified credentials from this address; retry later\n")
@@ -1209,8 +1230,10 @@ class KVGuardServer:
                 if not self._verify.put(item, item[3]):
                     refused.append((item, "too many credentials waiting; retry later\n"))
                     done += 1  # its place and token back, in this loop rather than recursing
-        for (conn, request, _, _), text in refused:
+        for (conn, request, check, _), text in refused:
             self.rejected_total += 1
+            # (Its connection is in a worker's hands: the event loop does not touch it until handed back.)
+            conn.turned_away(self.app.basic_auth.credential_key(check.users, check.user, check.password))
             self._hand_back(conn, request, self._too_many(text))
 
     def _respond(self, conn: _Conn, request: Request | None, response: Response) -> None:
