@@ -32,13 +32,13 @@ and threads are bounded whatever it sends:
   and are refused (429) once the address has neither tokens nor credentials out. So one address
   cannot fill the queue and lock out others' new logins (_AuthGate).
   Credentials come in three kinds, by what their connection has shown, each with tokens of its own
-  per address: GUESS, one that has had two different credentials refused (401) since one was
-  accepted, or that presents the refused one again; else FRONT, one that has had a credential
+  per address: GUESS, one that has had two different credentials refused (401) or turned away
+  unchecked (429) since one was accepted, or that presents the refused one again; else FRONT, one that has had a credential
   accepted (Prometheus' keep-alive connection, its password just rotated: one per address at the
   front of the queue); else FRESH (a first login). One refusal demotes nothing, because a rotation
   always costs one: the old password is refused (as often as it is repeated, from the cache) on
   the connection that then sends the new one, which keeps the kind its connection had; a 429
-  checks no credential and changes no kind. bcrypt takes FRONT, then FRESH, then GUESS, and with
+  checks no credential, and the same credential retried after it keeps its kind. bcrypt takes FRONT, then FRESH, then GUESS, and with
   two threads or more one is kept for the first two. So guesses repeated on keep-alive
   connections, from any address (a mesh proxy or SNAT puts Prometheus behind the attacker's),
   never refuse or delay a first login beyond the first two of each connection: it waits only for
@@ -1179,14 +1179,14 @@ class KVGuardServer:
 
     def _admit(self, conn: _Conn, request: Request, check: Verify) -> None:
         """Hand credentials to bcrypt, keep them waiting for their address's turn, or answer 429
-        (_AuthGate), by kind: on a connection that has had two different credentials refused, or
-        the one refused again, a GUESS; else, on a connection that has had a credential accepted,
+        (_AuthGate), by kind: on a connection that has had two different credentials refused or
+        turned away (429), or the one refused again, a GUESS; else, on a connection that has had a credential accepted,
         at the front of the queue while its address has no other there and trusted tokens left
         (FRONT); else a first login (FRESH). One refusal demotes nothing: a password rotation
         always costs the old one a 401 on the connection that then sends the new one. Each kind
         has tokens of its own per address, so guesses repeated on connections already refused (a
         keep-alive flood) never use up the tokens of a first login from the same address. A 429
-        checks no credential and changes no kind."""
+        checks no credential; the same one retried after it keeps its kind (_Conn.turned_away)."""
         conn.in_worker = True
         key = self.app.basic_auth.credential_key(check.users, check.user, check.password)
         guessing = conn.guessing(key)
