@@ -331,7 +331,8 @@ def overview_row(board: dash.Dashboard, config: dict) -> None:
             "Why: guard reasons per rank",
             "Every reason the guard reports for a selected rank now (kvguard_guard_reason == 1): "
             "projected_peak_exceeds_capacity, alloc_retries_climbing, ooms_climbing, overcommitted, "
-            "live_reserved_exceeds_projection, snapshot_stale, no_profile. Empty: every rank is ok.",
+            "live_reserved_exceeds_projection, snapshot_stale, no_profile, profile_fields_unknown. "
+            "Empty: every rank is ok.",
             "none",
             [(f"max by ({PER_RANK}, reason) (kvguard_guard_reason{{{RANK}}} == 1)", RANK_LEGEND + ": {{reason}}")],
             width=12,

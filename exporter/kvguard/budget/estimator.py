@@ -490,12 +490,17 @@ class Profile:
         }
 
     @classmethod
+    def unknown_keys(cls, data: Mapping[str, Any]) -> list[str]:
+        """The keys of ``data`` that are no Profile field (a newer writer's, or typos), sorted."""
+        names = {f.name for f in fields(cls)}
+        return sorted(str(k) for k in data if k not in names)
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Profile":
         if not isinstance(data, Mapping):
             raise ProfileError("profile must be a JSON object")
-        names = [f.name for f in fields(cls)]
         missing = [n for n in cls.REQUIRED if n not in data]
-        unknown = sorted(str(k)[:40] for k in set(data) - set(names))
+        unknown = [k[:40] for k in cls.unknown_keys(data)]
         if missing:
             raise ProfileError(f"profile is missing {', '.join(missing)}")
         if unknown:

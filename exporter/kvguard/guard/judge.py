@@ -58,6 +58,7 @@ LIVE_RESERVED_EXCEEDS = "live_reserved_exceeds_projection"
 NO_PROFILE = "no_profile"
 SNAPSHOT_STALE = "snapshot_stale"
 KV_PLACEMENT_FAILS = "kv_cache_placement_fails"
+PROFILE_FIELDS_UNKNOWN = "profile_fields_unknown"
 REASON_CODES = (
     OVERCOMMITTED,
     PEAK_EXCEEDS_CAPACITY,
@@ -67,6 +68,7 @@ REASON_CODES = (
     NO_PROFILE,
     SNAPSHOT_STALE,
     KV_PLACEMENT_FAILS,
+    PROFILE_FIELDS_UNKNOWN,
 )
 # Not about one rank: the overall state when no rank was judged (/guard, /readyz, kvguard check).
 NO_RANKS = "no_ranks"
@@ -80,6 +82,7 @@ _REASON_STATE = {
     SNAPSHOT_STALE: WARNING,
     NO_RANKS: WARNING,
     KV_PLACEMENT_FAILS: CRITICAL,
+    PROFILE_FIELDS_UNKNOWN: WARNING,
 }
 BUDGET, RUNNING = "budget", "running"  # Verdict.phase: at the budget (before the KV cache), or after
 
@@ -119,6 +122,9 @@ class GuardInput:
     no_profile_detail: str | None = None
     # vllm-mindspore: the profile run's reserved peak by MindSpore's statistics (the snapshot's).
     reserved_peak: ReservedPeak | None = None
+    # Profile keys the writer set that this release does not know (kvguard.spool.schema.Snapshot's
+    # ``profile_unknown_fields``): the verdict cannot count what they describe.
+    unknown_profile_fields: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,15 @@ def judge(inp: GuardInput) -> Verdict:
         )
     if inp.snapshot_stale:
         reasons.append(Reason(SNAPSHOT_STALE, "the rank's latest snapshot is stale: the live counters may be old"))
+    if inp.unknown_profile_fields and inp.profile is not None:
+        reasons.append(
+            Reason(
+                PROFILE_FIELDS_UNKNOWN,
+                f"the probe's profile has fields this kvguard does not know ({', '.join(inp.unknown_profile_fields)}): "
+                f"judged without them, so the verdict may leave out memory they describe; run the sidecar of the "
+                f"probe's kvguard release or a later one",
+            )
+        )
 
     profile = inp.profile
     if profile is None:

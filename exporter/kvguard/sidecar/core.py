@@ -468,6 +468,7 @@ class Sidecar:
                         no_profile_detail=missing,
                         # MindSpore's reserved peak belongs with the snapshot's own profile.
                         reserved_peak=snap.reserved_peak if origin == "snapshot" else None,
+                        unknown_profile_fields=snap.profile_unknown_fields if origin == "snapshot" else (),
                     )
                 )
                 at_budget = snap.budget_verdict

@@ -89,6 +89,10 @@ class Snapshot:
     # vllm-mindspore: the profile run's reserved peak by MindSpore's max_memory_reserved, beside the
     # end-of-run figure the engine measured (schema 1 extension; None elsewhere and in older snapshots).
     reserved_peak: ReservedPeak | None = None
+    # Read, never written: profile keys this release does not know (a newer probe's fields: a plugin
+    # upgraded before its sidecar). The profile is judged on the fields it knows, and the guard says so
+    # (``profile_fields_unknown``) rather than dropping the rank. At most MAX_UNKNOWN_FIELDS names.
+    profile_unknown_fields: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -142,7 +146,7 @@ class Snapshot:
             memory = DeviceMemory.from_dict(
                 memory_raw, max_processes=MAX_SNAPSHOT_PROCESSES, process_name=_process_name
             )
-            profile = Profile.from_dict(data["profile"]) if data.get("profile") is not None else None
+            profile, unknown_fields = _profile(data.get("profile"))
             kv_cache = None
             if data.get("kv_cache") is not None:
                 kv = data["kv_cache"]
@@ -216,7 +220,27 @@ class Snapshot:
             budget_verdict=budget_verdict,
             pid_namespace=safe_text(pid_namespace, 64),
             reserved_peak=reserved_peak,
+            profile_unknown_fields=unknown_fields,
         )
+
+
+MAX_UNKNOWN_FIELDS = 8
+
+
+def _profile(raw: Any) -> tuple[Profile | None, tuple[str, ...]]:
+    """The snapshot's profile and the keys of it this release does not know (left out, named: the first
+    MAX_UNKNOWN_FIELDS in sorted order, each cut to 40 characters). Known keys are checked as strictly as
+    ever: a bad value still makes the snapshot invalid."""
+    if raw is None:
+        return None, ()
+    if not isinstance(raw, Mapping):
+        return Profile.from_dict(raw), ()  # raises ProfileError with the usual message
+    unknown = Profile.unknown_keys(raw)
+    if not unknown:
+        return Profile.from_dict(raw), ()
+    dropped = set(unknown)
+    profile = Profile.from_dict({k: v for k, v in raw.items() if k not in dropped})
+    return profile, tuple(safe_text(name, 40) for name in unknown[:MAX_UNKNOWN_FIELDS])
 
 
 class SnapshotError(ValueError):
