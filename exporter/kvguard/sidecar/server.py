@@ -33,15 +33,16 @@ and threads are bounded whatever it sends:
   cannot fill the queue and lock out others' new logins (_AuthGate).
   Credentials come in three kinds, by what their connection has shown, each with tokens of its own
   per address: GUESS, one that has had two different credentials refused (401) or turned away
-  unchecked (429) since one was accepted, or that presents the refused one again; else FRONT, one that has had a credential
-  accepted (Prometheus' keep-alive connection, its password just rotated: one per address at the
-  front of the queue); else FRESH (a first login). One refusal demotes nothing, because a rotation
-  always costs one: the old password is refused (as often as it is repeated, from the cache) on
-  the connection that then sends the new one, which keeps the kind its connection had; a 429
-  checks no credential, and the same credential retried after it keeps its kind. bcrypt takes FRONT, then FRESH, then GUESS, and with
-  two threads or more one is kept for the first two. So guesses repeated on keep-alive
-  connections, from any address (a mesh proxy or SNAT puts Prometheus behind the attacker's),
-  never refuse or delay a first login beyond the first two of each connection: it waits only for
+  unchecked (429) since one was accepted, or that presents the refused one again; else FRONT, one
+  that has had a credential accepted (Prometheus' keep-alive connection, its password just rotated:
+  one per address at the front of the queue); else FRESH (a first login). One refusal demotes
+  nothing, because a rotation always costs one: the old password is refused (as often as it is
+  repeated, from the cache) on the connection that then sends the new one, which keeps the kind its
+  connection had; a 429 checks no credential, and the same credential retried after it keeps its
+  kind. bcrypt takes FRONT, then FRESH, then GUESS, and with two threads or more one is kept for
+  the first two. So guesses repeated on keep-alive connections, from any address (a mesh proxy or
+  SNAT puts Prometheus behind the attacker's), never refuse or delay a first login beyond the first
+  two of each connection: it waits only for
   the FRONT and FRESH credentials queued ahead of it (none from a connection past its second
   refused guess; at most one and ``auth_queue_per_source`` per address, within their tokens) and
   for the bcrypt run in progress on the kept thread (with one thread, on it), then for its own.
