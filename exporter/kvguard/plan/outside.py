@@ -60,10 +60,12 @@ class CollectiveBuffers:
         }
 
 
-def communicators(tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> int:
-    """Groups of more than one rank a rank belongs to: world, tensor-parallel, pipeline-parallel."""
+def communicators(tensor_parallel_size: int, pipeline_parallel_size: int = 1, model_tp_groups: int = 0) -> int:
+    """Groups of more than one rank a rank belongs to: world, tensor-parallel, pipeline-parallel, and
+    ``model_tp_groups`` tensor-parallel groups of the model's own (MindFormers': kvguard.sim.mindformers)."""
     world = tensor_parallel_size * pipeline_parallel_size
-    return sum(1 for size in (world, tensor_parallel_size, pipeline_parallel_size) if size > 1)
+    vllm = sum(1 for size in (world, tensor_parallel_size, pipeline_parallel_size) if size > 1)
+    return vllm + (model_tp_groups if tensor_parallel_size > 1 else 0)
 
 
 def hccl_buffsize_bytes(env: Mapping[str, str]) -> int:
@@ -84,11 +86,14 @@ def collective_buffers(
     tensor_parallel_size: int,
     env: Mapping[str, str],
     pipeline_parallel_size: int = 1,
+    model_tp_groups: int = 0,
 ) -> CollectiveBuffers | None:
-    """HCCL's buffers for one rank on Ascend; None on CUDA (not modelled)."""
+    """HCCL's buffers for one rank on Ascend; None on CUDA (not modelled). ``model_tp_groups``: tensor-parallel
+    groups the model's network creates itself, after the baseline as vLLM's are (MindFormers' DeepSeek-V3 on
+    vllm-mindspore 0.2.0: kvguard.sim.mindformers)."""
     if platform != "ascend":
         return None
-    count = communicators(tensor_parallel_size, pipeline_parallel_size)
+    count = communicators(tensor_parallel_size, pipeline_parallel_size, model_tp_groups)
     where = (
         (
             "created after the baseline snapshot: non-torch increase, off the KV budget ("
@@ -103,6 +108,7 @@ def collective_buffers(
         count,
         hccl_buffsize_bytes(env),
         baseline_before_distributed,
-        f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank) x 2 x "
+        f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank"
+        f"{', and the model network own TP group' if model_tp_groups and tensor_parallel_size > 1 else ''}) x 2 x "
         f"{setting} [{HCCL_CITE}]; {where}",
     )

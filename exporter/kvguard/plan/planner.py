@@ -37,6 +37,7 @@ from kvguard.plan.devices import DeviceSpec
 from kvguard.plan.max_len import derived_max_model_len, max_len_refusal
 from kvguard.plan.outside import collective_buffers
 from kvguard.plan.serve_defaults import serve_defaults
+from kvguard.sim.mindformers import MindFormersPath, mindformers_path
 from kvguard.sim.quantization import gguf_file_type, with_quantization_flag
 from kvguard.sim.workload import model_shape, weight_tensors
 from kvguard.vllm.eras import (
@@ -112,6 +113,11 @@ def _vllm_version(era: Era, version: tuple[int, ...]) -> tuple[int, ...]:
     if era.project == "vllm-mindspore":
         return (0, 7, 3) if version < (0, 5, 0) else (0, 11, 0)
     return version
+
+
+def _mindformers(era: Era, version: tuple[int, ...], config) -> MindFormersPath | None:
+    """The MindFormers network vllm-mindspore serves the model through, if it does (kvguard.sim.mindformers)."""
+    return mindformers_path(_launcher(version) if era.allocator == "mindspore" else None, config)
 
 
 def _launcher(version: tuple[int, ...]) -> str:
@@ -350,6 +356,7 @@ def make_plan(
             settings.tensor_parallel_size,
             layout,
             gguf_file_type(command.model),
+            mindformers=_mindformers(era, version, config),
         )
         tensors = weight_tensors(shape)
     except (ConfigError, ArithmeticError) as exc:
@@ -381,7 +388,14 @@ def make_plan(
             return result
         non_allocator = scenario.config.resolved_non_allocator_bytes
         plan["profile_source"] = "predicted (kvguard.sim workload model through the allocator model)"
-        _predicted_uncertainty(era, settings, command, uncertainty, plan["non_torch"].get("collective_buffers"))
+        _predicted_uncertainty(
+            era,
+            settings,
+            command,
+            uncertainty,
+            plan["non_torch"].get("collective_buffers"),
+            _mindformers(era, version, config),
+        )
     fields["formula"] = era.formula
     fields["vllm_version"] = release
     if "gpu-memory-utilization" in command.flags or fields.get("gpu_memory_utilization") is None:
@@ -660,11 +674,13 @@ def _predicted_profile(
     # baseline snapshot precedes the distributed init, so HCCL's buffers grow the memory outside the allocator
     # after it: the simulated device holds them from the profile run on, and they are its non-torch increase.
     try:
+        mindformers = _mindformers(era, version, config)
         buffers = collective_buffers(
             _platform(era),
             _baseline_before_distributed(era, version),
             settings.tensor_parallel_size,
             plan["command"].get("env") or {},
+            model_tp_groups=1 if mindformers is not None and mindformers.own_tp_communicator else 0,
         )
     except ValueError as exc:
         raise PlanError(str(exc)) from None
@@ -751,7 +767,12 @@ def _predicted_profile(
 
 
 def _predicted_uncertainty(
-    era: Era, settings: Settings, command: ServeCommand, out: list[str], buffers: Mapping[str, Any] | None = None
+    era: Era,
+    settings: Settings,
+    command: ServeCommand,
+    out: list[str],
+    buffers: Mapping[str, Any] | None = None,
+    mindformers: MindFormersPath | None = None,
 ) -> None:
     """The notes on what the prediction did not measure, each estimate with its measured error: the per-era
     errors against real logs in ``accuracy.json`` (written by bench/plan_validation.py --write-accuracy)."""
@@ -809,6 +830,11 @@ def _predicted_uncertainty(
         "weights: counted from config.json tensor by tensor (quantized linears as vLLM 0.11.0's "
         "create_weights makes them: kvguard.sim.quantization; rotary caches, kernel workspaces and other "
         "buffers not counted)"
+        if mindformers is None
+        else f"weights: counted as {era.name} loads this architecture, through MindFormers' network with its "
+        f"published recipe (quant_method {mindformers.quant_method}, vocab_emb_dp "
+        f"{mindformers.vocab_parallel_embedding}: kvguard.sim.mindformers); a MINDFORMERS_MODEL_CONFIG with another "
+        f"recipe changes them; rotary tables and masks not counted"
     )
     if own is not None:
         note += f"; against {era.name}'s logs: {measured(own)}"
@@ -825,7 +851,7 @@ def _predicted_uncertainty(
         grown = (
             f"growth after vLLM's baseline snapshot: HCCL's buffers, {buffers['total_bytes'] / GIB:.2f} GiB "
             f"({buffers['communicators']} communicators x 2 x HCCL_BUFFSIZE); other communicators (the "
-            f"framework's own groups) and runtime workspaces are counted as 0"
+            f"framework's own world group, where it is not vLLM's) and runtime workspaces are counted as 0"
         )
     elif buffers and buffers["counted_in_budget"]:
         grown = "growth after vLLM's baseline snapshot: no communicator at this parallel size; workspaces counted as 0"

@@ -143,6 +143,8 @@ class WeightFormat:
             return f"gguf {self.gguf_file_type}"
         if self.method in ("fp8", "compressed-tensors fp8"):
             return self.method
+        if self.method == "mindformers_ptq":
+            return "mindformers ptq int8 (W8A8)"
         group = f" g{self.group_size}" if self.group_size > 0 else ""
         return f"{self.method} int{self.bits}{group}"
 
@@ -265,6 +267,22 @@ class WeightFormat:
     def _modelslim(self, linear: Linear, d: int) -> int:
         k, n = linear.input_size, linear.output_size
         return k * n + 8 * n + 2 * d + k * d
+
+    # MindFormers' DeepSeek-V3 under golden-stick's W8A8 'ptq' (vllm_mindspore mf_models/deepseek_v3.py r0.2:150-165
+    # create_ptq; loads in deepseekv3_weight_processor.py r0.2): int8 weights everywhere but the blacklisted lkv2kv
+    # (kv_b_proj) and lm_head, which stay in the model dtype. Attention (per-tensor activations, outlier
+    # suppression plus): an int32 quant_bias and an fp32 deq_scale per output row, one input scale and int8 offset
+    # (:428-506), and a model-dtype beta per input column on the layers after a norm, q_a / kv_a (from
+    # input_layernorm.bias) and q_b (from q_a_layernorm.bias) (:506-530). Feed-forward layers, routed and shared
+    # experts (per-token dynamic activations): one model-dtype weight_scale per output row (:115-399).
+    def _mindformers_ptq(self, linear: Linear, d: int) -> int:
+        k, n = linear.input_size, linear.output_size
+        if linear.name.endswith("kv_b_proj"):
+            return k * n * d
+        if ".self_attn." in linear.name:
+            after_norm = linear.name.endswith(("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj"))
+            return k * n + 8 * n + d + 1 + (k * d if after_norm else 0)
+        return k * n + d * n
 
     def gguf_type(self, linear: Linear) -> str:
         """The ggml type a GGUF file of this file type stores the linear in (embeddings too): llama.cpp's
@@ -413,6 +431,11 @@ def weight_format(config: Mapping[str, Any], gguf_file_type: str | None = None) 
     if method == "compressed-tensors":
         return _compressed_tensors(quant)
     return WeightFormat()
+
+
+MINDFORMERS_PTQ = WeightFormat(
+    "mindformers_ptq", bits=8, cite="vllm_mindspore mf_models/deepseek_v3.py r0.2:150-165 (golden-stick W8A8 'ptq')"
+)
 
 
 def _compressed_tensors(quant: Mapping[str, Any]) -> WeightFormat:

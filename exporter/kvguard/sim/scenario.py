@@ -82,6 +82,7 @@ from kvguard.budget.estimator import (
     text_config,
 )
 from kvguard.budget.sampler import SAMPLING_KINDS, SamplingBatch, unprofiled_sampler_peak_bytes
+from kvguard.sim.mindformers import MindFormersPath, mindformers_path
 from kvguard.sim.scheduler import Scheduler, Sequence
 from kvguard.sim.workload import (
     ModelShape,
@@ -237,6 +238,12 @@ class ScenarioConfig:
         if self.allocator == "mindspore":
             return f"vllm-mindspore:{self.vllm_mindspore_version}"
         return SIMULATED_VLLM
+
+    @property
+    def mindformers_path(self) -> MindFormersPath | None:
+        """The MindFormers network the launcher serves this model through, if it does (kvguard.sim.mindformers)."""
+        launcher = self.vllm_mindspore_version if self.allocator == "mindspore" else None
+        return mindformers_path(launcher, self.model_config)
 
     @property
     def profile_runs_sampler(self) -> bool:
@@ -551,7 +558,9 @@ class ServingScenario:
             kv_cache_dtype=config.kv_cache_dtype,
             tensor_parallel_size=config.tensor_parallel_size,
         )
-        self.shape: ModelShape = model_shape(config.model_config, config.tensor_parallel_size, self.kv_layout)
+        self.shape: ModelShape = model_shape(
+            config.model_config, config.tensor_parallel_size, self.kv_layout, mindformers=config.mindformers_path
+        )
         self.device = Device(config.device_memory_bytes, config.resolved_non_allocator_bytes)
         self.allocator = make_allocator(config, self.device)
         self.requests = make_requests(config)

@@ -47,7 +47,8 @@ from kvguard.budget.sampler import (
     sampling_tail_ops,
     vocab_shard,
 )
-from kvguard.sim.quantization import Linear, WeightFormat, weight_format
+from kvguard.sim.mindformers import MindFormersPath
+from kvguard.sim.quantization import MINDFORMERS_PTQ, Linear, WeightFormat, weight_format
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,12 @@ class ModelShape:
     shared_intermediate_size: int = 0  # per rank, all shared experts together
     first_dense_layers: int = 0
     weight_format: WeightFormat = WeightFormat()
+    # The token embedding whole on every rank (MindFormers' VocabEmbedding: kvguard.sim.mindformers), not
+    # vLLM's vocab-parallel split.
+    whole_embedding: bool = False
+    # DeepSeek-V3's noaux_tc routing: an fp32 e_score_correction_bias per routed expert beside the router
+    # (vllm/model_executor/models/deepseek_v2.py 0.11.0:163-167; MindFormers keeps it in fp32 too).
+    router_score_bias: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -103,8 +110,10 @@ def model_shape(
     tensor_parallel_size: int = 1,
     layout: KVLayout | None = None,
     gguf_file_type: str | None = None,
+    mindformers: MindFormersPath | None = None,
 ) -> ModelShape:
-    """The per-rank shape of a model from its ``config.json`` (already parsed).
+    """The per-rank shape of a model from its ``config.json`` (already parsed); ``mindformers``: the model runs
+    MindFormers' network (kvguard.sim.mindformers), with its recipe's weights and embedding.
 
     Layers, KV heads and head size are the estimator's :class:`KVLayout` for the same config and
     tensor-parallel size (``layout``; built here when not given), so the simulated attention
@@ -124,6 +133,8 @@ def model_shape(
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")
     dtype_bytes = model_dtype_bytes(config)
     weights = weight_format(config, gguf_file_type)
+    if mindformers is not None and mindformers.quant_method == "ptq":
+        weights = MINDFORMERS_PTQ
     weight_bytes = 1 if weights.quantized and weights.bits == 8 and weights.method != "gguf" else dtype_bytes
     n_experts = _int(text, "n_routed_experts", "num_local_experts", "num_experts", default=0, minimum=0)
     moe_inter = (
@@ -154,6 +165,8 @@ def model_shape(
         moe_intermediate_size=moe_inter // tp if n_experts else 0,
         shared_intermediate_size=(shared * moe_inter) // tp if n_experts else 0,
         first_dense_layers=_int(text, "first_k_dense_replace", default=0, minimum=0),
+        whole_embedding=mindformers is not None and not mindformers.vocab_parallel_embedding,
+        router_score_bias=text.get("topk_method") == "noaux_tc",
     )
 
 
@@ -191,7 +204,10 @@ def weight_tensors(shape: ModelShape) -> list[int]:
 
     # GGUF quantizes the embedding too (gguf.py 0.11.0:60-70), a tied one as llama.cpp quantizes the output.
     embedding = "lm_head" if shape.tie_word_embeddings else "model.embed_tokens"
-    tensors = [linear(embedding, hidden, vocab_shard) if fmt.method == "gguf" else vocab_shard * hidden * dtype_bytes]
+    embedding_rows = shape.vocab_size if shape.whole_embedding else vocab_shard
+    tensors = [
+        linear(embedding, hidden, vocab_shard) if fmt.method == "gguf" else embedding_rows * hidden * dtype_bytes
+    ]
     for layer in range(shape.num_layers):
         prefix = f"model.layers.{layer}."
         tensors.append(hidden * dtype_bytes)  # input_layernorm
@@ -236,6 +252,8 @@ def weight_tensors(shape: ModelShape) -> list[int]:
         tensors.append(hidden * dtype_bytes)  # post_attention_layernorm
         if shape.is_moe_layer(layer):
             tensors.append(shape.num_experts * hidden * dtype_bytes)  # router (a ReplicatedLinear without quant_config)
+            if shape.router_score_bias:
+                tensors.append(shape.num_experts * 4)
             tensors.append(
                 linear(
                     prefix + "mlp.experts.gate_up_proj",
