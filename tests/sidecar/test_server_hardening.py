@@ -573,6 +573,29 @@ def test_guesses_turned_away_unchecked_do_not_keep_a_connection_a_first_login(se
         assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200
 
 
+def test_one_wrong_password_turned_away_then_refused_is_one_and_demotes_nothing(serve, tmp_path, monkeypatch):
+    """Review: a wrong password answered 429, then 401 when retried, was counted twice (once turned away, once
+    refused), so the right password after it was a GUESS: the rotation case one refusal must not demote."""
+    import kvguard.sidecar.server as server_module
+
+    kinds: list[bool] = []
+    guessing = server_module._Conn.guessing
+    monkeypatch.setattr(
+        server_module._Conn, "guessing", lambda conn, key: kinds.append(guessing(conn, key)) or kinds[-1]
+    )
+    server = users_server(serve, tmp_path, auth_rate=0.5, auth_burst=2.0)
+    with open_from(server, "127.0.0.1") as other, open_from(server, "127.0.0.1") as user:
+        assert keep_alive_guesses(other, 2) == [401, 401]  # the address's two first-login tokens
+        user.sendall(auth_request("old-password"))
+        assert status_of(user) == 429  # turned away: none left
+        time.sleep(2.2)  # one back
+        user.sendall(auth_request("old-password"))
+        assert status_of(user) == 401  # the same one, checked now
+        user.sendall(auth_request("s3cret"))
+        assert status_of(user) in (200, 429)  # 429 only if its first-login token is not back yet
+    assert kinds[-1] is False  # the right password after one wrong one: a first login, not a GUESS
+
+
 def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
     """The bound on a first login's wait: the bcrypt run in progress on the verifier kept for first
     logins and rotated passwords (none here), then its own; never the guesses queued or running."""

@@ -719,6 +719,8 @@ class _Conn:
         """A credential on it was answered 401 (``key``: BasicAuth.credential_key). The same one
         presented again is not counted again (an old password repeated until the client re-reads
         its file); a second different one ends its trust, and its credentials are GUESSes from then."""
+        # One credential is one count: turned away first, then refused, it is not counted twice.
+        self.turned_away_keys = [k for k in self.turned_away_keys if not hmac.compare_digest(key, k)]
         if self.refused_key is None or not hmac.compare_digest(key, self.refused_key):
             self.refused_key, self.refusals = key, self.refusals + 1
         if self.refusals >= 2:
