@@ -198,25 +198,9 @@ def test_only_the_mindformers_only_architectures_of_0_2_x_take_mindformers_path(
 def test_simulate_with_the_seed_release_holds_the_same_weights_as_plan(seed_plans, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(DEEPSEEK_V3))
-    result = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--json",
-            "--model-config",
-            str(path),
-            "--allocator",
-            "mindspore",
-            "--vllm-mindspore-version",
-            "0.2.0",
-            "--tensor-parallel-size",
-            "16",
-            "--total-memory",
-            "65452113920B",
-            "--requests",
-            "1",
-        ],
-    )
+    flags = "--allocator mindspore --vllm-mindspore-version 0.2.0 --tensor-parallel-size 16 --requests 1"
+    command = ["simulate", "--json", "--model-config", str(path), "--total-memory", "65452113920B", *flags.split()]
+    result = CliRunner().invoke(main, command)
     assert result.exit_code in (0, 1), result.output
     simulated = json.loads(result.output)["profile"]["weights_bytes"]
     assert simulated == seed_plans["dsv3"]["profile"]["weights_bytes"]
