@@ -193,6 +193,17 @@ def test_only_the_mindformers_only_architectures_of_0_2_x_take_mindformers_path(
     )
     assert later["plan"]["weights"]["weight_dtype"] == "fp8"
     assert later["plan"]["weights"]["bytes"] < seed_plans["dsv3"]["plan"]["weights"]["bytes"] - GIB
+    # Another model of the architecture (a 16B MoE's shape) has no published recipe at that commit: read as
+    # vLLM's model, as its config.json says, on 0.2.0 too (review: the 671B's W8A8 recipe halved its weights).
+    small = {**DEEPSEEK_V3, "hidden_size": 2048, "num_hidden_layers": 27, "n_routed_experts": 64}
+    small.pop("quantization_config")
+    path.write_text(json.dumps(small))
+    flags = ("--device", "910B", "--model-config", str(path), "--", "vllm", "serve", "m", "--tensor-parallel-size", "2")
+    seed_release, later_release = (
+        plan_json("--vllm-version", f"vllm-mindspore:{release}", *flags) for release in ("0.2.0", "0.5.1")
+    )
+    assert seed_release["plan"]["weights"]["weight_dtype"] == "bfloat16"
+    assert seed_release["plan"]["weights"]["bytes"] == later_release["plan"]["weights"]["bytes"]
 
 
 def test_simulate_with_the_seed_release_holds_the_same_weights_as_plan(seed_plans, tmp_path):

@@ -104,11 +104,11 @@ def collective_buffers(
         else "created before the baseline snapshot: not in the budget's non-torch increase"
     )
     setting = "HCCL_BUFFSIZE from the command" if "HCCL_BUFFSIZE" in env else "HCCL_BUFFSIZE default 200 MB"
+    own = ", and the model network's own TP group" if model_tp_groups and tensor_parallel_size > 1 else ""
     return CollectiveBuffers(
         count,
         hccl_buffsize_bytes(env),
         baseline_before_distributed,
-        f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank"
-        f"{', and the model network own TP group' if model_tp_groups and tensor_parallel_size > 1 else ''}) x 2 x "
+        f"{count} HCCL communicator(s) (world, TP, PP groups of more than one rank{own}) x 2 x "
         f"{setting} [{HCCL_CITE}]; {where}",
     )

@@ -116,7 +116,8 @@ def _vllm_version(era: Era, version: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _mindformers(era: Era, version: tuple[int, ...], config) -> MindFormersPath | None:
-    """The MindFormers network vllm-mindspore serves the model through, if it does (kvguard.sim.mindformers)."""
+    """The MindFormers network and published recipe vllm-mindspore serves the model through, if it does
+    (kvguard.sim.mindformers: the simulated startup takes the same one)."""
     return mindformers_path(_launcher(version) if era.allocator == "mindspore" else None, config)
 
 
@@ -836,7 +837,9 @@ def _predicted_uncertainty(
         f"{mindformers.vocab_parallel_embedding}: kvguard.sim.mindformers); a MINDFORMERS_MODEL_CONFIG with another "
         f"recipe changes them; rotary tables and masks not counted"
     )
-    if own is not None:
+    if mindformers is not None:
+        note += "; unmeasured for this path (no real log states its weights)"
+    elif own is not None:
         note += f"; against {era.name}'s logs: {measured(own)}"
     elif weights:
         worst = max(weights, key=lambda row: abs(row["worst_error_pct"]))

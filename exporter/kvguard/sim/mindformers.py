@@ -46,6 +46,9 @@ class MindFormersPath:
     vocab_parallel_embedding: bool  # the recipe's vocab_emb_dp
     own_tp_communicator: bool
     cite: str
+    # The model the recipe was written for (its YAML's model_config): another model of the architecture has no
+    # published recipe at that commit, and is read as vLLM's model, as the checkpoint's config.json says.
+    recipe_model: tuple[tuple[str, int], ...] = ()
 
 
 PATHS = (
@@ -56,12 +59,16 @@ PATHS = (
         vocab_parallel_embedding=False,
         own_tp_communicator=True,
         cite="vllm_mindspore registry.py r0.2:32-42; MindFormers predict_deepseek3_671b_w8a8.yaml 5b25f655",
+        # predict_deepseek3_671b_w8a8.yaml 5b25f655:41-45 (num_layers 61, hidden_size 7168) and its
+        # n_routed_experts 256 (DeepSeek-V3 / R1 671B).
+        recipe_model=(("hidden_size", 7168), ("num_hidden_layers", 61), ("n_routed_experts", 256)),
     ),
 )
 
 
 def mindformers_path(launcher: str | None, config: Mapping[str, Any]) -> MindFormersPath | None:
-    """The MindFormers path a model config runs on under vllm-mindspore ``launcher`` (None: vLLM's own model)."""
+    """The MindFormers path a model config runs on under vllm-mindspore ``launcher`` with its published recipe
+    (None: read as vLLM's own model, also for a model of the architecture the recipe was not written for)."""
     if launcher is None or not isinstance(config, Mapping):
         return None
     architectures = config.get("architectures")
@@ -69,5 +76,6 @@ def mindformers_path(launcher: str | None, config: Mapping[str, Any]) -> MindFor
         return None
     for path in PATHS:
         if launcher in path.launchers and any(arch in path.architectures for arch in architectures):
-            return path
+            if all(config.get(key) == value for key, value in path.recipe_model):
+                return path
     return None

@@ -84,7 +84,9 @@ class ModelShape:
     # vLLM's vocab-parallel split.
     whole_embedding: bool = False
     # DeepSeek-V3's noaux_tc routing: an fp32 e_score_correction_bias per routed expert beside the router
-    # (vllm/model_executor/models/deepseek_v2.py 0.11.0:163-167; MindFormers keeps it in fp32 too).
+    # (vllm/model_executor/models/deepseek_v2.py 0.11.0:163-167; MindFormers' loader casts it to fp32 too,
+    # deepseekv3_weight_processor.py r0.2:128-135). vLLM 0.7.3 makes it in the model dtype (:123-125): 2 bytes
+    # an expert less there, not modelled (29 KiB for DeepSeek-V3).
     router_score_bias: bool = False
 
     @property
