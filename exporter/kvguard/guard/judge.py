@@ -28,6 +28,7 @@ end-of-startup counters says whether the first serving peak fits.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Hashable, Iterable
@@ -59,6 +60,9 @@ NO_PROFILE = "no_profile"
 SNAPSHOT_STALE = "snapshot_stale"
 KV_PLACEMENT_FAILS = "kv_cache_placement_fails"
 PROFILE_FIELDS_UNKNOWN = "profile_fields_unknown"
+# A reason a newer release wrote into a snapshot's budget-time verdict under a code this one does not know: kept
+# with the state that release gave it, its own code at the head of the message.
+REASON_UNKNOWN = "reason_unknown"
 REASON_CODES = (
     OVERCOMMITTED,
     PEAK_EXCEEDS_CAPACITY,
@@ -69,6 +73,7 @@ REASON_CODES = (
     SNAPSHOT_STALE,
     KV_PLACEMENT_FAILS,
     PROFILE_FIELDS_UNKNOWN,
+    REASON_UNKNOWN,
 )
 # Not about one rank: the overall state when no rank was judged (/guard, /readyz, kvguard check).
 NO_RANKS = "no_ranks"
@@ -83,6 +88,7 @@ _REASON_STATE = {
     NO_RANKS: WARNING,
     KV_PLACEMENT_FAILS: CRITICAL,
     PROFILE_FIELDS_UNKNOWN: WARNING,
+    REASON_UNKNOWN: WARNING,  # unless the writer's stated state says more (Reason.stated)
 }
 BUDGET, RUNNING = "budget", "running"  # Verdict.phase: at the budget (before the KV cache), or after
 
@@ -91,9 +97,12 @@ BUDGET, RUNNING = "budget", "running"  # Verdict.phase: at the budget (before th
 class Reason:
     code: str
     message: str
+    stated: str | None = None  # REASON_UNKNOWN only: the state the newer release gave it
 
     @property
     def state(self) -> str:
+        if self.code == REASON_UNKNOWN and self.stated in SEVERITY:
+            return self.stated
         return _REASON_STATE[self.code]
 
     def to_dict(self) -> dict[str, str]:
@@ -176,13 +185,19 @@ class Verdict:
             raise ValueError("verdict state, phase or reasons malformed")
         reasons = []
         for item in raw:
-            if (
-                not isinstance(item, dict)
-                or item.get("code") not in _REASON_STATE
-                or not isinstance(item.get("message"), str)
-            ):
+            if not isinstance(item, dict) or not isinstance(item.get("message"), str):
                 raise ValueError("verdict reason malformed")
-            reasons.append(Reason(item["code"], item["message"][:1024]))
+            code = item.get("code")
+            if code in _REASON_STATE:
+                stated = item.get("state") if code == REASON_UNKNOWN else None
+                reasons.append(Reason(code, item["message"][:1024], stated=stated))
+            elif isinstance(code, str) and code and item.get("state") in SEVERITY:
+                # A newer release's reason (kept, with its state, not dropped with the whole snapshot); its code
+                # only as letters, digits and underscores, cut short.
+                name = re.sub(r"[^a-z0-9_]", "?", code.lower()[:40])
+                reasons.append(Reason(REASON_UNKNOWN, f"[{name}] " + item["message"][:1000], stated=item["state"]))
+            else:
+                raise ValueError("verdict reason malformed")
         values: dict[str, Any] = {}
         for f in fields(cls):
             if f.name in ("state", "phase", "reasons"):
