@@ -377,6 +377,25 @@ def test_quantization_flag_quantizes_an_unquantized_checkpoint_in_flight(tmp_pat
     assert bnb["bytes"] < fp8["bytes"]
 
 
+def test_the_budget_counts_the_weights_the_flag_quantizes(tmp_path):
+    """Found at the stop: the weights line applied --quantization, the simulated startup behind the KV budget read
+    config.json without it (15.29 GB of weights in the profile against 8.71 in the line for Qwen2.5-7B fp8)."""
+    plans = {}
+    for name, flags in (("plain", ()), ("fp8", ("--quantization", "fp8"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(qwen_config()))
+        command = ["plan", "--json", "--device", "H100", "--vllm-version", "0.11.0", "--model-config"]
+        result = CliRunner().invoke(main, [*command, str(tmp_path / name), "--", "vllm", "serve", "Q", *flags])
+        assert result.exit_code == 0, result.output
+        plans[name] = json.loads(result.output)
+    for out in plans.values():  # the profile's weights are the line's, placed by the allocator (rounded up)
+        line, profile = out["plan"]["weights"]["bytes"], out["profile"]["weights_bytes"]
+        assert line <= profile < line * 1.01
+    freed = plans["plain"]["plan"]["weights"]["bytes"] - plans["fp8"]["plan"]["weights"]["bytes"]
+    gained = plans["fp8"]["plan"]["decided"]["kv_cache_bytes"] - plans["plain"]["plan"]["decided"]["kv_cache_bytes"]
+    assert gained == pytest.approx(freed, rel=0.02)
+
+
 def test_the_checkpoints_own_quantization_config_wins_over_the_flag(tmp_path):
     awq = plan_weights(tmp_path, {**qwen_config(), "quantization_config": AWQ}, "Qwen/x-AWQ", "-q", "awq_marlin")
     assert awq["weight_dtype"] == "awq int4 g128"

@@ -351,13 +351,15 @@ def make_plan(
     result["block_bytes"] = layout.block_bytes
     result["layout"] = {**asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
+    # The checkpoint as vLLM loads it: --quantization's in-flight method, or a GGUF file's type (from its name),
+    # in its quantization_config, so the weights line and the simulated startup count the same weights.
+    loaded = with_quantization_flag(config, command.flags.get("quantization"))
+    file_type = gguf_file_type(command.model)
+    if file_type:
+        loaded = {**loaded, "quantization_config": {"quant_method": "gguf", "file_type": file_type}}
     try:
         shape = model_shape(
-            with_quantization_flag(config, command.flags.get("quantization")),
-            settings.tensor_parallel_size,
-            layout,
-            gguf_file_type(command.model),
-            mindformers=_mindformers(era, version, config),
+            loaded, settings.tensor_parallel_size, layout, mindformers=_mindformers(era, version, config)
         )
         tensors = weight_tensors(shape)
     except (ConfigError, ArithmeticError) as exc:
@@ -382,7 +384,7 @@ def make_plan(
         non_allocator = None
     else:
         scenario, fields = _predicted_profile(
-            config, settings, era, version, release, device_bytes, non_allocator_bytes, plan, seeds[0]
+            loaded, settings, era, version, release, device_bytes, non_allocator_bytes, plan, seeds[0]
         )
         if fields is None:
             plan["will_start"] = False
