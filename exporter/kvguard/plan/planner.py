@@ -38,7 +38,7 @@ from kvguard.plan.max_len import derived_max_model_len, max_len_refusal
 from kvguard.plan.outside import collective_buffers
 from kvguard.plan.serve_defaults import serve_defaults
 from kvguard.sim.mindformers import MindFormersPath, mindformers_path
-from kvguard.sim.quantization import gguf_file_type, with_quantization_flag
+from kvguard.sim.quantization import with_quantization_flag
 from kvguard.sim.workload import model_shape, weight_tensors
 from kvguard.vllm.eras import (
     ERAS,
@@ -351,16 +351,12 @@ def make_plan(
     result["block_bytes"] = layout.block_bytes
     result["layout"] = {**asdict(layout), "page_bytes_per_layer": layout.page_bytes_per_layer}
 
-    # The checkpoint as vLLM loads it: --quantization's in-flight method, or a GGUF file's type (from its name),
-    # in its quantization_config, so the weights line and the simulated startup count the same weights.
-    loaded = with_quantization_flag(config, command.flags.get("quantization"))
-    file_type = gguf_file_type(command.model)
-    if file_type:
-        loaded = {**loaded, "quantization_config": {"quant_method": "gguf", "file_type": file_type}}
+    # The checkpoint as vLLM loads it (--quantization's in-flight method, a GGUF file's type), and the
+    # MindFormers network it runs on, once: the weights line and the simulated startup count the same weights.
+    mindformers = _mindformers(era, version, config)
     try:
-        shape = model_shape(
-            loaded, settings.tensor_parallel_size, layout, mindformers=_mindformers(era, version, config)
-        )
+        loaded = with_quantization_flag(config, command.flags.get("quantization"), command.model)
+        shape = model_shape(loaded, settings.tensor_parallel_size, layout, mindformers=mindformers)
         tensors = weight_tensors(shape)
     except (ConfigError, ArithmeticError) as exc:
         raise PlanError(f"model config: {exc}") from None
@@ -384,7 +380,7 @@ def make_plan(
         non_allocator = None
     else:
         scenario, fields = _predicted_profile(
-            loaded, settings, era, version, release, device_bytes, non_allocator_bytes, plan, seeds[0]
+            loaded, settings, era, version, release, device_bytes, non_allocator_bytes, plan, mindformers, seeds[0]
         )
         if fields is None:
             plan["will_start"] = False
@@ -397,7 +393,7 @@ def make_plan(
             command,
             uncertainty,
             plan["non_torch"].get("collective_buffers"),
-            _mindformers(era, version, config),
+            mindformers,
         )
     fields["formula"] = era.formula
     fields["vllm_version"] = release
@@ -662,10 +658,12 @@ def _predicted_profile(
     device_bytes: int,
     non_allocator_bytes: int | None,
     plan: dict[str, Any],
+    mindformers: MindFormersPath | None,
     seed: int = 0,
 ):
     """Startup on the simulated device (kvguard simulate's path): the profile vLLM's memory_profiling would
-    read, as the era's profile fields; (scenario, None) after an out-of-memory error (in plan's refusals)."""
+    read, as the era's profile fields; (scenario, None) after an out-of-memory error (in plan's refusals).
+    ``mindformers``: the network plan's weights were counted on (the scenario finds the same one)."""
     from kvguard.budget.estimator import FORMULAS
     from kvguard.sim.scenario import ScenarioConfig, ServingScenario
 
@@ -677,7 +675,6 @@ def _predicted_profile(
     # baseline snapshot precedes the distributed init, so HCCL's buffers grow the memory outside the allocator
     # after it: the simulated device holds them from the profile run on, and they are its non-torch increase.
     try:
-        mindformers = _mindformers(era, version, config)
         buffers = collective_buffers(
             _platform(era),
             _baseline_before_distributed(era, version),

@@ -540,9 +540,13 @@ IN_FLIGHT = {
 }
 
 
-def with_quantization_flag(config: Mapping[str, Any], flag: str | None) -> Mapping[str, Any]:
+def with_quantization_flag(config: Mapping[str, Any], flag: str | None, model: str | None = None) -> Mapping[str, Any]:
     """The config as vLLM loads it under ``--quantization flag``: a checkpoint's own quantization_config wins
-    (vLLM checks the flag against it); without one, the in-flight methods above apply."""
+    (vLLM checks the flag against it); without one, the in-flight methods above apply. A GGUF file served as
+    ``model`` is read in its file's type (:func:`gguf_file_type`, from the name), whatever the config says."""
+    file_type = gguf_file_type(model) if model else None
+    if file_type:
+        return {**config, "quantization_config": {"quant_method": "gguf", "file_type": file_type}}
     if not flag or weight_format(config).quantized:
         return config
     quant = IN_FLIGHT.get(flag.lower().replace("_", "-"))
