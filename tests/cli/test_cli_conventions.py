@@ -15,7 +15,7 @@ import time
 import click
 import pytest
 from click.testing import CliRunner
-from conftest import EXAMPLES
+from conftest import EXAMPLES, TESTS
 
 from kvguard.cli import exits, main
 from kvguard.cli.options import SizeType, TokensType
@@ -178,7 +178,8 @@ def test_the_exit_code_table_is_pinned_as_numbers():
     assert (exits.OK, exits.WARNING, exits.CRITICAL, exits.UNKNOWN) == (0, 1, 2, 3)
     assert (exits.USAGE, exits.DATAERR, exits.SOFTWARE) == (64, 65, 70)  # sysexits.h EX_USAGE, EX_DATAERR, EX_SOFTWARE
     assert exits.INTERRUPTED == 130  # 128 + SIGINT, as shells report it
-    assert [row.code for row in exits.TABLE] == [0, 1, 2, 3, 64, 65, 70, 130]
+    assert exits.OUTPUT_CLOSED == 141  # 128 + SIGPIPE, as shells report it
+    assert [row.code for row in exits.TABLE] == [0, 1, 2, 3, 64, 65, 70, 130, 141]
     assert exits.NAGIOS_PLUGINS == ("check",)
 
 
@@ -186,12 +187,12 @@ def test_the_table_the_docs_show_is_the_one_the_commands_give():
     for name in main.commands:
         codes = dict(exits.codes_for(name))
         assert 0 in codes
-        assert (64 in codes, 65 in codes, 70 in codes, 130 in codes) == (
-            (False,) * 4 if name == "check" else (True,) * 4
+        assert (64 in codes, 65 in codes, 70 in codes, 130 in codes, 141 in codes) == (
+            (False,) * 5 if name == "check" else (True,) * 5
         ), name
         assert set(codes) <= {row.code for row in exits.TABLE}
-    assert set(dict(exits.codes_for("plan"))) == {0, 2, 64, 65, 70, 130}
-    assert set(dict(exits.codes_for("simulate"))) == {0, 2, 64, 65, 70, 130}
+    assert set(dict(exits.codes_for("plan"))) == {0, 2, 64, 65, 70, 130, 141}
+    assert set(dict(exits.codes_for("simulate"))) == {0, 2, 64, 65, 70, 130, 141}
     assert set(dict(exits.codes_for("check"))) == {0, 1, 2, 3}
 
 
@@ -322,3 +323,39 @@ def test_ctrl_c_stops_check_with_unknown_as_a_nagios_plugin():
         hanging.close()
     assert done.returncode == 3, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _reader_gone(args: list[str]) -> subprocess.CompletedProcess:
+    """``kvguard ARGS`` in its own process, its stdout a pipe whose read end is closed before it writes (as
+    ``| head`` leaves it once it has its lines)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvguard", *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write)
+    return done
+
+
+def test_a_reader_that_goes_away_stops_a_command_with_141_and_no_error():
+    done = _reader_gone(["plan", "--device", "910B", "--model-config", QWEN, "--", "vllm", "serve", "M"])
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_a_reader_that_goes_away_stops_check_with_unknown_as_a_nagios_plugin():
+    done = _reader_gone(["check", "--from-log", os.path.join(TESTS, "data", "logs", "eras", "v0.27-debug.log")])
+    assert (done.returncode, done.stderr) == (3, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_internal_error(monkeypatch):
+    import kvguard.cli.plan
+
+    def broken(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")  # a source's socket, say: stdout is fine
+
+    monkeypatch.delenv("KVGUARD_DEBUG", raising=False)
+    monkeypatch.setattr(kvguard.cli.plan, "make_plan", broken)
+    result = invoke("plan", "--device", "H100", "--model-config", QWEN, "--", "vllm", "serve", "M")
+    assert result.exit_code == 70 and "BrokenPipeError" in result.output, result.output

@@ -118,7 +118,11 @@ def check(
     ):
         raise
     except Exception as exc:  # noqa: BLE001 - exit 1 means "warning" to the caller: a crash must say 2
+        from kvguard.cli.options import stdout_closed
         from kvguard.text import one_line
+
+        if isinstance(exc, BrokenPipeError) and stdout_closed():
+            raise  # the reader went away: the group stops without a word (kvguard.cli.options.KVGuardGroup)
 
         raise CheckError(f"cannot judge: {one_line(exc, with_type=True)}") from None
 

@@ -18,6 +18,7 @@ import click
 OK, WARNING, CRITICAL, UNKNOWN = 0, 1, 2, 3
 USAGE, DATAERR, SOFTWARE = 64, 65, 70  # sysexits.h: EX_USAGE, EX_DATAERR, EX_SOFTWARE
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C stopped (click's own 1 is WARNING)
+OUTPUT_CLOSED = 141  # 128 + SIGPIPE, as a shell reports a command whose reader went away (`| head`)
 
 # The commands that judge (1 and 3 are theirs), and those that are Nagios plugins (every error is UNKNOWN there).
 JUDGES = ("check",)
@@ -70,8 +71,15 @@ TABLE = (
         "stopped by Ctrl-C (SIGINT) before it finished: 128 + 2, as a shell reports it (serve and probe "
         "stop cleanly on it and say 0)",
     ),
+    ExitCode(
+        OUTPUT_CLOSED,
+        "SIGPIPE",
+        "output closed",
+        "the reader of its output went away before it finished (`kvguard plan ... | head`): it stops writing, "
+        "without a word, and says 128 + 13, as a shell reports a command that SIGPIPE stopped",
+    ),
 )
-ERRORS = (USAGE, DATAERR, SOFTWARE, INTERRUPTED)
+ERRORS = (USAGE, DATAERR, SOFTWARE, INTERRUPTED, OUTPUT_CLOSED)
 
 # A command's own words for a code it gives for its own reason: a few for its --help, then in full for the docs.
 OWN_WORDS = {

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
+import sys
 from typing import Any
 
 import click
@@ -144,6 +146,14 @@ class KVGuardGroup(click.Group):
         except (click.exceptions.Exit, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, BrokenPipeError) and stdout_closed():
+                # The reader went away (`| head`): nothing more to say, and nothing to say it to. Python's own
+                # flush of stdout at exit would fail again ("Exception ignored"): it goes to /dev/null instead.
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+                code = exits.UNKNOWN if ctx.invoked_subcommand in exits.NAGIOS_PLUGINS else exits.OUTPUT_CLOSED
+                raise click.exceptions.Exit(code) from None
             if os.environ.get("KVGUARD_DEBUG"):
                 raise
             from kvguard.text import one_line
@@ -154,6 +164,18 @@ class KVGuardGroup(click.Group):
             error.exit_code = exits.SOFTWARE
             error.exit_code = exits.error_code(error, ctx.invoked_subcommand)
             raise error from None
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone: poll(2) reports POLLERR on a pipe's write end
+    once its read end is closed (pipe(7)), whatever was written before."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def read_log(path: str):
