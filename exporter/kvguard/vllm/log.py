@@ -1040,7 +1040,8 @@ def _record(kind: LineKind, found: dict[str, str], f: dict[str, Any]) -> None:
 
 
 def _clean(raw: str) -> str:
-    line = _ANSI.sub("", raw) if ("\x1b" in raw or "^[[" in raw) else raw
+    # _ANSI's every match begins with one of these two (a lone ESC, frequent in binary junk, is no sequence).
+    line = _ANSI.sub("", raw) if ("\x1b[" in raw or "^[[" in raw) else raw
     return _BLANKS.sub(" ", line) if ("  " in line or "\t" in line or "\r" in line) else line
 
 
