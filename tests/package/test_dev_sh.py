@@ -63,10 +63,7 @@ def test_dev_sh_test_says_what_it_does_from_its_first_second(tmp_path):
     # are up to date after any ./dev.sh test, so each step returns quickly), then pytest --version.
     if shutil.which("bash") is None:
         pytest.fail("bash not found")
-    import time
-
     venv = stand_in_venv(tmp_path)
-    start = time.monotonic()
     process = subprocess.Popen(
         ["bash", os.path.join(REPO, "dev.sh"), "test", "--version"],
         cwd=tmp_path,
@@ -76,11 +73,12 @@ def test_dev_sh_test_says_what_it_does_from_its_first_second(tmp_path):
         text=True,
     )
     first = process.stderr.readline()
-    first_after = time.monotonic() - start
     _, rest = process.communicate(timeout=600)
     stderr = first + rest
     assert process.returncode == 0, stderr
-    assert first.startswith("==> [  0s] ") and first_after < 1.0, (first, first_after)
+    # The script's own clock (bash's SECONDS, from its start) says the line came in its first second, before any
+    # step began: no wall-clock bound of this process, which a loaded machine breaks (the standards: no timed asserts).
+    assert first.startswith("==> [  0s] setting up the tests"), first
     steps = [line.split("] ", 1)[1] for line in stderr.splitlines() if line.startswith("==> [")]
     for words in (
         "Debian packages",
@@ -148,7 +146,6 @@ def test_the_torch_install_resolves_to_the_cpu_build_here(tmp_path):
 def test_dev_sh_run_installs_once_with_progress_lines_then_runs_without_pip(tmp_path):
     if shutil.which("bash") is None:
         pytest.fail("bash not found")
-    import time
 
     venv = stand_in_venv(tmp_path)
     env = {**os.environ, "KVGUARD_VENV": venv}
@@ -164,7 +161,6 @@ def test_dev_sh_run_installs_once_with_progress_lines_then_runs_without_pip(tmp_
     assert "kvguard, version" in first.stdout
     assert "==> [  0s] setting up kvguard once" in first.stderr and "pip install -e '.[plot]'" in first.stderr
     installs = (tmp_path / "pip.log").read_text()
-    start = time.monotonic()
     second = subprocess.run(
         ["bash", os.path.join(REPO, "dev.sh"), "run", "--version"],
         cwd=tmp_path,
@@ -173,12 +169,9 @@ def test_dev_sh_run_installs_once_with_progress_lines_then_runs_without_pip(tmp_
         text=True,
         timeout=300,
     )
-    elapsed = time.monotonic() - start
     assert second.returncode == 0 and "kvguard, version" in second.stdout
     assert second.stderr == ""  # nothing set up, nothing said
-    assert (tmp_path / "pip.log").read_text() == installs  # no pip on the second call
-    # dev.sh's own part is a few shell lines; the rest is `kvguard --version` itself.
-    assert elapsed < 5, elapsed
+    assert (tmp_path / "pip.log").read_text() == installs  # no pip on the second call: nothing but the command runs
 
 
 def test_a_changed_setup_installs_again(tmp_path):
