@@ -48,3 +48,24 @@ def test_a_newer_warning_reason_is_a_warning_and_a_bad_state_still_invalid(tmp_p
     assert [(r.code, r.state) for r in snap.budget_verdict.reasons] == [("reason_unknown", "warning")]
     budget_snapshot(tmp_path, "fatal")
     assert read_spool(str(tmp_path)).skipped["invalid_snapshot"] == 1
+
+
+def test_a_budget_time_verdict_standing_for_the_rank_keeps_the_newer_probes_unknown_fields(tmp_path):
+    # A newer probe, between the budget and the KV cache: its budget-time verdict (critical) stands for the rank,
+    # and the live verdict's word that the profile holds fields this release does not know stays with it.
+    budget_snapshot(tmp_path, "critical")
+    (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".json")]
+    path = os.path.join(tmp_path, name)
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    data["profile"]["future_scratch_bytes"] = 1 << 30
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+    result = CliRunner().invoke(main, ["check", "--json", "--spool-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    (rank,) = json.loads(result.output)["ranks"]
+    assert rank["state"] == "critical"
+    codes = [r["code"] for r in rank["reasons"]]
+    assert codes == ["reason_unknown", "profile_fields_unknown"], codes
+    (unknown,) = [r for r in rank["reasons"] if r["code"] == "profile_fields_unknown"]
+    assert "future_scratch_bytes" in unknown["message"]

@@ -726,6 +726,26 @@ def _state(reasons: list[Reason]) -> str:
     return _worst_state(r.state for r in reasons)
 
 
+# What the rank's own counters and snapshot say, whatever the projection: kept where another verdict stands for the
+# rank (a budget-time verdict before its KV cache exists, :func:`standing`).
+RANK_REASONS = frozenset((OOMS_CLIMBING, RETRIES_CLIMBING, SNAPSHOT_STALE, PROFILE_FIELDS_UNKNOWN))
+
+
+def standing(live: Verdict, at_budget: Verdict | None, kv_cache_exists: bool) -> Verdict:
+    """The verdict that stands for a rank: ``live`` (judged now), or, between the budget and the KV cache's
+    allocation, the budget-time verdict where it is worse (it is the one that knows where the cache will go), with
+    the live verdict's :data:`RANK_REASONS` it does not hold (a newer probe's unknown fields, a stale snapshot,
+    out-of-memory errors climbing): what it stands for the rank must not hide what the rank says now."""
+    if at_budget is None or kv_cache_exists or at_budget.severity <= live.severity:
+        return live
+    held = {r.code for r in at_budget.reasons}
+    kept = [r for r in live.reasons if r.code in RANK_REASONS and r.code not in held]
+    if not kept:
+        return at_budget
+    reasons = tuple(sorted((*at_budget.reasons, *kept), key=lambda r: -SEVERITY[r.state]))
+    return replace(at_budget, reasons=reasons, state=_worst_state(r.state for r in reasons))
+
+
 def worst(verdicts: list[Verdict]) -> str:
     """The overall state of the ranks judged; ``warning`` when there are none: no verdict is no all-clear."""
     if not verdicts:

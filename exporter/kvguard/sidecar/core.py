@@ -25,7 +25,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from kvguard.guard.judge import CounterWindow, GuardInput, judge
+from kvguard.guard.judge import CounterWindow, GuardInput, judge, standing
 from kvguard.sidecar.limits import MAX_ENGINES, MAX_LABEL_CHARS, MAX_METRICS_BYTES, MAX_MODELS, MAX_PODS, MAX_RANKS
 from kvguard.sidecar.observation import (
     DUPLICATE,
@@ -472,10 +472,7 @@ class Sidecar:
                     )
                 )
                 at_budget = snap.budget_verdict
-                if at_budget is not None and snap.kv_cache is None and at_budget.severity > verdict.severity:
-                    # Between the budget and the KV cache's allocation the budget-time verdict is the one
-                    # that knows where the cache will go: it stands for the rank until the cache exists.
-                    verdict = at_budget
+                verdict = standing(verdict, at_budget, kv_cache_exists=snap.kv_cache is not None)
                 views.append(
                     RankView(
                         dict(labels),
