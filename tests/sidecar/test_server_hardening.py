@@ -493,9 +493,8 @@ def test_a_rotated_password_on_a_keep_alive_connection_is_accepted_beside_a_floo
         assert wait_for(lambda: server.web_config.current().basic_auth_users != before)
         assert keep_alive_get("s3cret") == 401  # Prometheus has not re-read its file yet
         assert keep_alive_get("s3cret") == 401  # nor now (from the cache of refusals)
-        start = time.monotonic()
-        assert keep_alive_get("n3w") == 200  # was 429
-        assert time.monotonic() - start < 5.0
+        # Answered, not refused (was 429); how long it waits under the flood is bench/bench_credentials.py's figure.
+        assert keep_alive_get("n3w") == 200
         assert keep_alive_get("n3w") == 200
     finally:
         stop.set()
@@ -607,9 +606,8 @@ def test_a_first_login_waits_for_no_guess_in_bcrypts_hands(serve, tmp_path):
             assert keep_alive_guesses(sock, 2) == [401, 401]  # two refused: their next credentials are GUESSes
             sock.sendall(auth_request("guess-held"))  # held in bcrypt until released
         assert wait_for(lambda: server.pending_verifications >= 4)
-        start = time.monotonic()
         assert http_get(server, "/metrics", {"Authorization": "Basic " + base64_token("s3cret")})[0] == 200
-        assert time.monotonic() - start < 5.0 and not release.is_set()  # the guesses still held
+        assert not release.is_set()  # answered while every guess is still held in bcrypt: it waited on none of them
     finally:
         release.set()
         for sock in guessers:

