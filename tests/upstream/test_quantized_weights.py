@@ -18,7 +18,14 @@ from conftest import EXAMPLES
 
 from kvguard.budget.estimator import ConfigError
 from kvguard.cli import main
-from kvguard.sim.quantization import GGML_BLOCKS, Linear, gguf_file_type, use_more_bits, weight_format
+from kvguard.sim.quantization import (
+    GGML_BLOCKS,
+    Linear,
+    gguf_file_type,
+    use_more_bits,
+    weight_format,
+    with_quantization_flag,
+)
 from kvguard.sim.workload import model_shape, weight_tensors
 
 GIB = 1 << 30
@@ -254,10 +261,10 @@ def test_llama_cpp_gives_half_of_attn_v_and_ffn_down_more_bits_in_the_m_mixes():
 
 def test_gguf_q8_0_is_8_5_bits_a_weight_and_q4_k_m_stores_output_at_q6_k():
     config = qwen_config()
-    q8 = model_shape(config, gguf_file_type="Q8_0")
+    q8 = model_shape(with_quantization_flag(config, None, "qwen2.5-7b-instruct-q8_0.gguf"))
     down = Linear("model.layers.9.mlp.down_proj", 18944, 3584, layer=9, layers=28)
     assert q8.weight_format.linear_bytes(down, 2) == 3584 * 18944 * 34 // 32
-    q4 = model_shape(config, gguf_file_type="Q4_K_M")
+    q4 = model_shape(with_quantization_flag(config, None, "qwen2.5-7b-instruct-q4_k_m.gguf"))
     assert weight_tensors(q4)[-1] == 152064 * 3584 // 256 * 210  # output.weight at Q6_K
     assert weight_tensors(q4)[0] == 152064 * 3584 // 256 * 144  # token_embd at Q4_K
 
@@ -425,7 +432,7 @@ def test_fp8_ignored_layers_skip_a_fused_module_by_its_checkpoint_parts():
 def test_gguf_k_quant_rows_that_are_not_whole_blocks_fall_back():
     # llama_tensor_get_type's convert_incompatible_tensor: Q4_K -> Q5_0, Q6_K -> Q8_0 when a row is not 256-wide
     # blocks. Qwen2.5-32B's down_proj row (27648) is 108 blocks; a 27600-wide row is not.
-    fmt = weight_format({}, "Q4_K_M")
+    fmt = weight_format({"quantization_config": {"quant_method": "gguf", "file_type": "Q4_K_M"}})
     whole = Linear("model.layers.9.mlp.down_proj", 27648, 5120, layer=9, layers=64)
     ragged = Linear("model.layers.9.mlp.down_proj", 27600, 5120, layer=9, layers=64)
     assert (fmt.gguf_type(whole), fmt.gguf_type(ragged)) == ("Q4_K", "Q5_0")
@@ -435,6 +442,6 @@ def test_gguf_k_quant_rows_that_are_not_whole_blocks_fall_back():
 
 def test_gguf_tied_embedding_is_stored_as_the_output():
     # Without an output tensor llama.cpp quantizes token_embd with the output's rule (Q6_K for K-quants).
-    tied = model_shape({**qwen_config(), "tie_word_embeddings": True}, gguf_file_type="Q4_K_M")
+    tied = model_shape(with_quantization_flag({**qwen_config(), "tie_word_embeddings": True}, None, "qwen-q4_k_m.gguf"))
     tensors = weight_tensors(tied)
     assert tensors[0] == 152064 * 3584 // 256 * 210

@@ -349,9 +349,10 @@ def _names(value: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in value) if isinstance(value, (list, tuple)) else ()
 
 
-def weight_format(config: Mapping[str, Any], gguf_file_type: str | None = None) -> WeightFormat:
-    """The weight format of a checkpoint from its ``quantization_config`` (top level or the text config's);
-    ``gguf_file_type`` (``Q4_K_M``, ``Q8_0`` ...) for a GGUF file. Unknown methods keep the model dtype."""
+def weight_format(config: Mapping[str, Any]) -> WeightFormat:
+    """The weight format of a checkpoint from its ``quantization_config`` (top level or the text config's); a GGUF
+    file's is ``{"quant_method": "gguf", "file_type": ...}`` (:func:`with_quantization_flag` writes it from the file's
+    name). Unknown methods keep the model dtype."""
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping):
         nested = [config.get(key) for key in ("text_config", "llm_config", "language_config")]
@@ -365,8 +366,8 @@ def weight_format(config: Mapping[str, Any], gguf_file_type: str | None = None) 
         )
     quant = quant if isinstance(quant, Mapping) else {}
     method = str(quant.get("quant_method", "")).lower().replace("_", "-")
-    if gguf_file_type or method == "gguf":
-        file_type = (gguf_file_type or str(quant.get("file_type", ""))).upper()
+    if method == "gguf":
+        file_type = str(quant.get("file_type", "")).upper()
         if file_type not in GGUF_FILE_TYPES:
             raise ConfigError(
                 f"GGUF file type {file_type or '(none)'} is not one kvguard sizes (known: {', '.join(GGUF_FILE_TYPES)})"

@@ -111,7 +111,6 @@ def model_shape(
     config: Mapping[str, Any],
     tensor_parallel_size: int = 1,
     layout: KVLayout | None = None,
-    gguf_file_type: str | None = None,
     mindformers: MindFormersPath | None = None,
 ) -> ModelShape:
     """The per-rank shape of a model from its ``config.json`` (already parsed); ``mindformers``: the model runs
@@ -134,7 +133,7 @@ def model_shape(
     hidden = _int(text, "hidden_size", "n_embd", "d_model")
     heads = _int(text, "num_attention_heads", "n_head", "num_heads")
     dtype_bytes = model_dtype_bytes(config)
-    weights = weight_format(config, gguf_file_type)
+    weights = weight_format(config)
     if mindformers is not None and mindformers.quant_method == "ptq":
         weights = MINDFORMERS_PTQ
     weight_bytes = 1 if weights.quantized and weights.bits == 8 and weights.method != "gguf" else dtype_bytes
