@@ -54,7 +54,7 @@ def settle(live: dict[int, int], timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-def _cached_whole(live: dict[int, int]) -> list[int]:
+def _cached_whole() -> list[int]:
     """Segments the allocator holds whole and idle (every block inactive, not an expandable one): what a settled
     empty_cache returns to the device."""
     return [
@@ -71,7 +71,7 @@ def released(live: dict[int, int], timeout: float = 10.0) -> None:
     means an empty_cache after every earlier free has landed; a segment still kept after ``timeout`` is recorded
     as kept (and the comparison with the model shows it)."""
     deadline = time.monotonic() + timeout
-    while _cached_whole(live):
+    while _cached_whole():
         if time.monotonic() > deadline:
             print(f"released: whole idle segments still cached after {timeout} s", file=sys.stderr)
             return
