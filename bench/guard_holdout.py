@@ -25,6 +25,12 @@ devices 20, 40, 56 GiB; utilizations 0.83, 0.86, 0.94; seeds 4, 5; the same mode
 budgets and request count as the first (no other model configs are in the repository). It is run
 once, after the change, and its figures are reported as they come.
 
+A fourth held-out grid, ``--fourth``, was written down on 2026-12-08
+(bench/results/guard-split-credit-rule-2026-12-08.md) before the guard's split-credit grading was run
+on any grid: devices 14, 18, 36 GiB; utilizations 0.81, 0.84, 0.89, 0.97; seeds 8, 9. It shares no
+device size, utilization or seed with the tuning grid, the first and fresh held-out grids or the third
+grid (bench/guard_grid3.py); models, allocators, budgets and request count as the first.
+
 Each run is judged as bench/guard_grid.py judges it, plus the budget-time verdict
 (``kvguard.sim.guarded.BudgetWatch``). Printed: recall (OOMs called critical before they happen: a
 KV-cache placement OOM only by the budget-time verdict, a serving OOM by that, at the end of
@@ -86,11 +92,18 @@ def allocators() -> list[tuple[str, str, tuple]]:
 FRESH_DEVICES_GIB = (20, 40, 56)
 FRESH_UTILIZATIONS = (0.83, 0.86, 0.94)
 FRESH_SEEDS = (4, 5)
+FOURTH_DEVICES_GIB = (14, 18, 36)
+FOURTH_UTILIZATIONS = (0.81, 0.84, 0.89, 0.97)
+FOURTH_SEEDS = (8, 9)
 
 
-def grid(fresh: bool = False) -> list[tuple]:
+def grid(fresh: bool = False, fourth: bool = False) -> list[tuple]:
     devices, utilizations, seeds = (
-        (FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS) if fresh else (DEVICES_GIB, UTILIZATIONS, SEEDS)
+        (FOURTH_DEVICES_GIB, FOURTH_UTILIZATIONS, FOURTH_SEEDS)
+        if fourth
+        else (FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS)
+        if fresh
+        else (DEVICES_GIB, UTILIZATIONS, SEEDS)
     )
     return [
         (model, gib, util, alloc, budget, seed)
@@ -119,6 +132,20 @@ def fresh_shares() -> dict[str, set]:
         "devices_gib": set(FRESH_DEVICES_GIB) & (set(full["devices_gib"]) | set(DEVICES_GIB)),
         "utilizations": set(FRESH_UTILIZATIONS) & (set(full["utilizations"]) | set(UTILIZATIONS)),
         "seeds": set(FRESH_SEEDS) & (set(full["seeds"]) | set(SEEDS)),
+    }
+
+
+def fourth_shares() -> dict[str, set]:
+    """Axis values the fourth grid shares with any earlier grid (all empty)."""
+    import guard_grid3
+
+    full = guard_grid.FULL
+    return {
+        "devices_gib": set(FOURTH_DEVICES_GIB)
+        & (set(full["devices_gib"]) | set(DEVICES_GIB) | set(FRESH_DEVICES_GIB) | set(guard_grid3.DEVICES_GIB)),
+        "utilizations": set(FOURTH_UTILIZATIONS)
+        & (set(full["utilizations"]) | set(UTILIZATIONS) | set(FRESH_UTILIZATIONS) | set(guard_grid3.UTILIZATIONS)),
+        "seeds": set(FOURTH_SEEDS) & (set(full["seeds"]) | set(SEEDS) | set(FRESH_SEEDS) | set(guard_grid3.SEEDS)),
     }
 
 
@@ -249,17 +276,25 @@ def main() -> None:
     parser.add_argument("--tuning", action="store_true", help="also score the tuning grid the same way")
     parser.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     parser.add_argument("--fresh", action="store_true", help="the second held-out grid (module doc), not the first")
+    parser.add_argument("--fourth", action="store_true", help="the fourth held-out grid (module doc), not the first")
     guard_grid.add_run_flags(parser)
     args = parser.parse_args()
     guard_grid.apply_run_flags(args)
     started = time.monotonic()
     shared = {
-        k: sorted(v) for k, v in {**disjoint_from_tuning(), **(fresh_shares() if args.fresh else {})}.items() if v
+        k: sorted(v)
+        for k, v in {
+            **disjoint_from_tuning(),
+            **(fresh_shares() if args.fresh else {}),
+            **(fourth_shares() if args.fourth else {}),
+        }.items()
+        if v
     }
     if shared:
         sys.exit(f"the held-out grid shares axis values with the tuning grid: {shared}")
-    figures = {"held_out": measure(grid(fresh=args.fresh), args.jobs)}
-    print(report(figures["held_out"], "fresh held-out grid" if args.fresh else "held-out grid"))
+    figures = {"held_out": measure(grid(fresh=args.fresh, fourth=args.fourth), args.jobs)}
+    title = "fourth held-out grid" if args.fourth else "fresh held-out grid" if args.fresh else "held-out grid"
+    print(report(figures["held_out"], title))
     if args.tuning:
         figures["tuning"] = tuning_outcomes(args.jobs)
         print(report(figures["tuning"], "tuning grid"))
