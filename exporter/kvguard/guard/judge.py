@@ -53,7 +53,6 @@ SEVERITY = {OK: 0, WARNING: 1, CRITICAL: 2}
 # Reason codes; exported as a label value, so the set is fixed (docs/metrics.md).
 OVERCOMMITTED = "overcommitted"
 PEAK_EXCEEDS_CAPACITY = "projected_peak_exceeds_capacity"
-PEAK_FITS_ONLY_SPLIT = "peak_fits_only_split"
 RETRIES_CLIMBING = "alloc_retries_climbing"
 OOMS_CLIMBING = "ooms_climbing"
 LIVE_RESERVED_EXCEEDS = "live_reserved_exceeds_projection"
@@ -67,7 +66,6 @@ REASON_UNKNOWN = "reason_unknown"
 REASON_CODES = (
     OVERCOMMITTED,
     PEAK_EXCEEDS_CAPACITY,
-    PEAK_FITS_ONLY_SPLIT,
     RETRIES_CLIMBING,
     OOMS_CLIMBING,
     LIVE_RESERVED_EXCEEDS,
@@ -82,7 +80,6 @@ NO_RANKS = "no_ranks"
 _REASON_STATE = {
     OVERCOMMITTED: WARNING,
     PEAK_EXCEEDS_CAPACITY: CRITICAL,
-    PEAK_FITS_ONLY_SPLIT: WARNING,
     RETRIES_CLIMBING: CRITICAL,
     OOMS_CLIMBING: CRITICAL,
     LIVE_RESERVED_EXCEEDS: WARNING,
@@ -336,22 +333,15 @@ def judge(inp: GuardInput) -> Verdict:
         activation = (base.transient_peak_headroom_bytes or 0) + sampler_excess
         non_torch = live_non_torch or 0
         projected = non_kv + kv_cache + (profile.cudagraph_memory_bytes or 0) + sampler_excess
-    split_projected: int | None = None  # the projection with every idle buffer credited (split_growth_bytes)
     if memory is not None and memory.reserved_bytes is not None:
         # What the allocator holds now already includes weights and KV cache with every
         # rounding and packing loss; the next activation peak must fit on top of it, less
         # only the cached blocks it can reuse whole (not the slivers of split segments).
         held = physical_reserved_bytes(memory)
         live = held + non_torch + kv_outside + activation_growth_bytes(memory, activation, inp.snapshot_stale)
-        split_growth = split_growth_bytes(memory, activation, inp.snapshot_stale)
-        split_live = None if split_growth is None else held + non_torch + kv_outside + split_growth
         if memory.peak_reserved_bytes is not None and held == memory.reserved_bytes:
             # (With MindSpore's VMM the reserved peak counts address space, not memory.)
-            floor = memory.peak_reserved_bytes + non_torch + kv_outside
-            live = max(live, floor)
-            split_live = None if split_live is None else max(split_live, floor)
-        if split_live is not None:
-            split_projected = max(projected, split_live)
+            live = max(live, memory.peak_reserved_bytes + non_torch + kv_outside)
         if live > projected + capacity_tolerance(profile):
             peak = memory.peak_reserved_bytes or memory.reserved_bytes
             reasons.append(
@@ -390,30 +380,7 @@ def judge(inp: GuardInput) -> Verdict:
                 + (" (reserved peak inferred from live fragmentation)" if estimated else ""),
             )
         )
-    in_pool = pool_budget is not None and pool_headroom is not None and pool_headroom <= capacity - projected
     if (
-        headroom < 0
-        and split_projected is not None
-        and memory is not None
-        and _fits(split_projected, capacity, pool_budget, non_torch + kv_outside)
-    ):
-        over_what = (
-            f"projected pool peak {format_gib(projected - non_torch - kv_outside)} exceeds MindSpore's pool budget "
-            f"{format_gib(pool_budget or 0)}"
-            if in_pool
-            else f"projected peak {format_gib(projected)} exceeds the device's {format_gib(capacity)}"
-        )
-        idle, largest = format_gib(memory.idle_bytes or 0), format_gib(memory.largest_idle_bytes or 0)
-        reasons.append(
-            Reason(
-                PEAK_FITS_ONLY_SPLIT,
-                f"{over_what} by {format_gib(-headroom)} if the activation peak ({format_gib(activation)}) needs "
-                f"one piece, and fits if its tensors each find room in the pool's idle buffers ({idle} in all, the "
-                f"largest {largest}: MindSpore's memory dump); best fit may place them so that one finds none: an "
-                f"out-of-memory error at the next long batch is possible",
-            )
-        )
-    elif (
         pool_budget is not None
         and pool_headroom is not None
         and pool_headroom < 0
@@ -697,35 +664,6 @@ def activation_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stal
         assert largest_idle is not None  # one of the two figures is known, and it is not reclaimable_bytes
         return 0 if activation <= largest_idle else activation
     return max(0, activation - _reusable_bytes(memory))
-
-
-def split_growth_bytes(memory: DeviceMemory, activation: int, snapshot_stale: bool = False) -> int | None:
-    """What the next activation peak adds when each of its tensors finds room in some idle buffer: the peak less
-    the pool's idle memory. Only for MindSpore's pool without VMM with fresh exact figures where the peak does not
-    fit whole in the largest idle buffer (elsewhere None): there :func:`activation_growth_bytes`, the sound
-    figure, credits nothing, while the peak is many requests (a kernel's outputs and workspace each,
-    ``MemBufAllocator::Malloc`` abstract_dynamic_mem_pool.cc:88-117 @ r2.7.rc1) that best fit places one by one.
-    Not sound: without the forward's own sequence nothing proves that they fit, so the guard uses it only to
-    grade a projection that exceeds capacity as a warning (:data:`PEAK_FITS_ONLY_SPLIT`), never to call one ok
-    (bench/results/guard-split-credit-rule-2026-12-08.md). The idle total is the counters' (``idle_bytes``):
-    from 2.5 a common request the common pool cannot serve tries the persistent pool's idle memory too
-    (``common_falls_back_to_persistent``)."""
-    if memory.reclaimable_bytes is not None or memory.largest_idle_bytes is None or memory.idle_bytes is None:
-        return None
-    if not pool_figures_fresh(memory, snapshot_stale):
-        return None
-    activation = max(0, activation)
-    if activation <= memory.largest_idle_bytes:
-        return None
-    return max(0, activation - memory.idle_bytes)
-
-
-def _fits(projected: int, capacity: int, pool_budget: int | None, outside_pool: int) -> bool:
-    """Whether a projection fits the device and, for MindSpore, the pool's budget (memory outside the pool
-    apart)."""
-    if projected > capacity:
-        return False
-    return pool_budget is None or projected - outside_pool <= pool_budget
 
 
 def pool_credit_note(memory: DeviceMemory | None, snapshot_stale: bool = False) -> str:
