@@ -14,15 +14,18 @@ import json
 import os
 
 import pytest
+from click.testing import CliRunner
 from conftest import ROOT
-from sidecar_fixtures import snapshot
+from sidecar_fixtures import snapshot, write
 
+from kvguard.cli import main
 from kvguard.guard.judge import CRITICAL, activation_growth_bytes, pool_credit_note, pool_figures_fresh
 from kvguard.records import DeviceMemory, PoolFigures
 from kvguard.sim.guarded import run_guarded
 from kvguard.sim.scenario import ScenarioConfig, ServingScenario
+from kvguard.sim.source import record_from_scenario
 from kvguard.sources.mindspore import device_memory_from_stats
-from kvguard.spool.schema import Snapshot
+from kvguard.spool.schema import KVCacheAllocation, Snapshot
 
 MIB, GIB = 1 << 20, 1 << 30
 QWEN3 = os.path.join(ROOT, "tests", "data", "configs", "qwen3-0.6b", "config.json")
@@ -163,3 +166,44 @@ def test_hostile_exact_figures_are_refused_like_any_counter(field, value):
     data[field] = value
     with pytest.raises(ValueError, match=field):
         DeviceMemory.from_dict(data)
+
+
+# ------------------------------------------------------------------------------------ idle memory in pieces
+def test_idle_memory_twice_the_peak_in_buffers_smaller_than_it_is_no_credit(tmp_path):
+    # bench/results/guard-split-credit-2026-12-08.txt: the fourth held-out grid's Qwen3-0.6B on 18 GiB at 0.81,
+    # 2.7.1 without VMM (the compiled pool agrees with the model op for op on it). Crediting idle memory whole
+    # (the peak's tensors split over the buffers) would say it fits; the peak burst runs out of memory.
+    def rank() -> ServingScenario:
+        with open(QWEN3) as handle:
+            config = json.load(handle)
+        return ServingScenario(
+            ScenarioConfig(
+                model_config=config,
+                device_memory_bytes=18 * GIB,
+                gpu_memory_utilization=0.81,
+                allocator="mindspore",
+                mindspore_version="2.7.1",
+                ms_alloc_conf="enable_vmm:False",
+                seed=8,
+                requests=32,
+                peak_burst=True,
+            )
+        )
+
+    started = rank()
+    started.startup()
+    memory = record_from_scenario(started, "npu:0", "mindspore", pool_figures=True)
+    peak = started.profile.peak_allocated_increase_bytes
+    assert memory.largest_idle_bytes < peak and 2 * peak < memory.idle_bytes  # 0.71 < 1.03, 2.38 GiB idle
+    kv = KVCacheAllocation(num_blocks=started.num_blocks, block_bytes=started.kv_layout.block_bytes, block_size=16)
+    write(str(tmp_path), snapshot(profile=started.profile, memory=memory, kv_cache=kv))
+    result = CliRunner().invoke(main, ["check", "--json", "--spool-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    (judged,) = json.loads(result.output)["ranks"]
+    assert "projected_peak_exceeds_capacity" in [r["code"] for r in judged["reasons"]]
+
+    served = rank()
+    served.startup()
+    while not served.finished and not served.oom:
+        served.step()
+    assert served.oom and served.result().oom_phase == "serving"
