@@ -213,10 +213,11 @@ def era_table(rows: list[dict]) -> tuple[list[str], dict]:
 # ----------------------------------------------------------------------------------------- the KV budget (issue 33)
 
 # Written down before any KV figure was computed (2026-12-07), and not changed after: which real logs count as
-# "not tuned on" for the KV budget.
+# "not tuned on" for the KV budget. (2026-12-08: "batches 2-4" became "2-5" when batch 5 joined the manifest under the
+# manifest's own rule; nothing else.)
 HELD_OUT_RULE = (
     "held out for the KV budget: a real log (tests/data/logs/real) that (1) MANIFEST.json marks held_out (the id % 4 "
-    "== 0 rule and batches 2-4 whole, each fixed before kvguard was run on them), (2) is cited by no plan constant "
+    "== 0 rule and batches 2-5 whole, each fixed before kvguard was run on them), (2) is cited by no plan constant "
     "(exporter/kvguard/plan/devices.py cites r01, r09, r38, r39, r43, r47, r52 for device totals) and (3) is not one "
     "of plan_validation.json's 'logs' (r01, r05, r18, r19, r21, r22, r34, r38: the weights and activation "
     "figures plan was checked and tuned against). Such a log is measured when it states a KV figure, its "
@@ -254,6 +255,7 @@ def kv_cases() -> list[dict]:
                     "manifest_held_out": entry["held_out"],
                     "device_text": entry["device"],
                     "stated": stated,
+                    "stated_weights_gib": expect.get("weights_gib"),
                     # vLLM did not start: a refusal, or a KV budget <= 0 (the manifest's critical verdict).
                     "vllm_refused": expect.get("refusal")
                     or (entry["outcome"].split(":")[0] if entry["verdict"] == "critical" else None),
@@ -279,6 +281,9 @@ def kv_row(case: dict, out: dict) -> dict:
         stated_from = f"{stated['num_gpu_blocks']:,} blocks x {out['block_bytes']:,} B"
     predicted = out["budgets"]["stock"]["kv_cache_bytes"]
     plan_starts = bool(out["plan"]["will_start"])
+    weights = case["stated_weights_gib"]
+    planned_weights = out["plan"]["weights"]["bytes"] / GIB
+    weights_error_pct = None if weights is None else round(100 * (planned_weights - weights) / weights, 2)
     started = case["vllm_refused"] is None
     return {
         "id": case["id"],
@@ -298,6 +303,8 @@ def kv_row(case: dict, out: dict) -> dict:
         "false_refusal": started and not plan_starts,
         "missed_refusal": not started and plan_starts,
         "refusals": [r.get("reason", r) if isinstance(r, dict) else r for r in out["plan"]["refusals"]],
+        "stated_weights_gib": weights,
+        "weights_error_pct": weights_error_pct,
     }
 
 
@@ -360,6 +367,15 @@ def kv_lines(rows: list[dict]) -> list[str]:
             f"refusals plan missed: {', '.join(missed) or 'none'} of "
             f"{sum(r['vllm'] != 'started' for r in subset)} refused"
         )
+    weighed = [r for r in rows if r["held_out"] and r["weights_error_pct"] is not None]
+    if weighed:
+        lines.append("")
+        lines.append("weights on the held-out KV logs that state them ('Model loading took', per rank):")
+        for row in weighed:
+            lines.append(
+                f"  {row['id']:<5} {row['model'][:40]:<40} TP{row['tp']:<2} "
+                f"stated {row['stated_weights_gib']:.4f} GiB, plan {row['weights_error_pct']:+.2f}%"
+            )
     return lines
 
 
