@@ -102,20 +102,14 @@ def test_the_reason_says_when_idle_memory_got_no_credit_and_how_to_get_exact_fig
     assert pool_credit_note(torch) == ""
 
 
-def scenario(**extra) -> ServingScenario:
+def scenario(**settings) -> ServingScenario:
+    """Qwen3-0.6B on MindSpore's pool: 16 GiB at 0.97, VMM on, 6 requests, unless ``settings`` say otherwise."""
     with open(QWEN3) as handle:
         config = json.load(handle)
-    return ServingScenario(
-        ScenarioConfig(
-            model_config=config,
-            device_memory_bytes=16 * GIB,
-            gpu_memory_utilization=0.97,
-            allocator="mindspore",
-            requests=6,
-            ms_alloc_conf="enable_vmm:true",
-            **extra,
-        )
+    defaults = dict(
+        device_memory_bytes=16 * GIB, gpu_memory_utilization=0.97, requests=6, ms_alloc_conf="enable_vmm:true"
     )
+    return ServingScenario(ScenarioConfig(model_config=config, allocator="mindspore", **{**defaults, **settings}))
 
 
 def test_the_simulated_pool_gives_its_exact_figures_to_the_guard_and_they_only_add_credit():
@@ -174,20 +168,14 @@ def test_idle_memory_twice_the_peak_in_buffers_smaller_than_it_is_no_credit(tmp_
     # 2.7.1 without VMM (the compiled pool agrees with the model op for op on it). Crediting idle memory whole
     # (the peak's tensors split over the buffers) would say it fits; the peak burst runs out of memory.
     def rank() -> ServingScenario:
-        with open(QWEN3) as handle:
-            config = json.load(handle)
-        return ServingScenario(
-            ScenarioConfig(
-                model_config=config,
-                device_memory_bytes=18 * GIB,
-                gpu_memory_utilization=0.81,
-                allocator="mindspore",
-                mindspore_version="2.7.1",
-                ms_alloc_conf="enable_vmm:False",
-                seed=8,
-                requests=32,
-                peak_burst=True,
-            )
+        return scenario(
+            device_memory_bytes=18 * GIB,
+            gpu_memory_utilization=0.81,
+            mindspore_version="2.7.1",
+            ms_alloc_conf="enable_vmm:False",
+            seed=8,
+            requests=32,
+            peak_burst=True,
         )
 
     started = rank()
