@@ -7,9 +7,10 @@ the all-greedy sampling mix, its twin (the same run with every request top-k/top
 reported: a serving OOM there means the guard named the risk of the requests vLLM serves by default. vLLM's
 ``--generation-config`` is ``"auto"`` (vllm/config/model.py 0.11.0:237), so a request that sets no sampling
 parameters takes the model's generation config (``get_diff_sampling_param``, :1344-1352; logged as "Using default
-chat sampling params from model", vllm/entrypoints/openai/serving_chat.py 0.11.0:139): Qwen2.5's is top-k 20, top-p
-0.8 (tests/data/logs/real/r65.log prints it). Only a client that asks for greedy sampling gets vLLM's greedy fast
-path (``all_greedy``, vllm/v1/sample/sampler.py 0.11.0:159).
+chat sampling params from model", vllm/entrypoints/openai/serving_chat.py 0.11.0:139). Qwen's generation configs
+sample with top-k and top-p: vLLM 0.10.1.1 printed Qwen2-7B-Instruct's as top-k 20, top-p 0.8 in the log r65 comes
+from (dennislee22/vLLM-benchmarking log/vllm-7B-1gpuA10080GB-0.25GRAM.log, after r65's excerpt ends). Only a client
+that asks for greedy sampling gets vLLM's greedy fast path (``all_greedy``, vllm/v1/sample/sampler.py 0.11.0:159).
 """
 
 from __future__ import annotations
