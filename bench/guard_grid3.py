@@ -66,6 +66,7 @@ SAMPLING_MIXES = {
 }
 BUDGETS = ("stock", "reserved")
 SEEDS = (6,)
+AXES = guard_holdout.axes(DEVICES_GIB, UTILIZATIONS, SEEDS)
 
 
 def grid() -> list[tuple]:
@@ -76,15 +77,7 @@ def grid() -> list[tuple]:
 
 def shares_with_earlier_grids() -> dict[str, set]:
     """Axis values this grid shares with the tuning and both held-out grids (all empty by the rule)."""
-    full = guard_grid.FULL
-    earlier_devices = set(full["devices_gib"]) | set(guard_holdout.DEVICES_GIB) | set(guard_holdout.FRESH_DEVICES_GIB)
-    earlier_utils = set(full["utilizations"]) | set(guard_holdout.UTILIZATIONS) | set(guard_holdout.FRESH_UTILIZATIONS)
-    earlier_seeds = set(full["seeds"]) | set(guard_holdout.SEEDS) | set(guard_holdout.FRESH_SEEDS)
-    return {
-        "devices_gib": set(DEVICES_GIB) & earlier_devices,
-        "utilizations": set(UTILIZATIONS) & earlier_utils,
-        "seeds": set(SEEDS) & earlier_seeds,
-    }
+    return guard_holdout.shares(AXES, guard_grid.FULL, guard_holdout.FIRST_AXES, guard_holdout.FRESH_AXES)
 
 
 def run_one(scenario: tuple) -> guard_holdout.Outcome:

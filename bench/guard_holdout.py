@@ -98,17 +98,11 @@ FOURTH_SEEDS = (8, 9)
 
 
 def grid(fresh: bool = False, fourth: bool = False) -> list[tuple]:
-    devices, utilizations, seeds = (
-        (FOURTH_DEVICES_GIB, FOURTH_UTILIZATIONS, FOURTH_SEEDS)
-        if fourth
-        else (FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS)
-        if fresh
-        else (DEVICES_GIB, UTILIZATIONS, SEEDS)
-    )
+    chosen = FOURTH_AXES if fourth else FRESH_AXES if fresh else FIRST_AXES
     return [
         (model, gib, util, alloc, budget, seed)
         for model, gib, util, alloc, budget, seed in itertools.product(
-            MODELS, devices, utilizations, allocators(), BUDGETS, seeds
+            MODELS, chosen["devices_gib"], chosen["utilizations"], allocators(), BUDGETS, chosen["seeds"]
         )
     ]
 
@@ -125,28 +119,31 @@ def disjoint_from_tuning() -> dict[str, set]:
     }
 
 
+def axes(devices_gib: tuple, utilizations: tuple, seeds: tuple) -> dict[str, tuple]:
+    """A grid's device sizes, utilizations and seeds, keyed as guard_grid.FULL keys them."""
+    return {"devices_gib": devices_gib, "utilizations": utilizations, "seeds": seeds}
+
+
+FIRST_AXES = axes(DEVICES_GIB, UTILIZATIONS, SEEDS)
+FRESH_AXES = axes(FRESH_DEVICES_GIB, FRESH_UTILIZATIONS, FRESH_SEEDS)
+FOURTH_AXES = axes(FOURTH_DEVICES_GIB, FOURTH_UTILIZATIONS, FOURTH_SEEDS)
+
+
+def shares(grid_axes: dict, *earlier: dict) -> dict[str, set]:
+    """Per axis, the values ``grid_axes`` shares with any of the ``earlier`` grids' (all empty for a held-out grid)."""
+    return {axis: set(values) & set().union(*(grid[axis] for grid in earlier)) for axis, values in grid_axes.items()}
+
+
 def fresh_shares() -> dict[str, set]:
     """Axis values the fresh grid shares with the tuning grid or the first held-out grid (all empty)."""
-    full = guard_grid.FULL
-    return {
-        "devices_gib": set(FRESH_DEVICES_GIB) & (set(full["devices_gib"]) | set(DEVICES_GIB)),
-        "utilizations": set(FRESH_UTILIZATIONS) & (set(full["utilizations"]) | set(UTILIZATIONS)),
-        "seeds": set(FRESH_SEEDS) & (set(full["seeds"]) | set(SEEDS)),
-    }
+    return shares(FRESH_AXES, guard_grid.FULL, FIRST_AXES)
 
 
 def fourth_shares() -> dict[str, set]:
     """Axis values the fourth grid shares with any earlier grid (all empty)."""
     import guard_grid3
 
-    full = guard_grid.FULL
-    return {
-        "devices_gib": set(FOURTH_DEVICES_GIB)
-        & (set(full["devices_gib"]) | set(DEVICES_GIB) | set(FRESH_DEVICES_GIB) | set(guard_grid3.DEVICES_GIB)),
-        "utilizations": set(FOURTH_UTILIZATIONS)
-        & (set(full["utilizations"]) | set(UTILIZATIONS) | set(FRESH_UTILIZATIONS) | set(guard_grid3.UTILIZATIONS)),
-        "seeds": set(FOURTH_SEEDS) & (set(full["seeds"]) | set(SEEDS) | set(FRESH_SEEDS) | set(guard_grid3.SEEDS)),
-    }
+    return shares(FOURTH_AXES, guard_grid.FULL, FIRST_AXES, FRESH_AXES, guard_grid3.AXES)
 
 
 @dataclasses.dataclass(frozen=True)

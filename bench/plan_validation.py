@@ -110,6 +110,16 @@ def run_plan(case: dict, directory: str) -> dict:
     return json.loads(result.output)
 
 
+def compared(predicted_gib: float, stated_gib: float) -> dict:
+    """A figure plan predicts against the one a log states: both, and the error in GiB and percent of the stated."""
+    return {
+        "stated_gib": stated_gib,
+        "predicted_gib": round(predicted_gib, 4),
+        "error_gib": round(predicted_gib - stated_gib, 4),
+        "error_pct": round(100 * (predicted_gib - stated_gib) / stated_gib, 2),
+    }
+
+
 def errors(case: dict, out: dict) -> dict:
     plan = out["plan"]
     row = {
@@ -122,22 +132,12 @@ def errors(case: dict, out: dict) -> dict:
     }
     stated_w = case["stated"]["weights_gib"]
     if stated_w is not None:
-        predicted = plan["weights"]["bytes"] / GIB
-        row["weights"] = {
-            "stated_gib": stated_w,
-            "predicted_gib": round(predicted, 4),
-            "error_gib": round(predicted - stated_w, 4),
-            "error_pct": round(100 * (predicted - stated_w) / stated_w, 2),
-        }
+        row["weights"] = compared(plan["weights"]["bytes"] / GIB, stated_w)
     stated_a = case["stated"]["activation_gib"]
     peak = plan.get("activation_peak")
     if stated_a is not None and peak is not None:
-        predicted = peak["allocated_increase_bytes"] / GIB
         row["activation"] = {
-            "stated_gib": stated_a,
-            "predicted_gib": round(predicted, 4),
-            "error_gib": round(predicted - stated_a, 4),
-            "error_pct": round(100 * (predicted - stated_a) / stated_a, 2),
+            **compared(peak["allocated_increase_bytes"] / GIB, stated_a),
             "tokens": peak["max_num_batched_tokens"],
             "seqs": peak["num_seqs"],
             "derived": bool(case["stated"].get("activation_derived")),
@@ -282,8 +282,8 @@ def kv_row(case: dict, out: dict) -> dict:
     predicted = out["budgets"]["stock"]["kv_cache_bytes"]
     plan_starts = bool(out["plan"]["will_start"])
     weights = case["stated_weights_gib"]
-    planned_weights = out["plan"]["weights"]["bytes"] / GIB
-    weights_error_pct = None if weights is None else round(100 * (planned_weights - weights) / weights, 2)
+    weighed = None if weights is None else compared(out["plan"]["weights"]["bytes"] / GIB, weights)
+    weights_error_pct = None if weighed is None else weighed["error_pct"]
     started = case["vllm_refused"] is None
     return {
         "id": case["id"],
